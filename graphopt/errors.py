@@ -1,0 +1,47 @@
+"""Error types. Every user-facing failure is a ``GraphoptError`` with a one-line message
+that says what to change; the CLI prints the message and exits 2."""
+
+
+class GraphoptError(Exception):
+    """Base class of every error graphopt raises on purpose."""
+
+    exit_code = 2
+
+    def __str__(self) -> str:  # keep messages to one line
+        return " ".join(str(a) for a in self.args).replace("\n", " ").strip()
+
+
+class CaptureError(GraphoptError):
+    """The model could not be captured as a graph (neither torch.export nor symbolic_trace)."""
+
+
+class UnsupportedOpError(GraphoptError):
+    """The graph holds an operator a pass or the cost model cannot handle."""
+
+
+class BudgetError(GraphoptError):
+    """A memory or time budget cannot be met."""
+
+
+class ArtifactError(GraphoptError):
+    """A file given to graphopt.load is not a graphopt artifact, or is corrupt."""
+
+
+class ModelSpecError(GraphoptError):
+    """A MODEL argument (file.py:factory, package.module:factory or zoo name) is wrong."""
+
+
+class PassConfigError(GraphoptError):
+    """Unknown pass names, bad pipeline order, or options for passes that don't exist."""
+
+
+class KernelBuildError(GraphoptError):
+    """The bundled CUDA kernels failed to compile."""
+
+
+class AccuracyError(GraphoptError):
+    """An optimized module fails the accuracy rule and nothing could be reverted."""
+
+
+class GuardError(GraphoptError):
+    """An optimized module was called with inputs it was not specialized for."""

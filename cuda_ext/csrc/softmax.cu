@@ -1,0 +1,161 @@
+// softmax(scores * scale + mask) over the last dim, fp32 math, one pass over memory.
+// One row per block, the row held in registers (as norms.cu). Mask: bool (True = keep) or
+// additive, broadcast through strides. A row with every position masked (max == -inf) is
+// written as zeros instead of NaN.
+#include <type_traits>
+#include "common.cuh"
+
+namespace graphopt {
+namespace {
+
+template <typename MT>
+__device__ __forceinline__ float apply_mask(float s, const MT* m, int64_t off) {
+  if constexpr (std::is_same<MT, uint8_t>::value) {
+    return m[off] ? s : -INFINITY;
+  } else {
+    return s + to_f(m[off]);
+  }
+}
+
+__device__ __forceinline__ int64_t mask_row_offset(const SoftmaxMask& mk, int64_t row) {
+  int64_t off = 0;
+#pragma unroll
+  for (int d = 3; d >= 0; --d) {
+    if (d < mk.ndims) {
+      const int64_t i = row % mk.dims[d];
+      row /= mk.dims[d];
+      off += i * mk.strides[d];
+    }
+  }
+  return off;
+}
+
+template <typename T, typename MT, int VEC, int NV, int MAXT>
+__global__ void __launch_bounds__(MAXT) softmax_reg_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t n,
+                                                           float scale, SoftmaxMask mk) {
+  __shared__ float smem[33];
+  constexpr bool FAST = !std::is_same<T, float>::value;
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * n;
+  T* orow = out + row * n;
+  const MT* m = static_cast<const MT*>(mk.ptr);
+  const int64_t moff = m ? mask_row_offset(mk, row) : 0;
+  float v[NV][VEC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t e = (int64_t(threadIdx.x) + int64_t(k) * blockDim.x) * VEC;
+    if (e < n) {
+      if constexpr (VEC > 1) load_vec_stream(xr + e, v[k]);
+      else v[k][0] = to_f(xr[e]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        v[k][j] *= scale;
+        if (m) v[k][j] = apply_mask(v[k][j], m, moff + (e + j) * mk.last_stride);
+        mx = fmaxf(mx, v[k][j]);
+      }
+    }
+  }
+  mx = block_max(mx, smem);
+  const bool dead = mx == -INFINITY;  // every position masked
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t e = (int64_t(threadIdx.x) + int64_t(k) * blockDim.x) * VEC;
+    if (e < n) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        v[k][j] = dead ? 0.f : (FAST ? __expf(v[k][j] - mx) : expf(v[k][j] - mx));
+        sum += v[k][j];
+      }
+    }
+  }
+  sum = block_sum(sum, smem);
+  const float inv = dead ? 0.f : 1.0f / sum;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t e = (int64_t(threadIdx.x) + int64_t(k) * blockDim.x) * VEC;
+    if (e < n) {
+      float o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = v[k][j] * inv;
+      if constexpr (VEC > 1) store_vec_stream(orow + e, o);
+      else orow[e] = from_f<T>(o[0]);
+    }
+  }
+}
+
+// Any row length: three sweeps (the 2nd and 3rd re-read the row from L2).
+template <typename T, typename MT>
+__global__ void __launch_bounds__(1024) softmax_loop_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t n,
+                                                            float scale, SoftmaxMask mk) {
+  __shared__ float smem[33];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * n;
+  T* orow = out + row * n;
+  const MT* m = static_cast<const MT*>(mk.ptr);
+  const int64_t moff = m ? mask_row_offset(mk, row) : 0;
+  auto val = [&](int64_t e) {
+    float s = to_f(xr[e]) * scale;
+    return m ? apply_mask(s, m, moff + e * mk.last_stride) : s;
+  };
+  float mx = -INFINITY;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) mx = fmaxf(mx, val(e));
+  mx = block_max(mx, smem);
+  const bool dead = mx == -INFINITY;
+  float sum = 0.f;
+  if (!dead)
+    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) sum += expf(val(e) - mx);
+  sum = block_sum(sum, smem);
+  const float inv = dead ? 0.f : 1.0f / sum;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) orow[e] = from_f<T>(dead ? 0.f : expf(val(e) - mx) * inv);
+}
+
+inline int round_up32(int64_t v) { return int((v + 31) / 32 * 32); }
+
+template <typename T, typename MT>
+cudaError_t run(const T* x, T* out, int64_t rows, int64_t n, float scale, const SoftmaxMask& mk,
+                cudaStream_t stream) {
+  constexpr int N = Vec<T>::N;
+  const bool vec_ok = n % N == 0 && aligned16(x) && aligned16(out);
+  const dim3 grid(static_cast<unsigned>(rows));
+#define GO_REG(VEC, NV, MAXT)                                                                                  \
+  softmax_reg_kernel<T, MT, VEC, NV, MAXT><<<grid, round_up32((n / VEC + NV - 1) / NV), 0, stream>>>(x, out, n, \
+                                                                                                    scale, mk); \
+  return cudaGetLastError();
+  if (vec_ok && n / N <= 2048) {
+    const int64_t nvec = n / N;
+    if (nvec <= 256) { GO_REG(N, 1, 256); }
+    if (nvec <= 512) { GO_REG(N, 2, 256); }
+    GO_REG(N, 4, 512);
+  } else if (n <= 16384) {
+    if (n <= 256) { GO_REG(1, 1, 256); }
+    if (n <= 1024) { GO_REG(1, 4, 256); }
+    GO_REG(1, 16, 1024);
+  }
+#undef GO_REG
+  softmax_loop_kernel<T, MT><<<grid, 1024, 0, stream>>>(x, out, n, scale, mk);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_softmax_mask(int dtype, const void* scores, void* out, int64_t rows, int64_t n, float scale,
+                                const SoftmaxMask& mask, cudaStream_t stream) {
+  if (rows == 0 || n == 0) return cudaSuccess;
+  if (rows > 0x7fffffff) return cudaErrorInvalidValue;
+  GRAPHOPT_DISPATCH_FLOAT(dtype, T, {
+    const T* x = static_cast<const T*>(scores);
+    T* o = static_cast<T*>(out);
+    if (mask.kind == 1) return run<T, uint8_t>(x, o, rows, n, scale, mask, stream);
+    if (mask.kind == 2 && mask.dtype == DT_F32) return run<T, float>(x, o, rows, n, scale, mask, stream);
+    if (mask.kind == 2 && mask.dtype == dtype) return run<T, T>(x, o, rows, n, scale, mask, stream);
+    if (mask.kind != 0) return cudaErrorInvalidValue;
+    SoftmaxMask none = mask;
+    none.ptr = nullptr;
+    return run<T, float>(x, o, rows, n, scale, none, stream);
+  });
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace graphopt

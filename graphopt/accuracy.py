@@ -1,0 +1,129 @@
+"""The accuracy rule (DESIGN.md), shared by the optimizer's guard and the tests.
+
+pass if ``allclose(out, ref, atol=tol, rtol=tol)``; else if
+``rmse(out, ref64) <= k * rmse(eager, ref64) + tol / 10`` with k = 2 for fp32 and 3 for
+bf16/fp16; tol 1e-4 for fp32 inference, 1e-3 for fp32 training, 1e-2 for bf16/fp16. NaN never
+passes. Integer and bool outputs must be equal.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def tolerance(dtype: torch.dtype, training: bool = False) -> float:
+    if dtype in LOW_PRECISION:
+        return 1e-2
+    return 1e-3 if training else 1e-4
+
+
+def k_factor(dtype: torch.dtype) -> float:
+    return 3.0 if dtype in LOW_PRECISION else 2.0
+
+
+def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    d = a.detach().double() - b.detach().double()
+    return float(torch.sqrt(torch.mean(d * d))) if d.numel() else 0.0
+
+
+@dataclass
+class LeafResult:
+    index: int
+    passed: bool
+    how: str  # "allclose" | "rmse" | "exact" | "fail"
+    max_abs_err: float
+    rmse: float
+    eager_rmse: float | None
+    tol: float
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+
+@dataclass
+class AccuracyResult:
+    passed: bool
+    leaves: list[LeafResult] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def max_abs_err(self) -> float:
+        return max((leaf.max_abs_err for leaf in self.leaves), default=0.0)
+
+    @property
+    def worst_rmse(self) -> float:
+        return max((leaf.rmse for leaf in self.leaves), default=0.0)
+
+    def as_dict(self):
+        return {
+            "passed": self.passed,
+            "reason": self.reason,
+            "max_abs_err": self.max_abs_err,
+            "rmse": self.worst_rmse,
+            "outputs": [leaf.as_dict() for leaf in self.leaves],
+        }
+
+
+def flatten_outputs(out) -> list:
+    leaves, _ = pytree.tree_flatten(out)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def compare_leaf(i, out, ref64, eager, training=False) -> LeafResult:
+    if out.shape != ref64.shape:
+        return LeafResult(i, False, "fail", float("inf"), float("inf"), None, 0.0)
+    if not (out.is_floating_point() or out.is_complex()):
+        same = torch.equal(out.cpu(), ref64.to(out.dtype).cpu())
+        return LeafResult(i, same, "exact" if same else "fail", 0.0 if same else float("inf"), 0.0, None, 0.0)
+    dtype = eager.dtype if eager is not None and eager.is_floating_point() else out.dtype
+    tol = tolerance(dtype, training)
+    o = out.detach().double().cpu()
+    r = ref64.detach().double().cpu()
+    if torch.isnan(o).any() and not torch.isnan(r).any():
+        return LeafResult(i, False, "fail", float("nan"), float("nan"), None, tol)
+    finite = torch.isfinite(r)
+    diff = (o - r).abs()[finite]
+    max_err = float(diff.max()) if diff.numel() else 0.0
+    err = rmse(o[finite], r[finite])
+    if torch.allclose(o, r, atol=tol, rtol=tol, equal_nan=True):
+        return LeafResult(i, True, "allclose", max_err, err, None, tol)
+    eager_err = rmse(eager.detach().double().cpu()[finite], r[finite]) if eager is not None else None
+    if eager_err is not None and err <= k_factor(dtype) * eager_err + tol / 10:
+        return LeafResult(i, True, "rmse", max_err, err, eager_err, tol)
+    return LeafResult(i, False, "fail", max_err, err, eager_err, tol)
+
+
+def check(out, ref64, eager, training: bool = False) -> AccuracyResult:
+    """Apply the accuracy rule to every tensor leaf of (possibly nested) outputs."""
+    outs, refs = flatten_outputs(out), flatten_outputs(ref64)
+    eagers = flatten_outputs(eager) if eager is not None else [None] * len(refs)
+    if len(outs) != len(refs):
+        return AccuracyResult(False, [], f"{len(outs)} outputs, expected {len(refs)}")
+    leaves = [compare_leaf(i, o, r, e, training) for i, (o, r, e) in enumerate(zip(outs, refs, eagers))]
+    bad = [leaf for leaf in leaves if not leaf.passed]
+    reason = ""
+    if bad:
+        b = bad[0]
+        reason = (f"output {b.index}: max |err| {b.max_abs_err:.3g}, rmse {b.rmse:.3g} "
+                  f"vs eager rmse {b.eager_rmse if b.eager_rmse is None else f'{b.eager_rmse:.3g}'} (tol {b.tol:g})")
+    return AccuracyResult(not bad, leaves, reason)
+
+
+def _to_double(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.double()
+    return x
+
+
+def fp64_reference(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Run a float64 copy of the model on float64 copies of the inputs."""
+    ref_model = copy.deepcopy(model).double()
+    a, k = pytree.tree_map(_to_double, (args, kwargs))
+    with torch.no_grad():
+        return ref_model(*a, **k)

@@ -1,0 +1,224 @@
+"""Public API: optimize, explain, OptimizedModule."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from . import accuracy, ir
+from .capture import capture, flat_tensors, split_inputs
+from .cost.model import CostModel
+from .cost.profiles import get_profile
+from .errors import GraphoptError, GuardError
+from .pipeline import PassContext, PassManager, assemble
+from .report import Report
+
+_RANDOM_OPS = ("dropout", "native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "normal", "uniform")
+
+
+def _kernel_backend() -> str:
+    try:
+        from . import cuda_ext
+
+        return cuda_ext.backend()
+    except (ImportError, AttributeError):
+        return "aten only"
+
+
+class OptimizedModule(nn.Module):
+    """The optimized model: call it like the original. ``.report`` says what was done;
+    ``.graph_module`` is the rewritten torch.fx graph. Parameters are the model's own objects
+    (except constants folded at optimization time)."""
+
+    def __init__(self, gm: fx.GraphModule, report: Report, signature: list, dynamic_dims: dict):
+        super().__init__()
+        self.graph_module = gm
+        self.report = report
+        self._signature = signature
+        self._dynamic_dims = dynamic_dims  # flat input index -> set of dynamic axes
+
+    def _guard(self, args, kwargs) -> None:
+        flat = flat_tensors(args, kwargs)
+        if len(flat) != len(self._signature):
+            raise GuardError(f"optimized for {len(self._signature)} inputs, called with {len(flat)}; "
+                             "call graphopt.optimize again for this calling convention")
+        for i, (x, sig) in enumerate(zip(flat, self._signature)):
+            if sig is None:
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise GuardError(f"input {i} was a tensor when optimized, got {type(x).__name__}")
+            shape, dtype, device = sig
+            if x.dtype != dtype or x.device.type != device.type:
+                raise GuardError(f"input {i} is {x.dtype} on {x.device}; optimized for {dtype} on {device} - "
+                                 "optimize again for this dtype/device")
+            dyn = self._dynamic_dims.get(i, set())
+            if x.dim() != len(shape) or any(a != b for d, (a, b) in enumerate(zip(x.shape, shape)) if d not in dyn):
+                raise GuardError(f"input {i} has shape {tuple(x.shape)}; optimized for {tuple(shape)} "
+                                 f"(dynamic dims: {sorted(dyn) or 'none'}) - pass dynamic= to graphopt.optimize "
+                                 "or optimize again for this shape")
+
+    def forward(self, *args, **kwargs):
+        self._guard(args, kwargs)
+        return self.graph_module(*args, **kwargs)
+
+
+def _model_device(model: nn.Module, flat_inputs: list) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for x in flat_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def _has_random_ops(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if n.target._schema.name.split("::")[-1] in _RANDOM_OPS:
+                if n.target is torch.ops.aten.dropout.default and len(n.args) > 2 and n.args[2] is False:
+                    continue
+                return True
+    return False
+
+
+def _run(fn, args, kwargs, training):
+    if training:
+        return fn(*args, **kwargs)
+    with torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs,
+    *,
+    device: str | torch.device | None = None,
+    target: str | None = None,
+    passes: Iterable[str] | None = None,
+    disable: Iterable[str] = (),
+    training: bool = False,
+    dynamic: dict | None = None,
+    check_accuracy: bool = True,
+    verify: bool = True,
+    dump_dir: str | Path | None = None,
+    model_name: str | None = None,
+) -> OptimizedModule:
+    """Capture ``model``, run the pass pipeline ranked by the cost model, guard accuracy.
+
+    device: where the model runs (default: where its parameters are); it must match the model.
+    target: a cost profile to plan for ("h200", "a100", "cpu", a .json); default: ``device``'s.
+    passes / disable: pass ids to run / to leave out (``graphopt.pipeline.PIPELINE`` lists them).
+    training: capture and optimize a graph for training (inference-only passes are skipped;
+      parameters stay the model's own objects so optimizers built on ``model.parameters()`` work).
+    dynamic: ``{"arg": {axis: "name"}}`` dims left symbolic (the cost model keeps sympy formulas).
+    check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
+    dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
+    """
+    t_start = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise GraphoptError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = split_inputs(example_inputs)
+    flat = flat_tensors(args, kwargs)
+    model_dev = _model_device(model, flat)
+    if device is not None:
+        try:
+            want = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise GraphoptError(f"unknown device '{device}'") from None
+        if want.type != model_dev.type:
+            raise GraphoptError(f"the model is on {model_dev} but device={want}; move the model and inputs "
+                                f"(model.to('{want}')) or use target='{want.type}' to only plan for it")
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.device.type != model_dev.type:
+            raise GraphoptError(f"an example input is on {x.device} but the model is on {model_dev}")
+    profile, profile_note = get_profile(target if target is not None else model_dev)
+
+    was_training = model.training
+    model.train(training)
+    try:
+        gm = capture(model, (args, kwargs), dynamic=dynamic)
+        cap = gm.meta["graphopt_capture"]
+        hints = ir.shape_hints(gm)
+        cost = CostModel(profile)
+        ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
+                          dump_dir=Path(dump_dir) if dump_dir else None, hints=hints)
+        pipeline = assemble(passes, disable)
+        before = cost.graph_cost(gm, hints)
+
+        acc_info: dict = {"checked": False}
+        check = None
+        if check_accuracy:
+            if training and _has_random_ops(gm):
+                acc_info["reason"] = "the training graph has random ops (dropout); outputs differ run to run"
+            else:
+                with torch.random.fork_rng(devices=[model_dev] if model_dev.type == "cuda" else []):
+                    eager = _run(model, args, kwargs, training)
+                ref64 = accuracy.fp64_reference(model, args, kwargs)
+
+                def check(candidate_gm):
+                    out = _run(candidate_gm, args, kwargs, training)
+                    return accuracy.check(out, ref64, eager, training=training)
+
+        results = PassManager(pipeline, check).run(gm, ctx)
+        after = cost.graph_cost(gm, hints)
+        if check is not None:
+            final = check(gm)
+            acc_info = {"checked": True, **final.as_dict()}
+            if not final.passed:
+                acc_info["reason"] = final.reason
+    finally:
+        model.train(was_training)
+
+    notes = list(cap.notes)
+    if profile_note:
+        notes.append(profile_note)
+    top = sorted(after.nodes, key=lambda c: -c.time_s)[:8]
+    report = Report(
+        model=model_name or type(model).__name__,
+        device=str(model_dev),
+        target=profile.name,
+        profile={"name": profile.name, "description": profile.description},
+        capture={"method": cap.method, "export_error": cap.export_error, "dynamic": {k: {str(a): d for a, d in v.items()} for k, v in cap.dynamic.items()}},
+        predicted_s_before=before.total_s,
+        predicted_s_after=after.total_s,
+        cost_before=before.as_dict(),
+        cost_after=after.as_dict(),
+        passes=results,
+        accuracy=acc_info,
+        kernel_backend=_kernel_backend(),
+        optimize_seconds=time.perf_counter() - t_start,
+        notes=notes,
+        top_nodes=[{"node": c.node, "op": c.op, "ms": c.time_s * 1e3, "bound": c.bound} for c in top if c.time_s > 0],
+    )
+    signature, dyn = _signature(flat, args, kwargs, model, dynamic)
+    opt = OptimizedModule(gm, report, signature, dyn)
+    opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+    return opt
+
+
+def _signature(flat, args, kwargs, model, dynamic):
+    sig = [(tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in flat]
+    dyn: dict[int, set] = {}
+    if dynamic:
+        import inspect
+
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+        order = []
+        for name, val in bound.arguments.items():
+            leaves = pytree.tree_leaves(val)
+            order.extend((name, j) for j in range(len(leaves)))
+        for i, (name, j) in enumerate(order):
+            if name in dynamic and j == 0:
+                dyn[i] = {a % len(sig[i][0]) for a in dynamic[name]} if sig[i] else set()
+    return sig, dyn
+
+
+def explain(model: nn.Module, example_inputs, **kwargs) -> Report:
+    """Optimize and return only the Report (see :func:`optimize` for the options)."""
+    return optimize(model, example_inputs, **kwargs).report

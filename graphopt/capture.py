@@ -1,0 +1,422 @@
+"""Capture a model as a torch.fx GraphModule in graphopt's canonical op vocabulary.
+
+torch.export (non-strict) is tried first; torch.fx.symbolic_trace is the fallback. Both end in
+the same vocabulary: ATen overloads (``aten.conv2d.default``, ``aten.linear.default``,
+``aten.add.Tensor``...), no in-place ops on intermediates, no eval-mode dropout, parameters and
+buffers read with ``get_attr``, and ``meta["val"]`` on every node. Patterns are written once,
+against this vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ir
+from .errors import CaptureError
+
+log = logging.getLogger("graphopt.capture")
+aten = torch.ops.aten
+
+
+@dataclass
+class CaptureInfo:
+    method: str  # "torch.export" | "symbolic_trace"
+    export_error: str | None = None
+    dynamic: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    num_inputs: int = 0
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def split_inputs(example_inputs) -> tuple[tuple, dict]:
+    """example_inputs may be a tensor, a tuple/list of positional args, or a dict of kwargs."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        if len(example_inputs) == 2 and isinstance(example_inputs[0], (tuple, list)) and isinstance(example_inputs[1], dict):
+            return tuple(example_inputs[0]), dict(example_inputs[1])
+        return tuple(example_inputs), {}
+    raise CaptureError(
+        f"example_inputs must be a tensor, a tuple of args or a dict of kwargs, got {type(example_inputs).__name__}"
+    )
+
+
+def flat_tensors(args: tuple, kwargs: dict) -> list:
+    leaves, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+    return leaves
+
+
+# --------------------------------------------------------------------------- Hugging Face outputs
+
+
+def _register_hf_pytrees() -> None:
+    """Teach torch.export to flatten transformers' DynamicCache (returned by default configs),
+    so the optimized module hands back the same ModelOutput-with-cache the model does."""
+    if "transformers" not in sys.modules:
+        return
+    try:
+        from transformers.cache_utils import DynamicCache
+    except Exception:  # pragma: no cover - very old/new transformers
+        return
+    from torch.utils import _pytree as pytree
+
+    if DynamicCache in pytree.SUPPORTED_NODES:
+        return
+
+    def flatten(cache):
+        keys = [layer.keys for layer in cache.layers]
+        values = [layer.values for layer in cache.layers]
+        if any(k is None for k in keys):
+            return [], 0
+        return keys + values, len(keys)
+
+    def unflatten(values, n):
+        cache = DynamicCache()
+        values = list(values)
+        for i in range(n):
+            cache.update(values[i], values[n + i], i)
+        return cache
+
+    def flatten_with_keys(cache):
+        leaves, n = flatten(cache)
+        return [(pytree.SequenceKey(i), v) for i, v in enumerate(leaves)], n
+
+    try:
+        pytree.register_pytree_node(
+            DynamicCache,
+            flatten,
+            unflatten,
+            serialized_type_name="transformers.cache_utils.DynamicCache",
+            flatten_with_keys_fn=flatten_with_keys,
+        )
+        torch.fx._pytree.register_pytree_flatten_spec(DynamicCache, lambda c, spec: flatten(c)[0])
+    except ValueError as e:  # registered meanwhile (by transformers itself)
+        if "already registered" not in str(e):
+            raise
+
+
+# --------------------------------------------------------------------------- error location
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost frame of the user's code in an exception's traceback."""
+    skip = (os.sep + "torch" + os.sep, os.sep + "graphopt" + os.sep, "<frozen", os.sep + "contextlib.py",
+            os.sep + "transformers" + os.sep + "utils" + os.sep, os.sep + "nn" + os.sep + "modules" + os.sep)
+    best = None
+    e: BaseException | None = exc
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for fr in traceback.extract_tb(e.__traceback__):
+            if not any(s in fr.filename for s in skip):
+                best = fr
+        e = e.__cause__ or e.__context__
+    if best is None:
+        return None
+    line = (best.line or "").strip()
+    return f"{best.filename}:{best.lineno} `{line}`"
+
+
+def _first_line(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def _advice(exc: BaseException) -> str:
+    text = str(exc)
+    if "data-dependent" in text or "GuardOnDataDependent" in type(exc).__name__ or "control flow" in text:
+        return ("control flow depends on tensor values; compute the branch outside the model, "
+                "or use torch.cond / torch.where so both paths are traceable")
+    if "not a known type" in text or "pytree" in text:
+        return "an input or output type is not a tensor container torch.export understands; return tensors, tuples, dicts or register it with torch.utils._pytree"
+    return "simplify the forward so torch.export can trace it (see the first error above)"
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, strategy: str = "auto") -> fx.GraphModule:
+    """Capture ``model`` as a GraphModule whose outputs equal the model's.
+
+    ``dynamic`` maps argument names to ``{dim: "name"}``, e.g. ``{"x": {0: "batch"}}``; dims that
+    share a name share a symbol. Metadata (``meta["val"]``) then holds sympy expressions of those
+    symbols. ``strategy`` is "auto" (export, then symbolic_trace), "export" or "symbolic_trace".
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = split_inputs(example_inputs)
+    if not flat_tensors(args, kwargs):
+        raise CaptureError("example_inputs hold no tensor; pass at least one example tensor")
+    _register_hf_pytrees()
+    info = CaptureInfo(method="", dynamic=dict(dynamic or {}), num_inputs=len(flat_tensors(args, kwargs)))
+    export_exc = None
+    gm = None
+    if strategy in ("auto", "export"):
+        try:
+            gm = _capture_export(model, args, kwargs, dynamic)
+            info.method = "torch.export"
+        except CaptureError:
+            raise
+        except Exception as e:  # export failed: remember why, try the fallback
+            export_exc = e
+            info.export_error = _first_line(e)
+            log.debug("torch.export failed", exc_info=True)
+            if strategy == "export":
+                raise _capture_error(model, e, None) from None
+    if gm is None:
+        if dynamic:
+            raise _capture_error(model, export_exc, None, extra="dynamic shapes need torch.export")
+        try:
+            gm = _capture_symbolic(model, args, kwargs)
+            info.method = "symbolic_trace"
+        except Exception as e:
+            raise _capture_error(model, export_exc or e, e) from None
+        if export_exc is not None:
+            info.notes.append(f"torch.export failed ({info.export_error}); captured with symbolic_trace")
+    canonicalize(gm, info)
+    gm.meta["graphopt_capture"] = info
+    return gm
+
+
+def _capture_error(model, export_exc, trace_exc, extra: str = "") -> CaptureError:
+    exc = export_exc or trace_exc
+    where = _user_frame(exc) if exc is not None else None
+    if where is None and trace_exc is not None:
+        where = _user_frame(trace_exc)
+    name = type(model).__name__
+    parts = [f"cannot capture {name}"]
+    if where:
+        parts.append(f"at {where}")
+    if exc is not None:
+        parts.append(f"({_first_line(exc)})")
+    if extra:
+        parts.append(f"- {extra}")
+    parts.append(f"- fix: {_advice(exc) if exc is not None else 'see above'}")
+    return CaptureError(" ".join(parts))
+
+
+def _dynamic_shapes(model, args, kwargs, dynamic):
+    if not dynamic:
+        return None
+    sig = inspect.signature(model.forward)
+    bound = sig.bind_partial(*args, **kwargs)
+    dims: dict[str, Any] = {}
+    spec: dict[str, Any] = {}
+    for pname in sig.parameters:
+        if pname in bound.arguments:
+            spec[pname] = None
+    for argname, axes in dynamic.items():
+        if argname not in bound.arguments:
+            raise CaptureError(
+                f"dynamic names argument '{argname}', but forward takes {list(bound.arguments)}"
+            )
+        val = bound.arguments[argname]
+        if not isinstance(val, torch.Tensor):
+            raise CaptureError(f"dynamic argument '{argname}' is not a tensor")
+        entry = {}
+        for axis, dname in axes.items():
+            if not isinstance(axis, int) or not -val.dim() <= axis < val.dim():
+                raise CaptureError(f"dynamic axis {axis} of '{argname}' is outside its {val.dim()} dims")
+            if dname not in dims:
+                dims[dname] = torch.export.Dim(dname)
+            entry[axis % val.dim()] = dims[dname]
+        spec[argname] = entry
+    # dynamic_shapes must mirror the call: positional args by position, kwargs by name
+    return spec
+
+
+def _capture_export(model, args, kwargs, dynamic) -> fx.GraphModule:
+    shapes = _dynamic_shapes(model, args, kwargs, dynamic)
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    except Exception as e:
+        if shapes and "Constraints violated" in str(e):
+            raise CaptureError(
+                f"a dim declared dynamic was specialized by the model ({_first_line(e)}) - "
+                "drop it from dynamic= or remove the code that fixes its size"
+            ) from None
+        raise
+    gm = ep.module()
+    return gm
+
+
+# --------------------------------------------------------------------------- symbolic_trace fallback
+
+
+def _capture_symbolic(model, args, kwargs) -> fx.GraphModule:
+    gm = fx.symbolic_trace(model)
+    ir.propagate_from_real(gm, list(args) + list(kwargs.values()))
+    normalize_symbolic(gm)
+    ir.propagate_from_real(gm, list(args) + list(kwargs.values()))
+    return gm
+
+
+_ACT_MODULES = {
+    nn.ReLU: aten.relu.default,
+    nn.SiLU: aten.silu.default,
+    nn.Sigmoid: aten.sigmoid.default,
+    nn.Tanh: aten.tanh.default,
+    nn.Hardswish: aten.hardswish.default,
+}
+_FUNCS = {
+    torch.relu: aten.relu.default, F.relu: aten.relu.default, torch.sigmoid: aten.sigmoid.default,
+    torch.tanh: aten.tanh.default, F.silu: aten.silu.default, torch.exp: aten.exp.default,
+}
+_BINOPS = {
+    operator.add: aten.add.Tensor, torch.add: aten.add.Tensor, operator.iadd: aten.add.Tensor,
+    operator.mul: aten.mul.Tensor, torch.mul: aten.mul.Tensor, operator.imul: aten.mul.Tensor,
+    operator.sub: aten.sub.Tensor, torch.sub: aten.sub.Tensor, operator.truediv: aten.div.Tensor,
+    torch.div: aten.div.Tensor,
+}
+
+
+def normalize_symbolic(gm: fx.GraphModule) -> None:
+    """Rewrite symbolic_trace's module calls and torch functions into ATen overloads."""
+    g = gm.graph
+    for node in list(g.nodes):
+        repl = None
+        with g.inserting_before(node):
+            if node.op == "call_module":
+                mod = gm.get_submodule(node.target)
+                repl = _normalize_module(gm, node, mod)
+            elif node.op == "call_function":
+                if node.target in _FUNCS and len(node.args) == 1 and not node.kwargs:
+                    repl = g.call_function(_FUNCS[node.target], node.args)
+                elif node.target in _BINOPS and not node.kwargs and len(node.args) == 2:
+                    a, b = node.args
+                    if isinstance(a, fx.Node) and ir.is_tensor_node(a):
+                        repl = g.call_function(_BINOPS[node.target], (a, b))
+                elif node.target in (torch.flatten,) and ir.is_tensor_node(node.args[0]):
+                    start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+                    end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+                    repl = g.call_function(aten.flatten.using_ints, (node.args[0], start, end))
+        if repl is not None:
+            ir.replace_with(node, repl)
+            g.erase_node(node)
+    g.lint()
+    gm.recompile()
+
+
+def _normalize_module(gm, node, mod):
+    g = gm.graph
+    x = node.args[0] if node.args else None
+    if len(node.args) != 1 or node.kwargs:
+        return None
+    p = node.target
+
+    def attr(name):
+        return g.get_attr(f"{p}.{name}") if getattr(mod, name, None) is not None else None
+
+    if type(mod) in _ACT_MODULES:
+        return g.call_function(_ACT_MODULES[type(mod)], (x,))
+    if isinstance(mod, nn.GELU):
+        return g.call_function(aten.gelu.default, (x,), {"approximate": mod.approximate})
+    if isinstance(mod, (nn.Identity,)) or (isinstance(mod, nn.Dropout) and not mod.training):
+        return x
+    if isinstance(mod, nn.Linear):
+        return g.call_function(aten.linear.default, (x, attr("weight"), attr("bias")))
+    if isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros" and not isinstance(mod.padding, str):
+        return g.call_function(
+            aten.conv2d.default,
+            (x, attr("weight"), attr("bias"), list(mod.stride), list(mod.padding), list(mod.dilation), mod.groups),
+        )
+    if isinstance(mod, nn.modules.batchnorm._BatchNorm) and not mod.training and mod.track_running_stats:
+        return g.call_function(
+            aten.batch_norm.default,
+            (x, attr("weight"), attr("bias"), attr("running_mean"), attr("running_var"), False,
+             mod.momentum if mod.momentum is not None else 0.0, mod.eps, True),
+        )
+    if isinstance(mod, nn.LayerNorm):
+        return g.call_function(aten.layer_norm.default, (x, list(mod.normalized_shape), attr("weight"), attr("bias"), mod.eps))
+    if isinstance(mod, nn.MaxPool2d) and not mod.return_indices:
+        k = list(mod.kernel_size) if isinstance(mod.kernel_size, tuple) else [mod.kernel_size] * 2
+        s = mod.stride if mod.stride is not None else mod.kernel_size
+        s = list(s) if isinstance(s, tuple) else [s] * 2
+        pd = list(mod.padding) if isinstance(mod.padding, tuple) else [mod.padding] * 2
+        d = list(mod.dilation) if isinstance(mod.dilation, tuple) else [mod.dilation] * 2
+        return g.call_function(aten.max_pool2d.default, (x, k, s, pd, d, mod.ceil_mode))
+    if isinstance(mod, nn.AdaptiveAvgPool2d):
+        o = mod.output_size
+        o = list(o) if isinstance(o, tuple) else [o, o]
+        if None not in o:
+            return g.call_function(aten.adaptive_avg_pool2d.default, (x, o))
+    if isinstance(mod, nn.Flatten):
+        return g.call_function(aten.flatten.using_ints, (x, mod.start_dim, mod.end_dim))
+    return None
+
+
+# --------------------------------------------------------------------------- canonical form
+
+
+def _functional_variant(op: torch._ops.OpOverload):
+    """aten.relu_.default -> aten.relu.default, aten.add_.Tensor -> aten.add.Tensor."""
+    name = op._schema.name.split("::")[1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    if packet is None:
+        return None
+    return getattr(packet, op._overloadname, None)
+
+
+def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
+    """In-place ops on intermediates -> functional ops; eval-mode dropout removed."""
+    g = gm.graph
+    changed = False
+    for node in list(g.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target is aten.dropout.default and (len(node.args) > 2 and node.args[2] is False):
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+            changed = True
+            continue
+        if node.target._schema.is_mutable:
+            func = _functional_variant(node.target)
+            base = node.args[0] if node.args else None
+            if func is None or not isinstance(base, fx.Node) or base.op in ("placeholder", "get_attr"):
+                if info is not None and base is not None and getattr(base, "op", None) in ("placeholder", "get_attr"):
+                    info.notes.append(f"{node.name} mutates {base.op} {base.target}; kept in place")
+                continue
+            # a view base would alias: keep mutations of views as they are
+            if base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
+                continue
+            with g.inserting_before(node):
+                new = g.call_function(func, node.args, node.kwargs)
+            new.meta = dict(node.meta)
+            later = _nodes_after(g, node)
+            for user in list(base.users):
+                if user is not node and user in later:
+                    user.replace_input_with(base, new)
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            changed = True
+    if changed:
+        g.lint()
+        gm.recompile()
+
+
+def _nodes_after(g: fx.Graph, node: fx.Node) -> set:
+    out, seen = set(), False
+    for n in g.nodes:
+        if seen:
+            out.add(n)
+        if n is node:
+            seen = True
+    return out

@@ -1,0 +1,183 @@
+"""The ``graphopt`` command line.
+
+    graphopt explain [MODEL] [--device D] [--target T] [--json PATH] [--passes a,b] [--disable a,b]
+    graphopt export  [MODEL] -o out.pt [--format torchscript|pt2]
+    graphopt zoo
+    graphopt passes
+
+User mistakes print one line on stderr and exit 2, never a traceback (set GRAPHOPT_TRACEBACK=1
+to see one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import GraphoptError
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        sys.stderr.write(f"graphopt: error: {message}\n")
+        sys.exit(2)
+
+
+def _csv(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _add_model_args(p):
+    p.add_argument("model", nargs="?", help="FILE.py:FACTORY, package.module:FACTORY or a zoo name (default: the bundled default)")
+    p.add_argument("--device", help="device to run on (cpu, cuda, cuda:1); default: cuda if present, else cpu")
+    p.add_argument("--batch", type=int, help="batch size for zoo models")
+    p.add_argument("--seq-len", type=int, help="sequence length for zoo text models")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype zoo models are built in (default fp32)")
+    p.add_argument("--passes", help="comma-separated pass ids to run (default: the whole pipeline)")
+    p.add_argument("--disable", help="comma-separated pass ids to leave out")
+    p.add_argument("--target", help="plan for this cost profile (h200, a100, cpu or a .json) instead of --device's")
+    p.add_argument("--no-accuracy", action="store_true", help="skip the fp64 accuracy guard")
+    p.add_argument("--dump-ir", metavar="DIR", help="write the graph after each pass to DIR/NNN_<pass>.py")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="graphopt", description="torch.fx graph optimizer: explain, export and inspect models")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    p = sub.add_parser("explain", help="optimize a model and print what each pass did")
+    _add_model_args(p)
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p = sub.add_parser("export", help="optimize a model and save a TorchScript or .pt2 artifact")
+    _add_model_args(p)
+    p.add_argument("-o", "--output", required=True, help="output path (.pt for TorchScript, .pt2 for torch.export)")
+    p.add_argument("--format", choices=["torchscript", "pt2"], help="default: from the suffix")
+    sub.add_parser("zoo", help="list the bundled models")
+    sub.add_parser("passes", help="list the passes in pipeline order")
+    return parser
+
+
+def _resolve_device(name: str | None):
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise GraphoptError(f"unknown device '{name}'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GraphoptError(f"--device {name}: CUDA is not available here (use --target h200 to plan for a GPU)")
+    return str(dev)
+
+
+def _load(args):
+    import torch
+
+    from .modelspec import load_model
+
+    device = _resolve_device(args.device)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    model, inputs, name = load_model(args.model, batch=args.batch, seq_len=args.seq_len, dtype=dtype, device=device)
+    if args.model and ":" in args.model:
+        model, inputs = _to_device(model, inputs, device)
+    return model, inputs, name, device
+
+
+def _to_device(model, inputs, device):
+    import torch
+    from torch.utils import _pytree as pytree
+
+    model = model.to(device)
+    inputs = pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
+    return model, inputs
+
+
+def _optimize(args):
+    from .api import optimize
+
+    model, inputs, name, device = _load(args)
+    opt = optimize(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
+                   check_accuracy=not args.no_accuracy, dump_dir=args.dump_ir, model_name=name)
+    return opt, inputs
+
+
+def cmd_explain(args) -> int:
+    from rich.console import Console
+
+    opt, _ = _optimize(args)
+    opt.report.render(Console())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(opt.report.to_json())
+    return 0 if opt.report.accuracy.get("passed", True) else 1
+
+
+def cmd_export(args) -> int:
+    from rich.console import Console
+
+    from .export import export
+
+    opt, inputs = _optimize(args)
+    path = export(opt, args.output, format=args.format, example_inputs=inputs)
+    Console().print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); load with graphopt.load('{path}')")
+    return 0
+
+
+def cmd_zoo(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .examples import zoo
+
+    t = Table("name", "family", "cpu", "description", header_style="bold")
+    for n in zoo.names():
+        e = zoo.entry(n)
+        t.add_row(n + (" (default)" if n == zoo.DEFAULT else ""), e.family, "yes" if e.cpu_friendly else "", e.description)
+    Console().print(t)
+    return 0
+
+
+def cmd_passes(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .pipeline import PIPELINE, registry
+
+    reg = registry()
+    t = Table("#", "pass", "family", "inference only", "what it does", header_style="bold")
+    for i, name in enumerate(PIPELINE, 1):
+        cls = reg[name]
+        t.add_row(str(i), name, cls.family, "yes" if cls.inference_only else "", cls.description)
+    Console().print(t)
+    return 0
+
+
+COMMANDS = {"explain": cmd_explain, "export": cmd_export, "zoo": cmd_zoo, "passes": cmd_passes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except GraphoptError as e:
+        if os.environ.get("GRAPHOPT_TRACEBACK"):
+            raise
+        sys.stderr.write(f"graphopt: error: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("graphopt: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

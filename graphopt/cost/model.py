@@ -1,0 +1,333 @@
+"""Roofline cost model: FLOPs and bytes per node from its shapes, time on a device profile.
+
+time(node) = max(FLOPs / peak(dtype), bytes / bandwidth) + launches * launch_overhead
+
+Shapes may be symbolic (sympy); every quantity is then a sympy expression, evaluated with the
+example sizes (``hints``) when a number is needed. The estimates depend only on the graph and
+the profile, so they are reproducible and testable on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .. import ir
+from .profiles import DeviceProfile
+
+aten = torch.ops.aten
+
+# ops that produce views or metadata only: no kernel, no bytes
+VIEW_OPS = {
+    "view", "_unsafe_view", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "select",
+    "slice", "split", "split_with_sizes", "chunk", "unbind", "alias", "detach", "as_strided",
+    "unflatten", "narrow", "diagonal", "view_as", "expand_as", "_assert_tensor_metadata",
+    "sym_size", "sym_stride", "sym_numel", "lift_fresh", "_assert_scalar", "sym_constrain_range_for_size",
+    "numpy_T", "view_as_real", "view_as_complex", "_reshape_alias", "dropout", "feature_dropout",
+}
+# ops that may or may not copy: a view when their input is contiguous / already matches
+MAYBE_VIEW_OPS = {"reshape", "flatten", "contiguous", "to", "_to_copy", "type_as"}
+MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "_addmm_activation"}
+CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "cudnn_convolution"}
+ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+# arithmetic per output element for pointwise and reduction-like ops (rough FLOP weights)
+FLOP_WEIGHT = {
+    "gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 6, "exp": 4, "log": 4, "pow": 4, "rsqrt": 2,
+    "sqrt": 2, "erf": 8, "softmax": 5, "_softmax": 5, "log_softmax": 6, "_log_softmax": 6,
+    "layer_norm": 8, "native_layer_norm": 8, "batch_norm": 4, "group_norm": 8, "rms_norm": 6,
+    "hardswish": 4, "cos": 4, "sin": 4,
+}
+
+
+@dataclass
+class NodeCost:
+    node: str
+    op: str
+    flops: object  # int/float or sympy expression
+    bytes: object
+    launches: int
+    compute_s: object
+    memory_s: object
+    time_s: object  # includes launch overhead
+    bound: str  # "compute" | "memory" | "launch" | "free"
+
+    def evaluated(self, hints=None) -> "NodeCost":
+        c = lambda v: ir.concrete(v, hints)  # noqa: E731
+        compute, memory = c(self.compute_s), c(self.memory_s)
+        return NodeCost(self.node, self.op, c(self.flops), c(self.bytes), self.launches, compute, memory,
+                        c(self.time_s), self.bound)
+
+
+@dataclass
+class GraphCost:
+    total_s: float
+    nodes: list  # NodeCost, evaluated
+    flops: float
+    bytes: float
+    launches: int
+    roofline_floor_s: float
+    bound_share: dict  # "compute"/"memory"/"launch" -> share of predicted time
+    peak_memory_bytes: float
+    parameter_bytes: float
+    symbolic_total: object = None  # sympy expression when shapes are symbolic
+
+    def as_dict(self):
+        return {
+            "predicted_ms": self.total_s * 1e3,
+            "roofline_floor_ms": self.roofline_floor_s * 1e3,
+            "flops": self.flops,
+            "bytes": self.bytes,
+            "kernel_launches": self.launches,
+            "bound_share": self.bound_share,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "parameter_bytes": self.parameter_bytes,
+            "symbolic_predicted_s": None if self.symbolic_total is None else str(self.symbolic_total),
+        }
+
+
+def _smax(a, b):
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return max(a, b)
+    return sympy.Max(a, b)
+
+
+def _op_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.split("::")[-1]
+    if t is operator.getitem:
+        return "getitem"
+    return getattr(t, "__name__", str(t))
+
+
+def _namespace(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[0]
+    return ""
+
+
+def _is_contiguous(ti: ir.TensorInfo | None) -> bool:
+    if ti is None or ti.stride is None:
+        return True
+    expected = 1
+    for size, stride in reversed(list(zip(ti.shape, ti.stride))):
+        if size != 1 and stride != expected:
+            return False
+        expected = expected * size
+    return True
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out = out * x
+    return out
+
+
+class CostModel:
+    """Estimates the time of nodes and graphs on one device profile."""
+
+    def __init__(self, profile: DeviceProfile):
+        self.profile = profile
+
+    # ------------------------------------------------------------------ per node
+
+    def flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
+        """(flops, bytes, kernel launches, kind) of one node; kind in matmul/pointwise/free/..."""
+        if node.op != "call_function":
+            return 0, 0, 0, "free"
+        name = _op_name(node)
+        outs = ir.infos(node)
+        if not outs:
+            return 0, 0, 0, "free"
+        ins = ir.arg_infos(node)
+        out_bytes = sum(o.nbytes for o in outs)
+        in_bytes = sum(i.nbytes for i in ins)
+        if name in VIEW_OPS or name == "getitem":
+            return 0, 0, 0, "free"
+        if name in MAYBE_VIEW_OPS:
+            src = ins[0] if ins else None
+            same = src is not None and outs[0].dtype == src.dtype and outs[0].device == src.device
+            if same and (name not in ("contiguous", "reshape", "flatten") or _is_contiguous(src)):
+                return 0, 0, 0, "free"
+            return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
+        if name in MATMUL_OPS:
+            a, b = ins[0], ins[1]
+            k = a.shape[-1]
+            out = outs[0]
+            flops = 2 * out.numel * k
+            return flops, in_bytes + out_bytes, 1, "matmul"
+        if name in CONV_OPS:
+            x, w = ins[0], ins[1]
+            out = outs[0]
+            groups = node.args[6] if name == "conv2d" and len(node.args) > 6 else node.kwargs.get("groups", 1)
+            if name in ("convolution", "_convolution") and len(node.args) > 8:
+                groups = node.args[8]
+            kernel = _prod(w.shape[1:])  # Cin/groups * kh * kw
+            flops = 2 * out.numel * kernel
+            return flops, in_bytes + out_bytes, 1, "matmul"
+        if name in ATTENTION_OPS:
+            q, k = ins[0], ins[1]
+            b_h = _prod(q.shape[:-2])
+            sq, d = q.shape[-2], q.shape[-1]
+            sk = k.shape[-2]
+            causal = bool(node.kwargs.get("is_causal", False) or (len(node.args) > 4 and node.args[4] is True))
+            flops = 4 * b_h * sq * sk * d
+            if causal:
+                flops = flops / 2
+            return flops, in_bytes + out_bytes, 1, "matmul"
+        if name == "embedding":
+            return 0, 2 * out_bytes + (ins[1].nbytes if len(ins) > 1 else 0), 1, "gather"
+        if name in ("max_pool2d", "avg_pool2d", "max_pool2d_with_indices", "adaptive_avg_pool2d"):
+            window = 1
+            ks = node.args[1] if len(node.args) > 1 else None
+            if name == "adaptive_avg_pool2d":
+                window = ins[0].numel / max(outs[0].numel, 1) if ins else 1
+            elif isinstance(ks, (list, tuple)):
+                window = _prod(ks)
+            return outs[0].numel * window, in_bytes + out_bytes, 1, "reduction"
+        weight = FLOP_WEIGHT.get(name, 1)
+        numel = _prod([o.numel for o in outs[:1]])
+        if _namespace(node) == "graphopt":
+            kind = "fused"
+        elif name in ("softmax", "_softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm", "sum", "mean",
+                      "amax", "var", "rms_norm", "native_layer_norm", "cumsum", "argmax", "max", "min"):
+            kind = "reduction"
+        else:
+            kind = "pointwise"
+        # inputs that are broadcast (fewer elements) are read once
+        return numel * weight, in_bytes + out_bytes, 1, kind
+
+    def node_cost(self, node: fx.Node) -> NodeCost:
+        flops, nbytes, launches, kind = self.flops_bytes(node)
+        p = self.profile
+        if kind == "free":
+            return NodeCost(node.name, _op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
+        if kind == "matmul":
+            dtype = ir.arg_infos(node)[0].dtype
+            rate = p.matmul_rate(dtype)
+        else:
+            rate = p.elementwise_flops
+        compute = flops / rate
+        memory = nbytes / p.bandwidth
+        launch = launches * p.launch_overhead_s
+        t = _smax(compute, memory) + launch
+        c, m = _num(compute), _num(memory)
+        if launch >= max(c, m):
+            bound = "launch"
+        elif c >= m:
+            bound = "compute"
+        else:
+            bound = "memory"
+        return NodeCost(node.name, _op_name(node), flops, nbytes, launches, compute, memory, t, bound)
+
+    # ------------------------------------------------------------------ per graph
+
+    def graph_cost(self, gm: fx.GraphModule, hints: dict | None = None) -> GraphCost:
+        if hints is None:
+            hints = ir.shape_hints(gm)
+        raw = [self.node_cost(n) for n in gm.graph.nodes]
+        symbolic_total = None
+        if any(not isinstance(c.time_s, (int, float)) for c in raw):
+            symbolic_total = sum((c.time_s for c in raw), sympy.Integer(0))
+        nodes = [c.evaluated(hints) for c in raw]
+        total = sum(c.time_s for c in nodes)
+        flops = sum(c.flops for c in nodes)
+        nbytes = sum(c.bytes for c in nodes)
+        launches = sum(c.launches for c in nodes)
+        share = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
+        for c in nodes:
+            if c.bound in share:
+                share[c.bound] += c.time_s
+        if total > 0:
+            share = {k: v / total for k, v in share.items()}
+        peak, params, compulsory = self.memory(gm, hints)
+        floor = max(self._floor_compute(gm, nodes), compulsory / self.profile.bandwidth)
+        return GraphCost(total, nodes, flops, nbytes, launches, floor, share, peak, params, symbolic_total)
+
+    def _floor_compute(self, gm, nodes) -> float:
+        t = 0.0
+        by_name = {n.name: n for n in gm.graph.nodes}
+        for c in nodes:
+            if c.bound == "free" or c.flops == 0:
+                continue
+            node = by_name.get(c.node)
+            _, _, _, kind = self.flops_bytes(node)
+            rate = self.profile.matmul_rate(ir.arg_infos(node)[0].dtype) if kind == "matmul" else self.profile.elementwise_flops
+            t += c.flops / rate
+        return t
+
+    def memory(self, gm: fx.GraphModule, hints=None) -> tuple[float, float, float]:
+        """(predicted peak bytes of one forward, parameter+buffer bytes, compulsory bytes).
+
+        Liveness over the topological order: a tensor lives from its producer to its last
+        reader; views keep their base alive; parameters live throughout."""
+        c = lambda v: ir.concrete(v, hints)  # noqa: E731
+        nodes = list(gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        base: dict[fx.Node, fx.Node] = {}
+        size: dict[fx.Node, float] = {}
+        params = 0.0
+        inputs = 0.0
+        for n in nodes:
+            infos = ir.infos(n)
+            nbytes = sum(c(t.nbytes) for t in infos)
+            if n.op == "get_attr":
+                params += nbytes
+                continue
+            if n.op == "placeholder":
+                inputs += nbytes
+            kind = self.flops_bytes(n)[3] if n.op == "call_function" else "input"
+            if kind == "free" and n.all_input_nodes:
+                src = n.all_input_nodes[0]
+                base[n] = base.get(src, src)
+            else:
+                size[n] = nbytes
+        last_use: dict[fx.Node, int] = {}
+        for n in nodes:
+            for a in n.all_input_nodes:
+                root = base.get(a, a)
+                last_use[root] = max(last_use.get(root, 0), index[n])
+        out_node = nodes[-1]
+        outputs = 0.0
+        for a in out_node.all_input_nodes:
+            root = base.get(a, a)
+            last_use[root] = len(nodes)
+            outputs += size.get(root, 0.0)
+        live = 0.0
+        peak = 0.0
+        frees: dict[int, float] = {}
+        for i, n in enumerate(nodes):
+            if n in size:
+                live += size[n]
+                end = last_use.get(n, i)
+                frees[end] = frees.get(end, 0.0) + size[n]
+            peak = max(peak, live)
+            live -= frees.pop(i, 0.0)
+        return peak + params, params, params + inputs + outputs
+
+
+def _num(v) -> float:
+    if isinstance(v, (int, float)):
+        return float(v)
+    try:
+        return float(v)
+    except TypeError:
+        # symbolic: compare at a nominal size of 1024 for every symbol
+        return float(v.subs({s: 1024 for s in v.free_symbols}))
+
+
+def fmt_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    if ms == 0 or math.isnan(ms):
+        return "0"
+    return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"

@@ -1,0 +1,164 @@
+"""Device profiles: peak FLOP/s per dtype, memory bandwidth, launch overhead, memory size.
+
+Shipped profiles live in ``profiles/*.json`` (each says which numbers were measured and which
+come from a datasheet). The CPU profile is measured on the spot (a small matmul, a large copy,
+a tiny op) and cached in ``~/.cache/graphopt`` keyed by host, core count and torch version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import GraphoptError
+
+_DIR = Path(__file__).with_name("profiles")
+
+
+@dataclass
+class DeviceProfile:
+    name: str
+    kind: str  # "cuda" | "cpu"
+    peak_flops: dict  # dtype name -> FLOP/s for dense matmul-like work
+    elementwise_flops: float  # FLOP/s for pointwise / reduction arithmetic
+    bandwidth: float  # bytes/s, device memory
+    launch_overhead_s: float  # per kernel (per op on the CPU: dispatch overhead)
+    memory_bytes: float
+    description: str = ""
+    source: dict = field(default_factory=dict)
+    link_bandwidth: dict = field(default_factory=dict)
+    sm_count: int = 0
+
+    def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:
+        name = str(dtype).replace("torch.", "")
+        if dtype == torch.float32:
+            if allow_tf32 is None:
+                allow_tf32 = torch.backends.cuda.matmul.allow_tf32 if self.kind == "cuda" else False
+            if allow_tf32 and "tf32" in self.peak_flops:
+                return self.peak_flops["tf32"]
+        if name in self.peak_flops:
+            return self.peak_flops[name]
+        return self.peak_flops.get("float32", min(self.peak_flops.values()))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _load_json(path: Path) -> DeviceProfile:
+    data = json.loads(path.read_text())
+    return DeviceProfile(**data)
+
+
+def shipped() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(_DIR.glob("*.json"))}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("GRAPHOPT_CACHE_DIR", Path.home() / ".cache" / "graphopt"))
+
+
+def calibrate_cpu(quick: bool = True) -> DeviceProfile:
+    """Measure this CPU: fp32 matmul rate, copy bandwidth, per-op dispatch overhead."""
+    threads = torch.get_num_threads()
+
+    def best(fn, reps):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    n = 384 if quick else 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t_mm = best(lambda: torch.mm(a, b), 5)
+    flops = 2 * n**3 / t_mm
+    bf = torch.randn(n, n).bfloat16()
+    t_bf = best(lambda: torch.mm(bf, bf), 3)
+    bf_flops = 2 * n**3 / t_bf
+    m = (1 << 22) if quick else (1 << 24)
+    src = torch.randn(m)
+    dst = torch.empty_like(src)
+    t_cp = best(lambda: dst.copy_(src), 5)
+    bw = 2 * src.numel() * 4 / t_cp
+    tiny = torch.randn(4)
+    t_op = best(lambda: [torch.add(tiny, tiny) for _ in range(100)], 5) / 100
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 16e9
+    return DeviceProfile(
+        name="cpu",
+        kind="cpu",
+        peak_flops={"float32": flops, "float64": flops / 2, "bfloat16": bf_flops, "float16": bf_flops / 2},
+        elementwise_flops=flops / 8,
+        bandwidth=bw,
+        launch_overhead_s=t_op,
+        memory_bytes=float(mem),
+        description=f"{platform.processor() or platform.machine()}, {threads} threads, measured at first use",
+        source={"all": "measured"},
+    )
+
+
+def cpu_profile() -> DeviceProfile:
+    key = f"cpu-{platform.node()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}.json"
+    path = _cache_dir() / key
+    if path.exists():
+        try:
+            return _load_json(path)
+        except Exception:
+            pass
+    prof = calibrate_cpu()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(prof.to_dict(), indent=1))
+    except OSError:
+        pass
+    return prof
+
+
+def profile_names() -> list[str]:
+    return sorted(list(shipped()) + ["cpu"])
+
+
+def get_profile(target: "str | torch.device | DeviceProfile | None" = None) -> tuple[DeviceProfile, str]:
+    """Resolve a profile from a name ("h200", "a100", "cpu"), a device, or None (the device
+    the model will run on). Returns (profile, note) where note explains any substitution."""
+    if isinstance(target, DeviceProfile):
+        return target, ""
+    if target is None:
+        target = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(target, str) and target.lower() in shipped():
+        return _load_json(shipped()[target.lower()]), ""
+    if isinstance(target, str) and target.lower() == "cpu":
+        return cpu_profile(), ""
+    if isinstance(target, str) and Path(target).suffix == ".json":
+        path = Path(target)
+        if not path.exists():
+            raise GraphoptError(f"profile file {target} does not exist")
+        return _load_json(path), ""
+    try:
+        dev = torch.device(target)
+    except (RuntimeError, TypeError):
+        raise GraphoptError(
+            f"unknown device or profile '{target}'; choose one of {', '.join(profile_names())} or a device like cuda:0"
+        ) from None
+    if dev.type == "cpu":
+        return cpu_profile(), ""
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GraphoptError(f"device {dev} requested but CUDA is not available here; use --target h200 to plan for a GPU you don't have")
+        name = torch.cuda.get_device_name(dev).lower()
+        for key in shipped():
+            if key in name:
+                return _load_json(shipped()[key]), ""
+        prof = _load_json(shipped()["h200"])
+        return prof, f"no profile for '{name}'; planning with h200's numbers"
+    raise GraphoptError(f"unsupported device type '{dev.type}'")

@@ -1,0 +1,289 @@
+"""Graph IR helpers: node metadata, metadata re-propagation, invariant checks, provenance.
+
+The IR is a ``torch.fx.GraphModule`` whose call_function nodes are ATen overloads (the
+canonical vocabulary made by :mod:`graphopt.capture`). Every node carries ``meta["val"]`` (a
+FakeTensor, or a tuple of them) from which shape, dtype, device and symbolic dims are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .errors import GraphoptError
+
+aten = torch.ops.aten
+
+
+class InvariantError(GraphoptError):
+    """A pass left the graph in a broken state (names the node)."""
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple  # ints or sympy expressions
+    dtype: torch.dtype
+    device: torch.device
+    stride: tuple | None = None
+
+    @property
+    def numel(self):
+        n = sympy.Integer(1)
+        for d in self.shape:
+            n = n * d
+        return sympy.simplify(n) if not isinstance(n, (int, sympy.Integer)) else int(n)
+
+    @property
+    def nbytes(self):
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def symbolic(self) -> bool:
+        return any(not isinstance(d, int) for d in self.shape)
+
+
+def _dim(d):
+    if isinstance(d, torch.SymInt):
+        expr = d.node.expr
+        return int(expr) if expr.is_number else expr
+    return int(d)
+
+
+def tensor_info(val) -> TensorInfo | None:
+    if isinstance(val, torch.Tensor):
+        try:
+            stride = tuple(_dim(s) for s in val.stride())
+        except Exception:  # sparse / nested tensors have no strides
+            stride = None
+        return TensorInfo(tuple(_dim(d) for d in val.shape), val.dtype, val.device, stride)
+    return None
+
+
+def info(node: fx.Node) -> TensorInfo | None:
+    """TensorInfo of a node producing one tensor, else None."""
+    return tensor_info(node.meta.get("val"))
+
+
+def infos(node: fx.Node) -> list[TensorInfo]:
+    """TensorInfo of every tensor a node produces (tuple outputs flattened)."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return [t for t in (tensor_info(v) for v in vals) if t is not None]
+
+
+def arg_infos(node: fx.Node) -> list[TensorInfo]:
+    """TensorInfo of every tensor input of a node (each input node once)."""
+    out = []
+    for a in node.all_input_nodes:
+        out.extend(infos(a))
+    return out
+
+
+def concrete(expr, hints: dict | None = None) -> float:
+    """Evaluate a size expression; symbols take their hint values."""
+    if isinstance(expr, (int, float)):
+        return expr
+    if hints:
+        expr = expr.subs(hints)
+    try:
+        return float(expr)
+    except TypeError as e:
+        raise InvariantError(f"size {expr} has symbols with no hint value") from e
+
+
+def shape_hints(gm: fx.GraphModule) -> dict:
+    """Symbol -> example value, read from the ShapeEnv of the graph's fake tensors."""
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None or mode.shape_env is None:
+        return {}
+    env = mode.shape_env
+    values = getattr(env, "backed_var_to_val", None)
+    if values is None:
+        values = env.var_to_val
+    return {k: int(v) for k, v in values.items()}
+
+
+def is_tensor_node(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t._schema.name.split('::')[-1]}" + (f".{t._overloadname}" if t._overloadname != "default" else "")
+    if node.op == "call_module":
+        return f"module:{t}"
+    return getattr(t, "__name__", str(t))
+
+
+def get_attr_value(gm: fx.GraphModule, target: str):
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def user_count(node: fx.Node) -> int:
+    return len(node.users)
+
+
+# --------------------------------------------------------------------------- propagation
+
+
+def placeholder_fakes(gm: fx.GraphModule) -> list:
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def repropagate(gm: fx.GraphModule) -> None:
+    """Recompute ``meta["val"]`` for every node from the placeholders' fake values."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fakes = placeholder_fakes(gm)
+    mode = detect_fake_mode([v for v in fakes if isinstance(v, torch.Tensor)])
+    if mode is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in fakes]
+    prev = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    finally:
+        mode.allow_non_fake_inputs = prev
+
+
+def propagate_from_real(gm: fx.GraphModule, flat_inputs: list) -> None:
+    """First propagation, from real example inputs (used when capture did not give metadata)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+def check_invariants(gm: fx.GraphModule, where: str = "") -> None:
+    """lint + metadata present and consistent; raises InvariantError naming the node."""
+    suffix = f" after {where}" if where else ""
+    try:
+        gm.graph.lint()
+    except Exception as e:  # lint raises RuntimeError with its own message
+        raise InvariantError(f"graph lint failed{suffix}: {e}") from e
+    before = {n.name: (tensor_info(n.meta.get("val"))) for n in gm.graph.nodes}
+    try:
+        repropagate(gm)
+    except Exception as e:
+        raise InvariantError(f"shape propagation failed{suffix}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    for n in gm.graph.nodes:
+        if n.op in ("output",):
+            continue
+        old, new = before.get(n.name), tensor_info(n.meta.get("val"))
+        if old is not None and new is not None:
+            if old.dtype != new.dtype or old.device != new.device or len(old.shape) != len(new.shape):
+                raise InvariantError(
+                    f"node {n.name} ({target_name(n)}) changed metadata{suffix}: "
+                    f"{old.dtype}/{old.device}/{old.shape} -> {new.dtype}/{new.device}/{new.shape}"
+                )
+    devices = {info(n).device.type for n in gm.graph.nodes if info(n) is not None and n.op != "get_attr"}
+    if len(devices) > 1 and not getattr(gm, "_graphopt_multi_device", False):
+        raise InvariantError(f"graph mixes devices {sorted(devices)}{suffix}")
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+class ProvenanceObserver:
+    """Stamps ``meta['graphopt_from']`` on every node created while active (torch.fx
+    node-creation hooks), so passes never do provenance bookkeeping by hand."""
+
+    def __init__(self, gm: fx.GraphModule, pass_name: str):
+        self.gm, self.pass_name = gm, pass_name
+        self.sources: list[str] = []
+        self.created: list[fx.Node] = []
+
+    def _hook(self, node: fx.Node) -> None:
+        node.meta["graphopt_from"] = {"pass": self.pass_name, "sources": list(self.sources)}
+        self.created.append(node)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["ProvenanceObserver"]:
+        self.gm._register_create_node_hook(self._hook)
+        try:
+            yield self
+        finally:
+            self.gm._unregister_create_node_hook(self._hook)
+
+    @contextlib.contextmanager
+    def sourced(self, nodes: Iterable[fx.Node]):
+        saved = self.sources
+        self.sources = [n.name for n in nodes]
+        try:
+            yield
+        finally:
+            self.sources = saved
+
+
+# --------------------------------------------------------------------------- graph editing helpers
+
+
+def replace_with(old: fx.Node, new: fx.Node) -> None:
+    """Redirect old's users to new and carry its metadata if new has none."""
+    if "val" not in new.meta and "val" in old.meta:
+        new.meta["val"] = old.meta["val"]
+    old.replace_all_uses_with(new)
+
+
+def erase_dead(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:
+    """Erase those of the given nodes that end up with no users (users first)."""
+    pending = [n for n in dict.fromkeys(nodes) if n.op not in ("placeholder", "output")]
+    count, progress = 0, True
+    while progress:
+        progress = False
+        for n in list(pending):
+            if not n.users:
+                gm.graph.erase_node(n)
+                pending.remove(n)
+                count += 1
+                progress = True
+    return count
+
+
+def register_constant(gm: fx.GraphModule, prefix: str, value: torch.Tensor) -> str:
+    """Store a tensor computed at optimization time as a buffer; returns its attribute name."""
+    base = prefix.replace(".", "_")
+    i = 0
+    name = f"_graphopt_{base}"
+    while hasattr(gm, name):
+        i += 1
+        name = f"_graphopt_{base}_{i}"
+    gm.register_buffer(name, value, persistent=True)
+    return name
+
+
+def remove_unused_attributes(gm: fx.GraphModule) -> list[str]:
+    """Drop buffers graphopt added that no get_attr node reads any more."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    removed = []
+    for name in list(gm._buffers):
+        if name.startswith("_graphopt_") and name not in used:
+            del gm._buffers[name]
+            removed.append(name)
+    return removed
+
+
+GETITEM = operator.getitem

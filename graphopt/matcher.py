@@ -1,0 +1,219 @@
+"""The one pattern matcher: a small structural DSL over canonical (ATen) graphs.
+
+    from graphopt.matcher import Op, Any, Attr, find
+    pat = Op(aten.batch_norm.default, Op(aten.conv2d.default, Any("x"), Attr("w"), name="conv"),
+             Attr("bn_w"), Attr("bn_b"), Attr("mean"), Attr("var"), Const("training", False), name="bn")
+    for m in find(gm, pat):
+        m["conv"], m["x"], m.nodes ...
+
+Positional arguments are matched in order (arguments given by keyword are looked up through
+the op's schema); arguments past the pattern's are not constrained. Interior nodes of a match
+(every matched op node but the root) must have no users outside the match unless the pattern
+says ``single_use=False``. Set ``GRAPHOPT_DEBUG_MATCH=1`` to log why candidate roots fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("graphopt.matcher")
+_DEBUG = os.environ.get("GRAPHOPT_DEBUG_MATCH", "") not in ("", "0")
+
+_MISSING = object()
+
+
+def get_arg(node: fx.Node, index: int, name: str | None = None, default=_MISSING):
+    """Argument ``index`` of a call node, whether passed by position or keyword (schema-aware)."""
+    if index < len(node.args):
+        return node.args[index]
+    target = node.target
+    if name is None and isinstance(target, torch._ops.OpOverload):
+        args = target._schema.arguments
+        if index < len(args):
+            name = args[index].name
+            if name not in node.kwargs and args[index].has_default_value():
+                return node.kwargs.get(name, args[index].default_value) if default is _MISSING else node.kwargs.get(name, default)
+    if name is not None and name in node.kwargs:
+        return node.kwargs[name]
+    if default is _MISSING:
+        return None
+    return default
+
+
+class Pattern:
+    name: str | None = None
+
+    def match(self, value, m: "Match") -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class Match:
+    root: fx.Node
+    bindings: dict = field(default_factory=dict)
+    nodes: list = field(default_factory=list)  # matched op nodes, root first
+    why: str = ""
+
+    def __getitem__(self, key):
+        return self.bindings[key]
+
+    def get(self, key, default=None):
+        return self.bindings.get(key, default)
+
+    def fail(self, why: str) -> bool:
+        if not self.why:
+            self.why = why
+        return False
+
+
+class Any(Pattern):
+    """Any value (node or literal); optional predicate on it."""
+
+    def __init__(self, name: str | None = None, pred: Callable | None = None):
+        self.name, self.pred = name, pred
+
+    def match(self, value, m):
+        if self.pred is not None and not self.pred(value):
+            return m.fail(f"{self.name or 'value'} {value!r} fails its predicate")
+        return _bind(self.name, value, m)
+
+
+class Attr(Pattern):
+    """A get_attr node (a parameter, buffer or folded constant)."""
+
+    def __init__(self, name: str | None = None, optional: bool = False):
+        self.name, self.optional = name, optional
+
+    def match(self, value, m):
+        if value is None and self.optional:
+            return _bind(self.name, None, m)
+        if not isinstance(value, fx.Node) or value.op != "get_attr":
+            return m.fail(f"{self.name or 'attr'} is {_desc(value)}, not a parameter/buffer")
+        return _bind(self.name, value, m)
+
+
+class Const(Pattern):
+    """A literal argument equal to ``value`` (or satisfying ``pred``)."""
+
+    def __init__(self, name: str | None = None, value=_MISSING, pred: Callable | None = None):
+        self.name, self.value, self.pred = name, value, pred
+
+    def match(self, value, m):
+        if isinstance(value, fx.Node):
+            return m.fail(f"{self.name or 'const'} is a node, not a literal")
+        if self.value is not _MISSING and value != self.value:
+            return m.fail(f"{self.name or 'const'} is {value!r}, wanted {self.value!r}")
+        if self.pred is not None and not self.pred(value):
+            return m.fail(f"{self.name or 'const'} {value!r} fails its predicate")
+        return _bind(self.name, value, m)
+
+
+class Op(Pattern):
+    """A call_function node whose target is one of ``targets`` (overloads or packets)."""
+
+    def __init__(self, targets, *args: Pattern, name: str | None = None, single_use: bool = True,
+                 pred: Callable | None = None, kwargs: dict | None = None):
+        self.targets = targets if isinstance(targets, (tuple, list, set, frozenset)) else (targets,)
+        self.args, self.name, self.single_use, self.pred = args, name, single_use, pred
+        self.kwargs = kwargs or {}
+
+    def _target_ok(self, node: fx.Node) -> bool:
+        for t in self.targets:
+            if node.target is t:
+                return True
+            if isinstance(t, torch._ops.OpOverloadPacket) and isinstance(node.target, torch._ops.OpOverload) \
+                    and node.target.overloadpacket is t:
+                return True
+        return False
+
+    def match(self, value, m):
+        if not isinstance(value, fx.Node) or value.op != "call_function":
+            return m.fail(f"{self.name or 'op'} expected a call, found {_desc(value)}")
+        if not self._target_ok(value):
+            return m.fail(f"{value.name} is {_desc(value)}, not {'/'.join(map(str, self.targets))}")
+        if value in m.nodes:
+            return _bind(self.name, value, m)
+        if m.nodes and self.single_use and len(value.users) > 1:
+            return m.fail(f"{value.name} has {len(value.users)} users; fusing it would duplicate work")
+        m.nodes.append(value)
+        for i, sub in enumerate(self.args):
+            if not sub.match(get_arg(value, i), m):
+                return False
+        for kname, sub in self.kwargs.items():
+            if not sub.match(value.kwargs.get(kname, get_arg(value, _schema_index(value, kname))), m):
+                return False
+        if self.pred is not None and not self.pred(value):
+            return m.fail(f"{value.name} fails the pattern's condition")
+        return _bind(self.name, value, m)
+
+
+def _schema_index(node, name):
+    if isinstance(node.target, torch._ops.OpOverload):
+        for i, a in enumerate(node.target._schema.arguments):
+            if a.name == name:
+                return i
+    return 10**6
+
+
+def _bind(name, value, m: Match) -> bool:
+    if name is None:
+        return True
+    if name in m.bindings and m.bindings[name] is not value:
+        return m.fail(f"{name} bound twice to different values")
+    m.bindings[name] = value
+    return True
+
+
+def _desc(value) -> str:
+    if isinstance(value, fx.Node):
+        return f"{value.op} {value.target}"
+    return repr(value)
+
+
+def match(pattern: Pattern, node: fx.Node) -> Match | None:
+    m = Match(root=node)
+    if pattern.match(node, m):
+        # interior nodes may only feed other matched nodes
+        inside = set(m.nodes)
+        for n in m.nodes[1:]:
+            if any(u not in inside for u in n.users) and _needs_single_use(pattern, n):
+                m.why = f"{n.name} is read outside the match"
+                _log(node, m)
+                return None
+        return m
+    _log(node, m)
+    return None
+
+
+def _needs_single_use(pattern: Pattern, node: fx.Node) -> bool:
+    stack = [pattern]
+    while stack:
+        p = stack.pop()
+        if isinstance(p, Op):
+            if p.single_use is False and p._target_ok(node):
+                return False
+            stack.extend(p.args)
+            stack.extend(p.kwargs.values())
+    return True
+
+
+def _log(node, m):
+    if _DEBUG and m.why:
+        log.warning("no match at %s: %s", node.name, m.why)
+
+
+def find(gm: fx.GraphModule, pattern: Pattern) -> Iterator[Match]:
+    """Every match of ``pattern`` rooted at a node of ``gm`` (in graph order; may overlap)."""
+    roots = pattern.targets if isinstance(pattern, Op) else None
+    for node in list(gm.graph.nodes):
+        if roots is not None and (node.op != "call_function" or not pattern._target_ok(node)):
+            continue
+        m = match(pattern, node)
+        if m is not None:
+            yield m

@@ -1,0 +1,297 @@
+"""Pass protocol, the one declared pipeline, and the PassManager that runs it.
+
+A pass is a small object with a verb-first ``name`` (its CLI name, report key and test file
+name), a ``family`` (where it sits in the pipeline) and ``run(gm, ctx) -> PassResult``. Passes
+propose :class:`Candidate` rewrites; :meth:`PassResult.apply_ranked` asks the cost model's
+predicted gain, ranks overlapping candidates, applies the winners and records the rest as
+rejected with a reason. The manager checks graph invariants after every pass, guards accuracy,
+reverts a pass that breaks it, and records predicted cost before and after.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from . import ir
+from .cost.model import CostModel
+from .cost.profiles import DeviceProfile
+from .errors import PassConfigError
+
+# the declared order of families; a pipeline that breaks it is refused when assembled
+FAMILIES = ("cleanup", "fusion", "layout", "precision", "checkpoint", "partition", "lower")
+
+
+@dataclass
+class Rewrite:
+    pattern: str
+    matched: list[str]
+    replacement: list[str]
+    predicted_gain_s: float
+
+    def as_dict(self):
+        return {"pattern": self.pattern, "matched": self.matched, "replacement": self.replacement,
+                "predicted_gain_ms": self.predicted_gain_s * 1e3}
+
+
+@dataclass
+class Rejected:
+    candidate: str
+    reason: str
+
+    def as_dict(self):
+        return {"candidate": self.candidate, "reason": self.reason}
+
+
+@dataclass
+class Candidate:
+    """A proposed rewrite: the nodes it replaces, its predicted gain, and how to apply it.
+
+    ``apply()`` edits the graph and returns something true (the replacing node, or True for a
+    pure deletion), or None if, looking closer, it cannot apply; it must then leave the graph
+    untouched and ``refusal`` says why. New nodes are found by the provenance observer."""
+
+    pattern: str
+    nodes: list
+    gain_s: float
+    apply: Callable[[], object]
+    label: str = ""
+    refusal: str = ""
+
+    @property
+    def description(self) -> str:
+        return self.label or f"{self.pattern} at {', '.join(n.name for n in self.nodes[:4])}"
+
+
+@dataclass
+class PassResult:
+    name: str
+    family: str = ""
+    changed: bool = False
+    status: str = "unchanged"  # applied | unchanged | skipped | reverted | disabled
+    rewrites: list[Rewrite] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    predicted_s_before: float = 0.0
+    predicted_s_after: float = 0.0
+    peak_bytes_before: float = 0.0
+    peak_bytes_after: float = 0.0
+    accuracy: dict | None = None
+
+    def reject(self, candidate: str, reason: str) -> None:
+        self.rejected.append(Rejected(candidate, reason))
+
+    def record(self, pattern: str, matched: Iterable, replacement: Iterable, gain_s: float) -> None:
+        names = lambda xs: [x.name if isinstance(x, fx.Node) else str(x) for x in xs]  # noqa: E731
+        self.rewrites.append(Rewrite(pattern, names(matched), names(replacement), gain_s))
+        self.changed = True
+
+    def apply_ranked(self, ctx: "PassContext", candidates: list[Candidate], allow_zero_gain: bool = False) -> None:
+        """Apply candidates best predicted gain first; skip overlaps and predicted losses."""
+        taken: set = set()
+        winners: dict = {}
+        for c in sorted(candidates, key=lambda c: -c.gain_s):
+            clash = next((n for n in c.nodes if n in taken), None)
+            if clash is not None:
+                self.reject(c.description, f"overlaps {winners[clash]} (higher predicted gain)")
+                continue
+            if c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain):
+                self.reject(c.description, f"predicted no gain ({c.gain_s * 1e6:+.2f} us)")
+                continue
+            created_before = len(ctx.observer.created) if ctx.observer else 0
+            with (ctx.observer.sourced(c.nodes) if ctx.observer else _null()):
+                out = c.apply()
+            if out is None:
+                self.reject(c.description, c.refusal or "could not be applied")
+                continue
+            created = ctx.observer.created[created_before:] if ctx.observer else []
+            for n in c.nodes:
+                taken.add(n)
+                winners[n] = c.description
+            self.record(c.pattern, c.nodes, [n for n in created if n.op != "get_attr"], c.gain_s)
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "family": self.family,
+            "status": self.status,
+            "rewrites": len(self.rewrites),
+            "rewrite_list": [r.as_dict() for r in self.rewrites],
+            "predicted_ms_before": self.predicted_s_before * 1e3,
+            "predicted_ms_after": self.predicted_s_after * 1e3,
+            "peak_memory_before": self.peak_bytes_before,
+            "peak_memory_after": self.peak_bytes_after,
+            "rejected": [r.as_dict() for r in self.rejected],
+            "notes": list(self.notes),
+            "seconds": self.seconds,
+            "accuracy": self.accuracy,
+        }
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@dataclass
+class PassContext:
+    profile: DeviceProfile
+    cost: CostModel
+    training: bool = False
+    disabled: frozenset = frozenset()
+    verify: bool = True
+    dump_dir: Path | None = None
+    hints: dict = field(default_factory=dict)
+    observer: ir.ProvenanceObserver | None = None
+    options: dict = field(default_factory=dict)
+
+    def node_time(self, nodes: Iterable[fx.Node]) -> float:
+        return sum(ir.concrete(self.cost.node_cost(n).time_s, self.hints) for n in nodes)
+
+
+class Pass:
+    """Base class: subclasses set ``name``, ``family``, ``description`` and implement run()."""
+
+    name: str = ""
+    family: str = ""
+    description: str = ""
+    inference_only: bool = False  # not applied to training graphs
+    requires: tuple = ()  # pass names that must run earlier when both are enabled
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:  # pragma: no cover
+        raise NotImplementedError
+
+    def result(self) -> PassResult:
+        return PassResult(self.name, self.family)
+
+
+_REGISTRY: dict[str, type[Pass]] = {}
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    if not cls.name or cls.family not in FAMILIES:
+        raise PassConfigError(f"pass {cls.__name__} needs a name and a family in {FAMILIES}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registry() -> dict[str, type[Pass]]:
+    from . import passes  # noqa: F401  (importing registers every pass)
+
+    return dict(_REGISTRY)
+
+
+# The pipeline, declared once. Order inside a family is the order listed.
+PIPELINE: tuple[str, ...] = (
+    "eliminate_dead_code",
+    "fold_constants",
+    "fold_conv_bn",
+)
+
+
+def assemble(passes: Iterable[str] | None = None, disable: Iterable[str] = ()) -> list[Pass]:
+    """Resolve names into pass objects in pipeline order; unknown names and broken order raise."""
+    reg = registry()
+    known = [n for n in PIPELINE if n in reg]
+    unknown = [n for n in list(passes or []) + list(disable) if n not in reg]
+    if unknown:
+        raise PassConfigError(f"unknown pass {', '.join(unknown)}; known passes: {', '.join(known)}")
+    chosen = list(passes) if passes else known
+    # keep the declared order whatever order the user listed them in
+    chosen = sorted(dict.fromkeys(chosen), key=lambda n: PIPELINE.index(n) if n in PIPELINE else len(PIPELINE))
+    objs = [reg[n]() for n in chosen]
+    order = [FAMILIES.index(p.family) for p in objs]
+    if order != sorted(order):
+        raise PassConfigError(f"pipeline order breaks families {FAMILIES}: {[p.name for p in objs]}")
+    for i, p in enumerate(objs):
+        for req in p.requires:
+            if req in chosen and chosen.index(req) > i:
+                raise PassConfigError(f"pass {p.name} requires {req} to run first")
+    disabled = set(disable)
+    for p in objs:
+        p.disabled = p.name in disabled  # type: ignore[attr-defined]
+    return objs
+
+
+class PassManager:
+    def __init__(self, passes: list[Pass], accuracy_check: Callable[[fx.GraphModule], object] | None = None):
+        self.passes = passes
+        self.accuracy_check = accuracy_check
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassResult]:
+        results = []
+        if ctx.dump_dir is not None:
+            ctx.dump_dir.mkdir(parents=True, exist_ok=True)
+            (ctx.dump_dir / "000_captured.py").write_text(gm.code)
+        before = ctx.cost.graph_cost(gm, ctx.hints)
+        for i, p in enumerate(self.passes, start=1):
+            res = p.result()
+            res.predicted_s_before = before.total_s
+            res.peak_bytes_before = before.peak_memory_bytes
+            if getattr(p, "disabled", False):
+                res.status, res.predicted_s_after, res.peak_bytes_after = "disabled", before.total_s, before.peak_memory_bytes
+                results.append(res)
+                continue
+            if ctx.training and p.inference_only:
+                res.status = "skipped"
+                res.notes.append("inference-only pass; the graph is for training")
+                res.predicted_s_after, res.peak_bytes_after = before.total_s, before.peak_memory_bytes
+                results.append(res)
+                continue
+            saved_graph = copy.deepcopy(gm.graph)
+            t0 = time.perf_counter()
+            ctx.observer = ir.ProvenanceObserver(gm, p.name)
+            with ctx.observer.active():
+                out = p.run(gm, ctx)
+            ctx.observer = None
+            out.predicted_s_before, out.peak_bytes_before = res.predicted_s_before, res.peak_bytes_before
+            res = out
+            res.family = p.family
+            if res.changed:
+                gm.recompile()
+                if ctx.verify:
+                    ir.check_invariants(gm, p.name)
+                res.status = "applied"
+                if self.accuracy_check is not None:
+                    acc = self.accuracy_check(gm)
+                    res.accuracy = acc.as_dict()
+                    if not acc.passed:
+                        gm.graph = saved_graph
+                        ir.remove_unused_attributes(gm)
+                        gm.recompile()
+                        ir.repropagate(gm)
+                        res.status = "reverted"
+                        res.notes.append(f"reverted: fails the accuracy rule ({acc.reason})")
+            res.seconds = time.perf_counter() - t0
+            after = ctx.cost.graph_cost(gm, ctx.hints) if res.status == "applied" else before
+            res.predicted_s_after, res.peak_bytes_after = after.total_s, after.peak_memory_bytes
+            before = after
+            if ctx.dump_dir is not None:
+                (ctx.dump_dir / f"{i:03d}_{p.name}.py").write_text(gm.code)
+            results.append(res)
+        ir.remove_unused_attributes(gm)
+        return results
+
+
+def graph_signature(gm: fx.GraphModule) -> list[tuple]:
+    """A compact description of the graph (op multiset) for tests and reports."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            out.append(ir.target_name(n))
+    return sorted(out)
+
+
+def count_ops(gm: fx.GraphModule, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and (n.target is target or (
+        isinstance(target, torch._ops.OpOverloadPacket) and getattr(n.target, "overloadpacket", None) is target)))

@@ -1,0 +1,152 @@
+"""The Report: what each pass did, predicted before/after, what was rejected and why.
+
+``explain`` renders only these records (passes never print). ``to_json`` gives the stable
+machine-readable form written by ``graphopt explain --json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .pipeline import PassResult
+
+
+def _mb(nbytes: float) -> str:
+    if nbytes >= 1e9:
+        return f"{nbytes / 1e9:.2f} GB"
+    return f"{nbytes / 1e6:.1f} MB"
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3f}" if ms < 10 else f"{ms:.2f}"
+
+
+@dataclass
+class Report:
+    model: str
+    device: str
+    target: str
+    profile: dict
+    capture: dict
+    predicted_s_before: float
+    predicted_s_after: float
+    cost_before: dict
+    cost_after: dict
+    passes: list[PassResult]
+    accuracy: dict
+    kernel_backend: str
+    optimize_seconds: float
+    notes: list[str] = field(default_factory=list)
+    top_nodes: list[dict] = field(default_factory=list)
+    measured: dict | None = None
+
+    # ------------------------------------------------------------------ data
+
+    def pass_result(self, name: str) -> PassResult:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def rewrites(self, name: str) -> int:
+        return len(self.pass_result(name).rewrites)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "target": self.target,
+            "profile": self.profile,
+            "capture": self.capture,
+            "kernel_backend": self.kernel_backend,
+            "predicted_ms_before": self.predicted_s_before * 1e3,
+            "predicted_ms_after": self.predicted_s_after * 1e3,
+            "cost_before": self.cost_before,
+            "cost_after": self.cost_after,
+            "accuracy": self.accuracy,
+            "optimize_seconds": self.optimize_seconds,
+            "passes": [p.as_dict() for p in self.passes],
+            "top_nodes": self.top_nodes,
+            "notes": self.notes,
+            "measured": self.measured,
+        }
+
+    def to_json(self, indent: int = 1) -> str:
+        return json.dumps(self.as_dict(), indent=indent, default=str)
+
+    # ------------------------------------------------------------------ rendering
+
+    def render(self, console=None, max_rejected: int = 8, max_rewrites: int = 6) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        speed = self.predicted_s_before / self.predicted_s_after if self.predicted_s_after else float("nan")
+        console.print(
+            f"[bold]graphopt explain[/bold] {self.model}  device [cyan]{self.device}[/cyan]  "
+            f"cost profile [cyan]{self.target}[/cyan]  captured with {self.capture.get('method')}  "
+            f"kernels: {self.kernel_backend}"
+        )
+        table = Table(show_lines=False, header_style="bold")
+        for col, just in (("pass", "left"), ("status", "left"), ("rewrites", "right"), ("rejected", "right"),
+                          ("predicted ms", "right"), ("peak MB", "right"), ("took", "right")):
+            table.add_column(col, justify=just, no_wrap=True)
+        style = {"applied": "green", "reverted": "red", "skipped": "yellow", "disabled": "dim", "unchanged": "dim"}
+        for p in self.passes:
+            table.add_row(
+                p.name, f"[{style.get(p.status, '')}]{p.status}[/]", str(len(p.rewrites)), str(len(p.rejected)),
+                f"{_ms(p.predicted_s_before)}→{_ms(p.predicted_s_after)}",
+                f"{p.peak_bytes_before / 1e6:.0f}→{p.peak_bytes_after / 1e6:.0f}",
+                f"{p.seconds:.2f}s",
+            )
+        console.print(table)
+        for p in self.passes:
+            if not (p.rewrites or p.rejected or p.notes):
+                continue
+            console.print(f"[bold]{p.name}[/bold]")
+            groups: dict[str, list] = {}
+            for r in p.rewrites:
+                groups.setdefault(r.pattern, []).append(r)
+            for pattern, rs in groups.items():
+                gain = sum(r.predicted_gain_s for r in rs)
+                console.print(f"  ✓ {len(rs)} × {pattern}  (predicted −{gain * 1e3:.3f} ms)")
+                for r in rs[:max_rewrites]:
+                    repl = ", ".join(r.replacement) if r.replacement else "(removed)"
+                    console.print(f"      {', '.join(r.matched)} → {repl}", style="dim")
+                if len(rs) > max_rewrites:
+                    console.print(f"      … {len(rs) - max_rewrites} more", style="dim")
+            for r in p.rejected[:max_rejected]:
+                console.print(f"  ✗ {r.candidate}: {r.reason}", style="yellow")
+            if len(p.rejected) > max_rejected:
+                console.print(f"  ✗ … {len(p.rejected) - max_rejected} more rejected (see --json)", style="yellow")
+            for note in p.notes:
+                console.print(f"  • {note}")
+        cb, ca = self.cost_before, self.cost_after
+        share = ca.get("bound_share", {})
+        console.print(
+            f"[bold]predicted[/bold] {_ms(self.predicted_s_before)} ms → {_ms(self.predicted_s_after)} ms "
+            f"({speed:.2f}×)   roofline floor {_ms(ca['roofline_floor_ms'] / 1e3)} ms   "
+            f"kernels {cb['kernel_launches']} → {ca['kernel_launches']}   "
+            f"peak memory {_mb(cb['peak_memory_bytes'])} → {_mb(ca['peak_memory_bytes'])}"
+        )
+        console.print(
+            "[bold]bottleneck[/bold] (share of predicted time after optimizing): "
+            f"compute-bound {share.get('compute', 0):.0%}, memory-bound {share.get('memory', 0):.0%}, "
+            f"launch-bound {share.get('launch', 0):.0%}"
+        )
+        if self.top_nodes:
+            console.print("[bold]costliest nodes[/bold]: " + ", ".join(
+                f"{t['node']} ({t['op']}, {t['ms']:.3f} ms, {t['bound']})" for t in self.top_nodes[:5]))
+        acc = self.accuracy
+        if acc.get("checked"):
+            mark = "[green]passed[/green]" if acc["passed"] else "[red]FAILED[/red]"
+            console.print(f"[bold]accuracy[/bold] vs fp64 reference: {mark} "
+                          f"(max |err| {acc.get('max_abs_err', 0):.3g}, rmse {acc.get('rmse', 0):.3g})")
+        else:
+            console.print(f"[bold]accuracy[/bold] not checked: {acc.get('reason', '')}")
+        for note in self.notes:
+            console.print(f"• {note}")
+        console.print(f"optimized in {self.optimize_seconds:.2f} s")

@@ -1,0 +1,46 @@
+"""eliminate_dead_code: remove pure nodes whose results nobody reads."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+
+
+def _removable(node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method", "call_module", "get_attr") or node.users:
+        return False
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        name = node.target._schema.name
+        if node.target._schema.is_mutable or "_assert" in name or "print" in name:
+            return False
+        tags = getattr(node.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags:
+            # dropping an unused random op changes the RNG stream of later random ops
+            return False
+    return not node.is_impure()
+
+
+@register
+class EliminateDeadCode(Pass):
+    name = "eliminate_dead_code"
+    family = "cleanup"
+    description = "remove pure nodes whose results are never used"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        while True:
+            dead = [n for n in gm.graph.nodes if _removable(n)]
+            if not dead:
+                break
+            for node in reversed(dead):
+                gain = ctx.node_time([node])
+
+                def apply(node=node):
+                    gm.graph.erase_node(node)
+                    return True
+
+                res.apply_ranked(ctx, [Candidate("dead node", [node], gain, apply, label=f"{node.name} ({node.target})")],
+                                 allow_zero_gain=True)
+        return res

@@ -1,0 +1,119 @@
+"""fold_constants: evaluate subgraphs that read only parameters, buffers and literals once, at
+optimization time, and store the result as a buffer.
+
+Never folds random or uninitialised-memory ops, never in training mode across a trainable
+parameter (its gradient would be lost), and refuses to store a large constant that is much
+bigger than what it is computed from (an ``expand`` turned into memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+
+_NEVER = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "rand", "randn",
+          "randint", "rand_like", "randn_like", "bernoulli", "dropout", "native_dropout", "normal", "uniform",
+          "multinomial", "randperm", "_assert_tensor_metadata"}
+LARGE_BYTES = 4 << 20
+
+
+def _op_name(node):
+    t = node.target
+    return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", "")
+
+
+def _is_const_node(node: fx.Node, const: set) -> bool:
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if _op_name(node) in _NEVER or node.target._schema.is_mutable:
+        return False
+    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        return False
+    return all(a in const for a in node.all_input_nodes)
+
+
+@register
+class FoldConstants(Pass):
+    name = "fold_constants"
+    family = "cleanup"
+    description = "compute parameter-only subgraphs once and store them as constants"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        const: set = set()
+        for n in gm.graph.nodes:
+            if _is_const_node(n, const):
+                const.add(n)
+        # fold at the frontier: constant call nodes read by something that is not constant
+        roots = [n for n in gm.graph.nodes if n in const and n.op == "call_function"
+                 and any(u not in const for u in n.users)]
+        env: dict = {}
+
+        def value(node):
+            if node in env:
+                return env[node]
+            if node.op == "get_attr":
+                v = ir.get_attr_value(gm, node.target)
+            else:
+                args = torch.fx.node.map_arg(node.args, value)
+                kwargs = torch.fx.node.map_arg(node.kwargs, value)
+                v = node.target(*args, **kwargs)
+            env[node] = v
+            return v
+
+        candidates = []
+        for root in roots:
+            if not isinstance(root.meta.get("val"), torch.Tensor):
+                continue
+            sub = _subgraph(root, const)
+            sources = [n for n in sub if n.op == "get_attr"]
+            if ctx.training:
+                trainable = [s.target for s in sources if getattr(ir.get_attr_value(gm, s.target), "requires_grad", False)]
+                if trainable:
+                    res.reject(f"{root.name}", f"reads trainable parameter {trainable[0]} in a training graph")
+                    continue
+            out_info = ir.info(root)
+            src_bytes = sum(ir.concrete(ir.info(s).nbytes) for s in sources if ir.info(s) is not None)
+            out_bytes = ir.concrete(out_info.nbytes, ctx.hints)
+            if out_bytes > LARGE_BYTES and out_bytes > 2 * src_bytes:
+                res.reject(root.name, f"would store a {out_bytes / 2**20:.1f} MiB constant computed from "
+                                      f"{src_bytes / 2**20:.1f} MiB")
+                continue
+            # the gain: the ops that no longer run (only those feeding nothing but constants)
+            work = [n for n in sub if n.op == "call_function" and all(u in const for u in n.users) or n is root]
+            gain = ctx.node_time(work)
+
+            def apply(root=root):
+                with torch.no_grad():
+                    v = value(root)
+                name = ir.register_constant(gm, root.name, v.detach().clone() if v._base is not None else v.detach())
+                with gm.graph.inserting_before(root):
+                    new = gm.graph.get_attr(name)
+                ir.replace_with(root, new)
+                ir.erase_dead(gm, [root] + [n for n in sub if n.op == "call_function"])
+                return new
+
+            candidates.append(Candidate("constant subgraph", [root], gain, apply,
+                                        label=f"{root.name} ({len(sub)} nodes from {len(sources)} constants)"))
+        res.apply_ranked(ctx, candidates)
+        # constants that are now unused
+        for n in list(gm.graph.nodes):
+            if n.op == "get_attr" and not n.users:
+                gm.graph.erase_node(n)
+        return res
+
+
+def _subgraph(root: fx.Node, const: set) -> list:
+    seen, stack = [], [root]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.append(n)
+        stack.extend(a for a in n.all_input_nodes if a in const)
+    return seen

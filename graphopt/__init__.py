@@ -7,12 +7,21 @@
     loaded = graphopt.load("model.pt")
 """
 
-from .api import OptimizedModule, explain, optimize
-from .capture import capture
-from .errors import (AccuracyError, ArtifactError, BudgetError, CaptureError, GraphoptError, GuardError,
-                     KernelBuildError, ModelSpecError, PassConfigError, UnsupportedOpError)
-from .export import export, load
-from .report import Report
+from pathlib import Path as _Path
+
+# passes/, cuda_ext/ and examples/ sit beside graphopt/ in the source tree and are mapped into
+# the package by pyproject's package-dir. When graphopt is imported straight from a checkout
+# (the repo root on sys.path, no install), the same mapping holds through __path__.
+_root = _Path(__file__).resolve().parent.parent
+if (_root / "passes" / "__init__.py").exists() and (_root / "pyproject.toml").exists():
+    __path__.append(str(_root))  # noqa: F821  (package __path__)
+
+from .api import OptimizedModule, explain, optimize  # noqa: E402
+from .capture import capture  # noqa: E402
+from .errors import (  # noqa: E402
+    AccuracyError, ArtifactError, BudgetError, CaptureError, GraphoptError, GuardError, KernelBuildError, ModelSpecError, PassConfigError, UnsupportedOpError)
+from .export import export, load  # noqa: E402
+from .report import Report  # noqa: E402
 
 __version__ = "0.1.0"
 

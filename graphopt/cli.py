@@ -107,11 +107,16 @@ def _optimize(args):
     return opt, inputs
 
 
-def cmd_explain(args) -> int:
+def _console():
     from rich.console import Console
 
+    c = Console()
+    return c if c.is_terminal else Console(width=120)
+
+
+def cmd_explain(args) -> int:
     opt, _ = _optimize(args)
-    opt.report.render(Console())
+    opt.report.render(_console())
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(opt.report.to_json())
@@ -119,18 +124,15 @@ def cmd_explain(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from rich.console import Console
-
     from .export import export
 
     opt, inputs = _optimize(args)
     path = export(opt, args.output, format=args.format, example_inputs=inputs)
-    Console().print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); load with graphopt.load('{path}')")
+    _console().print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); load with graphopt.load('{path}')")
     return 0
 
 
 def cmd_zoo(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from .examples import zoo
@@ -139,12 +141,11 @@ def cmd_zoo(args) -> int:
     for n in zoo.names():
         e = zoo.entry(n)
         t.add_row(n + (" (default)" if n == zoo.DEFAULT else ""), e.family, "yes" if e.cpu_friendly else "", e.description)
-    Console().print(t)
+    _console().print(t)
     return 0
 
 
 def cmd_passes(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from .pipeline import PIPELINE, registry
@@ -154,7 +155,7 @@ def cmd_passes(args) -> int:
     for i, name in enumerate(PIPELINE, 1):
         cls = reg[name]
         t.add_row(str(i), name, cls.family, "yes" if cls.inference_only else "", cls.description)
-    Console().print(t)
+    _console().print(t)
     return 0
 
 

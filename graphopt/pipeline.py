@@ -115,7 +115,8 @@ class PassResult:
             for n in c.nodes:
                 taken.add(n)
                 winners[n] = c.description
-            self.record(c.pattern, c.nodes, [n for n in created if n.op != "get_attr"], c.gain_s)
+            shown = [n for n in created if n.op != "get_attr"] or created
+            self.record(c.pattern, c.nodes, shown, c.gain_s)
 
     def as_dict(self) -> dict:
         return {

@@ -1,0 +1,22 @@
+"""graphopt.cuda_ext: fused kernels registered as PyTorch custom ops (``torch.ops.graphopt.*``).
+
+Importing this package makes the ops exist (``ensure_loaded``): backed by the compiled CUDA
+kernels when a GPU and a CUDA toolkit are present, by the plain-torch reference
+implementations otherwise. See README.md in this folder.
+
+Ops (schemas in csrc/registration.cpp): bias_act, add_rms_norm, add_layer_norm, swiglu,
+rotary, softmax_mask, fused_pointwise.
+"""
+from . import reference
+from ._loader import backend, backend_info, ensure_loaded
+from ._schemas import schemas
+from .ops import add_layer_norm, add_rms_norm, bias_act, fused_pointwise, rotary, softmax_mask, swiglu
+from .pointwise import Program, ProgramError, evaluate, parse
+
+__all__ = [
+    "ensure_loaded", "backend", "backend_info", "schemas", "reference",
+    "bias_act", "add_rms_norm", "add_layer_norm", "swiglu", "rotary", "softmax_mask", "fused_pointwise",
+    "Program", "ProgramError", "parse", "evaluate",
+]
+
+ensure_loaded()

@@ -1,0 +1,105 @@
+"""Python-side registrations on the graphopt ops: the schema definitions when the CUDA
+extension is not loaded, the CPU (reference) implementations, the CUDA implementations that
+are written in Python (fused_pointwise through Triton; everything through the reference when
+the CUDA kernels are unavailable) and the Meta/fake implementations."""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._schemas import NAMESPACE, schemas
+
+_libs: list[torch.library.Library] = []   # keep the registrations alive
+_done = {"defined": False, "impls": False}
+
+
+def op_exists(name: str) -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{name}", "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def define_schemas() -> None:
+    """Define every op from the schema strings of registration.cpp (reference backend)."""
+    if _done["defined"]:
+        return
+    lib = torch.library.Library(NAMESPACE, "DEF")
+    tags = (torch.Tag.pt2_compliant_tag,)
+    for name, schema in schemas().items():
+        lib.define(schema, tags=tags)
+    _libs.append(lib)
+    _done["defined"] = True
+
+
+# ---- fake (meta) implementations ----------------------------------------------------------
+def _fake_bias_act(x, bias, act, residual, bias_dim=-1):
+    return x.new_empty(x.shape)
+
+
+def _fake_add_rms_norm(x, residual, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _fake_add_layer_norm(x, residual, weight, bias, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _fake_swiglu(gate_up):
+    torch._check(gate_up.shape[-1] % 2 == 0, lambda: "graphopt::swiglu: last dim must be even")
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+def _fake_rotary(q, k, cos, sin, interleaved):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _fake_softmax_mask(scores, scale, mask):
+    return scores.new_empty(scores.shape)
+
+
+def _fake_fused_pointwise(program, inputs):
+    from .pointwise import broadcast_shape, parse
+
+    p = parse(program)
+    shape = broadcast_shape(inputs)
+    device = next((t.device for t in inputs if t.device.type != "cpu"), inputs[0].device if inputs else None)
+    return [torch.empty(shape, dtype=d, device=device) for d in p.output_dtypes()]
+
+
+FAKES = {
+    "bias_act": _fake_bias_act, "add_rms_norm": _fake_add_rms_norm, "add_layer_norm": _fake_add_layer_norm,
+    "swiglu": _fake_swiglu, "rotary": _fake_rotary, "softmax_mask": _fake_softmax_mask,
+    "fused_pointwise": _fake_fused_pointwise,
+}
+REFERENCES = {
+    "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
+    "add_layer_norm": reference.add_layer_norm, "swiglu": reference.swiglu, "rotary": reference.rotary,
+    "softmax_mask": reference.softmax_mask, "fused_pointwise": reference.fused_pointwise,
+}
+
+
+def _pointwise_cuda(program, inputs):
+    from .pointwise_triton import fused_pointwise_triton
+
+    return fused_pointwise_triton(program, inputs)
+
+
+def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
+    """CPU = reference for every op; CUDA = reference too unless the kernels are loaded;
+    fused_pointwise on CUDA = Triton when available; fake impls for all."""
+    if _done["impls"]:
+        return
+    missing = set(schemas()) - set(FAKES)
+    assert not missing, f"ops without a Python registration: {missing}"
+    lib = torch.library.Library(NAMESPACE, "IMPL")
+    for name in schemas():
+        lib.impl(name, REFERENCES[name], "CPU")
+        if name == "fused_pointwise":
+            lib.impl(name, _pointwise_cuda if pointwise_triton else REFERENCES[name], "CUDA")
+        elif not cuda_kernels:
+            lib.impl(name, REFERENCES[name], "CUDA")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=lib)
+    _libs.append(lib)
+    _done["impls"] = True

@@ -1,0 +1,403 @@
+"""The pointwise program language: the generic elementwise backend behind
+``torch.ops.graphopt.fused_pointwise(program, inputs)``.
+
+A *program* is a small SSA text, one statement per line (``;`` also separates statements,
+``#`` starts a comment). Every statement defines one value ``%N``; values are numbered in
+order from 0::
+
+    %0 = input 0                # the tensor inputs[0]
+    %1 = input 1
+    %2 = const 0.044715         # a float literal (also inf, -inf, nan)
+    %3 = add %0 %1
+    %4 = gelu_tanh %3
+    %5 = cast %4 bf16           # round through a dtype (reproduces an eager intermediate)
+    %6 = clamp %5 -1 none       # clamp x lo hi, either bound may be `none`
+    %7 = pow %6 2               # pow x <literal exponent>
+    out %4 bf16                 # an output and the dtype it is stored in
+    out %7 f32
+
+Ops (arity): ``add sub mul div maximum minimum`` (2), ``neg abs exp log sqrt rsqrt tanh
+sigmoid relu gelu gelu_tanh silu hardswish`` (1), ``eq ne lt le gt ge`` (2, give bool),
+``where c a b`` (3; ``c`` is bool or nonzero), ``pow x p``, ``clamp x lo hi``, ``cast x dtype``.
+Dtypes: ``f64 f32 f16 bf16 bool``. Outputs: ``out %v dtype`` (one or more, in order).
+
+Semantics: inputs broadcast against each other with numpy/torch rules and may have any
+strides; every output has the broadcast shape and is contiguous. Floating inputs are
+computed in fp32 (fp64 when any input is fp64); bool inputs are bool values (1.0/0.0 when
+used in arithmetic); integer inputs are converted to the compute type. Constants are weak
+(they never change the compute type). Rounding happens only at ``cast`` and at the output
+store, so a fused chain is at least as accurate as the eager chain it replaces; put ``cast``
+where the eager graph rounded if bit-closeness matters more.
+
+Three ways to run a program, all giving the same function:
+
+* :func:`evaluate` — plain torch, any device, fp64 capable (the reference and the CPU path);
+* the CUDA implementation — Triton code generated from the program (``pointwise_triton``),
+  compiled on first use and cached by program text + input dtypes + rank;
+* ``torch.ops.graphopt.fused_pointwise(program.source, inputs)`` — dispatches to one of the above.
+
+Build programs with :class:`Program`::
+
+    p = Program()
+    x, b = p.input(), p.input()
+    y = p.gelu_tanh(x + b)              # operators: + - * / unary -, and numbers as constants
+    p.output(y, torch.bfloat16)
+    outs = p(x_tensor, b_tensor)        # runs torch.ops.graphopt.fused_pointwise(p.source, ...)
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+
+UNARY = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "gelu_tanh",
+         "silu", "hardswish")
+BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
+COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
+DTYPES = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+          "bool": torch.bool}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ProgramError(ValueError):
+    """A pointwise program is malformed (the message names the line)."""
+
+
+@dataclass(frozen=True)
+class Stmt:
+    op: str                       # input const cast pow clamp where <unary> <binary> <compare>
+    args: tuple[int, ...] = ()    # value ids
+    attrs: tuple = ()             # input index / literal / dtype name / (lo, hi)
+
+
+def _fmt_num(v: float | None) -> str:
+    if v is None:
+        return "none"
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return repr(float(v))
+
+
+def _parse_num(tok: str, where: str) -> float | None:
+    if tok == "none":
+        return None
+    try:
+        return float(tok)
+    except ValueError:
+        raise ProgramError(f"{where}: {tok!r} is not a number") from None
+
+
+class Value:
+    """A handle on one SSA value of a :class:`Program`; supports + - * / and unary -."""
+
+    __slots__ = ("prog", "id")
+
+    def __init__(self, prog: "Program", id: int):
+        self.prog, self.id = prog, id
+
+    def __repr__(self) -> str:
+        return f"%{self.id}"
+
+    def _bin(self, op, other, rev=False):
+        o = self.prog._v(other)
+        return self.prog._emit(op, (o.id, self.id) if rev else (self.id, o.id))
+
+    def __add__(self, o): return self._bin("add", o)
+    def __radd__(self, o): return self._bin("add", o, True)
+    def __sub__(self, o): return self._bin("sub", o)
+    def __rsub__(self, o): return self._bin("sub", o, True)
+    def __mul__(self, o): return self._bin("mul", o)
+    def __rmul__(self, o): return self._bin("mul", o, True)
+    def __truediv__(self, o): return self._bin("div", o)
+    def __rtruediv__(self, o): return self._bin("div", o, True)
+    def __neg__(self): return self.prog._emit("neg", (self.id,))
+
+
+Operand = Union[Value, float, int, bool]
+
+
+@dataclass
+class Program:
+    """An SSA pointwise program. Build it with the methods below (each returns a :class:`Value`),
+    or :func:`parse` its text. ``source`` is the canonical text, the key of the compile cache."""
+
+    stmts: list[Stmt] = field(default_factory=list)
+    outputs: list[tuple[int, str]] = field(default_factory=list)   # (value id, dtype name)
+
+    # -- building ------------------------------------------------------------------------
+    def _emit(self, op: str, args: tuple[int, ...] = (), attrs: tuple = ()) -> Value:
+        for a in args:
+            if not 0 <= a < len(self.stmts):
+                raise ProgramError(f"%{len(self.stmts)} = {op}: operand %{a} is not defined before it")
+        self.stmts.append(Stmt(op, tuple(args), tuple(attrs)))
+        return Value(self, len(self.stmts) - 1)
+
+    def _v(self, x: Operand) -> Value:
+        if isinstance(x, Value):
+            if x.prog is not self:
+                raise ProgramError("a value from another Program was used")
+            return x
+        if isinstance(x, (int, float, bool)):
+            return self.const(float(x))
+        raise TypeError(f"expected a Value or a number, got {type(x).__name__}")
+
+    def input(self, index: int | None = None) -> Value:
+        """The tensor ``inputs[index]`` (default: the next unused index)."""
+        if index is None:
+            index = self.num_inputs
+        return self._emit("input", (), (int(index),))
+
+    def const(self, value: float) -> Value:
+        return self._emit("const", (), (float(value),))
+
+    def cast(self, x: Operand, dtype: torch.dtype | str) -> Value:
+        return self._emit("cast", (self._v(x).id,), (_dtype_name(dtype),))
+
+    def pow(self, x: Operand, exponent: float) -> Value:
+        return self._emit("pow", (self._v(x).id,), (float(exponent),))
+
+    def clamp(self, x: Operand, lo: float | None = None, hi: float | None = None) -> Value:
+        return self._emit("clamp", (self._v(x).id,), (None if lo is None else float(lo),
+                                                        None if hi is None else float(hi)))
+
+    def where(self, cond: Operand, a: Operand, b: Operand) -> Value:
+        return self._emit("where", (self._v(cond).id, self._v(a).id, self._v(b).id))
+
+    def output(self, x: Value, dtype: torch.dtype | str) -> None:
+        """Declare ``x`` an output stored as ``dtype``."""
+        self.outputs.append((self._v(x).id, _dtype_name(dtype)))
+
+    def __getattr__(self, name: str):
+        if name in UNARY:
+            return lambda x: self._emit(name, (self._v(x).id,))
+        if name in BINARY or name in COMPARE:
+            return lambda a, b: self._emit(name, (self._v(a).id, self._v(b).id))
+        raise AttributeError(name)
+
+    # -- inspecting ----------------------------------------------------------------------
+    @property
+    def num_inputs(self) -> int:
+        idx = [s.attrs[0] for s in self.stmts if s.op == "input"]
+        return max(idx) + 1 if idx else 0
+
+    @property
+    def source(self) -> str:
+        lines = []
+        for i, s in enumerate(self.stmts):
+            if s.op == "input":
+                rhs = f"input {s.attrs[0]}"
+            elif s.op == "const":
+                rhs = f"const {_fmt_num(s.attrs[0])}"
+            elif s.op == "cast":
+                rhs = f"cast %{s.args[0]} {s.attrs[0]}"
+            elif s.op == "pow":
+                rhs = f"pow %{s.args[0]} {_fmt_num(s.attrs[0])}"
+            elif s.op == "clamp":
+                rhs = f"clamp %{s.args[0]} {_fmt_num(s.attrs[0])} {_fmt_num(s.attrs[1])}"
+            else:
+                rhs = s.op + "".join(f" %{a}" for a in s.args)
+            lines.append(f"%{i} = {rhs}")
+        lines += [f"out %{v} {d}" for v, d in self.outputs]
+        return "\n".join(lines) + "\n"
+
+    def output_dtypes(self) -> list[torch.dtype]:
+        return [DTYPES[d] for _, d in self.outputs]
+
+    def validate(self) -> "Program":
+        if not self.outputs:
+            raise ProgramError("the program has no `out` statement")
+        used = {s.attrs[0] for s in self.stmts if s.op == "input"}
+        missing = sorted(set(range(self.num_inputs)) - used)
+        if missing:
+            raise ProgramError(f"inputs {missing} are never read (inputs are numbered 0..n-1)")
+        return self
+
+    def __str__(self) -> str:
+        return self.source
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        return torch.ops.graphopt.fused_pointwise(self.source, list(inputs))
+
+
+def _dtype_name(d: torch.dtype | str) -> str:
+    if isinstance(d, torch.dtype):
+        if d not in DTYPE_NAMES:
+            raise ProgramError(f"dtype {d} is not supported (f64 f32 f16 bf16 bool)")
+        return DTYPE_NAMES[d]
+    if d not in DTYPES:
+        raise ProgramError(f"unknown dtype {d!r} (f64 f32 f16 bf16 bool)")
+    return d
+
+
+@functools.lru_cache(maxsize=1024)
+def parse(text: str) -> Program:
+    """Parse program text into a :class:`Program` (cached by text). Raises :class:`ProgramError`."""
+    p = Program()
+    for lineno, raw in enumerate(text.replace(";", "\n").splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"pointwise program line {lineno} ({line!r})"
+        toks = line.split()
+
+        def ref(tok: str) -> int:
+            if not tok.startswith("%") or not tok[1:].isdigit():
+                raise ProgramError(f"{where}: expected a value like %3, got {tok!r}")
+            v = int(tok[1:])
+            if v >= len(p.stmts):
+                raise ProgramError(f"{where}: %{v} is used before it is defined")
+            return v
+
+        if toks[0] == "out":
+            if len(toks) != 3:
+                raise ProgramError(f"{where}: expected `out %v dtype`")
+            p.outputs.append((ref(toks[1]), _dtype_name_checked(toks[2], where)))
+            continue
+        if len(toks) < 3 or toks[1] != "=":
+            raise ProgramError(f"{where}: expected `%N = op args...` or `out %v dtype`")
+        if toks[0] != f"%{len(p.stmts)}":
+            raise ProgramError(f"{where}: values must be numbered in order; expected %{len(p.stmts)}")
+        op, args = toks[2], toks[3:]
+
+        def need(n: int) -> None:
+            if len(args) != n:
+                raise ProgramError(f"{where}: {op} takes {n} operand(s), got {len(args)}")
+
+        if op == "input":
+            need(1)
+            if not args[0].isdigit():
+                raise ProgramError(f"{where}: input index must be a non-negative integer")
+            p.stmts.append(Stmt("input", (), (int(args[0]),)))
+        elif op == "const":
+            need(1)
+            v = _parse_num(args[0], where)
+            if v is None:
+                raise ProgramError(f"{where}: const needs a number")
+            p.stmts.append(Stmt("const", (), (v,)))
+        elif op == "cast":
+            need(2)
+            p.stmts.append(Stmt("cast", (ref(args[0]),), (_dtype_name_checked(args[1], where),)))
+        elif op == "pow":
+            need(2)
+            e = _parse_num(args[1], where)
+            if e is None:
+                raise ProgramError(f"{where}: pow needs a literal exponent")
+            p.stmts.append(Stmt("pow", (ref(args[0]),), (e,)))
+        elif op == "clamp":
+            need(3)
+            p.stmts.append(Stmt("clamp", (ref(args[0]),), (_parse_num(args[1], where), _parse_num(args[2], where))))
+        elif op == "where":
+            need(3)
+            p.stmts.append(Stmt("where", tuple(ref(a) for a in args)))
+        elif op in UNARY:
+            need(1)
+            p.stmts.append(Stmt(op, (ref(args[0]),)))
+        elif op in BINARY or op in COMPARE:
+            need(2)
+            p.stmts.append(Stmt(op, (ref(args[0]), ref(args[1]))))
+        else:
+            raise ProgramError(f"{where}: unknown op {op!r}")
+    return p.validate()
+
+
+def _dtype_name_checked(tok: str, where: str) -> str:
+    if tok not in DTYPES:
+        raise ProgramError(f"{where}: unknown dtype {tok!r} (f64 f32 f16 bf16 bool)")
+    return tok
+
+
+def value_kinds(p: Program, input_dtypes: Sequence[torch.dtype]) -> list[str]:
+    """'b' (bool) or 'f' (floating) for every value, given the input dtypes."""
+    kinds: list[str] = []
+    for s in p.stmts:
+        if s.op == "input":
+            kinds.append("b" if input_dtypes[s.attrs[0]] == torch.bool else "f")
+        elif s.op in COMPARE or (s.op == "cast" and s.attrs[0] == "bool"):
+            kinds.append("b")
+        else:
+            kinds.append("f")
+    return kinds
+
+
+def compute_dtype_for(input_dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    return torch.float64 if torch.float64 in input_dtypes else torch.float32
+
+
+def broadcast_shape(inputs: Sequence[torch.Tensor]) -> torch.Size:
+    return torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
+
+
+def _gelu_tanh(x):
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+_UNARY_TORCH = {
+    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu,
+    "gelu": torch.nn.functional.gelu, "gelu_tanh": _gelu_tanh, "silu": torch.nn.functional.silu,
+    "hardswish": torch.nn.functional.hardswish,
+}
+_BINARY_TORCH = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+                 "maximum": torch.maximum, "minimum": torch.minimum, "eq": torch.eq, "ne": torch.ne,
+                 "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
+
+
+def evaluate(program: str | Program, inputs: Sequence[torch.Tensor],
+             compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Run a program with torch ops: the reference semantics (and the CPU implementation).
+    ``compute_dtype`` defaults to fp32, or fp64 when an input is fp64; pass torch.float64 to get
+    an fp64 reference of a program whose inputs are bf16/fp16/fp32."""
+    p = parse(program) if isinstance(program, str) else program.validate()
+    if len(inputs) < p.num_inputs:
+        raise ProgramError(f"the program reads {p.num_inputs} inputs, {len(inputs)} given")
+    dts = [t.dtype for t in inputs]
+    ct = compute_dtype or compute_dtype_for(dts)
+    shape = broadcast_shape(inputs)
+    device = inputs[0].device if inputs else torch.device("cpu")
+    vals: list[torch.Tensor] = []
+    for s in p.stmts:
+        if s.op == "input":
+            t = inputs[s.attrs[0]]
+            v = t if t.dtype == torch.bool else t.to(ct)
+        elif s.op == "const":
+            v = torch.tensor(s.attrs[0], dtype=ct, device=device)
+        else:
+            a = [vals[i] for i in s.args]
+            if s.op not in COMPARE and s.op not in ("where", "cast"):
+                a = [x.to(ct) if x.dtype == torch.bool else x for x in a]
+            if s.op == "cast":
+                d = DTYPES[s.attrs[0]]
+                v = a[0] != 0 if d == torch.bool else a[0].to(d).to(ct)
+            elif s.op == "pow":
+                v = torch.pow(a[0], s.attrs[0])
+            elif s.op == "clamp":
+                lo, hi = s.attrs
+                v = a[0]
+                if lo is not None:
+                    v = torch.where(v < lo, torch.tensor(lo, dtype=ct, device=device), v)
+                if hi is not None:
+                    v = torch.where(v > hi, torch.tensor(hi, dtype=ct, device=device), v)
+            elif s.op == "where":
+                c = a[0] if a[0].dtype == torch.bool else a[0] != 0
+                x, y = [t.to(ct) if t.dtype == torch.bool else t for t in a[1:]]
+                v = torch.where(c, x, y)
+            elif s.op in _UNARY_TORCH:
+                v = _UNARY_TORCH[s.op](a[0])
+            else:
+                x, y = a
+                if s.op in COMPARE and (x.dtype == torch.bool) != (y.dtype == torch.bool):
+                    x, y = x.to(ct), y.to(ct)
+                v = _BINARY_TORCH[s.op](x, y)
+        vals.append(v)
+    outs = []
+    for vid, dname in p.outputs:
+        d = DTYPES[dname]
+        v = vals[vid]
+        v = (v != 0) if d == torch.bool and v.dtype != torch.bool else v.to(d)
+        outs.append(v.expand(shape).contiguous())
+    return outs

@@ -1,0 +1,272 @@
+"""CUDA implementation of ``graphopt::fused_pointwise``: Triton source generated from a
+pointwise program (see ``pointwise.py``), compiled on first use, cached in memory by
+(program text, input dtypes, rank after dimension coalescing, 64-bit indexing) and on disk by
+Triton's own cache. Why Triton rather than NVRTC/jiterator: see cuda_ext/README.md.
+
+The kernel walks the *output* (broadcast shape, contiguous) in blocks of BLOCK elements and
+gathers each input through its own strides (0 where broadcast); adjacent dims that are
+contiguous for every input are merged first, so the common all-contiguous case is rank 1 and
+loads/stores vectorize to 16 bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .pointwise import COMPARE, DTYPES, Program, compute_dtype_for, parse, value_kinds
+
+BLOCK = 1024
+_lock = threading.Lock()
+_kernels: dict[tuple, object] = {}
+
+_TL = {torch.float64: "tl.float64", torch.float32: "tl.float32", torch.float16: "tl.float16",
+       torch.bfloat16: "tl.bfloat16", torch.bool: "tl.int1"}
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # pragma: no cover - triton missing or broken
+        return False
+    return True
+
+
+def coalesce(shape: Sequence[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dims and merge adjacent dims that are contiguous for every operand."""
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    out_shape: list[int] = []
+    out_str: list[list[int]] = [[] for _ in strides]
+    for d in dims:
+        if out_shape and all(s[-1] == st[d] * shape[d] for s, st in zip(out_str, strides)):
+            out_shape[-1] *= shape[d]
+            for s, st in zip(out_str, strides):
+                s[-1] = st[d]
+            continue
+        out_shape.append(shape[d])
+        for s, st in zip(out_str, strides):
+            s.append(st[d])
+    if not out_shape:  # a single element
+        out_shape, out_str = [1], [[0] for _ in strides]
+    return out_shape, out_str
+
+
+def _num(v: float) -> str:
+    if math.isnan(v):
+        return 'float("nan")'
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    return repr(float(v))
+
+
+def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: bool) -> str:
+    """Triton source of one kernel ``pw_kernel`` for this program, input dtypes and rank."""
+    ct = compute_dtype_for(in_dtypes)
+    CT = _TL[ct]
+    kinds = value_kinds(p, in_dtypes)
+    n_in, n_out = len(in_dtypes), len(p.outputs)
+    params = [f"in{i}" for i in range(n_in)] + [f"out{j}" for j in range(n_out)] + ["numel"]
+    params += [f"size{d}" for d in range(ndim)]
+    params += [f"st{i}_{d}" for i in range(n_in) for d in range(ndim)]
+    L = ["import triton", "import triton.language as tl", "", "",
+         "@triton.jit", f"def pw_kernel({', '.join(params)}, BLOCK: tl.constexpr):",
+         "    pid = tl.program_id(0)"]
+    if use_i64:
+        L.append("    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)")
+    else:
+        L.append("    offs = pid * BLOCK + tl.arange(0, BLOCK)")
+    L.append("    m = offs < numel")
+    # input offsets: decompose the flat output index over the (coalesced) shape
+    if ndim == 1:
+        for i in range(n_in):
+            L.append(f"    o{i} = offs * st{i}_0")
+    else:
+        L.append("    rem = offs")
+        for i in range(n_in):
+            L.append(f"    o{i} = offs * 0")
+        for d in reversed(range(ndim)):
+            L.append(f"    idx = rem % size{d}")
+            if d:
+                L.append(f"    rem = rem // size{d}")
+            for i in range(n_in):
+                L.append(f"    o{i} += idx * st{i}_{d}")
+
+    def f(v: int) -> str:  # value as the compute type
+        return f"v{v}" if kinds[v] == "f" else f"v{v}.to({CT})"
+
+    def b(v: int) -> str:  # value as a boolean
+        return f"v{v}" if kinds[v] == "b" else f"(v{v} != 0)"
+
+    for k, s in enumerate(p.stmts):
+        a = s.args
+        if s.op == "input":
+            i = s.attrs[0]
+            ld = f"tl.load(in{i} + o{i}, mask=m, other=0)"
+            e = f"{ld} != 0" if in_dtypes[i] == torch.bool else f"{ld}.to({CT})"
+        elif s.op == "const":
+            e = f"tl.full([BLOCK], {_num(s.attrs[0])}, {CT})"
+        elif s.op == "cast":
+            d = DTYPES[s.attrs[0]]
+            e = b(a[0]) if d == torch.bool else f"{f(a[0])}.to({_TL[d]}).to({CT})"
+        elif s.op == "pow":
+            e = _pow(f(a[0]), s.attrs[0], CT)
+        elif s.op == "clamp":
+            lo, hi = s.attrs
+            e = f(a[0])
+            if lo is not None:
+                e = f"tl.where({e} < {_num(lo)}, {_num(lo)}, {e})"
+                L.append(f"    v{k} = {e}")
+                e = f"v{k}"
+            if hi is not None:
+                e = f"tl.where({e} > {_num(hi)}, {_num(hi)}, {e})"
+        elif s.op == "where":
+            e = f"tl.where({b(a[0])}, {f(a[1])}, {f(a[2])})"
+        elif s.op in COMPARE:
+            sym = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}[s.op]
+            if kinds[a[0]] == "b" and kinds[a[1]] == "b":
+                e = f"(v{a[0]} {sym} v{a[1]})"
+            else:
+                e = f"({f(a[0])} {sym} {f(a[1])})"
+        elif s.op in ("add", "sub", "mul", "div"):
+            sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[s.op]
+            e = f"({f(a[0])} {sym} {f(a[1])})"
+        elif s.op in ("maximum", "minimum"):
+            x, y = f(a[0]), f(a[1])
+            cmp = ">" if s.op == "maximum" else "<"
+            # torch semantics: NaN if either operand is NaN
+            e = f"tl.where(({x} != {x}) | ({y} != {y}), {x} + {y}, tl.where({x} {cmp} {y}, {x}, {y}))"
+        elif s.op in ("tanh", "gelu_tanh"):
+            x = f(a[0])
+            u = x if s.op == "tanh" else f"(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))"
+            # tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): no overflow, exact at 0
+            L.append(f"    u{k} = {u}")
+            L.append(f"    e{k} = tl.exp(-2.0 * tl.abs(u{k}))")
+            L.append(f"    t{k} = tl.where(u{k} < 0, -1.0, 1.0) * (1.0 - e{k}) / (1.0 + e{k})")
+            e = f"t{k}" if s.op == "tanh" else f"(0.5 * {x} * (1.0 + t{k}))"
+        else:
+            e = _unary(s.op, f(a[0]), CT)
+        L.append(f"    v{k} = {e}")
+    for j, (vid, dname) in enumerate(p.outputs):
+        d = DTYPES[dname]
+        val = b(vid) if d == torch.bool else f"{f(vid)}.to({_TL[d]})"
+        L.append(f"    tl.store(out{j} + offs, {val}, mask=m)")
+    return "\n".join(L) + "\n"
+
+
+def _pow(x: str, e: float, CT: str) -> str:
+    if e == 1.0:
+        return x
+    if e == 0.0:
+        return f"tl.full([BLOCK], 1.0, {CT})"
+    if e == 0.5:
+        return f"tl.sqrt({x})"
+    if e == -0.5:
+        return f"(1.0 / tl.sqrt({x}))"
+    if e == int(e) and abs(e) <= 8:
+        n = int(abs(e))
+        prod = " * ".join([f"({x})"] * n)
+        return f"({prod})" if e > 0 else f"(1.0 / ({prod}))"
+    # general real exponent: NaN for negative bases, as torch.pow
+    return f"tl.exp2({_num(e)} * tl.log2({x}))"
+
+
+def _unary(op: str, x: str, CT: str) -> str:
+    if op == "neg":
+        return f"(-{x})"
+    if op == "abs":
+        return f"tl.abs({x})"
+    if op in ("exp", "log", "sqrt"):
+        return f"tl.{op}({x})"
+    if op == "rsqrt":
+        return f"(1.0 / tl.sqrt({x}))"
+    if op == "sigmoid":
+        return f"(1.0 / (1.0 + tl.exp(-({x}))))"
+    if op == "relu":
+        return f"tl.where({x} < 0, 0.0, {x})"
+    if op == "gelu":
+        return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
+    if op == "silu":
+        return f"({x} / (1.0 + tl.exp(-({x}))))"
+    if op == "hardswish":
+        return f"({x} * tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0)"
+    raise ValueError(op)
+
+
+def _cache_dir() -> Path:
+    from .build import cache_root
+
+    d = cache_root() / "pointwise"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool):
+    key = (text, in_dtypes, ndim, use_i64, os.environ.get("TRITON_INTERPRET", "0"))
+    k = _kernels.get(key)
+    if k is not None:
+        return k
+    with _lock:
+        k = _kernels.get(key)
+        if k is None:
+            src = generate(parse(text), in_dtypes, ndim, use_i64)
+            h = hashlib.sha256(src.encode()).hexdigest()[:24]
+            path = _cache_dir() / f"pw_{h}.py"
+            if not path.exists():
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(src)
+                os.replace(tmp, path)
+            spec = importlib.util.spec_from_file_location(f"graphopt_pw_{h}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            k = _kernels[key] = mod.pw_kernel
+    return k
+
+
+def fused_pointwise_triton(program: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run a program on CUDA tensors with a generated Triton kernel."""
+    p = parse(program)
+    inputs = list(inputs)
+    if len(inputs) < p.num_inputs:
+        raise ValueError(f"graphopt::fused_pointwise: the program reads {p.num_inputs} inputs, {len(inputs)} given")
+    device = next((t.device for t in inputs if t.device.type != "cpu"), inputs[0].device if inputs else None)
+    # 0-dim CPU tensors (scalars) travel to the device
+    inputs = [t.to(device) if t.device != device else t for t in inputs]
+    shape = torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
+    outs = [torch.empty(shape, dtype=d, device=device) for d in p.output_dtypes()]
+    numel = math.prod(shape)
+    if numel == 0:
+        return outs
+    strides = []
+    nd = len(shape)
+    for t in inputs:
+        te = t.expand(shape)
+        strides.append(list(te.stride()) if nd else [])
+    cshape, cstr = coalesce(list(shape), strides) if nd else ([1], [[0] for _ in inputs])
+    max_off = max([numel] + [sum((s - 1) * abs(st) for s, st in zip(cshape, stv)) + 1 for stv in cstr])
+    use_i64 = max_off >= 2**31 - BLOCK
+    dts = tuple(t.dtype for t in inputs)
+    kern = get_kernel(program, dts, len(cshape), use_i64)
+    args = list(inputs) + outs + [numel] + cshape + [s for stv in cstr for s in stv]
+    grid = (triton_cdiv(numel, BLOCK),)
+    with torch.cuda.device(device) if device.type == "cuda" else _nullctx():
+        kern[grid](*args, BLOCK=BLOCK, num_warps=4)
+    return outs
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,164 @@
+"""Reference implementations of every ``graphopt`` op in plain torch.
+
+They define what each op computes. Tests run them on fp64 inputs as ground truth; the CPU
+implementation of every op is the reference (registered for ``DispatchKey::CPU``, and for
+``CUDA`` too when the CUDA kernels are unavailable). For bf16/fp16 inputs the math is done in
+fp32 and rounded once, except where the op's contract reproduces a model's intermediate
+roundings (``add_rms_norm`` follows Hugging Face's LlamaRMSNorm). Outputs are always fresh,
+contiguous tensors (custom ops may not return views of their inputs).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; every other floating type computes in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fresh(t: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """A contiguous result that shares no storage with any input."""
+    t = t.contiguous()
+    for i in inputs:
+        if i is not None and t.untyped_storage().data_ptr() == i.untyped_storage().data_ptr():
+            return t.clone()
+    return t
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "none":
+        return x
+    if act == "relu":
+        return torch.relu(x)
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "silu":
+        return F.silu(x)
+    if act == "sigmoid":
+        return torch.sigmoid(x)
+    if act == "tanh":
+        return torch.tanh(x)
+    if act == "hardswish":
+        return F.hardswish(x)
+    raise ValueError(f"graphopt::bias_act: unknown activation {act!r} (one of {', '.join(ACTIVATIONS)})")
+
+
+def bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str, residual: torch.Tensor | None,
+             bias_dim: int = -1) -> torch.Tensor:
+    """y = act(x + bias) + residual; bias is 1-D along ``x.size(bias_dim)``."""
+    ct = compute_dtype(x.dtype)
+    y = x.to(ct)
+    if bias is not None:
+        d = bias_dim % x.dim()
+        if bias.dim() != 1 or bias.numel() != x.shape[d]:
+            raise ValueError(f"graphopt::bias_act: bias must be 1-D of length {x.shape[d]}, got {tuple(bias.shape)}")
+        shape = [1] * x.dim()
+        shape[d] = -1
+        y = y + bias.to(ct).view(shape)
+    y = activation(y, act)
+    if residual is not None:
+        y = y + residual.to(ct)
+    return _fresh(y.to(x.dtype), x, bias, residual)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual (rounded to x's dtype, as the model's residual stream is);
+    out = weight * (h_fp32 * rsqrt(mean(h_fp32^2) + eps)).to(x.dtype), returned in x's dtype."""
+    h = x + residual.to(x.dtype) if residual is not None else x
+    ct = compute_dtype(x.dtype)
+    hf = h.to(ct)
+    var = hf.pow(2).mean(-1, keepdim=True)
+    normed = (hf * torch.rsqrt(var + eps)).to(x.dtype)
+    out = (weight.to(ct) * normed.to(ct)).to(x.dtype)
+    return _fresh(out, x, residual, weight), _fresh(h, x, residual)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                   bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual; out = layer_norm(h) over the last dim (fp32 statistics, one rounding)."""
+    h = x + residual.to(x.dtype) if residual is not None else x
+    ct = compute_dtype(x.dtype)
+    out = F.layer_norm(h.to(ct), (x.shape[-1],), None if weight is None else weight.to(ct),
+                       None if bias is None else bias.to(ct), eps)
+    return _fresh(out.to(x.dtype), x, residual), _fresh(h, x, residual)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up where gate, up = gate_up.chunk(2, -1)."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"graphopt::swiglu: last dim must be even, got {tuple(gate_up.shape)}")
+    ct = compute_dtype(gate_up.dtype)
+    g, u = gate_up.to(ct).chunk(2, dim=-1)
+    return _fresh((F.silu(g) * u).to(gate_up.dtype), gate_up)
+
+
+def _rotary_table(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 4:
+        if t.shape[1] != 1:
+            raise ValueError(f"graphopt::rotary: 4-D cos/sin must be [B, 1, S, R], got {tuple(t.shape)}")
+        t = t.squeeze(1)
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    if t.dim() != 3:
+        raise ValueError(f"graphopt::rotary: cos/sin must be [B or 1, S, R], got {tuple(t.shape)}")
+    return t.to(like.dtype)  # the model casts cos/sin to the activation dtype
+
+
+def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first R = cos.size(-1) dims of every head; dims R..D pass through.
+    q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B or 1, S, R] (or [B or 1, 1, S, R])."""
+    c, s = _rotary_table(cos, q), _rotary_table(sin, q)
+    R = c.shape[-1]
+    if R % 2 or R > q.shape[-1]:
+        raise ValueError(f"graphopt::rotary: rotary dim {R} must be even and <= head dim {q.shape[-1]}")
+    ct = compute_dtype(q.dtype)
+    cf, sf = c.to(ct).unsqueeze(1), s.to(ct).unsqueeze(1)  # [B, 1, S, R]
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(ct)
+        xr, xp = xf[..., :R], xf[..., R:]
+        out = torch.cat((xr * cf + _rotate(xr, interleaved) * sf, xp), dim=-1)
+        return _fresh(out.to(x.dtype), x)
+
+    return one(q), one(k)
+
+
+def softmax_mask(scores: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(scores * scale + mask, -1) in fp32 (fp64 for fp64 scores). A bool mask keeps
+    True positions; a float mask is added. Rows with every position masked give zeros."""
+    ct = compute_dtype(scores.dtype)
+    s = scores.to(ct) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, -math.inf)
+        else:
+            s = s + mask.to(ct)
+    mx = s.amax(dim=-1, keepdim=True)
+    p = torch.softmax(s, dim=-1)
+    p = torch.where(mx == -math.inf, torch.zeros((), dtype=ct, device=p.device), p)
+    return _fresh(p.to(scores.dtype), scores)
+
+
+def fused_pointwise(program: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Evaluate a pointwise program (see graphopt.cuda_ext.pointwise) with torch ops."""
+    from .pointwise import evaluate
+
+    return [_fresh(o, *inputs) for o in evaluate(program, inputs)]

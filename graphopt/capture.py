@@ -145,7 +145,7 @@ def _advice(exc: BaseException) -> str:
                 "or use torch.cond / torch.where so both paths are traceable")
     if "not a known type" in text or "pytree" in text:
         return "an input or output type is not a tensor container torch.export understands; return tensors, tuples, dicts or register it with torch.utils._pytree"
-    return "simplify the forward so torch.export can trace it (see the first error above)"
+    return "make the forward traceable by torch.export (the error is in parentheses)"
 
 
 # --------------------------------------------------------------------------- capture
@@ -161,7 +161,7 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = split_inputs(example_inputs)
-    if not flat_tensors(args, kwargs):
+    if not any(isinstance(x, torch.Tensor) for x in flat_tensors(args, kwargs)):
         raise CaptureError("example_inputs hold no tensor; pass at least one example tensor")
     _register_hf_pytrees()
     info = CaptureInfo(method="", dynamic=dict(dynamic or {}), num_inputs=len(flat_tensors(args, kwargs)))

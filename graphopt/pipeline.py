@@ -296,3 +296,14 @@ def graph_signature(gm: fx.GraphModule) -> list[tuple]:
 def count_ops(gm: fx.GraphModule, target) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and (n.target is target or (
         isinstance(target, torch._ops.OpOverloadPacket) and getattr(n.target, "overloadpacket", None) is target)))
+
+
+def run_passes(gm: fx.GraphModule, names: Iterable[str], *, target="h200", training: bool = False,
+               accuracy_check=None) -> list[PassResult]:
+    """Run the named passes (in pipeline order) on a captured graph with a given cost profile;
+    the building block of the pass tests and of scripted use."""
+    from .cost.profiles import get_profile
+
+    profile, _ = get_profile(target)
+    ctx = PassContext(profile=profile, cost=CostModel(profile), training=training, hints=ir.shape_hints(gm))
+    return PassManager(assemble(list(names)), accuracy_check).run(gm, ctx)

@@ -169,9 +169,6 @@ class CostModel:
         if name in CONV_OPS:
             x, w = ins[0], ins[1]
             out = outs[0]
-            groups = node.args[6] if name == "conv2d" and len(node.args) > 6 else node.kwargs.get("groups", 1)
-            if name in ("convolution", "_convolution") and len(node.args) > 8:
-                groups = node.args[8]
             kernel = _prod(w.shape[1:])  # Cin/groups * kh * kw
             flops = 2 * out.numel * kernel
             return flops, in_bytes + out_bytes, 1, "matmul"
@@ -297,6 +294,9 @@ class CostModel:
             for a in n.all_input_nodes:
                 root = base.get(a, a)
                 last_use[root] = max(last_use.get(root, 0), index[n])
+        for n in nodes:  # the caller holds the inputs for the whole call
+            if n.op == "placeholder":
+                last_use[n] = len(nodes)
         out_node = nodes[-1]
         outputs = 0.0
         for a in out_node.all_input_nodes:

@@ -1,0 +1,42 @@
+# Two commands on a fresh machine:
+#   make demo   create .venv, install graphopt (+ the zoo's torchvision/transformers) and
+#               print `graphopt explain` for the bundled default model
+#   make test   create .venv, install the dev extra, compile-check the CUDA kernels (nvcc,
+#               sm_80 + sm_90, no GPU needed) and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PYTEST_ARGS ?= -q -m "not slow"
+
+.PHONY: demo test install install-dev check-kernels test-all bench-kernels clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[zoo]"
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/graphopt explain
+
+check-kernels: $(VENV)/.installed-dev
+	$(PY) -m graphopt.cuda_ext.build --check-compile --arch sm_80,sm_90
+
+test: $(VENV)/.installed-dev check-kernels
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed-dev
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

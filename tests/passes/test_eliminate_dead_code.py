@@ -1,0 +1,63 @@
+import torch
+import torch.nn as nn
+
+from graphopt import capture
+from graphopt.pipeline import run_passes
+from tests.helpers import op_counts, reference_check
+
+aten = torch.ops.aten
+
+
+class Dead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        unused = torch.exp(self.fc(x)) * 3  # noqa: F841 - dead on purpose
+        return torch.relu(x) + 1
+
+
+class Random(nn.Module):
+    def forward(self, x):
+        noise = torch.rand_like(x)  # noqa: F841 - unused, but it advances the RNG
+        return x + torch.rand_like(x)
+
+
+def test_removes_dead_chain_and_keeps_numerics():
+    m = Dead().eval()
+    x = torch.randn(4, 16)
+    gm = capture(m, (x,))
+    assert op_counts(gm)["aten.exp.default"] == 1
+    (res,) = run_passes(gm, ["eliminate_dead_code"])
+    counts = op_counts(gm)
+    assert counts["aten.exp.default"] == 0 and counts["aten.linear.default"] == 0 and counts["aten.mul.Tensor"] == 0
+    assert counts["aten.relu.default"] == 1
+    assert res.status == "applied" and len(res.rewrites) >= 3
+    assert res.predicted_s_after < res.predicted_s_before
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_does_not_remove_random_ops():
+    m = Random()
+    x = torch.randn(8)
+    gm = capture(m, (x,))
+    n_rand = op_counts(gm)["aten.rand_like.default"]
+    run_passes(gm, ["eliminate_dead_code"])
+    assert op_counts(gm)["aten.rand_like.default"] == n_rand == 2
+    torch.manual_seed(3)
+    a = m(x)
+    torch.manual_seed(3)
+    b = gm(x)
+    torch.testing.assert_close(a, b)
+
+
+def test_nothing_dead_nothing_changed():
+    class Live(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * 2
+
+    gm = capture(Live(), (torch.randn(3),))
+    before = op_counts(gm)
+    (res,) = run_passes(gm, ["eliminate_dead_code"])
+    assert res.status == "unchanged" and op_counts(gm) == before

@@ -1,0 +1,63 @@
+import torch
+import torch.nn as nn
+
+from graphopt import capture
+from graphopt.pipeline import run_passes
+from tests.helpers import op_counts, reference_check
+
+aten = torch.ops.aten
+
+
+class ParamOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 32))
+        self.register_buffer("scale", torch.rand(32) + 0.5)
+
+    def forward(self, x):
+        w = torch.tanh(self.w) * self.scale  # depends only on parameters
+        return x @ w.t()
+
+
+class Expanding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("v", torch.randn(1, 1024))
+
+    def forward(self, x):
+        big = (self.v * 2).expand(2048, 1024).contiguous()  # 8 MiB from 4 KiB
+        return x + big
+
+
+def test_folds_parameter_only_subgraph():
+    m = ParamOnly().eval()
+    x = torch.randn(4, 32)
+    gm = capture(m, (x,))
+    assert op_counts(gm)["aten.tanh.default"] == 1
+    (res,) = run_passes(gm, ["fold_constants"])
+    counts = op_counts(gm)
+    assert counts["aten.tanh.default"] == 0 and counts["aten.mul.Tensor"] == 0
+    assert res.status == "applied" and len(res.rewrites) == 1
+    assert any(n.op == "get_attr" and n.target.startswith("_graphopt_") for n in gm.graph.nodes)
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_refuses_to_materialize_large_constants():
+    m = Expanding()
+    x = torch.randn(2048, 1024)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fold_constants"])
+    assert any("MiB constant" in r.reason for r in res.rejected)
+    assert op_counts(gm)["aten.expand.default"] == 1
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_training_graph_keeps_trainable_parameters_live():
+    m = ParamOnly().train()
+    x = torch.randn(4, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fold_constants"], training=True)
+    assert op_counts(gm)["aten.tanh.default"] == 1
+    assert any("trainable parameter" in r.reason for r in res.rejected)
+    gm(x).sum().backward()
+    assert m.w.grad is not None and m.w.grad.abs().sum() > 0

@@ -1,0 +1,142 @@
+import sympy
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt import CaptureError, capture, ir
+from graphopt.examples import zoo
+from tests.helpers import op_counts
+
+aten = torch.ops.aten
+
+
+def _outputs_equal(a, b):
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mlp", "shape-branch", "vit-tiny", "bert-tiny", "glm4-tiny"])
+def test_capture_matches_model_and_has_metadata(name):
+    model, inputs = zoo.get(name)
+    gm = capture(model, inputs)
+    with torch.no_grad():
+        _outputs_equal(gm(*inputs), model(*inputs))
+    info = gm.meta["graphopt_capture"]
+    assert info.method == "torch.export"
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "call_function", "get_attr"):
+            assert "val" in n.meta, n.name
+    # parameters stay attributes of the module, read with get_attr, not graph inputs
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(torch.utils._pytree.tree_leaves(inputs))
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+
+
+def test_canonical_vocabulary_has_no_inplace_ops():
+    model, inputs = zoo.get("shape-branch")
+    gm = capture(model, inputs)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            assert not n.target._schema.is_mutable, n.target
+    assert op_counts(gm)["aten.relu.default"] >= 1
+
+
+def test_glm_returns_model_output_with_cache():
+    model, inputs = zoo.get("glm4-tiny")
+    gm = capture(model, inputs)
+    out = gm(*inputs)
+    ref = model(*inputs)
+    assert type(out) is type(ref)
+    cache = out[1] if not hasattr(out, "past_key_values") else out[1]
+    assert type(cache).__name__ == "DynamicCache"
+    _outputs_equal(out, ref)
+
+
+def test_symbolic_trace_fallback_normalizes_to_aten():
+    model, inputs = zoo.get("mlp")
+    gm = capture(model, inputs, strategy="symbolic_trace")
+    assert gm.meta["graphopt_capture"].method == "symbolic_trace"
+    counts = op_counts(gm)
+    assert counts["aten.linear.default"] == 3
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), model(*inputs))
+
+
+def test_symbolic_trace_fallback_conv_bn():
+    model, inputs = zoo.get("shape-branch")
+    # shape-branch has Python control flow on shapes: symbolic_trace cannot follow it
+    with pytest.raises(CaptureError):
+        capture(model, inputs, strategy="symbolic_trace")
+
+    class ConvBn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+
+        def forward(self, x):
+            return torch.flatten(self.pool(torch.relu(self.bn(self.conv(x)))), 1)
+
+    m = ConvBn().eval()
+    x = torch.randn(2, 3, 16, 16)
+    gm = capture(m, (x,), strategy="symbolic_trace")
+    counts = op_counts(gm)
+    assert counts["aten.conv2d.default"] == 1 and counts["aten.batch_norm.default"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), m(x))
+
+
+def test_data_dependent_control_flow_names_the_line():
+    from graphopt.examples import data_dependent
+
+    model, inputs = data_dependent.build()
+    with pytest.raises(CaptureError) as e:
+        capture(model, inputs)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert f"data_dependent.py:{data_dependent.BRANCH_LINE}" in msg
+    assert "torch.cond" in msg or "torch.where" in msg
+
+
+def test_dynamic_dims_are_sympy_symbols():
+    model, inputs = zoo.get("mlp")
+    gm = capture(model, inputs, dynamic={"x": {0: "batch"}})
+    x_node = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    batch = ir.info(x_node).shape[0]
+    assert isinstance(batch, sympy.Expr) and batch.free_symbols
+    out = next(n for n in gm.graph.nodes if n.op == "call_function" and ir.info(n) is not None)
+    assert ir.info(out).symbolic
+    bigger = torch.randn(5, *inputs[0].shape[1:])
+    with torch.no_grad():
+        torch.testing.assert_close(gm(bigger), model(bigger))
+    assert ir.shape_hints(gm)  # the example size is the hint
+
+
+def test_bad_inputs_give_capture_errors():
+    model, inputs = zoo.get("mlp")
+    with pytest.raises(CaptureError, match="nn.Module"):
+        capture(lambda x: x, inputs)
+    with pytest.raises(CaptureError, match="no tensor"):
+        capture(model, (3,))
+    with pytest.raises(CaptureError, match="forward takes"):
+        capture(model, inputs, dynamic={"nope": {0: "b"}})
+    with pytest.raises(CaptureError, match="outside"):
+        capture(model, inputs, dynamic={"x": {7: "b"}})
+
+
+def test_kwargs_inputs():
+    model, inputs = zoo.get("bert-tiny")
+    ids, mask = inputs
+    gm = capture(model, {"input_ids": ids, "attention_mask": mask})
+    with torch.no_grad():
+        _outputs_equal(gm(input_ids=ids, attention_mask=mask), model(input_ids=ids, attention_mask=mask))
+
+
+def test_capture_is_reexported():
+    assert graphopt.capture is capture

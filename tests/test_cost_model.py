@@ -1,0 +1,121 @@
+import sympy
+import pytest
+import torch
+import torch.nn as nn
+
+from graphopt import capture
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import DeviceProfile, get_profile, profile_names
+from graphopt.errors import GraphoptError
+
+
+def _h200():
+    return get_profile("h200")[0]
+
+
+def _node(gm, opname):
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and opname in str(n.target))
+
+
+class Lin(nn.Module):
+    def __init__(self, k=256, n=512):
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def test_shipped_profiles():
+    assert {"h200", "a100", "cpu"} <= set(profile_names())
+    p = _h200()
+    assert p.peak_flops["bfloat16"] == 776e12 and p.bandwidth == 4.2e12
+    assert p.matmul_rate(torch.bfloat16) == 776e12
+    assert p.matmul_rate(torch.float32, allow_tf32=False) == 50e12
+    assert p.matmul_rate(torch.float32, allow_tf32=True) > 50e12
+    with pytest.raises(GraphoptError, match="unknown device or profile"):
+        get_profile("tpu-v9")
+
+
+def test_linear_flops_and_bytes():
+    gm = capture(Lin().eval(), (torch.randn(64, 256),))
+    cm = CostModel(_h200())
+    lin = cm.node_cost(_node(gm, "linear"))
+    assert lin.flops == 2 * 64 * 512 * 256
+    # x, W, b read once; out written once (fp32)
+    assert lin.bytes == 4 * (64 * 256 + 512 * 256 + 512 + 64 * 512)
+    relu = cm.node_cost(_node(gm, "relu"))
+    assert relu.bytes == 4 * 2 * 64 * 512
+    assert relu.bound in ("memory", "launch")
+    assert relu.time_s == pytest.approx(max(relu.compute_s, relu.memory_s) + 5e-6)
+
+
+def test_conv_flops():
+    m = nn.Conv2d(16, 32, 3, padding=1, groups=2).eval()
+    gm = capture(m, (torch.randn(2, 16, 8, 8),))
+    c = CostModel(_h200()).node_cost(_node(gm, "conv2d"))
+    assert c.flops == 2 * (2 * 32 * 8 * 8) * (16 // 2 * 3 * 3)
+
+
+def test_bound_classification_big_matmul_is_compute_bound():
+    gm = capture(Lin(4096, 4096).eval().to(torch.bfloat16), (torch.randn(8192, 4096, dtype=torch.bfloat16),))
+    c = CostModel(_h200()).node_cost(_node(gm, "linear"))
+    assert c.bound == "compute"
+    assert c.compute_s == pytest.approx(2 * 8192 * 4096 * 4096 / 776e12)
+
+
+def test_launch_bound_tiny_graph():
+    gm = capture(Lin(8, 8).eval(), (torch.randn(2, 8),))
+    cost = CostModel(_h200()).graph_cost(gm)
+    assert cost.bound_share["launch"] > 0.9
+    assert cost.launches == 2
+
+
+def test_symbolic_shapes_give_sympy_formulas():
+    gm = capture(Lin().eval(), (torch.randn(64, 256),), dynamic={"x": {0: "batch"}})
+    cm = CostModel(_h200())
+    lin = cm.node_cost(_node(gm, "linear"))
+    assert isinstance(lin.flops, sympy.Expr)
+    (sym,) = lin.flops.free_symbols
+    assert lin.flops.subs(sym, 10) == 2 * 10 * 512 * 256
+    total = cm.graph_cost(gm)
+    assert total.symbolic_total is not None
+    assert total.flops == 2 * 64 * 512 * 256 + 64 * 512  # linear + relu, at the example size
+
+
+def test_roofline_floor_and_peak_memory():
+    gm = capture(Lin().eval(), (torch.randn(64, 256),))
+    cost = CostModel(_h200()).graph_cost(gm)
+    assert 0 < cost.roofline_floor_s <= cost.total_s
+    params = 4 * (512 * 256 + 512)
+    assert cost.parameter_bytes == params
+    # live at once: x, linear out, relu out
+    assert cost.peak_memory_bytes == params + 4 * (64 * 256 + 64 * 512 + 64 * 512)
+
+
+def test_views_are_free():
+    class V(nn.Module):
+        def forward(self, x):
+            return x.view(4, -1).t().unsqueeze(0)
+
+    gm = capture(V(), (torch.randn(8, 8),))
+    cost = CostModel(_h200()).graph_cost(gm)
+    assert cost.launches == 0 and cost.total_s == 0
+
+
+def test_cpu_profile_is_measured_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    p1, _ = get_profile("cpu")
+    assert p1.kind == "cpu" and p1.bandwidth > 1e8 and p1.peak_flops["float32"] > 1e8
+    assert list(tmp_path.glob("cpu-*.json"))
+    p2, _ = get_profile("cpu")
+    assert p2.bandwidth == p1.bandwidth  # read back from the cache
+
+
+def test_custom_profile_object():
+    prof = DeviceProfile(name="toy", kind="cuda", peak_flops={"float32": 1e12}, elementwise_flops=1e11,
+                         bandwidth=1e11, launch_overhead_s=1e-5, memory_bytes=1e9)
+    gm = capture(Lin().eval(), (torch.randn(64, 256),))
+    fast = CostModel(_h200()).graph_cost(gm).total_s
+    slow = CostModel(prof).graph_cost(gm).total_s
+    assert slow > fast

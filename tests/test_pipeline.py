@@ -1,0 +1,150 @@
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import graphopt
+from graphopt import ir
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import get_profile
+from graphopt.errors import PassConfigError
+from graphopt.examples import zoo
+from graphopt.ir import InvariantError
+from graphopt.pipeline import (PIPELINE, Candidate, Pass, PassContext, PassManager, assemble, registry)
+
+aten = torch.ops.aten
+
+
+def _ctx(gm, **kw):
+    prof = get_profile("h200")[0]
+    return PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm), **kw)
+
+
+class ScaleOutputs(Pass):
+    """A deliberately wrong rewrite: relu(x) -> relu(x) * 1.01."""
+
+    name = "scale_relu_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        cands = []
+        for n in list(gm.graph.nodes):
+            if n.target is aten.relu.default:
+                def apply(n=n):
+                    with gm.graph.inserting_after(n):
+                        new = gm.graph.call_function(aten.mul.Tensor, (n, 1.01))
+                    n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+                    return new
+                cands.append(Candidate("planted", [n], 1e-6, apply))
+        res.apply_ranked(ctx, cands)
+        return res
+
+
+class BreakGraph(Pass):
+    name = "break_graph_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        n = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        # give the relu a float32 -> float64 change: metadata now disagrees with the graph
+        with gm.graph.inserting_after(n):
+            new = gm.graph.call_function(aten._to_copy.default, (n,), {"dtype": torch.float64})
+        n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        new.meta["val"] = n.meta["val"]
+        res.record("planted", [n], [new], 0.0)
+        return res
+
+
+def _mlp_gm():
+    model, inputs = zoo.get("mlp")
+    return model, inputs, graphopt.capture(model, inputs)
+
+
+def test_pipeline_is_declared_in_family_order():
+    reg = registry()
+    assert set(PIPELINE) <= set(reg)
+    from graphopt.pipeline import FAMILIES
+
+    fams = [FAMILIES.index(reg[n].family) for n in PIPELINE]
+    assert fams == sorted(fams)
+
+
+def test_assemble_rejects_unknown_and_keeps_order():
+    with pytest.raises(PassConfigError, match="unknown pass nope"):
+        assemble(["nope"])
+    with pytest.raises(PassConfigError, match="unknown pass"):
+        assemble(None, disable=["fold_everything"])
+    names = [p.name for p in assemble(["fold_conv_bn", "eliminate_dead_code"])]
+    assert names == ["eliminate_dead_code", "fold_conv_bn"]
+
+
+def test_accuracy_guard_reverts_a_wrong_pass():
+    from graphopt import accuracy
+
+    model, inputs, gm = _mlp_gm()
+    ref64 = accuracy.fp64_reference(model, inputs, {})
+    with torch.no_grad():
+        eager = model(*inputs)
+
+    def check(g):
+        with torch.no_grad():
+            return accuracy.check(g(*inputs), ref64, eager)
+
+    before = [n.target for n in gm.graph.nodes]
+    (res,) = PassManager([ScaleOutputs()], check).run(gm, _ctx(gm))
+    assert res.status == "reverted"
+    assert "accuracy" in res.notes[0]
+    assert [n.target for n in gm.graph.nodes] == before
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), eager)
+
+
+def test_invariant_check_names_the_node():
+    model, inputs, gm = _mlp_gm()
+    with pytest.raises(InvariantError, match="changed metadata"):
+        PassManager([BreakGraph()]).run(gm, _ctx(gm))
+
+
+def test_provenance_is_stamped_automatically():
+    model, inputs, gm = _mlp_gm()
+    (res,) = PassManager([ScaleOutputs()]).run(gm, _ctx(gm))
+    assert res.status == "applied"
+    stamped = [n for n in gm.graph.nodes if "graphopt_from" in n.meta]
+    assert stamped and all(n.meta["graphopt_from"]["pass"] == "scale_relu_planted" for n in stamped)
+    assert stamped[0].meta["graphopt_from"]["sources"] == [res.rewrites[0].matched[0]]
+
+
+def test_ranked_candidates_reject_overlap_and_losses():
+    model, inputs, gm = _mlp_gm()
+    ctx = _ctx(gm)
+    ctx.observer = ir.ProvenanceObserver(gm, "t")
+    relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+    from graphopt.pipeline import PassResult
+
+    res = PassResult("t")
+    applied = []
+    cands = [Candidate("big", [relu], 2e-6, lambda: applied.append("big") or True),
+             Candidate("small", [relu], 1e-6, lambda: applied.append("small") or True),
+             Candidate("loss", [next(iter(gm.graph.nodes))], -1e-6, lambda: applied.append("loss") or True)]
+    with ctx.observer.active():
+        res.apply_ranked(ctx, cands)
+    assert applied == ["big"]
+    reasons = {r.candidate.split(" ")[0]: r.reason for r in res.rejected}
+    assert "overlaps" in reasons["small"] and "no gain" in reasons["loss"]
+
+
+def test_dump_dir_writes_each_pass(tmp_path):
+    model, inputs = zoo.get("shape-branch")
+    opt = graphopt.optimize(model, inputs, dump_dir=tmp_path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files[0] == "000_captured.py"
+    assert [f[4:-3] for f in files[1:]] == list(PIPELINE)
+
+
+def test_disabled_pass_is_reported():
+    model, inputs = zoo.get("shape-branch")
+    opt = graphopt.optimize(model, inputs, disable=["fold_conv_bn"])
+    assert opt.report.pass_result("fold_conv_bn").status == "disabled"
+    assert any(n.target is aten.batch_norm.default for n in opt.graph_module.graph.nodes)

@@ -148,11 +148,11 @@ def cmd_zoo(args) -> int:
 def cmd_passes(args) -> int:
     from rich.table import Table
 
-    from .pipeline import PIPELINE, registry
+    from .pipeline import available, registry
 
     reg = registry()
     t = Table("#", "pass", "family", "inference only", "what it does", header_style="bold")
-    for i, name in enumerate(PIPELINE, 1):
+    for i, name in enumerate(available(), 1):
         cls = reg[name]
         t.add_row(str(i), name, cls.family, "yes" if cls.inference_only else "", cls.description)
     _console().print(t)

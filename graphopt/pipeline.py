@@ -192,24 +192,49 @@ def registry() -> dict[str, type[Pass]]:
     return dict(_REGISTRY)
 
 
-# The pipeline, declared once. Order inside a family is the order listed.
+# The pipeline, declared once. Order inside a family is the order listed. A name whose module
+# is not in passes/ yet is simply not run (assemble() lists only registered passes).
 PIPELINE: tuple[str, ...] = (
+    # cleanup
     "eliminate_dead_code",
     "fold_constants",
+    # fusion
     "fold_conv_bn",
+    "fuse_attention",
+    "merge_sibling_linears",
+    "fuse_rms_norm",
+    "fuse_layer_norm",
+    "fuse_rotary",
+    "fuse_swiglu",
+    "fuse_bias_act",
+    "fuse_elementwise",
+    # layout
+    "convert_channels_last",
+    "eliminate_permutes",
+    # precision
+    "assign_precision",
 )
+
+
+def available() -> list[str]:
+    """The registered passes, in pipeline order."""
+    reg = registry()
+    return [n for n in PIPELINE if n in reg]
 
 
 def assemble(passes: Iterable[str] | None = None, disable: Iterable[str] = ()) -> list[Pass]:
     """Resolve names into pass objects in pipeline order; unknown names and broken order raise."""
     reg = registry()
+    missing = [n for n in reg if n not in PIPELINE and not n.endswith("_planted")]
+    if missing:
+        raise PassConfigError(f"pass {missing[0]} is registered but not declared in pipeline.PIPELINE")
     known = [n for n in PIPELINE if n in reg]
     unknown = [n for n in list(passes or []) + list(disable) if n not in reg]
     if unknown:
         raise PassConfigError(f"unknown pass {', '.join(unknown)}; known passes: {', '.join(known)}")
     chosen = list(passes) if passes else known
     # keep the declared order whatever order the user listed them in
-    chosen = sorted(dict.fromkeys(chosen), key=lambda n: PIPELINE.index(n) if n in PIPELINE else len(PIPELINE))
+    chosen = sorted(dict.fromkeys(chosen), key=lambda n: PIPELINE.index(n))
     objs = [reg[n]() for n in chosen]
     order = [FAMILIES.index(p.family) for p in objs]
     if order != sorted(order):

@@ -114,14 +114,32 @@ class Const(Pattern):
         return _bind(self.name, value, m)
 
 
+class Alt(Pattern):
+    """The first of several alternative patterns that matches (bindings of failed tries undone)."""
+
+    def __init__(self, *alternatives: Pattern, name: str | None = None):
+        self.alternatives, self.name = alternatives, name
+
+    def match(self, value, m):
+        for alt in self.alternatives:
+            saved_b, saved_n, saved_why = dict(m.bindings), list(m.nodes), m.why
+            if alt.match(value, m):
+                return _bind(self.name, value, m)
+            m.bindings, m.nodes, m.why = saved_b, saved_n, saved_why
+        return m.fail(f"{_desc(value)} matches none of {len(self.alternatives)} alternatives")
+
+
 class Op(Pattern):
-    """A call_function node whose target is one of ``targets`` (overloads or packets)."""
+    """A call_function node whose target is one of ``targets`` (overloads or packets).
+
+    ``commutative=True`` also tries the first two arguments swapped (add, mul)."""
 
     def __init__(self, targets, *args: Pattern, name: str | None = None, single_use: bool = True,
-                 pred: Callable | None = None, kwargs: dict | None = None):
+                 pred: Callable | None = None, kwargs: dict | None = None, commutative: bool = False):
         self.targets = targets if isinstance(targets, (tuple, list, set, frozenset)) else (targets,)
         self.args, self.name, self.single_use, self.pred = args, name, single_use, pred
         self.kwargs = kwargs or {}
+        self.commutative = commutative
 
     def _target_ok(self, node: fx.Node) -> bool:
         for t in self.targets:
@@ -142,8 +160,15 @@ class Op(Pattern):
         if m.nodes and self.single_use and len(value.users) > 1:
             return m.fail(f"{value.name} has {len(value.users)} users; fusing it would duplicate work")
         m.nodes.append(value)
-        for i, sub in enumerate(self.args):
-            if not sub.match(get_arg(value, i), m):
+        orders = [list(range(len(self.args)))]
+        if self.commutative and len(self.args) >= 2:
+            orders.append([1, 0] + list(range(2, len(self.args))))
+        for k, order in enumerate(orders):
+            saved_b, saved_n = dict(m.bindings), list(m.nodes)
+            if all(sub.match(get_arg(value, j), m) for sub, j in zip(self.args, order)):
+                break
+            m.bindings, m.nodes = saved_b, saved_n
+            if k == len(orders) - 1:
                 return False
         for kname, sub in self.kwargs.items():
             if not sub.match(value.kwargs.get(kname, get_arg(value, _schema_index(value, kname))), m):

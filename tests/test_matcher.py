@@ -77,3 +77,24 @@ def test_debug_variable_explains_failures(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="graphopt.matcher"):
         assert match(PAT, relu) is None
     assert "users" in caplog.text or "outside" in caplog.text
+
+
+def test_commutative_and_alternatives():
+    from graphopt.matcher import Alt
+
+    class AddRes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc(x)  # linear is the second operand
+
+    gm = capture(AddRes().eval(), (torch.randn(2, 8),))
+    lin = Op(aten.linear.default, Any(), Attr(), Attr(), name="lin")
+    assert list(find(gm, Op(aten.add.Tensor, lin, Any("res")))) == []
+    (m,) = list(find(gm, Op(aten.add.Tensor, lin, Any("res"), commutative=True)))
+    assert m["res"].op == "placeholder" and m["lin"].target is aten.linear.default
+    alt = Op(aten.add.Tensor, Alt(Op(aten.gelu.default, Any()), lin), Any(), commutative=True)
+    (m2,) = list(find(gm, alt))
+    assert m2["lin"] is m["lin"]

@@ -24,6 +24,9 @@ from .cost.model import CostModel
 from .cost.profiles import DeviceProfile
 from .errors import PassConfigError
 
+# why kernel fusions are refused on a CPU profile (the report shows it)
+NO_FUSED_KERNELS = "graphopt's fused kernels are CUDA kernels; on the CPU their reference implementation is no faster"
+
 # the declared order of families; a pipeline that breaks it is refused when assembled
 FAMILIES = ("cleanup", "fusion", "layout", "precision", "checkpoint", "partition", "lower")
 
@@ -155,6 +158,13 @@ class PassContext:
     hints: dict = field(default_factory=dict)
     observer: ir.ProvenanceObserver | None = None
     options: dict = field(default_factory=dict)
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether rewrites onto torch.ops.graphopt.* kernels can pay on the planned device.
+        (True for CUDA profiles, also when planning for a GPU on a machine without one: the
+        rewritten graph then runs the ops' reference implementations.)"""
+        return self.profile.kind == "cuda"
 
     def node_time(self, nodes: Iterable[fx.Node]) -> float:
         return sum(ir.concrete(self.cost.node_cost(n).time_s, self.hints) for n in nodes)

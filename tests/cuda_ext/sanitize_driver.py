@@ -1,0 +1,40 @@
+"""Small driver that runs every CUDA kernel once at odd and edge sizes, all dtypes; run under
+compute-sanitizer (memcheck, racecheck) by cuda_ext/gpu_check.sh. Not a pytest file."""
+import torch
+
+import graphopt.cuda_ext as ce
+
+assert ce.backend() == "cuda", ce.backend_info()
+dev = "cuda"
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    r = lambda *s: torch.randn(*s, device=dev, dtype=dt)  # noqa: E731
+    for shape in [(1,), (7,), (3, 1023), (2, 4104), (5, 3, 9)]:
+        x = r(*shape)
+        ce.bias_act(x, r(shape[-1]), "gelu_tanh", r(*shape))
+        ce.bias_act(x, None, "relu", None)
+    ce.bias_act(r(2, 3, 5, 7), r(3), "silu", None, 1)
+    ce.bias_act(r(2, 16, 4, 4), r(16), "gelu", None, 1)
+    for h in (1, 7, 1023, 4096, 4097, 16384, 20000):
+        x, res = r(3, h), r(3, h)
+        ce.add_rms_norm(x, res, r(h), 1e-6)
+        ce.add_rms_norm(x, None, torch.randn(h, device=dev), 1e-6)
+        ce.add_layer_norm(x, res, r(h), r(h), 1e-5)
+        ce.add_layer_norm(x, None, None, None, 1e-5)
+    for shape in [(2,), (3, 14), (5, 2046), (2, 8192), (3, 8194)]:
+        ce.swiglu(r(*shape))
+    for B, Hq, Hk, S, D, R in [(2, 4, 2, 7, 64, 64), (1, 3, 1, 1, 10, 4), (2, 4, 2, 33, 128, 64)]:
+        q, k = r(B, S, Hq, D).transpose(1, 2), r(B, S, Hk, D).transpose(1, 2)
+        ce.rotary(q, k, r(1, S, R), r(1, S, R), True)
+        ce.rotary(q, k, r(B, S, R), r(B, S, R), False)
+    for shape in [(1, 1, 1, 1), (2, 3, 5, 7), (2, 2, 9, 4096), (1, 2, 3, 20000)]:
+        sc = r(*shape)
+        ce.softmax_mask(sc, 0.5, torch.rand(shape[0], 1, 1, shape[-1], device=dev) > 0.3)
+        ce.softmax_mask(sc, 0.5, r(shape[0], 1, shape[-2], shape[-1]))
+        ce.softmax_mask(sc, 0.5, None)
+    p = ce.Program()
+    a, b = p.input(), p.input()
+    p.output(p.gelu_tanh(a + b), dt)
+    ce.fused_pointwise(p, [r(3, 1023), r(1023)])
+    ce.fused_pointwise(p, [r(33, 5).t(), r(1)])
+torch.cuda.synchronize()
+print("sanitize_driver: ok")

@@ -1,0 +1,172 @@
+"""The pointwise program language: builder, parser, reference evaluator, and the generated
+Triton kernels (run on the CPU through Triton's interpreter here, on the GPU when marked cuda)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphopt.cuda_ext as ce
+from graphopt.cuda_ext import pointwise_triton as pwt
+from graphopt.cuda_ext.pointwise import Program, ProgramError, evaluate, parse
+
+from kx_accuracy import check
+from conftest import DEVICES, HAS_CUDA, poison_allocator
+
+
+def gelu_bias_res_program():
+    p = Program()
+    x, b, r = p.input(), p.input(), p.input()
+    y = p.gelu_tanh(x + b) + r
+    p.output(y, torch.bfloat16)
+    p.output(p.cast(y, "bf16") * 2.0, "f32")
+    return p
+
+
+def every_op_program():
+    p = Program()
+    x, y, m = p.input(), p.input(), p.input()
+    vals = [p.neg(x), p.abs(x), p.exp(p.clamp(x, None, 5)), p.log(p.abs(x) + 1), p.sqrt(p.abs(y)),
+            p.rsqrt(p.abs(y) + 0.5), p.tanh(x), p.sigmoid(x), p.relu(x), p.gelu(x), p.gelu_tanh(x),
+            p.silu(x), p.hardswish(x), p.pow(x, 2), p.pow(p.abs(x), 0.75), p.pow(y, -1), p.maximum(x, y),
+            p.minimum(x, y), p.where(m, x, y), p.where(p.lt(x, y), 1.0, -1.0), p.clamp(x, -0.5, 0.5),
+            x - y, x / (p.abs(y) + 1), 3.0 - x, p.cast(p.eq(x, x), "f32") + p.cast(p.ne(x, y), "f32"),
+            p.cast(p.le(x, 0.0), "f32") + p.cast(p.ge(y, 0.0), "f32") + p.cast(p.gt(x, y), "f32")]
+    acc = vals[0]
+    for v in vals[1:]:
+        acc = acc + v
+    p.output(acc, torch.float32)
+    p.output(p.gt(acc, 0.0), torch.bool)
+    return p
+
+
+def test_builder_source_roundtrip():
+    p = gelu_bias_res_program()
+    src = p.source
+    assert parse(src).source == src
+    assert parse(src.replace("\n", " ; ")).source == src  # one-line form
+    assert p.output_dtypes() == [torch.bfloat16, torch.float32]
+    assert "gelu_tanh" in src and "out %" in src
+    q = every_op_program()
+    assert parse(q.source).source == q.source
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ("%0 = input 0\n%1 = frob %0\nout %1 f32", "unknown op"),
+    ("%0 = input 0\n%1 = add %0 %2\nout %1 f32", "before it is defined"),
+    ("%0 = input 0\n%2 = exp %0\nout %2 f32", "numbered in order"),
+    ("%0 = input 0\nout %0 f8", "unknown dtype"),
+    ("%0 = input 0\n%1 = exp %0", "no `out`"),
+    ("%0 = input 1\nout %0 f32", "never read"),
+    ("%0 = input 0\n%1 = add %0\nout %1 f32", "takes 2 operand"),
+])
+def test_parse_errors(bad, msg):
+    with pytest.raises(ProgramError, match=msg):
+        parse(bad)
+
+
+def test_evaluate_matches_torch_composite_fp64():
+    x, b, r = torch.randn(4, 7, dtype=torch.float64), torch.randn(7, dtype=torch.float64), torch.randn(4, 7, dtype=torch.float64)
+    p = Program()
+    xi, bi, ri = p.input(), p.input(), p.input()
+    p.output(p.gelu_tanh(xi + bi) + ri, torch.float64)
+    (y,) = evaluate(p, [x, b, r])
+    torch.testing.assert_close(y, F.gelu(x + b, approximate="tanh") + r)
+
+
+def test_cast_rounds_like_eager():
+    x = torch.randn(1000, dtype=torch.float32)
+    p = Program()
+    xi = p.input()
+    p.output(p.cast(xi * 3.0, "bf16") + 1.0, "f32")
+    (y,) = evaluate(p, [x])
+    torch.testing.assert_close(y, (x * 3).bfloat16().float() + 1, rtol=0, atol=0)
+
+
+def _inputs(device, dtype):
+    """broadcasting and strided inputs: [5, 1, 33] strided, [4, 1] , [33] bool mask"""
+    x = torch.randn(33, 5, device=device, dtype=dtype).t().unsqueeze(1)  # [5, 1, 33], non-contiguous
+    y = torch.randn(4, 1, device=device, dtype=dtype)
+    m = torch.rand(33, device=device) > 0.5
+    return [x, y, m]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_matches_evaluator(device):
+    p = every_op_program()
+    ins = _inputs(device, torch.float32)
+    outs = ce.fused_pointwise(p, ins)
+    ref = evaluate(p, [t.double() if t.is_floating_point() else t for t in ins])
+    assert outs[0].shape == (5, 4, 33) and outs[1].dtype == torch.bool
+    check(outs[0], ref[0], evaluate(p, ins)[0])
+
+
+def _run_triton(program, inputs):
+    return pwt.fused_pointwise_triton(program, inputs)
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_generated_triton_kernel_in_interpreter(triton_interpreter, dtype):
+    """The generated kernel (same source the GPU compiles) on the CPU via TRITON_INTERPRET."""
+    # gelu_bias_res_program rounds through bf16 inside (cast), so it is held to bf16's tolerance
+    for p, ins, tdt in [(every_op_program(), _inputs("cpu", dtype), dtype),
+                        (gelu_bias_res_program(), [torch.randn(3, 1023).to(dtype), torch.randn(1023).to(dtype),
+                                                   torch.randn(3, 1023).to(dtype)], torch.bfloat16)]:
+        outs = _run_triton(p.source, ins)
+        ref64 = evaluate(p, [t.double() if t.is_floating_point() else t for t in ins])
+        eager = evaluate(p, ins)
+        for o, r, e in zip(outs, ref64, eager):
+            if o.dtype == torch.bool:
+                # comparisons near 0 may flip with rounding; require 99% agreement
+                assert (o == e).float().mean() > 0.99
+            else:
+                check(o, r, e, dtype=tdt)
+
+
+def test_triton_single_element_and_scalar_inputs(triton_interpreter):
+    p = Program()
+    a, b = p.input(), p.input()
+    p.output(p.silu(a) * b, "f32")
+    for ins in [[torch.randn(1), torch.randn(())], [torch.randn(()), torch.randn(())], [torch.randn(7, 1), torch.randn(1, 3)]]:
+        (o,) = _run_triton(p.source, ins)
+        torch.testing.assert_close(o, F.silu(ins[0]) * ins[1])
+
+
+def test_coalesce_dims():
+    # contiguous [2, 3, 4] -> one dim; a broadcast input keeps its zero stride
+    shape, st = pwt.coalesce([2, 3, 4], [[12, 4, 1], [0, 0, 1]])
+    assert shape == [6, 4] and st == [[4, 1], [0, 1]]
+    shape, st = pwt.coalesce([2, 3, 4], [[12, 4, 1], [12, 4, 1]])
+    assert shape == [24] and st == [[1], [1]]
+    shape, st = pwt.coalesce([1, 1], [[0, 0]])
+    assert shape == [1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pointwise_cuda(dtype):
+    bf = torch.bfloat16
+    for p, ins, tdt in [(every_op_program(), _inputs("cuda", dtype), dtype),
+                        (gelu_bias_res_program(), [torch.randn(3, 4097, device="cuda").to(dtype),
+                                                   torch.randn(4097, device="cuda").to(dtype),
+                                                   torch.randn(3, 4097, device="cuda").to(dtype)], bf),
+                        (gelu_bias_res_program(), [torch.randn(1, device="cuda").to(dtype),
+                                                   torch.randn(1, device="cuda").to(dtype),
+                                                   torch.randn(1, device="cuda").to(dtype)], bf)]:
+        poison_allocator("cuda")
+        outs = ce.fused_pointwise(p, ins)
+        ref64 = evaluate(p, [t.double() if t.is_floating_point() else t for t in ins])
+        eager = evaluate(p, ins)
+        for o, r, e in zip(outs, ref64, eager):
+            if o.dtype == torch.bool:
+                assert (o == e).float().mean() > 0.99
+            else:
+                check(o, r, e, dtype=tdt)

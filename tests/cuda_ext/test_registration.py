@@ -1,0 +1,190 @@
+"""The ops exist with the schemas of registration.cpp, have working fake (Meta) kernels, pass
+torch.library.opcheck, export with torch.export, and TorchScript modules calling them reload in
+a fresh process. Plus the build's compile-only check and error reporting."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import graphopt.cuda_ext as ce
+from graphopt.cuda_ext import build
+from graphopt.errors import KernelBuildError
+
+REPO = Path(__file__).resolve().parents[2]
+
+EXPECTED = {
+    "bias_act": "bias_act(Tensor x, Tensor? bias, str act, Tensor? residual, int bias_dim=-1) -> Tensor",
+    "add_rms_norm": "add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    "add_layer_norm": "add_layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
+    "swiglu": "swiglu(Tensor gate_up) -> Tensor",
+    "rotary": "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
+    "softmax_mask": "softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor",
+    "fused_pointwise": "fused_pointwise(str program, Tensor[] inputs) -> Tensor[]",
+}
+
+
+def sample_args(device="cpu"):
+    """One valid call of every op."""
+    x = torch.randn(4, 24, device=device)
+    pw = ce.Program()
+    a, b = pw.input(), pw.input()
+    pw.output(pw.silu(a * b + 1.0), torch.float32)
+    return {
+        "bias_act": (x, torch.randn(24, device=device), "gelu_tanh", torch.randn(4, 24, device=device), -1),
+        "add_rms_norm": (x, torch.randn(4, 24, device=device), torch.randn(24, device=device), 1e-6),
+        "add_layer_norm": (x, torch.randn(4, 24, device=device), torch.randn(24, device=device),
+                           torch.randn(24, device=device), 1e-5),
+        "swiglu": (torch.randn(3, 2, 16, device=device),),
+        "rotary": (torch.randn(2, 4, 5, 16, device=device), torch.randn(2, 2, 5, 16, device=device),
+                   torch.randn(1, 5, 8, device=device), torch.randn(1, 5, 8, device=device), True),
+        "softmax_mask": (torch.randn(2, 2, 5, 9, device=device), 0.3, torch.rand(2, 1, 1, 9, device=device) > 0.2),
+        "fused_pointwise": (pw.source, [torch.randn(3, 5, device=device), torch.randn(5, device=device)]),
+    }
+
+
+def test_schemas_are_the_registered_ones():
+    assert ce.schemas() == EXPECTED
+    for name, schema in EXPECTED.items():
+        op = getattr(torch.ops.graphopt, name).default
+        assert str(op._schema) == f"graphopt::{schema}"
+        assert torch.Tag.pt2_compliant_tag in op.tags
+
+
+def test_backend_reported():
+    info = ce.backend_info()
+    assert ce.backend() in ("cuda", "reference")
+    assert info["backend"] == ce.backend() and info["reason"]
+    if not torch.cuda.is_available():
+        assert ce.backend() == "reference" and info["library"] is None
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_fake_tensor_shapes(name):
+    args = sample_args()[name]
+    real = getattr(torch.ops.graphopt, name)(*args)
+    with FakeTensorMode() as mode:
+        fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor)
+                      else [mode.from_tensor(t) for t in a] if isinstance(a, list) else a for a in args)
+        fake = getattr(torch.ops.graphopt, name)(*fargs)
+    real = real if isinstance(real, (tuple, list)) else [real]
+    fake = fake if isinstance(fake, (tuple, list)) else [fake]
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+
+
+def test_meta_device():
+    x = torch.empty(8, 2 * 7, device="meta", dtype=torch.bfloat16)
+    assert torch.ops.graphopt.swiglu(x).shape == (8, 7)
+    out, h = torch.ops.graphopt.add_rms_norm(x, x, torch.empty(14, device="meta"), 1e-6)
+    assert out.shape == h.shape == x.shape and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_opcheck(name):
+    args = sample_args()[name]
+    torch.library.opcheck(getattr(torch.ops.graphopt, name).default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_torch_export_keeps_ops():
+    class M(torch.nn.Module):
+        def forward(self, x, r, w, gu):
+            y, h = torch.ops.graphopt.add_rms_norm(x, r, w, 1e-6)
+            z = torch.ops.graphopt.bias_act(y, None, "silu", h, -1)
+            return z, torch.ops.graphopt.swiglu(gu)
+
+    args = (torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.randn(3, 16))
+    ep = torch.export.export(M(), args)
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"graphopt.add_rms_norm.default", "graphopt.bias_act.default", "graphopt.swiglu.default"} <= targets
+    for a, b in zip(ep.module()(*args), M()(*args)):
+        torch.testing.assert_close(a, b)
+
+
+SCRIPT_MODULE = '''
+import torch
+import graphopt.cuda_ext
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16))
+        self.b = torch.nn.Parameter(torch.randn(32))
+
+    def forward(self, x, r):
+        y, h = torch.ops.graphopt.add_rms_norm(x, r, self.w, 1e-6)
+        z = torch.ops.graphopt.bias_act(torch.cat([y, h], -1), self.b, "gelu_tanh", None, -1)
+        outs = torch.ops.graphopt.fused_pointwise("%0 = input 0; %1 = tanh %0; out %1 f32", [z])
+        return torch.ops.graphopt.swiglu(outs[0])
+'''
+
+
+def test_torchscript_save_and_reload_in_fresh_process(tmp_path):
+    (tmp_path / "blockmod.py").write_text(SCRIPT_MODULE)
+    save = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(tmp_path)!r})
+        from blockmod import Block
+        torch.manual_seed(0)
+        m = Block().eval()
+        x, r = torch.randn(5, 16), torch.randn(5, 16)
+        s = torch.jit.script(m)
+        s.save({str(tmp_path / 'scripted.pt')!r})
+        t = torch.jit.trace(m, (x, r))
+        t.save({str(tmp_path / 'traced.pt')!r})
+        torch.save({{'x': x, 'r': r, 'y': m(x, r)}}, {str(tmp_path / 'io.pt')!r})
+    """)
+    load = textwrap.dedent(f"""
+        import torch
+        import graphopt.cuda_ext
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        for f in ('scripted.pt', 'traced.pt'):
+            m = torch.jit.load({str(tmp_path)!r} + '/' + f)
+            torch.testing.assert_close(m(io['x'], io['r']), io['y'])
+        print('reloaded-ok')
+    """)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for code in (save, load):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert "reloaded-ok" in p.stdout
+
+
+def test_reference_backend_forced_in_subprocess():
+    code = "import graphopt.cuda_ext as c; import torch; print(c.backend()); print(torch.ops.graphopt.swiglu(torch.ones(2, 4)).shape)"
+    env = dict(os.environ, GRAPHOPT_KERNELS="reference")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["reference", "torch.Size([2,", "2])"]
+
+
+def test_build_errors_are_kernel_build_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    with pytest.raises(KernelBuildError):
+        build._arch_list("")
+    if not torch.cuda.is_available():
+        with pytest.raises(KernelBuildError, match="no CUDA GPU"):
+            build.build_kernels()
+    assert build.normalize_arch("9.0") == build.normalize_arch("90") == "sm_90"
+    assert build.build_dir(["sm_90"]).parent == tmp_path / "ext"
+    assert "sm_90" in build.build_dir(["sm_90"]).name and torch.__version__.split("+")[0] in build.build_dir(["sm_90"]).name
+
+
+@pytest.mark.skipif(build.find_cuda_home() is None, reason="needs nvcc")
+def test_check_compile_reports_first_error(tmp_path, monkeypatch):
+    # a broken copy of the sources must fail with the compiler's first error line and a log path
+    bad = tmp_path / "csrc"
+    bad.mkdir()
+    (bad / "broken.cu").write_text("__global__ void k() { this_is_not_defined(); }\n")
+    monkeypatch.setattr(build, "CSRC", bad)
+    monkeypatch.setattr(build, "source_files", lambda: [bad / "broken.cu"])
+    lines = []
+    rc = build.check_compile("sm_90", log_dir=tmp_path / "logs", echo=lines.append)
+    assert rc == 1
+    text = "\n".join(lines)
+    assert "this_is_not_defined" in text and "error" in text and "full log:" in text
+    assert (tmp_path / "logs" / "broken.cu.log").exists()

@@ -30,3 +30,7 @@ __all__ = [
     "GraphoptError", "CaptureError", "UnsupportedOpError", "BudgetError", "ArtifactError", "ModelSpecError",
     "PassConfigError", "KernelBuildError", "AccuracyError", "GuardError",
 ]
+
+# registers torch.ops.graphopt.* (CUDA kernels when built, reference implementations otherwise),
+# so graphs and TorchScript artifacts that call them work after `import graphopt`
+from . import cuda_ext  # noqa: E402,F401

@@ -1,0 +1,58 @@
+"""Helpers shared by the fusion passes (merge_sibling_linears, fuse_swiglu, fuse_bias_act,
+fuse_elementwise): fake-tensor metadata for nodes a pass creates, so that later candidates
+and later passes can prove things from ``meta["val"]`` before the manager re-propagates.
+Not a pass (the leading underscore keeps passes/__init__ from importing it as one)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphopt import ir
+
+
+def fake_mode(gm: fx.GraphModule):
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+def set_meta(gm: fx.GraphModule, nodes) -> None:
+    """Compute ``meta['val']`` of each new node (in order) from its inputs' fake values."""
+    mode = fake_mode(gm)
+    if mode is None:
+        return
+    prev = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        for n in nodes:
+            if n.op == "get_attr":
+                n.meta["val"] = mode.from_tensor(ir.get_attr_value(gm, n.target))
+                continue
+            if n.op != "call_function":
+                continue
+
+            def load(a):
+                return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+            args = fx.node.map_aggregate(n.args, load)
+            kwargs = fx.node.map_aggregate(n.kwargs, load)
+            with mode:
+                n.meta["val"] = n.target(*args, **kwargs)
+    finally:
+        mode.allow_non_fake_inputs = prev
+
+
+def numel(ti: ir.TensorInfo, hints) -> float:
+    return ir.concrete(ti.numel, hints)
+
+
+def nbytes(ti: ir.TensorInfo, hints) -> float:
+    return ir.concrete(ti.nbytes, hints)
+
+
+def pointwise_kernel_time(ctx, bytes_moved: float, elems: float = 0.0, flops_per_elem: float = 1.0) -> float:
+    """Predicted time of one memory-bound kernel (a graphopt fused op) on ctx's profile: the
+    cost model's formula for a node in the graphopt namespace."""
+    p = ctx.profile
+    return max(bytes_moved / p.bandwidth, elems * flops_per_elem / p.elementwise_flops) + p.launch_overhead_s

@@ -1,0 +1,430 @@
+"""fuse_attention: explicit attention -> ``aten.scaled_dot_product_attention``.
+
+Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
+
+    scores = matmul(q, transpose(k, -2, -1))         # or permute swapping the last two dims
+    scores = scores * c | scores / c | scores         # scale: a literal, or a one-element constant
+    scores = scores + mask                            # optional additive mask (either operand order)
+    p = softmax(scores, -1[, float32])                # softmax.int or _softmax, over the key dim only
+    p = p.to(q.dtype)                                 # optional cast back (HF eager_attention_forward)
+    p = dropout(p, p_drop, train)                     # optional; refused when it draws random numbers
+    out = matmul(p, v)
+
+    -> scaled_dot_product_attention(q, k, v, attn_mask=mask | None, is_causal=..., scale=c | 1/c | 1.0)
+
+* ``repeat_kv`` written as ``reshape(expand(unsqueeze(kv, 2), [B, Hkv, n, S, D]), [B, Hkv*n, S, D])``
+  on BOTH K and V is removed and SDPA gets ``enable_gqa=True`` with the un-repeated K/V (SDPA's GQA
+  maps query head h to kv head h // n, the same as repeat_kv's expand over a new dim 2). The shapes
+  prove it: Hq == Hkv * n.
+* A constant mask (a get_attr buffer, e.g. the causal mask folded by fold_constants) whose VALUE is
+  0 on and below the diagonal and <= finfo.min/2 (or -inf) above it, identical over batch and heads,
+  with Sq == Sk, is dropped for ``is_causal=True`` (SDPA's causal mask is tril(ones(Sq, Sk)), top-left
+  aligned, which for Sq == Sk is the same mask). Any other mask is passed as ``attn_mask`` when it is a
+  float tensor of q's dtype broadcastable to [B, H, Sq, Sk] (the add must not broadcast the scores).
+  A bool tensor in the additive position adds 0/1 - not a keep-mask - and is refused.
+* Existing ``scaled_dot_product_attention`` calls (torchvision's MultiheadAttention) whose attn_mask
+  is such a constant causal mask are rewritten to ``is_causal=True`` without the mask.
+
+Dtype: HF computes ``softmax(scores, dtype=float32).to(q.dtype)``; SDPA (math, flash,
+memory-efficient and cuDNN backends, and the CPU's fused kernel) accumulates the softmax in fp32 for
+bf16/fp16 inputs and rounds the probabilities to q's dtype before the PV product (or keeps them in
+fp32), so it is at least as precise as the explicit spelling. A softmax without the dtype (BERT in
+bf16) computes in bf16; SDPA is more precise. The pass checks that the output dtype equals q's.
+
+Refused, with the reason recorded: softmax over another dim; scores or probabilities read outside
+the pattern (e.g. attention weights returned by ``output_attentions``); masks of unsupported
+shape/dtype; a scale that is not a literal or one-element constant; dropout that is active (rng);
+q/k/v that are not 4-D or whose shapes do not line up.
+
+Cost: SDPA does not materialize the S x S scores; its bytes are q, k, v, mask and the output (the cost
+model's ATTENTION_OPS rule), its FLOPs 4*B*H*Sq*Sk*D (halved when causal). The gain is the predicted
+time of the matched nodes (both matmuls, scale, mask add, softmax, cast, the repeat_kv copies) minus
+that of the SDPA node, estimated by building it in a scratch graph.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.matcher import Alt, Any, Attr, Const, Match, Op, find
+from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+ASSERT_META = aten._assert_tensor_metadata.default
+SOFTMAXES = (aten.softmax.int, aten._softmax.default)
+CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout)
+RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _repeat_kv(prefix: str):
+    """HF repeat_kv: kv[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv*n, S, D)."""
+    return Op(RESHAPES,
+              Op(aten.expand.default,
+                 Op(aten.unsqueeze.default, Any(f"{prefix}_kv"), Any(f"{prefix}_unsq_dim"), name=f"{prefix}_unsq"),
+                 Any(), name=f"{prefix}_expand"),
+              Any(), name=f"{prefix}_rep")
+
+
+_K = Alt(_repeat_kv("k"), Any("k"))
+_V = Alt(_repeat_kv("v"), Any("v"))
+_KT = Alt(Op(aten.transpose.int, _K, Any("kt_d0"), Any("kt_d1"), name="kt", single_use=False),
+          Op(aten.permute.default, _K, Any("kt_perm"), name="kt", single_use=False))
+_QK = Op(aten.matmul.default, Any("q"), _KT, name="qk", single_use=False)
+_SCALED = Alt(
+    Op(aten.mul.Tensor, _QK, Const("scale_mul", pred=_number), name="scale_op", single_use=False),
+    Op((aten.div.Tensor, aten.div.Scalar), _QK, Const("scale_div", pred=_number), name="scale_op", single_use=False),
+    Op(aten.mul.Tensor, _QK, Attr("scale_mul_t"), name="scale_op", single_use=False, commutative=True),
+    Op(aten.div.Tensor, _QK, Attr("scale_div_t"), name="scale_op", single_use=False),
+    _QK,
+)
+_MASKED = Alt(Op(aten.add.Tensor, _SCALED, Any("mask"), name="mask_add", single_use=False, commutative=True),
+              _SCALED)
+_SOFTMAX = Op(SOFTMAXES, _MASKED, Any("dim"), name="softmax", single_use=False)
+_PROBS = Alt(Op(CASTS, _SOFTMAX, name="cast", single_use=False), _SOFTMAX)
+_DROPPED = Alt(
+    Op(aten.dropout.default, _PROBS, Any("p_drop"), Any("train"), name="dropout", single_use=False),
+    Op(operator.getitem, Op(aten.native_dropout.default, _PROBS, Any("p_drop"), Any("train"),
+                            name="dropout", single_use=False), Const(value=0), name="dropout_item", single_use=False),
+    _PROBS,
+)
+PATTERN = Op(aten.matmul.default, _DROPPED, _V, name="pv")
+
+# an SDPA call that already exists, with a constant mask
+SDPA_PATTERN = Op(SDPA, Any("q"), Any("k"), Any("v"), Attr("mask"), name="sdpa")
+
+
+class Refuse(Exception):
+    pass
+
+
+def _shape(node) -> tuple:
+    ti = ir.info(node) if isinstance(node, fx.Node) else None
+    if ti is None:
+        raise Refuse(f"{getattr(node, 'name', node)} has no tensor metadata")
+    return ti.shape
+
+
+def is_causal_mask(value: torch.Tensor) -> bool:
+    """True when ``value`` (..., L, L) is a causal mask for every leading index: bool tril(ones), or
+    float 0 on/below the diagonal and -inf or <= finfo.min/2 above it."""
+    if value.dim() < 2 or value.shape[-1] != value.shape[-2] or value.shape[-1] < 1:
+        return False
+    n = value.shape[-1]
+    tri = torch.ones(n, n, dtype=torch.bool, device=value.device).tril()
+    if value.dtype == torch.bool:
+        return bool(value[..., tri].all()) and not bool(value[..., ~tri].any())
+    if not value.is_floating_point():
+        return False
+    lo, up = value[..., tri], value[..., ~tri]
+    thr = torch.finfo(value.dtype).min / 2
+    return bool((lo == 0).all()) and bool(((up <= thr) | (up == float("-inf"))).all())
+
+
+def _broadcastable(mshape, target) -> bool:
+    if len(mshape) > len(target):
+        return False
+    return all(m == 1 or m == t for m, t in zip(reversed(mshape), reversed(target)))
+
+
+@register
+class FuseAttention(Pass):
+    name = "fuse_attention"
+    family = "fusion"
+    description = "explicit matmul-scale-mask-softmax-matmul attention -> scaled_dot_product_attention (GQA, causal)"
+    inference_only = False  # SDPA is differentiable; active dropout is refused per match
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        candidates, explained = [], set()
+        for m in _find_unchecked(gm, PATTERN):
+            explained.add(m["softmax"])
+            try:
+                plan = self._plan(gm, m, ctx)
+            except Refuse as e:
+                res.reject(f"attention at {m['softmax'].name}", str(e))
+                continue
+            gain = ctx.node_time(plan["removed"]) - self._sdpa_time(ctx, plan)
+            candidates.append(Candidate(
+                "attention->sdpa" + ("+gqa" if plan["gqa"] else "") + ("+causal" if plan["causal"] else ""),
+                plan["removed"], gain, lambda p=plan: self._apply(gm, p),
+                label=f"attention {m['qk'].name}..{m['pv'].name}"))
+        for m in find(gm, SDPA_PATTERN):
+            sd = m["sdpa"]
+            if _kwarg(sd, 5, "is_causal", False):
+                continue
+            try:
+                value = ir.get_attr_value(gm, m["mask"].target)
+                if not is_causal_mask(value) or value.shape[-1] != _shape(m["q"])[-2] or not _broadcastable(
+                        tuple(value.shape), ir.info(sd).shape[:-1] + (value.shape[-1],)):
+                    raise Refuse("its constant mask is not a causal mask for these shapes; kept as attn_mask")
+            except Refuse as e:
+                res.reject(f"sdpa {sd.name}", str(e))
+                continue
+            plan = {"kind": "sdpa", "node": sd}
+            new_args = (sd.args[0], sd.args[1], sd.args[2], None, _kwarg(sd, 4, "dropout_p", 0.0), True)
+            gain = ctx.node_time([sd]) - self._time_of(ctx, sd, new_args, _sdpa_kwargs(sd))
+            candidates.append(Candidate("sdpa constant causal mask->is_causal", [sd], gain,
+                                        lambda p=plan: self._apply_sdpa(gm, p), label=f"sdpa {sd.name}"))
+        # softmaxes that look like attention but did not match are reported, not silently ignored
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in SOFTMAXES and n not in explained:
+                why = self._diagnose(n)
+                if why:
+                    res.reject(f"softmax {n.name}", why)
+        res.apply_ranked(ctx, candidates)
+        return res
+
+    # ------------------------------------------------------------------ analysis
+
+    def _plan(self, gm, m: Match, ctx: PassContext) -> dict:
+        qk, sm, pv = m["qk"], m["softmax"], m["pv"]
+        q = m["q"]
+        qs = _shape(q)
+        if len(qs) != 4:
+            raise Refuse(f"q {q.name} is {len(qs)}-D; only [B, H, S, D] attention is rewritten")
+        qi = ir.info(q)
+        if not qi.dtype.is_floating_point:
+            raise Refuse(f"q has dtype {qi.dtype}")
+        # the K transpose swaps exactly the last two dims
+        kt = m["kt"]
+        if kt.target is aten.transpose.int:
+            dims = sorted(d % 4 for d in (m["kt_d0"], m["kt_d1"]))
+            if dims != [2, 3]:
+                raise Refuse(f"{kt.name} transposes dims {dims}, not the last two")
+        elif list(d % 4 for d in m["kt_perm"]) != [0, 1, 3, 2]:
+            raise Refuse(f"{kt.name} permutes {list(m['kt_perm'])}, not a swap of the last two dims")
+        # softmax over the key dim, in q's dtype or fp32
+        dim = m["dim"]
+        if not isinstance(dim, int) or dim % 4 != 3:
+            raise Refuse(f"softmax {sm.name} is over dim {dim}, not the last (key) dim")
+        sm_dtype = ir.info(sm).dtype
+        if sm_dtype not in (qi.dtype, torch.float32):
+            raise Refuse(f"softmax {sm.name} computes in {sm_dtype}")
+        probs = m.get("cast") or sm
+        if ir.info(probs).dtype != qi.dtype or ir.info(probs).device != qi.device:
+            raise Refuse(f"the probabilities are {ir.info(probs).dtype}, q is {qi.dtype}")
+        if ir.info(pv).dtype != qi.dtype:
+            raise Refuse(f"the output is {ir.info(pv).dtype}, q is {qi.dtype}")
+        # dropout
+        if m.get("dropout") is not None:
+            p, train = m["p_drop"], m["train"]
+            if train is not False and p != 0:
+                raise Refuse(f"dropout {m['dropout'].name} (p={p}) is active: it draws random numbers "
+                             "(rng) that SDPA's fused dropout would not reproduce")
+        # K / V and GQA
+        k_rep, v_rep = m.get("k_rep"), m.get("v_rep")
+        repeat_nodes = [m.get(f"{p}_{x}") for p in "kv" for x in ("rep", "expand", "unsq")]
+        repeat_nodes = [n for n in repeat_nodes if n is not None]
+        gqa = unrepeated = False
+        if k_rep is not None and v_rep is not None:
+            k, v = m["k_kv"], m["v_kv"]
+            n_k, n_v = self._repeat_factor(m, "k"), self._repeat_factor(m, "v")
+            if n_k is None or n_v is None or n_k != n_v:
+                k, v = k_rep, v_rep
+            else:
+                hkv = _shape(k)[1]
+                if qs[1] % hkv != 0 or hkv * n_k != qs[1]:
+                    raise Refuse(f"GQA needs Hq % Hkv == 0 and Hq == Hkv * n_rep; got Hq={qs[1]}, Hkv={hkv}, n_rep={n_k}")
+                gqa, unrepeated = hkv != qs[1], True
+        else:
+            k = k_rep if k_rep is not None else m["k"]
+            v = v_rep if v_rep is not None else m["v"]
+        ks, vs = _shape(k), _shape(v)
+        if len(ks) != 4 or len(vs) != 4:
+            raise Refuse("k/v are not 4-D")
+        if ks[0] != qs[0] or vs[0] != qs[0] or ks[3] != qs[3] or ks[2] != vs[2] or ks[1] != vs[1]:
+            raise Refuse(f"shapes do not line up: q {qs}, k {ks}, v {vs}")
+        if not gqa and ks[1] != qs[1]:
+            raise Refuse(f"q has {qs[1]} heads, k/v {ks[1]} (not a repeat_kv spelling)")
+        for t in (k, v):
+            if ir.info(t).dtype != qi.dtype:
+                raise Refuse(f"{t.name} is {ir.info(t).dtype}, q is {qi.dtype}")
+        scores_shape = _shape(qk)
+        if tuple(scores_shape) != (qs[0], qs[1], qs[2], ks[2]) or tuple(_shape(pv)) != (qs[0], qs[1], qs[2], vs[3]):
+            raise Refuse(f"scores {scores_shape} / output {_shape(pv)} do not line up with q {qs}, k {ks}, v {vs}")
+        # scale
+        scale = self._scale(gm, m)
+        # mask
+        mask, causal, dropped = None, False, None
+        if m.get("mask_add") is not None:
+            add = m["mask_add"]
+            if add.kwargs.get("alpha", 1) != 1:
+                raise Refuse(f"mask add {add.name} has alpha={add.kwargs['alpha']}")
+            mask = m["mask"]
+            if not isinstance(mask, fx.Node) or ir.info(mask) is None:
+                raise Refuse(f"the mask {mask!r} is not a tensor")
+            mi = ir.info(mask)
+            if mi.dtype == torch.bool:
+                raise Refuse(f"mask {mask.name} is bool in an additive position (adds 0/1, not a keep-mask)")
+            if mi.dtype != qi.dtype:
+                raise Refuse(f"mask {mask.name} is {mi.dtype}, q is {qi.dtype} (the add would change precision)")
+            if tuple(_shape(add)) != tuple(scores_shape) or not _broadcastable(mi.shape, scores_shape):
+                raise Refuse(f"mask {mask.name} of shape {mi.shape} does not broadcast to the scores {scores_shape}")
+            if mask.op == "get_attr" and qs[2] == ks[2]:
+                value = ir.get_attr_value(gm, mask.target)
+                if value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and is_causal_mask(value):
+                    mask, causal, dropped = None, True, mask
+        # nodes reading the scores / probabilities outside the pattern
+        inside = set(m.nodes)
+        asserts = []
+        for n in m.nodes[1:]:
+            for u in n.users:
+                if u in inside:
+                    continue
+                if u.target is ASSERT_META:
+                    asserts.append(u)
+                    continue
+                what = "attention probabilities" if n in (sm, m.get("cast"), m.get("dropout")) else (
+                    "attention scores" if n in (qk, m.get("scale_op"), m.get("mask_add")) else "repeated K/V")
+                raise Refuse(f"the {what} {n.name} are also read by {u.name} (e.g. output_attentions); "
+                             "SDPA does not produce them")
+        removed = [n for n in m.nodes if unrepeated or n not in repeat_nodes] + asserts
+        return {"kind": "explicit", "q": q, "k": k, "v": v, "mask": mask, "causal": causal, "scale": scale,
+                "gqa": gqa, "root": pv, "removed": removed, "dropped_mask": dropped}
+
+    @staticmethod
+    def _repeat_factor(m: Match, p: str):
+        kv, unsq, exp, rep = m[f"{p}_kv"], m[f"{p}_unsq"], m[f"{p}_expand"], m[f"{p}_rep"]
+        try:
+            s, es, rs = _shape(kv), _shape(exp), _shape(rep)
+        except Refuse:
+            return None
+        if len(s) != 4 or m[f"{p}_unsq_dim"] % 5 != 2 or len(es) != 5:
+            return None
+        b, h, n, sl, d = es
+        if (b, h, sl, d) != tuple(s) or tuple(rs) != (b, h * n, sl, d):
+            return None
+        return n
+
+    @staticmethod
+    def _scale(gm, m: Match) -> float:
+        if m.get("scale_mul") is not None:
+            return float(m["scale_mul"])
+        if m.get("scale_div") is not None:
+            return 1.0 / float(m["scale_div"])
+        for key, inv in (("scale_mul_t", False), ("scale_div_t", True)):
+            if m.get(key) is not None:
+                t = ir.get_attr_value(gm, m[key].target)
+                if not isinstance(t, torch.Tensor) or t.numel() != 1:
+                    raise Refuse(f"the scale {m[key].name} is not a one-element constant")
+                val = float(t.item())
+                if val == 0:
+                    raise Refuse("the scale is 0")
+                return 1.0 / val if inv else val
+        if m.get("scale_op") is not None:
+            raise Refuse(f"the scale {m['scale_op'].name} cannot be read as a constant")
+        return 1.0
+
+    def _diagnose(self, sm: fx.Node) -> str:
+        dim = sm.args[1] if len(sm.args) > 1 else None
+        nd = len(_shape(sm)) if ir.info(sm) is not None else None
+        consumers = [u for u in sm.users if u.target is not ASSERT_META]
+        frontier, seen = list(consumers), set()
+        matmuls = []
+        while frontier:
+            u = frontier.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.target in (aten.matmul.default, aten.bmm.default):
+                matmuls.append(u)
+            elif u.target in CASTS + (aten.dropout.default, aten.native_dropout.default, operator.getitem):
+                frontier.extend(u.users)
+        if not matmuls:
+            return ""  # a softmax that is not attention (classifier head, router): nothing to say
+        if isinstance(dim, int) and nd and dim % nd != nd - 1:
+            return f"softmax over dim {dim}, not the last (key) dim: not SDPA's attention"
+        if len(consumers) > 1:
+            return (f"the attention probabilities {sm.name} are read {len(consumers)} times "
+                    f"({', '.join(u.name for u in consumers)}); SDPA does not produce them")
+        for mm in matmuls:
+            mt = Match(root=mm)
+            if not PATTERN.match(mm, mt):
+                return f"not the matmul-scale-mask-softmax-matmul spelling at {mm.name}: {mt.why}"
+        return "not the matmul-scale-mask-softmax-matmul spelling"
+
+    # ------------------------------------------------------------------ cost
+
+    def _sdpa_time(self, ctx, plan) -> float:
+        args = (plan["q"], plan["k"], plan["v"], plan["mask"], 0.0, plan["causal"])
+        return self._time_of(ctx, plan["root"], args, {"scale": plan["scale"], "enable_gqa": plan["gqa"]})
+
+    @staticmethod
+    def _time_of(ctx, like: fx.Node, args, kwargs) -> float:
+        """Predicted time of an SDPA node with these args, built in a scratch graph."""
+        g = fx.Graph()
+        mapping = {}
+        for a in args:
+            if isinstance(a, fx.Node) and a not in mapping:
+                ph = g.placeholder(a.name)
+                ph.meta["val"] = a.meta.get("val")
+                mapping[a] = ph
+        node = g.call_function(SDPA, tuple(mapping.get(a, a) if isinstance(a, fx.Node) else a for a in args), kwargs)
+        node.meta["val"] = like.meta.get("val")
+        return ctx.node_time([node])
+
+    # ------------------------------------------------------------------ rewrite
+
+    @staticmethod
+    def _apply(gm, plan) -> fx.Node:
+        g = gm.graph
+        root = plan["root"]
+        kwargs = {"scale": plan["scale"]}
+        if plan["gqa"]:
+            kwargs["enable_gqa"] = True
+        with g.inserting_before(root):
+            new = g.call_function(SDPA, (plan["q"], plan["k"], plan["v"], plan["mask"], 0.0, plan["causal"]), kwargs)
+        new.meta["val"] = root.meta.get("val")
+        ir.replace_with(root, new)
+        ir.erase_dead(gm, plan["removed"])
+        if plan["dropped_mask"] is not None and not plan["dropped_mask"].users:
+            g.erase_node(plan["dropped_mask"])  # the folded causal mask buffer, now unread
+        return new
+
+    @staticmethod
+    def _apply_sdpa(gm, plan) -> fx.Node:
+        g = gm.graph
+        sd = plan["node"]
+        mask = sd.args[3]
+        args = (sd.args[0], sd.args[1], sd.args[2], None, _kwarg(sd, 4, "dropout_p", 0.0), True)
+        with g.inserting_before(sd):
+            new = g.call_function(SDPA, args, _sdpa_kwargs(sd))
+        new.meta["val"] = sd.meta.get("val")
+        ir.replace_with(sd, new)
+        g.erase_node(sd)
+        if isinstance(mask, fx.Node) and not mask.users:
+            g.erase_node(mask)
+        return new
+
+
+def _find_unchecked(gm, pattern: Op):
+    """Matches of ``pattern`` without matcher.match's interior-users post-check.
+
+    matcher._needs_single_use does not descend into Alt alternatives, so ``single_use=False``
+    on an Op under an Alt is ignored by that post-check (the softmax read by an
+    _assert_tensor_metadata node fails the match). _plan does the interior-user check itself,
+    with a reason per node (and lets _assert_tensor_metadata readers go with the pattern)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and pattern._target_ok(node):
+            m = Match(root=node)
+            if pattern.match(node, m):
+                yield m
+
+
+def _kwarg(node, index, name, default):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _sdpa_kwargs(node) -> dict:
+    return {k: v for k, v in node.kwargs.items() if k in ("scale", "enable_gqa")}

@@ -1,0 +1,127 @@
+"""Helpers shared by fuse_rms_norm, fuse_layer_norm and fuse_rotary (not a pass: the leading
+underscore keeps passes/__init__ from importing it as one).
+
+- :func:`kernel_time`: predicted time of one fused graphopt kernel from the bytes it reads and
+  writes, the same formula the cost model applies to a node in the ``graphopt`` namespace, so a
+  candidate's gain can be priced before the node exists.
+- :func:`drop_proven_asserts`: torch.export leaves ``aten._assert_tensor_metadata`` nodes after
+  every ``.to()``; they read the cast's input (or a norm's intermediate) and count as users, so
+  the matcher's single-use rule would refuse every norm whose interior is asserted. An assert
+  whose dtype/device/layout equal the node's static metadata is proven true and is dropped.
+- :class:`Seq`: a matcher pattern for a list argument (``cat``/``stack`` inputs), element-wise.
+- :func:`residual_add`: is a norm's input ``residual + y`` that the fused residual-norm kernel can
+  absorb (same shape and dtype, no alpha)?
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.matcher import Any, Op, Pattern, _bind, match
+
+aten = torch.ops.aten
+
+CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device)
+ADDS = (aten.add.Tensor,)
+
+
+def kernel_time(ctx, in_nodes, out_infos, flops_per_elem: float = 1.0) -> float:
+    """Predicted seconds of one fused kernel reading ``in_nodes`` and writing ``out_infos``."""
+    p = ctx.profile
+    nbytes = sum(ir.concrete(ir.info(n).nbytes, ctx.hints) for n in dict.fromkeys(in_nodes) if ir.info(n) is not None)
+    nbytes += sum(ir.concrete(o.nbytes, ctx.hints) for o in out_infos)
+    numel = ir.concrete(out_infos[0].numel, ctx.hints) if out_infos else 0
+    return max(numel * flops_per_elem / p.elementwise_flops, nbytes / p.bandwidth) + p.launch_overhead_s
+
+
+def _assert_is_proven(node: fx.Node) -> bool:
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node):
+        return False
+    val = src.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    want_dtype = node.kwargs.get("dtype", node.args[1] if len(node.args) > 1 else None)
+    want_device = node.kwargs.get("device", node.args[2] if len(node.args) > 2 else None)
+    want_layout = node.kwargs.get("layout", node.args[3] if len(node.args) > 3 else None)
+    if want_dtype is not None and want_dtype != val.dtype:
+        return False
+    if want_device is not None and torch.device(want_device) != val.device:
+        return False
+    if want_layout is not None and want_layout != val.layout:
+        return False
+    return True
+
+
+def drop_proven_asserts(gm: fx.GraphModule) -> int:
+    """Erase ``_assert_tensor_metadata`` nodes that the static metadata proves true."""
+    dead = [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target is aten._assert_tensor_metadata.default and not n.users and _assert_is_proven(n)]
+    for n in dead:
+        gm.graph.erase_node(n)
+    return len(dead)
+
+
+class Seq(Pattern):
+    """A list/tuple argument whose elements match ``items`` in order."""
+
+    def __init__(self, *items: Pattern, name: str | None = None):
+        self.items, self.name = items, name
+
+    def match(self, value, m):
+        if not isinstance(value, (list, tuple)) or len(value) != len(self.items):
+            return m.fail(f"{self.name or 'list'} is {value!r}, wanted {len(self.items)} items")
+        if not all(p.match(v, m) for p, v in zip(self.items, value)):
+            return False
+        return _bind(self.name, value, m)
+
+
+def is_noop_cast(node: fx.Node) -> bool:
+    src = node.args[0] if node.args else None
+    a, b = ir.info(node), ir.info(src) if isinstance(src, fx.Node) else None
+    return a is not None and b is not None and a.dtype == b.dtype and a.device == b.device
+
+
+RESIDUAL = Op(ADDS, Any("a"), Any("b"), name="add")
+
+
+def residual_add(x: fx.Node) -> tuple[fx.Node | None, str]:
+    """(the add node, "") if ``x`` is an add the residual-norm kernel can absorb, else (None, why)
+    (why is "" when x simply is not an add)."""
+    if not isinstance(x, fx.Node) or x.op != "call_function" or x.target not in ADDS:
+        return None, ""
+    m = match(RESIDUAL, x)
+    if m is None:
+        return None, ""
+    a, b = m["a"], m["b"]
+    alpha = x.kwargs.get("alpha", 1)
+    if alpha != 1:
+        return None, f"{x.name} has alpha={alpha}"
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return None, f"{x.name} adds a literal"
+    out, ia, ib = ir.info(x), ir.info(a), ir.info(b)
+    if out is None or ia is None or ib is None:
+        return None, f"{x.name} has no tensor metadata"
+    if ia.shape != out.shape or ib.shape != out.shape:
+        return None, (f"{x.name} broadcasts ({list(ia.shape)} + {list(ib.shape)}); the kernel would "
+                      "materialize the broadcast residual")
+    if ia.dtype != out.dtype or ib.dtype != out.dtype:
+        return None, f"{x.name} promotes dtypes ({ia.dtype} + {ib.dtype} -> {out.dtype})"
+    if ia.device != out.device or ib.device != out.device:
+        return None, f"{x.name} mixes devices"
+    return x, ""
+
+
+def residual_operands(add: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(y, residual) of an absorbed add, read at apply time (earlier rewrites may have replaced
+    an operand). The residual is the operand that is also read elsewhere (the skip connection)."""
+    a, b = add.args[0], add.args[1]
+    if len(a.users) > 1 and len(b.users) == 1:
+        return b, a
+    return a, b
+
+
+def position(gm: fx.GraphModule) -> dict:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}

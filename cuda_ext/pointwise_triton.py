@@ -66,8 +66,12 @@ def _num(v: float) -> str:
     return repr(float(v))
 
 
-def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: bool) -> str:
-    """Triton source of one kernel ``pw_kernel`` for this program, input dtypes and rank."""
+def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: bool,
+             dense: Sequence[bool] | None = None) -> str:
+    """Triton source of one kernel ``pw_kernel`` for this program, input dtypes and rank.
+    ``dense[i]``: input i is laid out exactly like the (contiguous) output, so it is read at the
+    flat index (vectorizable) instead of through the div/mod stride walk."""
+    dense = list(dense) if dense is not None else [False] * len(in_dtypes)
     ct = compute_dtype_for(in_dtypes)
     CT = _TL[ct]
     kinds = value_kinds(p, in_dtypes)
@@ -84,18 +88,22 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         L.append("    offs = pid * BLOCK + tl.arange(0, BLOCK)")
     L.append("    m = offs < numel")
     # input offsets: decompose the flat output index over the (coalesced) shape
+    walk = [i for i in range(n_in) if not dense[i]]
+    for i in range(n_in):
+        if dense[i]:
+            L.append(f"    o{i} = offs")
     if ndim == 1:
-        for i in range(n_in):
+        for i in walk:
             L.append(f"    o{i} = offs * st{i}_0")
-    else:
+    elif walk:
         L.append("    rem = offs")
-        for i in range(n_in):
+        for i in walk:
             L.append(f"    o{i} = offs * 0")
         for d in reversed(range(ndim)):
             L.append(f"    idx = rem % size{d}")
             if d:
                 L.append(f"    rem = rem // size{d}")
-            for i in range(n_in):
+            for i in walk:
                 L.append(f"    o{i} += idx * st{i}_{d}")
 
     def f(v: int) -> str:  # value as the compute type
@@ -207,15 +215,16 @@ def _cache_dir() -> Path:
     return d
 
 
-def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool):
-    key = (text, in_dtypes, ndim, use_i64, os.environ.get("TRITON_INTERPRET", "0"))
+def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool, dense: tuple = ()):
+    dense = dense or (False,) * len(in_dtypes)
+    key = (text, in_dtypes, ndim, use_i64, dense, os.environ.get("TRITON_INTERPRET", "0"))
     k = _kernels.get(key)
     if k is not None:
         return k
     with _lock:
         k = _kernels.get(key)
         if k is None:
-            src = generate(parse(text), in_dtypes, ndim, use_i64)
+            src = generate(parse(text), in_dtypes, ndim, use_i64, dense)
             h = hashlib.sha256(src.encode()).hexdigest()[:24]
             path = _cache_dir() / f"pw_{h}.py"
             if not path.exists():
@@ -252,7 +261,11 @@ def fused_pointwise_triton(program: str, inputs: Sequence[torch.Tensor]) -> list
     max_off = max([numel] + [sum((s - 1) * abs(st) for s, st in zip(cshape, stv)) + 1 for stv in cstr])
     use_i64 = max_off >= 2**31 - BLOCK
     dts = tuple(t.dtype for t in inputs)
-    kern = get_kernel(program, dts, len(cshape), use_i64)
+    contig = [1] * len(cshape)
+    for d in range(len(cshape) - 2, -1, -1):
+        contig[d] = contig[d + 1] * cshape[d + 1]
+    dense = tuple(stv == contig for stv in cstr)
+    kern = get_kernel(program, dts, len(cshape), use_i64, dense)
     args = list(inputs) + outs + [numel] + cshape + [s for stv in cstr for s in stv]
     grid = (triton_cdiv(numel, BLOCK),)
     with torch.cuda.device(device) if device.type == "cuda" else _nullctx():

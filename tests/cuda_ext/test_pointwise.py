@@ -170,3 +170,15 @@ def test_pointwise_cuda(dtype):
                 assert (o == e).float().mean() > 0.99
             else:
                 check(o, r, e, dtype=tdt)
+
+
+def test_dense_inputs_mixed_with_broadcast(triton_interpreter):
+    """a and c laid out like the output (flat index), b broadcast (stride walk), plus a
+    transposed operand that must not be taken as dense."""
+    p = Program()
+    a, b, c, d = p.input(), p.input(), p.input(), p.input()
+    p.output(p.gelu_tanh(a + b) * c + d, "f32")
+    a_, b_, c_ = torch.randn(6, 33), torch.randn(33), torch.randn(6, 33)
+    d_ = torch.randn(33, 6).t()
+    (o,) = _run_triton(p.source, [a_, b_, c_, d_])
+    torch.testing.assert_close(o, F.gelu(a_ + b_, approximate="tanh") * c_ + d_)

@@ -36,12 +36,60 @@ class OptimizedModule(nn.Module):
     ``.graph_module`` is the rewritten torch.fx graph. Parameters are the model's own objects
     (except constants folded at optimization time)."""
 
-    def __init__(self, gm: fx.GraphModule, report: Report, signature: list, dynamic_dims: dict):
+    def __init__(self, gm: fx.GraphModule, report: Report, signature: list, dynamic_dims: dict, *,
+                 example_flat: list | None = None, training: bool = False, cuda_graphs="auto",
+                 max_graphs: int = 8, cuda_graphs_reuse_outputs: bool = False):
         super().__init__()
         self.graph_module = gm
         self.report = report
         self._signature = signature
         self._dynamic_dims = dynamic_dims  # flat input index -> set of dynamic axes
+        self._training = training
+        self._runner = None
+        self._lower_note = None
+        self.set_cuda_graphs(cuda_graphs, max_graphs=max_graphs, reuse_outputs=cuda_graphs_reuse_outputs,
+                             example_flat=example_flat)
+
+    def set_cuda_graphs(self, mode="auto", *, max_graphs: int = 8, reuse_outputs: bool = False,
+                        example_flat: list | None = None) -> "OptimizedModule":
+        """Choose how calls run (graphopt.lower): ``mode`` "auto" (CUDA graphs for static-shape
+        inference on CUDA), True or False; ``max_graphs`` graphs kept (LRU); ``reuse_outputs``
+        returns the graph's static outputs uncloned (valid until the next call). Updates the
+        report's "CUDA graph: on/off (why)" note. Returns self."""
+        from .lower import launch_savings_s, lower
+
+        if example_flat is None:  # the signature stands in for the example inputs
+            example_flat = [torch.empty(0, dtype=s[1], device=s[2]) if s is not None else None
+                            for s in self._signature]
+        self._runner = lower(self.graph_module, example_flat, cuda_graphs=mode, max_graphs=max_graphs,
+                             reuse_outputs=reuse_outputs, dynamic=bool(self._dynamic_dims), training=self._training)
+        decision = self._runner.decision
+        note = decision.note()
+        if decision.on:
+            launches = int(self.report.cost_after.get("kernel_launches", 0) or 0)
+            try:
+                profile, _ = get_profile(self.report.target)
+                note = note[:-1] + (f"; replays 1 graph instead of {launches} kernel launches, predicted "
+                                    f"-{launch_savings_s(launches, profile) * 1e3:.3f} ms launch overhead; "
+                                    "outputs " + ("reused, valid until the next call)" if reuse_outputs else "cloned)"))
+            except GraphoptError:
+                pass
+        if self._lower_note in self.report.notes:
+            self.report.notes.remove(self._lower_note)
+        self.report.notes.append(note)
+        self._lower_note = note
+        return self
+
+    @property
+    def runner(self):
+        """The :class:`graphopt.lower.Runner` calls go through (``.decision``, ``.stats``)."""
+        return self._runner
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        if getattr(self, "_runner", None) is not None:
+            self._runner.reset()  # captured graphs point at the old parameter memory
+        return out
 
     def _guard(self, args, kwargs) -> None:
         flat = flat_tensors(args, kwargs)
@@ -65,7 +113,9 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._guard(args, kwargs)
-        return self.graph_module(*args, **kwargs)
+        if self._runner is None:
+            return self.graph_module(*args, **kwargs)
+        return self._runner(*args, **kwargs)
 
 
 def _model_device(model: nn.Module, flat_inputs: list) -> torch.device:
@@ -197,7 +247,7 @@ def optimize(
         top_nodes=[{"node": c.node, "op": c.op, "ms": c.time_s * 1e3, "bound": c.bound} for c in top if c.time_s > 0],
     )
     signature, dyn = _signature(flat, args, kwargs, model, dynamic)
-    opt = OptimizedModule(gm, report, signature, dyn)
+    opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=training)
     opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
     return opt
 

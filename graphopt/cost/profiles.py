@@ -34,6 +34,8 @@ class DeviceProfile:
     source: dict = field(default_factory=dict)
     link_bandwidth: dict = field(default_factory=dict)
     sm_count: int = 0
+    # per kernel inside a replayed CUDA graph (graphopt.lower): the launch cost a graph leaves
+    launch_overhead_graph_s: float = 1e-6
 
     def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:
         name = str(dtype).replace("torch.", "")

@@ -1,0 +1,466 @@
+"""Lowering: run the optimized GraphModule, replaying CUDA graphs for static-shape inference.
+
+    runner = lower(gm, example_flat_inputs)        # cuda_graphs="auto", max_graphs=8
+    out = runner(*args, **kwargs)                  # same calling convention as gm
+    runner.decision                                # Decision(on=..., why="...")
+    runner.stats                                   # captures, replays, eager calls, evictions
+
+What happens on a call when CUDA graphs are on (``runner.decision.on``):
+
+* The call's key is the shape, dtype and device of every tensor input plus the non-tensor inputs
+  and the calling structure. A key seen before replays its graph; a new key captures a new graph
+  (warm-up on a side stream, then ``torch.cuda.graph`` capture), keeping at most ``max_graphs``
+  graphs and evicting the least recently used one. All graphs of a runner share one memory pool
+  (``torch.cuda.graph_pool_handle()``).
+* Inputs are copied into the graph's static input buffers, the graph is replayed, and the
+  outputs are the graph's static output tensors **cloned** (one device copy per output). Replay
+  writes the same static tensors every time, so without the clone an output kept by the caller
+  would silently change on the next call. ``reuse_outputs=True`` skips the clone (the fastest
+  path): outputs are then only valid until the next call of the runner (of any shape: graphs
+  share one pool).
+* Calls that cannot be replayed safely run the GraphModule eagerly, with a one-time warning
+  per reason: grad-enabled calls with anything requiring grad (a replayed graph records no
+  autograd history), inputs on another device, unhashable non-tensor inputs, or a capture
+  that failed (the runner then stays eager).
+
+CUDA graphs stay off (``decision.why`` says why) for graphs with random ops (dropout, rand*),
+data-dependent ops that synchronize with the host (``.item()``, ``nonzero``), ops that mutate
+their inputs, CPU tensors (inputs, parameters or intermediates), or when CUDA is absent. With
+``cuda_graphs="auto"`` they are also off for dynamic-shape graphs (every new size would be a new
+capture) and for training graphs; ``cuda_graphs=True`` captures those per shape anyway.
+
+Moving the module's parameters (``.to()``, ``.cuda()``, ``.half()``) makes captured graphs stale:
+:class:`graphopt.OptimizedModule` calls :meth:`Runner.reset` when that happens; callers holding
+a Runner directly must call it themselves. In-place updates (``load_state_dict``, optimizer
+steps) keep the memory and need nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+__all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "RANDOM_OPS", "HOST_SYNC_OPS"]
+
+# op names (ATen schema names, without the namespace) that make a graph unfit for replay
+RANDOM_OPS = frozenset({
+    "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand", "randn",
+    "rand_like", "randn_like", "randint", "randint_like", "randperm", "normal", "uniform",
+    "multinomial", "exponential", "geometric", "log_normal", "cauchy", "rrelu", "rrelu_with_noise",
+})
+HOST_SYNC_OPS = frozenset({
+    "_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique", "_unique",
+    "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "histc",
+    "argwhere", "_nested_tensor_from_mask", "equal", "is_nonzero",
+})
+
+_TRUE = {True, "on", "true", "1", "yes", "force"}
+_FALSE = {False, None, "off", "false", "0", "no"}
+
+
+def _mode(cuda_graphs) -> str:
+    if isinstance(cuda_graphs, str) and cuda_graphs.lower() == "auto":
+        return "auto"
+    key = cuda_graphs.lower() if isinstance(cuda_graphs, str) else cuda_graphs
+    if key in _TRUE:
+        return "on"
+    if key in _FALSE:
+        return "off"
+    raise ValueError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether a runner replays CUDA graphs, and why (one line, for the report)."""
+
+    on: bool
+    why: str
+    mode: str = "auto"  # the requested mode: "auto" | "on" | "off"
+    device: torch.device | None = None
+
+    def note(self) -> str:
+        return f"CUDA graph: {'on' if self.on else 'off'} ({self.why})"
+
+
+def _op_name(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else str(t).split(".")[-1]
+    return getattr(t, "__name__", None)
+
+
+def _is_active_dropout(node: fx.Node) -> bool:
+    # aten.dropout(x, p, train): eval-mode dropout (train=False) is the identity
+    if node.target is torch.ops.aten.dropout.default:
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        return bool(train) and p != 0
+    return True
+
+
+def _mutated_placeholders(node: fx.Node) -> list[str]:
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+        return []
+    hit = []
+    for i, arg in enumerate(t._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        val = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        for v in pytree.tree_leaves(val):
+            if isinstance(v, fx.Node) and v.op == "placeholder":
+                hit.append(v.name)
+    return hit
+
+
+def _val_device(val) -> torch.device | None:
+    if isinstance(val, torch.Tensor):
+        return val.device
+    return None
+
+
+def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        for v in pytree.tree_leaves(n.meta.get("val")):
+            if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
+                return True
+    return False
+
+
+def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynamic: bool = False,
+           training: bool = False, device_type: str = "cuda") -> Decision:
+    """Decide whether ``gm`` called with inputs like ``example_flat_inputs`` should be replayed as
+    CUDA graphs. Pure inspection: touches no device. ``device_type`` is the kind of device the
+    replay backend runs on ("cuda"; "cpu" for the emulated backend the tests use)."""
+    mode = _mode(cuda_graphs)
+    if mode == "off":
+        return Decision(False, "disabled (cuda_graphs=False)", mode)
+    tensors = [x for x in example_flat_inputs if isinstance(x, torch.Tensor)]
+    devices = {x.device for x in tensors}
+    for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
+        devices.add(t.device)
+    if not devices:
+        return Decision(False, "no tensor inputs or parameters", mode)
+    other = sorted({str(d) for d in devices if d.type != device_type})
+    if other:
+        where = "the CPU" if other == ["cpu"] else ", ".join(other)
+        return Decision(False, f"the model runs on {where}" if not any(d.type == device_type for d in devices)
+                        else f"tensors on {where} mixed with {device_type} tensors", mode)
+    if len(devices) > 1:
+        return Decision(False, f"tensors on several devices ({', '.join(sorted(map(str, devices)))})", mode)
+    device = next(iter(devices))
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return Decision(False, "CUDA is not available", mode, device)
+    if training and mode == "auto":
+        return Decision(False, "training graph (autograd needs eager execution; cuda_graphs=True to force)", mode, device)
+    if (dynamic or _has_symbolic_shapes(gm)) and mode == "auto":
+        return Decision(False, "dynamic shapes: every new size would be a new capture (cuda_graphs=True "
+                        "captures one graph per shape, LRU-bounded)", mode, device)
+    for n in gm.graph.nodes:
+        name = _op_name(n)
+        if name is None:
+            continue
+        if name in RANDOM_OPS and _is_active_dropout(n):
+            return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
+        if name in HOST_SYNC_OPS:
+            return Decision(False, f"data-dependent op {name} ({n.name}) synchronizes with the host", mode, device)
+        muts = _mutated_placeholders(n)
+        if muts:
+            return Decision(False, f"{n.name} ({name}) writes into input {muts[0]}; a replay would write the static copy", mode, device)
+        d = _val_device(n.meta.get("val"))
+        if d is not None and d.type != device_type and n.meta["val"].dim() > 0:
+            return Decision(False, f"{n.name} ({name}) makes a tensor on {d}", mode, device)
+    for name, t in _tensor_constants(gm):
+        if t.device.type != device_type and t.dim() > 0:
+            return Decision(False, f"constant {name} is on {t.device}", mode, device)
+    return Decision(True, f"static shapes, inference on {device}" if mode == "auto" else f"forced, on {device}", mode, device)
+
+
+def _tensor_constants(gm: fx.GraphModule):
+    seen = {id(t) for t in gm.parameters()} | {id(t) for t in gm.buffers()}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        try:
+            obj = gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, torch.Tensor) and id(obj) not in seen:
+            yield str(n.target), obj
+
+
+def launch_savings_s(kernel_launches: int, profile) -> float:
+    """Launch overhead a replayed CUDA graph removes: each kernel costs
+    ``profile.launch_overhead_s`` when launched eagerly, ``profile.launch_overhead_graph_s``
+    (about 1 µs) inside a replayed graph."""
+    per_graph = getattr(profile, "launch_overhead_graph_s", 1e-6)
+    return max(0.0, kernel_launches * (profile.launch_overhead_s - per_graph))
+
+
+# ------------------------------------------------------------------------------------- backends
+
+
+class _CudaBackend:
+    """torch.cuda.graphs, as the docs prescribe: warm up on a side stream, capture with
+    ``torch.cuda.graph(g, pool=...)``, replay on the caller's current stream."""
+
+    device_type = "cuda"
+
+    def new_pool(self, device):
+        with torch.cuda.device(device):
+            return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn, pool, device, warmup: int):
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    out = fn()
+                    del out
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = fn()
+        return graph, out
+
+    def replay(self, graph, device) -> None:
+        if device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                graph.replay()
+        else:
+            graph.replay()
+
+
+class _EmulatedGraph:
+    def __init__(self, fn, out):
+        self.fn = fn
+        self.static = pytree.tree_leaves(out)
+        self.replays = 0
+
+    def replay(self):
+        new = pytree.tree_leaves(self.fn())
+        for s, n in zip(self.static, new):
+            if isinstance(s, torch.Tensor):
+                s.copy_(n)
+        self.replays += 1
+
+
+class _EmulatedBackend:
+    """A CPU stand-in for tests: "capture" runs the function once and keeps its outputs as the
+    static outputs; "replay" re-runs it and writes the results into those same tensors, so the
+    cache, guards, static-buffer copies and output aliasing behave as with real CUDA graphs."""
+
+    device_type = "cpu"
+
+    def new_pool(self, device):
+        return None
+
+    def capture(self, fn, pool, device, warmup: int):
+        for _ in range(warmup):
+            fn()
+        out = fn()
+        return _EmulatedGraph(fn, out), out
+
+    def replay(self, graph, device) -> None:
+        graph.replay()
+
+
+_BACKENDS = {"cuda": _CudaBackend, "emulate": _EmulatedBackend}
+
+
+# ------------------------------------------------------------------------------------- runner
+
+
+@dataclass
+class _Entry:
+    graph: object
+    static_inputs: list  # per flat input: the static buffer, or None for a non-tensor leaf
+    in_spec: object
+    out_leaves: list
+    out_spec: object
+    out_is_tensor: list = field(default_factory=list)
+
+
+class Runner:
+    """Calls ``gm`` like ``gm(*args, **kwargs)``, replaying CUDA graphs when
+    ``decision.on`` (see the module docstring). Build it with :func:`lower`."""
+
+    def __init__(self, gm: fx.GraphModule, decision: Decision, *, max_graphs: int = 8,
+                 reuse_outputs: bool = False, warmup: int = 2, backend: str = "cuda"):
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        self.gm = gm
+        self.decision = decision
+        self.max_graphs = max_graphs
+        self.reuse_outputs = reuse_outputs
+        self.warmup = warmup
+        self.backend_name = backend
+        self._backend = _BACKENDS[backend]()
+        self._graphs: OrderedDict = OrderedDict()
+        self._pool = None
+        self._disabled: str | None = None
+        self._warned: set[str] = set()
+        self.stats = {"captures": 0, "replays": 0, "eager_calls": 0, "evictions": 0, "fallbacks": {}}
+
+    # -------------------------------------------------------------- state
+
+    @property
+    def active(self) -> bool:
+        """True while calls may replay graphs (decision on and no capture failed)."""
+        return self.decision.on and self._disabled is None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def reset(self) -> None:
+        """Drop every captured graph and the memory pool (after parameters moved)."""
+        self._graphs.clear()
+        self._pool = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_graphs"] = OrderedDict()
+        state["_pool"] = None
+        return state
+
+    def __deepcopy__(self, memo):
+        new = Runner(copy.deepcopy(self.gm, memo), self.decision, max_graphs=self.max_graphs,
+                     reuse_outputs=self.reuse_outputs, warmup=self.warmup, backend=self.backend_name)
+        new._disabled = self._disabled
+        return new
+
+    def __repr__(self) -> str:
+        return (f"Runner({self.decision.note()}, graphs={len(self._graphs)}/{self.max_graphs}, "
+                f"reuse_outputs={self.reuse_outputs})")
+
+    # -------------------------------------------------------------- calls
+
+    def _eager(self, args, kwargs, reason: str | None):
+        if reason is not None:
+            fb = self.stats["fallbacks"]
+            fb[reason] = fb.get(reason, 0) + 1
+            if reason not in self._warned:
+                self._warned.add(reason)
+                warnings.warn(f"graphopt: CUDA graph not used for this call ({reason}); running eagerly. "
+                              "This warning is shown once.", RuntimeWarning, stacklevel=4)
+        self.stats["eager_calls"] += 1
+        return self.gm(*args, **kwargs)
+
+    def _needs_grad(self, leaves) -> bool:
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+            return True
+        return any(p.requires_grad for p in self.gm.parameters())
+
+    def __call__(self, *args, **kwargs):
+        if not self.decision.on or self._disabled is not None:
+            self.stats["eager_calls"] += 1
+            return self.gm(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if torch.is_grad_enabled() and self._needs_grad(leaves):
+            return self._eager(args, kwargs, "grad-enabled call: wrap inference in torch.no_grad() or torch.inference_mode()")
+        device = self.decision.device
+        key = [spec]
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                if x.device != device:
+                    return self._eager(args, kwargs, f"an input is on {x.device}, graphs are on {device}")
+                key.append((x.shape, x.dtype))
+            else:
+                key.append((type(x), x))
+        key = tuple(key)
+        try:
+            entry = self._graphs.get(key)
+        except TypeError:  # an unhashable non-tensor input
+            return self._eager(args, kwargs, "a non-tensor input is not hashable")
+        if entry is None:
+            return self._capture_and_run(key, leaves, spec, args, kwargs)
+        self._graphs.move_to_end(key)
+        for buf, x in zip(entry.static_inputs, leaves):
+            if buf is not None and x is not buf:
+                buf.copy_(x)
+        return self._replay(entry)
+
+    def _replay(self, entry: _Entry):
+        self._backend.replay(entry.graph, self.decision.device)
+        self.stats["replays"] += 1
+        if self.reuse_outputs:
+            outs = entry.out_leaves
+        else:
+            outs = [o.clone() if t else o for o, t in zip(entry.out_leaves, entry.out_is_tensor)]
+        return pytree.tree_unflatten(outs, entry.out_spec)
+
+    def _capture_and_run(self, key, leaves, spec, args, kwargs):
+        device = self.decision.device
+        with torch.inference_mode(False), torch.no_grad():
+            # static buffers live outside the graph pool, so no graph's replay can overwrite them
+            static = [x.detach().clone() if isinstance(x, torch.Tensor) else None for x in leaves]
+            s_leaves = [s if s is not None else x for s, x in zip(static, leaves)]
+            s_args, s_kwargs = pytree.tree_unflatten(s_leaves, spec)
+
+            def fn():
+                return self.gm(*s_args, **s_kwargs)
+
+            if len(self._graphs) >= self.max_graphs:
+                self._graphs.popitem(last=False)
+                self.stats["evictions"] += 1
+            try:
+                if self._pool is None:
+                    self._pool = self._backend.new_pool(device)
+                graph, out = self._backend.capture(fn, self._pool, device, self.warmup)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: stay eager, correctly
+                self._disabled = f"capture failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+                self.reset()
+                if self.backend_name == "cuda":
+                    try:
+                        torch.cuda.synchronize(device)
+                    except Exception:  # noqa: BLE001
+                        pass
+                return self._eager(args, kwargs, self._disabled)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        entry = _Entry(graph, static, spec, out_leaves, out_spec,
+                       [isinstance(o, torch.Tensor) for o in out_leaves])
+        self._graphs[key] = entry
+        self.stats["captures"] += 1
+        # capture records the work without running it: replay once for this call's result
+        return self._replay(entry)
+
+
+def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_graphs: int = 8,
+          reuse_outputs: bool = False, dynamic: bool = False, training: bool = False,
+          warmup: int = 2, backend: str = "cuda") -> Runner:
+    """Wrap ``gm`` in a :class:`Runner` that replays CUDA graphs where that is safe.
+
+    example_flat_inputs: the flat list of example inputs (tensors and other leaves) ``gm`` was
+      captured with; their devices decide where graphs would run.
+    cuda_graphs: "auto" (default: on for static-shape inference graphs on CUDA), True (also for
+      dynamic shapes and training graphs: one graph per shape), False (never).
+    max_graphs: graphs kept per runner (one per input shape/dtype); the least recently used one
+      is evicted when a new key arrives.
+    reuse_outputs: return the graph's static output tensors instead of clones (no copy; outputs
+      are overwritten by the next call).
+    dynamic / training: what the graph was captured for (``auto`` keeps graphs off for both).
+    warmup: eager runs on a side stream before each capture.
+    backend: "cuda", or "emulate" (a CPU stand-in used by the tests; see ``_EmulatedBackend``).
+
+    ``runner.decision.note()`` is the line for the report: ``CUDA graph: on/off (why)``.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+    decision = decide(gm, list(example_flat_inputs), cuda_graphs=cuda_graphs, dynamic=dynamic,
+                      training=training, device_type=_BACKENDS[backend].device_type)
+    return Runner(gm, decision, max_graphs=max_graphs, reuse_outputs=reuse_outputs, warmup=warmup,
+                  backend=backend)

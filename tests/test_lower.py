@@ -1,0 +1,428 @@
+"""graphopt.lower: the CUDA-graph runner.
+
+On the CPU: the runner falls back cleanly, the on/off decision says why, and the cache/guard/
+aliasing logic runs against the emulated backend (capture = run once and keep the outputs as the
+static outputs; replay = run again into those same tensors). The real CUDA path is marked cuda.
+"""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import graphopt
+from graphopt import accuracy
+from graphopt.capture import capture
+from graphopt.cost.profiles import get_profile
+from graphopt.examples import zoo
+from graphopt.lower import Decision, Runner, decide, launch_savings_s, lower
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _gm(model, *inputs, **kw):
+    return capture(model.eval(), tuple(inputs), **kw)
+
+
+def _same(a, b, tol=1e-6):
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            assert torch.allclose(x.double(), y.double(), atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------- decisions
+
+
+def test_cpu_runner_falls_back_with_same_outputs():
+    model = Small()
+    x = torch.randn(3, 8)
+    gm = _gm(model, x)
+    runner = lower(gm, [x])
+    assert not runner.decision.on
+    assert runner.decision.note() == "CUDA graph: off (the model runs on the CPU)"
+    with torch.no_grad():
+        _same(runner(x), model(x))
+        x2 = torch.randn(3, 8)
+        _same(runner(x2), model(x2))
+    assert runner.stats["eager_calls"] >= 1 and runner.stats["captures"] == 0 and runner.num_graphs == 0
+
+
+def test_decide_off_when_disabled():
+    x = torch.randn(2, 8)
+    d = decide(_gm(Small(), x), [x], cuda_graphs=False, device_type="cpu")
+    assert not d.on and "disabled" in d.why
+
+
+def test_decide_on_for_static_inference_graph():
+    x = torch.randn(2, 8)
+    d = decide(_gm(Small(), x), [x], device_type="cpu")
+    assert d.on and "static shapes" in d.why and d.device == torch.device("cpu")
+
+
+def test_decide_off_for_random_ops():
+    class Drop(nn.Module):
+        def forward(self, x):
+            return torch.rand_like(x) * x
+
+    x = torch.randn(2, 8)
+    d = decide(_gm(Drop(), x), [x], device_type="cpu")
+    assert not d.on and "random op" in d.why and "rand_like" in d.why
+
+
+def test_eval_dropout_is_not_random():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).eval()
+    x = torch.randn(2, 8)
+    assert decide(_gm(model, x), [x], device_type="cpu").on
+
+
+def test_decide_off_for_host_sync_ops():
+    g = fx.Graph()
+    xn = g.placeholder("x")
+    g.output(g.call_function(torch.ops.aten.nonzero.default, (xn,)))
+    gm = fx.GraphModule(nn.Module(), g)
+    x = torch.randn(4, 4)
+    d = decide(gm, [x], device_type="cpu")
+    assert not d.on and "nonzero" in d.why
+
+
+def test_decide_off_for_input_mutation():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.add_.Tensor, (x, 1.0))
+    g.output(y)
+    gm = fx.GraphModule(nn.Module(), g)
+    t = torch.randn(3)
+    d = decide(gm, [t], device_type="cpu")
+    assert not d.on and "writes into input x" in d.why
+
+
+def test_decide_dynamic_and_training_need_force():
+    x = torch.randn(4, 8)
+    gm = _gm(Small(), x, dynamic={"x": {0: "batch"}})
+    d = decide(gm, [x], device_type="cpu")
+    assert not d.on and "dynamic shapes" in d.why
+    assert decide(gm, [x], cuda_graphs=True, device_type="cpu").on
+    gm2 = _gm(Small(), x)
+    assert "training" in decide(gm2, [x], training=True, device_type="cpu").why
+    assert decide(gm2, [x], training=True, cuda_graphs=True, device_type="cpu").on
+
+
+def test_decide_off_for_mixed_devices():
+    x = torch.randn(2, 8)
+    gm = _gm(Small(), x)
+    d = decide(gm, [x.to("meta")], device_type="meta")
+    assert not d.on and "mixed" in d.why
+
+
+def test_decide_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    x = torch.randn(2, 8)
+    d = decide(_gm(Small(), x), [x], device_type="cuda")
+    assert not d.on and "CPU" in d.why
+
+
+def test_bad_mode_and_backend():
+    x = torch.randn(2, 8)
+    gm = _gm(Small(), x)
+    with pytest.raises(ValueError):
+        lower(gm, [x], cuda_graphs="sometimes")
+    with pytest.raises(ValueError):
+        lower(gm, [x], backend="tpu")
+    with pytest.raises(ValueError):
+        Runner(gm, decide(gm, [x], device_type="cpu"), max_graphs=0, backend="emulate")
+
+
+def test_launch_savings_uses_profile_field():
+    prof, _ = get_profile("h200")
+    assert prof.launch_overhead_graph_s == pytest.approx(1e-6)
+    assert launch_savings_s(100, prof) == pytest.approx(100 * (prof.launch_overhead_s - 1e-6))
+    assert launch_savings_s(0, prof) == 0.0
+
+
+def test_optimized_module_reports_the_decision():
+    model, inputs = zoo.get("mlp")
+    opt = graphopt.optimize(model, inputs)
+    notes = [n for n in opt.report.notes if n.startswith("CUDA graph:")]
+    assert notes == ["CUDA graph: off (the model runs on the CPU)"]
+    opt.set_cuda_graphs(False)
+    notes = [n for n in opt.report.notes if n.startswith("CUDA graph:")]
+    assert notes == ["CUDA graph: off (disabled (cuda_graphs=False))"]
+    with torch.no_grad():
+        _same(opt(*inputs), model(*inputs), tol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- emulated replay
+
+
+def _emulated(model, x, **kw):
+    gm = _gm(model, x)
+    return lower(gm, [x], backend="emulate", **kw)
+
+
+def test_emulated_replay_equals_eager_and_uses_the_cache():
+    model = Small().eval()
+    x = torch.randn(3, 8)
+    runner = _emulated(model, x)
+    assert runner.decision.on
+    with torch.no_grad():
+        for _ in range(3):
+            xi = torch.randn(3, 8)
+            _same(runner(xi), model(xi))
+    assert runner.stats["captures"] == 1 and runner.stats["replays"] == 3 and runner.num_graphs == 1
+
+
+def test_new_shape_recaptures_and_lru_evicts():
+    model = Small().eval()
+    x = torch.randn(1, 8)
+    gm = capture(model, (x,), strategy="symbolic_trace")  # shape-generic graph
+    runner = lower(gm, [x], backend="emulate", max_graphs=2)
+    with torch.no_grad():
+        for b in (1, 2):
+            xi = torch.randn(b, 8)
+            _same(runner(xi), model(xi))
+        assert runner.num_graphs == 2 and runner.stats["captures"] == 2
+        runner(torch.randn(1, 8))  # hit: 1 becomes most recent
+        assert runner.stats["captures"] == 2
+        xi = torch.randn(3, 8)
+        _same(runner(xi), model(xi))  # evicts 2 (least recently used)
+        assert runner.num_graphs == 2 and runner.stats["evictions"] == 1
+        runner(torch.randn(1, 8))
+        assert runner.stats["captures"] == 3
+        runner(torch.randn(2, 8))  # was evicted: captured again
+        assert runner.stats["captures"] == 4
+
+
+def test_outputs_do_not_alias_across_calls_by_default():
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    runner = _emulated(model, x)
+    with torch.no_grad():
+        a_in, b_in = torch.randn(2, 8), torch.randn(2, 8)
+        a = runner(a_in)
+        a_copy = a.clone()
+        b = runner(b_in)
+    assert torch.equal(a, a_copy), "the first output changed when the graph was replayed again"
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_reuse_outputs_returns_the_static_buffers():
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    runner = _emulated(model, x, reuse_outputs=True)
+    with torch.no_grad():
+        a = runner(torch.randn(2, 8))
+        b = runner(torch.randn(2, 8))
+    assert a.data_ptr() == b.data_ptr()  # the documented trade: valid until the next call
+
+
+def test_inputs_are_copied_into_static_buffers():
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    runner = _emulated(model, x)
+    with torch.no_grad():
+        runner(x)
+        entry = next(iter(runner._graphs.values()))
+        buf = entry.static_inputs[0]
+        assert buf.data_ptr() != x.data_ptr()
+        y = torch.randn(2, 8).t().contiguous().t()  # another layout, same shape
+        _same(runner(y), model(y))
+        assert torch.equal(buf, y)
+
+
+def test_grad_enabled_call_runs_eagerly_with_one_warning():
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    runner = _emulated(model, x)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out1 = runner(x)
+        out2 = runner(x)
+    assert out1.requires_grad and out2.requires_grad  # autograd history kept
+    assert sum("grad-enabled" in str(m.message) for m in w) == 1
+    assert runner.stats["captures"] == 0 and runner.stats["eager_calls"] == 2
+    for p in model.parameters():
+        p.requires_grad_(False)
+    runner2 = _emulated(model, x)
+    _same(runner2(x), model(x))  # grad mode on but nothing requires grad: replay is fine
+    assert runner2.stats["captures"] == 1
+
+
+def test_inference_mode_calls():
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    runner = _emulated(model, x)
+    with torch.inference_mode():
+        a = runner(x)
+        b = runner(torch.randn(2, 8))
+    with torch.no_grad():  # static buffers were made outside inference mode: still writable
+        c = runner(x)
+    _same(a, c)
+    assert runner.stats["captures"] == 1 and runner.stats["replays"] == 3
+    assert not torch.equal(a, b)
+
+
+def test_input_on_another_device_falls_back():
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    gm = _gm(model, x)
+    decision = dataclasses.replace(decide(gm, [x], device_type="cpu"), device=torch.device("meta"))
+    runner = Runner(gm, decision, backend="emulate")
+    with warnings.catch_warnings(record=True) as w, torch.no_grad():
+        warnings.simplefilter("always")
+        _same(runner(x), model(x))
+    assert any("is on cpu" in str(m.message) for m in w)
+    assert runner.stats["captures"] == 0
+
+
+def test_capture_failure_disables_and_stays_correct():
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    runner = _emulated(model, x)
+
+    def boom(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner._backend.capture = boom
+    with warnings.catch_warnings(record=True) as w, torch.no_grad():
+        warnings.simplefilter("always")
+        _same(runner(x), model(x))
+        _same(runner(x), model(x))
+    assert not runner.active and "capture failed" in runner._disabled
+    assert sum("capture failed" in str(m.message) for m in w) == 1
+
+
+def test_kwargs_and_non_tensor_inputs_are_part_of_the_key():
+    class Scale(nn.Module):
+        def forward(self, x, k: int = 2, y=None):
+            return x * k + (0 if y is None else y)
+
+    x = torch.randn(3)
+    runner = Runner(Scale(), Decision(True, "test", "on", torch.device("cpu")), backend="emulate")
+    with torch.no_grad():
+        _same(runner(x), x * 2)
+        y = torch.randn(3)
+        _same(runner(x, y=y), x * 2 + y)
+        _same(runner(x, 3), x * 3)
+        _same(runner(x, 3), x * 3)
+    assert runner.num_graphs == 3 and runner.stats["replays"] == 4
+    with torch.no_grad():
+        _same(runner(x, 2), x * 2)
+
+
+def test_deepcopy_and_reset_drop_graphs():
+    import copy
+
+    model = Small().eval()
+    x = torch.randn(2, 8)
+    runner = _emulated(model, x)
+    with torch.no_grad():
+        runner(x)
+    assert runner.num_graphs == 1
+    clone = copy.deepcopy(runner)
+    assert clone.num_graphs == 0 and clone.decision == runner.decision and clone.gm is not runner.gm
+    runner.reset()
+    assert runner.num_graphs == 0
+
+
+# ---------------------------------------------------------------------------------- CUDA
+
+
+def _check_rule(out, model, args, kwargs=None):
+    kwargs = kwargs or {}
+    with torch.no_grad():
+        eager = model(*args, **kwargs)
+    ref64 = accuracy.fp64_reference(model, tuple(args), kwargs)
+    res = accuracy.check(out, ref64, eager)
+    assert res.passed, res.reason
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,batch,dtype", [("resnet50", 2, torch.float32), ("resnet50", 2, torch.bfloat16),
+                                              ("glm4-tiny", 2, torch.float32), ("bert-tiny", 2, torch.float32)])
+def test_cuda_replay_equals_eager(name, batch, dtype):
+    model, inputs = zoo.get(name, batch=batch, dtype=dtype, device="cuda")
+    opt = graphopt.optimize(model, inputs)
+    assert opt.runner.decision.on, opt.runner.decision.why
+    assert any(n.startswith("CUDA graph: on") for n in opt.report.notes)
+    with torch.no_grad():
+        outs = [opt(*inputs) for _ in range(3)]
+    assert opt.runner.stats["captures"] == 1 and opt.runner.stats["replays"] == 3
+    for out in outs:
+        _check_rule(out, model, inputs)
+    with torch.inference_mode():
+        _check_rule(opt(*inputs), model, inputs)
+
+
+@pytest.mark.cuda
+def test_cuda_new_shape_recaptures_and_lru():
+    model = Small().cuda().eval()
+    x = torch.randn(1, 8, device="cuda")
+    gm = capture(model, (x,), strategy="symbolic_trace")
+    runner = lower(gm, [x], max_graphs=2)
+    assert runner.decision.on
+    with torch.no_grad():
+        for b in (1, 2, 1, 3, 2):
+            xi = torch.randn(b, 8, device="cuda")
+            _same(runner(xi), model(xi), tol=1e-5)
+    assert runner.stats["captures"] == 4 and runner.stats["evictions"] == 2 and runner.num_graphs == 2
+
+
+@pytest.mark.cuda
+def test_cuda_outputs_do_not_alias_by_default():
+    model, inputs = zoo.get("glm4-tiny", batch=2, device="cuda")
+    opt = graphopt.optimize(model, inputs)
+    other = (torch.randint(3, 256, inputs[0].shape, device="cuda"),)
+    with torch.no_grad():
+        a = opt(*inputs)
+        a_logits = a.logits.clone()
+        b = opt(*other)
+        torch.cuda.synchronize()
+    assert torch.equal(a.logits, a_logits)
+    assert a.logits.data_ptr() != b.logits.data_ptr()
+    opt.set_cuda_graphs("auto", reuse_outputs=True)
+    with torch.no_grad():
+        c = opt(*inputs)
+        d = opt(*other)
+    assert c.logits.data_ptr() == d.logits.data_ptr()
+
+
+@pytest.mark.cuda
+def test_cuda_to_resets_and_grad_falls_back():
+    model, inputs = zoo.get("resnet50", batch=1, device="cuda")
+    opt = graphopt.optimize(model, inputs)
+    with torch.no_grad():
+        opt(*inputs)
+    assert opt.runner.num_graphs == 1
+    opt.to("cuda")
+    assert opt.runner.num_graphs == 0
+    with pytest.warns(RuntimeWarning, match="grad-enabled"):
+        out = opt(*inputs)
+    assert out.requires_grad
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_off_for_cpu_tensors_in_graph():
+    class CpuIdx(nn.Module):
+        def forward(self, x):
+            return x * torch.arange(x.shape[-1]).to(x.device)
+
+    x = torch.randn(2, 4, device="cuda")
+    gm = capture(CpuIdx(), (x,))
+    d = decide(gm, [x])
+    assert not d.on and "cpu" in d.why

@@ -1,0 +1,141 @@
+"""fuse_layer_norm: residual add + LayerNorm over the last dim -> ``graphopt::add_layer_norm``.
+
+Matches ``aten.layer_norm(x, [H], weight?, bias?, eps)`` where H is x's last dim. When x is
+``residual + y`` (same shapes and dtypes) the add is absorbed and the kernel's second output
+``h = y + residual`` replaces the add for its other readers: pre-norm stacks (ViT) keep it as the
+residual stream; in post-norm stacks (BERT) nothing else reads it and it is dropped.
+
+A LayerNorm without a residual add already runs as one aten kernel; replacing it with the fused
+kernel (which also writes h) is priced by the cost model like any candidate, predicts no gain
+and is recorded as such. Refused with the reason recorded: normalized_shape other than the last
+dim alone, weight/bias not 1-D of the hidden size, an eps that is not a literal, an add that
+broadcasts or promotes dtypes (the add is then left alone), and everything on a CPU profile
+(``NO_FUSED_KERNELS``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.matcher import Any, Op, find
+from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
+
+from ._norms_common import drop_proven_asserts, kernel_time, position, residual_add, residual_operands
+
+aten = torch.ops.aten
+
+PATTERN = Op(aten.layer_norm.default, Any("x"), Any("shape"), Any("weight"), Any("bias"), Any("eps"), name="ln")
+
+
+def _check(m) -> str:
+    ln, x, shape = m["ln"], m["x"], m["shape"]
+    xi = ir.info(x) if isinstance(x, fx.Node) else None
+    if xi is None or not xi.shape:
+        return "its input has no tensor metadata"
+    if not isinstance(shape, (list, tuple)) or len(shape) != 1 or shape[0] != xi.shape[-1]:
+        return f"normalized_shape {list(shape) if isinstance(shape, (list, tuple)) else shape} is not the last dim only"
+    for what in ("weight", "bias"):
+        p = m[what]
+        if p is None:
+            continue
+        pi = ir.info(p) if isinstance(p, fx.Node) else None
+        if pi is None or len(pi.shape) != 1 or pi.shape[0] != xi.shape[-1]:
+            return f"{what} {getattr(p, 'name', p)} is not 1-D over the last dim ({xi.shape[-1]})"
+    eps = m["eps"]
+    if eps is None:
+        eps = 1e-5
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return f"eps {getattr(eps, 'name', eps)!r} is not a literal number"
+    out = ir.info(ln)
+    if out is None or out.dtype != xi.dtype:
+        return "output dtype differs from the input's"
+    return ""
+
+
+@register
+class FuseLayerNorm(Pass):
+    name = "fuse_layer_norm"
+    family = "fusion"
+    description = "residual add + LayerNorm over the last dim -> add_layer_norm (cost-gated)"
+    inference_only = True
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        dropped = drop_proven_asserts(gm)
+        if dropped:
+            res.changed = True
+            res.notes.append(f"dropped {dropped} statically true _assert_tensor_metadata nodes")
+        candidates = []
+        for m in find(gm, PATTERN):
+            why = _check(m)
+            if why:
+                res.reject(f"layer_norm {m['ln'].name}", f"not fused: {why}")
+                continue
+            add, why = residual_add(m["x"])
+            if why:
+                res.reject(f"residual add {m['x'].name} into layer_norm {m['ln'].name}", f"add not absorbed: {why}")
+            candidates.append(self._candidate(gm, ctx, m, add))
+        if not ctx.fused_kernels:
+            for c in candidates:
+                res.reject(c.description, NO_FUSED_KERNELS)
+            return res
+        res.apply_ranked(ctx, candidates)
+        return res
+
+    @staticmethod
+    def _candidate(gm, ctx, m, add) -> Candidate:
+        ln, x = m["ln"], m["x"]
+        xi = ir.info(x)
+        params = [p for p in (m["weight"], m["bias"]) if isinstance(p, fx.Node)]
+        gone = [ln] + ([add] if add is not None else [])
+        inputs = ([add.args[0], add.args[1]] if add is not None else [x]) + params
+        gain = ctx.node_time(gone) - kernel_time(ctx, inputs, [xi, xi], flops_per_elem=8)
+        pattern = "residual add + layer_norm" if add is not None else "layer_norm"
+        label = (f"{add.name} + " if add is not None else "") + f"layer_norm {ln.name}"
+        eps = 1e-5 if m["eps"] is None else float(m["eps"])
+        return Candidate(pattern, gone, gain, lambda: FuseLayerNorm._apply(gm, m, add, eps), label=label,
+                         refusal="its weight or bias is computed after the point where the fused kernel must run")
+
+    @staticmethod
+    def _apply(gm: fx.GraphModule, m, add, eps):
+        g = gm.graph
+        ln = m["ln"]
+        pos = position(gm)
+        if add is not None:
+            y, residual = residual_operands(add)
+            anchor = add.next
+        else:
+            y, residual, anchor = m["x"], None, ln
+        params = []
+        for p in (m["weight"], m["bias"]):
+            if isinstance(p, fx.Node) and p.op != "get_attr" and pos[p] >= pos[anchor]:
+                return None
+        with g.inserting_before(anchor):
+            for p in (m["weight"], m["bias"]):
+                if isinstance(p, fx.Node) and p.op == "get_attr" and pos[p] >= pos[anchor]:
+                    q = g.get_attr(p.target)
+                    q.meta["val"] = p.meta.get("val")
+                    params.append(q)
+                else:
+                    params.append(p)
+            fused = g.call_function(torch.ops.graphopt.add_layer_norm.default, (y, residual, params[0], params[1], eps))
+            out = g.call_function(operator.getitem, (fused, 0))
+            h = g.call_function(operator.getitem, (fused, 1))
+        xv = m["x"].meta.get("val")
+        out.meta["val"] = ln.meta.get("val")
+        h.meta["val"] = xv
+        fused.meta["val"] = (out.meta["val"], xv)
+        ln.replace_all_uses_with(out)
+        if add is not None:
+            add.replace_all_uses_with(h)
+        ir.erase_dead(gm, [ln] + ([add] if add is not None else []))
+        for p, q in zip((m["weight"], m["bias"]), params):
+            if isinstance(p, fx.Node) and q is not p and not p.users:
+                g.erase_node(p)
+        if not h.users:
+            g.erase_node(h)
+        return fused

@@ -129,6 +129,28 @@ def is_causal_mask(value: torch.Tensor) -> bool:
     return bool((lo == 0).all()) and bool(((up <= thr) | (up == float("-inf"))).all())
 
 
+# shape/dtype-only ops through which a constant mask is still a constant (fold_constants may leave
+# e.g. ``buffer.to(x.dtype)`` when the cast is a no-op)
+_CONST_THROUGH = CASTS + (aten.alias.default, aten.detach.default, aten.clone.default, aten.expand.default,
+                          aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.contiguous.default)
+
+
+def _const_value(gm, node, depth=4):
+    """The value of ``node`` if it is a get_attr, or a cast/view chain of one; else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "get_attr":
+        v = ir.get_attr_value(gm, node.target)
+        return v if isinstance(v, torch.Tensor) else None
+    if depth == 0 or node.op != "call_function" or node.target not in _CONST_THROUGH:
+        return None
+    src = _const_value(gm, node.args[0], depth - 1)
+    if src is None or any(a is not node.args[0] for a in node.all_input_nodes):
+        return None
+    with torch.no_grad():
+        return node.target(src, *node.args[1:], **node.kwargs)
+
+
 def _broadcastable(mshape, target) -> bool:
     if len(mshape) > len(target):
         return False
@@ -269,8 +291,8 @@ class FuseAttention(Pass):
                 raise Refuse(f"mask {mask.name} is {mi.dtype}, q is {qi.dtype} (the add would change precision)")
             if tuple(_shape(add)) != tuple(scores_shape) or not _broadcastable(mi.shape, scores_shape):
                 raise Refuse(f"mask {mask.name} of shape {mi.shape} does not broadcast to the scores {scores_shape}")
-            if mask.op == "get_attr" and qs[2] == ks[2]:
-                value = ir.get_attr_value(gm, mask.target)
+            value = _const_value(gm, mask) if qs[2] == ks[2] else None
+            if value is not None:
                 if value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and is_causal_mask(value):
                     mask, causal, dropped = None, True, mask
         # nodes reading the scores / probabilities outside the pattern
@@ -386,8 +408,11 @@ class FuseAttention(Pass):
         new.meta["val"] = root.meta.get("val")
         ir.replace_with(root, new)
         ir.erase_dead(gm, plan["removed"])
-        if plan["dropped_mask"] is not None and not plan["dropped_mask"].users:
-            g.erase_node(plan["dropped_mask"])  # the folded causal mask buffer, now unread
+        n = plan["dropped_mask"]  # the folded causal mask (buffer, maybe cast), now unread
+        while isinstance(n, fx.Node) and n.op in ("get_attr", "call_function") and not n.users:
+            src = n.args[0] if n.op == "call_function" else None
+            g.erase_node(n)
+            n = src
         return new
 
     @staticmethod

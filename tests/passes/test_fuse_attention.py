@@ -1,0 +1,221 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphopt
+from graphopt import capture
+from graphopt.examples import zoo
+from graphopt.pipeline import run_passes
+from tests.helpers import op_counts, reference_check
+
+aten = torch.ops.aten
+SDPA = "aten.scaled_dot_product_attention.default"
+PRE = ["eliminate_dead_code", "fold_constants"]
+
+
+def _sdpa_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default]
+
+
+def _attention_left(gm):
+    c = op_counts(gm)
+    return c["aten.softmax.int"] + c["aten._softmax.default"] + c["aten.matmul.default"]
+
+
+# ---------------------------------------------------------------- hand-written modules
+
+
+class PaddedAttention(nn.Module):
+    """BERT-style: separate heads, divide by sqrt(d), additive padding mask [B, 1, 1, S]."""
+
+    def __init__(self, dim=32, heads=4, softmax_dim=-1, return_probs=False):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.softmax_dim, self.return_probs = softmax_dim, return_probs
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        split = lambda t: t.view(b, s, self.h, self.d).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.d)
+        mask = (1.0 - keep[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        probs = torch.softmax(scores + mask, dim=self.softmax_dim)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+        return (out, probs) if self.return_probs else out
+
+
+class GqaConstMask(nn.Module):
+    """Llama-style GQA with repeat_kv and a constant mask buffer (causal, or another pattern)."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, seq=8, mask="causal"):
+        super().__init__()
+        self.h, self.hkv, self.d = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, heads * self.d)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.d)
+        if mask == "causal":
+            m = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)
+        else:  # sliding window of 2: not a causal mask
+            i = torch.arange(seq)
+            m = torch.where((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 2), 0.0, float("-inf"))
+        self.register_buffer("mask", m[None, None])
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
+        n = self.h // self.hkv
+        rep = lambda t: t[:, :, None].expand(b, self.hkv, n, s, self.d).reshape(b, self.h, s, self.d)  # noqa: E731
+        scores = torch.matmul(q, rep(k).transpose(2, 3)) * self.d ** -0.5 + self.mask.to(x.dtype)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, rep(v)).transpose(1, 2).reshape(b, s, -1)
+
+
+class SdpaConstCausal(nn.Module):
+    def __init__(self, seq=8):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).tril())
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+class TrainingDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, q, k, v):
+        p = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-1)
+        return torch.matmul(self.drop(p), v)
+
+
+def _run(model, args, dtype=torch.float32, target="h200"):
+    model = model.to(dtype).eval()
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    gm = capture(model, args)
+    run_passes(gm, PRE)
+    (res,) = run_passes(gm, ["fuse_attention"], target=target)
+    return model, args, gm, res
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_attention_to_sdpa(dtype):
+    torch.manual_seed(0)
+    keep = torch.ones(2, 8, dtype=torch.long)
+    keep[1, 5:] = 0
+    model, args, gm, res = _run(PaddedAttention(), (torch.randn(2, 8, 32), keep), dtype)
+    assert res.status == "applied" and len(res.rewrites) == 1
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.args[3] is not None and sd.args[5] is False  # padding mask passed as attn_mask
+    assert sd.kwargs["scale"] == pytest.approx(1 / math.sqrt(8))
+    assert _attention_left(gm) == 0
+    assert reference_check(model, gm, args).passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_constant_causal_mask(dtype):
+    torch.manual_seed(0)
+    model, args, gm, res = _run(GqaConstMask(), (torch.randn(2, 8, 32),), dtype)
+    assert len(res.rewrites) == 1 and res.rewrites[0].predicted_gain_s > 0
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.args[3] is None and sd.args[5] is True and sd.kwargs.get("enable_gqa") is True
+    assert sd.args[1].meta["val"].shape[1] == 2  # K is not repeated
+    assert op_counts(gm)["aten.expand.default"] == 0 and _attention_left(gm) == 0
+    assert reference_check(model, gm, args).passed
+
+
+def test_cpu_profile_also_rewrites():
+    model, args, gm, res = _run(GqaConstMask(), (torch.randn(2, 8, 32),), target="cpu")
+    assert len(res.rewrites) == 1 and len(_sdpa_nodes(gm)) == 1
+    assert reference_check(model, gm, args).passed
+
+
+# ---------------------------------------------------------------- negative cases
+
+
+def test_non_causal_constant_mask_stays_attn_mask():
+    model, args, gm, res = _run(GqaConstMask(mask="window"), (torch.randn(2, 8, 32),))
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.args[3] is not None and sd.args[5] is False  # the window mask is passed as attn_mask
+    assert reference_check(model, gm, args).passed
+
+
+def test_softmax_on_dim_1_is_refused():
+    keep = torch.ones(2, 8, dtype=torch.long)
+    model, args, gm, res = _run(PaddedAttention(softmax_dim=1), (torch.randn(2, 8, 32), keep))
+    assert not _sdpa_nodes(gm) and op_counts(gm)["aten.softmax.int"] == 1
+    assert any("dim 1" in r.reason for r in res.rejected)
+
+
+def test_probabilities_read_twice_are_refused():
+    keep = torch.ones(2, 8, dtype=torch.long)
+    model, args, gm, res = _run(PaddedAttention(return_probs=True), (torch.randn(2, 8, 32), keep))
+    assert not _sdpa_nodes(gm) and op_counts(gm)["aten.softmax.int"] == 1
+    assert any("attention probabilities" in r.reason and "output_attentions" in r.reason for r in res.rejected)
+    assert reference_check(model, gm, args).passed
+
+
+def test_active_dropout_in_training_graph_is_refused():
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    model = TrainingDropout().train()
+    gm = capture(model, (q, k, v))
+    (res,) = run_passes(gm, ["fuse_attention"], training=True)
+    assert not _sdpa_nodes(gm)
+    assert any("dropout" in r.reason for r in res.rejected)
+
+
+def test_existing_sdpa_with_constant_causal_mask():
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    model, args, gm, res = _run(SdpaConstCausal(), (q, k, v))
+    (sd,) = _sdpa_nodes(gm)
+    assert len(res.rewrites) == 1 and sd.args[3] is None and sd.args[5] is True
+    assert reference_check(model, gm, args).passed
+
+
+# ---------------------------------------------------------------- zoo models
+
+
+def _check_zoo_graph(name, gm, layers):
+    sds = _sdpa_nodes(gm)
+    assert len(sds) == layers and _attention_left(gm) == 0
+    if name == "glm4-tiny":  # GQA without repeat_kv, causal mask folded to is_causal
+        assert all(sd.args[5] is True and sd.args[3] is None and sd.kwargs.get("enable_gqa") for sd in sds)
+        assert all(n.target is not aten.expand.default or not n.users for n in gm.graph.nodes)
+    else:  # the padding mask stays
+        assert all(sd.args[3] is not None and sd.args[5] is False for sd in sds)
+
+
+@pytest.mark.parametrize("name,layers", [("bert-tiny", 2), ("glm4-tiny", 2)])
+def test_zoo_bf16_graph_and_numerics(name, layers):
+    model, inputs = zoo.get(name)
+    model = model.to(torch.bfloat16)
+    gm = capture(model, inputs)
+    run_passes(gm, PRE)
+    (res,) = run_passes(gm, ["fuse_attention"])
+    assert len(res.rewrites) == layers
+    _check_zoo_graph(name, gm, layers)
+    assert reference_check(model, gm, inputs).passed
+
+
+def test_vit_already_sdpa_is_left_alone():
+    model, inputs = zoo.get("vit-tiny")
+    gm = capture(model, inputs)
+    run_passes(gm, PRE)
+    before = op_counts(gm)
+    (res,) = run_passes(gm, ["fuse_attention"])
+    assert res.status == "unchanged" and op_counts(gm) == before
+
+
+@pytest.mark.parametrize("name,layers", [("bert-tiny", 2), ("glm4-tiny", 2)])
+def test_optimize_fp32_one_rewrite_per_layer(name, layers):
+    model, inputs = zoo.get(name)
+    opt = graphopt.optimize(model, inputs, target="h200")
+    res = opt.report.pass_result("fuse_attention")
+    assert res.status == "applied" and len(res.rewrites) == layers
+    _check_zoo_graph(name, opt.graph_module, layers)
+    # fp32 numerics of the whole optimized pipeline against fp64
+    assert reference_check(model, opt, inputs).passed

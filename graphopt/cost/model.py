@@ -177,7 +177,7 @@ class CostModel:
             b_h = _prod(q.shape[:-2])
             sq, d = q.shape[-2], q.shape[-1]
             sk = k.shape[-2]
-            causal = bool(node.kwargs.get("is_causal", False) or (len(node.args) > 4 and node.args[4] is True))
+            causal = bool(node.kwargs.get("is_causal", False) or _positional(node, "is_causal") is True)
             flops = 4 * b_h * sq * sk * d
             if causal:
                 flops = flops / 2
@@ -314,6 +314,15 @@ class CostModel:
             peak = max(peak, live)
             live -= frees.pop(i, 0.0)
         return peak + params, params, params + inputs + outputs
+
+
+def _positional(node: fx.Node, name: str):
+    """A schema argument passed by position (its index differs between the SDPA overloads)."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        for i, a in enumerate(node.target._schema.arguments):
+            if a.name == name:
+                return node.args[i] if i < len(node.args) else None
+    return None
 
 
 def _num(v) -> float:

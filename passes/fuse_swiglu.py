@@ -153,6 +153,10 @@ class FuseSwiglu(Pass):
     def _apply(gm, m, base) -> fx.Node:
         g = gm.graph
         mul = m["mul"]
+        live = piece(m["gate"])  # live: an earlier rewrite may have replaced the base node
+        if isinstance(live, str):
+            return None
+        base = live[0]
         with g.inserting_before(mul):
             new = g.call_function(torch.ops.graphopt.swiglu.default, (base,))
         set_meta(gm, [new])

@@ -131,6 +131,7 @@ def _merged_time(ctx, x, fam) -> float:
 def _merge(gm: fx.GraphModule, x: fx.Node, fam) -> fx.Node:
     g = gm.graph
     lins = [m["lin"] for m in fam]
+    x = lins[0].args[0]  # live: an earlier merge in this pass may have replaced the input node
     first = _first(g, lins)
     with torch.no_grad():
         ws = [ir.get_attr_value(gm, m["w"].target) for m in fam]

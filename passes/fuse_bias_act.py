@@ -1,0 +1,252 @@
+"""fuse_bias_act: GEMM/conv + bias + activation (+ residual add) -> GEMM without bias + one
+``torch.ops.graphopt.bias_act(y, bias, act, residual, bias_dim)`` epilogue kernel, or, for
+linear + bias + ReLU, torch's own fused path ``aten._addmm_activation`` (cuBLASLt's
+RELU_BIAS epilogue on CUDA: one kernel instead of two, and addmm + in-place relu on the CPU).
+
+Producers: ``linear(x, W, b)`` (bias_dim -1), ``conv1d/2d/3d(x, W, b)`` (NC.. layout, bias_dim 1),
+``addmm(b, x, W)`` (beta = alpha = 1), and an explicit ``matmul/mm/bmm(x, W) + b`` with a 1-D
+bias along the last dim. Activations: relu, gelu (exact and tanh), silu, sigmoid, tanh,
+hardswish, or none when a residual follows. Residual: ``act(..) + r`` / ``r + act(..)`` with
+r of the output's exact shape and dtype.
+
+Why ``_addmm_activation`` only for ReLU: its GELU is the tanh approximation on CUDA but the
+exact erf GELU on the CPU, so a graph planned on one device would compute a different
+function on the other; ReLU is the same everywhere. GELU goes to bias_act, whose ``gelu`` /
+``gelu_tanh`` follow the model's spelling exactly.
+
+The cost model decides (time of the matched nodes against the GEMM without bias + one
+bias_act kernel). Notes on what it knows: a linear/addmm bias is applied in the cuBLASLt
+epilogue at no cost, so a bias + activation with nothing else to absorb saves no kernel and is
+refused with that reason; a *convolution's* bias is a separate ``add_`` kernel in aten's cuDNN
+path (cudnn_convolution takes no bias), which the pass adds to the conv's predicted time.
+Refused on a CPU profile (bias_act is a CUDA kernel) except the aten ReLU path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.cost.model import _is_contiguous
+from graphopt.matcher import Alt, Any, Const, Op, find
+from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
+
+from ._fusion_meta import nbytes, pointwise_kernel_time, set_meta
+
+aten = torch.ops.aten
+CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+MATMULS = (aten.matmul.default, aten.mm.default, aten.bmm.default)
+ACTS = {
+    aten.relu.default: "relu", aten.gelu.default: "gelu", aten.silu.default: "silu",
+    aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh", aten.hardswish.default: "hardswish",
+}
+
+
+def _not_none(v):
+    return v is not None
+
+
+GEMM = Alt(
+    Op(aten.linear.default, Any("x"), Any("w"), Any("b", pred=_not_none), name="gemm"),
+    Op(CONVS, Any("x"), Any("w"), Any("b", pred=_not_none), name="gemm"),
+    Op(aten.addmm.default, Any("b"), Any("x"), Any("w"), kwargs={"beta": Const(value=1), "alpha": Const(value=1)},
+       name="gemm"),
+    Op(aten.add.Tensor, Op(MATMULS, Any("x"), Any("w"), name="gemm"), Any("b"), Const("alpha", 1),
+       name="badd", commutative=True),
+)
+
+
+def _act(inner, single_use=True):
+    return Op(tuple(ACTS), inner, name="act", single_use=single_use)
+
+
+def _res(inner):
+    return Op(aten.add.Tensor, inner, Any("res"), Const("alpha", 1), name="resadd", commutative=True)
+
+
+# most nodes first: act + residual, then act alone, then bias + residual (act "none")
+PATTERNS = (("act+residual", _res(_act(GEMM))), ("act", _act(GEMM)), ("residual", _res(GEMM)))
+# GEMM + activation where the GEMM output is read elsewhere (to report why it does not fuse)
+# (one pattern per producer: the matcher's single_use=False is not seen through an Alt)
+LOOSE = tuple(Op(tuple(ACTS), Op(p.targets, *p.args, name=p.name, single_use=False, kwargs=p.kwargs,
+                                 commutative=p.commutative), name="act") for p in GEMM.alternatives)
+
+
+def act_name(node: fx.Node) -> str | None:
+    a = ACTS.get(node.target)
+    if a == "gelu":
+        approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
+    return a
+
+
+@register
+class FuseBiasAct(Pass):
+    name = "fuse_bias_act"
+    family = "fusion"
+    description = "GEMM/conv + bias + activation (+ residual) -> GEMM without bias + graphopt.bias_act (or aten._addmm_activation for ReLU)"
+    requires = ("merge_sibling_linears", "fuse_swiglu")
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        candidates, claimed = [], set()
+        for kind, pat in PATTERNS:
+            for m in find(gm, pat):
+                gemm = m["gemm"]
+                if gemm in claimed:
+                    continue
+                cand = self._candidate(gm, ctx, res, kind, m)
+                if cand is not None:
+                    claimed.add(gemm)
+                    candidates.append(cand)
+        for m in (m for loose in LOOSE for m in find(gm, loose)):
+            if m["gemm"] not in claimed and len((m.get("badd") or m["gemm"]).users) > 1:
+                src = m.get("badd") or m["gemm"]
+                res.reject(f"{m['gemm'].name} + {m['act'].name}",
+                           f"{src.name} (the GEMM output before the activation) is also read elsewhere; "
+                           "the bias cannot move into the epilogue")
+        res.apply_ranked(ctx, candidates)
+        return res
+
+    # ------------------------------------------------------------------ candidates
+
+    def _candidate(self, gm, ctx, res, kind, m) -> Candidate | None:
+        gemm, badd, act, radd = m["gemm"], m.get("badd"), m.get("act"), m.get("resadd")
+        top = radd or act
+        label = " + ".join(n.name for n in (gemm, badd, act, radd) if n is not None)
+        a = act_name(act) if act is not None else "none"
+        if a is None:
+            res.reject(label, f"{act.name}: unsupported gelu approximation")
+            return None
+        bias, y = m["b"], badd or gemm
+        yi, bi, ti = ir.info(y), ir.info(bias) if isinstance(bias, fx.Node) else None, ir.info(top)
+        if bi is None or len(bi.shape) != 1:
+            res.reject(label, "the bias is not a 1-D tensor")
+            return None
+        bias_dim = 1 if gemm.target in CONVS else -1
+        if len(yi.shape) < 2 or bi.shape[0] != yi.shape[bias_dim]:
+            res.reject(label, f"the bias does not run along dim {bias_dim} of the output")
+            return None
+        if gemm.target in CONVS and len(ir.info(gemm).shape) != len(ir.info(m["x"]).shape):
+            res.reject(label, "unbatched convolution")
+            return None
+        if any(ir.info(n).dtype != yi.dtype or tuple(ir.info(n).shape) != tuple(yi.shape)
+               for n in (act, radd) if n is not None):
+            res.reject(label, "the epilogue broadcasts or changes dtype")
+            return None
+        r = m.get("res")
+        if radd is not None:
+            ri = ir.info(r) if isinstance(r, fx.Node) else None
+            if ri is None or tuple(ri.shape) != tuple(yi.shape) or ri.dtype != yi.dtype:
+                res.reject(label, "the residual does not have the output's shape and dtype")
+                return None
+            if r is gemm or r is act or r is badd:
+                res.reject(label, "the residual is the GEMM's own output")
+                return None
+        nodes = [n for n in (radd, act, badd, gemm) if n is not None]
+        old = ctx.node_time(nodes)
+        h = ctx.hints
+        if gemm.target in CONVS and ctx.profile.kind == "cuda":
+            # aten's cuDNN path adds a conv bias in a separate kernel the cost model does not show
+            old += pointwise_kernel_time(ctx, 2 * nbytes(yi, h) + nbytes(bi, h))
+        # aten path: linear/addmm + bias + relu -> _addmm_activation (same function on every device)
+        if a == "relu" and radd is None and gemm.target in (aten.linear.default, aten.addmm.default):
+            xi = ir.info(m["x"])
+            if len(xi.shape) == 2 or _is_contiguous(xi):
+                new = self._gemm_time(ctx, gemm, minus_bias=0.0)
+                gain = old - new
+                return Candidate("linear + bias + relu -> _addmm_activation", [act, gemm], gain,
+                                 lambda: self._apply_addmm_act(gm, m), label=label)
+        if not ctx.fused_kernels:
+            res.reject(label, NO_FUSED_KERNELS)
+            return None
+        new = (ctx.node_time([gemm]) if badd is not None else self._gemm_time(ctx, gemm, minus_bias=nbytes(bi, h)))
+        moved = nbytes(yi, h) + nbytes(bi, h) + nbytes(ti, h) + (nbytes(ir.info(r), h) if radd is not None else 0)
+        new += pointwise_kernel_time(ctx, moved, ir.concrete(ti.numel, h))
+        gain = old - new
+        if gain <= 0.05 * ctx.profile.launch_overhead_s:  # rounding noise is not a gain
+            why = (f"bias + {a} after {ir.target_name(gemm)}: the GEMM applies its bias in the cuBLASLt epilogue, so "
+                   f"bias_act would only replace the {a} kernel one for one (predicted {gain * 1e6:+.2f} us)"
+                   if radd is None and badd is None and gemm.target not in CONVS else
+                   f"predicted no gain ({gain * 1e6:+.3f} us)")
+            res.reject(label, why)
+            return None
+        return Candidate(f"{ir.target_name(gemm)} + bias + {a}{' + residual' if radd is not None else ''}", nodes,
+                         gain, lambda: self._apply_bias_act(gm, m, a, bias_dim), label=label)
+
+    @staticmethod
+    def _gemm_time(ctx, gemm, minus_bias: float) -> float:
+        p = ctx.profile
+        flops, byts, _, _ = ctx.cost.flops_bytes(gemm)
+        flops, byts = ir.concrete(flops, ctx.hints), ir.concrete(byts, ctx.hints) - minus_bias
+        rate = p.matmul_rate(ir.arg_infos(gemm)[0].dtype)
+        return max(flops / rate, byts / p.bandwidth) + p.launch_overhead_s
+
+    # ------------------------------------------------------------------ rewrites
+
+    @staticmethod
+    def _apply_addmm_act(gm, m) -> fx.Node:
+        g = gm.graph
+        gemm, act = m["gemm"], m["act"]
+        x, w, b = _live_inputs(m)
+        out_shape = list(ir.info(gemm).shape)
+        with g.inserting_before(act):
+            if gemm.target is aten.linear.default:
+                k = ir.info(w).shape[-1]
+                x2 = x if len(ir.info(x).shape) == 2 else g.call_function(aten.view.default, (x, [-1, k]))
+                wt = g.call_function(aten.t.default, (w,))
+            else:
+                x2, wt = x, w
+            fused = g.call_function(aten._addmm_activation.default, (b, x2, wt), {"use_gelu": False})
+            out = fused if len(out_shape) == 2 else g.call_function(aten.view.default, (fused, out_shape))
+        new = [n for n in (x2, wt, fused, out) if n.op == "call_function" and "val" not in n.meta]
+        set_meta(gm, [n for n in g.nodes if n in set(new)])
+        act.replace_all_uses_with(out)
+        ir.erase_dead(gm, [act, gemm])
+        return fused
+
+    @staticmethod
+    def _apply_bias_act(gm, m, a, bias_dim) -> fx.Node:
+        g = gm.graph
+        gemm, badd, act, radd = m["gemm"], m.get("badd"), m.get("act"), m.get("resadd")
+        top = radd or act
+        # earlier rewrites of this pass may have replaced our inputs: read them from the live nodes
+        x, w, b = _live_inputs(m)
+        inner = act or badd or gemm
+        res = None
+        if radd is not None:
+            res = radd.args[1] if radd.args[0] is inner else radd.args[0]
+        with g.inserting_before(top):
+            if badd is not None:
+                y = gemm
+            else:
+                args = list(gemm.args)
+                if gemm.target is aten.addmm.default:
+                    y = g.call_function(aten.mm.default, (x, w))
+                else:
+                    while len(args) < 3:
+                        args.append(None)
+                    args[0], args[1], args[2] = x, w, None
+                    kwargs = {k: v for k, v in gemm.kwargs.items() if k != "bias"}
+                    if gemm.target is aten.linear.default:
+                        args = args[:2]
+                    y = g.call_function(gemm.target, tuple(args), kwargs)
+            new = g.call_function(torch.ops.graphopt.bias_act.default,
+                                  (y, b, a, res, bias_dim))
+        set_meta(gm, ([y] if y is not gemm else []) + [new])
+        top.replace_all_uses_with(new)
+        ir.erase_dead(gm, [n for n in (radd, act, badd, gemm) if n is not None])
+        return new
+
+
+def _live_inputs(m):
+    """(x, w, bias) read from the matched nodes as they are now."""
+    gemm, badd = m["gemm"], m.get("badd")
+    if gemm.target is aten.addmm.default:
+        return gemm.args[1], gemm.args[2], gemm.args[0]
+    x, w = gemm.args[0], gemm.args[1]
+    if badd is not None:
+        return x, w, (badd.args[1] if badd.args[0] is gemm else badd.args[0])
+    from graphopt.matcher import get_arg
+    return x, w, get_arg(gemm, 2)

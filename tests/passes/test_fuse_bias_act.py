@@ -1,0 +1,180 @@
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphopt import capture
+from graphopt.examples import zoo
+from graphopt.pipeline import NO_FUSED_KERNELS, run_passes
+from tests.helpers import op_counts, reference_check
+
+BIAS_ACT = "graphopt.bias_act.default"
+ADDMM_ACT = "aten._addmm_activation.default"
+
+
+class ConvAct(nn.Module):
+    def __init__(self, act, residual=False):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.act, self.residual = act, residual
+
+    def forward(self, x):
+        y = self.act(self.conv(x))
+        return y + x if self.residual else y
+
+
+class LinearActRes(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.act = act
+
+    def forward(self, x, r):
+        return self.act(self.fc(x)) + r
+
+
+class MatmulBiasAct(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 24) / 6)
+        self.b = nn.Parameter(torch.randn(24))
+
+    def forward(self, x):
+        return F.silu(x @ self.w + self.b)
+
+
+class LinearRelu(nn.Module):
+    def __init__(self, reuse=False):
+        super().__init__()
+        self.fc, self.reuse = nn.Linear(32, 48), reuse
+
+    def forward(self, x, r=None):
+        a = torch.relu(self.fc(x))
+        return a + r if r is not None else a
+
+
+class SharedPreact(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.sigmoid(y) * y  # the pre-activation is read twice
+
+
+class ActTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x, r):
+        a = torch.relu(self.fc(x))
+        return a + r, a * 2  # the activation output is read twice: blocks the residual fusion
+
+
+ACTS = {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU("tanh"), "silu": nn.SiLU(),
+        "sigmoid": nn.Sigmoid(), "tanh": nn.Tanh(), "hardswish": nn.Hardswish()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["relu", "gelu", "hardswish"])
+def test_conv_bias_act(act, dtype):
+    torch.manual_seed(0)
+    m = ConvAct(ACTS[act]).eval().to(dtype)
+    x = torch.randn(2, 8, 10, 10, dtype=dtype)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    c = op_counts(gm)
+    assert len(res.rewrites) == 1 and c[BIAS_ACT] == 1 and c["aten.conv2d.default"] == 1
+    conv = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.conv2d.default)
+    assert len(conv.args) < 3 or conv.args[2] is None
+    ba = next(n for n in gm.graph.nodes if str(n.target) == BIAS_ACT)
+    assert ba.args[2] == act and ba.args[4] == 1
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_conv_bias_residual_no_activation():
+    m = ConvAct(nn.Identity(), residual=True).eval()
+    x = torch.randn(2, 8, 10, 10)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    assert op_counts(gm)[BIAS_ACT] == 1 and op_counts(gm)["aten.add.Tensor"] == 0
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_linear_act_residual(act, dtype):
+    torch.manual_seed(0)
+    m = LinearActRes(ACTS[act]).eval().to(dtype)
+    x, r = torch.randn(2, 5, 32, dtype=dtype), torch.randn(2, 5, 32, dtype=dtype)
+    gm = capture(m, (x, r))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    c = op_counts(gm)
+    assert len(res.rewrites) == 1 and c[BIAS_ACT] == 1 and c["aten.add.Tensor"] == 0
+    ba = next(n for n in gm.graph.nodes if str(n.target) == BIAS_ACT)
+    assert ba.args[2] == act and ba.args[3] is not None and ba.args[4] == -1
+    assert reference_check(m, gm, (x, r)).passed
+
+
+def test_explicit_matmul_bias_add():
+    torch.manual_seed(0)
+    m = MatmulBiasAct().eval()
+    x = torch.randn(4, 7, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    assert op_counts(gm)[BIAS_ACT] == 1 and op_counts(gm)["aten.add.Tensor"] == 0
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("target", ["h200", "cpu"])
+@pytest.mark.parametrize("shape", [(6, 32), (2, 3, 32)])
+def test_linear_relu_uses_addmm_activation(shape, target):
+    m = LinearRelu().eval()
+    x = torch.randn(*shape)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target=target)
+    c = op_counts(gm)
+    assert c[ADDMM_ACT] == 1 and c["aten.relu.default"] == 0 and c["aten.linear.default"] == 0
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_activation_read_twice_blocks_residual_only():
+    m = ActTwice().eval()
+    x, r = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    gm = capture(m, (x, r))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    c = op_counts(gm)
+    # bias+relu still fuses (aten path); the residual add stays because relu's output is read twice
+    assert c[ADDMM_ACT] == 1 and c["aten.add.Tensor"] == 1 and c[BIAS_ACT] == 0
+    assert reference_check(m, gm, (x, r)).passed
+
+
+def test_preactivation_read_twice_does_not_fire():
+    m = SharedPreact().eval()
+    x = torch.randn(2, 5, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    assert not res.rewrites and op_counts(gm)["aten.linear.default"] == 1
+    assert any("read elsewhere" in r.reason for r in res.rejected)
+
+
+def test_cpu_profile_refuses_kernel_rewrites():
+    m = ConvAct(nn.ReLU()).eval()
+    x = torch.randn(2, 8, 10, 10)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="cpu")
+    assert op_counts(gm)[BIAS_ACT] == 0
+    assert [r.reason for r in res.rejected] == [NO_FUSED_KERNELS]
+
+
+def test_bert_tiny_bias_gelu_refused_with_reason():
+    """BERT's intermediate dense + GELU: the linear applies its bias in the cuBLASLt epilogue, so
+    moving it into bias_act would only swap the GELU kernel for another: refused, with the reason."""
+    model, inputs = zoo.get("bert-tiny")
+    gm = capture(model, inputs)
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    layers = model.config.num_hidden_layers
+    assert op_counts(gm)[BIAS_ACT] == 0
+    assert sum("bias + gelu after linear" in r.reason for r in res.rejected) == layers

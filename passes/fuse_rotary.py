@@ -1,0 +1,252 @@
+"""fuse_rotary: the rotate_half rotary embedding of q and k -> one ``graphopt::rotary`` call.
+
+Matches, for each of q and k (``x`` is [B, H, S, D], cos/sin broadcast over heads)::
+
+    x * cos + rotate(x) * sin                                  # full head (R = D)
+    cat([xr * cos + rotate(xr) * sin, x[..., R:]], -1)         # partial: xr = x[..., :R]
+
+with ``rotate`` either Llama's rotate_half ``cat([-x[..., R/2:], x[..., :R/2]], -1)``
+(``interleaved=False``) or GLM's pairwise form ``stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)``
+(``interleaved=True``); products and the sum in either operand order. Two rotations that share
+cos, sin, R and the form (q and k of one attention) become ``rotary(q, k, cos, sin, interleaved)``;
+cos/sin are given to the op as [B or 1, S, R] (a squeeze/unsqueeze view is inserted).
+
+Proven from metadata before rewriting: x is 4-D; every slice, cat, stack and flatten is over
+the last dim with the exact bounds of the form; cos and sin have the same shape, which (left-
+padded to 4-D) is [B or 1, 1, S, R] -- constant over heads, one row per position, R wide -- so the
+op's broadcast is the model's; the result keeps x's dtype and shape (a cos of a wider dtype
+would promote). Refused with the reason recorded: any of those failing, a rotation with no
+partner sharing its cos/sin (only q's or only k's found), a pair with no valid place in the
+graph, and everything on a CPU profile (``NO_FUSED_KERNELS``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.matcher import Alt, Any, Op, find
+from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
+
+from ._norms_common import Seq, drop_proven_asserts, kernel_time, position
+
+aten = torch.ops.aten
+SLICE = aten.slice.Tensor
+MUL, ADD, NEG = aten.mul.Tensor, aten.add.Tensor, aten.neg.default
+
+
+def _sl(src, tag: str, name: str | None = None, single_use: bool = True) -> Op:
+    return Op(SLICE, src, Any(f"d{tag}"), Any(f"s{tag}"), Any(f"e{tag}"), Any(f"st{tag}"), name=name or f"x{tag}",
+              single_use=single_use)
+
+
+def _body(xr) -> Op:
+    half = Op(aten.cat.default, Seq(Op(NEG, _sl(xr, "2")), _sl(xr, "1")), Any("rot_dim"), name="rot")
+    inter = Op(aten.flatten.using_ints,
+               Op(aten.stack.default, Seq(Op(NEG, _sl(xr, "2")), _sl(xr, "1")), Any("stack_dim"), name="stack"),
+               Any("flat_start"), Any("flat_end"), name="rot")
+    mul_sin = Op(MUL, Alt(inter, half), Any("sin"), name="mul_sin", commutative=True)
+    mul_cos = Op(MUL, xr, Any("cos"), name="mul_cos", commutative=True)
+    # the sin product first: it pins xr, so the cos product cannot bind the operands swapped
+    return Op(ADD, mul_sin, mul_cos, name="body", commutative=True)
+
+
+FULL = _body(Any("q"))
+# xr is read three times inside the match (the cos product and both slices of the rotation);
+# single_use=False lifts the matcher's per-Op "one user" test, and the whole-match test (no
+# reader outside the match) still applies to it.
+PARTIAL = Op(aten.cat.default, Seq(_body(_sl(Any("q"), "r", name="xr", single_use=False)), _sl(Any("q"), "p", name="xp")),
+             Any("out_dim"), name="root")
+
+_MAX = 2**62
+
+
+def _bounds(start, end, step, size):
+    """Normalized (start, end, step) of a slice over a dim of ``size`` (None on symbolic)."""
+    start = 0 if start is None else start
+    end = size if end is None else end
+    step = 1 if step is None else step
+    if not all(isinstance(v, int) for v in (start, end, step, size)):
+        return None
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    return max(0, min(start, size)), max(0, min(end, size)), step
+
+
+def _is_last(dim, ndim) -> bool:
+    return isinstance(dim, int) and dim % ndim == ndim - 1
+
+
+class _Rot:
+    def __init__(self, m, partial: bool):
+        self.m, self.partial = m, partial
+        self.root = m["root"] if partial else m["body"]
+        self.q, self.cos, self.sin = m["q"], m["cos"], m["sin"]
+        self.interleaved = m.get("stack") is not None
+        self.nodes = list(m.nodes)
+        self.R = None
+
+    @property
+    def label(self):
+        return f"{self.root.name} (rotary of {self.q.name})"
+
+
+def _check(r: _Rot) -> str:
+    m = r.m
+    qi = ir.info(r.q) if isinstance(r.q, fx.Node) else None
+    if qi is None or len(qi.shape) != 4:
+        return f"x {getattr(r.q, 'name', r.q)} is not a 4-D [B, H, S, D] tensor"
+    B, H, S, D = qi.shape
+    xr = m["xr"] if r.partial else r.q
+    R = ir.info(xr).shape[-1]
+    if not isinstance(R, int) or R % 2 or R > D or R == 0:
+        return f"rotary dim {R} is not even and <= head dim {D}"
+    r.R = R
+    if r.partial:
+        if not (_is_last(m["dr"], 4) and _bounds(m["sr"], m["er"], m["str"], D) == (0, R, 1)):
+            return f"{m['xr'].name} is not x[..., :{R}]"
+        if not (_is_last(m["dp"], 4) and _bounds(m["sp"], m["ep"], m["stp"], D) == (R, D, 1)):
+            return f"{m['xp'].name} is not x[..., {R}:]"
+        if not (_is_last(m["out_dim"], 4) and list(m["root"].args[0]) == [m["body"], m["xp"]]):
+            return f"{m['root'].name} does not concatenate [rotated, pass-through] on the last dim"
+    b1 = _bounds(m["s1"], m["e1"], m["st1"], R)
+    b2 = _bounds(m["s2"], m["e2"], m["st2"], R)
+    if not (_is_last(m["d1"], 4) and _is_last(m["d2"], 4)):
+        return "the rotation's slices are not over the last dim"
+    if r.interleaved:
+        if b1 != (0, R, 2) or b2 != (1, R, 2):
+            return f"the pairwise rotation does not take x[..., 0::2] and x[..., 1::2] (got {b1}, {b2})"
+        if not (_is_last(m["stack_dim"], 5) and _is_last(m["flat_start"] + 1, 5) and _is_last(m["flat_end"], 5)
+                if all(isinstance(m[k], int) for k in ("stack_dim", "flat_start", "flat_end")) else False):
+            return "stack/flatten are not over the last dims"
+    else:
+        if b1 != (0, R // 2, 1) or b2 != (R // 2, R, 1):
+            return f"rotate_half does not take the two halves (got {b1}, {b2})"
+        if not _is_last(m["rot_dim"], 4):
+            return "rotate_half does not concatenate on the last dim"
+    for what in ("cos", "sin"):
+        t = m[what]
+        ti = ir.info(t) if isinstance(t, fx.Node) else None
+        if ti is None:
+            return f"{what} is not a tensor"
+        shape = (1,) * (4 - len(ti.shape)) + tuple(ti.shape) if len(ti.shape) <= 4 else None
+        if shape is None or shape[1] != 1 or shape[2] != S or shape[3] != R or shape[0] not in (1, B):
+            return (f"{what} {t.name} has shape {list(ti.shape)}; the op needs [B or 1, (1,) S={S}, R={R}] "
+                    f"broadcast over the heads of {list(qi.shape)}")
+        if ti.device != qi.device:
+            return f"{what} is on {ti.device}, x on {qi.device}"
+    if ir.info(r.cos).shape != ir.info(r.sin).shape:
+        return "cos and sin shapes differ"
+    out = ir.info(r.root)
+    if out is None or out.dtype != qi.dtype or tuple(out.shape) != tuple(qi.shape):
+        return (f"the result is {getattr(out, 'dtype', None)} {list(getattr(out, 'shape', []))}, x is "
+                f"{qi.dtype} {list(qi.shape)} (cos/sin of another dtype promote)")
+    return ""
+
+
+@register
+class FuseRotary(Pass):
+    name = "fuse_rotary"
+    family = "fusion"
+    description = "rotate_half rotary embedding (full and GLM's partial interleaved form) of q and k -> rotary"
+    inference_only = True
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        dropped = drop_proven_asserts(gm)
+        if dropped:
+            res.changed = True
+            res.notes.append(f"dropped {dropped} statically true _assert_tensor_metadata nodes")
+        rots: list[_Rot] = []
+        covered: set = set()
+        for pattern, partial in ((PARTIAL, True), (FULL, False)):
+            for m in find(gm, pattern):
+                if m.root in covered:
+                    continue
+                r = _Rot(m, partial)
+                why = _check(r)
+                if why:
+                    res.reject(f"rotary at {r.label}", f"not fused: {why}")
+                    continue
+                covered.update(r.nodes)
+                rots.append(r)
+        # pair rotations sharing cos, sin, R and form, in graph order (q and k of one attention)
+        pos = position(gm)
+        groups: dict = {}
+        for r in sorted(rots, key=lambda r: pos[r.root]):
+            groups.setdefault((r.cos, r.sin, r.R, r.interleaved), []).append(r)
+        candidates = []
+        for rs in groups.values():
+            while rs:
+                a = rs.pop(0)
+                partner = next((b for b in rs if self._compatible(a, b)), None)
+                if partner is None:
+                    res.reject(f"rotary at {a.label}", "not fused: no partner rotation (q or k) with the same cos/sin, "
+                               "rotary dim and form was found")
+                    continue
+                rs.remove(partner)
+                candidates.append(self._candidate(gm, ctx, a, partner))
+        if not ctx.fused_kernels:
+            for c in candidates:
+                res.reject(c.description, NO_FUSED_KERNELS)
+            return res
+        res.apply_ranked(ctx, candidates)
+        return res
+
+    @staticmethod
+    def _compatible(a: _Rot, b: _Rot) -> bool:
+        qa, qb = ir.info(a.q), ir.info(b.q)
+        return (qa.shape[0] == qb.shape[0] and qa.shape[2] == qb.shape[2] and qa.shape[3] == qb.shape[3]
+                and qa.dtype == qb.dtype and qa.device == qb.device)
+
+    @staticmethod
+    def _candidate(gm, ctx, a: _Rot, b: _Rot) -> Candidate:
+        gone = list(dict.fromkeys(a.nodes + b.nodes))
+        new_t = kernel_time(ctx, [a.q, b.q, a.cos, a.sin], [ir.info(a.q), ir.info(b.q)], flops_per_elem=3)
+        gain = ctx.node_time(gone) - new_t
+        form = "interleaved" if a.interleaved else "rotate_half"
+        kind = "partial" if a.partial else "full"
+        label = f"rotary {a.root.name} + {b.root.name} ({form}, {kind}, R={a.R})"
+        return Candidate(f"rotary q+k ({form})", gone, gain, lambda: FuseRotary._apply(gm, a, b), label=label,
+                         refusal="no point in the graph follows both inputs and precedes both outputs' readers")
+
+    @staticmethod
+    def _apply(gm: fx.GraphModule, a: _Rot, b: _Rot):
+        g = gm.graph
+        pos = position(gm)
+        after = max((a.q, b.q, a.cos, a.sin), key=lambda n: pos[n])
+        first_use = min((pos[u] for r in (a, b) for u in r.root.users), default=len(pos))
+        if pos[after] >= first_use:
+            return None
+        ci = ir.info(a.cos)
+        with g.inserting_after(after):
+            if len(ci.shape) == 4:
+                tabs = [g.call_function(aten.squeeze.dim, (t, 1)) for t in (a.cos, a.sin)]
+            elif len(ci.shape) < 3:
+                tabs = [t for t in (a.cos, a.sin)]
+                for _ in range(3 - len(ci.shape)):
+                    tabs = [g.call_function(aten.unsqueeze.default, (t, 0)) for t in tabs]
+            else:
+                tabs = [a.cos, a.sin]
+        for t, src in zip(tabs, (a.cos, a.sin)):
+            if t is not src:
+                t.meta["val"] = t.target(*[x.meta["val"] if isinstance(x, fx.Node) else x for x in t.args])
+        anchor = max([after] + [t for t in tabs if t not in (a.cos, a.sin)], key=lambda n: position(gm)[n])
+        with g.inserting_after(anchor):
+            fused = g.call_function(torch.ops.graphopt.rotary.default,
+                                    (a.q, b.q, tabs[0], tabs[1], a.interleaved))
+        with g.inserting_after(fused):
+            oa = g.call_function(operator.getitem, (fused, 0))
+        with g.inserting_after(oa):
+            ob = g.call_function(operator.getitem, (fused, 1))
+        oa.meta["val"], ob.meta["val"] = a.root.meta.get("val"), b.root.meta.get("val")
+        fused.meta["val"] = (oa.meta["val"], ob.meta["val"])
+        a.root.replace_all_uses_with(oa)
+        b.root.replace_all_uses_with(ob)
+        ir.erase_dead(gm, a.nodes + b.nodes)
+        return fused

@@ -4,6 +4,7 @@
     graphopt export  [MODEL] -o out.pt [--format torchscript|pt2]
     graphopt zoo
     graphopt passes
+    graphopt bench   [MODEL...] [--vs eager,compile,compile-ro] [--dtype bf16] [--batch N] [--reps N] [--out DIR]
 
 User mistakes print one line on stderr and exit 2, never a traceback (set GRAPHOPT_TRACEBACK=1
 to see one).
@@ -57,6 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("-o", "--output", required=True, help="output path (.pt for TorchScript, .pt2 for torch.export)")
     p.add_argument("--format", choices=["torchscript", "pt2"], help="default: from the suffix")
+    p = sub.add_parser("bench", help="time eager, torch.compile and graphopt side by side (graphopt/bench.py)")
+    p.add_argument("models", nargs="*", metavar="MODEL", help="zoo names or FILE.py:FACTORY (default: resnet50)")
+    p.add_argument("--vs", default="eager,compile", help="peers: eager,compile,compile-ro,graphopt-reuse (eager and graphopt always run)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--batch", type=int, help="batch size for zoo models")
+    p.add_argument("--seq-len", type=int, help="sequence length for zoo text models")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if present)")
+    p.add_argument("--reps", type=int, help="timed calls per variant (default 50 on CUDA, 10 on the CPU)")
+    p.add_argument("--warmup", type=int, help="untimed calls first (default 10 on CUDA, 2 on the CPU)")
+    p.add_argument("--budget-s", type=float, help="start no variant after this many seconds (the rest are recorded as skipped)")
+    p.add_argument("--no-guard", action="store_true", help="optimize without graphopt's fp64 accuracy guard (the bench still checks accuracy)")
+    p.add_argument("--out", metavar="DIR", help="where the JSON + Markdown go (default benchmarks/results)")
+    p.add_argument("--no-save", action="store_true", help="print the table only")
     sub.add_parser("zoo", help="list the bundled models")
     sub.add_parser("passes", help="list the passes in pipeline order")
     return parser
@@ -159,7 +173,13 @@ def cmd_passes(args) -> int:
     return 0
 
 
-COMMANDS = {"explain": cmd_explain, "export": cmd_export, "zoo": cmd_zoo, "passes": cmd_passes}
+def cmd_bench(args) -> int:
+    from .bench import run_cli
+
+    return run_cli(args)
+
+
+COMMANDS = {"explain": cmd_explain, "export": cmd_export, "zoo": cmd_zoo, "passes": cmd_passes, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

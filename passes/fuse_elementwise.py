@@ -1,0 +1,375 @@
+"""fuse_elementwise: connected groups of pointwise ops -> one generated kernel,
+``torch.ops.graphopt.fused_pointwise(program, inputs)`` (program built with
+cuda_ext.pointwise.Program; Triton on the GPU, its torch evaluation elsewhere).
+
+What joins a group: aten pointwise ops the program language can express — add/sub/rsub/mul/div
+(Tensor and Scalar forms, alpha), neg abs exp log sqrt rsqrt reciprocal tanh sigmoid relu
+gelu(both) silu hardswish, pow(x, literal), clamp/clamp_min/clamp_max with literal bounds,
+maximum minimum, where (all forms), eq ne lt le gt ge, and dtype casts (``to``/``_to_copy``;
+kept in the program as ``cast`` so HF's deliberate fp32 round trips round where eager did).
+Every op of a group has the group's output shape (inputs may broadcast into it: a smaller
+input is read through stride 0; a smaller *intermediate* would be recomputed per output
+element, so it starts its own group). Values read outside the group become extra outputs
+(multiple consumers), the group's external tensors its inputs (at most MAX_INPUTS).
+
+Never joined: reductions, GEMMs, views, graphopt ops (this pass runs last among the fusions
+and leaves the specific kernels alone), integer tensors, no-op casts (they are aliases). A
+group that would depend on itself through an outside node (``a = exp(x); b = a / sum(a)``)
+is cut before the node that closes the loop. Groups of fewer than two kernels are not
+candidates; the cost model decides the rest (bytes saved and launches against one kernel
+that reads the inputs once and writes the outputs once). Refused on a CPU profile.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
+
+from ._fusion_meta import nbytes, pointwise_kernel_time, set_meta
+
+aten = torch.ops.aten
+MAX_INPUTS = 8
+MAX_OUTPUTS = 4
+
+
+def _dtypes():
+    from graphopt.cuda_ext.pointwise import DTYPES
+
+    return set(DTYPES.values())
+
+
+def _gelu(p, node, a):
+    approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    if approx == "none":
+        return p.gelu(a[0])
+    if approx == "tanh":
+        return p.gelu_tanh(a[0])
+    raise _NotExpressible(f"gelu approximate={approx!r}")
+
+
+class _NotExpressible(Exception):
+    pass
+
+
+def _alpha(node):
+    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+    if isinstance(alpha, fx.Node):
+        raise _NotExpressible("alpha is a tensor")
+    return alpha
+
+
+def _num(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _NotExpressible(f"{v!r} is not a literal number")
+    return float(v)
+
+
+def _bounds(node):
+    lo = node.kwargs.get("min", node.args[1] if len(node.args) > 1 else None)
+    hi = node.kwargs.get("max", node.args[2] if len(node.args) > 2 else None)
+    return (None if lo is None else _num(lo)), (None if hi is None else _num(hi))
+
+
+def _scaled(p, b, alpha):
+    return b if alpha == 1 else b * _num(alpha)
+
+
+# op -> builder(program, node, operand values) ; operands: Values or python numbers
+OPS = {
+    aten.add.Tensor: lambda p, n, a: p.add(a[0], _scaled(p, a[1], _alpha(n))),
+    aten.add.Scalar: lambda p, n, a: p.add(a[0], _scaled(p, a[1], _alpha(n))),
+    aten.sub.Tensor: lambda p, n, a: p.sub(a[0], _scaled(p, a[1], _alpha(n))),
+    aten.sub.Scalar: lambda p, n, a: p.sub(a[0], _scaled(p, a[1], _alpha(n))),
+    aten.rsub.Scalar: lambda p, n, a: p.sub(a[1], _scaled(p, a[0], _alpha(n))),
+    aten.rsub.Tensor: lambda p, n, a: p.sub(a[1], _scaled(p, a[0], _alpha(n))),
+    aten.mul.Tensor: lambda p, n, a: p.mul(a[0], a[1]),
+    aten.mul.Scalar: lambda p, n, a: p.mul(a[0], a[1]),
+    aten.div.Tensor: lambda p, n, a: p.div(a[0], a[1]),
+    aten.div.Scalar: lambda p, n, a: p.div(a[0], a[1]),
+    aten.maximum.default: lambda p, n, a: p.maximum(a[0], a[1]),
+    aten.minimum.default: lambda p, n, a: p.minimum(a[0], a[1]),
+    aten.reciprocal.default: lambda p, n, a: p.div(1.0, a[0]),
+    aten.gelu.default: _gelu,
+    aten.pow.Tensor_Scalar: lambda p, n, a: p.pow(a[0], _num(a[1])),
+    aten.clamp.default: lambda p, n, a: p.clamp(a[0], *_bounds(n)),
+    aten.clamp_min.default: lambda p, n, a: p.clamp(a[0], _num(a[1]), None),
+    aten.clamp_max.default: lambda p, n, a: p.clamp(a[0], None, _num(a[1])),
+    aten.where.self: lambda p, n, a: p.where(a[0], a[1], a[2]),
+    aten.where.ScalarOther: lambda p, n, a: p.where(a[0], a[1], a[2]),
+    aten.where.ScalarSelf: lambda p, n, a: p.where(a[0], a[1], a[2]),
+    aten.where.Scalar: lambda p, n, a: p.where(a[0], a[1], a[2]),
+}
+for _u in ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "hardswish"):
+    OPS[getattr(aten, _u).default] = (lambda name: lambda p, n, a: getattr(p, name)(a[0]))(_u)
+for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
+    for _ov in ("Tensor", "Scalar"):
+        OPS[getattr(getattr(aten, _c), _ov)] = (lambda name: lambda p, n, a: getattr(p, name)(a[0], a[1]))(_c)
+CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device}
+
+
+_WHERES = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
+_UNARY_ARGS = (aten.gelu.default, aten.clamp.default, aten.reciprocal.default)
+
+
+def _operands(node: fx.Node) -> list:
+    """The value operands of a pointwise node (tensor nodes or literals), in builder order."""
+    t = node.target
+    if t in CASTS or t in _UNARY_ARGS:
+        return [node.args[0]]
+    if t in _WHERES:
+        return list(node.args[:3])
+    positional = [a for a in t._schema.arguments if not a.kwarg_only]
+    return list(node.args[: min(2, len(positional))])
+
+
+def fusible(node: fx.Node, dtypes) -> str:
+    """'' if ``node`` can join a group, else why not."""
+    if node.op != "call_function":
+        return "not a call"
+    ti = ir.info(node)
+    if ti is None or ti.dtype not in dtypes:
+        return "output is not a floating/bool tensor"
+    if node.target in CASTS:
+        src = node.args[0]
+        si = ir.info(src) if isinstance(src, fx.Node) else None
+        if si is None or si.dtype not in dtypes or si.device != ti.device or si.dtype == ti.dtype:
+            return "no-op or cross-device cast"
+        extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking", "copy"}
+        if extra or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+            return "cast with a layout change"
+        return ""
+    if node.target not in OPS:
+        return "not a pointwise op the program language has"
+    for a in _operands(node):
+        if isinstance(a, fx.Node):
+            ai = ir.info(a)
+            if ai is None or ai.dtype not in dtypes:
+                return f"operand {a.name} is not a floating/bool tensor"
+        elif not isinstance(a, (int, float)) or isinstance(a, bool):
+            return f"operand {a!r} is not a number"
+    for a in node.args[len(_operands(node)):]:
+        if isinstance(a, fx.Node):
+            return "a non-value argument is a tensor"
+    return ""
+
+
+def toposort_stable(g: fx.Graph) -> None:
+    """Reorder ``g`` topologically, keeping the current order wherever it is already legal."""
+    order, seen = [], set()
+    for root in list(g.nodes):
+        stack = [(root, iter(root.all_input_nodes))]
+        if root in seen:
+            continue
+        seen.add(root)
+        while stack:
+            n, it = stack[-1]
+            nxt = next((a for a in it if a not in seen), None)
+            if nxt is None:
+                order.append(n)
+                stack.pop()
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(nxt.all_input_nodes)))
+    prev = order[0]
+    for n in order[1:]:
+        if prev.next is not n:
+            prev.append(n)
+        prev = n
+
+
+@register
+class FuseElementwise(Pass):
+    name = "fuse_elementwise"
+    family = "fusion"
+    description = "connected groups of pointwise ops -> one generated kernel (graphopt.fused_pointwise)"
+    requires = ("fuse_swiglu", "fuse_bias_act")
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        dtypes = _dtypes()
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        ok = {n for n in gm.graph.nodes if not fusible(n, dtypes) and not _is_free(ctx, n)}
+        candidates = []
+        for group in self._groups(gm, ok, order):
+            real = [n for n in group if not _is_free(ctx, n)]
+            if len(real) < 2:
+                continue
+            label = f"{len(group)} pointwise ops {group[0].name} .. {group[-1].name}"
+            ins, outs = _boundary(group)
+            if len(ins) > MAX_INPUTS or len(outs) > MAX_OUTPUTS:
+                res.reject(label, f"{len(ins)} inputs / {len(outs)} outputs: over the program limit "
+                                  f"({MAX_INPUTS} / {MAX_OUTPUTS})")
+                continue
+            try:
+                program = _program(group, ins, outs)
+            except _NotExpressible as e:
+                res.reject(label, f"not expressible as a pointwise program: {e}")
+                continue
+            if any(ir.info(n).dtype == torch.float64 for n in group) and \
+                    not any(ir.info(a).dtype == torch.float64 for a in ins):
+                res.reject(label, "fp64 intermediates from lower-precision inputs (the program would compute them in fp32)")
+                continue
+            if not ctx.fused_kernels:
+                res.reject(label, NO_FUSED_KERNELS)
+                continue
+            gain = ctx.node_time(group) - _fused_time(ctx, group, ins, outs)
+            candidates.append(Candidate("pointwise group", group, gain,
+                                        lambda group=group: self._apply(gm, group), label=label))
+        self._reorder = False
+        res.apply_ranked(ctx, candidates)
+        if self._reorder:
+            toposort_stable(gm.graph)
+        return res
+
+    # ------------------------------------------------------------------ grouping
+
+    @staticmethod
+    def _groups(gm, ok, order) -> list[list[fx.Node]]:
+        """Connected components of fusible same-shape nodes, cut so no group depends on itself."""
+        parent = {n: n for n in ok}
+
+        def find(n):
+            while parent[n] is not n:
+                parent[n] = parent[parent[n]]
+                n = parent[n]
+            return n
+
+        for n in ok:
+            for a in n.all_input_nodes:
+                if a in ok and tuple(ir.info(a).shape) == tuple(ir.info(n).shape) \
+                        and ir.info(a).device == ir.info(n).device:
+                    parent[find(a)] = find(n)
+        comps = defaultdict(list)
+        for n in ok:
+            comps[find(n)].append(n)
+        out = []
+        pending = [sorted(c, key=order.__getitem__) for c in comps.values()]
+        while pending:
+            group = pending.pop()
+            good, rest = _cut_cycles(group, order)
+            out.append(good)
+            if rest:
+                # the remainder may fall apart into several pieces: re-split by connectivity
+                pending.extend(_components(rest, order))
+        return [g for g in out if g]
+
+    # ------------------------------------------------------------------ rewrite
+
+    def _apply(self, gm, group) -> fx.Node:
+        g = gm.graph
+        order = {n: i for i, n in enumerate(g.nodes)}
+        # inputs are outside the group: earlier rewrites may have replaced them, so read them now
+        live_ins, outs = _boundary(group)
+        program = _program(group, live_ins, outs)
+        anchor = max(live_ins, key=order.__getitem__, default=None)
+        first = min(group, key=order.__getitem__)
+        if anchor is not None and order[anchor] > order[first]:
+            ctx_mgr = g.inserting_after(anchor)
+        else:
+            ctx_mgr = g.inserting_before(first)
+        with ctx_mgr:
+            fused = g.call_function(torch.ops.graphopt.fused_pointwise.default, (program.source, live_ins))
+        with g.inserting_after(fused):
+            items = []
+            prev = fused
+            for i in range(len(outs)):
+                with g.inserting_after(prev):
+                    prev = g.call_function(operator.getitem, (fused, i))
+                items.append(prev)
+        set_meta(gm, [fused] + items)
+        pos = {n: i for i, n in enumerate(g.nodes)}
+        for o, item in zip(outs, items):
+            if any(u not in group and u.op != "output" and pos[u] < pos[item] for u in o.users):
+                self._reorder = True
+            o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in group)
+        ir.erase_dead(gm, group)
+        return fused
+
+
+def _is_free(ctx, n) -> bool:
+    return ir.concrete(ctx.cost.node_cost(n).time_s, ctx.hints) == 0
+
+
+def _boundary(group):
+    gs = set(group)
+    ins = []
+    for n in group:
+        for a in n.all_input_nodes:
+            if a not in gs and a not in ins:
+                ins.append(a)
+    outs = [n for n in group if any(u not in gs for u in n.users)]
+    return ins, outs
+
+
+def _components(nodes, order):
+    s = set(nodes)
+    parent = {n: n for n in nodes}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in s:
+                parent[find(a)] = find(n)
+    comps = defaultdict(list)
+    for n in nodes:
+        comps[find(n)].append(n)
+    return [sorted(c, key=order.__getitem__) for c in comps.values()]
+
+
+def _cut_cycles(group, order):
+    """Split ``group`` into (good, rest): good has no path group -> outside -> group."""
+    gs = set(group)
+    lo, hi = order[group[0]], order[group[-1]]
+    # outside nodes between the group's first and last node that depend on the group
+    tainted = set()
+    node = group[0]
+    while node is not None and order.get(node, hi + 1) <= hi:
+        if node not in gs and any(a in gs or a in tainted for a in node.all_input_nodes):
+            tainted.add(node)
+        node = node.next if node.next.op != "root" else None
+    bad = {n for n in group if any(a in tainted for a in n.all_input_nodes)}
+    if not bad:
+        return group, []
+    # everything in the group downstream of a bad node goes to the remainder
+    rest = set()
+    for n in group:
+        if n in bad or any(a in rest for a in n.all_input_nodes):
+            rest.add(n)
+    return [n for n in group if n not in rest], [n for n in group if n in rest]
+
+
+def _program(group, ins, outs):
+    from graphopt.cuda_ext.pointwise import Program
+
+    p = Program()
+    vals = {a: p.input(i) for i, a in enumerate(ins)}
+    for n in group:
+        if n.target in CASTS:
+            vals[n] = p.cast(vals[n.args[0]], ir.info(n).dtype)
+            continue
+        operands = [vals[a] if isinstance(a, fx.Node) else a for a in _operands(n)]
+        v = OPS[n.target](p, n, operands)
+        if not hasattr(v, "id"):
+            raise _NotExpressible(f"{n.name} folds to a constant")
+        vals[n] = v
+    for o in outs:
+        p.output(vals[o], ir.info(o).dtype)
+    return p.validate()
+
+
+def _fused_time(ctx, group, ins, outs) -> float:
+    h = ctx.hints
+    moved = sum(nbytes(ir.info(a), h) for a in ins) + sum(nbytes(ir.info(o), h) for o in outs)
+    elems = ir.concrete(ir.info(group[-1]).numel, h)
+    return pointwise_kernel_time(ctx, moved, elems, len(group))

@@ -1,0 +1,132 @@
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphopt import capture
+from graphopt.cuda_ext.pointwise import parse
+from graphopt.examples import zoo
+from graphopt.pipeline import NO_FUSED_KERNELS, run_passes
+from tests.helpers import op_counts, reference_check
+
+FP = "graphopt.fused_pointwise.default"
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):  # broadcasting bias, 5 ops, one consumer
+        return torch.tanh(x * 0.5 + self.b) * torch.sigmoid(x) - 1.0
+
+
+class TwoConsumers(nn.Module):
+    def forward(self, x, y):
+        a = x * 2 + 1
+        return a.exp() + y, a  # a is read outside the group (a graph output)
+
+
+class WithReduction(nn.Module):
+    def forward(self, x):
+        a = (x * 1.5).exp()
+        s = a.sum(-1, keepdim=True)
+        return (a / s) * 2 + 1  # the group must not cross the sum (nor depend on itself through it)
+
+
+class Casts(nn.Module):
+    def forward(self, x, y):  # HF-style fp32 round trip in a bf16 model
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2) + 1e-6)
+        return h.to(x.dtype) * y
+
+
+class WhereClamp(nn.Module):
+    def forward(self, x, m):
+        z = torch.where(m, x, torch.zeros((), dtype=x.dtype)).clamp(-1, 2)
+        return F.gelu(z, approximate="tanh") + F.silu(z) + z.abs().sqrt()
+
+
+def _fp_nodes(gm):
+    return [n for n in gm.graph.nodes if str(n.target) == FP]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_with_broadcast(dtype):
+    torch.manual_seed(0)
+    m = Chain().eval().to(dtype)
+    x = torch.randn(4, 8, 16, dtype=dtype)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert len(res.rewrites) == 1 and c[FP] == 1
+    assert sum(v for k, v in c.items() if k.startswith("aten.")) == 0
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multiple_consumers_become_outputs(dtype):
+    m = TwoConsumers()
+    x, y = torch.randn(3, 10, dtype=dtype), torch.randn(3, 10, dtype=dtype)
+    gm = capture(m, (x, y))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    (fp,) = _fp_nodes(gm)
+    assert len(parse(fp.args[0]).outputs) == 2
+    assert reference_check(m, gm, (x, y)).passed
+
+
+def test_never_across_a_reduction():
+    m = WithReduction()
+    x = torch.randn(4, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c["aten.sum.dim_IntList"] == 1
+    # before the sum: mul+exp; after it: div+mul+add; never one group around the sum
+    assert c[FP] == 2 and len(res.rewrites) == 2
+    sizes = sorted(len(r.matched) for r in res.rewrites)
+    assert sizes == [2, 3]
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_casts_kept_in_program(dtype):
+    m = Casts()
+    x, y = torch.randn(2, 6, 32, dtype=dtype), torch.randn(2, 6, 32, dtype=dtype)
+    gm = capture(m, (x, y))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert op_counts(gm)[FP] == 1
+    if dtype == torch.bfloat16:
+        assert "cast" in _fp_nodes(gm)[0].args[0]
+    assert reference_check(m, gm, (x, y)).passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_where_clamp_activations(dtype):
+    m = WhereClamp()
+    x, mask = torch.randn(5, 12, dtype=dtype), torch.rand(5, 12) > 0.3
+    gm = capture(m, (x, mask))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] == 1 and c["aten.where.self"] == 0 and c["aten.gelu.default"] == 0
+    assert reference_check(m, gm, (x, mask)).passed
+
+
+def test_cpu_profile_refuses():
+    m = Chain().eval()
+    x = torch.randn(4, 8, 16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="cpu")
+    assert op_counts(gm)[FP] == 0
+    assert [r.reason for r in res.rejected] == [NO_FUSED_KERNELS]
+
+
+def test_leaves_graphopt_kernels_alone_on_glm4_tiny():
+    model, inputs = zoo.get("glm4-tiny")
+    gm = capture(model, inputs)
+    results = run_passes(gm, ["merge_sibling_linears", "fuse_swiglu", "fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    layers = model.config.num_hidden_layers
+    assert c["graphopt.swiglu.default"] == layers  # not swallowed by a pointwise group
+    assert results[-1].rewrites and c[FP] == len(results[-1].rewrites)
+    assert reference_check(model, gm, inputs).passed

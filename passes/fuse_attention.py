@@ -185,8 +185,9 @@ class FuseAttention(Pass):
                 continue
             try:
                 value = ir.get_attr_value(gm, m["mask"].target)
-                if not is_causal_mask(value) or value.shape[-1] != _shape(m["q"])[-2] or not _broadcastable(
-                        tuple(value.shape), ir.info(sd).shape[:-1] + (value.shape[-1],)):
+                qs, ks, outs = _shape(m["q"]), _shape(m["k"]), _shape(sd)
+                if not is_causal_mask(value) or not (value.shape[-1] == ks[-2] == qs[-2]) or not _broadcastable(
+                        tuple(value.shape), tuple(outs[:-1]) + (ks[-2],)):
                     raise Refuse("its constant mask is not a causal mask for these shapes; kept as attn_mask")
             except Refuse as e:
                 res.reject(f"sdpa {sd.name}", str(e))
@@ -305,8 +306,9 @@ class FuseAttention(Pass):
                 if u.target is ASSERT_META:
                     asserts.append(u)
                     continue
-                what = "attention probabilities" if n in (sm, m.get("cast"), m.get("dropout")) else (
-                    "attention scores" if n in (qk, m.get("scale_op"), m.get("mask_add")) else "repeated K/V")
+                what = "attention probabilities" if n in (sm, m.get("cast"), m.get("dropout"), m.get("dropout_item")) \
+                    else "attention scores" if n in (qk, m.get("scale_op"), m.get("mask_add")) \
+                    else "transposed K" if n is kt else "repeated K/V"
                 raise Refuse(f"the {what} {n.name} are also read by {u.name} (e.g. output_attentions); "
                              "SDPA does not produce them")
         removed = [n for n in m.nodes if unrepeated or n not in repeat_nodes] + asserts

@@ -154,17 +154,23 @@ class FuseRmsNorm(Pass):
             res.changed = True
             res.notes.append(f"dropped {dropped} statically true _assert_tensor_metadata nodes")
         sites = []
-        seen = set()
+        seen, matched = set(), set()
         for pattern, build in [(p, _hf_site) for p in HF_PATTERNS] + [(ATEN_PATTERN, _aten_site)]:
             for m in find(gm, pattern):
                 if m.root in seen:
                     continue
                 seen.add(m.root)
+                matched.update(m.nodes)
                 site, why = build(m)
                 if site is None:
                     res.reject(f"rms_norm at {m.root.name}", f"not fused: {why}")
                 else:
                     sites.append(site)
+        # an rsqrt no RMSNorm claimed: say so (an intermediate read elsewhere, or another spelling)
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is aten.rsqrt.default and n not in matched:
+                res.reject(f"rsqrt {n.name}", "not fused: not an RMSNorm spelling this pass knows, or one of "
+                           "the norm's intermediates is also read outside it")
         candidates = []
         for s in sites:
             add, why = residual_add(s.x)

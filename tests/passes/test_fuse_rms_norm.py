@@ -1,0 +1,170 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt import capture
+from graphopt.examples import zoo
+from graphopt.pipeline import NO_FUSED_KERNELS, run_passes
+from tests.helpers import op_counts, reference_check
+
+FUSED = "graphopt.add_rms_norm.default"
+
+
+class HFRMSNorm(nn.Module):
+    """LlamaRMSNorm / Glm4RMSNorm, as Hugging Face writes it (optionally with variations)."""
+
+    def __init__(self, h, eps=1e-6, square="pow", weight_first=True, dims=(-1,), weight_shape=None):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(weight_shape or (h,)))
+        self.eps, self.square, self.weight_first, self.dims = eps, square, weight_first, dims
+
+    def forward(self, x):
+        dt = x.dtype
+        h = x.to(torch.float32)
+        sq = h.pow(2) if self.square == "pow" else h * h
+        var = sq.mean(self.dims, keepdim=True)
+        h = h * torch.rsqrt(var + self.eps)
+        return self.weight * h.to(dt) if self.weight_first else h.to(dt) * self.weight
+
+
+class Decoder(nn.Module):
+    """Two pre-norm sublayers: the residual add before the 2nd norm and the final norm is also
+    the residual stream."""
+
+    def __init__(self, h=32, **kw):
+        super().__init__()
+        self.n1, self.n2, self.n3 = HFRMSNorm(h, **kw), HFRMSNorm(h, square="mul", weight_first=False), HFRMSNorm(h)
+        self.l1, self.l2 = nn.Linear(h, h), nn.Linear(h, h)
+
+    def forward(self, x):
+        h = x + self.l1(self.n1(x))
+        h = h + self.l2(self.n2(h))
+        return self.n3(h)
+
+
+def _bf16(m, x):
+    return m.to(torch.bfloat16), x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuses_norms_and_residual_adds(dtype):
+    m, x = Decoder().eval(), torch.randn(2, 8, 32)
+    if dtype == torch.bfloat16:
+        m, x = _bf16(m, x)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    c = op_counts(gm)
+    assert c[FUSED] == 3 and c["aten.rsqrt.default"] == 0 and c["aten.pow.Tensor_Scalar"] == 0
+    assert sorted(r.pattern for r in res.rewrites) == ["residual add + rms_norm"] * 2 + ["rms_norm"]
+    assert all(r.predicted_gain_s > 0 for r in res.rewrites)
+    # the two residual adds are gone: the kernel's h output is the residual stream
+    assert c["aten.add.Tensor"] == 0
+    assert reference_check(m, gm, (x,)).passed
+
+
+class AtenResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.n1, self.n2 = nn.Linear(32, 32), nn.RMSNorm(32, eps=1e-5), nn.RMSNorm(32)
+        with torch.no_grad():
+            self.n1.weight.normal_()
+            self.n2.weight.normal_()
+
+    def forward(self, x):
+        h = x + self.l(self.n1(x))
+        return self.n2(h) + h
+
+
+def test_aten_rms_norm():
+    # torch.nn.RMSNorm is one aten op: alone it gains nothing (the cost model says so); with the
+    # residual add before it, the add is absorbed
+    m, x = AtenResidual().eval(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    c = op_counts(gm)
+    assert c[FUSED] == 1 and c["aten.rms_norm.default"] == 1
+    assert [r.pattern for r in res.rewrites] == ["residual add + rms_norm"]
+    assert any("predicted no gain" in r.reason for r in res.rejected)
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(dims=(-2, -1)), "not the last dim only"),
+    (dict(weight_shape=(1, 32)), "not 1-D over the last dim"),
+])
+def test_refuses_other_norms(kw, why):
+    m, x = HFRMSNorm(32, **kw).eval(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    assert op_counts(gm)[FUSED] == 0
+    assert any(why in r.reason for r in res.rejected), res.rejected
+    assert reference_check(m, gm, (x,)).passed
+
+
+class Leaky(nn.Module):
+    """The variance is also returned: fusing would drop a value someone reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = HFRMSNorm(32)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        var = h.pow(2).mean(-1, keepdim=True)
+        return self.n.weight * (h * torch.rsqrt(var + 1e-6)), var
+
+
+class BroadcastResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 8, 32))
+        self.n = HFRMSNorm(32)
+
+    def forward(self, x):
+        h = x + self.pos
+        return self.n(h) + h
+
+
+def test_refuses_when_an_intermediate_is_read_elsewhere():
+    m, x = Leaky().eval(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    assert op_counts(gm)[FUSED] == 0
+    assert any("read outside" in r.reason for r in res.rejected)
+
+
+def test_broadcasting_add_is_not_absorbed_but_norm_is_fused():
+    m, x = BroadcastResidual().eval(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    c = op_counts(gm)
+    assert c[FUSED] == 1 and c["aten.add.Tensor"] == 2
+    assert [r.pattern for r in res.rewrites] == ["rms_norm"]
+    assert any("broadcasts" in r.reason for r in res.rejected)
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_cpu_profile_refuses():
+    m, x = Decoder().eval(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="cpu")
+    assert op_counts(gm)[FUSED] == 0 and not res.rewrites
+    assert sum(r.reason == NO_FUSED_KERNELS for r in res.rejected) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glm4_tiny_every_norm_fused(dtype):
+    model, inputs = zoo.get("glm4-tiny")
+    if dtype == torch.bfloat16:
+        model = model.to(torch.bfloat16)
+    layers = model.config.num_hidden_layers
+    gm = capture(model, inputs)
+    *_, res = run_passes(gm, ["eliminate_dead_code", "fold_constants", "fuse_rms_norm"], target="h200")
+    # 4 RMSNorms per GLM-4 layer (input, post_self_attn, post_attention, post_mlp) + the final norm
+    assert len(res.rewrites) == 4 * layers + 1
+    # the residual adds before post_attention, the next layer's input norm and the final norm
+    assert sum(r.pattern == "residual add + rms_norm" for r in res.rewrites) == 2 * layers
+    c = op_counts(gm)
+    assert c[FUSED] == 4 * layers + 1 and c["aten.rsqrt.default"] == 0
+    assert reference_check(model, gm, inputs).passed

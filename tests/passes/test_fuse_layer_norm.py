@@ -1,0 +1,121 @@
+import pytest
+import torch
+import torch.nn as nn
+
+from graphopt import capture
+from graphopt.examples import zoo
+from graphopt.pipeline import NO_FUSED_KERNELS, run_passes
+from tests.helpers import op_counts, reference_check
+
+FUSED = "graphopt.add_layer_norm.default"
+LN = "aten.layer_norm.default"
+
+
+def _randomize(m):
+    for mod in m.modules():
+        if isinstance(mod, nn.LayerNorm) and mod.weight is not None:
+            with torch.no_grad():
+                mod.weight.normal_()
+                mod.bias.normal_()
+    return m
+
+
+class PreNorm(nn.Module):
+    """ViT-style: the add result is also the residual stream."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(h, h), nn.Linear(h, h)
+        self.n1, self.n2 = nn.LayerNorm(h), nn.LayerNorm(h, elementwise_affine=False)
+
+    def forward(self, x):
+        h = x + self.l1(x)
+        h = h + self.l2(self.n1(h))
+        return self.n2(h) * 2 + h
+
+
+class PostNorm(nn.Module):
+    """BERT-style: add -> LayerNorm, the sum read by nothing else."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.l, self.n = nn.Linear(h, h), nn.LayerNorm(h, eps=1e-12)
+
+    def forward(self, x):
+        return self.n(self.l(x) + x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls,h_kept", [(PreNorm, True), (PostNorm, False)])
+def test_fuses_residual_layer_norm(cls, h_kept, dtype):
+    m, x = _randomize(cls()).eval().to(dtype), torch.randn(2, 8, 32, dtype=dtype)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    c = op_counts(gm)
+    n = 2 if cls is PreNorm else 1
+    assert c[FUSED] == n and c[LN] == 0
+    assert all(r.pattern == "residual add + layer_norm" and r.predicted_gain_s > 0 for r in res.rewrites)
+    # the kernel's h output replaces the add only where something else reads it
+    assert (c["<built-in function getitem>"] == 2 * n) == h_kept
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_plain_layer_norm_gains_nothing():
+    m, x = _randomize(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32))).eval(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    assert op_counts(gm)[LN] == 1 and not res.rewrites
+    assert any("predicted no gain" in r.reason for r in res.rejected)
+
+
+def test_refuses_norm_over_two_dims():
+    m = _randomize(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm([8, 32]))).eval()
+    x = torch.randn(2, 8, 32)
+
+    class Add(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m[1](self.m[0](x) + x)
+
+    mod = Add().eval()
+    gm = capture(mod, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    assert op_counts(gm)[LN] == 1 and op_counts(gm)[FUSED] == 0
+    assert any("not the last dim only" in r.reason for r in res.rejected)
+    assert reference_check(mod, gm, (x,)).passed
+
+
+def test_cpu_profile_refuses():
+    m, x = _randomize(PreNorm()).eval(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="cpu")
+    assert op_counts(gm)[FUSED] == 0 and not res.rewrites
+    assert sum(r.reason == NO_FUSED_KERNELS for r in res.rejected) == 2
+
+
+def _layers(model):
+    cfg = getattr(model, "config", None)
+    return cfg.num_hidden_layers if cfg is not None else len(model.encoder.layers)
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "vit-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zoo_counts(name, dtype):
+    model, inputs = zoo.get(name)
+    if dtype == torch.bfloat16:
+        model = model.to(dtype)
+        inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    gm = capture(model, inputs)
+    *_, res = run_passes(gm, ["eliminate_dead_code", "fold_constants", "fuse_layer_norm"], target="h200")
+    # BERT: attention-output and output residual+LN per layer; ViT: ln_2 of every layer, ln_1 of
+    # every layer after the first, and the final ln (ln_1 of layer 0 follows the broadcast
+    # position-embedding add, and BERT's embedding LN follows the broadcast token-type add)
+    assert len(res.rewrites) == 2 * _layers(model)
+    assert all(r.pattern == "residual add + layer_norm" for r in res.rewrites)
+    assert op_counts(gm)[LN] == 1
+    assert any("broadcasts" in r.reason for r in res.rejected)
+    assert any("predicted no gain" in r.reason for r in res.rejected)
+    assert reference_check(model, gm, inputs).passed

@@ -75,13 +75,14 @@ def flatten_outputs(out) -> list:
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
-def compare_leaf(i, out, ref64, eager, training=False) -> LeafResult:
+def compare_leaf(i, out, ref64, eager, training=False, dtype=None) -> LeafResult:
     if out.shape != ref64.shape:
         return LeafResult(i, False, "fail", float("inf"), float("inf"), None, 0.0)
     if not (out.is_floating_point() or out.is_complex()):
         same = torch.equal(out.cpu(), ref64.to(out.dtype).cpu())
         return LeafResult(i, same, "exact" if same else "fail", 0.0 if same else float("inf"), 0.0, None, 0.0)
-    dtype = eager.dtype if eager is not None and eager.is_floating_point() else out.dtype
+    if dtype is None:
+        dtype = eager.dtype if eager is not None and eager.is_floating_point() else out.dtype
     tol = tolerance(dtype, training)
     o = out.detach().double().cpu()
     r = ref64.detach().double().cpu()
@@ -99,13 +100,14 @@ def compare_leaf(i, out, ref64, eager, training=False) -> LeafResult:
     return LeafResult(i, False, "fail", max_err, err, eager_err, tol)
 
 
-def check(out, ref64, eager, training: bool = False) -> AccuracyResult:
-    """Apply the accuracy rule to every tensor leaf of (possibly nested) outputs."""
+def check(out, ref64, eager, training: bool = False, dtype: torch.dtype | None = None) -> AccuracyResult:
+    """Apply the accuracy rule to every tensor leaf of (possibly nested) outputs. The tolerance
+    follows the eager output's dtype unless ``dtype`` names the precision being judged."""
     outs, refs = flatten_outputs(out), flatten_outputs(ref64)
     eagers = flatten_outputs(eager) if eager is not None else [None] * len(refs)
     if len(outs) != len(refs):
         return AccuracyResult(False, [], f"{len(outs)} outputs, expected {len(refs)}")
-    leaves = [compare_leaf(i, o, r, e, training) for i, (o, r, e) in enumerate(zip(outs, refs, eagers))]
+    leaves = [compare_leaf(i, o, r, e, training, dtype) for i, (o, r, e) in enumerate(zip(outs, refs, eagers))]
     bad = [leaf for leaf in leaves if not leaf.passed]
     reason = ""
     if bad:

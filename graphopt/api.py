@@ -19,6 +19,7 @@ from .errors import GraphoptError, GuardError
 from .pipeline import PassContext, PassManager, assemble
 from .report import Report
 
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 _RANDOM_OPS = ("dropout", "native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "normal", "uniform")
 
 
@@ -144,6 +145,50 @@ def _run(fn, args, kwargs, training):
         return fn(*args, **kwargs)
 
 
+class _AccuracyGuard:
+    """The accuracy rule on the example inputs (and calibration batches): against an fp64
+    reference, with the eager model's own error as the yardstick. ``low_dtype`` judges a graph
+    lowered to bf16/fp16 with that dtype's tolerance; the model hand-converted to that dtype is
+    run on demand to report whether it meets the same bar."""
+
+    def __init__(self, model, args, kwargs, training, device, calibration_data=None):
+        self.model, self.training, self.device = model, training, device
+        self.batches = [(args, kwargs)] + [split_inputs(b) for b in (calibration_data or [])]
+        self.ref64, self.eager = [], []
+        for a, k in self.batches:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self.eager.append(_run(model, a, k, training))
+            self.ref64.append(accuracy.fp64_reference(model, a, k))
+        self._low: dict = {}
+
+    def _eager_low(self, dtype):
+        if dtype not in self._low:
+            import copy
+
+            low = copy.deepcopy(self.model).to(dtype)
+            cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+            self._low[dtype] = [_run(low, *pytree.tree_map(cast, (a, k)), self.training) for a, k in self.batches]
+            del low
+        return self._low[dtype]
+
+    def __call__(self, gm, low_dtype=None):
+        # a graph lowered to bf16/fp16 gets that dtype's tolerance; the yardstick stays the
+        # model as written (fp32), the same bar the hand-converted model is reported against
+        result = None
+        for (a, k), ref, eager in zip(self.batches, self.ref64, self.eager):
+            out = _run(gm, a, k, self.training)
+            result = accuracy.check(out, ref, eager, training=self.training, dtype=low_dtype)
+            if not result.passed:
+                return result
+        return result
+
+    def hand_converted_result(self, dtype):
+        """Does the model hand-converted to dtype pass the rule (that dtype's tolerance, the
+        fp32 model's error as the yardstick)? Reported beside our own result."""
+        res = [accuracy.check(h, r, e, dtype=dtype) for h, r, e in zip(self._eager_low(dtype), self.ref64, self.eager)]
+        return all(r.passed for r in res), max(r.worst_rmse for r in res)
+
+
 def optimize(
     model: nn.Module,
     example_inputs,
@@ -154,6 +199,8 @@ def optimize(
     disable: Iterable[str] = (),
     training: bool = False,
     dynamic: dict | None = None,
+    precision: str = "auto",
+    calibration_data=None,
     check_accuracy: bool = True,
     verify: bool = True,
     dump_dir: str | Path | None = None,
@@ -167,10 +214,16 @@ def optimize(
     training: capture and optimize a graph for training (inference-only passes are skipped;
       parameters stay the model's own objects so optimizers built on ``model.parameters()`` work).
     dynamic: ``{"arg": {axis: "name"}}`` dims left symbolic (the cost model keeps sympy formulas).
+    precision: "auto" (bf16 — fp16 before Ampere — where the cost model predicts a gain, sensitive
+      ops kept in fp32, guarded by the accuracy rule), "bf16", "fp16", or "fp32" (leave dtypes).
+    calibration_data: more example inputs (a list, each like ``example_inputs``) the precision
+      guard also checks.
     check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
     dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
     """
     t_start = time.perf_counter()
+    if precision not in PRECISIONS:
+        raise GraphoptError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if not isinstance(model, nn.Module):
         raise GraphoptError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = split_inputs(example_inputs)
@@ -197,7 +250,8 @@ def optimize(
         hints = ir.shape_hints(gm)
         cost = CostModel(profile)
         ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
-                          dump_dir=Path(dump_dir) if dump_dir else None, hints=hints)
+                          dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
+                          options={"precision": precision, "device": model_dev})
         pipeline = assemble(passes, disable)
         before = cost.graph_cost(gm, hints)
 
@@ -207,18 +261,12 @@ def optimize(
             if training and _has_random_ops(gm):
                 acc_info["reason"] = "the training graph has random ops (dropout); outputs differ run to run"
             else:
-                with torch.random.fork_rng(devices=[model_dev] if model_dev.type == "cuda" else []):
-                    eager = _run(model, args, kwargs, training)
-                ref64 = accuracy.fp64_reference(model, args, kwargs)
-
-                def check(candidate_gm):
-                    out = _run(candidate_gm, args, kwargs, training)
-                    return accuracy.check(out, ref64, eager, training=training)
+                check = _AccuracyGuard(model, args, kwargs, training, model_dev, calibration_data)
 
         results = PassManager(pipeline, check).run(gm, ctx)
         after = cost.graph_cost(gm, hints)
         if check is not None:
-            final = check(gm)
+            final = check(gm, ctx.low_precision)
             acc_info = {"checked": True, **final.as_dict()}
             if not final.passed:
                 acc_info["reason"] = final.reason

@@ -376,11 +376,18 @@ def _functional_variant(op: torch._ops.OpOverload):
 
 
 def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
-    """In-place ops on intermediates -> functional ops; eval-mode dropout removed."""
+    """In-place ops on intermediates -> functional ops; eval-mode dropout and export's dtype
+    assertions on intermediates removed."""
     g = gm.graph
     changed = False
     for node in list(g.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target is aten._assert_tensor_metadata.default:
+            # export's record of an intermediate's dtype at trace time: true by construction of
+            # the captured graph, and stale once a pass changes dtypes on purpose
+            g.erase_node(node)
+            changed = True
             continue
         if node.target is aten.dropout.default and (len(node.args) > 2 and node.args[2] is False):
             node.replace_all_uses_with(node.args[0])

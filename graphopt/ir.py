@@ -177,8 +177,9 @@ def propagate_from_real(gm: fx.GraphModule, flat_inputs: list) -> None:
 # --------------------------------------------------------------------------- invariants
 
 
-def check_invariants(gm: fx.GraphModule, where: str = "") -> None:
-    """lint + metadata present and consistent; raises InvariantError naming the node."""
+def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bool = False) -> None:
+    """lint + metadata present and consistent; raises InvariantError naming the node.
+    ``allow_dtype_change`` is for passes whose job is to change dtypes (assign_precision)."""
     suffix = f" after {where}" if where else ""
     try:
         gm.graph.lint()
@@ -194,7 +195,8 @@ def check_invariants(gm: fx.GraphModule, where: str = "") -> None:
             continue
         old, new = before.get(n.name), tensor_info(n.meta.get("val"))
         if old is not None and new is not None:
-            if old.dtype != new.dtype or old.device != new.device or len(old.shape) != len(new.shape):
+            dtype_changed = old.dtype != new.dtype and not allow_dtype_change
+            if dtype_changed or old.device != new.device or len(old.shape) != len(new.shape):
                 raise InvariantError(
                     f"node {n.name} ({target_name(n)}) changed metadata{suffix}: "
                     f"{old.dtype}/{old.device}/{old.shape} -> {new.dtype}/{new.device}/{new.shape}"

@@ -87,6 +87,7 @@ class PassResult:
     peak_bytes_before: float = 0.0
     peak_bytes_after: float = 0.0
     accuracy: dict | None = None
+    details: dict = field(default_factory=dict)  # pass-specific structured data for the report
 
     def reject(self, candidate: str, reason: str) -> None:
         self.rejected.append(Rejected(candidate, reason))
@@ -136,6 +137,7 @@ class PassResult:
             "notes": list(self.notes),
             "seconds": self.seconds,
             "accuracy": self.accuracy,
+            "details": self.details,
         }
 
 
@@ -158,6 +160,10 @@ class PassContext:
     hints: dict = field(default_factory=dict)
     observer: ir.ProvenanceObserver | None = None
     options: dict = field(default_factory=dict)
+    # accuracy_check(gm, low_dtype=None) -> AccuracyResult; set by the PassManager. low_dtype
+    # judges against the model hand-converted to that dtype (the rule's bf16/fp16 tolerance).
+    accuracy_check: Callable | None = None
+    low_precision: torch.dtype | None = None  # set once assign_precision has lowered the graph
 
     @property
     def fused_kernels(self) -> bool:
@@ -177,6 +183,7 @@ class Pass:
     family: str = ""
     description: str = ""
     inference_only: bool = False  # not applied to training graphs
+    changes_dtypes: bool = False  # the invariant check then allows dtype changes
     requires: tuple = ()  # pass names that must run earlier when both are enabled
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:  # pragma: no cover
@@ -270,6 +277,7 @@ class PassManager:
             ctx.dump_dir.mkdir(parents=True, exist_ok=True)
             (ctx.dump_dir / "000_captured.py").write_text(gm.code)
         before = ctx.cost.graph_cost(gm, ctx.hints)
+        ctx.accuracy_check = self.accuracy_check
         for i, p in enumerate(self.passes, start=1):
             res = p.result()
             res.predicted_s_before = before.total_s
@@ -296,10 +304,10 @@ class PassManager:
             if res.changed:
                 gm.recompile()
                 if ctx.verify:
-                    ir.check_invariants(gm, p.name)
+                    ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes)
                 res.status = "applied"
                 if self.accuracy_check is not None:
-                    acc = self.accuracy_check(gm)
+                    acc = self.accuracy_check(gm, ctx.low_precision)
                     res.accuracy = acc.as_dict()
                     if not acc.passed:
                         gm.graph = saved_graph
@@ -307,6 +315,8 @@ class PassManager:
                         gm.recompile()
                         ir.repropagate(gm)
                         res.status = "reverted"
+                        if p.changes_dtypes:
+                            ctx.low_precision = None
                         res.notes.append(f"reverted: fails the accuracy rule ({acc.reason})")
             res.seconds = time.perf_counter() - t0
             after = ctx.cost.graph_cost(gm, ctx.hints) if res.status == "applied" else before

@@ -19,3 +19,12 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _quiet_torch_trace_logs(caplog):
+    # torch.export logs every traced op at DEBUG; keep failure reports readable
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="torch")
+    yield

@@ -88,7 +88,7 @@ def test_accuracy_guard_reverts_a_wrong_pass():
     with torch.no_grad():
         eager = model(*inputs)
 
-    def check(g):
+    def check(g, low_dtype=None):
         with torch.no_grad():
             return accuracy.check(g(*inputs), ref64, eager)
 

@@ -1,0 +1,293 @@
+"""assign_precision: a dtype per node — bf16 (fp16 before Ampere) where it pays, fp32 where it
+matters — proven against an fp64 reference.
+
+Rules (the ``precision`` option: "auto", "bf16", "fp16" or "fp32"):
+- compute-heavy ops (linear, matmul, bmm, conv, SDPA) and the elementwise ops and norms around
+  them run in the low dtype; parameters are converted once at optimization time (inference) or
+  cast in the graph so gradients reach the fp32 master weights (training);
+- sensitive ops — softmax/log_softmax, reductions (mean, sum, var: the statistics of norms),
+  exp/log/pow/rsqrt, cumsum, losses — compute in fp32; explicit casts and creation ops keep the
+  dtype the model wrote; views follow their input;
+- casts go only at boundaries (each value cast once per dtype, before its first reader), lossless
+  round trips (low → fp32 → low) are removed, outputs come back in the caller's dtype;
+- integer, bool and complex tensors are never cast; a model that already computes in a low dtype
+  is left as it is.
+The cost model must predict a gain (on a CPU, bf16 matmuls may be slower than fp32). Then the
+accuracy rule (bf16/fp16 tolerance, the hand-converted model as yardstick) is applied on the
+example inputs and calibration batches; while it fails, bisection over the topological order
+finds the first node whose conversion breaks it and keeps it in fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.cost.model import ATTENTION_OPS, CONV_OPS, MATMUL_OPS, VIEW_OPS
+from graphopt.errors import GraphoptError
+from graphopt.pipeline import Pass, PassContext, PassResult, register
+
+aten = torch.ops.aten
+
+SENSITIVE = {
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "mean", "sum", "var", "var_mean", "std", "std_mean",
+    "pow", "exp", "exp2", "log", "log1p", "log2", "expm1", "rsqrt", "sqrt", "reciprocal", "cumsum", "cumprod",
+    "logsumexp", "norm", "linalg_vector_norm", "cross_entropy_loss", "nll_loss", "nll_loss_forward",
+    "mse_loss", "l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "prod",
+    "erfinv", "lgamma", "digamma",
+}
+# ops whose output dtype is written in the model (casts, creation): left as they are
+PINNED = {
+    "_to_copy", "to", "type_as", "arange", "full", "zeros", "ones", "empty", "scalar_tensor", "full_like",
+    "zeros_like", "ones_like", "empty_like", "new_zeros", "new_ones", "new_full", "new_empty", "rand", "randn",
+    "rand_like", "randn_like", "linspace", "eye", "tensor", "lift_fresh_copy", "_assert_tensor_metadata",
+}
+COMPUTE_HEAVY = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
+MAX_OFFENDERS = 12
+FP32 = torch.float32
+
+
+def _name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def _is_float32(v) -> bool:
+    return isinstance(v, fx.Node) and ir.info(v) is not None and ir.info(v).dtype == FP32
+
+
+@register
+class AssignPrecision(Pass):
+    name = "assign_precision"
+    family = "precision"
+    description = "run compute in bf16/fp16 where it pays, sensitive ops in fp32, guarded against fp64"
+    changes_dtypes = True
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        request = ctx.options.get("precision", "fp32")
+        if request == "fp32":
+            res.notes.append("precision='fp32': dtypes left as the model has them")
+            return res
+        low, why = _choose_dtype(request, ctx)
+        if low is None:
+            res.reject("lower precision", why)
+            return res
+        fp32_work = [n for n in gm.graph.nodes if n.op == "call_function" and _is_float32(n)
+                     and _name(n) in COMPUTE_HEAVY]
+        if not fp32_work:
+            dtypes = sorted({str(ir.info(n).dtype).replace("torch.", "") for n in gm.graph.nodes
+                             if n.op == "call_function" and _name(n) in COMPUTE_HEAVY and ir.info(n) is not None})
+            res.notes.append(f"the model already computes in {', '.join(dtypes) or 'no float dtype'}; left as it is")
+            return res
+        if ctx.training and low == torch.float16:
+            res.notes.append("fp16 training needs loss scaling: use torch.amp.GradScaler (examples/train_mlp.py shows one)")
+
+        base = copy.deepcopy(gm.graph)
+        before_s = ctx.cost.graph_cost(gm, ctx.hints).total_s
+        consts: dict = {}
+        order = _lower(gm, low, set(), ctx.training, consts)
+        after_s = ctx.cost.graph_cost(gm, ctx.hints).total_s
+        if after_s >= before_s and request == "auto":
+            _restore(gm, base)
+            res.reject(f"{str(low)[6:]} for {len(order)} nodes",
+                       f"predicted no gain on {ctx.profile.name}: {before_s * 1e3:.3f} ms in fp32 vs {after_s * 1e3:.3f} ms")
+            return res
+
+        kept: list[dict] = []
+        guard = ctx.accuracy_check
+        if guard is not None:
+            forced: set = set()
+            result = guard(gm, low)
+            while not result.passed and len(kept) < MAX_OFFENDERS:
+                candidates = [n for n in order if n not in forced]
+
+                def fails(prefix_len: int) -> bool:
+                    _restore(gm, base)
+                    _lower(gm, low, forced | set(candidates[prefix_len:]), ctx.training, consts)
+                    return not guard(gm, low).passed
+
+                lo, hi = 1, len(candidates)
+                while lo < hi:  # smallest prefix whose conversion breaks the rule
+                    mid = (lo + hi) // 2
+                    if fails(mid):
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                offender = candidates[lo - 1]
+                forced.add(offender)
+                kept.append({"node": offender, "reason": f"accuracy rule fails when it runs in {str(low)[6:]}",
+                             "error": result.reason})
+                _restore(gm, base)
+                _lower(gm, low, forced, ctx.training, consts)
+                result = guard(gm, low)
+            if not result.passed:
+                _restore(gm, base)
+                res.reject(f"{str(low)[6:]} assignment", f"still fails the accuracy rule after keeping {len(kept)} "
+                                                         f"nodes in fp32 ({result.reason}); model left in fp32")
+                return res
+            if hasattr(guard, "hand_converted_result"):
+                ok, rmse = guard.hand_converted_result(low)
+                res.details["hand_converted_passes"] = ok
+                res.details["hand_converted_rmse"] = rmse
+                res.notes.append(f"the model hand-converted to {str(low)[6:]} {'passes' if ok else 'fails'} the same rule "
+                                 f"against fp64 (rmse {rmse:.3g}); this assignment: rmse {result.worst_rmse:.3g}")
+        ctx.low_precision = low
+        lowered = [n for n in order if n not in {k["node"] for k in kept}]
+        gain = before_s - ctx.cost.graph_cost(gm, ctx.hints).total_s
+        res.record(f"{str(low)[6:]} compute", lowered, [f"{len(lowered)} nodes in {str(low)[6:]}"], gain)
+        for k in kept:
+            res.reject(k["node"], f"kept in fp32: {k['reason']} ({k['error']})")
+        res.details.update({"dtype": str(low).replace("torch.", ""), "kept_fp32": kept, **_shares(gm, ctx)})
+        sh = res.details
+        res.notes.append("share in " + str(low)[6:] + f": {sh['flops_share'].get(str(low)[6:], 0):.0%} of FLOPs, "
+                         f"{sh['bytes_share'].get(str(low)[6:], 0):.0%} of bytes")
+        return res
+
+
+def _choose_dtype(request: str, ctx: PassContext):
+    prof = ctx.profile
+    device = ctx.options.get("device")
+    if request in ("bf16", "fp16"):
+        low = torch.bfloat16 if request == "bf16" else torch.float16
+        if getattr(device, "type", None) == "cuda" and low == torch.bfloat16 and torch.cuda.is_available() \
+                and torch.cuda.get_device_capability(device) < (8, 0):
+            raise GraphoptError("precision='bf16' needs an Ampere or newer GPU; use precision='fp16' or 'auto'")
+        if low == torch.float16 and getattr(device, "type", None) == "cpu" and not _cpu_supports_fp16():
+            raise GraphoptError("precision='fp16' is not supported on this CPU; use precision='bf16' or 'fp32'")
+        return low, ""
+    # auto
+    if prof.kind == "cuda":
+        if getattr(device, "type", None) == "cuda" and torch.cuda.is_available() \
+                and torch.cuda.get_device_capability(device) < (8, 0):
+            return torch.float16, ""
+        return torch.bfloat16, ""
+    bf, f32 = prof.matmul_rate(torch.bfloat16), prof.matmul_rate(FP32)
+    if bf <= f32:
+        return None, (f"bf16 matmuls measured slower than fp32 on this CPU ({bf / 1e9:.0f} vs {f32 / 1e9:.0f} "
+                      "GFLOP/s); pass precision='bf16' to force it")
+    return torch.bfloat16, ""
+
+
+def _cpu_supports_fp16() -> bool:
+    try:
+        a = torch.ones(2, 2, dtype=torch.float16)
+        torch.mm(a, a)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _restore(gm: fx.GraphModule, base: fx.Graph) -> None:
+    gm.graph = copy.deepcopy(base)
+    gm.recompile()
+
+
+def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, consts: dict) -> list[str]:
+    """Rewrite gm in place: low-precision compute except ``forced`` node names. Returns the names
+    of the compute nodes put in the low dtype (the order bisection walks)."""
+    g = gm.graph
+    cur: dict = {}  # node -> dtype of its tensor output after the rewrite
+    casts: dict = {}
+    lowered: list[str] = []
+    original_out = {}
+
+    def dtype_of(n):
+        if n in cur:
+            return cur[n]
+        t = ir.infos(n)
+        return t[0].dtype if t else None
+
+    def cast(arg: fx.Node, dtype, user: fx.Node) -> fx.Node:
+        key = (arg, dtype)
+        if key in casts:
+            return casts[key]
+        if arg.op == "get_attr" and not training and dtype_of(arg) == FP32:
+            name = consts.get((arg.target, dtype))
+            if name is None or not hasattr(gm, name):
+                value = ir.get_attr_value(gm, arg.target)
+                name = ir.register_constant(gm, f"{arg.target}_{str(dtype)[6:]}", value.detach().to(dtype))
+                consts[(arg.target, dtype)] = name
+            with g.inserting_before(user):
+                new = g.get_attr(name)
+        else:
+            # a cast of a cast back to the dtype it came from is the original value (lossless)
+            if arg.op == "call_function" and arg.target is aten._to_copy.default and set(arg.kwargs) == {"dtype"} \
+                    and isinstance(arg.args[0], fx.Node) and dtype_of(arg.args[0]) == dtype:
+                casts[key] = arg.args[0]
+                return arg.args[0]
+            with g.inserting_before(user):
+                new = g.call_function(aten._to_copy.default, (arg,), {"dtype": dtype})
+        cur[new] = dtype
+        casts[key] = new
+        return new
+
+    def convert_inputs(node: fx.Node, src_dtype, dst_dtype):
+        def fix(a):
+            if isinstance(a, fx.Node) and dtype_of(a) == src_dtype and ir.info(a) is not None:
+                return cast(a, dst_dtype, node)
+            return a  # (tuple-valued nodes are only read through getitem, which follows them)
+
+        node.args = fx.node.map_arg(node.args, fix)
+        node.kwargs = fx.node.map_arg(node.kwargs, fix)
+
+    for node in list(g.nodes):
+        if node.op == "output":
+            continue
+        if node.op != "call_function":
+            continue
+        outs = ir.infos(node)
+        out = outs[0] if outs else None  # tuple outputs (split, fused norms) carry one dtype here
+        name = _name(node)
+        ins = [a for a in node.all_input_nodes if ir.infos(a)]
+        if name in VIEW_OPS or name == "getitem" or name in ("reshape", "flatten", "contiguous", "clone", "detach",
+                                                              "split", "chunk", "unbind", "split_with_sizes"):
+            if ins and out is not None and out.dtype.is_floating_point:
+                cur[node] = dtype_of(ins[0])
+            continue
+        if name in PINNED:
+            continue
+        if name in SENSITIVE or node.name in forced:
+            convert_inputs(node, low, FP32)
+            if out is not None and out.dtype == FP32:
+                cur[node] = FP32
+            continue
+        had_fp32 = any(dtype_of(a) == FP32 for a in ins)
+        convert_inputs(node, FP32, low)
+        if out is not None and out.dtype == FP32 and (had_fp32 or any(dtype_of(a) == low for a in ins)):
+            cur[node] = low
+            lowered.append(node.name)
+    # outputs in the caller's dtype
+    output = next(n for n in g.nodes if n.op == "output")
+
+    def back(a):
+        if isinstance(a, fx.Node) and a in cur and ir.info(a) is not None and cur[a] != ir.info(a).dtype:
+            original_out[a] = ir.info(a).dtype
+            return cast(a, ir.info(a).dtype, output)
+        return a
+
+    output.args = fx.node.map_arg(output.args, back)
+    ir.erase_dead(gm, [n for n in g.nodes if n.op == "get_attr" and not n.users])
+    gm.recompile()
+    ir.repropagate(gm)
+    return lowered
+
+
+def _shares(gm: fx.GraphModule, ctx: PassContext) -> dict:
+    flops: dict = {}
+    nbytes: dict = {}
+    for n in gm.graph.nodes:
+        c = ctx.cost.node_cost(n)
+        t = ir.info(n)
+        if c.bound == "free" or t is None:
+            continue
+        key = str(t.dtype).replace("torch.", "")
+        flops[key] = flops.get(key, 0.0) + ir.concrete(c.flops, ctx.hints)
+        nbytes[key] = nbytes.get(key, 0.0) + ir.concrete(c.bytes, ctx.hints)
+    tf, tb = sum(flops.values()) or 1.0, sum(nbytes.values()) or 1.0
+    return {"flops_share": {k: v / tf for k, v in flops.items()}, "bytes_share": {k: v / tb for k, v in nbytes.items()}}

@@ -1,0 +1,127 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt.cost.profiles import get_profile
+from graphopt.examples import zoo
+
+aten = torch.ops.aten
+
+
+def _dtypes(gm, target):
+    return [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+class Cancel(nn.Module):
+    """(y + 4096) - 4096 loses every bit of y in bf16: those two ops must stay fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        z = (y + 4096.0) - 4096.0
+        return self.out(torch.relu(z))
+
+
+def test_bf16_compute_fp32_sensitive_ops_and_outputs():
+    model, inputs = zoo.get("glm4-tiny")
+    # only cleanup + precision: the explicit softmax and RMSNorm statistics must be there to check
+    opt = graphopt.optimize(model, inputs, precision="bf16",
+                            passes=["eliminate_dead_code", "fold_constants", "assign_precision"])
+    gm = opt.graph_module
+    res = opt.report.pass_result("assign_precision")
+    assert res.status == "applied"
+    assert set(_dtypes(gm, aten.linear.default)) == {torch.bfloat16}
+    assert set(_dtypes(gm, aten.softmax.int)) == {torch.float32}
+    assert set(_dtypes(gm, aten.mean.dim)) == {torch.float32}  # RMSNorm statistics
+    # parameters converted once at optimization time: no cast reads a parameter
+    for n in gm.graph.nodes:
+        if n.target is aten._to_copy.default:
+            assert n.args[0].op != "get_attr", n
+    out = opt(*inputs)
+    assert out.logits.dtype == torch.float32  # the caller's dtype
+    assert opt.report.accuracy["passed"]
+    assert res.details["flops_share"]["bfloat16"] > 0.9
+    assert "hand_converted_passes" in res.details
+    # integer inputs are never cast
+    ids = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert all(u.target is not aten._to_copy.default for u in ids.users)
+
+
+def test_guarded_search_keeps_offending_nodes_in_fp32():
+    torch.manual_seed(0)
+    m = Cancel().eval()
+    x = torch.randn(16, 32)
+    opt = graphopt.optimize(m, (x,), precision="bf16")
+    res = opt.report.pass_result("assign_precision")
+    kept = {k["node"] for k in res.details["kept_fp32"]}
+    assert kept & {"add", "sub"}, kept
+    assert opt.report.accuracy["passed"]
+    assert set(_dtypes(opt.graph_module, aten.linear.default)) == {torch.bfloat16}
+
+
+def test_already_bf16_model_is_left_alone():
+    model, inputs = zoo.get("mlp", dtype=torch.bfloat16)
+    opt = graphopt.optimize(model, inputs, precision="auto", target="h200")
+    res = opt.report.pass_result("assign_precision")
+    assert res.status == "unchanged"
+    assert any("already computes in bfloat16" in n for n in res.notes)
+
+
+def test_fp32_request_and_bad_request():
+    model, inputs = zoo.get("mlp")
+    opt = graphopt.optimize(model, inputs, precision="fp32")
+    assert opt.report.pass_result("assign_precision").status == "unchanged"
+    assert set(_dtypes(opt.graph_module, aten.linear.default)) == {torch.float32}
+    with pytest.raises(graphopt.GraphoptError, match="precision must be one of"):
+        graphopt.optimize(model, inputs, precision="int4")
+
+
+def test_auto_refuses_when_bf16_is_slower():
+    prof, _ = get_profile("cpu")
+    slow = type(prof)(**{**prof.to_dict(), "peak_flops": {**prof.peak_flops, "bfloat16": prof.peak_flops["float32"] / 4}})
+    model, inputs = zoo.get("mlp")
+    opt = graphopt.optimize(model, inputs, precision="auto", target=slow)
+    res = opt.report.pass_result("assign_precision")
+    assert res.status == "unchanged"
+    assert "slower than fp32" in res.rejected[0].reason
+
+
+def test_auto_on_a_gpu_profile_lowers_big_gemms_but_not_launch_bound_graphs():
+    big = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024)).eval()
+    opt = graphopt.optimize(big, (torch.randn(512, 1024),), precision="auto", target="h200")
+    res = opt.report.pass_result("assign_precision")
+    assert res.status == "applied" and res.details["dtype"] == "bfloat16"
+    assert res.predicted_s_after < res.predicted_s_before
+    # a tiny model is launch-bound on the H200: the casts would cost more than bf16 saves
+    model, inputs = zoo.get("bert-tiny")
+    res = graphopt.optimize(model, inputs, precision="auto", target="h200").report.pass_result("assign_precision")
+    assert res.status == "unchanged" and "predicted no gain" in res.rejected[0].reason
+
+
+def test_training_keeps_fp32_master_weights_and_gradients_flow():
+    model, inputs = zoo.get("mlp")
+    model.train()
+    ref = [p.detach().clone() for p in model.parameters()]
+    opt = graphopt.optimize(model, inputs, precision="bf16", training=True)
+    assert opt.report.pass_result("assign_precision").status == "applied"
+    params = dict(opt.named_parameters())
+    assert all(p.dtype == torch.float32 for p in params.values())
+    assert {id(p) for p in model.parameters()} <= {id(p) for p in opt.parameters()}
+    loss = opt(*inputs).float().pow(2).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
+    # compare with fp32 training gradients
+    m32, _ = zoo.get("mlp")
+    for p, r in zip(m32.parameters(), ref):
+        p.data.copy_(r)
+    m32.train()
+    m32(*inputs).pow(2).mean().backward()
+    for g, g32 in zip(grads, [p.grad for p in m32.parameters()]):
+        rel = (g - g32).norm() / g32.norm()
+        assert rel < 5e-2, rel

@@ -93,6 +93,7 @@ class BenchConfig:
     batch: int | None = None  # zoo models only (None: the zoo default)
     seq_len: int | None = None  # zoo text models only
     vs: tuple = ("eager", "compile")
+    optimize_kwargs: dict | None = None  # for graphopt.optimize, over run()'s
 
 
 @dataclass
@@ -344,13 +345,13 @@ def environment(device: torch.device) -> dict:
     }
 
 
-def result_stem(header: dict) -> str:
-    """``YYYY-MM-DD_HHMMSS_<device>_torch-<ver>[_cuda-<ver>]``: file names for a run."""
+def result_stem(header: dict, tag: str | None = None) -> str:
+    """``[<tag>_]YYYY-MM-DD_HHMMSS_<device>_torch-<ver>[_cuda-<ver>]``: file names for a run."""
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
     dev = header.get("device_name", "device").lower().replace("nvidia ", "")
     if header.get("device", "").startswith("cpu"):
         dev = "cpu"
-    parts = [now, dev, f"torch-{header['versions']['torch']}"]
+    parts = ([tag] if tag else []) + [now, dev, f"torch-{header['versions']['torch']}"]
     if header["versions"].get("CUDA"):
         parts.append(f"cuda-{header['versions']['CUDA']}")
     return re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(parts))
@@ -510,7 +511,7 @@ def _with_defaults(c: BenchConfig) -> BenchConfig:
         return c
     e = zoo.entry(c.model)
     return BenchConfig(c.model, c.batch if c.batch is not None else e.default_batch,
-                       c.seq_len if c.seq_len is not None else e.default_seq_len, c.vs)
+                       c.seq_len if c.seq_len is not None else e.default_seq_len, c.vs, c.optimize_kwargs)
 
 
 def _group(configs: list[BenchConfig]) -> list[tuple[tuple, list[BenchConfig]]]:
@@ -523,7 +524,7 @@ def _group(configs: list[BenchConfig]) -> list[tuple[tuple, list[BenchConfig]]]:
 def run(configs, *, dtype=None, device=None, reps: int | None = None, warmup: int | None = None,
         budget_s: float | None = None, out_dir: str | Path | None = DEFAULT_OUT, console=None,
         progress: bool = True, optimize_kwargs: dict | None = None, max_check_elems: int = 1 << 24,
-        command: str | None = None) -> BenchRun:
+        command: str | None = None, tag: str | None = "bench") -> BenchRun:
     """Benchmark every :class:`BenchConfig` (see the module docstring); returns a
     :class:`BenchRun` and, unless ``out_dir`` is None, writes ``<stem>.json`` and ``<stem>.md``
     there (rewritten after every variant).
@@ -532,6 +533,7 @@ def run(configs, *, dtype=None, device=None, reps: int | None = None, warmup: in
     device: default cuda if available, else cpu. reps / warmup: default 50 / 10 on CUDA, 10 / 2
     on the CPU. budget_s: stop starting variants after this many seconds (they are recorded as
     skipped). optimize_kwargs: passed to ``graphopt.optimize`` (e.g. ``{"check_accuracy": False}``).
+    tag: the file-name prefix (``bench_2026-11-05_140312_h200_torch-2.14.1_cuda-13.0.json``).
     """
     from rich.console import Console
 
@@ -551,7 +553,7 @@ def run(configs, *, dtype=None, device=None, reps: int | None = None, warmup: in
                   max_check_elems=max_check_elems, optimize_kwargs=optimize_kwargs or {},
                   command=command or " ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
     result = BenchRun(header)
-    stem = result_stem(header)
+    stem = result_stem(header, tag)
     out_dir = Path(out_dir) if out_dir is not None else None
 
     def save():
@@ -568,10 +570,14 @@ def run(configs, *, dtype=None, device=None, reps: int | None = None, warmup: in
     prog = _progress(console, progress, total)
     with prog:
         task = prog.add_task("benchmark", total=total)
-        for (spec, seq_len), group in _group(configs):
-            _run_group(spec, seq_len, group, result, dtype=dtype, device=device, reps=reps, warmup=warmup,
-                       budget=budget, console=prog.console, prog=prog, task=task,
-                       optimize_kwargs=optimize_kwargs or {}, max_check_elems=max_check_elems, save=save)
+        try:
+            for (spec, seq_len), group in _group(configs):
+                _run_group(spec, seq_len, group, result, dtype=dtype, device=device, reps=reps, warmup=warmup,
+                           budget=budget, console=prog.console, prog=prog, task=task,
+                           optimize_kwargs=optimize_kwargs or {}, max_check_elems=max_check_elems, save=save)
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM: keep and report what was measured
+            header["interrupted"] = f"after {budget.elapsed():.0f} s"
+            console.print(f"[yellow]interrupted after {budget.elapsed():.0f} s; reporting what was measured[/yellow]")
     save()
     return result
 
@@ -610,8 +616,11 @@ def _run_group(spec, seq_len, group, result: BenchRun, *, dtype, device, reps, w
             if c.batch is not None and c.batch != built_batch:
                 r.notes.append(f"inputs: the first {c.batch} rows of the bs{built_batch} inputs")
             result.results.append(r)
+            kw = {**optimize_kwargs, **(c.optimize_kwargs or {})}
+            if kw.get("check_accuracy") is False:
+                r.notes.append("graphopt optimized without its fp64 accuracy guard (check_accuracy=False)")
             _run_config(model, args, kwargs, c, r, dtype=dtype, device=device, reps=reps, warmup=warmup,
-                        budget=budget, console=console, prog=prog, task=task, optimize_kwargs=optimize_kwargs,
+                        budget=budget, console=console, prog=prog, task=task, optimize_kwargs=kw,
                         max_check_elems=max_check_elems, save=save)
     finally:
         del model, args0, kwargs0
@@ -653,7 +662,16 @@ def _run_config(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, dtype, 
             if v == "eager" and sample is not None:
                 eager_sample = sample
             if sample is not None:
-                vr.accuracy = _check(sample, ref, eager_sample)
+                try:
+                    vr.accuracy = _check(sample, ref, eager_sample)
+                except Exception as e:  # noqa: BLE001
+                    vr.accuracy = {"passed": None, "reason": f"accuracy check failed: {_first_line(e)}"}
+                guard = vr.extra.get("guard") or {}
+                if vr.accuracy.get("passed") is False and guard.get("passed"):
+                    tols = sorted({o.get("tol") for o in guard.get("outputs", []) if o.get("tol")})
+                    r.notes.append(f"{v}: graphopt's own guard passed (tol {', '.join(map(str, tols)) or '?'}; passes "
+                                   f"applied: {', '.join(vr.extra.get('applied', []))}) but the bench judges at "
+                                   f"{r.dtype}'s tolerance: a pass lowered precision below the requested dtype")
         prog.advance(task)
         console.print(_line(r, vr), highlight=False)
         save()

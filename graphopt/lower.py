@@ -299,7 +299,7 @@ class Runner:
     ``decision.on`` (see the module docstring). Build it with :func:`lower`."""
 
     def __init__(self, gm: fx.GraphModule, decision: Decision, *, max_graphs: int = 8,
-                 reuse_outputs: bool = False, warmup: int = 2, backend: str = "cuda"):
+                 reuse_outputs: bool = False, warmup: int = 3, backend: str = "cuda"):
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         self.gm = gm
@@ -441,7 +441,7 @@ class Runner:
 
 def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_graphs: int = 8,
           reuse_outputs: bool = False, dynamic: bool = False, training: bool = False,
-          warmup: int = 2, backend: str = "cuda") -> Runner:
+          warmup: int = 3, backend: str = "cuda") -> Runner:
     """Wrap ``gm`` in a :class:`Runner` that replays CUDA graphs where that is safe.
 
     example_flat_inputs: the flat list of example inputs (tensors and other leaves) ``gm`` was

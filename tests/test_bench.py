@@ -57,7 +57,7 @@ def test_run_mlp_writes_json_and_markdown(tmp_path):
     assert "graphopt" in data["results"][0]["speedups"]
     md = (tmp_path / res.paths["markdown"].split("/")[-1]).read_text()
     assert "| config | variant | ms | × eager |" in md and "mlp bs4" in md and "torch " in md
-    assert res.paths["json"].endswith(".json") and "_cpu_torch-" in res.paths["json"]
+    assert res.paths["json"].endswith(".json") and "_cpu_torch-" in res.paths["json"] and "/bench_" in res.paths["json"]
     out = _console()
     res.render(out)
     text = out.file.getvalue()
@@ -163,3 +163,32 @@ def test_cli_bench_bad_args(capsys):
     err = capsys.readouterr().err
     assert err.startswith("graphopt: error:") and "unknown variant" in err and len(err.strip().splitlines()) == 1
     assert main(["bench", "mlp", "--reps", "0", "--no-save"]) == 2
+
+
+def _run_models():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run_models.py"
+    spec = importlib.util.spec_from_file_location("run_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_models_selection(capsys):
+    rm = _run_models()
+    full = rm.select(None, None, False, False)
+    assert [(c.model, c.batch) for c in full] == [("resnet50", 1), ("resnet50", 64), ("bert-base", 1),
+                                                  ("bert-base", 64), ("vit_b_16", 64), ("glm4-9b-4l", 1),
+                                                  ("glm4-9b-4l", 8)]
+    assert all(c.vs[0] == "eager" for c in full) and "compile-ro" in full[0].vs and "compile-ro" not in full[1].vs
+    sub = rm.select(None, "resnet50:1,bert-base:1", True, True)
+    assert [(c.model, c.batch) for c in sub] == [("resnet50", 1), ("bert-base", 1)]
+    assert all("compile-ro" not in c.vs for c in sub)
+    assert rm.select("glm4-9b-4l", None, False, True)[1].optimize_kwargs is None
+    assert rm.select("glm4-9b-4l", None, False, False)[1].optimize_kwargs == {"check_accuracy": False}
+    with pytest.raises(SystemExit):
+        rm.select("nope", None, False, False)
+    assert rm.main(["--list", "--only", "vit_b_16"]) == 0
+    assert "vit_b_16 bs64: eager, compile" in capsys.readouterr().out

@@ -124,18 +124,19 @@ class FuseLayerNorm(Pass):
                     params.append(p)
             fused = g.call_function(torch.ops.graphopt.add_layer_norm.default, (y, residual, params[0], params[1], eps))
             out = g.call_function(operator.getitem, (fused, 0))
-            h = g.call_function(operator.getitem, (fused, 1))
         xv = m["x"].meta.get("val")
         out.meta["val"] = ln.meta.get("val")
-        h.meta["val"] = xv
         fused.meta["val"] = (out.meta["val"], xv)
         ln.replace_all_uses_with(out)
+        g.erase_node(ln)
         if add is not None:
-            add.replace_all_uses_with(h)
-        ir.erase_dead(gm, [ln] + ([add] if add is not None else []))
+            if add.users:  # pre-norm: the sum is the residual stream -> the kernel's h output
+                with g.inserting_after(out):
+                    h = g.call_function(operator.getitem, (fused, 1))
+                h.meta["val"] = xv
+                add.replace_all_uses_with(h)
+            g.erase_node(add)
         for p, q in zip((m["weight"], m["bias"]), params):
             if isinstance(p, fx.Node) and q is not p and not p.users:
                 g.erase_node(p)
-        if not h.users:
-            g.erase_node(h)
         return fused

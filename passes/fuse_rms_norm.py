@@ -218,21 +218,22 @@ class FuseRmsNorm(Pass):
             w = g.get_attr(s.weight.target) if fresh else s.weight
             fused = g.call_function(torch.ops.graphopt.add_rms_norm.default, (args[0], args[1], w, s.eps))
             out = g.call_function(operator.getitem, (fused, 0))
-            h = g.call_function(operator.getitem, (fused, 1))
         xv = s.x.meta.get("val")
         out.meta["val"] = s.root.meta.get("val")
-        h.meta["val"] = xv
         fused.meta["val"] = (out.meta["val"], xv)
         if w is not s.weight:
             w.meta["val"] = s.weight.meta.get("val")
         s.root.replace_all_uses_with(out)
         if s.cast_in is not None and is_noop_cast(s.cast_in):
             s.cast_in.replace_all_uses_with(s.x)
+        ir.erase_dead(gm, s.nodes)
         if add is not None:
-            add.replace_all_uses_with(h)
-        ir.erase_dead(gm, s.nodes + ([add] if add is not None else []))
+            if add.users:  # the residual stream (or a kept upcast) reads the sum: the kernel's h
+                with g.inserting_after(out):
+                    h = g.call_function(operator.getitem, (fused, 1))
+                h.meta["val"] = xv
+                add.replace_all_uses_with(h)
+            g.erase_node(add)
         if w is not s.weight and not s.weight.users:
             g.erase_node(s.weight)
-        if not h.users:
-            g.erase_node(h)
         return fused

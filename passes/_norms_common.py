@@ -4,10 +4,6 @@ underscore keeps passes/__init__ from importing it as one).
 - :func:`kernel_time`: predicted time of one fused graphopt kernel from the bytes it reads and
   writes, the same formula the cost model applies to a node in the ``graphopt`` namespace, so a
   candidate's gain can be priced before the node exists.
-- :func:`drop_proven_asserts`: torch.export leaves ``aten._assert_tensor_metadata`` nodes after
-  every ``.to()``; they read the cast's input (or a norm's intermediate) and count as users, so
-  the matcher's single-use rule would refuse every norm whose interior is asserted. An assert
-  whose dtype/device/layout equal the node's static metadata is proven true and is dropped.
 - :class:`Seq`: a matcher pattern for a list argument (``cat``/``stack`` inputs), element-wise.
 - :func:`residual_add`: is a norm's input ``residual + y`` that the fused residual-norm kernel can
   absorb (same shape and dtype, no alpha)?
@@ -34,34 +30,6 @@ def kernel_time(ctx, in_nodes, out_infos, flops_per_elem: float = 1.0) -> float:
     nbytes += sum(ir.concrete(o.nbytes, ctx.hints) for o in out_infos)
     numel = ir.concrete(out_infos[0].numel, ctx.hints) if out_infos else 0
     return max(numel * flops_per_elem / p.elementwise_flops, nbytes / p.bandwidth) + p.launch_overhead_s
-
-
-def _assert_is_proven(node: fx.Node) -> bool:
-    src = node.args[0] if node.args else None
-    if not isinstance(src, fx.Node):
-        return False
-    val = src.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return False
-    want_dtype = node.kwargs.get("dtype", node.args[1] if len(node.args) > 1 else None)
-    want_device = node.kwargs.get("device", node.args[2] if len(node.args) > 2 else None)
-    want_layout = node.kwargs.get("layout", node.args[3] if len(node.args) > 3 else None)
-    if want_dtype is not None and want_dtype != val.dtype:
-        return False
-    if want_device is not None and torch.device(want_device) != val.device:
-        return False
-    if want_layout is not None and want_layout != val.layout:
-        return False
-    return True
-
-
-def drop_proven_asserts(gm: fx.GraphModule) -> int:
-    """Erase ``_assert_tensor_metadata`` nodes that the static metadata proves true."""
-    dead = [n for n in gm.graph.nodes if n.op == "call_function"
-            and n.target is aten._assert_tensor_metadata.default and not n.users and _assert_is_proven(n)]
-    for n in dead:
-        gm.graph.erase_node(n)
-    return len(dead)
 
 
 class Seq(Pattern):

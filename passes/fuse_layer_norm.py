@@ -24,7 +24,7 @@ from graphopt import ir
 from graphopt.matcher import Any, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._norms_common import drop_proven_asserts, kernel_time, position, residual_add, residual_operands
+from ._norms_common import kernel_time, position, residual_add, residual_operands
 
 aten = torch.ops.aten
 
@@ -65,10 +65,6 @@ class FuseLayerNorm(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        dropped = drop_proven_asserts(gm)
-        if dropped:
-            res.changed = True
-            res.notes.append(f"dropped {dropped} statically true _assert_tensor_metadata nodes")
         candidates = []
         for m in find(gm, PATTERN):
             why = _check(m)

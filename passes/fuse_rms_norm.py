@@ -30,7 +30,7 @@ from graphopt import ir
 from graphopt.matcher import Alt, Any, Attr, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._norms_common import ADDS, CASTS, drop_proven_asserts, is_noop_cast, kernel_time, position, residual_add, \
+from ._norms_common import ADDS, CASTS, is_noop_cast, kernel_time, position, residual_add, \
     residual_operands
 
 aten = torch.ops.aten
@@ -149,10 +149,6 @@ class FuseRmsNorm(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        dropped = drop_proven_asserts(gm)
-        if dropped:
-            res.changed = True
-            res.notes.append(f"dropped {dropped} statically true _assert_tensor_metadata nodes")
         sites = []
         seen, matched = set(), set()
         for pattern, build in [(p, _hf_site) for p in HF_PATTERNS] + [(ATEN_PATTERN, _aten_site)]:

@@ -31,7 +31,7 @@ from graphopt import ir
 from graphopt.matcher import Alt, Any, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._norms_common import Seq, drop_proven_asserts, kernel_time, position
+from ._norms_common import Seq, kernel_time, position
 
 aten = torch.ops.aten
 SLICE = aten.slice.Tensor
@@ -158,10 +158,6 @@ class FuseRotary(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        dropped = drop_proven_asserts(gm)
-        if dropped:
-            res.changed = True
-            res.notes.append(f"dropped {dropped} statically true _assert_tensor_metadata nodes")
         rots: list[_Rot] = []
         covered: set = set()
         for pattern, partial in ((PARTIAL, True), (FULL, False)):

@@ -2,14 +2,20 @@
 load either back.
 
 Artifacts take and return flat tensors (the model's inputs and outputs flattened with
-torch.utils._pytree); ``graphopt.load`` restores the nesting from the stored tree specs when
-they can be deserialized (Hugging Face ``ModelOutput``/``DynamicCache`` need ``import
-transformers`` first), else returns the flat tuple and says so in ``.notes``.
+torch.utils._pytree); ``graphopt.load`` restores the nesting from the stored tree specs (for
+Hugging Face ``ModelOutput``/``DynamicCache`` it imports the transformers modules the spec
+names), and returns the flat tuple, saying so in ``.notes``, when they cannot be restored.
+The input signature the module was optimized for (shapes, dtypes, dynamic dims) is stored too,
+and the loaded module refuses other inputs with ``GuardError`` as the optimized one does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -18,7 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .errors import ArtifactError, GraphoptError
+from .errors import ArtifactError, GraphoptError, GuardError
 
 FORMAT_VERSION = 1
 META = "graphopt_meta.json"
@@ -33,6 +39,11 @@ def _flat_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     result = out[0] if isinstance(out, tuple) else out
     leaves = pytree.tree_leaves(result)
     graph.output(tuple(leaves))
+    # torch.export's input-guard call: graphopt's own guard replaces it (stored in the metadata);
+    # kept, it would stop torch.jit.script and be baked into a trace as a constant
+    for n in list(graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
+            graph.erase_node(n)
     flat = fx.GraphModule(gm, graph, class_name="GraphoptFlat")
     flat.recompile()
     return flat
@@ -75,19 +86,66 @@ def export(module, path: str | Path, *, format: str | None = None, example_input
         example = flat_tensors(a, k)
     if example is None:
         raise GraphoptError("pass example_inputs= to graphopt.export (needed to trace the artifact)")
+    signature = getattr(module, "_signature", None) or []
+    dyn = getattr(module, "_dynamic_dims", {}) or {}
     meta = {"format": "graphopt", "version": FORMAT_VERSION, "artifact": format, "torch": torch.__version__,
-            "num_inputs": len(example), **_specs(gm)}
+            "num_inputs": len(example), "inputs": _inputs_meta(signature, dyn), **_specs(gm)}
     report = module.report.to_json()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if format == "torchscript":
-        scripted, how = _to_torchscript(flat_gm, example)
-        meta["torchscript"] = how
-        torch.jit.save(scripted, str(path), _extra_files={META: json.dumps(meta), REPORT: report})
-    else:
-        with torch.no_grad():
-            ep = torch.export.export(flat_gm, tuple(example), strict=False)
-        torch.export.save(ep, str(path), extra_files={META: json.dumps(meta), REPORT: report})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GraphoptError(f"cannot write {path}: {e.strerror or e}") from None
+    with _quiet_jit():
+        if format == "torchscript":
+            scripted, how = _to_torchscript(flat_gm, example)
+            meta["torchscript"] = how
+            save = lambda: torch.jit.save(scripted, str(path), _extra_files={META: json.dumps(meta), REPORT: report})  # noqa: E731
+        else:
+            dynamic_shapes = _dynamic_shapes(example, dyn)
+            with torch.no_grad():
+                ep = torch.export.export(flat_gm, tuple(example), strict=False, dynamic_shapes=dynamic_shapes)
+            save = lambda: torch.export.save(ep, str(path), extra_files={META: json.dumps(meta), REPORT: report})  # noqa: E731
+        try:
+            save()
+        except OSError as e:
+            raise GraphoptError(f"cannot write {path}: {e.strerror or e}") from None
+        except RuntimeError as e:  # torch wraps file errors ("File ... cannot be opened")
+            if "cannot be opened" in str(e) or "open file" in str(e):
+                raise GraphoptError(f"cannot write {path}: {str(e).splitlines()[0][:200]}") from None
+            raise
     return path
+
+
+def _inputs_meta(signature: list, dyn: dict) -> list:
+    """The input signature the module was optimized for, as JSON (None for non-tensor inputs)."""
+    out = []
+    for i, sig in enumerate(signature):
+        if sig is None:
+            out.append(None)
+            continue
+        shape, dtype, device = sig
+        out.append({"shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "device": torch.device(device).type,
+                    "dynamic": sorted(dyn.get(i, ()))})
+    return out
+
+
+def _dynamic_shapes(example: list, dyn: dict):
+    """dynamic_shapes for torch.export of the flat module: the dims optimized as dynamic stay so."""
+    if not dyn:
+        return None
+    auto = getattr(torch.export.Dim, "AUTO", None) or torch.export.Dim.DYNAMIC
+    return tuple({a: auto for a in sorted(dyn.get(i, ()))} or None if isinstance(x, torch.Tensor) else None
+                 for i, x in enumerate(example))
+
+
+@contextlib.contextmanager
+def _quiet_jit():
+    """TorchScript is this artifact's format on purpose: hide torch's deprecation and tracer chatter."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.jit")
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", message=r".*TorchScript type system")
+        yield
 
 
 def _to_torchscript(flat_gm: fx.GraphModule, example: list):
@@ -118,21 +176,72 @@ class LoadedModule(nn.Module):
             self.notes.append(f"{key} not stored ({self.meta.get(key + '_error', 'flat artifact')}); "
                               f"{'outputs' if key == 'out_spec' else 'inputs'} stay flat")
             return None
+        missing = _import_spec_types(text)
         try:
             return pytree.treespec_loads(text)
         except Exception as e:
-            self.notes.append(f"{key} could not be restored ({type(e).__name__}); flat tuple returned")
+            why = f"needs {', '.join(missing)}" if missing else type(e).__name__
+            self.notes.append(f"{key} could not be restored ({why}); flat tuple returned")
             return None
+
+    def _guard(self, flat: list) -> None:
+        want = self.meta.get("num_inputs", len(flat))
+        if len(flat) != want:
+            raise GuardError(f"artifact takes {want} input tensors, got {len(flat)}")
+        for i, (x, sig) in enumerate(zip(flat, self.meta.get("inputs") or [])):
+            if sig is None or not isinstance(x, torch.Tensor):
+                continue
+            dtype = str(x.dtype).replace("torch.", "")
+            if dtype != sig["dtype"]:
+                raise GuardError(f"input {i} is {dtype}; the artifact was optimized for {sig['dtype']}")
+            dyn = set(sig.get("dynamic", ()))
+            shape = sig["shape"]
+            if x.dim() != len(shape) or any(a != b for d, (a, b) in enumerate(zip(x.shape, shape)) if d not in dyn):
+                raise GuardError(f"input {i} has shape {tuple(x.shape)}; the artifact was optimized for "
+                                 f"{tuple(shape)} (dynamic dims: {sorted(dyn) or 'none'})")
 
     def forward(self, *args, **kwargs):
         flat = pytree.tree_leaves((args, kwargs))
-        if len(flat) != self.meta.get("num_inputs", len(flat)):
-            raise GraphoptError(f"artifact takes {self.meta['num_inputs']} input tensors, got {len(flat)}")
+        self._guard(flat)
         out = self.inner(*flat)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         if self._out_spec is not None:
             return pytree.tree_unflatten(out, self._out_spec)
         return tuple(out)
+
+
+def _import_spec_types(text: str) -> list[str]:
+    """Import the transformers modules whose types a serialized tree spec names (their
+    ModelOutput classes register themselves with pytree on import; graphopt registers
+    DynamicCache). Returns the type names still unknown afterwards."""
+    try:
+        names: set = set()
+        stack = [json.loads(text)]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, list):
+                stack.extend(node)
+            elif isinstance(node, dict):
+                if isinstance(node.get("type"), str):
+                    names.add(node["type"])
+                stack.extend(node.get("children_spec") or [])
+    except (ValueError, TypeError):
+        return []
+    known = getattr(pytree, "SERIALIZED_TYPE_TO_PYTHON_TYPE", {})
+    unknown = sorted(n for n in names if n not in known and "." in n)
+    if not unknown:
+        return []
+    for name in unknown:
+        if name.split(".")[0] == "transformers":
+            try:
+                importlib.import_module(name.rpartition(".")[0])
+            except Exception:  # not installed, or a different version
+                pass
+    if "transformers" in sys.modules:
+        from .capture import _register_hf_pytrees
+
+        _register_hf_pytrees()
+    return [n for n in unknown if n not in known]
 
 
 def load(path: str | Path) -> LoadedModule:
@@ -142,8 +251,10 @@ def load(path: str | Path) -> LoadedModule:
     path = Path(path)
     if not path.exists():
         raise ArtifactError(f"{path} does not exist")
+    if path.is_dir():
+        raise ArtifactError(f"{path} is a directory, not a graphopt artifact")
     if not zipfile.is_zipfile(path):
-        raise ArtifactError(f"{path} is not a graphopt artifact (not a zip archive)")
+        raise ArtifactError(f"{path} is not a graphopt artifact (not a zip archive, or truncated)")
     try:
         with zipfile.ZipFile(path) as z:
             names = z.namelist()
@@ -162,15 +273,16 @@ def load(path: str | Path) -> LoadedModule:
             inner = ep.module()
         else:
             extra = {META: "", REPORT: ""}
-            inner = torch.jit.load(str(path), _extra_files=extra)
+            with _quiet_jit():
+                inner = torch.jit.load(str(path), _extra_files=extra)
     except Exception as e:
         raise ArtifactError(f"{path} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     try:
         meta = json.loads(extra[META])
         report = json.loads(extra[REPORT]) if extra[REPORT] else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise ArtifactError(f"{path} has a damaged graphopt metadata record") from None
-    if meta.get("format") != "graphopt":
+    if not isinstance(meta, dict) or meta.get("format") != "graphopt":
         raise ArtifactError(f"{path} is not a graphopt artifact")
     if meta.get("version", 0) > FORMAT_VERSION:
         raise ArtifactError(f"{path} was written by a newer graphopt (format {meta['version']})")

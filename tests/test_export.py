@@ -1,0 +1,325 @@
+"""Export round trips: TorchScript and .pt2 artifacts reload (in a fresh process too), give the
+optimized module's outputs, carry the report, and foreign or damaged files raise ArtifactError."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import graphopt
+from graphopt.examples import zoo
+
+export_mod = importlib.import_module("graphopt.export")  # graphopt.export is the function
+
+
+def _flat(out) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _optimized(name, batch=None, **kw):
+    model, inputs = zoo.get(name, batch=batch)
+    opt = graphopt.optimize(model, inputs, **kw)
+    assert opt.report.accuracy["passed"], opt.report.accuracy
+    with torch.no_grad():
+        out = opt(*inputs)
+    return model, inputs, opt, out
+
+
+def _assert_matches(loaded_out, opt_out):
+    """The artifact gives the optimized module's outputs (the same kernels run: fp32
+    assert_close); the optimized module itself passed the accuracy rule (checked in _optimized)."""
+    got, want = _flat(loaded_out), _flat(opt_out)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w)
+
+
+# ----------------------------------------------------------------------------- artifacts
+
+
+@pytest.fixture(scope="module")
+def art_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="module")
+def r50(art_dir):
+    # precision="fp32": on the CPU profile assign_precision's bf16 search over resnet50 costs
+    # minutes and ends unchanged; this test is about the artifact, not that search
+    model, inputs, opt, out = _optimized("resnet50", batch=1, precision="fp32")
+    paths = {fmt: graphopt.export(opt, art_dir / f"resnet50.{fmt}") for fmt in ("pt", "pt2")}
+    return model, inputs, opt, out, paths
+
+
+@pytest.fixture(scope="module")
+def glm(art_dir):
+    # planned for the H200 so the graph holds graphopt's own ops (torch.ops.graphopt.*, CPU
+    # implementations here): the fresh process must have them registered by `import graphopt`
+    model, inputs, opt, out = _optimized("glm4-tiny", target="h200")
+    ops = {str(n.target) for n in opt.graph_module.graph.nodes if n.op == "call_function"}
+    assert any(o.startswith("graphopt.") for o in ops), sorted(ops)
+    paths = {fmt: graphopt.export(opt, art_dir / f"glm4-tiny.{fmt}") for fmt in ("pt", "pt2")}
+    return model, inputs, opt, out, paths
+
+
+@pytest.fixture(scope="module")
+def mlp(art_dir):
+    model, inputs, opt, out = _optimized("mlp")
+    paths = {fmt: graphopt.export(opt, art_dir / f"mlp.{fmt}") for fmt in ("pt", "pt2")}
+    return model, inputs, opt, out, paths
+
+
+# One fresh interpreter loads every artifact (a process per artifact would cost seconds each).
+# It never imports the zoo or transformers itself: graphopt.load must find what it needs.
+# First, with transformers blocked, the GLM artifact must come back as a flat tuple with a note;
+# then, unblocked, every artifact through graphopt.load and the TorchScript ones through plain
+# torch.jit.load after `import graphopt`.
+_FRESH = textwrap.dedent("""
+    import json, sys
+    import torch
+    sys.modules["transformers"] = None          # as if transformers were not installed
+    import graphopt
+    jobs = json.loads(sys.argv[1])
+    res = {}
+    def flat(out):
+        from torch.utils import _pytree as pytree
+        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+    inputs = torch.load(jobs["glm_pt"][1], weights_only=True)
+    m = graphopt.load(jobs["glm_pt"][0])
+    out = m(*inputs)
+    res["no_transformers"] = {"type": type(out).__name__, "flat": flat(out), "notes": m.notes}
+
+    del sys.modules["transformers"]
+    assert not any(k.startswith("transformers") for k in sys.modules)
+    for key, (path, inputs_path) in jobs.items():
+        inputs = torch.load(inputs_path, weights_only=True)
+        m = graphopt.load(path)
+        out = m(*inputs)
+        r = {"type": type(out).__name__, "flat": flat(out), "notes": m.notes, "report": json.dumps(m.report),
+             "meta": json.dumps(m.meta)}
+        cache = getattr(out, "cache", None)
+        if cache is not None:
+            r["cache_type"] = type(cache).__name__
+            r["cache_layers"] = len(cache.layers)
+            r["logits"] = out.logits
+        if path.endswith(".pt"):
+            plain = torch.jit.load(path)
+            r["jit_flat"] = flat(plain(*flat(inputs)))
+        res[key] = r
+    torch.save(res, sys.argv[2])
+""")
+
+
+@pytest.fixture(scope="module")
+def fresh(art_dir, r50, glm, mlp):
+    jobs = {}
+    for name, (_, inputs, _, _, paths) in (("resnet50", r50), ("glm", glm), ("mlp", mlp)):
+        inputs_path = art_dir / f"{name}_inputs.pt"
+        torch.save(tuple(inputs), inputs_path)
+        for fmt, path in paths.items():
+            jobs[f"{name}_{fmt}"] = [str(path), str(inputs_path)]
+    script, out_path = art_dir / "fresh.py", art_dir / "fresh_out.pt"
+    script.write_text(_FRESH)
+    proc = subprocess.run([sys.executable, str(script), json.dumps(jobs), str(out_path)], cwd=art_dir,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out_path, weights_only=False)
+
+
+# ----------------------------------------------------------------------------- resnet50
+
+
+def test_resnet50_torchscript_fresh_process(r50, fresh):
+    model, inputs, opt, out, _ = r50
+    r = fresh["resnet50_pt"]
+    assert r["type"] == "Tensor"
+    _assert_matches(r["flat"], out)
+    # plain torch.jit.load (after `import graphopt`) takes and returns flat tensors
+    _assert_matches(r["jit_flat"], out)
+    assert json.loads(r["meta"])["artifact"] == "torchscript"
+
+
+def test_resnet50_pt2_fresh_process(r50, fresh):
+    model, inputs, opt, out, _ = r50
+    r = fresh["resnet50_pt2"]
+    assert r["type"] == "Tensor"
+    _assert_matches(r["flat"], out)
+    assert json.loads(r["meta"])["artifact"] == "pt2"
+
+
+@pytest.mark.parametrize("fmt", ["pt", "pt2"])
+def test_resnet50_report_embedded(r50, fresh, fmt):
+    _, _, opt, _, _ = r50
+    report = json.loads(fresh[f"resnet50_{fmt}"]["report"])
+    assert report == json.loads(opt.report.to_json())
+    folds = [p for p in report["passes"] if p["name"] == "fold_conv_bn"]
+    assert len(folds) == 1 and folds[0]["status"] == "applied" and folds[0]["rewrites"] == 53
+    assert report["accuracy"]["passed"] is True
+
+
+# ----------------------------------------------------------------------------- glm4-tiny
+
+
+@pytest.mark.parametrize("fmt", ["pt", "pt2"])
+def test_glm4_tiny_fresh_process_same_output_structure(glm, fresh, fmt):
+    """graphopt.load in a fresh process gives back what the optimized module returns: a
+    CausalLMOutputWithPast with a DynamicCache (importing the transformers modules the stored
+    tree spec names), with the same logits and cache tensors."""
+    model, inputs, opt, out, _ = glm
+    assert type(out).__name__ == "CausalLMOutputWithPast"
+    r = fresh[f"glm_{fmt}"]
+    assert r["notes"] == []
+    assert r["type"] == type(out).__name__
+    assert r["cache_type"] == type(out.cache).__name__ == "DynamicCache"
+    assert r["cache_layers"] == len(out.cache.layers) == model.config.num_hidden_layers
+    torch.testing.assert_close(r["logits"], out.logits)
+    _assert_matches(r["flat"], out)
+    assert [p["name"] for p in json.loads(r["report"])["passes"]] == [p.name for p in opt.report.passes]
+
+
+def test_glm4_tiny_plain_jit_load(glm, fresh):
+    _, _, _, out, _ = glm
+    _assert_matches(fresh["glm_pt"]["jit_flat"], out)
+
+
+def test_glm4_tiny_without_transformers_is_flat_and_says_so(glm, fresh):
+    _, _, _, out, _ = glm
+    r = fresh["no_transformers"]
+    assert r["type"] == "tuple"
+    assert any("out_spec" in n and "flat tuple" in n and "transformers" in n for n in r["notes"]), r["notes"]
+    _assert_matches(r["flat"], out)
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+@pytest.mark.parametrize("fmt", ["pt", "pt2"])
+def test_in_process_round_trip_and_guard(mlp, fmt):
+    model, inputs, opt, out, paths = mlp
+    loaded = graphopt.load(paths[fmt])
+    assert isinstance(loaded, torch.nn.Module)
+    assert loaded.meta["artifact"] == ("torchscript" if fmt == "pt" else "pt2")
+    assert [p["name"] for p in loaded.report["passes"]] == [p.name for p in opt.report.passes]
+    with torch.no_grad():
+        _assert_matches(loaded(*inputs), out)
+    (x,) = inputs
+    for bad in ((torch.randn(x.shape[0] + 1, x.shape[1]),), (x.double(),), (x, x)):
+        with pytest.raises(graphopt.GuardError) as ei:
+            loaded(*bad)
+        assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "pt2"])
+def test_dynamic_batch_survives_export(tmp_path, fmt):
+    model, inputs = zoo.get("mlp")
+    opt = graphopt.optimize(model, inputs, dynamic={"x": {0: "batch"}})
+    loaded = graphopt.load(graphopt.export(opt, tmp_path / f"dyn.{fmt}"))
+    for batch in (3, 11):
+        x = torch.randn(batch, inputs[0].shape[1])
+        with torch.no_grad():
+            _assert_matches(loaded(x), opt(x))
+            torch.testing.assert_close(loaded(x), model(x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(graphopt.GuardError):
+        loaded(torch.randn(3, inputs[0].shape[1] + 1))
+
+
+def test_low_precision_graph_round_trip(tmp_path):
+    """A graph assign_precision lowered to bf16 (casts and bf16 constants inside) exports and
+    reloads with the same outputs, in the model's output dtype."""
+    model, inputs, opt, out = _optimized("mlp", precision="bf16")
+    assert opt.report.pass_result("assign_precision").status == "applied"
+    for fmt in ("pt", "pt2"):
+        loaded = graphopt.load(graphopt.export(opt, tmp_path / f"bf16.{fmt}"))
+        with torch.no_grad():
+            got = loaded(*inputs)
+        assert got.dtype == torch.float32
+        _assert_matches(got, out)
+
+
+def test_export_refuses_what_it_cannot_write(mlp, tmp_path):
+    model, inputs, opt, _, _ = mlp
+    with pytest.raises(graphopt.GraphoptError, match="format"):
+        graphopt.export(opt, tmp_path / "x.pt", format="onnx")
+    with pytest.raises(graphopt.GraphoptError, match="graphopt.optimize"):
+        graphopt.export(model, tmp_path / "x.pt")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(graphopt.GraphoptError, match="cannot write"):
+        graphopt.export(opt, tmp_path / "file" / "x.pt")  # parent is a file
+
+
+def test_artifact_from_a_newer_graphopt(mlp, tmp_path, monkeypatch):
+    _, _, opt, _, _ = mlp
+    monkeypatch.setattr(export_mod, "FORMAT_VERSION", 99)
+    path = graphopt.export(opt, tmp_path / "future.pt")
+    monkeypatch.setattr(export_mod, "FORMAT_VERSION", 1)
+    with pytest.raises(graphopt.ArtifactError, match="newer graphopt"):
+        graphopt.load(path)
+
+
+# ----------------------------------------------------------------------------- foreign files
+
+
+class _Plain(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def _make_foreign(kind: str, tmp_path, mlp_paths):
+    p = tmp_path / f"{kind}.pt"
+    if kind == "text":
+        p.write_text("this is not a model\n")
+    elif kind == "empty":
+        p.write_bytes(b"")
+    elif kind == "tensor":
+        torch.save(torch.ones(3), p)
+    elif kind == "state_dict":
+        torch.save(torch.nn.Linear(2, 2).state_dict(), p)
+    elif kind == "plain_jit":
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(p))
+    elif kind == "plain_pt2":
+        p = tmp_path / "plain.pt2"
+        torch.export.save(torch.export.export(_Plain(), (torch.ones(2),)), str(p))
+    elif kind == "zip_with_junk_meta":
+        with zipfile.ZipFile(p, "w") as z:
+            z.writestr(f"x/{export_mod.META}", "not json")
+    elif kind in ("truncated", "truncated_tail"):
+        data = mlp_paths["pt"].read_bytes()
+        p.write_bytes(data[: len(data) // 2] if kind == "truncated" else data[:-10])
+    elif kind in ("corrupt_pt", "corrupt_pt2"):
+        src = mlp_paths["pt" if kind == "corrupt_pt" else "pt2"]
+        data = bytearray(src.read_bytes())
+        mid = len(data) // 2
+        data[mid: mid + 64] = bytes((b ^ 0xFF) for b in data[mid: mid + 64])
+        p = tmp_path / src.name
+        p.write_bytes(bytes(data))
+    elif kind == "missing":
+        p = tmp_path / "does_not_exist.pt"
+    elif kind == "directory":
+        p = tmp_path / "adir.pt"
+        p.mkdir()
+    else:  # pragma: no cover
+        raise AssertionError(kind)
+    return p
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.* deprecation, for the plain_jit file
+@pytest.mark.parametrize("kind", ["text", "empty", "tensor", "state_dict", "plain_jit", "plain_pt2",
+                                  "zip_with_junk_meta", "truncated", "truncated_tail", "corrupt_pt",
+                                  "corrupt_pt2", "missing", "directory"])
+def test_load_foreign_or_damaged_raises_artifact_error(kind, tmp_path, mlp):
+    path = _make_foreign(kind, tmp_path, mlp[4])
+    with pytest.raises(graphopt.ArtifactError) as ei:
+        graphopt.load(path)
+    msg = str(ei.value)
+    assert "\n" not in msg and path.name in msg
+    assert isinstance(ei.value, graphopt.GraphoptError)

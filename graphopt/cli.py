@@ -13,6 +13,8 @@ to see one).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -132,8 +134,11 @@ def cmd_explain(args) -> int:
     opt, _ = _optimize(args)
     opt.report.render(_console())
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(opt.report.to_json())
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(opt.report.to_json())
+        except OSError as e:
+            raise GraphoptError(f"cannot write {args.json}: {e.strerror or e}") from None
     return 0 if opt.report.accuracy.get("passed", True) else 1
 
 
@@ -173,6 +178,28 @@ def cmd_passes(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch's own loggers print multi-line tracebacks (fake-tensor dispatch failures during
+    capture) before graphopt turns the failure into its one-line error; the CLI keeps stderr to
+    that line. GRAPHOPT_TRACEBACK=1 or TORCH_LOGS leave torch's logging alone."""
+    if os.environ.get("GRAPHOPT_TRACEBACK") or os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    loggers = [logging.getLogger("torch")] + [
+        lg for name, lg in list(logging.Logger.manager.loggerDict.items())
+        if name.startswith("torch.") and isinstance(lg, logging.Logger)]
+    saved = [(lg, lg.level) for lg in loggers]
+    for lg, level in saved:
+        if level != logging.NOTSET or lg.name == "torch":
+            lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in saved:
+            lg.setLevel(level)
+
+
 def cmd_bench(args) -> int:
     from .bench import run_cli
 
@@ -189,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return COMMANDS[args.command](args)
+        with _quiet_torch_logs():
+            return COMMANDS[args.command](args)
     except GraphoptError as e:
         if os.environ.get("GRAPHOPT_TRACEBACK"):
             raise

@@ -10,6 +10,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from torch import nn
+
 from .errors import GraphoptError, ModelSpecError
 
 
@@ -21,7 +23,10 @@ def load_model(spec: str | None, **zoo_kwargs):
         spec = zoo.DEFAULT
     if ":" not in spec:
         if spec in zoo.names():
-            model, inputs = zoo.get(spec, **{k: v for k, v in zoo_kwargs.items() if v is not None})
+            try:
+                model, inputs = zoo.get(spec, **{k: v for k, v in zoo_kwargs.items() if v is not None})
+            except (ValueError, TypeError) as e:  # bad --batch / --seq-len
+                raise ModelSpecError(_line(e)) from None
             return model, inputs, spec
         if spec.endswith(".py"):
             raise ModelSpecError(f"'{spec}' names a file but no factory; write {spec}:make_model")
@@ -42,25 +47,31 @@ def load_model(spec: str | None, **zoo_kwargs):
         sys.modules[mod_name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise ModelSpecError(f"importing {where} failed: {type(e).__name__}: {_line(e)}") from None
     else:
         try:
             module = importlib.import_module(where)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise ModelSpecError(f"cannot import module '{where}': {type(e).__name__}: {_line(e)}") from None
     factory = getattr(module, factory_name, None)
-    if factory is None or not callable(factory):
+    if factory is None:
         raise ModelSpecError(f"{where} has no function '{factory_name}'")
+    if not callable(factory):
+        raise ModelSpecError(f"'{factory_name}' in {where} is not a function (it is {type(factory).__name__})")
     try:
         result = factory()
     except GraphoptError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ModelSpecError(f"factory {spec} raised {type(e).__name__}: {_line(e)}") from None
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise ModelSpecError(f"factory {spec} must return (model, example_inputs), got {type(result).__name__}")
-    return result[0], result[1], spec
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        got = f"a {type(result).__name__} of {len(result)}" if isinstance(result, (tuple, list)) else type(result).__name__
+        raise ModelSpecError(f"factory {spec} must return (model, example_inputs), got {got}")
+    model, inputs = result
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"factory {spec} returned a {type(model).__name__} as the model; it must be a torch.nn.Module")
+    return model, inputs, spec
 
 
 def _line(e: BaseException) -> str:

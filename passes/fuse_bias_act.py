@@ -87,6 +87,7 @@ class FuseBiasAct(Pass):
     family = "fusion"
     description = "GEMM/conv + bias + activation (+ residual) -> GEMM without bias + graphopt.bias_act (or aten._addmm_activation for ReLU)"
     requires = ("merge_sibling_linears", "fuse_swiglu")
+    inference_only = True  # graphopt's kernels have no autograd formulas
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()

@@ -189,6 +189,7 @@ class FuseElementwise(Pass):
     family = "fusion"
     description = "connected groups of pointwise ops -> one generated kernel (graphopt.fused_pointwise)"
     requires = ("fuse_swiglu", "fuse_bias_act")
+    inference_only = True  # graphopt's kernels have no autograd formulas
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()

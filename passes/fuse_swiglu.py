@@ -94,6 +94,7 @@ class FuseSwiglu(Pass):
     family = "fusion"
     description = "silu(gate) * up over the two halves of one tensor -> graphopt.swiglu"
     requires = ("merge_sibling_linears",)
+    inference_only = True  # graphopt's kernels have no autograd formulas
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()

@@ -130,3 +130,11 @@ def test_leaves_graphopt_kernels_alone_on_glm4_tiny():
     assert c["graphopt.swiglu.default"] == layers  # not swallowed by a pointwise group
     assert results[-1].rewrites and c[FP] == len(results[-1].rewrites)
     assert reference_check(model, gm, inputs).passed
+
+
+def test_not_on_training_graphs():
+    m = Chain()
+    x = torch.randn(4, 8, 16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200", training=True)
+    assert res.status == "skipped" and op_counts(gm)[FP] == 0

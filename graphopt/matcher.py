@@ -157,8 +157,7 @@ class Op(Pattern):
             return m.fail(f"{value.name} is {_desc(value)}, not {'/'.join(map(str, self.targets))}")
         if value in m.nodes:
             return _bind(self.name, value, m)
-        if m.nodes and self.single_use and len(value.users) > 1:
-            return m.fail(f"{value.name} has {len(value.users)} users; fusing it would duplicate work")
+        # readers outside the match are checked once the whole match is known (match())
         m.nodes.append(value)
         orders = [list(range(len(self.args)))]
         if self.commutative and len(self.args) >= 2:
@@ -208,7 +207,7 @@ def match(pattern: Pattern, node: fx.Node) -> Match | None:
         inside = set(m.nodes)
         for n in m.nodes[1:]:
             if any(u not in inside for u in n.users) and _needs_single_use(pattern, n):
-                m.why = f"{n.name} is read outside the match"
+                m.why = f"{n.name} is read outside the match; fusing it would duplicate work"
                 _log(node, m)
                 return None
         return m
@@ -225,6 +224,8 @@ def _needs_single_use(pattern: Pattern, node: fx.Node) -> bool:
                 return False
             stack.extend(p.args)
             stack.extend(p.kwargs.values())
+        elif isinstance(p, Alt):
+            stack.extend(p.alternatives)
     return True
 
 

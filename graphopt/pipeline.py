@@ -22,7 +22,7 @@ import torch.fx as fx
 from . import ir
 from .cost.model import CostModel
 from .cost.profiles import DeviceProfile
-from .errors import PassConfigError
+from .errors import GraphoptError, PassConfigError
 
 # why kernel fusions are refused on a CPU profile (the report shows it)
 NO_FUSED_KERNELS = "graphopt's fused kernels are CUDA kernels; on the CPU their reference implementation is no faster"
@@ -295,13 +295,27 @@ class PassManager:
             saved_graph = copy.deepcopy(gm.graph)
             t0 = time.perf_counter()
             ctx.observer = ir.ProvenanceObserver(gm, p.name)
-            with ctx.observer.active():
-                out = p.run(gm, ctx)
-            ctx.observer = None
+            try:
+                with ctx.observer.active():
+                    out = p.run(gm, ctx)
+            except (GraphoptError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # a pass bug must not cost the user the other passes
+                if ctx.options.get("strict"):
+                    raise
+                gm.graph = saved_graph
+                ir.remove_unused_attributes(gm)
+                gm.recompile()
+                ir.repropagate(gm)
+                out = p.result()
+                out.status = "reverted"
+                out.notes.append(f"reverted: the pass raised {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            finally:
+                ctx.observer = None
             out.predicted_s_before, out.peak_bytes_before = res.predicted_s_before, res.peak_bytes_before
             res = out
             res.family = p.family
-            if res.changed:
+            if res.changed and res.status != "reverted":
                 gm.recompile()
                 if ctx.verify:
                     ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes)

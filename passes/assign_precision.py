@@ -250,7 +250,7 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
             if ins and out is not None and out.dtype.is_floating_point:
                 cur[node] = dtype_of(ins[0])
             continue
-        if name in PINNED:
+        if name in PINNED or name == "fused_pointwise":  # a fused program carries its own dtypes
             continue
         if name in SENSITIVE or node.name in forced:
             convert_inputs(node, low, FP32)

@@ -222,10 +222,7 @@ def test_optimize_fp32_one_rewrite_per_layer(name, layers):
 
 
 @pytest.mark.parametrize("name,layers", [
-    pytest.param("bert-tiny", 2, marks=pytest.mark.xfail(
-        raises=RuntimeError, strict=False,
-        reason="assign_precision (default precision on h200) leaves the embeddings LayerNorm/QKV linear in fp32 "
-               "while lowering the padding mask `where` to bf16; SDPA then rejects a bf16 attn_mask with fp32 q")),
+    ("bert-tiny", 2),
     ("glm4-tiny", 2),
 ])
 def test_optimize_default_precision_one_rewrite_per_layer(name, layers):

@@ -79,13 +79,14 @@ def compare_leaf(i, out, ref64, eager, training=False, dtype=None) -> LeafResult
     if out.shape != ref64.shape:
         return LeafResult(i, False, "fail", float("inf"), float("inf"), None, 0.0)
     if not (out.is_floating_point() or out.is_complex()):
-        same = torch.equal(out.cpu(), ref64.to(out.dtype).cpu())
+        same = torch.equal(out, ref64.to(device=out.device, dtype=out.dtype))
         return LeafResult(i, same, "exact" if same else "fail", 0.0 if same else float("inf"), 0.0, None, 0.0)
     if dtype is None:
         dtype = eager.dtype if eager is not None and eager.is_floating_point() else out.dtype
     tol = tolerance(dtype, training)
-    o = out.detach().double().cpu()
-    r = ref64.detach().double().cpu()
+    # compared in float64 on the output's device: a GPU holds a decoder's logits, the host may not
+    o = out.detach().double()
+    r = ref64.detach().to(device=o.device, dtype=torch.float64)
     if torch.isnan(o).any() and not torch.isnan(r).any():
         return LeafResult(i, False, "fail", float("nan"), float("nan"), None, tol)
     finite = torch.isfinite(r)
@@ -94,7 +95,7 @@ def compare_leaf(i, out, ref64, eager, training=False, dtype=None) -> LeafResult
     err = rmse(o[finite], r[finite])
     if torch.allclose(o, r, atol=tol, rtol=tol, equal_nan=True):
         return LeafResult(i, True, "allclose", max_err, err, None, tol)
-    eager_err = rmse(eager.detach().double().cpu()[finite], r[finite]) if eager is not None else None
+    eager_err = rmse(eager.detach().to(device=o.device, dtype=torch.float64)[finite], r[finite]) if eager is not None else None
     if eager_err is not None and err <= k_factor(dtype) * eager_err + tol / 10:
         return LeafResult(i, True, "rmse", max_err, err, eager_err, tol)
     return LeafResult(i, False, "fail", max_err, err, eager_err, tol)

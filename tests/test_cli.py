@@ -67,9 +67,12 @@ def test_explain_mlp_json_schema(capfd, tmp_path):
         assert isinstance(p["rejected"], list)
         for r in p["rejected"]:
             assert set(r) >= {"candidate", "reason"} and r["reason"]
-    # the table printed on stdout shows every pass
+    # the table printed on stdout shows every pass, then the summary lines
     for name in PIPELINE:
         assert name in out
+    for words in ("predicted", "roofline floor", "peak memory", "bottleneck", "compute-bound", "memory-bound",
+                  "launch-bound", "accuracy vs fp64 reference: passed"):
+        assert words in out, words
 
 
 def test_explain_default_model_is_resnet50_with_53_folds(capfd, tmp_path):

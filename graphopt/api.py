@@ -112,7 +112,30 @@ class OptimizedModule(nn.Module):
                                  f"(dynamic dims: {sorted(dyn) or 'none'}) - pass dynamic= to graphopt.optimize "
                                  "or optimize again for this shape")
 
+    _convention = None  # (inspect.Signature of the model's forward, positional names, keyword names)
+
+    def _as_optimized(self, args, kwargs):
+        """Re-spell a call in the convention the graph was captured with (positional vs keyword),
+        so opt(x=t) works for a model optimized with opt(t) and vice versa."""
+        if self._convention is None:
+            return args, kwargs
+        sig, pos_names, kw_names = self._convention
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise GuardError(f"cannot call the optimized module this way: {e}") from None
+        extra = [k for k in bound.arguments if k not in pos_names and k not in kw_names]
+        if extra:
+            raise GuardError(f"argument(s) {', '.join(extra)} were not given when the model was optimized; "
+                             "optimize again with them in example_inputs")
+        missing = [k for k in list(pos_names) + list(kw_names) if k not in bound.arguments]
+        if missing:
+            raise GuardError(f"argument(s) {', '.join(missing)} were given when the model was optimized and "
+                             "are missing now")
+        return tuple(bound.arguments[k] for k in pos_names), {k: bound.arguments[k] for k in kw_names}
+
     def forward(self, *args, **kwargs):
+        args, kwargs = self._as_optimized(args, kwargs)
         self._guard(args, kwargs)
         if self._runner is None:
             return self.graph_module(*args, **kwargs)
@@ -156,7 +179,7 @@ class _AccuracyGuard:
         self.batches = [(args, kwargs)] + [split_inputs(b) for b in (calibration_data or [])]
         self.ref64, self.eager = [], []
         for a, k in self.batches:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
                 self.eager.append(_run(model, a, k, training))
             self.ref64.append(accuracy.fp64_reference(model, a, k))
         self._low: dict = {}
@@ -171,12 +194,32 @@ class _AccuracyGuard:
             del low
         return self._low[dtype]
 
+    def _keep_buffers(self, gm):
+        """Running a training graph updates BatchNorm statistics; the guard's runs must not."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def keep():
+            if not self.training:
+                yield
+                return
+            bufs = {id(b): (b, b.detach().clone()) for m in (self.model, gm) for b in m.buffers()}
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for b, saved in bufs.values():
+                        b.copy_(saved)
+
+        return keep()
+
     def __call__(self, gm, low_dtype=None):
         # a graph lowered to bf16/fp16 gets that dtype's tolerance; the yardstick stays the
         # model as written (fp32), the same bar the hand-converted model is reported against
         result = None
         for (a, k), ref, eager in zip(self.batches, self.ref64, self.eager):
-            out = _run(gm, a, k, self.training)
+            with self._keep_buffers(gm):
+                out = _run(gm, a, k, self.training)
             result = accuracy.check(out, ref, eager, training=self.training, dtype=low_dtype)
             if not result.passed:
                 return result
@@ -235,8 +278,9 @@ def optimize(
         except (RuntimeError, TypeError):
             raise GraphoptError(f"unknown device '{device}'") from None
         if want.type != model_dev.type:
+            hint = f" or use target='{want.type}' to only plan for it" if want.type in ("cuda", "cpu") else ""
             raise GraphoptError(f"the model is on {model_dev} but device={want}; move the model and inputs "
-                                f"(model.to('{want}')) or use target='{want.type}' to only plan for it")
+                                f"(model.to('{want}')){hint}")
     for x in flat:
         if isinstance(x, torch.Tensor) and x.device.type != model_dev.type:
             raise GraphoptError(f"an example input is on {x.device} but the model is on {model_dev}")
@@ -297,7 +341,22 @@ def optimize(
     signature, dyn = _signature(flat, args, kwargs, model, dynamic)
     opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=training)
     opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+    opt._convention = _calling_convention(model, args, kwargs)
     return opt
+
+
+def _calling_convention(model, args, kwargs):
+    import inspect
+
+    try:
+        sig = inspect.signature(model.forward)
+        params = list(sig.parameters.values())
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return None
+        pos_names = [p.name for p in params[:len(args)]]
+        return sig, pos_names, list(kwargs)
+    except (TypeError, ValueError):
+        return None
 
 
 def _signature(flat, args, kwargs, model, dynamic):

@@ -46,6 +46,8 @@ def _add_model_args(p):
     p.add_argument("--passes", help="comma-separated pass ids to run (default: the whole pipeline)")
     p.add_argument("--disable", help="comma-separated pass ids to leave out")
     p.add_argument("--target", help="plan for this cost profile (h200, a100, cpu or a .json) instead of --device's")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="mixed precision (default auto: bf16 where the cost model predicts a gain)")
     p.add_argument("--no-accuracy", action="store_true", help="skip the fp64 accuracy guard")
     p.add_argument("--dump-ir", metavar="DIR", help="write the graph after each pass to DIR/NNN_<pass>.py")
 
@@ -119,7 +121,8 @@ def _optimize(args):
 
     model, inputs, name, device = _load(args)
     opt = optimize(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
-                   check_accuracy=not args.no_accuracy, dump_dir=args.dump_ir, model_name=name)
+                   check_accuracy=not args.no_accuracy, dump_dir=args.dump_ir, model_name=name,
+                   precision=args.precision)
     return opt, inputs
 
 

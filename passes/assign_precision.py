@@ -47,6 +47,7 @@ PINNED = {
 }
 COMPUTE_HEAVY = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
 MAX_OFFENDERS = 12
+MAX_CHECKS = 48  # accuracy checks (each a forward pass) the search may spend
 FP32 = torch.float32
 
 
@@ -104,10 +105,12 @@ class AssignPrecision(Pass):
         if guard is not None:
             forced: set = set()
             result = guard(gm, low)
-            while not result.passed and len(kept) < MAX_OFFENDERS:
+            checks = [1]
+            while not result.passed and len(kept) < MAX_OFFENDERS and checks[0] < MAX_CHECKS:
                 candidates = [n for n in order if n not in forced]
 
                 def fails(prefix_len: int) -> bool:
+                    checks[0] += 1
                     _restore(gm, base)
                     _lower(gm, low, forced | set(candidates[prefix_len:]), ctx.training, consts)
                     return not guard(gm, low).passed
@@ -129,7 +132,8 @@ class AssignPrecision(Pass):
             if not result.passed:
                 _restore(gm, base)
                 res.reject(f"{str(low)[6:]} assignment", f"still fails the accuracy rule after keeping {len(kept)} "
-                                                         f"nodes in fp32 ({result.reason}); model left in fp32")
+                                                         f"nodes in fp32 and {checks[0]} checks ({result.reason}); "
+                                                         "model left in fp32")
                 return res
             if hasattr(guard, "hand_converted_result"):
                 ok, rmse = guard.hand_converted_result(low)
@@ -171,6 +175,11 @@ def _choose_dtype(request: str, ctx: PassContext):
     if bf <= f32:
         return None, (f"bf16 matmuls measured slower than fp32 on this CPU ({bf / 1e9:.0f} vs {f32 / 1e9:.0f} "
                       "GFLOP/s); pass precision='bf16' to force it")
+    if prof.kind == "cpu":
+        # the profile measures matmuls only; bf16 convolutions and elementwise kernels are often
+        # much slower than fp32 on CPUs without AMX, so "auto" does not bet on them
+        return None, (f"on the CPU, auto keeps fp32 (bf16 matmul {bf / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s "
+                      "measured, other bf16 kernels not); pass precision='bf16' to force it")
     return torch.bfloat16, ""
 
 

@@ -228,8 +228,6 @@ def test_training_batchnorm_running_stats_update_as_in_eager(conv_bn_training):
         assert int(bn.num_batches_tracked) == int(ebn.num_batches_tracked)
 
 
-@pytest.mark.xfail(strict=True, reason="optimize(training=True) runs the model in train mode for its "
-                                       "accuracy guard, which updates the model's BatchNorm running stats")
 def test_training_optimize_leaves_running_stats_alone():
     model, inputs = zoo.get("shape-branch")
     model.train()
@@ -266,3 +264,15 @@ def test_input_on_another_device_than_the_model(mlp):
 def test_not_a_module(model):
     with pytest.raises(graphopt.GraphoptError, match="nn.Module"):
         graphopt.optimize(model, (torch.randn(2, 2),))
+
+
+def test_keyword_and_positional_calls_are_the_same_call():
+    model, (ids, mask) = zoo.get("bert-tiny")
+    opt = graphopt.optimize(model, (ids, mask), precision="fp32")
+    a = opt(ids, mask).last_hidden_state
+    b = opt(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(a, b)
+    with pytest.raises(graphopt.GuardError, match="token_type_ids"):
+        opt(ids, mask, token_type_ids=torch.zeros_like(ids))
+    with pytest.raises(graphopt.GuardError, match="missing"):
+        opt(input_ids=ids)

@@ -125,3 +125,11 @@ def test_training_keeps_fp32_master_weights_and_gradients_flow():
     for g, g32 in zip(grads, [p.grad for p in m32.parameters()]):
         rel = (g - g32).norm() / g32.norm()
         assert rel < 5e-2, rel
+
+
+def test_auto_keeps_fp32_on_the_cpu_even_with_fast_bf16_matmuls():
+    prof, _ = get_profile("cpu")
+    fast = type(prof)(**{**prof.to_dict(), "peak_flops": {**prof.peak_flops, "bfloat16": prof.peak_flops["float32"] * 4}})
+    model, inputs = zoo.get("mlp")
+    res = graphopt.optimize(model, inputs, precision="auto", target=fast).report.pass_result("assign_precision")
+    assert res.status == "unchanged" and "auto keeps fp32" in res.rejected[0].reason

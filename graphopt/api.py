@@ -351,7 +351,7 @@ def _calling_convention(model, args, kwargs):
     try:
         sig = inspect.signature(model.forward)
         params = list(sig.parameters.values())
-        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        if any(p.kind == p.VAR_POSITIONAL for p in params):
             return None
         pos_names = [p.name for p in params[:len(args)]]
         return sig, pos_names, list(kwargs)

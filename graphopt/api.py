@@ -244,6 +244,7 @@ def optimize(
     dynamic: dict | None = None,
     precision: str = "auto",
     calibration_data=None,
+    cuda_graphs="auto",
     check_accuracy: bool = True,
     verify: bool = True,
     dump_dir: str | Path | None = None,
@@ -261,6 +262,7 @@ def optimize(
       ops kept in fp32, guarded by the accuracy rule), "bf16", "fp16", or "fp32" (leave dtypes).
     calibration_data: more example inputs (a list, each like ``example_inputs``) the precision
       guard also checks.
+    cuda_graphs: "auto" (replay CUDA graphs for static-shape inference on CUDA), True or False.
     check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
     dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
     """
@@ -339,7 +341,7 @@ def optimize(
         top_nodes=[{"node": c.node, "op": c.op, "ms": c.time_s * 1e3, "bound": c.bound} for c in top if c.time_s > 0],
     )
     signature, dyn = _signature(flat, args, kwargs, model, dynamic)
-    opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=training)
+    opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=training, cuda_graphs=cuda_graphs)
     opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
     opt._convention = _calling_convention(model, args, kwargs)
     return opt

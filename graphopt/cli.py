@@ -4,6 +4,7 @@
     graphopt export  [MODEL] -o out.pt [--format torchscript|pt2]
     graphopt zoo
     graphopt passes
+    graphopt build-kernels [--arch sm_90] [--force]
     graphopt bench   [MODEL...] [--vs eager,compile,compile-ro] [--dtype bf16] [--batch N] [--reps N] [--out DIR]
 
 User mistakes print one line on stderr and exit 2, never a traceback (set GRAPHOPT_TRACEBACK=1
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-guard", action="store_true", help="optimize without graphopt's fp64 accuracy guard (the bench still checks accuracy)")
     p.add_argument("--out", metavar="DIR", help="where the JSON + Markdown go (default benchmarks/results)")
     p.add_argument("--no-save", action="store_true", help="print the table only")
+    p = sub.add_parser("build-kernels", help="compile the bundled CUDA kernels now (else on first import on a GPU)")
+    p.add_argument("--arch", help="comma-separated archs, e.g. sm_80,sm_90 (default: the GPU found)")
+    p.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     sub.add_parser("zoo", help="list the bundled models")
     sub.add_parser("passes", help="list the passes in pipeline order")
     return parser
@@ -209,7 +213,24 @@ def cmd_bench(args) -> int:
     return run_cli(args)
 
 
-COMMANDS = {"explain": cmd_explain, "export": cmd_export, "zoo": cmd_zoo, "passes": cmd_passes, "bench": cmd_bench}
+def cmd_build_kernels(args) -> int:
+    from rich.progress import Progress
+
+    from .cuda_ext import build
+
+    archs = _csv(args.arch)
+    with Progress(transient=False) as progress:
+        task = progress.add_task("building cuda_ext", total=None)
+
+        def update(done, total, message):
+            progress.update(task, completed=done, total=total, description=message[:60])
+
+        path = build.build_kernels(progress_callback=update, arch_list=archs, force=args.force)
+    _console().print(f"kernels built: {path}")
+    return 0
+
+
+COMMANDS = {"build-kernels": cmd_build_kernels, "explain": cmd_explain, "export": cmd_export, "zoo": cmd_zoo, "passes": cmd_passes, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,6 +137,15 @@ def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
     return False
 
 
+def _static_repeat(node: fx.Node, name: str) -> bool:
+    """repeat_interleave with integer repeats (GLM's rotary tables) has a static output size;
+    only the Tensor-repeats overload needs the host to size its output."""
+    if name != "repeat_interleave":
+        return False
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    return isinstance(repeats, int)
+
+
 def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynamic: bool = False,
            training: bool = False, device_type: str = "cuda") -> Decision:
     """Decide whether ``gm`` called with inputs like ``example_flat_inputs`` should be replayed as
@@ -172,7 +181,7 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
             continue
         if name in RANDOM_OPS and _is_active_dropout(n):
             return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
-        if name in HOST_SYNC_OPS:
+        if name in HOST_SYNC_OPS and not _static_repeat(n, name):
             return Decision(False, f"data-dependent op {name} ({n.name}) synchronizes with the host", mode, device)
         muts = _mutated_placeholders(n)
         if muts:

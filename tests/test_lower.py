@@ -100,6 +100,20 @@ def test_decide_off_for_host_sync_ops():
     assert not d.on and "nonzero" in d.why
 
 
+def test_repeat_interleave_with_int_repeats_is_static():
+    # GLM's rotary tables: repeat_interleave(t, 2, dim=-1) has a static size; Tensor repeats do not
+    g = fx.Graph()
+    xn = g.placeholder("x")
+    g.output(g.call_function(torch.ops.aten.repeat_interleave.self_int, (xn, 2, -1)))
+    x = torch.randn(4, 4)
+    assert decide(fx.GraphModule(nn.Module(), g), [x], device_type="cpu").on
+    g2 = fx.Graph()
+    rn = g2.placeholder("r")
+    g2.output(g2.call_function(torch.ops.aten.repeat_interleave.Tensor, (rn,)))
+    d = decide(fx.GraphModule(nn.Module(), g2), [torch.tensor([1, 2])], device_type="cpu")
+    assert not d.on and "repeat_interleave" in d.why
+
+
 def test_decide_off_for_input_mutation():
     g = fx.Graph()
     x = g.placeholder("x")
@@ -405,7 +419,8 @@ def test_cuda_outputs_do_not_alias_by_default():
 @pytest.mark.cuda
 def test_cuda_to_resets_and_grad_falls_back():
     model, inputs = zoo.get("resnet50", batch=1, device="cuda")
-    opt = graphopt.optimize(model, inputs)
+    # fp32 and no folding: the graph reads the model's own parameters, which require grad
+    opt = graphopt.optimize(model, inputs, precision="fp32", passes=["eliminate_dead_code"])
     with torch.no_grad():
         opt(*inputs)
     assert opt.runner.num_graphs == 1

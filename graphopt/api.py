@@ -66,6 +66,27 @@ class OptimizedModule(nn.Module):
                              reuse_outputs=reuse_outputs, dynamic=bool(self._dynamic_dims), training=self._training)
         decision = self._runner.decision
         note = decision.note()
+        if decision.on and mode == "auto" and not reuse_outputs:
+            # the cost model ranks the lowering too: replaying saves launch overhead, but each
+            # call then clones the outputs out of the graph's static memory
+            try:
+                profile, _ = get_profile(self.report.target)
+            except GraphoptError:
+                profile = None
+            if profile is not None:
+                launches = int(self.report.cost_after.get("kernel_launches", 0) or 0)
+                saving = launch_savings_s(launches, profile)
+                out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
+                out_bytes = sum(float(ir.concrete(t.nbytes)) for a in out_node.all_input_nodes for t in ir.infos(a))
+                clone = 2 * out_bytes / profile.bandwidth + len(out_node.all_input_nodes) * profile.launch_overhead_s
+                if saving <= clone:
+                    self._runner = lower(self.graph_module, example_flat, cuda_graphs=False, max_graphs=max_graphs,
+                                         reuse_outputs=reuse_outputs, dynamic=bool(self._dynamic_dims),
+                                         training=self._training)
+                    note = (f"CUDA graph: off (predicted launch saving {saving * 1e3:.3f} ms < {clone * 1e3:.3f} ms "
+                            f"to clone {out_bytes / 1e6:.0f} MB of outputs per call; "
+                            "set_cuda_graphs(True, reuse_outputs=True) replays without the clone)")
+                    decision = self._runner.decision
         if decision.on:
             launches = int(self.report.cost_after.get("kernel_launches", 0) or 0)
             try:

@@ -441,3 +441,17 @@ def test_cuda_graphs_off_for_cpu_tensors_in_graph():
     gm = capture(CpuIdx(), (x,))
     d = decide(gm, [x])
     assert not d.on and "cpu" in d.why
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_off_when_cloning_outputs_costs_more_than_launches_save():
+    class Big(nn.Module):
+        def forward(self, x):
+            return (x * 2).expand(64, -1, -1).contiguous()  # 2 kernels, a 256 MB output
+
+    x = torch.randn(1024, 1024, device="cuda")
+    opt = graphopt.optimize(Big(), (x,), check_accuracy=False)
+    assert not opt.runner.decision.on or "clone" in opt.report.notes[-1]
+    assert any("to clone" in n for n in opt.report.notes)
+    opt.set_cuda_graphs(True, reuse_outputs=True)
+    assert opt.runner.decision.on

@@ -212,6 +212,8 @@ class CostModel:
         if kind == "matmul":
             dtype = ir.arg_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
+            if _op_name(node) in CONV_OPS and conv_layout_penalized(ir.arg_infos(node)[0], p):
+                rate = rate / p.conv_nchw_slowdown
         else:
             rate = p.elementwise_flops
         compute = flops / rate
@@ -323,6 +325,22 @@ def _positional(node: fx.Node, name: str):
             if a.name == name:
                 return node.args[i] if i < len(node.args) else None
     return None
+
+
+def is_channels_last(t: ir.TensorInfo | None) -> bool:
+    """A 4-D tensor whose channel dim is the innermost in memory (NHWC)."""
+    if t is None or t.stride is None or len(t.shape) != 4:
+        return False
+    return t.stride[1] == 1 and t.shape[1] != 1
+
+
+def conv_layout_penalized(x: ir.TensorInfo | None, profile: DeviceProfile) -> bool:
+    """Tensor-core convolutions on an NCHW input pay the profile's measured slowdown."""
+    if profile.conv_nchw_slowdown <= 1.0 or x is None or len(x.shape) != 4 or is_channels_last(x):
+        return False
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return True
+    return x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
 
 
 def _num(v) -> float:

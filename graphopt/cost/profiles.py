@@ -34,6 +34,9 @@ class DeviceProfile:
     source: dict = field(default_factory=dict)
     link_bandwidth: dict = field(default_factory=dict)
     sm_count: int = 0
+    # how much slower tensor-core convolutions run on NCHW than on channels_last inputs
+    # (1.0 = no difference, or not measured on this device)
+    conv_nchw_slowdown: float = 1.0
     # per kernel inside a replayed CUDA graph (graphopt.lower): the launch cost a graph leaves
     launch_overhead_graph_s: float = 1e-6
 

@@ -1,0 +1,76 @@
+import torch
+import torch.nn as nn
+
+from graphopt import capture, ir
+from graphopt.examples import zoo
+from graphopt.pipeline import run_passes
+from tests.helpers import reference_check
+
+aten = torch.ops.aten
+
+
+class FeatureMap(nn.Module):
+    """Returns a 4-D feature map: the caller must get it back in the contiguous layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 3, padding=1)
+        self.dw = nn.Conv2d(64, 64, 3, padding=1, groups=64)
+        self.conv2 = nn.Conv2d(64, 64, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.conv1(x))
+        return self.conv2(torch.relu(self.dw(h)) + h)
+
+
+def _convs(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.conv2d.default]
+
+
+def test_converts_weights_once_and_inputs_at_the_boundary():
+    m = FeatureMap().eval().to(torch.bfloat16)
+    x = torch.randn(8, 3, 64, 64, dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    assert res.status == "applied" and res.details["convolutions"] == 3
+    for c in _convs(gm):
+        w = c.args[1]
+        assert w.op == "get_attr" and ir.get_attr_value(gm, w.target).is_contiguous(memory_format=torch.channels_last)
+    clones = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+    assert [n.kwargs["memory_format"] for n in clones] == [torch.channels_last, torch.contiguous_format]
+    out = gm(x)
+    assert out.is_contiguous()  # the layout the caller expects
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_small_maps_are_not_worth_the_conversions():
+    m = FeatureMap().eval().to(torch.bfloat16)
+    x = torch.randn(1, 3, 8, 8, dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    assert res.status == "unchanged" and "no gain" in res.rejected[0].reason
+
+
+def test_refused_where_no_penalty_is_measured():
+    m = FeatureMap().eval()
+    x = torch.randn(2, 3, 16, 16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["convert_channels_last"], target="cpu")
+    assert res.status == "unchanged" and "no measured NCHW penalty" in res.rejected[0].reason
+    assert not any(n.target is aten.clone.default for n in gm.graph.nodes)
+
+
+def test_no_convolutions_nothing_to_do():
+    model, inputs = zoo.get("mlp", dtype=torch.bfloat16)
+    gm = capture(model, inputs)
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    assert res.status == "unchanged" and not res.rejected
+
+
+def test_resnet50_one_region_and_accuracy():
+    model, inputs = zoo.get("resnet50", dtype=torch.bfloat16)
+    gm = capture(model, inputs)
+    (res,) = run_passes(gm, ["fold_conv_bn", "convert_channels_last"], target="h200")[1:]
+    assert res.status == "applied" and res.details["convolutions"] == 53
+    assert res.details["input_conversions"] == 1 and res.details["output_conversions"] == 0
+    assert reference_check(model, gm, inputs).passed

@@ -132,6 +132,13 @@ class FuseBiasAct(Pass):
         if gemm.target in CONVS and len(ir.info(gemm).shape) != len(ir.info(m["x"]).shape):
             res.reject(label, "unbatched convolution")
             return None
+        if gemm.target is aten.conv2d.default and ctx.profile.conv_nchw_slowdown > 1.0:
+            # bias_act writes a contiguous (NCHW) tensor: inside the channels_last region that
+            # convert_channels_last builds on this device, every following convolution would get
+            # an NCHW input again (measured on the H200: ResNet-50 bs64 12.1 ms instead of ~5)
+            res.reject(label, "the epilogue kernel writes NCHW and would break the channels_last region "
+                              f"(NCHW convolutions measured {ctx.profile.conv_nchw_slowdown:g}x slower on {ctx.profile.name})")
+            return None
         if any(ir.info(n).dtype != yi.dtype or tuple(ir.info(n).shape) != tuple(yi.shape)
                for n in (act, radd) if n is not None):
             res.reject(label, "the epilogue broadcasts or changes dtype")

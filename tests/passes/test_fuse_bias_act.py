@@ -84,7 +84,8 @@ def test_conv_bias_act(act, dtype):
     m = ConvAct(ACTS[act]).eval().to(dtype)
     x = torch.randn(2, 8, 10, 10, dtype=dtype)
     gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    # a100: no measured NCHW penalty, so no channels_last region for the epilogue to break
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="a100")
     c = op_counts(gm)
     assert len(res.rewrites) == 1 and c[BIAS_ACT] == 1 and c["aten.conv2d.default"] == 1
     conv = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.conv2d.default)
@@ -98,9 +99,18 @@ def test_conv_bias_residual_no_activation():
     m = ConvAct(nn.Identity(), residual=True).eval()
     x = torch.randn(2, 8, 10, 10)
     gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="a100")
     assert op_counts(gm)[BIAS_ACT] == 1 and op_counts(gm)["aten.add.Tensor"] == 0
     assert reference_check(m, gm, (x,)).passed
+
+
+def test_conv_epilogue_refused_where_channels_last_pays():
+    m = ConvAct(nn.ReLU()).eval().to(torch.bfloat16)
+    x = torch.randn(2, 8, 10, 10, dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    assert op_counts(gm)[BIAS_ACT] == 0
+    assert any("channels_last" in r.reason for r in res.rejected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -197,6 +197,8 @@ class FuseElementwise(Pass):
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         ok = {n for n in gm.graph.nodes if not fusible(n, dtypes) and not _is_free(ctx, n)}
         candidates = []
+        has_conv2d = ctx.profile.conv_nchw_slowdown > 1.0 and any(
+            n.op == "call_function" and n.target is torch.ops.aten.conv2d.default for n in gm.graph.nodes)
         for group in self._groups(gm, ok, order):
             real = [n for n in group if not _is_free(ctx, n)]
             if len(real) < 2:
@@ -218,6 +220,14 @@ class FuseElementwise(Pass):
                 continue
             if not ctx.fused_kernels:
                 res.reject(label, NO_FUSED_KERNELS)
+                continue
+            if has_conv2d and any(len(ir.info(o).shape) == 4 for o in outs):
+                # the generated kernel writes contiguous (NCHW) outputs: inside the channels_last
+                # region convert_channels_last builds on this device, the next convolution would
+                # get NCHW again (measured on the H200: ResNet-50 bs64 9.4 ms vs 6.0 eager)
+                res.reject(label, "writes NCHW outputs and would break the channels_last region "
+                                  f"(NCHW convolutions measured {ctx.profile.conv_nchw_slowdown:g}x slower on "
+                                  f"{ctx.profile.name})")
                 continue
             gain = ctx.node_time(group) - _fused_time(ctx, group, ins, outs)
             candidates.append(Candidate("pointwise group", group, gain,

@@ -97,8 +97,15 @@ class PassResult:
         self.rewrites.append(Rewrite(pattern, names(matched), names(replacement), gain_s))
         self.changed = True
 
-    def apply_ranked(self, ctx: "PassContext", candidates: list[Candidate], allow_zero_gain: bool = False) -> None:
-        """Apply candidates best predicted gain first; skip overlaps and predicted losses."""
+    def apply_ranked(self, ctx: "PassContext", candidates: list[Candidate], allow_zero_gain: bool = False,
+                     fused_kernels: bool = False) -> None:
+        """Apply candidates best predicted gain first; skip overlaps and predicted losses.
+        ``fused_kernels=True``: the rewrites call torch.ops.graphopt.* kernels, so on a profile
+        where they cannot pay (a CPU) every candidate is refused with NO_FUSED_KERNELS."""
+        if fused_kernels and not ctx.fused_kernels:
+            for c in candidates:
+                self.reject(c.description, NO_FUSED_KERNELS)
+            return
         taken: set = set()
         winners: dict = {}
         for c in sorted(candidates, key=lambda c: -c.gain_s):

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.matcher import Alt, Any, Op, find
-from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
+from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from ._norms_common import Seq, kernel_time, position
 
@@ -187,11 +187,7 @@ class FuseRotary(Pass):
                     continue
                 rs.remove(partner)
                 candidates.append(self._candidate(gm, ctx, a, partner))
-        if not ctx.fused_kernels:
-            for c in candidates:
-                res.reject(c.description, NO_FUSED_KERNELS)
-            return res
-        res.apply_ranked(ctx, candidates)
+        res.apply_ranked(ctx, candidates, fused_kernels=True)
         return res
 
     @staticmethod

@@ -161,13 +161,12 @@ class CostModel:
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
         if name in MATMUL_OPS:
-            a, b = ins[0], ins[1]
-            k = a.shape[-1]
+            k = ins[0].shape[-1]
             out = outs[0]
             flops = 2 * out.numel * k
             return flops, in_bytes + out_bytes, 1, "matmul"
         if name in CONV_OPS:
-            x, w = ins[0], ins[1]
+            w = ins[1]
             out = outs[0]
             kernel = _prod(w.shape[1:])  # Cin/groups * kh * kw
             flops = 2 * out.numel * kernel

@@ -253,6 +253,24 @@ class _AccuracyGuard:
         return all(r.passed for r in res), max(r.worst_rmse for r in res)
 
 
+def _fp64_memory_shortfall(model: nn.Module, device: torch.device) -> str:
+    """The guard runs a float64 copy of the model beside it; say so if that cannot fit."""
+    need = sum(p.numel() for p in model.parameters()) * 8 + sum(b.numel() for b in model.buffers()) * 8
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+            free = info.get("MemAvailable", info.get("MemFree", 0))
+        except (OSError, ValueError):
+            return ""
+    if need * 1.5 > free:
+        return (f"the float64 reference copy needs {need / 1e9:.1f} GB of parameters and {free / 1e9:.1f} GB are free "
+                f"on {device}; not checked (run on a device with more memory, or check_accuracy=False to silence this)")
+    return ""
+
+
 def optimize(
     model: nn.Module,
     example_inputs,
@@ -325,8 +343,11 @@ def optimize(
         acc_info: dict = {"checked": False}
         check = None
         if check_accuracy:
+            short = _fp64_memory_shortfall(model, model_dev)
             if training and _has_random_ops(gm):
                 acc_info["reason"] = "the training graph has random ops (dropout); outputs differ run to run"
+            elif short:
+                acc_info["reason"] = short
             else:
                 check = _AccuracyGuard(model, args, kwargs, training, model_dev, calibration_data)
 

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="optimize a model and print what each pass did")
     _add_model_args(p)
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--measure", action="store_true",
+                   help="also time the graph before and after, node by node and whole, beside the predictions (graphopt/measure.py)")
     p = sub.add_parser("export", help="optimize a model and save a TorchScript or .pt2 artifact")
     _add_model_args(p)
     p.add_argument("-o", "--output", required=True, help="output path (.pt for TorchScript, .pt2 for torch.export)")
@@ -79,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-kernels", help="compile the bundled CUDA kernels now (else on first import on a GPU)")
     p.add_argument("--arch", help="comma-separated archs, e.g. sm_80,sm_90 (default: the GPU found)")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    p = sub.add_parser("calibrate", help="measure this device and write a cost profile JSON (graphopt/calibrate.py)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if present)")
+    p.add_argument("-o", "--output", help="profile path (default: <name>-calibrated.json)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     sub.add_parser("zoo", help="list the bundled models")
     sub.add_parser("passes", help="list the passes in pipeline order")
     return parser
@@ -127,6 +133,7 @@ def _optimize(args):
     opt = optimize(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
                    check_accuracy=not args.no_accuracy, dump_dir=args.dump_ir, model_name=name,
                    precision=args.precision)
+    args._model = model  # explain --measure captures it again for the before graph
     return opt, inputs
 
 
@@ -138,7 +145,11 @@ def _console():
 
 
 def cmd_explain(args) -> int:
-    opt, _ = _optimize(args)
+    opt, inputs = _optimize(args)
+    if getattr(args, "measure", False):
+        from .measure import measure_report
+
+        measure_report(opt, args._model, inputs)
     opt.report.render(_console())
     if args.json:
         try:
@@ -213,6 +224,12 @@ def cmd_bench(args) -> int:
     return run_cli(args)
 
 
+def cmd_calibrate(args) -> int:
+    from .calibrate import run_cli
+
+    return run_cli(args)
+
+
 def cmd_build_kernels(args) -> int:
     from rich.progress import Progress
 
@@ -230,7 +247,8 @@ def cmd_build_kernels(args) -> int:
     return 0
 
 
-COMMANDS = {"build-kernels": cmd_build_kernels, "explain": cmd_explain, "export": cmd_export, "zoo": cmd_zoo, "passes": cmd_passes, "bench": cmd_bench}
+COMMANDS = {"build-kernels": cmd_build_kernels, "explain": cmd_explain, "export": cmd_export, "zoo": cmd_zoo, "passes": cmd_passes, "bench": cmd_bench,
+            "calibrate": cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

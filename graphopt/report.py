@@ -147,6 +147,40 @@ class Report:
                           f"(max |err| {acc.get('max_abs_err', 0):.3g}, rmse {acc.get('rmse', 0):.3g})")
         else:
             console.print(f"[bold]accuracy[/bold] not checked: {acc.get('reason', '')}")
+        if self.measured:
+            self._render_measured(console)
         for note in self.notes:
             console.print(f"• {note}")
         console.print(f"optimized in {self.optimize_seconds:.2f} s")
+
+    def _render_measured(self, console, max_nodes: int = 20) -> None:
+        """``explain --measure``: predicted vs measured, whole graph and per node, and the busy fraction."""
+        from rich.table import Table
+
+        m = self.measured
+        f = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+        pct = lambda v: "n/a on CPU" if v is None and str(m.get("device", "")).startswith("cpu") else (  # noqa: E731
+            "n/a" if v is None else f"{v:.0%}")
+        err = lambda v: "" if v is None else f" ({v:+.0f}%)"  # noqa: E731
+        rho = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+        console.print(f"[bold]measured[/bold] on {m.get('device')} ({m.get('timing', '')}): "
+                      f"before {f(m.get('before_ms'))} ms (predicted {f(m.get('predicted_before_ms'))}"
+                      f"{err(m.get('error_before_pct'))}) → after {f(m.get('after_ms'))} ms "
+                      f"(graph alone {f(m.get('after_graph_ms'))} ms, predicted {f(m.get('predicted_after_ms'))}"
+                      f"{err(m.get('error_after_pct'))})")
+        console.print(f"[bold]GPU busy[/bold] (kernel time / wall time): before {pct(m.get('busy_before'))} → "
+                      f"after {pct(m.get('busy_after'))}   rank correlation over nodes (Spearman): before "
+                      f"{rho(m.get('spearman_before'))}, after {rho(m.get('spearman_after'))}")
+        nodes = m.get("nodes") or []
+        if nodes:
+            t = Table(header_style="bold", title="costliest nodes after optimizing: predicted vs measured")
+            for col, just in (("node", "left"), ("op", "left"), ("bound", "left"), ("predicted ms", "right"),
+                              ("measured ms", "right"), ("measured/predicted", "right")):
+                t.add_column(col, justify=just, no_wrap=True)
+            for r in nodes[:max_nodes]:
+                ratio = r["measured_ms"] / r["predicted_ms"] if r.get("predicted_ms") else None
+                t.add_row(r["node"], r["op"], r.get("bound", ""), f"{r['predicted_ms']:.4f}", f"{r['measured_ms']:.4f}",
+                          "—" if ratio is None else f"{ratio:.2f}×")
+            console.print(t)
+        for note in m.get("notes") or []:
+            console.print(f"  • {note}", style="dim")

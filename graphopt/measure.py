@@ -1,0 +1,301 @@
+"""Measured time against the cost model's predictions.
+
+    from graphopt.measure import measure_nodes, accuracy_table, busy_fraction, measure_report
+    times = measure_nodes(gm, flat_inputs, device, reps=5)     # {node name: seconds}
+    table = accuracy_table(gm, (args, kwargs), CostModel(profile))
+
+* :func:`measure_nodes` runs the graph node by node (a ``torch.fx.Interpreter``), each
+  ``call_function`` node timed alone: the device synchronized before it, CUDA events around it
+  on CUDA (so the time includes the host's dispatch of that op, as the cost model's launch
+  overhead does), ``perf_counter`` on the CPU; the median over ``reps`` runs.
+* :func:`accuracy_table`: per node predicted vs measured, the Spearman rank correlation over the
+  nodes the model gives a nonzero cost, and the whole graph predicted vs measured (the whole
+  graph is timed as one call, not as the sum of its nodes).
+* :func:`busy_fraction`: GPU kernel time / wall time of a call (torch.profiler: the union of the
+  device activity intervals over a few calls, divided by the median unprofiled wall time of a
+  call). ``None`` on the CPU.
+* :func:`measure_report`: what ``graphopt explain --measure`` puts in ``Report.measured``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.fx as fx
+
+from . import ir
+
+__all__ = ["measure_nodes", "measure_call", "accuracy_table", "spearman", "busy_fraction", "graph_inputs",
+           "measure_report"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_of(gm: fx.GraphModule, flat_inputs) -> torch.device:
+    for x in flat_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    for p in gm.parameters():
+        return p.device
+    for b in gm.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def graph_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The graph's placeholder values for a call ``gm(*args, **kwargs)`` (the pytree order a
+    torch.export module flattens its inputs in)."""
+    from .capture import flat_tensors
+
+    codegen = gm.graph._codegen
+    if type(codegen).__name__ == "_PyTreeCodeGen":
+        try:
+            return list(codegen.process_inputs(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - fall back to the plain flattening
+            pass
+    return list(flat_tensors(args, kwargs))
+
+
+class _NodeTimer(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, device: torch.device):
+        super().__init__(gm)
+        self.device = device
+        self.times: dict[str, float] = {}
+
+    def run_node(self, n: fx.Node):
+        if n.op != "call_function":
+            return super().run_node(n)
+        dev = self.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = super().run_node(n)
+            end.record()
+            end.synchronize()
+            self.times[n.name] = start.elapsed_time(end) / 1e3
+        else:
+            t = time.perf_counter()
+            out = super().run_node(n)
+            self.times[n.name] = time.perf_counter() - t
+        return out
+
+
+def measure_nodes(gm: fx.GraphModule, flat_inputs, device=None, reps: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Seconds per ``call_function`` node of ``gm`` ({node name: median over ``reps`` runs}).
+    ``flat_inputs``: the placeholder values in order (see :func:`graph_inputs`)."""
+    flat_inputs = list(flat_inputs)
+    device = torch.device(device) if device is not None else _device_of(gm, flat_inputs)
+    samples: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for i in range(warmup + max(1, reps)):
+            timer = _NodeTimer(gm, device)
+            timer.run(*flat_inputs)
+            _sync(device)
+            if i >= warmup:
+                for k, v in timer.times.items():
+                    samples.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def measure_call(fn, device, reps: int = 10, warmup: int = 3) -> float:
+    """Median seconds of one call of ``fn`` (graphopt.bench.time_call: CUDA events / perf_counter)."""
+    from .bench import time_call
+
+    with torch.inference_mode():
+        return statistics.median(time_call(fn, reps=reps, warmup=warmup, device=torch.device(device)))
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+
+def _ranks(xs: list[float]) -> list[float]:
+    """Ranks from 1, ties get their average rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        avg = (i + j) / 2 + 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = avg
+        i = j + 1
+    return ranks
+
+
+def spearman(a, b) -> float | None:
+    """Spearman rank correlation of two equally long sequences (Pearson on average ranks);
+    None with fewer than 2 points or a constant sequence."""
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    if len(a) != len(b):
+        raise ValueError(f"spearman: {len(a)} vs {len(b)} values")
+    if len(a) < 2:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    if va == 0 or vb == 0:
+        return None
+    return cov / (va * vb) ** 0.5
+
+
+# ------------------------------------------------------------------------------------ tables
+
+
+def accuracy_table(gm: fx.GraphModule, inputs, cost_model, hints: dict | None = None, *, reps: int = 5,
+                   whole_reps: int = 10, device=None, call=None) -> dict:
+    """Per node predicted vs measured, Spearman over nodes with nonzero predicted cost, and the
+    whole graph predicted vs measured. ``inputs``: the example inputs (a tensor, a tuple of args,
+    a dict of kwargs or ``(args, kwargs)``). ``call``: what to time as the whole graph (default
+    ``gm(*args, **kwargs)``)."""
+    from .capture import split_inputs
+
+    args, kwargs = split_inputs(inputs)
+    flat = graph_inputs(gm, args, kwargs)
+    device = torch.device(device) if device is not None else _device_of(gm, flat)
+    hints = hints if hints is not None else ir.shape_hints(gm)
+    cost = cost_model.graph_cost(gm, hints)
+    measured = measure_nodes(gm, flat, device, reps=reps)
+    rows = []
+    for c in cost.nodes:
+        if c.node not in measured:
+            continue
+        rows.append({"node": c.node, "op": c.op, "bound": c.bound, "predicted_ms": float(c.time_s) * 1e3,
+                     "measured_ms": measured[c.node] * 1e3})
+    costed = [r for r in rows if r["predicted_ms"] > 0]
+    rho = spearman([r["predicted_ms"] for r in costed], [r["measured_ms"] for r in costed])
+    fn = call if call is not None else (lambda: gm(*args, **kwargs))
+    whole = measure_call(fn, device, reps=whole_reps)
+    pred = float(cost.total_s)
+    return {
+        "device": str(device),
+        "profile": cost_model.profile.name,
+        "nodes_total": len(rows),
+        "nodes_costed": len(costed),
+        "spearman": rho,
+        "predicted_ms": pred * 1e3,
+        "measured_ms": whole * 1e3,
+        "node_sum_ms": sum(r["measured_ms"] for r in rows),
+        "error_pct": (pred - whole) / whole * 100 if whole > 0 else None,
+        "nodes": rows,
+    }
+
+
+# ------------------------------------------------------------------------------------ busy fraction
+
+
+def _device_intervals(prof) -> list[tuple[float, float]]:
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) == DeviceType.CUDA:
+            tr = e.time_range
+            if tr.end > tr.start:
+                out.append((float(tr.start), float(tr.end)))
+    return out
+
+
+def _union(intervals) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def busy_fraction(fn, device, calls: int = 5, reps: int = 10, warmup: int = 3) -> dict:
+    """GPU busy fraction of one call of ``fn``: device activity (kernels, copies; the union of
+    their intervals, from torch.profiler over ``calls`` calls) per call / median wall time of one
+    unprofiled call. ``{"busy": None, "reason": ...}`` on the CPU or when the profiler saw no
+    kernel."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"busy": None, "reason": "n/a on CPU"}
+    from torch.profiler import ProfilerActivity, profile
+
+    wall = measure_call(fn, device, reps=reps, warmup=warmup)
+    with torch.inference_mode():
+        fn()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize(device)
+    intervals = _device_intervals(prof)
+    if not intervals:
+        return {"busy": None, "reason": "the profiler recorded no device activity", "wall_ms": wall * 1e3}
+    kernel_s = _union(intervals) / 1e6 / calls
+    return {"busy": min(1.0, kernel_s / wall) if wall > 0 else None, "kernel_ms": kernel_s * 1e3,
+            "wall_ms": wall * 1e3, "kernels_per_call": len(intervals) / calls}
+
+
+# ------------------------------------------------------------------------------------ explain --measure
+
+
+def measure_report(opt, model, inputs, *, reps: int = 5, top: int = 20) -> dict:
+    """Fill ``opt.report.measured``: the captured-before graph (captured again with
+    graphopt.capture) and the optimized graph measured node by node and whole, beside the cost
+    model's predictions, and the GPU busy fraction of the eager graph and of the optimized module.
+    Per-pass measurement is not done (before/after only)."""
+    from .capture import capture, split_inputs
+    from .cost.model import CostModel
+    from .cost.profiles import get_profile
+
+    args, kwargs = split_inputs(inputs)
+    report = opt.report
+    profile, _ = get_profile(report.target)
+    cost = CostModel(profile)
+    was_training = model.training
+    model.eval()
+    try:
+        before_gm = capture(model, (args, kwargs))
+    finally:
+        model.train(was_training)
+    device = _device_of(before_gm, graph_inputs(before_gm, args, kwargs))
+    before = accuracy_table(before_gm, (args, kwargs), cost, reps=reps, device=device)
+    after_gm = opt.graph_module
+    after = accuracy_table(after_gm, (args, kwargs), cost, hints=ir.shape_hints(after_gm), reps=reps, device=device)
+    module_ms = measure_call(lambda: opt(*args, **kwargs), device, reps=10) * 1e3
+    bb = busy_fraction(lambda: before_gm(*args, **kwargs), device)
+    ba = busy_fraction(lambda: opt(*args, **kwargs), device)
+    rows = sorted(after["nodes"], key=lambda r: -r["predicted_ms"])[:top]
+    notes = ["per pass: not measured (before/after only)"]
+    if device.type == "cpu" and profile.kind != "cpu":
+        notes.append(f"predicted with the {profile.name} profile, measured on the CPU")
+    measured = {
+        "device": str(device),
+        "timing": "CUDA events, device synchronized around each node" if device.type == "cuda" else "perf_counter",
+        "before_ms": before["measured_ms"],
+        "after_ms": module_ms,
+        "after_graph_ms": after["measured_ms"],
+        "predicted_before_ms": before["predicted_ms"],
+        "predicted_after_ms": after["predicted_ms"],
+        "error_before_pct": before["error_pct"],
+        "error_after_pct": after["error_pct"],
+        "spearman_before": before["spearman"],
+        "spearman_after": after["spearman"],
+        "busy_before": bb.get("busy"),
+        "busy_after": ba.get("busy"),
+        "busy_detail": {"before": bb, "after": ba},
+        "per_pass": None,
+        "nodes": rows,
+        "notes": notes,
+    }
+    report.measured = measured
+    return measured

@@ -1,0 +1,50 @@
+"""graphopt calibrate on the CPU: a loadable profile, positive rates, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+from graphopt.calibrate import calibrate
+from graphopt.cli import main
+from graphopt.cost.profiles import DeviceProfile, get_profile
+
+
+def _positive(p: DeviceProfile):
+    assert p.peak_flops and all(v > 0 for v in p.peak_flops.values())
+    assert p.elementwise_flops > 0 and p.bandwidth > 0 and p.launch_overhead_s > 0 and p.memory_bytes > 0
+    assert all(v > 0 for v in p.link_bandwidth.values())
+
+
+def test_calibrate_cpu_quick_roundtrip(capfd, tmp_path):
+    path = tmp_path / "prof.json"
+    rc = main(["calibrate", "--device", "cpu", "--quick", "-o", str(path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    data = json.loads(path.read_text())
+    assert "measured by graphopt calibrate on" in json.dumps(data["source"])
+    prof, _ = get_profile(str(path))
+    assert prof.kind == "cpu" and prof.to_dict() == data
+    _positive(prof)
+    assert "sdpa" in prof.peak_flops
+
+
+def test_calibrate_function():
+    _positive(calibrate("cpu", quick=True))
+
+
+def test_calibrate_bad_device(capfd):
+    import torch
+
+    bad = ["tpu9", "nonsense:0"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for dev in bad:
+        rc = main(["calibrate", "--device", dev])
+        out, err = capfd.readouterr()
+        assert rc == 2
+        assert err.startswith("graphopt: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_explain_with_calibrated_profile(capfd, tmp_path):
+    path = tmp_path / "prof.json"
+    assert main(["calibrate", "--device", "cpu", "--quick", "-o", str(path)]) == 0
+    assert main(["explain", "mlp", "--no-accuracy", "--target", str(path)]) == 0
+    capfd.readouterr()

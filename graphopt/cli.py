@@ -149,7 +149,7 @@ def cmd_explain(args) -> int:
     if getattr(args, "measure", False):
         from .measure import measure_report
 
-        measure_report(opt, args._model, inputs)
+        measure_report(opt, args._model, inputs, profile=args.target)
     opt.report.render(_console())
     if args.json:
         try:

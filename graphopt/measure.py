@@ -248,18 +248,19 @@ def busy_fraction(fn, device, calls: int = 5, reps: int = 10, warmup: int = 3) -
 # ------------------------------------------------------------------------------------ explain --measure
 
 
-def measure_report(opt, model, inputs, *, reps: int = 5, top: int = 20) -> dict:
+def measure_report(opt, model, inputs, *, profile=None, reps: int = 5, top: int = 20) -> dict:
     """Fill ``opt.report.measured``: the captured-before graph (captured again with
     graphopt.capture) and the optimized graph measured node by node and whole, beside the cost
     model's predictions, and the GPU busy fraction of the eager graph and of the optimized module.
-    Per-pass measurement is not done (before/after only)."""
+    ``profile``: the cost profile to predict with (a name, a .json path or a DeviceProfile;
+    default: the report's target). Per-pass measurement is not done (before/after only)."""
     from .capture import capture, split_inputs
     from .cost.model import CostModel
     from .cost.profiles import get_profile
 
     args, kwargs = split_inputs(inputs)
     report = opt.report
-    profile, _ = get_profile(report.target)
+    profile, _ = get_profile(profile if profile is not None else report.target)
     cost = CostModel(profile)
     was_training = model.training
     model.eval()

@@ -76,7 +76,7 @@ def run_one(spec: str, *, device, dtype, profile, reps: int) -> dict:
         row["worst_nodes"] = sorted(table["nodes"], key=lambda r: -abs(r["measured_ms"] - r["predicted_ms"]))[:10]
         row["nodes"] = table["nodes"]
     finally:
-        del model
+        opt = table = None  # noqa: F841 - free the model's memory before the next one
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -165,10 +165,11 @@ def main(argv=None) -> int:
         (out / f"{stem}.md").write_text(to_markdown(header, rows, device))
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as prog:
+                  TimeElapsedColumn(), console=console, transient=True, auto_refresh=False) as prog:
+        # no refresh thread: it would compete for the GIL with the timed calls
         task = prog.add_task("cost-model accuracy", total=len(models))
         for spec in models:
-            prog.update(task, description=f"{spec}: optimize + measure")
+            prog.update(task, description=f"{spec}: optimize + measure", refresh=True)
             try:
                 row = run_one(spec, device=device, dtype=dtype, profile=a.profile, reps=a.reps)
             except Exception as e:  # noqa: BLE001 - one failing model is a row
@@ -186,6 +187,7 @@ def main(argv=None) -> int:
                                highlight=False)
             save()
             prog.advance(task)
+            prog.refresh()
     save()
     console.print(to_markdown(header, rows, device))
     console.print(f"wrote {out / stem}.json and .md")

@@ -80,7 +80,6 @@ def _matmul_rate(n: int, dtype, device, iters: int) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     t = _best_seconds(lambda: torch.mm(a, b), device, iters)
-    del a, b
     return 2 * n**3 / t
 
 
@@ -276,10 +275,12 @@ def run_cli(args) -> int:
 
     device = _resolve(args.device)
     console = Console() if Console().is_terminal else Console(width=120)
+    # no auto-refresh thread: it would compete for the GIL with the timed loops
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as prog:
+                  transient=True, auto_refresh=False) as prog:
         task = prog.add_task("calibrating", total=None)
-        prof = calibrate(device, quick=args.quick, progress=lambda d: prog.update(task, description=f"calibrate {device}: {d}"))
+        prof = calibrate(device, quick=args.quick,
+                         progress=lambda d: prog.update(task, description=f"calibrate {device}: {d}", refresh=True))
     out = Path(args.output or f"{prof.name}-calibrated.json")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

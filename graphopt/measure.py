@@ -230,14 +230,18 @@ def busy_fraction(fn, device, calls: int = 5, reps: int = 10, warmup: int = 3) -
     from torch.profiler import ProfilerActivity, profile
 
     wall = measure_call(fn, device, reps=reps, warmup=warmup)
-    with torch.inference_mode():
-        fn()
-        torch.cuda.synchronize(device)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
+    try:
+        with torch.inference_mode():
+            fn()
             torch.cuda.synchronize(device)
-    intervals = _device_intervals(prof)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize(device)
+        intervals = _device_intervals(prof)
+    except Exception as e:  # noqa: BLE001 - a profiler failure is a missing number, not a failed explain
+        return {"busy": None, "reason": f"torch.profiler failed: {type(e).__name__}: {str(e)[:160]}",
+                "wall_ms": wall * 1e3}
     if not intervals:
         return {"busy": None, "reason": "the profiler recorded no device activity", "wall_ms": wall * 1e3}
     kernel_s = _union(intervals) / 1e6 / calls

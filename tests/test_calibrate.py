@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from graphopt.calibrate import calibrate
 from graphopt.cli import main
 from graphopt.cost.profiles import DeviceProfile, get_profile
@@ -48,3 +50,15 @@ def test_explain_with_calibrated_profile(capfd, tmp_path):
     assert main(["calibrate", "--device", "cpu", "--quick", "-o", str(path)]) == 0
     assert main(["explain", "mlp", "--no-accuracy", "--target", str(path)]) == 0
     capfd.readouterr()
+
+
+@pytest.mark.cuda
+def test_calibrate_cuda_quick(tmp_path):
+    prof = calibrate("cuda", quick=True)
+    _positive(prof)
+    for key in ("bfloat16", "float16", "float32", "tf32", "float64", "sdpa"):
+        assert key in prof.peak_flops
+    assert "pcie_h2d" in prof.link_bandwidth and prof.launch_overhead_graph_s > 0
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    assert get_profile(str(path))[0].to_dict() == prof.to_dict()

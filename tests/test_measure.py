@@ -96,3 +96,17 @@ def test_render_measured_section():
     opt.report.render(console)
     text = console.export_text()
     assert "predicted vs measured" in text and "GPU busy" in text
+
+
+@pytest.mark.cuda
+def test_busy_fraction_and_nodes_cuda():
+    model, inputs = zoo.get("bert-tiny", device="cuda")
+    gm = capture(model, inputs)
+    args, kwargs = split_inputs(inputs)
+    times = measure_nodes(gm, graph_inputs(gm, args, kwargs), reps=2)
+    assert times and all(t > 0 for t in times.values())
+    a = torch.randn(2048, 2048, device="cuda")
+    busy = busy_fraction(lambda: [a @ a for _ in range(10)], "cuda")
+    assert busy["busy"] is not None and 0 < busy["busy"] <= 1, busy
+    tiny = busy_fraction(lambda: gm(*args, **kwargs), "cuda")
+    assert tiny["busy"] is not None and 0 < tiny["busy"] <= 1, tiny

@@ -585,15 +585,17 @@ def run(configs, *, dtype=None, device=None, reps: int | None = None, warmup: in
 def _progress(console, enabled: bool, total: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    # no auto-refresh thread: it competes with the timed calls (on a 2-core CPU it distorted an
+    # MLP's timing 100x); the bar is redrawn when a step advances
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=True, disable=not enabled)
+                    TimeElapsedColumn(), console=console, transient=True, disable=not enabled, auto_refresh=False)
 
 
 def _run_group(spec, seq_len, group, result: BenchRun, *, dtype, device, reps, warmup, budget, console, prog,
                task, optimize_kwargs, max_check_elems, save):
     batches = [c.batch for c in group]
     built_batch = None if any(b is None for b in batches) else max(batches)
-    prog.update(task, description=f"{spec}: building")
+    prog.update(task, description=f"{spec}: building", refresh=True)
     try:
         if budget.spent():
             raise _Skip("time budget spent")
@@ -606,6 +608,7 @@ def _run_group(spec, seq_len, group, result: BenchRun, *, dtype, device, reps, w
                           for v in parse_vs(c.vs)]
             result.results.append(r)
             prog.advance(task, len(parse_vs(c.vs)))
+            prog.refresh()
             console.print(f"[yellow]{r.title}: {why}[/yellow]", highlight=False)
         save()
         return
@@ -634,7 +637,7 @@ class _Skip(Exception):
 def _run_config(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, dtype, device, reps, warmup, budget,
                 console, prog, task, optimize_kwargs, max_check_elems, save):
     variants = parse_vs(c.vs)
-    prog.update(task, description=f"{r.title}: fp64 reference")
+    prog.update(task, description=f"{r.title}: fp64 reference", refresh=True)
     ref = None
     try:
         if budget.spent():
@@ -653,7 +656,7 @@ def _run_config(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, dtype, 
     for v in variants:
         vr = VariantResult(v, _label(v, dtype, r.channels_last))
         r.variants.append(vr)
-        prog.update(task, description=f"{r.title}: {vr.label}")
+        prog.update(task, description=f"{r.title}: {vr.label}", refresh=True)
         if budget.spent():
             vr.status, vr.error = "skipped", f"time budget spent ({budget.elapsed():.0f} s)"
         else:
@@ -673,6 +676,7 @@ def _run_config(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, dtype, 
                                    f"applied: {', '.join(vr.extra.get('applied', []))}) but the bench judges at "
                                    f"{r.dtype}'s tolerance: a pass lowered precision below the requested dtype")
         prog.advance(task)
+        prog.refresh()
         console.print(_line(r, vr), highlight=False)
         save()
     state.clear()

@@ -475,5 +475,6 @@ class EliminatePermutes(Pass):
                 continue
             if n.target in (aten.reshape.default, aten.flatten.using_ints) and ctx.node_time([n]) > 0:
                 readers = ", ".join(f"{ir.target_name(u)} {u.name}" for u in n.users)
-                res.reject(n.name, f"kept: reshape of a non-contiguous {n.args[0].name} must copy; read by {readers}, "
-                                   "which needs a dense operand (a GEMM over flattened rows)")
+                res.reject(n.name, f"kept: {n.args[0].name} is not viewable as {list(ir.info(n).shape)} (its strides "
+                                   f"cannot be merged), so the reshape copies; its readers ({readers}) take the "
+                                   "dense result")

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="optimize a model and print what each pass did")
     _add_model_args(p)
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--bisect", action="store_true",
+                   help="find the first pass, and the first rewrite in it, that breaks the accuracy rule")
     p.add_argument("--measure", action="store_true",
                    help="also time the graph before and after, node by node and whole, beside the predictions (graphopt/measure.py)")
     p = sub.add_parser("export", help="optimize a model and save a TorchScript or .pt2 artifact")
@@ -145,6 +147,17 @@ def _console():
 
 
 def cmd_explain(args) -> int:
+    if getattr(args, "bisect", False):
+        from .bisect import bisect
+
+        model, inputs, name, _ = _load(args)
+        result = bisect(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
+                        precision=args.precision)
+        console = _console()
+        for pass_name, status in result.checked:
+            console.print(f"  {pass_name}: {status}")
+        console.print(f"[bold]{name}[/bold]: {result.summary()}")
+        return 1 if result.pass_name else 0
     opt, inputs = _optimize(args)
     if getattr(args, "measure", False):
         from .measure import measure_report

@@ -116,6 +116,10 @@ class PassResult:
             if c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain):
                 self.reject(c.description, f"predicted no gain ({c.gain_s * 1e6:+.2f} us)")
                 continue
+            limit = ctx.options.get("rewrite_limit")
+            if limit is not None and len(self.rewrites) >= limit:
+                self.reject(c.description, f"beyond the first {limit} rewrites (bisecting)")
+                continue
             created_before = len(ctx.observer.created) if ctx.observer else 0
             with (ctx.observer.sourced(c.nodes) if ctx.observer else _null()):
                 out = c.apply()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -155,9 +156,31 @@ class OptimizedModule(nn.Module):
                              "are missing now")
         return tuple(bound.arguments[k] for k in pos_names), {k: bound.arguments[k] for k in kw_names}
 
+    _reoptimize = None  # (model, optimize kwargs, max specializations) when on_new_shape="reoptimize"
+
+    def _specialization(self, args, kwargs, error: GuardError) -> "OptimizedModule":
+        """Another input signature: re-optimize for it (bounded cache), or re-raise."""
+        if self._reoptimize is None:
+            raise error
+        model, options, limit = self._reoptimize
+        flat = flat_tensors(args, kwargs)
+        key = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
+        cache = self.__dict__.setdefault("_specializations", {})
+        if key not in cache:
+            if len(cache) >= limit:
+                raise GuardError(f"{error} (and {limit} re-optimized specializations are cached already: "
+                                 "declare the varying dims dynamic=)") from None
+            warnings.warn(f"graphopt: re-optimizing for new inputs ({error})", RuntimeWarning, stacklevel=3)
+            cache[key] = optimize(model, (args, kwargs), **options)
+            self.report.notes.append(f"re-optimized for inputs {key}: {len(cache)} specialization(s)")
+        return cache[key]
+
     def forward(self, *args, **kwargs):
         args, kwargs = self._as_optimized(args, kwargs)
-        self._guard(args, kwargs)
+        try:
+            self._guard(args, kwargs)
+        except GuardError as e:
+            return self._specialization(args, kwargs, e)(*args, **kwargs)
         if self._runner is None:
             return self.graph_module(*args, **kwargs)
         return self._runner(*args, **kwargs)
@@ -284,6 +307,7 @@ def optimize(
     precision: str = "auto",
     calibration_data=None,
     cuda_graphs="auto",
+    on_new_shape: str = "error",
     check_accuracy: bool = True,
     verify: bool = True,
     dump_dir: str | Path | None = None,
@@ -302,6 +326,8 @@ def optimize(
     calibration_data: more example inputs (a list, each like ``example_inputs``) the precision
       guard also checks.
     cuda_graphs: "auto" (replay CUDA graphs for static-shape inference on CUDA), True or False.
+    on_new_shape: "error" (a call with another shape/dtype/device raises GuardError) or
+      "reoptimize" (optimize again for it, up to 8 cached specializations, with a warning).
     check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
     dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
     """
@@ -386,6 +412,12 @@ def optimize(
     opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=training, cuda_graphs=cuda_graphs)
     opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
     opt._convention = _calling_convention(model, args, kwargs)
+    if on_new_shape == "reoptimize":
+        opt._reoptimize = (model, dict(device=device, target=target, passes=passes, disable=disable, training=training,
+                                       dynamic=dynamic, precision=precision, cuda_graphs=cuda_graphs,
+                                       check_accuracy=check_accuracy, verify=verify, model_name=model_name), 8)
+    elif on_new_shape != "error":
+        raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")
     return opt
 
 

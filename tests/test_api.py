@@ -276,3 +276,18 @@ def test_keyword_and_positional_calls_are_the_same_call():
         opt(ids, mask, token_type_ids=torch.zeros_like(ids))
     with pytest.raises(graphopt.GuardError, match="missing"):
         opt(input_ids=ids)
+
+
+def test_on_new_shape_reoptimize_specializes_and_stays_correct():
+    model, (x,) = zoo.get("mlp")
+    opt = graphopt.optimize(model, (x,), precision="fp32", on_new_shape="reoptimize")
+    bigger = torch.randn(3, x.shape[1])
+    with pytest.warns(RuntimeWarning, match="re-optimizing"):
+        out = opt(bigger)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(bigger))
+    opt(bigger)  # cached: no second optimization
+    assert len(opt._specializations) == 1
+    assert any("specialization" in n for n in opt.report.notes)
+    with pytest.raises(graphopt.GraphoptError, match="on_new_shape"):
+        graphopt.optimize(model, (x,), on_new_shape="sometimes")

@@ -1,0 +1,101 @@
+"""Planted fault (issue 10, item 5, CPU part): a pass that makes a deliberately wrong rewrite on
+a real zoo model (bert-tiny: the first layer's attention output scaled by 1.05) must be reverted
+by the optimizer's accuracy guard, leaving the model's output intact. The planted pass is not
+registered: it is handed to a PassManager in a custom pass list (as in tests/test_pipeline.py)."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import accuracy, ir
+from graphopt.api import _AccuracyGuard
+from graphopt.capture import split_inputs
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import get_profile
+from graphopt.examples import zoo
+from graphopt.pipeline import Candidate, Pass, PassContext, PassManager, assemble
+
+aten = torch.ops.aten
+
+
+def _first_attention_output(gm):
+    """The first attention's context: the matmul that consumes the first softmax."""
+    soft = next(n for n in gm.graph.nodes if n.op == "call_function"
+                and n.target in (aten.softmax.int, aten._softmax.default))
+    return next(u for u in soft.users if u.target in (aten.matmul.default, aten.bmm.default))
+
+
+class ScaleAttentionOutput(Pass):
+    """Deliberately wrong: the first attention output -> attention output * 1.05."""
+
+    name = "scale_attention_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        n = _first_attention_output(gm)
+
+        def apply():
+            with gm.graph.inserting_after(n):
+                new = gm.graph.call_function(aten.mul.Tensor, (n, 1.05))
+            n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+            return new
+
+        # a predicted gain, so the ranked apply takes it like a real rewrite
+        res.apply_ranked(ctx, [Candidate("planted: scale attention output", [n], 1e-3, apply)], allow_zero_gain=True)
+        return res
+
+
+@pytest.fixture(scope="module")
+def bert():
+    model, inputs = zoo.get("bert-tiny")
+    args, kwargs = split_inputs(inputs)
+    with torch.no_grad():
+        eager = model(*args, **kwargs)
+    return model, args, kwargs, eager
+
+
+def _ctx(gm, target="cpu"):
+    prof = get_profile(target)[0]
+    return PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm),
+                       options={"precision": "auto", "device": torch.device("cpu")})
+
+
+def _run(gm, args, kwargs):
+    with torch.no_grad():
+        return gm(*args, **kwargs)
+
+
+def test_planted_rewrite_breaks_the_accuracy_rule_without_a_guard(bert):
+    """The fault is real: applied unguarded, the output fails the rule."""
+    model, args, kwargs, eager = bert
+    gm = graphopt.capture(model, (args, kwargs))
+    (res,) = PassManager([ScaleAttentionOutput()]).run(gm, _ctx(gm))
+    assert res.status == "applied" and len(res.rewrites) == 1
+    ref = accuracy.fp64_reference(model, args, kwargs)
+    assert not accuracy.check(_run(gm, args, kwargs), ref, eager).passed
+
+
+@pytest.mark.parametrize("target", ["cpu", "h200"])
+def test_accuracy_guard_reverts_the_planted_rewrite_in_the_full_pipeline(bert, target):
+    """The planted pass runs between the real passes with optimize()'s own guard: it alone is
+    reverted, the others still apply, and the optimized graph matches eager."""
+    model, args, kwargs, eager = bert
+    gm = graphopt.capture(model, (args, kwargs))
+    guard = _AccuracyGuard(model, args, kwargs, False, torch.device("cpu"))
+    real = assemble()
+    cut = next(i for i, p in enumerate(real) if p.family != "cleanup")
+    pipeline = real[:cut] + [ScaleAttentionOutput()] + real[cut:]
+    results = PassManager(pipeline, guard).run(gm, _ctx(gm, target))
+    by = {r.name: r for r in results}
+    planted = by["scale_attention_planted"]
+    assert planted.status == "reverted"
+    assert any("accuracy" in note for note in planted.notes), planted.notes
+    assert all(r.status != "reverted" for r in results if r.name != "scale_attention_planted"), \
+        [(r.name, r.notes) for r in results if r.status == "reverted"]
+    # no trace of the planted multiply is left in the graph
+    assert not any(n.meta.get("graphopt_from", {}).get("pass") == "scale_attention_planted" for n in gm.graph.nodes)
+    assert guard(gm).passed
+    out = _run(gm, args, kwargs)
+    for o, e in zip(accuracy.flatten_outputs(out), accuracy.flatten_outputs(eager)):
+        torch.testing.assert_close(o, e, atol=1e-4, rtol=1e-4)

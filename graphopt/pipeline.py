@@ -328,8 +328,25 @@ class PassManager:
             res.family = p.family
             if res.changed and res.status != "reverted":
                 gm.recompile()
+                broken = None
                 if ctx.verify:
-                    ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes)
+                    try:
+                        ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes)
+                    except ir.InvariantError as e:
+                        if ctx.options.get("strict"):
+                            raise
+                        broken = e
+                if broken is not None:  # a pass bug: undo it, say so, keep the other passes
+                    gm.graph = saved_graph
+                    ir.remove_unused_attributes(gm)
+                    gm.recompile()
+                    ir.repropagate(gm)
+                    res.status = "reverted"
+                    res.notes.append(f"reverted: {broken}")
+                    res.seconds = time.perf_counter() - t0
+                    res.predicted_s_after, res.peak_bytes_after = before.total_s, before.peak_memory_bytes
+                    results.append(res)
+                    continue
                 res.status = "applied"
                 if self.accuracy_check is not None:
                     acc = self.accuracy_check(gm, ctx.low_precision)

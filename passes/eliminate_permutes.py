@@ -451,7 +451,9 @@ class EliminatePermutes(Pass):
             probe.meta["val"] = _fake(target, x.meta["val"], shape)
             new = ctx.node_time([probe])
             gm.graph.erase_node(probe)
-            cands.append(Candidate("merge_view_chain", list(chain), old - new,
+            # the chain's input is part of the candidate: a merge that rewrites it (an
+            # overlapping chain) must not leave this one pointing at an erased node
+            cands.append(Candidate("merge_view_chain", list(chain) + [x], old - new,
                                    lambda chain=chain, x=x, shape=shape, target=target: self._merge(gm, chain, x, shape, target),
                                    label=f"{chain[-1].name}..{n.name} ({len(chain)} shape ops)"))
         return cands

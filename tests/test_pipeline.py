@@ -103,8 +103,20 @@ def test_accuracy_guard_reverts_a_wrong_pass():
 
 def test_invariant_check_names_the_node():
     model, inputs, gm = _mlp_gm()
+    ctx = _ctx(gm)
+    ctx.options["strict"] = True  # tests and debugging: a broken invariant raises
     with pytest.raises(InvariantError, match="changed metadata"):
-        PassManager([BreakGraph()]).run(gm, _ctx(gm))
+        PassManager([BreakGraph()]).run(gm, ctx)
+
+
+def test_broken_invariant_reverts_the_pass_for_users():
+    model, inputs, gm = _mlp_gm()
+    before = [n.target for n in gm.graph.nodes]
+    (res,) = PassManager([BreakGraph()]).run(gm, _ctx(gm))
+    assert res.status == "reverted" and "changed metadata" in res.notes[0]
+    assert [n.target for n in gm.graph.nodes] == before
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), model(*inputs))
 
 
 def test_provenance_is_stamped_automatically():

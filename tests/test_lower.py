@@ -164,8 +164,8 @@ def test_bad_mode_and_backend():
 
 def test_launch_savings_uses_profile_field():
     prof, _ = get_profile("h200")
-    assert prof.launch_overhead_graph_s == pytest.approx(1e-6)
-    assert launch_savings_s(100, prof) == pytest.approx(100 * (prof.launch_overhead_s - 1e-6))
+    assert 0 < prof.launch_overhead_graph_s < prof.launch_overhead_s  # measured: 1.06 us vs 7.6 us
+    assert launch_savings_s(100, prof) == pytest.approx(100 * (prof.launch_overhead_s - prof.launch_overhead_graph_s))
     assert launch_savings_s(0, prof) == 0.0
 
 

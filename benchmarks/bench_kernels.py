@@ -28,19 +28,10 @@ import graphopt.cuda_ext as ce  # noqa: E402
 
 
 def bench(fn, reps: int = 50, warmup: int = 10) -> float:
-    """Median seconds per call, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times)
+    """Median seconds per call, CUDA events around each call (graphopt.bench's timer)."""
+    from graphopt.bench import time_call
+
+    return statistics.median(time_call(fn, reps=reps, warmup=warmup, device="cuda"))
 
 
 def nbytes(*ts) -> int:

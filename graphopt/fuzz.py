@@ -1,0 +1,537 @@
+"""Fuzzing the passes (issue 10.2): random small programs from a grammar of the ops our passes
+touch, optimized by random pass subsets, checked against eager by the accuracy rule.
+
+A program is data (:class:`Program`: shapes, input dtypes, a tuple of op specs, outputs) so
+hypothesis can shrink it; :class:`ProgramModule` is a small interpreter whose forward walks the
+spec. :func:`programs` is the hypothesis strategy, :func:`check_program` the property (raises
+:class:`FuzzFailure` naming the stage and passes), :func:`regression_source` renders a shrunk
+failure as a standalone test file.
+
+Op specs (value indices are absolute: inputs first, then one value per op):
+  ("linear", src, out, bias)           ("matmul_w", src, n)           ("bmm", a, b)  a @ b^T
+  ("conv", src, out_ch, k, bias, bn)   3-D src (B,C,L) viewed as (B,C,2,L/2), conv2d, flattened back
+  ("layer_norm", src, affine)          ("rms_norm", src)  HF style: pow/mean/rsqrt/mul weight
+  ("act", src, kind)                   ("softmax", src)
+  ("binary", op, a, kind, arg)         kind "value" (arg: index), "param" (arg: shape), "scalar" (arg: float)
+  ("transpose", src) ("permute", src, perm) ("contiguous", src) ("merge", src) ("split", src)
+  ("attention", q, k, v, causal)       q @ k^T * scale [masked_fill causal] -> softmax -> @ v
+  ("mha", src, heads, causal)          q/k/v projections, heads split, attention, out projection
+  ("swiglu", src, hidden)              down(silu(gate(x)) * up(x))
+  ("cast", src, "bf16" | "f32")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ACTS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish")
+BINOPS = ("add", "mul", "sub", "div")
+# assign_precision lowers to bf16 by design; its numerics are guarded by the accuracy rule at
+# bf16 tolerance, so it is fuzzed end to end through graphopt.optimize (with the guard) only
+STRICT_EXCLUDED = ("assign_precision",)
+_DT = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+class FuzzFailure(AssertionError):
+    """A fuzzed program broke: ``stage`` is capture | passes | accuracy | optimize."""
+
+    def __init__(self, stage: str, message: str, pass_name: str = ""):
+        super().__init__(f"[{stage}] {message}")
+        self.stage, self.pass_name = stage, pass_name
+
+    def signature(self) -> tuple:
+        """what dedups failures in a campaign: the stage, the pass and the error's type"""
+        first = str(self).splitlines()[0]
+        kind = first.split(" raised ")[-1].split(":")[0] if " raised " in first else self.stage
+        return (self.stage, self.pass_name, kind)
+
+
+@dataclass(frozen=True)
+class Program:
+    B: int
+    S: int
+    D: int
+    inputs: tuple  # dtype names, e.g. ("f32", "bf16"); every input has shape (B, S, D)
+    ops: tuple
+    outputs: tuple  # value indices
+    seed: int = 0
+
+    def uses_bf16(self) -> bool:
+        return "bf16" in self.inputs or any(op[0] == "cast" and op[2] == "bf16" for op in self.ops)
+
+
+# --------------------------------------------------------------------------- the interpreter
+
+
+class ProgramModule(nn.Module):
+    """An nn.Module whose forward interprets a Program. Parameters are drawn from a generator
+    seeded with ``program.seed``, so a program always renders to the same module."""
+
+    def __init__(self, program: Program):
+        super().__init__()
+        self.program = program
+        g = torch.Generator().manual_seed(program.seed)
+        self.params = nn.ParameterDict()
+        self.mods = nn.ModuleDict()
+        # the model's float dtype: fp32, float64 in the fp64 reference (an upcast follows it)
+        self.register_buffer("anchor", torch.zeros(()))
+        shapes = [(program.B, program.S, program.D)] * len(program.inputs)
+
+        def p(name, *shape, scale=None, offset=0.0):
+            fan = shape[-1] if shape else 1
+            t = torch.randn(*shape, generator=g) * (scale if scale is not None else 1 / math.sqrt(fan)) + offset
+            self.params[name] = nn.Parameter(t)
+
+        for i, op in enumerate(program.ops):
+            kind, key = op[0], f"o{i}"
+            src = shapes[op[1]] if isinstance(op[1], int) else None
+            out = None
+            if kind == "linear":
+                _, s, n, bias = op
+                p(key + "_w", n, src[-1])
+                if bias:
+                    p(key + "_b", n, scale=0.1)
+                out = src[:-1] + (n,)
+            elif kind == "matmul_w":
+                _, s, n = op
+                p(key + "_w", src[-1], n, scale=1 / math.sqrt(src[-1]))
+                out = src[:-1] + (n,)
+            elif kind == "bmm":
+                out = src[:-1] + (src[-2],)
+            elif kind == "conv":
+                _, s, oc, k, bias, bn = op
+                conv = nn.Conv2d(src[1], oc, k, padding=k // 2, bias=bias)
+                with torch.no_grad():
+                    conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) / math.sqrt(src[1] * k * k))
+                    if bias:
+                        conv.bias.copy_(torch.randn(oc, generator=g) * 0.1)
+                seq = [conv]
+                if bn:
+                    b = nn.BatchNorm2d(oc)
+                    with torch.no_grad():
+                        b.weight.copy_(1 + 0.1 * torch.randn(oc, generator=g))
+                        b.bias.copy_(0.1 * torch.randn(oc, generator=g))
+                        b.running_mean.copy_(0.1 * torch.randn(oc, generator=g))
+                        b.running_var.copy_(0.5 + torch.rand(oc, generator=g))
+                    seq.append(b)
+                self.mods[key] = nn.Sequential(*seq)
+                out = (src[0], oc, src[2])
+            elif kind == "layer_norm":
+                if op[2]:
+                    p(key + "_w", src[-1], scale=0.1, offset=1.0)
+                    p(key + "_b", src[-1], scale=0.1)
+                out = src
+            elif kind == "rms_norm":
+                p(key + "_w", src[-1], scale=0.1, offset=1.0)
+                out = src
+            elif kind in ("act", "softmax", "contiguous", "cast"):
+                out = src
+            elif kind == "binary":
+                _, bop, a, bk, arg = op
+                sa = shapes[a]
+                if bk == "param":
+                    t = torch.randn(*arg, generator=g) * 0.5
+                    if bop == "div":
+                        t = 0.5 + torch.rand(*arg, generator=g)
+                    self.params[key + "_p"] = nn.Parameter(t)
+                    out = tuple(torch.broadcast_shapes(sa, tuple(arg)))
+                elif bk == "value":
+                    out = tuple(torch.broadcast_shapes(sa, shapes[arg]))
+                else:
+                    out = sa
+            elif kind == "transpose":
+                out = src[:-2] + (src[-1], src[-2])
+            elif kind == "permute":
+                out = tuple(src[d] for d in op[2])
+            elif kind == "merge":
+                out = src[:-2] + (src[-2] * src[-1],)
+            elif kind == "split":
+                out = src[:-1] + (2, src[-1] // 2)
+            elif kind == "attention":
+                _, q, k, v, causal = op
+                n = shapes[q][-2]
+                if causal:
+                    self.register_buffer(key + "_mask", torch.ones(n, n, dtype=torch.bool).triu(1))
+                out = shapes[q]
+            elif kind == "mha":
+                _, s, h, causal = op
+                d = src[-1]
+                for nm in ("q", "k", "v", "o"):
+                    p(f"{key}_{nm}w", d, d)
+                    p(f"{key}_{nm}b", d, scale=0.1)
+                if causal:
+                    self.register_buffer(key + "_mask", torch.ones(src[1], src[1], dtype=torch.bool).triu(1))
+                out = src
+            elif kind == "swiglu":
+                _, s, hid = op
+                p(key + "_g", hid, src[-1])
+                p(key + "_u", hid, src[-1])
+                p(key + "_d", src[-1], hid)
+                out = src
+            else:
+                raise ValueError(f"unknown op {kind!r}")
+            shapes.append(out)
+        self.shapes = shapes
+
+    def forward(self, x0, x1=None):
+        P, prog = self.params, self.program
+        env = [x0, x1][: len(prog.inputs)]
+        for i, op in enumerate(prog.ops):
+            kind, key = op[0], f"o{i}"
+            x = env[op[1]] if isinstance(op[1], int) else None
+            if kind == "linear":
+                y = F.linear(x, P[key + "_w"], P[key + "_b"] if op[3] else None)
+            elif kind == "matmul_w":
+                y = torch.matmul(x, P[key + "_w"])
+            elif kind == "bmm":
+                y = x @ env[op[2]].transpose(-1, -2)
+            elif kind == "conv":
+                b, c, n = x.shape
+                y = self.mods[key](x.reshape(b, c, 2, n // 2)).flatten(2)
+            elif kind == "layer_norm":
+                w, bb = (P[key + "_w"], P[key + "_b"]) if op[2] else (None, None)
+                y = F.layer_norm(x, (x.shape[-1],), w, bb, 1e-5)
+            elif kind == "rms_norm":
+                dt = x.dtype
+                h = x.to(self.anchor.dtype)
+                var = h.pow(2).mean(-1, keepdim=True)
+                h = h * torch.rsqrt(var + 1e-6)
+                y = P[key + "_w"] * h.to(dt)
+            elif kind == "act":
+                y = _act(x, op[2])
+            elif kind == "softmax":
+                y = torch.softmax(x, dim=-1)
+            elif kind == "binary":
+                _, bop, a, bk, arg = op
+                other = P[key + "_p"] if bk == "param" else env[arg] if bk == "value" else arg
+                y = {"add": torch.add, "mul": torch.mul, "sub": torch.sub, "div": torch.div}[bop](env[a], other)
+            elif kind == "transpose":
+                y = x.transpose(-1, -2)
+            elif kind == "permute":
+                y = x.permute(*op[2])
+            elif kind == "contiguous":
+                y = x.contiguous()
+            elif kind == "merge":
+                y = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+            elif kind == "split":
+                y = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+            elif kind == "attention":
+                _, q, k, v, causal = op
+                q, k, v = env[q], env[k], env[v]
+                s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+                if causal:
+                    s = s.masked_fill(getattr(self, key + "_mask"), float("-inf"))
+                y = torch.softmax(s, dim=-1) @ v
+            elif kind == "mha":
+                _, _, h, causal = op
+                b, n, d = x.shape
+
+                def proj(nm, t):
+                    return F.linear(t, P[f"{key}_{nm}w"], P[f"{key}_{nm}b"])
+
+                def heads(t):
+                    return t.view(b, n, h, d // h).transpose(1, 2)
+
+                q, k, v = heads(proj("q", x)), heads(proj("k", x)), heads(proj("v", x))
+                s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d // h)
+                if causal:
+                    s = s.masked_fill(getattr(self, key + "_mask"), float("-inf"))
+                a = torch.matmul(torch.softmax(s, dim=-1), v)
+                y = proj("o", a.transpose(1, 2).contiguous().view(b, n, d))
+            elif kind == "swiglu":
+                y = F.linear(F.silu(F.linear(x, P[key + "_g"])) * F.linear(x, P[key + "_u"]), P[key + "_d"])
+            elif kind == "cast":
+                y = x.to(torch.bfloat16) if op[2] == "bf16" else x.to(self.anchor.dtype)
+            env.append(y)
+        outs = tuple(env[i] for i in prog.outputs)
+        return outs[0] if len(outs) == 1 else outs
+
+
+def _act(x, kind):
+    if kind == "relu":
+        return torch.relu(x)
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if kind == "silu":
+        return F.silu(x)
+    if kind == "sigmoid":
+        return torch.sigmoid(x)
+    if kind == "tanh":
+        return torch.tanh(x)
+    if kind == "hardswish":
+        return F.hardswish(x)
+    raise ValueError(kind)
+
+
+def make_inputs(program: Program) -> tuple:
+    g = torch.Generator().manual_seed(program.seed + 1)
+    return tuple(torch.randn(program.B, program.S, program.D, generator=g).to(_DT[d]) for d in program.inputs)
+
+
+def build(program: Program):
+    """(module in eval mode, example inputs)"""
+    return ProgramModule(program).eval(), make_inputs(program)
+
+
+# --------------------------------------------------------------------------- the strategy
+
+
+def programs(max_ops: int = 8):
+    """A hypothesis strategy for valid Programs (shapes tracked while drawing)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw_program(draw):
+        B = draw(st.sampled_from((1, 2)))
+        S = draw(st.sampled_from((4, 3)))
+        D = draw(st.sampled_from((8, 4)))
+        inputs = ("f32",) + tuple(draw(st.lists(st.sampled_from(("f32", "bf16")), max_size=1)))
+        env = [((B, S, D), d) for d in inputs]  # (shape, dtype) per value
+        ops = []
+
+        def pick(ok):
+            """a value index satisfying ok(shape, dtype), preferring the latest (shrinks to it)"""
+            cands = [i for i in range(len(env) - 1, -1, -1) if ok(*env[i])]
+            if not cands:
+                return None
+            return cands[draw(st.integers(0, len(cands) - 1))]
+
+        f32 = lambda s, d: d == "f32"  # noqa: E731
+        f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
+        kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "swiglu", "conv",
+                 "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast")
+        n_ops = draw(st.integers(1, max_ops))
+        for _ in range(n_ops):
+            kind = draw(st.sampled_from(kinds))
+            op, out = None, None
+            if kind == "act":
+                s = pick(lambda s, d: True)
+                op, out = ("act", s, draw(st.sampled_from(ACTS))), env[s]
+            elif kind == "binary":
+                bop = draw(st.sampled_from(BINOPS))
+                a = pick(lambda s, d: True)
+                sa, da = env[a]
+                bk = draw(st.sampled_from(("value", "param", "scalar") if bop != "div" else ("param", "scalar")))
+                if bk == "value":
+                    b = pick(lambda s, d: s == sa or (len(s) <= len(sa) and s == sa[len(sa) - len(s):]))
+                    op, out = ("binary", bop, a, "value", b), (sa, "f32" if "f32" in (da, env[b][1]) else da)
+                elif bk == "param":
+                    # a broadcastable shape: a suffix of sa with some dims set to 1
+                    k = draw(st.integers(1, len(sa)))
+                    shp = tuple(1 if draw(st.booleans()) else n for n in sa[len(sa) - k:])
+                    op, out = ("binary", bop, a, "param", shp), (sa, "f32")
+                else:
+                    c = draw(st.sampled_from((0.5, 2.0, -1.0, 3.0)))
+                    op, out = ("binary", bop, a, "scalar", c), (sa, da)
+            elif kind == "linear":
+                s = pick(f32)
+                if s is not None:
+                    n = draw(st.sampled_from((D, 2 * D, 4)))
+                    op, out = ("linear", s, n, draw(st.booleans())), (env[s][0][:-1] + (n,), "f32")
+            elif kind == "matmul_w":
+                s = pick(f32)
+                if s is not None:
+                    n = draw(st.sampled_from((D, 4)))
+                    op, out = ("matmul_w", s, n), (env[s][0][:-1] + (n,), "f32")
+            elif kind == "bmm":
+                a = pick(lambda s, d: len(s) >= 2)
+                if a is not None:
+                    b = pick(lambda s, d: s == env[a][0] and d == env[a][1])
+                    sa = env[a][0]
+                    op, out = ("bmm", a, b), (sa[:-1] + (sa[-2],), env[a][1])
+            elif kind == "conv":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
+                if s is not None:
+                    oc = draw(st.sampled_from((4, 2)))
+                    k = draw(st.sampled_from((1, 3)))
+                    sh = env[s][0]
+                    op, out = ("conv", s, oc, k, draw(st.booleans()), draw(st.booleans())), ((sh[0], oc, sh[2]), "f32")
+            elif kind == "layer_norm":
+                s = pick(f32)
+                if s is not None:
+                    op, out = ("layer_norm", s, draw(st.booleans())), env[s]
+            elif kind == "rms_norm":
+                s = pick(lambda s, d: True)
+                op, out = ("rms_norm", s), (env[s][0], "f32")
+            elif kind == "softmax":
+                s = pick(f32)
+                if s is not None:
+                    op, out = ("softmax", s), env[s]
+            elif kind == "mha":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
+                if s is not None:
+                    h = draw(st.sampled_from((2, 1)))
+                    op, out = ("mha", s, h, draw(st.booleans())), env[s]
+            elif kind == "attention":
+                q = pick(lambda s, d: d == "f32" and len(s) >= 2)
+                if q is not None:
+                    same = lambda s, d: s == env[q][0] and d == "f32"  # noqa: E731
+                    k, v = pick(same), pick(same)
+                    op, out = ("attention", q, k, v, draw(st.booleans())), env[q]
+            elif kind == "swiglu":
+                s = pick(f32)
+                if s is not None:
+                    op, out = ("swiglu", s, draw(st.sampled_from((2 * D, D)))), env[s]
+            elif kind == "transpose":
+                s = pick(lambda s, d: len(s) >= 2)
+                if s is not None:
+                    sh = env[s][0]
+                    op, out = ("transpose", s), (sh[:-2] + (sh[-1], sh[-2]), env[s][1])
+            elif kind == "permute":
+                s = pick(lambda s, d: True)
+                sh = env[s][0]
+                perm = tuple(draw(st.permutations(range(len(sh)))))
+                op, out = ("permute", s, perm), (tuple(sh[d] for d in perm), env[s][1])
+            elif kind == "contiguous":
+                s = pick(lambda s, d: True)
+                op, out = ("contiguous", s), env[s]
+            elif kind == "merge":
+                s = pick(lambda s, d: len(s) >= 3)
+                if s is not None:
+                    sh = env[s][0]
+                    op, out = ("merge", s), (sh[:-2] + (sh[-2] * sh[-1],), env[s][1])
+            elif kind == "split":
+                s = pick(lambda s, d: len(s) <= 3 and s[-1] % 2 == 0)
+                if s is not None:
+                    sh = env[s][0]
+                    op, out = ("split", s), (sh[:-1] + (2, sh[-1] // 2), env[s][1])
+            elif kind == "cast":
+                s = pick(lambda s, d: True)
+                to = "f32" if env[s][1] == "bf16" else "bf16"
+                op, out = ("cast", s, to), (env[s][0], to)
+            if op is not None:
+                ops.append(op)
+                env.append(out)
+        last = len(env) - 1
+        extra = draw(st.lists(st.integers(len(inputs), last), max_size=1))
+        outputs = (last,) + tuple(e for e in extra if e != last)
+        seed = draw(st.integers(0, 3))
+        return Program(B, S, D, inputs, tuple(ops), outputs, seed)
+
+    return draw_program()
+
+
+def pass_subsets(include=None):
+    """A strategy for a non-empty subset of ``include`` (default: the strictly fuzzed passes),
+    in pipeline order."""
+    from hypothesis import strategies as st
+
+    from .pipeline import available
+
+    names = [n for n in (include or strict_passes())]
+    return st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True).map(
+        lambda xs: [n for n in names if n in xs])
+
+
+def strict_passes() -> list:
+    from .pipeline import available
+
+    return [n for n in available() if n not in STRICT_EXCLUDED]
+
+
+# --------------------------------------------------------------------------- the property
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0][:300] if s else ''}"
+
+
+def check_program(program: Program, passes, target: str = "cpu", mode: str = "passes"):
+    """Capture, run ``passes`` (strict: a pass bug raises), and apply the accuracy rule against
+    eager; mode "optimize" goes through graphopt.optimize end to end instead. Raises
+    FuzzFailure on any failure."""
+    from . import accuracy
+    from .capture import capture
+    from .cost.model import CostModel
+    from .cost.profiles import get_profile
+    from . import ir
+    from .pipeline import PassContext, PassManager, assemble
+
+    model, inputs = build(program)
+    with torch.no_grad():
+        eager = model(*inputs)
+    ref64 = accuracy.fp64_reference(model, inputs, {})
+    low = torch.bfloat16 if program.uses_bf16() else None
+    if mode == "optimize":
+        from .api import optimize
+
+        try:
+            opt = optimize(model, inputs, passes=list(passes), target=target)
+            with torch.no_grad():
+                out = opt(*inputs)
+        except Exception as e:
+            raise FuzzFailure("optimize", f"passes {list(passes)} target {target}: {_first_line(e)}\n"
+                              + traceback.format_exc(limit=-4)) from e
+        applied = [p.name for p in opt.report.passes if p.status == "applied"]
+        # a graph assign_precision lowered is judged at its dtype's tolerance, as the guard does
+        dt = low or (torch.bfloat16 if "assign_precision" in applied else None)
+        res = accuracy.check(out, ref64, eager, dtype=dt)
+        if not res.passed:
+            raise FuzzFailure("accuracy", f"optimize passes {applied} (of {list(passes)}) target {target}: {res.reason}")
+        return res
+    try:
+        gm = capture(model, inputs)
+    except Exception as e:
+        raise FuzzFailure("capture", _first_line(e)) from e
+    profile, _ = get_profile(target)
+    ctx = PassContext(profile=profile, cost=CostModel(profile), hints=ir.shape_hints(gm), options={"strict": True})
+    # one pass at a time (the same loop the PassManager runs), checked after each, so a failure
+    # names the first pass that breaks the graph or its numbers
+    for p in assemble(list(passes)):
+        try:
+            (r,) = PassManager([p]).run(gm, ctx)
+        except Exception as e:
+            raise FuzzFailure("passes", f"{p.name} (in {list(passes)}, target {target}) raised {_first_line(e)}\n"
+                              + traceback.format_exc(limit=-4), p.name) from e
+        if r.status != "applied":
+            continue
+        try:
+            with torch.no_grad():
+                out = gm(*inputs)
+        except Exception as e:
+            raise FuzzFailure("run", f"graph after {p.name} (in {list(passes)}, target {target}) fails to run: "
+                              f"{_first_line(e)}", p.name) from e
+        res = accuracy.check(out, ref64, eager, dtype=low)
+        if not res.passed:
+            raise FuzzFailure("accuracy", f"after {p.name} (in {list(passes)}, target {target}): {res.reason}", p.name)
+    with torch.no_grad():
+        out = gm(*inputs)
+    res = accuracy.check(out, ref64, eager, dtype=low)
+    if not res.passed:
+        raise FuzzFailure("accuracy", f"passes {list(passes)} target {target}: {res.reason}")
+    return res
+
+
+# --------------------------------------------------------------------------- regressions
+
+
+def failure_id(program: Program, passes, target, mode) -> str:
+    return hashlib.sha1(repr((program, list(passes), target, mode)).encode()).hexdigest()[:10]
+
+
+def regression_source(program: Program, passes, target: str, mode: str, error: str, xfail: bool = True) -> str:
+    """A standalone pytest file reproducing a (shrunk) failure."""
+    msg = " ".join(error.strip().splitlines()[0].split())[:200]
+    mark = f"@pytest.mark.xfail(strict=True, reason={msg!r})\n" if xfail else ""
+    return (
+        f'"""Fuzz regression (graphopt.fuzz): {msg}"""\n\n'
+        "import pytest\n\n"
+        "from graphopt.fuzz import Program, check_program\n\n"
+        f"PROGRAM = {program!r}\n"
+        f"PASSES = {list(passes)!r}\n"
+        f"TARGET = {target!r}\n"
+        f"MODE = {mode!r}\n\n\n"
+        f"{mark}"
+        "def test_reproduces():\n"
+        "    check_program(PROGRAM, PASSES, TARGET, MODE)\n"
+    )

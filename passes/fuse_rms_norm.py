@@ -194,14 +194,21 @@ class FuseRmsNorm(Pass):
     @staticmethod
     def _apply(gm: fx.GraphModule, s: _Site, add):
         g = gm.graph
+        # a no-op upcast shared with a norm fused before this one was folded into its input
+        while getattr(s.x, "_erased", False) and is_noop_cast(s.x):
+            s.x = s.x.args[0]
+        if getattr(s.x, "_erased", False):
+            return None
         pos = position(gm)
         if add is not None:
             y, residual = residual_operands(add)
             anchor = add.next
             args = (y, residual)
         else:
-            first = min(s.nodes, key=lambda n: pos[n])
-            anchor = first
+            # right before the norm's last node: every input of the pattern is defined above it
+            # and every reader of its result below (the first pattern node can precede x when
+            # two norms share an upcast)
+            anchor = s.root
             args = (s.x, None)
         if s.weight.op != "get_attr" and pos[s.weight] >= pos[anchor]:
             return None  # a computed weight defined after the insertion point

@@ -301,7 +301,9 @@ class EliminatePermutes(Pass):
                 continue
             # q's result has x's layout (checked above): readers cost the same; the pair is free views
             gain = ctx.node_time([q, p])
-            cands.append(Candidate("cancel_permute_pair", [q], gain,
+            # p and x belong to the candidate too: in a chain of three permutes the two pairs
+            # share a node, and cancelling one must not leave the other pointing at an erased p
+            cands.append(Candidate("cancel_permute_pair", [q, p, x], gain,
                                    lambda p=p, q=q, x=x: self._cancel(gm, p, q, x),
                                    label=f"{p.name} then {q.name} (inverse permutations)"))
         return cands

@@ -33,7 +33,7 @@ EXPECTED_CSV = Path(__file__).resolve().parents[1] / "tests" / "sweep_expected.c
 
 # torchvision models whose float64 reference and per-pass accuracy checks do not fit a CPU sweep's
 # time budget (parameters above this many millions are skipped with that reason)
-MAX_TV_PARAMS_M = float(os.environ.get("GRAPHOPT_SWEEP_MAX_PARAMS_M", "200"))  # CPU sweep: skip bigger models
+MAX_TV_PARAMS_M = float(os.environ.get("GRAPHOPT_SWEEP_MAX_PARAMS_M", "1000"))  # CPU sweep: skip bigger models
 # image sizes tried in order: the smallest the model accepts is used (ViT/Swin/MaxViT need 224)
 IMAGE_SIZES = (64, 224, 299)
 

@@ -255,21 +255,9 @@ class ProgramModule(nn.Module):
 
 
 def _act(x, kind):
-    if kind == "relu":
-        return torch.relu(x)
-    if kind == "gelu":
-        return F.gelu(x)
-    if kind == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if kind == "silu":
-        return F.silu(x)
-    if kind == "sigmoid":
-        return torch.sigmoid(x)
-    if kind == "tanh":
-        return torch.tanh(x)
-    if kind == "hardswish":
-        return F.hardswish(x)
-    raise ValueError(kind)
+    from .cuda_ext.reference import activation  # the one table of activations (bias_act's reference)
+
+    return activation(x, kind)
 
 
 def make_inputs(program: Program) -> tuple:
@@ -424,8 +412,6 @@ def pass_subsets(include=None):
     """A strategy for a non-empty subset of ``include`` (default: the strictly fuzzed passes),
     in pipeline order."""
     from hypothesis import strategies as st
-
-    from .pipeline import available
 
     names = [n for n in (include or strict_passes())]
     return st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True).map(

@@ -210,7 +210,7 @@ class FuseElementwise(Pass):
                                   f"({MAX_INPUTS} / {MAX_OUTPUTS})")
                 continue
             try:
-                program = _program(group, ins, outs)
+                _program(group, ins, outs)  # expressible? (rebuilt at apply time from the live inputs)
             except _NotExpressible as e:
                 res.reject(label, f"not expressible as a pointwise program: {e}")
                 continue
@@ -243,24 +243,11 @@ class FuseElementwise(Pass):
     @staticmethod
     def _groups(gm, ok, order) -> list[list[fx.Node]]:
         """Connected components of fusible same-shape nodes, cut so no group depends on itself."""
-        parent = {n: n for n in ok}
+        def joinable(a, n):
+            return tuple(ir.info(a).shape) == tuple(ir.info(n).shape) and ir.info(a).device == ir.info(n).device
 
-        def find(n):
-            while parent[n] is not n:
-                parent[n] = parent[parent[n]]
-                n = parent[n]
-            return n
-
-        for n in ok:
-            for a in n.all_input_nodes:
-                if a in ok and tuple(ir.info(a).shape) == tuple(ir.info(n).shape) \
-                        and ir.info(a).device == ir.info(n).device:
-                    parent[find(a)] = find(n)
-        comps = defaultdict(list)
-        for n in ok:
-            comps[find(n)].append(n)
         out = []
-        pending = [sorted(c, key=order.__getitem__) for c in comps.values()]
+        pending = _components(list(ok), order, joinable)
         while pending:
             group = pending.pop()
             good, rest = _cut_cycles(group, order)
@@ -318,7 +305,9 @@ def _boundary(group):
     return ins, outs
 
 
-def _components(nodes, order):
+def _components(nodes, order, joinable=lambda a, n: True):
+    """Connected components of ``nodes`` (edges between producer/consumer pairs ``joinable``
+    accepts), each sorted in graph order. Union-find with path halving."""
     s = set(nodes)
     parent = {n: n for n in nodes}
 
@@ -330,7 +319,7 @@ def _components(nodes, order):
 
     for n in nodes:
         for a in n.all_input_nodes:
-            if a in s:
+            if a in s and joinable(a, n):
                 parent[find(a)] = find(n)
     comps = defaultdict(list)
     for n in nodes:
@@ -341,7 +330,7 @@ def _components(nodes, order):
 def _cut_cycles(group, order):
     """Split ``group`` into (good, rest): good has no path group -> outside -> group."""
     gs = set(group)
-    lo, hi = order[group[0]], order[group[-1]]
+    hi = order[group[-1]]
     # outside nodes between the group's first and last node that depend on the group
     tainted = set()
     node = group[0]

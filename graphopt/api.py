@@ -21,7 +21,6 @@ from .pipeline import PassContext, PassManager, assemble
 from .report import Report
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-_RANDOM_OPS = ("dropout", "native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "normal", "uniform")
 
 
 def _kernel_backend() -> str:
@@ -196,13 +195,7 @@ def _model_device(model: nn.Module, flat_inputs: list) -> torch.device:
 
 
 def _has_random_ops(gm: fx.GraphModule) -> bool:
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if n.target._schema.name.split("::")[-1] in _RANDOM_OPS:
-                if n.target is torch.ops.aten.dropout.default and len(n.args) > 2 and n.args[2] is False:
-                    continue
-                return True
-    return False
+    return any(ir.is_random(n) for n in gm.graph.nodes)
 
 
 def _run(fn, args, kwargs, training):

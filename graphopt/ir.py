@@ -129,6 +129,27 @@ def target_name(node: fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
+RANDOM_OPS = frozenset({
+    "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand", "randn",
+    "rand_like", "randn_like", "randint", "randint_like", "randperm", "normal", "uniform",
+    "multinomial", "exponential", "geometric", "log_normal", "cauchy", "rrelu", "rrelu_with_noise",
+})
+
+
+def is_random(node: fx.Node) -> bool:
+    """Does the node draw random numbers? (ops tagged nondeterministic_seeded, or a known random
+    op; eval-mode or p=0 dropout is the identity and does not count). The one definition the
+    passes, the guard and the CUDA-graph lowering share."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    if t is aten.dropout.default:
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        return bool(train) and p != 0
+    return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()) or t._schema.name.split("::")[-1] in RANDOM_OPS
+
+
 def get_attr_value(gm: fx.GraphModule, target: str):
     obj: Any = gm
     for part in target.split("."):

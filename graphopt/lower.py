@@ -46,14 +46,12 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from . import ir
+
 __all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "RANDOM_OPS", "HOST_SYNC_OPS"]
 
 # op names (ATen schema names, without the namespace) that make a graph unfit for replay
-RANDOM_OPS = frozenset({
-    "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand", "randn",
-    "rand_like", "randn_like", "randint", "randint_like", "randperm", "normal", "uniform",
-    "multinomial", "exponential", "geometric", "log_normal", "cauchy", "rrelu", "rrelu_with_noise",
-})
+RANDOM_OPS = ir.RANDOM_OPS  # (re-exported; ir.is_random is the one definition)
 HOST_SYNC_OPS = frozenset({
     "_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique", "_unique",
     "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "histc",
@@ -95,15 +93,6 @@ def _op_name(node: fx.Node) -> str | None:
     if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else str(t).split(".")[-1]
     return getattr(t, "__name__", None)
-
-
-def _is_active_dropout(node: fx.Node) -> bool:
-    # aten.dropout(x, p, train): eval-mode dropout (train=False) is the identity
-    if node.target is torch.ops.aten.dropout.default:
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        return bool(train) and p != 0
-    return True
 
 
 def _mutated_placeholders(node: fx.Node) -> list[str]:
@@ -179,7 +168,7 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
         name = _op_name(n)
         if name is None:
             continue
-        if name in RANDOM_OPS and _is_active_dropout(n):
+        if ir.is_random(n):
             return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
         if name in HOST_SYNC_OPS and not _static_repeat(n, name):
             return Decision(False, f"data-dependent op {name} ({n.name}) synchronizes with the host", mode, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from graphopt import ir
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 
@@ -15,8 +16,7 @@ def _removable(node: fx.Node) -> bool:
         name = node.target._schema.name
         if node.target._schema.is_mutable or "_assert" in name or "print" in name:
             return False
-        tags = getattr(node.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags:
+        if ir.is_random(node):
             # dropping an unused random op changes the RNG stream of later random ops
             return False
     return not node.is_impure()

@@ -14,9 +14,8 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-_NEVER = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "rand", "randn",
-          "randint", "rand_like", "randn_like", "bernoulli", "dropout", "native_dropout", "normal", "uniform",
-          "multinomial", "randperm", "_assert_tensor_metadata"}
+# uninitialised memory and assertions (random ops are ir.is_random's)
+_NEVER = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_assert_tensor_metadata"}
 LARGE_BYTES = 4 << 20
 
 
@@ -32,7 +31,7 @@ def _is_const_node(node: fx.Node, const: set) -> bool:
         return False
     if _op_name(node) in _NEVER or node.target._schema.is_mutable:
         return False
-    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+    if ir.is_random(node):
         return False
     return all(a in const for a in node.all_input_nodes)
 

@@ -157,10 +157,6 @@ def get_attr_value(gm: fx.GraphModule, target: str):
     return obj
 
 
-def user_count(node: fx.Node) -> int:
-    return len(node.users)
-
-
 # --------------------------------------------------------------------------- propagation
 
 

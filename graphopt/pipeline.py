@@ -314,10 +314,7 @@ class PassManager:
             except Exception as e:  # a pass bug must not cost the user the other passes
                 if ctx.options.get("strict"):
                     raise
-                gm.graph = saved_graph
-                ir.remove_unused_attributes(gm)
-                gm.recompile()
-                ir.repropagate(gm)
+                _restore(gm, saved_graph)
                 out = p.result()
                 out.status = "reverted"
                 out.notes.append(f"reverted: the pass raised {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -337,10 +334,7 @@ class PassManager:
                             raise
                         broken = e
                 if broken is not None:  # a pass bug: undo it, say so, keep the other passes
-                    gm.graph = saved_graph
-                    ir.remove_unused_attributes(gm)
-                    gm.recompile()
-                    ir.repropagate(gm)
+                    _restore(gm, saved_graph)
                     res.status = "reverted"
                     res.notes.append(f"reverted: {broken}")
                     res.seconds = time.perf_counter() - t0
@@ -352,10 +346,7 @@ class PassManager:
                     acc = self.accuracy_check(gm, ctx.low_precision)
                     res.accuracy = acc.as_dict()
                     if not acc.passed:
-                        gm.graph = saved_graph
-                        ir.remove_unused_attributes(gm)
-                        gm.recompile()
-                        ir.repropagate(gm)
+                        _restore(gm, saved_graph)
                         res.status = "reverted"
                         if p.changes_dtypes:
                             ctx.low_precision = None
@@ -371,18 +362,12 @@ class PassManager:
         return results
 
 
-def graph_signature(gm: fx.GraphModule) -> list[tuple]:
-    """A compact description of the graph (op multiset) for tests and reports."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            out.append(ir.target_name(n))
-    return sorted(out)
-
-
-def count_ops(gm: fx.GraphModule, target) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and (n.target is target or (
-        isinstance(target, torch._ops.OpOverloadPacket) and getattr(n.target, "overloadpacket", None) is target)))
+def _restore(gm: fx.GraphModule, saved: fx.Graph) -> None:
+    """Undo a pass: its graph back, the constants it added dropped, metadata re-propagated."""
+    gm.graph = saved
+    ir.remove_unused_attributes(gm)
+    gm.recompile()
+    ir.repropagate(gm)
 
 
 def run_passes(gm: fx.GraphModule, names: Iterable[str], *, target="h200", training: bool = False,

@@ -9,7 +9,6 @@ the profile, so they are reproducible and testable on the CPU.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
@@ -350,10 +349,3 @@ def _num(v) -> float:
     except TypeError:
         # symbolic: compare at a nominal size of 1024 for every symbol
         return float(v.subs({s: 1024 for s in v.free_symbols}))
-
-
-def fmt_ms(seconds: float) -> str:
-    ms = seconds * 1e3
-    if ms == 0 or math.isnan(ms):
-        return "0"
-    return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"

@@ -51,7 +51,7 @@ def test_glm_returns_model_output_with_cache():
     out = gm(*inputs)
     ref = model(*inputs)
     assert type(out) is type(ref)
-    cache = out[1] if not hasattr(out, "past_key_values") else out[1]
+    cache = out[1]  # logits, then the cache (named past_key_values or cache by transformers version)
     assert type(cache).__name__ == "DynamicCache"
     _outputs_equal(out, ref)
 

@@ -451,7 +451,7 @@ def test_cuda_graphs_off_when_cloning_outputs_costs_more_than_launches_save():
 
     x = torch.randn(1024, 1024, device="cuda")
     opt = graphopt.optimize(Big(), (x,), check_accuracy=False)
-    assert not opt.runner.decision.on or "clone" in opt.report.notes[-1]
+    assert not opt.runner.decision.on
     assert any("to clone" in n for n in opt.report.notes)
     opt.set_cuda_graphs(True, reuse_outputs=True)
     assert opt.runner.decision.on

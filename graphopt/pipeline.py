@@ -109,6 +109,9 @@ class PassResult:
         taken: set = set()
         winners: dict = {}
         for c in sorted(candidates, key=lambda c: -c.gain_s):
+            if any(getattr(n, "_erased", False) for n in c.nodes if isinstance(n, fx.Node)):
+                self.reject(c.description, "a node it matched was removed by an earlier rewrite")
+                continue
             clash = next((n for n in c.nodes if n in taken), None)
             if clash is not None:
                 self.reject(c.description, f"overlaps {winners[clash]} (higher predicted gain)")

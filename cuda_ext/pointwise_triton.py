@@ -67,11 +67,15 @@ def _num(v: float) -> str:
 
 
 def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: bool,
-             dense: Sequence[bool] | None = None) -> str:
+             dense: Sequence[bool] | None = None, tile2d: bool = False) -> str:
     """Triton source of one kernel ``pw_kernel`` for this program, input dtypes and rank.
     ``dense[i]``: input i is laid out exactly like the (contiguous) output, so it is read at the
-    flat index (vectorizable) instead of through the div/mod stride walk."""
+    flat index (vectorizable) instead of through the div/mod stride walk. ``tile2d`` (rank 2
+    only): the kernel walks [BM, BN] tiles of the output, so a broadcast input (a bias row or a
+    per-row scale) is indexed by row and column directly, with no division per element."""
     dense = list(dense) if dense is not None else [False] * len(in_dtypes)
+    if tile2d and ndim != 2:
+        raise ValueError("tile2d needs a rank-2 (coalesced) output")
     ct = compute_dtype_for(in_dtypes)
     CT = _TL[ct]
     kinds = value_kinds(p, in_dtypes)
@@ -79,32 +83,43 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     params = [f"in{i}" for i in range(n_in)] + [f"out{j}" for j in range(n_out)] + ["numel"]
     params += [f"size{d}" for d in range(ndim)]
     params += [f"st{i}_{d}" for i in range(n_in) for d in range(ndim)]
+    shape = "[BM, BN]" if tile2d else "[BLOCK]"
+    consts = "BM: tl.constexpr, BN: tl.constexpr" if tile2d else "BLOCK: tl.constexpr"
     L = ["import triton", "import triton.language as tl", "", "",
-         "@triton.jit", f"def pw_kernel({', '.join(params)}, BLOCK: tl.constexpr):",
+         "@triton.jit", f"def pw_kernel({', '.join(params)}, {consts}):",
          "    pid = tl.program_id(0)"]
-    if use_i64:
-        L.append("    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)")
+    if tile2d:
+        ity = ".to(tl.int64)" if use_i64 else ""
+        L.append(f"    r = (pid{ity} * BM + tl.arange(0, BM){ity})[:, None]")
+        L.append(f"    c = (tl.program_id(1){ity} * BN + tl.arange(0, BN){ity})[None, :]")
+        L.append("    m = (r < size0) & (c < size1)")
+        L.append("    offs = r * size1 + c")
+        for i in range(n_in):
+            L.append(f"    o{i} = offs" if dense[i] else f"    o{i} = r * st{i}_0 + c * st{i}_1")
     else:
-        L.append("    offs = pid * BLOCK + tl.arange(0, BLOCK)")
-    L.append("    m = offs < numel")
-    # input offsets: decompose the flat output index over the (coalesced) shape
-    walk = [i for i in range(n_in) if not dense[i]]
-    for i in range(n_in):
-        if dense[i]:
-            L.append(f"    o{i} = offs")
-    if ndim == 1:
-        for i in walk:
-            L.append(f"    o{i} = offs * st{i}_0")
-    elif walk:
-        L.append("    rem = offs")
-        for i in walk:
-            L.append(f"    o{i} = offs * 0")
-        for d in reversed(range(ndim)):
-            L.append(f"    idx = rem % size{d}")
-            if d:
-                L.append(f"    rem = rem // size{d}")
+        if use_i64:
+            L.append("    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)")
+        else:
+            L.append("    offs = pid * BLOCK + tl.arange(0, BLOCK)")
+        L.append("    m = offs < numel")
+        # input offsets: decompose the flat output index over the (coalesced) shape
+        walk = [i for i in range(n_in) if not dense[i]]
+        for i in range(n_in):
+            if dense[i]:
+                L.append(f"    o{i} = offs")
+        if ndim == 1:
             for i in walk:
-                L.append(f"    o{i} += idx * st{i}_{d}")
+                L.append(f"    o{i} = offs * st{i}_0")
+        elif walk:
+            L.append("    rem = offs")
+            for i in walk:
+                L.append(f"    o{i} = offs * 0")
+            for d in reversed(range(ndim)):
+                L.append(f"    idx = rem % size{d}")
+                if d:
+                    L.append(f"    rem = rem // size{d}")
+                for i in walk:
+                    L.append(f"    o{i} += idx * st{i}_{d}")
 
     def f(v: int) -> str:  # value as the compute type
         return f"v{v}" if kinds[v] == "f" else f"v{v}.to({CT})"
@@ -119,12 +134,12 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
             ld = f"tl.load(in{i} + o{i}, mask=m, other=0)"
             e = f"{ld} != 0" if in_dtypes[i] == torch.bool else f"{ld}.to({CT})"
         elif s.op == "const":
-            e = f"tl.full([BLOCK], {_num(s.attrs[0])}, {CT})"
+            e = f"tl.full({shape}, {_num(s.attrs[0])}, {CT})"
         elif s.op == "cast":
             d = DTYPES[s.attrs[0]]
             e = b(a[0]) if d == torch.bool else f"{f(a[0])}.to({_TL[d]}).to({CT})"
         elif s.op == "pow":
-            e = _pow(f(a[0]), s.attrs[0], CT)
+            e = _pow(f(a[0]), s.attrs[0], CT, shape)
         elif s.op == "clamp":
             lo, hi = s.attrs
             e = f(a[0])
@@ -168,11 +183,11 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     return "\n".join(L) + "\n"
 
 
-def _pow(x: str, e: float, CT: str) -> str:
+def _pow(x: str, e: float, CT: str, shape: str = "[BLOCK]") -> str:
     if e == 1.0:
         return x
     if e == 0.0:
-        return f"tl.full([BLOCK], 1.0, {CT})"
+        return f"tl.full({shape}, 1.0, {CT})"
     if e == 0.5:
         return f"tl.sqrt({x})"
     if e == -0.5:
@@ -215,16 +230,16 @@ def _cache_dir() -> Path:
     return d
 
 
-def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool, dense: tuple = ()):
+def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool, dense: tuple = (), tile2d: bool = False):
     dense = dense or (False,) * len(in_dtypes)
-    key = (text, in_dtypes, ndim, use_i64, dense, os.environ.get("TRITON_INTERPRET", "0"))
+    key = (text, in_dtypes, ndim, use_i64, dense, tile2d, os.environ.get("TRITON_INTERPRET", "0"))
     k = _kernels.get(key)
     if k is not None:
         return k
     with _lock:
         k = _kernels.get(key)
         if k is None:
-            src = generate(parse(text), in_dtypes, ndim, use_i64, dense)
+            src = generate(parse(text), in_dtypes, ndim, use_i64, dense, tile2d)
             h = hashlib.sha256(src.encode()).hexdigest()[:24]
             path = _cache_dir() / f"pw_{h}.py"
             if not path.exists():
@@ -265,12 +280,23 @@ def fused_pointwise_triton(program: str, inputs: Sequence[torch.Tensor]) -> list
     for d in range(len(cshape) - 2, -1, -1):
         contig[d] = contig[d + 1] * cshape[d + 1]
     dense = tuple(stv == contig for stv in cstr)
-    kern = get_kernel(program, dts, len(cshape), use_i64, dense)
+    # a broadcast input on a rank-2 output: walk [BM, BN] tiles (no per-element div/mod)
+    tile2d = len(cshape) == 2 and not all(dense)
+    kern = get_kernel(program, dts, len(cshape), use_i64, dense, tile2d)
     args = list(inputs) + outs + [numel] + cshape + [s for stv in cstr for s in stv]
-    grid = (triton_cdiv(numel, BLOCK),)
     with torch.cuda.device(device) if device.type == "cuda" else _nullctx():
-        kern[grid](*args, BLOCK=BLOCK, num_warps=4)
+        if tile2d:
+            bn = min(BLOCK, triton_next_pow2(cshape[1]))
+            bm = max(1, BLOCK // bn)
+            grid = (triton_cdiv(cshape[0], bm), triton_cdiv(cshape[1], bn))
+            kern[grid](*args, BM=bm, BN=bn, num_warps=4)
+        else:
+            kern[(triton_cdiv(numel, BLOCK),)](*args, BLOCK=BLOCK, num_warps=4)
     return outs
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def triton_cdiv(a: int, b: int) -> int:

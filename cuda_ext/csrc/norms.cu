@@ -48,13 +48,47 @@ __device__ __forceinline__ void load_row_elems(const T* p, float (&out)[K]) {
   }
 }
 
+
+// Chan et al.'s pairwise merge of (count, mean, M2) partial statistics: one block reduction gives
+// LayerNorm's mean and variance, each thread's part computed two-pass from its registers.
+__device__ __forceinline__ void chan_merge(float& n, float& mean, float& m2, float nb, float meanb, float m2b) {
+  const float nn = n + nb;
+  if (nn == 0.f) return;
+  const float d = meanb - mean, wb = nb / nn;
+  mean += d * wb;
+  m2 += m2b + d * d * n * wb;
+  n = nn;
+}
+__device__ __forceinline__ void block_mean_var(float& n, float& mean, float& m2, float* smem /* >= 96 */) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, mean, o),
+                m2b = __shfl_xor_sync(0xffffffffu, m2, o);
+    chan_merge(n, mean, m2, nb, mb, m2b);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (nwarps == 1) return;
+  __syncthreads();
+  if (lane == 0) { smem[warp] = n; smem[32 + warp] = mean; smem[64 + warp] = m2; }
+  __syncthreads();
+  n = lane < nwarps ? smem[lane] : 0.f;
+  mean = lane < nwarps ? smem[32 + lane] : 0.f;
+  m2 = lane < nwarps ? smem[64 + lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, mean, o),
+                m2b = __shfl_xor_sync(0xffffffffu, m2, o);
+    chan_merge(n, mean, m2, nb, mb, m2b);
+  }
+}
+
 // VEC: elements per access (Vec<T>::N, or 1 for the unaligned path); NV: accesses per thread.
 template <typename T, typename W, int VEC, int NV, bool LN, int MAXT>
 __global__ void __launch_bounds__(MAXT) norm_reg_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                         const W* __restrict__ w, const W* __restrict__ b,
                                                         T* __restrict__ out, T* __restrict__ hout, int64_t H,
                                                         float eps) {
-  __shared__ float smem[33];
+  __shared__ float smem[96];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * H;
   const T* rr = res ? res + row * H : nullptr;
@@ -80,25 +114,30 @@ __global__ void __launch_bounds__(MAXT) norm_reg_kernel(const T* __restrict__ x,
       for (int j = 0; j < VEC; ++j) h[k][j] = 0.f;
     }
   }
-  acc = block_sum(acc, smem);
   float mean = 0.f, rstd;
   if (LN) {
-    mean = acc / float(H);
-    float var = 0.f;
+    // this thread's elements: count, mean, M2 (two-pass over registers), then one block merge
+    float cnt = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+      if ((int64_t(threadIdx.x) + int64_t(k) * blockDim.x) * VEC < H) cnt += VEC;
+    float m = cnt > 0.f ? acc / cnt : 0.f, m2 = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int64_t e = (int64_t(threadIdx.x) + int64_t(k) * blockDim.x) * VEC;
       if (e < H) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          const float d = h[k][j] - mean;
-          var += d * d;
+          const float d = h[k][j] - m;
+          m2 += d * d;
         }
       }
     }
-    var = block_sum(var, smem);
-    rstd = rsqrtf(var / float(H) + eps);
+    block_mean_var(cnt, m, m2, smem);
+    mean = m;
+    rstd = rsqrtf(fmaxf(m2, 0.f) / float(H) + eps);
   } else {
+    acc = block_sum(acc, smem);
     rstd = rsqrtf(acc / float(H) + eps);
   }
 #pragma unroll

@@ -40,6 +40,88 @@ __global__ void __launch_bounds__(256) rotary_kernel(RotaryArgs q, RotaryArgs k,
   for (int64_t e = a.R + threadIdx.x; e < a.D; e += blockDim.x) o[e] = x[e * a.sd];
 }
 
+
+// Vectorized path: the last dim contiguous and every row start 16-byte aligned. One item is one
+// 16-byte chunk of a row (N elements): a rotary chunk (interleaved: pairs inside the chunk), a
+// pair of chunks e and e + R/2 (rotate_half), or a pass-through chunk; U items per thread.
+// Item and row counters are 32-bit (the launcher checks the item count); offsets are 64-bit.
+template <typename T, bool INTERLEAVED, int U>
+__global__ void __launch_bounds__(256) rotary_vec_kernel(RotaryArgs q, RotaryArgs k, uint32_t q_items,
+                                                         uint32_t total_items) {
+  constexpr int N = Vec<T>::N;
+  const uint32_t base = blockIdx.x * (blockDim.x * U) + threadIdx.x;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const uint32_t g = base + u * blockDim.x;
+    if (g >= total_items) return;
+    const bool is_q = g < q_items;
+    const RotaryArgs& a = is_q ? q : k;
+    const uint32_t li = is_q ? g : g - q_items;
+    const uint32_t rot_items = INTERLEAVED ? uint32_t(a.R / N) : uint32_t(a.R / (2 * N));
+    const uint32_t ipr = rot_items + uint32_t((a.D - a.R) / N);
+    const uint32_t row = li / ipr, c = li - row * ipr;
+    const uint32_t S = uint32_t(a.S), H = uint32_t(a.H);
+    const uint32_t s = row % S, bh = row / S;
+    const uint32_t h = bh % H, b = bh / H;
+    const T* x = static_cast<const T*>(a.x) + b * a.sb + h * a.sh + s * a.ss;
+    T* o = static_cast<T*>(a.out) + int64_t(row) * a.D;
+    if (c >= rot_items) {  // pass-through chunk
+      const int64_t e = a.R + int64_t(c - rot_items) * N;
+      __stcs(reinterpret_cast<uint4*>(o + e), __ldcs(reinterpret_cast<const uint4*>(x + e)));
+      continue;
+    }
+    const int64_t cbase = b * a.cb + s * a.cs;
+    const T* cp = static_cast<const T*>(a.cos) + cbase;
+    const T* sp = static_cast<const T*>(a.sin) + cbase;
+    if constexpr (INTERLEAVED) {
+      const int64_t e = int64_t(c) * N;
+      float xv[N], cv[N], sv[N], ov[N];
+      load_vec_stream(x + e, xv);
+      load_vec(cp + e, cv);
+      load_vec(sp + e, sv);
+#pragma unroll
+      for (int j = 0; j < N; j += 2) {
+        ov[j] = xv[j] * cv[j] - xv[j + 1] * sv[j];
+        ov[j + 1] = xv[j + 1] * cv[j + 1] + xv[j] * sv[j + 1];
+      }
+      store_vec_stream(o + e, ov);
+    } else {
+      const int64_t half = a.R / 2;
+      const int64_t ea = int64_t(c) * N, eb = ea + half;
+      float xa[N], xb[N], ca[N], sa[N], cb[N], sb[N], oa[N], ob[N];
+      load_vec_stream(x + ea, xa);
+      load_vec_stream(x + eb, xb);
+      load_vec(cp + ea, ca);
+      load_vec(sp + ea, sa);
+      load_vec(cp + eb, cb);
+      load_vec(sp + eb, sb);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        oa[j] = xa[j] * ca[j] - xb[j] * sa[j];
+        ob[j] = xb[j] * cb[j] + xa[j] * sb[j];
+      }
+      store_vec_stream(o + ea, oa);
+      store_vec_stream(o + eb, ob);
+    }
+  }
+}
+
+template <typename T>
+bool vec_ok(const RotaryArgs& a) {
+  constexpr int N = Vec<T>::N;
+  const int64_t rq = a.interleaved ? N : 2 * N;
+  return a.sd == 1 && a.cr == 1 && a.D % N == 0 && a.R % rq == 0 && aligned16(a.x) && aligned16(a.out) &&
+         aligned16(a.cos) && aligned16(a.sin) && a.sb % N == 0 && a.sh % N == 0 && a.ss % N == 0 &&
+         a.cb % N == 0 && a.cs % N == 0;
+}
+
+template <typename T>
+int64_t vec_items(const RotaryArgs& a) {
+  constexpr int N = Vec<T>::N;
+  const int64_t ipr = (a.interleaved ? a.R / N : a.R / (2 * N)) + (a.D - a.R) / N;
+  return a.B * a.H * a.S * ipr;
+}
+
 }  // namespace
 
 cudaError_t launch_rotary(int dtype, const RotaryArgs& q, const RotaryArgs& k, cudaStream_t stream) {
@@ -50,6 +132,20 @@ cudaError_t launch_rotary(int dtype, const RotaryArgs& q, const RotaryArgs& k, c
   const int64_t blocks = (total + 7) / 8;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   GRAPHOPT_DISPATCH_FLOAT(dtype, T, {
+    if (q.interleaved == k.interleaved && q.R == k.R && vec_ok<T>(q) && vec_ok<T>(k)) {
+      const int64_t qi = vec_items<T>(q), ti = qi + vec_items<T>(k);
+      // 32-bit index math: also b * sb etc. stay in 64 bits, only item/row counters are 32-bit
+      if (ti < (int64_t(1) << 31) && q.S < (int64_t(1) << 31) && q.H < (int64_t(1) << 31) &&
+          k.H < (int64_t(1) << 31)) {
+        constexpr int U = 2;
+        const int64_t vblocks = (ti + 256 * U - 1) / (256 * U);
+        if (q.interleaved)
+          rotary_vec_kernel<T, true, U><<<static_cast<unsigned>(vblocks), 256, 0, stream>>>(q, k, uint32_t(qi), uint32_t(ti));
+        else
+          rotary_vec_kernel<T, false, U><<<static_cast<unsigned>(vblocks), 256, 0, stream>>>(q, k, uint32_t(qi), uint32_t(ti));
+        return cudaGetLastError();
+      }
+    }
     rotary_kernel<T><<<static_cast<unsigned>(blocks), block, 0, stream>>>(q, k, q_rows, total);
     return cudaGetLastError();
   });

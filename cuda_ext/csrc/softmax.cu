@@ -85,6 +85,86 @@ __global__ void __launch_bounds__(MAXT) softmax_reg_kernel(const T* __restrict__
   }
 }
 
+
+// VEC mask values for positions e..e+VEC-1 of a row whose mask starts at m + moff. `vec` says the
+// mask's last dim is contiguous and this chunk is aligned for one vector load.
+template <typename MT, int VEC>
+__device__ __forceinline__ void mask_chunk(const MT* m, int64_t moff, int64_t e, int64_t last_stride, bool vec,
+                                           float (&s)[VEC]) {
+  if constexpr (sizeof(MT) * VEC == 8 || sizeof(MT) * VEC == 16 || sizeof(MT) * VEC == 4) {
+    if (vec) {
+      MT mv[VEC];
+      if constexpr (sizeof(MT) * VEC == 16) *reinterpret_cast<uint4*>(mv) = *reinterpret_cast<const uint4*>(m + moff + e);
+      else if constexpr (sizeof(MT) * VEC == 8) *reinterpret_cast<uint2*>(mv) = *reinterpret_cast<const uint2*>(m + moff + e);
+      else *reinterpret_cast<uint32_t*>(mv) = *reinterpret_cast<const uint32_t*>(m + moff + e);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[j] = apply_mask(s[j], mv, j);
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s[j] = apply_mask(s[j], m, moff + (e + j) * last_stride);
+}
+
+// One warp per row (blockDim = (32, ROWS)): no shared memory, no block barriers. For rows up to
+// 32 * VEC * NV elements; the row stays in registers.
+template <typename T, typename MT, int VEC, int NV>
+__global__ void __launch_bounds__(128) softmax_warp_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t rows,
+                                                           int64_t n, float scale, SoftmaxMask mk) {
+  constexpr bool FAST = !std::is_same<T, float>::value;
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows) return;
+  const int lane = threadIdx.x;
+  const T* xr = x + row * n;
+  T* orow = out + row * n;
+  const MT* m = static_cast<const MT*>(mk.ptr);
+  const int64_t moff = m ? mask_row_offset(mk, row) : 0;
+  const bool mvec = m && mk.last_stride == 1 &&
+                    ((reinterpret_cast<uintptr_t>(m + moff)) % (sizeof(MT) * VEC)) == 0;
+  float v[NV][VEC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t e = (int64_t(lane) + int64_t(k) * 32) * VEC;
+    if (e < n) {
+      if constexpr (VEC > 1) load_vec_stream(xr + e, v[k]);
+      else v[k][0] = to_f(xr[e]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[k][j] *= scale;
+      if (m) mask_chunk<MT, VEC>(m, moff, e, mk.last_stride, mvec, v[k]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[k][j]);
+    }
+  }
+  mx = warp_max(mx);
+  const bool dead = mx == -INFINITY;
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t e = (int64_t(lane) + int64_t(k) * 32) * VEC;
+    if (e < n) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        v[k][j] = dead ? 0.f : (FAST ? __expf(v[k][j] - mx) : expf(v[k][j] - mx));
+        sum += v[k][j];
+      }
+    }
+  }
+  sum = warp_sum(sum);
+  const float inv = dead ? 0.f : 1.0f / sum;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t e = (int64_t(lane) + int64_t(k) * 32) * VEC;
+    if (e < n) {
+      float o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = v[k][j] * inv;
+      if constexpr (VEC > 1) store_vec_stream(orow + e, o);
+      else orow[e] = from_f<T>(o[0]);
+    }
+  }
+}
+
 // Any row length: three sweeps (the 2nd and 3rd re-read the row from L2).
 template <typename T, typename MT>
 __global__ void __launch_bounds__(1024) softmax_loop_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t n,
@@ -123,6 +203,18 @@ cudaError_t run(const T* x, T* out, int64_t rows, int64_t n, float scale, const 
   softmax_reg_kernel<T, MT, VEC, NV, MAXT><<<grid, round_up32((n / VEC + NV - 1) / NV), 0, stream>>>(x, out, n, \
                                                                                                     scale, mk); \
   return cudaGetLastError();
+  // Rows of up to 32 * 8 vectors: one warp per row, four rows per block.
+  if (vec_ok && n <= 32 * 8 * N) {
+    const dim3 wblock(32, 4);
+    const dim3 wgrid(static_cast<unsigned>((rows + 3) / 4));
+#define GO_WARP(NV)                                                                                    \
+  softmax_warp_kernel<T, MT, N, NV><<<wgrid, wblock, 0, stream>>>(x, out, rows, n, scale, mk);         \
+  return cudaGetLastError();
+    if (n <= 32 * 2 * N) { GO_WARP(2); }
+    if (n <= 32 * 4 * N) { GO_WARP(4); }
+    GO_WARP(8);
+#undef GO_WARP
+  }
   if (vec_ok && n / N <= 2048) {
     const int64_t nvec = n / N;
     if (nvec <= 256) { GO_REG(N, 1, 256); }

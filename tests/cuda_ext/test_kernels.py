@@ -197,7 +197,10 @@ def test_rotary_matches_glm_formula():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_mask(device, dtype):
     cases = [((1, 1, 1, 1), None), ((2, 3, 5, 7), "bool_b11s"), ((2, 4, 33, 1023), "float_b1ss"),
-             ((2, 2, 9, 4096), "bool_b1ss"), ((3, 5, 17), "float_last"), ((2, 2, 3, 20000), "bool_b11s")]
+             ((2, 2, 9, 4096), "bool_b1ss"), ((3, 5, 17), "float_last"), ((2, 2, 3, 20000), "bool_b11s"),
+             # one warp per row (n a multiple of the vector width, <= 256 vectors): vector mask loads
+             ((2, 3, 7, 1024), "bool_b11s"), ((2, 2, 5, 512), "float_b1ss"), ((1, 3, 4, 64), "bool_b1ss"),
+             ((2, 2, 3, 2048), None)]
     for shape, kind in cases:
         sc = rnd(*shape, dtype=dtype, device=device, scale=3)
         B, S = shape[0], shape[-1]

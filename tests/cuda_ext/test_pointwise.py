@@ -182,3 +182,17 @@ def test_dense_inputs_mixed_with_broadcast(triton_interpreter):
     d_ = torch.randn(33, 6).t()
     (o,) = _run_triton(p.source, [a_, b_, c_, d_])
     torch.testing.assert_close(o, F.gelu(a_ + b_, approximate="tanh") * c_ + d_)
+
+
+def test_rank2_broadcast_uses_tiles_without_division(triton_interpreter):
+    """A bias row or a per-row scale on a 2-D output: the [BM, BN] tile kernel indexes them by row and
+    column (no div/mod per element) and matches the evaluator, odd sizes included."""
+    p = Program()
+    a, b, c = p.input(), p.input(), p.input()
+    p.output(p.gelu_tanh(a + b) * c, "f32")
+    src = pwt.generate(parse(p.source), (torch.float32,) * 3, 2, False, (True, False, False), tile2d=True)
+    assert "BM: tl.constexpr" in src and "%" not in src and "//" not in src
+    for ins in [[torch.randn(5, 37), torch.randn(37), torch.randn(5, 1)],        # row bias, column scale
+                [torch.randn(3, 1500), torch.randn(1, 1500), torch.randn(3, 1500)]]:  # BN capped at BLOCK
+        (o,) = _run_triton(p.source, ins)
+        torch.testing.assert_close(o, F.gelu(ins[0] + ins[1], approximate="tanh") * ins[2], rtol=1e-5, atol=1e-5)

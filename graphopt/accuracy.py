@@ -130,3 +130,37 @@ def fp64_reference(model: torch.nn.Module, args: tuple, kwargs: dict):
     a, k = pytree.tree_map(_to_double, (args, kwargs))
     with torch.no_grad():
         return ref_model(*a, **k)
+
+
+# ------------------------------------------------------------- the low-precision yardstick
+# The matrix-multiplying functions whose fp32 inputs the floor run rounds to the low dtype.
+_MATMUL_FUNCS = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm",
+                 "einsum", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                 "conv_transpose3d", "scaled_dot_product_attention"}
+
+
+class _RoundMatmulInputs(torch.overrides.TorchFunctionMode):
+    """Round every fp32 tensor a matrix multiply (linear, matmul, conv, SDPA...) reads to ``dtype``
+    and back; the arithmetic itself stays fp32. What is left is the error that running the matrix
+    multiplies in bf16/fp16 with fp32 accumulation cannot avoid."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _MATMUL_FUNCS:
+            rnd = lambda t: t.to(self.dtype).to(t.dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
+            args, kwargs = pytree.tree_map(rnd, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def matmul_floor(model: torch.nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, training: bool = False):
+    """The model as written (fp32), but with every matrix multiply's inputs rounded to ``dtype``:
+    the yardstick a lowered graph is judged against. Running the GEMMs in bf16 is what lower
+    precision is for, so their input rounding is the error any assignment accepts; an assignment
+    that adds much more than that (a cancellation, an overflow, a long reduction done in bf16)
+    fails the rule and the offending nodes go back to fp32."""
+    with _RoundMatmulInputs(dtype), torch.set_grad_enabled(training):
+        return model(*args, **kwargs)

@@ -207,9 +207,11 @@ def _run(fn, args, kwargs, training):
 
 class _AccuracyGuard:
     """The accuracy rule on the example inputs (and calibration batches): against an fp64
-    reference, with the eager model's own error as the yardstick. ``low_dtype`` judges a graph
-    lowered to bf16/fp16 with that dtype's tolerance; the model hand-converted to that dtype is
-    run on demand to report whether it meets the same bar."""
+    reference, with the eager model's own error as the yardstick. A graph lowered to bf16/fp16
+    (``low_dtype``) is judged with that dtype's tolerance against the *matmul floor*: the model as
+    written with only its matrix multiplies' inputs rounded to that dtype (accuracy.matmul_floor),
+    the error running GEMMs in low precision cannot avoid. The model hand-converted to that dtype,
+    and the strict bar (the fp32 model as the yardstick), are reported beside it."""
 
     def __init__(self, model, args, kwargs, training, device, calibration_data=None):
         self.model, self.training, self.device = model, training, device
@@ -220,6 +222,7 @@ class _AccuracyGuard:
                 self.eager.append(_run(model, a, k, training))
             self.ref64.append(accuracy.fp64_reference(model, a, k))
         self._low: dict = {}
+        self._floor: dict = {}
 
     def _eager_low(self, dtype):
         if dtype not in self._low:
@@ -230,6 +233,16 @@ class _AccuracyGuard:
             self._low[dtype] = [_run(low, *pytree.tree_map(cast, (a, k)), self.training) for a, k in self.batches]
             del low
         return self._low[dtype]
+
+    def _matmul_floor(self, dtype):
+        if dtype not in self._floor:
+            outs = []
+            for a, k in self.batches:
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                        self._keep_buffers(self.model):
+                    outs.append(accuracy.matmul_floor(self.model, a, k, dtype, self.training))
+            self._floor[dtype] = outs
+        return self._floor[dtype]
 
     def _keep_buffers(self, gm):
         """Running a training graph updates BatchNorm statistics; the guard's runs must not."""
@@ -251,10 +264,9 @@ class _AccuracyGuard:
         return keep()
 
     def __call__(self, gm, low_dtype=None):
-        # a graph lowered to bf16/fp16 gets that dtype's tolerance; the yardstick stays the
-        # model as written (fp32), the same bar the hand-converted model is reported against
+        yardsticks = self._matmul_floor(low_dtype) if low_dtype is not None else self.eager
         result = None
-        for (a, k), ref, eager in zip(self.batches, self.ref64, self.eager):
+        for (a, k), ref, eager in zip(self.batches, self.ref64, yardsticks):
             with self._keep_buffers(gm):
                 out = _run(gm, a, k, self.training)
             result = accuracy.check(out, ref, eager, training=self.training, dtype=low_dtype)
@@ -262,11 +274,24 @@ class _AccuracyGuard:
                 return result
         return result
 
-    def hand_converted_result(self, dtype):
-        """Does the model hand-converted to dtype pass the rule (that dtype's tolerance, the
-        fp32 model's error as the yardstick)? Reported beside our own result."""
-        res = [accuracy.check(h, r, e, dtype=dtype) for h, r, e in zip(self._eager_low(dtype), self.ref64, self.eager)]
+    def strict_result(self, gm, dtype):
+        """Does ``gm`` (lowered to dtype) pass with the fp32 model itself as the yardstick?"""
+        res = []
+        for (a, k), ref, eager in zip(self.batches, self.ref64, self.eager):
+            with self._keep_buffers(gm):
+                res.append(accuracy.check(_run(gm, a, k, self.training), ref, eager, training=self.training, dtype=dtype))
         return all(r.passed for r in res), max(r.worst_rmse for r in res)
+
+    def hand_converted_result(self, dtype):
+        """The model hand-converted to dtype: does it pass the same bar as the optimized graph
+        (the matmul floor as the yardstick), and the strict bar (the fp32 model as the
+        yardstick)? Reported beside our own result."""
+        floor = self._matmul_floor(dtype)
+        same = [accuracy.check(h, r, f, dtype=dtype) for h, r, f in zip(self._eager_low(dtype), self.ref64, floor)]
+        strict = [accuracy.check(h, r, e, dtype=dtype) for h, r, e in zip(self._eager_low(dtype), self.ref64, self.eager)]
+        floor_rmse = max(accuracy.check(f, r, e, dtype=dtype).worst_rmse for f, r, e in zip(floor, self.ref64, self.eager))
+        return {"passes": all(r.passed for r in same), "passes_strict": all(r.passed for r in strict),
+                "rmse": max(r.worst_rmse for r in same), "matmul_floor_rmse": floor_rmse}
 
 
 def _fp64_memory_shortfall(model: nn.Module, device: torch.device) -> str:

@@ -136,11 +136,19 @@ class AssignPrecision(Pass):
                                                          "model left in fp32")
                 return res
             if hasattr(guard, "hand_converted_result"):
-                ok, rmse = guard.hand_converted_result(low)
-                res.details["hand_converted_passes"] = ok
-                res.details["hand_converted_rmse"] = rmse
-                res.notes.append(f"the model hand-converted to {str(low)[6:]} {'passes' if ok else 'fails'} the same rule "
-                                 f"against fp64 (rmse {rmse:.3g}); this assignment: rmse {result.worst_rmse:.3g}")
+                lo = str(low)[6:]
+                hand = guard.hand_converted_result(low)
+                strict_ok, _ = guard.strict_result(gm, low)
+                res.details.update({"hand_converted_passes": hand["passes"], "hand_converted_rmse": hand["rmse"],
+                                    "hand_converted_passes_strict": hand["passes_strict"],
+                                    "matmul_floor_rmse": hand["matmul_floor_rmse"], "rmse": result.worst_rmse,
+                                    "passes_strict": strict_ok})
+                res.notes.append(f"rmse vs fp64: this assignment {result.worst_rmse:.3g}, {lo} matmuls alone (the "
+                                 f"yardstick) {hand['matmul_floor_rmse']:.3g}, the model hand-converted to {lo} "
+                                 f"{hand['rmse']:.3g} ({'passes' if hand['passes'] else 'fails'} the same rule)")
+                res.notes.append(f"against the fp32 model as the yardstick (the strict bar) this assignment "
+                                 f"{'passes' if strict_ok else 'fails'}, the hand-converted model "
+                                 f"{'passes' if hand['passes_strict'] else 'fails'}")
         ctx.low_precision = low
         lowered = [n for n in order if n not in {k["node"] for k in kept}]
         gain = before_s - ctx.cost.graph_cost(gm, ctx.hints).total_s

@@ -37,3 +37,29 @@ def test_nested_outputs_and_count_mismatch():
     assert accuracy.check(out, ref, out).passed
     r = accuracy.check((ref[0].float(),), ref, None)
     assert not r.passed and "outputs" in r.reason
+
+
+def test_matmul_floor_rounds_only_matmul_inputs():
+    """The low-precision yardstick: linear/matmul/conv inputs rounded to bf16, arithmetic in fp32,
+    everything else (here the add and the exp) untouched."""
+    import torch.nn as nn
+
+    from graphopt.accuracy import matmul_floor
+
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    ones = torch.ones(8, 8)
+
+    class M(nn.Module):
+        def forward(self, t):
+            return torch.exp(lin(t) * 0.1) + t[:, :8] @ ones / 3
+
+    got = matmul_floor(M(), (x,), {}, torch.bfloat16)
+    r = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    with torch.no_grad():
+        exp = torch.exp((r(x) @ r(lin.weight).t() + r(lin.bias)) * 0.1) + r(x[:, :8]) @ r(ones) / 3
+        plain = M()(x)
+    torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)
+    assert got.dtype == torch.float32
+    assert not torch.allclose(got, plain, rtol=1e-6, atol=1e-6)  # the rounding did happen

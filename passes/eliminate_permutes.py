@@ -14,6 +14,15 @@ Rewrites, each checked on ``ir.info(n).shape/.stride`` and never changing a valu
   is already contiguous per metadata (graphs are functional, so aliasing is safe; a clone whose
   result is a graph output is kept so that the caller never gets an alias of an input/output).
 * ``cancel_permute_pair``: permute/transpose p then permute/transpose q with q∘p = identity.
+* ``sink_transpose_below_linear``: ``linear(transpose(x, i, j))`` with neither i nor j the last
+  dim -> ``transpose(linear(x), i, j)``. A linear acts on each row (the last dim) alone, so the
+  rows can be multiplied in x's own order; at::linear would otherwise copy the strided 3-D input
+  to fold it into a GEMM. Applied only when every view reading the result is still a view on the
+  new strides (checked on the FakeTensors). nn.MultiheadAttention(batch_first=True)'s input.
+* ``hoist_transpose_above_linear``: ``transpose(view(linear(reshape(X, [L*B, E])), [L, B, E]), 0, 1)``
+  with X = [L, B, ...] -> ``linear(reshape(transpose(X, 0, 1), [B, L, E]))``: the same rows in the
+  caller's order, so the attention output (which SDPA's CUDA kernels write as [B, L, H, D]) needs
+  no copy before the output projection, and the residual/norm after it reads a contiguous tensor.
 * ``merge_view_chain``: consecutive view/reshape/unsqueeze/squeeze/flatten/unflatten nodes become
   one ``view`` when that view is valid on the chain's input strides (checked on a meta tensor),
   else one ``reshape`` when the chain contained a reshape already.
@@ -230,6 +239,7 @@ class EliminatePermutes(Pass):
             res.apply_ranked(ctx, self._noop_copies(gm, ctx, res), allow_zero_gain=True)
             res.apply_ranked(ctx, self._pairs(gm, ctx), allow_zero_gain=True)
             res.apply_ranked(ctx, self._strided_contiguous(gm, ctx, res, final=False))
+            res.apply_ranked(ctx, self._rowwise_transposes(gm, ctx, res))
             res.apply_ranked(ctx, self._view_chains(gm, ctx, res), allow_zero_gain=True)
             if len(res.rewrites) == n_before:
                 break
@@ -240,6 +250,7 @@ class EliminatePermutes(Pass):
         res.rejected = list(uniq.values())
         res.details["removed"] = {p: sum(1 for r in res.rewrites if r.pattern == p) for p in
                                   ("drop_noop_contiguous", "cancel_permute_pair", "drop_strided_contiguous",
+                                   "sink_transpose_below_linear", "hoist_transpose_above_linear",
                                    "merge_view_chain")}
         return res
 
@@ -406,6 +417,123 @@ class EliminatePermutes(Pass):
         views, _ = self._closure(c)
         ir.erase_dead(gm, list(reversed(views)) + [c])
         return True
+
+
+    # ------------------------------------------------------------------ transposes around linears
+
+    def _copy_time(self, ctx, ti) -> float:
+        """Predicted time of materializing a tensor (read + write) in one kernel."""
+        nbytes = 2 * ir.concrete(ti.numel, ctx.hints) * ti.dtype.itemsize
+        return nbytes / ctx.profile.bandwidth + ctx.profile.launch_overhead_s
+
+    def _rowwise_transposes(self, gm, ctx, res):
+        cands = []
+        for lin in list(gm.graph.nodes):
+            if lin.op != "call_function" or lin.target is not aten.linear.default:
+                continue
+            li = ir.info(lin)
+            if li is None or not _concrete(li):
+                continue
+            t = lin.args[0]
+            # sink: linear(transpose(x, i, j)), the last dim untouched
+            if isinstance(t, fx.Node) and t.target is aten.transpose.int and len(t.users) == 1:
+                x, ti = t.args[0], ir.info(t)
+                xi = ir.info(x) if isinstance(x, fx.Node) else None
+                if xi is not None and ti is not None and len(xi.shape) >= 3 and _concrete(xi):
+                    r = len(xi.shape)
+                    i, j = (d % r for d in t.args[1:3])
+                    if r - 1 not in (i, j) and _is_contiguous(xi) and not _is_contiguous(ti):
+                        cands.append(Candidate(
+                            "sink_transpose_below_linear", [lin, t, x], self._copy_time(ctx, ti),
+                            lambda lin=lin, t=t, x=x, i=i, j=j: self._sink(gm, lin, t, x, i, j),
+                            label=f"{t.name} -> {lin.name} (linear on the rows in {x.name}'s order)",
+                            refusal="kept: a view of the linear's result would need a copy on the new strides"))
+            # hoist: transpose(view(linear(reshape(X, [L*B, E])), [L, B, E]), 0, 1)
+            if len(lin.users) != 1:
+                continue
+            v = next(iter(lin.users))
+            if v.target not in (aten.view.default, aten.reshape.default) or len(v.users) != 1:
+                continue
+            tr = next(iter(v.users))
+            if tr.target is not aten.transpose.int or not isinstance(t, fx.Node) or \
+                    t.target not in (aten.reshape.default, aten.view.default) or len(t.users) != 1:
+                continue
+            X = t.args[0]
+            Xi, vi, tri = ir.info(X) if isinstance(X, fx.Node) else None, ir.info(v), ir.info(tr)
+            if Xi is None or vi is None or tri is None or not _concrete(Xi) or len(vi.shape) != 3 \
+                    or len(Xi.shape) < 3 or len(li.shape) != 2:
+                continue
+            L, B = vi.shape[0], vi.shape[1]
+            if sorted(d % 3 for d in tr.args[1:3]) != [0, 1] or list(Xi.shape[:2]) != [L, B] \
+                    or li.shape[0] != L * B:
+                continue
+            src = X.args[0] if X.target is aten.permute.default else None
+            if isinstance(src, fx.Node) and _layout_unstable(src) and list(X.args[1]) == [2, 0, 1, 3]:
+                # attention output [B, H, L, D] read as [L, B, H, D]: SDPA's CUDA kernels (flash,
+                # efficient, cuDNN) write it as [B, L, H, D], so the caller's row order is free
+                # and the sequence-first one a copy; the meta strides (from the CPU) can't say so
+                gain = self._copy_time(ctx, Xi) if ctx.profile.kind == "cuda" else 0.0
+            else:
+                new_view = _fake(lambda a: a.transpose(0, 1).view(B, L, -1), X.meta["val"]) is not None
+                gain = self._copy_time(ctx, Xi) if not _is_contiguous(Xi) and new_view else 0.0
+            if gain <= 0:
+                continue
+            cands.append(Candidate(
+                "hoist_transpose_above_linear", [tr, v, lin, t, X], gain,
+                lambda tr=tr, v=v, lin=lin, t=t, X=X, L=L, B=B: self._hoist(gm, tr, v, lin, t, X, L, B),
+                label=f"{t.name} -> {lin.name} -> {tr.name} (rows in the caller's order)"))
+        return cands
+
+    @staticmethod
+    def _revalidate_views(start: fx.Node) -> dict | None:
+        """New FakeTensor values for the pure views reading ``start`` (transitively), or None if
+        one of them is no longer a valid view on ``start``'s new strides."""
+        new, todo = {}, [start]
+        while todo:
+            n = todo.pop()
+            for u in n.users:
+                if u.op != "call_function" or u.target not in PURE_VIEWS:
+                    continue
+                vals = [new.get(a, a.meta.get("val")) if isinstance(a, fx.Node) else a for a in u.args]
+                val = _fake(u.target, *vals, **u.kwargs)
+                if val is None:
+                    return None
+                new[u] = val
+                todo.append(u)
+        return new
+
+    def _sink(self, gm, lin, t, x, i, j):
+        b = _Builder(gm, lin)
+        new_lin = b.call(aten.linear.default, (x,) + tuple(lin.args[1:]))
+        new_t = b.call(aten.transpose.int, (new_lin, i, j))
+        if new_lin.meta["val"] is None or new_t.meta["val"] is None:
+            gm.graph.erase_node(new_t)
+            gm.graph.erase_node(new_lin)
+            return None
+        lin.replace_all_uses_with(new_t)
+        vals = self._revalidate_views(new_t)
+        if vals is None:  # a reader's view would need a copy on the new strides: undo
+            new_t.replace_all_uses_with(lin)
+            gm.graph.erase_node(new_t)
+            gm.graph.erase_node(new_lin)
+            return None
+        for n, val in vals.items():
+            n.meta["val"] = val
+        ir.erase_dead(gm, [lin, t])
+        return new_t
+
+    def _hoist(self, gm, tr, v, lin, t, X, L, B):
+        b = _Builder(gm, lin)
+        xt = b.call(aten.transpose.int, (X, 0, 1))
+        flat = b.call(aten.reshape.default, (xt, [B, L, -1]))
+        new_lin = b.call(aten.linear.default, (flat,) + tuple(lin.args[1:]))
+        if new_lin.meta["val"] is None or tuple(new_lin.meta["val"].shape) != tuple(tr.meta["val"].shape):
+            for n in (new_lin, flat, xt):
+                gm.graph.erase_node(n)
+            return None
+        tr.replace_all_uses_with(new_lin)
+        ir.erase_dead(gm, [tr, v, lin, t])
+        return new_lin
 
     # ------------------------------------------------------------------ view chains
 

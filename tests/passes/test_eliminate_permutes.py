@@ -183,3 +183,54 @@ def test_optimize_zoo_keeps_accuracy(name):
     assert opt.report.accuracy["checked"] and opt.report.accuracy["passed"]
     if name == "vit-tiny":
         assert op_counts(opt.graph_module)[CONTIG] == 0
+
+
+def _linear_inputs(gm):
+    return [n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.linear.default]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mha_transposes_around_linears(dtype):
+    """nn.MultiheadAttention(batch_first) works sequence-first inside: its in-projection reads a
+    transposed input (at::linear would copy it) and its out-projection reads the attention output
+    reordered to [L, B, E] (a copy) and transposes back. Both linears end up on rows in the
+    caller's order: the in-projection's result is transposed (a view the QKV views still accept),
+    and the out-projection reads the attention output as [B, L, E], which SDPA's CUDA kernels
+    write contiguously."""
+    model, args, gm, before, after, res = _run(Mha(), (torch.randn(2, 9, 32),), dtype)
+    assert res.details["removed"]["sink_transpose_below_linear"] == 1
+    assert res.details["removed"]["hoist_transpose_above_linear"] == 1
+    ins = _linear_inputs(gm)
+    assert all(i.target is not aten.transpose.int for i in ins)  # neither reads a transposed tensor
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert out.target is aten.linear.default  # the out-projection's result is returned directly
+    assert all(r.predicted_gain_s > 0 for r in res.rewrites if "transpose" in r.pattern)
+    assert reference_check(model, gm, args).passed
+
+
+class LastDimTranspose(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):  # x [2, 6, 7]: the transpose moves the last dim: not a row-wise reorder
+        return self.fc(x.transpose(1, 2))
+
+
+class ViewNeedsRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):  # x [3, 4, 8]; flattening the (transposed) rows needs them in this order
+        return self.fc(x.transpose(0, 1)).view(12, 8) * 2
+
+
+def test_transpose_sinking_refused_when_unsafe():
+    _, args, gm, _, _, res = _run(LastDimTranspose(), (torch.randn(2, 6, 7),))
+    assert res.details["removed"]["sink_transpose_below_linear"] == 0
+    model, args, gm, _, _, res = _run(ViewNeedsRows(), (torch.randn(3, 4, 8),))
+    # the view of the linear's result would be invalid on the sunk transpose's strides: undone
+    assert res.details["removed"]["sink_transpose_below_linear"] == 0
+    assert any("would need a copy" in r.reason for r in res.rejected)
+    assert reference_check(model, gm, args).passed

@@ -370,6 +370,17 @@ def optimize(
         if isinstance(x, torch.Tensor) and x.device.type != model_dev.type:
             raise GraphoptError(f"an example input is on {x.device} but the model is on {model_dev}")
     profile, profile_note = get_profile(target if target is not None else model_dev)
+    if (cuda_graphs is not False and not training and not dynamic and profile.kind == "cuda"
+            and model_dev.type == "cuda" and profile.launch_overhead_graph_s < profile.launch_overhead_s):
+        # static-shape inference on a GPU replays a CUDA graph when it pays (graphopt.lower): plan
+        # the rewrites with the launch cost a replay leaves, where kernels' device time is what counts
+        import dataclasses
+
+        eager_launch = profile.launch_overhead_s
+        profile = dataclasses.replace(profile, launch_overhead_s=profile.launch_overhead_graph_s)
+        note = (f"planned for CUDA-graph replay: {profile.launch_overhead_s * 1e6:.2f} us per kernel launch "
+                f"({eager_launch * 1e6:.1f} us eager)")
+        profile_note = f"{profile_note}; {note}" if profile_note else note
 
     was_training = model.training
     model.train(training)

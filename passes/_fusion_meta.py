@@ -55,4 +55,4 @@ def pointwise_kernel_time(ctx, bytes_moved: float, elems: float = 0.0, flops_per
     """Predicted time of one memory-bound kernel (a graphopt fused op) on ctx's profile: the
     cost model's formula for a node in the graphopt namespace."""
     p = ctx.profile
-    return max(bytes_moved / p.bandwidth, elems * flops_per_elem / p.elementwise_flops) + p.launch_overhead_s
+    return p.kernel_seconds(elems * flops_per_elem / p.elementwise_flops, bytes_moved / p.bandwidth)

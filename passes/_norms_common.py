@@ -29,7 +29,7 @@ def kernel_time(ctx, in_nodes, out_infos, flops_per_elem: float = 1.0) -> float:
     nbytes = sum(ir.concrete(ir.info(n).nbytes, ctx.hints) for n in dict.fromkeys(in_nodes) if ir.info(n) is not None)
     nbytes += sum(ir.concrete(o.nbytes, ctx.hints) for o in out_infos)
     numel = ir.concrete(out_infos[0].numel, ctx.hints) if out_infos else 0
-    return max(numel * flops_per_elem / p.elementwise_flops, nbytes / p.bandwidth) + p.launch_overhead_s
+    return p.kernel_seconds(numel * flops_per_elem / p.elementwise_flops, nbytes / p.bandwidth)
 
 
 class Seq(Pattern):

@@ -62,9 +62,14 @@ class ConvertChannelsLast(Pass):
                   and not is_channels_last(ir.info(n))]
         output = next(n for n in gm.graph.nodes if n.op == "output")
         outs = [a for a in output.all_input_nodes if ir.info(a) is not None and len(ir.info(a).shape) == 4]
-        saved = sum(ctx.node_time([c]) for c in slow) * (1 - 1 / ctx.profile.conv_nchw_slowdown)
-        moved = sum(2 * ir.concrete(ir.info(n).nbytes, ctx.hints) for n in inputs + outs)
-        cost = moved / ctx.profile.bandwidth + (len(inputs) + len(outs)) * ctx.profile.launch_overhead_s
+        p = ctx.profile
+        saved = 0.0
+        for c in slow:  # each convolution's time with and without the NCHW penalty
+            nc = ctx.cost.node_cost(c)
+            comp, mem = ir.concrete(nc.compute_s, ctx.hints), ir.concrete(nc.memory_s, ctx.hints)
+            saved += p.kernel_seconds(comp, mem, "conv") - p.kernel_seconds(comp / p.conv_nchw_slowdown, mem, "conv")
+        cost = sum(p.kernel_seconds(0.0, 2 * ir.concrete(ir.info(n).nbytes, ctx.hints) / p.bandwidth)
+                   for n in inputs + outs)
         gain = saved - cost
 
         def apply():

@@ -424,7 +424,7 @@ class EliminatePermutes(Pass):
     def _copy_time(self, ctx, ti) -> float:
         """Predicted time of materializing a tensor (read + write) in one kernel."""
         nbytes = 2 * ir.concrete(ti.numel, ctx.hints) * ti.dtype.itemsize
-        return nbytes / ctx.profile.bandwidth + ctx.profile.launch_overhead_s
+        return ctx.profile.kernel_seconds(0.0, nbytes / ctx.profile.bandwidth)
 
     def _rowwise_transposes(self, gm, ctx, res):
         cands = []

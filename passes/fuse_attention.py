@@ -179,6 +179,7 @@ class FuseAttention(Pass):
                 "attention->sdpa" + ("+gqa" if plan["gqa"] else "") + ("+causal" if plan["causal"] else ""),
                 plan["removed"], gain, lambda p=plan: self._apply(gm, p),
                 label=f"attention {m['qk'].name}..{m['pv'].name}"))
+        causal_folds = []
         for m in find(gm, SDPA_PATTERN):
             sd = m["sdpa"]
             if _kwarg(sd, 5, "is_causal", False):
@@ -195,8 +196,8 @@ class FuseAttention(Pass):
             plan = {"kind": "sdpa", "node": sd}
             new_args = (sd.args[0], sd.args[1], sd.args[2], None, _kwarg(sd, 4, "dropout_p", 0.0), True)
             gain = ctx.node_time([sd]) - self._time_of(ctx, sd, new_args, _sdpa_kwargs(sd))
-            candidates.append(Candidate("sdpa constant causal mask->is_causal", [sd], gain,
-                                        lambda p=plan: self._apply_sdpa(gm, p), label=f"sdpa {sd.name}"))
+            causal_folds.append(Candidate("sdpa constant causal mask->is_causal", [sd], gain,
+                                          lambda p=plan: self._apply_sdpa(gm, p), label=f"sdpa {sd.name}"))
         # softmaxes that look like attention but did not match are reported, not silently ignored
         for n in gm.graph.nodes:
             if n.op == "call_function" and n.target in SOFTMAXES and n not in explained:
@@ -204,6 +205,9 @@ class FuseAttention(Pass):
                 if why:
                     res.reject(f"softmax {n.name}", why)
         res.apply_ranked(ctx, candidates)
+        # the same SDPA without reading the mask and with the causal half of the FLOPs is never
+        # slower, also where launch-bound (a zero predicted gain)
+        res.apply_ranked(ctx, causal_folds, allow_zero_gain=True)
         return res
 
     # ------------------------------------------------------------------ analysis

@@ -189,7 +189,7 @@ class FuseBiasAct(Pass):
         flops, byts, _, _ = ctx.cost.flops_bytes(gemm)
         flops, byts = ir.concrete(flops, ctx.hints), ir.concrete(byts, ctx.hints) - minus_bias
         rate = p.matmul_rate(ir.arg_infos(gemm)[0].dtype)
-        return max(flops / rate, byts / p.bandwidth) + p.launch_overhead_s
+        return p.kernel_seconds(flops / rate, byts / p.bandwidth, "conv" if gemm.target in CONVS else "matmul")
 
     # ------------------------------------------------------------------ rewrites
 

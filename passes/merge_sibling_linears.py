@@ -125,7 +125,7 @@ def _merged_time(ctx, x, fam) -> float:
     byts = nbytes(xi, h) + sum(nbytes(ir.info(m["w"]), h) + nbytes(ir.info(m["lin"]), h) for m in fam)
     byts += sum(nbytes(ir.info(m["b"]), h) for m in fam if m.get("b") is not None)
     rate = p.matmul_rate(xi.dtype)
-    return max(flops / rate, byts / p.bandwidth) + p.launch_overhead_s
+    return p.kernel_seconds(flops / rate, byts / p.bandwidth, "matmul")
 
 
 def _merge(gm: fx.GraphModule, x: fx.Node, fam) -> fx.Node:

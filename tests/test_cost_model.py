@@ -47,7 +47,33 @@ def test_linear_flops_and_bytes():
     relu = cm.node_cost(_node(gm, "relu"))
     assert relu.bytes == 4 * 2 * 64 * 512
     assert relu.bound in ("memory", "launch")
-    assert relu.time_s == pytest.approx(max(relu.compute_s, relu.memory_s) + _h200().launch_overhead_s)
+    # on a GPU the host's launch overlaps running kernels: the longer of the two
+    p = _h200()
+    gpu = max(relu.compute_s, relu.memory_s + p.kernel_fixed_s)
+    assert relu.time_s == pytest.approx(max(gpu, p.launch_overhead_s))
+
+
+def test_calibrated_efficiencies_and_cpu_dispatch():
+    """A fitted GEMM efficiency slows GEMMs, a convolution gets its own, a memory-bound kernel its
+    fixed time; on the CPU an op's dispatch adds to its work instead of overlapping it."""
+    import dataclasses
+
+    gm = capture(Lin(1024, 1024).eval().to(torch.bfloat16), (torch.randn(4096, 1024, dtype=torch.bfloat16),))
+    ideal = _h200()
+    fitted = dataclasses.replace(ideal, matmul_scale=0.5, matmul_fixed_s=3e-6, kernel_fixed_s=2e-6)
+    a = CostModel(ideal).node_cost(_node(gm, "linear"))
+    b = CostModel(fitted).node_cost(_node(gm, "linear"))
+    assert b.time_s == pytest.approx(max(a.compute_s / 0.5 + 3e-6, a.memory_s + 2e-6, ideal.launch_overhead_s))
+    cpu = dataclasses.replace(ideal, kind="cpu")
+    r = CostModel(cpu).node_cost(_node(gm, "relu"))
+    assert r.time_s == pytest.approx(max(r.compute_s, r.memory_s) + cpu.launch_overhead_s)
+    conv = nn.Conv2d(64, 64, 3, padding=1).eval().to(torch.bfloat16)
+    gc = capture(conv, (torch.randn(64, 64, 56, 56, dtype=torch.bfloat16).to(memory_format=torch.channels_last),))
+    slow_conv = dataclasses.replace(ideal, conv_scale=0.25, conv_fixed_s=0.0)
+    c0 = CostModel(ideal).node_cost(_node(gc, "conv2d"))
+    c1 = CostModel(slow_conv).node_cost(_node(gc, "conv2d"))
+    assert float(c1.time_s) > float(c0.time_s)
+    assert CostModel(slow_conv).node_cost(_node(gm, "linear")).time_s == a.time_s  # GEMMs untouched
 
 
 def test_conv_flops():

@@ -1,6 +1,11 @@
 """Roofline cost model: FLOPs and bytes per node from its shapes, time on a device profile.
 
-time(node) = max(FLOPs / peak(dtype), bytes / bandwidth) + launches * launch_overhead
+gpu(node)  = max(FLOPs / (peak(dtype) * scale) + fixed, bytes / bandwidth + kernel_fixed)
+time(node) = max(gpu(node), launches * launch_overhead)      (GPU: launches overlap running kernels)
+           = gpu(node) + launches * launch_overhead          (CPU: dispatch and work add up)
+
+scale/fixed are the profile's fitted GEMM and convolution efficiencies (`graphopt calibrate`;
+1 and 0 in a profile that was not calibrated: the ideal roofline).
 
 Shapes may be symbolic (sympy); every quantity is then a sympy expression, evaluated with the
 example sizes (``hints``) when a number is needed. The estimates depend only on the graph and
@@ -207,19 +212,24 @@ class CostModel:
         p = self.profile
         if kind == "free":
             return NodeCost(node.name, _op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
+        eff = "memory"
         if kind == "matmul":
             dtype = ir.arg_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
-            if _op_name(node) in CONV_OPS and conv_layout_penalized(ir.arg_infos(node)[0], p):
-                rate = rate / p.conv_nchw_slowdown
+            eff = "matmul"
+            if _op_name(node) in CONV_OPS:
+                eff = "conv"
+                if conv_layout_penalized(ir.arg_infos(node)[0], p):
+                    rate = rate / p.conv_nchw_slowdown
         else:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
+        t = p.kernel_seconds(compute, memory, eff, launches)
+        gpu = _num(p.gpu_seconds(compute, memory, eff))
         launch = launches * p.launch_overhead_s
-        t = _smax(compute, memory) + launch
         c, m = _num(compute), _num(memory)
-        if launch >= max(c, m):
+        if launch >= gpu:
             bound = "launch"
         elif c >= m:
             bound = "compute"

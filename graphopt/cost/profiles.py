@@ -39,6 +39,14 @@ class DeviceProfile:
     conv_nchw_slowdown: float = 1.0
     # per kernel inside a replayed CUDA graph (graphopt.lower): the launch cost a graph leaves
     launch_overhead_graph_s: float = 1e-6
+    # fitted by `graphopt calibrate` on model-shaped work (1.0 / 0.0: not measured, ideal roofline):
+    # a GEMM takes flops / (peak * matmul_scale) + matmul_fixed_s, a convolution likewise with the
+    # conv_ pair, and a memory-bound kernel bytes / bandwidth + kernel_fixed_s
+    matmul_scale: float = 1.0
+    matmul_fixed_s: float = 0.0
+    conv_scale: float = 1.0
+    conv_fixed_s: float = 0.0
+    kernel_fixed_s: float = 0.0
 
     def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:
         name = str(dtype).replace("torch.", "")
@@ -51,8 +59,35 @@ class DeviceProfile:
             return self.peak_flops[name]
         return self.peak_flops.get("float32", min(self.peak_flops.values()))
 
+    def gpu_seconds(self, compute_s, memory_s, kind: str = "memory"):
+        """Device time of one kernel: the roofline max of its compute and memory time, with the
+        fitted efficiency of its kind ("matmul", "conv" or a memory-bound kernel)."""
+        if kind == "conv":
+            compute_s = compute_s / self.conv_scale + self.conv_fixed_s
+        elif kind == "matmul":
+            compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
+        return _max(compute_s, memory_s + self.kernel_fixed_s)
+
+    def kernel_seconds(self, compute_s, memory_s, kind: str = "memory", launches: int = 1):
+        """Wall time of a kernel launched eagerly. On a GPU the host enqueues kernels while earlier
+        ones run, so a kernel costs the longer of its device time and its launch cost; on the CPU
+        the op's dispatch and its work add up."""
+        gpu = self.gpu_seconds(compute_s, memory_s, kind)
+        launch = launches * self.launch_overhead_s
+        if self.kind == "cpu" or not launches:
+            return gpu + launch
+        return _max(gpu, launch)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _max(a, b):
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return max(a, b)
+    import sympy
+
+    return sympy.Max(a, b)
 
 
 def _load_json(path: Path) -> DeviceProfile:

@@ -83,6 +83,71 @@ def _matmul_rate(n: int, dtype, device, iters: int) -> float:
     return 2 * n**3 / t
 
 
+# model-shaped work for the efficiency fits: (M, N, K) GEMMs from BERT/ViT/GLM layers and the
+# LM head, and ResNet-50's convolutions (batch, Cin, H, W, Cout, kernel, stride) in channels_last
+GEMM_SHAPES = [(8192, 768, 768), (8192, 3072, 768), (8192, 768, 3072), (12608, 2304, 768), (8192, 4608, 4096),
+               (8192, 4096, 4096), (8192, 27392, 4096), (8192, 4096, 13696), (1024, 4608, 4096),
+               (1024, 4096, 13696), (128, 768, 768), (8192, 32768, 4096)]
+CONV_SHAPES = [(64, 64, 56, 56, 64, 3, 1), (64, 64, 56, 56, 256, 1, 1), (64, 256, 56, 56, 64, 1, 1),
+               (64, 128, 28, 28, 128, 3, 1), (64, 512, 28, 28, 128, 1, 1), (64, 256, 14, 14, 256, 3, 1),
+               (64, 1024, 14, 14, 256, 1, 1), (64, 512, 7, 7, 512, 3, 1), (64, 2048, 7, 7, 512, 1, 1),
+               (64, 3, 224, 224, 64, 7, 2), (8, 256, 14, 14, 256, 3, 1), (1, 64, 56, 56, 64, 3, 1)]
+COPY_BYTES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+
+
+def fit_line(xs, ts) -> tuple[float, float]:
+    """Least-squares t = a * x + b with b >= 0 (a fixed time per kernel cannot be negative)."""
+    n = len(xs)
+    mx, mt = sum(xs) / n, sum(ts) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx if sxx > 0 else (mt / mx if mx else 0.0)
+    b = mt - a * mx
+    if b < 0:  # refit through the origin
+        a, b = sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs), 0.0
+    return a, b
+
+
+def _fit_efficiency(samples, peak: float) -> tuple[float, float]:
+    """(scale, fixed_s) with t = flops / (peak * scale) + fixed_s fitted to [(flops, seconds)]."""
+    a, b = fit_line([f for f, _ in samples], [t for _, t in samples])
+    scale = 1.0 / (a * peak) if a > 0 else 1.0
+    return min(scale, 1.0), b
+
+
+def _gemm_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
+    out = []
+    for m, n, k in (GEMM_SHAPES[::3] if quick else GEMM_SHAPES):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(n, k, device=device, dtype=dtype)
+        t = _best_seconds(lambda: torch.nn.functional.linear(a, b), device, 5 if quick else 10)
+        out.append((2.0 * m * n * k, t))
+        del a, b
+    return out
+
+
+def _conv_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
+    out = []
+    for bsz, cin, h, w, cout, kk, st in (CONV_SHAPES[::3] if quick else CONV_SHAPES):
+        x = torch.randn(bsz, cin, h, w, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+        wt = torch.randn(cout, cin, kk, kk, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+        y = torch.nn.functional.conv2d(x, wt, stride=st, padding=kk // 2)
+        t = _best_seconds(lambda: torch.nn.functional.conv2d(x, wt, stride=st, padding=kk // 2), device,
+                          5 if quick else 10)
+        out.append((2.0 * y.numel() * cin * kk * kk, t))
+        del x, wt, y
+    return out
+
+
+def _copy_fixed(device, bw: float, quick: bool) -> float:
+    """Fixed device time of a memory-bound kernel: copies of 1-256 MiB, t - bytes / bw, median."""
+    extra = []
+    for nbytes in (COPY_BYTES[:3] if quick else COPY_BYTES):
+        t = 2 * nbytes / _copy_bw(nbytes, device, 20)  # _copy_bw returns read+write bytes / second
+        extra.append(t - 2 * nbytes / bw)
+    extra.sort()
+    return max(0.0, extra[len(extra) // 2])
+
+
 def _sdpa_rate(device, quick: bool) -> float:
     import torch.nn.functional as F
 
@@ -217,6 +282,18 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             say(f"device copy {copy_bytes >> 20} MiB")
             bw = _copy_bw(copy_bytes, device, 5)
             source["bandwidth"] = f"{stamp} (read+write of a {copy_bytes >> 20} MiB copy)"
+            say("GEMM efficiency (model-shaped bf16 GEMMs)")
+            gemm = _gemm_samples(device, torch.bfloat16, quick)
+            extra_fit = dict(zip(("matmul_scale", "matmul_fixed_s"), _fit_efficiency(gemm, peak["bfloat16"])))
+            source["matmul_efficiency"] = (f"{stamp}: t = flops / (peak * scale) + fixed fitted to {len(gemm)} "
+                                           "bf16 GEMMs shaped like BERT/ViT/GLM layers")
+            say("convolution efficiency (ResNet-50 channels_last bf16, cudnn.benchmark as set)")
+            conv = _conv_samples(device, torch.bfloat16, quick)
+            extra_fit.update(zip(("conv_scale", "conv_fixed_s"), _fit_efficiency(conv, peak["bfloat16"])))
+            source["conv_efficiency"] = f"{stamp}: the same fit on {len(conv)} ResNet-50 convolutions"
+            say("memory-bound kernel fixed time")
+            extra_fit["kernel_fixed_s"] = _copy_fixed(device, bw, quick)
+            source["kernel_fixed"] = f"{stamp}: median of (t - bytes / bandwidth) over 1-256 MiB copies"
             say("launch overhead")
             launch, launch_graph = _launch_overhead(device)
             source["launch"] = f"{stamp} (wall time per tiny kernel, 2000 back to back)"
@@ -236,7 +313,7 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
     source["elementwise"] = "the measured fp32 (no TF32) matmul rate"
-    extra = {}
+    extra = dict(extra_fit)
     if launch_graph is not None:
         extra["launch_overhead_graph_s"] = launch_graph
         source["launch_graph"] = f"{stamp} (the same kernels replayed from a CUDA graph)"
@@ -294,6 +371,10 @@ def run_cli(args) -> int:
     t.add_row("device bandwidth", _fmt_rate(prof.bandwidth, "B/s"))
     t.add_row("launch overhead", f"{prof.launch_overhead_s * 1e6:.2f} µs")
     t.add_row("launch in a CUDA graph", f"{prof.launch_overhead_graph_s * 1e6:.2f} µs")
+    if prof.kind == "cuda":
+        t.add_row("GEMM efficiency", f"{prof.matmul_scale:.0%} of peak + {prof.matmul_fixed_s * 1e6:.1f} µs")
+        t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak + {prof.conv_fixed_s * 1e6:.1f} µs")
+        t.add_row("memory-bound kernel fixed time", f"{prof.kernel_fixed_s * 1e6:.1f} µs")
     for k, v in prof.link_bandwidth.items():
         t.add_row(f"link {k}", _fmt_rate(v, "B/s"))
     console.print(t)

@@ -62,3 +62,16 @@ def test_calibrate_cuda_quick(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof.to_dict()))
     assert get_profile(str(path))[0].to_dict() == prof.to_dict()
+
+
+def test_efficiency_fit_recovers_a_known_line():
+    """The GEMM/conv efficiency fit: t = flops / (peak * scale) + fixed, and a fixed time is never
+    negative (refit through the origin)."""
+    from graphopt.calibrate import _fit_efficiency, fit_line
+
+    peak = 800e12
+    samples = [(f, f / (peak * 0.8) + 4e-6) for f in (1e9, 1e10, 1e11, 1e12)]
+    scale, fixed = _fit_efficiency(samples, peak)
+    assert abs(scale - 0.8) < 1e-6 and abs(fixed - 4e-6) < 1e-9
+    a, b = fit_line([1.0, 2.0, 3.0], [1.0, 3.0, 5.5])  # intercept would be negative
+    assert b == 0.0 and a > 0

@@ -219,6 +219,8 @@ class CostModel:
             eff = "matmul"
             if _op_name(node) in CONV_OPS:
                 eff = "conv"
+                if dtype == torch.float32 and p.kind == "cuda":  # cuDNN has its own TF32 switch (on by default)
+                    rate = p.matmul_rate(dtype, allow_tf32=torch.backends.cudnn.allow_tf32)
                 if conv_layout_penalized(ir.arg_infos(node)[0], p):
                     rate = rate / p.conv_nchw_slowdown
         else:

@@ -147,6 +147,11 @@ def is_random(node: fx.Node) -> bool:
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         return bool(train) and p != 0
+    names = [a.name for a in t._schema.arguments]
+    if "dropout_p" in names:  # attention: seeded only for its dropout (tagged either way)
+        i = names.index("dropout_p")
+        p = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
     return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()) or t._schema.name.split("::")[-1] in RANDOM_OPS
 
 

@@ -371,7 +371,9 @@ def _check_rule(out, model, args, kwargs=None):
                                               ("glm4-tiny", 2, torch.float32), ("bert-tiny", 2, torch.float32)])
 def test_cuda_replay_equals_eager(name, batch, dtype):
     model, inputs = zoo.get(name, batch=batch, dtype=dtype, device="cuda")
-    opt = graphopt.optimize(model, inputs)
+    # fp32 stays fp32 here (precision="auto" may lower it to bf16 on the GPU): this test is about
+    # replay being exact, judged by the model's own dtype
+    opt = graphopt.optimize(model, inputs, precision="fp32")
     assert opt.runner.decision.on, opt.runner.decision.why
     assert any(n.startswith("CUDA graph: on") for n in opt.report.notes)
     with torch.no_grad():
@@ -455,3 +457,25 @@ def test_cuda_graphs_off_when_cloning_outputs_costs_more_than_launches_save():
     assert any("to clone" in n for n in opt.report.notes)
     opt.set_cuda_graphs(True, reuse_outputs=True)
     assert opt.runner.decision.on
+
+
+def test_sdpa_without_dropout_is_not_random():
+    """SDPA is tagged nondeterministic_seeded for its dropout; with dropout_p = 0 it draws nothing,
+    so it must not keep a graph from CUDA-graph replay (nor from constant folding or the guard)."""
+    import torch.nn.functional as F
+
+    from graphopt import ir
+
+    class Attn(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+
+    q = torch.randn(1, 2, 4, 8)
+    for p, random in ((0.0, False), (0.1, True)):
+        gm = capture(Attn(p).eval(), (q, q, q))
+        sd = [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot" in str(n.target)]
+        assert sd and all(ir.is_random(n) == random for n in sd), (p, [n.args for n in sd])

@@ -511,6 +511,11 @@ def stage_modules(gm: fx.GraphModule, plan: StagePlan) -> list[fx.GraphModule]:
             ph = g.placeholder(v.name)
             ph.meta = dict(v.meta)
             env[v] = ph
+        if k > 0:  # received activations send their gradients back: contiguous buffers
+            for v in ins:
+                val = v.meta.get("val")
+                if isinstance(val, torch.Tensor) and val.is_floating_point():
+                    env[v] = g.call_function(contiguous_grad, (env[v],))
         root = nn.Module()
         for a in an.attrs:
             if any(st.start <= p < st.end for p in an.attr_uses[a]):
@@ -530,10 +535,35 @@ def stage_modules(gm: fx.GraphModule, plan: StagePlan) -> list[fx.GraphModule]:
             del outs
         else:
             outs = an.crossing_nodes(st.end)
-            # contiguous: the pipeline sends them through send/recv
-            g.output(tuple(g.call_method("contiguous", (env[v],)) for v in outs))
+            g.output(tuple(_sendable(g, env[v], v) for v in outs))
         mods.append(fx.GraphModule(root, g, class_name=f"Stage{k}"))
     return mods
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    """Identity whose gradient is contiguous: a stage's input gradients are sent to the
+    previous stage, whose receive buffers (and NCCL/gloo) need contiguous tensors."""
+    return _ContiguousGrad.apply(x)
+
+
+torch.fx.wrap("contiguous_grad")
+
+
+def _sendable(g: fx.Graph, node: fx.Node, orig: fx.Node) -> fx.Node:
+    """A stage output the pipeline can send: a fresh tensor with standard contiguous strides
+    (the pipeline allocates its send/recv and gradient buffers from the output's strides, and
+    NCCL/gloo need contiguous buffers); a pass-through gets a buffer of its own."""
+    return g.call_method("clone", (node,), {"memory_format": torch.contiguous_format})
 
 
 def _copy_attr(root: nn.Module, gm: fx.GraphModule, target: str) -> None:

@@ -113,8 +113,6 @@ class Pipeline:
     def __init__(self, model: nn.Module, example_inputs, *, microbatches: int = 4, schedule: str = "gpipe",
                  loss_fn=None, devices=None, target=None, memory_cap=None, passes=(), group=None,
                  device: torch.device | None = None):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         if not dist.is_initialized():
             raise GraphoptError("graphopt.distributed.Pipeline needs a process group: run under torchrun and "
                                 "call graphopt.distributed.init() first (or use graphopt.distributed.spawn)")
@@ -130,6 +128,8 @@ class Pipeline:
             raise GraphoptError(f"{len(devices)} devices for {self.world} processes; one stage per process")
         self.training = loss_fn is not None
         self.microbatches = microbatches
+        if schedule == "1f1b" and microbatches < self.world:
+            raise GraphoptError(f"1F1B needs at least as many micro-batches as stages ({microbatches} < {self.world})")
         mb_args, mb_kwargs = microbatch(example_inputs, microbatches)
         was = model.training
         model.train(self.training)
@@ -147,12 +147,24 @@ class Pipeline:
                                            schedule=schedule, microbatches=microbatches, training=self.training)
         self.module = stage_modules(gm, self.plan)[self.rank].to(self.device)
         del gm
-        self.stage = PipelineStage(self.module, self.rank, self.world, self.device, group=group)
+        self._group, self._loss_fn = group, loss_fn
+        self.set_schedule(schedule)
+
+    def set_schedule(self, schedule: str) -> None:
+        """Run the same stages under another schedule ("gpipe" | "1f1b"; the plan keeps the
+        memory terms of the schedule it was made for)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if schedule not in ("gpipe", "1f1b"):
+            raise GraphoptError(f"schedule must be gpipe or 1f1b, got {schedule!r}")
+        if schedule == "1f1b" and self.microbatches < self.world:
+            raise GraphoptError(f"1F1B needs at least as many micro-batches as stages ({self.microbatches} < {self.world})")
+        self.schedule_name = schedule
+        self.stage = PipelineStage(self.module, self.rank, self.world, self.device, group=self._group)
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        kw = {"loss_fn": loss_fn}
         # torch >= 2.7 averages gradients over micro-batches (scale_grads); older ones sum them
         self._scale_by_hand = "scale_grads" not in inspect.signature(cls.__init__).parameters
-        self.schedule = cls(self.stage, microbatches, **kw)
+        self.schedule = cls(self.stage, self.microbatches, loss_fn=self._loss_fn)
 
     @property
     def is_first(self) -> bool:

@@ -368,7 +368,8 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
             act = np.maximum.accumulate(seg[::-1])[::-1][i] if j > 0 else np.zeros(len(i))
         params = P[i, j] * (2.0 if training else 1.0)  # weights (+ their gradients)
         buffers = 2.0 * (an.cross[i] + an.cross[j])
-        outputs = an.out_bytes * microbatches if k == S - 1 else 0.0
+        # the last stage keeps every micro-batch's outputs for the merge (one is in ``act`` already)
+        outputs = an.out_bytes * (microbatches - 1) if k == S - 1 else 0.0
         memory = params + act * fl + buffers + outputs
         return time, memory, compute, transfer, act, fl, params
 

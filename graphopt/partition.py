@@ -178,6 +178,13 @@ class StagePlan:
         }
 
 
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """GPipe and 1F1B idle share: (S-1)/(M+S-1)."""
     return (stages - 1) / (microbatches + stages - 1)
@@ -216,6 +223,7 @@ class _Analysis:
         # a cut c sits before position c (c = 0..N); value v crosses cut c iff pos(v) < c <= last use
         cross = np.zeros(N + 2)
         bad = np.zeros(N + 2)  # non-tensor values (tuples, symbolic ints) crossing: not a valid cut
+        nonfloat = np.zeros(N + 2)  # integer/bool tensors crossing: no cut for training (see below)
         self.last_use: dict = {}
         for v in self.placeholders + self.order:
             users = [u for u in v.users]
@@ -230,6 +238,9 @@ class _Analysis:
             if isinstance(v.meta.get("val"), torch.Tensor):
                 cross[lo] += self.size[v]
                 cross[hi + 1] -= self.size[v]
+                if not v.meta["val"].is_floating_point():
+                    nonfloat[lo] += 1
+                    nonfloat[hi + 1] -= 1
             else:
                 bad[lo] += 1
                 bad[hi + 1] -= 1
@@ -238,6 +249,10 @@ class _Analysis:
         self.cross[N] = 0.0  # the outputs stay on the last stage
         self.valid = np.cumsum(bad)[: N + 1] == 0
         self.valid[0] = self.valid[N] = True
+        # torch.distributed.pipelining (torch 2.11) gives every received activation
+        # requires_grad=True when training, which integer and bool tensors cannot have
+        self.float_only = np.cumsum(nonfloat)[: N + 1] == 0
+        self.float_only[0] = self.float_only[N] = True
         # liveness (inference activation peak): a value is live from its producer to its last
         # reader; views alias their base (no bytes of their own)
         live = np.zeros(N + 1)
@@ -343,6 +358,12 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
                     and ir.get_attr_value(gm, a.target).requires_grad:
                 forbid[uses[0] + 1: uses[-1] + 1] = True
                 tied.append((a, uses))
+    if training:
+        cuts = np.array([c for c in cuts if an.float_only[c]])
+        if len(cuts) - 1 < S:
+            raise GraphoptError(f"training across {S} stages: integer or bool tensors (masks, positions) cross every "
+                                "place the graph could be cut, and the pipeline cannot send them in training; with "
+                                "Hugging Face models use attn_implementation='eager' (its mask is a float tensor)")
     cand = np.array([c for c in cuts if not forbid[c] or c in (0, N)])
     if len(cand) - 1 < S:
         name = max(tied, key=lambda t: t[1][-1] - t[1][0])[0].target if tied else "?"
@@ -425,11 +446,11 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         for k in range(S):
             _, memory, *_ = stage_terms(k, np.array([close[k]]), close[k + 1])
             need, have = float(memory[0]), devices[k].memory_bytes
-            parts.append(f"{devices[k].name} needs {need / 1e9:.3g} GB, has {have / 1e9:.3g} GB"
-                         + (f" (short {(need - have) / 1e9:.3g} GB)" if need > have else ""))
+            parts.append(f"{devices[k].name} needs {fmt_bytes(need)}, has {fmt_bytes(have)}"
+                         + (f" (short {fmt_bytes(need - have)})" if need > have else ""))
         total_params = P[0, N] * (2.0 if training else 1.0)
         raise BudgetError(f"no split into {S} stage(s) fits the devices' memory: best split {'; '.join(parts)} "
-                          f"(parameters{' + gradients' if training else ''} alone {total_params / 1e9:.3g} GB); "
+                          f"(parameters{' + gradients' if training else ''} alone {fmt_bytes(total_params)}); "
                           "add devices, raise memory_cap, or use more micro-batches")
 
     stage_of: dict = {}

@@ -33,42 +33,52 @@ def loss_fn(logits, ids):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def build(batch):
+def mlp_loss(out, labels):
+    return F.cross_entropy(out, labels)
+
+
+def build(batch, name="glm4-tiny"):
+    """(model, inputs, loss_fn, target): glm4-tiny (next-token loss on its own ids) or the zoo MLP."""
+    if name == "mlp":
+        m, (x,) = zoo.get("mlp", batch=batch)
+        labels = torch.arange(batch) % 10
+        return m, x, mlp_loss, labels
     m, (ids,) = zoo.get("glm4-tiny", batch=batch, seq_len=8)
-    return LM(m), ids
+    return LM(m), ids, loss_fn, ids
 
 
-def _work(rank, world, path, batch, runs):
+def _work(rank, world, path, batch, runs, name):
     out = {}
     for schedule, mbs, train in runs:
-        model, ids = build(batch)
-        pipe = gd.Pipeline(model, ids, microbatches=mbs, schedule=schedule, loss_fn=loss_fn if train else None)
+        model, x, loss, target = build(batch, name)
+        pipe = gd.Pipeline(model, x, microbatches=mbs, schedule=schedule, loss_fn=loss if train else None)
         key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
         losses = []
-        res = pipe.step(ids, target=ids if train else None, losses=losses if train else None)
+        res = pipe.step(x, target=target if train else None, losses=losses if train else None)
         out[key] = {"out": res, "losses": [x.detach() for x in losses], "plan": pipe.plan.as_dict(),
                     "grads": {n: p.grad.clone() for n, p in pipe.module.named_parameters() if p.grad is not None}}
     torch.save(out, f"{path}/rank{rank}.pt")
 
 
-def _reference(batch):
-    model, ids = build(batch)
+def _reference(batch, name):
+    model, x, loss, target = build(batch, name)
     with torch.no_grad():
-        eager_out = model(ids)
-    ref_out = accuracy.fp64_reference(model, (ids,), {})
-    loss_fn(model(ids), ids).backward()
+        eager_out = model(x)
+    ref_out = accuracy.fp64_reference(model, (x,), {})
+    loss(model(x), target).backward()
     m64 = copy.deepcopy(model).double()
     m64.zero_grad()
-    loss_fn(m64(ids), ids).backward()
+    x64 = x.double() if x.is_floating_point() else x
+    loss(m64(x64), target).backward()
     eager_g = {n: p.grad for n, p in model.named_parameters()}
     ref_g = {n: p.grad for n, p in m64.named_parameters()}
     return eager_out, ref_out, eager_g, ref_g
 
 
-def _check(tmp_path, world, batch, runs):
-    gd.spawn(_work, world, str(tmp_path), batch, runs)
+def _check(tmp_path, world, batch, runs, name="glm4-tiny"):
+    gd.spawn(_work, world, str(tmp_path), batch, runs, name)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    eager_out, ref_out, eager_g, ref_g = _reference(batch)
+    eager_out, ref_out, eager_g, ref_g = _reference(batch, name)
     for schedule, mbs, train in runs:
         key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
         plan = ranks[0][key]["plan"]
@@ -96,12 +106,12 @@ def test_two_processes_gpipe_and_1f1b_match_the_unpartitioned_model(tmp_path):
     _check(tmp_path, 2, 4, [("gpipe", 2, False), ("gpipe", 2, True), ("1f1b", 4, True)])
 
 
-def test_three_processes_1f1b_match_the_unpartitioned_model(tmp_path):
-    _check(tmp_path, 3, 6, [("1f1b", 3, True)])
+def test_three_processes_gpipe_and_1f1b_match_the_unpartitioned_mlp(tmp_path):
+    _check(tmp_path, 3, 12, [("gpipe", 4, False), ("1f1b", 3, True)], name="mlp")
 
 
 def test_pipeline_refuses_bad_setups_in_one_line():
-    model, ids = build(4)
+    model, ids, _, _ = build(4)
     with pytest.raises(GraphoptError, match="process group"):
         gd.Pipeline(model, ids, microbatches=2)
     with pytest.raises(GraphoptError, match="does not split into 3"):

@@ -125,7 +125,7 @@ def test_a_model_over_one_devices_cap_is_placed_across_two_and_runs():
 def test_an_impossible_fit_names_the_shortfall():
     model, x = _big_mlp(), torch.randn(8, 256)
     params = sum(p.numel() * 4 for p in model.parameters())
-    with pytest.raises(BudgetError, match=r"cpu needs .* GB, has .* GB \(short .* GB\)") as e:
+    with pytest.raises(BudgetError, match=r"cpu needs .* kB, has .* kB \(short .* kB\)") as e:
         graphopt.optimize(model, (x,), devices=["cpu", "cpu"], memory_cap=0.2 * params, check_accuracy=False)
     assert "parameters alone" in str(e.value) and "\n" not in str(e.value)
 

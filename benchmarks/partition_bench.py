@@ -67,13 +67,8 @@ def build(cfg, device, dtype, seed=0):
     from transformers import Glm4ForCausalLM
 
     torch.manual_seed(seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Glm4ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
+    with torch.device(device):  # built on the GPU (fp32, as the zoo does), then converted
+        model = Glm4ForCausalLM(cfg)
     return LM(model.to(dtype)).eval()
 
 

@@ -232,7 +232,7 @@ def main():
             log(rank, f"pipeline {'training' if train else 'inference'}: capturing at micro-batch {bs // mbs}")
             t1 = time.perf_counter()
             pipe = gd.Pipeline(model, ids, microbatches=mbs, schedule="gpipe", loss_fn=loss_fn if train else None,
-                               target=target)
+                               example_target=ids if train else None, target=target)
             build_s = time.perf_counter() - t1
             plan = pipe.plan
             # predicted vs measured: this rank's stage forward per micro-batch, alone

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from . import ir
 from .capture import capture, flat_tensors, split_inputs
 from .errors import GraphoptError
-from .partition import StagePlan, plan_stages, resolve_devices, stage_modules
+from .partition import StagePlan, loss_seconds, plan_stages, resolve_devices, stage_modules
 
 # NVLink SHARP / multicast stay off in every process graphopt starts (the lent machines ask it)
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -105,14 +105,15 @@ class Pipeline:
     example_inputs: one global batch (a tensor, a tuple, or a dict); the graph is captured at
       its micro-batch size (batch / microbatches).
     schedule: "gpipe" or "1f1b". loss_fn: ``loss_fn(output, target) -> scalar`` (training; the
-      last stage applies it per micro-batch). devices: the stage devices (default: this rank's
+      last stage applies it per micro-batch; with ``example_target`` (one global batch's target) its
+      cost is added to the last stage's in the plan). devices: the stage devices (default: this rank's
       device type, one per rank); target / memory_cap: as for ``optimize(devices=...)``.
     passes: graphopt passes to run on the captured graph before planning (default none).
     """
 
     def __init__(self, model: nn.Module, example_inputs, *, microbatches: int = 4, schedule: str = "gpipe",
-                 loss_fn=None, devices=None, target=None, memory_cap=None, passes=(), group=None,
-                 device: torch.device | None = None):
+                 loss_fn=None, example_target=None, devices=None, target=None, memory_cap=None, passes=(),
+                 group=None, device: torch.device | None = None):
         if not dist.is_initialized():
             raise GraphoptError("graphopt.distributed.Pipeline needs a process group: run under torchrun and "
                                 "call graphopt.distributed.init() first (or use graphopt.distributed.spawn)")
@@ -143,8 +144,15 @@ class Pipeline:
             run_passes(gm, list(passes), target=target or ("h200" if self.device.type == "cuda" else "cpu"),
                        training=self.training)
         self._out_spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
-        self.plan: StagePlan = plan_stages(gm, resolve_devices(devices, target, memory_cap), hints=ir.shape_hints(gm),
-                                           schedule=schedule, microbatches=microbatches, training=self.training)
+        devs = resolve_devices(devices, target, memory_cap)
+        loss_s = None
+        if loss_fn is not None and example_target is not None:
+            out_node = next(n for n in gm.graph.nodes if n.op == "output")
+            out_val = [a.meta.get("val") for a in out_node.all_input_nodes]
+            (tgt,), _ = microbatch(example_target, microbatches)
+            loss_s = loss_seconds(loss_fn, out_val[0] if len(out_val) == 1 else tuple(out_val), tgt, devs)
+        self.plan: StagePlan = plan_stages(gm, devs, hints=ir.shape_hints(gm), schedule=schedule,
+                                           microbatches=microbatches, training=self.training, loss_s=loss_s)
         self.module = stage_modules(gm, self.plan)[self.rank].to(self.device)
         del gm
         self._group, self._loss_fn = group, loss_fn

@@ -325,10 +325,11 @@ def _compute_prefix(an: _Analysis, profile: DeviceProfile, hints: dict) -> np.nd
 
 
 def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None = None, schedule: str = "gpipe",
-                microbatches: int = 1, training: bool = False) -> StagePlan:
+                microbatches: int = 1, training: bool = False, loss_s: dict | None = None) -> StagePlan:
     """Contiguous stages over ``gm``'s topological order, one per device, minimizing the
     slowest stage's predicted time within each device's memory. Raises BudgetError naming the
-    shortfall when no split fits."""
+    shortfall when no split fits. ``loss_s``: {profile name: seconds} of the loss the last stage
+    computes per micro-batch, forward and backward (:func:`loss_seconds`)."""
     if schedule not in SCHEDULES:
         raise GraphoptError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -376,6 +377,8 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         d = devices[k]
         pre = prefix[d.profile.name]
         compute = (pre[j] - pre[i]) * factor
+        if k == S - 1 and loss_s:
+            compute = compute + loss_s.get(d.profile.name, 0.0)
         tin = np.where(i > 0, an.cross[i] / links[k - 1][0], 0.0) if k > 0 else np.zeros(len(i))
         tout = an.cross[j] / links[k][0] if k < S - 1 and j < N else 0.0
         transfer = (tin + tout) * (2.0 if training else 1.0)  # activations forward, gradients back
@@ -479,12 +482,16 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
                            "transfer_ms": float(an.cross[cut]) / bw * 1e3})
     slowest = max(s.time_s for s in stages)
     step = (microbatches + S - 1) * slowest
-    single = float(microbatches * prefix[devices[0].profile.name][N] * factor)
+    single = float(microbatches * (prefix[devices[0].profile.name][N] * factor
+                                   + (loss_s or {}).get(devices[0].profile.name, 0.0)))
     notes = []
     if training:
         notes.append(f"training step predicted as {TRAINING_FACTOR:g}× the forward; memory counts weights + "
                      "gradients (optimizer state is not in the graph) and every tensor a stage produces "
                      "as saved for backward")
+    if loss_s:
+        notes.append(f"the loss on the last stage is costed: {max(loss_s.values()) * 1e3:.3f} ms per micro-batch "
+                     "(forward + backward)")
     if tied:
         notes.append("parameters read by several nodes far apart (tied weights) keep those nodes on one stage: "
                      + ", ".join(a.target for a, _ in tied[:4]))
@@ -495,6 +502,29 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
     return StagePlan(stages=stages, boundaries=boundaries, schedule=schedule, microbatches=microbatches,
                      training=training, bubble_fraction=bubble_fraction(S, microbatches), predicted_step_s=step,
                      single_device_s=single, notes=notes, stage_of=stage_of)
+
+
+def loss_seconds(loss_fn, output, target, devices: list[Device]) -> dict:
+    """Predicted seconds of ``loss_fn(output, target)``, forward and backward (× TRAINING_FACTOR),
+    per profile: traced with FakeTensors (make_fx) into ATen ops the cost model prices.
+    ``output``/``target``: tensors (real, fake or meta) of one micro-batch's shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    try:
+        with mode:
+            g = make_fx(loss_fn, tracing_mode="fake")(fake(output), fake(target))
+    except Exception as e:  # noqa: BLE001 - a loss we cannot trace is left out of the plan, and said so
+        raise GraphoptError(f"could not trace loss_fn to cost it: {type(e).__name__}: {str(e).splitlines()[0][:120]}") from e
+    out = {}
+    for d in devices:
+        if d.profile.name not in out:
+            cost = CostModel(d.profile)
+            out[d.profile.name] = TRAINING_FACTOR * sum(float(ir.concrete(cost.node_cost(n).time_s))
+                                                        for n in g.graph.nodes)
+    return out
 
 
 def equal_split(gm: fx.GraphModule, stages: int) -> list[int]:

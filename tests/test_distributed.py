@@ -51,7 +51,8 @@ def _work(rank, world, path, batch, runs, name):
     out = {}
     for schedule, mbs, train in runs:
         model, x, loss, target = build(batch, name)
-        pipe = gd.Pipeline(model, x, microbatches=mbs, schedule=schedule, loss_fn=loss if train else None)
+        pipe = gd.Pipeline(model, x, microbatches=mbs, schedule=schedule, loss_fn=loss if train else None,
+                           example_target=target if train else None)
         key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
         losses = []
         res = pipe.step(x, target=target if train else None, losses=losses if train else None)
@@ -83,6 +84,7 @@ def _check(tmp_path, world, batch, runs, name="glm4-tiny"):
         key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
         plan = ranks[0][key]["plan"]
         assert len(plan["stages"]) == world and plan["schedule"] == schedule
+        assert any("loss on the last stage is costed" in n for n in plan["notes"]) == train
         assert all(r[key]["out"] is None for r in ranks[:-1])
         last = ranks[-1][key]
         res = accuracy.check(last["out"], ref_out, eager_out, training=train)

@@ -194,3 +194,22 @@ def test_devices_are_resolved_or_refused_in_one_line():
     gm = _gm(WideMiddle(), torch.randn(4, 16))
     with pytest.raises(GraphoptError, match="cannot be split"):
         partition.plan_stages(gm, _h200(64))
+
+
+def test_the_loss_on_the_last_stage_is_costed_and_shifts_the_cut():
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(512, 512), nn.ReLU())], nn.Linear(512, 4096))
+    x = torch.randn(256, 512)
+    gm = _gm(model, x)
+    devs = _h200()
+    loss_fn = lambda out, t: torch.nn.functional.cross_entropy(out.float(), t)  # noqa: E731
+    loss_s = partition.loss_seconds(loss_fn, torch.empty(256, 4096), torch.zeros(256, dtype=torch.long), devs)
+    assert loss_s["h200"] > 0
+    plain = partition.plan_stages(gm, devs, training=True)
+    costed = partition.plan_stages(gm, devs, training=True, loss_s=loss_s)
+    assert costed.stages[1].start > plain.stages[1].start  # the last stage gives nodes away
+    last = costed.stages[1]
+    an = partition._Analysis(gm, {})
+    pre = partition._compute_prefix(an, devs[1].profile, {})
+    assert last.compute_s == pytest.approx((pre[an.N] - pre[last.start]) * partition.TRAINING_FACTOR + loss_s["h200"])
+    with pytest.raises(GraphoptError, match="could not trace loss_fn"):
+        partition.loss_seconds(lambda out, t: out.numpy(), torch.empty(2, 2), torch.empty(2), devs)

@@ -8,8 +8,8 @@ Measures (rank 0 writes partition_bench.json + partition_bench.md to --out):
 - one GPU (rank 0 alone, same global batch, plain eager): inference bs32 seq1024 and a training
   step bs8 seq1024 (forward + backward of next-token cross-entropy on the shifted logits, in fp32;
   no optimizer step);
-- the 2-stage pipeline: inference with GPipe at 4 and 8 micro-batches, training with GPipe and
-  1F1B at 4 and 8 micro-batches; throughput against one GPU;
+- the 2-stage pipeline: inference with GPipe at 4, 8 and 16 micro-batches, training with GPipe
+  and 1F1B at 4 and 8 micro-batches; throughput against one GPU;
 - predicted vs measured per-stage forward time per micro-batch (each rank times its stage
   module alone on inputs of the micro-batch's shapes);
 - the memory-cap run: a cap of half the one-GPU predicted footprint (parameters + activations +
@@ -155,7 +155,7 @@ def main():
     if args.tiny:
         cfg = zoo.glm4_tiny_config()
         dtype = torch.bfloat16
-        infer_bs, train_bs, seq = 8, 8, 32
+        infer_bs, train_bs, seq = 16, 8, 32
         reps, warm = args.reps or 3, 1
         target = "cpu"
     else:
@@ -228,7 +228,7 @@ def main():
 
     for train, bs, ids in ((False, infer_bs, ids_inf), (True, train_bs, ids_tr)):
         set_attention(model, "eager" if train else "sdpa")
-        for mbs in (4, 8):
+        for mbs in ((4, 8) if train else (4, 8, 16)):
             log(rank, f"pipeline {'training' if train else 'inference'}: capturing at micro-batch {bs // mbs}")
             t1 = time.perf_counter()
             pipe = gd.Pipeline(model, ids, microbatches=mbs, schedule="gpipe", loss_fn=loss_fn if train else None,

@@ -37,6 +37,7 @@ from .cost.profiles import DeviceProfile, get_profile
 from .errors import BudgetError, GraphoptError
 
 SCHEDULES = ("gpipe", "1f1b")
+MAX_CUTS = 3000  # more candidate cut positions than this: an even subset (the DP is O(S · cuts²))
 TIE_TOLERANCE = 1e-3  # plans whose slowest stage is within 0.1 % of the best count as tied
 TRAINING_FACTOR = 3.0  # forward + backward ≈ 3 × forward (backward computes two GEMMs per forward GEMM)
 
@@ -290,24 +291,24 @@ class _Analysis:
         return [v for v in self.placeholders + self.order
                 if v in self.last_use and self.pos[v] < cut <= self.last_use[v]]
 
-    def param_matrix(self) -> np.ndarray:
-        """P[i, j]: bytes of the distinct parameters read by positions [i, j)."""
-        N = self.N
-        by_pos: list[list] = [[] for _ in range(N)]
-        for a, uses in self.attr_uses.items():
-            for p in uses:
-                if 0 <= p < N:
-                    by_pos[p].append(a)
-        P = np.zeros((N + 1, N + 1))
-        stamp: dict = {}
-        for i in range(N):
-            total = 0.0
-            for j in range(i, N):
-                for a in by_pos[j]:
-                    if stamp.get(a) != i:
-                        stamp[a] = i
-                        total += self.size[a]
-                P[i, j + 1] = total
+    def param_matrix(self, cuts: np.ndarray) -> np.ndarray:
+        """P[a, b]: bytes of the distinct parameters read by positions [cuts[a], cuts[b]).
+        A stage starting at i reads parameter p iff p's first use at or after i comes before
+        the stage's end: one sorted pass over the (use position, parameter) pairs per start."""
+        C = len(cuts)
+        pairs = sorted((p, k) for k, a in enumerate(self.attrs) for p in self.attr_uses[a] if 0 <= p < self.N)
+        pos = np.array([p for p, _ in pairs], dtype=np.int64)
+        aid = np.array([k for _, k in pairs], dtype=np.int64)
+        sizes = np.array([self.size[a] for a in self.attrs], dtype=np.float64)
+        P = np.zeros((C, C))
+        for ci, i in enumerate(cuts):
+            m = pos >= i
+            ids, first = np.unique(aid[m], return_index=True)
+            # the first cut index whose position is past the parameter's first use
+            end = np.searchsorted(cuts, pos[m][first], side="right")
+            acc = np.zeros(C + 1)
+            np.add.at(acc, end, sizes[ids])
+            P[ci] = np.cumsum(acc)[:C]
         return P
 
 
@@ -346,7 +347,6 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
     for d in devices:
         if d.profile.name not in prefix:
             prefix[d.profile.name] = _compute_prefix(an, d.profile, hints)
-    P = an.param_matrix()
     links = [link_bandwidth(devices[k], devices[k + 1]) for k in range(S - 1)]
     # tied parameters: in training a parameter read by two stages would need its gradients summed
     # across devices; graphopt refuses such cuts (they are forbidden, and if nothing is left the
@@ -371,6 +371,13 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         raise GraphoptError(f"training across {S} stages: parameter {name} is read at both ends of the graph "
                             "(tied weights) and its gradients would have to be summed across devices, which "
                             "graphopt refuses; untie it, or partition for inference")
+    if len(cand) > MAX_CUTS:  # very large graphs: an even subset of the cut positions
+        keep = np.unique(np.linspace(0, len(cand) - 1, MAX_CUTS).round().astype(int))
+        cand = cand[keep]
+    Pc = an.param_matrix(cand)
+    cidx = np.full(N + 1, -1)
+    cidx[cand] = np.arange(len(cand))
+    P = lambda i, j: Pc[cidx[i], cidx[j]]  # noqa: E731  bytes of the parameters read by positions [i, j)
 
     def stage_terms(k: int, i: np.ndarray, j: int):
         """(time, memory) of stage k covering [i, j) for a vector of starts i."""
@@ -390,7 +397,7 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
             # the running max of live bytes over [i, j), for every i at once
             seg = an.live[:j]
             act = np.maximum.accumulate(seg[::-1])[::-1][i] if j > 0 else np.zeros(len(i))
-        params = P[i, j] * (2.0 if training else 1.0)  # weights (+ their gradients)
+        params = P(i, j) * (2.0 if training else 1.0)  # weights (+ their gradients)
         buffers = 2.0 * (an.cross[i] + an.cross[j])
         # the last stage keeps every micro-batch's outputs for the merge (one is in ``act`` already)
         outputs = an.out_bytes * (microbatches - 1) if k == S - 1 else 0.0
@@ -451,7 +458,7 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
             need, have = float(memory[0]), devices[k].memory_bytes
             parts.append(f"{devices[k].name} needs {fmt_bytes(need)}, has {fmt_bytes(have)}"
                          + (f" (short {fmt_bytes(need - have)})" if need > have else ""))
-        total_params = P[0, N] * (2.0 if training else 1.0)
+        total_params = P(0, N) * (2.0 if training else 1.0)
         raise BudgetError(f"no split into {S} stage(s) fits the devices' memory: best split {'; '.join(parts)} "
                           f"(parameters{' + gradients' if training else ''} alone {fmt_bytes(total_params)}); "
                           "add devices, raise memory_cap, or use more micro-batches")
@@ -467,7 +474,7 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         params = [a.target for a, uses in an.attr_uses.items() if any(i <= p < j for p in uses)]
         stages.append(Stage(
             index=k, device=devices[k].name, profile=devices[k].profile.name, start=i, end=j,
-            nodes=[n.name for n in nodes], params=params, param_bytes=float(P[i, j]),
+            nodes=[n.name for n in nodes], params=params, param_bytes=float(P(i, j)),
             compute_s=float(compute[0]), transfer_s=float(transfer[0]), time_s=float(time[0]),
             activation_bytes=float(act[0]), in_flight=fl, memory_bytes=float(memory[0]),
             memory_cap=devices[k].memory_bytes, bytes_in=float(an.cross[i]), bytes_out=float(an.cross[j]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -213,3 +214,14 @@ def test_the_loss_on_the_last_stage_is_costed_and_shifts_the_cut():
     assert last.compute_s == pytest.approx((pre[an.N] - pre[last.start]) * partition.TRAINING_FACTOR + loss_s["h200"])
     with pytest.raises(GraphoptError, match="could not trace loss_fn"):
         partition.loss_seconds(lambda out, t: out.numpy(), torch.empty(2, 2), torch.empty(2), devs)
+
+
+def test_parameter_bytes_per_stage_match_a_brute_force_count():
+    gm = _gm(Tied(), torch.randint(0, 50, (4, 8)))
+    an = partition._Analysis(gm, {})
+    cuts = np.flatnonzero(an.valid)
+    P = an.param_matrix(cuts)
+    for a, i in enumerate(cuts):
+        for b, j in enumerate(cuts):
+            want = sum(an.size[x] for x, uses in an.attr_uses.items() if any(i <= u < j for u in uses))
+            assert P[a, b] == want, (i, j)

@@ -706,7 +706,12 @@ class PlacedModule(nn.Module):
         self.split = split
 
     def forward(self, *args, **kwargs):
-        flat = self._pytree.tree_leaves((args, kwargs)) if self._in_spec is not None else list(args)
+        if self._in_spec is not None:
+            from torch.fx._pytree import tree_flatten_spec
+
+            flat = tree_flatten_spec((args, kwargs), self._in_spec)
+        else:
+            flat = list(args)
         out = self.split(*flat)
         if self._out_spec is not None:
             out = out if isinstance(out, (list, tuple)) else [out]

@@ -586,15 +586,13 @@ def stage_modules(gm: fx.GraphModule, plan: StagePlan) -> list[fx.GraphModule]:
                 _copy_attr(root, gm, n.target)
             env[n] = g.node_copy(n, lambda x: env[x])
         if k == S - 1:
-            outs = list(an.output.all_input_nodes)
             flat = an.output.args[0]
             flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
             res = [env[x] if isinstance(x, fx.Node) else x for x in flat]
             g.output(res[0] if len(res) == 1 else tuple(res))
-            del outs
         else:
             outs = an.crossing_nodes(st.end)
-            g.output(tuple(_sendable(g, env[v], v) for v in outs))
+            g.output(tuple(_sendable(g, env[v]) for v in outs))
         mods.append(fx.GraphModule(root, g, class_name=f"Stage{k}"))
     return mods
 
@@ -618,7 +616,7 @@ def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
 torch.fx.wrap("contiguous_grad")
 
 
-def _sendable(g: fx.Graph, node: fx.Node, orig: fx.Node) -> fx.Node:
+def _sendable(g: fx.Graph, node: fx.Node) -> fx.Node:
     """A stage output the pipeline can send: a fresh tensor with standard contiguous strides
     (the pipeline allocates its send/recv and gradient buffers from the output's strides, and
     NCCL/gloo need contiguous buffers); a pass-through gets a buffer of its own."""
@@ -670,7 +668,6 @@ class PlacedModule(nn.Module):
         self._in_spec, self._out_spec = _flat_io(gm)
         self._pytree = pytree
         stage_of = plan.stage_of
-        first = plan.stages[0].device
         split = split_module(gm, gm, lambda n: stage_of[n.name], keep_original_order=True)
         devices = {f"submod_{s.index}": s.device for s in plan.stages}
         seen: dict = {}
@@ -693,14 +690,12 @@ class PlacedModule(nn.Module):
                         owner.register_buffer(leaf, copy)
             sub.to(dev)
         g = split.graph
-        placeholders = [n for n in g.nodes if n.op == "placeholder"]
         for n in list(g.nodes):
             if n.op == "call_module" and n.target in devices:
                 dev = devices[n.target]
                 with g.inserting_before(n):
                     new_args = tuple(g.call_function(_move, (a, dev)) if isinstance(a, fx.Node) else a for a in n.args)
                 n.args = new_args
-        del placeholders, first
         g.lint()
         split.recompile()
         self.split = split

@@ -147,6 +147,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU-sized model and batches (dry run)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="start no further pipeline configuration after this many seconds (recorded as skipped); "
+                         "results are written after every configuration")
     args = ap.parse_args()
 
     rank, world, device = gd.init()
@@ -229,6 +232,10 @@ def main():
     for train, bs, ids in ((False, infer_bs, ids_inf), (True, train_bs, ids_tr)):
         set_attention(model, "eager" if train else "sdpa")
         for mbs in ((4, 8) if train else (4, 8, 16)):
+            if max_across(time.perf_counter() - t0) > args.budget_s:
+                result.setdefault("skipped", []).append(f"{'training' if train else 'inference'} M={mbs}: over --budget-s")
+                log(rank, f"skipping {'training' if train else 'inference'} M={mbs}: over --budget-s {args.budget_s:g}")
+                continue
             log(rank, f"pipeline {'training' if train else 'inference'}: capturing at micro-batch {bs // mbs}")
             t1 = time.perf_counter()
             pipe = gd.Pipeline(model, ids, microbatches=mbs, schedule="gpipe", loss_fn=loss_fn if train else None,
@@ -265,6 +272,7 @@ def main():
                           f"({row['speedup_vs_one_gpu'] or float('nan'):.2f}x one GPU)")
             del pipe
             free(device)
+            save(result, args.out, rank)
 
     set_attention(model, "sdpa")
     # ---- the memory cap: half of the one-GPU predicted footprint of bs8 inference
@@ -303,14 +311,22 @@ def main():
         log(rank, f"  cap {cap / 1e9:.2f} GB: {e}")
     result["memory_cap"] = capres
     result["total_s"] = time.perf_counter() - t0
+    save(result, args.out, rank)
     if rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "partition_bench.json").write_text(json.dumps(result, indent=1, default=str))
-        (out / "partition_bench.md").write_text(markdown(result))
         print(markdown(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def save(result, out, rank) -> None:
+    """Rank 0 writes the JSON and Markdown (after every configuration, so a cut-short run keeps
+    what it measured)."""
+    if rank != 0:
+        return
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "partition_bench.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "partition_bench.md").write_text(markdown(result))
 
 
 def markdown(r) -> str:
@@ -341,6 +357,8 @@ def markdown(r) -> str:
             err = "—" if s["error_pct"] is None else f"{s['error_pct']:+.0f}%"
             lines.append(f"| {x['microbatches']} | {i} | {s['device']} | {s['nodes']} | {gb(s['parameter_bytes'])} | "
                          f"{s['predicted_compute_ms']:.2f} | {meas} | {err} |")
+    for sk in r.get("skipped", []):
+        lines.append(f"skipped: {sk}")
     c = r.get("memory_cap", {})
     lines += ["", f"Memory cap: {gb(c.get('cap_bytes'))} GB per GPU (half of the one-GPU predicted "
                   f"{gb(c.get('one_device_predicted_bytes'))} GB for bs{c.get('batch')} inference); one GPU refused: "
@@ -350,6 +368,8 @@ def markdown(r) -> str:
                      f"{', '.join(gb(p) for p in c.get('predicted_memory_bytes', []))} GB, within cap: {c.get('within_cap')}"
                      if c.get("ran") else f"refused: {c.get('error')}"),
               "", f"total {r.get('total_s', 0):.0f} s"]
+    if not c:
+        lines[-3] = "Memory cap: not run yet (partial results)"
     return "\n".join(lines) + "\n"
 
 

@@ -225,3 +225,15 @@ def test_parameter_bytes_per_stage_match_a_brute_force_count():
         for b, j in enumerate(cuts):
             want = sum(an.size[x] for x, uses in an.attr_uses.items() if any(i <= u < j for u in uses))
             assert P[a, b] == want, (i, j)
+
+
+def test_1f1b_fits_a_cap_gpipe_training_does_not():
+    # GPipe keeps every micro-batch's activations until the backward; 1F1B at most S - stage
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())]).train()
+    gm = capture(model, (torch.randn(512, 64),))
+    f = partition.plan_stages(gm, _h200(), microbatches=8, schedule="1f1b", training=True)
+    cap = max(s.memory_bytes for s in f.stages) * 1.01
+    fits = partition.plan_stages(gm, _h200(cap=cap), microbatches=8, schedule="1f1b", training=True)
+    assert all(s.memory_bytes <= cap for s in fits.stages)
+    with pytest.raises(BudgetError, match="short"):
+        partition.plan_stages(gm, _h200(cap=cap), microbatches=8, schedule="gpipe", training=True)

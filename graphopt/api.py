@@ -431,7 +431,9 @@ def optimize(
     if on_new_shape == "reoptimize":
         opt._reoptimize = (model, dict(device=device, target=target, passes=passes, disable=disable, training=training,
                                        dynamic=dynamic, precision=precision, cuda_graphs=cuda_graphs,
-                                       check_accuracy=check_accuracy, verify=verify, model_name=model_name), 8)
+                                       check_accuracy=check_accuracy, verify=verify, model_name=model_name,
+                                       devices=devices, memory_cap=memory_cap, microbatches=microbatches,
+                                       schedule=schedule), 8)
     elif on_new_shape != "error":
         raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")
     return opt

@@ -12,6 +12,7 @@ Measures (rank 0 writes partition_bench.json + partition_bench.md to --out):
   and 1F1B at 4 and 8 micro-batches; throughput against one GPU;
 - predicted vs measured per-stage forward time per micro-batch (each rank times its stage
   module alone on inputs of the micro-batch's shapes);
+- correctness: the pipeline's logits vs the eager model's for the first micro-batch (relative RMSE);
 - the memory-cap run: a cap of half the one-GPU predicted footprint (parameters + activations +
   outputs of the bs8 inference) per GPU; the plan must refuse one GPU and place the model across
   two; measured peak memory per GPU after the full model is freed.
@@ -124,6 +125,29 @@ def free(device):
 
 def peak(device) -> float:
     return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else float("nan")
+
+
+def check_outputs(pipe, model, ids, mb, device, world) -> dict:
+    """The pipeline's logits against the eager model's, on the last rank, for the first micro-batch
+    (bf16: relative RMSE, and whether every rank built the same weights)."""
+    sums = [None] * world
+    with torch.no_grad():
+        dist.all_gather_object(sums, float(sum(p.double().sum() for p in model.parameters())))
+        pipe.set_schedule("gpipe")
+        out = pipe.step(ids if pipe.is_first else None)
+        res = {"same_weights_on_every_rank": len(set(sums)) == 1}
+        if pipe.is_last:
+            ref = model(ids[:mb]).float()
+            got = out[:mb].float()
+            res.update(max_abs_err=float((got - ref).abs().max()),
+                       relative_rmse=float((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()),
+                       finite=bool(torch.isfinite(got).all()))
+            del ref, got
+        del out
+    box = [res]
+    dist.broadcast_object_list(box, src=world - 1)
+    box[0]["same_weights_on_every_rank"] = res["same_weights_on_every_rank"]
+    return box[0]
 
 
 def stage_inputs(pipe, ids_mb, device):
@@ -251,6 +275,9 @@ def main():
                 del x
             stage_times = [None] * world
             dist.all_gather_object(stage_times, measured_stage)
+            if not train and "correctness" not in result:
+                result["correctness"] = check_outputs(pipe, model, ids, bs // mbs, device, world)
+                log(rank, f"pipeline vs eager on the last rank: {result['correctness']}")
             for schedule in (("gpipe", "1f1b") if train else ("gpipe",)):
                 t, peaks = run(pipe, schedule, ids, train)
                 single = result.get("single_train_s" if train else "single_infer_s")
@@ -357,6 +384,11 @@ def markdown(r) -> str:
             err = "—" if s["error_pct"] is None else f"{s['error_pct']:+.0f}%"
             lines.append(f"| {x['microbatches']} | {i} | {s['device']} | {s['nodes']} | {gb(s['parameter_bytes'])} | "
                          f"{s['predicted_compute_ms']:.2f} | {meas} | {err} |")
+    if r.get("correctness"):
+        c0 = r["correctness"]
+        lines += ["", f"Correctness (inference, first micro-batch, pipeline vs eager on the last GPU): relative RMSE "
+                      f"{c0.get('relative_rmse', float('nan')):.2e}, max |err| {c0.get('max_abs_err', float('nan')):.3g}, "
+                      f"finite {c0.get('finite')}, same weights on every rank {c0.get('same_weights_on_every_rank')}."]
     for sk in r.get("skipped", []):
         lines.append(f"skipped: {sk}")
     c = r.get("memory_cap", {})

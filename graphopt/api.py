@@ -180,6 +180,9 @@ class OptimizedModule(nn.Module):
             self._guard(args, kwargs)
         except GuardError as e:
             return self._specialization(args, kwargs, e)(*args, **kwargs)
+        placed = self._modules.get("placed")  # graphopt.partition.PlacedModule (optimize(devices=...))
+        if placed is not None:
+            return placed(*args, **kwargs)
         if self._runner is None:
             return self.graph_module(*args, **kwargs)
         return self._runner(*args, **kwargs)
@@ -330,6 +333,10 @@ def optimize(
     verify: bool = True,
     dump_dir: str | Path | None = None,
     model_name: str | None = None,
+    devices=None,
+    memory_cap=None,
+    microbatches: int = 1,
+    schedule: str = "gpipe",
 ) -> OptimizedModule:
     """Capture ``model``, run the pass pipeline ranked by the cost model, guard accuracy.
 
@@ -348,6 +355,12 @@ def optimize(
       "reoptimize" (optimize again for it, up to 8 cached specializations, with a warning).
     check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
     dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
+    devices: partition across devices (``["cuda:0", "cuda:1"]``, ``["cuda:0", "cpu"]``, or a count
+      of GPUs): the partition_devices pass plans cost-balanced stages within each device's memory
+      (``memory_cap`` bytes per device overrides the profiles'), the report gets the stage table,
+      and where the devices exist the module runs placed across them (graphopt.partition); the
+      example inputs are one micro-batch of a ``schedule`` ("gpipe"/"1f1b") pipeline of
+      ``microbatches`` (run multi-process with graphopt.distributed).
     """
     t_start = time.perf_counter()
     if precision not in PRECISIONS:
@@ -392,6 +405,11 @@ def optimize(
         ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
                           dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
                           options={"precision": precision, "device": model_dev})
+        if devices is not None:
+            from .partition import resolve_devices
+
+            ctx.options.update(devices=resolve_devices(devices, target, memory_cap), microbatches=microbatches,
+                               schedule=schedule)
         pipeline = assemble(passes, disable)
         before = cost.graph_cost(gm, hints)
 
@@ -437,17 +455,39 @@ def optimize(
         notes=notes,
         top_nodes=[{"node": c.node, "op": c.op, "ms": c.time_s * 1e3, "bound": c.bound} for c in top if c.time_s > 0],
     )
+    plan = ctx.options.get("partition_plan")
+    if plan is not None:
+        report.partition = plan.as_dict()
     signature, dyn = _signature(flat, args, kwargs, model, dynamic)
     opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=training, cuda_graphs=cuda_graphs)
     opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
     opt._convention = _calling_convention(model, args, kwargs)
+    if plan is not None:
+        _place(opt, gm, plan, training, report)
     if on_new_shape == "reoptimize":
         opt._reoptimize = (model, dict(device=device, target=target, passes=passes, disable=disable, training=training,
                                        dynamic=dynamic, precision=precision, cuda_graphs=cuda_graphs,
-                                       check_accuracy=check_accuracy, verify=verify, model_name=model_name), 8)
+                                       check_accuracy=check_accuracy, verify=verify, model_name=model_name,
+                                       devices=devices, memory_cap=memory_cap, microbatches=microbatches,
+                                       schedule=schedule), 8)
     elif on_new_shape != "error":
         raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")
     return opt
+
+
+def _place(opt: OptimizedModule, gm: fx.GraphModule, plan, training: bool, report: Report) -> None:
+    """Run the optimized module placed across the plan's devices, where they exist here."""
+    from .partition import PlacedModule
+
+    missing = [s.device for s in plan.stages if torch.device(s.device).type == "cuda"
+               and (not torch.cuda.is_available() or torch.device(s.device).index >= torch.cuda.device_count())]
+    if missing:
+        report.notes.append(f"partition planned only: {', '.join(dict.fromkeys(missing))} not present here; "
+                            "the module runs unpartitioned")
+        return
+    opt.placed = PlacedModule(gm, plan, training=training)
+    report.notes.append(f"placed across {', '.join(s.device for s in plan.stages)} in one process (outputs on "
+                        f"{plan.stages[-1].device}); graphopt.distributed runs the stages as a pipeline")
 
 
 def _calling_convention(model, args, kwargs):

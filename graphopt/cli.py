@@ -38,6 +38,21 @@ def _csv(text: str | None) -> list[str] | None:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _bytes(text: str) -> float:
+    units = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "b": 1}
+    t = text.strip().lower()
+    for u, f in units.items():
+        if t.endswith(u):
+            try:
+                return float(t[: -len(u)]) * f
+            except ValueError:
+                break
+    try:
+        return float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or e.g. 40GB, 512MB)") from None
+
+
 def _add_model_args(p):
     p.add_argument("model", nargs="?", help="FILE.py:FACTORY, package.module:FACTORY or a zoo name (default: the bundled default)")
     p.add_argument("--device", help="device to run on (cpu, cuda, cuda:1); default: cuda if present, else cpu")
@@ -51,6 +66,11 @@ def _add_model_args(p):
                    help="mixed precision (default auto: bf16 where the cost model predicts a gain)")
     p.add_argument("--no-accuracy", action="store_true", help="skip the fp64 accuracy guard")
     p.add_argument("--dump-ir", metavar="DIR", help="write the graph after each pass to DIR/NNN_<pass>.py")
+    p.add_argument("--devices", help="partition across devices: cuda:0,cuda:1 | cuda:0,cpu | a GPU count (with --target h200 "
+                                     "a machine without GPUs plans for them)")
+    p.add_argument("--memory-cap", type=_bytes, help="memory per device for --devices (bytes, or 40GB / 512MB)")
+    p.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches for --devices (the example batch is one)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="pipeline schedule for --devices")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,13 +148,20 @@ def _to_device(model, inputs, device):
     return model, inputs
 
 
+def _devices(text: str | None):
+    if text is None:
+        return None
+    return int(text) if text.strip().isdigit() else _csv(text)
+
+
 def _optimize(args):
     from .api import optimize
 
     model, inputs, name, device = _load(args)
     opt = optimize(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
                    check_accuracy=not args.no_accuracy, dump_dir=args.dump_ir, model_name=name,
-                   precision=args.precision)
+                   precision=args.precision, devices=_devices(args.devices), memory_cap=args.memory_cap,
+                   microbatches=args.microbatches, schedule=args.schedule)
     args._model = model  # explain --measure captures it again for the before graph
     return opt, inputs
 

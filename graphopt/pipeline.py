@@ -244,6 +244,8 @@ PIPELINE: tuple[str, ...] = (
     "eliminate_permutes",
     # precision
     "assign_precision",
+    # partition
+    "partition_devices",
 )
 
 

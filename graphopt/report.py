@@ -42,6 +42,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     top_nodes: list[dict] = field(default_factory=list)
     measured: dict | None = None
+    partition: dict | None = None  # the stage plan (graphopt.partition.StagePlan.as_dict()) for devices=
 
     # ------------------------------------------------------------------ data
 
@@ -72,6 +73,7 @@ class Report:
             "top_nodes": self.top_nodes,
             "notes": self.notes,
             "measured": self.measured,
+            "partition": self.partition,
         }
 
     def to_json(self, indent: int = 1) -> str:
@@ -94,7 +96,7 @@ class Report:
         for col, just in (("pass", "left"), ("status", "left"), ("rewrites", "right"), ("rejected", "right"),
                           ("predicted ms", "right"), ("peak MB", "right"), ("took", "right")):
             table.add_column(col, justify=just, no_wrap=True)
-        style = {"applied": "green", "reverted": "red", "skipped": "yellow", "disabled": "dim", "unchanged": "dim"}
+        style = {"applied": "green", "planned": "cyan", "reverted": "red", "skipped": "yellow", "disabled": "dim", "unchanged": "dim"}
         for p in self.passes:
             table.add_row(
                 p.name, f"[{style.get(p.status, '')}]{p.status}[/]", str(len(p.rewrites)), str(len(p.rejected)),
@@ -149,9 +151,36 @@ class Report:
             console.print(f"[bold]accuracy[/bold] not checked: {acc.get('reason', '')}")
         if self.measured:
             self._render_measured(console)
+        if self.partition:
+            self._render_partition(console)
         for note in self.notes:
             console.print(f"• {note}")
         console.print(f"optimized in {self.optimize_seconds:.2f} s")
+
+    def _render_partition(self, console) -> None:
+        """The stage table of partition_devices: per stage and per boundary."""
+        from rich.table import Table
+
+        plan = self.partition
+        t = Table(header_style="bold", title=f"partition: {len(plan['stages'])} stages, {plan['schedule']}, "
+                                             f"{plan['microbatches']} micro-batch(es)"
+                                             + (", training" if plan["training"] else ""))
+        for col, just in (("stage", "right"), ("device", "left"), ("nodes", "right"), ("params", "right"),
+                          ("param MB", "right"), ("predicted ms/mb", "right"), ("of which transfer", "right"),
+                          ("memory MB", "right"), ("cap MB", "right"), ("MB out", "right")):
+            t.add_column(col, justify=just, no_wrap=True)
+        for s in plan["stages"]:
+            t.add_row(str(s["stage"]), s["device"], str(s["nodes"]), str(s["parameters"]),
+                      f"{s['parameter_bytes'] / 1e6:.1f}", f"{s['predicted_ms']:.3f}", f"{s['predicted_transfer_ms']:.3f}",
+                      f"{s['predicted_memory_bytes'] / 1e6:.1f}", f"{s['memory_cap_bytes'] / 1e6:.0f}",
+                      f"{s['bytes_out'] / 1e6:.2f}")
+        console.print(t)
+        for i, b in enumerate(plan["boundaries"]):
+            console.print(f"  cut {i}|{i + 1} after {b['after_node']}: {b['bytes'] / 1e6:.3f} MB in "
+                          f"{len(b['tensors'])} tensor(s) over {b['link']} ({b['transfer_ms']:.3f} ms)")
+        console.print(f"  bubble (S-1)/(M+S-1) = {plan['bubble_fraction']:.0%}; predicted step "
+                      f"{plan['predicted_step_ms']:.3f} ms vs {plan['single_device_ms']:.3f} ms on one device "
+                      f"({plan['predicted_speedup']:.2f}×)")
 
     def _render_measured(self, console, max_nodes: int = 20) -> None:
         """``explain --measure``: predicted vs measured, whole graph and per node, and the busy fraction."""

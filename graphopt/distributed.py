@@ -1,0 +1,216 @@
+"""Multi-process pipelines: graphopt's stage plan run by ``torch.distributed.pipelining``.
+
+One process per device (``torchrun --nproc-per-node N script.py``, or :func:`spawn`): every rank
+captures the same graph at the micro-batch size, builds the same :class:`StagePlan` (the planner
+is deterministic), keeps its own stage (graphopt.partition.stage_modules: inputs are the tensors
+crossing its left cut, outputs those crossing its right cut) and runs it as a
+``torch.distributed.pipelining.PipelineStage`` under ``ScheduleGPipe`` or ``Schedule1F1B``.
+NCCL on GPUs, gloo on the CPU. Training: ``loss_fn(output, target)`` on the last stage;
+gradients land on each stage's parameters (the model's own objects), averaged over micro-batches
+as for the whole batch.
+
+    import graphopt.distributed as gd
+    rank, world, device = gd.init()                  # reads torchrun's environment
+    model, batch = build(device)                     # the same model on every rank
+    pipe = gd.Pipeline(model, batch, microbatches=8, schedule="1f1b", loss_fn=loss)
+    out = pipe.step(batch, target=labels)            # the last rank gets the outputs
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from . import ir
+from .capture import capture, flat_tensors, split_inputs
+from .errors import GraphoptError
+from .partition import StagePlan, loss_seconds, plan_stages, resolve_devices, stage_modules
+
+# NVLink SHARP / multicast stay off in every process graphopt starts (the lent machines ask it)
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _safe_env() -> None:
+    for k, v in SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def init(backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun (or :func:`spawn`) set up: NCCL when CUDA is present,
+    else gloo. Returns (rank, world size, this rank's device)."""
+    _safe_env()
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if dist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device(f"cuda:{local}")
+    return rank, world, torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world, port, backend, args):
+    _safe_env()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, nprocs: int, *args, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world, *args)`` in ``nprocs`` processes on this machine with a process
+    group initialized (free local port). ``fn`` must be importable (a module-level function)."""
+    import torch.multiprocessing as mp
+
+    _safe_env()
+    mp.spawn(_entry, args=(fn, nprocs, free_port(), backend, args), nprocs=nprocs, join=True)
+
+
+def microbatch(example_inputs, microbatches: int):
+    """The first micro-batch of a batch (every tensor split along dim 0)."""
+    args, kwargs = split_inputs(example_inputs)
+    flat = [x for x in flat_tensors(args, kwargs) if isinstance(x, torch.Tensor)]
+    if not flat or flat[0].dim() == 0:
+        raise GraphoptError("pipelining needs batched tensor inputs (split along dim 0)")
+    batch = flat[0].shape[0]
+    if batch % microbatches:
+        raise GraphoptError(f"batch {batch} does not split into {microbatches} equal micro-batches")
+    size = batch // microbatches
+    cut = lambda x: x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 else x  # noqa: E731
+    return pytree.tree_map(cut, (args, kwargs))
+
+
+class Pipeline:
+    """This rank's stage of a pipeline over the process group's ranks.
+
+    model: the same model (same weights) on every rank, on this rank's device.
+    example_inputs: one global batch (a tensor, a tuple, or a dict); the graph is captured at
+      its micro-batch size (batch / microbatches).
+    schedule: "gpipe" or "1f1b". loss_fn: ``loss_fn(output, target) -> scalar`` (training; the
+      last stage applies it per micro-batch; with ``example_target`` (one global batch's target) its
+      cost is added to the last stage's in the plan). devices: the stage devices (default: this rank's
+      device type, one per rank); target / memory_cap: as for ``optimize(devices=...)``.
+    passes: graphopt passes to run on the captured graph before planning (default none).
+    """
+
+    def __init__(self, model: nn.Module, example_inputs, *, microbatches: int = 4, schedule: str = "gpipe",
+                 loss_fn=None, example_target=None, devices=None, target=None, memory_cap=None, passes=(),
+                 group=None, device: torch.device | None = None):
+        if not dist.is_initialized():
+            raise GraphoptError("graphopt.distributed.Pipeline needs a process group: run under torchrun and "
+                                "call graphopt.distributed.init() first (or use graphopt.distributed.spawn)")
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if self.world < 2:
+            raise GraphoptError("a pipeline needs at least 2 processes (one per stage)")
+        if device is None:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.device = torch.device(device)
+        if devices is None:
+            devices = [f"cuda:{r}" for r in range(self.world)] if self.device.type == "cuda" else ["cpu"] * self.world
+        if len(devices) != self.world:
+            raise GraphoptError(f"{len(devices)} devices for {self.world} processes; one stage per process")
+        self.training = loss_fn is not None
+        self.microbatches = microbatches
+        if schedule == "1f1b" and microbatches < self.world:
+            raise GraphoptError(f"1F1B needs at least as many micro-batches as stages ({microbatches} < {self.world})")
+        mb_args, mb_kwargs = microbatch(example_inputs, microbatches)
+        was = model.training
+        model.train(self.training)
+        try:
+            gm = capture(model, (mb_args, mb_kwargs))
+        finally:
+            model.train(was)
+        if passes:
+            from .pipeline import run_passes
+
+            run_passes(gm, list(passes), target=target or ("h200" if self.device.type == "cuda" else "cpu"),
+                       training=self.training)
+        self._out_spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
+        devs = resolve_devices(devices, target, memory_cap)
+        loss_s = None
+        if loss_fn is not None and example_target is not None:
+            out_node = next(n for n in gm.graph.nodes if n.op == "output")
+            out_val = [a.meta.get("val") for a in out_node.all_input_nodes]
+            (tgt,), _ = microbatch(example_target, microbatches)
+            loss_s = loss_seconds(loss_fn, out_val[0] if len(out_val) == 1 else tuple(out_val), tgt, devs)
+        self.plan: StagePlan = plan_stages(gm, devs, hints=ir.shape_hints(gm), schedule=schedule,
+                                           microbatches=microbatches, training=self.training, loss_s=loss_s)
+        self.module = stage_modules(gm, self.plan)[self.rank].to(self.device)
+        del gm
+        self._group, self._loss_fn = group, loss_fn
+        self.set_schedule(schedule)
+
+    def set_schedule(self, schedule: str) -> None:
+        """Run the same stages under another schedule ("gpipe" | "1f1b"; the plan keeps the
+        memory terms of the schedule it was made for)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if schedule not in ("gpipe", "1f1b"):
+            raise GraphoptError(f"schedule must be gpipe or 1f1b, got {schedule!r}")
+        if schedule == "1f1b" and self.microbatches < self.world:
+            raise GraphoptError(f"1F1B needs at least as many micro-batches as stages ({self.microbatches} < {self.world})")
+        self.schedule_name = schedule
+        self.stage = PipelineStage(self.module, self.rank, self.world, self.device, group=self._group)
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        # torch >= 2.7 averages gradients over micro-batches (scale_grads); older ones sum them
+        self._scale_by_hand = "scale_grads" not in inspect.signature(cls.__init__).parameters
+        self.schedule = cls(self.stage, self.microbatches, loss_fn=self._loss_fn)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world - 1
+
+    def step(self, inputs=None, target=None, losses: list | None = None):
+        """One pipeline step over a global batch: the first rank passes ``inputs`` (like the
+        example inputs), the last rank ``target`` when training. Returns the merged outputs on
+        the last rank (structured like the model's), None elsewhere. Training accumulates
+        gradients into the stage's parameters (zero them between steps)."""
+        args = []
+        if self.is_first:
+            if inputs is None:
+                raise GraphoptError("the first rank must pass the batch's inputs to step()")
+            a, k = split_inputs(inputs)
+            args = [x for x in flat_tensors(a, k)]
+        kw = {}
+        if self.is_last and self.training:
+            if target is None:
+                raise GraphoptError("training: the last rank must pass target= to step()")
+            kw = {"target": target, "losses": losses}
+        if self.training:
+            out = self.schedule.step(*args, **kw)
+            if self._scale_by_hand:
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.microbatches)
+        else:
+            with torch.no_grad():
+                out = self.schedule.step(*args, **kw)
+        if not self.is_last:
+            return None
+        if self._out_spec is not None and out is not None:
+            leaves = list(out) if isinstance(out, (list, tuple)) else [out]
+            if self._out_spec.num_leaves == len(leaves):
+                return pytree.tree_unflatten(leaves, self._out_spec)
+        return out

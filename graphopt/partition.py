@@ -1,0 +1,714 @@
+"""Partitioning a graph across devices: the stage planner and the single-process placement.
+
+The planner splits the topological order of a captured graph's compute nodes into contiguous
+stages, one per device, by dynamic programming over cut positions. A stage's predicted time is
+its nodes' cost-model time on its device's profile plus the transfer of the tensors crossing its
+two boundaries at the link's bandwidth; the plan minimizes the slowest stage's time (the
+pipeline's throughput), subject to each device's memory: the parameters the stage reads, its
+activations times the micro-batches the schedule keeps in flight, and the boundary buffers.
+Among plans whose slowest stage is within 0.1 % of the best, the one with the fewest bytes
+crossing its cuts wins.
+
+The example inputs the graph was captured with are one micro-batch: the pipeline runs the
+graph once per micro-batch, so the stage times are per micro-batch.
+
+Execution:
+
+- :class:`PlacedModule` (single process): the graph split with ``torch.fx.passes.split_module``
+  into one submodule per stage, each on its device, tensors moved at the boundaries; autograd
+  flows through the moves, so it trains. CPU+GPU, several GPUs, or ["cpu", "cpu"] for tests.
+- :func:`stage_modules` builds, for the multi-process pipeline (graphopt/distributed.py), one
+  GraphModule per stage with a chain interface: it takes the tensors crossing its left cut and
+  returns those crossing its right cut (tensors a later stage needs are passed through).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import ir
+from .cost.model import CostModel
+from .cost.profiles import DeviceProfile, get_profile
+from .errors import BudgetError, GraphoptError
+
+SCHEDULES = ("gpipe", "1f1b")
+MAX_CUTS = 3000  # more candidate cut positions than this: an even subset (the DP is O(S · cuts²))
+TIE_TOLERANCE = 1e-3  # plans whose slowest stage is within 0.1 % of the best count as tied
+TRAINING_FACTOR = 3.0  # forward + backward ≈ 3 × forward (backward computes two GEMMs per forward GEMM)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@dataclass
+class Device:
+    name: str  # "cuda:0", "cpu"
+    profile: DeviceProfile
+    memory_bytes: float  # the profile's memory or the memory_cap
+
+    @property
+    def kind(self) -> str:
+        return torch.device(self.name).type
+
+
+def resolve_devices(devices, target=None, memory_cap=None) -> list[Device]:
+    """``devices``: a list of device names ("cuda:0", "cpu"), a comma-separated string, or a
+    count (that many GPUs: cuda:0..N-1). CUDA devices get ``target``'s profile when given (so a
+    machine without a GPU can plan for one), else their own; "cpu" gets the CPU profile.
+    ``memory_cap``: bytes per device (a number, or one per device) instead of the profiles'."""
+    if isinstance(devices, bool) or devices is None:
+        raise GraphoptError(f"devices must be a list of devices or a count, got {devices!r}")
+    if isinstance(devices, int):
+        if devices < 1:
+            raise GraphoptError(f"devices must be at least 1, got {devices}")
+        devices = [f"cuda:{i}" for i in range(devices)]
+    if isinstance(devices, str):
+        devices = [d.strip() for d in devices.split(",") if d.strip()]
+    devices = [str(d) for d in devices]
+    if not devices:
+        raise GraphoptError("devices is empty")
+    caps = memory_cap if isinstance(memory_cap, (list, tuple)) else [memory_cap] * len(devices)
+    if len(caps) != len(devices):
+        raise GraphoptError(f"memory_cap has {len(caps)} values for {len(devices)} devices")
+    out = []
+    for name, cap in zip(devices, caps):
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise GraphoptError(f"unknown device '{name}' in devices") from None
+        if dev.type == "cuda" and dev.index is None:
+            raise GraphoptError(f"device '{name}' needs an index (cuda:0, cuda:1, …)")
+        if dev.type not in ("cuda", "cpu"):
+            raise GraphoptError(f"unsupported device type '{dev.type}' in devices (cuda:N or cpu)")
+        if dev.type == "cpu":
+            prof, _ = get_profile("cpu")
+        elif target is not None and str(target) != "cpu":
+            prof, _ = get_profile(target)
+        else:
+            prof, _ = get_profile(str(dev))
+        if cap is not None and cap <= 0:
+            raise GraphoptError(f"memory_cap must be positive, got {cap}")
+        out.append(Device(str(dev), prof, float(cap) if cap is not None else float(prof.memory_bytes)))
+    return out
+
+
+def link_bandwidth(a: Device, b: Device) -> tuple[float, str]:
+    """(bytes/s, link name) between two devices: NVLink between GPUs (the profiles'
+    ``link_bandwidth["nvlink"]``), PCIe host↔device between a CPU and a GPU, the CPU's memory
+    bandwidth between two CPU stages (one host)."""
+    if a.kind == "cuda" and b.kind == "cuda":
+        bw = min(a.profile.link_bandwidth.get("nvlink", 0) or 0, b.profile.link_bandwidth.get("nvlink", 0) or 0)
+        if bw > 0:
+            return bw, "nvlink"
+        bw = min(a.profile.link_bandwidth.get("pcie_h2d", 25e9), b.profile.link_bandwidth.get("pcie_h2d", 25e9))
+        return bw, "pcie"
+    if a.kind == "cuda" or b.kind == "cuda":
+        gpu = a if a.kind == "cuda" else b
+        return gpu.profile.link_bandwidth.get("pcie_h2d", 25e9), "pcie_h2d"
+    return a.profile.bandwidth, "host memory"
+
+
+# --------------------------------------------------------------------------- plan records
+
+
+@dataclass
+class Stage:
+    index: int
+    device: str
+    profile: str
+    start: int  # compute-node positions [start, end)
+    end: int
+    nodes: list  # node names
+    params: list  # get_attr targets this stage reads
+    param_bytes: float
+    compute_s: float  # per micro-batch, forward (× TRAINING_FACTOR when training)
+    transfer_s: float  # its boundaries' transfer at the link bandwidth
+    time_s: float
+    activation_bytes: float  # per micro-batch
+    in_flight: int  # micro-batches whose activations it holds at once
+    memory_bytes: float
+    memory_cap: float
+    bytes_in: float
+    bytes_out: float
+
+    def as_dict(self) -> dict:
+        return {
+            "stage": self.index, "device": self.device, "profile": self.profile, "nodes": len(self.nodes),
+            "first_node": self.nodes[0] if self.nodes else None, "last_node": self.nodes[-1] if self.nodes else None,
+            "parameters": len(self.params), "parameter_bytes": self.param_bytes,
+            "predicted_compute_ms": self.compute_s * 1e3, "predicted_transfer_ms": self.transfer_s * 1e3,
+            "predicted_ms": self.time_s * 1e3, "activation_bytes": self.activation_bytes, "in_flight": self.in_flight,
+            "predicted_memory_bytes": self.memory_bytes, "memory_cap_bytes": self.memory_cap,
+            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+        }
+
+
+@dataclass
+class StagePlan:
+    stages: list[Stage]
+    boundaries: list[dict]  # per cut: {"after_node", "bytes", "tensors", "link", "transfer_ms"}
+    schedule: str
+    microbatches: int
+    training: bool
+    bubble_fraction: float
+    predicted_step_s: float  # all micro-batches through the pipeline
+    single_device_s: float  # the same micro-batches on the first device alone
+    notes: list[str] = field(default_factory=list)
+    stage_of: dict = field(default_factory=dict, repr=False)  # node name -> stage index
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.single_device_s / self.predicted_step_s if self.predicted_step_s else float("nan")
+
+    def as_dict(self) -> dict:
+        return {
+            "schedule": self.schedule, "microbatches": self.microbatches, "training": self.training,
+            "stages": [s.as_dict() for s in self.stages], "boundaries": self.boundaries,
+            "bubble_fraction": self.bubble_fraction, "predicted_step_ms": self.predicted_step_s * 1e3,
+            "single_device_ms": self.single_device_s * 1e3, "predicted_speedup": self.predicted_speedup,
+            "notes": self.notes,
+        }
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """GPipe and 1F1B idle share: (S-1)/(M+S-1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def in_flight(stage: int, stages: int, microbatches: int, schedule: str, training: bool) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once: one for inference; all M
+    for GPipe training (every forward before any backward); S - stage (at most M) for 1F1B."""
+    if not training:
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, stages - stage)
+
+
+# --------------------------------------------------------------------------- graph analysis
+
+
+class _Analysis:
+    """Positions, crossing bytes per cut, liveness and parameter use of one graph."""
+
+    def __init__(self, gm: fx.GraphModule, hints: dict):
+        c = lambda v: float(ir.concrete(v, hints))  # noqa: E731
+        self.gm = gm
+        nodes = list(gm.graph.nodes)
+        self.order = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
+        self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        self.output = next(n for n in nodes if n.op == "output")
+        N = self.N = len(self.order)
+        pos = {n: i for i, n in enumerate(self.order)}
+        for n in self.placeholders:
+            pos[n] = -1
+        pos[self.output] = N
+        self.pos = pos
+        self.size = {n: sum(c(t.nbytes) for t in ir.infos(n)) for n in nodes if n.op != "output"}
+        # a cut c sits before position c (c = 0..N); value v crosses cut c iff pos(v) < c <= last use
+        cross = np.zeros(N + 2)
+        bad = np.zeros(N + 2)  # non-tensor values (tuples, symbolic ints) crossing: not a valid cut
+        nonfloat = np.zeros(N + 2)  # integer/bool tensors crossing: no cut for training (see below)
+        self.last_use: dict = {}
+        for v in self.placeholders + self.order:
+            users = [u for u in v.users]
+            if not users:
+                continue
+            last = max(pos[u] for u in users)
+            self.last_use[v] = last
+            lo, hi = pos[v] + 1, last
+            if hi < lo:
+                continue
+            lo = max(lo, 0)
+            if isinstance(v.meta.get("val"), torch.Tensor):
+                cross[lo] += self.size[v]
+                cross[hi + 1] -= self.size[v]
+                if not v.meta["val"].is_floating_point():
+                    nonfloat[lo] += 1
+                    nonfloat[hi + 1] -= 1
+            else:
+                bad[lo] += 1
+                bad[hi + 1] -= 1
+        self.cross = np.cumsum(cross)[: N + 1]
+        self.cross[0] = 0.0  # the inputs are where the caller put them
+        self.cross[N] = 0.0  # the outputs stay on the last stage
+        self.valid = np.cumsum(bad)[: N + 1] == 0
+        self.valid[0] = self.valid[N] = True
+        # torch.distributed.pipelining (torch 2.11) gives every received activation
+        # requires_grad=True when training, which integer and bool tensors cannot have
+        self.float_only = np.cumsum(nonfloat)[: N + 1] == 0
+        self.float_only[0] = self.float_only[N] = True
+        # liveness (inference activation peak): a value is live from its producer to its last
+        # reader; views alias their base (no bytes of their own)
+        live = np.zeros(N + 1)
+        produced = np.zeros(N)
+        cost = CostModel(_NULL_PROFILE)
+        base: dict = {}
+        for n in self.order:
+            kind = cost.flops_bytes(n)[3]
+            if kind == "free" and n.all_input_nodes and n.all_input_nodes[0].op != "get_attr":
+                src = n.all_input_nodes[0]
+                base[n] = base.get(src, src)
+        last_root: dict = {}
+        for v, last in self.last_use.items():
+            r = base.get(v, v)
+            last_root[r] = max(last_root.get(r, -1), last)
+        for v in self.placeholders + self.order:
+            if v in base or v not in last_root:
+                continue
+            lo, hi = max(pos[v], 0), min(last_root[v], N - 1)
+            live[lo] += self.size[v]
+            live[hi + 1] -= self.size[v]
+            if pos[v] >= 0:
+                produced[pos[v]] += self.size[v]
+        self.live = np.cumsum(live)[:N]
+        self.produced_prefix = np.concatenate([[0.0], np.cumsum(produced)])
+        # parameters (and buffers, constants): the positions that read each one
+        self.attrs = [n for n in nodes if n.op == "get_attr"]
+        self.attr_uses = {a: sorted({pos[u] for u in a.users if u.op != "output"}) for a in self.attrs}
+        self.out_bytes = sum(self.size.get(a, 0.0) for a in self.output.all_input_nodes)
+
+    def crossing_nodes(self, cut: int) -> list:
+        """The values crossing cut ``cut``, in graph order (placeholders first)."""
+        if cut <= 0 or cut >= self.N:
+            return []
+        return [v for v in self.placeholders + self.order
+                if v in self.last_use and self.pos[v] < cut <= self.last_use[v]]
+
+    def param_matrix(self, cuts: np.ndarray) -> np.ndarray:
+        """P[a, b]: bytes of the distinct parameters read by positions [cuts[a], cuts[b]).
+        A stage starting at i reads parameter p iff p's first use at or after i comes before
+        the stage's end: one sorted pass over the (use position, parameter) pairs per start."""
+        C = len(cuts)
+        pairs = sorted((p, k) for k, a in enumerate(self.attrs) for p in self.attr_uses[a] if 0 <= p < self.N)
+        pos = np.array([p for p, _ in pairs], dtype=np.int64)
+        aid = np.array([k for _, k in pairs], dtype=np.int64)
+        sizes = np.array([self.size[a] for a in self.attrs], dtype=np.float64)
+        P = np.zeros((C, C))
+        for ci, i in enumerate(cuts):
+            m = pos >= i
+            ids, first = np.unique(aid[m], return_index=True)
+            # the first cut index whose position is past the parameter's first use
+            end = np.searchsorted(cuts, pos[m][first], side="right")
+            acc = np.zeros(C + 1)
+            np.add.at(acc, end, sizes[ids])
+            P[ci] = np.cumsum(acc)[:C]
+        return P
+
+
+_NULL_PROFILE = DeviceProfile(name="null", kind="cpu", peak_flops={"float32": 1.0}, elementwise_flops=1.0,
+                              bandwidth=1.0, launch_overhead_s=0.0, memory_bytes=0.0)
+
+
+def _compute_prefix(an: _Analysis, profile: DeviceProfile, hints: dict) -> np.ndarray:
+    cost = CostModel(profile)
+    t = np.array([float(ir.concrete(cost.node_cost(n).time_s, hints)) for n in an.order])
+    return np.concatenate([[0.0], np.cumsum(t)])
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None = None, schedule: str = "gpipe",
+                microbatches: int = 1, training: bool = False, loss_s: dict | None = None) -> StagePlan:
+    """Contiguous stages over ``gm``'s topological order, one per device, minimizing the
+    slowest stage's predicted time within each device's memory. Raises BudgetError naming the
+    shortfall when no split fits. ``loss_s``: {profile name: seconds} of the loss the last stage
+    computes per micro-batch, forward and backward (:func:`loss_seconds`)."""
+    if schedule not in SCHEDULES:
+        raise GraphoptError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise GraphoptError(f"microbatches must be a positive integer, got {microbatches!r}")
+    hints = ir.shape_hints(gm) if hints is None else hints
+    an = _Analysis(gm, hints)
+    S, N = len(devices), an.N
+    cuts = np.flatnonzero(an.valid)  # candidate cut positions, 0 and N included
+    if len(cuts) - 1 < S:
+        raise GraphoptError(f"the graph has {N} compute nodes and {len(cuts) - 2} places it can be cut; "
+                            f"it cannot be split into {S} stages")
+    factor = TRAINING_FACTOR if training else 1.0
+    prefix = {}
+    for d in devices:
+        if d.profile.name not in prefix:
+            prefix[d.profile.name] = _compute_prefix(an, d.profile, hints)
+    links = [link_bandwidth(devices[k], devices[k + 1]) for k in range(S - 1)]
+    # tied parameters: in training a parameter read by two stages would need its gradients summed
+    # across devices; graphopt refuses such cuts (they are forbidden, and if nothing is left the
+    # error names the parameter)
+    forbid = np.zeros(N + 1, dtype=bool)
+    tied = []
+    if training:
+        for a, uses in an.attr_uses.items():
+            if uses and uses[-1] > uses[0] and isinstance(ir.get_attr_value(gm, a.target), nn.Parameter) \
+                    and ir.get_attr_value(gm, a.target).requires_grad:
+                forbid[uses[0] + 1: uses[-1] + 1] = True
+                tied.append((a, uses))
+    if training:
+        cuts = np.array([c for c in cuts if an.float_only[c]])
+        if len(cuts) - 1 < S:
+            raise GraphoptError(f"training across {S} stages: integer or bool tensors (masks, positions) cross every "
+                                "place the graph could be cut, and the pipeline cannot send them in training; with "
+                                "Hugging Face models use attn_implementation='eager' (its mask is a float tensor)")
+    cand = np.array([c for c in cuts if not forbid[c] or c in (0, N)])
+    if len(cand) - 1 < S:
+        name = max(tied, key=lambda t: t[1][-1] - t[1][0])[0].target if tied else "?"
+        raise GraphoptError(f"training across {S} stages: parameter {name} is read at both ends of the graph "
+                            "(tied weights) and its gradients would have to be summed across devices, which "
+                            "graphopt refuses; untie it, or partition for inference")
+    if len(cand) > MAX_CUTS:  # very large graphs: an even subset of the cut positions
+        keep = np.unique(np.linspace(0, len(cand) - 1, MAX_CUTS).round().astype(int))
+        cand = cand[keep]
+    Pc = an.param_matrix(cand)
+    cidx = np.full(N + 1, -1)
+    cidx[cand] = np.arange(len(cand))
+    P = lambda i, j: Pc[cidx[i], cidx[j]]  # noqa: E731  bytes of the parameters read by positions [i, j)
+
+    def stage_terms(k: int, i: np.ndarray, j: int):
+        """(time, memory) of stage k covering [i, j) for a vector of starts i."""
+        d = devices[k]
+        pre = prefix[d.profile.name]
+        compute = (pre[j] - pre[i]) * factor
+        if k == S - 1 and loss_s:
+            compute = compute + loss_s.get(d.profile.name, 0.0)
+        tin = np.where(i > 0, an.cross[i] / links[k - 1][0], 0.0) if k > 0 else np.zeros(len(i))
+        tout = an.cross[j] / links[k][0] if k < S - 1 and j < N else 0.0
+        transfer = (tin + tout) * (2.0 if training else 1.0)  # activations forward, gradients back
+        time = compute + transfer
+        fl = in_flight(k, S, microbatches, schedule, training)
+        if training:
+            act = an.produced_prefix[j] - an.produced_prefix[i] + an.cross[i]
+        else:
+            # the running max of live bytes over [i, j), for every i at once
+            seg = an.live[:j]
+            act = np.maximum.accumulate(seg[::-1])[::-1][i] if j > 0 else np.zeros(len(i))
+        params = P(i, j) * (2.0 if training else 1.0)  # weights (+ their gradients)
+        buffers = 2.0 * (an.cross[i] + an.cross[j])
+        # the last stage keeps every micro-batch's outputs for the merge (one is in ``act`` already)
+        outputs = an.out_bytes * (microbatches - 1) if k == S - 1 else 0.0
+        memory = params + act * fl + buffers + outputs
+        return time, memory, compute, transfer, act, fl, params
+
+    def dp(objective):
+        """Best split of the candidate cuts into S stages: objective(k, starts, end) -> (value
+        per start, feasible per start); minimizes the max, ties broken by crossing bytes."""
+        C = len(cand)
+        INF = float("inf")
+        f = np.full((S + 1, C), INF)
+        g = np.full((S + 1, C), INF)
+        arg = np.zeros((S + 1, C), dtype=int)
+        f[0, 0] = 0.0
+        g[0, 0] = 0.0
+        for k in range(1, S + 1):
+            for cj in range(k, C):
+                if k == S and cj != C - 1:
+                    continue
+                ci = np.arange(k - 1, cj)
+                prev = f[k - 1, ci]
+                ok = np.isfinite(prev)
+                if not ok.any():
+                    continue
+                val, feas = objective(k - 1, cand[ci], cand[cj])
+                tot = np.maximum(prev, val)
+                tot[~(ok & feas)] = INF
+                best = tot.min()
+                if not np.isfinite(best):
+                    continue
+                near = tot <= best * (1 + TIE_TOLERANCE) + 1e-15
+                traffic = np.where(near, g[k - 1, ci] + an.cross[cand[ci]], INF)
+                pick = int(np.argmin(traffic))
+                f[k, cj], g[k, cj], arg[k, cj] = tot[pick], traffic[pick], ci[pick]
+        if not np.isfinite(f[S, C - 1]):
+            return None
+        bounds = [C - 1]
+        for k in range(S, 0, -1):
+            bounds.append(arg[k, bounds[-1]])
+        return [int(cand[b]) for b in reversed(bounds)]
+
+    def by_time(k, i, j):
+        time, memory, *_ = stage_terms(k, i, j)
+        return time, memory <= devices[k].memory_bytes
+
+    bounds = dp(by_time)
+    if bounds is None:
+        # no split fits: find the split that comes closest and name its shortfall
+        def by_overflow(k, i, j):
+            _, memory, *_ = stage_terms(k, i, j)
+            return memory - devices[k].memory_bytes, np.ones(len(i), dtype=bool)
+
+        close = dp(by_overflow)
+        parts = []
+        for k in range(S):
+            _, memory, *_ = stage_terms(k, np.array([close[k]]), close[k + 1])
+            need, have = float(memory[0]), devices[k].memory_bytes
+            parts.append(f"{devices[k].name} needs {fmt_bytes(need)}, has {fmt_bytes(have)}"
+                         + (f" (short {fmt_bytes(need - have)})" if need > have else ""))
+        total_params = P(0, N) * (2.0 if training else 1.0)
+        raise BudgetError(f"no split into {S} stage(s) fits the devices' memory: best split {'; '.join(parts)} "
+                          f"(parameters{' + gradients' if training else ''} alone {fmt_bytes(total_params)}); "
+                          "add devices, raise memory_cap, or use more micro-batches")
+
+    stage_of: dict = {}
+    stages = []
+    for k in range(S):
+        i, j = bounds[k], bounds[k + 1]
+        time, memory, compute, transfer, act, fl, _ = stage_terms(k, np.array([i]), j)
+        nodes = an.order[i:j]
+        for n in nodes:
+            stage_of[n.name] = k
+        params = [a.target for a, uses in an.attr_uses.items() if any(i <= p < j for p in uses)]
+        stages.append(Stage(
+            index=k, device=devices[k].name, profile=devices[k].profile.name, start=i, end=j,
+            nodes=[n.name for n in nodes], params=params, param_bytes=float(P(i, j)),
+            compute_s=float(compute[0]), transfer_s=float(transfer[0]), time_s=float(time[0]),
+            activation_bytes=float(act[0]), in_flight=fl, memory_bytes=float(memory[0]),
+            memory_cap=devices[k].memory_bytes, bytes_in=float(an.cross[i]), bytes_out=float(an.cross[j]),
+        ))
+    boundaries = []
+    for k in range(S - 1):
+        cut = bounds[k + 1]
+        bw, link = links[k]
+        crossing = an.crossing_nodes(cut)
+        boundaries.append({"after_node": an.order[cut - 1].name, "bytes": float(an.cross[cut]),
+                           "tensors": [v.name for v in crossing], "link": link,
+                           "transfer_ms": float(an.cross[cut]) / bw * 1e3})
+    slowest = max(s.time_s for s in stages)
+    step = (microbatches + S - 1) * slowest
+    single = float(microbatches * (prefix[devices[0].profile.name][N] * factor
+                                   + (loss_s or {}).get(devices[0].profile.name, 0.0)))
+    notes = []
+    if training:
+        notes.append(f"training step predicted as {TRAINING_FACTOR:g}× the forward; memory counts weights + "
+                     "gradients (optimizer state is not in the graph) and every tensor a stage produces "
+                     "as saved for backward")
+    if loss_s:
+        notes.append(f"the loss on the last stage is costed: {max(loss_s.values()) * 1e3:.3f} ms per micro-batch "
+                     "(forward + backward)")
+    if tied:
+        notes.append("parameters read by several nodes far apart (tied weights) keep those nodes on one stage: "
+                     + ", ".join(a.target for a, _ in tied[:4]))
+    shared = [a.target for a, uses in an.attr_uses.items() if len({stage_of[an.order[p].name] for p in uses}) > 1]
+    if shared:
+        notes.append(f"{len(shared)} parameter(s)/buffer(s) read by more than one stage are copied to each: "
+                     + ", ".join(shared[:4]) + ("…" if len(shared) > 4 else ""))
+    return StagePlan(stages=stages, boundaries=boundaries, schedule=schedule, microbatches=microbatches,
+                     training=training, bubble_fraction=bubble_fraction(S, microbatches), predicted_step_s=step,
+                     single_device_s=single, notes=notes, stage_of=stage_of)
+
+
+def loss_seconds(loss_fn, output, target, devices: list[Device]) -> dict:
+    """Predicted seconds of ``loss_fn(output, target)``, forward and backward (× TRAINING_FACTOR),
+    per profile: traced with FakeTensors (make_fx) into ATen ops the cost model prices.
+    ``output``/``target``: tensors (real, fake or meta) of one micro-batch's shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    try:
+        with mode:
+            g = make_fx(loss_fn, tracing_mode="fake")(fake(output), fake(target))
+    except Exception as e:  # noqa: BLE001 - a loss we cannot trace is left out of the plan, and said so
+        raise GraphoptError(f"could not trace loss_fn to cost it: {type(e).__name__}: {str(e).splitlines()[0][:120]}") from e
+    out = {}
+    for d in devices:
+        if d.profile.name not in out:
+            cost = CostModel(d.profile)
+            out[d.profile.name] = TRAINING_FACTOR * sum(float(ir.concrete(cost.node_cost(n).time_s))
+                                                        for n in g.graph.nodes)
+    return out
+
+
+def equal_split(gm: fx.GraphModule, stages: int) -> list[int]:
+    """Cut positions of the naive split into equal node counts (for comparison and tests)."""
+    n = len([x for x in gm.graph.nodes if x.op not in ("placeholder", "get_attr", "output")])
+    return [round(k * n / stages) for k in range(stages + 1)]
+
+
+def crossing_bytes(gm: fx.GraphModule, cut: int, hints: dict | None = None) -> float:
+    """Bytes of the tensors crossing a cut before compute position ``cut``."""
+    an = _Analysis(gm, ir.shape_hints(gm) if hints is None else hints)
+    return float(an.cross[cut])
+
+
+# --------------------------------------------------------------------------- stage modules (pipeline)
+
+
+def _flat_io(gm: fx.GraphModule):
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    return (info.in_spec, info.out_spec) if info is not None else (None, None)
+
+
+def stage_modules(gm: fx.GraphModule, plan: StagePlan) -> list[fx.GraphModule]:
+    """One GraphModule per stage with a chain interface: stage k's positional inputs are the
+    tensors crossing its left cut (stage 0: the graph's flat inputs), its outputs the tensors
+    crossing its right cut (a tuple; the last stage: the graph's flat outputs, a single tensor
+    when there is one). Parameters are the graph's own objects (shared, not copied)."""
+    an = _Analysis(gm, ir.shape_hints(gm))
+    S = plan.num_stages
+    mods = []
+    for k, st in enumerate(plan.stages):
+        g = fx.Graph()
+        env: dict = {}
+        ins = an.placeholders if k == 0 else an.crossing_nodes(st.start)
+        for v in ins:
+            ph = g.placeholder(v.name)
+            ph.meta = dict(v.meta)
+            env[v] = ph
+        if k > 0:  # received activations send their gradients back: contiguous buffers
+            for v in ins:
+                val = v.meta.get("val")
+                if isinstance(val, torch.Tensor) and val.is_floating_point():
+                    env[v] = g.call_function(contiguous_grad, (env[v],))
+        root = nn.Module()
+        for a in an.attrs:
+            if any(st.start <= p < st.end for p in an.attr_uses[a]):
+                _copy_attr(root, gm, a.target)
+                env[a] = g.get_attr(a.target)
+                env[a].meta = dict(a.meta)
+        for n in an.order[st.start:st.end]:
+            if n.op == "call_module":
+                _copy_attr(root, gm, n.target)
+            env[n] = g.node_copy(n, lambda x: env[x])
+        if k == S - 1:
+            flat = an.output.args[0]
+            flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+            res = [env[x] if isinstance(x, fx.Node) else x for x in flat]
+            g.output(res[0] if len(res) == 1 else tuple(res))
+        else:
+            outs = an.crossing_nodes(st.end)
+            g.output(tuple(_sendable(g, env[v]) for v in outs))
+        mods.append(fx.GraphModule(root, g, class_name=f"Stage{k}"))
+    return mods
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    """Identity whose gradient is contiguous: a stage's input gradients are sent to the
+    previous stage, whose receive buffers (and NCCL/gloo) need contiguous tensors."""
+    return _ContiguousGrad.apply(x)
+
+
+torch.fx.wrap("contiguous_grad")
+
+
+def _sendable(g: fx.Graph, node: fx.Node) -> fx.Node:
+    """A stage output the pipeline can send: a fresh tensor with standard contiguous strides
+    (the pipeline allocates its send/recv and gradient buffers from the output's strides, and
+    NCCL/gloo need contiguous buffers); a pass-through gets a buffer of its own."""
+    return g.call_method("clone", (node,), {"memory_format": torch.contiguous_format})
+
+
+def _copy_attr(root: nn.Module, gm: fx.GraphModule, target: str) -> None:
+    *path, leaf = target.split(".")
+    src, dst = gm, root
+    for p in path:
+        src = getattr(src, p)
+        if not hasattr(dst, p):
+            dst.add_module(p, nn.Module())
+        dst = getattr(dst, p)
+    val = getattr(src, leaf)
+    if isinstance(val, nn.Parameter):
+        dst.register_parameter(leaf, val)
+    elif isinstance(val, torch.Tensor):
+        dst.register_buffer(leaf, val)
+    elif isinstance(val, nn.Module):
+        dst.add_module(leaf, val)
+    else:
+        setattr(dst, leaf, val)
+
+
+# --------------------------------------------------------------------------- single-process placement
+
+
+def _move(x, device: str):
+    """A boundary move; non_blocking where the host does not read the result (a GPU destination)."""
+    if isinstance(x, torch.Tensor) and str(x.device) != device:
+        return x.to(device, non_blocking=torch.device(device).type == "cuda")
+    return x
+
+
+class PlacedModule(nn.Module):
+    """The graph split with ``torch.fx.passes.split_module`` into one submodule per stage, each
+    on its device; inputs are moved to the first stage's device and every tensor crossing a
+    boundary to its reader's device. Outputs stay on the last stage's device. Parameters are the
+    model's own objects, moved to their stage's device (as ``model.to`` would); a parameter read
+    by stages on two devices is copied for inference and refused for training."""
+
+    def __init__(self, gm: fx.GraphModule, plan: StagePlan, training: bool = False):
+        super().__init__()
+        from torch.fx.passes.split_module import split_module
+        from torch.utils import _pytree as pytree
+
+        self.plan = plan
+        self._in_spec, self._out_spec = _flat_io(gm)
+        self._pytree = pytree
+        stage_of = plan.stage_of
+        split = split_module(gm, gm, lambda n: stage_of[n.name], keep_original_order=True)
+        devices = {f"submod_{s.index}": s.device for s in plan.stages}
+        seen: dict = {}
+        for name, dev in devices.items():
+            sub = getattr(split, name, None)
+            if sub is None:
+                continue
+            for pname, p in list(sub.named_parameters(recurse=True)) + list(sub.named_buffers(recurse=True)):
+                prev = seen.setdefault(id(p), (dev, name, pname))
+                if prev[0] != dev and torch.device(prev[0]) != torch.device(dev):
+                    if training and isinstance(p, nn.Parameter) and p.requires_grad:
+                        raise GraphoptError(f"parameter {pname} is read by stages on {prev[0]} and {dev}; training "
+                                            "would need its gradients summed across devices, which graphopt refuses")
+                    *path, leaf = pname.split(".")
+                    owner = sub.get_submodule(".".join(path)) if path else sub
+                    copy = p.detach().to(dev)
+                    if isinstance(p, nn.Parameter):
+                        owner.register_parameter(leaf, nn.Parameter(copy, requires_grad=False))
+                    else:
+                        owner.register_buffer(leaf, copy)
+            sub.to(dev)
+        g = split.graph
+        for n in list(g.nodes):
+            if n.op == "call_module" and n.target in devices:
+                dev = devices[n.target]
+                with g.inserting_before(n):
+                    new_args = tuple(g.call_function(_move, (a, dev)) if isinstance(a, fx.Node) else a for a in n.args)
+                n.args = new_args
+        g.lint()
+        split.recompile()
+        self.split = split
+
+    def forward(self, *args, **kwargs):
+        if self._in_spec is not None:
+            from torch.fx._pytree import tree_flatten_spec
+
+            flat = tree_flatten_spec((args, kwargs), self._in_spec)
+        else:
+            flat = list(args)
+        out = self.split(*flat)
+        if self._out_spec is not None:
+            out = out if isinstance(out, (list, tuple)) else [out]
+            return self._pytree.tree_unflatten(list(out), self._out_spec)
+        return out

@@ -1,0 +1,45 @@
+"""partition_devices: plan contiguous pipeline stages over several devices.
+
+Runs last (family "partition"): the graph the other passes produced is split, by dynamic
+programming over cut positions in its topological order, into one stage per device so that the
+slowest stage's predicted time (its nodes on that device's profile plus the transfer of the
+tensors crossing its boundaries at the link's bandwidth) is as small as possible, within each
+device's memory. The pass plans; it does not rewrite the graph. ``optimize`` then places the
+stages (graphopt.partition.PlacedModule) and graphopt.distributed runs them as a pipeline.
+Options (``ctx.options``): ``devices`` (a list of graphopt.partition.Device), ``microbatches``,
+``schedule`` ("gpipe" | "1f1b"). A single device (or none) leaves it a no-op, with the reason.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from graphopt.partition import plan_stages
+from graphopt.pipeline import Pass, PassContext, PassResult, register
+
+
+@register
+class PartitionDevices(Pass):
+    name = "partition_devices"
+    family = "partition"
+    description = "split the graph into cost-balanced pipeline stages, one per device, within each device's memory"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        devices = ctx.options.get("devices") or []
+        if len(devices) < 2:
+            res.notes.append("one device: nothing to partition" if devices else
+                             "no devices= given: nothing to partition")
+            return res
+        plan = plan_stages(gm, devices, hints=ctx.hints, schedule=ctx.options.get("schedule", "gpipe"),
+                           microbatches=ctx.options.get("microbatches", 1), training=ctx.training)
+        ctx.options["partition_plan"] = plan
+        res.status = "planned"
+        res.details["partition"] = plan.as_dict()
+        slow = max(plan.stages, key=lambda s: s.time_s)
+        res.notes.append(
+            f"{plan.num_stages} stages on {', '.join(s.device for s in plan.stages)}: slowest stage {slow.index} "
+            f"{slow.time_s * 1e3:.3f} ms per micro-batch; {plan.schedule} with {plan.microbatches} micro-batch(es), "
+            f"bubble {plan.bubble_fraction:.0%}, predicted {plan.predicted_speedup:.2f}× one device")
+        res.notes.extend(plan.notes)
+        return res

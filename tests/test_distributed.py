@@ -1,0 +1,120 @@
+"""Multi-process pipelines on the CPU (gloo): graphopt's stage plan run by
+torch.distributed.pipelining gives the unpartitioned model's outputs and gradients (accuracy
+rule), with GPipe and 1F1B, on 2 and 3 processes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphopt import accuracy
+from graphopt import distributed as gd
+from graphopt.errors import GraphoptError
+from graphopt.examples import zoo
+
+
+class LM(nn.Module):
+    """glm4-tiny returning only the logits (no KV cache)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids):
+        return self.m(input_ids=ids, use_cache=False).logits
+
+
+def loss_fn(logits, ids):
+    """Next-token cross-entropy on the shifted logits."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def mlp_loss(out, labels):
+    return F.cross_entropy(out, labels)
+
+
+def build(batch, name="glm4-tiny"):
+    """(model, inputs, loss_fn, target): glm4-tiny (next-token loss on its own ids) or the zoo MLP."""
+    if name == "mlp":
+        m, (x,) = zoo.get("mlp", batch=batch)
+        labels = torch.arange(batch) % 10
+        return m, x, mlp_loss, labels
+    m, (ids,) = zoo.get("glm4-tiny", batch=batch, seq_len=8)
+    return LM(m), ids, loss_fn, ids
+
+
+def _work(rank, world, path, batch, runs, name):
+    out = {}
+    for schedule, mbs, train in runs:
+        model, x, loss, target = build(batch, name)
+        pipe = gd.Pipeline(model, x, microbatches=mbs, schedule=schedule, loss_fn=loss if train else None,
+                           example_target=target if train else None)
+        key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
+        losses = []
+        res = pipe.step(x, target=target if train else None, losses=losses if train else None)
+        out[key] = {"out": res, "losses": [x.detach() for x in losses], "plan": pipe.plan.as_dict(),
+                    "grads": {n: p.grad.clone() for n, p in pipe.module.named_parameters() if p.grad is not None}}
+    torch.save(out, f"{path}/rank{rank}.pt")
+
+
+def _reference(batch, name):
+    model, x, loss, target = build(batch, name)
+    with torch.no_grad():
+        eager_out = model(x)
+    ref_out = accuracy.fp64_reference(model, (x,), {})
+    loss(model(x), target).backward()
+    m64 = copy.deepcopy(model).double()
+    m64.zero_grad()
+    x64 = x.double() if x.is_floating_point() else x
+    loss(m64(x64), target).backward()
+    eager_g = {n: p.grad for n, p in model.named_parameters()}
+    ref_g = {n: p.grad for n, p in m64.named_parameters()}
+    return eager_out, ref_out, eager_g, ref_g
+
+
+def _check(tmp_path, world, batch, runs, name="glm4-tiny"):
+    gd.spawn(_work, world, str(tmp_path), batch, runs, name)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    eager_out, ref_out, eager_g, ref_g = _reference(batch, name)
+    for schedule, mbs, train in runs:
+        key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
+        plan = ranks[0][key]["plan"]
+        assert len(plan["stages"]) == world and plan["schedule"] == schedule
+        assert any("loss on the last stage is costed" in n for n in plan["notes"]) == train
+        assert all(r[key]["out"] is None for r in ranks[:-1])
+        last = ranks[-1][key]
+        res = accuracy.check(last["out"], ref_out, eager_out, training=train)
+        assert res.passed, (key, res.reason)
+        if not train:
+            continue
+        assert len(last["losses"]) == mbs
+        seen = set()
+        for r, rank in enumerate(ranks):
+            grads = rank[key]["grads"]
+            assert grads, f"stage {r} got no gradients"
+            for name, g in grads.items():
+                res = accuracy.check(g, ref_g[name], eager_g[name], training=True)
+                assert res.passed, (key, r, name, res.reason)
+            assert not seen & set(grads), "a parameter trained on two stages"
+            seen |= set(grads)
+        assert seen == {n for n, g in eager_g.items() if g is not None}
+
+
+def test_two_processes_gpipe_and_1f1b_match_the_unpartitioned_model(tmp_path):
+    _check(tmp_path, 2, 4, [("gpipe", 2, False), ("gpipe", 2, True), ("1f1b", 4, True)])
+
+
+def test_three_processes_gpipe_and_1f1b_match_the_unpartitioned_mlp(tmp_path):
+    _check(tmp_path, 3, 12, [("gpipe", 4, False), ("1f1b", 3, True)], name="mlp")
+
+
+def test_pipeline_refuses_bad_setups_in_one_line():
+    model, ids, _, _ = build(4)
+    with pytest.raises(GraphoptError, match="process group"):
+        gd.Pipeline(model, ids, microbatches=2)
+    with pytest.raises(GraphoptError, match="does not split into 3"):
+        gd.microbatch(ids, 3)

@@ -1,0 +1,239 @@
+"""The stage planner (graphopt.partition): the DP balances predicted time, avoids wide cuts,
+respects memory caps, names the shortfall of an impossible fit; the single-process placement
+matches eager, forward and backward."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import graphopt
+from graphopt import accuracy, partition
+from graphopt.capture import capture
+from graphopt.errors import BudgetError, GraphoptError
+from graphopt.examples import zoo
+
+
+class WideMiddle(nn.Module):
+    """Narrow (16 features) everywhere except a wide (65536) stretch in the middle of the node
+    order: an equal split by node count cuts the wide tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.up = nn.Linear(16, 65536)
+        self.down = nn.Linear(65536, 16)
+        self.b = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+
+    def forward(self, x):
+        for lin in self.a:
+            x = torch.relu(lin(x))
+        x = self.down(self.up(x))  # the one wide (B, 65536) tensor, in the middle of the node order
+        for lin in self.b:
+            x = torch.relu(lin(x))
+        return x
+
+
+def _gm(model, x):
+    return capture(model.eval(), (x,))
+
+
+def _h200(n=2, cap=None):
+    return partition.resolve_devices([f"cuda:{i}" for i in range(n)], target="h200", memory_cap=cap)
+
+
+def test_dp_avoids_the_wide_cut_an_equal_split_takes():
+    gm = _gm(WideMiddle(), torch.randn(64, 16))
+    an = partition._Analysis(gm, {})
+    naive = partition.equal_split(gm, 2)[1]
+    wide = 64 * 65536 * 4
+    assert partition.crossing_bytes(gm, naive) >= wide  # the naive split sends the wide activation
+    plan = partition.plan_stages(gm, _h200())
+    cut = plan.stages[1].start
+    assert plan.boundaries[0]["bytes"] == partition.crossing_bytes(gm, cut) < wide / 10
+    # the chosen cut is the least-traffic one among the cuts as balanced as it
+    assert plan.boundaries[0]["bytes"] == min(an.cross[c] for c in range(1, an.N) if an.valid[c]
+                                               and abs(c - cut) <= 2 and an.cross[c] > 0)
+    assert sum(len(s.nodes) for s in plan.stages) == an.N
+    assert plan.stages[0].end == plan.stages[1].start and plan.stages[0].start == 0
+
+
+def test_dp_balances_predicted_time_not_node_counts():
+    # one expensive GEMM at the end: the balanced split gives the last stage few nodes
+    class Heavy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = nn.ModuleList([nn.Linear(256, 256) for _ in range(8)])
+            self.big = nn.Linear(256, 16384)
+
+        def forward(self, x):
+            for lin in self.small:
+                x = torch.relu(lin(x))
+            return self.big(x)
+
+    gm = _gm(Heavy(), torch.randn(2048, 256))
+    plan = partition.plan_stages(gm, _h200())
+    times = [s.time_s for s in plan.stages]
+    n0, n1 = (len(s.nodes) for s in plan.stages)
+    assert n0 > 2 * n1
+    # exhaustively: no other valid cut has a smaller slowest stage (compute + transfer)
+    devs = _h200()
+    an = partition._Analysis(gm, {})
+    pre = partition._compute_prefix(an, devs[0].profile, {})
+    bw = partition.link_bandwidth(*devs)[0]
+    best = min(max(pre[c], pre[an.N] - pre[c]) + an.cross[c] / bw for c in range(1, an.N) if an.valid[c])
+    assert max(times) == pytest.approx(best, rel=1e-9)
+
+
+def test_bubble_and_in_flight_follow_the_schedule():
+    gm = _gm(WideMiddle(), torch.randn(64, 16))
+    g = partition.plan_stages(gm, _h200(), microbatches=4, schedule="gpipe", training=True)
+    f = partition.plan_stages(gm, _h200(), microbatches=4, schedule="1f1b", training=True)
+    assert g.bubble_fraction == f.bubble_fraction == pytest.approx(1 / 5)
+    assert [s.in_flight for s in g.stages] == [4, 4]
+    assert [s.in_flight for s in f.stages] == [2, 1]
+    assert f.stages[0].memory_bytes < g.stages[0].memory_bytes
+    assert partition.plan_stages(gm, _h200()).stages[0].in_flight == 1
+
+
+def _big_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.GELU())]).eval()
+
+
+def test_a_model_over_one_devices_cap_is_placed_across_two_and_runs():
+    model, x = _big_mlp(), torch.randn(8, 256)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    cap = 0.65 * params
+    gm = _gm(model, x)
+    with pytest.raises(BudgetError):
+        partition.plan_stages(gm, partition.resolve_devices(["cpu"], memory_cap=cap))
+    opt = graphopt.optimize(model, (x,), devices=["cpu", "cpu"], memory_cap=cap)
+    plan = opt.report.partition
+    assert len(plan["stages"]) == 2
+    for s in plan["stages"]:
+        assert s["parameter_bytes"] < params and s["predicted_memory_bytes"] <= cap
+    ref = accuracy.fp64_reference(model, (x,), {})
+    with torch.no_grad():
+        out, eager = opt(x), model(x)
+    assert accuracy.check(out, ref, eager).passed
+
+
+def test_an_impossible_fit_names_the_shortfall():
+    model, x = _big_mlp(), torch.randn(8, 256)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(BudgetError, match=r"cpu needs .* kB, has .* kB \(short .* kB\)") as e:
+        graphopt.optimize(model, (x,), devices=["cpu", "cpu"], memory_cap=0.2 * params, check_accuracy=False)
+    assert "parameters alone" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_single_process_placement_matches_eager_glm4_tiny():
+    model, inputs = zoo.get("glm4-tiny", batch=2, seq_len=16)
+    opt = graphopt.optimize(model, inputs, devices=["cpu", "cpu"], precision="fp32")
+    assert opt.placed is not None and len(opt.report.partition["stages"]) == 2
+    with torch.no_grad():
+        out, eager = opt(*inputs), model(*inputs)
+    ref = accuracy.fp64_reference(model, tuple(inputs), {})
+    res = accuracy.check(out.logits, ref.logits, eager.logits)
+    assert res.passed, res.reason
+
+
+def test_single_process_placement_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    x = torch.randn(16, 32)
+    ref_model = copy.deepcopy(model)
+    opt = graphopt.optimize(model, (x,), devices=["cpu", "cpu"], training=True)
+    assert [len(s["nodes"]) if isinstance(s["nodes"], list) else s["nodes"] for s in opt.report.partition["stages"]]
+    opt(x).square().mean().backward()
+    ref_model(x).square().mean().backward()
+    m64 = copy.deepcopy(ref_model).double()
+    m64.zero_grad()
+    m64(x.double()).square().mean().backward()
+    for p, q, r in zip(model.parameters(), ref_model.parameters(), m64.parameters()):
+        assert p.grad is not None
+        assert accuracy.check(p.grad, r.grad, q.grad, training=True).passed
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+
+    def forward(self, ids):
+        return self.mid(self.emb(ids)) @ self.emb.weight.t()
+
+
+def test_tied_parameters_copied_for_inference_kept_on_one_stage_for_training():
+    ids = torch.randint(0, 50, (4, 8))
+    gm = _gm(Tied(), ids)
+    plan = partition.plan_stages(gm, _h200())
+    assert any("copied to each" in n and "emb.weight" in n for n in plan.notes)
+    gm_t = capture(Tied().train(), (ids,))
+    trained = partition.plan_stages(gm_t, _h200(), training=True)
+    users = {trained.stage_of[u.name] for n in gm_t.graph.nodes if n.op == "get_attr" and n.target == "emb.weight"
+             for u in n.users}
+    assert len(users) == 1 and any("tied weights" in n for n in trained.notes)
+
+
+
+def test_devices_are_resolved_or_refused_in_one_line():
+    devs = partition.resolve_devices(2, target="h200", memory_cap=[1e9, 2e9])
+    assert [d.name for d in devs] == ["cuda:0", "cuda:1"] and [d.memory_bytes for d in devs] == [1e9, 2e9]
+    mixed = partition.resolve_devices(["cuda:0", "cpu"], target="h200")
+    assert [d.profile.name for d in mixed] == ["h200", "cpu"]
+    assert partition.link_bandwidth(*mixed)[1] == "pcie_h2d"
+    assert partition.link_bandwidth(*devs)[1] == "nvlink"
+    for bad in (["tpu:0"], ["cuda"], 0, [], "cuda:0,bogus"):
+        with pytest.raises(GraphoptError):
+            partition.resolve_devices(bad, target="h200")
+    gm = _gm(WideMiddle(), torch.randn(4, 16))
+    with pytest.raises(GraphoptError, match="cannot be split"):
+        partition.plan_stages(gm, _h200(64))
+
+
+def test_the_loss_on_the_last_stage_is_costed_and_shifts_the_cut():
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(512, 512), nn.ReLU())], nn.Linear(512, 4096))
+    x = torch.randn(256, 512)
+    gm = _gm(model, x)
+    devs = _h200()
+    loss_fn = lambda out, t: torch.nn.functional.cross_entropy(out.float(), t)  # noqa: E731
+    loss_s = partition.loss_seconds(loss_fn, torch.empty(256, 4096), torch.zeros(256, dtype=torch.long), devs)
+    assert loss_s["h200"] > 0
+    plain = partition.plan_stages(gm, devs, training=True)
+    costed = partition.plan_stages(gm, devs, training=True, loss_s=loss_s)
+    assert costed.stages[1].start > plain.stages[1].start  # the last stage gives nodes away
+    last = costed.stages[1]
+    an = partition._Analysis(gm, {})
+    pre = partition._compute_prefix(an, devs[1].profile, {})
+    assert last.compute_s == pytest.approx((pre[an.N] - pre[last.start]) * partition.TRAINING_FACTOR + loss_s["h200"])
+    with pytest.raises(GraphoptError, match="could not trace loss_fn"):
+        partition.loss_seconds(lambda out, t: out.numpy(), torch.empty(2, 2), torch.empty(2), devs)
+
+
+def test_parameter_bytes_per_stage_match_a_brute_force_count():
+    gm = _gm(Tied(), torch.randint(0, 50, (4, 8)))
+    an = partition._Analysis(gm, {})
+    cuts = np.flatnonzero(an.valid)
+    P = an.param_matrix(cuts)
+    for a, i in enumerate(cuts):
+        for b, j in enumerate(cuts):
+            want = sum(an.size[x] for x, uses in an.attr_uses.items() if any(i <= u < j for u in uses))
+            assert P[a, b] == want, (i, j)
+
+
+def test_1f1b_fits_a_cap_gpipe_training_does_not():
+    # GPipe keeps every micro-batch's activations until the backward; 1F1B at most S - stage
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())]).train()
+    gm = capture(model, (torch.randn(512, 64),))
+    f = partition.plan_stages(gm, _h200(), microbatches=8, schedule="1f1b", training=True)
+    cap = max(s.memory_bytes for s in f.stages) * 1.01
+    fits = partition.plan_stages(gm, _h200(cap=cap), microbatches=8, schedule="1f1b", training=True)
+    assert all(s.memory_bytes <= cap for s in fits.stages)
+    with pytest.raises(BudgetError, match="short"):
+        partition.plan_stages(gm, _h200(cap=cap), microbatches=8, schedule="gpipe", training=True)

@@ -322,6 +322,32 @@ def main():
         capres["one_device_error"] = str(e)
     finally:
         gm = None
+    # half is the cap; the last stage must also hold the merged logits (bs8 x 1024 x 151552
+    # bf16 = 2.5 GB) beside the LM head, so half may not be enough: find the smallest cap per GPU
+    # at which two GPUs hold the model (bisection over the plan), and run there if half is refused
+    two = [f"cuda:{r}" for r in range(world)] if device.type == "cuda" else ["cpu"] * world
+    gm = capture(model, (ids_cap[: train_bs // mbs],))
+
+    def fits(c):
+        try:
+            partition.plan_stages(gm, partition.resolve_devices(two, target=target, memory_cap=c), microbatches=mbs)
+            return True
+        except BudgetError:
+            return False
+
+    lo, hi = cap, foot
+    if not fits(cap):
+        for _ in range(12):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        capres["half_refused"] = True
+        capres["smallest_two_gpu_cap_bytes"] = hi
+        capres["smallest_cap_fraction"] = hi / foot
+        log(rank, f"  half ({cap / 1e9:.2f} GB) cannot hold it on two GPUs; the smallest cap that can is "
+                  f"{hi / 1e9:.2f} GB ({hi / foot:.0%} of one GPU's)")
+        cap = hi
+        capres["cap_bytes"] = cap
+    gm = None
     try:
         pipe = gd.Pipeline(model, ids_cap, microbatches=mbs, schedule="gpipe", target=target, memory_cap=cap)
         del model
@@ -392,8 +418,12 @@ def markdown(r) -> str:
     for sk in r.get("skipped", []):
         lines.append(f"skipped: {sk}")
     c = r.get("memory_cap", {})
-    lines += ["", f"Memory cap: {gb(c.get('cap_bytes'))} GB per GPU (half of the one-GPU predicted "
-                  f"{gb(c.get('one_device_predicted_bytes'))} GB for bs{c.get('batch')} inference); one GPU refused: "
+    why = (f"half of the one-GPU predicted {gb(c.get('one_device_predicted_bytes'))} GB for bs{c.get('batch')} "
+           "inference" if not c.get("half_refused") else
+           f"half of the one-GPU predicted {gb(c.get('one_device_predicted_bytes'))} GB for bs{c.get('batch')} "
+           f"inference cannot hold it on two GPUs (the last one also holds the merged logits); this is the "
+           f"smallest cap that can, {c.get('smallest_cap_fraction', 0):.0%} of one GPU's")
+    lines += ["", f"Memory cap: {gb(c.get('cap_bytes'))} GB per GPU ({why}); one GPU refused: "
                   f"{c.get('one_device_refused')}; across two: "
                   + (f"ran, {ms(c.get('step_s'))} ms, measured peak per GPU "
                      f"{', '.join(gb(p) for p in c.get('peak_bytes_per_rank', []))} GB, predicted "

@@ -59,7 +59,8 @@ def test_calibrated_efficiencies_and_cpu_dispatch():
     import dataclasses
 
     gm = capture(Lin(1024, 1024).eval().to(torch.bfloat16), (torch.randn(4096, 1024, dtype=torch.bfloat16),))
-    ideal = _h200()
+    ideal = dataclasses.replace(_h200(), matmul_scale=1.0, matmul_fixed_s=0.0, conv_scale=1.0, conv_fixed_s=0.0,
+                                kernel_fixed_s=0.0)
     fitted = dataclasses.replace(ideal, matmul_scale=0.5, matmul_fixed_s=3e-6, kernel_fixed_s=2e-6)
     a = CostModel(ideal).node_cost(_node(gm, "linear"))
     b = CostModel(fitted).node_cost(_node(gm, "linear"))

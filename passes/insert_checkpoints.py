@@ -128,7 +128,7 @@ class Plan:
     keep: set
     regions: list  # lists of body nodes, in order
     saved_bytes: float  # held for backward after the forward (kept outputs, region inputs)
-    transient_bytes: float  # the largest region's recomputed tensors, live during its backward
+    transient_bytes: float  # beyond saved_bytes at the worst moment of backward (a region recomputed)
     extra_s: float  # predicted recomputation time
     crossing_bytes: float = 0.0
     notes: list = field(default_factory=list)
@@ -212,7 +212,7 @@ class _Selector:
                     w += am.bytes.get(n, 0.0)
                 w += am.extra.get(n, 0.0)
             work_of.append(w)
-        regions, transient, crossing = [], 0.0, 0.0
+        regions = []
         s, last = 0, len(body) - 1
         while s <= last:
             work, i = 0.0, s
@@ -221,7 +221,6 @@ class _Selector:
                 i += 1
             if i > last:  # the rest fits in one region
                 regions.append(body[s:])
-                transient = max(transient, work)
                 break
             # cut at the cheapest boundary in the second half of this region (latest on ties)
             acc, best, j_best = 0.0, None, i - 1
@@ -230,12 +229,29 @@ class _Selector:
                 if acc >= cap / 2 and (best is None or crossing_at[j] <= best):
                     best, j_best = crossing_at[j], j
             regions.append(body[s:j_best + 1])
-            transient = max(transient, sum(work_of[s:j_best + 1]))
-            crossing += crossing_at[j_best]
             s = j_best + 1
-        kept_bytes = sum(self.cost_bytes(n) for n in keep if not (am.root.get(n) is n and n in am.outputs))
+        # what crosses a cut is held by checkpoint as the next region's input anyway: keep it
+        # (no more memory, less recomputation)
+        keep = set(keep)
+        crossing = 0.0
+        for region in regions[:-1]:
+            j = self.index[region[-1]]
+            for r in region:
+                if am.root.get(r) is r and self.last.get(r, -1) > j and not held(r):
+                    keep.add(r)
+                    crossing += am.bytes.get(r, 0.0)
+            # (a tensor from an earlier region that is still live crossed that region's cut too)
+        # backward runs the regions last to first: while region k is recomputed, what regions
+        # 0..k keep is still held and what later regions kept has been freed
+        kept_bytes, peak = 0.0, 0.0
+        for region in regions:
+            kept_bytes += sum(self.cost_bytes(n) for n in region
+                              if n in keep and not (am.root.get(n) is n and n in am.outputs))
+            work = sum(am.bytes.get(n, 0.0) if (n not in keep and n in self.held_roots and am.root.get(n) is n) else 0.0
+                       for n in region) + sum(am.extra.get(n, 0.0) for n in region if n not in keep)
+            peak = max(peak, kept_bytes + work)
         extra_s = sum(am.seconds[n] for n in body if n not in keep)
-        return Plan(set(keep), regions, kept_bytes + crossing, transient, extra_s, crossing)
+        return Plan(keep, regions, kept_bytes, max(peak - kept_bytes, 0.0), extra_s, crossing)
 
     def random_consistent(self, plan: Plan, cap: float) -> Plan:
         """A region's random ops are all kept or all recomputed (RNG replay then matches)."""
@@ -260,26 +276,28 @@ class _Selector:
         order = self.order()
         all_keep = set(n for n in self.am.body if n not in self.forced_recompute)
         best_fit, minimum = None, None
+        n = len(order)
+        grid = sorted({round(n * i / 16) for i in range(17)})
         for cap in caps:
             def plan_for(k: int) -> Plan:
                 return self.random_consistent(self.evaluate(all_keep - set(order[:k]), cap), cap)
 
-            full = plan_for(len(order))
-            if minimum is None or full.total_bytes < minimum.total_bytes:
-                minimum = full
-            if full.total_bytes > budget:
+            sampled = [(k, plan_for(k)) for k in grid]
+            low = min((p for _, p in sampled), key=lambda p: p.total_bytes)
+            if minimum is None or low.total_bytes < minimum.total_bytes:
+                minimum = low
+            fits = [k for k, p in sampled if p.total_bytes <= budget]
+            if not fits:
                 continue
-            lo, hi = 0, len(order)  # smallest k whose plan fits
-            while lo < hi:
+            hi = fits[0]
+            lo = max([k for k in grid if k < hi], default=hi)
+            while lo < hi:  # the smallest k in (lo, hi] whose plan fits
                 mid = (lo + hi) // 2
                 if plan_for(mid).total_bytes <= budget:
                     hi = mid
                 else:
                     lo = mid + 1
-            plan = plan_for(lo)
-            while plan.total_bytes > budget and lo < len(order):  # not monotone at a region cut
-                lo += 1
-                plan = plan_for(lo)
+            plan = plan_for(hi)
             if plan.total_bytes <= budget and (best_fit is None or (plan.extra_s, plan.total_bytes) <
                                                (best_fit.extra_s, best_fit.total_bytes)):
                 best_fit = plan
@@ -288,7 +306,7 @@ class _Selector:
             raise BudgetError(
                 f"memory budget {format_bytes(budget)} is below the achievable minimum "
                 f"{format_bytes(minimum.total_bytes)} ({minimum.total_bytes / base:.3f} of the baseline activation "
-                f"memory {format_bytes(base)}) even recomputing every recomputable node; "
+                f"memory {format_bytes(base)}) over the recompute/keep trade-offs searched; "
                 "raise memory_budget to at least that")
         return best_fit
 
@@ -396,7 +414,7 @@ class InsertCheckpoints(Pass):
         if budget_opt is None:
             res.notes.append("no memory_budget set: activations are kept as autograd saves them")
             return res
-        am = ActivationModel.build(gm, ctx.cost, ctx.hints)
+        am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.profile.kind)
         base = am.baseline_saved_bytes()
         budget = resolve_budget(budget_opt, base)
         details = {
@@ -440,9 +458,5 @@ class InsertCheckpoints(Pass):
             call = _extract(gm, nodes, plan.keep, f"ckpt_region_{i}", ctx)
             res.record(f"checkpoint region ({len(recomputed)} of {len(nodes)} nodes recomputed)",
                        recomputed[:6], [call], -extra)
-        res.notes.append(
-            f"activations {format_bytes(base)} → {format_bytes(plan.saved_bytes)} saved + "
-            f"{format_bytes(plan.transient_bytes)} recomputed at a time (budget {format_bytes(budget)}); "
-            f"predicted +{plan.extra_s * 1e3:.3f} ms of recomputation in backward")
         gm.recompile()
         return res

@@ -184,6 +184,9 @@ def probe_saved(gm: fx.GraphModule) -> "_SavedProbe":
 
 # --------------------------------------------------------------------------- the model
 
+_ATTENTION = {aten.scaled_dot_product_attention.default}
+_DROPOUT = {aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default}
+
 
 def layer_of(node: fx.Node) -> str:
     """The layer a node belongs to, for reports: the innermost module of its
@@ -228,8 +231,14 @@ class ActivationModel:
     obytes: dict  # node -> bytes of its output tensors (views included)
 
     @classmethod
-    def build(cls, gm: fx.GraphModule, cost=None, hints: dict | None = None) -> "ActivationModel":
-        """Probe ``gm`` (see :func:`probe_saved`); ``cost`` (a CostModel) prices recomputation."""
+    def build(cls, gm: fx.GraphModule, cost=None, hints: dict | None = None,
+              device_kind: str | None = None) -> "ActivationModel":
+        """Probe ``gm`` (see :func:`probe_saved`); ``cost`` (a CostModel) prices recomputation.
+
+        ``device_kind``: the device planned for ("cuda"), when the graph was captured elsewhere
+        (CPU, meta): the ops whose saved set differs by device are then re-read with CUDA's
+        kernels — attention (flash/memory-efficient: inputs, output and a float32 logsumexp,
+        not the math path's attention matrix) and dropout (a bool mask)."""
         hints = hints if hints is not None else ir.shape_hints(gm)
         c = lambda v: float(ir.concrete(v, hints))  # noqa: E731
         probe = probe_saved(gm)
@@ -238,6 +247,18 @@ class ActivationModel:
         root = {n: probe.alias.get(n, n) for n in body}
         saved = {n: list(dict.fromkeys(probe.records[n].saved)) for n in body}
         extra = {n: c(probe.records[n].extra_bytes) for n in body}
+        if device_kind == "cuda":
+            for n in body:
+                t = ir.info(n)
+                if t is None or t.device.type == "cuda":
+                    continue
+                if n.target in _ATTENTION:
+                    ins = [a for a in n.all_input_nodes if a in root]
+                    saved[n] = list(dict.fromkeys([root.get(a, a) for a in ins] + [root.get(n, n)]))
+                    shape = [c(d) for d in t.shape]
+                    extra[n] = float(torch.Size([int(x) for x in shape[:-1]]).numel()) * 4  # logsumexp
+                elif n.target in _DROPOUT and probe.records[n].extra_bytes != 0:
+                    extra[n] = c(t.numel)  # a bool mask
         seconds = {n: (c(cost.node_cost(n).time_s) if cost is not None else 0.0) for n in body}
         out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         outputs = set()

@@ -86,11 +86,11 @@ class CheckpointRegion(nn.Module):
     policy (kept nodes cached, the rest recomputed in backward). ``mutated`` are the argument
     positions of buffers the region updates in place: recomputation works on scratch copies."""
 
-    def __init__(self, body: fx.GraphModule, mutated: tuple, kept: int, recomputed: int, cost: dict):
+    def __init__(self, body: fx.GraphModule, mutated: tuple, kept: list, recomputed: list, cost: dict):
         super().__init__()
         self.body = body
         self.mutated = tuple(mutated)
-        self.kept, self.recomputed = kept, recomputed
+        self.kept, self.recomputed = list(kept), list(recomputed)  # node names
         self.cost = cost  # flops/bytes/launches/time of one forward plus the recomputation
 
     def forward(self, *args):
@@ -357,7 +357,7 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     body = fx.GraphModule(nn.Module(), g, class_name="CheckpointBody")
     cost = _region_cost(ctx, nodes, keep)
     region = CheckpointRegion(body, tuple(i for i, a in enumerate(inputs) if a in mutated),
-                              sum(1 for n in nodes if n in keep), sum(1 for n in nodes if n not in keep), cost)
+                              [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep], cost)
     gm.add_submodule(name, region)
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))

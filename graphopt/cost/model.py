@@ -144,7 +144,10 @@ class CostModel:
         """(flops, bytes, kernel launches, kind) of one node; kind in matmul/pointwise/free/..."""
         if node.op == "call_module":  # a region a pass wrapped (insert_checkpoints) prices itself
             owner = node.graph.owning_module
-            mod = owner.get_submodule(node.target) if owner is not None else None
+            try:
+                mod = owner.get_submodule(node.target) if owner is not None else None
+            except AttributeError:  # not a module (export's _guards_fn)
+                mod = None
             cost = getattr(mod, "cost", None)
             if isinstance(cost, dict) and "time_s" in cost:
                 return cost["flops"], cost["bytes"], cost["launches"], "region"

@@ -65,7 +65,11 @@ def _mark(save: bool) -> None:
 def _policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if getattr(_STATE, "save", False) else CheckpointPolicy.PREFER_RECOMPUTE
+    # a kept node's view ops (linear's view of its input, a weight's t()) are rerun, not cached:
+    # a cached view would keep the viewed storage alive
+    if getattr(_STATE, "save", False) and not getattr(op, "is_view", False):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _contexts():
@@ -180,9 +184,10 @@ class _Selector:
                 self.forced_recompute.add(n)
 
     def cost_bytes(self, n) -> float:
-        """Memory a kept node holds: the storage it owns and what its op makes and saves."""
+        """Memory a kept node holds: the selective checkpoint caches every new storage its ops
+        return (its output, what it saves, its temporaries)."""
         own = self.am.bytes.get(n, 0.0) if self.am.root.get(n) is n else 0.0
-        return own + self.am.extra.get(n, 0.0)
+        return max(own + self.am.extra.get(n, 0.0), self.am.made.get(n, 0.0))
 
     def order(self) -> list:
         """Candidates to recompute, cheapest recompute-seconds per byte freed first."""
@@ -230,6 +235,12 @@ class _Selector:
                     best, j_best = crossing_at[j], j
             regions.append(body[s:j_best + 1])
             s = j_best + 1
+        return self.account(keep, regions)
+
+    def account(self, keep: set, regions: list) -> Plan:
+        """Memory and time of keeping ``keep`` with these region cuts."""
+        am, body = self.am, self.am.body
+        held = lambda r: r in keep or r in am.outputs  # noqa: E731
         # what crosses a cut is held by checkpoint as the next region's input anyway: keep it
         # (no more memory, less recomputation)
         keep = set(keep)
@@ -264,8 +275,7 @@ class _Selector:
                 changed = True
         if not changed:
             return plan
-        out = self.evaluate(keep, cap)
-        out.regions = plan.regions  # same cuts
+        out = self.account(keep, plan.regions)  # same cuts
         out.notes.append("random ops of a region recomputed together so the replayed RNG matches")
         return out
 
@@ -424,12 +434,14 @@ class InsertCheckpoints(Pass):
             "baseline_saved_bytes": base,
             "baseline_activation_bytes": am.step_activation_bytes(),
             "baseline_peak_bytes": am.step_peak_bytes(),
-            "output_bytes": am.output_bytes(),
+            "output_bytes": am.all_output_bytes(),
+            "baseline_held_bytes": am.held_bytes(),
             "backward_working_bytes": am.backward_working_bytes(),
         }
         res.details = details
         if base <= budget:
-            details.update(predicted_saved_bytes=base, predicted_activation_bytes=details["baseline_activation_bytes"],
+            details.update(predicted_saved_bytes=base, predicted_held_bytes=details["baseline_held_bytes"],
+                           predicted_activation_bytes=details["baseline_activation_bytes"],
                            predicted_peak_bytes=details["baseline_peak_bytes"], extra_ms=0.0, regions=0)
             res.notes.append(f"the baseline activations ({format_bytes(base)}) fit the budget "
                              f"({format_bytes(budget)}): nothing recomputed")
@@ -441,6 +453,7 @@ class InsertCheckpoints(Pass):
             predicted_saved_bytes=plan.saved_bytes,
             recompute_transient_bytes=plan.transient_bytes,
             region_input_bytes=plan.crossing_bytes,
+            predicted_held_bytes=am.held_bytes(plan.saved_bytes),
             predicted_activation_bytes=am.step_activation_bytes(plan.saved_bytes, plan.transient_bytes),
             predicted_peak_bytes=am.step_peak_bytes(plan.saved_bytes, plan.transient_bytes),
             extra_ms=plan.extra_s * 1e3,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import ir
 from ..errors import GraphoptError
@@ -67,6 +68,27 @@ def _tensors(val) -> list:
     return []
 
 
+class _MadeRecorder(TorchDispatchMode):
+    """Sums the bytes of the new storages the ops under it return (what a selective
+    checkpoint caches when it keeps a node: its output and every temporary of its ops)."""
+
+    def __init__(self, known: dict):
+        super().__init__()
+        self.known = known
+        self.seen: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            key = _storage_key(t)
+            if key is not None and key not in self.known and key not in self.seen:
+                self.seen[key] = (_storage_bytes(t), t)
+        return out
+
+    def total(self):
+        return sum((b for b, _ in self.seen.values()), 0)
+
+
 class _SavedProbe(fx.Interpreter):
     """Runs the graph on fake tensors with autograd on, recording what each node saves."""
 
@@ -78,6 +100,7 @@ class _SavedProbe(fx.Interpreter):
         self.root_bytes: dict = {}  # node -> bytes of the storage it owns
         self.records: dict = {}
         self.alias: dict = {}  # node -> the node owning the storage of its (first) output
+        self.made: dict = {}  # node -> bytes of all new storages its ops make (outputs, temporaries)
         self.grad: dict = {}  # node -> does its output require grad
         self.keep: list = []  # keep probed tensors alive so storage keys stay unique
 
@@ -121,8 +144,10 @@ class _SavedProbe(fx.Interpreter):
             packed.append(t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        recorder = _MadeRecorder(self.owner)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
             out = super().run_node(n)
+        self.made[n] = recorder.total()
         self._own(n, out, "activation")
         ts = _tensors(out)
         if ts:
@@ -229,6 +254,7 @@ class ActivationModel:
     input_bytes: float
     largest_param_grad: float
     obytes: dict  # node -> bytes of its output tensors (views included)
+    made: dict  # node -> bytes of every new storage its ops make (what keeping it caches)
 
     @classmethod
     def build(cls, gm: fx.GraphModule, cost=None, hints: dict | None = None,
@@ -247,6 +273,7 @@ class ActivationModel:
         root = {n: probe.alias.get(n, n) for n in body}
         saved = {n: list(dict.fromkeys(probe.records[n].saved)) for n in body}
         extra = {n: c(probe.records[n].extra_bytes) for n in body}
+        attention_nodes = []
         if device_kind == "cuda":
             for n in body:
                 t = ir.info(n)
@@ -257,6 +284,7 @@ class ActivationModel:
                     saved[n] = list(dict.fromkeys([root.get(a, a) for a in ins] + [root.get(n, n)]))
                     shape = [c(d) for d in t.shape]
                     extra[n] = float(torch.Size([int(x) for x in shape[:-1]]).numel()) * 4  # logsumexp
+                    attention_nodes.append(n)
                 elif n.target in _DROPOUT and probe.records[n].extra_bytes != 0:
                     extra[n] = c(t.numel)  # a bool mask
         seconds = {n: (c(cost.node_cost(n).time_s) if cost is not None else 0.0) for n in body}
@@ -279,8 +307,11 @@ class ActivationModel:
             elif n.op == "placeholder":
                 inputs += sum(c(t.nbytes) for t in ir.infos(n))
         obytes = {n: sum(c(t.nbytes) for t in ir.infos(n)) for n in body}
+        made = {n: c(probe.made.get(n, 0)) for n in body}
+        for n in attention_nodes:  # re-read for CUDA: output + logsumexp
+            made[n] = (nbytes.get(n, 0.0) if root.get(n) is n else 0.0) + extra[n]
         return cls(gm, body, nbytes, root, saved, extra, seconds, dict(probe.grad), outputs,
-                   params, grads, inputs, largest, obytes)
+                   params, grads, inputs, largest, obytes, made)
 
     # ---------------------------------------------------------------- baseline
 
@@ -298,6 +329,17 @@ class ActivationModel:
         """Bytes of the graph's outputs not already counted as saved (the caller holds them)."""
         saved = self.saved_roots()
         return sum(self.bytes.get(r, 0.0) for r in self.outputs if r not in saved)
+
+    def all_output_bytes(self) -> float:
+        """Bytes of all the graph's outputs (held by the caller)."""
+        return sum(self.bytes.get(r, 0.0) for r in self.outputs)
+
+    def held_bytes(self, saved_bytes: float | None = None) -> float:
+        """Predicted memory held when the forward returns: saved tensors and outputs. With a
+        plan's ``saved_bytes`` (which leaves the outputs out), all outputs are added."""
+        if saved_bytes is None:
+            return self.baseline_saved_bytes() + self.output_bytes()
+        return saved_bytes + self.all_output_bytes()
 
     def backward_working_bytes(self) -> float:
         """A backward working set: the largest (gradient of a node's output + gradients of
@@ -317,8 +359,7 @@ class ActivationModel:
         """Predicted activation memory of a training step (what ``max_memory_allocated`` during
         forward+backward minus the memory allocated before the forward measures): saved
         tensors + outputs + the backward working set (+ a recomputation transient)."""
-        saved = self.baseline_saved_bytes() if saved_bytes is None else saved_bytes
-        return saved + self.output_bytes() + self.backward_working_bytes() + transient
+        return self.held_bytes(saved_bytes) + self.backward_working_bytes() + transient
 
     def step_peak_bytes(self, saved_bytes: float | None = None, transient: float = 0.0) -> float:
         """Predicted peak of a training step: parameters, their gradients, inputs, activations."""

@@ -9,6 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
 import graphopt
 from graphopt.capture import capture
 from graphopt.cli import main
@@ -49,6 +53,35 @@ class Stack(nn.Module):
 
     def forward(self, x):
         return self.head(self.blocks(x))
+
+
+class _Held(TorchDispatchMode):
+    """Remembers (weakly) the storage of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.refs.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+        return out
+
+
+def held_after_forward(fn, args):
+    """Bytes of the storages made during a forward that are still alive after it (what
+    autograd and checkpoint hold for backward, plus the outputs), measured on the CPU.
+    Views of parameters, buffers and inputs (a weight's ``t()``) are not new storage."""
+    old = {t.untyped_storage()._cdata for t in list(fn.parameters()) + list(fn.buffers()) + list(args)}
+    tracker = _Held()
+    with tracker:
+        out = fn(*args)
+    held = sum(n for key, (ref, n) in tracker.refs.items() if not ref.expired() and key not in old)
+    del out
+    return held
 
 
 def regions(opt):
@@ -99,6 +132,26 @@ def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
     for (name, b), (_, b_ref) in zip(model.named_buffers(), ref.named_buffers()):
         torch.testing.assert_close(b, b_ref, atol=1e-6, rtol=1e-5, msg=f"buffer {name} differs from eager")
     assert int(model.bn1.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("name,budget", [("resnet18", 0.6), ("resnet18", 0.8), ("stack", 0.5), ("glm4-tiny", 0.6)])
+def test_memory_held_after_the_forward_is_what_was_predicted(name, budget):
+    if name == "resnet18":
+        model, args = small_resnet()
+    elif name == "stack":
+        torch.manual_seed(0)
+        model, args = Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)
+    else:
+        model, args = zoo.get(name)
+    ref = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=budget, check_accuracy=False)
+    d = opt.report.pass_result("insert_checkpoints").details
+    model.train()
+    eager = held_after_forward(ref, args)
+    ours = held_after_forward(opt, args)
+    assert eager == pytest.approx(d["baseline_held_bytes"], rel=0.15)
+    assert ours == pytest.approx(d["predicted_held_bytes"], rel=0.15)
+    assert ours <= d["budget_bytes"] * 1.05 + d["output_bytes"] and ours < eager
 
 
 def test_dropout_masks_are_replayed_in_recomputation():

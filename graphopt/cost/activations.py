@@ -261,10 +261,10 @@ class ActivationModel:
               device_kind: str | None = None) -> "ActivationModel":
         """Probe ``gm`` (see :func:`probe_saved`); ``cost`` (a CostModel) prices recomputation.
 
-        ``device_kind``: the device planned for ("cuda"), when the graph was captured elsewhere
-        (CPU, meta): the ops whose saved set differs by device are then re-read with CUDA's
-        kernels — attention (flash/memory-efficient: inputs, output and a float32 logsumexp,
-        not the math path's attention matrix) and dropout (a bool mask)."""
+        ``device_kind``: the device planned for. For "cuda", attention is read as CUDA's
+        flash/memory-efficient kernels save (inputs, output and a float32 logsumexp, not the
+        math path's attention matrix), and, when the graph was captured off the GPU (CPU,
+        meta), dropout as a bool mask."""
         hints = hints if hints is not None else ir.shape_hints(gm)
         c = lambda v: float(ir.concrete(v, hints))  # noqa: E731
         probe = probe_saved(gm)
@@ -277,15 +277,15 @@ class ActivationModel:
         if device_kind == "cuda":
             for n in body:
                 t = ir.info(n)
-                if t is None or t.device.type == "cuda":
+                if t is None:
                     continue
-                if n.target in _ATTENTION:
+                if n.target in _ATTENTION:  # whatever backend fake tensors would pick
                     ins = [a for a in n.all_input_nodes if a in root]
                     saved[n] = list(dict.fromkeys([root.get(a, a) for a in ins] + [root.get(n, n)]))
                     shape = [c(d) for d in t.shape]
                     extra[n] = float(torch.Size([int(x) for x in shape[:-1]]).numel()) * 4  # logsumexp
                     attention_nodes.append(n)
-                elif n.target in _DROPOUT and probe.records[n].extra_bytes != 0:
+                elif n.target in _DROPOUT and t.device.type != "cuda" and probe.records[n].extra_bytes != 0:
                     extra[n] = c(t.numel)  # a bool mask
         seconds = {n: (c(cost.node_cost(n).time_s) if cost is not None else 0.0) for n in body}
         out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")

@@ -120,8 +120,9 @@ class CheckpointRegion(nn.Module):
             finally:
                 _mark(False)
 
-        return checkpoint(run, *(args[i] for i in passed), use_reentrant=False, preserve_rng_state=True,
-                          context_fn=_contexts)
+        # a region that keeps nothing is a plain checkpoint (no dispatch-mode overhead)
+        extra = {"context_fn": _contexts} if self.kept else {}
+        return checkpoint(run, *(args[i] for i in passed), use_reentrant=False, preserve_rng_state=True, **extra)
 
 
 # --------------------------------------------------------------------------- selection

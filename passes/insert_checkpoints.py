@@ -49,7 +49,7 @@ _BN_TRAINING_ARG = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 
                     aten._native_batch_norm_legit.default: 5, aten.instance_norm.default: 5}
 
 # region sizes tried (recomputed bytes per region, as shares of the baseline saved bytes)
-REGION_SHARES = (0.02, 0.04, 0.08, 0.15, 0.3)
+REGION_SHARES = (0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5)
 
 
 # --------------------------------------------------------------------------- runtime

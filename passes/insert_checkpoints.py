@@ -342,6 +342,18 @@ def _region_cost(ctx: PassContext, nodes: list, keep: set) -> dict:
 def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassContext) -> fx.Node:
     """Replace ``nodes`` (contiguous in topological order) by one call of a CheckpointRegion."""
     inside = set(nodes)
+    # nodes interleaved with the region but not in it (export's _guards_fn) that read its values
+    # move after it; one the region itself reads back would make a cycle: leave the region alone
+    order = list(gm.graph.nodes)
+    lo, hi = order.index(nodes[0]), order.index(nodes[-1])
+    movers = [n for n in order[lo:hi] if n not in inside and any(a in inside for a in n.all_input_nodes)]
+    closure = set(movers)
+    for n in order[lo:hi]:  # and what reads those
+        if n not in inside and n not in closure and any(a in closure for a in n.all_input_nodes):
+            closure.add(n)
+    if any(u in inside for n in closure for u in n.users):
+        return None
+    movers = [n for n in order[lo:hi] if n in closure]
     inputs: list = []
     for n in nodes:
         for a in n.all_input_nodes:
@@ -380,6 +392,9 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
             prev = gm.graph.call_function(operator.getitem, (call, i))
         prev.meta = dict(o.meta)
         getters.append(prev)
+    for n in movers:
+        prev.append(n)
+        prev = n
     for o, gi in zip(outputs, getters):
         o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in inside)
     for n in reversed(nodes):
@@ -470,6 +485,10 @@ class InsertCheckpoints(Pass):
                 continue
             extra = sum(am.seconds[n] for n in recomputed)
             call = _extract(gm, nodes, plan.keep, f"ckpt_region_{i}", ctx)
+            if call is None:
+                res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
+                           "a node outside the region both reads it and feeds it; left as it is")
+                continue
             res.record(f"checkpoint region ({len(recomputed)} of {len(nodes)} nodes recomputed)",
                        recomputed[:6], [call], -extra)
         gm.recompile()

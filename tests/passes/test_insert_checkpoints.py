@@ -273,3 +273,18 @@ def test_cli_explain_training_memory_budget(capfd, tmp_path):
     rc = main(["explain", "mlp", "--training", "--memory-budget", "8XB"])
     out, err = capfd.readouterr()
     assert rc == 2 and len((out + err).strip().splitlines()) == 1 and "memory_budget" in out + err
+
+
+def test_full_pipeline_planned_for_a_gpu_keeps_the_checkpoints():
+    """With the H200 plan other passes run first (channels_last adds an input clone that
+    export's _guards_fn reads, interleaved with the first region): the regions still apply."""
+    model, args = small_resnet()
+    ref = copy.deepcopy(model)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, target="h200")
+    res = opt.report.pass_result("insert_checkpoints")
+    assert res.status == "applied", res.notes
+    assert regions(opt)
+    model.train(), ref.train()
+    assert_close(step(opt, args), step(ref, args))
+    for k, v in grads(model).items():
+        assert_close(v, grads(ref)[k])

@@ -178,10 +178,13 @@ class _Selector:
         self.forced_recompute = set()
         self.forced_keep = set()
         for n in body:
+            val = n.meta.get("val")
+            makes_tensors = isinstance(val, (torch.Tensor, tuple, list))
             if am.root.get(n) is n and n in am.outputs:
-                self.forced_keep.add(n)
-            elif self.cost_bytes(n) <= 0 or _mutated_args(n) or not isinstance(n.meta.get("val"), torch.Tensor) \
-                    and not isinstance(n.meta.get("val"), (tuple, list)):
+                self.forced_keep.add(n)  # the caller holds it anyway
+            elif self.cost_bytes(n) <= 0 or _mutated_args(n) or not makes_tensors:
+                # views/aliases (keeping one would pin its base), buffer updates (rerun on
+                # scratch copies), non-tensor values
                 self.forced_recompute.add(n)
 
     def cost_bytes(self, n) -> float:

@@ -288,3 +288,17 @@ def test_full_pipeline_planned_for_a_gpu_keeps_the_checkpoints():
     assert_close(step(opt, args), step(ref, args))
     for k, v in grads(model).items():
         assert_close(v, grads(ref)[k])
+
+
+def test_dynamic_batch_plan_runs_at_other_batch_sizes():
+    torch.manual_seed(0)
+    model = Stack(d=32, layers=6)
+    ref = copy.deepcopy(model)
+    opt = graphopt.optimize(model, (torch.randn(16, 32),), training=True, memory_budget=0.5,
+                            dynamic={"x": {0: "batch"}})
+    assert opt.report.pass_result("insert_checkpoints").status == "applied" and regions(opt)
+    model.train(), ref.train()
+    x = torch.randn(24, 32)
+    assert_close(step(opt, (x,)), step(ref, (x,)))
+    for k, v in grads(model).items():
+        assert_close(v, grads(ref)[k])

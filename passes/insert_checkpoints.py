@@ -161,7 +161,7 @@ def _mutated_args(n: fx.Node) -> list:
 
 
 class _Selector:
-    def __init__(self, am: ActivationModel):
+    def __init__(self, am: ActivationModel, hints: dict | None = None):
         self.am = am
         body = am.body
         self.index = {n: i for i, n in enumerate(body)}
@@ -175,6 +175,9 @@ class _Selector:
         for r in am.outputs:
             if r in self.index:
                 self.last[r] = len(body)
+        # each step, a region copies the buffers it updates in place (for its recomputation)
+        mutated = {a for n in body for a in _mutated_args(n) if a.op in ("get_attr", "placeholder")}
+        self.scratch_bytes = sum(float(ir.concrete(t.nbytes, hints)) for a in mutated for t in ir.infos(a))
         self.forced_recompute = set()
         self.forced_keep = set()
         for n in body:
@@ -258,7 +261,7 @@ class _Selector:
             # (a tensor from an earlier region that is still live crossed that region's cut too)
         # backward runs the regions last to first: while region k is recomputed, what regions
         # 0..k keep is still held and what later regions kept has been freed
-        kept_bytes, peak = 0.0, 0.0
+        kept_bytes, peak = self.scratch_bytes, 0.0
         for region in regions:
             kept_bytes += sum(self.cost_bytes(n) for n in region
                               if n in keep and not (am.root.get(n) is n and n in am.outputs))
@@ -465,7 +468,7 @@ class InsertCheckpoints(Pass):
             res.notes.append(f"the baseline activations ({format_bytes(base)}) fit the budget "
                              f"({format_bytes(budget)}): nothing recomputed")
             return res
-        selector = _Selector(am)
+        selector = _Selector(am, ctx.hints)
         plan = selector.select(budget, [max(share * base, 1.0) for share in REGION_SHARES])
         by_layer = _by_layer(am, plan.keep)
         details.update(

@@ -286,6 +286,19 @@ class _Selector:
         out.notes.append("random ops of a region recomputed together so the replayed RNG matches")
         return out
 
+    def refine(self, plan: Plan, budget: float, tries: int = 64) -> Plan:
+        """The cheapest-per-byte order can overshoot: keep again the costliest recomputed
+        nodes that still fit (same region cuts)."""
+        recomputed = [n for n in self.order() if n not in plan.keep and self.am.seconds[n] > 0]
+        for n in sorted(recomputed, key=lambda n: -self.am.seconds[n])[:tries]:
+            if ir.is_random(n):  # a region's random ops stay together
+                continue
+            trial = self.account(plan.keep | {n}, plan.regions)
+            if trial.total_bytes <= budget and trial.extra_s < plan.extra_s:
+                trial.notes, trial.crossing_bytes = plan.notes, plan.crossing_bytes
+                plan = trial
+        return plan
+
     def select(self, budget: float, caps: list) -> Plan:
         """The plan that fits ``budget`` with the least predicted recomputation time, over
         region sizes ``caps`` (bigger regions: fewer boundary tensors held, a bigger transient
@@ -318,6 +331,8 @@ class _Selector:
             if plan.total_bytes <= budget and (best_fit is None or (plan.extra_s, plan.total_bytes) <
                                                (best_fit.extra_s, best_fit.total_bytes)):
                 best_fit = plan
+        if best_fit is not None:
+            best_fit = self.refine(best_fit, budget)
         if best_fit is None:
             base = self.am.baseline_saved_bytes()
             raise BudgetError(

@@ -333,6 +333,7 @@ def optimize(
     verify: bool = True,
     dump_dir: str | Path | None = None,
     model_name: str | None = None,
+    memory_budget=None,
     devices=None,
     memory_cap=None,
     microbatches: int = 1,
@@ -355,6 +356,9 @@ def optimize(
       "reoptimize" (optimize again for it, up to 8 cached specializations, with a warning).
     check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
     dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
+    memory_budget: training only: fit the activations autograd saves into this budget by
+      recomputing the cheapest ones in backward (pass insert_checkpoints): a fraction 0 < f <= 1
+      of the baseline activation memory, bytes, or a size string ("8GB", "512MB").
     devices: partition across devices (``["cuda:0", "cuda:1"]``, ``["cuda:0", "cpu"]``, or a count
       of GPUs): the partition_devices pass plans cost-balanced stages within each device's memory
       (``memory_cap`` bytes per device overrides the profiles'), the report gets the stage table,
@@ -382,6 +386,12 @@ def optimize(
     for x in flat:
         if isinstance(x, torch.Tensor) and x.device.type != model_dev.type:
             raise GraphoptError(f"an example input is on {x.device} but the model is on {model_dev}")
+    if memory_budget is not None:
+        from .cost.activations import parse_memory_budget
+
+        if not training:
+            raise GraphoptError("memory_budget applies to training; pass training=True (inference saves no activations)")
+        memory_budget = parse_memory_budget(memory_budget)
     profile, profile_note = get_profile(target if target is not None else model_dev)
     if (cuda_graphs is not False and not training and not dynamic and profile.kind == "cuda"
             and model_dev.type == "cuda" and profile.launch_overhead_graph_s < profile.launch_overhead_s):
@@ -404,7 +414,7 @@ def optimize(
         cost = CostModel(profile)
         ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
                           dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
-                          options={"precision": precision, "device": model_dev})
+                          options={"precision": precision, "device": model_dev, "memory_budget": memory_budget})
         if devices is not None:
             from .partition import resolve_devices
 
@@ -468,8 +478,8 @@ def optimize(
         opt._reoptimize = (model, dict(device=device, target=target, passes=passes, disable=disable, training=training,
                                        dynamic=dynamic, precision=precision, cuda_graphs=cuda_graphs,
                                        check_accuracy=check_accuracy, verify=verify, model_name=model_name,
-                                       devices=devices, memory_cap=memory_cap, microbatches=microbatches,
-                                       schedule=schedule), 8)
+                                       memory_budget=memory_budget, devices=devices, memory_cap=memory_cap,
+                                       microbatches=microbatches, schedule=schedule), 8)
     elif on_new_shape != "error":
         raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")
     return opt

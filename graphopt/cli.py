@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="find the first pass, and the first rewrite in it, that breaks the accuracy rule")
     p.add_argument("--measure", action="store_true",
                    help="also time the graph before and after, node by node and whole, beside the predictions (graphopt/measure.py)")
+    p.add_argument("--training", action="store_true", help="optimize the training graph (model.train(); backward on its outputs)")
+    p.add_argument("--memory-budget", metavar="B",
+                   help="with --training: fit saved activations into B: a fraction of the baseline (0.4) or a size (8GB, 512MB, bytes)")
     p = sub.add_parser("export", help="optimize a model and save a TorchScript or .pt2 artifact")
     _add_model_args(p)
     p.add_argument("-o", "--output", required=True, help="output path (.pt for TorchScript, .pt2 for torch.export)")
@@ -161,7 +164,8 @@ def _optimize(args):
     opt = optimize(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
                    check_accuracy=not args.no_accuracy, dump_dir=args.dump_ir, model_name=name,
                    precision=args.precision, devices=_devices(args.devices), memory_cap=args.memory_cap,
-                   microbatches=args.microbatches, schedule=args.schedule)
+                   microbatches=args.microbatches, schedule=args.schedule, training=getattr(args, "training", False),
+                   memory_budget=getattr(args, "memory_budget", None))
     args._model = model  # explain --measure captures it again for the before graph
     return opt, inputs
 

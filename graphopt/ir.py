@@ -181,10 +181,16 @@ def repropagate(gm: fx.GraphModule) -> None:
         fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in fakes]
     prev = mode.allow_non_fake_inputs
     mode.allow_non_fake_inputs = True
+    # get_attr hands real buffers to the fake run, and an in-place op on a real 0-dim buffer
+    # (BatchNorm's num_batches_tracked += 1 in a training graph) really runs: undo it
+    scalars = [(b, b.clone()) for b in gm.buffers() if b.dim() == 0 and not isinstance(b, torch._subclasses.FakeTensor)]
     try:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     finally:
         mode.allow_non_fake_inputs = prev
+        with torch.no_grad():
+            for b, v in scalars:
+                b.copy_(v)
 
 
 def propagate_from_real(gm: fx.GraphModule, flat_inputs: list) -> None:

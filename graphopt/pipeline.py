@@ -244,6 +244,8 @@ PIPELINE: tuple[str, ...] = (
     "eliminate_permutes",
     # precision
     "assign_precision",
+    # checkpoint
+    "insert_checkpoints",
     # partition
     "partition_devices",
 )

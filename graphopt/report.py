@@ -114,7 +114,8 @@ class Report:
                 groups.setdefault(r.pattern, []).append(r)
             for pattern, rs in groups.items():
                 gain = sum(r.predicted_gain_s for r in rs)
-                console.print(f"  ✓ {len(rs)} × {pattern}  (predicted −{gain * 1e3:.3f} ms)")
+                sign = "−" if gain >= 0 else "+"
+                console.print(f"  ✓ {len(rs)} × {pattern}  (predicted {sign}{abs(gain) * 1e3:.3f} ms)")
                 for r in rs[:max_rewrites]:
                     repl = ", ".join(r.replacement) if r.replacement else "(removed)"
                     console.print(f"      {', '.join(r.matched)} → {repl}", style="dim")
@@ -126,6 +127,8 @@ class Report:
                 console.print(f"  ✗ … {len(p.rejected) - max_rejected} more rejected (see --json)", style="yellow")
             for note in p.notes:
                 console.print(f"  • {note}")
+            if p.details.get("checkpoint"):
+                self._render_checkpoints(console, p.details)
         cb, ca = self.cost_before, self.cost_after
         share = ca.get("bound_share", {})
         console.print(
@@ -181,6 +184,31 @@ class Report:
         console.print(f"  bubble (S-1)/(M+S-1) = {plan['bubble_fraction']:.0%}; predicted step "
                       f"{plan['predicted_step_ms']:.3f} ms vs {plan['single_device_ms']:.3f} ms on one device "
                       f"({plan['predicted_speedup']:.2f}×)")
+
+    def _render_checkpoints(self, console, d: dict, max_layers: int = 12) -> None:
+        """insert_checkpoints: activation memory and peak before/after, the budget, per layer."""
+        from rich.table import Table
+
+        after = d.get("predicted_saved_bytes", d["baseline_saved_bytes"])
+        console.print(
+            f"  activation memory (saved for backward) {_mb(d['baseline_saved_bytes'])} → {_mb(after)}"
+            f" (+{_mb(d.get('recompute_transient_bytes', 0))} while a region is recomputed), budget {_mb(d['budget_bytes'])}"
+            f" ({d['budget']}); training step: activations {_mb(d['baseline_activation_bytes'])} → "
+            f"{_mb(d.get('predicted_activation_bytes', d['baseline_activation_bytes']))}, peak "
+            f"{_mb(d['baseline_peak_bytes'])} → {_mb(d.get('predicted_peak_bytes', d['baseline_peak_bytes']))}; "
+            f"predicted extra time +{d.get('extra_ms', 0):.3f} ms in {d.get('regions', 0)} checkpointed region(s)")
+        rows = d.get("by_layer") or []
+        if not rows:
+            return
+        table = Table(show_lines=False, header_style="bold", box=None, padding=(0, 1))
+        for col in ("layer", "saved", "saved MB", "recomputed", "recomputed MB", "recomputed nodes"):
+            table.add_column(col, justify="left" if col in ("layer", "recomputed nodes") else "right")
+        for r in rows[:max_layers]:
+            table.add_row(r["layer"], str(r["saved"]), f"{r['saved_bytes'] / 1e6:.1f}", str(r["recomputed"]),
+                          f"{r['recomputed_bytes'] / 1e6:.1f}", ", ".join(r["recomputed_nodes"][:5]))
+        console.print(table)
+        if len(rows) > max_layers:
+            console.print(f"  … {len(rows) - max_layers} more layers (see --json)", style="dim")
 
     def _render_measured(self, console, max_nodes: int = 20) -> None:
         """``explain --measure``: predicted vs measured, whole graph and per node, and the busy fraction."""

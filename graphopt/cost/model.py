@@ -147,6 +147,15 @@ class CostModel:
 
     def flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
         """(flops, bytes, kernel launches, kind) of one node; kind in matmul/pointwise/free/..."""
+        if node.op == "call_module":  # a region a pass wrapped (insert_checkpoints) prices itself
+            owner = node.graph.owning_module
+            try:
+                mod = owner.get_submodule(node.target) if owner is not None else None
+            except AttributeError:  # not a module (export's _guards_fn)
+                mod = None
+            cost = getattr(mod, "cost", None)
+            if isinstance(cost, dict) and "time_s" in cost:
+                return cost["flops"], cost["bytes"], cost["launches"], "region"
         if node.op != "call_function":
             return 0, 0, 0, "free"
         name = _op_name(node)
@@ -210,6 +219,10 @@ class CostModel:
     def node_cost(self, node: fx.Node) -> NodeCost:
         flops, nbytes, launches, kind = self.flops_bytes(node)
         p = self.profile
+        if kind == "region":  # its nodes' times plus their recomputation in backward
+            cost = node.graph.owning_module.get_submodule(node.target).cost
+            t = cost["time_s"] + cost["recompute_s"]
+            return NodeCost(node.name, "checkpoint_region", flops, nbytes, launches, 0.0, t, t, "memory")
         if kind == "free":
             return NodeCost(node.name, _op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
         eff = "memory"

@@ -1,0 +1,471 @@
+"""Activation checkpointing under a memory budget (issue 8): measured memory and step time.
+
+    python benchmarks/checkpoint_bench.py --out DIR [--configs resnet50,glm4,zoo] [--tiny]
+                                          [--reps 10] [--warmup 2] [--all-passes]
+
+Configs (GPU sizes; ``--tiny`` swaps in CPU-sized models for a dry run):
+
+* ``resnet50``: torchvision ResNet-50, batch 128, fp32, 224x224, graphopt at memory_budget 0.4;
+  the reference is ``torch.utils.checkpoint.checkpoint_sequential`` with 4 segments.
+* ``glm4``: GLM-4-9B-shaped decoder (``zoo.glm4_9b_config(8)``, 8 layers), bf16, batch 4,
+  seq 2048, SDPA attention, graphopt at memory_budget 0.3; the reference is Hugging Face's
+  ``model.gradient_checkpointing_enable()`` (non-reentrant).
+* ``zoo``: predicted vs measured activation memory (no rewriting) for resnet50 bs32,
+  bert-base bs32, vit_b_16 bs32 (bf16) and the GLM-4-9B shape with 2 layers bs2 seq1024.
+
+A training step is forward + backward with ``loss = sum_i <out_i, g_i>`` over the floating
+outputs, for fixed random ``g_i`` allocated before the step (i.e. ``torch.autograd.backward(outs,
+gs)``), so the loss adds no memory of its own. After a warm-up step (gradients exist and are
+zeroed in place), "activation memory" is ``torch.cuda.max_memory_allocated()`` during the step
+minus ``torch.cuda.memory_allocated()`` just before the forward; "after forward" is the memory
+held when the forward returns (saved tensors + outputs; on the CPU, where there are no allocator
+statistics, the storages made during the forward still alive after it). ms/step is the median over --reps of
+CUDA-event-timed steps. graphopt runs only the ``insert_checkpoints`` pass by default (the
+others change numerics/kernels and would blur the comparison; ``--all-passes`` runs the whole
+pipeline), with ``check_accuracy=False``; its loss and gradients are compared with the eager
+step directly (same seed): fp32 tolerance 1e-3, bf16 1e-2, as the relative L2 error of every
+gradient, and allclose on the outputs.
+
+Writes ``checkpoint_<date>_<device>.json`` and ``.md`` into --out, printing progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_resnet50(tiny, device):
+    import torchvision
+
+    torch.manual_seed(0)
+    m = torchvision.models.resnet50().to(device)
+    batch, res = (2, 64) if tiny else (128, 224)
+    x = torch.randn(batch, 3, res, res, device=device)
+    return m, (x,), torch.float32, {"batch": batch, "resolution": res}
+
+
+def resnet_sequential(m):
+    return nn.Sequential(m.conv1, m.bn1, m.relu, m.maxpool, m.layer1, m.layer2, m.layer3, m.layer4,
+                         m.avgpool, nn.Flatten(1), m.fc)
+
+
+def build_glm(tiny, device, layers=8, batch=4, seq=2048):
+    from transformers import Glm4ForCausalLM
+
+    from graphopt.examples import zoo
+
+    cfg = zoo.glm4_tiny_config() if tiny else zoo.glm4_9b_config(layers)
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
+    if tiny:
+        batch, seq = 2, 32
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = Glm4ForCausalLM(cfg).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    dtype = next(m.parameters()).dtype
+    return m, (ids,), dtype, {"batch": batch, "seq_len": seq, "layers": cfg.num_hidden_layers,
+                              "attention": "sdpa"}
+
+
+# --------------------------------------------------------------------------- a training step
+
+
+def _outs(out):
+    leaves = pytree.tree_leaves(out)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+
+
+class _Held:
+    """On the CPU (no allocator statistics): the storages made during the forward that are
+    still alive after it, tracked weakly through a dispatch mode."""
+
+    def __init__(self, old):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        refs, skip = {}, old
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                from torch.multiprocessing.reductions import StorageWeakRef
+
+                out = func(*args, **(kwargs or {}))
+                for t in pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        if st._cdata not in skip:
+                            refs.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+                return out
+
+        self.mode, self.refs = Mode(), refs
+
+    def held(self):
+        return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+
+class Stepper:
+    """One training step (forward, backward on fixed output gradients) of ``fn`` on ``args``."""
+
+    def __init__(self, fn, args, params):
+        self.fn, self.args, self.params = fn, args, list(params)
+        self.grads_out = None
+        self.after_forward = None
+
+    def __call__(self, record=False):
+        cuda = torch.cuda.is_available() and any(p.is_cuda for p in self.params)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+        if self.grads_out is None:  # the fixed output gradients, made once, before any timed step
+            outs = _outs(self.fn(*self.args))
+            if not outs:
+                raise RuntimeError("the model returns no floating output that requires grad")
+            gen = torch.Generator(device=outs[0].device).manual_seed(1234)
+            self.grads_out = [torch.randn(o.shape, dtype=o.dtype, device=o.device, generator=gen) for o in outs]
+            del outs
+        if record and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        if record and not cuda:
+            tensors = list(self.params) + [t for t in pytree.tree_leaves(self.args) if isinstance(t, torch.Tensor)]
+            tracker = _Held({t.untyped_storage()._cdata for t in tensors})
+            with tracker.mode:
+                out = self.fn(*self.args)
+            self.after_forward = tracker.held()
+        else:
+            out = self.fn(*self.args)
+        outs = _outs(out)
+        if record and cuda:
+            self.after_forward = torch.cuda.memory_allocated() - before
+        torch.autograd.backward(outs, self.grads_out)
+        del out, outs
+        if record and cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - before
+        return None
+
+
+def measure(stepper, warmup, reps):
+    """(activation bytes, bytes after forward, median ms/step)."""
+    for _ in range(warmup):
+        stepper()
+    act = stepper(record=True)
+    after = stepper.after_forward
+    times = []
+    cuda = torch.cuda.is_available() and any(p.is_cuda for p in stepper.params)
+    for _ in range(reps):
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            stepper()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            stepper()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return act, after, statistics.median(times)
+
+
+def one_step_grads(fn, args, params, grads_out, seed=0):
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    outs = _outs(fn(*args))
+    torch.autograd.backward(outs, grads_out)
+    return [o.detach().float().clone() for o in outs], [p.grad.detach().float().clone() if p.grad is not None else None
+                                                         for p in params]
+
+
+def compare(a_outs, a_grads, b_outs, b_grads, tol):
+    """Outputs allclose at tol, and the worst relative L2 error of any gradient."""
+    out_ok = all(torch.allclose(x, y, atol=tol, rtol=tol) for x, y in zip(a_outs, b_outs))
+    worst = 0.0
+    for x, y in zip(a_grads, b_grads):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                worst = float("inf")
+            continue
+        worst = max(worst, float((x - y).norm() / y.norm().clamp_min(1e-12)))
+    return {"outputs_allclose": out_ok, "worst_grad_rel_err": worst, "passed": out_ok and worst <= tol}
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def gb(x):
+    return None if x is None else x / 1e9
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def run_budget_config(name, build, reference, budget, args, device):
+    import graphopt
+
+    log(f"[{name}] building")
+    model, inputs, dtype, shape = build(args.tiny, device)
+    model.train()
+    params = list(model.parameters())
+    tol = 1e-3 if dtype == torch.float32 else 1e-2
+    row = {"config": name, "dtype": str(dtype).replace("torch.", ""), **shape, "budget": budget}
+
+    eager = Stepper(model, inputs, params)
+    act, after, ms = measure(eager, args.warmup, args.reps)
+    row["eager"] = {"activation_gb": gb(act), "after_forward_gb": gb(after), "ms": ms}
+    log(f"[{name}] eager: activations {gb(act)} GB, {ms:.2f} ms/step")
+    grads_out = eager.grads_out
+    ref_outs, ref_grads = one_step_grads(model, inputs, params, grads_out)
+
+    ref_fn, ref_label = reference(model)
+    stepper = Stepper(ref_fn, inputs, params)
+    stepper.grads_out = grads_out
+    act_r, after_r, ms_r = measure(stepper, args.warmup, args.reps)
+    row["reference"] = {"name": ref_label, "activation_gb": gb(act_r), "after_forward_gb": gb(after_r), "ms": ms_r}
+    log(f"[{name}] {ref_label}: activations {gb(act_r)} GB, {ms_r:.2f} ms/step")
+    if ref_label.startswith("hf"):
+        model.gradient_checkpointing_disable()
+    del stepper, ref_fn
+    free()
+
+    t0 = time.perf_counter()
+    passes = None if args.all_passes else ["insert_checkpoints"]
+    opt = graphopt.optimize(model, inputs, training=True, memory_budget=budget, check_accuracy=False,
+                            passes=passes, cuda_graphs=False, model_name=name)
+    opt_s = time.perf_counter() - t0
+    res = opt.report.pass_result("insert_checkpoints")
+    d = res.details
+    log(f"[{name}] optimized in {opt_s:.1f} s: {res.status}, {d.get('regions')} regions, predicted saved "
+        f"{gb(d.get('baseline_saved_bytes'))} -> {gb(d.get('predicted_saved_bytes'))} GB")
+    stepper = Stepper(opt, inputs, params)
+    stepper.grads_out = grads_out
+    act_g, after_g, ms_g = measure(stepper, args.warmup, args.reps)
+    g_outs, g_grads = one_step_grads(opt, inputs, params, grads_out)
+    check = compare(g_outs, g_grads, ref_outs, ref_grads, tol)
+    row["graphopt"] = {
+        "activation_gb": gb(act_g), "after_forward_gb": gb(after_g), "ms": ms_g, "optimize_s": opt_s,
+        "status": res.status, "regions": d.get("regions"),
+        "predicted_baseline_saved_gb": gb(d.get("baseline_saved_bytes")),
+        "predicted_baseline_activation_gb": gb(d.get("baseline_activation_bytes")),
+        "predicted_saved_gb": gb(d.get("predicted_saved_bytes")),
+        "predicted_baseline_held_gb": gb(d.get("baseline_held_bytes")),
+        "predicted_held_gb": gb(d.get("predicted_held_bytes")),
+        "predicted_transient_gb": gb(d.get("recompute_transient_bytes")),
+        "predicted_activation_gb": gb(d.get("predicted_activation_bytes")),
+        "predicted_extra_ms": d.get("extra_ms"),
+        "budget_gb": gb(d.get("budget_bytes")),
+        "check": check,
+    }
+    base_act = row["eager"]["activation_gb"]
+    if base_act:
+        row["graphopt"]["memory_ratio"] = act_g / 1e9 / base_act
+        row["reference"]["memory_ratio"] = act_r / 1e9 / base_act
+    row["graphopt"]["time_ratio"] = ms_g / ms
+    row["reference"]["time_ratio"] = ms_r / ms
+    log(f"[{name}] graphopt: activations {gb(act_g)} GB, {ms_g:.2f} ms/step ({ms_g / ms:.3f}x), check {check}")
+    del opt, stepper, model, inputs, params, ref_outs, ref_grads, g_outs, g_grads, eager, grads_out
+    free()
+    return row
+
+
+def resnet_reference(model):
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    seq = resnet_sequential(model)
+    # torchvision's in-place ReLUs modify a segment's checkpointed input: off for the reference
+    relus = [m for m in model.modules() if isinstance(m, nn.ReLU) and m.inplace]
+
+    def run(x):
+        for r in relus:
+            r.inplace = False
+        try:
+            return checkpoint_sequential(seq, 4, x, use_reentrant=False)
+        finally:
+            for r in relus:
+                r.inplace = True
+
+    return run, "checkpoint_sequential(4 segments)"
+
+
+def glm_reference(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, "hf gradient_checkpointing_enable()"
+
+
+ZOO_GPU = [("resnet50", 32, None), ("bert-base", 32, None), ("vit_b_16", 32, None), ("glm4-9b-2l", 2, 1024)]
+ZOO_TINY = [("resnet50", 2, None), ("bert-tiny", 4, None), ("vit-tiny", 4, None), ("glm4-tiny", 2, 16)]
+
+
+def run_zoo(args, device):
+    from graphopt.capture import capture
+    from graphopt.cost.activations import ActivationModel
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.examples import zoo
+
+    profile, _ = get_profile("h200" if device.type == "cuda" else "cpu")
+    rows = []
+    for name, batch, seq in (ZOO_TINY if args.tiny else ZOO_GPU):
+        log(f"[zoo] {name} batch {batch}" + (f" seq {seq}" if seq else ""))
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if name == "glm4-9b-2l":
+            from transformers import Glm4ForCausalLM
+
+            cfg = zoo.glm4_9b_config(2)
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = Glm4ForCausalLM(cfg).to(dtype)
+            inputs = (torch.randint(0, cfg.vocab_size, (batch, seq), device=device),)
+        else:
+            model, inputs = zoo.get(name, batch=batch, seq_len=seq, dtype=dtype, device=device)
+        model.train()
+        t0 = time.perf_counter()
+        gm = capture(model, inputs)
+        am = ActivationModel.build(gm, CostModel(profile), device_kind=profile.kind)
+        model_s = time.perf_counter() - t0
+        del gm
+        stepper = Stepper(model, inputs, model.parameters())
+        stepper()  # warm-up: gradients exist
+        act = stepper(record=True)
+        after = stepper.after_forward
+        pred_act = am.step_activation_bytes()
+        pred_after = am.held_bytes()
+        row = {"model": name, "batch": batch, "seq_len": seq, "dtype": str(dtype).replace("torch.", ""),
+               "predicted_saved_gb": gb(am.baseline_saved_bytes()), "predicted_after_forward_gb": gb(pred_after),
+               "measured_after_forward_gb": gb(after), "predicted_activation_gb": gb(pred_act),
+               "measured_activation_gb": gb(act), "model_s": model_s}
+        if act:
+            row["activation_error"] = pred_act / act - 1
+            row["within_15pct"] = abs(row["activation_error"]) <= 0.15
+        if after:
+            row["after_forward_error"] = pred_after / after - 1
+        log(f"[zoo] {name}: predicted {gb(pred_act)} GB vs measured {gb(act)} GB activations; "
+            f"after forward {gb(pred_after)} vs {gb(after)} GB")
+        rows.append(row)
+        del model, inputs, stepper, am
+        free()
+    return rows
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _f(x, fmt="{:.2f}"):
+    return "n/a" if x is None else fmt.format(x)
+
+
+def markdown(result):
+    lines = [f"# Activation checkpointing benchmark ({result['date']}, {result['device']}, torch {result['torch']})", "",
+             "loss = sum_i <out_i, g_i> with fixed random g_i (torch.autograd.backward(outs, gs)); activation memory = "
+             "max_memory_allocated during the step - memory_allocated before the forward (after a warm-up step).", ""]
+    if result["budget_configs"]:
+        lines += ["| config | variant | activation GB | ratio | after fwd GB (predicted) | ms/step | ratio | notes |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in result["budget_configs"]:
+            e, ref, g = r["eager"], r["reference"], r["graphopt"]
+            lines.append(f"| {r['config']} | eager | {_f(e['activation_gb'])} | 1.00 | {_f(e['after_forward_gb'], '{:.3f}')} "
+                         f"({_f(g['predicted_baseline_held_gb'], '{:.3f}')}) | {_f(e['ms'])} | 1.00 | |")
+            lines.append(f"| {r['config']} | {ref['name']} | {_f(ref['activation_gb'])} | {_f(ref.get('memory_ratio'))} | "
+                         f"{_f(ref['after_forward_gb'], '{:.3f}')} | {_f(ref['ms'])} | {_f(ref['time_ratio'], '{:.3f}')} | |")
+            notes = (f"budget {r['budget']} = {_f(g['budget_gb'])} GB of predicted {_f(g['predicted_baseline_saved_gb'])} GB saved; "
+                     f"predicted saved {_f(g['predicted_saved_gb'])} + {_f(g['predicted_transient_gb'])} GB, step activations "
+                     f"{_f(g['predicted_activation_gb'])} GB (baseline predicted {_f(g['predicted_baseline_activation_gb'])}); "
+                     f"predicted +{_f(g['predicted_extra_ms'], '{:.1f}')} ms; {g['regions']} regions; optimize "
+                     f"{_f(g['optimize_s'], '{:.1f}')} s; check {'passed' if g['check']['passed'] else 'FAILED'} "
+                     f"(worst grad rel err {g['check']['worst_grad_rel_err']:.2e})")
+            lines.append(f"| {r['config']} | graphopt | {_f(g['activation_gb'])} | {_f(g.get('memory_ratio'))} | "
+                         f"{_f(g['after_forward_gb'], '{:.3f}')} ({_f(g['predicted_held_gb'], '{:.3f}')}) | "
+                         f"{_f(g['ms'])} | {_f(g['time_ratio'], '{:.3f}')} | {notes} |")
+        lines.append("")
+    if result["zoo"]:
+        lines += ["| model | batch | seq | dtype | predicted act GB | measured act GB | error | predicted after-fwd GB | "
+                  "measured after-fwd GB | error |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for z in result["zoo"]:
+            lines.append(f"| {z['model']} | {z['batch']} | {z['seq_len'] or ''} | {z['dtype']} | {_f(z['predicted_activation_gb'], '{:.3f}')} | "
+                         f"{_f(z['measured_activation_gb'], '{:.3f}')} | {_f(z.get('activation_error'), '{:+.1%}')} | "
+                         f"{_f(z['predicted_after_forward_gb'], '{:.3f}')} | {_f(z['measured_after_forward_gb'], '{:.3f}')} | "
+                         f"{_f(z.get('after_forward_error'), '{:+.1%}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for the JSON + Markdown")
+    ap.add_argument("--configs", default="resnet50,glm4,zoo", help="comma-separated subset of resnet50,glm4,zoo")
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized models (a dry run)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--all-passes", action="store_true", help="run graphopt's whole pipeline, not only insert_checkpoints")
+    ap.add_argument("--device", default=None, help="default: cuda if present (else cpu)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in ("resnet50", "glm4", "zoo")]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": name,
+              "torch": torch.__version__, "tiny": args.tiny, "reps": args.reps, "budget_configs": [], "zoo": [],
+              "errors": []}
+    t_all = time.perf_counter()
+    for c in configs:
+        try:
+            if c == "resnet50":
+                result["budget_configs"].append(run_budget_config("resnet50", build_resnet50, resnet_reference, 0.4, args, device))
+            elif c == "glm4":
+                # the 2-layer CPU stand-in cannot reach 0.3 (too few layers to cut between)
+                result["budget_configs"].append(run_budget_config("glm4-9b-8l", build_glm, glm_reference,
+                                                                  0.5 if args.tiny else 0.3, args, device))
+            else:
+                result["zoo"] = run_zoo(args, device)
+        except Exception as e:  # keep the other configs' results
+            import traceback
+
+            traceback.print_exc()
+            result["errors"].append(f"{c}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            free()
+    result["seconds"] = time.perf_counter() - t_all
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
+    tag = "cpu" if device.type == "cpu" else "".join(ch for ch in name.lower().split()[-1] if ch.isalnum())
+    base = out / f"checkpoint_{stamp}_{tag}"
+    base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    md = markdown(result)
+    base.with_suffix(".md").write_text(md)
+    log(md)
+    log(f"wrote {base}.json and .md in {result['seconds']:.0f} s")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,516 @@
+"""insert_checkpoints: fit a training step into a memory budget by recomputing activations.
+
+Training graphs only, and only when a ``memory_budget`` is set (``graphopt.optimize(...,
+training=True, memory_budget=0.4)``: a fraction of the baseline activation memory, or bytes).
+
+1. The activation memory model (:mod:`graphopt.cost.activations`) says what autograd saves for
+   every node and how many bytes, and the cost model what recomputing each node costs.
+2. Selection is a knapsack: each node either keeps its output for backward (memory: the bytes
+   it owns plus what its op saves internally) or is recomputed in backward (time: its cost-model
+   time). Nodes are moved to "recompute" in order of recompute-seconds per byte freed — views
+   and casts first, then norms, activations and other memory-bound elementwise ops, then
+   GEMMs/convolutions, attention last — until the predicted saved bytes plus the largest
+   recomputation transient fit the budget. The graph outputs are always kept (the caller holds
+   them). If recomputing everything allowed cannot fit, ``BudgetError`` states the minimum.
+3. Rewrite: the graph is cut into regions at points where nothing but kept tensors crosses (so
+   checkpoint's own hold on a region's inputs costs nothing extra); each region becomes a
+   sub-GraphModule called through ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
+   preserve_rng_state=True)`` with a selective-checkpoint policy
+   (``create_selective_checkpoint_contexts``): the kept nodes' outputs are cached, the rest
+   rerun in backward. Random ops in a region are all kept or all recomputed, so the replayed RNG
+   state gives the same dropout masks. Buffers mutated in a region (BatchNorm running stats,
+   ``num_batches_tracked``) are swapped for scratch copies when the region is recomputed, so
+   they are updated once per step, as in eager. Parameters are passed in from the parent graph,
+   so the optimized module keeps using the model's own Parameter objects.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graphopt import ir
+from graphopt.cost.activations import ActivationModel, format_bytes, layer_of, resolve_budget
+from graphopt.errors import BudgetError
+from graphopt.pipeline import Pass, PassContext, PassResult, register
+
+aten = torch.ops.aten
+
+# ops that update their running-statistics arguments (positions) in place in training mode,
+# though their schemas do not say so
+_BN_OPS = {aten.batch_norm.default: (3, 4), aten.native_batch_norm.default: (3, 4),
+           aten._native_batch_norm_legit.default: (3, 4), aten.instance_norm.default: (3, 4)}
+_BN_TRAINING_ARG = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5,
+                    aten._native_batch_norm_legit.default: 5, aten.instance_norm.default: 5}
+
+# region sizes tried (recomputed bytes per region, as shares of the baseline saved bytes)
+REGION_SHARES = (0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5)
+
+
+# --------------------------------------------------------------------------- runtime
+
+_STATE = threading.local()
+
+
+def _mark(save: bool) -> None:
+    """Set in region code before each node: whether the ops that follow are kept (cached)."""
+    _STATE.save = save
+
+
+def _policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    # a kept node's view ops (linear's view of its input, a weight's t()) are rerun, not cached:
+    # a cached view would keep the viewed storage alive
+    if getattr(_STATE, "save", False) and not getattr(op, "is_view", False):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    # a kept composite op (CPU dropout: bernoulli_ then div_) mutates its own fresh outputs
+    return create_selective_checkpoint_contexts(_policy, allow_cache_entry_mutation=True)
+
+
+def _is_fake(x) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+class CheckpointRegion(nn.Module):
+    """A graph region run under non-reentrant ``torch.utils.checkpoint`` with a selective
+    policy (kept nodes cached, the rest recomputed in backward). ``mutated`` are the argument
+    positions of buffers the region updates in place: recomputation works on scratch copies."""
+
+    def __init__(self, body: fx.GraphModule, mutated: tuple, kept: list, recomputed: list, cost: dict):
+        super().__init__()
+        self.body = body
+        self.mutated = tuple(mutated)
+        self.kept, self.recomputed = list(kept), list(recomputed)  # node names
+        self.cost = cost  # flops/bytes/launches/time of one forward plus the recomputation
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled() or any(_is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+            _mark(False)
+            return self.body(*args)
+        from torch.utils.checkpoint import checkpoint
+
+        # buffers the region updates in place are not checkpoint arguments (checkpoint would
+        # save them and see them modified): the forward gets the real ones, the recomputation
+        # scratch copies
+        real = {i: args[i] for i in self.mutated}
+        scratch = {i: t.detach().clone() if isinstance(t, torch.Tensor) else t for i, t in real.items()}
+        passed = [i for i in range(len(args)) if i not in real]
+        calls = [0]
+
+        def run(*a):
+            calls[0] += 1
+            full = dict(zip(passed, a))
+            full.update(real if calls[0] == 1 else scratch)
+            try:
+                return self.body(*(full[i] for i in range(len(args))))
+            finally:
+                _mark(False)
+
+        # a region that keeps nothing is a plain checkpoint (no dispatch-mode overhead)
+        extra = {"context_fn": _contexts} if self.kept else {}
+        return checkpoint(run, *(args[i] for i in passed), use_reentrant=False, preserve_rng_state=True, **extra)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@dataclass
+class Plan:
+    keep: set
+    regions: list  # lists of body nodes, in order
+    saved_bytes: float  # held for backward after the forward (kept outputs, region inputs)
+    transient_bytes: float  # beyond saved_bytes at the worst moment of backward (a region recomputed)
+    extra_s: float  # predicted recomputation time
+    crossing_bytes: float = 0.0
+    notes: list = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> float:
+        return self.saved_bytes + self.transient_bytes
+
+
+def _mutated_args(n: fx.Node) -> list:
+    """Input nodes n updates in place (schema-declared writes, and BatchNorm running stats)."""
+    out = []
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return out
+    if t in _BN_OPS:
+        train_pos = _BN_TRAINING_ARG[t]
+        training = n.args[train_pos] if len(n.args) > train_pos else n.kwargs.get("training", False)
+        if training:
+            out.extend(n.args[i] for i in _BN_OPS[t] if i < len(n.args) and isinstance(n.args[i], fx.Node))
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write and i < len(n.args) and isinstance(n.args[i], fx.Node):
+            out.append(n.args[i])
+    return out
+
+
+class _Selector:
+    def __init__(self, am: ActivationModel, hints: dict | None = None):
+        self.am = am
+        body = am.body
+        self.index = {n: i for i, n in enumerate(body)}
+        self.held_roots = am.saved_roots()
+        self.last: dict = {}
+        for i, n in enumerate(body):
+            for a in n.all_input_nodes:
+                r = am.root.get(a, a)
+                if r in self.index:
+                    self.last[r] = max(self.last.get(r, -1), i)
+        for r in am.outputs:
+            if r in self.index:
+                self.last[r] = len(body)
+        # each step, a region copies the buffers it updates in place (for its recomputation)
+        mutated = {a for n in body for a in _mutated_args(n) if a.op in ("get_attr", "placeholder")}
+        self.scratch_bytes = sum(float(ir.concrete(t.nbytes, hints)) for a in mutated for t in ir.infos(a))
+        self.forced_recompute = set()
+        self.forced_keep = set()
+        for n in body:
+            val = n.meta.get("val")
+            makes_tensors = isinstance(val, (torch.Tensor, tuple, list))
+            if am.root.get(n) is n and n in am.outputs:
+                self.forced_keep.add(n)  # the caller holds it anyway
+            elif self.cost_bytes(n) <= 0 or _mutated_args(n) or not makes_tensors:
+                # views/aliases (keeping one would pin its base), buffer updates (rerun on
+                # scratch copies), non-tensor values
+                self.forced_recompute.add(n)
+
+    def cost_bytes(self, n) -> float:
+        """Memory a kept node holds: the selective checkpoint caches every new storage its ops
+        return (its output, what it saves, its temporaries)."""
+        own = self.am.bytes.get(n, 0.0) if self.am.root.get(n) is n else 0.0
+        return max(own + self.am.extra.get(n, 0.0), self.am.made.get(n, 0.0))
+
+    def order(self) -> list:
+        """Candidates to recompute, cheapest recompute-seconds per byte freed first."""
+        cands = [n for n in self.am.body if n not in self.forced_keep and n not in self.forced_recompute]
+        return sorted(cands, key=lambda n: (self.am.seconds[n] / max(self.cost_bytes(n), 1.0), self.index[n]))
+
+    def evaluate(self, keep: set, cap: float) -> Plan:
+        """The plan for a kept set: regions cut where few unkept bytes cross (checkpoint holds a
+        region's inputs), each region's recomputed bytes near ``cap``; its memory and time."""
+        am, body = self.am, self.am.body
+        held = lambda r: r in keep or r in am.outputs  # noqa: E731
+        # bytes of unkept tensors live across the boundary after each position
+        ends: dict = {}
+        live = 0.0
+        crossing_at = []
+        work_of = []
+        for i, n in enumerate(body):
+            if am.root.get(n) is n and self.last.get(n, -1) > i and not held(n):
+                live += am.bytes.get(n, 0.0)
+                ends.setdefault(self.last[n], []).append(n)
+            for r in ends.pop(i, []):
+                live -= am.bytes.get(r, 0.0)
+            crossing_at.append(max(live, 0.0))
+            w = 0.0
+            if n not in keep:
+                if n in self.held_roots and am.root.get(n) is n:
+                    w += am.bytes.get(n, 0.0)
+                w += am.extra.get(n, 0.0)
+            work_of.append(w)
+        regions = []
+        s, last = 0, len(body) - 1
+        while s <= last:
+            work, i = 0.0, s
+            while i <= last and work < cap:
+                work += work_of[i]
+                i += 1
+            if i > last:  # the rest fits in one region
+                regions.append(body[s:])
+                break
+            # cut at the cheapest boundary in the second half of this region (latest on ties)
+            acc, best, j_best = 0.0, None, i - 1
+            for j in range(s, i):
+                acc += work_of[j]
+                if acc >= cap / 2 and (best is None or crossing_at[j] <= best):
+                    best, j_best = crossing_at[j], j
+            regions.append(body[s:j_best + 1])
+            s = j_best + 1
+        return self.account(keep, regions)
+
+    def account(self, keep: set, regions: list) -> Plan:
+        """Memory and time of keeping ``keep`` with these region cuts."""
+        am, body = self.am, self.am.body
+        held = lambda r: r in keep or r in am.outputs  # noqa: E731
+        # what crosses a cut is held by checkpoint as the next region's input anyway: keep it
+        # (no more memory, less recomputation)
+        keep = set(keep)
+        crossing = 0.0
+        for region in regions[:-1]:
+            j = self.index[region[-1]]
+            for r in region:
+                if am.root.get(r) is r and self.last.get(r, -1) > j and not held(r):
+                    keep.add(r)
+                    crossing += am.bytes.get(r, 0.0)
+            # (a tensor from an earlier region that is still live crossed that region's cut too)
+        # backward runs the regions last to first: while region k is recomputed, what regions
+        # 0..k keep is still held and what later regions kept has been freed
+        kept_bytes, peak = self.scratch_bytes, 0.0
+        for region in regions:
+            kept_bytes += sum(self.cost_bytes(n) for n in region
+                              if n in keep and not (am.root.get(n) is n and n in am.outputs))
+            work = sum(am.bytes.get(n, 0.0) if (n not in keep and n in self.held_roots and am.root.get(n) is n) else 0.0
+                       for n in region) + sum(am.extra.get(n, 0.0) for n in region if n not in keep)
+            peak = max(peak, kept_bytes + work)
+        extra_s = sum(am.seconds[n] for n in body if n not in keep)
+        return Plan(keep, regions, kept_bytes, max(peak - kept_bytes, 0.0), extra_s, crossing)
+
+    def random_consistent(self, plan: Plan, cap: float) -> Plan:
+        """A region's random ops are all kept or all recomputed (RNG replay then matches)."""
+        keep = set(plan.keep)
+        changed = False
+        for region in plan.regions:
+            rnd = [n for n in region if ir.is_random(n)]
+            if rnd and any(n in keep for n in rnd) and any(n not in keep for n in rnd):
+                keep.difference_update(rnd)
+                changed = True
+        if not changed:
+            return plan
+        out = self.account(keep, plan.regions)  # same cuts
+        out.notes.append("random ops of a region recomputed together so the replayed RNG matches")
+        return out
+
+    def refine(self, plan: Plan, budget: float, tries: int = 64) -> Plan:
+        """The cheapest-per-byte order can overshoot: keep again the costliest recomputed
+        nodes that still fit (same region cuts)."""
+        recomputed = [n for n in self.order() if n not in plan.keep and self.am.seconds[n] > 0]
+        for n in sorted(recomputed, key=lambda n: -self.am.seconds[n])[:tries]:
+            if ir.is_random(n):  # a region's random ops stay together
+                continue
+            trial = self.account(plan.keep | {n}, plan.regions)
+            if trial.total_bytes <= budget and trial.extra_s < plan.extra_s:
+                trial.notes, trial.crossing_bytes = plan.notes, plan.crossing_bytes
+                plan = trial
+        return plan
+
+    def select(self, budget: float, caps: list) -> Plan:
+        """The plan that fits ``budget`` with the least predicted recomputation time, over
+        region sizes ``caps`` (bigger regions: fewer boundary tensors held, a bigger transient
+        while one region is recomputed)."""
+        order = self.order()
+        all_keep = set(n for n in self.am.body if n not in self.forced_recompute)
+        best_fit, minimum = None, None
+        n = len(order)
+        grid = sorted({round(n * i / 16) for i in range(17)})
+        for cap in caps:
+            def plan_for(k: int) -> Plan:
+                return self.random_consistent(self.evaluate(all_keep - set(order[:k]), cap), cap)
+
+            sampled = [(k, plan_for(k)) for k in grid]
+            low = min((p for _, p in sampled), key=lambda p: p.total_bytes)
+            if minimum is None or low.total_bytes < minimum.total_bytes:
+                minimum = low
+            fits = [k for k, p in sampled if p.total_bytes <= budget]
+            if not fits:
+                continue
+            hi = fits[0]
+            lo = max([k for k in grid if k < hi], default=hi)
+            while lo < hi:  # the smallest k in (lo, hi] whose plan fits
+                mid = (lo + hi) // 2
+                if plan_for(mid).total_bytes <= budget:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            plan = plan_for(hi)
+            if plan.total_bytes <= budget and (best_fit is None or (plan.extra_s, plan.total_bytes) <
+                                               (best_fit.extra_s, best_fit.total_bytes)):
+                best_fit = plan
+        if best_fit is not None:
+            best_fit = self.refine(best_fit, budget)
+        if best_fit is None:
+            base = self.am.baseline_saved_bytes()
+            raise BudgetError(
+                f"memory budget {format_bytes(budget)} is below the achievable minimum "
+                f"{format_bytes(minimum.total_bytes)} ({minimum.total_bytes / base:.3f} of the baseline activation "
+                f"memory {format_bytes(base)}) over the recompute/keep trade-offs searched; "
+                "raise memory_budget to at least that")
+        return best_fit
+
+
+# --------------------------------------------------------------------------- rewrite
+
+
+def _region_cost(ctx: PassContext, nodes: list, keep: set) -> dict:
+    total = {"flops": 0.0, "bytes": 0.0, "launches": 0, "time_s": 0.0, "recompute_s": 0.0}
+    for n in nodes:
+        c = ctx.cost.node_cost(n)
+        f = lambda v: float(ir.concrete(v, ctx.hints))  # noqa: E731
+        total["flops"] += f(c.flops)
+        total["bytes"] += f(c.bytes)
+        total["launches"] += int(c.launches)
+        total["time_s"] += f(c.time_s)
+        if n not in keep:
+            total["recompute_s"] += f(c.time_s)
+    return total
+
+
+def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassContext) -> fx.Node:
+    """Replace ``nodes`` (contiguous in topological order) by one call of a CheckpointRegion."""
+    inside = set(nodes)
+    # nodes interleaved with the region but not in it (export's _guards_fn) that read its values
+    # move after it; one the region itself reads back would make a cycle: leave the region alone
+    order = list(gm.graph.nodes)
+    lo, hi = order.index(nodes[0]), order.index(nodes[-1])
+    movers = [n for n in order[lo:hi] if n not in inside and any(a in inside for a in n.all_input_nodes)]
+    closure = set(movers)
+    for n in order[lo:hi]:  # and what reads those
+        if n not in inside and n not in closure and any(a in closure for a in n.all_input_nodes):
+            closure.add(n)
+    if any(u in inside for n in closure for u in n.users):
+        return None
+    movers = [n for n in order[lo:hi] if n in closure]
+    inputs: list = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    mutated = set()
+    for n in nodes:
+        mutated.update(a for a in _mutated_args(n) if a not in inside)
+    g = fx.Graph()
+    env = {}
+    for a in inputs:
+        p = g.placeholder(a.name)
+        p.meta = dict(a.meta)
+        env[a] = p
+    state = None
+    for n in nodes:
+        flag = n in keep
+        if flag != state:
+            g.call_function(_mark, (flag,))
+            state = flag
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[o] for o in outputs))
+    body = fx.GraphModule(nn.Module(), g, class_name="CheckpointBody")
+    cost = _region_cost(ctx, nodes, keep)
+    region = CheckpointRegion(body, tuple(i for i, a in enumerate(inputs) if a in mutated),
+                              [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep], cost)
+    gm.add_submodule(name, region)
+    with gm.graph.inserting_after(nodes[-1]):
+        call = gm.graph.call_module(name, tuple(inputs))
+    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    getters = []
+    prev = call
+    for i, o in enumerate(outputs):
+        with gm.graph.inserting_after(prev):
+            prev = gm.graph.call_function(operator.getitem, (call, i))
+        prev.meta = dict(o.meta)
+        getters.append(prev)
+    for n in movers:
+        prev.append(n)
+        prev = n
+    for o, gi in zip(outputs, getters):
+        o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(nodes):
+        gm.graph.erase_node(n)
+    return call
+
+
+def _by_layer(am: ActivationModel, keep: set) -> list:
+    """Saved vs recomputed tensors (count, bytes) per layer."""
+    rows: dict = {}
+    held = am.saved_roots()
+    for n in am.body:
+        if am.root.get(n) is not n or n not in held and am.extra.get(n, 0.0) <= 0:
+            continue
+        layer = layer_of(n)
+        r = rows.setdefault(layer, {"layer": layer, "saved": 0, "saved_bytes": 0.0, "recomputed": 0,
+                                    "recomputed_bytes": 0.0, "recomputed_nodes": []})
+        b = am.bytes.get(n, 0.0) + am.extra.get(n, 0.0)
+        if n in keep or n in am.outputs:
+            r["saved"] += 1
+            r["saved_bytes"] += b
+        else:
+            r["recomputed"] += 1
+            r["recomputed_bytes"] += b
+            if len(r["recomputed_nodes"]) < 12:
+                r["recomputed_nodes"].append(n.name)
+    return list(rows.values())
+
+
+@register
+class InsertCheckpoints(Pass):
+    name = "insert_checkpoints"
+    family = "checkpoint"
+    description = ("training under a memory budget: recompute the activations cheapest per byte "
+                   "(torch.utils.checkpoint with a selective policy) until the step fits")
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        budget_opt = ctx.options.get("memory_budget")
+        if not ctx.training:
+            res.notes.append("inference graph: autograd saves nothing, so there is nothing to checkpoint")
+            return res
+        if budget_opt is None:
+            res.notes.append("no memory_budget set: activations are kept as autograd saves them")
+            return res
+        am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.profile.kind)
+        base = am.baseline_saved_bytes()
+        budget = resolve_budget(budget_opt, base)
+        details = {
+            "checkpoint": True,
+            "budget_bytes": budget,
+            "budget": budget_opt if isinstance(budget_opt, (int, float)) else str(budget_opt),
+            "baseline_saved_bytes": base,
+            "baseline_activation_bytes": am.step_activation_bytes(),
+            "baseline_peak_bytes": am.step_peak_bytes(),
+            "output_bytes": am.all_output_bytes(),
+            "baseline_held_bytes": am.held_bytes(),
+            "backward_working_bytes": am.backward_working_bytes(),
+        }
+        res.details = details
+        if base <= budget:
+            details.update(predicted_saved_bytes=base, predicted_held_bytes=details["baseline_held_bytes"],
+                           predicted_activation_bytes=details["baseline_activation_bytes"],
+                           predicted_peak_bytes=details["baseline_peak_bytes"], extra_ms=0.0, regions=0)
+            res.notes.append(f"the baseline activations ({format_bytes(base)}) fit the budget "
+                             f"({format_bytes(budget)}): nothing recomputed")
+            return res
+        selector = _Selector(am, ctx.hints)
+        plan = selector.select(budget, [max(share * base, 1.0) for share in REGION_SHARES])
+        by_layer = _by_layer(am, plan.keep)
+        details.update(
+            predicted_saved_bytes=plan.saved_bytes,
+            recompute_transient_bytes=plan.transient_bytes,
+            region_input_bytes=plan.crossing_bytes,
+            predicted_held_bytes=am.held_bytes(plan.saved_bytes),
+            predicted_activation_bytes=am.step_activation_bytes(plan.saved_bytes, plan.transient_bytes),
+            predicted_peak_bytes=am.step_peak_bytes(plan.saved_bytes, plan.transient_bytes),
+            extra_ms=plan.extra_s * 1e3,
+            regions=len(plan.regions),
+            kept_nodes=len(plan.keep),
+            recomputed_nodes=len(am.body) - len(plan.keep),
+            by_layer=by_layer,
+        )
+        res.notes.extend(plan.notes)
+        for i, nodes in enumerate(plan.regions):
+            recomputed = [n for n in nodes if n not in plan.keep]
+            if not recomputed:
+                continue
+            extra = sum(am.seconds[n] for n in recomputed)
+            call = _extract(gm, nodes, plan.keep, f"ckpt_region_{i}", ctx)
+            if call is None:
+                res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
+                           "a node outside the region both reads it and feeds it; left as it is")
+                continue
+            res.record(f"checkpoint region ({len(recomputed)} of {len(nodes)} nodes recomputed)",
+                       recomputed[:6], [call], -extra)
+        gm.recompile()
+        return res

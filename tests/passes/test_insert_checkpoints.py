@@ -1,0 +1,304 @@
+"""insert_checkpoints: selection under a memory budget, the checkpointed graph, numerics and
+BatchNorm statistics vs eager, dropout masks replayed, training with the model's parameters."""
+
+import copy
+import importlib
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import graphopt
+from graphopt.capture import capture
+from graphopt.cli import main
+from graphopt.cost.activations import ActivationModel
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import get_profile
+from graphopt.errors import BudgetError, GraphoptError
+from graphopt.examples import zoo
+
+ic = importlib.import_module("graphopt.passes.insert_checkpoints")
+TOL = 1e-3  # the accuracy rule's fp32 training tolerance
+
+
+def small_resnet():
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10), (torch.randn(4, 3, 32, 32),)
+
+
+class Block(nn.Module):
+    def __init__(self, d, p=0.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class Stack(nn.Module):
+    def __init__(self, d=32, layers=6, p=0.0):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(d, p) for _ in range(layers)])
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+class _Held(TorchDispatchMode):
+    """Remembers (weakly) the storage of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.refs.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+        return out
+
+
+def held_after_forward(fn, args):
+    """Bytes of the storages made during a forward that are still alive after it (what
+    autograd and checkpoint hold for backward, plus the outputs), measured on the CPU.
+    Views of parameters, buffers and inputs (a weight's ``t()``) are not new storage."""
+    old = {t.untyped_storage()._cdata for t in list(fn.parameters()) + list(fn.buffers()) + list(args)}
+    tracker = _Held()
+    with tracker:
+        out = fn(*args)
+    held = sum(n for key, (ref, n) in tracker.refs.items() if not ref.expired() and key not in old)
+    del out
+    return held
+
+
+def regions(opt):
+    return [m for m in opt.graph_module.modules() if isinstance(m, ic.CheckpointRegion)]
+
+
+def step(model, args, seed=0):
+    torch.manual_seed(seed)
+    out = model(*args)
+    out = out.logits if hasattr(out, "logits") else out
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close(a, b):
+    torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
+
+
+# --------------------------------------------------------------------------- graph + numerics
+
+
+def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
+    model, args = small_resnet()
+    ref = copy.deepcopy(model)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6)
+    res = opt.report.pass_result("insert_checkpoints")
+    assert res.status == "applied"
+    rs = regions(opt)
+    assert rs and sum(len(r.recomputed) for r in rs) > 0
+    recomputed = {n for r in rs for n in r.recomputed}
+    assert any(n.startswith("batch_norm") for n in recomputed)  # BN recomputed, stats still once
+    d = res.details
+    assert d["predicted_saved_bytes"] + d["recompute_transient_bytes"] <= d["budget_bytes"]
+    assert d["budget_bytes"] == pytest.approx(0.6 * d["baseline_saved_bytes"])
+    assert d["extra_ms"] > 0 and d["by_layer"]
+    model.train(), ref.train()
+    assert_close(step(opt, args), step(ref, args))
+    g, gr = grads(model), grads(ref)
+    assert g.keys() == gr.keys()
+    for k in g:
+        assert_close(g[k], gr[k])
+    for (name, b), (_, b_ref) in zip(model.named_buffers(), ref.named_buffers()):
+        torch.testing.assert_close(b, b_ref, atol=1e-6, rtol=1e-5, msg=f"buffer {name} differs from eager")
+    assert int(model.bn1.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("name,budget", [("resnet18", 0.6), ("resnet18", 0.8), ("stack", 0.5), ("glm4-tiny", 0.6)])
+def test_memory_held_after_the_forward_is_what_was_predicted(name, budget):
+    if name == "resnet18":
+        model, args = small_resnet()
+    elif name == "stack":
+        torch.manual_seed(0)
+        model, args = Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)
+    else:
+        model, args = zoo.get(name)
+    ref = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=budget, check_accuracy=False)
+    d = opt.report.pass_result("insert_checkpoints").details
+    model.train()
+    eager = held_after_forward(ref, args)
+    ours = held_after_forward(opt, args)
+    assert eager == pytest.approx(d["baseline_held_bytes"], rel=0.15)
+    assert ours == pytest.approx(d["predicted_held_bytes"], rel=0.15)
+    assert ours <= (d["budget_bytes"] + d["output_bytes"]) * 1.15 and ours < eager  # the model's 15%
+
+
+def test_dropout_masks_are_replayed_in_recomputation():
+    torch.manual_seed(0)
+    model = Stack(d=32, layers=6, p=0.3)
+    args = (torch.randn(16, 32),)
+    ref = copy.deepcopy(model)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5)
+    recomputed = {n for r in regions(opt) for n in r.recomputed}
+    assert any("dropout" in n for n in recomputed), recomputed
+    model.train(), ref.train()
+    for seed in (1, 2):
+        model.zero_grad(), ref.zero_grad()
+        l1, l2 = step(opt, args, seed), step(ref, args, seed)
+        assert_close(l1, l2)
+        for k, v in grads(model).items():
+            assert_close(v, grads(ref)[k])
+
+
+def test_optimizer_on_model_parameters_trains_the_optimized_module():
+    torch.manual_seed(0)
+    model = Stack(d=32, layers=4)
+    args = (torch.randn(16, 32),)
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5)
+    assert regions(opt)
+    assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
+    assert list(model.state_dict()) == keys
+    sgd, sgd_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    model.train(), ref.train()
+    for i in range(3):
+        for m, o, s in ((opt, model, sgd), (ref, ref, sgd_ref)):
+            s.zero_grad()
+            step(m, args, seed=i)
+            norm = torch.nn.utils.clip_grad_norm_(o.parameters(), 1.0)
+            assert torch.isfinite(norm)
+            s.step()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(p, q)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def _meta_model(model, x):
+    """Capture a realistic-size model on the meta device (no memory) and model it for the H200."""
+    gm = capture(model.train(), (x,))
+    prof, _ = get_profile("h200")
+    return ActivationModel.build(gm, CostModel(prof), device_kind="cuda")
+
+
+def test_selection_recomputes_cheap_memory_bound_ops_before_gemms():
+    with torch.device("meta"):
+        model = Stack(d=2048, layers=8)
+        x = torch.randn(16384, 2048)
+    am = _meta_model(model, x)
+    sel = ic._Selector(am)
+    order = sel.order()
+    kind = lambda n: str(n.target).split(".")[-2]  # noqa: E731
+    first_linear = next(i for i, n in enumerate(order) if kind(n) == "linear")
+    cheap = [i for i, n in enumerate(order) if kind(n) in ("layer_norm", "gelu")]
+    assert cheap and max(cheap) < first_linear
+    base = am.baseline_saved_bytes()
+    plan = sel.select(0.65 * base, [s * base for s in ic.REGION_SHARES])
+    recomputed = {kind(n) for n in am.body if n not in plan.keep}
+    assert {"layer_norm", "gelu"} <= recomputed
+    linears = [n for n in am.body if kind(n) == "linear"]
+    assert all(n in plan.keep for n in linears)  # every GEMM stays kept at this budget
+    assert plan.total_bytes <= 0.65 * base
+    tighter = sel.select(0.5 * base, [s * base for s in ic.REGION_SHARES])
+    assert tighter.extra_s > plan.extra_s and not all(n in tighter.keep for n in linears)
+
+
+def test_budget_below_the_achievable_minimum_raises_with_the_minimum():
+    model, args = small_resnet()
+    with pytest.raises(BudgetError, match=r"achievable minimum .* of the baseline activation memory"):
+        graphopt.optimize(model, args, training=True, memory_budget=0.01, check_accuracy=False)
+
+
+# --------------------------------------------------------------------------- when it must not fire
+
+
+def test_inference_and_no_budget_and_a_budget_that_fits_change_nothing():
+    torch.manual_seed(0)
+    model, args = Stack(d=16, layers=2), (torch.randn(4, 16),)
+    inf = graphopt.optimize(model, args)
+    r = inf.report.pass_result("insert_checkpoints")
+    assert r.status == "unchanged" and "inference" in r.notes[0]
+    tr = graphopt.optimize(model, args, training=True)
+    r = tr.report.pass_result("insert_checkpoints")
+    assert r.status == "unchanged" and "no memory_budget" in r.notes[0]
+    fits = graphopt.optimize(model, args, training=True, memory_budget="1GB")
+    r = fits.report.pass_result("insert_checkpoints")
+    assert r.status == "unchanged" and "fit the budget" in r.notes[0] and not regions(fits)
+    assert r.details["predicted_saved_bytes"] == r.details["baseline_saved_bytes"]
+
+
+def test_memory_budget_needs_training():
+    model, args = Stack(d=16, layers=2), (torch.randn(4, 16),)
+    with pytest.raises(GraphoptError, match="training=True"):
+        graphopt.optimize(model, args, memory_budget=0.5)
+    with pytest.raises(GraphoptError, match="memory_budget"):
+        graphopt.optimize(model, args, training=True, memory_budget="lots")
+
+
+# --------------------------------------------------------------------------- CLI / report
+
+
+def test_cli_explain_training_memory_budget(capfd, tmp_path):
+    path = tmp_path / "r.json"
+    rc = main(["explain", "bert-tiny", "--training", "--memory-budget", "0.5", "--json", str(path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    assert "activation memory (saved for backward)" in out and "encoder.layer.0" in out
+    data = json.loads(path.read_text())
+    ck = next(p for p in data["passes"] if p["name"] == "insert_checkpoints")
+    assert ck["status"] == "applied" and ck["details"]["predicted_saved_bytes"] < ck["details"]["baseline_saved_bytes"]
+    rc = main(["explain", "mlp", "--training", "--memory-budget", "8XB"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and len((out + err).strip().splitlines()) == 1 and "memory_budget" in out + err
+
+
+def test_full_pipeline_planned_for_a_gpu_keeps_the_checkpoints():
+    """With the H200 plan other passes run first (channels_last adds an input clone that
+    export's _guards_fn reads, interleaved with the first region): the regions still apply."""
+    model, args = small_resnet()
+    ref = copy.deepcopy(model)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, target="h200")
+    res = opt.report.pass_result("insert_checkpoints")
+    assert res.status == "applied", res.notes
+    assert regions(opt)
+    model.train(), ref.train()
+    assert_close(step(opt, args), step(ref, args))
+    for k, v in grads(model).items():
+        assert_close(v, grads(ref)[k])
+
+
+def test_dynamic_batch_plan_runs_at_other_batch_sizes():
+    torch.manual_seed(0)
+    model = Stack(d=32, layers=6)
+    ref = copy.deepcopy(model)
+    opt = graphopt.optimize(model, (torch.randn(16, 32),), training=True, memory_budget=0.5,
+                            dynamic={"x": {0: "batch"}})
+    assert opt.report.pass_result("insert_checkpoints").status == "applied" and regions(opt)
+    model.train(), ref.train()
+    x = torch.randn(24, 32)
+    assert_close(step(opt, (x,)), step(ref, (x,)))
+    for k, v in grads(model).items():
+        assert_close(v, grads(ref)[k])

@@ -20,6 +20,8 @@ finds the first node whose conversion breaks it and keeps it in fp32.
 
 from __future__ import annotations
 
+import math
+
 import copy
 
 import torch
@@ -143,9 +145,13 @@ class AssignPrecision(Pass):
                                     "hand_converted_passes_strict": hand["passes_strict"],
                                     "matmul_floor_rmse": hand["matmul_floor_rmse"], "rmse": result.worst_rmse,
                                     "passes_strict": strict_ok})
+                hand_txt = (f"{hand['rmse']:.3g} ({'passes' if hand['passes'] else 'fails'} the same rule)"
+                            if hand["rmse"] is not None else f"does not run ({hand.get('error')})")
+                if hand.get("error"):
+                    res.details["hand_converted_error"] = hand["error"]
                 res.notes.append(f"rmse vs fp64: this assignment {result.worst_rmse:.3g}, {lo} matmuls alone (the "
                                  f"yardstick) {hand['matmul_floor_rmse']:.3g}, the model hand-converted to {lo} "
-                                 f"{hand['rmse']:.3g} ({'passes' if hand['passes'] else 'fails'} the same rule)")
+                                 f"{hand_txt}")
                 res.notes.append(f"against the fp32 model as the yardstick (the strict bar) this assignment "
                                  f"{'passes' if strict_ok else 'fails'}, the hand-converted model "
                                  f"{'passes' if hand['passes_strict'] else 'fails'}")
@@ -269,7 +275,7 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
             continue
         if name in PINNED or name == "fused_pointwise":  # a fused program carries its own dtypes
             continue
-        if name in SENSITIVE or node.name in forced:
+        if name in SENSITIVE or node.name in forced or _scalar_overflows(node, low):
             convert_inputs(node, low, FP32)
             if out is not None and out.dtype == FP32:
                 cur[node] = FP32
@@ -293,6 +299,14 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
     gm.recompile()
     ir.repropagate(gm)
     return lowered
+
+
+def _scalar_overflows(node: fx.Node, low: torch.dtype) -> bool:
+    """A float literal outside the low dtype's range (Hugging Face's masks fill with
+    finfo(float32).min, which bf16 cannot hold): the op stays in fp32."""
+    big = torch.finfo(low).max
+    vals = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, float)]
+    return any(math.isfinite(v) and abs(v) > big for v in vals)
 
 
 def _shares(gm: fx.GraphModule, ctx: PassContext) -> dict:

@@ -133,3 +133,32 @@ def test_auto_keeps_fp32_on_the_cpu_even_with_fast_bf16_matmuls():
     model, inputs = zoo.get("mlp")
     res = graphopt.optimize(model, inputs, precision="auto", target=fast).report.pass_result("assign_precision")
     assert res.status == "unchanged" and "auto keeps fp32" in res.rejected[0].reason
+
+
+class FillMin(nn.Module):
+    """Hugging Face's attention-mask spelling: masked_fill with finfo(float32).min, which bf16
+    cannot represent; the fill must stay fp32 (a bf16 fill raises "cannot be converted ... without
+    overflow")."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, keep):
+        s = self.fc(x)
+        s = s.masked_fill(~keep, torch.finfo(torch.float32).min)
+        return torch.softmax(s, -1) @ self.fc.weight
+
+
+def test_out_of_range_literal_stays_fp32():
+    torch.manual_seed(0)
+    x, keep = torch.randn(4, 16), torch.rand(4, 16) > 0.2
+    opt = graphopt.optimize(FillMin().eval(), (x, keep), precision="bf16")
+    res = opt.report.pass_result("assign_precision")
+    assert res.status == "applied", res.notes
+    fills = [n for n in opt.graph_module.graph.nodes if n.op == "call_function" and "masked_fill" in str(n.target)]
+    assert fills and all(n.meta["val"].dtype == torch.float32 for n in fills)
+    assert set(_dtypes(opt.graph_module, aten.linear.default)) == {torch.bfloat16}
+    assert opt.report.accuracy["passed"]
+    # the hand-converted model itself cannot run in bf16: reported, not raised
+    assert "without overflow" in res.details["hand_converted_error"]

@@ -417,6 +417,21 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
     if changed:
         g.lint()
         gm.recompile()
+    _drop_asserts_in_subgraphs(gm)
+
+
+def _drop_asserts_in_subgraphs(gm: fx.GraphModule) -> None:
+    """Export's dtype assertions also sit inside higher-order-op subgraphs (on CUDA, Hugging Face's
+    autocast-disabled rotary region becomes ``wrap_with_autocast`` with a body graph); a pass that
+    changes a dtype on purpose (assign_precision) must not trip them."""
+    for name, sub in gm.named_modules():
+        if sub is gm or not isinstance(sub, fx.GraphModule):
+            continue
+        dead = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default]
+        for n in dead:
+            sub.graph.erase_node(n)
+        if dead:
+            sub.recompile()
 
 
 def _nodes_after(g: fx.Graph, node: fx.Node) -> set:

@@ -267,7 +267,7 @@ def assemble(passes: Iterable[str] | None = None, disable: Iterable[str] = ()) -
     unknown = [n for n in list(passes or []) + list(disable) if n not in reg]
     if unknown:
         raise PassConfigError(f"unknown pass {', '.join(unknown)}; known passes: {', '.join(known)}")
-    chosen = list(passes) if passes else known
+    chosen = list(passes) if passes is not None else known  # passes=[]: none (capture and lower only)
     # keep the declared order whatever order the user listed them in
     chosen = sorted(dict.fromkeys(chosen), key=lambda n: PIPELINE.index(n))
     objs = [reg[n]() for n in chosen]

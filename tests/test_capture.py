@@ -140,3 +140,27 @@ def test_kwargs_inputs():
 
 def test_capture_is_reexported():
     assert graphopt.capture is capture
+
+
+def test_dtype_asserts_dropped_inside_subgraphs():
+    """Export's _assert_tensor_metadata nodes inside a higher-order op's body graph (CUDA captures
+    of HF rotary embeddings) go too, or lowering a dtype trips them."""
+    import torch.fx as fx
+
+    from graphopt.capture import canonicalize
+
+    aten = torch.ops.aten
+    body = fx.Graph()
+    x = body.placeholder("x")
+    body.call_function(aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32})
+    body.output(body.call_function(aten.mul.Tensor, (x, 2)))
+    outer = fx.Graph()
+    y = outer.placeholder("y")
+    outer.output(outer.call_module("body", (y,)))
+    root = torch.nn.Module()
+    root.body = fx.GraphModule(torch.nn.Module(), body)
+    gm = fx.GraphModule(root, outer)
+    canonicalize(gm)
+    assert not any(n.target is aten._assert_tensor_metadata.default for n in gm.body.graph.nodes)
+    t = torch.randn(3, dtype=torch.bfloat16)
+    assert torch.equal(gm(t), t * 2)  # a bf16 input no longer trips the fp32 assertion

@@ -132,7 +132,7 @@ class FuseBiasAct(Pass):
         if gemm.target in CONVS and len(ir.info(gemm).shape) != len(ir.info(m["x"]).shape):
             res.reject(label, "unbatched convolution")
             return None
-        if gemm.target is aten.conv2d.default and ctx.profile.conv_nchw_slowdown > 1.0:
+        if gemm.target is aten.conv2d.default and ctx.profile.conv_nchw_slowdown > 1.0 and ctx.fused_kernels:
             # bias_act writes a contiguous (NCHW) tensor: inside the channels_last region that
             # convert_channels_last builds on this device, every following convolution would get
             # an NCHW input again (measured on the H200: ResNet-50 bs64 12.1 ms instead of ~5)

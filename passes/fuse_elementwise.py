@@ -197,7 +197,7 @@ class FuseElementwise(Pass):
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         ok = {n for n in gm.graph.nodes if not fusible(n, dtypes) and not _is_free(ctx, n)}
         candidates = []
-        has_conv2d = ctx.profile.conv_nchw_slowdown > 1.0 and any(
+        has_conv2d = ctx.fused_kernels and ctx.profile.conv_nchw_slowdown > 1.0 and any(
             n.op == "call_function" and n.target is torch.ops.aten.conv2d.default for n in gm.graph.nodes)
         for group in self._groups(gm, ok, order):
             real = [n for n in group if not _is_free(ctx, n)]

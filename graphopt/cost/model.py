@@ -358,9 +358,12 @@ def is_channels_last(t: ir.TensorInfo | None) -> bool:
 
 
 def conv_layout_penalized(x: ir.TensorInfo | None, profile: DeviceProfile) -> bool:
-    """Tensor-core convolutions on an NCHW input pay the profile's measured slowdown."""
+    """Convolutions on an NCHW input pay the profile's measured slowdown (tensor-core convolutions
+    on a GPU; oneDNN's on the CPU)."""
     if profile.conv_nchw_slowdown <= 1.0 or x is None or len(x.shape) != 4 or is_channels_last(x):
         return False
+    if profile.kind == "cpu":  # oneDNN: measured for fp32 by the CPU profile
+        return x.dtype.is_floating_point
     if x.dtype in (torch.bfloat16, torch.float16):
         return True
     return x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32

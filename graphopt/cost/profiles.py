@@ -130,6 +130,7 @@ def calibrate_cpu(quick: bool = True) -> DeviceProfile:
     bw = 2 * src.numel() * 4 / t_cp
     tiny = torch.randn(4)
     t_op = best(lambda: [torch.add(tiny, tiny) for _ in range(100)], 5) / 100
+    slowdown = _cpu_conv_nchw_slowdown(best)
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -143,12 +144,30 @@ def calibrate_cpu(quick: bool = True) -> DeviceProfile:
         launch_overhead_s=t_op,
         memory_bytes=float(mem),
         description=f"{platform.processor() or platform.machine()}, {threads} threads, measured at first use",
-        source={"all": "measured"},
+        source={"all": "measured", "conv_nchw_slowdown": "measured: ResNet-shaped fp32 convolutions (oneDNN), "
+                                                          "NCHW time / channels_last time"},
+        conv_nchw_slowdown=slowdown,
     )
 
 
+def _cpu_conv_nchw_slowdown(best) -> float:
+    """How much slower oneDNN runs ResNet-shaped fp32 convolutions on NCHW than on channels_last
+    tensors here (a 1x1 and a 3x3 at batch 2; 1.0 when channels_last is not faster)."""
+    import torch.nn.functional as F
+
+    nchw = nhwc = 0.0
+    for cin, hw, cout, k in ((256, 56, 64, 1), (64, 56, 64, 3), (512, 28, 128, 1)):
+        x, w = torch.randn(2, cin, hw, hw), torch.randn(cout, cin, k, k)
+        xc, wc = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+        with torch.no_grad():
+            nchw += best(lambda: F.conv2d(x, w, padding=k // 2), 3)
+            nhwc += best(lambda: F.conv2d(xc, wc, padding=k // 2), 3)
+    return max(1.0, round(nchw / nhwc, 3)) if nhwc > 0 else 1.0
+
+
 def cpu_profile() -> DeviceProfile:
-    key = f"cpu-{platform.node()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}.json"
+    # v2: the profile also holds the measured NCHW convolution slowdown
+    key = f"cpu-v2-{platform.node()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}.json"
     path = _cache_dir() / key
     if path.exists():
         try:

@@ -52,10 +52,16 @@ def test_small_maps_are_not_worth_the_conversions():
 
 
 def test_refused_where_no_penalty_is_measured():
+    import dataclasses
+
+    from graphopt.cost.profiles import get_profile
+
     m = FeatureMap().eval()
     x = torch.randn(2, 3, 16, 16)
     gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["convert_channels_last"], target="cpu")
+    # a CPU whose oneDNN convolutions are no slower on NCHW (this machine's measured slowdown aside)
+    flat = dataclasses.replace(get_profile("cpu")[0], conv_nchw_slowdown=1.0)
+    (res,) = run_passes(gm, ["convert_channels_last"], target=flat)
     assert res.status == "unchanged" and "no measured NCHW penalty" in res.rejected[0].reason
     assert not any(n.target is aten.clone.default for n in gm.graph.nodes)
 
@@ -81,4 +87,18 @@ def test_resnet50_one_region_and_accuracy():
     (res,) = run_passes(gm, ["fold_conv_bn", "convert_channels_last"], target=replay)[1:]
     assert res.status == "applied" and res.details["convolutions"] == 53
     assert res.details["input_conversions"] == 1 and res.details["output_conversions"] == 0
+    assert reference_check(model, gm, inputs).passed
+
+
+def test_cpu_channels_last_where_onednn_is_faster():
+    """On the CPU the profile's measured oneDNN NCHW slowdown decides, as on the GPU."""
+    import dataclasses
+
+    from graphopt.cost.profiles import get_profile
+
+    model, inputs = zoo.get("resnet50", batch=2)
+    gm = capture(model, inputs)
+    slow = dataclasses.replace(get_profile("cpu")[0], conv_nchw_slowdown=1.3)
+    (res,) = run_passes(gm, ["fold_conv_bn", "convert_channels_last"], target=slow)[1:]
+    assert res.status == "applied" and res.details["convolutions"] == 53
     assert reference_check(model, gm, inputs).passed

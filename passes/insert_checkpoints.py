@@ -90,9 +90,14 @@ class CheckpointRegion(nn.Module):
     policy (kept nodes cached, the rest recomputed in backward). ``mutated`` are the argument
     positions of buffers the region updates in place: recomputation works on scratch copies."""
 
-    def __init__(self, body: fx.GraphModule, mutated: tuple, kept: list, recomputed: list, cost: dict):
+    def __init__(self, body: fx.GraphModule, mutated: tuple, kept: list, recomputed: list, cost: dict,
+                 selective: bool | None = None):
         super().__init__()
         self.body = body
+        # without kept nodes inside (a kept GEMM may end the region: its output leaves it, and
+        # checkpoint's early stop repacks the GEMM's saved inputs before the GEMM would rerun),
+        # a plain checkpoint does it: no per-op dispatch mode
+        self.selective = bool(kept) if selective is None else selective
         self.mutated = tuple(mutated)
         self.kept, self.recomputed = list(kept), list(recomputed)  # node names
         self.cost = cost  # flops/bytes/launches/time of one forward plus the recomputation
@@ -120,8 +125,8 @@ class CheckpointRegion(nn.Module):
             finally:
                 _mark(False)
 
-        # a region that keeps nothing is a plain checkpoint (no dispatch-mode overhead)
-        extra = {"context_fn": _contexts} if self.kept else {}
+        # a region that keeps nothing inside is a plain checkpoint (no dispatch-mode overhead)
+        extra = {"context_fn": _contexts} if self.selective else {}
         return checkpoint(run, *(args[i] for i in passed), use_reentrant=False, preserve_rng_state=True, **extra)
 
 
@@ -360,7 +365,8 @@ def _region_cost(ctx: PassContext, nodes: list, keep: set) -> dict:
     return total
 
 
-def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassContext) -> fx.Node:
+def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassContext,
+             selective: bool | None = None) -> fx.Node:
     """Replace ``nodes`` (contiguous in topological order) by one call of a CheckpointRegion."""
     inside = set(nodes)
     # nodes interleaved with the region but not in it (export's _guards_fn) that read its values
@@ -401,7 +407,8 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     body = fx.GraphModule(nn.Module(), g, class_name="CheckpointBody")
     cost = _region_cost(ctx, nodes, keep)
     region = CheckpointRegion(body, tuple(i for i, a in enumerate(inputs) if a in mutated),
-                              [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep], cost)
+                              [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep], cost,
+                              selective)
     gm.add_submodule(name, region)
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
@@ -421,6 +428,42 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     for n in reversed(nodes):
         gm.graph.erase_node(n)
     return call
+
+
+# kept nodes whose backward saves only their inputs (and weights): ending a plain-checkpoint region
+# with one costs no recomputation of it (the early stop comes before the kernel would run)
+_INPUT_SAVING = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
+                 "_convolution"}
+
+
+def _input_saving(n: fx.Node) -> bool:
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and t._schema.name.split("::")[-1] in _INPUT_SAVING
+
+
+def split_at_kept_gemms(nodes: list, keep: set) -> list:
+    """Split a region after each kept GEMM/convolution where only kept values (or the region's
+    own inputs) cross the cut. Returns [(sub-region, selective)]: ``selective`` is False when no
+    kept node sits inside the sub-region except an input-saving one at its end, so a plain
+    checkpoint realizes it with the same saved memory and no per-op dispatch mode."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    # last position (inside the region) that reads each node
+    last_use = {n: max([pos[u] for u in n.users if u in pos], default=-1) for n in nodes}
+    out, start = [], 0
+    for i, n in enumerate(nodes):
+        if i == len(nodes) - 1 or n not in keep or not _input_saving(n):
+            continue
+        crossing = [m for m in nodes[start:i + 1] if last_use[m] > i]
+        if all(m in keep for m in crossing):
+            out.append(nodes[start:i + 1])
+            start = i + 1
+    out.append(nodes[start:])
+    result = []
+    for sub in out:
+        inner_kept = [n for n in sub[:-1] if n in keep]
+        last_ok = sub[-1] not in keep or _input_saving(sub[-1])
+        result.append((sub, bool(inner_kept) or not last_ok))
+    return result
 
 
 def _by_layer(am: ActivationModel, keep: set) -> list:
@@ -500,17 +543,23 @@ class InsertCheckpoints(Pass):
             by_layer=by_layer,
         )
         res.notes.extend(plan.notes)
-        for i, nodes in enumerate(plan.regions):
+        subregions = [sub for nodes in plan.regions for sub in split_at_kept_gemms(nodes, plan.keep)]
+        details["selective_regions"] = 0
+        for i, (nodes, selective) in enumerate(subregions):
             recomputed = [n for n in nodes if n not in plan.keep]
             if not recomputed:
                 continue
             extra = sum(am.seconds[n] for n in recomputed)
-            call = _extract(gm, nodes, plan.keep, f"ckpt_region_{i}", ctx)
+            call = _extract(gm, nodes, plan.keep, f"ckpt_region_{i}", ctx, selective)
             if call is None:
                 res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
                            "a node outside the region both reads it and feeds it; left as it is")
                 continue
-            res.record(f"checkpoint region ({len(recomputed)} of {len(nodes)} nodes recomputed)",
+            details["selective_regions"] += int(selective)
+            kind = "selective" if selective else "plain"
+            res.record(f"checkpoint region, {kind} ({len(recomputed)} of {len(nodes)} nodes recomputed)",
                        recomputed[:6], [call], -extra)
+        details["regions"] = sum(1 for n in gm.graph.nodes if n.op == "call_module"
+                                 and isinstance(gm.get_submodule(n.target), CheckpointRegion))
         gm.recompile()
         return res

@@ -302,3 +302,37 @@ def test_dynamic_batch_plan_runs_at_other_batch_sizes():
     assert_close(step(opt, (x,)), step(ref, (x,)))
     for k, v in grads(model).items():
         assert_close(v, grads(ref)[k])
+
+
+def test_split_at_kept_gemms_plain_regions():
+    """A region cut after each kept convolution where only kept values cross runs as plain
+    checkpoints (checkpoint's early stop repacks a convolution's saved input before the
+    convolution would rerun: no per-op dispatch mode); a residual that would cross a cut keeps
+    the region whole and selective."""
+    import torch.nn as nn
+
+    from graphopt import capture
+    from graphopt.passes.insert_checkpoints import split_at_kept_gemms
+
+    class Chain(nn.Module):
+        def __init__(self, residual):
+            super().__init__()
+            self.residual = residual
+            self.bn1, self.c1 = nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1)
+            self.bn2, self.c2 = nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            h = self.c1(torch.relu(self.bn1(x)))
+            y = self.c2(torch.relu(self.bn2(h)))
+            return y + x if self.residual else y
+
+    for residual, expect in ((False, [False, False]), (True, [True])):
+        gm = capture(Chain(residual).train(), (torch.randn(2, 4, 8, 8),))
+        body = [n for n in gm.graph.nodes if n.op == "call_function" and "conv" in str(n.target) or
+                n.op == "call_function" and any(k in str(n.target) for k in ("batch_norm", "relu", "add.Tensor"))]
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "x")
+        body = [x] + body  # x is produced inside the region, as a previous block's output would be
+        keep = {n for n in body if "conv" in str(n.target)}
+        subs = split_at_kept_gemms(body, keep)
+        assert [sel for _, sel in subs] == expect, [(len(s), sel) for s, sel in subs]
+        assert [n for s, _ in subs for n in s] == body

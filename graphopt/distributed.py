@@ -145,6 +145,11 @@ class Pipeline:
                        training=self.training)
         self._out_spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
         devs = resolve_devices(devices, target, memory_cap)
+        # every rank must cut at the same places: plan with rank 0's profiles (a CPU profile is
+        # measured per process at first use, and two measurements never agree exactly)
+        box = [devs]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        devs = box[0]
         loss_s = None
         if loss_fn is not None and example_target is not None:
             out_node = next(n for n in gm.graph.nodes if n.op == "output")

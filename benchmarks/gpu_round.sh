@@ -1,0 +1,44 @@
+#!/bin/bash
+# One device call per step (outputs under $OUT); each step installs graphopt and builds the kernels first.
+#   core     every cuda-marked test, calibrate (with the efficiency fits), cost-model accuracy with
+#            that profile, precision=auto vs hand-converted bf16
+#   kernels  the kernel bandwidth table
+#   models   run_models.py for the configs in $2 (MODEL:BATCH,...)
+#   ckpt     checkpoint_bench.py, then the precision diagnostic and run_models for $2
+#   diag     diag_checkpoint.py, then precision_bench.py
+#   bash benchmarks/gpu_round.sh core
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GRAPHOPT_CACHE_DIR=/tmp/graphopt-cache TRITON_CACHE_DIR=/tmp/triton-cache
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || export PYTHONPATH=$PWD
+SECONDS=0
+timeout 150 python3 -m graphopt.cuda_ext.build --arch sm_90 2>&1 | tail -1; echo "### build ${SECONDS}s"
+quiet() { grep -v "Warning\|warn(\|return cls\|return func"; }
+models() {
+  left=$((560 - SECONDS)); [ $left -gt 90 ] && timeout $left python3 benchmarks/run_models.py --configs "$1" \
+    --budget-s $((left - 60)) --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | tail -30
+}
+precision() {
+  timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
+}
+case "$1" in
+core)
+  timeout 150 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  timeout 120 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | tail -26; echo "### calibrate ${SECONDS}s"
+  timeout 200 python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" --out "$OUT" 2>&1 | grep "^|" | tail -8
+  echo "### accuracy ${SECONDS}s"
+  precision ;;
+kernels)
+  timeout 90 python3 benchmarks/bench_kernels.py --reps 30 --no-compile --out "$OUT/kernels" 2>&1 | tail -12 ;;
+models)
+  models "$2" ;;
+ckpt)
+  timeout 300 python3 benchmarks/checkpoint_bench.py --out "$OUT" 2>&1 | quiet | tail -40; echo "### ckpt ${SECONDS}s"
+  timeout 60 python3 benchmarks/diag_precision.py bert-base 64 2>&1 | quiet | tail -3; echo "### diag ${SECONDS}s"
+  models "${2:-vit_b_16:64,resnet50:1,bert-base:1}" ;;
+diag)
+  timeout 150 python3 benchmarks/diag_checkpoint.py 2>&1 | quiet | tail -45; echo "### diag ${SECONDS}s"
+  precision ;;
+esac
+echo "### done ${SECONDS}s"

@@ -35,29 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import graphopt.distributed as gd  # noqa: E402
 from graphopt import partition  # noqa: E402
 from graphopt.capture import capture  # noqa: E402
 from graphopt.errors import BudgetError  # noqa: E402
-
-
-class LM(nn.Module):
-    """The causal LM returning only its logits (no KV cache)."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids):
-        return self.m(input_ids=ids, use_cache=False).logits
-
-
-def loss_fn(logits, ids):
-    """Next-token cross-entropy on the shifted logits, in fp32."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+from graphopt.examples import zoo  # noqa: E402
 
 
 def log(rank, *a):
@@ -70,7 +53,7 @@ def build(cfg, device, dtype, seed=0):
     torch.manual_seed(seed)
     with torch.device(device):  # built on the GPU (fp32, as the zoo does), then converted
         model = Glm4ForCausalLM(cfg)
-    return LM(model.to(dtype)).eval()
+    return zoo.LogitsOnly(model.to(dtype)).eval()
 
 
 def set_attention(model, impl):
@@ -177,7 +160,6 @@ def main():
     args = ap.parse_args()
 
     rank, world, device = gd.init()
-    from graphopt.examples import zoo
 
     if args.tiny:
         cfg = zoo.glm4_tiny_config()
@@ -224,7 +206,7 @@ def main():
         set_attention(model, "eager")
 
         def train_step():
-            loss_fn(model(ids_tr), ids_tr).backward()
+            zoo.next_token_loss(model(ids_tr), ids_tr).backward()
             for p in model.parameters():
                 p.grad = None
 
@@ -262,7 +244,7 @@ def main():
                 continue
             log(rank, f"pipeline {'training' if train else 'inference'}: capturing at micro-batch {bs // mbs}")
             t1 = time.perf_counter()
-            pipe = gd.Pipeline(model, ids, microbatches=mbs, schedule="gpipe", loss_fn=loss_fn if train else None,
+            pipe = gd.Pipeline(model, ids, microbatches=mbs, schedule="gpipe", loss_fn=zoo.next_token_loss if train else None,
                                example_target=ids if train else None, target=target)
             build_s = time.perf_counter() - t1
             plan = pipe.plan

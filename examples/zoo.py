@@ -31,7 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["ZooModel", "DEFAULT", "names", "entry", "get", "glm4_9b_config", "glm4_tiny_config",
+__all__ = ["ZooModel", "DEFAULT", "names", "entry", "get", "glm4_9b_config", "glm4_tiny_config", "LogitsOnly",
+           "next_token_loss",
            "glm4_partial_rotary_factor"]
 
 DEFAULT = "resnet50"
@@ -162,6 +163,23 @@ def _bert(tiny: bool):
         return model, _bert_inputs(batch, seq_len, cfg.vocab_size, gen)
 
     return build
+
+
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM returning only its logits (no KV cache): what a pipeline stage or a
+    training loop wants from it."""
+
+    def __init__(self, m: nn.Module):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids):
+        return self.m(input_ids=ids, use_cache=False).logits
+
+
+def next_token_loss(logits, ids):
+    """Next-token cross-entropy on the shifted logits, in fp32."""
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
 def glm4_9b_config(num_layers: int = 4):

@@ -78,7 +78,7 @@ class OptimizedModule(nn.Module):
                 saving = launch_savings_s(launches, profile)
                 out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
                 out_bytes = sum(float(ir.concrete(t.nbytes)) for a in out_node.all_input_nodes for t in ir.infos(a))
-                clone = 2 * out_bytes / profile.bandwidth + len(out_node.all_input_nodes) * profile.launch_overhead_s
+                clone = profile.kernel_seconds(0.0, 2 * out_bytes / profile.bandwidth, launches=len(out_node.all_input_nodes))
                 if saving <= clone:
                     self._runner = lower(self.graph_module, example_flat, cuda_graphs=False, max_graphs=max_graphs,
                                          reuse_outputs=reuse_outputs, dynamic=bool(self._dynamic_dims),
@@ -266,23 +266,24 @@ class _AccuracyGuard:
 
         return keep()
 
+    def _results(self, gm, dtype, yardsticks):
+        """The rule on each batch against ``yardsticks``, lazily (a caller may stop early)."""
+        for (a, k), ref, yard in zip(self.batches, self.ref64, yardsticks):
+            with self._keep_buffers(gm):
+                out = _run(gm, a, k, self.training)
+            yield accuracy.check(out, ref, yard, training=self.training, dtype=dtype)
+
     def __call__(self, gm, low_dtype=None):
         yardsticks = self._matmul_floor(low_dtype) if low_dtype is not None else self.eager
         result = None
-        for (a, k), ref, eager in zip(self.batches, self.ref64, yardsticks):
-            with self._keep_buffers(gm):
-                out = _run(gm, a, k, self.training)
-            result = accuracy.check(out, ref, eager, training=self.training, dtype=low_dtype)
+        for result in self._results(gm, low_dtype, yardsticks):
             if not result.passed:
-                return result
+                break
         return result
 
     def strict_result(self, gm, dtype):
         """Does ``gm`` (lowered to dtype) pass with the fp32 model itself as the yardstick?"""
-        res = []
-        for (a, k), ref, eager in zip(self.batches, self.ref64, self.eager):
-            with self._keep_buffers(gm):
-                res.append(accuracy.check(_run(gm, a, k, self.training), ref, eager, training=self.training, dtype=dtype))
+        res = list(self._results(gm, dtype, self.eager))
         return all(r.passed for r in res), max(r.worst_rmse for r in res)
 
     def hand_converted_result(self, dtype):

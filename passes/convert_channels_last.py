@@ -21,6 +21,8 @@ from graphopt import ir
 from graphopt.cost.model import conv_layout_penalized, is_channels_last
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
+from ._fusion_meta import nbytes, pointwise_kernel_time
+
 aten = torch.ops.aten
 
 
@@ -68,8 +70,7 @@ class ConvertChannelsLast(Pass):
             nc = ctx.cost.node_cost(c)
             comp, mem = ir.concrete(nc.compute_s, ctx.hints), ir.concrete(nc.memory_s, ctx.hints)
             saved += p.kernel_seconds(comp, mem, "conv") - p.kernel_seconds(comp / p.conv_nchw_slowdown, mem, "conv")
-        cost = sum(p.kernel_seconds(0.0, 2 * ir.concrete(ir.info(n).nbytes, ctx.hints) / p.bandwidth)
-                   for n in inputs + outs)
+        cost = sum(pointwise_kernel_time(ctx, 2 * nbytes(ir.info(n), ctx.hints)) for n in inputs + outs)
         gain = saved - cost
 
         def apply():

@@ -43,6 +43,8 @@ from graphopt.ir import GETITEM
 from graphopt.matcher import Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
+from ._fusion_meta import nbytes, pointwise_kernel_time
+
 aten = torch.ops.aten
 
 PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
@@ -418,13 +420,12 @@ class EliminatePermutes(Pass):
         ir.erase_dead(gm, list(reversed(views)) + [c])
         return True
 
-
     # ------------------------------------------------------------------ transposes around linears
 
-    def _copy_time(self, ctx, ti) -> float:
+    @staticmethod
+    def _copy_time(ctx, ti) -> float:
         """Predicted time of materializing a tensor (read + write) in one kernel."""
-        nbytes = 2 * ir.concrete(ti.numel, ctx.hints) * ti.dtype.itemsize
-        return ctx.profile.kernel_seconds(0.0, nbytes / ctx.profile.bandwidth)
+        return pointwise_kernel_time(ctx, 2 * nbytes(ti, ctx.hints))
 
     def _rowwise_transposes(self, gm, ctx, res):
         cands = []

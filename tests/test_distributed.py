@@ -9,28 +9,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from graphopt import accuracy
 from graphopt import distributed as gd
 from graphopt.errors import GraphoptError
 from graphopt.examples import zoo
-
-
-class LM(nn.Module):
-    """glm4-tiny returning only the logits (no KV cache)."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids):
-        return self.m(input_ids=ids, use_cache=False).logits
-
-
-def loss_fn(logits, ids):
-    """Next-token cross-entropy on the shifted logits."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
 def mlp_loss(out, labels):
@@ -44,7 +27,7 @@ def build(batch, name="glm4-tiny"):
         labels = torch.arange(batch) % 10
         return m, x, mlp_loss, labels
     m, (ids,) = zoo.get("glm4-tiny", batch=batch, seq_len=8)
-    return LM(m), ids, loss_fn, ids
+    return zoo.LogitsOnly(m), ids, zoo.next_token_loss, ids
 
 
 def _work(rank, world, path, batch, runs, name):

@@ -336,3 +336,52 @@ def test_split_at_kept_gemms_plain_regions():
         subs = split_at_kept_gemms(body, keep)
         assert [sel for _, sel in subs] == expect, [(len(s), sel) for s, sel in subs]
         assert [n for s, _ in subs for n in s] == body
+
+
+def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
+    """A conv chain at a 0.6 budget: regions ending in a kept convolution run as plain checkpoints
+    (no selective dispatch mode); the backward reruns batch norm and ReLU but no convolution
+    (checkpoint's early stop), and gradients and running statistics equal eager's."""
+    import collections
+
+    import torch.nn as nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphopt.passes import insert_checkpoints as ic
+
+    class ConvChain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bns = nn.ModuleList(nn.BatchNorm2d(16) for _ in range(4))
+            self.convs = nn.ModuleList(nn.Conv2d(16, 16, 3, padding=1) for _ in range(4))
+
+        def forward(self, x):
+            for bn, conv in zip(self.bns, self.convs):
+                x = conv(torch.relu(bn(x)))
+            return x
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model, x = ConvChain().train(), torch.randn(4, 16, 32, 32)
+    eager = copy.deepcopy(model)
+    opt = graphopt.optimize(model, (x,), training=True, memory_budget=0.6, check_accuracy=False,
+                            passes=["insert_checkpoints"], target="h200")
+    regions = [m for m in opt.graph_module.modules() if isinstance(m, ic.CheckpointRegion)]
+    assert any(not r.selective for r in regions)
+    out = opt(x)
+    with Count() as backward:
+        out.square().mean().backward()
+    assert backward.ops["native_batch_norm"] > 0 and backward.ops["convolution"] == 0
+    eager(x).square().mean().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+    for a, b in zip(model.buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b)

@@ -99,3 +99,103 @@ def test_accuracy_guard_reverts_the_planted_rewrite_in_the_full_pipeline(bert, t
     out = _run(gm, args, kwargs)
     for o, e in zip(accuracy.flatten_outputs(out), accuracy.flatten_outputs(eager)):
         torch.testing.assert_close(o, e, atol=1e-4, rtol=1e-4)
+
+
+# ---- GPU: a wrong CUDA kernel ------------------------------------------------------------------
+_WRONG = {}
+
+
+def _wrong_relu_op():
+    """graphopt_test::relu_off: a CUDA kernel (Triton) that computes relu(x) * 1.02."""
+    if "op" in _WRONG:
+        return _WRONG["op"]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m)
+        tl.store(y_ptr + offs, tl.maximum(x, 0.0) * 1.02, mask=m)  # the planted error: 2% too big
+
+    @torch.library.custom_op("graphopt_test::relu_off", mutates_args=(), device_types="cuda")
+    def relu_off(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        _kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+        return y
+
+    @relu_off.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    _WRONG["op"] = torch.ops.graphopt_test.relu_off.default
+    return _WRONG["op"]
+
+
+class WrongReluKernel(Pass):
+    """Planted fault on the GPU: the second ReLU -> a CUDA kernel that is 2% off."""
+
+    name = "wrong_relu_kernel_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        op = _wrong_relu_op()
+        relus = [n for n in gm.graph.nodes if n.target is aten.relu.default]
+        cands = []
+        for i, n in enumerate(relus):
+            def apply(n=n, i=i):
+                with gm.graph.inserting_after(n):
+                    new = gm.graph.call_function(op if i == 1 else aten.relu.default, (n.args[0],))
+                new.meta["val"] = n.meta["val"]
+                n.replace_all_uses_with(new)
+                gm.graph.erase_node(n)
+                return new
+
+            cands.append(Candidate("planted: relu kernel", [n], 1e-3 - i * 1e-6, apply, label=f"relu #{i + 1}"))
+        res.apply_ranked(ctx, cands)
+        return res
+
+
+def _mlp_cuda():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(3):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(256, 16)).eval().cuda()
+
+
+@pytest.mark.cuda
+def test_wrong_cuda_kernel_is_reverted_by_the_guard():
+    model = _mlp_cuda()
+    x = torch.randn(64, 256, device="cuda")
+    gm = graphopt.capture(model, (x,))
+    guard = _AccuracyGuard(model, (x,), {}, False, torch.device("cuda"))
+    prof = get_profile("h200")[0]
+    ctx = PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm),
+                      options={"precision": "fp32", "device": torch.device("cuda")})
+    # unguarded, the kernel really is wrong on the GPU
+    probe = graphopt.capture(model, (x,))
+    (res,) = PassManager([WrongReluKernel()]).run(probe, ctx)
+    assert res.status == "applied"
+    with torch.no_grad():
+        assert not accuracy.check(probe(x), accuracy.fp64_reference(model, (x,), {}), model(x)).passed
+    # guarded: reverted, and the graph computes the model again
+    results = PassManager(assemble(["eliminate_dead_code"]) + [WrongReluKernel()], guard).run(gm, ctx)
+    assert results[-1].status == "reverted" and any("accuracy" in note for note in results[-1].notes)
+    assert not any(n.target is _WRONG["op"] for n in gm.graph.nodes)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+
+
+@pytest.mark.cuda
+def test_bisect_names_the_wrong_cuda_kernel():
+    from graphopt.bisect import bisect
+
+    model = _mlp_cuda()
+    x = torch.randn(64, 256, device="cuda")
+    result = bisect(model, (x,), pipeline=assemble(["eliminate_dead_code"]) + [WrongReluKernel()], precision="fp32")
+    assert result.pass_name == "wrong_relu_kernel_planted"
+    assert result.rewrite_index == 2 and result.rewrite.matched == ["relu_1"]

@@ -30,12 +30,15 @@ def build(batch, name="glm4-tiny"):
     return zoo.LogitsOnly(m), ids, zoo.next_token_loss, ids
 
 
-def _work(rank, world, path, batch, runs, name):
+def _work(rank, world, path, batch, runs, name, passes=(), plan_for=None):
     out = {}
     for schedule, mbs, train in runs:
         model, x, loss, target = build(batch, name)
         pipe = gd.Pipeline(model, x, microbatches=mbs, schedule=schedule, loss_fn=loss if train else None,
-                           example_target=target if train else None)
+                           example_target=target if train else None, passes=passes, target=plan_for)
+        if passes:
+            out.setdefault("ops", set()).update(str(n.target) for n in pipe.module.graph.nodes
+                                                if n.op == "call_function")
         key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
         losses = []
         res = pipe.step(x, target=target if train else None, losses=losses if train else None)
@@ -59,8 +62,8 @@ def _reference(batch, name):
     return eager_out, ref_out, eager_g, ref_g
 
 
-def _check(tmp_path, world, batch, runs, name="glm4-tiny"):
-    gd.spawn(_work, world, str(tmp_path), batch, runs, name)
+def _check(tmp_path, world, batch, runs, name="glm4-tiny", passes=(), plan_for=None):
+    gd.spawn(_work, world, str(tmp_path), batch, runs, name, passes, plan_for)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     eager_out, ref_out, eager_g, ref_g = _reference(batch, name)
     for schedule, mbs, train in runs:
@@ -85,10 +88,24 @@ def _check(tmp_path, world, batch, runs, name="glm4-tiny"):
             assert not seen & set(grads), "a parameter trained on two stages"
             seen |= set(grads)
         assert seen == {n for n, g in eager_g.items() if g is not None}
+    return ranks
 
 
 def test_two_processes_gpipe_and_1f1b_match_the_unpartitioned_model(tmp_path):
     _check(tmp_path, 2, 4, [("gpipe", 2, False), ("gpipe", 2, True), ("1f1b", 4, True)])
+
+
+def test_two_processes_with_fused_stage_graphs(tmp_path):
+    """Stage graphs cut from the graph after graphopt's fusion passes (planned for the H200, so
+    the graphopt kernels are used; their reference implementations run here): same outputs and
+    gradients as the unpartitioned model."""
+    from graphopt.pipeline import available, registry
+
+    reg = registry()
+    passes = tuple(n for n in available() if reg[n].family in ("cleanup", "fusion", "layout"))
+    ranks = _check(tmp_path, 2, 4, [("gpipe", 2, False), ("gpipe", 2, True)], passes=passes, plan_for="h200")
+    ops = set().union(*(r["ops"] for r in ranks))
+    assert any(o.startswith("graphopt.") for o in ops), ops  # fused kernels ended up in the stages
 
 
 def test_three_processes_gpipe_and_1f1b_match_the_unpartitioned_mlp(tmp_path):

@@ -68,6 +68,10 @@ def _fake_fused_pointwise(program, inputs):
     return [torch.empty(shape, dtype=d, device=device) for d in p.output_dtypes()]
 
 
+def _fake_layer_norm(x, weight, bias, eps):
+    return x.new_empty(x.shape)
+
+
 def _fake_conv_bias_relu(x, w, bias, z, stride, padding, dilation, groups):
     torch._check(x.dim() == 4 and w.dim() == 4, lambda: "graphopt::conv_bias_relu: 2-D convolutions only")
     shape = [x.shape[0], w.shape[0]]
@@ -81,12 +85,13 @@ FAKES = {
     "bias_act": _fake_bias_act, "add_rms_norm": _fake_add_rms_norm, "add_layer_norm": _fake_add_layer_norm,
     "swiglu": _fake_swiglu, "rotary": _fake_rotary, "softmax_mask": _fake_softmax_mask,
     "fused_pointwise": _fake_fused_pointwise, "conv_bias_relu": _fake_conv_bias_relu,
+    "layer_norm": _fake_layer_norm,
 }
 REFERENCES = {
     "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
     "add_layer_norm": reference.add_layer_norm, "swiglu": reference.swiglu, "rotary": reference.rotary,
     "softmax_mask": reference.softmax_mask, "fused_pointwise": reference.fused_pointwise,
-    "conv_bias_relu": reference.conv_bias_relu,
+    "conv_bias_relu": reference.conv_bias_relu, "layer_norm": reference.layer_norm,
 }
 
 
@@ -94,6 +99,12 @@ def _pointwise_cuda(program, inputs):
     from .pointwise_triton import fused_pointwise_triton
 
     return fused_pointwise_triton(program, inputs)
+
+
+def _layer_norm_cuda(x, weight, bias, eps):
+    from .norm_triton import layer_norm_triton
+
+    return layer_norm_triton(x, weight, bias, eps)
 
 
 def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
@@ -108,6 +119,8 @@ def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
         lib.impl(name, REFERENCES[name], "CPU")
         if name == "fused_pointwise":
             lib.impl(name, _pointwise_cuda if pointwise_triton else REFERENCES[name], "CUDA")
+        elif name == "layer_norm":  # a Triton kernel, like fused_pointwise
+            lib.impl(name, _layer_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif not cuda_kernels:
             lib.impl(name, REFERENCES[name], "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=lib)

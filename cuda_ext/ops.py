@@ -17,6 +17,14 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none
     return torch.ops.graphopt.bias_act(x, bias, act, residual, bias_dim)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """``layer_norm`` over the last dim (up to 8192 wide) with fp32 statistics; on CUDA a Triton
+    kernel that normalizes many rows per program (fast for narrow rows, where one block per row
+    is scheduling-bound)."""
+    return torch.ops.graphopt.layer_norm(x, weight, bias, eps)
+
+
 def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                    z: torch.Tensor | None = None, stride: Sequence[int] = (1, 1), padding: Sequence[int] = (0, 0),
                    dilation: Sequence[int] = (1, 1), groups: int = 1) -> torch.Tensor:

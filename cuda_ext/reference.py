@@ -69,6 +69,15 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str, residual: tor
     return _fresh(y.to(x.dtype), x, bias, residual)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """layer_norm over the last dim, fp32 statistics, one rounding to x's dtype."""
+    ct = compute_dtype(x.dtype)
+    h = x.shape[-1:] if x.dim() else (1,)
+    y = F.layer_norm(x.to(ct), h, None if weight is None else weight.to(ct), None if bias is None else bias.to(ct),
+                     eps)
+    return _fresh(y.to(x.dtype), x)
+
+
 def conv_layout(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format:
     """The layout cuDNN gives a convolution's output: channels_last when x or w is in it."""
     cl = torch.channels_last

@@ -5,9 +5,11 @@ Matches ``aten.layer_norm(x, [H], weight?, bias?, eps)`` where H is x's last dim
 ``h = y + residual`` replaces the add for its other readers: pre-norm stacks (ViT) keep it as the
 residual stream; in post-norm stacks (BERT) nothing else reads it and it is dropped.
 
-A LayerNorm without a residual add already runs as one aten kernel; replacing it with the fused
-kernel (which also writes h) is priced by the cost model like any candidate, predicts no gain
-and is recorded as such. Refused with the reason recorded: normalized_shape other than the last
+A LayerNorm without a residual add becomes ``graphopt::layer_norm``, a Triton kernel that
+normalizes many rows per program, where the cost model predicts a gain: aten's kernel (and
+add_layer_norm) give each row a thread block, which the profile's measured ``norm_row_s`` prices
+for narrow rows (ConvNeXt's 96-768 channels); for transformer-sized rows the two predict the same
+and the aten op stays. Refused with the reason recorded: normalized_shape other than the last
 dim alone, weight/bias not 1-D of the hidden size, an eps that is not a literal, an add that
 broadcasts or promotes dtypes (the add is then left alone), and everything on a CPU profile
 (``NO_FUSED_KERNELS``).
@@ -23,6 +25,8 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.matcher import Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+
+from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 
 from ._norms_common import kernel_time, position, residual_add, residual_operands
 
@@ -60,7 +64,7 @@ def _check(m) -> str:
 class FuseLayerNorm(Pass):
     name = "fuse_layer_norm"
     family = "fusion"
-    description = "residual add + LayerNorm over the last dim -> add_layer_norm (cost-gated)"
+    description = "residual add + LayerNorm over the last dim -> add_layer_norm; narrow-row LayerNorm -> many-rows layer_norm (cost-gated)"
     inference_only = True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -85,12 +89,32 @@ class FuseLayerNorm(Pass):
         params = [p for p in (m["weight"], m["bias"]) if isinstance(p, fx.Node)]
         gone = [ln] + ([add] if add is not None else [])
         inputs = ([add.args[0], add.args[1]] if add is not None else [x]) + params
-        gain = ctx.node_time(gone) - kernel_time(ctx, inputs, [xi, xi], flops_per_elem=8)
-        pattern = "residual add + layer_norm" if add is not None else "layer_norm"
-        label = (f"{add.name} + " if add is not None else "") + f"layer_norm {ln.name}"
         eps = 1e-5 if m["eps"] is None else float(m["eps"])
-        return Candidate(pattern, gone, gain, lambda: FuseLayerNorm._apply(gm, m, add, eps), label=label,
-                         refusal="its weight or bias is computed after the point where the fused kernel must run")
+        label = (f"{add.name} + " if add is not None else "") + f"layer_norm {ln.name}"
+        refusal = "its weight or bias is computed after the point where the fused kernel must run"
+        rows = ir.concrete(xi.numel, ctx.hints) / max(ir.concrete(xi.shape[-1], ctx.hints), 1)
+        if add is not None:  # add_layer_norm: one block per row, like aten's
+            new = max(kernel_time(ctx, inputs, [xi, xi], flops_per_elem=8), rows * ctx.profile.norm_row_s)
+            return Candidate("residual add + layer_norm", gone, ctx.node_time(gone) - new,
+                             lambda: FuseLayerNorm._apply(gm, m, add, eps), label=label, refusal=refusal)
+        if ir.concrete(xi.shape[-1], ctx.hints) > MAX_HIDDEN:
+            return Candidate("layer_norm", gone, -1.0, lambda: None, label=label,
+                             refusal=f"rows wider than {MAX_HIDDEN} (the many-rows kernel's limit)")
+        # graphopt::layer_norm (Triton): many rows per program, no per-row block to schedule
+        new = kernel_time(ctx, inputs, [xi], flops_per_elem=8)
+        return Candidate("layer_norm -> many-rows layer_norm", gone, ctx.node_time(gone) - new,
+                         lambda: FuseLayerNorm._apply_plain(gm, m, eps), label=label, refusal=refusal)
+
+    @staticmethod
+    def _apply_plain(gm: fx.GraphModule, m, eps):
+        g = gm.graph
+        ln = m["ln"]
+        with g.inserting_before(ln):
+            new = g.call_function(torch.ops.graphopt.layer_norm.default, (m["x"], m["weight"], m["bias"], eps))
+        new.meta["val"] = ln.meta.get("val")
+        ln.replace_all_uses_with(new)
+        g.erase_node(ln)
+        return new
 
     @staticmethod
     def _apply(gm: fx.GraphModule, m, add, eps):

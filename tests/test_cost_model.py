@@ -146,3 +146,19 @@ def test_custom_profile_object():
     fast = CostModel(_h200()).graph_cost(gm).total_s
     slow = CostModel(prof).graph_cost(gm).total_s
     assert slow > fast
+
+
+def test_row_per_block_norms_priced_by_rows():
+    """A LayerNorm over narrow rows costs at least rows * norm_row_s on a profile that measured it;
+    the same node on a profile without it is priced by its bytes alone."""
+    m = nn.LayerNorm(96).eval()
+    x = torch.randn(64, 56, 56, 96)
+    gm = capture(m, (x,))
+    ln = next(n for n in gm.graph.nodes if n.op == "call_function" and "layer_norm" in str(n.target))
+    h200 = get_profile("h200")[0]
+    assert h200.norm_row_s > 0
+    rows = 64 * 56 * 56
+    t = CostModel(h200).node_cost(ln).time_s
+    assert t == pytest.approx(rows * h200.norm_row_s)
+    plain = DeviceProfile(**{**h200.to_dict(), "norm_row_s": 0.0})
+    assert CostModel(plain).node_cost(ln).time_s < t / 3

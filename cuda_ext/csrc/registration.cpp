@@ -276,6 +276,7 @@ TORCH_LIBRARY(graphopt, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("fused_pointwise(str program, Tensor[] inputs) -> Tensor[]", {at::Tag::pt2_compliant_tag});
+  m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, int[2] dilation, int groups) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 

@@ -138,6 +138,10 @@ def _prod(xs):
     return out
 
 
+# norm kernels with one thread block per row (see DeviceProfile.norm_row_s)
+ROW_BLOCK_NORMS = {"layer_norm", "native_layer_norm", "add_layer_norm", "add_rms_norm"}
+
+
 class CostModel:
     """Estimates the time of nodes and graphs on one device profile."""
 
@@ -242,6 +246,10 @@ class CostModel:
         compute = flops / rate
         memory = nbytes / p.bandwidth
         t = p.kernel_seconds(compute, memory, eff, launches)
+        if p.norm_row_s and _op_name(node) in ROW_BLOCK_NORMS:
+            x = ir.arg_infos(node)[0]
+            if x.shape:
+                t = _smax(t, x.numel / x.shape[-1] * p.norm_row_s)
         gpu = _num(p.gpu_seconds(compute, memory, eff))
         launch = launches * p.launch_overhead_s
         c, m = _num(compute), _num(memory)

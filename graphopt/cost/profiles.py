@@ -47,6 +47,10 @@ class DeviceProfile:
     conv_scale: float = 1.0
     conv_fixed_s: float = 0.0
     kernel_fixed_s: float = 0.0
+    # norm kernels that give each row its own thread block (aten's LayerNorm, graphopt's
+    # add_layer_norm / add_rms_norm) are bound by block scheduling when rows are narrow: at least
+    # rows * norm_row_s (0: not measured)
+    norm_row_s: float = 0.0
 
     def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:
         name = str(dtype).replace("torch.", "")

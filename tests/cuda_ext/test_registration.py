@@ -25,6 +25,7 @@ EXPECTED = {
     "rotary": "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
     "softmax_mask": "softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor",
     "fused_pointwise": "fused_pointwise(str program, Tensor[] inputs) -> Tensor[]",
+    "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor",
     "conv_bias_relu": "conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, "
                       "int[2] dilation, int groups) -> Tensor",
 }
@@ -46,6 +47,7 @@ def sample_args(device="cpu"):
                    torch.randn(1, 5, 8, device=device), torch.randn(1, 5, 8, device=device), True),
         "softmax_mask": (torch.randn(2, 2, 5, 9, device=device), 0.3, torch.rand(2, 1, 1, 9, device=device) > 0.2),
         "fused_pointwise": (pw.source, [torch.randn(3, 5, device=device), torch.randn(5, device=device)]),
+        "layer_norm": (torch.randn(3, 5, 24, device=device), torch.randn(24, device=device), None, 1e-5),
         "conv_bias_relu": (torch.randn(2, 3, 7, 7, device=device), torch.randn(4, 3, 3, 3, device=device),
                            torch.randn(4, device=device), torch.randn(2, 4, 4, 4, device=device), [2, 2], [1, 1],
                            [1, 1], 1),

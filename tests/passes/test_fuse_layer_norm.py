@@ -68,6 +68,25 @@ def test_plain_layer_norm_gains_nothing():
     assert any("predicted no gain" in r.reason for r in res.rejected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrow_rows_take_the_many_rows_kernel(dtype):
+    """ConvNeXt-shaped: 96-wide rows, 16K of them. aten's one-block-per-row kernel is priced by the
+    H200 profile's norm_row_s; the many-rows layer_norm wins. The same LayerNorm planned for a
+    profile without that measurement stays aten."""
+    m = _randomize(nn.Sequential(nn.Linear(96, 96), nn.LayerNorm(96, eps=1e-6))).eval().to(dtype)
+    x = torch.randn(4, 64, 64, 96, dtype=dtype)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    assert op_counts(gm)["graphopt.layer_norm.default"] == 1 and op_counts(gm)[LN] == 0
+    assert res.rewrites[0].pattern == "layer_norm -> many-rows layer_norm" and res.rewrites[0].predicted_gain_s > 0
+    ln = next(n for n in gm.graph.nodes if str(n.target) == "graphopt.layer_norm.default")
+    assert ln.args[3] == 1e-6
+    assert reference_check(m, gm, (x,)).passed
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="a100")
+    assert op_counts(gm)[LN] == 1 and not res.rewrites
+
+
 def test_refuses_norm_over_two_dims():
     m = _randomize(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm([8, 32]))).eval()
     x = torch.randn(2, 8, 32)

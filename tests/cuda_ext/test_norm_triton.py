@@ -1,0 +1,67 @@
+"""graphopt::layer_norm's Triton kernel (many rows per program): on the CPU through Triton's
+interpreter, on the GPU when marked cuda; against the fp64 reference."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphopt.cuda_ext import norm_triton, reference
+
+
+def _check(y, x, w, b, eps, dtype):
+    ref = F.layer_norm(x.double(), x.shape[-1:], None if w is None else w.double(), None if b is None else b.double(),
+                       eps)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+
+
+def interpreter_cases():
+    """Every CPU case through Triton's interpreter (run in a fresh process: the interpreter must
+    be on before triton is imported for tl.sum and the other library functions to work)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden in (1, 7, 96, 200):
+            torch.manual_seed(hidden)
+            x = (torch.randn(37, hidden) * 3 + 1).to(dtype)  # 37 rows: the last program is partial
+            w, b = torch.randn(hidden), torch.randn(hidden)
+            _check(norm_triton.layer_norm_triton(x, w, b, 1e-6), x, w, b, 1e-6, dtype)
+            _check(norm_triton.layer_norm_triton(x, None, None, 1e-5), x, None, None, 1e-5, dtype)
+    x = torch.randn(4, 96, 5).transpose(1, 2)  # a permuted view, as ConvNeXt's NHWC LayerNorm reads
+    _check(norm_triton.layer_norm_triton(x, None, None, 1e-6), x, None, None, 1e-6, torch.float32)
+    print("interpreter cases ok")
+
+
+def test_layer_norm_rows_in_interpreter():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", "from tests.cuda_ext.test_norm_triton import interpreter_cases as f; f()"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "interpreter cases ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_too_wide_rows_refused():
+    with pytest.raises(ValueError, match="hidden size"):
+        norm_triton.layer_norm_triton(torch.zeros(1, norm_triton.MAX_HIDDEN + 1), None, None, 1e-5)
+
+
+def test_reference_matches_torch():
+    x = torch.randn(6, 33, dtype=torch.bfloat16)
+    w = torch.randn(33)
+    y = reference.layer_norm(x, w, None, 1e-5)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.layer_norm(x.float(), (33,), w, None, 1e-5), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [96, 192, 384, 768, 1000, 4096])
+def test_layer_norm_op_on_gpu(dtype, hidden):
+    torch.manual_seed(0)
+    x = torch.randn(3, 57, hidden, device="cuda").to(dtype)
+    w, b = torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda")
+    _check(torch.ops.graphopt.layer_norm(x, w, b, 1e-6), x, w, b, 1e-6, dtype)

@@ -60,12 +60,13 @@ def _fake_softmax_mask(scores, scale, mask):
 
 
 def _fake_fused_pointwise(program, inputs):
-    from .pointwise import broadcast_shape, parse
+    from .pointwise import broadcast_shape, dense_order, empty_in_order, parse
 
     p = parse(program)
     shape = broadcast_shape(inputs)
     device = next((t.device for t in inputs if t.device.type != "cpu"), inputs[0].device if inputs else None)
-    return [torch.empty(shape, dtype=d, device=device) for d in p.output_dtypes()]
+    order = dense_order(inputs, shape)
+    return [empty_in_order(shape, order, d, device) for d in p.output_dtypes()]
 
 
 def _fake_layer_norm(x, weight, bias, eps):

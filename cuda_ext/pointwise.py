@@ -332,6 +332,36 @@ def broadcast_shape(inputs: Sequence[torch.Tensor]) -> torch.Size:
     return torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
 
 
+def dense_order(inputs: Sequence[torch.Tensor], shape) -> list[int] | None:
+    """The output layout rule of ``fused_pointwise``: when every input of the output's full shape
+    has the same dense, non-contiguous strides (a channels_last activation and its residual), the
+    outputs take that layout too; returns the dims outermost first (None: contiguous outputs)."""
+    nd = len(shape)
+    full = [t for t in inputs if t.dim() == nd and tuple(t.shape) == tuple(shape)]
+    if nd < 2 or not full:
+        return None
+    ref = full[0]
+    strides = ref.stride()
+    if not all(isinstance(v, int) for v in tuple(strides) + tuple(ref.shape)) or ref.is_contiguous() \
+            or any(t.stride() != strides for t in full[1:]):
+        return None
+    order = sorted(range(nd), key=lambda d: (-strides[d], d))
+    expect = 1  # dense and non-overlapping: innermost first, each stride the product of the sizes inside
+    for d in reversed(order):
+        if ref.shape[d] != 1 and strides[d] != expect:
+            return None
+        expect *= ref.shape[d]
+    return order
+
+
+def empty_in_order(shape, order: list[int] | None, dtype, device) -> torch.Tensor:
+    """An empty tensor of ``shape`` laid out in ``order`` (outermost first; None: contiguous)."""
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    inv = sorted(range(len(order)), key=lambda i: order[i])
+    return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(inv)
+
+
 def _gelu_tanh(x):
     return torch.nn.functional.gelu(x, approximate="tanh")
 

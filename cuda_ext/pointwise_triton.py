@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from .pointwise import COMPARE, DTYPES, Program, compute_dtype_for, parse, value_kinds
+from .pointwise import COMPARE, DTYPES, Program, compute_dtype_for, dense_order, parse, value_kinds
 
 BLOCK = 1024
 _lock = threading.Lock()
@@ -263,6 +263,13 @@ def fused_pointwise_triton(program: str, inputs: Sequence[torch.Tensor]) -> list
     # 0-dim CPU tensors (scalars) travel to the device
     inputs = [t.to(device) if t.device != device else t for t in inputs]
     shape = torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
+    order = dense_order(inputs, shape)
+    if order is not None:
+        # a channels_last (or other dense) layout: run in its memory order, where the inputs are
+        # contiguous, and hand the outputs back as views in the caller's dim order
+        inv = sorted(range(len(order)), key=lambda i: order[i])
+        outs = fused_pointwise_triton(program, [t.expand(shape).permute(order) for t in inputs])
+        return [o.permute(inv) for o in outs]
     outs = [torch.empty(shape, dtype=d, device=device) for d in p.output_dtypes()]
     numel = math.prod(shape)
     if numel == 0:

@@ -185,6 +185,10 @@ def softmax_mask(scores: torch.Tensor, scale: float, mask: torch.Tensor | None) 
 
 def fused_pointwise(program: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Evaluate a pointwise program (see graphopt.cuda_ext.pointwise) with torch ops."""
-    from .pointwise import evaluate
+    from .pointwise import broadcast_shape, dense_order, empty_in_order, evaluate
 
-    return [_fresh(o, *inputs) for o in evaluate(program, inputs)]
+    outs = [_fresh(o, *inputs) for o in evaluate(program, inputs)]
+    order = dense_order(inputs, broadcast_shape(inputs)) if inputs else None
+    if order is None:
+        return outs
+    return [empty_in_order(o.shape, order, o.dtype, o.device).copy_(o) for o in outs]

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import graphopt.cuda_ext as ce
 from graphopt.cuda_ext import pointwise_triton as pwt
+from graphopt.cuda_ext import reference
 from graphopt.cuda_ext.pointwise import Program, ProgramError, evaluate, parse
 
 from kx_accuracy import check
@@ -196,3 +197,36 @@ def test_rank2_broadcast_uses_tiles_without_division(triton_interpreter):
                 [torch.randn(3, 1500), torch.randn(1, 1500), torch.randn(3, 1500)]]:  # BN capped at BLOCK
         (o,) = _run_triton(p.source, ins)
         torch.testing.assert_close(o, F.gelu(ins[0] + ins[1], approximate="tanh") * ins[2], rtol=1e-5, atol=1e-5)
+
+
+def _cl_case():
+    p = Program()
+    a, s, r = p.input(), p.input(), p.input()
+    p.output(p.relu(a * s + r), torch.float32)
+    x = torch.randn(2, 6, 5, 7).contiguous(memory_format=torch.channels_last)
+    res = torch.randn(2, 6, 5, 7).contiguous(memory_format=torch.channels_last)
+    scale = torch.randn(6, 1, 1)  # ConvNeXt's layer scale: broadcast over H, W
+    return p, [x, scale, res]
+
+
+def test_channels_last_inputs_give_channels_last_outputs():
+    """Outputs take the layout of the full-size inputs (reference, fake and, below, Triton)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p, ins = _cl_case()
+    (ref,) = reference.fused_pointwise(p.source, ins)
+    assert ref.is_contiguous(memory_format=torch.channels_last) and not ref.is_contiguous()
+    torch.testing.assert_close(ref, torch.relu(ins[0] * ins[1] + ins[2]))
+    with FakeTensorMode() as mode:
+        (fake,) = torch.ops.graphopt.fused_pointwise(p.source, [mode.from_tensor(t) for t in ins])
+    assert fake.stride() == ref.stride()
+    # mixed layouts among the full-size inputs: contiguous outputs
+    (mixed,) = reference.fused_pointwise(p.source, [ins[0], ins[1], ins[2].contiguous()])
+    assert mixed.is_contiguous()
+
+
+def test_channels_last_in_the_triton_kernel(triton_interpreter):
+    p, ins = _cl_case()
+    (out,) = _run_triton(p.source, ins)
+    assert out.stride() == reference.fused_pointwise(p.source, ins)[0].stride()
+    torch.testing.assert_close(out, torch.relu(ins[0] * ins[1] + ins[2]))

@@ -138,3 +138,45 @@ def test_not_on_training_graphs():
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200", training=True)
     assert res.status == "skipped" and op_counts(gm)[FP] == 0
+
+
+class ConvNeXtTail(nn.Module):
+    """ConvNeXt's block tail in NCHW: layer scale (C,1,1) times the branch, plus the residual."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(c, c, 3, padding=1) for _ in range(4))
+        self.scale = nn.Parameter(torch.rand(c, 1, 1) + 0.5)
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = torch.sigmoid(conv(x)) * self.scale + x
+        return x
+
+
+def test_pointwise_group_kept_inside_a_channels_last_region():
+    """Its outputs take the channels_last layout of its full-size inputs at run time, so the group
+    fuses inside the region (it used to be refused as writing NCHW)."""
+    from graphopt.pipeline import available
+
+    torch.manual_seed(0)
+    m = ConvNeXtTail().eval().to(torch.bfloat16)
+    x = torch.randn(16, 64, 32, 32, dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    by = {r.name: r for r in run_passes(gm, available(), target="h200")}
+    assert by["convert_channels_last"].rewrites
+    assert op_counts(gm)["graphopt.fused_pointwise.default"] == 4
+    assert not any("NCHW" in r.reason for r in by["fuse_elementwise"].rejected)
+    seen = []
+
+    class Spy(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if str(n.target) == "graphopt.fused_pointwise.default":
+                seen.append(out[0].is_contiguous(memory_format=torch.channels_last))
+            return out
+
+    with torch.no_grad():
+        Spy(gm).run(x)
+    assert seen == [True] * 4
+    assert reference_check(m, gm, (x,)).passed

@@ -94,6 +94,10 @@ CONV_SHAPES = [(64, 64, 56, 56, 64, 3, 1), (64, 64, 56, 56, 256, 1, 1), (64, 256
                (64, 128, 28, 28, 128, 3, 1), (64, 512, 28, 28, 128, 1, 1), (64, 256, 14, 14, 256, 3, 1),
                (64, 1024, 14, 14, 256, 1, 1), (64, 512, 7, 7, 512, 3, 1), (64, 2048, 7, 7, 512, 1, 1),
                (64, 3, 224, 224, 64, 7, 2), (8, 256, 14, 14, 256, 3, 1), (1, 64, 56, 56, 64, 3, 1)]
+# (batch, heads, seq, head dim, mask): BERT-base (additive padding mask), ViT-B/16 (none), GLM-4 (causal)
+ATTENTION_SHAPES = [(64, 12, 128, 64, "mask"), (1, 12, 128, 64, "mask"), (64, 12, 197, 64, None),
+                    (1, 12, 197, 64, None), (1, 32, 1024, 128, "causal"), (8, 32, 1024, 128, "causal"),
+                    (4, 32, 2048, 128, "causal"), (8, 16, 512, 64, None)]
 COPY_BYTES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
 
@@ -137,6 +141,24 @@ def _conv_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
                           5 if quick else 10)
         out.append((2.0 * y.numel() * cin * kk * kk, t))
         del x, wt, y
+    return out
+
+
+def _attention_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
+    """(FLOPs as the cost model counts them, seconds) of SDPA on model-shaped inputs."""
+    import torch.nn.functional as F
+
+    out = []
+    for b, h, s, d, kind in (ATTENTION_SHAPES[::2] if quick else ATTENTION_SHAPES):
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
+        mask = None
+        if kind == "mask":  # HF's expanded padding mask: [B, 1, S, S], a broadcast view
+            mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).expand(b, 1, s, s)
+        causal = kind == "causal"
+        t = _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal), device,
+                          5 if quick else 10)
+        out.append((4.0 * b * h * s * s * d / (2 if causal else 1), t))
+        del q, k, v, mask
     return out
 
 
@@ -268,7 +290,7 @@ def _host_op_samples(device, dtype) -> dict:
                 "add_rms_norm": (g.add_rms_norm.default, (x3, x3, b, 1e-6), {}),
                 "bias_act": (g.bias_act.default, (x3, b, "gelu", None), {}),
                 "swiglu": (g.swiglu.default, (r(2, 8, 128),), {}),
-                "rotary": (g.rotary.default, (q, q, r(16, 64), r(16, 64), False), {}),
+                "rotary": (g.rotary.default, (q, q, r(1, 16, 64), r(1, 16, 64), False), {}),
                 "softmax_mask": (g.softmax_mask.default, (x3, 0.125, None), {}),
                 "fused_pointwise": (g.fused_pointwise.default, (
                     "%0 = input 0\n%1 = input 1\n%2 = add %0 %1\n%3 = gelu %2\nout %3 "
@@ -394,6 +416,11 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             conv = _conv_samples(device, torch.bfloat16, quick)
             extra_fit.update(zip(("conv_scale", "conv_fixed_s"), _fit_efficiency(conv, peak["bfloat16"])))
             source["conv_efficiency"] = f"{stamp}: the same fit on {len(conv)} ResNet-50 convolutions"
+            say("attention efficiency (BERT/ViT/GLM-shaped bf16 SDPA)")
+            attn = _attention_samples(device, torch.bfloat16, quick)
+            extra_fit.update(zip(("attention_scale", "attention_fixed_s"), _fit_efficiency(attn, peak["bfloat16"])))
+            source["attention_efficiency"] = (f"{stamp}: the same fit on {len(attn)} bf16 SDPA calls shaped like "
+                                              "BERT-base (padding mask), ViT-B/16 and GLM-4 (causal) attention")
             say("memory-bound kernel fixed time")
             extra_fit["kernel_fixed_s"] = _copy_fixed(device, bw, quick)
             source["kernel_fixed"] = f"{stamp}: median of (t - bytes / bandwidth) over 1-256 MiB copies"
@@ -493,6 +520,9 @@ def run_cli(args) -> int:
     if prof.kind == "cuda":
         t.add_row("GEMM efficiency", f"{prof.matmul_scale:.0%} of peak + {prof.matmul_fixed_s * 1e6:.1f} µs")
         t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak + {prof.conv_fixed_s * 1e6:.1f} µs")
+        if prof.attention_scale is not None:
+            t.add_row("attention efficiency", f"{prof.attention_scale:.0%} of peak + "
+                                              f"{(prof.attention_fixed_s or 0) * 1e6:.1f} µs")
         t.add_row("memory-bound kernel fixed time", f"{prof.kernel_fixed_s * 1e6:.1f} µs")
     for k, v in prof.link_bandwidth.items():
         t.add_row(f"link {k}", _fmt_rate(v, "B/s"))

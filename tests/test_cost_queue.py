@@ -197,3 +197,40 @@ def test_optimize_reports_the_execution_it_runs():
     assert opt.report.as_dict()["execution"]["mode"] == "graphed"
     opt._predict_execution(False)
     assert opt.report.predicted_s_after == pytest.approx(ex["after"]["eager"]["predicted_ms"] / 1e3)
+
+
+def test_attention_efficiency_and_addmm_reduction_dim():
+    """SDPA runs at its own fitted efficiency when calibrated (the GEMM's when not); addmm-style
+    ops count FLOPs over the first matrix's last dim, not the bias's."""
+    import torch.nn.functional as F
+
+    class Attn(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = (torch.randn(2, 4, 128, 64) for _ in range(3))
+    gm = capture(Attn().eval(), (q, k, v))
+    sdpa = next(n for n in gm.graph.nodes if n.op == "call_function" and "attention" in str(n.target))
+    flops = 4 * 2 * 4 * 128 * 128 * 64
+    base = CostModel(_gpu(matmul_scale=0.5, matmul_fixed_s=1e-6))
+    compute = flops / 1e12
+    assert base.node_times(sdpa)[1] == pytest.approx(max(compute / 0.5 + 1e-6, base.node_cost(sdpa).memory_s))
+    fitted = CostModel(_gpu(matmul_scale=0.5, matmul_fixed_s=1e-6, attention_scale=0.1, attention_fixed_s=5e-6))
+    assert fitted.node_times(sdpa)[1] == pytest.approx(compute / 0.1 + 5e-6)
+    assert fitted.node_cost(sdpa).time_s == pytest.approx(compute / 0.1 + 5e-6)
+
+    g = torch.fx.Graph()
+    b, x, w = g.placeholder("b"), g.placeholder("x"), g.placeholder("w")
+    out = g.call_function(torch.ops.aten._addmm_activation.default, (b, x, w), {"use_gelu": False})
+    g.output(out)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        vals = {"b": torch.empty(256), "x": torch.empty(8, 64), "w": torch.empty(64, 256)}
+        for n in g.nodes:
+            if n.op == "placeholder":
+                n.meta["val"] = vals[n.name]
+        out.meta["val"] = torch.ops.aten._addmm_activation.default(vals["b"], vals["x"], vals["w"])
+    gm2 = torch.fx.GraphModule(nn.Module(), g)
+    assert gm2.graph is g
+    assert CostModel(_gpu()).flops_bytes(out)[0] == 2 * 8 * 256 * 64

@@ -56,6 +56,7 @@ VIEW_OPS = {
 # ops that may or may not copy: a view when their input is contiguous / already matches
 MAYBE_VIEW_OPS = {"reshape", "flatten", "contiguous", "to", "_to_copy", "type_as"}
 MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "_addmm_activation"}
+ADD_FIRST = {"addmm", "_addmm_activation", "baddbmm", "addbmm"}
 CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "cudnn_convolution"}
 ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
@@ -231,7 +232,8 @@ class CostModel:
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
         if name in MATMUL_OPS:
-            k = ins[0].shape[-1]
+            # addmm-style ops take the bias first: the reduction dim is the first matrix's last
+            k = (ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]).shape[-1]
             out = outs[0]
             flops = 2 * out.numel * k
             return flops, in_bytes + out_bytes, 1, "matmul"
@@ -286,7 +288,7 @@ class CostModel:
         if kind == "matmul":
             dtype = ir.arg_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
-            eff = "matmul"
+            eff = _efficiency_kind(node)
             if _op_name(node) in CONV_OPS:
                 eff = "conv"
                 if dtype == torch.float32 and p.kind == "cuda":  # cuDNN has its own TF32 switch (on by default)
@@ -354,10 +356,7 @@ class CostModel:
         if p.kind == "cuda" and p.host_op_s:
             host = p.host_op_s.get(_op_name(node), host)
         c = self.node_cost(node)
-        eff = "memory"
-        if kind == "matmul":
-            eff = "conv" if _op_name(node) in CONV_OPS else "matmul"
-        return host, p.gpu_seconds(c.compute_s, c.memory_s, eff)
+        return host, p.gpu_seconds(c.compute_s, c.memory_s, _efficiency_kind(node) if kind == "matmul" else "memory")
 
     def node_loop_s(self, node: fx.Node, hints=None) -> float:
         """Predicted seconds per run of one node run many times back to back (how
@@ -497,6 +496,16 @@ class CostModel:
             peak = max(peak, live)
             live -= frees.pop(i, 0.0)
         return peak + params, params, params + inputs + outputs
+
+
+def _efficiency_kind(node: fx.Node) -> str:
+    """Which fitted efficiency a matmul-like node runs at: "conv", "attention" or "matmul"."""
+    name = _op_name(node)
+    if name in CONV_OPS:
+        return "conv"
+    if name in ATTENTION_OPS:
+        return "attention"
+    return "matmul"
 
 
 def _dispatches(node: fx.Node) -> bool:

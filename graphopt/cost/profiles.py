@@ -47,6 +47,11 @@ class DeviceProfile:
     conv_scale: float = 1.0
     conv_fixed_s: float = 0.0
     kernel_fixed_s: float = 0.0
+    # scaled_dot_product_attention likewise: flops / (peak * attention_scale) + attention_fixed_s,
+    # fitted on BERT/ViT/GLM-shaped attention (short sequences run far below the GEMM rate);
+    # None: not measured, attention runs at the GEMM efficiency
+    attention_scale: float | None = None
+    attention_fixed_s: float | None = None
     # host (CPU) time to run one fx node that launches no kernel (an ATen view or metadata op,
     # dispatched from the GraphModule's generated code); a kernel node's host time is its
     # launch_overhead_s. Used by the host/device queue model of eager execution
@@ -75,6 +80,11 @@ class DeviceProfile:
             compute_s = compute_s / self.conv_scale + self.conv_fixed_s
         elif kind == "matmul":
             compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
+        elif kind == "attention":
+            if self.attention_scale is None:
+                compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
+            else:
+                compute_s = compute_s / self.attention_scale + (self.attention_fixed_s or 0.0)
         return _max(compute_s, memory_s + self.kernel_fixed_s)
 
     def kernel_seconds(self, compute_s, memory_s, kind: str = "memory", launches: int = 1):

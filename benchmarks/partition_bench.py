@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import graphopt.distributed as gd  # noqa: E402
+from graphopt.pipeline import available as available_passes  # noqa: E402
 from graphopt import partition  # noqa: E402
 from graphopt.capture import capture  # noqa: E402
 from graphopt.errors import BudgetError  # noqa: E402
@@ -154,6 +155,10 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU-sized model and batches (dry run)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--passes", choices=("fusion", "none"), default="fusion",
+                    help="fusion (default): the stage graphs are the graph after graphopt's cleanup, fusion and "
+                         "layout passes (training: those with autograd), and one GPU is also timed as "
+                         "graphopt.optimize returns it; none: plain captured stage graphs")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="start no further pipeline configuration after this many seconds (recorded as skipped); "
                          "results are written after every configuration")
@@ -173,7 +178,13 @@ def main():
         infer_bs, train_bs, seq = 32, 8, 1024
         reps, warm = args.reps or 10, 2
         target = "h200"
-    result = {"rank_count": world, "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+    stage_passes = ()
+    if args.passes == "fusion":
+        from graphopt.pipeline import registry
+
+        reg = registry()
+        stage_passes = tuple(n for n in available_passes() if reg[n].family in ("cleanup", "fusion", "layout"))
+    result = {"rank_count": world, "device": str(device), "stage_passes": list(stage_passes), "torch": torch.__version__, "python": platform.python_version(),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "tiny": args.tiny,
               "model": f"GLM-4-9B-shaped, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, bf16 "
@@ -202,6 +213,17 @@ def main():
         result["single_infer_s"] = t
         result["single_infer_peak_bytes"] = peak(device)
         log(rank, f"one device inference bs{infer_bs}: {t * 1e3:.1f} ms")
+        if stage_passes:
+            import graphopt
+
+            free(device)
+            opt = graphopt.optimize(model, (ids_inf,), target=target, check_accuracy=False)
+            with torch.no_grad():
+                t = timed(lambda: opt(ids_inf), device, warm, reps)
+            result["single_infer_graphopt_s"] = t
+            log(rank, f"one device inference bs{infer_bs}, graphopt.optimize: {t * 1e3:.1f} ms")
+            del opt
+            free(device)
         model.train()
         set_attention(model, "eager")
 
@@ -245,7 +267,7 @@ def main():
             log(rank, f"pipeline {'training' if train else 'inference'}: capturing at micro-batch {bs // mbs}")
             t1 = time.perf_counter()
             pipe = gd.Pipeline(model, ids, microbatches=mbs, schedule="gpipe", loss_fn=zoo.next_token_loss if train else None,
-                               example_target=ids if train else None, target=target)
+                               example_target=ids if train else None, target=target, passes=stage_passes)
             build_s = time.perf_counter() - t1
             plan = pipe.plan
             # predicted vs measured: this rank's stage forward per micro-batch, alone
@@ -263,7 +285,9 @@ def main():
             for schedule in (("gpipe", "1f1b") if train else ("gpipe",)):
                 t, peaks = run(pipe, schedule, ids, train)
                 single = result.get("single_train_s" if train else "single_infer_s")
+                opt1 = None if train else result.get("single_infer_graphopt_s")
                 row = {"mode": "training" if train else "inference", "schedule": schedule, "microbatches": mbs,
+                       "speedup_vs_one_gpu_graphopt": (opt1 / t) if opt1 else None,
                        "batch": bs, "step_s": t, "speedup_vs_one_gpu": (single / t) if single else None,
                        "peak_bytes_per_rank": peaks, "build_s": build_s,
                        "predicted_bubble": plan.bubble_fraction,
@@ -372,13 +396,18 @@ def markdown(r) -> str:
              f"{r['rank_count']} × {r['gpu']}; torch {r['torch']}, transformers {r['transformers']}, Python {r['python']}.",
              f"Inference bs{r['infer']['batch']} seq{r['infer']['seq']}; training step bs{r['train']['batch']} "
              f"seq{r['train']['seq']}: {r['loss']}.", "",
-             f"One GPU (eager): inference {ms(r.get('single_infer_s'))} ms (peak {gb(r.get('single_infer_peak_bytes'))} GB), "
+             f"Stage graphs: {'after ' + ', '.join(r['stage_passes']) if r.get('stage_passes') else 'as captured (no passes)'} "
+             "(training graphs skip the inference-only passes).", "",
+             f"One GPU (eager): inference {ms(r.get('single_infer_s'))} ms (peak {gb(r.get('single_infer_peak_bytes'))} GB"
+             + (f"; graphopt.optimize {ms(r.get('single_infer_graphopt_s'))} ms" if r.get('single_infer_graphopt_s') else "")
+             + "), "
              f"training step {ms(r.get('single_train_s'))} ms (peak {gb(r.get('single_train_peak_bytes'))} GB).", "",
-             "| mode | schedule | micro-batches | step ms | × one GPU | predicted step ms | bubble | peak GB per GPU |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| mode | schedule | micro-batches | step ms | × one GPU eager | × one GPU graphopt | predicted step ms | bubble | peak GB per GPU |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for x in r["runs"]:
         sp = "—" if x["speedup_vs_one_gpu"] is None else f"{x['speedup_vs_one_gpu']:.2f}"
-        lines.append(f"| {x['mode']} | {x['schedule']} | {x['microbatches']} | {ms(x['step_s'])} | {sp} | "
+        sg = "—" if x.get("speedup_vs_one_gpu_graphopt") is None else f"{x['speedup_vs_one_gpu_graphopt']:.2f}"
+        lines.append(f"| {x['mode']} | {x['schedule']} | {x['microbatches']} | {ms(x['step_s'])} | {sp} | {sg} | "
                      f"{ms(x['predicted_step_s'])} | {x['predicted_bubble']:.0%} | "
                      f"{', '.join(gb(p) for p in x['peak_bytes_per_rank'])} |")
     lines += ["", "Per stage, inference (forward per micro-batch, each stage alone on its GPU):", "",

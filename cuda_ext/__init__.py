@@ -5,17 +5,17 @@ kernels when a GPU and a CUDA toolkit are present, by the plain-torch reference
 implementations otherwise. See README.md in this folder.
 
 Ops (schemas in csrc/registration.cpp): bias_act, add_rms_norm, add_layer_norm, swiglu,
-rotary, softmax_mask, fused_pointwise.
+rotary, softmax_mask, fused_pointwise, conv_bias_relu.
 """
 from . import reference
 from ._loader import backend, backend_info, ensure_loaded
 from ._schemas import schemas
-from .ops import add_layer_norm, add_rms_norm, bias_act, fused_pointwise, rotary, softmax_mask, swiglu
+from .ops import add_layer_norm, add_rms_norm, bias_act, conv_bias_relu, fused_pointwise, rotary, softmax_mask, swiglu
 from .pointwise import Program, ProgramError, evaluate, parse
 
 __all__ = [
     "ensure_loaded", "backend", "backend_info", "schemas", "reference",
-    "bias_act", "add_rms_norm", "add_layer_norm", "swiglu", "rotary", "softmax_mask", "fused_pointwise",
+    "bias_act", "add_rms_norm", "add_layer_norm", "swiglu", "rotary", "softmax_mask", "fused_pointwise", "conv_bias_relu",
     "Program", "ProgramError", "parse", "evaluate",
 ]
 

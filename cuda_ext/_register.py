@@ -68,15 +68,25 @@ def _fake_fused_pointwise(program, inputs):
     return [torch.empty(shape, dtype=d, device=device) for d in p.output_dtypes()]
 
 
+def _fake_conv_bias_relu(x, w, bias, z, stride, padding, dilation, groups):
+    torch._check(x.dim() == 4 and w.dim() == 4, lambda: "graphopt::conv_bias_relu: 2-D convolutions only")
+    shape = [x.shape[0], w.shape[0]]
+    for i in range(2):
+        k = dilation[i] * (w.shape[2 + i] - 1) + 1
+        shape.append((x.shape[2 + i] + 2 * padding[i] - k) // stride[i] + 1)
+    return x.new_empty(shape).contiguous(memory_format=reference.conv_layout(x, w))
+
+
 FAKES = {
     "bias_act": _fake_bias_act, "add_rms_norm": _fake_add_rms_norm, "add_layer_norm": _fake_add_layer_norm,
     "swiglu": _fake_swiglu, "rotary": _fake_rotary, "softmax_mask": _fake_softmax_mask,
-    "fused_pointwise": _fake_fused_pointwise,
+    "fused_pointwise": _fake_fused_pointwise, "conv_bias_relu": _fake_conv_bias_relu,
 }
 REFERENCES = {
     "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
     "add_layer_norm": reference.add_layer_norm, "swiglu": reference.swiglu, "rotary": reference.rotary,
     "softmax_mask": reference.softmax_mask, "fused_pointwise": reference.fused_pointwise,
+    "conv_bias_relu": reference.conv_bias_relu,
 }
 
 

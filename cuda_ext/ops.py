@@ -17,6 +17,14 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none
     return torch.ops.graphopt.bias_act(x, bias, act, residual, bias_dim)
 
 
+def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                   z: torch.Tensor | None = None, stride: Sequence[int] = (1, 1), padding: Sequence[int] = (0, 0),
+                   dilation: Sequence[int] = (1, 1), groups: int = 1) -> torch.Tensor:
+    """``relu(conv2d(x, w) + bias + z)`` as one cuDNN fused convolution on CUDA (z: an optional
+    residual of the output's shape). The output is channels_last when x or w is."""
+    return torch.ops.graphopt.conv_bias_relu(x, w, bias, z, list(stride), list(padding), list(dilation), groups)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (or a copy of x); returns ``(rmsnorm(h) * weight, h)``. Numerics of

@@ -69,6 +69,23 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str, residual: tor
     return _fresh(y.to(x.dtype), x, bias, residual)
 
 
+def conv_layout(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format:
+    """The layout cuDNN gives a convolution's output: channels_last when x or w is in it."""
+    cl = torch.channels_last
+    return cl if any(t.dim() == 4 and t.is_contiguous(memory_format=cl) and not t.is_contiguous()
+                     for t in (x, w)) else torch.contiguous_format
+
+
+def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor | None,
+                   stride: list, padding: list, dilation: list, groups: int) -> torch.Tensor:
+    """relu(conv2d(x, w) + bias + z), in x's dtype and the layout cuDNN would give it."""
+    ct = compute_dtype(x.dtype)
+    y = F.conv2d(x.to(ct), w.to(ct), None if bias is None else bias.to(ct), stride, padding, dilation, groups)
+    if z is not None:
+        y = y + z.to(ct)
+    return torch.relu(y).to(x.dtype).contiguous(memory_format=conv_layout(x, w))
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual (rounded to x's dtype, as the model's residual stream is);

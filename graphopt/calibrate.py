@@ -292,6 +292,7 @@ def _host_op_samples(device, dtype) -> dict:
                 "swiglu": (g.swiglu.default, (r(2, 8, 128),), {}),
                 "rotary": (g.rotary.default, (q, q, r(1, 16, 64), r(1, 16, 64), False), {}),
                 "softmax_mask": (g.softmax_mask.default, (x3, 0.125, None), {}),
+                "conv_bias_relu": (g.conv_bias_relu.default, (img, wc, r(8), None, [1, 1], [1, 1], [1, 1], 1), {}),
                 "fused_pointwise": (g.fused_pointwise.default, (
                     "%0 = input 0\n%1 = input 1\n%2 = add %0 %1\n%3 = gelu %2\nout %3 "
                     + {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32"), [x3, x3]), {}),

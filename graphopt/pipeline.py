@@ -248,6 +248,8 @@ PIPELINE: tuple[str, ...] = (
     "insert_checkpoints",
     # partition
     "partition_devices",
+    # lower
+    "fuse_conv_relu",
 )
 
 

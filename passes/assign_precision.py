@@ -273,12 +273,40 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
             if ins and out is not None and out.dtype.is_floating_point:
                 cur[node] = dtype_of(ins[0])
             continue
+        if _identity_cast(node):
+            # x.to(float32) of a value that is already fp32 in this (fp32) model: in the low-
+            # precision graph it follows its input, as a view does. Hugging Face's norms write
+            # .to(float32) ... .to(input_dtype); in an fp32 capture both read .to(float32), so
+            # keeping them pinned would cast every normalized activation up and down again
+            # (measured: GLM-4 precision-only 1.23x the hand-converted model); the sensitive
+            # statistics still compute in fp32 under the rule below.
+            d = dtype_of(node.args[0])
+            if d != FP32:
+                if node.target is aten.to.dtype:
+                    node.args = (node.args[0], d)
+                else:
+                    node.kwargs = {**node.kwargs, "dtype": d}
+            cur[node] = d
+            continue
         if name in PINNED or name == "fused_pointwise":  # a fused program carries its own dtypes
+            continue
+        if name in ("softmax", "log_softmax") and node.name not in forced and out is not None \
+                and out.dtype == FP32 and ins and dtype_of(ins[0]) == low and len(node.args) >= 2:
+            # softmax(x_low, dim, dtype=float32) reads the low-precision input and computes and
+            # writes fp32: the same numbers as casting x up first, without the cast's pass
+            node.args = node.args[:2]
+            node.kwargs = {**node.kwargs, "dtype": FP32}
+            cur[node] = FP32
             continue
         if name in SENSITIVE or node.name in forced or _scalar_overflows(node, low):
             convert_inputs(node, low, FP32)
             if out is not None and out.dtype == FP32:
                 cur[node] = FP32
+            continue
+        floats = [a for a in ins if dtype_of(a) in (FP32, low)]
+        if floats and name not in COMPUTE_HEAVY and all(dtype_of(a) == FP32 and a in cur for a in floats):
+            # every float input is a statistic this pass kept in fp32 (mean + eps before rsqrt):
+            # small work between sensitive ops stays with them rather than rounding in between
             continue
         had_fp32 = any(dtype_of(a) == FP32 for a in ins)
         convert_inputs(node, FP32, low)
@@ -299,6 +327,19 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
     gm.recompile()
     ir.repropagate(gm)
     return lowered
+
+
+def _identity_cast(node: fx.Node) -> bool:
+    """An fp32 -> fp32 ``to``/``_to_copy`` that changes nothing but the dtype argument (no device,
+    layout or memory-format change): a no-op in the captured fp32 graph."""
+    if node.target not in (aten.to.dtype, aten._to_copy.default):
+        return False
+    src = node.args[0] if node.args else None
+    if not _is_float32(src) or not _is_float32(node):
+        return False
+    if node.target is aten.to.dtype:
+        return len(node.args) <= 2 and not node.kwargs.get("memory_format") and not node.kwargs.get("copy")
+    return set(node.kwargs) <= {"dtype"} and len(node.args) == 1
 
 
 def _scalar_overflows(node: fx.Node, low: torch.dtype) -> bool:

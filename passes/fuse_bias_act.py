@@ -9,10 +9,13 @@ bias along the last dim. Activations: relu, gelu (exact and tanh), silu, sigmoid
 hardswish, or none when a residual follows. Residual: ``act(..) + r`` / ``r + act(..)`` with
 r of the output's exact shape and dtype.
 
-Why ``_addmm_activation`` only for ReLU: its GELU is the tanh approximation on CUDA but the
-exact erf GELU on the CPU, so a graph planned on one device would compute a different
-function on the other; ReLU is the same everywhere. GELU goes to bias_act, whose ``gelu`` /
-``gelu_tanh`` follow the model's spelling exactly.
+``_addmm_activation`` for GELU only in bf16 on a CUDA profile: its GELU is the tanh
+approximation on CUDA (cuBLASLt's GELU_BIAS epilogue) but the exact erf GELU on the CPU. The two
+differ by at most 4.8e-4 (near |x| = 2.2), below half a bf16 ulp of the value there (3.9e-3), so
+in bf16 both spellings round to the same function within one ulp; in fp16/fp32 they do not, and
+GELU goes to bias_act, whose ``gelu`` / ``gelu_tanh`` follow the model's spelling exactly. ReLU
+is the same everywhere. The epilogue saves the GELU kernel's read and write of the activation
+(BERT/ViT's 4x-wide MLP, ConvNeXt's pointwise convolutions).
 
 The cost model decides (time of the matched nodes against the GEMM without bias + one
 bias_act kernel). Notes on what it knows: a linear/addmm bias is applied in the cuBLASLt
@@ -158,14 +161,19 @@ class FuseBiasAct(Pass):
         if gemm.target in CONVS and ctx.profile.kind == "cuda":
             # aten's cuDNN path adds a conv bias in a separate kernel the cost model does not show
             old += pointwise_kernel_time(ctx, 2 * nbytes(yi, h) + nbytes(bi, h))
-        # aten path: linear/addmm + bias + relu -> _addmm_activation (same function on every device)
-        if a == "relu" and radd is None and gemm.target in (aten.linear.default, aten.addmm.default):
+        # aten path: linear/addmm + bias + relu (+ gelu in bf16 on CUDA) -> _addmm_activation
+        gelu_ok = a in ("gelu", "gelu_tanh") and yi.dtype == torch.bfloat16 and ctx.profile.kind == "cuda"
+        if (a == "relu" or gelu_ok) and radd is None and gemm.target in (aten.linear.default, aten.addmm.default):
             xi = ir.info(m["x"])
-            if len(xi.shape) == 2 or _is_contiguous(xi):
+            # a strided input (ConvNeXt's permuted NHWC view before the layout pass makes it
+            # contiguous) is flattened by reshape, which copies only where linear would have too
+            if len(xi.shape) == 2 or _is_contiguous(xi) or gelu_ok:
                 new = self._gemm_time(ctx, gemm, minus_bias=0.0)
                 gain = old - new
-                return Candidate("linear + bias + relu -> _addmm_activation", [act, gemm], gain,
-                                 lambda: self._apply_addmm_act(gm, m), label=label)
+                use_gelu = a != "relu"
+                return Candidate(f"linear + bias + {'gelu' if use_gelu else 'relu'} -> _addmm_activation"
+                                 + (" (cuBLASLt GELU epilogue, tanh form: within a bf16 ulp)" if use_gelu else ""),
+                                 [act, gemm], gain, lambda: self._apply_addmm_act(gm, m, use_gelu), label=label)
         if not ctx.fused_kernels:
             res.reject(label, NO_FUSED_KERNELS)
             return None
@@ -194,7 +202,7 @@ class FuseBiasAct(Pass):
     # ------------------------------------------------------------------ rewrites
 
     @staticmethod
-    def _apply_addmm_act(gm, m) -> fx.Node:
+    def _apply_addmm_act(gm, m, use_gelu: bool = False) -> fx.Node:
         g = gm.graph
         gemm, act = m["gemm"], m["act"]
         x, w, b = _live_inputs(m)
@@ -202,11 +210,12 @@ class FuseBiasAct(Pass):
         with g.inserting_before(act):
             if gemm.target is aten.linear.default:
                 k = ir.info(w).shape[-1]
-                x2 = x if len(ir.info(x).shape) == 2 else g.call_function(aten.view.default, (x, [-1, k]))
+                flat = aten.view.default if _is_contiguous(ir.info(x)) else aten.reshape.default
+                x2 = x if len(ir.info(x).shape) == 2 else g.call_function(flat, (x, [-1, k]))
                 wt = g.call_function(aten.t.default, (w,))
             else:
                 x2, wt = x, w
-            fused = g.call_function(aten._addmm_activation.default, (b, x2, wt), {"use_gelu": False})
+            fused = g.call_function(aten._addmm_activation.default, (b, x2, wt), {"use_gelu": use_gelu})
             out = fused if len(out_shape) == 2 else g.call_function(aten.view.default, (fused, out_shape))
         new = [n for n in (x2, wt, fused, out) if n.op == "call_function" and "val" not in n.meta]
         set_meta(gm, [n for n in g.nodes if n in set(new)])

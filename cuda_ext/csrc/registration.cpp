@@ -247,6 +247,24 @@ at::Tensor softmax_mask_cuda(const at::Tensor& scores, double scale, const std::
   return out;
 }
 
+
+// relu(conv2d(x, w) + bias + z) as one cuDNN call (cuDNN's fused convolution + bias + add +
+// activation; aten exposes it as cudnn_convolution_relu / cudnn_convolution_add_relu). The output
+// takes the layout cuDNN suggests for x and w (channels_last when either is).
+at::Tensor conv_bias_relu_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& z, at::IntArrayRef stride, at::IntArrayRef padding,
+                               at::IntArrayRef dilation, int64_t groups) {
+  TORCH_CHECK(x.dim() == 4 && w.dim() == 4, "graphopt::conv_bias_relu: 2-D convolutions only (4-D x and w), got ",
+              x.dim(), "-D x and ", w.dim(), "-D w");
+  c10::cuda::CUDAGuard guard(x.device());
+  std::optional<at::Tensor> b;
+  if (bias.has_value() && bias->defined()) b = bias->to(x.scalar_type());
+  if (z.has_value() && z->defined())
+    return at::cudnn_convolution_add_relu(x, w, z->to(x.scalar_type()), at::Scalar(1.0), b, stride, padding,
+                                          dilation, groups);
+  return at::cudnn_convolution_relu(x, w, b, stride, padding, dilation, groups);
+}
+
 }  // namespace
 }  // namespace graphopt
 
@@ -258,6 +276,7 @@ TORCH_LIBRARY(graphopt, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("fused_pointwise(str program, Tensor[] inputs) -> Tensor[]", {at::Tag::pt2_compliant_tag});
+  m.def("conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, int[2] dilation, int groups) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
@@ -267,4 +286,5 @@ TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
   m.impl("swiglu", &graphopt::swiglu_cuda);
   m.impl("rotary", &graphopt::rotary_cuda);
   m.impl("softmax_mask", &graphopt::softmax_mask_cuda);
+  m.impl("conv_bias_relu", &graphopt::conv_bias_relu_cuda);
 }

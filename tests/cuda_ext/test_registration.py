@@ -25,6 +25,8 @@ EXPECTED = {
     "rotary": "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
     "softmax_mask": "softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor",
     "fused_pointwise": "fused_pointwise(str program, Tensor[] inputs) -> Tensor[]",
+    "conv_bias_relu": "conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, "
+                      "int[2] dilation, int groups) -> Tensor",
 }
 
 
@@ -44,6 +46,9 @@ def sample_args(device="cpu"):
                    torch.randn(1, 5, 8, device=device), torch.randn(1, 5, 8, device=device), True),
         "softmax_mask": (torch.randn(2, 2, 5, 9, device=device), 0.3, torch.rand(2, 1, 1, 9, device=device) > 0.2),
         "fused_pointwise": (pw.source, [torch.randn(3, 5, device=device), torch.randn(5, device=device)]),
+        "conv_bias_relu": (torch.randn(2, 3, 7, 7, device=device), torch.randn(4, 3, 3, 3, device=device),
+                           torch.randn(4, device=device), torch.randn(2, 4, 4, 4, device=device), [2, 2], [1, 1],
+                           [1, 1], 1),
     }
 
 
@@ -69,11 +74,12 @@ def test_fake_tensor_shapes(name):
     real = getattr(torch.ops.graphopt, name)(*args)
     with FakeTensorMode() as mode:
         fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor)
-                      else [mode.from_tensor(t) for t in a] if isinstance(a, list) else a for a in args)
+                      else [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in a]
+                      if isinstance(a, list) else a for a in args)
         fake = getattr(torch.ops.graphopt, name)(*fargs)
     real = real if isinstance(real, (tuple, list)) else [real]
     fake = fake if isinstance(fake, (tuple, list)) else [fake]
-    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
 
 
 def test_meta_device():

@@ -162,3 +162,46 @@ def test_out_of_range_literal_stays_fp32():
     assert opt.report.accuracy["passed"]
     # the hand-converted model itself cannot run in bf16: reported, not raised
     assert "without overflow" in res.details["hand_converted_error"]
+
+
+class HFNorm(nn.Module):
+    """Hugging Face's RMSNorm spelling then a softmax with an fp32 dtype: captured from an fp32
+    model, both .to(float32) and .to(input_dtype) read .to(float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.w = nn.Parameter(torch.rand(64) + 0.5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        dt = h.dtype
+        hf = h.to(torch.float32)
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        n = self.w * hf.to(dt)
+        p = torch.softmax(n @ n.transpose(-1, -2), dim=-1, dtype=torch.float32).to(dt)
+        return p @ n
+
+
+def test_identity_casts_follow_their_input_and_softmax_reads_low():
+    torch.manual_seed(0)
+    m = HFNorm().eval()
+    x = torch.randn(4, 16, 64)
+    opt = graphopt.optimize(m, (x,), precision="bf16", passes=["eliminate_dead_code", "assign_precision"],
+                            cuda_graphs=False)
+    gm = opt.graph_module
+    assert opt.report.pass_result("assign_precision").status == "applied"
+    # the fp32 -> fp32 casts of the capture became no-ops in bf16 (they follow their input)
+    for n in gm.graph.nodes:
+        if n.target is aten.to.dtype:
+            assert n.args[1] == n.args[0].meta["val"].dtype == n.meta["val"].dtype, n
+    big = [n for n in gm.graph.nodes if n.target is aten._to_copy.default
+           and n.meta["val"].numel() == x.numel() and n.meta["val"].dtype == torch.float32
+           and all(u.op != "output" for u in n.users)]
+    assert len(big) == 1  # one full-size upcast, for pow's fp32 statistics (besides the output's)
+    # the statistics between sensitive ops stay fp32; softmax reads bf16 and writes fp32
+    (add_eps,) = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
+    assert add_eps.meta["val"].dtype == torch.float32
+    (sm,) = [n for n in gm.graph.nodes if n.target is aten.softmax.int]
+    assert sm.args[0].meta["val"].dtype == torch.bfloat16 and sm.meta["val"].dtype == torch.float32
+    assert opt.report.accuracy["passed"]

@@ -188,3 +188,23 @@ def test_bert_tiny_bias_gelu_refused_with_reason():
     layers = model.config.num_hidden_layers
     assert op_counts(gm)[BIAS_ACT] == 0
     assert sum("bias + gelu after linear" in r.reason for r in res.rejected) == layers
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+def test_bf16_linear_gelu_uses_the_gemm_epilogue(act):
+    """bf16 on a CUDA profile: linear + bias + GELU -> _addmm_activation(use_gelu) (cuBLASLt's
+    tanh-form GELU epilogue, within a bf16 ulp of either spelling); fp32 keeps the GELU kernel."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 96), ACTS[act]).eval().to(torch.bfloat16)
+    x = torch.randn(4, 7, 32, dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    c = op_counts(gm)
+    assert c[ADDMM_ACT] == 1 and c["aten.gelu.default"] == 0
+    fused = next(n for n in gm.graph.nodes if str(n.target) == ADDMM_ACT)
+    assert fused.kwargs["use_gelu"] is True
+    assert reference_check(m, gm, (x,)).passed
+    m32 = m.float()
+    gm = capture(m32, (x.float(),))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    assert op_counts(gm)[ADDMM_ACT] == 0 and op_counts(gm)["aten.gelu.default"] == 1

@@ -281,6 +281,21 @@ def _host_op_samples(device, dtype) -> dict:
         "conv2d": (aten.conv2d.default, (img, wc, None, [1, 1], [1, 1]), {}),
         "max_pool2d": (aten.max_pool2d.default, (img, [3, 3], [2, 2], [1, 1]), {}),
         "adaptive_avg_pool2d": (aten.adaptive_avg_pool2d.default, (img, [1, 1]), {}),
+        # views: no kernel, host time only (the cost model's VIEW_OPS names)
+        "view": (aten.view.default, (x3, [16, 64]), {}),
+        "_unsafe_view": (aten._unsafe_view.default, (x3, [16, 64]), {}),
+        "t": (aten.t.default, (w,), {}),
+        "transpose": (aten.transpose.int, (x3, 1, 2), {}),
+        "permute": (aten.permute.default, (x3, [0, 2, 1]), {}),
+        "unsqueeze": (aten.unsqueeze.default, (x3, 1), {}),
+        "squeeze": (aten.squeeze.dim, (q, 0), {}),
+        "select": (aten.select.int, (x3, 1, 0), {}),
+        "slice": (aten.slice.Tensor, (x3, 2, 0, 32), {}),
+        "expand": (aten.expand.default, (b, [8, 64]), {}),
+        "split_with_sizes": (aten.split_with_sizes.default, (x3, [32, 32], -1), {}),
+        "unflatten": (aten.unflatten.int, (x3, -1, [4, 16]), {}),
+        "alias": (aten.alias.default, (x3,), {}),
+        "detach": (aten.detach.default, (x3,), {}),
     }
     g = getattr(torch.ops, "graphopt", None)
     if g is not None:

@@ -160,6 +160,12 @@ def test_host_op_times_replace_the_launch_cost():
     add = next(n for n in gm.graph.nodes if n.op == "call_function")
     assert slow.node_cost(add).time_s == pytest.approx(LAUNCH)
     assert slow.node_loop_s(add) == pytest.approx(3 * LAUNCH)
+    # a view op measured by calibrate costs its own host time; unmeasured views host_node_s
+    gv = capture(ViewsThenMatmul().eval(), (torch.randn(64, 64), torch.randn(64, 64)))
+    cm = CostModel(_gpu(host_op_s={"t": 5e-6}))
+    hosts = {n.target.__name__.split(".")[0]: cm.node_times(n)[0] for n in gv.graph.nodes
+             if n.op == "call_function" and cm.node_times(n)[1] == 0}
+    assert hosts["t"] == 5e-6 and hosts["unsqueeze"] == HOST_NODE
 
 
 def test_cpu_profile_is_serial_and_matches_the_planning_sum():

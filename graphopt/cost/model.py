@@ -342,14 +342,18 @@ class CostModel:
         """(host seconds, device seconds) of one node run eagerly: a kernel node costs the host
         its launches (``host_op_s[op]`` where the profile measured that op, else launches *
         launch_overhead_s) and the device its roofline time; a node with no kernel costs the host
-        ``host_node_s`` on a GPU (an ATen view / metadata op; 0 on a CPU profile, as NodeCost
-        prices it) and placeholders, outputs, get_attr and Python builtins (getitem) nothing."""
+        ``host_node_s`` on a GPU (an ATen view / metadata op; ``host_op_s`` of a view op where
+        measured; 0 on a CPU profile, as NodeCost prices it); placeholders, outputs, get_attr and
+        Python builtins (getitem) cost nothing."""
         if not _dispatches(node):
             return 0.0, 0.0
         flops, nbytes, launches, kind = self.flops_bytes(node)
         p = self.profile
         if kind == "free" or not launches:
-            return (p.host_node_s if p.kind == "cuda" else 0.0), 0.0
+            if p.kind != "cuda":
+                return 0.0, 0.0
+            name = _op_name(node)
+            return (p.host_op_s.get(name, p.host_node_s) if name in VIEW_OPS else p.host_node_s), 0.0
         if kind == "region":
             c = self.node_cost(node)
             return launches * p.launch_overhead_s, c.time_s

@@ -32,8 +32,9 @@ core)
   precision ;;
 cost)
   timeout 150 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | tail -32; echo "### calibrate ${SECONDS}s"
-  timeout $((590 - SECONDS)) python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" \
-    --out "$OUT" 2>&1 | quiet | grep -v "^E[0-9]" | tail -80
+  prof=(); [ -s "$OUT/h200-calibrated.json" ] && prof=(--profile "$OUT/h200-calibrated.json")
+  timeout $((590 - SECONDS)) python3 benchmarks/cost_model_accuracy.py ${prof[@]+"${prof[@]}"} --out "$OUT" 2>&1 | quiet \
+    | grep -v "^E[0-9]" | tail -80
   echo "### accuracy ${SECONDS}s" ;;
 kernels)
   timeout 90 python3 benchmarks/bench_kernels.py --reps 30 --no-compile --out "$OUT/kernels" 2>&1 | tail -12 ;;

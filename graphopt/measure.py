@@ -5,12 +5,15 @@
     table = accuracy_table(gm, (args, kwargs), CostModel(profile))
 
 * :func:`measure_nodes` runs the graph node by node (a ``torch.fx.Interpreter``), each
-  ``call_function`` node timed alone: the device synchronized before it, CUDA events around it
-  on CUDA (so the time includes the host's dispatch of that op, as the cost model's launch
-  overhead does), ``perf_counter`` on the CPU; the median over ``reps`` runs.
-* :func:`accuracy_table`: per node predicted vs measured, the Spearman rank correlation over the
-  nodes the model gives a nonzero cost, and the whole graph predicted vs measured (the whole
-  graph is timed as one call, not as the sum of its nodes).
+  ``call_function`` node timed alone: on CUDA its op is called ``inner`` (10) times back to back
+  between two CUDA events after a synchronization, nothing inside (a node then costs what it
+  costs in a stream of ops: the longer of its device time and its host dispatch + launch), and
+  the host's issue time of that loop is kept too; ``perf_counter`` on the CPU; the median over
+  ``reps`` runs.
+* :func:`accuracy_table`: per node predicted (``CostModel.node_loop_s``) vs measured, Spearman
+  over the nodes with a nonzero predicted time and over the "heavy" ones (measured above 3x the
+  launch overhead), and the whole call timed as one call against ``CostModel.execution_cost``
+  (the eager host/device queue, or a graphed replay when ``call`` replays one).
 * :func:`busy_fraction`: GPU kernel time / wall time of a call (torch.profiler: the union of the
   device activity intervals over a few calls, divided by the median unprofiled wall time of a
   call). ``None`` on the CPU.

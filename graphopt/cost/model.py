@@ -9,9 +9,10 @@ scale/fixed are the profile's fitted GEMM and convolution efficiencies (`graphop
 
 Whole-graph time of an execution (:meth:`CostModel.execution_cost`): a host/device queue.
 
-eager (GPU):  the host issues the nodes in order, each costing host time: launches *
-              launch_overhead_s for a kernel node, host_node_s for a node that launches none (a
-              view or metadata op), nothing for Python builtins (getitem) and placeholders. A
+eager (GPU):  the host issues the nodes in order, each costing host time: a kernel node its
+              op's measured host time (host_op_s, from `graphopt calibrate`) or launches *
+              launch_overhead_s, a node that launches none (a view or metadata op) host_node_s
+              (or its host_op_s), Python builtins (getitem) and placeholders nothing. A
               kernel starts at max(its issue time, the previous kernel's end) and runs gpu(node);
               an op that synchronizes with the host (.item(), nonzero) makes the host wait for
               the device. Time = max(host end, device end): host-bound graphs cost their host time.

@@ -2,6 +2,7 @@
 # One device call per step (outputs under $OUT); each step installs graphopt and builds the kernels first.
 #   core     every cuda-marked test, calibrate (with the efficiency fits), cost-model accuracy with
 #            that profile, precision=auto vs hand-converted bf16
+#   cost     calibrate (host costs, attention fit included), then cost_model_accuracy.py with that profile
 #   kernels  the kernel bandwidth table
 #   models   run_models.py for the configs in $2 (MODEL:BATCH,...)
 #   ckpt     checkpoint_bench.py, then the precision diagnostic and run_models for $2
@@ -26,9 +27,15 @@ core)
   timeout 150 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
   tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
   timeout 120 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | tail -26; echo "### calibrate ${SECONDS}s"
-  timeout 200 python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" --out "$OUT" 2>&1 | grep "^|" | tail -8
+  timeout 200 python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" --out "$OUT" 2>&1 | grep "^|" | head -14
   echo "### accuracy ${SECONDS}s"
   precision ;;
+cost)
+  timeout 150 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | tail -32; echo "### calibrate ${SECONDS}s"
+  prof=(); [ -s "$OUT/h200-calibrated.json" ] && prof=(--profile "$OUT/h200-calibrated.json")
+  timeout $((590 - SECONDS)) python3 benchmarks/cost_model_accuracy.py ${prof[@]+"${prof[@]}"} --out "$OUT" 2>&1 | quiet \
+    | grep -v "^E[0-9]" | tail -80
+  echo "### accuracy ${SECONDS}s" ;;
 kernels)
   timeout 90 python3 benchmarks/bench_kernels.py --reps 30 --no-compile --out "$OUT/kernels" 2>&1 | tail -12 ;;
 models)

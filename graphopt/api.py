@@ -96,11 +96,24 @@ class OptimizedModule(nn.Module):
                                     "outputs " + ("reused, valid until the next call)" if reuse_outputs else "cloned)"))
             except GraphoptError:
                 pass
+        self._predict_execution(decision.on, reuse_outputs)
         if self._lower_note in self.report.notes:
             self.report.notes.remove(self._lower_note)
         self.report.notes.append(note)
         self._lower_note = note
         return self
+
+    def _predict_execution(self, graphed: bool, reuse_outputs: bool = False) -> None:
+        """The report's predicted time after optimizing is that of the execution calls get: one
+        replayed CUDA graph, or the graph run eagerly (graphopt.cost.model.execution_cost)."""
+        ex = getattr(self.report, "execution", None)
+        if not ex or "after" not in ex:
+            return
+        mode = ("graphed_reuse_outputs" if reuse_outputs else "graphed") if graphed else "eager"
+        if mode not in ex["after"]:
+            mode = "eager"
+        ex["mode"] = mode
+        self.report.predicted_s_after = ex["after"][mode]["predicted_ms"] / 1e3
 
     @property
     def runner(self):
@@ -399,6 +412,7 @@ def optimize(
             raise GraphoptError("memory_budget applies to training; pass training=True (inference saves no activations)")
         memory_budget = parse_memory_budget(memory_budget)
     profile, profile_note = get_profile(target if target is not None else model_dev)
+    run_profile = profile  # the device as it runs eager kernels: the execution-time predictions use it
     if (cuda_graphs is not False and not training and not dynamic and profile.kind == "cuda"
             and model_dev.type == "cuda" and profile.launch_overhead_graph_s < profile.launch_overhead_s):
         # static-shape inference on a GPU replays a CUDA graph when it pays (graphopt.lower): plan
@@ -428,6 +442,8 @@ def optimize(
                                schedule=schedule)
         pipeline = assemble(passes, disable)
         before = cost.graph_cost(gm, hints)
+        run_cost = CostModel(run_profile)
+        execution = {"before": run_cost.execution_cost(gm, hints, "eager").as_dict()}
 
         acc_info: dict = {"checked": False}
         check = None
@@ -442,6 +458,11 @@ def optimize(
 
         results = PassManager(pipeline, check).run(gm, ctx)
         after = cost.graph_cost(gm, hints)
+        execution["after"] = {"eager": run_cost.execution_cost(gm, hints, "eager").as_dict()}
+        if run_profile.kind == "cuda":
+            execution["after"]["graphed"] = run_cost.execution_cost(gm, hints, "graphed").as_dict()
+            execution["after"]["graphed_reuse_outputs"] = run_cost.execution_cost(
+                gm, hints, "graphed", reuse_outputs=True).as_dict()
         if check is not None:
             final = check(gm, ctx.low_precision)
             acc_info = {"checked": True, **final.as_dict()}
@@ -460,8 +481,8 @@ def optimize(
         target=profile.name,
         profile={"name": profile.name, "description": profile.description},
         capture={"method": cap.method, "export_error": cap.export_error, "dynamic": {k: {str(a): d for a, d in v.items()} for k, v in cap.dynamic.items()}},
-        predicted_s_before=before.total_s,
-        predicted_s_after=after.total_s,
+        predicted_s_before=execution["before"]["predicted_ms"] / 1e3,
+        predicted_s_after=execution["after"]["eager"]["predicted_ms"] / 1e3,  # graphed: set by set_cuda_graphs
         cost_before=before.as_dict(),
         cost_after=after.as_dict(),
         passes=results,
@@ -470,6 +491,7 @@ def optimize(
         optimize_seconds=time.perf_counter() - t_start,
         notes=notes,
         top_nodes=[{"node": c.node, "op": c.op, "ms": c.time_s * 1e3, "bound": c.bound} for c in top if c.time_s > 0],
+        execution=execution,
     )
     plan = ctx.options.get("partition_plan")
     if plan is not None:

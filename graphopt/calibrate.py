@@ -6,7 +6,9 @@
 On CUDA: dense matmul rate per dtype (bf16, fp16, fp32 without TF32, fp32 with TF32 as "tf32",
 fp64) at 8192^3 (4096^3 with --quick), device copy bandwidth (read + write of a 1 GiB copy,
 256 MiB with --quick), launch overhead (many tiny kernels back to back, wall time per kernel; and
-the same kernels replayed from a CUDA graph), SDPA rate (bf16 flash attention), host<->device
+the same kernels replayed from a CUDA graph), the host time of an fx node
+(``host_node_s``: a GraphModule of back-to-back views) and of a kernel launch from a GraphModule
+(``launch_overhead_s``: back-to-back tiny aten.add nodes, host issue time), SDPA rate (bf16 flash attention), host<->device
 bandwidth (pinned memory) and device<->device bandwidth when there are two GPUs. The
 elementwise rate is the fp32 (no TF32) matmul rate (the SIMT FMA rate). ``conv_nchw_slowdown``
 and int8 are kept from the shipped profile of the same GPU when there is one.
@@ -92,6 +94,10 @@ CONV_SHAPES = [(64, 64, 56, 56, 64, 3, 1), (64, 64, 56, 56, 256, 1, 1), (64, 256
                (64, 128, 28, 28, 128, 3, 1), (64, 512, 28, 28, 128, 1, 1), (64, 256, 14, 14, 256, 3, 1),
                (64, 1024, 14, 14, 256, 1, 1), (64, 512, 7, 7, 512, 3, 1), (64, 2048, 7, 7, 512, 1, 1),
                (64, 3, 224, 224, 64, 7, 2), (8, 256, 14, 14, 256, 3, 1), (1, 64, 56, 56, 64, 3, 1)]
+# (batch, heads, seq, head dim, mask): BERT-base (additive padding mask), ViT-B/16 (none), GLM-4 (causal)
+ATTENTION_SHAPES = [(64, 12, 128, 64, "mask"), (1, 12, 128, 64, "mask"), (64, 12, 197, 64, None),
+                    (1, 12, 197, 64, None), (1, 32, 1024, 128, "causal"), (8, 32, 1024, 128, "causal"),
+                    (4, 32, 2048, 128, "causal"), (8, 16, 512, 64, None)]
 COPY_BYTES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
 
@@ -135,6 +141,24 @@ def _conv_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
                           5 if quick else 10)
         out.append((2.0 * y.numel() * cin * kk * kk, t))
         del x, wt, y
+    return out
+
+
+def _attention_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
+    """(FLOPs as the cost model counts them, seconds) of SDPA on model-shaped inputs."""
+    import torch.nn.functional as F
+
+    out = []
+    for b, h, s, d, kind in (ATTENTION_SHAPES[::2] if quick else ATTENTION_SHAPES):
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
+        mask = None
+        if kind == "mask":  # HF's expanded padding mask: [B, 1, S, S], a broadcast view
+            mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).expand(b, 1, s, s)
+        causal = kind == "causal"
+        t = _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal), device,
+                          5 if quick else 10)
+        out.append((4.0 * b * h * s * s * d / (2 if causal else 1), t))
+        del q, k, v, mask
     return out
 
 
@@ -209,6 +233,122 @@ def _launch_overhead(device, n: int = 2000) -> tuple[float, float | None]:
     return best, graph_s
 
 
+def host_costs(device) -> tuple[float, float]:
+    """(host_node_s, per-launch host seconds) on ``device``: the host's issue time per node of a
+    GraphModule of back-to-back views, and of back-to-back tiny kernels
+    (graphopt.cost.profiles.measure_host_seconds), what the cost model's host/device queue
+    charges per fx node."""
+    from .cost.profiles import measure_host_seconds
+
+    device = torch.device(device)
+    return measure_host_seconds(device, launches=False), measure_host_seconds(device, launches=True)
+
+
+def _host_op_samples(device, dtype) -> dict:
+    """op name (as graphopt.cost.model names nodes) -> (callable, args, kwargs) on tiny tensors
+    shaped like a transformer/CNN layer's (the shapes pick the same kernels: SDPA's flash path,
+    cuBLASLt's bias epilogue), for the per-op host time."""
+    aten = torch.ops.aten
+    r = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
+    x2, x3, w, b = r(8, 64), r(2, 8, 64), r(64, 64), r(64)
+    q = r(1, 4, 16, 64)
+    img, wc = r(1, 8, 8, 8), r(8, 8, 3, 3)
+    idx = torch.randint(0, 64, (2, 8), device=device)
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    out = {
+        "linear": (aten.linear.default, (x3, w, b), {}),
+        "mm": (aten.mm.default, (x2, w), {}),
+        "addmm": (aten.addmm.default, (b, x2, w), {}),
+        "bmm": (aten.bmm.default, (x3, r(2, 64, 8)), {}),
+        "_addmm_activation": (aten._addmm_activation.default, (b, x2, w), {}),
+        "layer_norm": (aten.layer_norm.default, (x3, [64], b, b, 1e-5), {}),
+        "native_layer_norm": (aten.native_layer_norm.default, (x3, [64], b, b, 1e-5), {}),
+        "_softmax": (aten._softmax.default, (x3, -1, False), {}),
+        "softmax": (aten.softmax.int, (x3, -1), {}),
+        "scaled_dot_product_attention": (aten.scaled_dot_product_attention.default, (q, q, q), {}),
+        "gelu": (aten.gelu.default, (x3,), {}),
+        "silu": (aten.silu.default, (x3,), {}),
+        "relu": (aten.relu.default, (x3,), {}),
+        "tanh": (aten.tanh.default, (x3,), {}),
+        "add": (aten.add.Tensor, (x3, x3), {}),
+        "mul": (aten.mul.Tensor, (x3, x3), {}),
+        "where": (aten.where.self, (x3 > 0, x3, x3), {}),
+        "embedding": (aten.embedding.default, (w, idx), {}),
+        "cat": (aten.cat.default, ([x3, x3], -1), {}),
+        "clone": (aten.clone.default, (x3,), {}),
+        "_to_copy": (aten._to_copy.default, (x3,), {"dtype": other}),
+        "mean": (aten.mean.dim, (x3, [-1], True), {}),
+        "conv2d": (aten.conv2d.default, (img, wc, None, [1, 1], [1, 1]), {}),
+        "max_pool2d": (aten.max_pool2d.default, (img, [3, 3], [2, 2], [1, 1]), {}),
+        "adaptive_avg_pool2d": (aten.adaptive_avg_pool2d.default, (img, [1, 1]), {}),
+        # views: no kernel, host time only (the cost model's VIEW_OPS names)
+        "view": (aten.view.default, (x3, [16, 64]), {}),
+        "_unsafe_view": (aten._unsafe_view.default, (x3, [16, 64]), {}),
+        "t": (aten.t.default, (w,), {}),
+        "transpose": (aten.transpose.int, (x3, 1, 2), {}),
+        "permute": (aten.permute.default, (x3, [0, 2, 1]), {}),
+        "unsqueeze": (aten.unsqueeze.default, (x3, 1), {}),
+        "squeeze": (aten.squeeze.dim, (q, 0), {}),
+        "select": (aten.select.int, (x3, 1, 0), {}),
+        "slice": (aten.slice.Tensor, (x3, 2, 0, 32), {}),
+        "expand": (aten.expand.default, (b, [8, 64]), {}),
+        "split_with_sizes": (aten.split_with_sizes.default, (x3, [32, 32], -1), {}),
+        "unflatten": (aten.unflatten.int, (x3, -1, [4, 16]), {}),
+        "alias": (aten.alias.default, (x3,), {}),
+        "detach": (aten.detach.default, (x3,), {}),
+    }
+    g = getattr(torch.ops, "graphopt", None)
+    if g is not None:
+        try:
+            out.update({
+                "add_layer_norm": (g.add_layer_norm.default, (x3, x3, b, b, 1e-5), {}),
+                "add_rms_norm": (g.add_rms_norm.default, (x3, x3, b, 1e-6), {}),
+                "bias_act": (g.bias_act.default, (x3, b, "gelu", None), {}),
+                "swiglu": (g.swiglu.default, (r(2, 8, 128),), {}),
+                "rotary": (g.rotary.default, (q, q, r(1, 16, 64), r(1, 16, 64), False), {}),
+                "softmax_mask": (g.softmax_mask.default, (x3, 0.125, None), {}),
+                "conv_bias_relu": (g.conv_bias_relu.default, (img, wc, r(8), None, [1, 1], [1, 1], [1, 1], 1), {}),
+                "fused_pointwise": (g.fused_pointwise.default, (
+                    "%0 = input 0\n%1 = input 1\n%2 = add %0 %1\n%3 = gelu %2\nout %3 "
+                    + {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32"), [x3, x3]), {}),
+            })
+        except (AttributeError, RuntimeError):  # the graphopt ops are not registered here
+            pass
+    return out
+
+
+def host_op_costs(device, dtype=None, n: int = 50, reps: int = 3) -> dict[str, float]:
+    """Host seconds per call of common ops ({op name: seconds}): the time the host takes to issue
+    ``n`` back-to-back calls on tiny tensors (perf_counter before synchronizing: the queue of a
+    few hundred launches never fills, so the device's time does not show), best of ``reps``.
+    An op that fails here (not supported on this device or dtype) is left out: the cost model
+    then charges its launches * launch_overhead_s."""
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cuda = device.type == "cuda"
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        for name, (fn, args, kwargs) in _host_op_samples(device, dtype).items():
+            try:
+                fn(*args, **kwargs)  # first call: compile / pick the kernel
+                fn(*args, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                best = float("inf")
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        fn(*args, **kwargs)
+                    best = min(best, time.perf_counter() - t0)
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                out[name] = best / n
+            except Exception:  # noqa: BLE001 - an op this device/dtype lacks keeps the default
+                continue
+    return out
+
+
 def _h2d_d2h(device, nbytes: int) -> tuple[float, float]:
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -249,7 +389,8 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
         prof.peak_flops["sdpa"] = _sdpa_rate(device, quick)
         prof.launch_overhead_graph_s = prof.launch_overhead_s
         prof.description = f"{prof.description.replace(', measured at first use', '')}; {stamp} (torch {torch.__version__})"
-        prof.source = {"all": stamp, "sdpa": f"{stamp} (peak_flops['sdpa'], fp32)"}
+        prof.source = {"all": stamp, "sdpa": f"{stamp} (peak_flops['sdpa'], fp32)",
+                       "host_node": f"{stamp}: host time per node of a GraphModule of back-to-back views"}
         return prof
 
     props = torch.cuda.get_device_properties(device)
@@ -291,12 +432,24 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             conv = _conv_samples(device, torch.bfloat16, quick)
             extra_fit.update(zip(("conv_scale", "conv_fixed_s"), _fit_efficiency(conv, peak["bfloat16"])))
             source["conv_efficiency"] = f"{stamp}: the same fit on {len(conv)} ResNet-50 convolutions"
+            say("attention efficiency (BERT/ViT/GLM-shaped bf16 SDPA)")
+            attn = _attention_samples(device, torch.bfloat16, quick)
+            extra_fit.update(zip(("attention_scale", "attention_fixed_s"), _fit_efficiency(attn, peak["bfloat16"])))
+            source["attention_efficiency"] = (f"{stamp}: the same fit on {len(attn)} bf16 SDPA calls shaped like "
+                                              "BERT-base (padding mask), ViT-B/16 and GLM-4 (causal) attention")
             say("memory-bound kernel fixed time")
             extra_fit["kernel_fixed_s"] = _copy_fixed(device, bw, quick)
             source["kernel_fixed"] = f"{stamp}: median of (t - bytes / bandwidth) over 1-256 MiB copies"
             say("launch overhead")
-            launch, launch_graph = _launch_overhead(device)
-            source["launch"] = f"{stamp} (wall time per tiny kernel, 2000 back to back)"
+            launch_wall, launch_graph = _launch_overhead(device)
+            say("host time per fx node (views, tiny kernels)")
+            host_node, launch = host_costs(device)
+            source["launch"] = (f"{stamp}: host time per kernel node of a GraphModule of 400 tiny aten.add nodes "
+                                f"(issue time, before synchronizing); {launch_wall * 1e6:.2f} us wall per tiny "
+                                "kernel launched from Python, 2000 back to back")
+            source["host_node"] = (f"{stamp}: host time per node of a GraphModule of 400 back-to-back views "
+                                   "(aten.t/unsqueeze/view/squeeze)")
+            extra_fit["host_node_s"] = host_node
             link: dict[str, float] = {}
             say("host<->device (pinned)")
             h2d, d2h = _h2d_d2h(device, (64 << 20) if quick else (256 << 20))
@@ -310,6 +463,11 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             elif base is not None and "nvlink" in base.link_bandwidth:
                 link["nvlink"] = base.link_bandwidth["nvlink"]
                 source["nvlink"] = f"kept from the shipped {base.name} profile (one GPU here)"
+            # last: the custom ops among these run graphopt's own kernels on odd small shapes
+            say("host time per op (tiny bf16 tensors)")
+            extra_fit["host_op_s"] = host_op_costs(device, torch.bfloat16)
+            source["host_op"] = (f"{stamp}: host issue time per call of each op on tiny bf16 tensors, 50 back to "
+                                 "back (CostModel.execution_cost charges it instead of launches * launch_overhead_s)")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
     source["elementwise"] = "the measured fp32 (no TF32) matmul rate"
@@ -371,9 +529,17 @@ def run_cli(args) -> int:
     t.add_row("device bandwidth", _fmt_rate(prof.bandwidth, "B/s"))
     t.add_row("launch overhead", f"{prof.launch_overhead_s * 1e6:.2f} µs")
     t.add_row("launch in a CUDA graph", f"{prof.launch_overhead_graph_s * 1e6:.2f} µs")
+    t.add_row("host time per view node", f"{prof.host_node_s * 1e6:.2f} µs")
+    if prof.host_op_s:
+        ops = sorted(prof.host_op_s.items(), key=lambda kv: -kv[1])
+        t.add_row(f"host time per op ({len(ops)} ops)", ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in ops[:6])
+                  + (", …" if len(ops) > 6 else ""))
     if prof.kind == "cuda":
         t.add_row("GEMM efficiency", f"{prof.matmul_scale:.0%} of peak + {prof.matmul_fixed_s * 1e6:.1f} µs")
         t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak + {prof.conv_fixed_s * 1e6:.1f} µs")
+        if prof.attention_scale is not None:
+            t.add_row("attention efficiency", f"{prof.attention_scale:.0%} of peak + "
+                                              f"{(prof.attention_fixed_s or 0) * 1e6:.1f} µs")
         t.add_row("memory-bound kernel fixed time", f"{prof.kernel_fixed_s * 1e6:.1f} µs")
     for k, v in prof.link_bandwidth.items():
         t.add_row(f"link {k}", _fmt_rate(v, "B/s"))

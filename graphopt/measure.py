@@ -5,12 +5,15 @@
     table = accuracy_table(gm, (args, kwargs), CostModel(profile))
 
 * :func:`measure_nodes` runs the graph node by node (a ``torch.fx.Interpreter``), each
-  ``call_function`` node timed alone: the device synchronized before it, CUDA events around it
-  on CUDA (so the time includes the host's dispatch of that op, as the cost model's launch
-  overhead does), ``perf_counter`` on the CPU; the median over ``reps`` runs.
-* :func:`accuracy_table`: per node predicted vs measured, the Spearman rank correlation over the
-  nodes the model gives a nonzero cost, and the whole graph predicted vs measured (the whole
-  graph is timed as one call, not as the sum of its nodes).
+  ``call_function`` node timed alone: on CUDA its op is called ``inner`` (10) times back to back
+  between two CUDA events after a synchronization, nothing inside (a node then costs what it
+  costs in a stream of ops: the longer of its device time and its host dispatch + launch), and
+  the host's issue time of that loop is kept too; ``perf_counter`` on the CPU; the median over
+  ``reps`` runs.
+* :func:`accuracy_table`: per node predicted (``CostModel.node_loop_s``) vs measured, Spearman
+  over the nodes with a nonzero predicted time and over the "heavy" ones (measured above 3x the
+  launch overhead), and the whole call timed as one call against ``CostModel.execution_cost``
+  (the eager host/device queue, or a graphed replay when ``call`` replays one).
 * :func:`busy_fraction`: GPU kernel time / wall time of a call (torch.profiler: the union of the
   device activity intervals over a few calls, divided by the median unprofiled wall time of a
   call). ``None`` on the CPU.
@@ -62,52 +65,68 @@ def graph_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
 
 
 class _NodeTimer(fx.Interpreter):
-    """Times each call_function node. On a GPU the node runs ``inner`` times back to back between
-    two events (the graph is functional, so a rerun computes the same value): a kernel then costs
-    what it costs inside a running model, the longer of its device time and its launch, not the
-    latency of one isolated launch and synchronization."""
+    """Times each call_function node. The node's arguments are fetched once; on a GPU its op then
+    runs ``inner`` times back to back between two CUDA events, with no synchronization inside
+    (the graph is functional, so a rerun computes the same value): a node costs what it costs in a
+    stream of ops, the longer of its device time and its host time (dispatch + launch), and a tiny
+    node measures its real launch-bound time, with no interpreter overhead and nothing
+    subtracted. The host's issue time of the same loop (perf_counter, before the closing event
+    is waited on) is kept too. On the CPU the op runs once, timed with perf_counter."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, inner: int = 10):
         super().__init__(gm)
         self.device = device
         self.inner = max(1, inner)
         self.times: dict[str, float] = {}
+        self.host: dict[str, float] = {}
 
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
             return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        fn = n.target
         dev = self.device
         if dev.type == "cuda":
-            out = super().run_node(n)
+            out = fn(*args, **kwargs)
             torch.cuda.synchronize(dev)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             for _ in range(self.inner):
-                super().run_node(n)
+                fn(*args, **kwargs)
+            host = time.perf_counter() - t0
             end.record()
             end.synchronize()
             self.times[n.name] = start.elapsed_time(end) / 1e3 / self.inner
+            self.host[n.name] = host / self.inner
         else:
             t = time.perf_counter()
-            out = super().run_node(n)
-            self.times[n.name] = time.perf_counter() - t
+            out = fn(*args, **kwargs)
+            self.times[n.name] = self.host[n.name] = time.perf_counter() - t
         return out
 
 
-def measure_nodes(gm: fx.GraphModule, flat_inputs, device=None, reps: int = 5, warmup: int = 1) -> dict[str, float]:
-    """Seconds per ``call_function`` node of ``gm`` ({node name: median over ``reps`` runs}).
-    ``flat_inputs``: the placeholder values in order (see :func:`graph_inputs`)."""
+def measure_nodes(gm: fx.GraphModule, flat_inputs, device=None, reps: int = 5, warmup: int = 1, *,
+                  inner: int = 10, detail: bool = False) -> dict:
+    """Seconds per ``call_function`` node of ``gm`` ({node name: median over ``reps`` runs}, each
+    run timing ``inner`` back-to-back calls of the node on a GPU, see _NodeTimer).
+    ``flat_inputs``: the placeholder values in order (see :func:`graph_inputs`). ``detail``:
+    ``{name: (seconds per call, host issue seconds per call)}`` instead."""
     flat_inputs = list(flat_inputs)
     device = torch.device(device) if device is not None else _device_of(gm, flat_inputs)
     samples: dict[str, list[float]] = {}
+    host: dict[str, list[float]] = {}
     with torch.inference_mode():
         for i in range(warmup + max(1, reps)):
-            timer = _NodeTimer(gm, device)
+            timer = _NodeTimer(gm, device, inner)
             timer.run(*flat_inputs)
             _sync(device)
             if i >= warmup:
                 for k, v in timer.times.items():
                     samples.setdefault(k, []).append(v)
+                    host.setdefault(k, []).append(timer.host[k])
+    if detail:
+        return {k: (statistics.median(v), statistics.median(host[k])) for k, v in samples.items()}
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -160,11 +179,21 @@ def spearman(a, b) -> float | None:
 
 
 def accuracy_table(gm: fx.GraphModule, inputs, cost_model, hints: dict | None = None, *, reps: int = 5,
-                   whole_reps: int = 10, device=None, call=None) -> dict:
-    """Per node predicted vs measured, Spearman over nodes with nonzero predicted cost, and the
-    whole graph predicted vs measured. ``inputs``: the example inputs (a tensor, a tuple of args,
-    a dict of kwargs or ``(args, kwargs)``). ``call``: what to time as the whole graph (default
-    ``gm(*args, **kwargs)``)."""
+                   whole_reps: int = 10, device=None, call=None, execution: str = "eager",
+                   heavy_factor: float = 3.0, inner: int = 10) -> dict:
+    """Per node predicted vs measured, and the whole call predicted vs measured.
+
+    Per node: measured = seconds per call of the node run ``inner`` times back to back (see
+    :func:`measure_nodes`); predicted = ``cost_model.node_loop_s`` (the longer of the node's host
+    and device time on a GPU, their sum on the CPU; a view costs the host ``host_node_s``).
+    Two rank correlations (Spearman): ``spearman`` over every node with a nonzero predicted time
+    ("costed nodes"), ``spearman_heavy`` over the nodes measured above ``heavy_factor`` x the
+    profile's launch overhead ("heavy nodes": those whose device time shows above launch noise).
+
+    Whole: ``call`` (default ``gm(*args, **kwargs)``, run eagerly) timed as one call, against
+    ``cost_model.execution_cost(gm, hints, execution)`` ("eager", or "graphed" when ``call``
+    replays a CUDA graph). ``inputs``: the example inputs (a tensor, a tuple of args, a dict of
+    kwargs or ``(args, kwargs)``)."""
     from .capture import split_inputs
 
     args, kwargs = split_inputs(inputs)
@@ -172,28 +201,59 @@ def accuracy_table(gm: fx.GraphModule, inputs, cost_model, hints: dict | None = 
     device = torch.device(device) if device is not None else _device_of(gm, flat)
     hints = hints if hints is not None else ir.shape_hints(gm)
     cost = cost_model.graph_cost(gm, hints)
-    measured = measure_nodes(gm, flat, device, reps=reps)
+    ex = cost_model.execution_cost(gm, hints, execution)
+    measured = measure_nodes(gm, flat, device, reps=reps, inner=inner, detail=True)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    profile = cost_model.profile
     rows = []
     for c in cost.nodes:
         if c.node not in measured:
             continue
-        rows.append({"node": c.node, "op": c.op, "bound": c.bound, "predicted_ms": float(c.time_s) * 1e3,
-                     "measured_ms": measured[c.node] * 1e3})
+        node = by_name[c.node]
+        host, dev = cost_model.node_times(node)
+        loop_s, host_s = measured[c.node]
+        rows.append({"node": c.node, "op": c.op, "bound": c.bound,
+                     "predicted_ms": float(cost_model.node_loop_s(node, hints)) * 1e3,
+                     "measured_ms": loop_s * 1e3,
+                     "predicted_host_ms": float(ir.concrete(host, hints)) * 1e3,
+                     "predicted_device_ms": float(ir.concrete(dev, hints)) * 1e3,
+                     "measured_host_ms": host_s * 1e3,
+                     "launches": c.launches})
     costed = [r for r in rows if r["predicted_ms"] > 0]
+    threshold_ms = heavy_factor * profile.launch_overhead_s * 1e3
+    heavy = [r for r in costed if r["measured_ms"] > threshold_ms]
+    kernels = [r for r in rows if r["launches"] > 0]
     rho = spearman([r["predicted_ms"] for r in costed], [r["measured_ms"] for r in costed])
+    rho_heavy = spearman([r["predicted_ms"] for r in heavy], [r["measured_ms"] for r in heavy])
+    rho_kernels = spearman([r["predicted_ms"] for r in kernels], [r["measured_ms"] for r in kernels])
     fn = call if call is not None else (lambda: gm(*args, **kwargs))
     whole = measure_call(fn, device, reps=whole_reps)
-    pred = float(cost.total_s)
+    pred = float(ex.total_s)
+    views = [r["measured_host_ms"] for r in rows if r["launches"] == 0 and r["op"] != "getitem"]
+    launched = [r["measured_host_ms"] / r["launches"] for r in rows if r["launches"] > 0]
     return {
         "device": str(device),
-        "profile": cost_model.profile.name,
+        "profile": profile.name,
+        "execution": execution,
         "nodes_total": len(rows),
         "nodes_costed": len(costed),
+        "nodes_heavy": len(heavy),
+        "heavy_threshold_ms": threshold_ms,
         "spearman": rho,
+        "spearman_heavy": rho_heavy,
+        "spearman_kernels": rho_kernels,
         "predicted_ms": pred * 1e3,
+        "predicted_host_ms": ex.host_s * 1e3,
+        "predicted_device_ms": ex.device_s * 1e3,
+        "predicted_busy": ex.busy,
+        "predicted_node_sum_ms": float(cost.total_s) * 1e3,
         "measured_ms": whole * 1e3,
         "node_sum_ms": sum(r["measured_ms"] for r in rows),
         "error_pct": (pred - whole) / whole * 100 if whole > 0 else None,
+        # the host cost per fx node measured inside this graph (medians): compare with the
+        # profile's host_node_s and launch_overhead_s
+        "measured_host_node_us": statistics.median(views) * 1e3 if views else None,
+        "measured_host_launch_us": statistics.median(launched) * 1e3 if launched else None,
         "nodes": rows,
     }
 
@@ -260,6 +320,15 @@ def busy_fraction(fn, device, calls: int = 5, reps: int = 10, warmup: int = 3) -
 # ------------------------------------------------------------------------------------ explain --measure
 
 
+def module_execution(opt) -> str:
+    """How calls of an OptimizedModule run: "graphed" (CUDA graph replay, outputs cloned),
+    "graphed_reuse_outputs" or "eager"."""
+    runner = getattr(opt, "runner", None)
+    if runner is None or not runner.active or opt._modules.get("placed") is not None:
+        return "eager"
+    return "graphed_reuse_outputs" if getattr(runner, "reuse_outputs", False) else "graphed"
+
+
 def measure_report(opt, model, inputs, *, profile=None, reps: int = 5, top: int = 20) -> dict:
     """Fill ``opt.report.measured``: the captured-before graph (captured again with
     graphopt.capture) and the optimized graph measured node by node and whole, beside the cost
@@ -285,6 +354,9 @@ def measure_report(opt, model, inputs, *, profile=None, reps: int = 5, top: int 
     after_gm = opt.graph_module
     after = accuracy_table(after_gm, (args, kwargs), cost, hints=ir.shape_hints(after_gm), reps=reps, device=device)
     module_ms = measure_call(lambda: opt(*args, **kwargs), device, reps=10) * 1e3
+    mode = module_execution(opt)
+    module_pred_ms = cost.execution_cost(after_gm, ir.shape_hints(after_gm), "graphed" if mode != "eager" else "eager",
+                                         reuse_outputs=mode == "graphed_reuse_outputs").total_s * 1e3
     bb = busy_fraction(lambda: before_gm(*args, **kwargs), device)
     ba = busy_fraction(lambda: opt(*args, **kwargs), device)
     rows = sorted(after["nodes"], key=lambda r: -r["predicted_ms"])[:top]
@@ -293,14 +365,17 @@ def measure_report(opt, model, inputs, *, profile=None, reps: int = 5, top: int 
         notes.append(f"predicted with the {profile.name} profile, measured on the CPU")
     measured = {
         "device": str(device),
-        "timing": "CUDA events, device synchronized around each node" if device.type == "cuda" else "perf_counter",
+        "timing": "CUDA events around 10 back-to-back runs of each node" if device.type == "cuda" else "perf_counter",
         "before_ms": before["measured_ms"],
         "after_ms": module_ms,
         "after_graph_ms": after["measured_ms"],
         "predicted_before_ms": before["predicted_ms"],
-        "predicted_after_ms": after["predicted_ms"],
+        "predicted_after_ms": module_pred_ms,
+        "execution_after": mode,
+        "predicted_after_graph_ms": after["predicted_ms"],
+        "error_after_graph_pct": after["error_pct"],
         "error_before_pct": before["error_pct"],
-        "error_after_pct": after["error_pct"],
+        "error_after_pct": (module_pred_ms - module_ms) / module_ms * 100 if module_ms > 0 else None,
         "spearman_before": before["spearman"],
         "spearman_after": after["spearman"],
         "busy_before": bb.get("busy"),

@@ -43,6 +43,9 @@ class Report:
     top_nodes: list[dict] = field(default_factory=list)
     measured: dict | None = None
     partition: dict | None = None  # the stage plan (graphopt.partition.StagePlan.as_dict()) for devices=
+    # predicted execution (CostModel.execution_cost): {"before": eager, "after": {"eager", "graphed"},
+    # "mode": the one calls use}; predicted_s_before/after are its "before" and "after"[mode]
+    execution: dict | None = None
 
     # ------------------------------------------------------------------ data
 
@@ -74,6 +77,7 @@ class Report:
             "notes": self.notes,
             "measured": self.measured,
             "partition": self.partition,
+            "execution": self.execution,
         }
 
     def to_json(self, indent: int = 1) -> str:
@@ -131,9 +135,16 @@ class Report:
                 self._render_checkpoints(console, p.details)
         cb, ca = self.cost_before, self.cost_after
         share = ca.get("bound_share", {})
+        ex = self.execution or {}
+        how = ""
+        if ex.get("before") and ex.get("mode") in ex.get("after", {}) and ex["before"]["mode"] != "serial":
+            b, a = ex["before"], ex["after"][ex["mode"]]
+            busy = lambda e: "" if e.get("busy") is None else f", GPU busy {e['busy']:.0%}"  # noqa: E731
+            how = (f" ({b['mode']}, {b['bound']}-bound{busy(b)} → "
+                   f"{'CUDA graph replay' if a['mode'] == 'graphed' else a['mode']}, {a['bound']}-bound{busy(a)})")
         console.print(
             f"[bold]predicted[/bold] {_ms(self.predicted_s_before)} ms → {_ms(self.predicted_s_after)} ms "
-            f"({speed:.2f}×)   roofline floor {_ms(ca['roofline_floor_ms'] / 1e3)} ms   "
+            f"({speed:.2f}×){how}   roofline floor {_ms(ca['roofline_floor_ms'] / 1e3)} ms   "
             f"kernels {cb['kernel_launches']} → {ca['kernel_launches']}   "
             f"peak memory {_mb(cb['peak_memory_bytes'])} → {_mb(ca['peak_memory_bytes'])}"
         )
@@ -223,8 +234,9 @@ class Report:
         console.print(f"[bold]measured[/bold] on {m.get('device')} ({m.get('timing', '')}): "
                       f"before {f(m.get('before_ms'))} ms (predicted {f(m.get('predicted_before_ms'))}"
                       f"{err(m.get('error_before_pct'))}) → after {f(m.get('after_ms'))} ms "
-                      f"(graph alone {f(m.get('after_graph_ms'))} ms, predicted {f(m.get('predicted_after_ms'))}"
-                      f"{err(m.get('error_after_pct'))})")
+                      f"(predicted {f(m.get('predicted_after_ms'))}{err(m.get('error_after_pct'))}, "
+                      f"{m.get('execution_after', 'eager')}; the graph run eagerly {f(m.get('after_graph_ms'))} ms, "
+                      f"predicted {f(m.get('predicted_after_graph_ms'))}{err(m.get('error_after_graph_pct'))})")
         console.print(f"[bold]GPU busy[/bold] (kernel time / wall time): before {pct(m.get('busy_before'))} → "
                       f"after {pct(m.get('busy_after'))}   rank correlation over nodes (Spearman): before "
                       f"{rho(m.get('spearman_before'))}, after {rho(m.get('spearman_after'))}")

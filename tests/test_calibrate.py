@@ -59,6 +59,9 @@ def test_calibrate_cuda_quick(tmp_path):
     for key in ("bfloat16", "float16", "float32", "tf32", "float64", "sdpa"):
         assert key in prof.peak_flops
     assert "pcie_h2d" in prof.link_bandwidth and prof.launch_overhead_graph_s > 0
+    assert 0 < prof.host_node_s < prof.launch_overhead_s and "host_node" in prof.source
+    assert {"linear", "scaled_dot_product_attention", "layer_norm"} <= set(prof.host_op_s)
+    assert 0 < prof.attention_scale <= 1 and prof.attention_fixed_s >= 0
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof.to_dict()))
     assert get_profile(str(path))[0].to_dict() == prof.to_dict()
@@ -75,3 +78,34 @@ def test_efficiency_fit_recovers_a_known_line():
     assert abs(scale - 0.8) < 1e-6 and abs(fixed - 4e-6) < 1e-9
     a, b = fit_line([1.0, 2.0, 3.0], [1.0, 3.0, 5.5])  # intercept would be negative
     assert b == 0.0 and a > 0
+
+
+def test_host_costs_measured_and_roundtrip(tmp_path):
+    """The host/device queue's inputs: host_node_s (back-to-back views in a GraphModule) and the
+    per-op host times; both travel through the profile JSON, and a profile without them loads
+    the defaults."""
+    import torch
+
+    from graphopt.calibrate import host_costs, host_op_costs
+    from graphopt.cost.profiles import view_chain
+
+    x = torch.randn(4, 4)
+    assert torch.equal(view_chain(8)(x), x) and torch.equal(view_chain(4)(x), x.t())
+    assert sum(1 for n in view_chain(12).graph.nodes if n.op == "call_function") == 12
+    node_s, launch_s = host_costs("cpu")
+    assert 0 < node_s < 1e-3 and 0 < launch_s < 1e-3
+    ops = host_op_costs("cpu", n=3, reps=1)
+    assert {"linear", "layer_norm", "scaled_dot_product_attention", "add"} <= set(ops)
+    assert all(v > 0 for v in ops.values())
+    prof = calibrate("cpu", quick=True)
+    assert prof.host_node_s > 0 and "host_node" in prof.source
+    prof.host_op_s = ops
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    back = get_profile(str(path))[0]
+    assert back.host_node_s == prof.host_node_s and back.host_op_s == ops
+    data = prof.to_dict()
+    del data["host_node_s"], data["host_op_s"]
+    path.write_text(json.dumps(data))
+    old = get_profile(str(path))[0]
+    assert old.host_node_s == DeviceProfile.__dataclass_fields__["host_node_s"].default and old.host_op_s == {}

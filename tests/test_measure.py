@@ -62,6 +62,12 @@ def test_accuracy_table_cpu():
     assert t["measured_ms"] > 0 and t["predicted_ms"] > 0
     assert t["nodes_costed"] >= 2 and -1 <= t["spearman"] <= 1
     assert all(r["measured_ms"] > 0 for r in t["nodes"])
+    # the whole call is predicted by the execution model (serial on a CPU profile)
+    assert t["execution"] == "eager" and t["predicted_busy"] is None
+    assert t["predicted_ms"] == pytest.approx(CostModel(profile).execution_cost(gm).total_s * 1e3)
+    assert t["heavy_threshold_ms"] == pytest.approx(3 * profile.launch_overhead_s * 1e3)
+    assert t["nodes_heavy"] <= t["nodes_costed"]
+    assert all({"predicted_host_ms", "predicted_device_ms", "measured_host_ms"} <= set(r) for r in t["nodes"])
     assert busy_fraction(lambda: gm(torch.randn(8, 64)), "cpu")["busy"] is None
 
 

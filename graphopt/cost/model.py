@@ -7,6 +7,25 @@ time(node) = max(gpu(node), launches * launch_overhead)      (GPU: launches over
 scale/fixed are the profile's fitted GEMM and convolution efficiencies (`graphopt calibrate`;
 1 and 0 in a profile that was not calibrated: the ideal roofline).
 
+Whole-graph time of an execution (:meth:`CostModel.execution_cost`): a host/device queue.
+
+eager (GPU):  the host issues the nodes in order, each costing host time: a kernel node its
+              op's measured host time (host_op_s, from `graphopt calibrate`) or launches *
+              launch_overhead_s, a node that launches none (a view or metadata op) host_node_s
+              (or its host_op_s), Python builtins (getitem) and placeholders nothing. A
+              kernel starts at max(its issue time, the previous kernel's end) and runs gpu(node);
+              an op that synchronizes with the host (.item(), nonzero) makes the host wait for
+              the device. Time = max(host end, device end): host-bound graphs cost their host time.
+graphed:      one replayed CUDA graph: the host copies the inputs into the static buffers, launches
+              the replay and clones the outputs (each a launch); inside the graph a kernel costs
+              max(gpu(node), launches * launch_overhead_graph_s) and views cost nothing.
+CPU:          the ops run synchronously: sum of launch + work over the nodes (views free, as the
+              planner prices them: ``host_node_s`` is measured on the CPU too but not charged).
+
+The per-node ``NodeCost.time_s`` above is what one node costs in a loop of itself (the steady
+state of the queue for one kernel: the longer of its device and its launch time); the passes
+compare those. ``execution_cost`` is what optimize() reports as the predicted time.
+
 Shapes may be symbolic (sympy); every quantity is then a sympy expression, evaluated with the
 example sizes (``hints``) when a number is needed. The estimates depend only on the graph and
 the profile, so they are reproducible and testable on the CPU.
@@ -22,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from .. import ir
+from ..errors import GraphoptError
 from .profiles import DeviceProfile
 
 aten = torch.ops.aten
@@ -37,6 +57,7 @@ VIEW_OPS = {
 # ops that may or may not copy: a view when their input is contiguous / already matches
 MAYBE_VIEW_OPS = {"reshape", "flatten", "contiguous", "to", "_to_copy", "type_as"}
 MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "_addmm_activation"}
+ADD_FIRST = {"addmm", "_addmm_activation", "baddbmm", "addbmm"}
 CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "cudnn_convolution",
             "conv_bias_relu"}
 ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -94,6 +115,44 @@ class GraphCost:
             "parameter_bytes": self.parameter_bytes,
             "symbolic_predicted_s": None if self.symbolic_total is None else str(self.symbolic_total),
         }
+
+
+@dataclass
+class ExecutionCost:
+    """Predicted time of one call of a graph run a given way (see the module docstring)."""
+
+    mode: str  # "eager" | "graphed" | "serial" (CPU)
+    total_s: float
+    host_s: float  # time the host spends issuing (or, on the CPU, running) the call
+    device_s: float  # device busy time (sum of kernel times)
+    launches: int  # kernels the host launches per call (1 replay + copies for a graph)
+    nodes: list = None  # per node: {"node", "op", "host_s", "device_s", "start_s", "end_s"} (eager)
+
+    @property
+    def busy(self) -> float | None:
+        """Predicted GPU busy fraction (device time / wall time); None for serial CPU execution."""
+        if self.mode == "serial" or self.total_s <= 0:
+            return None
+        return min(1.0, self.device_s / self.total_s)
+
+    @property
+    def bound(self) -> str:
+        if self.mode == "serial":
+            return "serial"
+        return "host" if self.host_s >= self.device_s else "device"
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "predicted_ms": self.total_s * 1e3, "host_ms": self.host_s * 1e3,
+                "device_ms": self.device_s * 1e3, "launches": self.launches, "busy": self.busy, "bound": self.bound}
+
+
+EXECUTION_MODES = ("eager", "graphed")
+# ops that make the host wait for the device (their output size or value is data-dependent)
+HOST_SYNC_OPS = frozenset({
+    "_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+    "unique_consecutive", "unique_dim", "bincount", "histc", "argwhere", "_nested_tensor_from_mask",
+    "equal", "is_nonzero",
+})
 
 
 def _smax(a, b):
@@ -179,7 +238,8 @@ class CostModel:
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
         if name in MATMUL_OPS:
-            k = ins[0].shape[-1]
+            # addmm-style ops take the bias first: the reduction dim is the first matrix's last
+            k = (ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]).shape[-1]
             out = outs[0]
             flops = 2 * out.numel * k
             return flops, in_bytes + out_bytes, 1, "matmul"
@@ -234,7 +294,7 @@ class CostModel:
         if kind == "matmul":
             dtype = ir.arg_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
-            eff = "matmul"
+            eff = _efficiency_kind(node)
             if _op_name(node) in CONV_OPS:
                 eff = "conv"
                 if dtype == torch.float32 and p.kind == "cuda":  # cuDNN has its own TF32 switch (on by default)
@@ -284,6 +344,108 @@ class CostModel:
         peak, params, compulsory = self.memory(gm, hints)
         floor = max(self._floor_compute(gm, nodes), compulsory / self.profile.bandwidth)
         return GraphCost(total, nodes, flops, nbytes, launches, floor, share, peak, params, symbolic_total)
+
+    # ------------------------------------------------------------------ execution (host/device queue)
+
+    def node_times(self, node: fx.Node) -> tuple[object, object]:
+        """(host seconds, device seconds) of one node run eagerly: a kernel node costs the host
+        its launches (``host_op_s[op]`` where the profile measured that op, else launches *
+        launch_overhead_s) and the device its roofline time; a node with no kernel costs the host
+        ``host_node_s`` on a GPU (an ATen view / metadata op; ``host_op_s`` of a view op where
+        measured; 0 on a CPU profile, as NodeCost prices it); placeholders, outputs, get_attr and
+        Python builtins (getitem) cost nothing."""
+        if not _dispatches(node):
+            return 0.0, 0.0
+        flops, nbytes, launches, kind = self.flops_bytes(node)
+        p = self.profile
+        if kind == "free" or not launches:
+            if p.kind != "cuda":
+                return 0.0, 0.0
+            name = _op_name(node)
+            return (p.host_op_s.get(name, p.host_node_s) if name in VIEW_OPS else p.host_node_s), 0.0
+        if kind == "region":
+            c = self.node_cost(node)
+            return launches * p.launch_overhead_s, c.time_s
+        host = launches * p.launch_overhead_s
+        if p.kind == "cuda" and p.host_op_s:
+            host = p.host_op_s.get(_op_name(node), host)
+        c = self.node_cost(node)
+        return host, p.gpu_seconds(c.compute_s, c.memory_s, _efficiency_kind(node) if kind == "matmul" else "memory")
+
+    def node_loop_s(self, node: fx.Node, hints=None) -> float:
+        """Predicted seconds per run of one node run many times back to back (how
+        graphopt.measure times a node): on a GPU the longer of its host and device time (a
+        queue of one op), on the CPU their sum. Includes ``wrap``-style higher-order ops' bodies."""
+        host, dev = 0.0, 0.0
+        for _, h, d, _, _ in self._steps(node.graph.owning_module, hints, only=node):
+            host, dev = host + h, dev + d
+        return host + dev if self.profile.kind == "cpu" else max(host, dev)
+
+    def _steps(self, gm: fx.GraphModule, hints, only: fx.Node | None = None):
+        """(node, host_s, device_s, launches, syncs) per node in order, evaluated with ``hints``;
+        a higher-order op with a GraphModule operand (torch.export's wrap_with_set_grad_enabled,
+        cond, ...) yields the steps of its body, after its own host dispatch."""
+        c = lambda v: float(ir.concrete(v, hints))  # noqa: E731
+        for n in ([only] if only is not None else gm.graph.nodes):
+            sub = _hop_body(n)
+            if sub is not None:
+                yield n, (self.profile.host_node_s if self.profile.kind == "cuda" else 0.0), 0.0, 0, False
+                yield from self._steps(sub, hints)
+                continue
+            host, dev = self.node_times(n)
+            launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
+            yield n, c(host), c(dev), launches, _op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
+
+    def execution_cost(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
+                       reuse_outputs: bool = False) -> ExecutionCost:
+        """Predicted time of one call of ``gm`` run ``mode`` ("eager": node by node, the host
+        issuing kernels to the device's queue; "graphed": replayed as one CUDA graph, inputs
+        copied in and outputs cloned unless ``reuse_outputs``). On a CPU profile both are the
+        serial sum of host and work per node. See the module docstring for the model."""
+        if mode not in EXECUTION_MODES:
+            raise GraphoptError(f"execution mode must be one of {', '.join(EXECUTION_MODES)}, got {mode!r}")
+        if hints is None:
+            hints = ir.shape_hints(gm)
+        p = self.profile
+        steps = list(self._steps(gm, hints))
+        if p.kind == "cpu":
+            host = sum(h for _, h, _, _, _ in steps)
+            dev = sum(d for _, _, d, _, _ in steps)
+            return ExecutionCost("serial", host + dev, host, dev, sum(s[3] for s in steps))
+        if mode == "eager":
+            t_host = t_dev = busy = 0.0
+            rows = []
+            for n, h, d, launches, sync in steps:
+                t_host += h
+                start = t_dev
+                if launches:
+                    start = max(t_host, t_dev)
+                    t_dev = start + d
+                    busy += d
+                if sync:
+                    t_host = max(t_host, t_dev)
+                rows.append({"node": n.name, "op": _op_name(n), "host_s": h, "device_s": d, "issued_s": t_host,
+                             "start_s": start, "end_s": t_dev})
+            return ExecutionCost("eager", max(t_host, t_dev), sum(s[1] for s in steps), busy,
+                                 sum(s[3] for s in steps), rows)
+        # graphed: copy-ins, one replay, clones, each issued by the host like an eager kernel
+        body = sum(max(d, launches * p.launch_overhead_graph_s) for _, _, d, launches, _ in steps if launches)
+        items = []
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                for t in ir.infos(n):
+                    items.append((p.launch_overhead_s, p.gpu_seconds(0.0, 2 * float(ir.concrete(t.nbytes, hints)) / p.bandwidth)))
+        items.append((p.launch_overhead_s, body))
+        if not reuse_outputs:
+            out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+            for a in out.all_input_nodes:
+                for t in ir.infos(a):
+                    items.append((p.launch_overhead_s, p.gpu_seconds(0.0, 2 * float(ir.concrete(t.nbytes, hints)) / p.bandwidth)))
+        t_host = t_dev = 0.0
+        for h, d in items:
+            t_host += h
+            t_dev = max(t_host, t_dev) + d
+        return ExecutionCost("graphed", max(t_host, t_dev), sum(h for h, _ in items), sum(d for _, d in items), len(items))
 
     def _floor_compute(self, gm, nodes) -> float:
         t = 0.0
@@ -348,6 +510,44 @@ class CostModel:
             peak = max(peak, live)
             live -= frees.pop(i, 0.0)
         return peak + params, params, params + inputs + outputs
+
+
+def _efficiency_kind(node: fx.Node) -> str:
+    """Which fitted efficiency a matmul-like node runs at: "conv", "attention" or "matmul"."""
+    name = _op_name(node)
+    if name in CONV_OPS:
+        return "conv"
+    if name in ATTENTION_OPS:
+        return "attention"
+    return "matmul"
+
+
+def _dispatches(node: fx.Node) -> bool:
+    """Does running the node cost host time: an op or module call, not a placeholder, output,
+    get_attr or Python builtin (operator.getitem on a tuple, SymInt arithmetic)?"""
+    if node.op not in ("call_function", "call_module"):
+        return False
+    t = node.target
+    if node.op == "call_function" and not isinstance(
+            t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return getattr(t, "__module__", None) not in ("_operator", "operator", "math", "builtins")
+    return True
+
+
+def _hop_body(node: fx.Node) -> fx.GraphModule | None:
+    """The GraphModule a higher-order op (torch.ops.higher_order.*) runs, if any."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    owner = node.graph.owning_module
+    for a in node.args:
+        if isinstance(a, fx.Node) and a.op == "get_attr" and owner is not None:
+            try:
+                obj = owner.get_submodule(str(a.target))
+            except AttributeError:
+                continue
+            if isinstance(obj, fx.GraphModule):
+                return obj
+    return None
 
 
 def _positional(node: fx.Node, name: str):

@@ -51,6 +51,20 @@ class DeviceProfile:
     # add_layer_norm / add_rms_norm) are bound by block scheduling when rows are narrow: at least
     # rows * norm_row_s (0: not measured)
     norm_row_s: float = 0.0
+    # scaled_dot_product_attention likewise: flops / (peak * attention_scale) + attention_fixed_s,
+    # fitted on BERT/ViT/GLM-shaped attention (short sequences run far below the GEMM rate);
+    # None: not measured, attention runs at the GEMM efficiency
+    attention_scale: float | None = None
+    attention_fixed_s: float | None = None
+    # host (CPU) time to run one fx node that launches no kernel (an ATen view or metadata op,
+    # dispatched from the GraphModule's generated code); a kernel node's host time is its
+    # launch_overhead_s. Used by the host/device queue model of eager execution
+    # (CostModel.execution_cost). Default: a typical value; `graphopt calibrate` measures it.
+    host_node_s: float = 2.5e-6
+    # host seconds per call of an op ({op name: s}, measured by `graphopt calibrate` on tiny
+    # tensors): the host time of that op's node in the queue model instead of launches *
+    # launch_overhead_s (SDPA, composite and custom ops dispatch more than one tiny kernel)
+    host_op_s: dict = field(default_factory=dict)
 
     def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:
         name = str(dtype).replace("torch.", "")
@@ -70,6 +84,11 @@ class DeviceProfile:
             compute_s = compute_s / self.conv_scale + self.conv_fixed_s
         elif kind == "matmul":
             compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
+        elif kind == "attention":
+            if self.attention_scale is None:
+                compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
+            else:
+                compute_s = compute_s / self.attention_scale + (self.attention_fixed_s or 0.0)
         return _max(compute_s, memory_s + self.kernel_fixed_s)
 
     def kernel_seconds(self, compute_s, memory_s, kind: str = "memory", launches: int = 1):
@@ -135,6 +154,7 @@ def calibrate_cpu(quick: bool = True) -> DeviceProfile:
     tiny = torch.randn(4)
     t_op = best(lambda: [torch.add(tiny, tiny) for _ in range(100)], 5) / 100
     slowdown = _cpu_conv_nchw_slowdown(best)
+    host_node = measure_host_node_s(torch.device("cpu"))
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -149,9 +169,65 @@ def calibrate_cpu(quick: bool = True) -> DeviceProfile:
         memory_bytes=float(mem),
         description=f"{platform.processor() or platform.machine()}, {threads} threads, measured at first use",
         source={"all": "measured", "conv_nchw_slowdown": "measured: ResNet-shaped fp32 convolutions (oneDNN), "
-                                                          "NCHW time / channels_last time"},
+                                                          "NCHW time / channels_last time",
+                "host_node": "measured: per node of a GraphModule of back-to-back views (aten.t/unsqueeze/view)"},
         conv_nchw_slowdown=slowdown,
+        host_node_s=host_node,
     )
+
+
+def view_chain(n: int, *, launches: bool = False):
+    """A GraphModule of ``n`` back-to-back nodes on one input ``x`` of shape (4, 4): views
+    (aten.t, aten.unsqueeze, aten.view, aten.squeeze, cycling) or, with ``launches``, tiny kernels
+    (aten.add.Tensor(y, y)). What `graphopt calibrate` times to measure the host cost of an fx
+    node (``host_node_s``) and of a kernel launch."""
+    import torch.fx as fx
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    y = g.placeholder("x")
+    for i in range(n):
+        if launches:
+            y = g.call_function(aten.add.Tensor, (y, y))  # zeros stay zeros
+        else:
+            step = i % 4
+            if step == 0:
+                y = g.call_function(aten.t.default, (y,))
+            elif step == 1:
+                y = g.call_function(aten.unsqueeze.default, (y, 0))
+            elif step == 2:
+                y = g.call_function(aten.view.default, (y, [4, 1, 4]))
+            else:
+                y = g.call_function(aten.squeeze.dim, (y, 1))
+    g.output(y)
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def measure_host_seconds(device: torch.device, *, launches: bool = False, n: int = 400, reps: int = 5) -> float:
+    """Host seconds per node of :func:`view_chain` on ``device``: the time the host takes to issue
+    ``n`` back-to-back nodes (perf_counter around the call, before any synchronization: the
+    device runs the kernels asynchronously, so this is the host's issue time alone, while the
+    queue of n < 1024 launches never fills), the best of ``reps`` calls."""
+    gm = view_chain(n, launches=launches)
+    x = torch.zeros(4, 4, device=device)
+    cuda = device.type == "cuda"
+    with torch.inference_mode():
+        gm(x)
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            gm(x)
+            best = min(best, time.perf_counter() - t0)
+            if cuda:
+                torch.cuda.synchronize(device)
+    return best / n
+
+
+def measure_host_node_s(device: torch.device) -> float:
+    """``host_node_s``: host time of one fx node that launches no kernel (see measure_host_seconds)."""
+    return measure_host_seconds(device, launches=False)
 
 
 def _cpu_conv_nchw_slowdown(best) -> float:
@@ -170,7 +246,8 @@ def _cpu_conv_nchw_slowdown(best) -> float:
 
 
 def cpu_profile() -> DeviceProfile:
-    # v2: the profile also holds the measured NCHW convolution slowdown
+    # v2: the profile also holds the measured NCHW convolution slowdown (one cached without
+    # host_node_s loads the default: the CPU model does not charge it)
     key = f"cpu-v2-{platform.node()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}.json"
     path = _cache_dir() / key
     if path.exists():

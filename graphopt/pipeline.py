@@ -178,6 +178,9 @@ class PassContext:
     # judges against the model hand-converted to that dtype (the rule's bf16/fp16 tolerance).
     accuracy_check: Callable | None = None
     low_precision: torch.dtype | None = None  # set once assign_precision has lowered the graph
+    # the passes this run will apply (set by the PassManager): a pass may leave a pattern to a
+    # later one that handles it better (fuse_elementwise leaves conv epilogues to fuse_conv_relu)
+    scheduled: frozenset = frozenset()
 
     @property
     def fused_kernels(self) -> bool:
@@ -298,6 +301,7 @@ class PassManager:
             (ctx.dump_dir / "000_captured.py").write_text(gm.code)
         before = ctx.cost.graph_cost(gm, ctx.hints)
         ctx.accuracy_check = self.accuracy_check
+        ctx.scheduled = frozenset(p.name for p in self.passes if not getattr(p, "disabled", False))
         for i, p in enumerate(self.passes, start=1):
             res = p.result()
             res.predicted_s_before = before.total_s

@@ -47,6 +47,70 @@ def _conv_args(conv: fx.Node):
             _pair(get_arg(conv, 5), 1), get_arg(conv, 6) if get_arg(conv, 6) is not None else 1)
 
 
+def match_epilogue(relu: fx.Node, res: PassResult | None = None):
+    """(conv, add or None, residual or None) when ``relu`` ends a conv2d [+ residual] + ReLU
+    epilogue this pass can fuse (structure, dtypes, single readers); else None, with the reason
+    recorded in ``res`` when given. fuse_elementwise reads it to leave these nodes to this pass."""
+    def reject(label, why):
+        if res is not None:
+            res.reject(label, why)
+
+    src = relu.args[0] if relu.args else None
+    if not isinstance(src, fx.Node):
+        return None
+    add = z = None
+    conv = src if src.target is aten.conv2d.default else None
+    if conv is None and src.target is aten.add.Tensor:
+        a, b = src.args[0], src.args[1]
+        if get_arg(src, 2, "alpha", 1) != 1:
+            reject(f"{src.name} + {relu.name}", "add with alpha != 1")
+            return None
+        convs = [(c, other) for c, other in ((a, b), (b, a))
+                 if isinstance(c, fx.Node) and c.target is aten.conv2d.default]
+        conv, z = next(((c, o) for c, o in convs if len(c.users) == 1), (None, None))
+        if conv is None and convs:
+            reject(f"{convs[0][0].name} + {src.name} + {relu.name}",
+                   f"{convs[0][0].name} (the convolution before the residual add) is also read elsewhere")
+        add = src if conv is not None else None
+    if conv is None:
+        return None
+    label = " + ".join(n.name for n in (conv, add, relu) if n is not None)
+    x, w, bias, stride, padding, dilation, groups = _conv_args(conv)
+    xi, wi, ci = ir.info(x), ir.info(w), ir.info(conv)
+    if xi is None or wi is None or ci is None or len(xi.shape) != 4 or len(wi.shape) != 4:
+        reject(label, "not a batched 2-D convolution")
+        return None
+    if ci.dtype not in DTYPES or xi.dtype != ci.dtype or wi.dtype != ci.dtype:
+        reject(label, f"dtype {ci.dtype} (fp32, fp16 or bf16 with matching weight)")
+        return None
+    if groups != 1:
+        reject(label, f"grouped convolution (groups={groups}): cuDNN's fused engines for it are unmeasured")
+        return None
+    if len(conv.users) != 1:
+        reject(label, f"{conv.name} (the convolution before the ReLU) is also read elsewhere")
+        return None
+    if add is not None:
+        zi = ir.info(z) if isinstance(z, fx.Node) else None
+        if zi is None or tuple(zi.shape) != tuple(ci.shape) or zi.dtype != ci.dtype:
+            reject(label, "the residual does not have the convolution output's shape and dtype")
+            return None
+        if len(add.users) != 1:
+            reject(label, f"{add.name} (the sum before the ReLU) is also read elsewhere")
+            return None
+    return conv, add, z
+
+
+def epilogue_nodes(gm: fx.GraphModule) -> set:
+    """The add/ReLU nodes of every conv epilogue this pass would take (see match_epilogue)."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.relu.default:
+            found = match_epilogue(n)
+            if found is not None:
+                out |= {n} | ({found[1]} if found[1] is not None else set())
+    return out
+
+
 @register
 class FuseConvReLU(Pass):
     name = "fuse_conv_relu"
@@ -65,48 +129,13 @@ class FuseConvReLU(Pass):
         return res
 
     def _candidate(self, gm, ctx, res, relu) -> Candidate | None:
-        src = relu.args[0]
-        if not isinstance(src, fx.Node):
+        found = match_epilogue(relu, res)
+        if found is None:
             return None
-        add = z = None
-        conv = src if src.target is aten.conv2d.default else None
-        if conv is None and src.target is aten.add.Tensor:
-            a, b = src.args[0], src.args[1]
-            if get_arg(src, 2, "alpha", 1) != 1:
-                res.reject(f"{src.name} + {relu.name}", "add with alpha != 1")
-                return None
-            convs = [(c, other) for c, other in ((a, b), (b, a))
-                     if isinstance(c, fx.Node) and c.target is aten.conv2d.default]
-            conv, z = next(((c, o) for c, o in convs if len(c.users) == 1), (None, None))
-            if conv is None and convs:
-                res.reject(f"{convs[0][0].name} + {src.name} + {relu.name}",
-                           f"{convs[0][0].name} (the convolution before the residual add) is also read elsewhere")
-            add = src if conv is not None else None
-        if conv is None:
-            return None
+        conv, add, z = found
         label = " + ".join(n.name for n in (conv, add, relu) if n is not None)
         x, w, bias, stride, padding, dilation, groups = _conv_args(conv)
-        xi, wi, ci = ir.info(x), ir.info(w), ir.info(conv)
-        if xi is None or wi is None or ci is None or len(xi.shape) != 4 or len(wi.shape) != 4:
-            res.reject(label, "not a batched 2-D convolution")
-            return None
-        if ci.dtype not in DTYPES or xi.dtype != ci.dtype or wi.dtype != ci.dtype:
-            res.reject(label, f"dtype {ci.dtype} (fp32, fp16 or bf16 with matching weight)")
-            return None
-        if groups != 1:
-            res.reject(label, f"grouped convolution (groups={groups}): cuDNN's fused engines for it are unmeasured")
-            return None
-        if len(conv.users) != 1:
-            res.reject(label, f"{conv.name} (the convolution before the ReLU) is also read elsewhere")
-            return None
-        if add is not None:
-            zi = ir.info(z) if isinstance(z, fx.Node) else None
-            if zi is None or tuple(zi.shape) != tuple(ci.shape) or zi.dtype != ci.dtype:
-                res.reject(label, "the residual does not have the convolution output's shape and dtype")
-                return None
-            if len(add.users) != 1:
-                res.reject(label, f"{add.name} (the sum before the ReLU) is also read elsewhere")
-                return None
+        ci = ir.info(conv)
         nodes = [n for n in (relu, add, conv) if n is not None]
         h = ctx.hints
         old = ctx.node_time(nodes)

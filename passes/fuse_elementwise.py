@@ -196,6 +196,15 @@ class FuseElementwise(Pass):
         dtypes = _dtypes()
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         ok = {n for n in gm.graph.nodes if not fusible(n, dtypes) and not _is_free(ctx, n)}
+        if "fuse_conv_relu" in ctx.scheduled and ctx.fused_kernels and not ctx.training:
+            # conv + bias (+ residual) + ReLU becomes one cuDNN call in the lowering step: a
+            # pointwise kernel here would take its add/ReLU and leave the convolution two kernels
+            from .fuse_conv_relu import epilogue_nodes
+
+            reserved = epilogue_nodes(gm)
+            if reserved:
+                ok -= reserved
+                res.notes.append(f"{len(reserved)} add/ReLU nodes of convolution epilogues left to fuse_conv_relu")
         candidates = []
         has_conv2d = ctx.fused_kernels and ctx.profile.conv_nchw_slowdown > 1.0 and any(
             n.op == "call_function" and n.target is torch.ops.aten.conv2d.default for n in gm.graph.nodes)

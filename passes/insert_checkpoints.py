@@ -36,8 +36,10 @@ import torch.nn as nn
 
 from graphopt import ir
 from graphopt.cost.activations import ActivationModel, format_bytes, layer_of, resolve_budget
-from graphopt.errors import BudgetError
+from graphopt.errors import BudgetError, GraphoptError
 from graphopt.pipeline import Pass, PassContext, PassResult, register
+
+from . import _aot_recompute as aot
 
 aten = torch.ops.aten
 
@@ -49,6 +51,8 @@ _BN_TRAINING_ARG = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 
                     aten._native_batch_norm_legit.default: 5, aten.instance_norm.default: 5}
 
 # region sizes tried (recomputed bytes per region, as shares of the baseline saved bytes)
+BACKENDS = ("auto", "aot", "sac")
+
 REGION_SHARES = (0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5)
 
 
@@ -166,7 +170,7 @@ def _mutated_args(n: fx.Node) -> list:
 
 
 class _Selector:
-    def __init__(self, am: ActivationModel, hints: dict | None = None):
+    def __init__(self, am: ActivationModel, hints: dict | None = None, keep_random: bool = False):
         self.am = am
         body = am.body
         self.index = {n: i for i, n in enumerate(body)}
@@ -190,6 +194,8 @@ class _Selector:
             makes_tensors = isinstance(val, (torch.Tensor, tuple, list))
             if am.root.get(n) is n and n in am.outputs:
                 self.forced_keep.add(n)  # the caller holds it anyway
+            elif keep_random and ir.is_random(n) and makes_tensors:
+                self.forced_keep.add(n)  # the AOT backend never reruns a random op (no RNG replay)
             elif self.cost_bytes(n) <= 0 or _mutated_args(n) or not makes_tensors:
                 # views/aliases (keeping one would pin its base), buffer updates (rerun on
                 # scratch copies), non-tensor values
@@ -366,8 +372,9 @@ def _region_cost(ctx: PassContext, nodes: list, keep: set) -> dict:
 
 
 def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassContext,
-             selective: bool | None = None) -> fx.Node:
-    """Replace ``nodes`` (contiguous in topological order) by one call of a CheckpointRegion."""
+             selective: bool | None = None, make_module=None) -> fx.Node:
+    """Replace ``nodes`` (contiguous in topological order) by one call of a CheckpointRegion
+    (or of ``make_module(body, inputs)``'s module: the AOT backend's whole-graph body)."""
     inside = set(nodes)
     # nodes interleaved with the region but not in it (export's _guards_fn) that read its values
     # move after it; one the region itself reads back would make a cycle: leave the region alone
@@ -399,16 +406,19 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     state = None
     for n in nodes:
         flag = n in keep
-        if flag != state:
+        if flag != state and make_module is None:
             g.call_function(_mark, (flag,))
             state = flag
         env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[o] for o in outputs))
     body = fx.GraphModule(nn.Module(), g, class_name="CheckpointBody")
-    cost = _region_cost(ctx, nodes, keep)
-    region = CheckpointRegion(body, tuple(i for i, a in enumerate(inputs) if a in mutated),
-                              [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep], cost,
-                              selective)
+    if make_module is not None:
+        region = make_module(body, inputs, tuple(i for i, a in enumerate(inputs) if a in mutated))
+    else:
+        cost = _region_cost(ctx, nodes, keep)
+        region = CheckpointRegion(body, tuple(i for i, a in enumerate(inputs) if a in mutated),
+                                  [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep],
+                                  cost, selective)
     gm.add_submodule(name, region)
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
@@ -526,10 +536,56 @@ class InsertCheckpoints(Pass):
             res.notes.append(f"the baseline activations ({format_bytes(base)}) fit the budget "
                              f"({format_bytes(budget)}): nothing recomputed")
             return res
-        selector = _Selector(am, ctx.hints)
-        plan = selector.select(budget, [max(share * base, 1.0) for share in REGION_SHARES])
-        by_layer = _by_layer(am, plan.keep)
-        details.update(
+        backend = str(ctx.options.get("checkpoint_backend") or "auto").lower()
+        if backend not in BACKENDS:
+            raise GraphoptError(f"checkpoint_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        why_not_aot = None
+        if backend in ("auto", "aot"):
+            why_not_aot = aot.available()
+            if why_not_aot is not None and backend == "aot":
+                raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {why_not_aot}")
+        use_aot = backend in ("auto", "aot") and why_not_aot is None
+        caps = [max(share * base, 1.0) for share in REGION_SHARES]
+        try:
+            plan = _Selector(am, ctx.hints, keep_random=use_aot).select(budget, caps)
+        except BudgetError as e:
+            if not use_aot or backend == "aot":
+                raise
+            # the AOT rewrite keeps every random op's output; the selective checkpoint replays RNG
+            plan = _Selector(am, ctx.hints).select(budget, caps)
+            use_aot = False
+            why_not_aot = f"the budget needs recomputing random ops, which the AOT rewrite never does ({e})"
+        details.update(self._plan_details(am, plan))
+        res.notes.extend(plan.notes)
+        if use_aot:
+            snapshot = gm.graph.python_code("self").src
+            try:
+                self._rewrite_aot(gm, ctx, am, plan, res, details)
+                details["backend"] = "aot"
+                res.notes.append("backend aot: recomputation is a graph rewrite (AOTAutograd joint graph cut by "
+                                 "graphopt's partition); forward and backward run as plain ATen graphs"
+                                 + ("" if backend == "aot" else " (chosen by default: it traced this graph)"))
+                return res
+            except aot.AotUnavailable as e:
+                if gm.graph.python_code("self").src != snapshot:  # never half-rewritten
+                    raise GraphoptError(f"the AOT checkpoint rewrite failed after changing the graph: {e}") from e
+                if backend == "aot":
+                    raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {e}") from e
+                why_not_aot = str(e)
+                # the plan kept random ops for AOT; the selective backend replays RNG instead
+                plan = _Selector(am, ctx.hints).select(budget, caps)
+                details.update(self._plan_details(am, plan))
+        details["backend"] = "sac"
+        why = ("asked for (checkpoint_backend='sac')" if backend == "sac"
+               else f"the AOT rewrite could not run: {why_not_aot}")
+        res.notes.append(f"backend sac: torch.utils.checkpoint regions with a selective policy; {why}")
+        details["backend_reason"] = why
+        self._rewrite_sac(gm, ctx, am, plan, res, details)
+        return res
+
+    @staticmethod
+    def _plan_details(am: ActivationModel, plan: Plan) -> dict:
+        return dict(
             predicted_saved_bytes=plan.saved_bytes,
             recompute_transient_bytes=plan.transient_bytes,
             region_input_bytes=plan.crossing_bytes,
@@ -540,9 +596,49 @@ class InsertCheckpoints(Pass):
             regions=len(plan.regions),
             kept_nodes=len(plan.keep),
             recomputed_nodes=len(am.body) - len(plan.keep),
-            by_layer=by_layer,
+            by_layer=_by_layer(am, plan.keep),
         )
-        res.notes.extend(plan.notes)
+
+    def _rewrite_aot(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict) -> None:
+        """The whole forward body becomes one AotRecompute call, compiled once here (so a graph
+        AOTAutograd cannot trace falls back before anything changes)."""
+        body = list(am.body)
+        keep = {n.name for n in body if n in plan.keep}
+        recompute = {n.name for n in body if n not in plan.keep}
+        aot.tag_nodes(body)
+        made = {}
+
+        def make_module(body_gm, inputs, mutated):
+            module = aot.AotRecompute(body_gm, recompute, keep, mutated)
+            made["info"] = module.compile(aot.example_args(inputs, gm, ctx.hints))
+            made["module"] = module
+            return module
+
+        call = _extract(gm, body, plan.keep, "ckpt_aot", ctx, make_module=make_module)
+        if call is None:
+            raise aot.AotUnavailable("a node outside the forward body both reads it and feeds it")
+        info, module = made["info"], made["module"]
+        recomputed_ops = info["recomputed"]
+        details.update(
+            regions=1,
+            aot_saved_bytes=info["saved_activation_bytes"],
+            aot_saved_values=len([s for s in info["saved"] if s[2] > 0]),
+            aot_recomputed_ops=len(recomputed_ops),
+            aot_untagged_saved=len(info["untagged_saved"]),
+            aot_frees_saved_inputs=module.frees_inputs,
+        )
+        if not module.frees_inputs:
+            res.notes.append("this torch lacks fx's boxed codegen: the backward graph holds its saved inputs "
+                             "until it returns")
+        if info["untagged_saved"]:
+            res.notes.append(f"{len(info['untagged_saved'])} joint-graph value(s) with no captured counterpart "
+                             "saved (as default_partition would)")
+        res.record(f"recompute by graph rewrite (AOTAutograd partition: {len(recomputed_ops)} forward ops rerun "
+                   f"in backward, {details['aot_saved_values']} values saved)",
+                   [name for name in recompute][:6], [call], -plan.extra_s)
+        gm.recompile()
+
+    def _rewrite_sac(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict) -> None:
         subregions = [sub for nodes in plan.regions for sub in split_at_kept_gemms(nodes, plan.keep)]
         details["selective_regions"] = 0
         for i, (nodes, selective) in enumerate(subregions):
@@ -562,4 +658,3 @@ class InsertCheckpoints(Pass):
         details["regions"] = sum(1 for n in gm.graph.nodes if n.op == "call_module"
                                  and isinstance(gm.get_submodule(n.target), CheckpointRegion))
         gm.recompile()
-        return res

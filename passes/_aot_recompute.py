@@ -267,12 +267,17 @@ class Partitioner:
         info = {"saved": [(n.name, _tag(n), _nbytes(n) if n.op != "placeholder" else 0) for n in saved],
                 "recomputed": [(n.name, _tag(n), str(n.target)) for n in recomputed
                                if n in ancestors and not _is_view(n)],
-                "untagged_saved": [n.name for n in saved if n.op != "placeholder" and _tag(n) is None]}
+                "untagged_saved": [n.name for n in saved if n.op != "placeholder" and _tag(n) is None],
+                # a training BatchNorm's new running statistics (forward outputs anyway; [C] each)
+                "running_stats_saved": [n.name for n in saved if n.target is operator.getitem
+                                        and isinstance(n.args[0], fx.Node) and _is_training_bn(n.args[0])
+                                        and n.args[1] >= 3]}
         fw, bw = extract(joint, saved, sym, num_fwd_outputs=num_fwd_outputs)
         if reorder is not None:
             bw = reorder(bw)
         info["saved_activation_bytes"] = sum(b for _, _, b in info["saved"])
         info["bw_ops"] = [(n.name, _tag(n), str(n.target)) for n in bw.graph.nodes if n.op == "call_function"]
+        info["fw_graph"], info["bw_graph"] = fw, bw
         self.last = info
         return fw, bw
 
@@ -378,7 +383,7 @@ class AotRecompute(nn.Module):
         if self.partitioner.last is None:
             raise AotUnavailable("AOTAutograd traced no backward (no input requires grad)")
         info = dict(self.partitioner.last)
-        info["graphs"] = holder
+        info["graphs"] = holder  # what the compilers were given (the backward's: at its first run)
         self._compiled[key] = fn
         self.partitions[key] = info
         self.partitioner.last = None
@@ -422,7 +427,7 @@ def example_args(inputs: list, gm: fx.GraphModule, hints: dict | None):
         if not isinstance(val, torch.Tensor):
             out.append(val)
             continue
-        c = lambda v: int(ir.concrete(v, hints))  # noqa: E731
+        c = lambda v: int(ir.concrete(ir._dim(v), hints))  # noqa: E731
         with mode:
             t = torch.empty_strided([c(d) for d in val.shape], [c(s) for s in val.stride()], dtype=val.dtype,
                                     device=val.device)

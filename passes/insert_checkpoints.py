@@ -610,7 +610,11 @@ class InsertCheckpoints(Pass):
 
         def make_module(body_gm, inputs, mutated):
             module = aot.AotRecompute(body_gm, recompute, keep, mutated)
-            made["info"] = module.compile(aot.example_args(inputs, gm, ctx.hints))
+            try:
+                example = aot.example_args(inputs, gm, ctx.hints)
+            except Exception as e:
+                raise aot.AotUnavailable(f"no example inputs to compile with: {type(e).__name__}: {e}") from e
+            made["info"] = module.compile(example)
             made["module"] = module
             return module
 

@@ -22,7 +22,8 @@ no dispatch mode, no per-op Python layer beyond the graph's own code.
 
 Captured nodes are mapped onto the joint graph by a tag: before tracing, every body node gets
 ``meta["custom"]["graphopt_ckpt"] = <its name>``; AOTAutograd copies the ``custom`` meta field
-onto the joint nodes traced from it. If the installed torch lacks a helper or drops the tag,
+onto the joint nodes traced from it (where a torch does not, the ``from_node`` provenance it
+records names the same node). If the installed torch lacks a helper or drops both,
 :func:`available` / the partition raise ``AotUnavailable`` and the pass falls back to the
 selective-checkpoint backend with a note saying why.
 """
@@ -108,12 +109,19 @@ def _is_view(n: fx.Node) -> bool:
 def _is_random(n: fx.Node) -> bool:
     if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return False
-    return ir.is_random(n) or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+    return ir.is_random(n)  # seeded ops; attention only when its dropout_p is not 0
 
 
 def _tag(n: fx.Node):
+    """The captured node ``n`` was traced from: our ``custom`` tag, else (a torch that does not
+    copy ``custom``) the last ``from_node`` provenance entry (the node being interpreted)."""
     custom = n.meta.get("custom")
-    return custom.get(TAG) if isinstance(custom, dict) else None
+    if isinstance(custom, dict) and TAG in custom:
+        return custom[TAG]
+    source = n.meta.get("from_node")
+    if isinstance(source, list) and source and n.op != "placeholder":
+        return getattr(source[-1], "name", None)
+    return None
 
 
 def _nbytes(n: fx.Node) -> int:

@@ -280,6 +280,19 @@ def test_fallback_to_sac_when_aot_is_unavailable(monkeypatch):
         graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot")
 
 
+def test_provenance_maps_nodes_where_the_custom_tag_is_not_carried(monkeypatch):
+    """A torch that does not copy meta['custom'] into the joint graph: from_node names the node."""
+    monkeypatch.setattr(aot, "tag_nodes", lambda nodes: None)
+    torch.manual_seed(0)
+    model, args = Stack(d=32, layers=6), (torch.randn(16, 32),)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot",
+                            check_accuracy=False)
+    info = next(iter(aot_module(opt).partitions.values()))
+    assert info["recomputed"] and {t for _, t, _ in info["recomputed"]} <= aot_module(opt).partitioner.recompute
+    model.train()
+    accuracy_rule(model, opt, args)
+
+
 def test_untraceable_graph_falls_back_before_changing_it(monkeypatch):
     def broken(self, args):
         raise aot.AotUnavailable("AOTAutograd could not trace the graph: test")

@@ -125,19 +125,18 @@ def _tag(n: fx.Node):
 
 
 def _nbytes(n: fx.Node) -> int:
-    val = n.meta.get("val")
+    """Bytes of the storage a saved value holds (saved values are never views: those rerun)."""
     total = 0
-    for t in pytree.tree_leaves(val):
+    for t in pytree.tree_leaves(n.meta.get("val")):
         if isinstance(t, torch.Tensor):
             try:
-                total += int(t.untyped_storage().nbytes()) if not _is_view_val(n) else 0
-            except Exception:
-                total += int(t.numel()) * t.element_size()
+                total += int(t.untyped_storage().nbytes())
+            except Exception:  # no storage (sparse) or symbolic sizes without a hint
+                try:
+                    total += int(t.numel()) * t.element_size()
+                except Exception:
+                    pass
     return total
-
-
-def _is_view_val(n: fx.Node) -> bool:
-    return _is_view(n) and n.target is not operator.getitem
 
 
 def _bn_functional():
@@ -364,7 +363,9 @@ class AotRecompute(nn.Module):
         aot, _, _ = _imports()
         key = _signature(args)
         if len(self._compiled) >= self.max_compiled:
-            self._compiled.pop(next(iter(self._compiled)))
+            oldest = next(iter(self._compiled))
+            self._compiled.pop(oldest)
+            self.partitions.pop(oldest, None)
 
         holder = {}
 

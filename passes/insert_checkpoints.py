@@ -397,12 +397,21 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     mutated = set()
     for n in nodes:
         mutated.update(a for a in _mutated_args(n) if a not in inside)
+    if make_module is not None:
+        # submodules (a higher-order op's body, e.g. export's wrap_with_autocast) are not
+        # arguments AOTAutograd can take: the body reads them as attributes of its own
+        owned = [a for a in inputs if a.op == "get_attr" and not isinstance(ir.get_attr_value(gm, a.target), torch.Tensor)]
+        inputs = [a for a in inputs if a not in owned]
+    else:
+        owned = []
     g = fx.Graph()
     env = {}
     for a in inputs:
         p = g.placeholder(a.name)
         p.meta = dict(a.meta)
         env[a] = p
+    for a in owned:
+        env[a] = g.node_copy(a)
     state = None
     for n in nodes:
         flag = n in keep
@@ -411,7 +420,7 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
             state = flag
         env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[o] for o in outputs))
-    body = fx.GraphModule(nn.Module(), g, class_name="CheckpointBody")
+    body = fx.GraphModule(gm if owned else nn.Module(), g, class_name="CheckpointBody")
     if make_module is not None:
         region = make_module(body, inputs, tuple(i for i, a in enumerate(inputs) if a in mutated))
     else:

@@ -243,6 +243,33 @@ def test_dynamic_batch_compiles_again_for_a_new_size():
     assert len(aot_module(opt).partitions) == 2
 
 
+class AutocastOff(nn.Module):
+    """A region under ``torch.autocast(enabled=False)`` (as HF's rotary embedding has): export
+    captures it as a wrap_with_autocast higher-order op whose body is a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        with torch.autocast("cpu", enabled=False):
+            h = h.float().sin() * 2
+        h = h.to(x.dtype)
+        return self.down(torch.nn.functional.gelu(self.norm(h)))
+
+
+def test_higher_order_op_with_a_submodule_body_traces():
+    torch.manual_seed(0)
+    model, args = AutocastOff(), (torch.randn(8, 16),)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="aot",
+                            passes=["insert_checkpoints"])
+    hops = [n for n in aot_module(opt).body.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert hops and opt.report.pass_result("insert_checkpoints").details["backend"] == "aot"
+    model.train()
+    accuracy_rule(model, opt, args)
+
+
 # --------------------------------------------------------------------------- host overhead
 
 

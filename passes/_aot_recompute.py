@@ -357,6 +357,7 @@ class AotRecompute(nn.Module):
         self._compiled: dict = {}
         self.partitions: dict = {}  # signature -> the partition's info (saved values, recomputed ops)
         self.frees_inputs = True
+        self.cost: dict | None = None  # flops/bytes/launches/time of the body plus its recomputation
 
     def compile(self, args) -> dict:
         """Compile for these (real or fake) arguments; returns the partition's info."""

@@ -423,6 +423,7 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     body = fx.GraphModule(gm if owned else nn.Module(), g, class_name="CheckpointBody")
     if make_module is not None:
         region = make_module(body, inputs, tuple(i for i, a in enumerate(inputs) if a in mutated))
+        region.cost = _region_cost(ctx, nodes, keep)  # the cost model prices the call with it
     else:
         cost = _region_cost(ctx, nodes, keep)
         region = CheckpointRegion(body, tuple(i for i, a in enumerate(inputs) if a in mutated),

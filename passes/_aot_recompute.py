@@ -408,7 +408,61 @@ class AotRecompute(nn.Module):
         if fn is None:
             self.compile(args)
             fn = self._compiled[key]
-        return tuple(fn(*args))
+        outs = tuple(fn(*args))
+        self._keep_unreached_grads_none(args, outs)
+        return outs
+
+    def _influence(self) -> list:
+        """For each body input, a bitmask of the outputs it reaches (computed once)."""
+        if getattr(self, "_reach", None) is None:
+            reach: dict = {}
+            inputs = 0
+            for n in self.body.graph.nodes:
+                if n.op == "placeholder":
+                    reach[n] = 1 << inputs
+                    inputs += 1
+                else:
+                    m = 0
+                    for a in n.all_input_nodes:
+                        m |= reach.get(a, 0)
+                    reach[n] = m
+            out_node = next(n for n in reversed(self.body.graph.nodes) if n.op == "output")
+            outs = list(pytree.tree_leaves(out_node.args))
+            self._reach = [sum(1 << j for j, o in enumerate(outs) if isinstance(o, fx.Node) and reach[o] >> i & 1)
+                           for i in range(inputs)]
+        return self._reach
+
+    def _keep_unreached_grads_none(self, args, outs) -> None:
+        """AOTAutograd's backward gives every input that needs a gradient one, zeros where no used
+        output depends on it; eager leaves such a parameter's ``.grad`` None (an optimizer then
+        skips it). Parameters whose ``.grad`` is None and that reach only outputs the backward
+        never reached get None back at the end of the backward."""
+        reach = self._influence()
+        used = sum(1 << j for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
+        watch = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf
+                 and a.grad is None and i < len(reach) and (reach[i] & used) != used]
+        if not watch:
+            return
+        state = {"received": 0, "queued": False}
+
+        def restore():
+            for i in watch:
+                if not reach[i] & state["received"]:
+                    args[i].grad = None
+
+        def hook(j):
+            def fn(grad):
+                if grad is None:  # the output's node ran for another output: nothing flowed here
+                    return
+                state["received"] |= 1 << j
+                if not state["queued"]:
+                    state["queued"] = True
+                    torch.autograd.Variable._execution_engine.queue_callback(restore)
+            return fn
+
+        for j, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                o.register_hook(hook(j))
 
 
 def tag_nodes(nodes) -> None:

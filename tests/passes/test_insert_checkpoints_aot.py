@@ -270,6 +270,34 @@ def test_higher_order_op_with_a_submodule_body_traces():
     accuracy_rule(model, opt, args)
 
 
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = Stack(d=32, layers=4)
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.body(x)
+        return h, self.extra(h)
+
+
+def test_a_parameter_only_an_unused_output_reaches_keeps_grad_none_as_in_eager():
+    torch.manual_seed(0)
+    model, args = TwoHeads(), (torch.randn(16, 32),)
+    ref = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot",
+                            check_accuracy=False)
+    model.train()
+    opt(*args)[0].square().mean().backward()
+    ref(*args)[0].square().mean().backward()
+    assert model.extra.weight.grad is None and ref.extra.weight.grad is None
+    for p, q in zip(model.body.parameters(), ref.body.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+    opt(*args)[1].square().mean().backward()  # now it is reached: a real gradient
+    ref(*args)[1].square().mean().backward()
+    torch.testing.assert_close(model.extra.weight.grad, ref.extra.weight.grad, atol=1e-5, rtol=1e-4)
+
+
 # --------------------------------------------------------------------------- host overhead
 
 

@@ -12,16 +12,25 @@ training=True, memory_budget=0.4)``: a fraction of the baseline activation memor
    GEMMs/convolutions, attention last — until the predicted saved bytes plus the largest
    recomputation transient fit the budget. The graph outputs are always kept (the caller holds
    them). If recomputing everything allowed cannot fit, ``BudgetError`` states the minimum.
-3. Rewrite: the graph is cut into regions at points where nothing but kept tensors crosses (so
-   checkpoint's own hold on a region's inputs costs nothing extra); each region becomes a
-   sub-GraphModule called through ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
-   preserve_rng_state=True)`` with a selective-checkpoint policy
-   (``create_selective_checkpoint_contexts``): the kept nodes' outputs are cached, the rest
-   rerun in backward. Random ops in a region are all kept or all recomputed, so the replayed RNG
-   state gives the same dropout masks. Buffers mutated in a region (BatchNorm running stats,
-   ``num_batches_tracked``) are swapped for scratch copies when the region is recomputed, so
-   they are updated once per step, as in eager. Parameters are passed in from the parent graph,
-   so the optimized module keeps using the model's own Parameter objects.
+3. Rewrite, two backends (``options["checkpoint_backend"]``: "auto" | "aot" | "sac"):
+
+   * aot (the default where it works; :mod:`graphopt.passes._aot_recompute`): the whole forward
+     body becomes one module that AOTAutograd traces into a joint forward+backward graph, cut by
+     graphopt's own partition: the backward receives the values of kept nodes (random ops are
+     always kept: dropout masks are saved, never redrawn) and recomputes the rest as copies in
+     the backward graph; forward and backward run as plain generated ATen code. "auto" falls back
+     to sac, with the reason in the report, when the torch helpers are missing, the graph does
+     not trace, or the budget needs a random op recomputed.
+   * sac: the graph is cut into regions at points where nothing but kept tensors crosses (so
+     checkpoint's own hold on a region's inputs costs nothing extra); each region becomes a
+     sub-GraphModule called through ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
+     preserve_rng_state=True)`` with a selective-checkpoint policy
+     (``create_selective_checkpoint_contexts``): the kept nodes' outputs are cached, the rest
+     rerun in backward. Random ops in a region are all kept or all recomputed, so the replayed RNG
+     state gives the same dropout masks. Buffers mutated in a region (BatchNorm running stats,
+     ``num_batches_tracked``) are swapped for scratch copies when the region is recomputed, so
+     they are updated once per step, as in eager. Parameters are passed in from the parent graph,
+     so the optimized module keeps using the model's own Parameter objects.
 """
 
 from __future__ import annotations
@@ -513,7 +522,8 @@ class InsertCheckpoints(Pass):
     name = "insert_checkpoints"
     family = "checkpoint"
     description = ("training under a memory budget: recompute the activations cheapest per byte "
-                   "(torch.utils.checkpoint with a selective policy) until the step fits")
+                   "(an AOTAutograd graph rewrite, or torch.utils.checkpoint with a selective policy) "
+                   "until the step fits")
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()

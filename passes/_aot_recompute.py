@@ -1,6 +1,6 @@
 """The AOTAutograd backend of insert_checkpoints: recomputation as a graph rewrite.
 
-The whole forward body of the captured graph is traced by AOTAutograd
+Each region of the plan (a contiguous piece of the captured forward) is traced by AOTAutograd
 (``torch._functorch.aot_autograd.aot_module_simplified``) into one joint forward+backward ATen
 graph (functionalized: BatchNorm's running statistics and ``num_batches_tracked`` become graph
 outputs that AOTAutograd's runtime copies back into the buffers once per call). Our own
@@ -275,6 +275,11 @@ class Partitioner:
                 "recomputed": [(n.name, _tag(n), str(n.target)) for n in recomputed
                                if n in ancestors and not _is_view(n)],
                 "untagged_saved": [n.name for n in saved if n.op != "placeholder" and _tag(n) is None],
+                # positions of the inputs the backward keeps (an earlier region's activations among them)
+                "saved_inputs": [primals.index(n) for n in saved if n in primals],
+                # saved values that are also forward outputs: (name, position among the forward outputs)
+                "saved_outputs": [(n.name, fwd_outputs.index(n)) for n in saved if n in fwd_outputs],
+                "num_fwd_outputs": len(flat[:num_fwd_outputs]),
                 # a training BatchNorm's new running statistics (forward outputs anyway; [C] each)
                 "running_stats_saved": [n.name for n in saved if n.target is operator.getitem
                                         and isinstance(n.args[0], fx.Node) and _is_training_bn(n.args[0])
@@ -473,9 +478,11 @@ def tag_nodes(nodes) -> None:
         n.meta["custom"] = custom
 
 
-def example_args(inputs: list, gm: fx.GraphModule, hints: dict | None):
+def example_args(inputs: list, gm: fx.GraphModule, hints: dict | None, requires_grad=None):
     """Arguments to compile with at optimization time: parameters/buffers as they are (real),
-    graph inputs as fake tensors of the captured shapes (concrete, from ``hints``)."""
+    graph inputs as fake tensors of the captured shapes (concrete, from ``hints``);
+    ``requires_grad(node)`` says whether an input will require grad when called (an earlier
+    region's activation does), so the first call finds this compilation."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -495,7 +502,7 @@ def example_args(inputs: list, gm: fx.GraphModule, hints: dict | None):
         with mode:
             t = torch.empty_strided([c(d) for d in val.shape], [c(s) for s in val.stride()], dtype=val.dtype,
                                     device=val.device)
-        if val.requires_grad:
+        if (requires_grad(a) if requires_grad is not None else val.requires_grad) and t.is_floating_point():
             t.requires_grad_(True)
         out.append(t)
     return out

@@ -14,8 +14,8 @@ training=True, memory_budget=0.4)``: a fraction of the baseline activation memor
    them). If recomputing everything allowed cannot fit, ``BudgetError`` states the minimum.
 3. Rewrite, two backends (``options["checkpoint_backend"]``: "auto" | "aot" | "sac"):
 
-   * aot (the default where it works; :mod:`graphopt.passes._aot_recompute`): the whole forward
-     body becomes one module that AOTAutograd traces into a joint forward+backward graph, cut by
+   * aot (the default where it works; :mod:`graphopt.passes._aot_recompute`): each region of
+     the plan becomes one module that AOTAutograd traces into a joint forward+backward graph, cut by
      graphopt's own partition: the backward receives the values of kept nodes (random ops are
      always kept: dropout masks are saved, never redrawn) and recomputes the rest as copies in
      the backward graph; forward and backward run as plain generated ATen code. "auto" falls back
@@ -431,7 +431,7 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     g.output(tuple(env[o] for o in outputs))
     body = fx.GraphModule(gm if owned else nn.Module(), g, class_name="CheckpointBody")
     if make_module is not None:
-        region = make_module(body, inputs, tuple(i for i, a in enumerate(inputs) if a in mutated))
+        region = make_module(body, inputs, tuple(i for i, a in enumerate(inputs) if a in mutated), outputs)
         region.cost = _region_cost(ctx, nodes, keep)  # the cost model prices the call with it
     else:
         cost = _region_cost(ctx, nodes, keep)
@@ -448,6 +448,7 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
         with gm.graph.inserting_after(prev):
             prev = gm.graph.call_function(operator.getitem, (call, i))
         prev.meta = dict(o.meta)
+        prev.meta["ckpt_source"] = o.name  # the captured node this region output stands for
         getters.append(prev)
     for n in movers:
         prev.append(n)
@@ -580,10 +581,10 @@ class InsertCheckpoints(Pass):
         if use_aot:
             snapshot = gm.graph.python_code("self").src
             try:
-                self._rewrite_aot(gm, ctx, am, plan, res, details)
-                details["backend"] = "aot"
-                res.notes.append("backend aot: recomputation is a graph rewrite (AOTAutograd joint graph cut by "
-                                 "graphopt's partition); forward and backward run as plain ATen graphs"
+                self._rewrite_aot(gm, ctx, am, plan, res, details, strict=backend == "aot")
+                details["backend"] = "aot" if not details.get("aot_fallbacks") else "aot+sac"
+                res.notes.append("backend aot: recomputation is a graph rewrite (AOTAutograd joint graph of each "
+                                 "region cut by graphopt's partition); forward and backward run as plain ATen graphs"
                                  + ("" if backend == "aot" else " (chosen by default: it traced this graph)"))
                 return res
             except aot.AotUnavailable as e:
@@ -619,66 +620,126 @@ class InsertCheckpoints(Pass):
             by_layer=_by_layer(am, plan.keep),
         )
 
-    def _rewrite_aot(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict) -> None:
-        """The whole forward body becomes one AotRecompute call, compiled once here (so a graph
-        AOTAutograd cannot trace falls back before anything changes)."""
-        body = list(am.body)
-        keep = {n.name for n in body if n in plan.keep}
-        recompute = {n.name for n in body if n not in plan.keep}
-        aot.tag_nodes(body)
-        made = {}
+    def _rewrite_aot(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict,
+                     strict: bool) -> None:
+        """Each region of the plan that recomputes something becomes one AotRecompute call (its
+        own autograd function, so its parameters' gradients are released when its backward ends,
+        as eager's are, not all at the end of one whole-graph backward), compiled here. If the
+        first cannot be traced, AotUnavailable is raised before anything changed; a later one
+        runs as selective-checkpoint regions instead (or, ``strict``, raises GraphoptError)."""
+        aot.tag_nodes(am.body)
+        keep = {n.name for n in am.body if n in plan.keep}
+        recompute = {n.name for n in am.body if n not in plan.keep}
+        totals = {"saved": 0, "values": 0, "recomputed": 0, "untagged": 0, "regions": 0}
+        held_inputs: set = set()  # activations a region receives and saves (counted once)
+        by_name = {n.name: n for n in am.body}
 
-        def make_module(body_gm, inputs, mutated):
-            module = aot.AotRecompute(body_gm, recompute, keep, mutated)
+        def needs_grad(node) -> bool:  # an activation flowing in from the graph (or an earlier region)
+            src = by_name.get(node.meta.get("ckpt_source", node.name))
+            if src is not None:
+                return bool(am.grad.get(src, False))
+            val = node.meta.get("val")
+            return isinstance(val, torch.Tensor) and val.requires_grad
+        frees, fallbacks = True, []
+        details["selective_regions"] = 0
+        for i, nodes in enumerate(plan.regions):
+            rerun = [n for n in nodes if n not in plan.keep]
+            if not rerun:
+                continue
+            made = {}
+
+            def make_module(body_gm, inputs, mutated, outputs):
+                module = aot.AotRecompute(body_gm, recompute, keep, mutated)
+                try:
+                    example = aot.example_args(inputs, gm, ctx.hints, requires_grad=needs_grad)
+                except Exception as e:
+                    raise aot.AotUnavailable(f"no example inputs to compile with: {type(e).__name__}: {e}") from e
+                made["info"] = module.compile(example)
+                made["module"], made["inputs"], made["outputs"] = module, list(inputs), list(outputs)
+                return module
+
             try:
-                example = aot.example_args(inputs, gm, ctx.hints)
-            except Exception as e:
-                raise aot.AotUnavailable(f"no example inputs to compile with: {type(e).__name__}: {e}") from e
-            made["info"] = module.compile(example)
-            made["module"] = module
-            return module
-
-        call = _extract(gm, body, plan.keep, "ckpt_aot", ctx, make_module=make_module)
-        if call is None:
-            raise aot.AotUnavailable("a node outside the forward body both reads it and feeds it")
-        info, module = made["info"], made["module"]
-        recomputed_ops = info["recomputed"]
+                call = _extract(gm, nodes, plan.keep, f"ckpt_aot_{i}", ctx, make_module=make_module)
+            except aot.AotUnavailable as e:
+                if totals["regions"] == 0 and not fallbacks:
+                    raise  # nothing changed yet: the caller falls back as a whole
+                if strict:
+                    raise GraphoptError(f"checkpoint_backend 'aot' cannot run region {i}: {e}") from e
+                fallbacks.append(f"region {i}: {e}")
+                self._sac_regions(gm, ctx, am, plan, res, details, [nodes], f"ckpt_region_{i}_")
+                continue
+            if call is None:
+                res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
+                           "a node outside the region both reads it and feeds it; left as it is")
+                continue
+            info, module = made["info"], made["module"]
+            totals["regions"] += 1
+            totals["saved"] += info["saved_activation_bytes"]
+            totals["values"] += len([s for s in info["saved"] if s[2] > 0])
+            # a saved region output that a later region also saves as its input is one tensor
+            outs = made["outputs"]
+            first_user_output = info["num_fwd_outputs"] - len(outs)  # mutated buffers come first
+            for _, pos in info["saved_outputs"]:
+                k = pos - first_user_output
+                if 0 <= k < len(outs):
+                    held_inputs.add(am.root.get(outs[k], outs[k]))
+            totals["recomputed"] += len(info["recomputed"])
+            totals["untagged"] += len(info["untagged_saved"])
+            for pos in info["saved_inputs"]:
+                src = made["inputs"][pos] if pos < len(made["inputs"]) else None
+                src = by_name.get(src.meta.get("ckpt_source", src.name)) if src is not None else None
+                root = am.root.get(src, src) if src is not None else None
+                if root is not None and root in am.bytes and root not in held_inputs:
+                    held_inputs.add(root)
+                    totals["saved"] += am.bytes[root]
+                    totals["values"] += 1
+            frees = frees and module.frees_inputs
+            res.record(f"recompute by graph rewrite, region {i} (AOTAutograd partition: {len(info['recomputed'])} "
+                       f"forward ops rerun in backward)", [n.name for n in rerun][:6], [call],
+                       -sum(am.seconds[n] for n in rerun))
+        if totals["regions"] == 0 and not fallbacks:
+            raise aot.AotUnavailable("no region recomputes anything")
         details.update(
-            regions=1,
-            aot_saved_bytes=info["saved_activation_bytes"],
-            aot_saved_values=len([s for s in info["saved"] if s[2] > 0]),
-            aot_recomputed_ops=len(recomputed_ops),
-            aot_untagged_saved=len(info["untagged_saved"]),
-            aot_frees_saved_inputs=module.frees_inputs,
+            regions=totals["regions"] + details.get("selective_regions", 0),
+            aot_regions=totals["regions"],
+            aot_saved_bytes=totals["saved"],
+            aot_saved_values=totals["values"],
+            aot_recomputed_ops=totals["recomputed"],
+            aot_untagged_saved=totals["untagged"],
+            aot_frees_saved_inputs=frees,
         )
-        if not module.frees_inputs:
-            res.notes.append("this torch lacks fx's boxed codegen: the backward graph holds its saved inputs "
+        if fallbacks:
+            details["aot_fallbacks"] = fallbacks
+            res.notes.append(f"{len(fallbacks)} region(s) ran as selective checkpoints instead: {fallbacks[0]}")
+        if not frees:
+            res.notes.append("this torch lacks fx's boxed codegen: a backward graph holds its saved inputs "
                              "until it returns")
-        if info["untagged_saved"]:
-            res.notes.append(f"{len(info['untagged_saved'])} joint-graph value(s) with no captured counterpart "
+        if totals["untagged"]:
+            res.notes.append(f"{totals['untagged']} joint-graph value(s) with no captured counterpart "
                              "saved (as default_partition would)")
-        res.record(f"recompute by graph rewrite (AOTAutograd partition: {len(recomputed_ops)} forward ops rerun "
-                   f"in backward, {details['aot_saved_values']} values saved)",
-                   [name for name in recompute][:6], [call], -plan.extra_s)
         gm.recompile()
 
-    def _rewrite_sac(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict) -> None:
-        subregions = [sub for nodes in plan.regions for sub in split_at_kept_gemms(nodes, plan.keep)]
-        details["selective_regions"] = 0
+    def _sac_regions(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict, regions: list,
+                     prefix: str = "ckpt_region_") -> None:
+        subregions = [sub for nodes in regions for sub in split_at_kept_gemms(nodes, plan.keep)]
         for i, (nodes, selective) in enumerate(subregions):
             recomputed = [n for n in nodes if n not in plan.keep]
             if not recomputed:
                 continue
             extra = sum(am.seconds[n] for n in recomputed)
-            call = _extract(gm, nodes, plan.keep, f"ckpt_region_{i}", ctx, selective)
+            call = _extract(gm, nodes, plan.keep, f"{prefix}{i}", ctx, selective)
             if call is None:
                 res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
                            "a node outside the region both reads it and feeds it; left as it is")
                 continue
-            details["selective_regions"] += int(selective)
+            details["selective_regions"] = details.get("selective_regions", 0) + int(selective)
             kind = "selective" if selective else "plain"
             res.record(f"checkpoint region, {kind} ({len(recomputed)} of {len(nodes)} nodes recomputed)",
                        recomputed[:6], [call], -extra)
+
+    def _rewrite_sac(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict) -> None:
+        details["selective_regions"] = 0
+        self._sac_regions(gm, ctx, am, plan, res, details, plan.regions)
         details["regions"] = sum(1 for n in gm.graph.nodes if n.op == "call_module"
                                  and isinstance(gm.get_submodule(n.target), CheckpointRegion))
         gm.recompile()

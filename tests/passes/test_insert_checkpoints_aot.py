@@ -53,10 +53,23 @@ class Stack(nn.Module):
         return self.head(self.blocks(x))
 
 
-def aot_module(opt):
+def aot_modules(opt):
     mods = [m for m in opt.graph_module.modules() if isinstance(m, aot.AotRecompute)]
-    assert len(mods) == 1
-    return mods[0]
+    assert mods
+    return mods
+
+
+def merged(opt):
+    """The partitions of every AOT region (their first compilation), merged: saved values,
+    recomputed ops, backward ops and graphs, and the plan's keep/recompute sets."""
+    out = {"saved": [], "recomputed": [], "bw_ops": [], "bw_graphs": [], "running_stats_saved": []}
+    for m in aot_modules(opt):
+        info = next(iter(m.partitions.values()))
+        for k in ("saved", "recomputed", "bw_ops", "running_stats_saved"):
+            out[k] += info[k]
+        out["bw_graphs"].append(info["bw_graph"])
+        out["keep"], out["recompute"] = m.partitioner.keep, m.partitioner.recompute
+    return out
 
 
 def _loss(out):
@@ -139,22 +152,23 @@ def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_k
     res = opt.report.pass_result("insert_checkpoints")
     d = res.details
     assert res.status == "applied" and d["backend"] == "aot" and "backend aot" in res.notes[-1]
-    mod = aot_module(opt)
-    info = next(iter(mod.partitions.values()))
+    # one AOT function per region of the plan: each backward releases its parameters' gradients
+    assert len(aot_modules(opt)) == d["aot_regions"] == d["regions"] > 1
+    info = merged(opt)
     # the saved activations are exactly values of captured nodes the plan keeps, within the budget
-    keep = mod.partitioner.keep
+    keep = info["keep"]
     stats = set(info["running_stats_saved"])  # BatchNorm's new running statistics ([C] each)
     tagged = [(name, tag, b) for name, tag, b in info["saved"] if b > 0 and name not in stats]
     assert tagged and all(tag in keep for _, tag, _ in tagged), [t for t in tagged if t[1] not in keep]
     assert d["aot_saved_bytes"] <= d["budget_bytes"] < d["baseline_saved_bytes"]
     assert d["aot_saved_bytes"] == pytest.approx(d["predicted_saved_bytes"], rel=0.15)
     # BatchNorm and ReLU rerun in the backward graph (BN without touching the running stats)
-    bw = info["bw_graph"]
-    bw_ops = collections.Counter(str(n.target) for n in bw.graph.nodes if n.op == "call_function")
+    bw_ops = collections.Counter(str(n.target) for bw in info["bw_graphs"] for n in bw.graph.nodes
+                                 if n.op == "call_function")
     assert bw_ops["aten._native_batch_norm_legit.no_stats"] > 0 and bw_ops["aten.relu.default"] > 0
     assert bw_ops["aten._native_batch_norm_legit_functional.default"] == 0
     recomputed = {tag for _, tag, _ in info["recomputed"]}
-    assert recomputed and recomputed <= mod.partitioner.recompute
+    assert recomputed and recomputed <= info["recompute"]
     model.train()
     ref = accuracy_rule(model, opt, args)
     # one step each: running statistics updated once, as in eager
@@ -188,7 +202,7 @@ def test_glm_aot_gradients_follow_eager():
     model, args = zoo.get("glm4-tiny")
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, passes=["insert_checkpoints"],
                             checkpoint_backend="aot")
-    info = next(iter(aot_module(opt).partitions.values()))
+    info = merged(opt)
     assert info["recomputed"]  # forward ops rerun in the backward graph
     bw_tags = {tag for _, tag, _ in info["bw_ops"]}
     assert {tag for _, tag, _ in info["recomputed"]} <= bw_tags
@@ -202,10 +216,8 @@ def test_dropout_is_saved_never_rerun_and_grads_follow_eager_per_seed():
     args = (torch.randn(16, 32),)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.75, checkpoint_backend="aot",
                             check_accuracy=False)
-    mod = aot_module(opt)
-    info = next(iter(mod.partitions.values()))
-    bw = info["bw_graph"]
-    assert not [n for n in bw.graph.nodes if aot._is_random(n)]  # the mask is saved, not redrawn
+    info = merged(opt)
+    assert not [n for bw in info["bw_graphs"] for n in bw.graph.nodes if aot._is_random(n)]  # mask saved
     rerun = {target for _, _, target in info["recomputed"]}
     assert rerun and all("dropout" not in t for t in rerun)
     assert rerun & {"aten.gelu.default", "aten.native_layer_norm.default"}  # cheap ops are rerun
@@ -240,7 +252,7 @@ def test_dynamic_batch_compiles_again_for_a_new_size():
                             checkpoint_backend="aot", dynamic={"x": {0: "batch"}})
     model.train()
     accuracy_rule(model, opt, (torch.randn(24, 32),))
-    assert len(aot_module(opt).partitions) == 2
+    assert all(len(m.partitions) == 2 for m in aot_modules(opt))
 
 
 class AutocastOff(nn.Module):
@@ -264,7 +276,8 @@ def test_higher_order_op_with_a_submodule_body_traces():
     model, args = AutocastOff(), (torch.randn(8, 16),)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="aot",
                             passes=["insert_checkpoints"])
-    hops = [n for n in aot_module(opt).body.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    hops = [n for m in aot_modules(opt) for n in m.body.graph.nodes
+            if isinstance(n.target, torch._ops.HigherOrderOperator)]
     assert hops and opt.report.pass_result("insert_checkpoints").details["backend"] == "aot"
     model.train()
     accuracy_rule(model, opt, args)
@@ -309,7 +322,7 @@ def test_ops_dispatched_per_step_stay_near_eager_plus_the_recomputation():
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, passes=["insert_checkpoints"],
                             check_accuracy=False)
     model.train()
-    recomputed = len(next(iter(aot_module(opt).partitions.values()))["recomputed"])
+    recomputed = len(merged(opt)["recomputed"])
     counts = {}
     for label, fn in (("eager", ref), ("aot", opt)):
         fn(*args).square().mean().backward()  # warm-up (compiles nothing new)
@@ -342,8 +355,8 @@ def test_provenance_maps_nodes_where_the_custom_tag_is_not_carried(monkeypatch):
     model, args = Stack(d=32, layers=6), (torch.randn(16, 32),)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot",
                             check_accuracy=False)
-    info = next(iter(aot_module(opt).partitions.values()))
-    assert info["recomputed"] and {t for _, t, _ in info["recomputed"]} <= aot_module(opt).partitioner.recompute
+    info = merged(opt)
+    assert info["recomputed"] and {t for _, t, _ in info["recomputed"]} <= info["recompute"]
     model.train()
     accuracy_rule(model, opt, args)
 

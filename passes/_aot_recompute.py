@@ -180,6 +180,8 @@ class Partitioner:
             return memo[n]
         if n.op != "call_function" or _is_random(n):
             ok = False
+        elif isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            ok = False  # an in-place op stays in the forward (the partitioner's rule too)
         elif n.target is operator.getitem:  # a multi-output op's piece: as its op
             src = n.args[0]
             if isinstance(src, fx.Node) and _is_training_bn(src) and n.args[1] >= 3:

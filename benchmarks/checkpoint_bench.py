@@ -1,7 +1,7 @@
 """Activation checkpointing under a memory budget (issue 8): measured memory and step time.
 
-    python benchmarks/checkpoint_bench.py --out DIR [--configs resnet50,glm4,zoo] [--tiny]
-                                          [--reps 10] [--warmup 2] [--all-passes]
+    python benchmarks/checkpoint_bench.py --out DIR [--configs resnet50,glm4,glm4-diag,zoo] [--tiny]
+                                          [--backend aot|sac|auto|both] [--reps 10] [--warmup 2] [--all-passes]
 
 Configs (GPU sizes; ``--tiny`` swaps in CPU-sized models for a dry run):
 
@@ -10,7 +10,11 @@ Configs (GPU sizes; ``--tiny`` swaps in CPU-sized models for a dry run):
 * ``glm4``: GLM-4-9B-shaped decoder (``zoo.glm4_9b_config(8)``, 8 layers), bf16, batch 4,
   seq 2048, SDPA attention, graphopt at memory_budget 0.3; the reference is Hugging Face's
   ``model.gradient_checkpointing_enable()`` (non-reentrant).
-* ``zoo``: predicted vs measured activation memory (no rewriting) for resnet50 bs32,
+* ``glm4-diag``: GLM gradient numerics at batch 1: eager (bf16), the captured graph without
+  checkpoints, and each checkpoint backend at 0.3, against an fp32 eager copy and against eager
+  bf16 (relative L2 error, all gradients together and the worst parameter), so capture numerics,
+  recomputation and bf16 noise can be told apart.
+* ``zoo`` (not in the default set): predicted vs measured activation memory (no rewriting) for resnet50 bs32,
   bert-base bs32, vit_b_16 bs32 (bf16) and the GLM-4-9B shape with 2 layers bs2 seq1024.
 
 A training step is forward + backward with ``loss = sum_i <out_i, g_i>`` over the floating
@@ -22,7 +26,8 @@ held when the forward returns (saved tensors + outputs; on the CPU, where there 
 statistics, the storages made during the forward still alive after it). ms/step is the median over --reps of
 CUDA-event-timed steps. graphopt runs only the ``insert_checkpoints`` pass by default (the
 others change numerics/kernels and would blur the comparison; ``--all-passes`` runs the whole
-pipeline), with ``check_accuracy=False``; its loss and gradients are compared with the eager
+pipeline), with ``check_accuracy=False``, once per checkpoint backend (``--backend both``, the
+default: the AOTAutograd graph rewrite and the selective checkpoint, one row each); its loss and gradients are compared with the eager
 step directly (same seed): fp32 tolerance 1e-3, bf16 1e-2, as the relative L2 error of every
 gradient, and allclose on the outputs.
 
@@ -32,6 +37,7 @@ Writes ``checkpoint_<date>_<device>.json`` and ``.md`` into --out, printing prog
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import gc
 import json
@@ -256,21 +262,50 @@ def run_budget_config(name, build, reference, budget, args, device):
     del stepper, ref_fn
     free()
 
+    row["graphopt"] = []
+    for backend in args.backends:
+        try:
+            row["graphopt"].append(run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol,
+                                               budget, backend, ms, row["eager"]["activation_gb"], args))
+        except Exception as e:  # keep the other backend's row
+            import traceback
+
+            traceback.print_exc()
+            row["graphopt"].append({"backend": backend, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+        free()
+    base_act = row["eager"]["activation_gb"]
+    if base_act:
+        row["reference"]["memory_ratio"] = act_r / 1e9 / base_act
+    row["reference"]["time_ratio"] = ms_r / ms
+    del model, inputs, params, ref_outs, ref_grads, eager, grads_out
+    free()
+    return row
+
+
+def run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol, budget, backend, eager_ms,
+                eager_act_gb, args):
+    """graphopt at ``budget`` with checkpoint_backend ``backend``: measured memory and time, and the
+    loss/gradient check against the eager step."""
+    import graphopt
+
     t0 = time.perf_counter()
     passes = None if args.all_passes else ["insert_checkpoints"]
     opt = graphopt.optimize(model, inputs, training=True, memory_budget=budget, check_accuracy=False,
-                            passes=passes, cuda_graphs=False, model_name=name)
+                            passes=passes, cuda_graphs=False, model_name=name, checkpoint_backend=backend)
     opt_s = time.perf_counter() - t0
     res = opt.report.pass_result("insert_checkpoints")
     d = res.details
-    log(f"[{name}] optimized in {opt_s:.1f} s: {res.status}, {d.get('regions')} regions, predicted saved "
-        f"{gb(d.get('baseline_saved_bytes'))} -> {gb(d.get('predicted_saved_bytes'))} GB")
+    log(f"[{name}/{backend}] optimized in {opt_s:.1f} s: {res.status}, backend {d.get('backend')}, {d.get('regions')} "
+        f"regions, predicted saved {gb(d.get('baseline_saved_bytes'))} -> {gb(d.get('predicted_saved_bytes'))} GB"
+        + (f", AOT forward saves {gb(d.get('aot_saved_bytes'))} GB" if d.get("backend") == "aot" else ""))
+    model.train()
     stepper = Stepper(opt, inputs, params)
     stepper.grads_out = grads_out
     act_g, after_g, ms_g = measure(stepper, args.warmup, args.reps)
     g_outs, g_grads = one_step_grads(opt, inputs, params, grads_out)
     check = compare(g_outs, g_grads, ref_outs, ref_grads, tol)
-    row["graphopt"] = {
+    out = {
+        "backend": d.get("backend", backend), "asked": backend, "backend_reason": d.get("backend_reason"),
         "activation_gb": gb(act_g), "after_forward_gb": gb(after_g), "ms": ms_g, "optimize_s": opt_s,
         "status": res.status, "regions": d.get("regions"),
         "predicted_baseline_saved_gb": gb(d.get("baseline_saved_bytes")),
@@ -282,18 +317,96 @@ def run_budget_config(name, build, reference, budget, args, device):
         "predicted_activation_gb": gb(d.get("predicted_activation_bytes")),
         "predicted_extra_ms": d.get("extra_ms"),
         "budget_gb": gb(d.get("budget_bytes")),
+        "aot_saved_gb": gb(d.get("aot_saved_bytes")),
+        "aot_recomputed_ops": d.get("aot_recomputed_ops"),
         "check": check,
     }
-    base_act = row["eager"]["activation_gb"]
-    if base_act:
-        row["graphopt"]["memory_ratio"] = act_g / 1e9 / base_act
-        row["reference"]["memory_ratio"] = act_r / 1e9 / base_act
-    row["graphopt"]["time_ratio"] = ms_g / ms
-    row["reference"]["time_ratio"] = ms_r / ms
-    log(f"[{name}] graphopt: activations {gb(act_g)} GB, {ms_g:.2f} ms/step ({ms_g / ms:.3f}x), check {check}")
-    del opt, stepper, model, inputs, params, ref_outs, ref_grads, g_outs, g_grads, eager, grads_out
+    if eager_act_gb:
+        out["memory_ratio"] = act_g / 1e9 / eager_act_gb
+    out["time_ratio"] = ms_g / eager_ms
+    log(f"[{name}/{backend}] graphopt: activations {gb(act_g)} GB, {ms_g:.2f} ms/step ({ms_g / eager_ms:.3f}x), "
+        f"check {check}")
+    del opt, stepper, g_outs, g_grads
+    return out
+
+
+def _grad_errors(grads, ref, params):
+    """Relative L2 error of ``grads`` vs ``ref`` (lists aligned with params): global and worst
+    per parameter (parameters with > 1024 elements; tiny ones are noise-dominated)."""
+    num = den = 0.0
+    worst, worst_name = 0.0, None
+    for (pname, p), x, y in zip(params, grads, ref):
+        if x is None or y is None:
+            continue
+        d = float((x.float() - y.float()).norm())
+        n = float(y.float().norm())
+        num += d * d
+        den += n * n
+        if p.numel() > 1024 and n > 0 and d / n > worst:
+            worst, worst_name = d / n, pname
+    return {"global_rel_err": (num ** 0.5) / max(den ** 0.5, 1e-30), "worst_param_rel_err": worst,
+            "worst_param": worst_name}
+
+
+def run_glm_diagnostic(args, device):
+    """GLM numerics: gradients of eager bf16, the captured graph without checkpoints, and each
+    checkpoint backend, against an fp32 eager copy (the high-precision reference) and against
+    eager bf16, so capture numerics, recomputation and bf16 noise can be told apart."""
+    import graphopt
+
+    layers, batch, seq = (None, 2, 32) if args.tiny else (8, 1, 2048)
+    log(f"[glm-diag] building (batch {batch}, seq {seq})")
+    model, inputs, dtype, shape = build_glm(args.tiny, device, batch=batch, seq=seq, **({"layers": layers} if layers else {}))
+    model.train()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+
+    def grads_of(fn, mdl_params):
+        for p in mdl_params:
+            p.grad = None
+        torch.manual_seed(0)
+        out = fn(*inputs)
+        logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
+        gen = torch.Generator(device=logits.device).manual_seed(1234)
+        g = torch.randn(logits.shape, dtype=torch.float32, device=logits.device, generator=gen)
+        torch.autograd.backward(logits, g.to(logits.dtype))
+        del out, logits, g
+        return [p.grad for p in mdl_params]
+
+    ref32 = copy.deepcopy(model).float()
+    ref32.train()
+    p32 = list(ref32.parameters())
+    g32 = [g.detach().clone() if g is not None else None for g in grads_of(ref32, p32)]
+    del ref32, p32
     free()
-    return row
+    g_eager = [g.detach().clone() if g is not None else None for g in grads_of(model, params)]
+    rows = [{"variant": "eager (bf16)" if dtype == torch.bfloat16 else "eager", "vs_fp32": _grad_errors(g_eager, g32, named),
+             "vs_eager": {"global_rel_err": 0.0, "worst_param_rel_err": 0.0, "worst_param": None}}]
+    log(f"[glm-diag] eager vs fp32: {rows[0]['vs_fp32']}")
+    variants = [("captured graph, no checkpoints", dict(passes=[]))]
+    for b in args.backends:
+        variants.append((f"checkpointed, backend {b}", dict(passes=["insert_checkpoints"], memory_budget=0.5 if args.tiny else 0.3,
+                                                            checkpoint_backend=b)))
+    for label, kw in variants:
+        try:
+            opt = graphopt.optimize(model, inputs, training=True, check_accuracy=False, cuda_graphs=False, **kw)
+            model.train()
+            g = grads_of(opt, params)
+            row = {"variant": label, "vs_fp32": _grad_errors(g, g32, named), "vs_eager": _grad_errors(g, g_eager, named)}
+            if kw.get("passes"):
+                row["backend"] = opt.report.pass_result("insert_checkpoints").details.get("backend")
+            del opt, g
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            row = {"variant": label, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        log(f"[glm-diag] {row}")
+        rows.append(row)
+        free()
+    del model, inputs, params, named, g32, g_eager
+    free()
+    return {"config": "glm4-9b" + (f"-{layers}l" if layers else "-tiny"), **shape, "rows": rows}
 
 
 def resnet_reference(model):
@@ -391,20 +504,43 @@ def markdown(result):
         lines += ["| config | variant | activation GB | ratio | after fwd GB (predicted) | ms/step | ratio | notes |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in result["budget_configs"]:
-            e, ref, g = r["eager"], r["reference"], r["graphopt"]
+            e, ref = r["eager"], r["reference"]
+            base_pred = next((g.get("predicted_baseline_held_gb") for g in r["graphopt"] if "error" not in g), None)
             lines.append(f"| {r['config']} | eager | {_f(e['activation_gb'])} | 1.00 | {_f(e['after_forward_gb'], '{:.3f}')} "
-                         f"({_f(g['predicted_baseline_held_gb'], '{:.3f}')}) | {_f(e['ms'])} | 1.00 | |")
+                         f"({_f(base_pred, '{:.3f}')}) | {_f(e['ms'])} | 1.00 | |")
             lines.append(f"| {r['config']} | {ref['name']} | {_f(ref['activation_gb'])} | {_f(ref.get('memory_ratio'))} | "
                          f"{_f(ref['after_forward_gb'], '{:.3f}')} | {_f(ref['ms'])} | {_f(ref['time_ratio'], '{:.3f}')} | |")
-            notes = (f"budget {r['budget']} = {_f(g['budget_gb'])} GB of predicted {_f(g['predicted_baseline_saved_gb'])} GB saved; "
-                     f"predicted saved {_f(g['predicted_saved_gb'])} + {_f(g['predicted_transient_gb'])} GB, step activations "
-                     f"{_f(g['predicted_activation_gb'])} GB (baseline predicted {_f(g['predicted_baseline_activation_gb'])}); "
-                     f"predicted +{_f(g['predicted_extra_ms'], '{:.1f}')} ms; {g['regions']} regions; optimize "
-                     f"{_f(g['optimize_s'], '{:.1f}')} s; check {'passed' if g['check']['passed'] else 'FAILED'} "
-                     f"(worst grad rel err {g['check']['worst_grad_rel_err']:.2e})")
-            lines.append(f"| {r['config']} | graphopt | {_f(g['activation_gb'])} | {_f(g.get('memory_ratio'))} | "
-                         f"{_f(g['after_forward_gb'], '{:.3f}')} ({_f(g['predicted_held_gb'], '{:.3f}')}) | "
-                         f"{_f(g['ms'])} | {_f(g['time_ratio'], '{:.3f}')} | {notes} |")
+            for g in r["graphopt"]:
+                if "error" in g:
+                    lines.append(f"| {r['config']} | graphopt ({g['backend']}) | | | | | | FAILED: {g['error']} |")
+                    continue
+                ran = g["backend"] if g["backend"] == g["asked"] else f"{g['asked']} → ran {g['backend']}: {g.get('backend_reason')}"
+                aot_note = (f"AOT forward saves {_f(g['aot_saved_gb'])} GB, {g['aot_recomputed_ops']} ops rerun in backward; "
+                            if g.get("aot_saved_gb") is not None else "")
+                notes = (f"budget {r['budget']} = {_f(g['budget_gb'])} GB of predicted {_f(g['predicted_baseline_saved_gb'])} GB saved; "
+                         f"predicted saved {_f(g['predicted_saved_gb'])} + {_f(g['predicted_transient_gb'])} GB, step activations "
+                         f"{_f(g['predicted_activation_gb'])} GB (baseline predicted {_f(g['predicted_baseline_activation_gb'])}); "
+                         f"{aot_note}predicted +{_f(g['predicted_extra_ms'], '{:.1f}')} ms; {g['regions']} regions; optimize "
+                         f"{_f(g['optimize_s'], '{:.1f}')} s; check {'passed' if g['check']['passed'] else 'FAILED'} "
+                         f"(worst grad rel err {g['check']['worst_grad_rel_err']:.2e})")
+                lines.append(f"| {r['config']} | graphopt ({ran}) | {_f(g['activation_gb'])} | {_f(g.get('memory_ratio'))} | "
+                             f"{_f(g['after_forward_gb'], '{:.3f}')} ({_f(g['predicted_held_gb'], '{:.3f}')}) | "
+                             f"{_f(g['ms'])} | {_f(g['time_ratio'], '{:.3f}')} | {notes} |")
+        lines.append("")
+    for diag in result.get("diagnostics", []):
+        lines += ["", f"GLM gradient numerics ({diag['config']}, batch {diag['batch']}, seq {diag['seq_len']}): relative L2 "
+                  "error of the parameter gradients, all parameters together (global) and the worst parameter with "
+                  "> 1024 elements, against an fp32 eager copy and against eager in the model's dtype.", "",
+                  "| variant | vs fp32: global | vs fp32: worst param | vs eager: global | vs eager: worst param |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for d in diag["rows"]:
+            if "error" in d:
+                lines.append(f"| {d['variant']} | FAILED: {d['error']} | | | |")
+                continue
+            a, b = d["vs_fp32"], d["vs_eager"]
+            label = d["variant"] + (f" (ran {d['backend']})" if d.get("backend") else "")
+            lines.append(f"| {label} | {a['global_rel_err']:.2e} | {a['worst_param_rel_err']:.2e} ({a['worst_param']}) | "
+                         f"{b['global_rel_err']:.2e} | {b['worst_param_rel_err']:.2e} ({b['worst_param']}) |")
         lines.append("")
     if result["zoo"]:
         lines += ["| model | batch | seq | dtype | predicted act GB | measured act GB | error | predicted after-fwd GB | "
@@ -420,7 +556,10 @@ def markdown(result):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="directory for the JSON + Markdown")
-    ap.add_argument("--configs", default="resnet50,glm4,zoo", help="comma-separated subset of resnet50,glm4,zoo")
+    ap.add_argument("--configs", default="resnet50,glm4,glm4-diag",
+                    help="comma-separated subset of resnet50,glm4,glm4-diag,zoo")
+    ap.add_argument("--backend", default="both", choices=("aot", "sac", "auto", "both"),
+                    help="checkpoint backend(s) for graphopt's rows: aot, sac, auto, or both (aot and sac)")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized models (a dry run)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -429,7 +568,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in ("resnet50", "glm4", "zoo")]
+    args.backends = ["aot", "sac"] if args.backend == "both" else [args.backend]
+    unknown = [c for c in configs if c not in ("resnet50", "glm4", "glm4-diag", "zoo")]
     if unknown:
         ap.error(f"unknown config(s) {unknown}")
     out = Path(args.out)
@@ -437,7 +577,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": name,
               "torch": torch.__version__, "tiny": args.tiny, "reps": args.reps, "budget_configs": [], "zoo": [],
-              "errors": []}
+              "diagnostics": [], "backends": args.backends, "errors": []}
     t_all = time.perf_counter()
     for c in configs:
         try:
@@ -447,6 +587,8 @@ def main(argv=None):
                 # the 2-layer CPU stand-in cannot reach 0.3 (too few layers to cut between)
                 result["budget_configs"].append(run_budget_config("glm4-9b-8l", build_glm, glm_reference,
                                                                   0.5 if args.tiny else 0.3, args, device))
+            elif c == "glm4-diag":
+                result["diagnostics"].append(run_glm_diagnostic(args, device))
             else:
                 result["zoo"] = run_zoo(args, device)
         except Exception as e:  # keep the other configs' results

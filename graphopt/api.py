@@ -353,6 +353,7 @@ def optimize(
     dump_dir: str | Path | None = None,
     model_name: str | None = None,
     memory_budget=None,
+    checkpoint_backend: str = "auto",
     devices=None,
     memory_cap=None,
     microbatches: int = 1,
@@ -378,6 +379,9 @@ def optimize(
     memory_budget: training only: fit the activations autograd saves into this budget by
       recomputing the cheapest ones in backward (pass insert_checkpoints): a fraction 0 < f <= 1
       of the baseline activation memory, bytes, or a size string ("8GB", "512MB").
+    checkpoint_backend: how the recomputation runs: "auto" (the AOTAutograd graph rewrite where it
+      traces the graph, else the selective checkpoint), "aot" (the rewrite, or an error) or "sac"
+      (torch.utils.checkpoint regions with a selective policy).
     devices: partition across devices (``["cuda:0", "cuda:1"]``, ``["cuda:0", "cpu"]``, or a count
       of GPUs): the partition_devices pass plans cost-balanced stages within each device's memory
       (``memory_cap`` bytes per device overrides the profiles'), the report gets the stage table,
@@ -411,6 +415,8 @@ def optimize(
         if not training:
             raise GraphoptError("memory_budget applies to training; pass training=True (inference saves no activations)")
         memory_budget = parse_memory_budget(memory_budget)
+    if checkpoint_backend not in ("auto", "aot", "sac"):
+        raise GraphoptError(f"checkpoint_backend must be 'auto', 'aot' or 'sac', got {checkpoint_backend!r}")
     profile, profile_note = get_profile(target if target is not None else model_dev)
     run_profile = profile  # the device as it runs eager kernels: the execution-time predictions use it
     if (cuda_graphs is not False and not training and not dynamic and profile.kind == "cuda"
@@ -434,7 +440,8 @@ def optimize(
         cost = CostModel(profile)
         ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
                           dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
-                          options={"precision": precision, "device": model_dev, "memory_budget": memory_budget})
+                          options={"precision": precision, "device": model_dev, "memory_budget": memory_budget,
+                                   "checkpoint_backend": checkpoint_backend})
         if devices is not None:
             from .partition import resolve_devices
 
@@ -506,7 +513,8 @@ def optimize(
         opt._reoptimize = (model, dict(device=device, target=target, passes=passes, disable=disable, training=training,
                                        dynamic=dynamic, precision=precision, cuda_graphs=cuda_graphs,
                                        check_accuracy=check_accuracy, verify=verify, model_name=model_name,
-                                       memory_budget=memory_budget, devices=devices, memory_cap=memory_cap,
+                                       memory_budget=memory_budget, checkpoint_backend=checkpoint_backend,
+                                       devices=devices, memory_cap=memory_cap,
                                        microbatches=microbatches, schedule=schedule), 8)
     elif on_new_shape != "error":
         raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--training", action="store_true", help="optimize the training graph (model.train(); backward on its outputs)")
     p.add_argument("--memory-budget", metavar="B",
                    help="with --training: fit saved activations into B: a fraction of the baseline (0.4) or a size (8GB, 512MB, bytes)")
+    p.add_argument("--checkpoint-backend", choices=("auto", "aot", "sac"), default="auto",
+                   help="with --memory-budget: recompute by an AOTAutograd graph rewrite (aot), torch.utils.checkpoint "
+                        "with a selective policy (sac), or aot where it traces (auto)")
     p = sub.add_parser("export", help="optimize a model and save a TorchScript or .pt2 artifact")
     _add_model_args(p)
     p.add_argument("-o", "--output", required=True, help="output path (.pt for TorchScript, .pt2 for torch.export)")
@@ -165,7 +168,8 @@ def _optimize(args):
                    check_accuracy=not args.no_accuracy, dump_dir=args.dump_ir, model_name=name,
                    precision=args.precision, devices=_devices(args.devices), memory_cap=args.memory_cap,
                    microbatches=args.microbatches, schedule=args.schedule, training=getattr(args, "training", False),
-                   memory_budget=getattr(args, "memory_budget", None))
+                   memory_budget=getattr(args, "memory_budget", None),
+                   checkpoint_backend=getattr(args, "checkpoint_backend", "auto"))
     args._model = model  # explain --measure captures it again for the before graph
     return opt, inputs
 

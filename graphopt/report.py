@@ -208,6 +208,12 @@ class Report:
             f"{_mb(d.get('predicted_activation_bytes', d['baseline_activation_bytes']))}, peak "
             f"{_mb(d['baseline_peak_bytes'])} → {_mb(d.get('predicted_peak_bytes', d['baseline_peak_bytes']))}; "
             f"predicted extra time +{d.get('extra_ms', 0):.3f} ms in {d.get('regions', 0)} checkpointed region(s)")
+        if str(d.get("backend", "")).startswith("aot"):
+            console.print(f"  backend {d['backend']} (AOTAutograd graph rewrite, {d.get('aot_regions', 0)} region(s)): forward "
+                          f"saves {_mb(d.get('aot_saved_bytes', 0))} in {d.get('aot_saved_values', 0)} values, backward "
+                          f"reruns {d.get('aot_recomputed_ops', 0)} forward ops")
+        elif d.get("backend") == "sac":
+            console.print(f"  backend sac (torch.utils.checkpoint, selective policy): {d.get('backend_reason', '')}")
         rows = d.get("by_layer") or []
         if not rows:
             return

@@ -12,16 +12,25 @@ training=True, memory_budget=0.4)``: a fraction of the baseline activation memor
    GEMMs/convolutions, attention last — until the predicted saved bytes plus the largest
    recomputation transient fit the budget. The graph outputs are always kept (the caller holds
    them). If recomputing everything allowed cannot fit, ``BudgetError`` states the minimum.
-3. Rewrite: the graph is cut into regions at points where nothing but kept tensors crosses (so
-   checkpoint's own hold on a region's inputs costs nothing extra); each region becomes a
-   sub-GraphModule called through ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
-   preserve_rng_state=True)`` with a selective-checkpoint policy
-   (``create_selective_checkpoint_contexts``): the kept nodes' outputs are cached, the rest
-   rerun in backward. Random ops in a region are all kept or all recomputed, so the replayed RNG
-   state gives the same dropout masks. Buffers mutated in a region (BatchNorm running stats,
-   ``num_batches_tracked``) are swapped for scratch copies when the region is recomputed, so
-   they are updated once per step, as in eager. Parameters are passed in from the parent graph,
-   so the optimized module keeps using the model's own Parameter objects.
+3. Rewrite, two backends (``options["checkpoint_backend"]``: "auto" | "aot" | "sac"):
+
+   * aot (the default where it works; :mod:`graphopt.passes._aot_recompute`): each region of
+     the plan becomes one module that AOTAutograd traces into a joint forward+backward graph, cut by
+     graphopt's own partition: the backward receives the values of kept nodes (random ops are
+     always kept: dropout masks are saved, never redrawn) and recomputes the rest as copies in
+     the backward graph; forward and backward run as plain generated ATen code. "auto" falls back
+     to sac, with the reason in the report, when the torch helpers are missing, the graph does
+     not trace, or the budget needs a random op recomputed.
+   * sac: the graph is cut into regions at points where nothing but kept tensors crosses (so
+     checkpoint's own hold on a region's inputs costs nothing extra); each region becomes a
+     sub-GraphModule called through ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
+     preserve_rng_state=True)`` with a selective-checkpoint policy
+     (``create_selective_checkpoint_contexts``): the kept nodes' outputs are cached, the rest
+     rerun in backward. Random ops in a region are all kept or all recomputed, so the replayed RNG
+     state gives the same dropout masks. Buffers mutated in a region (BatchNorm running stats,
+     ``num_batches_tracked``) are swapped for scratch copies when the region is recomputed, so
+     they are updated once per step, as in eager. Parameters are passed in from the parent graph,
+     so the optimized module keeps using the model's own Parameter objects.
 """
 
 from __future__ import annotations
@@ -36,8 +45,10 @@ import torch.nn as nn
 
 from graphopt import ir
 from graphopt.cost.activations import ActivationModel, format_bytes, layer_of, resolve_budget
-from graphopt.errors import BudgetError
+from graphopt.errors import BudgetError, GraphoptError
 from graphopt.pipeline import Pass, PassContext, PassResult, register
+
+from . import _aot_recompute as aot
 
 aten = torch.ops.aten
 
@@ -49,6 +60,8 @@ _BN_TRAINING_ARG = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 
                     aten._native_batch_norm_legit.default: 5, aten.instance_norm.default: 5}
 
 # region sizes tried (recomputed bytes per region, as shares of the baseline saved bytes)
+BACKENDS = ("auto", "aot", "sac")
+
 REGION_SHARES = (0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5)
 
 
@@ -166,7 +179,7 @@ def _mutated_args(n: fx.Node) -> list:
 
 
 class _Selector:
-    def __init__(self, am: ActivationModel, hints: dict | None = None):
+    def __init__(self, am: ActivationModel, hints: dict | None = None, keep_random: bool = False):
         self.am = am
         body = am.body
         self.index = {n: i for i, n in enumerate(body)}
@@ -190,6 +203,8 @@ class _Selector:
             makes_tensors = isinstance(val, (torch.Tensor, tuple, list))
             if am.root.get(n) is n and n in am.outputs:
                 self.forced_keep.add(n)  # the caller holds it anyway
+            elif keep_random and ir.is_random(n) and makes_tensors:
+                self.forced_keep.add(n)  # the AOT backend never reruns a random op (no RNG replay)
             elif self.cost_bytes(n) <= 0 or _mutated_args(n) or not makes_tensors:
                 # views/aliases (keeping one would pin its base), buffer updates (rerun on
                 # scratch copies), non-tensor values
@@ -366,8 +381,9 @@ def _region_cost(ctx: PassContext, nodes: list, keep: set) -> dict:
 
 
 def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassContext,
-             selective: bool | None = None) -> fx.Node:
-    """Replace ``nodes`` (contiguous in topological order) by one call of a CheckpointRegion."""
+             selective: bool | None = None, make_module=None) -> fx.Node:
+    """Replace ``nodes`` (contiguous in topological order) by one call of a CheckpointRegion
+    (or of ``make_module(body, inputs)``'s module: the AOT backend's whole-graph body)."""
     inside = set(nodes)
     # nodes interleaved with the region but not in it (export's _guards_fn) that read its values
     # move after it; one the region itself reads back would make a cycle: leave the region alone
@@ -390,25 +406,38 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     mutated = set()
     for n in nodes:
         mutated.update(a for a in _mutated_args(n) if a not in inside)
+    if make_module is not None:
+        # submodules (a higher-order op's body, e.g. export's wrap_with_autocast) are not
+        # arguments AOTAutograd can take: the body reads them as attributes of its own
+        owned = [a for a in inputs if a.op == "get_attr" and not isinstance(ir.get_attr_value(gm, a.target), torch.Tensor)]
+        inputs = [a for a in inputs if a not in owned]
+    else:
+        owned = []
     g = fx.Graph()
     env = {}
     for a in inputs:
         p = g.placeholder(a.name)
         p.meta = dict(a.meta)
         env[a] = p
+    for a in owned:
+        env[a] = g.node_copy(a)
     state = None
     for n in nodes:
         flag = n in keep
-        if flag != state:
+        if flag != state and make_module is None:
             g.call_function(_mark, (flag,))
             state = flag
         env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[o] for o in outputs))
-    body = fx.GraphModule(nn.Module(), g, class_name="CheckpointBody")
-    cost = _region_cost(ctx, nodes, keep)
-    region = CheckpointRegion(body, tuple(i for i, a in enumerate(inputs) if a in mutated),
-                              [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep], cost,
-                              selective)
+    body = fx.GraphModule(gm if owned else nn.Module(), g, class_name="CheckpointBody")
+    if make_module is not None:
+        region = make_module(body, inputs, tuple(i for i, a in enumerate(inputs) if a in mutated), outputs)
+        region.cost = _region_cost(ctx, nodes, keep)  # the cost model prices the call with it
+    else:
+        cost = _region_cost(ctx, nodes, keep)
+        region = CheckpointRegion(body, tuple(i for i, a in enumerate(inputs) if a in mutated),
+                                  [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep],
+                                  cost, selective)
     gm.add_submodule(name, region)
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
@@ -419,6 +448,7 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
         with gm.graph.inserting_after(prev):
             prev = gm.graph.call_function(operator.getitem, (call, i))
         prev.meta = dict(o.meta)
+        prev.meta["ckpt_source"] = o.name  # the captured node this region output stands for
         getters.append(prev)
     for n in movers:
         prev.append(n)
@@ -493,7 +523,8 @@ class InsertCheckpoints(Pass):
     name = "insert_checkpoints"
     family = "checkpoint"
     description = ("training under a memory budget: recompute the activations cheapest per byte "
-                   "(torch.utils.checkpoint with a selective policy) until the step fits")
+                   "(an AOTAutograd graph rewrite, or torch.utils.checkpoint with a selective policy) "
+                   "until the step fits")
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
@@ -526,10 +557,56 @@ class InsertCheckpoints(Pass):
             res.notes.append(f"the baseline activations ({format_bytes(base)}) fit the budget "
                              f"({format_bytes(budget)}): nothing recomputed")
             return res
-        selector = _Selector(am, ctx.hints)
-        plan = selector.select(budget, [max(share * base, 1.0) for share in REGION_SHARES])
-        by_layer = _by_layer(am, plan.keep)
-        details.update(
+        backend = str(ctx.options.get("checkpoint_backend") or "auto").lower()
+        if backend not in BACKENDS:
+            raise GraphoptError(f"checkpoint_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        why_not_aot = None
+        if backend in ("auto", "aot"):
+            why_not_aot = aot.available()
+            if why_not_aot is not None and backend == "aot":
+                raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {why_not_aot}")
+        use_aot = backend in ("auto", "aot") and why_not_aot is None
+        caps = [max(share * base, 1.0) for share in REGION_SHARES]
+        try:
+            plan = _Selector(am, ctx.hints, keep_random=use_aot).select(budget, caps)
+        except BudgetError as e:
+            if not use_aot or backend == "aot":
+                raise
+            # the AOT rewrite keeps every random op's output; the selective checkpoint replays RNG
+            plan = _Selector(am, ctx.hints).select(budget, caps)
+            use_aot = False
+            why_not_aot = f"the budget needs recomputing random ops, which the AOT rewrite never does ({e})"
+        details.update(self._plan_details(am, plan))
+        res.notes.extend(plan.notes)
+        if use_aot:
+            snapshot = gm.graph.python_code("self").src
+            try:
+                self._rewrite_aot(gm, ctx, am, plan, res, details, strict=backend == "aot")
+                details["backend"] = "aot" if not details.get("aot_fallbacks") else "aot+sac"
+                res.notes.append("backend aot: recomputation is a graph rewrite (AOTAutograd joint graph of each "
+                                 "region cut by graphopt's partition); forward and backward run as plain ATen graphs"
+                                 + ("" if backend == "aot" else " (chosen by default: it traced this graph)"))
+                return res
+            except aot.AotUnavailable as e:
+                if gm.graph.python_code("self").src != snapshot:  # never half-rewritten
+                    raise GraphoptError(f"the AOT checkpoint rewrite failed after changing the graph: {e}") from e
+                if backend == "aot":
+                    raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {e}") from e
+                why_not_aot = str(e)
+                # the plan kept random ops for AOT; the selective backend replays RNG instead
+                plan = _Selector(am, ctx.hints).select(budget, caps)
+                details.update(self._plan_details(am, plan))
+        details["backend"] = "sac"
+        why = ("asked for (checkpoint_backend='sac')" if backend == "sac"
+               else f"the AOT rewrite could not run: {why_not_aot}")
+        res.notes.append(f"backend sac: torch.utils.checkpoint regions with a selective policy; {why}")
+        details["backend_reason"] = why
+        self._rewrite_sac(gm, ctx, am, plan, res, details)
+        return res
+
+    @staticmethod
+    def _plan_details(am: ActivationModel, plan: Plan) -> dict:
+        return dict(
             predicted_saved_bytes=plan.saved_bytes,
             recompute_transient_bytes=plan.transient_bytes,
             region_input_bytes=plan.crossing_bytes,
@@ -540,26 +617,129 @@ class InsertCheckpoints(Pass):
             regions=len(plan.regions),
             kept_nodes=len(plan.keep),
             recomputed_nodes=len(am.body) - len(plan.keep),
-            by_layer=by_layer,
+            by_layer=_by_layer(am, plan.keep),
         )
-        res.notes.extend(plan.notes)
-        subregions = [sub for nodes in plan.regions for sub in split_at_kept_gemms(nodes, plan.keep)]
+
+    def _rewrite_aot(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict,
+                     strict: bool) -> None:
+        """Each region of the plan that recomputes something becomes one AotRecompute call (its
+        own autograd function, so its parameters' gradients are released when its backward ends,
+        as eager's are, not all at the end of one whole-graph backward), compiled here. If the
+        first cannot be traced, AotUnavailable is raised before anything changed; a later one
+        runs as selective-checkpoint regions instead (or, ``strict``, raises GraphoptError)."""
+        aot.tag_nodes(am.body)
+        keep = {n.name for n in am.body if n in plan.keep}
+        recompute = {n.name for n in am.body if n not in plan.keep}
+        totals = {"saved": 0, "values": 0, "recomputed": 0, "untagged": 0, "regions": 0}
+        held_inputs: set = set()  # activations a region receives and saves (counted once)
+        by_name = {n.name: n for n in am.body}
+
+        def needs_grad(node) -> bool:  # an activation flowing in from the graph (or an earlier region)
+            src = by_name.get(node.meta.get("ckpt_source", node.name))
+            if src is not None:
+                return bool(am.grad.get(src, False))
+            val = node.meta.get("val")
+            return isinstance(val, torch.Tensor) and val.requires_grad
+        frees, fallbacks = True, []
         details["selective_regions"] = 0
+        for i, nodes in enumerate(plan.regions):
+            rerun = [n for n in nodes if n not in plan.keep]
+            if not rerun:
+                continue
+            made = {}
+
+            def make_module(body_gm, inputs, mutated, outputs):
+                module = aot.AotRecompute(body_gm, recompute, keep, mutated)
+                try:
+                    example = aot.example_args(inputs, gm, ctx.hints, requires_grad=needs_grad)
+                except Exception as e:
+                    raise aot.AotUnavailable(f"no example inputs to compile with: {type(e).__name__}: {e}") from e
+                made["info"] = module.compile(example)
+                made["module"], made["inputs"], made["outputs"] = module, list(inputs), list(outputs)
+                return module
+
+            try:
+                call = _extract(gm, nodes, plan.keep, f"ckpt_aot_{i}", ctx, make_module=make_module)
+            except aot.AotUnavailable as e:
+                if totals["regions"] == 0 and not fallbacks:
+                    raise  # nothing changed yet: the caller falls back as a whole
+                if strict:
+                    raise GraphoptError(f"checkpoint_backend 'aot' cannot run region {i}: {e}") from e
+                fallbacks.append(f"region {i}: {e}")
+                self._sac_regions(gm, ctx, am, plan, res, details, [nodes], f"ckpt_region_{i}_")
+                continue
+            if call is None:
+                res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
+                           "a node outside the region both reads it and feeds it; left as it is")
+                continue
+            info, module = made["info"], made["module"]
+            totals["regions"] += 1
+            totals["saved"] += info["saved_activation_bytes"]
+            totals["values"] += len([s for s in info["saved"] if s[2] > 0])
+            # a saved region output that a later region also saves as its input is one tensor
+            outs = made["outputs"]
+            first_user_output = info["num_fwd_outputs"] - len(outs)  # mutated buffers come first
+            for _, pos in info["saved_outputs"]:
+                k = pos - first_user_output
+                if 0 <= k < len(outs):
+                    held_inputs.add(am.root.get(outs[k], outs[k]))
+            totals["recomputed"] += len(info["recomputed"])
+            totals["untagged"] += len(info["untagged_saved"])
+            for pos in info["saved_inputs"]:
+                src = made["inputs"][pos] if pos < len(made["inputs"]) else None
+                src = by_name.get(src.meta.get("ckpt_source", src.name)) if src is not None else None
+                root = am.root.get(src, src) if src is not None else None
+                if root is not None and root in am.bytes and root not in held_inputs:
+                    held_inputs.add(root)
+                    totals["saved"] += am.bytes[root]
+                    totals["values"] += 1
+            frees = frees and module.frees_inputs
+            res.record(f"recompute by graph rewrite, region {i} (AOTAutograd partition: {len(info['recomputed'])} "
+                       f"forward ops rerun in backward)", [n.name for n in rerun][:6], [call],
+                       -sum(am.seconds[n] for n in rerun))
+        if totals["regions"] == 0 and not fallbacks:
+            raise aot.AotUnavailable("no region recomputes anything")
+        details.update(
+            regions=totals["regions"] + details.get("selective_regions", 0),
+            aot_regions=totals["regions"],
+            aot_saved_bytes=totals["saved"],
+            aot_saved_values=totals["values"],
+            aot_recomputed_ops=totals["recomputed"],
+            aot_untagged_saved=totals["untagged"],
+            aot_frees_saved_inputs=frees,
+        )
+        if fallbacks:
+            details["aot_fallbacks"] = fallbacks
+            res.notes.append(f"{len(fallbacks)} region(s) ran as selective checkpoints instead: {fallbacks[0]}")
+        if not frees:
+            res.notes.append("this torch lacks fx's boxed codegen: a backward graph holds its saved inputs "
+                             "until it returns")
+        if totals["untagged"]:
+            res.notes.append(f"{totals['untagged']} joint-graph value(s) with no captured counterpart "
+                             "saved (as default_partition would)")
+        gm.recompile()
+
+    def _sac_regions(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict, regions: list,
+                     prefix: str = "ckpt_region_") -> None:
+        subregions = [sub for nodes in regions for sub in split_at_kept_gemms(nodes, plan.keep)]
         for i, (nodes, selective) in enumerate(subregions):
             recomputed = [n for n in nodes if n not in plan.keep]
             if not recomputed:
                 continue
             extra = sum(am.seconds[n] for n in recomputed)
-            call = _extract(gm, nodes, plan.keep, f"ckpt_region_{i}", ctx, selective)
+            call = _extract(gm, nodes, plan.keep, f"{prefix}{i}", ctx, selective)
             if call is None:
                 res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
                            "a node outside the region both reads it and feeds it; left as it is")
                 continue
-            details["selective_regions"] += int(selective)
+            details["selective_regions"] = details.get("selective_regions", 0) + int(selective)
             kind = "selective" if selective else "plain"
             res.record(f"checkpoint region, {kind} ({len(recomputed)} of {len(nodes)} nodes recomputed)",
                        recomputed[:6], [call], -extra)
+
+    def _rewrite_sac(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict) -> None:
+        details["selective_regions"] = 0
+        self._sac_regions(gm, ctx, am, plan, res, details, plan.regions)
         details["regions"] = sum(1 for n in gm.graph.nodes if n.op == "call_module"
                                  and isinstance(gm.get_submodule(n.target), CheckpointRegion))
         gm.recompile()
-        return res

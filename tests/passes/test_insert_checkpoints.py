@@ -112,7 +112,7 @@ def assert_close(a, b):
 def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
     model, args = small_resnet()
     ref = copy.deepcopy(model)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, checkpoint_backend="sac")
     res = opt.report.pass_result("insert_checkpoints")
     assert res.status == "applied"
     rs = regions(opt)
@@ -144,7 +144,8 @@ def test_memory_held_after_the_forward_is_what_was_predicted(name, budget):
     else:
         model, args = zoo.get(name)
     ref = copy.deepcopy(model).train()
-    opt = graphopt.optimize(model, args, training=True, memory_budget=budget, check_accuracy=False)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=budget, check_accuracy=False,
+                            checkpoint_backend="sac")
     d = opt.report.pass_result("insert_checkpoints").details
     model.train()
     eager = held_after_forward(ref, args)
@@ -159,7 +160,7 @@ def test_dropout_masks_are_replayed_in_recomputation():
     model = Stack(d=32, layers=6, p=0.3)
     args = (torch.randn(16, 32),)
     ref = copy.deepcopy(model)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="sac")
     recomputed = {n for r in regions(opt) for n in r.recomputed}
     assert any("dropout" in n for n in recomputed), recomputed
     model.train(), ref.train()
@@ -177,7 +178,7 @@ def test_optimizer_on_model_parameters_trains_the_optimized_module():
     args = (torch.randn(16, 32),)
     ref = copy.deepcopy(model)
     keys = list(model.state_dict())
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="sac")
     assert regions(opt)
     assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
     assert list(model.state_dict()) == keys
@@ -280,7 +281,7 @@ def test_full_pipeline_planned_for_a_gpu_keeps_the_checkpoints():
     export's _guards_fn reads, interleaved with the first region): the regions still apply."""
     model, args = small_resnet()
     ref = copy.deepcopy(model)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, target="h200")
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, checkpoint_backend="sac", target="h200")
     res = opt.report.pass_result("insert_checkpoints")
     assert res.status == "applied", res.notes
     assert regions(opt)
@@ -294,7 +295,7 @@ def test_dynamic_batch_plan_runs_at_other_batch_sizes():
     torch.manual_seed(0)
     model = Stack(d=32, layers=6)
     ref = copy.deepcopy(model)
-    opt = graphopt.optimize(model, (torch.randn(16, 32),), training=True, memory_budget=0.5,
+    opt = graphopt.optimize(model, (torch.randn(16, 32),), training=True, memory_budget=0.5, checkpoint_backend="sac",
                             dynamic={"x": {0: "batch"}})
     assert opt.report.pass_result("insert_checkpoints").status == "applied" and regions(opt)
     model.train(), ref.train()
@@ -372,7 +373,7 @@ def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
     torch.manual_seed(0)
     model, x = ConvChain().train(), torch.randn(4, 16, 32, 32)
     eager = copy.deepcopy(model)
-    opt = graphopt.optimize(model, (x,), training=True, memory_budget=0.6, check_accuracy=False,
+    opt = graphopt.optimize(model, (x,), training=True, memory_budget=0.6, checkpoint_backend="sac", check_accuracy=False,
                             passes=["insert_checkpoints"], target="h200")
     regions = [m for m in opt.graph_module.modules() if isinstance(m, ic.CheckpointRegion)]
     assert any(not r.selective for r in regions)

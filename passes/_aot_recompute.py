@@ -1,0 +1,510 @@
+"""The AOTAutograd backend of insert_checkpoints: recomputation as a graph rewrite.
+
+Each region of the plan (a contiguous piece of the captured forward) is traced by AOTAutograd
+(``torch._functorch.aot_autograd.aot_module_simplified``) into one joint forward+backward ATen
+graph (functionalized: BatchNorm's running statistics and ``num_batches_tracked`` become graph
+outputs that AOTAutograd's runtime copies back into the buffers once per call). Our own
+``partition_fn`` then decides what the backward receives:
+
+* every forward value the backward needs is walked back from the backward: a value is *saved*
+  when it comes from a captured node the plan keeps, a random op (never recomputed, so no RNG
+  replay is needed: the dropout mask itself is saved), an input (parameters, buffers, the
+  model's inputs: held anyway), or a node with no tag (no captured counterpart: saved, as
+  ``default_partition`` would); it is *recomputed* in the backward graph when it comes from a
+  node the plan recomputes or is a view/getitem (free), and then its own inputs are walked;
+* ``torch._functorch.partitioners._extract_fwd_bwd_modules`` cuts the joint graph with that
+  saved list (the backward graph copies the recomputed forward ops), and
+  ``reordering_to_mimic_autograd_engine`` moves each recomputation just before its first use.
+
+The forward and backward graphs run as plain generated Python over ATen ops (the compilers return
+the ``GraphModule`` itself, boxed so the backward frees its saved inputs as it goes): no Inductor,
+no dispatch mode, no per-op Python layer beyond the graph's own code.
+
+Captured nodes are mapped onto the joint graph by a tag: before tracing, every body node gets
+``meta["custom"]["graphopt_ckpt"] = <its name>``; AOTAutograd copies the ``custom`` meta field
+onto the joint nodes traced from it (where a torch does not, the ``from_node`` provenance it
+records names the same node). If the installed torch lacks a helper or drops both,
+:func:`available` / the partition raise ``AotUnavailable`` and the pass falls back to the
+selective-checkpoint backend with a note saying why.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from graphopt import ir
+
+TAG = "graphopt_ckpt"
+
+
+class AotUnavailable(Exception):
+    """The AOTAutograd backend cannot run here (a missing torch helper, an untraceable graph)."""
+
+
+def _imports():
+    try:
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.partitioners import _extract_fwd_bwd_modules
+    except ImportError as e:  # private helpers: absent or renamed in this torch
+        raise AotUnavailable(f"torch {torch.__version__} lacks an AOTAutograd helper ({e})") from e
+    try:
+        from torch._functorch.partitioners import reordering_to_mimic_autograd_engine as reorder
+    except ImportError:
+        reorder = None
+    return aot_module_simplified, _extract_fwd_bwd_modules, reorder
+
+
+def available() -> str | None:
+    """None when the AOT backend can run with this torch, else why not."""
+    try:
+        _, _, reorder = _imports()
+    except AotUnavailable as e:
+        return str(e)
+    if reorder is None:
+        return f"torch {torch.__version__} lacks reordering_to_mimic_autograd_engine (recomputation would all run first)"
+    return None
+
+
+# --------------------------------------------------------------------------- compilers
+
+
+def _boxed(gm: fx.GraphModule):
+    """Run ``gm`` as it is, with AOTAutograd's boxed calling convention; where torch has it, the
+    generated code clears the argument list (a saved tensor is freed after its last use)."""
+    try:
+        from torch.fx.graph import _BoxedCodeGen
+
+        gm.graph.set_codegen(_BoxedCodeGen())
+        gm.recompile()
+
+        def run(args):
+            return gm(args)
+
+        run._boxed_call = True
+        run.frees_inputs = True
+        return run
+    except Exception:  # older torch: the list is held until the graph returns
+        from functorch.compile import make_boxed_func
+
+        run = make_boxed_func(gm)
+        run.frees_inputs = False
+        return run
+
+
+# --------------------------------------------------------------------------- the partition
+
+
+def _is_view(n: fx.Node) -> bool:
+    t = n.target
+    if t is operator.getitem:
+        return True
+    return isinstance(t, torch._ops.OpOverload) and bool(getattr(t, "is_view", False))
+
+
+def _is_random(n: fx.Node) -> bool:
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    return ir.is_random(n)  # seeded ops; attention only when its dropout_p is not 0
+
+
+def _tag(n: fx.Node):
+    """The captured node ``n`` was traced from: our ``custom`` tag, else (a torch that does not
+    copy ``custom``) the last ``from_node`` provenance entry (the node being interpreted)."""
+    custom = n.meta.get("custom")
+    if isinstance(custom, dict) and TAG in custom:
+        return custom[TAG]
+    source = n.meta.get("from_node")
+    if isinstance(source, list) and source and n.op != "placeholder":
+        return getattr(source[-1], "name", None)
+    return None
+
+
+def _nbytes(n: fx.Node) -> int:
+    """Bytes of the storage a saved value holds (saved values are never views: those rerun)."""
+    total = 0
+    for t in pytree.tree_leaves(n.meta.get("val")):
+        if isinstance(t, torch.Tensor):
+            try:
+                total += int(t.untyped_storage().nbytes())
+            except Exception:  # no storage (sparse) or symbolic sizes without a hint
+                try:
+                    total += int(t.numel()) * t.element_size()
+                except Exception:
+                    pass
+    return total
+
+
+def _bn_functional():
+    op = getattr(torch.ops.aten, "_native_batch_norm_legit_functional", None)
+    return op.default if op is not None else None
+
+
+def _bn_no_stats():
+    op = getattr(torch.ops.aten, "_native_batch_norm_legit", None)
+    return getattr(op, "no_stats", None) if op is not None else None
+
+
+def _is_training_bn(n: fx.Node) -> bool:
+    fn = _bn_functional()
+    if fn is None or n.target is not fn or _bn_no_stats() is None or len(n.args) < 8:
+        return False
+    return n.args[5] is True
+
+
+class Partitioner:
+    """``partition_fn`` for aot_module_simplified: saves what the plan keeps, recomputes the rest
+    in the backward graph. ``recompute``/``keep`` are captured node names; ``mutated`` the
+    positions of the inputs the forward updates in place (BatchNorm's buffers). After a call,
+    ``.last`` describes the cut (saved values, their bytes, recomputed joint nodes).
+
+    The recomputation is explicit: each recomputed forward node gets a copy in the joint graph
+    that the backward's nodes read instead, so ``_extract_fwd_bwd_modules`` puts the copies in
+    the backward graph and the originals stay in the forward. A training BatchNorm's copy is
+    ``_native_batch_norm_legit.no_stats`` (same output, mean and invstd; it neither reads nor
+    updates the running statistics, which the forward alone updates, once per step)."""
+
+    def __init__(self, recompute: set, keep: set, mutated: tuple = ()):
+        self.recompute, self.keep = set(recompute), set(keep)
+        self.mutated = set(mutated)
+        self.last: dict | None = None
+        self._mutated_primals: set = set()
+        self._ancestors: set = set()
+
+    def can_recompute(self, n: fx.Node, memo: dict) -> bool:
+        if n in memo:
+            return memo[n]
+        if n.op != "call_function" or _is_random(n):
+            ok = False
+        elif isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            ok = False  # an in-place op stays in the forward (the partitioner's rule too)
+        elif n.target is operator.getitem:  # a multi-output op's piece: as its op
+            src = n.args[0]
+            if isinstance(src, fx.Node) and _is_training_bn(src) and n.args[1] >= 3:
+                ok = False  # the new running statistics: forward outputs anyway (tiny)
+            else:
+                ok = isinstance(src, fx.Node) and self.can_recompute(src, memo)
+        elif n not in self._ancestors:
+            # not computed by the forward: a piece of a backward formula (sin's cos) that reads
+            # no tangent; it runs in the backward, as default_partition has it
+            ok = not any(a in self._mutated_primals for a in n.all_input_nodes)
+        elif _is_training_bn(n):
+            ok = _tag(n) in self.recompute and not any(a in self._mutated_primals for a in n.args[:3]
+                                                       if isinstance(a, fx.Node))
+        elif any(a in self._mutated_primals for a in n.all_input_nodes):
+            # the buffer is updated before the backward runs (autograd's version check would
+            # refuse it): only the forward reads it
+            ok = False
+        elif _is_view(n):  # free; its base decides what is held
+            ok = True
+        else:
+            ok = _tag(n) in self.recompute  # kept, or untagged (no captured counterpart): saved
+        memo[n] = ok
+        return ok
+
+    @staticmethod
+    def _inputs(n: fx.Node) -> list:
+        if _is_training_bn(n):
+            return [a for a in n.args[:3] if isinstance(a, fx.Node)]
+        return list(n.all_input_nodes)
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+        _, extract, reorder = _imports()
+        g = joint.graph
+        out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+        flat = pytree.tree_leaves(out_node.args)
+        fwd_outputs = [a for a in flat[:num_fwd_outputs] if isinstance(a, fx.Node)]
+        bwd_outputs = [a for a in flat[num_fwd_outputs:] if isinstance(a, fx.Node)]
+        # A: what the forward outputs depend on (the forward graph); fwd: everything that does not
+        # depend on a tangent (computable before the backward starts)
+        ancestors: set = set()
+        stack = list(fwd_outputs)
+        while stack:
+            n = stack.pop()
+            if n in ancestors:
+                continue
+            ancestors.add(n)
+            stack.extend(n.all_input_nodes)
+        after_tangent: set = set()
+        for n in g.nodes:
+            if (n.op == "placeholder" and "tangents" in str(n.target)) or any(a in after_tangent for a in n.all_input_nodes):
+                after_tangent.add(n)
+        fwd = {n for n in g.nodes if n not in after_tangent and n.op != "output"}
+        self._ancestors = ancestors
+        if ancestors and not any(_tag(n) is not None for n in ancestors):
+            raise AotUnavailable("AOTAutograd did not carry graphopt's node tags (meta['custom']) into the joint graph")
+        primals = [n for n in g.nodes if n.op == "placeholder" and "tangents" not in str(n.target)]
+        self._mutated_primals = {primals[i] for i in self.mutated if i < len(primals)}
+        # forward values the backward reads, walked back through what may be recomputed
+        needed = []
+        for n in g.nodes:
+            if n not in fwd and n.op != "output":
+                needed.extend(a for a in n.all_input_nodes if a in fwd)
+        memo: dict = {}
+        saved, sym, recomputed, seen = [], [], [], set()
+        for a in bwd_outputs:  # a gradient that is a forward value itself (rare): saved as it is
+            if a in fwd and a not in seen and a.op != "placeholder":
+                seen.add(a)
+                (saved if isinstance(a.meta.get("val"), torch.Tensor) else sym).append(a)
+        stack = list(reversed(needed))
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            val = n.meta.get("val")
+            if n.op == "placeholder":
+                saved.append(n)
+            elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+                sym.append(n)
+            elif self.can_recompute(n, memo):
+                recomputed.append(n)
+                stack.extend(a for a in self._inputs(n) if a in fwd)
+            elif isinstance(val, torch.Tensor):
+                saved.append(n)
+            else:  # a multi-output op read directly (not through getitem): cannot be cut here
+                raise AotUnavailable(f"the backward reads {n.name} ({n.target}) whole")
+        order = {n: i for i, n in enumerate(g.nodes)}
+        saved.sort(key=order.get)
+        sym.sort(key=order.get)
+        recomputed.sort(key=order.get)
+        self._duplicate(g, ancestors, recomputed, order)
+        info = {"saved": [(n.name, _tag(n), _nbytes(n) if n.op != "placeholder" else 0) for n in saved],
+                "recomputed": [(n.name, _tag(n), str(n.target)) for n in recomputed
+                               if n in ancestors and not _is_view(n)],
+                "untagged_saved": [n.name for n in saved if n.op != "placeholder" and _tag(n) is None],
+                # positions of the inputs the backward keeps (an earlier region's activations among them)
+                "saved_inputs": [primals.index(n) for n in saved if n in primals],
+                # saved values that are also forward outputs: (name, position among the forward outputs)
+                "saved_outputs": [(n.name, fwd_outputs.index(n)) for n in saved if n in fwd_outputs],
+                "num_fwd_outputs": len(flat[:num_fwd_outputs]),
+                # a training BatchNorm's new running statistics (forward outputs anyway; [C] each)
+                "running_stats_saved": [n.name for n in saved if n.target is operator.getitem
+                                        and isinstance(n.args[0], fx.Node) and _is_training_bn(n.args[0])
+                                        and n.args[1] >= 3]}
+        fw, bw = extract(joint, saved, sym, num_fwd_outputs=num_fwd_outputs)
+        if reorder is not None:
+            bw = reorder(bw)
+        info["saved_activation_bytes"] = sum(b for _, _, b in info["saved"])
+        info["bw_ops"] = [(n.name, _tag(n), str(n.target)) for n in bw.graph.nodes if n.op == "call_function"]
+        info["fw_graph"], info["bw_graph"] = fw, bw
+        self.last = info
+        return fw, bw
+
+    def _duplicate(self, g: fx.Graph, ancestors: set, recomputed: list, order: dict) -> None:
+        """Copy the recomputed nodes the forward computes (inputs mapped to copies) and point every
+        other node at the copies. The graph is laid out as: the forward's nodes, the copies, the
+        rest (nodes off the forward moved after the copies, keeping their order)."""
+        redo = [n for n in recomputed if n in ancestors]
+        if not redo:
+            return
+        tangents = [n for n in g.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
+        firsts = [u for t in tangents for u in t.users]
+        anchor = min(firsts, key=order.get) if firsts else next(n for n in g.nodes if n.op == "output")
+        if any(order[n] >= order[anchor] for n in ancestors if n.op != "placeholder"):
+            raise AotUnavailable("the joint graph interleaves forward and backward ops")
+        off_forward = [n for n in g.nodes if order[n] < order[anchor] and n not in ancestors and n.op != "placeholder"]
+        for n in off_forward:
+            anchor.prepend(n)
+        first = off_forward[0] if off_forward else anchor
+        copies: dict = {}
+        no_stats = _bn_no_stats()
+        with g.inserting_before(first):
+            for n in redo:
+                if _is_training_bn(n):
+                    x, w, b, _, _, _, momentum, eps = n.args[:8]
+                    c = g.call_function(no_stats, (copies.get(x, x), copies.get(w, w), copies.get(b, b), True,
+                                                   momentum, eps))
+                    c.meta = {k: v for k, v in n.meta.items() if k != "val"}
+                    val = n.meta.get("val")
+                    if isinstance(val, (tuple, list)):
+                        c.meta["val"] = tuple(val[:3])
+                else:
+                    c = g.node_copy(n, lambda a: copies.get(a, a))
+                copies[n] = c
+        made = set(copies.values())
+        for v in list(g.nodes):
+            if v in ancestors or v.op == "output" or v in made:
+                continue
+            for a in list(v.all_input_nodes):
+                if a in copies:
+                    v.replace_input_with(a, copies[a])
+
+
+# --------------------------------------------------------------------------- the runtime module
+
+
+def _signature(args) -> tuple:
+    return tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad)
+                 if isinstance(a, torch.Tensor) else ("v", repr(a)) for a in args)
+
+
+def _is_fake(x) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+class AotRecompute(nn.Module):
+    """The forward body of a training graph compiled by AOTAutograd with our partition: one
+    forward graph (returns the outputs and the saved values) and one backward graph (recomputes
+    what the plan does not keep). Arguments: parameters and buffers (read from the parent graph
+    on every call, so they are the model's own tensors) and the model's inputs. One compilation
+    per input signature (shapes, strides, dtypes, devices), the first made at optimization time."""
+
+    def __init__(self, body: fx.GraphModule, recompute: set, keep: set, mutated: tuple = (), max_compiled: int = 8):
+        super().__init__()
+        self.body = body
+        self.partitioner = Partitioner(recompute, keep, mutated)
+        self.max_compiled = max_compiled
+        self._compiled: dict = {}
+        self.partitions: dict = {}  # signature -> the partition's info (saved values, recomputed ops)
+        self.frees_inputs = True
+        self.cost: dict | None = None  # flops/bytes/launches/time of the body plus its recomputation
+
+    def compile(self, args) -> dict:
+        """Compile for these (real or fake) arguments; returns the partition's info."""
+        aot, _, _ = _imports()
+        key = _signature(args)
+        if len(self._compiled) >= self.max_compiled:
+            oldest = next(iter(self._compiled))
+            self._compiled.pop(oldest)
+            self.partitions.pop(oldest, None)
+
+        holder = {}
+
+        def fw_compiler(gm, example_inputs):
+            holder["fw"] = gm
+            run = _boxed(gm)
+            self.frees_inputs = self.frees_inputs and run.frees_inputs
+            return run
+
+        def bw_compiler(gm, example_inputs):
+            holder["bw"] = gm
+            run = _boxed(gm)
+            self.frees_inputs = self.frees_inputs and run.frees_inputs
+            return run
+
+        try:
+            fn = aot(self.body, list(args), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                     partition_fn=self.partitioner)
+        except AotUnavailable:
+            raise
+        except Exception as e:
+            raise AotUnavailable(f"AOTAutograd could not trace the graph: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
+        if self.partitioner.last is None:
+            raise AotUnavailable("AOTAutograd traced no backward (no input requires grad)")
+        info = dict(self.partitioner.last)
+        info["graphs"] = holder  # what the compilers were given (the backward's: at its first run)
+        self._compiled[key] = fn
+        self.partitions[key] = info
+        self.partitioner.last = None
+        return info
+
+    def forward(self, *args):
+        if (not torch.is_grad_enabled() or any(_is_fake(a) for a in args if isinstance(a, torch.Tensor))
+                or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return self.body(*args)  # no backward: the captured body as it is
+        key = _signature(args)
+        fn = self._compiled.get(key)
+        if fn is None:
+            self.compile(args)
+            fn = self._compiled[key]
+        outs = tuple(fn(*args))
+        self._keep_unreached_grads_none(args, outs)
+        return outs
+
+    def _influence(self) -> list:
+        """For each body input, a bitmask of the outputs it reaches (computed once)."""
+        if getattr(self, "_reach", None) is None:
+            reach: dict = {}
+            inputs = 0
+            for n in self.body.graph.nodes:
+                if n.op == "placeholder":
+                    reach[n] = 1 << inputs
+                    inputs += 1
+                else:
+                    m = 0
+                    for a in n.all_input_nodes:
+                        m |= reach.get(a, 0)
+                    reach[n] = m
+            out_node = next(n for n in reversed(self.body.graph.nodes) if n.op == "output")
+            outs = list(pytree.tree_leaves(out_node.args))
+            self._reach = [sum(1 << j for j, o in enumerate(outs) if isinstance(o, fx.Node) and reach[o] >> i & 1)
+                           for i in range(inputs)]
+        return self._reach
+
+    def _keep_unreached_grads_none(self, args, outs) -> None:
+        """AOTAutograd's backward gives every input that needs a gradient one, zeros where no used
+        output depends on it; eager leaves such a parameter's ``.grad`` None (an optimizer then
+        skips it). Parameters whose ``.grad`` is None and that reach only outputs the backward
+        never reached get None back at the end of the backward."""
+        reach = self._influence()
+        used = sum(1 << j for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
+        watch = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf
+                 and a.grad is None and i < len(reach) and (reach[i] & used) != used]
+        if not watch:
+            return
+        state = {"received": 0, "queued": False}
+
+        def restore():
+            for i in watch:
+                if not reach[i] & state["received"]:
+                    args[i].grad = None
+
+        def hook(j):
+            def fn(grad):
+                if grad is None:  # the output's node ran for another output: nothing flowed here
+                    return
+                state["received"] |= 1 << j
+                if not state["queued"]:
+                    state["queued"] = True
+                    torch.autograd.Variable._execution_engine.queue_callback(restore)
+            return fn
+
+        for j, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                o.register_hook(hook(j))
+
+
+def tag_nodes(nodes) -> None:
+    for n in nodes:
+        custom = n.meta.get("custom")
+        custom = dict(custom) if isinstance(custom, dict) else {}
+        custom[TAG] = n.name
+        n.meta["custom"] = custom
+
+
+def example_args(inputs: list, gm: fx.GraphModule, hints: dict | None, requires_grad=None):
+    """Arguments to compile with at optimization time: parameters/buffers as they are (real),
+    graph inputs as fake tensors of the captured shapes (concrete, from ``hints``);
+    ``requires_grad(node)`` says whether an input will require grad when called (an earlier
+    region's activation does), so the first call finds this compilation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    out = []
+    for a in inputs:
+        if a.op == "get_attr":
+            val = ir.get_attr_value(gm, a.target)
+            out.append(mode.from_tensor(val) if isinstance(val, torch.Tensor) else val)
+            if isinstance(val, torch.Tensor) and val.requires_grad and not out[-1].requires_grad:
+                out[-1].requires_grad_(True)
+            continue
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            out.append(val)
+            continue
+        c = lambda v: int(ir.concrete(ir._dim(v), hints))  # noqa: E731
+        with mode:
+            t = torch.empty_strided([c(d) for d in val.shape], [c(s) for s in val.stride()], dtype=val.dtype,
+                                    device=val.device)
+        if (requires_grad(a) if requires_grad is not None else val.requires_grad) and t.is_floating_point():
+            t.requires_grad_(True)
+        out.append(t)
+    return out

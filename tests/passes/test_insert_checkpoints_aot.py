@@ -1,0 +1,412 @@
+"""insert_checkpoints, AOTAutograd backend: recomputation as a graph rewrite. The saved values are
+the plan's kept set and fit the budget, the recomputed ops are in the backward graph, losses,
+gradients and BatchNorm statistics follow eager by the accuracy rule (fp64 reference), dropout
+is saved (never rerun), the model's Parameters train, and no per-op Python layer is added."""
+
+import collections
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import graphopt
+from graphopt import accuracy
+from graphopt.errors import BudgetError, GraphoptError
+from graphopt.examples import zoo
+
+ic = importlib.import_module("graphopt.passes.insert_checkpoints")
+aot = importlib.import_module("graphopt.passes._aot_recompute")
+
+pytestmark = pytest.mark.skipif(aot.available() is not None, reason=f"AOT backend unavailable: {aot.available()}")
+
+
+def small_resnet(batch=4):
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10), (torch.randn(batch, 3, 32, 32),)
+
+
+class Block(nn.Module):
+    def __init__(self, d, p=0.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class Stack(nn.Module):
+    def __init__(self, d=32, layers=6, p=0.0):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(d, p) for _ in range(layers)])
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def aot_modules(opt):
+    mods = [m for m in opt.graph_module.modules() if isinstance(m, aot.AotRecompute)]
+    assert mods
+    return mods
+
+
+def merged(opt):
+    """The partitions of every AOT region (their first compilation), merged: saved values,
+    recomputed ops, backward ops and graphs, and the plan's keep/recompute sets."""
+    out = {"saved": [], "recomputed": [], "bw_ops": [], "bw_graphs": [], "running_stats_saved": []}
+    for m in aot_modules(opt):
+        info = next(iter(m.partitions.values()))
+        for k in ("saved", "recomputed", "bw_ops", "running_stats_saved"):
+            out[k] += info[k]
+        out["bw_graphs"].append(info["bw_graph"])
+        out["keep"], out["recompute"] = m.partitioner.keep, m.partitioner.recompute
+    return out
+
+
+def _loss(out):
+    out = out.logits if hasattr(out, "logits") else out
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    return out.double().pow(2).mean()
+
+
+def step(fn, params, args, seed=0):
+    """One training step: the loss and the gradients of ``params`` (cleared first)."""
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = _loss(fn(*args))
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def accuracy_rule(model, opt, args, seed=0):
+    """Loss and gradients of the optimized step vs eager by DESIGN.md's rule (fp64 reference)."""
+    ref = copy.deepcopy(model)
+    ref64 = copy.deepcopy(model).double()
+    params = list(model.parameters())
+    ours = step(opt, params, args, seed)
+    eager = step(ref, list(ref.parameters()), args, seed)
+    args64 = tuple(a.double() if a.is_floating_point() else a for a in args)
+    gold = step(ref64, list(ref64.parameters()), args64, seed)
+    res = accuracy.check(ours, gold, eager, training=True)
+    assert res.passed, res.reason
+    return ref
+
+
+class Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Held(TorchDispatchMode):
+    """Remembers (weakly) the storage of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.refs.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+        return out
+
+
+def held_after_forward(fn, args):
+    """Bytes of the storages made during a forward that are still alive after it (what autograd
+    holds for backward, plus the outputs), measured on the CPU."""
+    old = {t.untyped_storage()._cdata for t in list(fn.parameters()) + list(fn.buffers()) + list(args)}
+    tracker = _Held()
+    with tracker:
+        out = fn(*args)
+    held = sum(n for key, (ref, n) in tracker.refs.items() if not ref.expired() and key not in old)
+    del out
+    return held
+
+
+# --------------------------------------------------------------------------- graph + numerics
+
+
+def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_kept_set():
+    model, args = small_resnet()
+    before = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, passes=["insert_checkpoints"])
+    res = opt.report.pass_result("insert_checkpoints")
+    d = res.details
+    assert res.status == "applied" and d["backend"] == "aot" and "backend aot" in res.notes[-1]
+    # one AOT function per region of the plan: each backward releases its parameters' gradients
+    assert len(aot_modules(opt)) == d["aot_regions"] == d["regions"] > 1
+    info = merged(opt)
+    # the saved activations are exactly values of captured nodes the plan keeps, within the budget
+    keep = info["keep"]
+    stats = set(info["running_stats_saved"])  # BatchNorm's new running statistics ([C] each)
+    tagged = [(name, tag, b) for name, tag, b in info["saved"] if b > 0 and name not in stats]
+    assert tagged and all(tag in keep for _, tag, _ in tagged), [t for t in tagged if t[1] not in keep]
+    assert d["aot_saved_bytes"] <= d["budget_bytes"] < d["baseline_saved_bytes"]
+    assert d["aot_saved_bytes"] == pytest.approx(d["predicted_saved_bytes"], rel=0.15)
+    # BatchNorm and ReLU rerun in the backward graph (BN without touching the running stats)
+    bw_ops = collections.Counter(str(n.target) for bw in info["bw_graphs"] for n in bw.graph.nodes
+                                 if n.op == "call_function")
+    assert bw_ops["aten._native_batch_norm_legit.no_stats"] > 0 and bw_ops["aten.relu.default"] > 0
+    assert bw_ops["aten._native_batch_norm_legit_functional.default"] == 0
+    recomputed = {tag for _, tag, _ in info["recomputed"]}
+    assert recomputed and recomputed <= info["recompute"]
+    model.train()
+    ref = accuracy_rule(model, opt, args)
+    # one step each: running statistics updated once, as in eager
+    for (name, b), (_, b_ref), (_, b0) in zip(model.named_buffers(), ref.named_buffers(), before.named_buffers()):
+        torch.testing.assert_close(b, b_ref, atol=1e-6, rtol=1e-5, msg=f"buffer {name} differs from eager")
+        if name.endswith("running_mean"):
+            assert not torch.equal(b, b0)
+    assert int(model.bn1.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("name,budget", [("resnet18", 0.6), ("glm4-tiny", 0.6)])
+def test_memory_held_after_the_forward_fits_the_budget(name, budget):
+    if name == "resnet18":
+        model, args = small_resnet()
+    else:
+        model, args = zoo.get(name)
+    ref = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=budget, check_accuracy=False,
+                            checkpoint_backend="aot")
+    d = opt.report.pass_result("insert_checkpoints").details
+    assert d["backend"] == "aot"
+    model.train()
+    eager = held_after_forward(ref, args)
+    ours = held_after_forward(opt, args)
+    assert eager == pytest.approx(d["baseline_held_bytes"], rel=0.15)
+    assert ours <= (d["budget_bytes"] + d["output_bytes"]) * 1.15 and ours < eager
+    assert ours == pytest.approx(d["aot_saved_bytes"] + d["output_bytes"], rel=0.15)
+
+
+def test_glm_aot_gradients_follow_eager():
+    model, args = zoo.get("glm4-tiny")
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, passes=["insert_checkpoints"],
+                            checkpoint_backend="aot")
+    info = merged(opt)
+    assert info["recomputed"]  # forward ops rerun in the backward graph
+    bw_tags = {tag for _, tag, _ in info["bw_ops"]}
+    assert {tag for _, tag, _ in info["recomputed"]} <= bw_tags
+    model.train()
+    accuracy_rule(model, opt, args)
+
+
+def test_dropout_is_saved_never_rerun_and_grads_follow_eager_per_seed():
+    torch.manual_seed(0)
+    model = Stack(d=32, layers=6, p=0.3)
+    args = (torch.randn(16, 32),)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.75, checkpoint_backend="aot",
+                            check_accuracy=False)
+    info = merged(opt)
+    assert not [n for bw in info["bw_graphs"] for n in bw.graph.nodes if aot._is_random(n)]  # mask saved
+    rerun = {target for _, _, target in info["recomputed"]}
+    assert rerun and all("dropout" not in t for t in rerun)
+    assert rerun & {"aten.gelu.default", "aten.native_layer_norm.default"}  # cheap ops are rerun
+    model.train()
+    for seed in (1, 2):
+        accuracy_rule(model, opt, args, seed)
+
+
+def test_optimizer_on_model_parameters_trains_the_aot_module():
+    torch.manual_seed(0)
+    model = Stack(d=32, layers=4)
+    args = (torch.randn(16, 32),)
+    ref = copy.deepcopy(model)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot")
+    assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
+    sgd, sgd_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    model.train(), ref.train()
+    for i in range(3):
+        for m, o, s in ((opt, model, sgd), (ref, ref, sgd_ref)):
+            s.zero_grad()
+            _loss(m(*args)).backward()
+            torch.nn.utils.clip_grad_norm_(o.parameters(), 1.0)
+            s.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+
+
+def test_dynamic_batch_compiles_again_for_a_new_size():
+    torch.manual_seed(0)
+    model = Stack(d=32, layers=6)
+    opt = graphopt.optimize(model, (torch.randn(16, 32),), training=True, memory_budget=0.5,
+                            checkpoint_backend="aot", dynamic={"x": {0: "batch"}})
+    model.train()
+    accuracy_rule(model, opt, (torch.randn(24, 32),))
+    assert all(len(m.partitions) == 2 for m in aot_modules(opt))
+
+
+class AutocastOff(nn.Module):
+    """A region under ``torch.autocast(enabled=False)`` (as HF's rotary embedding has): export
+    captures it as a wrap_with_autocast higher-order op whose body is a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        with torch.autocast("cpu", enabled=False):
+            h = h.float().sin() * 2
+        h = h.to(x.dtype)
+        return self.down(torch.nn.functional.gelu(self.norm(h)))
+
+
+def test_higher_order_op_with_a_submodule_body_traces():
+    torch.manual_seed(0)
+    model, args = AutocastOff(), (torch.randn(8, 16),)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="aot",
+                            passes=["insert_checkpoints"])
+    hops = [n for m in aot_modules(opt) for n in m.body.graph.nodes
+            if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert hops and opt.report.pass_result("insert_checkpoints").details["backend"] == "aot"
+    model.train()
+    accuracy_rule(model, opt, args)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = Stack(d=32, layers=4)
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.body(x)
+        return h, self.extra(h)
+
+
+def test_a_parameter_only_an_unused_output_reaches_keeps_grad_none_as_in_eager():
+    torch.manual_seed(0)
+    model, args = TwoHeads(), (torch.randn(16, 32),)
+    ref = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot",
+                            check_accuracy=False)
+    model.train()
+    opt(*args)[0].square().mean().backward()
+    ref(*args)[0].square().mean().backward()
+    assert model.extra.weight.grad is None and ref.extra.weight.grad is None
+    for p, q in zip(model.body.parameters(), ref.body.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+    opt(*args)[1].square().mean().backward()  # now it is reached: a real gradient
+    ref(*args)[1].square().mean().backward()
+    torch.testing.assert_close(model.extra.weight.grad, ref.extra.weight.grad, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- host overhead
+
+
+def test_ops_dispatched_per_step_stay_near_eager_plus_the_recomputation():
+    """The AOT backend runs the graphs' ATen ops directly: per step, the ops dispatched are about
+    eager's plus the recomputed ones (the selective checkpoint adds a dispatch mode per op)."""
+    model, args = small_resnet(batch=2)
+    ref = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, passes=["insert_checkpoints"],
+                            check_accuracy=False)
+    model.train()
+    recomputed = len(merged(opt)["recomputed"])
+    counts = {}
+    for label, fn in (("eager", ref), ("aot", opt)):
+        fn(*args).square().mean().backward()  # warm-up (compiles nothing new)
+        with Count() as c:
+            fn(*args).square().mean().backward()
+        counts[label] = sum(c.ops.values())
+    assert recomputed > 0
+    assert counts["aot"] <= 1.2 * counts["eager"] + recomputed, counts
+
+
+# --------------------------------------------------------------------------- choice, fallback, refusals
+
+
+def test_fallback_to_sac_when_aot_is_unavailable(monkeypatch):
+    monkeypatch.setattr(aot, "available", lambda: "torch 0.0 lacks an AOTAutograd helper (test)")
+    torch.manual_seed(0)
+    model, args = Stack(d=32, layers=6), (torch.randn(16, 32),)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, check_accuracy=False)
+    res = opt.report.pass_result("insert_checkpoints")
+    assert res.details["backend"] == "sac" and "lacks an AOTAutograd helper" in res.details["backend_reason"]
+    assert any(isinstance(m, ic.CheckpointRegion) for m in opt.graph_module.modules())
+    with pytest.raises(GraphoptError, match="checkpoint_backend 'aot' cannot run"):
+        graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot")
+
+
+def test_provenance_maps_nodes_where_the_custom_tag_is_not_carried(monkeypatch):
+    """A torch that does not copy meta['custom'] into the joint graph: from_node names the node."""
+    monkeypatch.setattr(aot, "tag_nodes", lambda nodes: None)
+    torch.manual_seed(0)
+    model, args = Stack(d=32, layers=6), (torch.randn(16, 32),)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot",
+                            check_accuracy=False)
+    info = merged(opt)
+    assert info["recomputed"] and {t for _, t, _ in info["recomputed"]} <= info["recompute"]
+    model.train()
+    accuracy_rule(model, opt, args)
+
+
+def test_untraceable_graph_falls_back_before_changing_it(monkeypatch):
+    def broken(self, args):
+        raise aot.AotUnavailable("AOTAutograd could not trace the graph: test")
+
+    monkeypatch.setattr(aot.AotRecompute, "compile", broken)
+    torch.manual_seed(0)
+    model, args = Stack(d=32, layers=6), (torch.randn(16, 32),)
+    ref = copy.deepcopy(model)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, check_accuracy=False)
+    d = opt.report.pass_result("insert_checkpoints").details
+    assert d["backend"] == "sac" and "could not trace" in d["backend_reason"]
+    assert not any(isinstance(m, aot.AotRecompute) for m in opt.graph_module.modules())
+    model.train(), ref.train()
+    torch.testing.assert_close(opt(*args), ref(*args))
+
+
+def test_budget_needing_dropout_recomputed_uses_sac_by_default_and_refuses_aot():
+    torch.manual_seed(0)
+    model, args = Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.3, check_accuracy=False)
+    d = opt.report.pass_result("insert_checkpoints").details
+    assert d["backend"] == "sac" and "random ops" in d["backend_reason"]
+    with pytest.raises(BudgetError, match="achievable minimum"):
+        graphopt.optimize(model, args, training=True, memory_budget=0.3, checkpoint_backend="aot")
+
+
+def test_budget_below_minimum_inference_and_bad_backend():
+    model, args = small_resnet()
+    with pytest.raises(BudgetError, match="achievable minimum"):
+        graphopt.optimize(model, args, training=True, memory_budget=0.01, checkpoint_backend="aot",
+                          check_accuracy=False)
+    torch.manual_seed(0)
+    small, a = Stack(d=16, layers=2), (torch.randn(4, 16),)
+    inf = graphopt.optimize(small, a, checkpoint_backend="aot")
+    r = inf.report.pass_result("insert_checkpoints")
+    assert r.status == "unchanged" and "inference" in r.notes[0]
+    assert not any(isinstance(m, aot.AotRecompute) for m in inf.graph_module.modules())
+    with pytest.raises(GraphoptError, match="checkpoint_backend"):
+        graphopt.optimize(small, a, training=True, memory_budget=0.5, checkpoint_backend="fast")
+
+
+def test_no_grad_call_runs_the_captured_body():
+    torch.manual_seed(0)
+    model, args = Stack(d=32, layers=4), (torch.randn(8, 32),)
+    ref = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot")
+    model.train()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), ref(*args))

@@ -7,6 +7,7 @@
 #   models   run_models.py for the configs in $2 (MODEL:BATCH,...)
 #   ckpt     checkpoint_bench.py, then the precision diagnostic and run_models for $2
 #   diag     diag_checkpoint.py, then precision_bench.py
+#   final    the cuda tests of this round's kernels and passes, ConvNeXt bs64, checkpoint_bench.py
 #   bash benchmarks/gpu_round.sh core
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,6 +45,13 @@ ckpt)
   timeout 300 python3 benchmarks/checkpoint_bench.py --out "$OUT" 2>&1 | quiet | tail -40; echo "### ckpt ${SECONDS}s"
   timeout 60 python3 benchmarks/diag_precision.py bert-base 64 2>&1 | quiet | tail -3; echo "### diag ${SECONDS}s"
   models "${2:-vit_b_16:64,resnet50:1,bert-base:1}" ;;
+final)
+  timeout 120 python3 -m pytest -m cuda tests/cuda_ext tests/passes tests/test_planted_fault.py -q -p no:cacheprovider \
+    -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  timeout 100 python3 -m graphopt.cli bench convnext_tiny --batch 64 --dtype bf16 --vs eager --reps 30 --out "$OUT" \
+    2>&1 | grep "^|"; echo "### convnext ${SECONDS}s"
+  timeout $((585 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" 2>&1 | quiet | tail -40 ;;
 diag)
   timeout 150 python3 benchmarks/diag_checkpoint.py 2>&1 | quiet | tail -45; echo "### diag ${SECONDS}s"
   precision ;;

@@ -410,3 +410,22 @@ def test_no_grad_call_runs_the_captured_body():
     model.train()
     with torch.no_grad():
         torch.testing.assert_close(opt(*args), ref(*args))
+
+
+def test_training_batchnorm_planned_for_a_gpu_takes_the_selective_checkpoint():
+    """A training BatchNorm on a GPU profile (cuDNN on): the AOT rewrite gave wrong BN gradients on
+    the H200, so "auto" runs the selective checkpoint and says why; "aot" refuses in one line."""
+    import torchvision
+
+    import graphopt
+    from graphopt.errors import GraphoptError
+
+    m = torchvision.models.resnet18().train()
+    x = torch.randn(4, 3, 96, 96)
+    kw = dict(training=True, memory_budget=0.6, check_accuracy=False, passes=["insert_checkpoints"],
+              cuda_graphs=False, target="h200")
+    res = graphopt.optimize(m, (x,), **kw).report.pass_result("insert_checkpoints")
+    assert res.details["backend"] == "sac"
+    assert any("training BatchNorm with cuDNN" in n for n in res.notes)
+    with pytest.raises(GraphoptError, match="training BatchNorm with cuDNN"):
+        graphopt.optimize(m, (x,), checkpoint_backend="aot", **kw)

@@ -235,8 +235,6 @@ def gb(x):
 
 
 def run_budget_config(name, build, reference, budget, args, device):
-    import graphopt
-
     log(f"[{name}] building")
     model, inputs, dtype, shape = build(args.tiny, device)
     model.train()

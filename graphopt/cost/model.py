@@ -201,6 +201,14 @@ def _prod(xs):
 ROW_BLOCK_NORMS = {"layer_norm", "native_layer_norm", "add_layer_norm", "add_rms_norm"}
 
 
+def norm_rows_seconds(profile: DeviceProfile, x: ir.TensorInfo):
+    """The block-scheduling floor of a one-block-per-row norm over x's last dim: rows *
+    profile.norm_row_s (0 where the profile has not measured it)."""
+    if not profile.norm_row_s or not x.shape:
+        return 0.0
+    return x.numel / x.shape[-1] * profile.norm_row_s
+
+
 class CostModel:
     """Estimates the time of nodes and graphs on one device profile."""
 
@@ -306,10 +314,8 @@ class CostModel:
         compute = flops / rate
         memory = nbytes / p.bandwidth
         t = p.kernel_seconds(compute, memory, eff, launches)
-        if p.norm_row_s and _op_name(node) in ROW_BLOCK_NORMS:
-            x = ir.arg_infos(node)[0]
-            if x.shape:
-                t = _smax(t, x.numel / x.shape[-1] * p.norm_row_s)
+        if _op_name(node) in ROW_BLOCK_NORMS:
+            t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
         gpu = _num(p.gpu_seconds(compute, memory, eff))
         launch = launches * p.launch_overhead_s
         c, m = _num(compute), _num(memory)

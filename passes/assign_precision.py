@@ -273,6 +273,11 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
             if ins and out is not None and out.dtype.is_floating_point:
                 cur[node] = dtype_of(ins[0])
             continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            # a region export wrapped (wrap_with_set_grad_enabled / autocast: HF's rotary table
+            # under transformers 5.17) is opaque here: its inputs stay as they are and its
+            # outputs keep the dtypes its body gives them (the readers cast where they lower)
+            continue
         if _identity_cast(node):
             # x.to(float32) of a value that is already fp32 in this (fp32) model: in the low-
             # precision graph it follows its input, as a view does. Hugging Face's norms write

@@ -205,3 +205,35 @@ def test_identity_casts_follow_their_input_and_softmax_reads_low():
     (sm,) = [n for n in gm.graph.nodes if n.target is aten.softmax.int]
     assert sm.args[0].meta["val"].dtype == torch.bfloat16 and sm.meta["val"].dtype == torch.float32
     assert opt.report.accuracy["passed"]
+
+
+class AutocastOffTable(nn.Module):
+    """A table computed in fp32 under autocast(enabled=False) (HF's rotary under transformers 5.17):
+    export wraps it in a higher-order op."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.register_buffer("freq", torch.rand(32))
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            t = (self.freq.float()[None, :] * torch.arange(x.shape[0], dtype=torch.float32)[:, None]).cos()
+        h = self.fc(x) * t.to(x.dtype).repeat_interleave(2, dim=-1)
+        return self.fc2(h) @ h.t()
+
+
+def test_higher_order_op_regions_are_left_as_written():
+    """The region's inputs are not cast (its fp32 frequencies stay fp32) and its outputs keep their
+    dtype; the GEMMs after it still run in bf16 (under transformers 5.17 the region's outputs were
+    taken for bf16, and GLM's attention scores stayed fp32 on the GPU)."""
+    torch.manual_seed(0)
+    m = AutocastOffTable().eval()
+    x = torch.randn(16, 64)
+    opt = graphopt.optimize(m, (x,), precision="bf16", passes=["eliminate_dead_code", "assign_precision"],
+                            cuda_graphs=False)
+    gm = opt.graph_module
+    hop = next(n for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator))
+    assert all(a.meta["val"].dtype == torch.float32 for a in hop.all_input_nodes if "val" in a.meta)
+    assert set(_dtypes(gm, aten.linear.default)) | set(_dtypes(gm, aten.matmul.default)) == {torch.bfloat16}
+    assert opt.report.accuracy["passed"]

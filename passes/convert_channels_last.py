@@ -1,14 +1,15 @@
 """convert_channels_last: run a conv net's convolutions on NHWC (channels_last) tensors.
 
 Tensor-core convolutions are much faster on NHWC inputs (the profile's measured
-``conv_nchw_slowdown``). The rewrite converts the 4-D graph inputs that reach a convolution
-once, at the region's boundary, and the 4-D convolution weights once at optimization time
+``conv_nchw_slowdown``). The graph is split into connected regions of 4-D activations that hold a
+convolution; each region is decided on its own. The rewrite converts the 4-D graph inputs a region
+reads once, at its boundary, and its 4-D convolution weights once at optimization time
 (inference; in training graphs the weights stay the model's parameters and cuDNN converts
 them). Pointwise ops, batch norm, pooling, residual adds and concatenations propagate the
 layout on their own (PyTorch's memory-format propagation), so no conversion is inserted inside
 the region; 4-D outputs are converted back to the contiguous layout the caller expects. Grouped
-and depthwise convolutions are included. The cost model decides: predicted conv time saved
-against the bytes the boundary conversions move; on a profile with no measured NCHW penalty
+and depthwise convolutions are included. The cost model decides per region: predicted conv time saved
+against the bytes its boundary conversions move; on a profile with no measured NCHW penalty
 (CPUs, unmeasured GPUs) the pass refuses and says so.
 """
 
@@ -57,61 +58,100 @@ class ConvertChannelsLast(Pass):
                 res.reject(f"{len(convs)} convolutions", f"no measured NCHW penalty for these convolutions on "
                                                          f"{ctx.profile.name}; the layout stays NCHW")
             return res
-        # the region's inputs: 4-D float graph inputs that reach a convolution
-        reach = set().union(*(_ancestors(c) for c in convs))
-        inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n in reach and ir.info(n) is not None
-                  and len(ir.info(n).shape) == 4 and ir.info(n).dtype.is_floating_point
-                  and not is_channels_last(ir.info(n))]
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        outs = [a for a in output.all_input_nodes if ir.info(a) is not None and len(ir.info(a).shape) == 4]
         p = ctx.profile
-        saved = 0.0
-        for c in slow:  # each convolution's time with and without the NCHW penalty
-            nc = ctx.cost.node_cost(c)
-            comp, mem = ir.concrete(nc.compute_s, ctx.hints), ir.concrete(nc.memory_s, ctx.hints)
-            saved += p.kernel_seconds(comp, mem, "conv") - p.kernel_seconds(comp / p.conv_nchw_slowdown, mem, "conv")
-        cost = sum(pointwise_kernel_time(ctx, 2 * nbytes(ir.info(n), ctx.hints)) for n in inputs + outs)
-        gain = saved - cost
-
-        def apply():
-            g = gm.graph
-            if not ctx.training:
-                converted = {}
-                for c in convs:
-                    w = c.args[1]
-                    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-                        continue
-                    if w.target not in converted:
-                        value = ir.get_attr_value(gm, w.target)
-                        if value.dim() != 4 or value.is_contiguous(memory_format=torch.channels_last):
-                            continue
-                        name = ir.register_constant(gm, f"{w.target}_nhwc",
-                                                    value.detach().contiguous(memory_format=torch.channels_last))
-                        with g.inserting_before(c):
-                            converted[w.target] = g.get_attr(name)
-                    c.replace_input_with(w, converted[w.target])
-                ir.erase_dead(gm, [n for n in g.nodes if n.op == "get_attr" and not n.users])
-            for p in inputs:
-                first = next(n for n in g.nodes if n in p.users)
-                with g.inserting_before(first):
-                    cl = g.call_function(aten.clone.default, (p,), {"memory_format": torch.channels_last})
-                p.replace_all_uses_with(cl, delete_user_cb=lambda u: u is not cl)
-            for o in outs:
-                with g.inserting_before(output):
-                    back = g.call_function(aten.clone.default, (o,), {"memory_format": torch.contiguous_format})
-                output.replace_input_with(o, back)
-            return True
-
-        res.apply_ranked(ctx, [Candidate(
-            "channels_last region", convs, gain, apply,
-            label=f"{len(convs)} convolutions ({len(slow)} on NCHW), {len(inputs)} input and {len(outs)} output "
-                  "conversions")])
-        if res.rewrites:
-            res.details = {"convolutions": len(convs), "input_conversions": len(inputs),
-                           "output_conversions": len(outs), "predicted_conv_saving_ms": saved * 1e3,
-                           "predicted_conversion_ms": cost * 1e3}
-            res.notes.append(f"one channels_last region: {len(convs)} convolutions, {len(inputs)} input and "
-                             f"{len(outs)} output conversions; weights converted once" if not ctx.training else
-                             f"one channels_last region: {len(convs)} convolutions; weights converted by cuDNN per call "
-                             "(training: they stay the model's parameters)")
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        candidates = []
+        for i, region in enumerate(_regions(gm, convs)):
+            rconvs = [c for c in convs if c in region]
+            rslow = [c for c in rconvs if c in slow]
+            # the region's inputs: 4-D float graph inputs its nodes read; its outputs: 4-D values
+            # it returns to the caller (readers outside it that are not 4-D, flatten or a
+            # reduction, take either layout)
+            inputs = list(dict.fromkeys(
+                a for n in region for a in n.all_input_nodes
+                if a.op == "placeholder" and ir.info(a) is not None and len(ir.info(a).shape) == 4
+                and ir.info(a).dtype.is_floating_point and not is_channels_last(ir.info(a))))
+            outs = [a for a in output.all_input_nodes if a in region]
+            saved = 0.0
+            for c in rslow:  # each convolution's time with and without the NCHW penalty
+                nc = ctx.cost.node_cost(c)
+                comp, mem = ir.concrete(nc.compute_s, ctx.hints), ir.concrete(nc.memory_s, ctx.hints)
+                saved += p.kernel_seconds(comp, mem, "conv") - p.kernel_seconds(comp / p.conv_nchw_slowdown, mem, "conv")
+            cost = sum(pointwise_kernel_time(ctx, 2 * nbytes(ir.info(n), ctx.hints)) for n in inputs + outs)
+            info = {"convolutions": len(rconvs), "input_conversions": len(inputs), "output_conversions": len(outs),
+                    "predicted_conv_saving_ms": saved * 1e3, "predicted_conversion_ms": cost * 1e3}
+            candidates.append(Candidate(
+                "channels_last region", rconvs, saved - cost,
+                lambda region=region, rconvs=rconvs, inputs=inputs, outs=outs, info=info:
+                    self._apply(gm, ctx, region, rconvs, inputs, outs, info, output),
+                label=f"region {i + 1}: {len(rconvs)} convolutions ({len(rslow)} on NCHW), {len(inputs)} input and "
+                      f"{len(outs)} output conversions"))
+        self._applied: list = []
+        res.apply_ranked(ctx, candidates)
+        if self._applied:
+            res.details = {k: sum(r[k] for r in self._applied) for k in self._applied[0]}
+            res.details["regions"] = self._applied
+            where = "weights converted once" if not ctx.training else \
+                "weights converted by cuDNN per call (training: they stay the model's parameters)"
+            res.notes.append(f"{len(self._applied)} channels_last region(s) of {len(candidates)}: "
+                             f"{res.details['convolutions']} convolutions, {res.details['input_conversions']} input and "
+                             f"{res.details['output_conversions']} output conversions; {where}")
         return res
+
+    def _apply(self, gm, ctx, region, rconvs, inputs, outs, info, output):
+        g = gm.graph
+        if not ctx.training:
+            converted = {}
+            for c in rconvs:
+                w = c.args[1]
+                if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+                    continue
+                if w.target not in converted:
+                    value = ir.get_attr_value(gm, w.target)
+                    if value.dim() != 4 or value.is_contiguous(memory_format=torch.channels_last):
+                        continue
+                    name = ir.register_constant(gm, f"{w.target}_nhwc",
+                                                value.detach().contiguous(memory_format=torch.channels_last))
+                    with g.inserting_before(c):
+                        converted[w.target] = g.get_attr(name)
+                c.replace_input_with(w, converted[w.target])
+            ir.erase_dead(gm, [n for n in g.nodes if n.op == "get_attr" and not n.users])
+        for x in inputs:
+            first = next(n for n in g.nodes if n in region and x in n.all_input_nodes)
+            with g.inserting_before(first):
+                cl = g.call_function(aten.clone.default, (x,), {"memory_format": torch.channels_last})
+            x.replace_all_uses_with(cl, delete_user_cb=lambda u: u in region)
+        for o in outs:
+            with g.inserting_before(output):
+                back = g.call_function(aten.clone.default, (o,), {"memory_format": torch.contiguous_format})
+            output.replace_input_with(o, back)
+        self._applied.append(info)
+        return True
+
+
+def _regions(gm: fx.GraphModule, convs: list) -> list[set]:
+    """Connected regions of 4-D activations that hold a convolution: nodes producing a 4-D tensor,
+    joined where one reads another. The layout propagates through such a region on its own
+    (pointwise ops, batch norm, pooling, residual adds, concatenations); a value leaving it as
+    something else (flatten, a linear's input, a reduction) ends it."""
+    # nodes producing 4-D tensors (one, or a tuple/list of them: max_pool2d_with_indices, a fused
+    # pointwise kernel; their getitems are 4-D too)
+    four_d = {n for n in gm.graph.nodes if n.op == "call_function" and ir.infos(n)
+              and all(len(t.shape) == 4 for t in ir.infos(n))}
+    parent = {n: n for n in four_d}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in four_d:
+        for a in n.all_input_nodes:
+            if a in four_d:
+                parent[find(a)] = find(n)
+    groups: dict = {}
+    for n in four_d:
+        groups.setdefault(find(n), set()).add(n)
+    conv_set = set(convs)
+    return [r for r in groups.values() if r & conv_set]

@@ -102,3 +102,35 @@ def test_cpu_channels_last_where_onednn_is_faster():
     (res,) = run_passes(gm, ["fold_conv_bn", "convert_channels_last"], target=slow)[1:]
     assert res.status == "applied" and res.details["convolutions"] == 53
     assert reference_check(model, gm, inputs).passed
+
+
+class EncoderDecoder(nn.Module):
+    """Two conv regions joined by a linear: a big encoder (NHWC pays) and a small decoder at 4x4
+    (its two conversions cost more than they save)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1),
+                                 nn.ReLU(), nn.Conv2d(64, 8, 3, stride=16, padding=1))
+        self.mid = nn.Linear(8 * 4 * 4, 8 * 4 * 4)
+        self.dec = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        h = self.enc(x).flatten(1)
+        return self.dec(self.mid(h).view(-1, 8, 4, 4))
+
+
+def test_each_connected_region_is_decided_on_its_own():
+    m = EncoderDecoder().eval().to(torch.bfloat16)
+    x = torch.randn(16, 3, 64, 64, dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    assert res.status == "applied" and len(res.details["regions"]) == 1
+    assert res.details["convolutions"] == 3 and res.details["output_conversions"] == 0
+    assert any(r.candidate.startswith("region 2: 1 convolutions") and "no gain" in r.reason for r in res.rejected)
+    enc, dec = _convs(gm)[:3], _convs(gm)[3]
+    assert all(ir.get_attr_value(gm, c.args[1].target).is_contiguous(memory_format=torch.channels_last) for c in enc)
+    assert ir.get_attr_value(gm, dec.args[1].target).is_contiguous()  # the decoder stays NCHW
+    clones = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+    assert [n.kwargs["memory_format"] for n in clones] == [torch.channels_last]
+    assert reference_check(m, gm, (x,)).passed

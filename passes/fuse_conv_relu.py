@@ -125,6 +125,11 @@ class FuseConvReLU(Pass):
             cand = self._candidate(gm, ctx, res, relu)
             if cand is not None:
                 candidates.append(cand)
+        if candidates and not ctx.fused_kernels:  # one line, not one per convolution
+            res.reject(f"{len(candidates)} conv + bias (+ residual) + ReLU epilogues",
+                       f"cuDNN's fused convolution is a GPU op; on {ctx.profile.name} the reference would only "
+                       "repeat aten's kernels")
+            return res
         res.apply_ranked(ctx, candidates, fused_kernels=True)
         return res
 

@@ -317,3 +317,25 @@ def remove_unused_attributes(gm: fx.GraphModule) -> list[str]:
 
 
 GETITEM = operator.getitem
+
+
+def connected_components(nodes, order: dict, joinable=lambda a, n: True) -> list[list[fx.Node]]:
+    """Connected components of ``nodes`` (edges between the producer/consumer pairs among them
+    that ``joinable`` accepts), each sorted in graph ``order``. Union-find with path halving."""
+    members = set(nodes)
+    parent = {n: n for n in nodes}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in members and joinable(a, n):
+                parent[find(a)] = find(n)
+    comps: dict = {}
+    for n in nodes:
+        comps.setdefault(find(n), []).append(n)
+    return [sorted(c, key=order.__getitem__) for c in comps.values()]

@@ -136,22 +136,8 @@ def _regions(gm: fx.GraphModule, convs: list) -> list[set]:
     something else (flatten, a linear's input, a reduction) ends it."""
     # nodes producing 4-D tensors (one, or a tuple/list of them: max_pool2d_with_indices, a fused
     # pointwise kernel; their getitems are 4-D too)
-    four_d = {n for n in gm.graph.nodes if n.op == "call_function" and ir.infos(n)
-              and all(len(t.shape) == 4 for t in ir.infos(n))}
-    parent = {n: n for n in four_d}
-
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for n in four_d:
-        for a in n.all_input_nodes:
-            if a in four_d:
-                parent[find(a)] = find(n)
-    groups: dict = {}
-    for n in four_d:
-        groups.setdefault(find(n), set()).add(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    four_d = [n for n in gm.graph.nodes if n.op == "call_function" and ir.infos(n)
+              and all(len(t.shape) == 4 for t in ir.infos(n))]
     conv_set = set(convs)
-    return [r for r in groups.values() if r & conv_set]
+    return [set(c) for c in ir.connected_components(four_d, order) if conv_set.intersection(c)]

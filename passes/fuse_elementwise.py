@@ -23,7 +23,6 @@ that reads the inputs once and writes the outputs once). Refused on a CPU profil
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 
 import torch
 import torch.fx as fx
@@ -259,14 +258,14 @@ class FuseElementwise(Pass):
             return tuple(ir.info(a).shape) == tuple(ir.info(n).shape) and ir.info(a).device == ir.info(n).device
 
         out = []
-        pending = _components(list(ok), order, joinable)
+        pending = ir.connected_components(list(ok), order, joinable)
         while pending:
             group = pending.pop()
             good, rest = _cut_cycles(group, order)
             out.append(good)
             if rest:
                 # the remainder may fall apart into several pieces: re-split by connectivity
-                pending.extend(_components(rest, order))
+                pending.extend(ir.connected_components(rest, order))
         return [g for g in out if g]
 
     # ------------------------------------------------------------------ rewrite
@@ -315,28 +314,6 @@ def _boundary(group):
                 ins.append(a)
     outs = [n for n in group if any(u not in gs for u in n.users)]
     return ins, outs
-
-
-def _components(nodes, order, joinable=lambda a, n: True):
-    """Connected components of ``nodes`` (edges between producer/consumer pairs ``joinable``
-    accepts), each sorted in graph order. Union-find with path halving."""
-    s = set(nodes)
-    parent = {n: n for n in nodes}
-
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a in s and joinable(a, n):
-                parent[find(a)] = find(n)
-    comps = defaultdict(list)
-    for n in nodes:
-        comps[find(n)].append(n)
-    return [sorted(c, key=order.__getitem__) for c in comps.values()]
 
 
 def _cut_cycles(group, order):

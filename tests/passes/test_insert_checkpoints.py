@@ -26,11 +26,11 @@ ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 TOL = 1e-3  # the accuracy rule's fp32 training tolerance
 
 
-def small_resnet():
+def small_resnet(batch=4):
     import torchvision
 
     torch.manual_seed(0)
-    return torchvision.models.resnet18(num_classes=10), (torch.randn(4, 3, 32, 32),)
+    return torchvision.models.resnet18(num_classes=10), (torch.randn(batch, 3, 32, 32),)
 
 
 class Block(nn.Module):

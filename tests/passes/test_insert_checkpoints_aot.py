@@ -17,40 +17,12 @@ import graphopt
 from graphopt import accuracy
 from graphopt.errors import BudgetError, GraphoptError
 from graphopt.examples import zoo
+from tests.passes.test_insert_checkpoints import Stack, small_resnet  # the shared models
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 aot = importlib.import_module("graphopt.passes._aot_recompute")
 
 pytestmark = pytest.mark.skipif(aot.available() is not None, reason=f"AOT backend unavailable: {aot.available()}")
-
-
-def small_resnet(batch=4):
-    import torchvision
-
-    torch.manual_seed(0)
-    return torchvision.models.resnet18(num_classes=10), (torch.randn(batch, 3, 32, 32),)
-
-
-class Block(nn.Module):
-    def __init__(self, d, p=0.0):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x):
-        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
-
-
-class Stack(nn.Module):
-    def __init__(self, d=32, layers=6, p=0.0):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block(d, p) for _ in range(layers)])
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
 
 
 def aot_modules(opt):

@@ -9,6 +9,7 @@ rounding at the store), so a program always moves ~8K elements whatever the row 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -71,16 +72,8 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
     rows = max(1, min(128, 8192 // bh))
     warps = 4 if bh * rows <= 4096 else 8
     k = _kernel()
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else _Null():
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         k[(triton.cdiv(R, rows),)](xc, w if w is not None else xc, b if b is not None else xc, y, R, H, float(eps),
                                    HAS_W=w is not None, HAS_B=b is not None, ROWS=rows, BLOCK_H=bh,
                                    num_warps=warps)
     return y
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import math
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -291,7 +292,7 @@ def fused_pointwise_triton(program: str, inputs: Sequence[torch.Tensor]) -> list
     tile2d = len(cshape) == 2 and not all(dense)
     kern = get_kernel(program, dts, len(cshape), use_i64, dense, tile2d)
     args = list(inputs) + outs + [numel] + cshape + [s for stv in cstr for s in stv]
-    with torch.cuda.device(device) if device.type == "cuda" else _nullctx():
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         if tile2d:
             bn = min(BLOCK, triton_next_pow2(cshape[1]))
             bm = max(1, BLOCK // bn)
@@ -308,11 +309,3 @@ def triton_next_pow2(n: int) -> int:
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False

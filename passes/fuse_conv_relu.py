@@ -26,7 +26,7 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import nbytes, pointwise_kernel_time, set_meta
+from ._fusion_meta import conv_bias_add_time, nbytes, set_meta
 
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -139,13 +139,11 @@ class FuseConvReLU(Pass):
             return None
         conv, add, z = found
         label = " + ".join(n.name for n in (conv, add, relu) if n is not None)
-        x, w, bias, stride, padding, dilation, groups = _conv_args(conv)
-        ci = ir.info(conv)
+        bias = _conv_args(conv)[2]
         nodes = [n for n in (relu, add, conv) if n is not None]
         h = ctx.hints
         old = ctx.node_time(nodes)
-        if bias is not None:  # aten's cuDNN path adds a conv bias in its own kernel
-            old += pointwise_kernel_time(ctx, 2 * nbytes(ci, h) + nbytes(ir.info(bias), h))
+        old += conv_bias_add_time(ctx, conv, bias)
         nc = ctx.cost.node_cost(conv)
         extra = nbytes(ir.info(z), h) if add is not None else 0.0
         new = ctx.profile.kernel_seconds(ir.concrete(nc.compute_s, h),

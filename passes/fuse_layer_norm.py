@@ -26,7 +26,6 @@ from graphopt import ir
 from graphopt.matcher import Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from graphopt.cost.model import norm_rows_seconds
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 
 from ._norms_common import kernel_time, position, residual_add, residual_operands
@@ -94,8 +93,7 @@ class FuseLayerNorm(Pass):
         label = (f"{add.name} + " if add is not None else "") + f"layer_norm {ln.name}"
         refusal = "its weight or bias is computed after the point where the fused kernel must run"
         if add is not None:  # add_layer_norm: one block per row, like aten's
-            new = max(kernel_time(ctx, inputs, [xi, xi], flops_per_elem=8),
-                      ir.concrete(norm_rows_seconds(ctx.profile, xi), ctx.hints))
+            new = kernel_time(ctx, inputs, [xi, xi], flops_per_elem=8, row_block=True)
             return Candidate("residual add + layer_norm", gone, ctx.node_time(gone) - new,
                              lambda: FuseLayerNorm._apply(gm, m, add, eps), label=label, refusal=refusal)
         if ir.concrete(xi.shape[-1], ctx.hints) > MAX_HIDDEN:

@@ -184,7 +184,7 @@ class FuseRmsNorm(Pass):
                              and any(u not in s.nodes for u in s.cast_in.users)) else None
         gone = [n for n in s.nodes if n is not kept] + ([add] if add is not None else [])
         inputs = ([add.args[0], add.args[1]] if add is not None else [s.x]) + [s.weight]
-        gain = ctx.node_time(gone) - kernel_time(ctx, inputs, [xi, xi], flops_per_elem=4)
+        gain = ctx.node_time(gone) - kernel_time(ctx, inputs, [xi, xi], flops_per_elem=4, row_block=True)
         pattern = "residual add + rms_norm" if add is not None else "rms_norm"
         label = f"{add.name} + " if add is not None else ""
         label += f"rms_norm {s.root.name} ({s.weight.name})"

@@ -11,13 +11,12 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import graphopt
 from graphopt import accuracy
 from graphopt.errors import BudgetError, GraphoptError
 from graphopt.examples import zoo
-from tests.passes.test_insert_checkpoints import Stack, small_resnet  # the shared models
+from tests.passes.test_insert_checkpoints import Stack, held_after_forward, small_resnet  # shared helpers
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 aot = importlib.import_module("graphopt.passes._aot_recompute")
@@ -82,36 +81,6 @@ class Count(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
-
-
-class _Held(TorchDispatchMode):
-    """Remembers (weakly) the storage of every tensor an op makes."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                self.refs.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
-        return out
-
-
-def held_after_forward(fn, args):
-    """Bytes of the storages made during a forward that are still alive after it (what autograd
-    holds for backward, plus the outputs), measured on the CPU."""
-    old = {t.untyped_storage()._cdata for t in list(fn.parameters()) + list(fn.buffers()) + list(args)}
-    tracker = _Held()
-    with tracker:
-        out = fn(*args)
-    held = sum(n for key, (ref, n) in tracker.refs.items() if not ref.expired() and key not in old)
-    del out
-    return held
 
 
 # --------------------------------------------------------------------------- graph + numerics

@@ -7,6 +7,7 @@
 #   models   run_models.py for the configs in $2 (MODEL:BATCH,...)
 #   ckpt     checkpoint_bench.py, then the precision diagnostic and run_models for $2
 #   diag     diag_checkpoint.py, then precision_bench.py
+#   probe    GLM bs8 kernel profile (eager, graphopt, compile), its explain, precision-only GLM and ViT
 #   final    the cuda tests of this round's kernels and passes, ConvNeXt bs64, checkpoint_bench.py
 #   bash benchmarks/gpu_round.sh core
 set -u
@@ -52,6 +53,13 @@ final)
   timeout 100 python3 -m graphopt.cli bench convnext_tiny --batch 64 --dtype bf16 --vs eager --reps 30 --out "$OUT" \
     2>&1 | grep "^|"; echo "### convnext ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" 2>&1 | quiet | tail -40 ;;
+probe)
+  timeout 240 python3 benchmarks/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 30 --compile --reps 10 \
+    --out "$OUT" 2>&1 | quiet | tail -120; echo "### profile ${SECONDS}s"
+  timeout 120 python3 -m graphopt.cli explain glm4-9b-4l --batch 8 --seq-len 1024 --dtype bf16 --no-accuracy > "$OUT/explain_glm4_bs8.txt" 2>&1
+  echo "### explain ${SECONDS}s"
+  timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models glm4-9b-4l:8:1024,vit_b_16:64 --out "$OUT" \
+    --reps 10 2>&1 | quiet | grep "^|\|^-" | tail -10 ;;
 diag)
   timeout 150 python3 benchmarks/diag_checkpoint.py 2>&1 | quiet | tail -45; echo "### diag ${SECONDS}s"
   precision ;;

@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--ablate", action="store_true")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--top", type=int, default=15, help="kernels listed per variant")
+    p.add_argument("--compile", action="store_true", help="also profile torch.compile (default mode)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
     model, inputs = zoo.get(a.model, batch=a.batch, seq_len=a.seq_len, dtype=torch.bfloat16, device="cuda")
@@ -62,9 +64,13 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         eager = lambda: model(*inputs)  # noqa: E731
         go = lambda: opt(*inputs)  # noqa: E731
-        for label, fn in (("eager", eager), ("graphopt", go)):
+        variants = [("eager", eager), ("graphopt", go)]
+        if a.compile:
+            comp = torch.compile(model)
+            variants.append(("torch.compile", lambda: comp(*inputs)))
+        for label, fn in variants:
             ms = statistics.median(time_call(fn, reps=a.reps, warmup=3, device="cuda")) * 1e3
-            total, rows = top_kernels(fn)
+            total, rows = top_kernels(fn, n=a.top)
             lines += [f"## {label}: {ms:.3f} ms per call, {total:.3f} ms of kernel time (busy {total / ms:.0%})", "",
                       "| ms/call | calls | kernel |", "| ---: | ---: | --- |"]
             lines += [f"| {t:.3f} | {c} | `{k}` |" for t, c, k in rows]

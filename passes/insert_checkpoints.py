@@ -496,6 +496,44 @@ def split_at_kept_gemms(nodes: list, keep: set) -> list:
     return result
 
 
+def op_kind(n: fx.Node) -> str:
+    """A node's op for reports: ``linear``, ``scaled_dot_product_attention``, ``mul``..."""
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def recomputed_by_op(am: ActivationModel, keep: set) -> dict:
+    """The plan's recomputation by op: {op: {"count", "ms"}} (predicted), costliest first; views
+    and other free nodes are left out."""
+    rows: dict = {}
+    for n in am.body:
+        if n in keep or am.seconds.get(n, 0.0) <= 0:
+            continue
+        r = rows.setdefault(op_kind(n), {"count": 0, "ms": 0.0})
+        r["count"] += 1
+        r["ms"] += am.seconds[n] * 1e3
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def saved_by_op(am: ActivationModel, keep: set) -> dict:
+    """What the plan holds for backward by op of the producing node: {op: {"count", "gb"}},
+    largest first (kept outputs that autograd saves, and what kept ops save internally)."""
+    rows: dict = {}
+    held = am.saved_roots()
+    for n in am.body:
+        if n not in keep and n not in am.outputs:
+            continue
+        b = (am.bytes.get(n, 0.0) if am.root.get(n) is n and n in held else 0.0) + am.extra.get(n, 0.0)
+        if b <= 0:
+            continue
+        r = rows.setdefault(op_kind(n), {"count": 0, "gb": 0.0})
+        r["count"] += 1
+        r["gb"] += b / 1e9
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["gb"]))
+
+
 def _by_layer(am: ActivationModel, keep: set) -> list:
     """Saved vs recomputed tensors (count, bytes) per layer."""
     rows: dict = {}
@@ -636,6 +674,8 @@ class InsertCheckpoints(Pass):
             kept_nodes=len(plan.keep),
             recomputed_nodes=len(am.body) - len(plan.keep),
             by_layer=_by_layer(am, plan.keep),
+            recomputed_by_op=recomputed_by_op(am, plan.keep),
+            saved_by_op=saved_by_op(am, plan.keep),
         )
 
     def _rewrite_aot(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict,
@@ -650,6 +690,7 @@ class InsertCheckpoints(Pass):
         recompute = {n.name for n in am.body if n not in plan.keep}
         totals = {"saved": 0, "values": 0, "recomputed": 0, "untagged": 0, "regions": 0}
         held_inputs: set = set()  # activations a region receives and saves (counted once)
+        aot_ops: dict = {}  # joint-graph ops rerun in the backward graphs, by op
         by_name = {n.name: n for n in am.body}
 
         def needs_grad(node) -> bool:  # an activation flowing in from the graph (or an earlier region)
@@ -702,6 +743,9 @@ class InsertCheckpoints(Pass):
                 if 0 <= k < len(outs):
                     held_inputs.add(am.root.get(outs[k], outs[k]))
             totals["recomputed"] += len(info["recomputed"])
+            for _, _, target in info["recomputed"]:
+                op = str(target).split(".")[-2] if str(target).count(".") >= 2 else str(target)
+                aot_ops[op] = aot_ops.get(op, 0) + 1
             totals["untagged"] += len(info["untagged_saved"])
             for pos in info["saved_inputs"]:
                 src = made["inputs"][pos] if pos < len(made["inputs"]) else None
@@ -723,6 +767,7 @@ class InsertCheckpoints(Pass):
             aot_saved_bytes=totals["saved"],
             aot_saved_values=totals["values"],
             aot_recomputed_ops=totals["recomputed"],
+            aot_recomputed_by_op=dict(sorted(aot_ops.items(), key=lambda kv: -kv[1])),
             aot_untagged_saved=totals["untagged"],
             aot_frees_saved_inputs=frees,
         )

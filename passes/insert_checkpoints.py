@@ -155,6 +155,8 @@ class Plan:
     extra_s: float  # predicted recomputation time
     crossing_bytes: float = 0.0
     notes: list = field(default_factory=list)
+    recomputed: set | None = None  # the nodes that rerun (AOT accounting: only those backward needs)
+    saved_roots: set | None = None  # the storages saved for backward (AOT accounting)
 
     @property
     def total_bytes(self) -> float:
@@ -178,9 +180,30 @@ def _mutated_args(n: fx.Node) -> list:
     return out
 
 
+# attention is recomputed last (its kernel's time per byte freed is close to a GEMM's, but recomputing it
+# also reruns the q/k/v chain it reads)
+_ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                  "_flash_attention_forward", "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+def _tier(n: fx.Node) -> int:
+    t = n.target
+    name = t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else ""
+    return 1 if name in _ATTENTION_OPS else 0
+
+
 class _Selector:
-    def __init__(self, am: ActivationModel, hints: dict | None = None, keep_random: bool = False):
+    """Chooses what to keep. ``aot``: the plan is realized by the AOT backend, whose backward
+    saves exactly the values it needs that are kept (or cross a region boundary) and reruns only
+    the recomputed nodes it needs; the accounting then walks back from what backward reads
+    (:meth:`account_needed`). Otherwise (selective checkpoint) every kept node's storages are
+    cached and every recomputed node reruns (:meth:`account`)."""
+
+    def __init__(self, am: ActivationModel, hints: dict | None = None, keep_random: bool = False,
+                 aot: bool = False):
         self.am = am
+        self.aot = aot
         body = am.body
         self.index = {n: i for i, n in enumerate(body)}
         self.held_roots = am.saved_roots()
@@ -196,6 +219,14 @@ class _Selector:
         # each step, a region copies the buffers it updates in place (for its recomputation)
         mutated = {a for n in body for a in _mutated_args(n) if a.op in ("get_attr", "placeholder")}
         self.scratch_bytes = sum(float(ir.concrete(t.nbytes, hints)) for a in mutated for t in ir.infos(a))
+        # parameters (that get gradients) each node reads, for a region's gradient transient
+        self.params_of: dict = {}
+        self.param_bytes: dict = {}
+        for n in body:
+            for a in n.all_input_nodes:
+                if a.op == "get_attr" and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].requires_grad:
+                    self.params_of.setdefault(n, []).append(a.target)
+                    self.param_bytes[a.target] = sum(float(ir.concrete(t.nbytes, hints)) for t in ir.infos(a))
         self.forced_recompute = set()
         self.forced_keep = set()
         for n in body:
@@ -217,9 +248,12 @@ class _Selector:
         return max(own + self.am.extra.get(n, 0.0), self.am.made.get(n, 0.0))
 
     def order(self) -> list:
-        """Candidates to recompute, cheapest recompute-seconds per byte freed first."""
+        """Candidates to recompute, cheapest recompute-seconds per byte freed first (memory-bound
+        norms, casts, activations and elementwise ops before GEMMs/convolutions, tiny tensors such
+        as a norm's statistics late), attention last."""
         cands = [n for n in self.am.body if n not in self.forced_keep and n not in self.forced_recompute]
-        return sorted(cands, key=lambda n: (self.am.seconds[n] / max(self.cost_bytes(n), 1.0), self.index[n]))
+        return sorted(cands, key=lambda n: (_tier(n), self.am.seconds[n] / max(self.cost_bytes(n), 1.0),
+                                            self.index[n]))
 
     def evaluate(self, keep: set, cap: float) -> Plan:
         """The plan for a kept set: regions cut where few unkept bytes cross (checkpoint holds a
@@ -244,6 +278,7 @@ class _Selector:
                     w += am.bytes.get(n, 0.0)
                 w += am.extra.get(n, 0.0)
             work_of.append(w)
+        cuttable = [not isinstance(n.meta.get("val"), (tuple, list)) for n in body]
         regions = []
         s, last = 0, len(body) - 1
         while s <= last:
@@ -255,17 +290,103 @@ class _Selector:
                 regions.append(body[s:])
                 break
             # cut at the cheapest boundary in the second half of this region (latest on ties)
+            # (never between a multi-output node and the getitems that unpack it)
             acc, best, j_best = 0.0, None, i - 1
             for j in range(s, i):
                 acc += work_of[j]
-                if acc >= cap / 2 and (best is None or crossing_at[j] <= best):
+                if acc >= cap / 2 and cuttable[j] and (best is None or crossing_at[j] <= best):
                     best, j_best = crossing_at[j], j
+            while j_best < last and not cuttable[j_best]:
+                j_best += 1
+            if j_best >= last:
+                regions.append(body[s:])
+                break
             regions.append(body[s:j_best + 1])
             s = j_best + 1
         return self.account(keep, regions)
 
+    def account_needed(self, keep: set, regions: list) -> Plan:
+        """Memory and time of keeping ``keep`` with these region cuts, as the AOT backend runs it:
+        from every value backward reads (what autograd saves, and the ops that save something of
+        their own), walk back: a kept node's value is saved (its bytes and what its op saves), a
+        value from an earlier region is saved (that region's output, this region's input), a
+        graph output or input/parameter is held anyway; anything else is recomputed (its time)
+        and its inputs are walked. Nodes recomputed but never needed cost nothing."""
+        am = self.am
+        region_of = {n: k for k, region in enumerate(regions) for n in region}
+        saved_at = [0.0] * len(regions)  # bytes saved, by the region holding them
+        saved_roots: set = set()
+        recomputed: set = set()
+        extra_s = 0.0
+
+        def save(r, k):
+            if r in saved_roots or r in am.outputs:
+                return
+            saved_roots.add(r)
+            saved_at[k] += am.bytes.get(r, 0.0)
+
+        # each saved value is needed in the region of the node whose backward reads it
+        stack = []
+        for n in am.body:
+            k = region_of.get(n, 0)
+            stack.extend((r, k) for r in am.saved[n] if r in self.index)
+            if am.extra.get(n, 0.0) > 0:
+                stack.append((n, k))
+        seen = set()
+        while stack:
+            n, k = stack.pop()
+            if n not in region_of or (n, k) in seen:
+                continue  # an input, parameter or buffer: held anyway
+            seen.add((n, k))
+            r = am.root.get(n, n)
+            if region_of[n] != k:  # produced by an earlier region: saved as this region's input
+                save(r, k)
+                continue
+            if n in keep:
+                save(r, k) if r in region_of else None
+                if n not in recomputed and am.extra.get(n, 0.0) > 0 and (n, "x") not in seen:
+                    seen.add((n, "x"))
+                    saved_at[k] += am.extra[n]
+                continue
+            if n not in recomputed:
+                recomputed.add(n)
+                extra_s += am.seconds.get(n, 0.0)
+            stack.extend((a, k) for a in n.all_input_nodes)
+        # the backward at forward position p still holds what was saved before p (its later
+        # users' backward has freed the rest) and the recomputed values live across p (the
+        # backward reruns each just before its first use); a region's backward also holds its
+        # parameters' fresh gradients until it returns (beyond the largest one, which the
+        # baseline's working set has)
+        size = len(am.body) + 2
+        diff = [0.0] * size
+        for r in saved_roots:
+            if r in self.index:
+                diff[self.index[r] + 1] += am.bytes.get(r, 0.0)
+        for n in am.body:
+            if n in keep and n not in recomputed and am.extra.get(n, 0.0) > 0 and n in region_of:
+                diff[self.index[n] + 1] += am.extra[n]
+        for n in recomputed:
+            b = (am.bytes.get(n, 0.0) if am.root.get(n) is n else 0.0) + am.extra.get(n, 0.0)
+            if b > 0:
+                diff[self.index[n] + 1] += b
+                diff[min(max(self.last.get(n, self.index[n]), self.index[n]) + 2, size - 1)] -= b
+        live, peak = 0.0, 0.0
+        for d in diff:
+            live += d
+            peak = max(peak, live)
+        kept_bytes = self.scratch_bytes + sum(saved_at)
+        grads = max((sum(self.param_bytes.get(a, 0.0) for a in {a for n in region for a in self.params_of.get(n, ())})
+                     for region in regions if any(n in recomputed for n in region)), default=0.0)
+        peak = self.scratch_bytes + peak + max(grads - self.am.largest_param_grad, 0.0)
+        keep = set(keep) | {n for n in saved_roots if n in region_of}
+        plan = Plan(keep, regions, kept_bytes, max(peak - kept_bytes, 0.0), extra_s)
+        plan.recomputed, plan.saved_roots = recomputed, saved_roots
+        return plan
+
     def account(self, keep: set, regions: list) -> Plan:
         """Memory and time of keeping ``keep`` with these region cuts."""
+        if self.aot:
+            return self.account_needed(keep, regions)
         am, body = self.am, self.am.body
         held = lambda r: r in keep or r in am.outputs  # noqa: E731
         # what crosses a cut is held by checkpoint as the next region's input anyway: keep it
@@ -319,10 +440,13 @@ class _Selector:
                 plan = trial
         return plan
 
-    def select(self, budget: float, caps: list) -> Plan:
+    def select(self, budget: float, caps: list, offset: float = 0.0) -> Plan:
         """The plan that fits ``budget`` with the least predicted recomputation time, over
         region sizes ``caps`` (bigger regions: fewer boundary tensors held, a bigger transient
-        while one region is recomputed)."""
+        while one region is recomputed). ``budget`` covers the step's activation memory:
+        ``offset`` (the graph's outputs and the backward's working set) plus what the plan saves
+        and its recomputation transient."""
+        budget = budget - offset
         order = self.order()
         all_keep = set(n for n in self.am.body if n not in self.forced_recompute)
         best_fit, minimum = None, None
@@ -354,12 +478,13 @@ class _Selector:
         if best_fit is not None:
             best_fit = self.refine(best_fit, budget)
         if best_fit is None:
-            base = self.am.baseline_saved_bytes()
+            base = self.am.step_activation_bytes()
+            low = minimum.total_bytes + offset
             raise BudgetError(
-                f"memory budget {format_bytes(budget)} is below the achievable minimum "
-                f"{format_bytes(minimum.total_bytes)} ({minimum.total_bytes / base:.3f} of the baseline activation "
-                f"memory {format_bytes(base)}) over the recompute/keep trade-offs searched; "
-                "raise memory_budget to at least that")
+                f"memory budget {format_bytes(budget + offset)} is below the achievable minimum "
+                f"{format_bytes(low)} ({low / base:.3f} of the baseline activation memory {format_bytes(base)}: "
+                f"saved tensors, outputs and the backward's working set) over the recompute/keep trade-offs "
+                "searched; raise memory_budget to at least that")
         return best_fit
 
 
@@ -504,12 +629,14 @@ def op_kind(n: fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def recomputed_by_op(am: ActivationModel, keep: set) -> dict:
+def recomputed_by_op(am: ActivationModel, keep: set, recomputed: set | None = None) -> dict:
     """The plan's recomputation by op: {op: {"count", "ms"}} (predicted), costliest first; views
-    and other free nodes are left out."""
+    and other free nodes are left out. ``recomputed``: the nodes that rerun, where the plan knows
+    (else every node not kept)."""
     rows: dict = {}
     for n in am.body:
-        if n in keep or am.seconds.get(n, 0.0) <= 0:
+        reruns = n in recomputed if recomputed is not None else n not in keep
+        if not reruns or am.seconds.get(n, 0.0) <= 0:
             continue
         r = rows.setdefault(op_kind(n), {"count": 0, "ms": 0.0})
         r["count"] += 1
@@ -517,15 +644,18 @@ def recomputed_by_op(am: ActivationModel, keep: set) -> dict:
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms"]))
 
 
-def saved_by_op(am: ActivationModel, keep: set) -> dict:
+def saved_by_op(am: ActivationModel, keep: set, saved_roots: set | None = None,
+                recomputed: set | None = None) -> dict:
     """What the plan holds for backward by op of the producing node: {op: {"count", "gb"}},
-    largest first (kept outputs that autograd saves, and what kept ops save internally)."""
+    largest first (kept outputs that autograd saves, and what kept ops save internally; where the
+    plan knows them, ``saved_roots`` are the storages saved and ``recomputed`` the nodes rerun)."""
     rows: dict = {}
-    held = am.saved_roots()
+    held = am.saved_roots() if saved_roots is None else saved_roots
     for n in am.body:
-        if n not in keep and n not in am.outputs:
+        if n not in keep and n not in am.outputs or (recomputed is not None and n in recomputed):
             continue
-        b = (am.bytes.get(n, 0.0) if am.root.get(n) is n and n in held else 0.0) + am.extra.get(n, 0.0)
+        b = (am.bytes.get(n, 0.0) if am.root.get(n) is n and n in held else 0.0)
+        b += am.extra.get(n, 0.0)
         if b <= 0:
             continue
         r = rows.setdefault(op_kind(n), {"count": 0, "gb": 0.0})
@@ -592,14 +722,17 @@ class InsertCheckpoints(Pass):
             res.notes.append("no memory_budget set: activations are kept as autograd saves them")
             return res
         am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.profile.kind)
-        base = am.baseline_saved_bytes()
+        # the budget covers a step's activation memory (what max_memory_allocated measures beyond
+        # parameters, gradients and inputs): saved tensors, the outputs, the backward's working set
+        base = am.step_activation_bytes()
         budget = resolve_budget(budget_opt, base)
+        offset = am.all_output_bytes() + am.backward_working_bytes()
         details = {
             "checkpoint": True,
             "budget_bytes": budget,
             "budget": budget_opt if isinstance(budget_opt, (int, float)) else str(budget_opt),
-            "baseline_saved_bytes": base,
-            "baseline_activation_bytes": am.step_activation_bytes(),
+            "baseline_saved_bytes": am.baseline_saved_bytes(),
+            "baseline_activation_bytes": base,
             "baseline_peak_bytes": am.step_peak_bytes(),
             "output_bytes": am.all_output_bytes(),
             "baseline_held_bytes": am.held_bytes(),
@@ -607,7 +740,7 @@ class InsertCheckpoints(Pass):
         }
         res.details = details
         if base <= budget:
-            details.update(predicted_saved_bytes=base, predicted_held_bytes=details["baseline_held_bytes"],
+            details.update(predicted_saved_bytes=details["baseline_saved_bytes"], predicted_held_bytes=details["baseline_held_bytes"],
                            predicted_activation_bytes=details["baseline_activation_bytes"],
                            predicted_peak_bytes=details["baseline_peak_bytes"], extra_ms=0.0, regions=0)
             res.notes.append(f"the baseline activations ({format_bytes(base)}) fit the budget "
@@ -622,14 +755,14 @@ class InsertCheckpoints(Pass):
             if why_not_aot is not None and backend == "aot":
                 raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {why_not_aot}")
         use_aot = backend in ("auto", "aot") and why_not_aot is None
-        caps = [max(share * base, 1.0) for share in REGION_SHARES]
+        caps = [max(share * am.baseline_saved_bytes(), 1.0) for share in REGION_SHARES]
         try:
-            plan = _Selector(am, ctx.hints, keep_random=use_aot).select(budget, caps)
+            plan = _Selector(am, ctx.hints, keep_random=use_aot, aot=use_aot).select(budget, caps, offset)
         except BudgetError as e:
             if not use_aot or backend == "aot":
                 raise
             # the AOT rewrite keeps every random op's output; the selective checkpoint replays RNG
-            plan = _Selector(am, ctx.hints).select(budget, caps)
+            plan = _Selector(am, ctx.hints).select(budget, caps, offset)
             use_aot = False
             why_not_aot = f"the budget needs recomputing random ops, which the AOT rewrite never does ({e})"
         details.update(self._plan_details(am, plan))
@@ -650,7 +783,7 @@ class InsertCheckpoints(Pass):
                     raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {e}") from e
                 why_not_aot = str(e)
                 # the plan kept random ops for AOT; the selective backend replays RNG instead
-                plan = _Selector(am, ctx.hints).select(budget, caps)
+                plan = _Selector(am, ctx.hints).select(budget, caps, offset)
                 details.update(self._plan_details(am, plan))
         details["backend"] = "sac"
         why = ("asked for (checkpoint_backend='sac')" if backend == "sac"
@@ -672,10 +805,10 @@ class InsertCheckpoints(Pass):
             extra_ms=plan.extra_s * 1e3,
             regions=len(plan.regions),
             kept_nodes=len(plan.keep),
-            recomputed_nodes=len(am.body) - len(plan.keep),
+            recomputed_nodes=len(plan.recomputed) if plan.recomputed is not None else len(am.body) - len(plan.keep),
             by_layer=_by_layer(am, plan.keep),
-            recomputed_by_op=recomputed_by_op(am, plan.keep),
-            saved_by_op=saved_by_op(am, plan.keep),
+            recomputed_by_op=recomputed_by_op(am, plan.keep, plan.recomputed),
+            saved_by_op=saved_by_op(am, plan.keep, plan.saved_roots, plan.recomputed),
         )
 
     def _rewrite_aot(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict,

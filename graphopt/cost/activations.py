@@ -255,6 +255,7 @@ class ActivationModel:
     largest_param_grad: float
     obytes: dict  # node -> bytes of its output tensors (views included)
     made: dict  # node -> bytes of every new storage its ops make (what keeping it caches)
+    param_grad_bytes: dict = field(default_factory=dict)  # parameter target -> bytes of its gradient
 
     @classmethod
     def build(cls, gm: fx.GraphModule, cost=None, hints: dict | None = None,
@@ -293,6 +294,7 @@ class ActivationModel:
         for a in out_node.all_input_nodes:
             outputs.add(root.get(a, a))
         params = grads = largest = inputs = 0.0
+        pgrads: dict = {}
         seen = set()
         for n in gm.graph.nodes:
             if n.op == "get_attr":
@@ -304,6 +306,7 @@ class ActivationModel:
                     if val.requires_grad:
                         grads += b
                         largest = max(largest, b)
+                        pgrads[n.target] = b
             elif n.op == "placeholder":
                 inputs += sum(c(t.nbytes) for t in ir.infos(n))
         obytes = {n: sum(c(t.nbytes) for t in ir.infos(n)) for n in body}
@@ -311,7 +314,7 @@ class ActivationModel:
         for n in attention_nodes:  # re-read for CUDA: output + logsumexp
             made[n] = (nbytes.get(n, 0.0) if root.get(n) is n else 0.0) + extra[n]
         return cls(gm, body, nbytes, root, saved, extra, seconds, dict(probe.grad), outputs,
-                   params, grads, inputs, largest, obytes, made)
+                   params, grads, inputs, largest, obytes, made, pgrads)
 
     # ---------------------------------------------------------------- baseline
 
@@ -343,17 +346,21 @@ class ActivationModel:
 
     def backward_working_bytes(self) -> float:
         """A backward working set: the largest (gradient of a node's output + gradients of
-        its inputs that need them + a parameter's fresh gradient) over the nodes."""
+        its inputs that need them + the fresh gradients of the parameters it reads) over the
+        nodes. The gradient of a graph output is the caller's (``backward(outs, grads)``, or the
+        loss's backward), not made in the graph's backward."""
         best = 0.0
         for n in self.body:
             if not self.grad.get(n):
                 continue
-            g = self.obytes.get(n, 0.0)
+            g = 0.0 if self.root.get(n, n) in self.outputs else self.obytes.get(n, 0.0)
             for a in n.all_input_nodes:
-                if a.op != "get_attr" and self.grad.get(a):
+                if a.op == "get_attr":
+                    g += self.param_grad_bytes.get(a.target, 0.0)
+                elif self.grad.get(a):
                     g += self.obytes.get(a, 0.0)
             best = max(best, g)
-        return best + self.largest_param_grad
+        return best
 
     def step_activation_bytes(self, saved_bytes: float | None = None, transient: float = 0.0) -> float:
         """Predicted activation memory of a training step (what ``max_memory_allocated`` during

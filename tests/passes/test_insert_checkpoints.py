@@ -26,11 +26,11 @@ ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 TOL = 1e-3  # the accuracy rule's fp32 training tolerance
 
 
-def small_resnet(batch=4):
+def small_resnet(batch=16, res=32):
     import torchvision
 
     torch.manual_seed(0)
-    return torchvision.models.resnet18(num_classes=10), (torch.randn(batch, 3, 32, 32),)
+    return torchvision.models.resnet18(num_classes=10), (torch.randn(batch, 3, res, res),)
 
 
 class Block(nn.Module):
@@ -112,7 +112,7 @@ def assert_close(a, b):
 def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
     model, args = small_resnet()
     ref = copy.deepcopy(model)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, checkpoint_backend="sac")
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="sac")
     res = opt.report.pass_result("insert_checkpoints")
     assert res.status == "applied"
     rs = regions(opt)
@@ -120,8 +120,11 @@ def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
     recomputed = {n for r in rs for n in r.recomputed}
     assert any(n.startswith("batch_norm") for n in recomputed)  # BN recomputed, stats still once
     d = res.details
-    assert d["predicted_saved_bytes"] + d["recompute_transient_bytes"] <= d["budget_bytes"]
-    assert d["budget_bytes"] == pytest.approx(0.6 * d["baseline_saved_bytes"])
+    # the budget covers the step's activation memory: saved, transient, outputs, backward working set
+    assert (d["predicted_saved_bytes"] + d["recompute_transient_bytes"] + d["output_bytes"]
+            + d["backward_working_bytes"]) <= d["budget_bytes"]
+    assert d["predicted_activation_bytes"] <= d["budget_bytes"]
+    assert d["budget_bytes"] == pytest.approx(0.85 * d["baseline_activation_bytes"])
     assert d["extra_ms"] > 0 and d["by_layer"]
     model.train(), ref.train()
     assert_close(step(opt, args), step(ref, args))
@@ -134,7 +137,7 @@ def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
     assert int(model.bn1.num_batches_tracked) == 1
 
 
-@pytest.mark.parametrize("name,budget", [("resnet18", 0.6), ("resnet18", 0.8), ("stack", 0.5), ("glm4-tiny", 0.6)])
+@pytest.mark.parametrize("name,budget", [("resnet18", 0.85), ("resnet18", 0.92), ("stack", 0.5), ("glm4-tiny", 0.7)])
 def test_memory_held_after_the_forward_is_what_was_predicted(name, budget):
     if name == "resnet18":
         model, args = small_resnet()
@@ -152,7 +155,7 @@ def test_memory_held_after_the_forward_is_what_was_predicted(name, budget):
     ours = held_after_forward(opt, args)
     assert eager == pytest.approx(d["baseline_held_bytes"], rel=0.15)
     assert ours == pytest.approx(d["predicted_held_bytes"], rel=0.15)
-    assert ours <= (d["budget_bytes"] + d["output_bytes"]) * 1.15 and ours < eager  # the model's 15%
+    assert ours <= d["budget_bytes"] * 1.15 and ours < eager  # the model's 15%
 
 
 def test_dropout_masks_are_replayed_in_recomputation():
@@ -264,7 +267,8 @@ def test_memory_budget_needs_training():
 
 def test_cli_explain_training_memory_budget(capfd, tmp_path):
     path = tmp_path / "r.json"
-    rc = main(["explain", "bert-tiny", "--training", "--memory-budget", "0.5", "--json", str(path)])
+    rc = main(["explain", "bert-tiny", "--batch", "32", "--seq-len", "128", "--training", "--memory-budget", "0.75",
+               "--json", str(path)])
     out, err = capfd.readouterr()
     assert rc == 0, err
     assert "activation memory (saved for backward)" in out and "encoder.layer.0" in out
@@ -281,7 +285,7 @@ def test_full_pipeline_planned_for_a_gpu_keeps_the_checkpoints():
     export's _guards_fn reads, interleaved with the first region): the regions still apply."""
     model, args = small_resnet()
     ref = copy.deepcopy(model)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, checkpoint_backend="sac", target="h200")
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="sac", target="h200")
     res = opt.report.pass_result("insert_checkpoints")
     assert res.status == "applied", res.notes
     assert regions(opt)
@@ -340,7 +344,7 @@ def test_split_at_kept_gemms_plain_regions():
 
 
 def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
-    """A conv chain at a 0.6 budget: regions ending in a kept convolution run as plain checkpoints
+    """A conv chain at a 0.8 budget: regions ending in a kept convolution run as plain checkpoints
     (no selective dispatch mode); the backward reruns batch norm and ReLU but no convolution
     (checkpoint's early stop), and gradients and running statistics equal eager's."""
     import collections
@@ -373,7 +377,7 @@ def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
     torch.manual_seed(0)
     model, x = ConvChain().train(), torch.randn(4, 16, 32, 32)
     eager = copy.deepcopy(model)
-    opt = graphopt.optimize(model, (x,), training=True, memory_budget=0.6, checkpoint_backend="sac", check_accuracy=False,
+    opt = graphopt.optimize(model, (x,), training=True, memory_budget=0.8, checkpoint_backend="sac", check_accuracy=False,
                             passes=["insert_checkpoints"], target="h200")
     regions = [m for m in opt.graph_module.modules() if isinstance(m, ic.CheckpointRegion)]
     assert any(not r.selective for r in regions)

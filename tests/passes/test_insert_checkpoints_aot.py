@@ -87,9 +87,11 @@ class Count(TorchDispatchMode):
 
 
 def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_kept_set():
-    model, args = small_resnet()
+    # (at this size the parameters' gradients are most of a step's activation memory: an AOT
+    # region's backward holds its parameters' fresh gradients until it returns)
+    model, args = small_resnet(res=64)
     before = copy.deepcopy(model).train()
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, passes=["insert_checkpoints"])
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.95, passes=["insert_checkpoints"])
     res = opt.report.pass_result("insert_checkpoints")
     d = res.details
     assert res.status == "applied" and d["backend"] == "aot" and "backend aot" in res.notes[-1]
@@ -101,7 +103,7 @@ def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_k
     stats = set(info["running_stats_saved"])  # BatchNorm's new running statistics ([C] each)
     tagged = [(name, tag, b) for name, tag, b in info["saved"] if b > 0 and name not in stats]
     assert tagged and all(tag in keep for _, tag, _ in tagged), [t for t in tagged if t[1] not in keep]
-    assert d["aot_saved_bytes"] <= d["budget_bytes"] < d["baseline_saved_bytes"]
+    assert d["aot_saved_bytes"] <= d["budget_bytes"] < d["baseline_activation_bytes"]
     assert d["aot_saved_bytes"] == pytest.approx(d["predicted_saved_bytes"], rel=0.15)
     # BatchNorm and ReLU rerun in the backward graph (BN without touching the running stats)
     bw_ops = collections.Counter(str(n.target) for bw in info["bw_graphs"] for n in bw.graph.nodes
@@ -120,10 +122,10 @@ def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_k
     assert int(model.bn1.num_batches_tracked) == 1
 
 
-@pytest.mark.parametrize("name,budget", [("resnet18", 0.6), ("glm4-tiny", 0.6)])
+@pytest.mark.parametrize("name,budget", [("resnet18", 0.95), ("glm4-tiny", 0.7)])
 def test_memory_held_after_the_forward_fits_the_budget(name, budget):
     if name == "resnet18":
-        model, args = small_resnet()
+        model, args = small_resnet(res=64)
     else:
         model, args = zoo.get(name)
     ref = copy.deepcopy(model).train()
@@ -135,7 +137,7 @@ def test_memory_held_after_the_forward_fits_the_budget(name, budget):
     eager = held_after_forward(ref, args)
     ours = held_after_forward(opt, args)
     assert eager == pytest.approx(d["baseline_held_bytes"], rel=0.15)
-    assert ours <= (d["budget_bytes"] + d["output_bytes"]) * 1.15 and ours < eager
+    assert ours <= d["budget_bytes"] * 1.15 and ours < eager
     assert ours == pytest.approx(d["aot_saved_bytes"] + d["output_bytes"], rel=0.15)
 
 
@@ -172,7 +174,7 @@ def test_optimizer_on_model_parameters_trains_the_aot_module():
     model = Stack(d=32, layers=4)
     args = (torch.randn(16, 32),)
     ref = copy.deepcopy(model)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot")
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.8, checkpoint_backend="aot")
     assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
     sgd, sgd_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     model.train(), ref.train()
@@ -215,7 +217,7 @@ class AutocastOff(nn.Module):
 def test_higher_order_op_with_a_submodule_body_traces():
     torch.manual_seed(0)
     model, args = AutocastOff(), (torch.randn(8, 16),)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="aot",
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.95, checkpoint_backend="aot",
                             passes=["insert_checkpoints"])
     hops = [n for m in aot_modules(opt) for n in m.body.graph.nodes
             if isinstance(n.target, torch._ops.HigherOrderOperator)]
@@ -239,7 +241,7 @@ def test_a_parameter_only_an_unused_output_reaches_keeps_grad_none_as_in_eager()
     torch.manual_seed(0)
     model, args = TwoHeads(), (torch.randn(16, 32),)
     ref = copy.deepcopy(model).train()
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot",
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.8, checkpoint_backend="aot",
                             check_accuracy=False)
     model.train()
     opt(*args)[0].square().mean().backward()
@@ -258,9 +260,9 @@ def test_a_parameter_only_an_unused_output_reaches_keeps_grad_none_as_in_eager()
 def test_ops_dispatched_per_step_stay_near_eager_plus_the_recomputation():
     """The AOT backend runs the graphs' ATen ops directly: per step, the ops dispatched are about
     eager's plus the recomputed ones (the selective checkpoint adds a dispatch mode per op)."""
-    model, args = small_resnet(batch=2)
+    model, args = small_resnet(res=64)
     ref = copy.deepcopy(model).train()
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, passes=["insert_checkpoints"],
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.95, passes=["insert_checkpoints"],
                             check_accuracy=False)
     model.train()
     recomputed = len(merged(opt)["recomputed"])
@@ -321,11 +323,11 @@ def test_untraceable_graph_falls_back_before_changing_it(monkeypatch):
 def test_budget_needing_dropout_recomputed_uses_sac_by_default_and_refuses_aot():
     torch.manual_seed(0)
     model, args = Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.3, check_accuracy=False)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.45, check_accuracy=False)
     d = opt.report.pass_result("insert_checkpoints").details
     assert d["backend"] == "sac" and "random ops" in d["backend_reason"]
     with pytest.raises(BudgetError, match="achievable minimum"):
-        graphopt.optimize(model, args, training=True, memory_budget=0.3, checkpoint_backend="aot")
+        graphopt.optimize(model, args, training=True, memory_budget=0.45, checkpoint_backend="aot")
 
 
 def test_budget_below_minimum_inference_and_bad_backend():
@@ -347,7 +349,7 @@ def test_no_grad_call_runs_the_captured_body():
     torch.manual_seed(0)
     model, args = Stack(d=32, layers=4), (torch.randn(8, 32),)
     ref = copy.deepcopy(model).train()
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="aot")
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="aot")
     model.train()
     with torch.no_grad():
         torch.testing.assert_close(opt(*args), ref(*args))
@@ -363,7 +365,7 @@ def test_training_batchnorm_planned_for_a_gpu_takes_the_selective_checkpoint():
 
     m = torchvision.models.resnet18().train()
     x = torch.randn(4, 3, 96, 96)
-    kw = dict(training=True, memory_budget=0.6, check_accuracy=False, passes=["insert_checkpoints"],
+    kw = dict(training=True, memory_budget=0.8, check_accuracy=False, passes=["insert_checkpoints"],
               cuda_graphs=False, target="h200")
     res = graphopt.optimize(m, (x,), **kw).report.pass_result("insert_checkpoints")
     assert res.details["backend"] == "sac"

@@ -1,0 +1,83 @@
+"""insert_checkpoints on a GLM-4 decoder (tiny, SDPA attention), planned for the H200: the budget
+covers the step's activation memory, attention is never recomputed (the GEMMs recomputed are the
+MLP's), the AOT backward saves what the plan predicts, gradients follow eager by the accuracy
+rule, and a budget below the minimum raises BudgetError stating it."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.errors import BudgetError
+from graphopt.examples import zoo
+from tests.passes.test_insert_checkpoints import held_after_forward
+from tests.passes.test_insert_checkpoints_aot import accuracy_rule, aot_modules
+
+aot = importlib.import_module("graphopt.passes._aot_recompute")
+
+pytestmark = pytest.mark.skipif(aot.available() is not None, reason=f"AOT backend unavailable: {aot.available()}")
+
+
+def glm_sdpa(batch=2, seq=64):
+    from transformers import Glm4ForCausalLM
+
+    cfg = zoo.glm4_tiny_config()
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    model = Glm4ForCausalLM(cfg)
+    ids = torch.randint(3, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, (ids,)
+
+
+def module_of(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+@pytest.fixture(scope="module")
+def planned():
+    model, args = glm_sdpa()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, passes=["insert_checkpoints"],
+                            check_accuracy=False, target="h200")
+    return model, args, opt, opt.report.pass_result("insert_checkpoints").details
+
+
+def test_plan_fits_the_step_budget_and_never_recomputes_attention(planned):
+    model, args, opt, d = planned
+    assert d["backend"] == "aot" and d["regions"] >= 1
+    # the budget is a fraction of the step's activation memory (saved + outputs + backward working set)
+    assert d["budget_bytes"] == pytest.approx(0.6 * d["baseline_activation_bytes"])
+    assert d["predicted_activation_bytes"] <= d["budget_bytes"]
+    assert d["predicted_saved_bytes"] < 0.6 * d["baseline_saved_bytes"]
+    recomputed = d["recomputed_by_op"]
+    assert "scaled_dot_product_attention" not in recomputed and recomputed.get("mul", {}).get("count", 0) > 0
+    # what the AOT backward graphs rerun: no attention kernel; the GEMMs rerun are decoder-layer
+    # projections (cheapest seconds per byte: o_proj, the MLP's), never the LM head
+    reruns = d["aot_recomputed_by_op"]
+    assert not any("attention" in op for op in reruns), reruns
+    body_nodes = {n.name: n for m in aot_modules(opt) for n in m.body.graph.nodes}
+    gemms = [tag for m in aot_modules(opt) for info in m.partitions.values() for _, tag, target in info["recomputed"]
+             if "mm" in target]
+    assert gemms, reruns
+    mods = [module_of(body_nodes[t]) for t in gemms]
+    assert all(".layers." in m and m.endswith("_proj") for m in mods), mods
+
+
+def test_aot_saves_what_the_plan_predicts_and_gradients_follow_eager(planned):
+    model, args, opt, d = planned
+    assert d["aot_saved_bytes"] == pytest.approx(d["predicted_saved_bytes"], rel=0.15)
+    ref = copy.deepcopy(model).train()
+    model.train()
+    eager, ours = held_after_forward(ref, args), held_after_forward(opt, args)
+    assert ours == pytest.approx(d["predicted_held_bytes"], rel=0.15) and ours < 0.75 * eager
+    accuracy_rule(model, opt, args)
+
+
+def test_budget_below_the_minimum_raises_with_the_minimum():
+    model, args = glm_sdpa()
+    with pytest.raises(BudgetError, match=r"achievable minimum .* of the baseline activation memory"):
+        graphopt.optimize(model, args, training=True, memory_budget=0.2, passes=["insert_checkpoints"],
+                          check_accuracy=False, target="h200", checkpoint_backend="aot")

@@ -1,7 +1,7 @@
 """Activation checkpointing under a memory budget (issue 8): measured memory and step time.
 
     python benchmarks/checkpoint_bench.py --out DIR [--configs resnet50,glm4,glm4-diag,zoo] [--tiny]
-                                          [--backend aot|sac|auto|both] [--reps 10] [--warmup 2] [--all-passes]
+                                          [--backend aot|sac|auto|both] [--reps 10] [--warmup 2] [--all-passes | --passes P,Q,...]
 
 Configs (GPU sizes; ``--tiny`` swaps in CPU-sized models for a dry run):
 
@@ -25,7 +25,9 @@ minus ``torch.cuda.memory_allocated()`` just before the forward; "after forward"
 held when the forward returns (saved tensors + outputs; on the CPU, where there are no allocator
 statistics, the storages made during the forward still alive after it). ms/step is the median over --reps of
 CUDA-event-timed steps. graphopt runs only the ``insert_checkpoints`` pass by default (the
-others change numerics/kernels and would blur the comparison; ``--all-passes`` runs the whole
+others change numerics/kernels and would blur the comparison; ``--passes fold_constants,fuse_attention,insert_checkpoints``
+runs those (the captured GLM calls SDPA with a materialized causal mask, which these fold back to
+``is_causal=True`` as eager calls it); ``--all-passes`` runs the whole
 pipeline), with ``check_accuracy=False``, once per checkpoint backend (``--backend both``, the
 default: the AOTAutograd graph rewrite and the selective checkpoint, one row each); its loss and gradients are compared with the eager
 step directly (same seed): fp32 tolerance 1e-3, bf16 1e-2, as the relative L2 error of every
@@ -287,7 +289,7 @@ def run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol
     import graphopt
 
     t0 = time.perf_counter()
-    passes = None if args.all_passes else ["insert_checkpoints"]
+    passes = None if args.all_passes else (args.passes.split(",") if args.passes else ["insert_checkpoints"])
     opt = graphopt.optimize(model, inputs, training=True, memory_budget=budget, check_accuracy=False,
                             passes=passes, cuda_graphs=False, model_name=name, checkpoint_backend=backend)
     opt_s = time.perf_counter() - t0
@@ -383,7 +385,7 @@ def run_glm_diagnostic(args, device):
     log(f"[glm-diag] eager vs fp32: {rows[0]['vs_fp32']}")
     variants = [("captured graph, no checkpoints", dict(passes=[]))]
     for b in args.backends:
-        variants.append((f"checkpointed, backend {b}", dict(passes=["insert_checkpoints"], memory_budget=0.5 if args.tiny else 0.3,
+        variants.append((f"checkpointed, backend {b}", dict(passes=["insert_checkpoints"], memory_budget=0.7 if args.tiny else 0.3,
                                                             checkpoint_backend=b)))
     for label, kw in variants:
         try:
@@ -515,7 +517,8 @@ def markdown(result):
                 ran = g["backend"] if g["backend"] == g["asked"] else f"{g['asked']} → ran {g['backend']}: {g.get('backend_reason')}"
                 aot_note = (f"AOT forward saves {_f(g['aot_saved_gb'])} GB, {g['aot_recomputed_ops']} ops rerun in backward; "
                             if g.get("aot_saved_gb") is not None else "")
-                notes = (f"budget {r['budget']} = {_f(g['budget_gb'])} GB of predicted {_f(g['predicted_baseline_saved_gb'])} GB saved; "
+                notes = (f"budget {r['budget']} = {_f(g['budget_gb'])} GB of predicted {_f(g['predicted_baseline_activation_gb'])} GB "
+                         f"step activations (saved {_f(g['predicted_baseline_saved_gb'])} GB); "
                          f"predicted saved {_f(g['predicted_saved_gb'])} + {_f(g['predicted_transient_gb'])} GB, step activations "
                          f"{_f(g['predicted_activation_gb'])} GB (baseline predicted {_f(g['predicted_baseline_activation_gb'])}); "
                          f"{aot_note}predicted +{_f(g['predicted_extra_ms'], '{:.1f}')} ms; {g['regions']} regions; optimize "
@@ -562,6 +565,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--all-passes", action="store_true", help="run graphopt's whole pipeline, not only insert_checkpoints")
+    ap.add_argument("--passes", default=None, help="comma-separated passes to run (default: insert_checkpoints)")
     ap.add_argument("--device", default=None, help="default: cuda if present (else cpu)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -580,11 +584,13 @@ def main(argv=None):
     for c in configs:
         try:
             if c == "resnet50":
-                result["budget_configs"].append(run_budget_config("resnet50", build_resnet50, resnet_reference, 0.4, args, device))
+                # (the CPU stand-in's step is mostly parameter gradients: only a budget near 1 is reachable)
+                result["budget_configs"].append(run_budget_config("resnet50", build_resnet50, resnet_reference,
+                                                                  0.97 if args.tiny else 0.4, args, device))
             elif c == "glm4":
                 # the 2-layer CPU stand-in cannot reach 0.3 (too few layers to cut between)
                 result["budget_configs"].append(run_budget_config("glm4-9b-8l", build_glm, glm_reference,
-                                                                  0.5 if args.tiny else 0.3, args, device))
+                                                                  0.7 if args.tiny else 0.3, args, device))
             elif c == "glm4-diag":
                 result["diagnostics"].append(run_glm_diagnostic(args, device))
             else:

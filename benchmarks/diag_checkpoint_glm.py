@@ -13,7 +13,7 @@ GLM-4-9B shape (``zoo.glm4_9b_config(8)``: 8 layers), bf16, batch 4, seq 2048, S
 * ``fa``: ``fold_constants`` + ``fuse_attention`` only (the captured SDPA reads a materialized causal
   mask, which eager's SDPA call does not; these passes fold it back to ``is_causal=True``);
 * ``fa+ckpt``: the same, then ``insert_checkpoints`` at ``--budget``;
-* ``hf``: Hugging Face per-layer gradient checkpointing (not in the default set).
+* ``hf``: Hugging Face per-layer gradient checkpointing.
 
 For each: activation memory (max allocated during the step minus allocated before it), memory
 held after the forward, ms/step (median of --reps), forward and backward ms, and a
@@ -292,7 +292,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU-sized GLM (dry run)")
     ap.add_argument("--budget", type=float, default=None, help="default 0.3 (--tiny: 0.6, the tiny GLM's minimum is ~0.37)")
     ap.add_argument("--backend", default="aot", choices=("auto", "aot", "sac"))
-    ap.add_argument("--variants", default="eager,captured,ckpt,fa,fa+ckpt")
+    ap.add_argument("--variants", default="eager,captured,ckpt,fa,fa+ckpt,hf")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=8)

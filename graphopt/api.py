@@ -376,9 +376,10 @@ def optimize(
       "reoptimize" (optimize again for it, up to 8 cached specializations, with a warning).
     check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
     dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
-    memory_budget: training only: fit the activations autograd saves into this budget by
-      recomputing the cheapest ones in backward (pass insert_checkpoints): a fraction 0 < f <= 1
-      of the baseline activation memory, bytes, or a size string ("8GB", "512MB").
+    memory_budget: training only: fit a step's activation memory (saved tensors, outputs, the
+      backward's working set) into this budget by recomputing the cheapest activations in backward
+      (pass insert_checkpoints): a fraction 0 < f <= 1 of the baseline step's activation memory,
+      bytes, or a size string ("8GB", "512MB").
     checkpoint_backend: how the recomputation runs: "auto" (the AOTAutograd graph rewrite where it
       traces the graph, else the selective checkpoint), "aot" (the rewrite, or an error) or "sac"
       (torch.utils.checkpoint regions with a selective policy).

@@ -1,7 +1,8 @@
 """insert_checkpoints: fit a training step into a memory budget by recomputing activations.
 
 Training graphs only, and only when a ``memory_budget`` is set (``graphopt.optimize(...,
-training=True, memory_budget=0.4)``: a fraction of the baseline activation memory, or bytes).
+training=True, memory_budget=0.4)``: a fraction of the baseline step's activation memory — saved
+tensors, outputs and the backward's working set — or bytes).
 
 1. The activation memory model (:mod:`graphopt.cost.activations`) says what autograd saves for
    every node and how many bytes, and the cost model what recomputing each node costs.
@@ -9,9 +10,12 @@ training=True, memory_budget=0.4)``: a fraction of the baseline activation memor
    it owns plus what its op saves internally) or is recomputed in backward (time: its cost-model
    time). Nodes are moved to "recompute" in order of recompute-seconds per byte freed — views
    and casts first, then norms, activations and other memory-bound elementwise ops, then
-   GEMMs/convolutions, attention last — until the predicted saved bytes plus the largest
-   recomputation transient fit the budget. The graph outputs are always kept (the caller holds
-   them). If recomputing everything allowed cannot fit, ``BudgetError`` states the minimum.
+   GEMMs/convolutions, attention last — until the outputs, the backward's working set, the
+   predicted saved bytes and the recomputation transient fit the budget. For the aot backend a
+   plan is priced as its backward runs (``_Selector.account_needed``: only the recomputation a
+   backward formula needs costs time; saved values are those the backward reads). The graph
+   outputs are always kept (the caller holds them). If recomputing everything allowed cannot
+   fit, ``BudgetError`` states the minimum.
 3. Rewrite, two backends (``options["checkpoint_backend"]``: "auto" | "aot" | "sac"):
 
    * aot (the default where it works; :mod:`graphopt.passes._aot_recompute`): each region of
@@ -227,6 +231,19 @@ class _Selector:
                 if a.op == "get_attr" and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].requires_grad:
                     self.params_of.setdefault(n, []).append(a.target)
                     self.param_bytes[a.target] = sum(float(ir.concrete(t.nbytes, hints)) for t in ir.infos(a))
+        # the backward's working set at each node (as ActivationModel.backward_working_bytes)
+        self.work_pos = []
+        for n in body:
+            w = 0.0
+            if am.grad.get(n):
+                w = 0.0 if am.root.get(n, n) in am.outputs else am.obytes.get(n, 0.0)
+                for a in n.all_input_nodes:
+                    if a.op == "get_attr":
+                        w += am.param_grad_bytes.get(a.target, 0.0)
+                    elif am.grad.get(a):
+                        w += am.obytes.get(a, 0.0)
+            self.work_pos.append(w)
+        self.working = am.backward_working_bytes()
         self.forced_recompute = set()
         self.forced_keep = set()
         for n in body:
@@ -370,14 +387,17 @@ class _Selector:
             if b > 0:
                 diff[self.index[n] + 1] += b
                 diff[min(max(self.last.get(n, self.index[n]), self.index[n]) + 2, size - 1)] -= b
+        # plus, at each node, its backward's own working set (its gradients, its parameters'):
+        # the step's fixed working set (the largest of these) is budgeted apart, so only the
+        # excess of a point of the backward over "all saved + the largest working set" counts
         live, peak = 0.0, 0.0
-        for d in diff:
+        for p, d in enumerate(diff):
             live += d
-            peak = max(peak, live)
+            peak = max(peak, live + (self.work_pos[p] if p < len(self.work_pos) else 0.0))
         kept_bytes = self.scratch_bytes + sum(saved_at)
         grads = max((sum(self.param_bytes.get(a, 0.0) for a in {a for n in region for a in self.params_of.get(n, ())})
                      for region in regions if any(n in recomputed for n in region)), default=0.0)
-        peak = self.scratch_bytes + peak + max(grads - self.am.largest_param_grad, 0.0)
+        peak = self.scratch_bytes + max(peak - self.working, 0.0) + max(grads - self.am.largest_param_grad, 0.0)
         keep = set(keep) | {n for n in saved_roots if n in region_of}
         plan = Plan(keep, regions, kept_bytes, max(peak - kept_bytes, 0.0), extra_s)
         plan.recomputed, plan.saved_roots = recomputed, saved_roots

@@ -208,6 +208,24 @@ class FuseAttention(Pass):
         # the same SDPA without reading the mask and with the causal half of the FLOPs is never
         # slower, also where launch-bound (a zero predicted gain)
         res.apply_ranked(ctx, causal_folds, allow_zero_gain=True)
+        # an SDPA reading K and V repeated to q's heads (repeat_kv: unsqueeze, expand, reshape)
+        # reads the un-repeated K/V with enable_gqa=True instead (as eager's SDPA call does): the
+        # repeat's copies go, and the backward neither saves them nor reduces their gradients.
+        # Mask-free SDPAs only (the flash kernel's GQA path)
+        unrepeats = []
+        for sd in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]:
+            if _kwarg(sd, 3, "attn_mask", None) is not None or sd.kwargs.get("enable_gqa", False):
+                continue
+            k0, v0 = _unrepeated(sd.args[1]), _unrepeated(sd.args[2])
+            if k0 is None or v0 is None or k0[1] != v0[1] or _shape(k0[0])[1] * k0[1] != _shape(sd.args[0])[1]:
+                continue
+            plan = {"node": sd, "k": k0[0], "v": v0[0]}
+            new_args = (sd.args[0], k0[0], v0[0]) + tuple(sd.args[3:])
+            kwargs = dict(_sdpa_kwargs(sd), enable_gqa=True)
+            gain = ctx.node_time([sd, sd.args[1], sd.args[2]]) - self._time_of(ctx, sd, new_args, kwargs)
+            unrepeats.append(Candidate("sdpa repeated K/V->enable_gqa", [sd], gain,
+                                       lambda p=plan: self._apply_gqa(gm, p), label=f"sdpa {sd.name}"))
+        res.apply_ranked(ctx, unrepeats, allow_zero_gain=True)
         return res
 
     # ------------------------------------------------------------------ analysis
@@ -422,6 +440,23 @@ class FuseAttention(Pass):
         return new
 
     @staticmethod
+    def _apply_gqa(gm, plan) -> fx.Node:
+        g = gm.graph
+        sd = plan["node"]
+        reps = [sd.args[1], sd.args[2]]
+        args = (sd.args[0], plan["k"], plan["v"]) + tuple(sd.args[3:])
+        with g.inserting_before(sd):
+            new = g.call_function(SDPA, args, dict(sd.kwargs, enable_gqa=True))
+        new.meta["val"] = sd.meta.get("val")
+        ir.replace_with(sd, new)
+        g.erase_node(sd)
+        for r in reps:  # the repeat chains, now unread
+            for n in (r, r.args[0], r.args[0].args[0]):
+                if not n.users:
+                    g.erase_node(n)
+        return new
+
+    @staticmethod
     def _apply_sdpa(gm, plan) -> fx.Node:
         g = gm.graph
         sd = plan["node"]
@@ -435,6 +470,34 @@ class FuseAttention(Pass):
         if isinstance(mask, fx.Node) and not mask.users:
             g.erase_node(mask)
         return new
+
+
+def _unrepeated(node):
+    """``(kv, n_rep)`` when ``node`` is repeat_kv's spelling of ``kv`` [B, Hkv, S, D] repeated to
+    [B, Hkv * n_rep, S, D] (reshape of expand of unsqueeze(kv, 2)), else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in RESHAPES):
+        return None
+    exp = node.args[0]
+    if not (isinstance(exp, fx.Node) and exp.target is aten.expand.default and len(exp.users) == 1):
+        return None
+    unsq = exp.args[0]
+    if not (isinstance(unsq, fx.Node) and unsq.target is aten.unsqueeze.default and len(unsq.users) == 1
+            and unsq.args[1] in (2, -3)):
+        return None
+    kv = unsq.args[0]
+    try:
+        s, es, rs = _shape(kv), _shape(exp), _shape(node)
+    except Refuse:
+        return None
+    if len(s) != 4 or len(es) != 5 or len(rs) != 4:
+        return None
+    try:
+        n_rep = int(es[2])
+    except TypeError:  # a symbolic repeat count
+        return None
+    if n_rep < 1 or [es[0], es[1], es[3], es[4]] != list(s) or list(rs) != [s[0], s[1] * n_rep, s[2], s[3]]:
+        return None
+    return kv, n_rep
 
 
 def _find_unchecked(gm, pattern: Op):

@@ -231,3 +231,54 @@ def test_optimize_default_precision_one_rewrite_per_layer(name, layers):
     assert len(opt.report.pass_result("fuse_attention").rewrites) == layers
     _check_zoo_graph(name, opt.graph_module, layers)
     assert reference_check(model, opt, inputs).passed
+
+
+# ---------------------------------------------------------------- SDPA over repeat_kv'd K/V
+
+
+class RepeatKvSdpa(nn.Module):
+    """HF's repeat_kv (unsqueeze, expand, reshape) before an existing SDPA call, causal or with a
+    constant mask."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, seq=8, mask=None):
+        super().__init__()
+        self.h, self.kvh, self.d = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.d)
+        self.mask = mask
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kvh, self.d).permute(2, 0, 3, 1, 4).unbind(0)
+        n = self.h // self.kvh
+        k = k[:, :, None].expand(b, self.kvh, n, s, self.d).reshape(b, self.h, s, self.d)
+        v = v[:, :, None].expand(b, self.kvh, n, s, self.d).reshape(b, self.h, s, self.d)
+        if self.mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+def test_sdpa_over_repeated_kv_reads_them_unrepeated_with_enable_gqa():
+    torch.manual_seed(0)
+    model, args, gm, res = _run(RepeatKvSdpa(), (torch.randn(2, 8, 32),))
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.kwargs.get("enable_gqa") is True and sd.args[5] is True
+    assert all(n.target is not aten.expand.default for n in gm.graph.nodes)  # the repeat copies are gone
+    assert [tuple(a.meta["val"].shape)[1] for a in sd.args[1:3]] == [2, 2]
+    assert reference_check(model, gm, args).passed
+    # training: gradients through SDPA's GQA path follow eager (the accuracy guard keeps the pass)
+    opt = graphopt.optimize(RepeatKvSdpa().train(), args, training=True, passes=["fold_constants", "fuse_attention"])
+    r = opt.report.pass_result("fuse_attention")
+    assert r.status == "applied" and any(sd.kwargs.get("enable_gqa") for sd in _sdpa_nodes(opt.graph_module))
+
+
+def test_sdpa_over_repeated_kv_with_a_non_causal_mask_keeps_the_repeat():
+    torch.manual_seed(0)
+    mask = torch.rand(8, 8) > 0.3
+    mask[:, 0] = True
+    model, args, gm, res = _run(RepeatKvSdpa(mask=mask), (torch.randn(2, 8, 32),))
+    (sd,) = _sdpa_nodes(gm)
+    assert not sd.kwargs.get("enable_gqa") and sd.args[3] is not None
+    assert any(n.target is aten.expand.default for n in gm.graph.nodes)
+    assert reference_check(model, gm, args).passed

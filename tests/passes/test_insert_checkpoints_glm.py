@@ -81,3 +81,23 @@ def test_budget_below_the_minimum_raises_with_the_minimum():
     with pytest.raises(BudgetError, match=r"achievable minimum .* of the baseline activation memory"):
         graphopt.optimize(model, args, training=True, memory_budget=0.2, passes=["insert_checkpoints"],
                           check_accuracy=False, target="h200", checkpoint_backend="aot")
+
+
+def test_after_fuse_attention_sdpa_reads_unrepeated_kv_and_the_plan_still_fits():
+    """fold_constants + fuse_attention first (SDPA is_causal with enable_gqa, as eager calls it):
+    the checkpointed step saves less than with the captured SDPA and gradients follow eager."""
+    model, args = glm_sdpa()
+    kw = dict(training=True, memory_budget=0.6, check_accuracy=False, target="h200")
+    plain = graphopt.optimize(model, args, passes=["insert_checkpoints"], **kw)
+    opt = graphopt.optimize(model, args, passes=["fold_constants", "fuse_attention", "insert_checkpoints"], **kw)
+    d0 = plain.report.pass_result("insert_checkpoints").details
+    d = opt.report.pass_result("insert_checkpoints").details
+    sds = [n for n in opt.graph_module.graph.nodes if n.op == "call_module"]
+    bodies = [n for m in aot_modules(opt) for n in m.body.graph.nodes if "scaled_dot_product" in str(n.target)]
+    outside = [n for n in opt.graph_module.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sds and all(n.kwargs.get("enable_gqa") for n in bodies + outside) and bodies + outside
+    assert d["backend"] == "aot" and d["baseline_saved_bytes"] < d0["baseline_saved_bytes"]
+    assert d["predicted_activation_bytes"] <= d["budget_bytes"]
+    assert d["aot_saved_bytes"] == pytest.approx(d["predicted_saved_bytes"], rel=0.15)
+    model.train()
+    accuracy_rule(model, opt, args)

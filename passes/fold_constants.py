@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt.errors import GraphoptError
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 # uninitialised memory and assertions (random ops are ir.is_random's)
@@ -87,7 +88,7 @@ class FoldConstants(Pass):
             work = [n for n in sub if n.op == "call_function" and all(u in const for u in n.users) or n is root]
             gain = ctx.node_time(work)
 
-            def apply(root=root):
+            def apply(root=root, sub=sub):
                 with torch.no_grad():
                     v = value(root)
                 name = ir.register_constant(gm, root.name, v.detach().clone() if v._base is not None else v.detach())
@@ -105,6 +106,52 @@ class FoldConstants(Pass):
             if n.op == "get_attr" and not n.users:
                 gm.graph.erase_node(n)
         return res
+
+
+def constant_value(gm: fx.GraphModule, node, max_nodes: int = 256, max_bytes: int = 256 << 20):
+    """The value of ``node`` when everything it depends on is a parameter, buffer or literal (no
+    placeholder, random op or uninitialised memory), computed now; None otherwise, or when the
+    subgraph has more than ``max_nodes`` nodes or an output over ``max_bytes``. For passes that must
+    prove a property of a value (a causal mask built in the graph) without storing it as a buffer."""
+    if not isinstance(node, fx.Node):
+        return None
+    const: set = set()
+    order: list = []
+    stack = [(node, False)]
+    while stack:
+        n, expanded = stack.pop()
+        if n in const:
+            continue
+        if expanded:
+            if not _is_const_node(n, const):
+                return None
+            const.add(n)
+            order.append(n)
+            continue
+        if len(order) + len(stack) > max_nodes:
+            return None
+        stack.append((n, True))
+        stack.extend((a, False) for a in n.all_input_nodes if a not in const)
+    for n in order:
+        ti = ir.info(n) if n.op == "call_function" else None
+        try:
+            if ti is not None and ir.concrete(ti.nbytes, {}) > max_bytes:
+                return None
+        except GraphoptError:
+            return None
+    env: dict = {}
+
+    def value(x):
+        return env[x]
+
+    with torch.no_grad():
+        for n in order:
+            if n.op == "get_attr":
+                env[n] = ir.get_attr_value(gm, n.target)
+            else:
+                env[n] = n.target(*torch.fx.node.map_arg(n.args, value), **torch.fx.node.map_arg(n.kwargs, value))
+    v = env[node]
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def _subgraph(root: fx.Node, const: set) -> list:

@@ -61,3 +61,30 @@ def test_training_graph_keeps_trainable_parameters_live():
     assert any("trainable parameter" in r.reason for r in res.rejected)
     gm(x).sum().backward()
     assert m.w.grad is not None and m.w.grad.abs().sum() > 0
+
+
+class TwoConstants(nn.Module):
+    """Two independent parameter-only subgraphs: each fold must erase its own nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(16, 16))
+        self.b = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        wa = torch.tanh(self.a).t()
+        zb = torch.sigmoid(self.b) * 2
+        return x @ wa + zb
+
+
+def test_two_folds_leave_no_dead_nodes():
+    m = TwoConstants().eval()
+    x = torch.randn(4, 16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fold_constants"])
+    assert len(res.rewrites) == 2
+    dead = [n.name for n in gm.graph.nodes if n.op == "call_function" and not n.users]
+    assert not dead, dead
+    counts = op_counts(gm)
+    assert counts["aten.tanh.default"] == counts["aten.sigmoid.default"] == counts["aten.t.default"] == 0
+    assert reference_check(m, gm, (x,)).passed

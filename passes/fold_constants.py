@@ -4,6 +4,9 @@ optimization time, and store the result as a buffer.
 Never folds random or uninitialised-memory ops, never in training mode across a trainable
 parameter (its gradient would be lost), and refuses to store a large constant that is much
 bigger than what it is computed from (an ``expand`` turned into memory).
+
+Also removes ``cat`` of an empty constant and one other operand (Hugging Face's KV cache appending
+the new keys and values to an empty past), where the result is exactly that operand.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 # uninitialised memory and assertions (random ops are ir.is_random's)
 _NEVER = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_assert_tensor_metadata"}
 LARGE_BYTES = 4 << 20
+aten = torch.ops.aten
 
 
 def _op_name(node):
@@ -101,11 +105,54 @@ class FoldConstants(Pass):
             candidates.append(Candidate("constant subgraph", [root], gain, apply,
                                         label=f"{root.name} ({len(sub)} nodes from {len(sources)} constants)"))
         res.apply_ranked(ctx, candidates)
+        res.apply_ranked(ctx, self._empty_cats(gm, ctx, res))
         # constants that are now unused
         for n in list(gm.graph.nodes):
             if n.op == "get_attr" and not n.users:
                 gm.graph.erase_node(n)
         return res
+
+
+    @staticmethod
+    def _empty_cats(gm, ctx, res) -> list:
+        """``cat([empty constant, x])`` -> ``x``: Hugging Face's KV cache concatenates each new key and
+        value to an empty past (a copy per layer). Only where the cat is an exact identity: every
+        other operand is a constant with no elements, ``x`` has the result's shape and dtype (no type
+        promotion), ``x`` is computed in the graph (the output never aliases an input or a
+        parameter), and no reader is a ``view`` that needs the cat's contiguous result unless ``x``
+        has the same strides."""
+        out = []
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or n.target is not aten.cat.default:
+                continue
+            parts = n.args[0]
+            empty = [p for p in parts if isinstance(p, fx.Node) and p.op == "get_attr"
+                     and isinstance(ir.get_attr_value(gm, p.target), torch.Tensor)
+                     and ir.get_attr_value(gm, p.target).numel() == 0]
+            rest = [p for p in parts if p not in empty]
+            if not empty or len(rest) != 1 or not isinstance(rest[0], fx.Node):
+                continue
+            x, ni, xi = rest[0], ir.info(n), ir.info(rest[0])
+            if ni is None or xi is None or tuple(xi.shape) != tuple(ni.shape) or xi.dtype != ni.dtype:
+                res.reject(n.name, "cat with an empty constant changes the shape or dtype of its other operand")
+                continue
+            if x.op != "call_function":
+                res.reject(n.name, f"cat of an empty constant and {x.op} {x.name}: kept (the result would alias it)")
+                continue
+            if xi.stride != ni.stride and any(u.op == "call_function" and u.target in (aten.view.default,
+                                                                                       aten._unsafe_view.default)
+                                             for u in n.users):
+                res.reject(n.name, "cat with an empty constant is read by a view that needs its contiguous copy")
+                continue
+
+            def apply(n=n, x=x):
+                ir.replace_with(n, x)
+                ir.erase_dead(gm, [n])
+                return x
+
+            out.append(Candidate("cat with an empty constant", [n], ctx.node_time([n]), apply,
+                                 label=f"{n.name} -> {x.name}"))
+        return out
 
 
 def constant_value(gm: fx.GraphModule, node, max_nodes: int = 256, max_bytes: int = 256 << 20):

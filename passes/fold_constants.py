@@ -11,6 +11,8 @@ the new keys and values to an empty past), where the result is exactly that oper
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -29,10 +31,39 @@ def _op_name(node):
     return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", "")
 
 
+# regions export wraps in a higher-order op that are still plain functions of their inputs (Hugging
+# Face's rotary table under transformers 5.17 runs under autocast(enabled=False))
+_PURE_HOPS = {"wrap_with_set_grad_enabled", "wrap_with_autocast"}
+
+
+def _pure_region(node: fx.Node) -> bool:
+    if getattr(node.target, "_name", None) not in _PURE_HOPS:
+        return False
+    subs = [a for a in node.all_input_nodes if a.op == "get_attr"
+            and isinstance(getattr(node.graph.owning_module, a.target, None), fx.GraphModule)]
+    if len(subs) != 1:
+        return False
+    body = getattr(node.graph.owning_module, subs[0].target)
+    for n in body.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if _op_name(n) in _NEVER or n.target._schema.is_mutable or ir.is_random(n):
+                return False
+        elif n.op not in ("placeholder", "output", "get_attr") and not (
+                n.op == "call_function" and n.target is operator.getitem):
+            return False
+    return True
+
+
 def _is_const_node(node: fx.Node, const: set) -> bool:
     if node.op == "get_attr":
         return True
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return node.args[0] in const
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _pure_region(node) and all(a in const for a in node.all_input_nodes)
+    if not isinstance(node.target, torch._ops.OpOverload):
         return False
     if _op_name(node) in _NEVER or node.target._schema.is_mutable:
         return False

@@ -97,7 +97,8 @@ def test_unfused_conv_and_pooling_calibration():
             return torch.nn.functional.max_pool2d(a + b, 3, 2, 1)
 
     gm = capture(ConvPool().eval(), (x,))
-    base = dataclasses.replace(_h200(), conv_scale=0.5, conv_fixed_s=0.0, kernel_fixed_s=0.0)
+    base = dataclasses.replace(_h200(), conv_scale=0.5, conv_fixed_s=0.0, kernel_fixed_s=0.0, conv_unfused_slowdown=1.0,
+                               pool_bandwidth_scale=1.0)
     cal = dataclasses.replace(base, conv_unfused_slowdown=2.0, pool_bandwidth_scale=0.25)
     plain, fused, pool = (_node(gm, k) for k in ("conv2d", "conv_bias_relu", "max_pool2d"))
     c0, c1 = CostModel(base), CostModel(cal)

@@ -3,10 +3,14 @@ pointwise program (see ``pointwise.py``), compiled on first use, cached in memor
 (program text, input dtypes, rank after dimension coalescing, 64-bit indexing) and on disk by
 Triton's own cache. Why Triton rather than NVRTC/jiterator: see cuda_ext/README.md.
 
-The kernel walks the *output* (broadcast shape, contiguous) in blocks of BLOCK elements and
-gathers each input through its own strides (0 where broadcast); adjacent dims that are
-contiguous for every input are merged first, so the common all-contiguous case is rank 1 and
-loads/stores vectorize to 16 bytes.
+The kernel walks the *output* (broadcast shape, contiguous) and reads each input through its
+own strides (0 where broadcast); adjacent dims that are contiguous for every input are merged
+first, so the common all-contiguous case is rank 1 and loads/stores vectorize to 16 bytes.
+Inputs laid out like the output are read at the flat index. With a broadcast input the kernel
+walks [BM, BN] tiles (rows = the leading dims flattened, BN along the last dim), so full-size
+inputs stream with 16-byte vectors and the broadcast one takes its own row/column index.
+Everything about a call that depends only on the layout (coalescing, kernel choice, grid) is
+computed once per (program, shapes, strides, dtypes, devices) and cached (``_plans``).
 """
 from __future__ import annotations
 
@@ -71,15 +75,16 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
              dense: Sequence[bool] | None = None, tile2d: bool = False, fast: bool = False) -> str:
     """Triton source of one kernel ``pw_kernel`` for this program, input dtypes and rank.
     ``dense[i]``: input i is laid out exactly like the (contiguous) output, so it is read at the
-    flat index (vectorizable) instead of through the div/mod stride walk. ``tile2d`` (rank 2
-    only): the kernel walks [BM, BN] tiles of the output, so a broadcast input (a bias row or a
-    per-row scale) is indexed by row and column directly, with no division per element.
+    flat index (vectorizable) instead of through the div/mod stride walk. ``tile2d`` (rank >= 2):
+    the kernel walks [BM, BN] tiles of the output seen as (leading dims flattened, last dim), so a
+    broadcast input (a bias row, a per-row scale) is indexed by row and column: no division at
+    rank 2, a div/mod per tile row (not per element) above.
     ``fast``: tanh (and GELU-tanh) through the hardware ``tanh.approx.f32`` (one MUFU instruction,
     ~2^-11 relative error: used only when every output is 16-bit, as bias_act does; not
     available under the Triton interpreter)."""
     dense = list(dense) if dense is not None else [False] * len(in_dtypes)
-    if tile2d and ndim != 2:
-        raise ValueError("tile2d needs a rank-2 (coalesced) output")
+    if tile2d and ndim < 2:
+        raise ValueError("tile2d needs a (coalesced) output of rank >= 2")
     ct = compute_dtype_for(in_dtypes)
     CT = _TL[ct]
     kinds = value_kinds(p, in_dtypes)
@@ -96,10 +101,30 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         ity = ".to(tl.int64)" if use_i64 else ""
         L.append(f"    r = (pid{ity} * BM + tl.arange(0, BM){ity})[:, None]")
         L.append(f"    c = (tl.program_id(1){ity} * BN + tl.arange(0, BN){ity})[None, :]")
-        L.append("    m = (r < size0) & (c < size1)")
-        L.append("    offs = r * size1 + c")
+        last = ndim - 1
+        if ndim == 2:
+            L.append("    m = (r < size0) & (c < size1)")
+        else:  # rows = every dim but the last, flattened
+            L.append(f"    m = (r < numel // size{last}) & (c < size{last})")
+        L.append(f"    offs = r * size{last} + c")
+        walk = [i for i in range(n_in) if not dense[i]]
         for i in range(n_in):
-            L.append(f"    o{i} = offs" if dense[i] else f"    o{i} = r * st{i}_0 + c * st{i}_1")
+            if dense[i]:
+                L.append(f"    o{i} = offs")
+            elif ndim == 2:
+                L.append(f"    o{i} = r * st{i}_0 + c * st{i}_1")
+            else:
+                L.append(f"    o{i} = c * st{i}_{last}")
+        if ndim > 2 and walk:
+            # a broadcast input's row offset: div/mod over the leading dims, once per row of the
+            # [BM, BN] tile ([BM, 1] values), not once per element
+            L.append("    rem = r")
+            for d in reversed(range(last)):
+                L.append(f"    idx = rem % size{d}")
+                if d:
+                    L.append(f"    rem = rem // size{d}")
+                for i in walk:
+                    L.append(f"    o{i} += idx * st{i}_{d}")
     else:
         if use_i64:
             L.append("    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)")
@@ -304,8 +329,12 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     for d in range(len(cshape) - 2, -1, -1):
         contig[d] = contig[d + 1] * cshape[d + 1]
     dense = tuple(stv == contig for stv in cstr)
-    # a broadcast input on a rank-2 output: walk [BM, BN] tiles (no per-element div/mod)
-    tile2d = len(cshape) == 2 and not all(dense)
+    # a broadcast input: walk [BM, BN] tiles of (leading dims flattened, last dim), so dense
+    # inputs stream at the flat index and a broadcast one is indexed per row and column (no
+    # per-element div/mod); rank > 2 only where the last dim is long enough to amortize the
+    # per-row div/mod and still vectorize
+    tile2d = (not all(dense) and (len(cshape) == 2 or cshape[-1] >= 64)
+              and triton_cdiv(cshape[-1], min(BLOCK, triton_next_pow2(cshape[-1]))) <= 65535)
     # the hardware tanh where every output is 16-bit (not under the interpreter: no inline asm)
     pl.fast = (os.environ.get("TRITON_INTERPRET", "0") != "1" and device is not None and device.type == "cuda"
                and all(d in (torch.float16, torch.bfloat16) for d in pl.out_dtypes)
@@ -314,9 +343,9 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     pl.kern = get_kernel(*pl.spec, fast=pl.fast)
     pl.scalars = [pl.numel] + cshape + [s for stv in cstr for s in stv]
     if tile2d:
-        bn = min(BLOCK, triton_next_pow2(cshape[1]))
+        bn = min(BLOCK, triton_next_pow2(cshape[-1]))
         bm = max(1, BLOCK // bn)
-        pl.grid = (triton_cdiv(cshape[0], bm), triton_cdiv(cshape[1], bn))
+        pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), triton_cdiv(cshape[-1], bn))
         pl.meta = dict(BM=bm, BN=bn, num_warps=4)
     else:
         pl.grid = (triton_cdiv(pl.numel, BLOCK),)

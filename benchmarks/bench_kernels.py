@@ -127,6 +127,17 @@ def cases(dev="cuda", dt=torch.bfloat16, tiny=False):
     return out
 
 
+def narrow_cases(dev="cuda", dt=torch.bfloat16, tiny=False):
+    """Narrow rows (--variants only): where a one-block-per-row norm is bound by block scheduling
+    (the cost model's norm_row_s), against the persistent kernel."""
+    rows = 256 if tiny else 131072
+    x, r, w, b = (torch.randn(rows, 768, device=dev, dtype=dt), torch.randn(rows, 768, device=dev, dtype=dt),
+                  torch.randn(768, device=dev, dtype=dt), torch.randn(768, device=dev, dtype=dt))
+    return [(f"add_layer_norm {rows}x768 (narrow rows)", lambda: ce.add_layer_norm(x, r, w, b, 1e-5),
+             nbytes(x, r, w, b, x, x)),
+            (f"add_rms_norm {rows}x768 (narrow rows)", lambda: ce.add_rms_norm(x, r, w, 1e-6), nbytes(x, r, w, x, x))]
+
+
 VARIANTS = {  # case name prefix -> (family, [(variant, label)])
     "add_rms_norm": ("norm", [(1, "2 vectors/thread"), (2, "CTA per row"), (3, "2 vectors/thread, CTA per row")]),
     "add_layer_norm": ("norm", [(1, "2 vectors/thread"), (2, "CTA per row"), (3, "2 vectors/thread, CTA per row")]),
@@ -201,6 +212,22 @@ def main() -> int:
                 print(f"    variant {family}={v} ({label}): {tv * 1e6:.1f} us ({nb / tv / ceiling:.0%})", flush=True)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    if a.variants:
+        for name, fn, nb in narrow_cases(DEVICE, tiny=a.tiny):
+            t = bench(fn, reps=a.reps)
+            vrows.append(dict(kernel=name, family="norm", variant=0, label="default", us=t * 1e6,
+                              frac=nb / t / ceiling, default_us=t * 1e6))
+            print(f"  {name}: {t * 1e6:.1f} us ({nb / t / ceiling:.0%})", flush=True)
+            if set_variant("norm", 2):
+                try:
+                    tv = bench(fn, reps=a.reps)
+                finally:
+                    set_variant("norm", 0)
+                vrows.append(dict(kernel=name, family="norm", variant=2, label="CTA per row", us=tv * 1e6,
+                                  frac=nb / tv / ceiling, default_us=t * 1e6))
+                print(f"    variant norm=2 (CTA per row): {tv * 1e6:.1f} us ({nb / tv / ceiling:.0%})", flush=True)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     meta = dict(date=datetime.date.today().isoformat(),
                 gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (--tiny dry run)",
                 torch=torch.__version__, cuda=torch.version.cuda, backend=info["backend"],
@@ -222,6 +249,11 @@ def main() -> int:
         md.append(f"| {r['kernel']} | {r['bytes'] / 1e6:.0f} | {r['us']:.1f} | {r['floor_us']:.1f} | {r['tbps']:.2f} | "
                   f"{r['frac']:.0%} | {r['eager_us']:.1f} | {r['speedup_eager']:.2f} | {comp} | {sc} |"
                   + (f" {r['note']}" if r["note"] else ""))
+    md += ["", "Host overhead: the same calls timed with the device idle before each (`--timer isolated`, "
+           "the timer of earlier runs), so the op's host work before its kernel starts is included:", "",
+           "| kernel | µs isolated | µs queued | host µs |", "| --- | ---: | ---: | ---: |"]
+    for r in rows:
+        md.append(f"| {r['kernel']} | {r['us_isolated']:.1f} | {r['us']:.1f} | {r['us_isolated'] - r['us']:.1f} |")
     if vrows:
         md += ["", "Launch variants (same kernels, other configurations; variant 0 is the default above):", "",
                "| kernel | variant | µs | % of copy | default µs |", "| --- | --- | ---: | ---: | ---: |"]

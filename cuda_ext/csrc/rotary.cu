@@ -50,10 +50,12 @@ __global__ void __launch_bounds__(256) rotary_kernel(RotaryArgs q, RotaryArgs k,
 // the index math (two 32-bit divisions) is paid once per item, not per access. A warp covers
 // whole head rows of consecutive tokens: reads are 16-byte vectors over contiguous 256-byte
 // head rows (the input may be a transposed [B, S, H, D] projection), writes contiguous runs
-// of the [B, H, S, D] output. Pass-through chunks take the same loads/stores (a select, not a
-// branch), so a warp mixing both kinds issues one instruction stream.
+// of the [B, H, S, D] output. Interleaved (GLM): pass-through chunks take the same loads and
+// stores as rotary ones (a select, not a branch), so a warp mixing both kinds issues one
+// instruction stream. When there are too few tokens to fill the GPU, blockIdx.y splits the
+// heads (each y takes a contiguous range of q's and of k's heads).
 template <typename T, bool INTERLEAVED, int U>
-__device__ __forceinline__ void rotary_heads(const RotaryArgs& a, uint32_t b, uint32_t s, uint32_t c, bool rot,
+__device__ __forceinline__ void rotary_heads(const RotaryArgs& a, uint32_t b, uint32_t s, bool rot,
                                              int64_t ea, int64_t eb, const float (&ca)[Vec<T>::N],
                                              const float (&sa)[Vec<T>::N], const float (&cb)[Vec<T>::N],
                                              const float (&sb)[Vec<T>::N]) {
@@ -143,8 +145,8 @@ __global__ void __launch_bounds__(256) rotary_vec_kernel(RotaryArgs q, RotaryArg
       load_vec(sp + eb, sb);
     }
   }
-  rotary_heads<T, INTERLEAVED, U>(q, b, s, c, rot, ea, eb, ca, sa, cb, sb);
-  rotary_heads<T, INTERLEAVED, U>(k, b, s, c, rot, ea, eb, ca, sa, cb, sb);
+  rotary_heads<T, INTERLEAVED, U>(q, b, s, rot, ea, eb, ca, sa, cb, sb);
+  rotary_heads<T, INTERLEAVED, U>(k, b, s, rot, ea, eb, ca, sa, cb, sb);
 }
 
 template <typename T>

@@ -200,7 +200,7 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
             # tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): no overflow, exact at 0
             L.append(f"    u{k} = {u}")
             if fast and CT == "tl.float32":
-                L.append(f"    t{k} = tl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=r,r\", [u{k}], "
+                L.append(f"    t{k} = tl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [u{k}], "
                          "dtype=tl.float32, is_pure=True, pack=1)")
             else:
                 L.append(f"    e{k} = tl.exp(-2.0 * tl.abs(u{k}))")

@@ -17,14 +17,18 @@ __device__ __forceinline__ float apply_mask(float s, const MT* m, int64_t off) {
   }
 }
 
+// The mask offset of a row: its index decomposed over the scores' leading dims. rows < 2^31 (the
+// launcher checks), so every dim and index fits 32 bits: 32-bit divisions (~4x cheaper).
 __device__ __forceinline__ int64_t mask_row_offset(const SoftmaxMask& mk, int64_t row) {
+  uint32_t r = uint32_t(row);
   int64_t off = 0;
 #pragma unroll
   for (int d = 3; d >= 0; --d) {
     if (d < mk.ndims) {
-      const int64_t i = row % mk.dims[d];
-      row /= mk.dims[d];
-      off += i * mk.strides[d];
+      const uint32_t dim = uint32_t(mk.dims[d]);
+      const uint32_t q = r / dim;
+      off += int64_t(r - q * dim) * mk.strides[d];
+      r = q;
     }
   }
   return off;

@@ -351,10 +351,11 @@ cudaError_t run_norm(const T* x, const T* res, const W* w, const W* b, T* out, T
     const int var = variant(VAR_NORM);
     const bool wide = (var & 1) == 0, persistent = (var & 2) == 0;
     const int64_t nvec = H / N;
-    // register budgets (launch bounds) chosen so that >= 1536 (NV 1) / 1024 (NV 2) threads stay
-    // resident per SM: with the next row in flight that is 48-64 KB of loads per SM
+    // register budgets (launch bounds) chosen so that 2048 (RMSNorm, NV 1: 32 registers),
+    // 1536 (LayerNorm, NV 1: 40 registers; 32 would spill) or 1024 (NV 2) threads stay resident
+    // per SM without spills: with the next row in flight that is 48-64 KB of loads per SM
     if (nvec <= 256 || (wide && nvec <= 512))
-      return go_vec<T, W, 1, LN, 512, 3>(x, res, w, b, out, h, rows, H, eps, persistent, stream);
+      return go_vec<T, W, 1, LN, 512, LN ? 3 : 4>(x, res, w, b, out, h, rows, H, eps, persistent, stream);
     if (nvec <= 1024) return go_vec<T, W, 2, LN, 512, 2>(x, res, w, b, out, h, rows, H, eps, persistent, stream);
     return go_vec<T, W, 4, LN, 512, 1>(x, res, w, b, out, h, rows, H, eps, persistent, stream);
   }

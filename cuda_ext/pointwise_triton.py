@@ -160,7 +160,9 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         a = s.args
         if s.op == "input":
             i = s.attrs[0]
-            ld = f"tl.load(in{i} + o{i}, mask=m, other=0)"
+            # full-size inputs are read exactly once: evict first, so the L2 keeps the broadcast ones
+            hint = ', eviction_policy="evict_first"' if dense[i] else ""
+            ld = f"tl.load(in{i} + o{i}, mask=m, other=0{hint})"
             e = f"{ld} != 0" if in_dtypes[i] == torch.bool else f"{ld}.to({CT})"
         elif s.op == "const":
             e = f"tl.full({shape}, {_num(s.attrs[0])}, {CT})"

@@ -138,11 +138,12 @@ def narrow_cases(dev="cuda", dt=torch.bfloat16, tiny=False):
             (f"add_rms_norm {rows}x768 (narrow rows)", lambda: ce.add_rms_norm(x, r, w, 1e-6), nbytes(x, r, w, x, x))]
 
 
-VARIANTS = {  # case name prefix -> (family, [(variant, label)])
-    "add_rms_norm": ("norm", [(1, "2 vectors/thread"), (2, "CTA per row"), (3, "2 vectors/thread, CTA per row")]),
-    "add_layer_norm": ("norm", [(1, "2 vectors/thread"), (2, "CTA per row"), (3, "2 vectors/thread, CTA per row")]),
+VARIANTS = {  # case name prefix -> (family, [(variant, label)]); variant 0 (the default) is the
+    # fastest measured on the H200: a CTA per row, RMSNorm one vector per thread, LayerNorm two
+    "add_rms_norm": ("norm", [(1, "2 vectors/thread"), (2, "persistent grid"), (3, "2 vectors/thread, persistent")]),
+    "add_layer_norm": ("norm", [(1, "1 vector/thread"), (2, "persistent grid"), (3, "1 vector/thread, persistent")]),
     "rotary": ("rotary", [(1, "8 heads in flight")]),
-    "softmax_mask": ("softmax", [(1, "warp per row, not persistent")]),
+    "softmax_mask": ("softmax", [(1, "persistent grid")]),
 }
 
 
@@ -223,9 +224,9 @@ def main() -> int:
                     tv = bench(fn, reps=a.reps)
                 finally:
                     set_variant("norm", 0)
-                vrows.append(dict(kernel=name, family="norm", variant=2, label="CTA per row", us=tv * 1e6,
+                vrows.append(dict(kernel=name, family="norm", variant=2, label="persistent grid", us=tv * 1e6,
                                   frac=nb / tv / ceiling, default_us=t * 1e6))
-                print(f"    variant norm=2 (CTA per row): {tv * 1e6:.1f} us ({nb / tv / ceiling:.0%})", flush=True)
+                print(f"    variant norm=2 (persistent grid): {tv * 1e6:.1f} us ({nb / tv / ceiling:.0%})", flush=True)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     meta = dict(date=datetime.date.today().isoformat(),

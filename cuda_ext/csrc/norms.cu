@@ -345,11 +345,14 @@ cudaError_t run_norm(const T* x, const T* res, const W* w, const W* b, T* out, T
                       (!w || aligned16(w)) && (!b || aligned16(b));
   const dim3 grid(static_cast<unsigned>(rows));
   if (vec_ok && H / N <= 2048) {
-    // Default (variant 0): persistent grid, one vector per thread up to 512 vectors (the 4096-wide
-    // bf16 row is 512 threads x 8 elements). Variant bit 0: two vectors per thread above 256
-    // vectors (half the threads per row); bit 1: one CTA per row (grid = rows), not persistent.
+    // Default (variant 0), the fastest measured on the H200 (kernels_2026-11-30_h200_variants.md):
+    // one CTA per row (grid = rows); RMSNorm with one vector per thread up to 512 vectors (the
+    // 4096-wide bf16 row is 512 threads x 8 elements: 70.5 us, 90% of the copy rate), LayerNorm
+    // with two per thread above 256 vectors (its extra registers: 73.8 us, 86%). Variant bit 0
+    // flips the vectors per thread; bit 1 makes the grid persistent (SMs x resident CTAs, next
+    // row in flight), which measured 5-8% slower at 8192 rows.
     const int var = variant(VAR_NORM);
-    const bool wide = (var & 1) == 0, persistent = (var & 2) == 0;
+    const bool wide = ((var & 1) == 0) != LN, persistent = (var & 2) != 0;
     const int64_t nvec = H / N;
     // register budgets (launch bounds) chosen so that 2048 (RMSNorm, NV 1: 32 registers),
     // 1536 (LayerNorm, NV 1: 40 registers; 32 would spill) or 1024 (NV 2) threads stay resident

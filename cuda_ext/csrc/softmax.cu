@@ -239,11 +239,11 @@ cudaError_t run(const T* x, T* out, int64_t rows, int64_t n, float scale, const 
   softmax_reg_kernel<T, MT, VEC, NV, MAXT><<<grid, round_up32((n / VEC + NV - 1) / NV), 0, stream>>>(x, out, n, \
                                                                                                     scale, mk); \
   return cudaGetLastError();
-  // Rows of up to 32 * 8 vectors: one warp per row, four warps per block, a persistent grid
-  // (variant 0) or one warp per row (variant 1: grid = rows / 4).
+  // Rows of up to 32 * 8 vectors: one warp per row, four warps per block, grid = rows / 4
+  // (variant 0: 74.3 us, 85% of the copy rate on the H200) or a persistent grid (variant 1: 77.6).
   if (vec_ok && n <= 32 * 8 * N) {
     constexpr float kLog2e = 1.4426950408889634f;
-    const bool persistent = variant(VAR_SOFTMAX) == 0;
+    const bool persistent = variant(VAR_SOFTMAX) != 0;
 #define GO_WARP(NV, MINB)                                                                                 \
   {                                                                                                        \
     auto kern = softmax_warp_kernel<T, MT, NV, MINB>;                                                      \

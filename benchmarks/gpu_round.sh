@@ -8,6 +8,10 @@
 #   ckpt     checkpoint_bench.py, then the precision diagnostic and run_models for $2
 #   diag     diag_checkpoint.py, then precision_bench.py
 #   probe    GLM bs8 kernel profile (eager, graphopt, compile), its explain, precision-only GLM and ViT
+#   mid      cuda pass tests, GLM bs8/bs1 vs compile, GLM profile with idle gaps, calibrate + ResNet cost accuracy,
+#            precision-only ViT and BERT
+#   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
+#            BERT precision-only
 #   final    the cuda tests of this round's kernels and passes, ConvNeXt bs64, checkpoint_bench.py
 #   bash benchmarks/gpu_round.sh core
 set -u
@@ -60,6 +64,36 @@ probe)
   echo "### explain ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models glm4-9b-4l:8:1024,vit_b_16:64 --out "$OUT" \
     --reps 10 2>&1 | quiet | grep "^|\|^-" | tail -10 ;;
+mid)
+  timeout 100 python3 -m pytest -m cuda tests/passes tests/test_calibrate.py -q -p no:cacheprovider -W ignore --tb=short -rf \
+    2>&1 | grep -v "^DEBUG\|^INFO" > /tmp/pytest_cuda_mid.log
+  tail -30 /tmp/pytest_cuda_mid.log | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  timeout 200 python3 benchmarks/run_models.py --configs glm4-9b-4l:8,glm4-9b-4l:1 --reps 20 --warmup 3 --out "$OUT" \
+    2>&1 | quiet | tail -14; echo "### models ${SECONDS}s"
+  timeout 100 python3 benchmarks/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 14 --gaps --reps 10 \
+    --out "$OUT" 2>&1 | quiet | grep -v "^$" | tail -48; echo "### profile ${SECONDS}s"
+  timeout 110 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error" | tail -4
+  echo "### calibrate ${SECONDS}s"
+  [ -s "$OUT/h200-calibrated.json" ] && timeout 90 python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" \
+    --models resnet50@64 --out "$OUT" 2>&1 | grep "^| resnet" | head -4; echo "### accuracy ${SECONDS}s"
+  timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models vit_b_16:64,bert-base:64:128 --out "$OUT" \
+    --reps 10 2>&1 | quiet | grep "^|" | tail -4 ;;
+last1)
+  # on nvidia-h200-x2: kernels (tests + table), GLM checkpointing, the 2-GPU pipeline
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext tests/passes tests/test_planted_fault.py tests/test_cost_model.py \
+    -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > /tmp/pytest_last1.log
+  tail -30 /tmp/pytest_last1.log | grep -E "passed|failed|Error|assert|FAILED" | tail -10; echo "### tests ${SECONDS}s"
+  timeout 100 python3 benchmarks/bench_kernels.py --reps 30 --no-compile --out "$OUT/kernels" 2>&1 | quiet | grep "^|" | head -12
+  echo "### kernels ${SECONDS}s"
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout 200 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT" --budget-s 150 \
+    2>&1 | quiet | grep "^|" | head -14; echo "### partition ${SECONDS}s"
+  timeout $((585 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 2>&1 | quiet | grep "^|" | tail -8 ;;
+last2)
+  models "glm4-9b-4l:8,bert-base:64,vit_b_16:64,resnet50:64"
+  echo "### models ${SECONDS}s"
+  timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models bert-base:64:128 --out "$OUT" --reps 10 2>&1 \
+    | quiet | grep "^|" | tail -3 ;;
 diag)
   timeout 150 python3 benchmarks/diag_checkpoint.py 2>&1 | quiet | tail -45; echo "### diag ${SECONDS}s"
   precision ;;

@@ -46,6 +46,35 @@ def top_kernels(fn, n=15):
     return total, rows[:n]
 
 
+def idle_gaps(fn, n=12):
+    """One call profiled alone (the device idle before it, as time_call times it): the device's idle
+    time from the call's start to its first kernel and between kernels, the largest gaps with the
+    kernels on each side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = prof.events()
+    cpu = [e for e in evs if e.device_type == torch.autograd.DeviceType.CPU]
+    ker = sorted((e for e in evs if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    if not ker:
+        return 0.0, 0.0, []
+    t0 = min(e.time_range.start for e in cpu) if cpu else ker[0].time_range.start
+    lead = (ker[0].time_range.start - t0) / 1e3
+    gaps, end = [], ker[0].time_range.end
+    for prev, e in zip(ker, ker[1:]):
+        g = e.time_range.start - end
+        if g > 0:
+            gaps.append((g / 1e3, prev.name[:60], e.name[:60]))
+        end = max(end, e.time_range.end)
+    gaps.sort(reverse=True)
+    return lead, sum(g for g, _, _ in gaps), gaps[:n]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -55,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--top", type=int, default=15, help="kernels listed per variant")
     p.add_argument("--compile", action="store_true", help="also profile torch.compile (default mode)")
+    p.add_argument("--gaps", action="store_true", help="also list where the device idles within one call")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
     model, inputs = zoo.get(a.model, batch=a.batch, seq_len=a.seq_len, dtype=torch.bfloat16, device="cuda")
@@ -75,6 +105,13 @@ def main(argv=None) -> int:
                       "| ms/call | calls | kernel |", "| ---: | ---: | --- |"]
             lines += [f"| {t:.3f} | {c} | `{k}` |" for t, c, k in rows]
             lines.append("")
+            if a.gaps:
+                lead, idle, gaps = idle_gaps(fn)
+                lines += [f"idle in one call: {lead:.3f} ms before the first kernel (host time from the call's first "
+                          f"CPU event), {idle:.3f} ms between kernels; largest gaps:", "",
+                          "| ms | after | before |", "| ---: | --- | --- |"]
+                lines += [f"| {g:.3f} | `{x}` | `{y}` |" for g, x, y in gaps]
+                lines.append("")
         notes = [n for n in opt.report.notes if "CUDA graph" in n]
         lines += [f"- {n}" for n in notes] + [""]
         if a.ablate:

@@ -3,10 +3,14 @@ pointwise program (see ``pointwise.py``), compiled on first use, cached in memor
 (program text, input dtypes, rank after dimension coalescing, 64-bit indexing) and on disk by
 Triton's own cache. Why Triton rather than NVRTC/jiterator: see cuda_ext/README.md.
 
-The kernel walks the *output* (broadcast shape, contiguous) in blocks of BLOCK elements and
-gathers each input through its own strides (0 where broadcast); adjacent dims that are
-contiguous for every input are merged first, so the common all-contiguous case is rank 1 and
-loads/stores vectorize to 16 bytes.
+The kernel walks the *output* (broadcast shape, contiguous) and reads each input through its
+own strides (0 where broadcast); adjacent dims that are contiguous for every input are merged
+first, so the common all-contiguous case is rank 1 and loads/stores vectorize to 16 bytes.
+Inputs laid out like the output are read at the flat index. With a broadcast input the kernel
+walks [BM, BN] tiles (rows = the leading dims flattened, BN along the last dim), so full-size
+inputs stream with 16-byte vectors and the broadcast one takes its own row/column index.
+Everything about a call that depends only on the layout (coalescing, kernel choice, grid) is
+computed once per (program, shapes, strides, dtypes, devices) and cached (``_plans``).
 """
 from __future__ import annotations
 
@@ -68,15 +72,19 @@ def _num(v: float) -> str:
 
 
 def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: bool,
-             dense: Sequence[bool] | None = None, tile2d: bool = False) -> str:
+             dense: Sequence[bool] | None = None, tile2d: bool = False, fast: bool = False) -> str:
     """Triton source of one kernel ``pw_kernel`` for this program, input dtypes and rank.
     ``dense[i]``: input i is laid out exactly like the (contiguous) output, so it is read at the
-    flat index (vectorizable) instead of through the div/mod stride walk. ``tile2d`` (rank 2
-    only): the kernel walks [BM, BN] tiles of the output, so a broadcast input (a bias row or a
-    per-row scale) is indexed by row and column directly, with no division per element."""
+    flat index (vectorizable) instead of through the div/mod stride walk. ``tile2d`` (rank >= 2):
+    the kernel walks [BM, BN] tiles of the output seen as (leading dims flattened, last dim), so a
+    broadcast input (a bias row, a per-row scale) is indexed by row and column: no division at
+    rank 2, a div/mod per tile row (not per element) above.
+    ``fast``: tanh (and GELU-tanh) through the hardware ``tanh.approx.f32`` (one MUFU instruction,
+    ~2^-11 relative error: used only when every output is 16-bit, as bias_act does; not
+    available under the Triton interpreter)."""
     dense = list(dense) if dense is not None else [False] * len(in_dtypes)
-    if tile2d and ndim != 2:
-        raise ValueError("tile2d needs a rank-2 (coalesced) output")
+    if tile2d and ndim < 2:
+        raise ValueError("tile2d needs a (coalesced) output of rank >= 2")
     ct = compute_dtype_for(in_dtypes)
     CT = _TL[ct]
     kinds = value_kinds(p, in_dtypes)
@@ -93,10 +101,30 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         ity = ".to(tl.int64)" if use_i64 else ""
         L.append(f"    r = (pid{ity} * BM + tl.arange(0, BM){ity})[:, None]")
         L.append(f"    c = (tl.program_id(1){ity} * BN + tl.arange(0, BN){ity})[None, :]")
-        L.append("    m = (r < size0) & (c < size1)")
-        L.append("    offs = r * size1 + c")
+        last = ndim - 1
+        if ndim == 2:
+            L.append("    m = (r < size0) & (c < size1)")
+        else:  # rows = every dim but the last, flattened
+            L.append(f"    m = (r < numel // size{last}) & (c < size{last})")
+        L.append(f"    offs = r * size{last} + c")
+        walk = [i for i in range(n_in) if not dense[i]]
         for i in range(n_in):
-            L.append(f"    o{i} = offs" if dense[i] else f"    o{i} = r * st{i}_0 + c * st{i}_1")
+            if dense[i]:
+                L.append(f"    o{i} = offs")
+            elif ndim == 2:
+                L.append(f"    o{i} = r * st{i}_0 + c * st{i}_1")
+            else:
+                L.append(f"    o{i} = c * st{i}_{last}")
+        if ndim > 2 and walk:
+            # a broadcast input's row offset: div/mod over the leading dims, once per row of the
+            # [BM, BN] tile ([BM, 1] values), not once per element
+            L.append("    rem = r")
+            for d in reversed(range(last)):
+                L.append(f"    idx = rem % size{d}")
+                if d:
+                    L.append(f"    rem = rem // size{d}")
+                for i in walk:
+                    L.append(f"    o{i} += idx * st{i}_{d}")
     else:
         if use_i64:
             L.append("    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)")
@@ -132,7 +160,9 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         a = s.args
         if s.op == "input":
             i = s.attrs[0]
-            ld = f"tl.load(in{i} + o{i}, mask=m, other=0)"
+            # full-size inputs are read exactly once: evict first, so the L2 keeps the broadcast ones
+            hint = ', eviction_policy="evict_first"' if dense[i] else ""
+            ld = f"tl.load(in{i} + o{i}, mask=m, other=0{hint})"
             e = f"{ld} != 0" if in_dtypes[i] == torch.bool else f"{ld}.to({CT})"
         elif s.op == "const":
             e = f"tl.full({shape}, {_num(s.attrs[0])}, {CT})"
@@ -171,8 +201,12 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
             u = x if s.op == "tanh" else f"(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))"
             # tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): no overflow, exact at 0
             L.append(f"    u{k} = {u}")
-            L.append(f"    e{k} = tl.exp(-2.0 * tl.abs(u{k}))")
-            L.append(f"    t{k} = tl.where(u{k} < 0, -1.0, 1.0) * (1.0 - e{k}) / (1.0 + e{k})")
+            if fast and CT == "tl.float32":
+                L.append(f"    t{k} = tl.inline_asm_elementwise(\"tanh.approx.f32 $0, $1;\", \"=f,f\", [u{k}], "
+                         "dtype=tl.float32, is_pure=True, pack=1)")
+            else:
+                L.append(f"    e{k} = tl.exp(-2.0 * tl.abs(u{k}))")
+                L.append(f"    t{k} = tl.where(u{k} < 0, -1.0, 1.0) * (1.0 - e{k}) / (1.0 + e{k})")
             e = f"t{k}" if s.op == "tanh" else f"(0.5 * {x} * (1.0 + t{k}))"
         else:
             e = _unary(s.op, f(a[0]), CT)
@@ -231,16 +265,17 @@ def _cache_dir() -> Path:
     return d
 
 
-def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool, dense: tuple = (), tile2d: bool = False):
+def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool, dense: tuple = (), tile2d: bool = False,
+               fast: bool = False):
     dense = dense or (False,) * len(in_dtypes)
-    key = (text, in_dtypes, ndim, use_i64, dense, tile2d, os.environ.get("TRITON_INTERPRET", "0"))
+    key = (text, in_dtypes, ndim, use_i64, dense, tile2d, fast, os.environ.get("TRITON_INTERPRET", "0"))
     k = _kernels.get(key)
     if k is not None:
         return k
     with _lock:
         k = _kernels.get(key)
         if k is None:
-            src = generate(parse(text), in_dtypes, ndim, use_i64, dense, tile2d)
+            src = generate(parse(text), in_dtypes, ndim, use_i64, dense, tile2d, fast)
             h = hashlib.sha256(src.encode()).hexdigest()[:24]
             path = _cache_dir() / f"pw_{h}.py"
             if not path.exists():
@@ -254,53 +289,110 @@ def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool, dense: tup
     return k
 
 
-def fused_pointwise_triton(program: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Run a program on CUDA tensors with a generated Triton kernel."""
-    p = parse(program)
-    inputs = list(inputs)
-    if len(inputs) < p.num_inputs:
-        raise ValueError(f"graphopt::fused_pointwise: the program reads {p.num_inputs} inputs, {len(inputs)} given")
+_plans: dict[tuple, "_Plan"] = {}
+_MAX_PLANS = 4096
+
+
+class _Plan:
+    """Everything about one call that depends only on the program and the inputs' shapes, strides,
+    dtypes and devices: computed once, so a repeated call costs a dict lookup, the output
+    allocations and the Triton launch (the per-call Python work used to exceed the kernel time
+    of a 100 µs kernel)."""
+
+    __slots__ = ("device", "shape", "out_dtypes", "numel", "order", "inv", "sub", "kern", "grid", "scalars",
+                 "meta", "spec", "fast")
+
+
+def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
+    pl = _Plan()
     device = next((t.device for t in inputs if t.device.type != "cpu"), inputs[0].device if inputs else None)
-    # 0-dim CPU tensors (scalars) travel to the device
+    pl.device = device
     inputs = [t.to(device) if t.device != device else t for t in inputs]
     shape = torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
-    order = dense_order(inputs, shape)
-    if order is not None:
+    pl.shape, pl.out_dtypes = shape, list(p.output_dtypes())
+    pl.numel = math.prod(shape)
+    pl.order = dense_order(inputs, shape)
+    pl.sub = pl.kern = None
+    if pl.order is not None:
         # a channels_last (or other dense) layout: run in its memory order, where the inputs are
         # contiguous, and hand the outputs back as views in the caller's dim order
-        inv = sorted(range(len(order)), key=lambda i: order[i])
-        outs = fused_pointwise_triton(program, [t.expand(shape).permute(order) for t in inputs])
-        return [o.permute(inv) for o in outs]
-    outs = [torch.empty(shape, dtype=d, device=device) for d in p.output_dtypes()]
-    numel = math.prod(shape)
-    if numel == 0:
-        return outs
-    strides = []
+        pl.inv = sorted(range(len(pl.order)), key=lambda i: pl.order[i])
+        pl.sub = _make_plan(p, program, [t.expand(shape).permute(pl.order) for t in inputs])
+        return pl
+    if pl.numel == 0:
+        return pl
     nd = len(shape)
-    for t in inputs:
-        te = t.expand(shape)
-        strides.append(list(te.stride()) if nd else [])
+    strides = [list(t.expand(shape).stride()) if nd else [] for t in inputs]
     cshape, cstr = coalesce(list(shape), strides) if nd else ([1], [[0] for _ in inputs])
-    max_off = max([numel] + [sum((s - 1) * abs(st) for s, st in zip(cshape, stv)) + 1 for stv in cstr])
+    max_off = max([pl.numel] + [sum((s - 1) * abs(st) for s, st in zip(cshape, stv)) + 1 for stv in cstr])
     use_i64 = max_off >= 2**31 - BLOCK
     dts = tuple(t.dtype for t in inputs)
     contig = [1] * len(cshape)
     for d in range(len(cshape) - 2, -1, -1):
         contig[d] = contig[d + 1] * cshape[d + 1]
     dense = tuple(stv == contig for stv in cstr)
-    # a broadcast input on a rank-2 output: walk [BM, BN] tiles (no per-element div/mod)
-    tile2d = len(cshape) == 2 and not all(dense)
-    kern = get_kernel(program, dts, len(cshape), use_i64, dense, tile2d)
-    args = list(inputs) + outs + [numel] + cshape + [s for stv in cstr for s in stv]
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if tile2d:
-            bn = min(BLOCK, triton_next_pow2(cshape[1]))
-            bm = max(1, BLOCK // bn)
-            grid = (triton_cdiv(cshape[0], bm), triton_cdiv(cshape[1], bn))
-            kern[grid](*args, BM=bm, BN=bn, num_warps=4)
-        else:
-            kern[(triton_cdiv(numel, BLOCK),)](*args, BLOCK=BLOCK, num_warps=4)
+    # a broadcast input: walk [BM, BN] tiles of (leading dims flattened, last dim), so dense
+    # inputs stream at the flat index and a broadcast one is indexed per row and column (no
+    # per-element div/mod); rank > 2 only where the last dim is long enough to amortize the
+    # per-row div/mod and still vectorize
+    tile2d = (not all(dense) and (len(cshape) == 2 or cshape[-1] >= 64)
+              and triton_cdiv(cshape[-1], min(BLOCK, triton_next_pow2(cshape[-1]))) <= 65535)
+    # the hardware tanh where every output is 16-bit (not under the interpreter: no inline asm)
+    pl.fast = (os.environ.get("TRITON_INTERPRET", "0") != "1" and device is not None and device.type == "cuda"
+               and all(d in (torch.float16, torch.bfloat16) for d in pl.out_dtypes)
+               and any(s.op in ("tanh", "gelu_tanh") for s in p.stmts))
+    pl.spec = (program, dts, len(cshape), use_i64, dense, tile2d)
+    pl.kern = get_kernel(*pl.spec, fast=pl.fast)
+    pl.scalars = [pl.numel] + cshape + [s for stv in cstr for s in stv]
+    if tile2d:
+        bn = min(BLOCK, triton_next_pow2(cshape[-1]))
+        bm = max(1, BLOCK // bn)
+        pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), triton_cdiv(cshape[-1], bn))
+        pl.meta = dict(BM=bm, BN=bn, num_warps=4)
+    else:
+        pl.grid = (triton_cdiv(pl.numel, BLOCK),)
+        pl.meta = dict(BLOCK=BLOCK, num_warps=4)
+    return pl
+
+
+def _run_plan(pl: _Plan, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    dev = pl.device
+    inputs = [t.to(dev) if t.device != dev else t for t in inputs]
+    if pl.sub is not None:
+        outs = _run_plan(pl.sub, [t.expand(pl.shape).permute(pl.order) for t in inputs])
+        return [o.permute(pl.inv) for o in outs]
+    outs = [torch.empty(pl.shape, dtype=d, device=dev) for d in pl.out_dtypes]
+    if pl.kern is None:
+        return outs
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        try:
+            pl.kern[pl.grid](*inputs, *outs, *pl.scalars, **pl.meta)
+        except Exception:
+            if not pl.fast:
+                raise
+            # this Triton cannot compile the inline-asm tanh: use the portable formula from now on
+            pl.fast = False
+            pl.kern = get_kernel(*pl.spec, fast=False)
+            pl.kern[pl.grid](*inputs, *outs, *pl.scalars, **pl.meta)
     return outs
+
+
+def fused_pointwise_triton(program: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run a program on CUDA tensors with a generated Triton kernel."""
+    inputs = list(inputs)
+    key = (program, tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in inputs),
+           os.environ.get("TRITON_INTERPRET", "0"))
+    pl = _plans.get(key)
+    if pl is None:
+        p = parse(program)
+        if len(inputs) < p.num_inputs:
+            raise ValueError(f"graphopt::fused_pointwise: the program reads {p.num_inputs} inputs, {len(inputs)} given")
+        pl = _make_plan(p, program, inputs)
+        with _lock:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = pl
+    return _run_plan(pl, inputs)
 
 
 def triton_next_pow2(n: int) -> int:

@@ -93,7 +93,10 @@ GEMM_SHAPES = [(8192, 768, 768), (8192, 3072, 768), (8192, 768, 3072), (12608, 2
 CONV_SHAPES = [(64, 64, 56, 56, 64, 3, 1), (64, 64, 56, 56, 256, 1, 1), (64, 256, 56, 56, 64, 1, 1),
                (64, 128, 28, 28, 128, 3, 1), (64, 512, 28, 28, 128, 1, 1), (64, 256, 14, 14, 256, 3, 1),
                (64, 1024, 14, 14, 256, 1, 1), (64, 512, 7, 7, 512, 3, 1), (64, 2048, 7, 7, 512, 1, 1),
-               (64, 3, 224, 224, 64, 7, 2), (8, 256, 14, 14, 256, 3, 1), (1, 64, 56, 56, 64, 3, 1)]
+               (64, 3, 224, 224, 64, 7, 2), (8, 256, 14, 14, 256, 3, 1), (1, 64, 56, 56, 64, 3, 1),
+               # the stride-2 convolutions (torchvision's v1.5 bottleneck strides its 3x3) and expansions
+               (64, 128, 56, 56, 128, 3, 2), (64, 256, 28, 28, 256, 3, 2), (64, 512, 14, 14, 512, 3, 2),
+               (64, 128, 28, 28, 512, 1, 1), (64, 256, 14, 14, 1024, 1, 1), (64, 512, 7, 7, 2048, 1, 1)]
 # (batch, heads, seq, head dim, mask): BERT-base (additive padding mask), ViT-B/16 (none), GLM-4 (causal)
 ATTENTION_SHAPES = [(64, 12, 128, 64, "mask"), (1, 12, 128, 64, "mask"), (64, 12, 197, 64, None),
                     (1, 12, 197, 64, None), (1, 32, 1024, 128, "causal"), (8, 32, 1024, 128, "causal"),
@@ -131,17 +134,75 @@ def _gemm_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
     return out
 
 
-def _conv_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
-    out = []
+def _conv_samples(device, dtype, quick: bool) -> tuple[list[tuple[float, float, float]], str, float]:
+    """(FLOPs, bytes, seconds) of ResNet-shaped channels_last convolutions + bias + ReLU as lowered
+    graphs run them: graphopt's fused ``conv_bias_relu`` (cuDNN's fused engine) when the CUDA kernels
+    are loaded, else ``conv2d`` then bias and ReLU. Returns the samples, what ran them, and the
+    median ratio of aten's ``conv2d`` with a bias (what an unfused convolution runs) to the fused
+    op on the same shapes (1.0 when the fused op is not there)."""
+    import torch.nn.functional as F
+
+    fused = False
+    try:
+        from graphopt import cuda_ext
+
+        fused = device.type == "cuda" and cuda_ext.backend() == "cuda"
+    except Exception:  # noqa: BLE001 - no kernels: time what eager runs
+        fused = False
+    out, ratios = [], []
     for bsz, cin, h, w, cout, kk, st in (CONV_SHAPES[::3] if quick else CONV_SHAPES):
         x = torch.randn(bsz, cin, h, w, device=device, dtype=dtype).to(memory_format=torch.channels_last)
         wt = torch.randn(cout, cin, kk, kk, device=device, dtype=dtype).to(memory_format=torch.channels_last)
-        y = torch.nn.functional.conv2d(x, wt, stride=st, padding=kk // 2)
-        t = _best_seconds(lambda: torch.nn.functional.conv2d(x, wt, stride=st, padding=kk // 2), device,
-                          5 if quick else 10)
-        out.append((2.0 * y.numel() * cin * kk * kk, t))
-        del x, wt, y
-    return out
+        b = torch.randn(cout, device=device, dtype=dtype)
+        pad = kk // 2
+        if fused:
+            fn = lambda: cuda_ext.conv_bias_relu(x, wt, b, None, (st, st), (pad, pad))  # noqa: E731
+        else:
+            fn = lambda: F.relu(F.conv2d(x, wt, b, stride=st, padding=pad))  # noqa: E731
+        y = fn()
+        t = _best_seconds(fn, device, 5 if quick else 10)
+        nbytes = (x.numel() + wt.numel() + b.numel() + y.numel()) * x.element_size()
+        out.append((2.0 * y.numel() * cin * kk * kk, float(nbytes), t))
+        if fused:
+            ratios.append(_best_seconds(lambda: F.conv2d(x, wt, b, stride=st, padding=pad), device,
+                                        5 if quick else 10) / t)
+        del x, wt, b, y
+    ratios.sort()
+    slowdown = max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0
+    return out, ("graphopt::conv_bias_relu (cuDNN fused conv + bias + ReLU)" if fused else "conv2d + bias + relu"), \
+        slowdown
+
+
+def _pool_bandwidth_scale(device, dtype, bw: float, quick: bool) -> float:
+    """Fraction of the copy bandwidth aten's max_pool2d reaches on ResNet's stem (3x3, stride 2,
+    64 x 112 x 112 channels_last), counting each input and output byte once."""
+    import torch.nn.functional as F
+
+    x = torch.randn(32 if quick else 64, 64, 112, 112, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+    y = F.max_pool2d(x, 3, 2, 1)
+    t = _best_seconds(lambda: F.max_pool2d(x, 3, 2, 1), device, 5 if quick else 10)
+    return min(1.0, (x.numel() + y.numel()) * x.element_size() / t / bw)
+
+
+def fit_roofline(samples, peak: float, bandwidth: float, kernel_fixed_s: float) -> tuple[float, float]:
+    """(scale, fixed_s) for kernels the cost model prices as
+    ``max(flops / (peak * scale) + fixed_s, bytes / bandwidth + kernel_fixed_s)`` (convolutions:
+    1x1 ones over few channels are memory-bound, 3x3 ones compute-bound), fitted to
+    [(flops, bytes, seconds)] by a grid search minimizing the squared log error."""
+    import math
+
+    best = (float("inf"), 1.0, 0.0)
+    for i in range(5, 101):
+        scale = i / 100
+        for j in range(0, 61):
+            fixed = j * 0.5e-6
+            err = 0.0
+            for f, b, t in samples:
+                pred = max(f / (peak * scale) + fixed, b / bandwidth + kernel_fixed_s)
+                err += math.log(pred / t) ** 2
+            if err < best[0]:
+                best = (err, scale, fixed)
+    return best[1], best[2]
 
 
 def _attention_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
@@ -428,18 +489,26 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             extra_fit = dict(zip(("matmul_scale", "matmul_fixed_s"), _fit_efficiency(gemm, peak["bfloat16"])))
             source["matmul_efficiency"] = (f"{stamp}: t = flops / (peak * scale) + fixed fitted to {len(gemm)} "
                                            "bf16 GEMMs shaped like BERT/ViT/GLM layers")
-            say("convolution efficiency (ResNet-50 channels_last bf16, cudnn.benchmark as set)")
-            conv = _conv_samples(device, torch.bfloat16, quick)
-            extra_fit.update(zip(("conv_scale", "conv_fixed_s"), _fit_efficiency(conv, peak["bfloat16"])))
-            source["conv_efficiency"] = f"{stamp}: the same fit on {len(conv)} ResNet-50 convolutions"
+            say("memory-bound kernel fixed time")
+            extra_fit["kernel_fixed_s"] = _copy_fixed(device, bw, quick)
+            source["kernel_fixed"] = f"{stamp}: median of (t - bytes / bandwidth) over 1-256 MiB copies"
+            say("convolution efficiency (ResNet-50 channels_last bf16 conv + bias + ReLU, cudnn.benchmark as set)")
+            conv, conv_how, unfused = _conv_samples(device, torch.bfloat16, quick)
+            extra_fit.update(zip(("conv_scale", "conv_fixed_s"),
+                                 fit_roofline(conv, peak["bfloat16"], bw, extra_fit["kernel_fixed_s"])))
+            extra_fit["conv_unfused_slowdown"] = unfused
+            source["conv_efficiency"] = (f"{stamp}: max(flops / (peak * scale) + fixed, bytes / bandwidth + kernel "
+                                         f"fixed) fitted to {len(conv)} ResNet-50 convolutions run as {conv_how}, "
+                                         f"cudnn.benchmark={torch.backends.cudnn.benchmark}; aten conv2d + bias "
+                                         f"{unfused:.2f}x the fused op's time (median over the same shapes)")
+            say("pooling bandwidth (ResNet-50 stem max_pool2d)")
+            extra_fit["pool_bandwidth_scale"] = _pool_bandwidth_scale(device, torch.bfloat16, bw, quick)
+            source["pool_bandwidth"] = f"{stamp}: max_pool2d 3x3/2 over 64x64x112x112 channels_last bf16"
             say("attention efficiency (BERT/ViT/GLM-shaped bf16 SDPA)")
             attn = _attention_samples(device, torch.bfloat16, quick)
             extra_fit.update(zip(("attention_scale", "attention_fixed_s"), _fit_efficiency(attn, peak["bfloat16"])))
             source["attention_efficiency"] = (f"{stamp}: the same fit on {len(attn)} bf16 SDPA calls shaped like "
                                               "BERT-base (padding mask), ViT-B/16 and GLM-4 (causal) attention")
-            say("memory-bound kernel fixed time")
-            extra_fit["kernel_fixed_s"] = _copy_fixed(device, bw, quick)
-            source["kernel_fixed"] = f"{stamp}: median of (t - bytes / bandwidth) over 1-256 MiB copies"
             say("launch overhead")
             launch_wall, launch_graph = _launch_overhead(device)
             say("host time per fx node (views, tiny kernels)")
@@ -478,6 +547,8 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
     if base is not None:
         extra["conv_nchw_slowdown"] = base.conv_nchw_slowdown
         source["conv_nchw_slowdown"] = f"kept from the shipped {base.name} profile"
+        extra["norm_row_s"] = base.norm_row_s
+        source["norm_row_s"] = f"kept from the shipped {base.name} profile"
     name = base.name if base is not None else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     return DeviceProfile(
         name=name,
@@ -536,7 +607,9 @@ def run_cli(args) -> int:
                   + (", …" if len(ops) > 6 else ""))
     if prof.kind == "cuda":
         t.add_row("GEMM efficiency", f"{prof.matmul_scale:.0%} of peak + {prof.matmul_fixed_s * 1e6:.1f} µs")
-        t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak + {prof.conv_fixed_s * 1e6:.1f} µs")
+        t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak + {prof.conv_fixed_s * 1e6:.1f} µs "
+                                     f"(aten conv2d {prof.conv_unfused_slowdown:.2f}× slower)")
+        t.add_row("pooling bandwidth", f"{prof.pool_bandwidth_scale:.0%} of the copy rate")
         if prof.attention_scale is not None:
             t.add_row("attention efficiency", f"{prof.attention_scale:.0%} of peak + "
                                               f"{(prof.attention_fixed_s or 0) * 1e6:.1f} µs")

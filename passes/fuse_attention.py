@@ -16,14 +16,17 @@ Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
   on BOTH K and V is removed and SDPA gets ``enable_gqa=True`` with the un-repeated K/V (SDPA's GQA
   maps query head h to kv head h // n, the same as repeat_kv's expand over a new dim 2). The shapes
   prove it: Hq == Hkv * n.
-* A constant mask (a get_attr buffer, e.g. the causal mask folded by fold_constants) whose VALUE is
+* A constant mask (a get_attr buffer, e.g. the causal mask folded by fold_constants, or any subgraph
+  of parameters, buffers and literals, e.g. the mask Hugging Face builds from ``arange`` in every
+  call, evaluated here at optimization time for the captured shapes) whose VALUE is
   0 on and below the diagonal and <= finfo.min/2 (or -inf) above it, identical over batch and heads,
   with Sq == Sk, is dropped for ``is_causal=True`` (SDPA's causal mask is tril(ones(Sq, Sk)), top-left
   aligned, which for Sq == Sk is the same mask). Any other mask is passed as ``attn_mask`` when it is a
   float tensor of q's dtype broadcastable to [B, H, Sq, Sk] (the add must not broadcast the scores).
   A bool tensor in the additive position adds 0/1 - not a keep-mask - and is refused.
 * Existing ``scaled_dot_product_attention`` calls (torchvision's MultiheadAttention) whose attn_mask
-  is such a constant causal mask are rewritten to ``is_causal=True`` without the mask.
+  is such a constant causal mask are rewritten to ``is_causal=True`` without the mask; the mask and
+  the nodes that built it are erased.
 
 Dtype: HF computes ``softmax(scores, dtype=float32).to(q.dtype)``; SDPA (math, flash,
 memory-efficient and cuDNN backends, and the CPU's fused kernel) accumulates the softmax in fp32 for
@@ -52,6 +55,7 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.matcher import Alt, Any, Attr, Const, Match, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+from .fold_constants import constant_value
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -99,7 +103,7 @@ _DROPPED = Alt(
 PATTERN = Op(aten.matmul.default, _DROPPED, _V, name="pv")
 
 # an SDPA call that already exists, with a constant mask
-SDPA_PATTERN = Op(SDPA, Any("q"), Any("k"), Any("v"), Attr("mask"), name="sdpa")
+SDPA_PATTERN = Op(SDPA, Any("q"), Any("k"), Any("v"), Any("mask"), name="sdpa")
 
 
 class Refuse(Exception):
@@ -136,19 +140,31 @@ _CONST_THROUGH = CASTS + (aten.alias.default, aten.detach.default, aten.clone.de
 
 
 def _const_value(gm, node, depth=4):
-    """The value of ``node`` if it is a get_attr, or a cast/view chain of one; else None."""
+    """The value of ``node`` if it is a get_attr, a cast/view chain of one, or any subgraph of
+    parameters, buffers and literals (a causal mask the model builds from ``arange`` in every call,
+    which fold_constants leaves unfolded rather than store it); else None."""
     if not isinstance(node, fx.Node):
         return None
     if node.op == "get_attr":
         v = ir.get_attr_value(gm, node.target)
         return v if isinstance(v, torch.Tensor) else None
-    if depth == 0 or node.op != "call_function" or node.target not in _CONST_THROUGH:
-        return None
-    src = _const_value(gm, node.args[0], depth - 1)
-    if src is None or any(a is not node.args[0] for a in node.all_input_nodes):
-        return None
-    with torch.no_grad():
-        return node.target(src, *node.args[1:], **node.kwargs)
+    if depth > 0 and node.op == "call_function" and node.target in _CONST_THROUGH:
+        src = _const_value(gm, node.args[0], depth - 1)
+        if src is not None and all(a is node.args[0] for a in node.all_input_nodes):
+            with torch.no_grad():
+                return node.target(src, *node.args[1:], **node.kwargs)
+    return constant_value(gm, node)
+
+
+def _erase_unread(gm, node) -> None:
+    """Erase ``node`` and then each input it leaves unread (a dropped mask's whole subgraph)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, fx.Node) and n.op in ("get_attr", "call_function") and not n.users and n.graph is gm.graph:
+            ins = n.all_input_nodes
+            gm.graph.erase_node(n)
+            stack.extend(ins)
 
 
 def _broadcastable(mshape, target) -> bool:
@@ -182,10 +198,12 @@ class FuseAttention(Pass):
         causal_folds = []
         for m in find(gm, SDPA_PATTERN):
             sd = m["sdpa"]
-            if _kwarg(sd, 5, "is_causal", False):
+            if _kwarg(sd, 5, "is_causal", False) or not isinstance(m["mask"], fx.Node):
                 continue
             try:
-                value = ir.get_attr_value(gm, m["mask"].target)
+                value = _const_value(gm, m["mask"])
+                if value is None:
+                    raise Refuse("its mask is computed from the inputs; kept as attn_mask")
                 qs, ks, outs = _shape(m["q"]), _shape(m["k"]), _shape(sd)
                 if not is_causal_mask(value) or not (value.shape[-1] == ks[-2] == qs[-2]) or not _broadcastable(
                         tuple(value.shape), tuple(outs[:-1]) + (ks[-2],)):
@@ -432,11 +450,7 @@ class FuseAttention(Pass):
         new.meta["val"] = root.meta.get("val")
         ir.replace_with(root, new)
         ir.erase_dead(gm, plan["removed"])
-        n = plan["dropped_mask"]  # the folded causal mask (buffer, maybe cast), now unread
-        while isinstance(n, fx.Node) and n.op in ("get_attr", "call_function") and not n.users:
-            src = n.args[0] if n.op == "call_function" else None
-            g.erase_node(n)
-            n = src
+        _erase_unread(gm, plan["dropped_mask"])  # the constant causal mask and what built it, now unread
         return new
 
     @staticmethod
@@ -467,8 +481,7 @@ class FuseAttention(Pass):
         new.meta["val"] = sd.meta.get("val")
         ir.replace_with(sd, new)
         g.erase_node(sd)
-        if isinstance(mask, fx.Node) and not mask.users:
-            g.erase_node(mask)
+        _erase_unread(gm, mask)
         return new
 
 

@@ -109,3 +109,22 @@ def test_host_costs_measured_and_roundtrip(tmp_path):
     path.write_text(json.dumps(data))
     old = get_profile(str(path))[0]
     assert old.host_node_s == DeviceProfile.__dataclass_fields__["host_node_s"].default and old.host_op_s == {}
+
+
+def test_fit_roofline_recovers_conv_efficiency():
+    """Samples made by the cost model's own conv formula (compute-bound 3x3s, memory-bound 1x1s)
+    give back the scale and fixed time they were made with."""
+    from graphopt.calibrate import fit_roofline
+
+    peak, bw, kfixed = 776e12, 4.2e12, 3e-6
+    scale, fixed = 0.62, 4e-6
+    shapes = [(14.8e9, 60e6), (6.6e9, 128e6), (29.6e9, 30e6), (3.3e9, 110e6), (14.8e9, 20e6), (1.0e9, 200e6)]
+    samples = [(f, b, max(f / (peak * scale) + fixed, b / bw + kfixed)) for f, b in shapes]
+    got_scale, got_fixed = fit_roofline(samples, peak, bw, kfixed)
+    assert got_scale == pytest.approx(scale, abs=0.011)
+    assert got_fixed == pytest.approx(fixed, abs=0.6e-6)
+    # memory-bound samples alone say nothing about compute: the fit must still price them right
+    mem = [s for s in samples if s[1] / bw + kfixed >= s[0] / (peak * scale) + fixed]
+    s2, f2 = fit_roofline(mem, peak, bw, kfixed)
+    for f, b, t in mem:
+        assert max(f / (peak * s2) + f2, b / bw + kfixed) == pytest.approx(t, rel=0.05)

@@ -77,6 +77,39 @@ def test_calibrated_efficiencies_and_cpu_dispatch():
     assert CostModel(slow_conv).node_cost(_node(gm, "linear")).time_s == a.time_s  # GEMMs untouched
 
 
+def test_unfused_conv_and_pooling_calibration():
+    """An aten convolution on a GPU runs conv_unfused_slowdown times slower than the fused op the
+    conv fit measured; pooling reaches pool_bandwidth_scale of the copy rate."""
+    import dataclasses
+
+    from graphopt.cuda_ext import conv_bias_relu
+
+    x = torch.randn(64, 64, 56, 56, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+
+    class ConvPool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(64, 64, 3, padding=1).to(torch.bfloat16)
+
+        def forward(self, x):
+            a = self.conv(x)
+            b = conv_bias_relu(x, self.conv.weight, self.conv.bias, None, (1, 1), (1, 1))
+            return torch.nn.functional.max_pool2d(a + b, 3, 2, 1)
+
+    gm = capture(ConvPool().eval(), (x,))
+    base = dataclasses.replace(_h200(), conv_scale=0.5, conv_fixed_s=0.0, kernel_fixed_s=0.0, conv_unfused_slowdown=1.0,
+                               pool_bandwidth_scale=1.0)
+    cal = dataclasses.replace(base, conv_unfused_slowdown=2.0, pool_bandwidth_scale=0.25)
+    plain, fused, pool = (_node(gm, k) for k in ("conv2d", "conv_bias_relu", "max_pool2d"))
+    c0, c1 = CostModel(base), CostModel(cal)
+    assert c1.node_cost(plain).time_s == pytest.approx(2 * c0.node_cost(plain).time_s)
+    assert c1.node_cost(fused).time_s == pytest.approx(c0.node_cost(fused).time_s)
+    assert c1.node_cost(pool).time_s == pytest.approx(4 * c0.node_cost(pool).time_s)
+    # the CPU profile has no fused kernels to compare with: aten convolutions are what it measured
+    cpu = dataclasses.replace(cal, kind="cpu")
+    assert CostModel(cpu).node_cost(plain).compute_s == pytest.approx(c0.node_cost(plain).compute_s)
+
+
 def test_conv_flops():
     m = nn.Conv2d(16, 32, 3, padding=1, groups=2).eval()
     gm = capture(m, (torch.randn(2, 16, 8, 8),))

@@ -56,4 +56,12 @@ struct SoftmaxMask {
 cudaError_t launch_softmax_mask(int dtype, const void* scores, void* out, int64_t rows, int64_t n, float scale,
                                 const SoftmaxMask& mask, cudaStream_t stream);
 
+// Launch-configuration variants, for benchmarking alternatives in one process (0 = the default;
+// bench_kernels.py --variants sets them through the C symbol graphopt_set_variant). Every variant
+// computes the same result; only block shape / grid sizing differ.
+enum VariantKernel : int { VAR_NORM = 0, VAR_SOFTMAX = 1, VAR_ROTARY = 2, VAR_COUNT = 3 };
+int variant(int kernel);
+
 }  // namespace graphopt
+
+extern "C" int graphopt_set_variant(int kernel, int variant);

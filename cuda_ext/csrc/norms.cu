@@ -1,7 +1,15 @@
 // residual add + RMSNorm / LayerNorm, one pass over memory.
-// One row per block; the row stays in registers (NV vectors of VEC elements per thread) for
-// hidden sizes up to 32768 (16-bit, aligned) / 16384 (otherwise); larger rows take a loop
-// kernel that re-reads the row it just wrote (L2-resident) instead.
+//
+// Main path (16-byte aligned rows, hidden/8 (16-bit) or hidden/4 (fp32) <= 2048 vectors):
+// norm_vec_kernel. Each CTA owns whole rows (blockDim threads x NV 16-byte vectors = one row in
+// registers, read exactly once) and is *persistent*: the grid is sized to the resident CTAs
+// (SMs x occupancy) and each CTA walks rows blockIdx.x, +gridDim.x, ... While it reduces and
+// stores row r it already has row r + gridDim.x's loads in flight (software pipelining), so the
+// barrier-separated phases of one row no longer leave the memory pipe idle; weight and bias are
+// loaded once per CTA and kept in registers. LayerNorm is two register passes (mean, then the
+// centered variance): the same cost as RMSNorm plus one block reduction.
+// Other rows: norm_reg_kernel (scalar accesses, row in registers, up to 16384 elements) or
+// norm_loop_kernel (any size, re-reads the row it just wrote from L2).
 // Numerics follow Hugging Face's LlamaRMSNorm: h = T(x + residual) is rounded to the input
 // dtype first, statistics in fp32 over that rounded h, out = T(weight * T(h * rstd)).
 // LayerNorm follows torch.nn.functional.layer_norm: fp32 statistics (two-pass), one rounding.
@@ -49,46 +57,13 @@ __device__ __forceinline__ void load_row_elems(const T* p, float (&out)[K]) {
 }
 
 
-// Chan et al.'s pairwise merge of (count, mean, M2) partial statistics: one block reduction gives
-// LayerNorm's mean and variance, each thread's part computed two-pass from its registers.
-__device__ __forceinline__ void chan_merge(float& n, float& mean, float& m2, float nb, float meanb, float m2b) {
-  const float nn = n + nb;
-  if (nn == 0.f) return;
-  const float d = meanb - mean, wb = nb / nn;
-  mean += d * wb;
-  m2 += m2b + d * d * n * wb;
-  n = nn;
-}
-__device__ __forceinline__ void block_mean_var(float& n, float& mean, float& m2, float* smem /* >= 96 */) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, mean, o),
-                m2b = __shfl_xor_sync(0xffffffffu, m2, o);
-    chan_merge(n, mean, m2, nb, mb, m2b);
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if (nwarps == 1) return;
-  __syncthreads();
-  if (lane == 0) { smem[warp] = n; smem[32 + warp] = mean; smem[64 + warp] = m2; }
-  __syncthreads();
-  n = lane < nwarps ? smem[lane] : 0.f;
-  mean = lane < nwarps ? smem[32 + lane] : 0.f;
-  m2 = lane < nwarps ? smem[64 + lane] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, mean, o),
-                m2b = __shfl_xor_sync(0xffffffffu, m2, o);
-    chan_merge(n, mean, m2, nb, mb, m2b);
-  }
-}
-
 // VEC: elements per access (Vec<T>::N, or 1 for the unaligned path); NV: accesses per thread.
 template <typename T, typename W, int VEC, int NV, bool LN, int MAXT>
 __global__ void __launch_bounds__(MAXT) norm_reg_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                         const W* __restrict__ w, const W* __restrict__ b,
                                                         T* __restrict__ out, T* __restrict__ hout, int64_t H,
                                                         float eps) {
-  __shared__ float smem[96];
+  __shared__ float smem[33];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * H;
   const T* rr = res ? res + row * H : nullptr;
@@ -115,29 +90,25 @@ __global__ void __launch_bounds__(MAXT) norm_reg_kernel(const T* __restrict__ x,
     }
   }
   float mean = 0.f, rstd;
+  acc = block_sum(acc, smem);
   if (LN) {
-    // this thread's elements: count, mean, M2 (two-pass over registers), then one block merge
-    float cnt = 0.f;
-#pragma unroll
-    for (int k = 0; k < NV; ++k)
-      if ((int64_t(threadIdx.x) + int64_t(k) * blockDim.x) * VEC < H) cnt += VEC;
-    float m = cnt > 0.f ? acc / cnt : 0.f, m2 = 0.f;
+    // two passes over the registers: mean, then the centered variance
+    mean = acc / float(H);
+    float m2 = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int64_t e = (int64_t(threadIdx.x) + int64_t(k) * blockDim.x) * VEC;
       if (e < H) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          const float d = h[k][j] - m;
+          const float d = h[k][j] - mean;
           m2 += d * d;
         }
       }
     }
-    block_mean_var(cnt, m, m2, smem);
-    mean = m;
-    rstd = rsqrtf(fmaxf(m2, 0.f) / float(H) + eps);
+    m2 = block_sum(m2, smem);
+    rstd = rsqrtf(m2 / float(H) + eps);
   } else {
-    acc = block_sum(acc, smem);
     rstd = rsqrtf(acc / float(H) + eps);
   }
 #pragma unroll
@@ -213,7 +184,158 @@ __global__ void __launch_bounds__(1024) norm_loop_kernel(const T* __restrict__ x
   }
 }
 
+// K elements of W kept as raw 16-byte chunks (K * sizeof(W) is 16 or 32 bytes): half the
+// registers of floats for 16-bit weights; converted at each use (a shift for bf16).
+template <typename W, int K>
+struct RawW {
+  static constexpr int NR = K * int(sizeof(W)) / 16;
+  union { uint4 r[NR]; W v[K]; };
+  __device__ __forceinline__ void load(const W* p) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) r[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+  }
+};
+
+// Persistent, software-pipelined row kernel (see the top of this file). blockDim.x * NV vectors
+// of N = 16 / sizeof(T) elements cover the row; vectors past H / N are idle lanes. h (already
+// rounded to T) is kept packed in T between the passes: half the registers of floats for
+// 16-bit types, so more CTAs stay resident.
+template <typename T, typename W, int NV, bool LN, int MAXT, int MINB>
+__global__ void __launch_bounds__(MAXT, MINB) norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
+                                                        const W* __restrict__ w, const W* __restrict__ b,
+                                                        T* __restrict__ out, T* __restrict__ hout, int64_t rows,
+                                                        int64_t H, float eps) {
+  constexpr int N = Vec<T>::N;
+  __shared__ float smem[33];
+  const int nvec = int(H / N);  // <= 2048 (the launcher checks)
+  // weight / bias: loaded once per CTA, reused for every row it normalizes
+  RawW<W, N> wv[NV], bv[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int v = int(threadIdx.x) + k * int(blockDim.x);
+    if (v < nvec) {
+      if (w) wv[k].load(w + v * N);
+      if (LN && b) bv[k].load(b + v * N);
+    }
+  }
+  Vec<T> cx[NV], cr[NV];
+  auto issue = [&](int64_t r) {  // start the loads of row r (read once: streaming)
+    const uint4* xp = reinterpret_cast<const uint4*>(x + r * H);
+    const uint4* rp = reinterpret_cast<const uint4*>(res ? res + r * H : x);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int v = int(threadIdx.x) + k * int(blockDim.x);
+      if (v < nvec) {
+        cx[k].raw = __ldcs(xp + v);
+        if (res) cr[k].raw = __ldcs(rp + v);
+      }
+    }
+  };
+  int64_t row = blockIdx.x;
+  if (row < rows) issue(row);
+  for (; row < rows; row += gridDim.x) {
+    Vec<T> h[NV];
+    float acc = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int v = int(threadIdx.x) + k * int(blockDim.x);
+      h[k].raw = cx[k].raw;
+      if (res) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) h[k].v[j] = from_f<T>(to_f(cx[k].v[j]) + to_f(cr[k].v[j]));
+      }
+      if (v < nvec) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const float f = to_f(h[k].v[j]);
+          acc += LN ? f : f * f;
+        }
+      }
+    }
+    // the next row's loads go out now and overlap this row's reductions and stores
+    if (row + gridDim.x < rows) issue(row + gridDim.x);
+    uint4* hp = reinterpret_cast<uint4*>(hout + row * H);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int v = int(threadIdx.x) + k * int(blockDim.x);
+      if (v < nvec) __stcs(hp + v, h[k].raw);
+    }
+    acc = block_sum(acc, smem);
+    float mean = 0.f, rstd;
+    if (LN) {
+      mean = acc / float(H);
+      float m2 = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int v = int(threadIdx.x) + k * int(blockDim.x);
+        if (v < nvec) {
+#pragma unroll
+          for (int j = 0; j < N; ++j) {
+            const float d = to_f(h[k].v[j]) - mean;
+            m2 += d * d;
+          }
+        }
+      }
+      m2 = block_sum(m2, smem);
+      rstd = rsqrtf(m2 / float(H) + eps);
+    } else {
+      rstd = rsqrtf(acc / float(H) + eps);
+    }
+    T* op = out + row * H;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int v = int(threadIdx.x) + k * int(blockDim.x);
+      if (v >= nvec) continue;
+      float o[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const float f = to_f(h[k].v[j]);
+        if (LN) {
+          float y = (f - mean) * rstd;
+          if (w) y *= to_f(wv[k].v[j]);
+          if (b) y += to_f(bv[k].v[j]);
+          o[j] = y;
+        } else {
+          o[j] = to_f(wv[k].v[j]) * round_through<T>(f * rstd);
+        }
+      }
+      store_vec_stream(op + v * N, o);
+    }
+  }
+}
+
 inline int round_up32(int64_t v) { return int((v + 31) / 32 * 32); }
+
+// Resident CTAs per SM for this kernel at this block size; `cache` is the caller's (one per
+// kernel instantiation), indexed by warps per block.
+template <typename K>
+int resident_ctas(K kernel, int threads, int (&cache)[33]) {
+  const int slot = threads / 32;
+  if (slot <= 32 && cache[slot] > 0) return cache[slot];
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    n = 1;
+  }
+  if (slot <= 32) cache[slot] = n;
+  return n;
+}
+
+template <typename T, typename W, int NV, bool LN, int MAXT, int MINB>
+cudaError_t go_vec(const T* x, const T* res, const W* w, const W* b, T* out, T* h, int64_t rows, int64_t H,
+                   float eps, bool persistent, cudaStream_t stream) {
+  constexpr int N = Vec<T>::N;
+  const int threads = round_up32((H / N + NV - 1) / NV);
+  auto kern = norm_vec_kernel<T, W, NV, LN, MAXT, MINB>;
+  int64_t grid = rows;
+  if (persistent) {
+    static int occupancy[33] = {0};
+    const int64_t cap = int64_t(num_sms()) * resident_ctas(kern, threads, occupancy);
+    if (grid > cap) grid = cap;
+  }
+  kern<<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, res, w, b, out, h, rows, H, eps);
+  return cudaGetLastError();
+}
 
 template <typename T, typename W, bool LN>
 cudaError_t run_norm(const T* x, const T* res, const W* w, const W* b, T* out, T* h, int64_t rows, int64_t H,
@@ -222,18 +344,31 @@ cudaError_t run_norm(const T* x, const T* res, const W* w, const W* b, T* out, T
   const bool vec_ok = H % N == 0 && aligned16(x) && aligned16(out) && aligned16(h) && (!res || aligned16(res)) &&
                       (!w || aligned16(w)) && (!b || aligned16(b));
   const dim3 grid(static_cast<unsigned>(rows));
+  if (vec_ok && H / N <= 2048) {
+    // Default (variant 0), the fastest measured on the H200 (kernels_2026-11-30_h200_variants.md):
+    // one CTA per row (grid = rows); RMSNorm with one vector per thread up to 512 vectors (the
+    // 4096-wide bf16 row is 512 threads x 8 elements: 70.5 us, 90% of the copy rate), LayerNorm
+    // with two per thread above 256 vectors (its extra registers: 73.8 us, 86%). Variant bit 0
+    // flips the vectors per thread; bit 1 makes the grid persistent (SMs x resident CTAs, next
+    // row in flight), which measured 5-8% slower at 8192 rows.
+    const int var = variant(VAR_NORM);
+    const bool wide = ((var & 1) == 0) != LN, persistent = (var & 2) != 0;
+    const int64_t nvec = H / N;
+    // register budgets (launch bounds) chosen so that 2048 (RMSNorm, NV 1: 32 registers),
+    // 1536 (LayerNorm, NV 1: 40 registers; 32 would spill) or 1024 (NV 2) threads stay resident
+    // per SM without spills: with the next row in flight that is 48-64 KB of loads per SM
+    if (nvec <= 256 || (wide && nvec <= 512))
+      return go_vec<T, W, 1, LN, 512, LN ? 3 : 4>(x, res, w, b, out, h, rows, H, eps, persistent, stream);
+    if (nvec <= 1024) return go_vec<T, W, 2, LN, 512, 2>(x, res, w, b, out, h, rows, H, eps, persistent, stream);
+    return go_vec<T, W, 4, LN, 512, 1>(x, res, w, b, out, h, rows, H, eps, persistent, stream);
+  }
 #define GO_REG(VEC, NV, MAXT)                                                                          \
   norm_reg_kernel<T, W, VEC, NV, LN, MAXT>                                                                \
       <<<grid, round_up32((H / VEC + NV - 1) / NV), 0, stream>>>(x, res, w, b, out, h, H, eps);          \
   return cudaGetLastError();
-  // Rows up to 2048 vectors (16384 16-bit / 8192 fp32 elements) stay in registers as vectors;
-  // up to 16384 elements as scalars (coalesced, 1024 threads x 16); longer rows loop.
-  if (vec_ok && H / N <= 2048) {
-    const int64_t nvec = H / N;
-    if (nvec <= 256) { GO_REG(N, 1, 256); }
-    if (nvec <= 512) { GO_REG(N, 2, 256); }
-    GO_REG(N, 4, 512);
-  } else if (H <= 16384) {
+  // Unaligned or odd rows up to 16384 elements stay in registers as scalars (coalesced,
+  // 1024 threads x 16); longer rows loop.
+  if (H <= 16384) {
     if (H <= 256) { GO_REG(1, 1, 256); }
     if (H <= 1024) { GO_REG(1, 4, 256); }
     GO_REG(1, 16, 1024);

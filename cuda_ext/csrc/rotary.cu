@@ -41,69 +41,112 @@ __global__ void __launch_bounds__(256) rotary_kernel(RotaryArgs q, RotaryArgs k,
 }
 
 
-// Vectorized path: the last dim contiguous and every row start 16-byte aligned. One item is one
-// 16-byte chunk of a row (N elements): a rotary chunk (interleaved: pairs inside the chunk), a
-// pair of chunks e and e + R/2 (rotate_half), or a pass-through chunk; U items per thread.
-// Item and row counters are 32-bit (the launcher checks the item count); offsets are 64-bit.
+// Vectorized path: the last dim contiguous and every row start 16-byte aligned. A thread owns one
+// (token, chunk) item, token = (b, s), chunk = one 16-byte piece of a head row (N elements): a
+// rotary chunk (interleaved: the pairs lie inside it), a pair of chunks c and c + R/2
+// (rotate_half), or a pass-through chunk. It loads its cos/sin chunk(s) once and then loops over
+// every head of q and then of k, U heads at a time (U independent 16-byte loads in flight
+// before the first use): cos/sin are read once per (token, pair) instead of once per head, and
+// the index math (two 32-bit divisions) is paid once per item, not per access. A warp covers
+// whole head rows of consecutive tokens: reads are 16-byte vectors over contiguous 256-byte
+// head rows (the input may be a transposed [B, S, H, D] projection), writes contiguous runs
+// of the [B, H, S, D] output. Interleaved (GLM): pass-through chunks take the same loads and
+// stores as rotary ones (a select, not a branch), so a warp mixing both kinds issues one
+// instruction stream. When there are too few tokens to fill the GPU, blockIdx.y splits the
+// heads (each y takes a contiguous range of q's and of k's heads).
 template <typename T, bool INTERLEAVED, int U>
-__global__ void __launch_bounds__(256) rotary_vec_kernel(RotaryArgs q, RotaryArgs k, uint32_t q_items,
-                                                         uint32_t total_items) {
+__device__ __forceinline__ void rotary_heads(const RotaryArgs& a, uint32_t b, uint32_t s, bool rot,
+                                             int64_t ea, int64_t eb, const float (&ca)[Vec<T>::N],
+                                             const float (&sa)[Vec<T>::N], const float (&cb)[Vec<T>::N],
+                                             const float (&sb)[Vec<T>::N]) {
   constexpr int N = Vec<T>::N;
-  const uint32_t base = blockIdx.x * (blockDim.x * U) + threadIdx.x;
+  const T* xbase = static_cast<const T*>(a.x) + int64_t(b) * a.sb + int64_t(s) * a.ss;
+  T* obase = static_cast<T*>(a.out) + (int64_t(b) * a.H * a.S + s) * a.D;
+  const int64_t ostride = a.S * a.D;  // one head further in the output
+  const bool pair = !INTERLEAVED && rot;
+  // blockIdx.y splits the heads when there are too few tokens to fill the GPU
+  const int64_t per = (a.H + gridDim.y - 1) / gridDim.y;
+  const int64_t hbeg = int64_t(blockIdx.y) * per;
+  const int64_t hend = hbeg + per < a.H ? hbeg + per : a.H;
+  for (int64_t h0 = hbeg; h0 < hend; h0 += U) {
+    Vec<T> xa[U], xb[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const uint32_t g = base + u * blockDim.x;
-    if (g >= total_items) return;
-    const bool is_q = g < q_items;
-    const RotaryArgs& a = is_q ? q : k;
-    const uint32_t li = is_q ? g : g - q_items;
-    const uint32_t rot_items = INTERLEAVED ? uint32_t(a.R / N) : uint32_t(a.R / (2 * N));
-    const uint32_t ipr = rot_items + uint32_t((a.D - a.R) / N);
-    const uint32_t row = li / ipr, c = li - row * ipr;
-    const uint32_t S = uint32_t(a.S), H = uint32_t(a.H);
-    const uint32_t s = row % S, bh = row / S;
-    const uint32_t h = bh % H, b = bh / H;
-    const T* x = static_cast<const T*>(a.x) + b * a.sb + h * a.sh + s * a.ss;
-    T* o = static_cast<T*>(a.out) + int64_t(row) * a.D;
-    if (c >= rot_items) {  // pass-through chunk
-      const int64_t e = a.R + int64_t(c - rot_items) * N;
-      __stcs(reinterpret_cast<uint4*>(o + e), __ldcs(reinterpret_cast<const uint4*>(x + e)));
-      continue;
+    for (int u = 0; u < U; ++u) {
+      if (h0 + u < hend) {
+        const T* xp = xbase + (h0 + u) * a.sh;
+        xa[u].raw = __ldcs(reinterpret_cast<const uint4*>(xp + ea));
+        if (pair) xb[u].raw = __ldcs(reinterpret_cast<const uint4*>(xp + eb));
+      }
     }
-    const int64_t cbase = b * a.cb + s * a.cs;
-    const T* cp = static_cast<const T*>(a.cos) + cbase;
-    const T* sp = static_cast<const T*>(a.sin) + cbase;
-    if constexpr (INTERLEAVED) {
-      const int64_t e = int64_t(c) * N;
-      float xv[N], cv[N], sv[N], ov[N];
-      load_vec_stream(x + e, xv);
-      load_vec(cp + e, cv);
-      load_vec(sp + e, sv);
 #pragma unroll
-      for (int j = 0; j < N; j += 2) {
-        ov[j] = xv[j] * cv[j] - xv[j + 1] * sv[j];
-        ov[j + 1] = xv[j + 1] * cv[j + 1] + xv[j] * sv[j + 1];
-      }
-      store_vec_stream(o + e, ov);
-    } else {
-      const int64_t half = a.R / 2;
-      const int64_t ea = int64_t(c) * N, eb = ea + half;
-      float xa[N], xb[N], ca[N], sa[N], cb[N], sb[N], oa[N], ob[N];
-      load_vec_stream(x + ea, xa);
-      load_vec_stream(x + eb, xb);
-      load_vec(cp + ea, ca);
-      load_vec(sp + ea, sa);
-      load_vec(cp + eb, cb);
-      load_vec(sp + eb, sb);
+    for (int u = 0; u < U; ++u) {
+      if (h0 + u >= hend) break;
+      T* op = obase + (h0 + u) * ostride;
+      float xv[N], ov[N];
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        oa[j] = xa[j] * ca[j] - xb[j] * sa[j];
-        ob[j] = xb[j] * cb[j] + xa[j] * sb[j];
+      for (int j = 0; j < N; ++j) xv[j] = to_f(xa[u].v[j]);
+      if constexpr (INTERLEAVED) {
+#pragma unroll
+        for (int j = 0; j < N; j += 2) {
+          ov[j] = rot ? xv[j] * ca[j] - xv[j + 1] * sa[j] : xv[j];
+          ov[j + 1] = rot ? xv[j + 1] * ca[j + 1] + xv[j] * sa[j + 1] : xv[j + 1];
+        }
+        store_vec_stream(op + ea, ov);
+      } else {
+        if (pair) {
+          float yv[N], pv[N];
+#pragma unroll
+          for (int j = 0; j < N; ++j) yv[j] = to_f(xb[u].v[j]);
+#pragma unroll
+          for (int j = 0; j < N; ++j) {
+            ov[j] = xv[j] * ca[j] - yv[j] * sa[j];
+            pv[j] = yv[j] * cb[j] + xv[j] * sb[j];
+          }
+          store_vec_stream(op + ea, ov);
+          store_vec_stream(op + eb, pv);
+        } else {
+          __stcs(reinterpret_cast<uint4*>(op + ea), xa[u].raw);
+        }
       }
-      store_vec_stream(o + ea, oa);
-      store_vec_stream(o + eb, ob);
     }
   }
+}
+
+template <typename T, bool INTERLEAVED, int U>
+__global__ void __launch_bounds__(256) rotary_vec_kernel(RotaryArgs q, RotaryArgs k, uint32_t items) {
+  constexpr int N = Vec<T>::N;
+  const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= items) return;
+  // q and k share B, S, D, R (the launcher checks)
+  const uint32_t rot_items = INTERLEAVED ? uint32_t(q.R / N) : uint32_t(q.R / (2 * N));
+  const uint32_t ipr = rot_items + uint32_t((q.D - q.R) / N);
+  const uint32_t token = g / ipr, c = g - token * ipr;
+  const uint32_t S = uint32_t(q.S);
+  const uint32_t b = token / S, s = token - b * S;
+  const bool rot = c < rot_items;
+  int64_t ea, eb = 0;
+  if (rot) {
+    ea = int64_t(c) * N;
+    if (!INTERLEAVED) eb = ea + q.R / 2;
+  } else {
+    ea = q.R + int64_t(c - rot_items) * N;
+  }
+  float ca[N], sa[N], cb[N], sb[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) ca[j] = sa[j] = cb[j] = sb[j] = 0.f;
+  if (rot) {  // this token's cos/sin chunk(s): read once, used for every head of q and k
+    const int64_t cbase = int64_t(b) * q.cb + int64_t(s) * q.cs;
+    const T* cp = static_cast<const T*>(q.cos) + cbase;
+    const T* sp = static_cast<const T*>(q.sin) + cbase;
+    load_vec(cp + ea, ca);
+    load_vec(sp + ea, sa);
+    if (!INTERLEAVED) {
+      load_vec(cp + eb, cb);
+      load_vec(sp + eb, sb);
+    }
+  }
+  rotary_heads<T, INTERLEAVED, U>(q, b, s, rot, ea, eb, ca, sa, cb, sb);
+  rotary_heads<T, INTERLEAVED, U>(k, b, s, rot, ea, eb, ca, sa, cb, sb);
 }
 
 template <typename T>
@@ -116,10 +159,9 @@ bool vec_ok(const RotaryArgs& a) {
 }
 
 template <typename T>
-int64_t vec_items(const RotaryArgs& a) {
+int64_t vec_items_per_token(const RotaryArgs& a) {
   constexpr int N = Vec<T>::N;
-  const int64_t ipr = (a.interleaved ? a.R / N : a.R / (2 * N)) + (a.D - a.R) / N;
-  return a.B * a.H * a.S * ipr;
+  return (a.interleaved ? a.R / N : a.R / (2 * N)) + (a.D - a.R) / N;
 }
 
 }  // namespace
@@ -132,17 +174,28 @@ cudaError_t launch_rotary(int dtype, const RotaryArgs& q, const RotaryArgs& k, c
   const int64_t blocks = (total + 7) / 8;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   GRAPHOPT_DISPATCH_FLOAT(dtype, T, {
-    if (q.interleaved == k.interleaved && q.R == k.R && vec_ok<T>(q) && vec_ok<T>(k)) {
-      const int64_t qi = vec_items<T>(q), ti = qi + vec_items<T>(k);
-      // 32-bit index math: also b * sb etc. stay in 64 bits, only item/row counters are 32-bit
-      if (ti < (int64_t(1) << 31) && q.S < (int64_t(1) << 31) && q.H < (int64_t(1) << 31) &&
-          k.H < (int64_t(1) << 31)) {
-        constexpr int U = 2;
-        const int64_t vblocks = (ti + 256 * U - 1) / (256 * U);
-        if (q.interleaved)
-          rotary_vec_kernel<T, true, U><<<static_cast<unsigned>(vblocks), 256, 0, stream>>>(q, k, uint32_t(qi), uint32_t(ti));
-        else
-          rotary_vec_kernel<T, false, U><<<static_cast<unsigned>(vblocks), 256, 0, stream>>>(q, k, uint32_t(qi), uint32_t(ti));
+    if (q.interleaved == k.interleaved && q.R == k.R && q.B == k.B && q.S == k.S && q.D == k.D &&
+        q.cb == k.cb && q.cs == k.cs && vec_ok<T>(q) && vec_ok<T>(k)) {
+      const int64_t items = q.B * q.S * vec_items_per_token<T>(q);
+      // 32-bit item/token counters; all element offsets are 64-bit
+      if (items < (int64_t(1) << 31) && q.S < (int64_t(1) << 31)) {
+        const unsigned vblocks = static_cast<unsigned>((items + 255) / 256);
+        // few tokens: split the heads over blockIdx.y until ~8 CTAs per SM exist
+        const int64_t hmax = q.H > k.H ? q.H : k.H;
+        int64_t split = (int64_t(num_sms()) * 8 + vblocks - 1) / vblocks;
+        if (split > hmax) split = hmax;
+        if (split > 65535) split = 65535;
+        if (split < 1) split = 1;
+        const dim3 grid(vblocks, static_cast<unsigned>(split));
+        // variant 0: 4 heads in flight per thread; variant 1: 8
+        const bool deep = variant(VAR_ROTARY) == 1;
+        if (q.interleaved) {
+          if (deep) rotary_vec_kernel<T, true, 8><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
+          else rotary_vec_kernel<T, true, 4><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
+        } else {
+          if (deep) rotary_vec_kernel<T, false, 8><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
+          else rotary_vec_kernel<T, false, 4><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
+        }
         return cudaGetLastError();
       }
     }

@@ -198,6 +198,7 @@ def _prod(xs):
 
 
 # norm kernels with one thread block per row (see DeviceProfile.norm_row_s)
+POOL_OPS = {"max_pool2d", "avg_pool2d", "max_pool2d_with_indices"}
 ROW_BLOCK_NORMS = {"layer_norm", "native_layer_norm", "add_layer_norm", "add_rms_norm"}
 
 
@@ -309,10 +310,14 @@ class CostModel:
                     rate = p.matmul_rate(dtype, allow_tf32=torch.backends.cudnn.allow_tf32)
                 if conv_layout_penalized(ir.arg_infos(node)[0], p):
                     rate = rate / p.conv_nchw_slowdown
+                if p.kind == "cuda" and _op_name(node) != "conv_bias_relu":
+                    rate = rate / p.conv_unfused_slowdown
         else:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
+        if _op_name(node) in POOL_OPS:
+            memory = memory / p.pool_bandwidth_scale
         t = p.kernel_seconds(compute, memory, eff, launches)
         if _op_name(node) in ROW_BLOCK_NORMS:
             t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))

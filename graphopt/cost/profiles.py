@@ -51,6 +51,13 @@ class DeviceProfile:
     # add_layer_norm / add_rms_norm) are bound by block scheduling when rows are narrow: at least
     # rows * norm_row_s (0: not measured)
     norm_row_s: float = 0.0
+    # fraction of the copy bandwidth pooling kernels reach (aten's max_pool2d over channels_last
+    # bf16 reads each input element once per window it is in; 1.0: not measured)
+    pool_bandwidth_scale: float = 1.0
+    # an aten convolution (conv2d + its bias kernel, cuDNN's algorithm choice with
+    # cudnn.benchmark as set) against the fused conv + bias + ReLU the conv fit measures
+    # (1.0: not measured)
+    conv_unfused_slowdown: float = 1.0
     # scaled_dot_product_attention likewise: flops / (peak * attention_scale) + attention_fixed_s,
     # fitted on BERT/ViT/GLM-shaped attention (short sequences run far below the GEMM rate);
     # None: not measured, attention runs at the GEMM efficiency

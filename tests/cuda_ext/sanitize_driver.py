@@ -36,5 +36,32 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
     p.output(p.gelu_tanh(a + b), dt)
     ce.fused_pointwise(p, [r(3, 1023), r(1023)])
     ce.fused_pointwise(p, [r(33, 5).t(), r(1)])
+# persistent kernels with several rows per CTA / warp (rows past the resident grid), heads split
+# over blockIdx.y, rank-3 pointwise tiles; every launch variant
+import ctypes  # noqa: E402
+
+setv = ctypes.CDLL(ce.backend_info()["library"]).graphopt_set_variant
+r = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)  # noqa: E731
+for v in (0, 1, 2, 3):
+    setv(0, v)
+    for h in (768, 4096, 8192):
+        x, res = r(2000, h), r(2000, h)
+        ce.add_rms_norm(x, res, r(h), 1e-6)
+        ce.add_layer_norm(x, res, r(h), r(h), 1e-5)
+setv(0, 0)
+for v in (0, 1):
+    setv(1, v)
+    ce.softmax_mask(r(3, 2000, 128), 0.5, torch.rand(3, 1, 128, device=dev) > 0.3)
+    ce.softmax_mask(r(2, 1500, 1024), 0.5, r(2, 1, 1024))
+    setv(2, v)
+    for interleaved in (True, False):
+        q, k = r(1, 3, 13, 128).transpose(1, 2), r(1, 3, 2, 128).transpose(1, 2)
+        ce.rotary(q, k, r(1, 3, 64), r(1, 3, 64), interleaved)
+setv(1, 0)
+setv(2, 0)
+p = ce.Program()
+a, b = p.input(), p.input()
+p.output(p.gelu_tanh(a + b), torch.bfloat16)
+ce.fused_pointwise(p, [r(3, 5, 70), r(3, 1, 70)])
 torch.cuda.synchronize()
 print("sanitize_driver: ok")

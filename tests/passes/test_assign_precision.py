@@ -36,7 +36,10 @@ def test_bf16_compute_fp32_sensitive_ops_and_outputs():
     res = opt.report.pass_result("assign_precision")
     assert res.status == "applied"
     assert set(_dtypes(gm, aten.linear.default)) == {torch.bfloat16}
-    assert set(_dtypes(gm, aten.softmax.int)) == {torch.float32}
+    # the attention softmax is read only by the bf16 PV matmul: it reads and writes bf16 (aten
+    # computes it in fp32 inside, the same numbers as fp32 then a cast: see the test below)
+    sms = [n for n in gm.graph.nodes if n.target is aten.softmax.int]
+    assert sms and all(n.args[0].meta["val"].dtype == torch.bfloat16 and "dtype" not in n.kwargs for n in sms)
     assert set(_dtypes(gm, aten.mean.dim)) == {torch.float32}  # RMSNorm statistics
     # parameters converted once at optimization time: no cast reads a parameter
     for n in gm.graph.nodes:
@@ -199,12 +202,51 @@ def test_identity_casts_follow_their_input_and_softmax_reads_low():
            and n.meta["val"].numel() == x.numel() and n.meta["val"].dtype == torch.float32
            and all(u.op != "output" for u in n.users)]
     assert len(big) == 1  # one full-size upcast, for pow's fp32 statistics (besides the output's)
-    # the statistics between sensitive ops stay fp32; softmax reads bf16 and writes fp32
+    # the statistics between sensitive ops stay fp32; softmax reads bf16 and, since its only
+    # reader is a bf16 matmul, writes bf16 (no fp32 probabilities and cast)
     (add_eps,) = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
     assert add_eps.meta["val"].dtype == torch.float32
     (sm,) = [n for n in gm.graph.nodes if n.target is aten.softmax.int]
-    assert sm.args[0].meta["val"].dtype == torch.bfloat16 and sm.meta["val"].dtype == torch.float32
+    assert sm.args[0].meta["val"].dtype == torch.bfloat16 and sm.meta["val"].dtype == torch.bfloat16
+    assert all(u.target is not aten._to_copy.default for u in sm.users)
     assert opt.report.accuracy["passed"]
+
+
+class ProbsOut(nn.Module):
+    """The probabilities are also returned: the fp32 softmax stays (its output is read in fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.fc(x)
+        p = torch.softmax(h @ h.transpose(-1, -2), dim=-1)
+        return p @ h, p
+
+
+def test_softmax_returned_keeps_fp32_output():
+    torch.manual_seed(0)
+    m = ProbsOut().eval()
+    x = torch.randn(4, 16, 64)
+    opt = graphopt.optimize(m, (x,), precision="bf16", passes=["eliminate_dead_code", "assign_precision"],
+                            cuda_graphs=False)
+    (sm,) = [n for n in opt.graph_module.graph.nodes if n.target is aten.softmax.int]
+    assert sm.meta["val"].dtype == torch.float32 and sm.kwargs.get("dtype") == torch.float32
+    assert opt.report.accuracy["passed"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_low_precision_softmax_equals_fp32_softmax_rounded(device):
+    """Why the rewrite above is exact: aten's softmax on bf16/fp16 accumulates in fp32 and rounds
+    once, so its output equals the fp32-output softmax cast down, bit for bit."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16):
+        for shape in ((8, 12, 128, 128), (3, 7, 1000), (5, 33)):
+            x = (torch.randn(*shape, device=device) * 8).to(dt)
+            assert torch.equal(torch.softmax(x, -1, dtype=torch.float32).to(dt), torch.softmax(x, -1))
 
 
 class AutocastOffTable(nn.Module):

@@ -83,6 +83,27 @@ class SdpaConstCausal(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
 
+class ArangeCausal(nn.Module):
+    """Builds its causal mask from ``arange`` in every call, as Hugging Face does (optionally AND-ed
+    with a padding mask read from an input, which makes it no longer a constant)."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, keep=None):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s, device=x.device)
+        allowed = (i[None, :] <= i[:, None])[None, None].expand(b, 1, s, s)
+        if keep is not None:
+            allowed = allowed & keep[:, None, None, :].bool()
+        mask = torch.zeros(b, 1, s, s, dtype=x.dtype, device=x.device).masked_fill(~allowed, torch.finfo(x.dtype).min)
+        probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * self.d ** -0.5 + mask, dim=-1)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+
+
 class TrainingDropout(nn.Module):
     def __init__(self):
         super().__init__()
@@ -128,6 +149,20 @@ def test_gqa_constant_causal_mask(dtype):
     assert reference_check(model, gm, args).passed
 
 
+@pytest.mark.parametrize("seq", [8, 1100])
+def test_causal_mask_built_in_the_graph(seq):
+    """A mask computed from arange in every call is evaluated at optimization time; when it is causal
+    it becomes is_causal=True and the nodes that built it are erased. At seq 1100 the 4.6 MiB mask is
+    too big for fold_constants to store, so fuse_attention sees the unfolded subgraph."""
+    torch.manual_seed(0)
+    model, args, gm, res = _run(ArangeCausal(), (torch.randn(1, seq, 32),))
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.args[3] is None and sd.args[5] is True
+    c = op_counts(gm)
+    assert c["aten.arange.default"] + c["aten.arange.start"] + c["aten.masked_fill.Scalar"] + c["aten.le.Tensor"] == 0
+    assert reference_check(model, gm, args).passed
+
+
 def test_cpu_profile_also_rewrites():
     model, args, gm, res = _run(GqaConstMask(), (torch.randn(2, 8, 32),), target="cpu")
     assert len(res.rewrites) == 1 and len(_sdpa_nodes(gm)) == 1
@@ -141,6 +176,17 @@ def test_non_causal_constant_mask_stays_attn_mask():
     model, args, gm, res = _run(GqaConstMask(mask="window"), (torch.randn(2, 8, 32),))
     (sd,) = _sdpa_nodes(gm)
     assert sd.args[3] is not None and sd.args[5] is False  # the window mask is passed as attn_mask
+    assert reference_check(model, gm, args).passed
+
+
+def test_causal_mask_and_input_padding_stays_attn_mask():
+    """The same causal mask AND-ed with a padding mask from an input is not a constant: it is passed
+    as attn_mask, never dropped."""
+    keep = torch.ones(2, 8, dtype=torch.long)
+    keep[1, 6:] = 0
+    model, args, gm, res = _run(ArangeCausal(), (torch.randn(2, 8, 32), keep))
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.args[3] is not None and sd.args[5] is False
     assert reference_check(model, gm, args).passed
 
 

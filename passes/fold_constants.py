@@ -44,6 +44,8 @@ def _pure_region(node: fx.Node) -> bool:
     if len(subs) != 1:
         return False
     body = getattr(node.graph.owning_module, subs[0].target)
+    if any(getattr(p, "requires_grad", False) for p in body.parameters()):
+        return False  # a trainable parameter read inside: its gradient would be lost
     for n in body.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
             if _op_name(n) in _NEVER or n.target._schema.is_mutable or ir.is_random(n):

@@ -80,13 +80,13 @@ mid)
     --reps 10 2>&1 | quiet | grep "^|" | tail -4 ;;
 last1)
   # on nvidia-h200-x2: kernels (tests + table), GLM checkpointing, the 2-GPU pipeline
-  timeout 150 python3 -m pytest -m cuda tests/cuda_ext tests/passes tests/test_planted_fault.py tests/test_cost_model.py \
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext tests/passes \
     -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > /tmp/pytest_last1.log
   tail -30 /tmp/pytest_last1.log | grep -E "passed|failed|Error|assert|FAILED" | tail -10; echo "### tests ${SECONDS}s"
   timeout 100 python3 benchmarks/bench_kernels.py --reps 30 --no-compile --out "$OUT/kernels" 2>&1 | quiet | grep "^|" | head -12
   echo "### kernels ${SECONDS}s"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  timeout 200 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT" --budget-s 150 \
+  timeout 200 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT" --budget-s 130 \
     2>&1 | quiet | grep "^|" | head -14; echo "### partition ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 \
     --passes fold_constants,fuse_attention,insert_checkpoints 2>&1 | quiet | grep "^|" | tail -8 ;;

@@ -298,7 +298,13 @@ def _git_commit() -> str | None:
         root = Path(__file__).resolve().parent.parent
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=5)
-        return out.stdout.strip() or None
+        commit = out.stdout.strip() or None
+        if commit:  # a tree that differs from its HEAD (a copied working tree) says so
+            st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+            if st.stdout.strip():
+                commit += "+modified"
+        return commit
     except Exception:  # noqa: BLE001
         return None
 

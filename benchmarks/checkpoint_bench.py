@@ -176,14 +176,9 @@ class Stepper:
         return None
 
 
-def measure(stepper, warmup, reps):
-    """(activation bytes, bytes after forward, median ms/step)."""
-    for _ in range(warmup):
-        stepper()
-    act = stepper(record=True)
-    after = stepper.after_forward
+def step_ms(stepper, reps, cuda):
+    """Milliseconds of each of ``reps`` steps (CUDA events on a GPU, perf_counter on the CPU)."""
     times = []
-    cuda = torch.cuda.is_available() and any(p.is_cuda for p in stepper.params)
     for _ in range(reps):
         if cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -196,7 +191,17 @@ def measure(stepper, warmup, reps):
             t0 = time.perf_counter()
             stepper()
             times.append((time.perf_counter() - t0) * 1e3)
-    return act, after, statistics.median(times)
+    return times
+
+
+def measure(stepper, warmup, reps):
+    """(activation bytes, bytes after forward, median ms/step)."""
+    for _ in range(warmup):
+        stepper()
+    act = stepper(record=True)
+    after = stepper.after_forward
+    cuda = torch.cuda.is_available() and any(p.is_cuda for p in stepper.params)
+    return act, after, statistics.median(step_ms(stepper, reps, cuda))
 
 
 def one_step_grads(fn, args, params, grads_out, seed=0):

@@ -42,7 +42,7 @@ for p in (str(ROOT), str(Path(__file__).resolve().parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from checkpoint_bench import Stepper, _outs, build_glm, free, gb, glm_reference, log  # noqa: E402
+from checkpoint_bench import Stepper, _outs, build_glm, free, gb, glm_reference, log, step_ms  # noqa: E402
 
 GROUPS = ("gemm", "attention", "norm/reduce", "elementwise", "copy/cast", "other")
 
@@ -141,19 +141,7 @@ def measure(stepper, cuda: bool, warmup: int, reps: int) -> dict:
         stepper()
     act = stepper(record=True)
     after = stepper.after_forward
-    times = []
-    for _ in range(reps):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            stepper()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            stepper()
-            times.append((time.perf_counter() - t0) * 1e3)
+    times = step_ms(stepper, reps, cuda)
     fw, bw = timed_split(stepper, cuda, max(2, reps // 2))
     return {"activation_gb": gb(act), "after_forward_gb": gb(after), "ms": statistics.median(times),
             "forward_ms": fw, "backward_ms": bw}

@@ -71,6 +71,17 @@ def _num(v: float) -> str:
     return repr(float(v))
 
 
+def _walk_dims(L: list, dims, walk: list) -> None:
+    """Emit the div/mod walk of ``rem`` over ``dims`` (innermost first), adding each strided
+    input's offset ``o{i}`` per dim."""
+    for d in reversed(dims):
+        L.append(f"    idx = rem % size{d}")
+        if d:
+            L.append(f"    rem = rem // size{d}")
+        for i in walk:
+            L.append(f"    o{i} += idx * st{i}_{d}")
+
+
 def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: bool,
              dense: Sequence[bool] | None = None, tile2d: bool = False, fast: bool = False) -> str:
     """Triton source of one kernel ``pw_kernel`` for this program, input dtypes and rank.
@@ -119,12 +130,7 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
             # a broadcast input's row offset: div/mod over the leading dims, once per row of the
             # [BM, BN] tile ([BM, 1] values), not once per element
             L.append("    rem = r")
-            for d in reversed(range(last)):
-                L.append(f"    idx = rem % size{d}")
-                if d:
-                    L.append(f"    rem = rem // size{d}")
-                for i in walk:
-                    L.append(f"    o{i} += idx * st{i}_{d}")
+            _walk_dims(L, range(last), walk)
     else:
         if use_i64:
             L.append("    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)")
@@ -143,12 +149,7 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
             L.append("    rem = offs")
             for i in walk:
                 L.append(f"    o{i} = offs * 0")
-            for d in reversed(range(ndim)):
-                L.append(f"    idx = rem % size{d}")
-                if d:
-                    L.append(f"    rem = rem // size{d}")
-                for i in walk:
-                    L.append(f"    o{i} += idx * st{i}_{d}")
+            _walk_dims(L, range(ndim), walk)
 
     def f(v: int) -> str:  # value as the compute type
         return f"v{v}" if kinds[v] == "f" else f"v{v}.to({CT})"

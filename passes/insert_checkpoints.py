@@ -232,17 +232,7 @@ class _Selector:
                     self.params_of.setdefault(n, []).append(a.target)
                     self.param_bytes[a.target] = sum(float(ir.concrete(t.nbytes, hints)) for t in ir.infos(a))
         # the backward's working set at each node (as ActivationModel.backward_working_bytes)
-        self.work_pos = []
-        for n in body:
-            w = 0.0
-            if am.grad.get(n):
-                w = 0.0 if am.root.get(n, n) in am.outputs else am.obytes.get(n, 0.0)
-                for a in n.all_input_nodes:
-                    if a.op == "get_attr":
-                        w += am.param_grad_bytes.get(a.target, 0.0)
-                    elif am.grad.get(a):
-                        w += am.obytes.get(a, 0.0)
-            self.work_pos.append(w)
+        self.work_pos = [am.node_working_bytes(n) for n in body]
         self.working = am.backward_working_bytes()
         self.forced_recompute = set()
         self.forced_keep = set()

@@ -349,18 +349,19 @@ class ActivationModel:
         its inputs that need them + the fresh gradients of the parameters it reads) over the
         nodes. The gradient of a graph output is the caller's (``backward(outs, grads)``, or the
         loss's backward), not made in the graph's backward."""
-        best = 0.0
-        for n in self.body:
-            if not self.grad.get(n):
-                continue
-            g = 0.0 if self.root.get(n, n) in self.outputs else self.obytes.get(n, 0.0)
-            for a in n.all_input_nodes:
-                if a.op == "get_attr":
-                    g += self.param_grad_bytes.get(a.target, 0.0)
-                elif self.grad.get(a):
-                    g += self.obytes.get(a, 0.0)
-            best = max(best, g)
-        return best
+        return max((self.node_working_bytes(n) for n in self.body), default=0.0)
+
+    def node_working_bytes(self, n) -> float:
+        """The backward's working set at node ``n`` (0 where no gradient flows through it)."""
+        if not self.grad.get(n):
+            return 0.0
+        g = 0.0 if self.root.get(n, n) in self.outputs else self.obytes.get(n, 0.0)
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                g += self.param_grad_bytes.get(a.target, 0.0)
+            elif self.grad.get(a):
+                g += self.obytes.get(a, 0.0)
+        return g
 
     def step_activation_bytes(self, saved_bytes: float | None = None, transient: float = 0.0) -> float:
         """Predicted activation memory of a training step (what ``max_memory_allocated`` during

@@ -186,12 +186,16 @@ class HFNorm(nn.Module):
         return p @ n
 
 
+def _bf16_only(m, x):
+    """The model through dead-code elimination and assign_precision alone, in bf16."""
+    return graphopt.optimize(m.eval(), (x,), precision="bf16", passes=["eliminate_dead_code", "assign_precision"],
+                             cuda_graphs=False)
+
+
 def test_identity_casts_follow_their_input_and_softmax_reads_low():
     torch.manual_seed(0)
-    m = HFNorm().eval()
     x = torch.randn(4, 16, 64)
-    opt = graphopt.optimize(m, (x,), precision="bf16", passes=["eliminate_dead_code", "assign_precision"],
-                            cuda_graphs=False)
+    opt = _bf16_only(HFNorm(), x)
     gm = opt.graph_module
     assert opt.report.pass_result("assign_precision").status == "applied"
     # the fp32 -> fp32 casts of the capture became no-ops in bf16 (they follow their input)
@@ -227,10 +231,7 @@ class ProbsOut(nn.Module):
 
 def test_softmax_returned_keeps_fp32_output():
     torch.manual_seed(0)
-    m = ProbsOut().eval()
-    x = torch.randn(4, 16, 64)
-    opt = graphopt.optimize(m, (x,), precision="bf16", passes=["eliminate_dead_code", "assign_precision"],
-                            cuda_graphs=False)
+    opt = _bf16_only(ProbsOut(), torch.randn(4, 16, 64))
     (sm,) = [n for n in opt.graph_module.graph.nodes if n.target is aten.softmax.int]
     assert sm.meta["val"].dtype == torch.float32 and sm.kwargs.get("dtype") == torch.float32
     assert opt.report.accuracy["passed"]

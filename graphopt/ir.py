@@ -231,13 +231,12 @@ class _IncrementalProp(FakeTensorProp):
         if key is not None and n.meta.get(self.KEY) == key:
             return n.meta["val"]
         result = super().run_node(n)
-        if key is not None or n.op == "get_attr" or (n.op == "call_function" and (
-                n.target is operator.getitem or isinstance(n.target, torch._ops.OpOverload)
-                and not n.target._schema.is_mutable)):
-            val = n.meta.get("val")
-            free = getattr(val, "shape", None) is not None and any(
-                isinstance(d, torch.SymInt) and "u" in str(d) for d in val.shape)
-            n.meta[self.KEY] = None if free else self._key(n)
+        if key is None:  # a node without a value yet: keyed once it has one (its inputs are as they were)
+            key = self._key(n)
+        val = n.meta.get("val")
+        free = getattr(val, "shape", None) is not None and any(
+            isinstance(d, torch.SymInt) and "u" in str(d) for d in val.shape)
+        n.meta[self.KEY] = None if free else key
         return result
 
 

@@ -139,12 +139,17 @@ _CONST_THROUGH = CASTS + (aten.alias.default, aten.detach.default, aten.clone.de
                           aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.contiguous.default)
 
 
-def _const_value(gm, node, depth=4):
+def _const_value(gm, node, depth=4, memo: dict | None = None):
     """The value of ``node`` if it is a get_attr, a cast/view chain of one, or any subgraph of
     parameters, buffers and literals (a causal mask the model builds from ``arange`` in every call,
-    which fold_constants leaves unfolded rather than store it); else None."""
+    which fold_constants leaves unfolded rather than store it); else None. ``memo``: values already
+    computed in this pass (every layer reads the same mask)."""
     if not isinstance(node, fx.Node):
         return None
+    if memo is not None:
+        if node not in memo:
+            memo[node] = _const_value(gm, node, depth)
+        return memo[node]
     if node.op == "get_attr":
         v = ir.get_attr_value(gm, node.target)
         return v if isinstance(v, torch.Tensor) else None
@@ -182,6 +187,7 @@ class FuseAttention(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
+        self._masks: dict = {}
         candidates, explained = [], set()
         for m in _find_unchecked(gm, PATTERN):
             explained.add(m["softmax"])
@@ -201,7 +207,7 @@ class FuseAttention(Pass):
             if _kwarg(sd, 5, "is_causal", False) or not isinstance(m["mask"], fx.Node):
                 continue
             try:
-                value = _const_value(gm, m["mask"])
+                value = _const_value(gm, m["mask"], memo=self._masks)
                 if value is None:
                     raise Refuse("its mask is computed from the inputs; kept as attn_mask")
                 qs, ks, outs = _shape(m["q"]), _shape(m["k"]), _shape(sd)
@@ -332,7 +338,7 @@ class FuseAttention(Pass):
                 raise Refuse(f"mask {mask.name} is {mi.dtype}, q is {qi.dtype} (the add would change precision)")
             if tuple(_shape(add)) != tuple(scores_shape) or not _broadcastable(mi.shape, scores_shape):
                 raise Refuse(f"mask {mask.name} of shape {mi.shape} does not broadcast to the scores {scores_shape}")
-            value = _const_value(gm, mask) if qs[2] == ks[2] else None
+            value = _const_value(gm, mask, memo=self._masks) if qs[2] == ks[2] else None
             if value is not None:
                 if value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and is_causal_mask(value):
                     mask, causal, dropped = None, True, mask

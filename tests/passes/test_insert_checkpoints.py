@@ -1,6 +1,7 @@
 """insert_checkpoints: selection under a memory budget, the checkpointed graph, numerics and
 BatchNorm statistics vs eager, dropout masks replayed, training with the model's parameters."""
 
+import collections
 import copy
 import importlib
 import json
@@ -69,6 +70,18 @@ class _Held(TorchDispatchMode):
                 st = t.untyped_storage()
                 self.refs.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
         return out
+
+
+class Count(TorchDispatchMode):
+    """Counts the aten ops that run (by overload packet name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def held_after_forward(fn, args):
@@ -347,11 +360,6 @@ def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
     """A conv chain at a 0.8 budget: regions ending in a kept convolution run as plain checkpoints
     (no selective dispatch mode); the backward reruns batch norm and ReLU but no convolution
     (checkpoint's early stop), and gradients and running statistics equal eager's."""
-    import collections
-
-    import torch.nn as nn
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from graphopt.passes import insert_checkpoints as ic
 
     class ConvChain(nn.Module):
@@ -364,15 +372,6 @@ def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
             for bn, conv in zip(self.bns, self.convs):
                 x = conv(torch.relu(bn(x)))
             return x
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     model, x = ConvChain().train(), torch.randn(4, 16, 32, 32)

@@ -10,13 +10,12 @@ import importlib
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphopt
 from graphopt import accuracy
 from graphopt.errors import BudgetError, GraphoptError
 from graphopt.examples import zoo
-from tests.passes.test_insert_checkpoints import Stack, held_after_forward, small_resnet  # shared helpers
+from tests.passes.test_insert_checkpoints import Count, Stack, held_after_forward, small_resnet  # shared helpers
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 aot = importlib.import_module("graphopt.passes._aot_recompute")
@@ -71,16 +70,6 @@ def accuracy_rule(model, opt, args, seed=0):
     res = accuracy.check(ours, gold, eager, training=True)
     assert res.passed, res.reason
     return ref
-
-
-class Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 # --------------------------------------------------------------------------- graph + numerics

@@ -176,6 +176,14 @@ class Stepper:
         return None
 
 
+def write_results(base, result: dict, markdown) -> str:
+    """``base``.json (the result) and ``base``.md (``markdown(result)``); returns the Markdown."""
+    base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    md = markdown(result)
+    base.with_suffix(".md").write_text(md)
+    return md
+
+
 def step_ms(stepper, reps, cuda):
     """Milliseconds of each of ``reps`` steps (CUDA events on a GPU, perf_counter on the CPU)."""
     times = []
@@ -609,12 +617,9 @@ def main(argv=None):
     result["seconds"] = time.perf_counter() - t_all
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
     tag = "cpu" if device.type == "cpu" else "".join(ch for ch in name.lower().split()[-1] if ch.isalnum())
-    base = out / f"checkpoint_{stamp}_{tag}"
-    base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    md = markdown(result)
-    base.with_suffix(".md").write_text(md)
+    md = write_results(out / f"checkpoint_{stamp}_{tag}", result, markdown)
     log(md)
-    log(f"wrote {base}.json and .md in {result['seconds']:.0f} s")
+    log(f"wrote {out}/checkpoint_{stamp}_{tag}.json and .md in {result['seconds']:.0f} s")
     return 1 if result["errors"] else 0
 
 

@@ -9,20 +9,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import graphopt  # noqa: E402
+from profile_model import profiled  # noqa: E402
 from checkpoint_bench import Stepper, build_glm, build_resnet50, compare, measure, one_step_grads  # noqa: E402
 
 dev = torch.device("cuda")
 
 
 def prof(stepper, label):
-    from torch.profiler import ProfilerActivity, profile
-
-    stepper()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        stepper()
-        torch.cuda.synchronize()
-    ka = p.key_averages()
+    ka = profiled(stepper, calls=1, cpu=True).key_averages()
     rows = sorted(ka, key=lambda e: -getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)))[:8]
     tot = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
     print(f"--- {label}: device time {tot / 1e3:.1f} ms")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ for p in (str(ROOT), str(Path(__file__).resolve().parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from checkpoint_bench import Stepper, _outs, build_glm, free, gb, glm_reference, log, step_ms  # noqa: E402
+from checkpoint_bench import Stepper, _outs, build_glm, free, gb, glm_reference, log, step_ms, write_results  # noqa: E402
 
 GROUPS = ("gemm", "attention", "norm/reduce", "elementwise", "copy/cast", "other")
 
@@ -325,10 +324,7 @@ def main(argv=None):
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
     tag = "h200" if cuda and "H200" in result["device"] else ("cuda" if cuda else "cpu")
     base = out_dir / f"diag_checkpoint_glm_{stamp}_{tag}"
-    base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    md = markdown(result)
-    base.with_suffix(".md").write_text(md)
-    print(md)
+    print(write_results(base, result, markdown))
     log(f"[glm] wrote {base}.json/.md in {time.perf_counter() - t0:.0f} s")
 
 

@@ -27,15 +27,23 @@ from graphopt.bench import time_call  # noqa: E402
 from graphopt.examples import zoo  # noqa: E402
 
 
-def top_kernels(fn, n=15):
+def profiled(fn, calls: int = 1, cpu: bool = False):
+    """torch.profiler over ``calls`` calls of fn after one warm-up call, the device synchronized
+    before and after (CUDA activity; CPU too with ``cpu``)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cpu else [ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def top_kernels(fn, n=15):
+    prof = profiled(fn, calls=3)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -50,14 +58,7 @@ def idle_gaps(fn, n=12):
     """One call profiled alone (the device idle before it, as time_call times it): the device's idle
     time from the call's start to its first kernel and between kernels, the largest gaps with the
     kernels on each side."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    evs = prof.events()
+    evs = profiled(fn, calls=1, cpu=True).events()
     cpu = [e for e in evs if e.device_type == torch.autograd.DeviceType.CPU]
     ker = sorted((e for e in evs if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)

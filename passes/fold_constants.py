@@ -89,19 +89,7 @@ class FoldConstants(Pass):
         # fold at the frontier: constant call nodes read by something that is not constant
         roots = [n for n in gm.graph.nodes if n in const and n.op == "call_function"
                  and any(u not in const for u in n.users)]
-        env: dict = {}
-
-        def value(node):
-            if node in env:
-                return env[node]
-            if node.op == "get_attr":
-                v = ir.get_attr_value(gm, node.target)
-            else:
-                args = torch.fx.node.map_arg(node.args, value)
-                kwargs = torch.fx.node.map_arg(node.kwargs, value)
-                v = node.target(*args, **kwargs)
-            env[node] = v
-            return v
+        value = _evaluator(gm)
 
         candidates = []
         for root in roots:
@@ -219,19 +207,26 @@ def constant_value(gm: fx.GraphModule, node, max_nodes: int = 256, max_bytes: in
                 return None
         except GraphoptError:
             return None
+    with torch.no_grad():
+        v = _evaluator(gm)(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _evaluator(gm: fx.GraphModule):
+    """``value(node)``: a constant node's value, computed from its inputs' (each node once)."""
     env: dict = {}
 
-    def value(x):
-        return env[x]
+    def value(node):
+        if node in env:
+            return env[node]
+        if node.op == "get_attr":
+            v = ir.get_attr_value(gm, node.target)
+        else:
+            v = node.target(*torch.fx.node.map_arg(node.args, value), **torch.fx.node.map_arg(node.kwargs, value))
+        env[node] = v
+        return v
 
-    with torch.no_grad():
-        for n in order:
-            if n.op == "get_attr":
-                env[n] = ir.get_attr_value(gm, n.target)
-            else:
-                env[n] = n.target(*torch.fx.node.map_arg(n.args, value), **torch.fx.node.map_arg(n.kwargs, value))
-    v = env[node]
-    return v if isinstance(v, torch.Tensor) else None
+    return value
 
 
 def _subgraph(root: fx.Node, const: set) -> list:

@@ -27,6 +27,16 @@ ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 TOL = 1e-3  # the accuracy rule's fp32 training tolerance
 
 
+def budget_model(name, resnet_res=32):
+    """The models the memory tests run: a small ResNet-18, a dropout MLP stack, or a zoo model."""
+    if name == "resnet18":
+        return small_resnet(res=resnet_res)
+    if name == "stack":
+        torch.manual_seed(0)
+        return Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)
+    return zoo.get(name)
+
+
 def small_resnet(batch=16, res=32):
     import torchvision
 
@@ -152,13 +162,7 @@ def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
 
 @pytest.mark.parametrize("name,budget", [("resnet18", 0.85), ("resnet18", 0.92), ("stack", 0.5), ("glm4-tiny", 0.7)])
 def test_memory_held_after_the_forward_is_what_was_predicted(name, budget):
-    if name == "resnet18":
-        model, args = small_resnet()
-    elif name == "stack":
-        torch.manual_seed(0)
-        model, args = Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)
-    else:
-        model, args = zoo.get(name)
+    model, args = budget_model(name)
     ref = copy.deepcopy(model).train()
     opt = graphopt.optimize(model, args, training=True, memory_budget=budget, check_accuracy=False,
                             checkpoint_backend="sac")

@@ -15,7 +15,7 @@ import graphopt
 from graphopt import accuracy
 from graphopt.errors import BudgetError, GraphoptError
 from graphopt.examples import zoo
-from tests.passes.test_insert_checkpoints import Count, Stack, held_after_forward, small_resnet  # shared helpers
+from tests.passes.test_insert_checkpoints import Count, Stack, budget_model, held_after_forward, small_resnet  # shared helpers
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 aot = importlib.import_module("graphopt.passes._aot_recompute")
@@ -113,10 +113,7 @@ def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_k
 
 @pytest.mark.parametrize("name,budget", [("resnet18", 0.95), ("glm4-tiny", 0.7)])
 def test_memory_held_after_the_forward_fits_the_budget(name, budget):
-    if name == "resnet18":
-        model, args = small_resnet(res=64)
-    else:
-        model, args = zoo.get(name)
+    model, args = budget_model(name, resnet_res=64)
     ref = copy.deepcopy(model).train()
     opt = graphopt.optimize(model, args, training=True, memory_budget=budget, check_accuracy=False,
                             checkpoint_backend="aot")

@@ -335,8 +335,9 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     # a broadcast input: walk [BM, BN] tiles of (leading dims flattened, last dim), so dense
     # inputs stream at the flat index and a broadcast one is indexed per row and column (no
     # per-element div/mod); rank > 2 only where the last dim is long enough to amortize the
-    # per-row div/mod and still vectorize
-    tile2d = (not all(dense) and (len(cshape) == 2 or cshape[-1] >= 64)
+    # per-row div/mod and still vectorize. A broadcast that coalesces to rank 1 (a size-1 operand
+    # over a dense one) takes the flat walk.
+    tile2d = (not all(dense) and len(cshape) >= 2 and (len(cshape) == 2 or cshape[-1] >= 64)
               and triton_cdiv(cshape[-1], min(BLOCK, triton_next_pow2(cshape[-1]))) <= 65535)
     # the hardware tanh where every output is 16-bit (not under the interpreter: no inline asm)
     pl.fast = (os.environ.get("TRITON_INTERPRET", "0") != "1" and device is not None and device.type == "cuda"

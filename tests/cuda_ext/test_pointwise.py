@@ -230,3 +230,16 @@ def test_channels_last_in_the_triton_kernel(triton_interpreter):
     (out,) = _run_triton(p.source, ins)
     assert out.stride() == reference.fused_pointwise(p.source, ins)[0].stride()
     torch.testing.assert_close(out, torch.relu(ins[0] * ins[1] + ins[2]))
+
+
+def test_size1_operand_over_a_transposed_input(triton_interpreter):
+    """A transposed input (its memory order becomes the run order) with a size-1 operand coalesces
+    to one dim: the flat walk, not the 2-D tile kernel (the compute-sanitizer driver found it raising
+    'tile2d needs ... rank >= 2' at 33 x 5)."""
+    p = Program()
+    a, b = p.input(), p.input()
+    p.output(p.gelu_tanh(a + b), "f32")
+    for x in (torch.randn(33, 5).t(), torch.randn(7, 70).t()):
+        s = torch.randn(1)
+        (o,) = _run_triton(p.source, [x, s])
+        torch.testing.assert_close(o, F.gelu(x + s, approximate="tanh"), rtol=1e-5, atol=1e-5)

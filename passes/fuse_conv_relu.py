@@ -11,7 +11,17 @@ BatchNorm folded): ResNet-50 bs64 5.15 ms with the separate kernels, 2.67 ms fus
 A lowering step: it runs after the layout and precision passes, so it sees the layout and the
 dtypes the graph will run in (the fused op keeps cuDNN's layout: channels_last in, channels_last
 out). Inference graphs on a CUDA profile only (the op has no autograd formula, and on the CPU it
-is the reference convolution). Refused, with the reason in the report: grouped and depthwise
+is the reference convolution).
+
+Then the residual branch's bias moves into the fused convolution's bias: a residual read only by
+the fused op that is itself ``conv2d(x2, W2, b2)`` (ResNet's downsample: convolution + folded
+BatchNorm) gives ``relu(conv(x, W) + b + conv(x2, W2) + b2)``, so ``b + b2`` (summed once, in fp32,
+at optimization time) goes to the fused op and the residual convolution runs without a bias. aten
+adds a convolution's bias in a separate broadcast kernel, slow in channels_last: ResNet-50 bs64's
+first downsample measured 0.185 ms with its bias, 0.041 ms without
+(``benchmarks/results/diag_resnet_convs_2026-11-30_025546.md``). Only constant biases move.
+
+Refused, with the reason in the report: grouped and depthwise
 convolutions (cuDNN's fused engines for them are unmeasured here), a convolution whose output
 is read elsewhere (the pre-ReLU value would be lost), a residual of another shape or dtype, and
 ``add`` with alpha != 1.
@@ -26,7 +36,9 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import conv_bias_add_time, nbytes, set_meta
+from graphopt.cost.model import conv_bias_add_s
+
+from ._fusion_meta import nbytes, set_meta
 
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -131,7 +143,46 @@ class FuseConvReLU(Pass):
                        "repeat aten's kernels")
             return res
         res.apply_ranked(ctx, candidates, fused_kernels=True)
+        if ctx.fused_kernels:
+            self._move_residual_biases(gm, ctx, res)
         return res
+
+    @staticmethod
+    def _move_residual_biases(gm, ctx, res) -> None:
+        """conv_bias_relu(x, W, b, z = conv2d(x2, W2, b2)) -> conv_bias_relu(x, W, b + b2, conv2d(x2, W2))."""
+        g = gm.graph
+        for fused in [n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.graphopt.conv_bias_relu.default]:
+            z, bias = fused.args[3], fused.args[2]
+            if not (isinstance(z, fx.Node) and z.op == "call_function" and z.target is aten.conv2d.default):
+                continue
+            zb = get_arg(z, 2)
+            if zb is None:
+                continue
+            label = f"{z.name} bias -> {fused.name}"
+            if len(z.users) != 1:
+                res.reject(label, f"{z.name} (the residual convolution) is also read elsewhere")
+                continue
+            consts = [b for b in (zb, bias) if b is not None]
+            if any(not (isinstance(b, fx.Node) and b.op == "get_attr") for b in consts):
+                res.reject(label, "a bias is computed in the graph, not a constant")
+                continue
+            b2 = ir.get_attr_value(gm, zb.target)
+            b1 = ir.get_attr_value(gm, bias.target) if bias is not None else torch.zeros_like(b2)
+            if b1.shape != b2.shape:
+                res.reject(label, f"bias shapes {tuple(b1.shape)} and {tuple(b2.shape)} differ")
+                continue
+            summed = (b1.double() + b2.double()).to(b1.dtype)
+            gain = ir.concrete(conv_bias_add_s(ctx.profile, z), ctx.hints)
+            with g.inserting_before(fused):
+                new_bias = g.get_attr(ir.register_constant(gm, f"{fused.name}_bias", summed))
+            fused.update_arg(2, new_bias)
+            args = list(z.args) + [None] * (3 - len(z.args))
+            args[2] = None
+            z.args = tuple(args)
+            if "bias" in z.kwargs:
+                z.kwargs = {k: v for k, v in z.kwargs.items() if k != "bias"}
+            ir.erase_dead(gm, [n for n in (zb, bias) if n is not None])
+            res.record("residual convolution's bias -> the fused convolution's bias", [z, fused], [new_bias], gain)
 
     def _candidate(self, gm, ctx, res, relu) -> Candidate | None:
         found = match_epilogue(relu, res)
@@ -139,11 +190,9 @@ class FuseConvReLU(Pass):
             return None
         conv, add, z = found
         label = " + ".join(n.name for n in (conv, add, relu) if n is not None)
-        bias = _conv_args(conv)[2]
         nodes = [n for n in (relu, add, conv) if n is not None]
         h = ctx.hints
-        old = ctx.node_time(nodes)
-        old += conv_bias_add_time(ctx, conv, bias)
+        old = ctx.node_time(nodes)  # the convolution's time includes aten's bias kernel
         nc = ctx.cost.node_cost(conv)
         extra = nbytes(ir.info(z), h) if add is not None else 0.0
         new = ctx.profile.kernel_seconds(ir.concrete(nc.compute_s, h),

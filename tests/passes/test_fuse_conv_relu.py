@@ -67,6 +67,57 @@ def test_full_pipeline_fuses_after_channels_last():
     assert reference_check(m, gm, (x,)).passed
 
 
+class Downsample(nn.Module):
+    """ResNet's downsampling block end: relu(bn(conv(y)) + bn(conv_1x1(x)))."""
+
+    def __init__(self, c=8, side=False):
+        super().__init__()
+        self.c, self.b = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * c)
+        self.d, self.db = nn.Conv2d(c, 2 * c, 1, stride=2, bias=False), nn.BatchNorm2d(2 * c)
+        self.side = side
+
+    def forward(self, x):
+        z = self.db(self.d(x))
+        out = torch.relu(self.b(self.c(x)) + z)
+        return (out, z) if self.side else out
+
+
+def _downsample(**kw):
+    torch.manual_seed(1)
+    m = Downsample(**kw).eval()
+    for b in (m.b, m.db):
+        b.running_mean.uniform_(-0.5, 0.5)
+        b.running_var.uniform_(0.5, 2.0)
+        b.bias.data.uniform_(-0.5, 0.5)
+    return m
+
+
+def test_residual_convolution_bias_moves_into_the_fused_bias():
+    m = _downsample()
+    x = torch.randn(2, 8, 10, 10)
+    gm = capture(m, (x,))
+    _, res = run_passes(gm, ["fold_conv_bn", "fuse_conv_relu"], target="h200")
+    (fused,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
+    (z,) = [n for n in gm.graph.nodes if str(n.target) == "aten.conv2d.default"]
+    assert fused.args[3] is z and (len(z.args) < 3 or z.args[2] is None) and "bias" not in z.kwargs
+    moved = [r for r in res.rewrites if r.pattern.startswith("residual convolution's bias")]
+    assert len(moved) == 1 and moved[0].predicted_gain_s > 0
+    # the fused bias is the sum of both folded BatchNorm biases
+    bias = getattr(gm, fused.args[2].target)
+    want = (m.b.bias - m.b.running_mean * m.b.weight / (m.b.running_var + m.b.eps).sqrt()
+            + m.db.bias - m.db.running_mean * m.db.weight / (m.db.running_var + m.db.eps).sqrt())
+    torch.testing.assert_close(bias, want.detach(), rtol=1e-5, atol=1e-6)
+    assert reference_check(m, gm, (x,)).passed
+    # negative: the residual convolution's output is also returned, so its bias must stay
+    m = _downsample(side=True)
+    gm = capture(m, (x,))
+    _, res = run_passes(gm, ["fold_conv_bn", "fuse_conv_relu"], target="h200")
+    (z,) = [n for n in gm.graph.nodes if str(n.target) == "aten.conv2d.default"]
+    assert z.args[2] is not None and not any(r.pattern.startswith("residual") for r in res.rewrites)
+    assert any("also read elsewhere" in r.reason for r in res.rejected)
+    assert reference_check(m, gm, (x,)).passed
+
+
 def test_refusals():
     x = torch.randn(2, 8, 10, 10)
     # grouped convolution: unmeasured fused engines

@@ -134,12 +134,15 @@ def _gemm_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
     return out
 
 
-def _conv_samples(device, dtype, quick: bool) -> tuple[list[tuple[float, float, float]], str, float]:
-    """(FLOPs, bytes, seconds) of ResNet-shaped channels_last convolutions + bias + ReLU as lowered
-    graphs run them: graphopt's fused ``conv_bias_relu`` (cuDNN's fused engine) when the CUDA kernels
-    are loaded, else ``conv2d`` then bias and ReLU. Returns the samples, what ran them, and the
-    median ratio of aten's ``conv2d`` with a bias (what an unfused convolution runs) to the fused
-    op on the same shapes (1.0 when the fused op is not there)."""
+def _conv_samples(device, dtype, quick: bool) -> dict:
+    """ResNet-shaped channels_last convolutions + bias + ReLU as lowered graphs run them: graphopt's
+    fused ``conv_bias_relu`` (cuDNN's fused engine) when the CUDA kernels are loaded, else
+    ``conv2d`` then bias and ReLU. Returns ``samples`` [(FLOPs, bytes, seconds)] of the shapes whose
+    input channels are a multiple of 8, ``narrow`` the same for the others (ResNet's 3-channel
+    stem, which cuDNN runs on a slow path), ``how`` (what ran them), ``unfused`` (median ratio of
+    aten's ``conv2d`` without a bias to the fused op: 1.0 without the fused op) and ``bias_add_scale``
+    (the fraction of the copy bandwidth aten's separate bias add reaches, from conv2d with and
+    without a bias; None without a GPU)."""
     import torch.nn.functional as F
 
     fused = False
@@ -149,7 +152,9 @@ def _conv_samples(device, dtype, quick: bool) -> tuple[list[tuple[float, float, 
         fused = device.type == "cuda" and cuda_ext.backend() == "cuda"
     except Exception:  # noqa: BLE001 - no kernels: time what eager runs
         fused = False
-    out, ratios = [], []
+    iters = 5 if quick else 10
+    samples, narrow, ratios, scales = [], [], [], []
+    bw = None
     for bsz, cin, h, w, cout, kk, st in (CONV_SHAPES[::3] if quick else CONV_SHAPES):
         x = torch.randn(bsz, cin, h, w, device=device, dtype=dtype).to(memory_format=torch.channels_last)
         wt = torch.randn(cout, cin, kk, kk, device=device, dtype=dtype).to(memory_format=torch.channels_last)
@@ -160,17 +165,25 @@ def _conv_samples(device, dtype, quick: bool) -> tuple[list[tuple[float, float, 
         else:
             fn = lambda: F.relu(F.conv2d(x, wt, b, stride=st, padding=pad))  # noqa: E731
         y = fn()
-        t = _best_seconds(fn, device, 5 if quick else 10)
+        t = _best_seconds(fn, device, iters)
         nbytes = (x.numel() + wt.numel() + b.numel() + y.numel()) * x.element_size()
-        out.append((2.0 * y.numel() * cin * kk * kk, float(nbytes), t))
-        if fused:
-            ratios.append(_best_seconds(lambda: F.conv2d(x, wt, b, stride=st, padding=pad), device,
-                                        5 if quick else 10) / t)
+        (samples if cin % 8 == 0 else narrow).append((2.0 * y.numel() * cin * kk * kk, float(nbytes), t))
+        if device.type == "cuda" and cin % 8 == 0:
+            plain = _best_seconds(lambda: F.conv2d(x, wt, None, stride=st, padding=pad), device, iters)
+            with_bias = _best_seconds(lambda: F.conv2d(x, wt, b, stride=st, padding=pad), device, iters)
+            if fused:
+                ratios.append(plain / t)
+            if bw is None:
+                bw = _copy_bw(64 << 20, device, 10)
+            if with_bias > plain:
+                scales.append(2 * y.numel() * y.element_size() / (with_bias - plain) / bw)
         del x, wt, b, y
     ratios.sort()
-    slowdown = max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0
-    return out, ("graphopt::conv_bias_relu (cuDNN fused conv + bias + ReLU)" if fused else "conv2d + bias + relu"), \
-        slowdown
+    scales.sort()
+    return {"samples": samples, "narrow": narrow,
+            "how": "graphopt::conv_bias_relu (cuDNN fused conv + bias + ReLU)" if fused else "conv2d + bias + relu",
+            "unfused": max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0,
+            "bias_add_scale": min(1.0, scales[len(scales) // 2]) if scales else None}
 
 
 def _pool_bandwidth_scale(device, dtype, bw: float, quick: bool) -> float:
@@ -184,25 +197,23 @@ def _pool_bandwidth_scale(device, dtype, bw: float, quick: bool) -> float:
     return min(1.0, (x.numel() + y.numel()) * x.element_size() / t / bw)
 
 
-def fit_roofline(samples, peak: float, bandwidth: float, kernel_fixed_s: float) -> tuple[float, float]:
-    """(scale, fixed_s) for kernels the cost model prices as
-    ``max(flops / (peak * scale) + fixed_s, bytes / bandwidth + kernel_fixed_s)`` (convolutions:
-    1x1 ones over few channels are memory-bound, 3x3 ones compute-bound), fitted to
-    [(flops, bytes, seconds)] by a grid search minimizing the squared log error."""
-    import math
-
-    best = (float("inf"), 1.0, 0.0)
-    for i in range(5, 101):
-        scale = i / 100
-        for j in range(0, 61):
-            fixed = j * 0.5e-6
-            err = 0.0
-            for f, b, t in samples:
-                pred = max(f / (peak * scale) + fixed, b / bandwidth + kernel_fixed_s)
-                err += math.log(pred / t) ** 2
-            if err < best[0]:
-                best = (err, scale, fixed)
-    return best[1], best[2]
+def fit_conv(samples, peak: float, bandwidth: float) -> tuple[float, float, float]:
+    """(scale, memory_scale, fixed_s) for convolutions priced as
+    ``flops / (peak * scale) + bytes / (bandwidth * memory_scale) + fixed_s`` (cuDNN's
+    convolutions at ResNet sizes do not overlap their compute with their memory traffic: the
+    measured times track the sum, not the max), fitted to [(flops, bytes, seconds)] by a grid
+    search minimizing the squared log error, both scales at most 1."""
+    f = torch.tensor([x[0] for x in samples], dtype=torch.float64) / peak
+    m = torch.tensor([x[1] for x in samples], dtype=torch.float64) / bandwidth
+    t = torch.tensor([x[2] for x in samples], dtype=torch.float64)
+    scales = torch.arange(10, 101, dtype=torch.float64) / 100
+    fixed = torch.arange(0, 61, dtype=torch.float64) * 0.5e-6
+    # [scale, memory scale, fixed, sample]
+    pred = (f / scales[:, None, None, None] + m / scales[None, :, None, None] + fixed[None, None, :, None])
+    err = (pred / t).log().pow(2).sum(-1)
+    i = int(err.argmin())
+    n = len(fixed)
+    return float(scales[i // (len(scales) * n)]), float(scales[(i // n) % len(scales)]), float(fixed[i % n])
 
 
 def _attention_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
@@ -493,14 +504,23 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             extra_fit["kernel_fixed_s"] = _copy_fixed(device, bw, quick)
             source["kernel_fixed"] = f"{stamp}: median of (t - bytes / bandwidth) over 1-256 MiB copies"
             say("convolution efficiency (ResNet-50 channels_last bf16 conv + bias + ReLU, cudnn.benchmark as set)")
-            conv, conv_how, unfused = _conv_samples(device, torch.bfloat16, quick)
-            extra_fit.update(zip(("conv_scale", "conv_fixed_s"),
-                                 fit_roofline(conv, peak["bfloat16"], bw, extra_fit["kernel_fixed_s"])))
-            extra_fit["conv_unfused_slowdown"] = unfused
-            source["conv_efficiency"] = (f"{stamp}: max(flops / (peak * scale) + fixed, bytes / bandwidth + kernel "
-                                         f"fixed) fitted to {len(conv)} ResNet-50 convolutions run as {conv_how}, "
-                                         f"cudnn.benchmark={torch.backends.cudnn.benchmark}; aten conv2d + bias "
-                                         f"{unfused:.2f}x the fused op's time (median over the same shapes)")
+            cs = _conv_samples(device, torch.bfloat16, quick)
+            fit = fit_conv(cs["samples"], peak["bfloat16"], bw)
+            extra_fit.update(zip(("conv_scale", "conv_memory_scale", "conv_fixed_s"), fit))
+            extra_fit["conv_unfused_slowdown"] = cs["unfused"]
+            if cs["bias_add_scale"] is not None:
+                extra_fit["conv_bias_add_scale"] = cs["bias_add_scale"]
+            narrow = [t / (f / (peak["bfloat16"] * fit[0]) + b / (bw * fit[1]) + fit[2]) for f, b, t in cs["narrow"]]
+            if narrow:
+                extra_fit["conv_narrow_input_slowdown"] = max(1.0, sorted(narrow)[len(narrow) // 2])
+            source["conv_efficiency"] = (
+                f"{stamp}: flops / (peak * scale) + bytes / (bandwidth * memory scale) + fixed fitted to "
+                f"{len(cs['samples'])} ResNet-50 convolutions run as {cs['how']}, "
+                f"cudnn.benchmark={torch.backends.cudnn.benchmark}; aten conv2d without a bias "
+                f"{cs['unfused']:.2f}x the fused op's time, aten's bias add at "
+                f"{(cs['bias_add_scale'] or 1.0):.0%} of the copy rate (medians over the same shapes); "
+                f"{len(narrow)} convolution(s) with fewer than 8 input channels (or not a multiple of 8) "
+                f"{(sorted(narrow)[len(narrow) // 2] if narrow else 1.0):.1f}x the fit")
             say("pooling bandwidth (ResNet-50 stem max_pool2d)")
             extra_fit["pool_bandwidth_scale"] = _pool_bandwidth_scale(device, torch.bfloat16, bw, quick)
             source["pool_bandwidth"] = f"{stamp}: max_pool2d 3x3/2 over 64x64x112x112 channels_last bf16"
@@ -607,8 +627,11 @@ def run_cli(args) -> int:
                   + (", …" if len(ops) > 6 else ""))
     if prof.kind == "cuda":
         t.add_row("GEMM efficiency", f"{prof.matmul_scale:.0%} of peak + {prof.matmul_fixed_s * 1e6:.1f} µs")
-        t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak + {prof.conv_fixed_s * 1e6:.1f} µs "
-                                     f"(aten conv2d {prof.conv_unfused_slowdown:.2f}× slower)")
+        mem = "" if prof.conv_memory_scale is None else f" + memory at {prof.conv_memory_scale:.0%} of the copy rate"
+        t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak{mem} + {prof.conv_fixed_s * 1e6:.1f} µs "
+                                     f"(aten conv2d {prof.conv_unfused_slowdown:.2f}× slower, its bias add at "
+                                     f"{prof.conv_bias_add_scale:.0%} of the copy rate; fewer than 8 input channels "
+                                     f"{prof.conv_narrow_input_slowdown:.1f}× slower)")
         t.add_row("pooling bandwidth", f"{prof.pool_bandwidth_scale:.0%} of the copy rate")
         if prof.attention_scale is not None:
             t.add_row("attention efficiency", f"{prof.attention_scale:.0%} of peak + "

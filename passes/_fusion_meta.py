@@ -56,12 +56,3 @@ def pointwise_kernel_time(ctx, bytes_moved: float, elems: float = 0.0, flops_per
     cost model's formula for a node in the graphopt namespace."""
     p = ctx.profile
     return p.kernel_seconds(elems * flops_per_elem / p.elementwise_flops, bytes_moved / p.bandwidth)
-
-
-def conv_bias_add_time(ctx, conv: fx.Node, bias) -> float:
-    """The kernel aten's cuDNN path runs after a convolution to add its bias (cudnn_convolution
-    takes none), which the cost model does not show as a node: 0 without a bias or off CUDA.
-    A pass that absorbs the bias into a fused kernel counts it among the time it removes."""
-    if bias is None or ctx.profile.kind != "cuda":
-        return 0.0
-    return pointwise_kernel_time(ctx, 2 * nbytes(ir.info(conv), ctx.hints) + nbytes(ir.info(bias), ctx.hints))

@@ -35,7 +35,7 @@ from graphopt.cost.model import _is_contiguous
 from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import conv_bias_add_time, nbytes, pointwise_kernel_time, set_meta
+from ._fusion_meta import nbytes, pointwise_kernel_time, set_meta
 
 aten = torch.ops.aten
 CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
@@ -158,8 +158,6 @@ class FuseBiasAct(Pass):
         nodes = [n for n in (radd, act, badd, gemm) if n is not None]
         old = ctx.node_time(nodes)
         h = ctx.hints
-        if gemm.target in CONVS:
-            old += conv_bias_add_time(ctx, gemm, bias)
         # aten path: linear/addmm + bias + relu (+ gelu in bf16 on CUDA) -> _addmm_activation
         gelu_ok = a in ("gelu", "gelu_tanh") and yi.dtype == torch.bfloat16 and ctx.profile.kind == "cuda"
         if (a == "relu" or gelu_ok) and radd is None and gemm.target in (aten.linear.default, aten.addmm.default):

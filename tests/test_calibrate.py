@@ -111,20 +111,25 @@ def test_host_costs_measured_and_roundtrip(tmp_path):
     assert old.host_node_s == DeviceProfile.__dataclass_fields__["host_node_s"].default and old.host_op_s == {}
 
 
-def test_fit_roofline_recovers_conv_efficiency():
-    """Samples made by the cost model's own conv formula (compute-bound 3x3s, memory-bound 1x1s)
-    give back the scale and fixed time they were made with."""
-    from graphopt.calibrate import fit_roofline
+def test_fit_conv_recovers_conv_efficiency():
+    """Samples made by the cost model's additive conv formula (compute-heavy 3x3s, memory-heavy
+    1x1s) give back the scales and fixed time they were made with, and the profile prices them so."""
+    import dataclasses
 
-    peak, bw, kfixed = 776e12, 4.2e12, 3e-6
-    scale, fixed = 0.62, 4e-6
+    from graphopt.calibrate import fit_conv
+    from graphopt.cost.profiles import get_profile
+
+    peak, bw = 776e12, 4.2e12
+    scale, mscale, fixed = 0.62, 0.8, 4e-6
     shapes = [(14.8e9, 60e6), (6.6e9, 128e6), (29.6e9, 30e6), (3.3e9, 110e6), (14.8e9, 20e6), (1.0e9, 200e6)]
-    samples = [(f, b, max(f / (peak * scale) + fixed, b / bw + kfixed)) for f, b in shapes]
-    got_scale, got_fixed = fit_roofline(samples, peak, bw, kfixed)
-    assert got_scale == pytest.approx(scale, abs=0.011)
-    assert got_fixed == pytest.approx(fixed, abs=0.6e-6)
-    # memory-bound samples alone say nothing about compute: the fit must still price them right
-    mem = [s for s in samples if s[1] / bw + kfixed >= s[0] / (peak * scale) + fixed]
-    s2, f2 = fit_roofline(mem, peak, bw, kfixed)
-    for f, b, t in mem:
-        assert max(f / (peak * s2) + f2, b / bw + kfixed) == pytest.approx(t, rel=0.05)
+    samples = [(f, b, f / (peak * scale) + b / (bw * mscale) + fixed) for f, b in shapes]
+    got = fit_conv(samples, peak, bw)
+    assert got == pytest.approx((scale, mscale, fixed), abs=0.011)
+    prof = dataclasses.replace(get_profile("h200")[0], peak_flops={"bfloat16": peak}, bandwidth=bw,
+                               conv_scale=got[0], conv_memory_scale=got[1], conv_fixed_s=got[2])
+    for f, b, t in samples:
+        assert prof.gpu_seconds(f / peak, b / bw, "conv") == pytest.approx(t, rel=0.03)
+    # the roofline form (no memory scale) takes the max instead of the sum
+    roof = dataclasses.replace(prof, conv_memory_scale=None)
+    f, b, _ = samples[1]
+    assert roof.gpu_seconds(f / peak, b / bw, "conv") < prof.gpu_seconds(f / peak, b / bw, "conv")

@@ -1,10 +1,12 @@
-import sympy
+import dataclasses
+
 import pytest
+import sympy
 import torch
 import torch.nn as nn
 
 from graphopt import capture
-from graphopt.cost.model import CostModel
+from graphopt.cost.model import CostModel, conv_bias_add_s
 from graphopt.cost.profiles import DeviceProfile, get_profile, profile_names
 from graphopt.errors import GraphoptError
 
@@ -56,8 +58,6 @@ def test_linear_flops_and_bytes():
 def test_calibrated_efficiencies_and_cpu_dispatch():
     """A fitted GEMM efficiency slows GEMMs, a convolution gets its own, a memory-bound kernel its
     fixed time; on the CPU an op's dispatch adds to its work instead of overlapping it."""
-    import dataclasses
-
     gm = capture(Lin(1024, 1024).eval().to(torch.bfloat16), (torch.randn(4096, 1024, dtype=torch.bfloat16),))
     ideal = dataclasses.replace(_h200(), matmul_scale=1.0, matmul_fixed_s=0.0, conv_scale=1.0, conv_fixed_s=0.0,
                                 kernel_fixed_s=0.0)
@@ -80,8 +80,6 @@ def test_calibrated_efficiencies_and_cpu_dispatch():
 def test_unfused_conv_and_pooling_calibration():
     """An aten convolution on a GPU runs conv_unfused_slowdown times slower than the fused op the
     conv fit measured; pooling reaches pool_bandwidth_scale of the copy rate."""
-    import dataclasses
-
     from graphopt.cuda_ext import conv_bias_relu
 
     x = torch.randn(64, 64, 56, 56, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
@@ -102,12 +100,38 @@ def test_unfused_conv_and_pooling_calibration():
     cal = dataclasses.replace(base, conv_unfused_slowdown=2.0, pool_bandwidth_scale=0.25)
     plain, fused, pool = (_node(gm, k) for k in ("conv2d", "conv_bias_relu", "max_pool2d"))
     c0, c1 = CostModel(base), CostModel(cal)
-    assert c1.node_cost(plain).time_s == pytest.approx(2 * c0.node_cost(plain).time_s)
+    # aten's bias kernel after the convolution is priced on its own (conv_bias_add_scale)
+    bias_add = float(conv_bias_add_s(base, plain))
+    assert bias_add > 0 and conv_bias_add_s(base, fused) == 0.0
+    assert c1.node_cost(plain).time_s - bias_add == pytest.approx(2 * (c0.node_cost(plain).time_s - bias_add))
     assert c1.node_cost(fused).time_s == pytest.approx(c0.node_cost(fused).time_s)
     assert c1.node_cost(pool).time_s == pytest.approx(4 * c0.node_cost(pool).time_s)
     # the CPU profile has no fused kernels to compare with: aten convolutions are what it measured
     cpu = dataclasses.replace(cal, kind="cpu")
     assert CostModel(cpu).node_cost(plain).compute_s == pytest.approx(c0.node_cost(plain).compute_s)
+
+
+def test_conv_bias_add_and_narrow_input_pricing():
+    """aten's separate bias kernel costs 2 x the output at conv_bias_add_scale of the copy rate; a
+    channels_last convolution over 3 channels (ResNet's stem) pays conv_narrow_input_slowdown, one
+    over 8 does not, and neither applies on the CPU."""
+    x3 = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    x8 = torch.randn(2, 8, 32, 32).to(memory_format=torch.channels_last)
+    g3 = capture(nn.Conv2d(3, 16, 7, 2, 3).eval().to(memory_format=torch.channels_last), (x3,))
+    g8 = capture(nn.Conv2d(8, 16, 7, 2, 3).eval().to(memory_format=torch.channels_last), (x8,))
+    c3, c8 = _node(g3, "conv2d"), _node(g8, "conv2d")
+    base = dataclasses.replace(_h200(), conv_bias_add_scale=1.0, conv_narrow_input_slowdown=1.0)
+    slow = dataclasses.replace(base, conv_bias_add_scale=0.25, conv_narrow_input_slowdown=9.0)
+    out_bytes = 2 * 16 * 16 * 16 * 4
+    assert float(conv_bias_add_s(base, c8)) == pytest.approx(2 * out_bytes / base.bandwidth + base.kernel_fixed_s)
+    assert float(conv_bias_add_s(slow, c8)) == pytest.approx(2 * out_bytes / (0.25 * base.bandwidth) + base.kernel_fixed_s)
+    conv_only = lambda prof, n: CostModel(prof).node_cost(n).time_s - float(conv_bias_add_s(prof, n))  # noqa: E731
+    assert conv_only(slow, c3) == pytest.approx(9.0 * conv_only(base, c3))
+    assert conv_only(slow, c8) == pytest.approx(conv_only(base, c8))
+    cpu = dataclasses.replace(slow, kind="cpu")
+    assert conv_bias_add_s(cpu, c8) == 0.0
+    assert CostModel(cpu).node_cost(c3).time_s == pytest.approx(CostModel(dataclasses.replace(base, kind="cpu"))
+                                                                .node_cost(c3).time_s)
 
 
 def test_conv_flops():

@@ -322,6 +322,11 @@ class CostModel:
         if _op_name(node) in ROW_BLOCK_NORMS:
             t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
         gpu = _num(p.gpu_seconds(compute, memory, eff))
+        if eff == "conv" and p.kind == "cuda" and p.conv_narrow_input_slowdown > 1.0 and narrow_conv_input(node):
+            t, gpu = t * p.conv_narrow_input_slowdown, gpu * p.conv_narrow_input_slowdown
+        bias_add = conv_bias_add_s(p, node) if eff == "conv" else 0.0
+        if bias_add:  # aten's separate bias kernel after the convolution: device time on top
+            t, gpu = t + bias_add, gpu + _num(bias_add)
         launch = launches * p.launch_overhead_s
         c, m = _num(compute), _num(memory)
         if launch >= gpu:
@@ -575,6 +580,32 @@ def is_channels_last(t: ir.TensorInfo | None) -> bool:
     if t is None or t.stride is None or len(t.shape) != 4:
         return False
     return t.stride[1] == 1 and t.shape[1] != 1
+
+
+def narrow_conv_input(node: fx.Node) -> bool:
+    """A 2-D convolution over a channels_last input whose channel count is not a multiple of 8
+    (ResNet's 3-channel stem): cuDNN runs it on a slow path (profile.conv_narrow_input_slowdown)."""
+    x = ir.arg_infos(node)[0] if ir.arg_infos(node) else None
+    if x is None or len(x.shape) != 4 or not is_channels_last(x):
+        return False
+    try:
+        return int(x.shape[1]) % 8 != 0
+    except TypeError:  # a symbolic channel count
+        return False
+
+
+def conv_bias_add_s(profile: DeviceProfile, node: fx.Node):
+    """Device time of the kernel aten runs after a cuDNN convolution to add its bias (aten's
+    cudnn_convolution takes none): read and write the output once at the profile's measured
+    ``conv_bias_add_scale`` of the copy rate. 0 for graphopt's fused convolution, a convolution
+    without a bias, and off CUDA (oneDNN applies the bias in the convolution)."""
+    if profile.kind != "cuda" or _op_name(node) not in CONV_OPS or _op_name(node) == "conv_bias_relu":
+        return 0.0
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    out = ir.info(node)
+    if bias is None or out is None:
+        return 0.0
+    return 2 * out.nbytes / (profile.bandwidth * profile.conv_bias_add_scale) + profile.kernel_fixed_s
 
 
 def conv_layout_penalized(x: ir.TensorInfo | None, profile: DeviceProfile) -> bool:

@@ -46,6 +46,16 @@ class DeviceProfile:
     matmul_fixed_s: float = 0.0
     conv_scale: float = 1.0
     conv_fixed_s: float = 0.0
+    # set: a convolution takes compute / conv_scale + memory / conv_memory_scale + conv_fixed_s
+    # (its compute and its memory traffic do not overlap; what cuDNN's channels_last convolutions
+    # measured at ResNet sizes); None: the roofline max above
+    conv_memory_scale: float | None = None
+    # fraction of the copy bandwidth aten's separate bias add after a cuDNN convolution reaches
+    # (a broadcast over the channels of a channels_last output; 1.0: not measured)
+    conv_bias_add_scale: float = 1.0
+    # how much slower cuDNN runs a channels_last convolution whose input channels are not a multiple
+    # of 8 (ResNet's 3-channel stem) than the conv fit predicts (1.0: not measured)
+    conv_narrow_input_slowdown: float = 1.0
     kernel_fixed_s: float = 0.0
     # norm kernels that give each row its own thread block (aten's LayerNorm, graphopt's
     # add_layer_norm / add_rms_norm) are bound by block scheduling when rows are narrow: at least
@@ -88,6 +98,8 @@ class DeviceProfile:
         """Device time of one kernel: the roofline max of its compute and memory time, with the
         fitted efficiency of its kind ("matmul", "conv" or a memory-bound kernel)."""
         if kind == "conv":
+            if self.conv_memory_scale is not None:
+                return compute_s / self.conv_scale + memory_s / self.conv_memory_scale + self.conv_fixed_s
             compute_s = compute_s / self.conv_scale + self.conv_fixed_s
         elif kind == "matmul":
             compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s

@@ -1,5 +1,7 @@
 #!/bin/bash
 # One device call per step (outputs under $OUT); each step installs graphopt and builds the kernels first.
+#   sanitize cuda_ext tests, compute-sanitizer memcheck + racecheck on the kernel driver, the ResNet conv diagnostic
+#   conv     the stem diagnostic, calibrate, ResNet-50 cost accuracy with that profile, run_models for $2
 #   core     every cuda-marked test, calibrate (with the efficiency fits), cost-model accuracy with
 #            that profile, precision=auto vs hand-converted bf16
 #   cost     calibrate (host costs, attention fit included), then cost_model_accuracy.py with that profile
@@ -29,6 +31,23 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+sanitize)
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 \
+    | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_ext.log"
+  tail -30 "$OUT/pytest_cuda_ext.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
+      > "$OUT/$tool.log" 2>&1; echo "### $tool rc=$? ${SECONDS}s"; tail -3 "$OUT/$tool.log"
+  done
+  timeout $((580 - SECONDS)) python3 benchmarks/diag_resnet_convs.py --out "$OUT" 2>&1 | quiet | tail -60 ;;
+conv)
+  timeout 40 python3 benchmarks/diag_stem.py --out "$OUT" 2>&1 | quiet | grep -v "^ \|^{\|^}"; echo "### stem ${SECONDS}s"
+  timeout 150 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error\|wrote"
+  echo "### calibrate ${SECONDS}s"
+  python3 -c "import json; d=json.load(open('$OUT/h200-calibrated.json')); print({k: v for k, v in d.items() if 'conv' in k}); print(d['source'].get('conv_efficiency'))"
+  timeout 150 python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" --models resnet50@64,resnet50@1 \
+    --out "$OUT" 2>&1 | grep "^| resnet" | head -6; echo "### accuracy ${SECONDS}s"
+  models "${2:-resnet50:64,resnet50:1}" ;;
 core)
   timeout 150 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
   tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"

@@ -53,8 +53,11 @@ def _resolve(device) -> torch.device:
     return dev
 
 
-def _best_seconds(fn, device: torch.device, iters: int, chunks: int = 3, warmup: int = 1) -> float:
-    """Seconds per call of fn: best over ``chunks`` of ``iters`` back-to-back calls."""
+def _best_seconds(fn, device: torch.device, iters: int, chunks: int = 3, warmup: int = 1, queued: bool = False) -> float:
+    """Seconds per call of fn: best over ``chunks`` of ``iters`` back-to-back calls. ``queued``
+    (CUDA): a GPU sleep runs first while the host enqueues the calls, so the events time the
+    device work alone, not the host's launch cost (cuDNN spends ~25 us of host time per
+    convolution, as long as a small convolution runs)."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
@@ -63,6 +66,8 @@ def _best_seconds(fn, device: torch.device, iters: int, chunks: int = 3, warmup:
     for _ in range(chunks):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(200_000 * iters)  # ~0.1 ms of GPU time per call to enqueue
             start.record()
             for _ in range(iters):
                 fn()
@@ -165,12 +170,12 @@ def _conv_samples(device, dtype, quick: bool) -> dict:
         else:
             fn = lambda: F.relu(F.conv2d(x, wt, b, stride=st, padding=pad))  # noqa: E731
         y = fn()
-        t = _best_seconds(fn, device, iters)
+        t = _best_seconds(fn, device, iters, queued=True)
         nbytes = (x.numel() + wt.numel() + b.numel() + y.numel()) * x.element_size()
         (samples if cin % 8 == 0 else narrow).append((2.0 * y.numel() * cin * kk * kk, float(nbytes), t))
         if device.type == "cuda" and cin % 8 == 0:
-            plain = _best_seconds(lambda: F.conv2d(x, wt, None, stride=st, padding=pad), device, iters)
-            with_bias = _best_seconds(lambda: F.conv2d(x, wt, b, stride=st, padding=pad), device, iters)
+            plain = _best_seconds(lambda: F.conv2d(x, wt, None, stride=st, padding=pad), device, iters, queued=True)
+            with_bias = _best_seconds(lambda: F.conv2d(x, wt, b, stride=st, padding=pad), device, iters, queued=True)
             if fused:
                 ratios.append(plain / t)
             if bw is None:

@@ -110,7 +110,7 @@ def run_one(spec: str, *, device, dtype, profile_arg, pred_profile, reps: int, i
         print(f"  {spec}: optimized in {row['optimize_s']:.1f} s, module runs {mode}; timing nodes", flush=True)
         table = accuracy_table(gm, (args, kwargs), cost, reps=reps, inner=inner, device=device, execution="eager")
         for k in ("nodes_total", "nodes_costed", "nodes_heavy", "heavy_threshold_ms", "spearman", "spearman_heavy",
-                  "spearman_kernels", "predicted_host_ms", "predicted_device_ms", "predicted_busy",
+                  "spearman_kernels", "spearman_device", "nodes_device", "predicted_host_ms", "predicted_device_ms", "predicted_busy",
                   "predicted_node_sum_ms", "node_sum_ms", "measured_host_node_us", "measured_host_launch_us"):
             row[k] = table[k]
         row["eager_graph"] = {"predicted_ms": table["predicted_ms"], "measured_ms": table["measured_ms"],
@@ -197,15 +197,19 @@ def to_markdown(header: dict, rows: list[dict], device) -> str:
     lines += ["", f"**Per node** ({header['timing']}, median of {header['reps']} runs): predicted = the longer of the "
               "node's host and device time (`CostModel.node_loop_s`; their sum on the CPU). *costed*: every node with a "
               "nonzero predicted time (views cost host time); *heavy*: the nodes measured above 3 × the launch overhead; "
-              "*kernels*: the nodes that launch a kernel. Host µs: the host's issue time per node measured in the graph "
+              "*kernels*: the nodes that launch a kernel. *device*: each kernel node's loop timed again queued behind a GPU "
+              "sleep (the host has issued every call first, so the events time the device work alone) against the "
+              "predicted device time. Host µs: the host's issue time per node measured in the graph "
               "(median over views / per kernel launch) beside the profile's.", "",
               "| model | nodes | costed | Spearman costed | heavy (> ms) | Spearman heavy | Spearman kernels | "
-              "node sum measured ms | host µs per view: measured / profile | per launch: measured / profile |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "Spearman device (nodes) | node sum measured ms | host µs per view: measured / profile | "
+              "per launch: measured / profile |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in ok:
         lines.append(f"| {r['model']} | {r['nodes_total']} | {r['nodes_costed']} | {_f(r['spearman'], '{:.2f}')} | "
                      f"{r['nodes_heavy']} (> {r['heavy_threshold_ms']:.3f}) | {_f(r['spearman_heavy'], '{:.2f}')} | "
-                     f"{_f(r['spearman_kernels'], '{:.2f}')} | {_f(r['node_sum_ms'])} | "
+                     f"{_f(r['spearman_kernels'], '{:.2f}')} | {_f(r.get('spearman_device'), '{:.2f}')} "
+                     f"({r.get('nodes_device', 0)}) | {_f(r['node_sum_ms'])} | "
                      f"{_f(r['measured_host_node_us'], '{:.2f}')} / {header['host_node_us']:.2f} | "
                      f"{_f(r['measured_host_launch_us'], '{:.2f}')} / {header['launch_us']:.2f} |")
     for r in ok:
@@ -292,7 +296,8 @@ def main(argv=None) -> int:
             print(f"  {spec}: module ({m['execution']}) predicted {m['predicted_ms']:.3f} ms, measured "
                   f"{m['measured_ms']:.3f} ms ({_f(m['error_pct'], '{:+.0f}')}%); eager graph predicted "
                   f"{e['predicted_ms']:.3f}, measured {e['measured_ms']:.3f} ({_f(e['error_pct'], '{:+.0f}')}%); "
-                  f"Spearman costed {_f(row['spearman'], '{:.2f}')}, heavy {_f(row['spearman_heavy'], '{:.2f}')}; "
+                  f"Spearman costed {_f(row['spearman'], '{:.2f}')}, heavy {_f(row['spearman_heavy'], '{:.2f}')}, "
+                  f"device {_f(row.get('spearman_device'), '{:.2f}')}; "
                   f"{row['seconds']:.0f} s", flush=True)
         save()
     save()

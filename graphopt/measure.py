@@ -71,14 +71,21 @@ class _NodeTimer(fx.Interpreter):
     stream of ops, the longer of its device time and its host time (dispatch + launch), and a tiny
     node measures its real launch-bound time, with no interpreter overhead and nothing
     subtracted. The host's issue time of the same loop (perf_counter, before the closing event
-    is waited on) is kept too. On the CPU the op runs once, timed with perf_counter."""
+    is waited on) is kept too. On the CPU the op runs once, timed with perf_counter.
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device, inner: int = 10):
+    ``device_times`` (GPU): each node's loop is timed a second time queued behind a GPU sleep, so
+    the host has issued every call before the first one starts and the events measure the device
+    work alone (``self.device_s``): the device time the cost model predicts, without the host
+    time that bounds a small node's loop."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device, inner: int = 10, device_times: bool = False):
         super().__init__(gm)
         self.device = device
         self.inner = max(1, inner)
+        self.device_times = device_times and device.type == "cuda"
         self.times: dict[str, float] = {}
         self.host: dict[str, float] = {}
+        self.device_s: dict[str, float] = {}
 
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
@@ -99,6 +106,16 @@ class _NodeTimer(fx.Interpreter):
             end.synchronize()
             self.times[n.name] = start.elapsed_time(end) / 1e3 / self.inner
             self.host[n.name] = host / self.inner
+            if self.device_times:
+                # ~0.1 ms of GPU time per call for the host to enqueue it (fused_pointwise's
+                # Triton launcher, the slowest, takes ~70 us)
+                torch.cuda._sleep(200_000 * self.inner)
+                start.record()
+                for _ in range(self.inner):
+                    fn(*args, **kwargs)
+                end.record()
+                end.synchronize()
+                self.device_s[n.name] = start.elapsed_time(end) / 1e3 / self.inner
         else:
             t = time.perf_counter()
             out = fn(*args, **kwargs)
@@ -107,24 +124,32 @@ class _NodeTimer(fx.Interpreter):
 
 
 def measure_nodes(gm: fx.GraphModule, flat_inputs, device=None, reps: int = 5, warmup: int = 1, *,
-                  inner: int = 10, detail: bool = False) -> dict:
+                  inner: int = 10, detail: bool = False, device_times: bool = False) -> dict:
     """Seconds per ``call_function`` node of ``gm`` ({node name: median over ``reps`` runs}, each
     run timing ``inner`` back-to-back calls of the node on a GPU, see _NodeTimer).
     ``flat_inputs``: the placeholder values in order (see :func:`graph_inputs`). ``detail``:
-    ``{name: (seconds per call, host issue seconds per call)}`` instead."""
+    ``{name: (seconds per call, host issue seconds per call)}`` instead, with a third element, the
+    device seconds per call (queued behind a GPU sleep, see _NodeTimer), when ``device_times``
+    (None off a GPU)."""
     flat_inputs = list(flat_inputs)
     device = torch.device(device) if device is not None else _device_of(gm, flat_inputs)
     samples: dict[str, list[float]] = {}
     host: dict[str, list[float]] = {}
+    dev: dict[str, list[float]] = {}
     with torch.inference_mode():
         for i in range(warmup + max(1, reps)):
-            timer = _NodeTimer(gm, device, inner)
+            timer = _NodeTimer(gm, device, inner, device_times=device_times)
             timer.run(*flat_inputs)
             _sync(device)
             if i >= warmup:
                 for k, v in timer.times.items():
                     samples.setdefault(k, []).append(v)
                     host.setdefault(k, []).append(timer.host[k])
+                    if k in timer.device_s:
+                        dev.setdefault(k, []).append(timer.device_s[k])
+    if detail and device_times:
+        return {k: (statistics.median(v), statistics.median(host[k]),
+                    statistics.median(dev[k]) if k in dev else None) for k, v in samples.items()}
     if detail:
         return {k: (statistics.median(v), statistics.median(host[k])) for k, v in samples.items()}
     return {k: statistics.median(v) for k, v in samples.items()}
@@ -202,7 +227,7 @@ def accuracy_table(gm: fx.GraphModule, inputs, cost_model, hints: dict | None = 
     hints = hints if hints is not None else ir.shape_hints(gm)
     cost = cost_model.graph_cost(gm, hints)
     ex = cost_model.execution_cost(gm, hints, execution)
-    measured = measure_nodes(gm, flat, device, reps=reps, inner=inner, detail=True)
+    measured = measure_nodes(gm, flat, device, reps=reps, inner=inner, detail=True, device_times=True)
     by_name = {n.name: n for n in gm.graph.nodes}
     profile = cost_model.profile
     rows = []
@@ -211,13 +236,14 @@ def accuracy_table(gm: fx.GraphModule, inputs, cost_model, hints: dict | None = 
             continue
         node = by_name[c.node]
         host, dev = cost_model.node_times(node)
-        loop_s, host_s = measured[c.node]
+        loop_s, host_s, dev_s = measured[c.node]
         rows.append({"node": c.node, "op": c.op, "bound": c.bound,
                      "predicted_ms": float(cost_model.node_loop_s(node, hints)) * 1e3,
                      "measured_ms": loop_s * 1e3,
                      "predicted_host_ms": float(ir.concrete(host, hints)) * 1e3,
                      "predicted_device_ms": float(ir.concrete(dev, hints)) * 1e3,
                      "measured_host_ms": host_s * 1e3,
+                     "measured_device_ms": dev_s * 1e3 if dev_s is not None else None,
                      "launches": c.launches})
     costed = [r for r in rows if r["predicted_ms"] > 0]
     threshold_ms = heavy_factor * profile.launch_overhead_s * 1e3
@@ -226,6 +252,10 @@ def accuracy_table(gm: fx.GraphModule, inputs, cost_model, hints: dict | None = 
     rho = spearman([r["predicted_ms"] for r in costed], [r["measured_ms"] for r in costed])
     rho_heavy = spearman([r["predicted_ms"] for r in heavy], [r["measured_ms"] for r in heavy])
     rho_kernels = spearman([r["predicted_ms"] for r in kernels], [r["measured_ms"] for r in kernels])
+    # device time alone (queued timing) against the predicted device time, over the nodes that
+    # launch a kernel: the roofline's ranking without the host cost that ties small nodes
+    dk = [r for r in kernels if r["measured_device_ms"] is not None and r["predicted_device_ms"] > 0]
+    rho_device = spearman([r["predicted_device_ms"] for r in dk], [r["measured_device_ms"] for r in dk])
     fn = call if call is not None else (lambda: gm(*args, **kwargs))
     whole = measure_call(fn, device, reps=whole_reps)
     pred = float(ex.total_s)
@@ -242,6 +272,8 @@ def accuracy_table(gm: fx.GraphModule, inputs, cost_model, hints: dict | None = 
         "spearman": rho,
         "spearman_heavy": rho_heavy,
         "spearman_kernels": rho_kernels,
+        "spearman_device": rho_device,
+        "nodes_device": len(dk),
         "predicted_ms": pred * 1e3,
         "predicted_host_ms": ex.host_s * 1e3,
         "predicted_device_ms": ex.device_s * 1e3,

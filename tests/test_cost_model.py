@@ -128,6 +128,9 @@ def test_conv_bias_add_and_narrow_input_pricing():
     conv_only = lambda prof, n: CostModel(prof).node_cost(n).time_s - float(conv_bias_add_s(prof, n))  # noqa: E731
     assert conv_only(slow, c3) == pytest.approx(9.0 * conv_only(base, c3))
     assert conv_only(slow, c8) == pytest.approx(conv_only(base, c8))
+    # the host/device queue model (node_times) prices the device the same way
+    for n in (c3, c8):
+        assert float(CostModel(slow).node_times(n)[1]) == pytest.approx(float(CostModel(slow).node_cost(n).time_s))
     cpu = dataclasses.replace(slow, kind="cpu")
     assert conv_bias_add_s(cpu, c8) == 0.0
     assert CostModel(cpu).node_cost(c3).time_s == pytest.approx(CostModel(dataclasses.replace(base, kind="cpu"))

@@ -111,6 +111,15 @@ def test_busy_fraction_and_nodes_cuda():
     args, kwargs = split_inputs(inputs)
     times = measure_nodes(gm, graph_inputs(gm, args, kwargs), reps=2)
     assert times and all(t > 0 for t in times.values())
+    # queued device times: each kernel node's device time, at most its host-bound loop time
+    # (bert-tiny's nodes are launch-bound), and a big GEMM's device time near its loop time
+    detail = measure_nodes(gm, graph_inputs(gm, args, kwargs), reps=2, detail=True, device_times=True)
+    assert set(detail) == set(times)
+    assert all(d is not None and 0 <= d <= loop * 1.2 for loop, _, d in detail.values())
+    big = capture(torch.nn.Linear(4096, 4096).cuda().eval(), (torch.randn(8192, 4096, device="cuda"),))
+    ((loop, _, dev),) = [v for k, v in measure_nodes(big, [torch.randn(8192, 4096, device="cuda")], reps=2, detail=True,
+                                                     device_times=True).items() if "linear" in k]
+    assert dev == pytest.approx(loop, rel=0.25)
     a = torch.randn(2048, 2048, device="cuda")
     busy = busy_fraction(lambda: [a @ a for _ in range(10)], "cuda")
     assert busy["busy"] is not None and 0 < busy["busy"] <= 1, busy

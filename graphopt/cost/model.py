@@ -322,11 +322,10 @@ class CostModel:
         if _op_name(node) in ROW_BLOCK_NORMS:
             t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
         gpu = _num(p.gpu_seconds(compute, memory, eff))
-        if eff == "conv" and p.kind == "cuda" and p.conv_narrow_input_slowdown > 1.0 and narrow_conv_input(node):
-            t, gpu = t * p.conv_narrow_input_slowdown, gpu * p.conv_narrow_input_slowdown
-        bias_add = conv_bias_add_s(p, node) if eff == "conv" else 0.0
-        if bias_add:  # aten's separate bias kernel after the convolution: device time on top
-            t, gpu = t + bias_add, gpu + _num(bias_add)
+        if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths and aten's bias kernel
+            dev = conv_device_s(p, node, compute, memory)
+            gpu = _num(dev)
+            t = _smax(dev, launches * p.launch_overhead_s) if launches else dev
         launch = launches * p.launch_overhead_s
         c, m = _num(compute), _num(memory)
         if launch >= gpu:
@@ -386,7 +385,10 @@ class CostModel:
         if p.kind == "cuda" and p.host_op_s:
             host = p.host_op_s.get(_op_name(node), host)
         c = self.node_cost(node)
-        return host, p.gpu_seconds(c.compute_s, c.memory_s, _efficiency_kind(node) if kind == "matmul" else "memory")
+        eff = _efficiency_kind(node) if kind == "matmul" else "memory"
+        if eff == "conv" and p.kind == "cuda":
+            return host, conv_device_s(p, node, c.compute_s, c.memory_s)
+        return host, p.gpu_seconds(c.compute_s, c.memory_s, eff)
 
     def node_loop_s(self, node: fx.Node, hints=None) -> float:
         """Predicted seconds per run of one node run many times back to back (how
@@ -580,6 +582,15 @@ def is_channels_last(t: ir.TensorInfo | None) -> bool:
     if t is None or t.stride is None or len(t.shape) != 4:
         return False
     return t.stride[1] == 1 and t.shape[1] != 1
+
+
+def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s):
+    """Device time of a convolution on a CUDA profile: the conv fit, times the measured slowdown of
+    a channels_last input whose channels are not a multiple of 8, plus aten's bias kernel."""
+    t = profile.gpu_seconds(compute_s, memory_s, "conv")
+    if profile.conv_narrow_input_slowdown > 1.0 and narrow_conv_input(node):
+        t = t * profile.conv_narrow_input_slowdown
+    return t + conv_bias_add_s(profile, node)
 
 
 def narrow_conv_input(node: fx.Node) -> bool:

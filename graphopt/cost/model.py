@@ -322,10 +322,14 @@ class CostModel:
         if _op_name(node) in ROW_BLOCK_NORMS:
             t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
         gpu = _num(p.gpu_seconds(compute, memory, eff))
-        if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths and aten's bias kernel
-            dev = conv_device_s(p, node, compute, memory)
-            gpu = _num(dev)
+        if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
+            dev = conv_device_s(p, node, compute, memory, bias=False)
+            bias_dev = conv_bias_add_s(p, node)
+            gpu = _num(dev + bias_dev)
             t = _smax(dev, launches * p.launch_overhead_s) if launches else dev
+            if bias_dev:
+                t = t + _smax(bias_dev, p.launch_overhead_s)
+                launches += 1
         launch = launches * p.launch_overhead_s
         c, m = _num(compute), _num(memory)
         if launch >= gpu:
@@ -584,13 +588,13 @@ def is_channels_last(t: ir.TensorInfo | None) -> bool:
     return t.stride[1] == 1 and t.shape[1] != 1
 
 
-def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s):
+def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s, bias: bool = True):
     """Device time of a convolution on a CUDA profile: the conv fit, times the measured slowdown of
-    a channels_last input whose channels are not a multiple of 8, plus aten's bias kernel."""
+    a channels_last input whose channels are not a multiple of 8, plus (``bias``) aten's bias kernel."""
     t = profile.gpu_seconds(compute_s, memory_s, "conv")
     if profile.conv_narrow_input_slowdown > 1.0 and narrow_conv_input(node):
         t = t * profile.conv_narrow_input_slowdown
-    return t + conv_bias_add_s(profile, node)
+    return t + conv_bias_add_s(profile, node) if bias else t
 
 
 def narrow_conv_input(node: fx.Node) -> bool:

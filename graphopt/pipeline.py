@@ -252,6 +252,7 @@ PIPELINE: tuple[str, ...] = (
     # partition
     "partition_devices",
     # lower
+    "conv_space_to_depth",
     "fuse_conv_relu",
 )
 

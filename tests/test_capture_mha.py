@@ -2,6 +2,7 @@
 (graphopt.capture_mha): the graph, numerics against fp64, the calls that keep the module's own
 forward, and the module left as it was."""
 
+import json
 import types
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt import CaptureError, capture
+from graphopt.cli import main
 from graphopt.examples import zoo
 from tests.helpers import op_counts, reference_check
 
@@ -320,3 +322,17 @@ def test_opt_out_by_argument_and_environment(monkeypatch):
         capture(model, args, mha="nope")
     monkeypatch.delenv("GRAPHOPT_MHA")
     assert capture(model, args).meta["graphopt_capture"].mha["sdpa_calls"] == 1
+
+
+def test_cli_explain_json_and_bad_env(monkeypatch, capfd, tmp_path):
+    monkeypatch.delenv("GRAPHOPT_TRACEBACK", raising=False)
+    path = tmp_path / "r.json"
+    assert main(["explain", "vit-tiny", "--target", "h200", "--no-accuracy", "--passes", "eliminate_dead_code",
+                 "--json", str(path)]) == 0
+    out, _ = capfd.readouterr()
+    assert "2 call(s) captured in the batch-first SDPA form" in out
+    assert json.loads(path.read_text())["capture"]["mha"]["sdpa_calls"] == 2
+    monkeypatch.setenv("GRAPHOPT_MHA", "fused")
+    assert main(["explain", "vit-tiny", "--no-accuracy"]) == 2
+    _, err = capfd.readouterr()
+    assert "GRAPHOPT_MHA='fused' is not one of" in err and len(err.strip().splitlines()) == 1

@@ -112,6 +112,8 @@ def bench_one(name, batch, seq, device, reps, warmup, log):
         row["graphopt_accuracy"] = _judge(opt(*inputs), ref64, eager32)
     rep = opt.report
     row["guard"] = rep.accuracy
+    # how capture spelled nn.MultiheadAttention (graphopt.capture_mha; GRAPHOPT_MHA=module keeps the module's own)
+    row["mha_capture"] = rep.capture.get("mha") or None
     ap = next((p for p in rep.passes if p.name == "assign_precision"), None)
     if ap is not None:
         d = ap.as_dict()
@@ -172,6 +174,13 @@ def markdown(rows, env):
     for r in rows:
         if r.get("dtype_shares") or r.get("kept_fp32"):
             lines.append(f"- {r['model']}: dtype shares {r.get('dtype_shares')}; kept in fp32: {r.get('kept_fp32')}")
+    for r in rows:
+        m = r.get("mha_capture")
+        if m and (m.get("sdpa_calls") or m.get("kept_calls") or m.get("skipped")):
+            lines.append(f"- {r['model']}: nn.MultiheadAttention capture (GRAPHOPT_MHA={m['mode']}): {m['sdpa_calls']} "
+                         f"call(s) in the batch-first SDPA form, {m['kept_calls']} with the module's own forward"
+                         + (f"; kept: {m['kept']}" if m.get("kept") else "")
+                         + (f"; not replaced: {len(m['skipped'])} module(s)" if m.get("skipped") else ""))
     return "\n".join(lines) + "\n"
 
 

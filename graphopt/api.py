@@ -488,7 +488,8 @@ def optimize(
         device=str(model_dev),
         target=profile.name,
         profile={"name": profile.name, "description": profile.description},
-        capture={"method": cap.method, "export_error": cap.export_error, "dynamic": {k: {str(a): d for a, d in v.items()} for k, v in cap.dynamic.items()}},
+        capture={"method": cap.method, "export_error": cap.export_error, "dynamic": {k: {str(a): d for a, d in v.items()} for k, v in cap.dynamic.items()},
+                 "mha": cap.mha},
         predicted_s_before=execution["before"]["predicted_ms"] / 1e3,
         predicted_s_after=execution["after"]["eager"]["predicted_ms"] / 1e3,  # graphed: set by set_cuda_graphs
         cost_before=before.as_dict(),

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ir
+from .capture_mha import MhaCapture, batch_first_sdpa, resolve_mode
 from .errors import CaptureError
 
 log = logging.getLogger("graphopt.capture")
@@ -37,6 +38,7 @@ class CaptureInfo:
     dynamic: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     num_inputs: int = 0
+    mha: dict = field(default_factory=dict)  # nn.MultiheadAttention calls: SDPA form / kept (capture_mha)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -151,15 +153,20 @@ def _advice(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- capture
 
 
-def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, strategy: str = "auto") -> fx.GraphModule:
+def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, strategy: str = "auto",
+            mha: str | None = None) -> fx.GraphModule:
     """Capture ``model`` as a GraphModule whose outputs equal the model's.
 
     ``dynamic`` maps argument names to ``{dim: "name"}``, e.g. ``{"x": {0: "batch"}}``; dims that
     share a name share a symbol. Metadata (``meta["val"]``) then holds sympy expressions of those
     symbols. ``strategy`` is "auto" (export, then symbolic_trace), "export" or "symbolic_trace".
+    ``mha``: "sdpa" captures eligible nn.MultiheadAttention self-attention calls in the batch-first
+    SDPA form eager's fast path runs (graphopt.capture_mha), "module" keeps the module's own
+    forward; default: the environment variable GRAPHOPT_MHA, else "sdpa".
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    mha_record = MhaCapture(mode=resolve_mode(mha))
     args, kwargs = split_inputs(example_inputs)
     if not any(isinstance(x, torch.Tensor) for x in flat_tensors(args, kwargs)):
         raise CaptureError("example_inputs hold no tensor; pass at least one example tensor")
@@ -169,8 +176,11 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     gm = None
     if strategy in ("auto", "export"):
         try:
-            gm = _capture_export(model, args, kwargs, dynamic)
+            with batch_first_sdpa(model, mha_record):
+                gm = _capture_export(model, args, kwargs, dynamic)
             info.method = "torch.export"
+            info.mha = mha_record.as_dict()
+            info.notes.extend(mha_record.notes())
         except CaptureError:
             raise
         except Exception as e:  # export failed: remember why, try the fallback

@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call per step (outputs under $OUT); each step installs graphopt and builds the kernels first.
 #   sanitize cuda_ext tests, compute-sanitizer memcheck + racecheck on the kernel driver, the ResNet conv diagnostic
-#   round5   cuda tests of passes/measure/capture_mha, ViT precision-only, cost accuracy (shipped profile), run_models $2
+#   round5   cuda tests (kernels, passes, measure, capture_mha), compute-sanitizer, ViT precision-only, run_models $2
+#   accuracy cost accuracy with the shipped profile, then run_models $2
 #   conv     the stem diagnostic, calibrate, ResNet-50 cost accuracy with that profile, run_models for $2
 #   core     every cuda-marked test, calibrate (with the efficiency fits), cost-model accuracy with
 #            that profile, precision=auto vs hand-converted bf16
@@ -42,13 +43,19 @@ sanitize)
   done
   timeout $((580 - SECONDS)) python3 benchmarks/diag_resnet_convs.py --out "$OUT" 2>&1 | quiet | tail -60 ;;
 round5)
-  timeout 130 python3 -m pytest -m cuda tests/passes tests/test_measure.py tests/test_capture_mha.py -q -p no:cacheprovider \
-    -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_round5.log"
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext tests/passes tests/test_measure.py tests/test_capture_mha.py -q \
+    -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_round5.log"
   tail -30 "$OUT/pytest_cuda_round5.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  for tool in memcheck racecheck; do
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
+      > "$OUT/$tool.log" 2>&1; echo "### $tool rc=$? ${SECONDS}s"; tail -2 "$OUT/$tool.log"
+  done
   timeout 120 python3 benchmarks/precision_bench.py --models vit_b_16:64 --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -4
   echo "### precision ${SECONDS}s"
-  timeout 150 python3 benchmarks/cost_model_accuracy.py --out "$OUT" 2>&1 | grep "^| " | head -14; echo "### accuracy ${SECONDS}s"
-  models "${2:-resnet50:64,vit_b_16:64}" ;;
+  models "${2:-resnet50:64,vit_b_16:64,glm4-9b-4l:8}" ;;
+accuracy)
+  timeout 300 python3 benchmarks/cost_model_accuracy.py --out "$OUT" 2>&1 | grep "^| " | head -14; echo "### accuracy ${SECONDS}s"
+  models "${2:-bert-base:64,glm4-9b-4l:8}" ;;
 conv)
   timeout 40 python3 benchmarks/diag_stem.py --out "$OUT" 2>&1 | quiet | grep -v "^ \|^{\|^}"; echo "### stem ${SECONDS}s"
   timeout 150 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error\|wrote"

@@ -147,6 +147,16 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotary_layout(x: torch.Tensor) -> torch.Tensor:
+    """An empty output for rotary(x): in x's [B, S, H, D] order when x is that transposed (a
+    projection viewed as heads and transposed, the usual spelling), so attention over it writes its
+    output in that order and the heads merge back without a copy; else contiguous [B, H, S, D].
+    The CUDA op (registration.cpp rotary_out) and the fake op follow the same rule."""
+    if x.dim() == 4 and x.stride(3) == 1 and x.stride(1) == x.shape[3] and x.stride(2) == x.shape[1] * x.shape[3]:
+        return x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2)
+    return x.new_empty(x.shape)
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first R = cos.size(-1) dims of every head; dims R..D pass through.
@@ -162,7 +172,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         xf = x.to(ct)
         xr, xp = xf[..., :R], xf[..., R:]
         out = torch.cat((xr * cf + _rotate(xr, interleaved) * sf, xp), dim=-1)
-        return _fresh(out.to(x.dtype), x)
+        return rotary_layout(x).copy_(out)
 
     return one(q), one(k)
 

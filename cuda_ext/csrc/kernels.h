@@ -35,6 +35,7 @@ struct RotaryArgs {
   const void* x; void* out;
   int64_t B, H, S, D, R;
   int64_t sb, sh, ss, sd;        // x strides
+  int64_t osb, osh, oss;         // out strides (last dim contiguous): [B, H, S, D] or a transposed [B, S, H, D]
   const void* cos; const void* sin;
   int64_t cb, cs, cr;            // cos/sin strides (shared layout)
   bool interleaved;

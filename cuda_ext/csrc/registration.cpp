@@ -167,6 +167,8 @@ RotaryArgs rotary_args(const at::Tensor& x, const at::Tensor& out, const at::Ten
   a.out = out.data_ptr();
   a.B = x.size(0); a.H = x.size(1); a.S = x.size(2); a.D = x.size(3); a.R = R;
   a.sb = x.stride(0); a.sh = x.stride(1); a.ss = x.stride(2); a.sd = x.stride(3);
+  a.osb = out.stride(0); a.osh = out.stride(1); a.oss = out.stride(2);
+  TORCH_CHECK(out.size(3) <= 1 || out.stride(3) == 1, "graphopt::rotary: output's last dim must be contiguous");
   TORCH_CHECK(c.size(0) == 1 || c.size(0) == a.B, "graphopt::rotary: cos/sin batch ", c.size(0),
               " must be 1 or ", a.B);
   TORCH_CHECK(c.size(1) == a.S, "graphopt::rotary: cos/sin have ", c.size(1), " positions, ", name, " has ", a.S);
@@ -178,6 +180,16 @@ RotaryArgs rotary_args(const at::Tensor& x, const at::Tensor& out, const at::Ten
   a.cr = c.stride(2);
   a.interleaved = interleaved;
   return a;
+}
+
+// The output layout: a q/k that is a transposed [B, S, H, D] projection (the usual spelling,
+// view + transpose(1, 2)) gets its output in that order, so attention reading it writes its own
+// output in [B, S, H, D] order and the heads merge back without a copy; anything else gets a
+// contiguous [B, H, S, D]. reference.rotary_layout is the same rule for the CPU and fake paths.
+at::Tensor rotary_out(const at::Tensor& x) {
+  if (x.dim() == 4 && x.stride(3) == 1 && x.stride(1) == x.size(3) && x.stride(2) == x.size(1) * x.size(3))
+    return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
+  return at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 at::Tensor rotary_table(const at::Tensor& t, const at::Tensor& q) {
@@ -199,8 +211,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Te
   at::Tensor c = rotary_table(cos, q), s = rotary_table(sin, q);
   TORCH_CHECK(c.sizes() == s.sizes(), "graphopt::rotary: cos and sin shapes differ");
   const int64_t R = c.size(2);
-  at::Tensor qo = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor ko = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor qo = rotary_out(q), ko = rotary_out(k);
   RotaryArgs qa = rotary_args(q, qo, c, s, R, interleaved, "q");
   RotaryArgs ka = rotary_args(k, ko, c, s, R, interleaved, "k");
   TORCH_CHECK(qa.B == ka.B && qa.S == ka.S && qa.D == ka.D, "graphopt::rotary: q ", q.sizes(), " and k ", k.sizes(),

@@ -1,5 +1,7 @@
 // Rotary position embedding on q and k in one launch. x[B, H, S, D] may have any strides
-// (e.g. a transposed [B, S, H, D] projection); the outputs are contiguous [B, H, S, D].
+// (e.g. a transposed [B, S, H, D] projection); the outputs have a contiguous last dim and the
+// strides the launcher gives (registration.cpp: the input's [B, S, H, D] order when the input is
+// a transposed projection, so attention's output comes back in that order too, else [B, H, S, D]).
 // The first R dims of each head rotate, R..D pass through (GLM's partial rotary):
 //   interleaved = false (Llama, rotate_half): pairs (i, i + R/2)
 //   interleaved = true  (GLM, stack((-x1, x0), -1)): pairs (2i, 2i + 1)
@@ -23,7 +25,7 @@ __global__ void __launch_bounds__(256) rotary_kernel(RotaryArgs q, RotaryArgs k,
   const int64_t h = bh % a.H;
   const int64_t b = bh / a.H;
   const T* x = static_cast<const T*>(a.x) + b * a.sb + h * a.sh + s * a.ss;
-  T* o = static_cast<T*>(a.out) + row * a.D;
+  T* o = static_cast<T*>(a.out) + b * a.osb + h * a.osh + s * a.oss;
   const int64_t cbase = b * a.cb + s * a.cs;
   const T* c = static_cast<const T*>(a.cos) + cbase;
   const T* sn = static_cast<const T*>(a.sin) + cbase;
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(256) rotary_kernel(RotaryArgs q, RotaryArgs k,
 // the index math (two 32-bit divisions) is paid once per item, not per access. A warp covers
 // whole head rows of consecutive tokens: reads are 16-byte vectors over contiguous 256-byte
 // head rows (the input may be a transposed [B, S, H, D] projection), writes contiguous runs
-// of the [B, H, S, D] output. Interleaved (GLM): pass-through chunks take the same loads and
+// of the output. Interleaved (GLM): pass-through chunks take the same loads and
 // stores as rotary ones (a select, not a branch), so a warp mixing both kinds issues one
 // instruction stream. When there are too few tokens to fill the GPU, blockIdx.y splits the
 // heads (each y takes a contiguous range of q's and of k's heads).
@@ -61,8 +63,8 @@ __device__ __forceinline__ void rotary_heads(const RotaryArgs& a, uint32_t b, ui
                                              const float (&sb)[Vec<T>::N]) {
   constexpr int N = Vec<T>::N;
   const T* xbase = static_cast<const T*>(a.x) + int64_t(b) * a.sb + int64_t(s) * a.ss;
-  T* obase = static_cast<T*>(a.out) + (int64_t(b) * a.H * a.S + s) * a.D;
-  const int64_t ostride = a.S * a.D;  // one head further in the output
+  T* obase = static_cast<T*>(a.out) + int64_t(b) * a.osb + int64_t(s) * a.oss;
+  const int64_t ostride = a.osh;  // one head further in the output
   const bool pair = !INTERLEAVED && rot;
   // blockIdx.y splits the heads when there are too few tokens to fill the GPU
   const int64_t per = (a.H + gridDim.y - 1) / gridDim.y;
@@ -155,7 +157,7 @@ bool vec_ok(const RotaryArgs& a) {
   const int64_t rq = a.interleaved ? N : 2 * N;
   return a.sd == 1 && a.cr == 1 && a.D % N == 0 && a.R % rq == 0 && aligned16(a.x) && aligned16(a.out) &&
          aligned16(a.cos) && aligned16(a.sin) && a.sb % N == 0 && a.sh % N == 0 && a.ss % N == 0 &&
-         a.cb % N == 0 && a.cs % N == 0;
+         a.cb % N == 0 && a.cs % N == 0 && a.osb % N == 0 && a.osh % N == 0 && a.oss % N == 0;
 }
 
 template <typename T>

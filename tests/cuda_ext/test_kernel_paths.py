@@ -162,6 +162,8 @@ def test_rotary_head_loops_and_splits(device, dtype, interleaved):
             try:
                 poison_allocator(device)
                 qo, ko = torch.ops.graphopt.rotary(q, k, cos, sin, interleaved)
+                # transposed q: output in its [B, S, H, D] order; contiguous k: contiguous output
+                assert qo.transpose(1, 2).is_contiguous() and ko.is_contiguous()
                 check(qo, rq, eq, what=f"q {B, Hq, S, D, R} v{v}")
                 check(ko, rk, ek, what=f"k {B, Hk, S, D, R} v{v}")
             finally:

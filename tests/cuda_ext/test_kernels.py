@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt.cuda_ext as ce
 from graphopt.cuda_ext import reference as ref
@@ -174,7 +175,13 @@ def test_rotary(device, dtype, interleaved, partial):
         cos, sin = _cos_sin(Bc, S, R, device, dtype, interleaved)
         poison_allocator(device)
         qo, ko = torch.ops.graphopt.rotary(q, k, cos, sin, interleaved)
-        assert qo.is_contiguous() and ko.is_contiguous()
+        # the outputs keep the projection's [B, S, H, D] order (attention's output then merges its
+        # heads without a copy), as the fake op says
+        assert qo.transpose(1, 2).is_contiguous() and ko.transpose(1, 2).is_contiguous()
+        with FakeTensorMode() as mode:
+            fq, fk = torch.ops.graphopt.rotary(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(cos),
+                                               mode.from_tensor(sin), interleaved)
+        assert fq.stride() == qo.stride() and fk.stride() == ko.stride()
         rq, rk = ref.rotary(f64(q), f64(k), f64(cos), f64(sin), interleaved)
         eq, ek = eager.rotary(q, k, cos, sin, interleaved)
         check(qo, rq, eq, what=f"q {B, Hq, S, D, R}")

@@ -101,7 +101,9 @@ CONV_SHAPES = [(64, 64, 56, 56, 64, 3, 1), (64, 64, 56, 56, 256, 1, 1), (64, 256
                (64, 3, 224, 224, 64, 7, 2), (8, 256, 14, 14, 256, 3, 1), (1, 64, 56, 56, 64, 3, 1),
                # the stride-2 convolutions (torchvision's v1.5 bottleneck strides its 3x3) and expansions
                (64, 128, 56, 56, 128, 3, 2), (64, 256, 28, 28, 256, 3, 2), (64, 512, 14, 14, 512, 3, 2),
-               (64, 128, 28, 28, 512, 1, 1), (64, 256, 14, 14, 1024, 1, 1), (64, 512, 7, 7, 2048, 1, 1)]
+               (64, 128, 28, 28, 512, 1, 1), (64, 256, 14, 14, 1024, 1, 1), (64, 512, 7, 7, 2048, 1, 1),
+               # few input channels: the space-to-depth stem's 16-channel 4x4 convolution (the chunk fit)
+               (64, 16, 112, 112, 64, 4, 1)]
 # (batch, heads, seq, head dim, mask): BERT-base (additive padding mask), ViT-B/16 (none), GLM-4 (causal)
 ATTENTION_SHAPES = [(64, 12, 128, 64, "mask"), (1, 12, 128, 64, "mask"), (64, 12, 197, 64, None),
                     (1, 12, 197, 64, None), (1, 32, 1024, 128, "causal"), (8, 32, 1024, 128, "causal"),
@@ -143,8 +145,9 @@ def _conv_samples(device, dtype, quick: bool) -> dict:
     """ResNet-shaped channels_last convolutions + bias + ReLU as lowered graphs run them: graphopt's
     fused ``conv_bias_relu`` (cuDNN's fused engine) when the CUDA kernels are loaded, else
     ``conv2d`` then bias and ReLU. Returns ``samples`` [(FLOPs, bytes, seconds)] of the shapes whose
-    input channels are a multiple of 8, ``narrow`` the same for the others (ResNet's 3-channel
-    stem, which cuDNN runs on a slow path), ``how`` (what ran them), ``unfused`` (median ratio of
+    input channels are a multiple of 8 and at least 64, ``few`` (FLOPs, bytes, seconds, C_in) of
+    those with fewer (the channel-chunk fit), ``narrow`` the same for channel counts that are not a
+    multiple of 8 (ResNet's 3-channel stem, which cuDNN runs on a slow path), ``how`` (what ran them), ``unfused`` (median ratio of
     aten's ``conv2d`` without a bias to the fused op: 1.0 without the fused op) and ``bias_add_scale``
     (the fraction of the copy bandwidth aten's separate bias add reaches, from conv2d with and
     without a bias; None without a GPU)."""
@@ -158,7 +161,7 @@ def _conv_samples(device, dtype, quick: bool) -> dict:
     except Exception:  # noqa: BLE001 - no kernels: time what eager runs
         fused = False
     iters = 5 if quick else 10
-    samples, narrow, ratios, scales = [], [], [], []
+    samples, narrow, few, ratios, scales = [], [], [], [], []
     bw = None
     for bsz, cin, h, w, cout, kk, st in (CONV_SHAPES[::3] if quick else CONV_SHAPES):
         x = torch.randn(bsz, cin, h, w, device=device, dtype=dtype).to(memory_format=torch.channels_last)
@@ -172,8 +175,14 @@ def _conv_samples(device, dtype, quick: bool) -> dict:
         y = fn()
         t = _best_seconds(fn, device, iters, queued=True)
         nbytes = (x.numel() + wt.numel() + b.numel() + y.numel()) * x.element_size()
-        (samples if cin % 8 == 0 else narrow).append((2.0 * y.numel() * cin * kk * kk, float(nbytes), t))
-        if device.type == "cuda" and cin % 8 == 0:
+        sample = (2.0 * y.numel() * cin * kk * kk, float(nbytes), t)
+        if cin % 8:
+            narrow.append(sample + (cin,))
+        elif cin < 64:
+            few.append(sample + (cin,))
+        else:
+            samples.append(sample)
+        if device.type == "cuda" and cin % 8 == 0 and cin >= 64:
             plain = _best_seconds(lambda: F.conv2d(x, wt, None, stride=st, padding=pad), device, iters, queued=True)
             with_bias = _best_seconds(lambda: F.conv2d(x, wt, b, stride=st, padding=pad), device, iters, queued=True)
             if fused:
@@ -185,7 +194,7 @@ def _conv_samples(device, dtype, quick: bool) -> dict:
         del x, wt, b, y
     ratios.sort()
     scales.sort()
-    return {"samples": samples, "narrow": narrow,
+    return {"samples": samples, "narrow": narrow, "few": few,
             "how": "graphopt::conv_bias_relu (cuDNN fused conv + bias + ReLU)" if fused else "conv2d + bias + relu",
             "unfused": max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0,
             "bias_add_scale": min(1.0, scales[len(scales) // 2]) if scales else None}
@@ -219,6 +228,24 @@ def fit_conv(samples, peak: float, bandwidth: float) -> tuple[float, float, floa
     i = int(err.argmin())
     n = len(fixed)
     return float(scales[i // (len(scales) * n)]), float(scales[(i // n) % len(scales)]), float(fixed[i % n])
+
+
+def fit_channel_chunk(few, fit, peak: float, bandwidth: float) -> int:
+    """The input-channel chunk (0, 16, 32, 64, 128 or 256) that best explains [(FLOPs, bytes,
+    seconds, C_in)] of convolutions over few channels given the conv fit (scale, memory scale,
+    fixed): compute at C_in / chunk of the rate where C_in < chunk. 0 when no chunk explains them
+    better than the fit alone (or there are none)."""
+    import math
+
+    best, best_err = 0, None
+    for chunk in (0, 16, 32, 64, 128, 256):
+        err = 0.0
+        for f, b, t, cin in few:
+            pad = chunk / cin if chunk and cin < chunk else 1.0
+            err += math.log((f * pad / (peak * fit[0]) + b / (bandwidth * fit[1]) + fit[2]) / t) ** 2
+        if few and (best_err is None or err < best_err - 1e-12):
+            best, best_err = chunk, err
+    return best
 
 
 def _attention_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
@@ -515,7 +542,14 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             extra_fit["conv_unfused_slowdown"] = cs["unfused"]
             if cs["bias_add_scale"] is not None:
                 extra_fit["conv_bias_add_scale"] = cs["bias_add_scale"]
-            narrow = [t / (f / (peak["bfloat16"] * fit[0]) + b / (bw * fit[1]) + fit[2]) for f, b, t in cs["narrow"]]
+            chunk = fit_channel_chunk(cs["few"], fit, peak["bfloat16"], bw)
+            extra_fit["conv_channel_chunk"] = chunk
+
+            def conv_pred(f, b, cin):
+                pad = chunk / cin if chunk and cin < chunk else 1.0
+                return f * pad / (peak["bfloat16"] * fit[0]) + b / (bw * fit[1]) + fit[2]
+
+            narrow = [t / conv_pred(f, b, cin) for f, b, t, cin in cs["narrow"]]
             if narrow:
                 extra_fit["conv_narrow_input_slowdown"] = max(1.0, sorted(narrow)[len(narrow) // 2])
             source["conv_efficiency"] = (
@@ -524,8 +558,9 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
                 f"cudnn.benchmark={torch.backends.cudnn.benchmark}; aten conv2d without a bias "
                 f"{cs['unfused']:.2f}x the fused op's time, aten's bias add at "
                 f"{(cs['bias_add_scale'] or 1.0):.0%} of the copy rate (medians over the same shapes); "
-                f"{len(narrow)} convolution(s) with fewer than 8 input channels (or not a multiple of 8) "
-                f"{(sorted(narrow)[len(narrow) // 2] if narrow else 1.0):.1f}x the fit")
+                f"{len(cs['few'])} convolution(s) over fewer than 64 channels fitted a channel chunk of {chunk} "
+                f"(compute at C_in / chunk of the rate; 0: none); {len(narrow)} convolution(s) whose input channels "
+                f"are not a multiple of 8 {(sorted(narrow)[len(narrow) // 2] if narrow else 1.0):.2f}x that")
             say("pooling bandwidth (ResNet-50 stem max_pool2d)")
             extra_fit["pool_bandwidth_scale"] = _pool_bandwidth_scale(device, torch.bfloat16, bw, quick)
             source["pool_bandwidth"] = f"{stamp}: max_pool2d 3x3/2 over 64x64x112x112 channels_last bf16"
@@ -635,7 +670,8 @@ def run_cli(args) -> int:
         mem = "" if prof.conv_memory_scale is None else f" + memory at {prof.conv_memory_scale:.0%} of the copy rate"
         t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak{mem} + {prof.conv_fixed_s * 1e6:.1f} µs "
                                      f"(aten conv2d {prof.conv_unfused_slowdown:.2f}× slower, its bias add at "
-                                     f"{prof.conv_bias_add_scale:.0%} of the copy rate; fewer than 8 input channels "
+                                     f"{prof.conv_bias_add_scale:.0%} of the copy rate; input channels taken "
+                                     f"{prof.conv_channel_chunk or 'n/a'} per tap; not a multiple of 8: "
                                      f"{prof.conv_narrow_input_slowdown:.1f}× slower)")
         t.add_row("pooling bandwidth", f"{prof.pool_bandwidth_scale:.0%} of the copy rate")
         if prof.attention_scale is not None:

@@ -142,7 +142,9 @@ class ConvSpaceToDepth(Pass):
         out_bytes = ir.concrete(yi.nbytes, h)
         flops = 2.0 * ir.concrete(yi.numel, h) * 4 * c4 * kbs[0] * kbs[1]
         pf = ctx.profile
-        conv_s = pf.gpu_seconds(flops / pf.matmul_rate(xi.dtype), (padded + out_bytes) / pf.bandwidth, "conv")
+        chunk = pf.conv_channel_chunk  # the new convolution's 4 x C4 channels per tap (cost model's conv_channel_padding)
+        waste = chunk / (4 * c4) if chunk and 4 * c4 < chunk else 1.0
+        conv_s = pf.gpu_seconds(flops * waste / pf.matmul_rate(xi.dtype), (padded + out_bytes) / pf.bandwidth, "conv")
         conv_s += ir.concrete(conv_bias_add_s(pf, conv), h)
         new = pad_s + regroup_s + max(conv_s, pf.launch_overhead_s)
         return Candidate("narrow stride-2 convolution -> space-to-depth + stride-1 convolution", [conv], old - new,

@@ -133,3 +133,17 @@ def test_fit_conv_recovers_conv_efficiency():
     roof = dataclasses.replace(prof, conv_memory_scale=None)
     f, b, _ = samples[1]
     assert roof.gpu_seconds(f / peak, b / bw, "conv") < prof.gpu_seconds(f / peak, b / bw, "conv")
+
+
+def test_fit_channel_chunk():
+    """Few-channel samples made with compute at C_in / 64 of the rate give back a chunk of 64; none
+    (or samples the plain fit explains) give 0."""
+    from graphopt.calibrate import fit_channel_chunk
+
+    peak, bw, fit = 776e12, 4.2e12, (1.0, 1.0, 4.5e-6)
+    few = [(f, b, f * (64 / cin) / peak + b / bw + fit[2], cin) for f, b, cin in
+           ((26.3e9, 130e6, 16), (14.8e9, 60e6, 32), (3.0e9, 100e6, 8))]
+    assert fit_channel_chunk(few, fit, peak, bw) == 64
+    plain = [(f, b, f / peak + b / bw + fit[2], cin) for f, b, _, cin in few]
+    assert fit_channel_chunk(plain, fit, peak, bw) in (0, 16)  # 16 wastes nothing on 16+ channels but 8
+    assert fit_channel_chunk([], fit, peak, bw) == 0

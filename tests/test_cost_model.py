@@ -139,6 +139,28 @@ def test_conv_bias_add_and_narrow_input_pricing():
                                                                 .node_cost(c3).time_s)
 
 
+def test_conv_channel_chunk():
+    """cuDNN steps conv_channel_chunk input channels per kernel tap: an ungrouped convolution over
+    16 channels runs its compute at 16/64 of the rate; 64 channels, a grouped convolution, the CPU
+    and a profile without a chunk are unaffected."""
+    from graphopt.cost.model import conv_channel_padding
+
+    def conv(cin, groups=1):
+        x = torch.randn(2, cin, 16, 16).to(memory_format=torch.channels_last)
+        m = nn.Conv2d(cin, 64, 3, padding=1, groups=groups, bias=False).eval().to(memory_format=torch.channels_last)
+        return _node(capture(m, (x,)), "conv2d")
+
+    on = dataclasses.replace(_h200(), conv_channel_chunk=64)
+    off = dataclasses.replace(on, conv_channel_chunk=0)
+    c16, c64, g16 = conv(16), conv(64), conv(16, groups=16)
+    assert conv_channel_padding(c16, on) == 4.0 and conv_channel_padding(c64, on) == 1.0
+    assert conv_channel_padding(g16, on) == 1.0 and conv_channel_padding(c16, off) == 1.0
+    assert CostModel(on).node_cost(c16).compute_s == pytest.approx(4 * CostModel(off).node_cost(c16).compute_s)
+    cpu = dataclasses.replace(on, kind="cpu")
+    assert CostModel(cpu).node_cost(c16).compute_s == pytest.approx(
+        CostModel(dataclasses.replace(cpu, conv_channel_chunk=0)).node_cost(c16).compute_s)
+
+
 def test_conv_flops():
     m = nn.Conv2d(16, 32, 3, padding=1, groups=2).eval()
     gm = capture(m, (torch.randn(2, 16, 8, 8),))

@@ -310,6 +310,8 @@ class CostModel:
                     rate = p.matmul_rate(dtype, allow_tf32=torch.backends.cudnn.allow_tf32)
                 if conv_layout_penalized(ir.arg_infos(node)[0], p):
                     rate = rate / p.conv_nchw_slowdown
+                if p.kind == "cuda":
+                    rate = rate / conv_channel_padding(node, p)
                 if p.kind == "cuda" and _op_name(node) != "conv_bias_relu":
                     rate = rate / p.conv_unfused_slowdown
         else:
@@ -595,6 +597,25 @@ def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s, bi
     if profile.conv_narrow_input_slowdown > 1.0 and narrow_conv_input(node):
         t = t * profile.conv_narrow_input_slowdown
     return t + conv_bias_add_s(profile, node) if bias else t
+
+
+def conv_channel_padding(node: fx.Node, profile: DeviceProfile) -> float:
+    """How much of its tensor-core work an ungrouped convolution wastes on input channels: cuDNN's
+    implicit GEMM steps through each kernel tap ``conv_channel_chunk`` input channels at a time,
+    so a convolution over fewer channels runs at C_in / chunk of the rate (ResNet's 3-channel stem,
+    the 16-channel space-to-depth stem). 1.0 without a measured chunk, for grouped convolutions
+    and for C_in >= chunk."""
+    chunk = profile.conv_channel_chunk
+    infos = ir.arg_infos(node)
+    if not chunk or len(infos) < 2 or len(infos[0].shape) != 4 or len(infos[1].shape) != 4:
+        return 1.0
+    try:
+        cin, cin_w = int(infos[0].shape[1]), int(infos[1].shape[1])
+    except TypeError:  # symbolic channels
+        return 1.0
+    if cin != cin_w or cin <= 0 or cin >= chunk:  # grouped (or depthwise), or enough channels
+        return 1.0
+    return chunk / cin
 
 
 def narrow_conv_input(node: fx.Node) -> bool:

@@ -53,8 +53,11 @@ class DeviceProfile:
     # fraction of the copy bandwidth aten's separate bias add after a cuDNN convolution reaches
     # (a broadcast over the channels of a channels_last output; 1.0: not measured)
     conv_bias_add_scale: float = 1.0
+    # input channels cuDNN's implicit GEMM takes per kernel tap: an ungrouped convolution over fewer
+    # (C_in < chunk) runs its compute at C_in / chunk of the rate (0: not measured)
+    conv_channel_chunk: int = 0
     # how much slower cuDNN runs a channels_last convolution whose input channels are not a multiple
-    # of 8 (ResNet's 3-channel stem) than the conv fit predicts (1.0: not measured)
+    # of 8 (ResNet's 3-channel stem) than the conv fit (with the channel chunk) predicts (1.0: not measured)
     conv_narrow_input_slowdown: float = 1.0
     kernel_fixed_s: float = 0.0
     # norm kernels that give each row its own thread block (aten's LayerNorm, graphopt's

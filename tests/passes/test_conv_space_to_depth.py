@@ -42,14 +42,20 @@ def test_regrouping_is_exact_in_fp64(cin, k, pad, hw):
 
 def test_stem_rewritten_and_accurate():
     m = _stem()
-    x = torch.randn(2, 3, 33, 31, dtype=torch.bfloat16).to(memory_format=CL)
+    # a tiny image: three kernels for one launch-bound convolution do not pay
+    tiny = torch.randn(2, 3, 33, 31, dtype=torch.bfloat16).to(memory_format=CL)
+    gm = capture(m, (tiny,))
+    (res,) = run_passes(gm, ["conv_space_to_depth"], target="h200")
+    assert not res.rewrites and res.rejected
+    m = _stem(cout=64)  # ResNet-sized: the slow path pays for the extra kernels
+    x = torch.randn(8, 3, 225, 223, dtype=torch.bfloat16).to(memory_format=CL)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["conv_space_to_depth"], target="h200")
     assert len(res.rewrites) == 1 and res.rewrites[0].predicted_gain_s > 0
     (conv,) = [n for n in gm.graph.nodes if str(n.target) == "aten.conv2d.default"]
     xs, w = conv.args[0].meta["val"], conv.args[1].meta["val"]
     assert tuple(xs.shape[1:2]) == (16,) and xs.is_contiguous(memory_format=CL)
-    assert tuple(w.shape) == (16, 16, 4, 4) and list(conv.args[3]) == [1, 1]
+    assert tuple(w.shape) == (64, 16, 4, 4) and list(conv.args[3]) == [1, 1]
     assert op_counts(gm)["aten.clone.default"] == 1  # the one regrouping copy
     assert reference_check(m, gm, (x,)).passed
     # then fuse_conv_relu takes the new convolution's bias and ReLU

@@ -54,8 +54,12 @@ round5)
   echo "### precision ${SECONDS}s"
   models "${2:-resnet50:64,vit_b_16:64,glm4-9b-4l:8}" ;;
 accuracy)
-  timeout 300 python3 benchmarks/cost_model_accuracy.py --out "$OUT" 2>&1 | grep "^| " | head -14; echo "### accuracy ${SECONDS}s"
-  models "${2:-bert-base:64,glm4-9b-4l:8}" ;;
+  timeout 200 python3 benchmarks/cost_model_accuracy.py --out "$OUT" 2>&1 | grep "^| " | head -14; echo "### accuracy ${SECONDS}s"
+  timeout 70 python3 benchmarks/profile_model.py vit_b_16 --batch 64 --passes eliminate_dead_code,fold_constants --top 16 \
+    --reps 10 --out "$OUT" 2>&1 | quiet | grep "^#\|^|" | head -44; echo "### vit profile ${SECONDS}s"
+  timeout 80 python3 benchmarks/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 14 --reps 10 \
+    --out "$OUT" 2>&1 | quiet | grep "^#\|^|" | head -36; echo "### glm profile ${SECONDS}s"
+  models "${2:-bert-base:64,glm4-9b-4l:8,resnet50:1,bert-base:1,glm4-9b-4l:1}" ;;
 conv)
   timeout 40 python3 benchmarks/diag_stem.py --out "$OUT" 2>&1 | quiet | grep -v "^ \|^{\|^}"; echo "### stem ${SECONDS}s"
   timeout 150 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error\|wrote"

@@ -86,12 +86,18 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15, help="kernels listed per variant")
     p.add_argument("--compile", action="store_true", help="also profile torch.compile (default mode)")
     p.add_argument("--gaps", action="store_true", help="also list where the device idles within one call")
+    p.add_argument("--passes", help="graphopt with only these passes (comma-separated), no CUDA graph: e.g. "
+                   "eliminate_dead_code,fold_constants to see what capture alone runs")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
     model, inputs = zoo.get(a.model, batch=a.batch, seq_len=a.seq_len, dtype=torch.bfloat16, device="cuda")
     lines = [f"# profile {a.model} bs{a.batch}" + (f" seq{a.seq_len}" if a.seq_len else "") + " bf16",
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}", ""]
-    opt = graphopt.optimize(model, inputs, check_accuracy=False)
+    if a.passes:
+        opt = graphopt.optimize(model, inputs, check_accuracy=False, passes=a.passes.split(","), cuda_graphs=False)
+        lines += [f"graphopt with passes {a.passes} only, no CUDA graph", ""]
+    else:
+        opt = graphopt.optimize(model, inputs, check_accuracy=False)
     with torch.inference_mode():
         eager = lambda: model(*inputs)  # noqa: E731
         go = lambda: opt(*inputs)  # noqa: E731
@@ -131,7 +137,7 @@ def main(argv=None) -> int:
     print(text)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_{a.model}_bs{a.batch}.md").write_text(text)
+    (out / f"profile_{a.model}_bs{a.batch}{'_passes' if a.passes else ''}.md").write_text(text)
     return 0
 
 

@@ -211,29 +211,35 @@ def _pool_bandwidth_scale(device, dtype, bw: float, quick: bool) -> float:
     return min(1.0, (x.numel() + y.numel()) * x.element_size() / t / bw)
 
 
-def fit_conv(samples, peak: float, bandwidth: float) -> tuple[float, float, float]:
-    """(scale, memory_scale, fixed_s) for convolutions priced as
-    ``flops / (peak * scale) + bytes / (bandwidth * memory_scale) + fixed_s`` (cuDNN's
-    convolutions at ResNet sizes do not overlap their compute with their memory traffic: the
-    measured times track the sum, not the max), fitted to [(flops, bytes, seconds)] by a grid
-    search minimizing the squared log error, both scales at most 1."""
+def fit_conv(samples, peak: float, bandwidth: float) -> tuple[float, float, float, bool]:
+    """(scale, memory_scale, fixed_s, overlap) for convolutions priced as
+    ``max(flops / (peak * scale), bytes / (bandwidth * memory_scale)) + fixed_s`` (overlap: compute
+    and memory traffic overlap) or as the sum of the two terms + fixed_s, fitted to [(flops, bytes,
+    seconds)] by a grid search minimizing the squared log error over both forms, both scales at
+    most 1; the form with the smaller error wins."""
     f = torch.tensor([x[0] for x in samples], dtype=torch.float64) / peak
     m = torch.tensor([x[1] for x in samples], dtype=torch.float64) / bandwidth
     t = torch.tensor([x[2] for x in samples], dtype=torch.float64)
     scales = torch.arange(10, 101, dtype=torch.float64) / 100
     fixed = torch.arange(0, 61, dtype=torch.float64) * 0.5e-6
     # [scale, memory scale, fixed, sample]
-    pred = (f / scales[:, None, None, None] + m / scales[None, :, None, None] + fixed[None, None, :, None])
-    err = (pred / t).log().pow(2).sum(-1)
-    i = int(err.argmin())
-    n = len(fixed)
-    return float(scales[i // (len(scales) * n)]), float(scales[(i // n) % len(scales)]), float(fixed[i % n])
+    c = f / scales[:, None, None, None]
+    b = m / scales[None, :, None, None]
+    n, k = len(fixed), len(scales)
+    best = None
+    for overlap, pred in ((False, c + b), (True, torch.maximum(c, b))):
+        err = ((pred + fixed[None, None, :, None]) / t).log().pow(2).sum(-1)
+        i = int(err.argmin())
+        if best is None or float(err.flatten()[i]) < best[0]:
+            best = (float(err.flatten()[i]), float(scales[i // (k * n)]), float(scales[(i // n) % k]), float(fixed[i % n]),
+                    overlap)
+    return best[1], best[2], best[3], best[4]
 
 
 def fit_channel_chunk(few, fit, peak: float, bandwidth: float) -> int:
     """The input-channel chunk (0, 16, 32, 64, 128 or 256) that best explains [(FLOPs, bytes,
     seconds, C_in)] of convolutions over few channels given the conv fit (scale, memory scale,
-    fixed): compute at C_in / chunk of the rate where C_in < chunk. 0 when no chunk explains them
+    fixed[, overlap]): compute at C_in / chunk of the rate where C_in < chunk. 0 when no chunk explains them
     better than the fit alone (or there are none)."""
     import math
 
@@ -242,7 +248,9 @@ def fit_channel_chunk(few, fit, peak: float, bandwidth: float) -> int:
         err = 0.0
         for f, b, t, cin in few:
             pad = chunk / cin if chunk and cin < chunk else 1.0
-            err += math.log((f * pad / (peak * fit[0]) + b / (bandwidth * fit[1]) + fit[2]) / t) ** 2
+            c, mem = f * pad / (peak * fit[0]), b / (bandwidth * fit[1])
+            overlap = len(fit) > 3 and fit[3]
+            err += math.log(((max(c, mem) if overlap else c + mem) + fit[2]) / t) ** 2
         if few and (best_err is None or err < best_err - 1e-12):
             best, best_err = chunk, err
     return best
@@ -538,7 +546,7 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             say("convolution efficiency (ResNet-50 channels_last bf16 conv + bias + ReLU, cudnn.benchmark as set)")
             cs = _conv_samples(device, torch.bfloat16, quick)
             fit = fit_conv(cs["samples"], peak["bfloat16"], bw)
-            extra_fit.update(zip(("conv_scale", "conv_memory_scale", "conv_fixed_s"), fit))
+            extra_fit.update(zip(("conv_scale", "conv_memory_scale", "conv_fixed_s", "conv_overlap"), fit))
             extra_fit["conv_unfused_slowdown"] = cs["unfused"]
             if cs["bias_add_scale"] is not None:
                 extra_fit["conv_bias_add_scale"] = cs["bias_add_scale"]
@@ -547,13 +555,15 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
 
             def conv_pred(f, b, cin):
                 pad = chunk / cin if chunk and cin < chunk else 1.0
-                return f * pad / (peak["bfloat16"] * fit[0]) + b / (bw * fit[1]) + fit[2]
+                c, mem = f * pad / (peak["bfloat16"] * fit[0]), b / (bw * fit[1])
+                return (max(c, mem) if fit[3] else c + mem) + fit[2]
 
             narrow = [t / conv_pred(f, b, cin) for f, b, t, cin in cs["narrow"]]
             if narrow:
                 extra_fit["conv_narrow_input_slowdown"] = max(1.0, sorted(narrow)[len(narrow) // 2])
             source["conv_efficiency"] = (
-                f"{stamp}: flops / (peak * scale) + bytes / (bandwidth * memory scale) + fixed fitted to "
+                f"{stamp}: {'max' if fit[3] else 'sum'} of flops / (peak * scale) and bytes / (bandwidth * memory scale) "
+                f"+ fixed fitted to "
                 f"{len(cs['samples'])} ResNet-50 convolutions run as {cs['how']}, "
                 f"cudnn.benchmark={torch.backends.cudnn.benchmark}; aten conv2d without a bias "
                 f"{cs['unfused']:.2f}x the fused op's time, aten's bias add at "

@@ -19,7 +19,9 @@ image by p on the top/left and up to the block grid the output needs on the bott
 channels_last); W' is W zero-padded to an even kernel and regrouped the same way at optimization
 time. Exact: every product of the original sum appears once, the added ones multiply zeros.
 
-Inference graphs on a CUDA profile that measured the slow path (``conv_narrow_input_slowdown``),
+Inference graphs on a CUDA profile that measured the slow path (cuDNN's per-tap channel chunk,
+``conv_channel_chunk``: 3 channels compute at 3/64 of the rate, 16 at 16/64; or a
+``conv_narrow_input_slowdown``),
 bf16/fp16 channels_last inputs, ungrouped, undilated, stride 2, a constant weight; cost-gated
 (the padded copy, the regrouping copy and the new convolution against the slow one). Runs in the
 lowering family just before fuse_conv_relu, which then fuses the new convolution's bias and ReLU.
@@ -93,9 +95,9 @@ class ConvSpaceToDepth(Pass):
         if not convs:
             return res
         p = ctx.profile
-        if p.kind != "cuda" or p.conv_narrow_input_slowdown <= 1.0:
+        if p.kind != "cuda" or (p.conv_narrow_input_slowdown <= 1.0 and not p.conv_channel_chunk):
             for n in convs:
-                res.reject(n.name, f"the {p.name} profile measured no slow path for narrow-input convolutions")
+                res.reject(n.name, f"the {p.name} profile measured no slow path for convolutions over few channels")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in convs) if c is not None]
         res.apply_ranked(ctx, cands)
@@ -137,8 +139,10 @@ class ConvSpaceToDepth(Pass):
         n_, co = shape[0], int(yi.shape[1])
         padded = n_ * c4 * (2 * blocks[0]) * (2 * blocks[1]) * es
         old = ctx.node_time([conv])
-        pad_s = pointwise_kernel_time(ctx, ir.concrete(xi.nbytes, h) + padded)
-        regroup_s = pointwise_kernel_time(ctx, 2 * padded)
+        # both copies move C4-element (8-byte) runs: aten's copy kernels at the profile's narrow_copy_scale
+        slow = ctx.profile.narrow_copy_scale
+        pad_s = pointwise_kernel_time(ctx, (ir.concrete(xi.nbytes, h) + padded) / slow)
+        regroup_s = pointwise_kernel_time(ctx, 2 * padded / slow)
         out_bytes = ir.concrete(yi.nbytes, h)
         flops = 2.0 * ir.concrete(yi.numel, h) * 4 * c4 * kbs[0] * kbs[1]
         pf = ctx.profile

@@ -122,17 +122,19 @@ def test_fit_conv_recovers_conv_efficiency():
     peak, bw = 776e12, 4.2e12
     scale, mscale, fixed = 0.62, 0.8, 4e-6
     shapes = [(14.8e9, 60e6), (6.6e9, 128e6), (29.6e9, 30e6), (3.3e9, 110e6), (14.8e9, 20e6), (1.0e9, 200e6)]
-    samples = [(f, b, f / (peak * scale) + b / (bw * mscale) + fixed) for f, b in shapes]
-    got = fit_conv(samples, peak, bw)
-    assert got == pytest.approx((scale, mscale, fixed), abs=0.011)
-    prof = dataclasses.replace(get_profile("h200")[0], peak_flops={"bfloat16": peak}, bandwidth=bw,
-                               conv_scale=got[0], conv_memory_scale=got[1], conv_fixed_s=got[2])
-    for f, b, t in samples:
-        assert prof.gpu_seconds(f / peak, b / bw, "conv") == pytest.approx(t, rel=0.03)
-    # the roofline form (no memory scale) takes the max instead of the sum
-    roof = dataclasses.replace(prof, conv_memory_scale=None)
+    for overlap in (False, True):
+        comb = max if overlap else (lambda a, b: a + b)
+        samples = [(f, b, comb(f / (peak * scale), b / (bw * mscale)) + fixed) for f, b in shapes]
+        got = fit_conv(samples, peak, bw)
+        assert got[3] is overlap and got[:3] == pytest.approx((scale, mscale, fixed), abs=0.011)
+        prof = dataclasses.replace(get_profile("h200")[0], peak_flops={"bfloat16": peak}, bandwidth=bw,
+                                   conv_scale=got[0], conv_memory_scale=got[1], conv_fixed_s=got[2], conv_overlap=got[3])
+        for f, b, t in samples:
+            assert prof.gpu_seconds(f / peak, b / bw, "conv") == pytest.approx(t, rel=0.03)
+    # the sum form prices more than the overlapped one
     f, b, _ = samples[1]
-    assert roof.gpu_seconds(f / peak, b / bw, "conv") < prof.gpu_seconds(f / peak, b / bw, "conv")
+    summed = dataclasses.replace(prof, conv_overlap=False)
+    assert prof.gpu_seconds(f / peak, b / bw, "conv") < summed.gpu_seconds(f / peak, b / bw, "conv")
 
 
 def test_fit_channel_chunk():
@@ -140,7 +142,7 @@ def test_fit_channel_chunk():
     (or samples the plain fit explains) give 0."""
     from graphopt.calibrate import fit_channel_chunk
 
-    peak, bw, fit = 776e12, 4.2e12, (1.0, 1.0, 4.5e-6)
+    peak, bw, fit = 776e12, 4.2e12, (1.0, 1.0, 4.5e-6, False)
     few = [(f, b, f * (64 / cin) / peak + b / bw + fit[2], cin) for f, b, cin in
            ((26.3e9, 130e6, 16), (14.8e9, 60e6, 32), (3.0e9, 100e6, 8))]
     assert fit_channel_chunk(few, fit, peak, bw) == 64

@@ -161,6 +161,39 @@ def test_conv_channel_chunk():
         CostModel(dataclasses.replace(cpu, conv_channel_chunk=0)).node_cost(c16).compute_s)
 
 
+def test_narrow_copies_and_strided_conv_bytes():
+    """A copy whose input comes in runs under 16 bytes (the space-to-depth regrouping) is priced
+    at narrow_copy_scale of the bandwidth; a plain or a head-transposing copy is not. A 1x1
+    stride-2 convolution reads a quarter of its input."""
+    from graphopt.cost.model import narrow_copy
+
+    class Regroup(nn.Module):
+        def forward(self, x, y):
+            a = x.view(2, 5, 2, 5, 2, 4).permute(0, 1, 3, 2, 4, 5).contiguous()  # 8-byte runs
+            b = y.transpose(1, 2).contiguous()  # [B, S, H, 128] <- [B, H, S, 128]: 256-byte runs
+            return a, b, x.clone()
+
+    x = torch.randn(2, 10, 10, 4, dtype=torch.bfloat16)
+    y = torch.randn(2, 4, 6, 128, dtype=torch.bfloat16)
+    gm = capture(Regroup(), (x, y))
+    copies = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).split(".")[-2]
+              in ("clone", "contiguous")]
+    assert [narrow_copy(n) for n in copies] == [True, False, False]
+    fast = dataclasses.replace(_h200(), narrow_copy_scale=1.0)
+    slow = dataclasses.replace(fast, narrow_copy_scale=0.25)
+    assert CostModel(slow).node_cost(copies[0]).memory_s == pytest.approx(4 * CostModel(fast).node_cost(copies[0]).memory_s)
+    assert CostModel(slow).node_cost(copies[1]).memory_s == pytest.approx(CostModel(fast).node_cost(copies[1]).memory_s)
+
+    xs = torch.randn(2, 16, 8, 8).to(memory_format=torch.channels_last)
+    down = _node(capture(nn.Conv2d(16, 32, 1, stride=2, bias=False).eval(), (xs,)), "conv2d")
+    same = _node(capture(nn.Conv2d(16, 32, 1, stride=1, bias=False).eval(), (xs,)), "conv2d")
+    _, b_down, _, _ = CostModel(_h200()).flops_bytes(down)
+    _, b_same, _, _ = CostModel(_h200()).flops_bytes(same)
+    w_bytes, x_bytes = 32 * 16 * 4, 2 * 16 * 8 * 8 * 4
+    assert b_down == x_bytes // 4 + w_bytes + 2 * 32 * 4 * 4 * 4
+    assert b_same == x_bytes + w_bytes + 2 * 32 * 8 * 8 * 4
+
+
 def test_conv_flops():
     m = nn.Conv2d(16, 32, 3, padding=1, groups=2).eval()
     gm = capture(m, (torch.randn(2, 16, 8, 8),))

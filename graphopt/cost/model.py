@@ -257,6 +257,16 @@ class CostModel:
             out = outs[0]
             kernel = _prod(w.shape[1:])  # Cin/groups * kh * kw
             flops = 2 * out.numel * kernel
+            # a kernel smaller than its stride (ResNet's 1x1 stride-2 downsample) reads only the
+            # input pixels its windows cover
+            x = ins[0]
+            if len(x.shape) == 4 and len(out.shape) == 4 and len(w.shape) == 4:
+                touched = x.shape[0] * x.shape[1] * out.shape[2] * out.shape[3] * w.shape[2] * w.shape[3] * x.dtype.itemsize
+                try:
+                    if float(ir.concrete(touched)) < float(ir.concrete(x.nbytes)):
+                        in_bytes = in_bytes - x.nbytes + touched
+                except Exception:  # noqa: BLE001 - symbolic sizes: keep the whole input
+                    pass
             return flops, in_bytes + out_bytes, 1, "matmul"
         if name in ATTENTION_OPS:
             q, k = ins[0], ins[1]
@@ -318,6 +328,8 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
+        if p.narrow_copy_scale < 1.0 and _op_name(node) in COPY_OPS and narrow_copy(node):
+            memory = memory / p.narrow_copy_scale
         if _op_name(node) in POOL_OPS:
             memory = memory / p.pool_bandwidth_scale
         t = p.kernel_seconds(compute, memory, eff, launches)
@@ -588,6 +600,30 @@ def is_channels_last(t: ir.TensorInfo | None) -> bool:
     if t is None or t.stride is None or len(t.shape) != 4:
         return False
     return t.stride[1] == 1 and t.shape[1] != 1
+
+
+COPY_OPS = {"clone", "contiguous", "_to_copy", "copy", "copy_", "constant_pad_nd"}
+
+
+def narrow_copy(node: fx.Node) -> bool:
+    """A copy whose input, read in the output's memory order, comes in runs under 16 bytes (the
+    space-to-depth regrouping, a channel pad of a 3-channel image): aten's copy kernel moves it at
+    a fraction of the copy rate (profile.narrow_copy_scale)."""
+    ins, out = ir.arg_infos(node), ir.info(node)
+    if not ins or out is None or out.stride is None or ins[0].stride is None or len(ins[0].shape) != len(out.shape):
+        return False
+    x = ins[0]
+    try:
+        dims = [d for d in range(len(out.shape)) if int(out.shape[d]) > 1]
+        if not dims:
+            return False
+        inner = min(dims, key=lambda d: int(out.stride[d]))  # the output's fastest-moving dim
+        run = int(x.shape[inner]) if int(x.stride[inner]) == 1 else 1
+        if run == int(out.shape[inner]) and int(out.stride[inner]) == 1 and x.stride == out.stride:
+            return False  # laid out alike: a plain streaming copy
+        return run * x.dtype.itemsize < 16
+    except TypeError:  # symbolic sizes
+        return False
 
 
 def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s, bias: bool = True):

@@ -46,10 +46,15 @@ class DeviceProfile:
     matmul_fixed_s: float = 0.0
     conv_scale: float = 1.0
     conv_fixed_s: float = 0.0
-    # set: a convolution takes compute / conv_scale + memory / conv_memory_scale + conv_fixed_s
-    # (its compute and its memory traffic do not overlap; what cuDNN's channels_last convolutions
-    # measured at ResNet sizes); None: the roofline max above
+    # set: a convolution takes compute / conv_scale and memory / conv_memory_scale, overlapped or
+    # summed (conv_overlap), + conv_fixed_s; None: the roofline max above
     conv_memory_scale: float | None = None
+    # with conv_memory_scale: True prices max(compute / conv_scale, memory / conv_memory_scale) +
+    # conv_fixed_s (compute and memory traffic overlap), False their sum
+    conv_overlap: bool = False
+    # fraction of the copy bandwidth aten's copy kernels reach when the input, read in the output's
+    # order, comes in runs under 16 bytes (1.0: not measured)
+    narrow_copy_scale: float = 1.0
     # fraction of the copy bandwidth aten's separate bias add after a cuDNN convolution reaches
     # (a broadcast over the channels of a channels_last output; 1.0: not measured)
     conv_bias_add_scale: float = 1.0
@@ -102,6 +107,8 @@ class DeviceProfile:
         fitted efficiency of its kind ("matmul", "conv" or a memory-bound kernel)."""
         if kind == "conv":
             if self.conv_memory_scale is not None:
+                if self.conv_overlap:
+                    return _max(compute_s / self.conv_scale, memory_s / self.conv_memory_scale) + self.conv_fixed_s
                 return compute_s / self.conv_scale + memory_s / self.conv_memory_scale + self.conv_fixed_s
             compute_s = compute_s / self.conv_scale + self.conv_fixed_s
         elif kind == "matmul":

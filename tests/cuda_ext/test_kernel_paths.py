@@ -169,6 +169,16 @@ def test_rotary_head_loops_and_splits(device, dtype, interleaved):
             finally:
                 if setv:
                     setv(FAMILY["rotary"], 0)
+        # q and k as slices of a merged QKV projection ([B, S, (Hq + 2 Hk) * D], GLM's merged
+        # linear): still [B, S, H, D]-ordered outputs, dense
+        qkv = rnd(B, S, (Hq + 2 * Hk) * D, dtype=dtype, device=device)
+        qs = qkv[..., :Hq * D].view(B, S, Hq, D).transpose(1, 2)
+        ks = qkv[..., Hq * D:(Hq + Hk) * D].view(B, S, Hk, D).transpose(1, 2)
+        qo, ko = torch.ops.graphopt.rotary(qs, ks, cos, sin, interleaved)
+        assert qo.transpose(1, 2).is_contiguous() and ko.transpose(1, 2).is_contiguous()
+        rq, rk = ref.rotary(f64(qs), f64(ks), f64(cos), f64(sin), interleaved)
+        check(qo, rq, eager.rotary(qs, ks, cos, sin, interleaved)[0], what=f"merged q {B, Hq, S, D, R}")
+        check(ko, rk, eager.rotary(qs, ks, cos, sin, interleaved)[1], what=f"merged k {B, Hk, S, D, R}")
 
 
 # ---------------------------------------------------------------------------- fused_pointwise

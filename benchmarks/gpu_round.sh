@@ -53,6 +53,12 @@ round5)
   timeout 120 python3 benchmarks/precision_bench.py --models vit_b_16:64 --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -4
   echo "### precision ${SECONDS}s"
   models "${2:-resnet50:64,vit_b_16:64,glm4-9b-4l:8}" ;;
+check6)
+  timeout 100 python3 -m pytest -m cuda tests/cuda_ext/test_kernels.py tests/cuda_ext/test_kernel_paths.py tests/passes/test_conv_space_to_depth.py \
+    -k "rotary or space" -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_check6.log"
+  tail -30 "$OUT/pytest_cuda_check6.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  timeout 200 python3 benchmarks/cost_model_accuracy.py --out "$OUT" 2>&1 | grep "^| " | head -12; echo "### accuracy ${SECONDS}s"
+  models "${2:-glm4-9b-4l:8}" ;;
 accuracy)
   timeout 200 python3 benchmarks/cost_model_accuracy.py --out "$OUT" 2>&1 | grep "^| " | head -14; echo "### accuracy ${SECONDS}s"
   timeout 70 python3 benchmarks/profile_model.py vit_b_16 --batch 64 --passes eliminate_dead_code,fold_constants --top 16 \

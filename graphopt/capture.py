@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ir
+from . import ir, timing
 from .errors import CaptureError
 
 log = logging.getLogger("graphopt.capture")
@@ -183,13 +183,15 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
         if dynamic:
             raise _capture_error(model, export_exc, None, extra="dynamic shapes need torch.export")
         try:
-            gm = _capture_symbolic(model, args, kwargs)
+            with timing.phase("capture: symbolic_trace"):
+                gm = _capture_symbolic(model, args, kwargs)
             info.method = "symbolic_trace"
         except Exception as e:
             raise _capture_error(model, export_exc or e, e) from None
         if export_exc is not None:
             info.notes.append(f"torch.export failed ({info.export_error}); captured with symbolic_trace")
-    canonicalize(gm, info)
+    with timing.phase("capture: canonicalize"):
+        canonicalize(gm, info)
     gm.meta["graphopt_capture"] = info
     return gm
 
@@ -244,7 +246,8 @@ def _dynamic_shapes(model, args, kwargs, dynamic):
 def _capture_export(model, args, kwargs, dynamic) -> fx.GraphModule:
     shapes = _dynamic_shapes(model, args, kwargs, dynamic)
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+        with timing.phase("capture: torch.export"):
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):
             raise CaptureError(
@@ -252,7 +255,8 @@ def _capture_export(model, args, kwargs, dynamic) -> fx.GraphModule:
                 "drop it from dynamic= or remove the code that fixes its size"
             ) from None
         raise
-    gm = ep.module()
+    with timing.phase("capture: unlift (ep.module)"):
+        gm = ep.module()
     return gm
 
 

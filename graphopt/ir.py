@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from . import timing
 from .errors import GraphoptError
 
 aten = torch.ops.aten
@@ -240,6 +241,7 @@ class _IncrementalProp(FakeTensorProp):
         return result
 
 
+@timing.timed("fake propagation")
 def repropagate(gm: fx.GraphModule, incremental: bool = True) -> None:
     """Recompute ``meta["val"]`` for every node from the placeholders' fake values (with
     ``incremental``, re-running only the nodes whose inputs' shapes, strides or dtypes changed)."""
@@ -278,6 +280,7 @@ def propagate_from_real(gm: fx.GraphModule, flat_inputs: list) -> None:
 # --------------------------------------------------------------------------- invariants
 
 
+@timing.timed("invariant checks")
 def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bool = False) -> None:
     """lint + metadata present and consistent; raises InvariantError naming the node.
     ``allow_dtype_change`` is for passes whose job is to change dtypes (assign_precision)."""

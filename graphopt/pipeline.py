@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 import torch.fx as fx
 
-from . import ir
+from . import ir, timing
 from .cost.model import CostModel
 from .cost.profiles import DeviceProfile
 from .errors import GraphoptError, PassConfigError
@@ -316,11 +316,12 @@ class PassManager:
                 res.predicted_s_after, res.peak_bytes_after = before.total_s, before.peak_memory_bytes
                 results.append(res)
                 continue
-            saved_graph = copy.deepcopy(gm.graph)
             t0 = time.perf_counter()
+            with timing.phase("graph snapshots"):
+                saved_graph = copy.deepcopy(gm.graph)
             ctx.observer = ir.ProvenanceObserver(gm, p.name)
             try:
-                with ctx.observer.active():
+                with ctx.observer.active(), timing.phase("passes"):
                     out = p.run(gm, ctx)
             except (GraphoptError, KeyboardInterrupt):
                 raise
@@ -337,7 +338,8 @@ class PassManager:
             res = out
             res.family = p.family
             if res.changed and res.status != "reverted":
-                gm.recompile()
+                with timing.phase("recompile"):
+                    gm.recompile()
                 broken = None
                 if ctx.verify:
                     try:
@@ -356,7 +358,8 @@ class PassManager:
                     continue
                 res.status = "applied"
                 if self.accuracy_check is not None:
-                    acc = self.accuracy_check(gm, ctx.low_precision)
+                    with timing.phase("accuracy checks"):
+                        acc = self.accuracy_check(gm, ctx.low_precision)
                     res.accuracy = acc.as_dict()
                     if not acc.passed:
                         _restore(gm, saved_graph)
@@ -377,9 +380,10 @@ class PassManager:
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph) -> None:
     """Undo a pass: its graph back, the constants it added dropped, metadata re-propagated."""
-    gm.graph = saved
-    ir.remove_unused_attributes(gm)
-    gm.recompile()
+    with timing.phase("recompile"):
+        gm.graph = saved
+        ir.remove_unused_attributes(gm)
+        gm.recompile()
     ir.repropagate(gm)
 
 

@@ -40,7 +40,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .. import ir
+from .. import ir, timing
 from ..errors import GraphoptError
 from .profiles import DeviceProfile
 
@@ -334,6 +334,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ per graph
 
+    @timing.timed("cost model")
     def graph_cost(self, gm: fx.GraphModule, hints: dict | None = None) -> GraphCost:
         if hints is None:
             hints = ir.shape_hints(gm)
@@ -407,6 +408,7 @@ class CostModel:
             launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
             yield n, c(host), c(dev), launches, _op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
 
+    @timing.timed("cost model")
     def execution_cost(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
                        reuse_outputs: bool = False) -> ExecutionCost:
         """Predicted time of one call of ``gm`` run ``mode`` ("eager": node by node, the host

@@ -171,6 +171,8 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
         try:
             gm = _capture_export(model, args, kwargs, dynamic)
             info.method = "torch.export"
+            # export's values count as propagated: the first re-propagation re-runs what changed
+            ir.seed_propagation(gm)
         except CaptureError:
             raise
         except Exception as e:  # export failed: remember why, try the fallback

@@ -452,7 +452,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
     was_training = model.training
     model.train(training)
     try:
-        gm = capture(model, (args, kwargs), dynamic=dynamic)
+        gm = capture(model, (args, kwargs), dynamic=dynamic, stack_traces=dump_dir is not None)
         cap = gm.meta["graphopt_capture"]
         hints = ir.shape_hints(gm)
         cost = CostModel(profile)

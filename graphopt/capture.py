@@ -9,6 +9,7 @@ against this vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
@@ -151,12 +152,17 @@ def _advice(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- capture
 
 
-def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, strategy: str = "auto") -> fx.GraphModule:
+def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, strategy: str = "auto",
+            stack_traces: bool = False) -> fx.GraphModule:
     """Capture ``model`` as a GraphModule whose outputs equal the model's.
 
     ``dynamic`` maps argument names to ``{dim: "name"}``, e.g. ``{"x": {0: "batch"}}``; dims that
     share a name share a symbol. Metadata (``meta["val"]``) then holds sympy expressions of those
     symbols. ``strategy`` is "auto" (export, then symbolic_trace), "export" or "symbolic_trace".
+    ``stack_traces``: keep torch.export's per-node source locations (``node.stack_trace``, the
+    ``# File:`` comments of the generated code; graphopt itself never reads them). Recording
+    them is ~15% of export's time, and symbolizing them ~0.25 s more on a process's first export
+    (BERT-base), so they are off unless asked for (``optimize(dump_dir=...)`` asks).
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -169,7 +175,7 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     gm = None
     if strategy in ("auto", "export"):
         try:
-            gm = _capture_export(model, args, kwargs, dynamic)
+            gm = _capture_export(model, args, kwargs, dynamic, stack_traces)
             info.method = "torch.export"
             # export's values count as propagated: the first re-propagation re-runs what changed
             ir.seed_propagation(gm)
@@ -245,10 +251,26 @@ def _dynamic_shapes(model, args, kwargs, dynamic):
     return spec
 
 
-def _capture_export(model, args, kwargs, dynamic) -> fx.GraphModule:
+@contextlib.contextmanager
+def _stack_traces(keep: bool):
+    """torch.fx.config.do_not_emit_stack_traces for the duration of an export (torch versions
+    without that switch record them either way)."""
+    config = getattr(torch.fx, "config", None)
+    if keep or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    prev = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = prev
+
+
+def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False) -> fx.GraphModule:
     shapes = _dynamic_shapes(model, args, kwargs, dynamic)
     try:
-        with timing.phase("capture: torch.export"):
+        with timing.phase("capture: torch.export"), _stack_traces(stack_traces):
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):

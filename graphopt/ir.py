@@ -8,6 +8,8 @@ FakeTensor, or a tuple of them) from which shape, dtype, device and symbolic dim
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -37,14 +39,16 @@ class TensorInfo:
     device: torch.device
     stride: tuple | None = None
 
-    @property
+    @functools.cached_property  # TensorInfo is immutable; the cost model asks for it many times
     def numel(self):
+        if all(type(d) is int for d in self.shape):  # static shapes: no sympy arithmetic (a hot path)
+            return math.prod(self.shape)
         n = sympy.Integer(1)
         for d in self.shape:
             n = n * d
         return sympy.simplify(n) if not isinstance(n, (int, sympy.Integer)) else int(n)
 
-    @property
+    @functools.cached_property
     def nbytes(self):
         return self.numel * self.dtype.itemsize
 
@@ -187,6 +191,8 @@ def _signature(v):
     """What a node's fake propagation can depend on in an input value: shape, strides, offset,
     dtype, device and requires_grad of tensors (symbolic sizes by their expression), the value
     of anything else."""
+    if type(v) is _NodeSig:  # an input node's, computed (and cached) already
+        return v
     if isinstance(v, torch.Tensor):
         return ("T", tuple(str(d) for d in v.shape), tuple(str(d) for d in v.stride()), str(v.storage_offset()),
                 v.dtype, v.device, v.requires_grad)
@@ -200,6 +206,34 @@ def _signature(v):
                       torch.layout)):
         return v
     return ("id", id(v))
+
+
+_SIG = "_graphopt_val_signature"
+
+
+class _NodeSig(tuple):
+    """("N", an input node's value signature) inside a key: _signature leaves it as it is."""
+
+
+def _versions(val):
+    if isinstance(val, torch.Tensor):
+        return val._version
+    if isinstance(val, (tuple, list)):
+        return tuple(_versions(v) for v in val)
+    return None
+
+
+def _node_signature(node: fx.Node):
+    """_signature of a node's ``meta["val"]``, cached for as long as it is the same object at the
+    same version (an in-place op bumps a tensor's version, also a fake one's)."""
+    val = node.meta.get("val")
+    ver = _versions(val)
+    cached = node.meta.get(_SIG)
+    if cached is not None and cached[0] is val and cached[1] == ver:
+        return cached[2]
+    sig = _signature(val)
+    node.meta[_SIG] = (val, ver, sig)
+    return sig
 
 
 class _IncrementalProp(FakeTensorProp):
@@ -218,13 +252,13 @@ class _IncrementalProp(FakeTensorProp):
                 return ("get_attr", id(obj), obj._version, tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device)
             return None
         if n.op == "call_function" and n.target is operator.getitem and "val" in n.meta:
-            return ("getitem", _signature(n.args[0].meta.get("val")), n.args[1])
+            return ("getitem", _node_signature(n.args[0]), n.args[1])
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
                 or n.target._schema.is_mutable or "val" not in n.meta:
             return None
         # the inputs' meta["val"] (set earlier in this run): detached snapshots whether computed now
         # or kept, where the interpreter's own values would differ in requires_grad between the two
-        args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("N", _signature(a.meta.get("val"))))
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: _NodeSig(("N", _node_signature(a))))
         return (n.target, _signature(args))
 
     def run_node(self, n: fx.Node):

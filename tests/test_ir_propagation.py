@@ -116,3 +116,17 @@ def test_symbolic_trace_capture_is_not_seeded():
     gm = capture(Chain().eval(), (torch.randn(4, 16),), strategy="symbolic_trace")
     assert not any(n.meta.get(ir._IncrementalProp.KEY) is not None for n in gm.graph.nodes
                    if n.op == "call_function")
+
+
+def test_cached_value_signature_follows_in_place_changes():
+    gm = capture(Chain().eval(), (torch.randn(4, 16),))
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    before = ir._node_signature(x)
+    assert ir._node_signature(x) is before  # cached
+    val = x.meta["val"]
+    with val.fake_mode:
+        val.t_()  # an in-place metadata change bumps the (fake) tensor's version
+    after = ir._node_signature(x)
+    assert after != before and after[1] == ("16", "4")
+    x.meta["val"] = val.new_empty((4, 16))  # a new value object: recomputed
+    assert ir._node_signature(x)[1] == ("4", "16")

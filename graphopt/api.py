@@ -482,8 +482,9 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
                 with timing.phase("accuracy: eager + fp64 reference runs"):
                     check = _AccuracyGuard(model, args, kwargs, training, model_dev, calibration_data)
 
-        results = PassManager(pipeline, check).run(gm, ctx)
-        after = cost.graph_cost(gm, hints)
+        manager = PassManager(pipeline, check)
+        results = manager.run(gm, ctx, before=before)
+        after = manager.final_cost
         execution["after"] = {"eager": run_cost.execution_cost(gm, hints, "eager").as_dict()}
         if run_profile.kind == "cuda":
             execution["after"]["graphed"] = run_cost.execution_cost(gm, hints, "graphed").as_dict()

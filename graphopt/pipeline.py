@@ -294,12 +294,19 @@ class PassManager:
         self.passes = passes
         self.accuracy_check = accuracy_check
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassResult]:
+    def run(self, gm: fx.GraphModule, ctx: PassContext, before=None) -> list[PassResult]:
+        """Run the passes; ``before``: the cost of ``gm`` as it is, if the caller has it.
+        ``final_cost`` is then the cost of the graph handed back."""
         results = []
         if ctx.dump_dir is not None:
             ctx.dump_dir.mkdir(parents=True, exist_ok=True)
             (ctx.dump_dir / "000_captured.py").write_text(gm.code)
-        before = ctx.cost.graph_cost(gm, ctx.hints)
+        # with nothing to run the graph between passes (no accuracy check, no dump), its Python
+        # code is generated once at the end rather than after every pass that changes it
+        defer_recompile = self.accuracy_check is None and ctx.dump_dir is None
+        stale = False
+        if before is None:
+            before = ctx.cost.graph_cost(gm, ctx.hints)
         ctx.accuracy_check = self.accuracy_check
         ctx.scheduled = frozenset(p.name for p in self.passes if not getattr(p, "disabled", False))
         for i, p in enumerate(self.passes, start=1):
@@ -338,8 +345,11 @@ class PassManager:
             res = out
             res.family = p.family
             if res.changed and res.status != "reverted":
-                with timing.phase("recompile"):
-                    gm.recompile()
+                if defer_recompile:
+                    stale = True
+                else:
+                    with timing.phase("recompile"):
+                        gm.recompile()
                 broken = None
                 if ctx.verify:
                     try:
@@ -375,6 +385,10 @@ class PassManager:
                 (ctx.dump_dir / f"{i:03d}_{p.name}.py").write_text(gm.code)
             results.append(res)
         ir.remove_unused_attributes(gm)
+        if stale:
+            with timing.phase("recompile"):
+                gm.recompile()
+        self.final_cost = before
         return results
 
 

@@ -160,3 +160,33 @@ def test_disabled_pass_is_reported():
     opt = graphopt.optimize(model, inputs, disable=["fold_conv_bn"])
     assert opt.report.pass_result("fold_conv_bn").status == "disabled"
     assert any(n.target is aten.batch_norm.default for n in opt.graph_module.graph.nodes)
+
+
+def test_code_is_generated_once_when_nothing_runs_the_graph_between_passes(monkeypatch):
+    """No accuracy check and no dump: the PassManager recompiles the graph's Python code once,
+    after the last pass (not after each pass that changed it); the module handed back runs the
+    final graph. With the accuracy check, each changed graph is recompiled to be run."""
+    import sys
+
+    from tests.helpers import reference_check
+
+    model, inputs = zoo.get("bert-tiny")
+    model.eval()
+    counts = []
+    orig = fx.GraphModule.recompile
+
+    def counting(self):
+        if sys._getframe(1).f_code.co_filename.endswith(("graphopt/pipeline.py", "graphopt\\pipeline.py")):
+            counts.append(1)  # the PassManager's own (capture and some passes recompile themselves)
+        return orig(self)
+
+    monkeypatch.setattr(fx.GraphModule, "recompile", counting)
+    opt = graphopt.optimize(model, inputs, target="h200", check_accuracy=False, cuda_graphs=False)
+    applied = [p.name for p in opt.report.passes if p.status == "applied"]
+    assert len(applied) >= 5 and len(counts) == 1
+    assert reference_check(model, opt.graph_module, inputs).passed
+    gm = opt.graph_module
+    assert gm.code == gm.graph.python_code("self").src  # the code is the final graph's
+    counts.clear()
+    guarded = graphopt.optimize(model, inputs, target="h200", cuda_graphs=False)
+    assert len(counts) >= len([p for p in guarded.report.passes if p.status == "applied"])

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 import graphopt
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import get_profile
 from graphopt.examples import zoo
 
 RECORD = Path(__file__).with_name("same_plan.json")
@@ -67,6 +69,9 @@ def test_optimized_graph_is_the_recorded_one(name, kw):
     assert got["code_sha256"] == want["code_sha256"], "same op counts, different graph (order or arguments)"
     assert got["constants_sha256"] == want["constants_sha256"], "the computed constants differ"
     assert opt.report.accuracy.get("passed") is True
+    # the report's predicted cost after optimizing is that of the graph handed back, priced afresh
+    fresh = CostModel(get_profile(kw["target"])[0]).graph_cost(opt.graph_module)
+    assert opt.report.cost_after == fresh.as_dict()
 
 
 def test_the_record_tells_graphs_apart():

@@ -305,6 +305,9 @@ class PassManager:
         # code is generated once at the end rather than after every pass that changes it
         defer_recompile = self.accuracy_check is None and ctx.dump_dir is None
         stale = False
+        # (result, low dtype) of the last accuracy check that passed: the graph as it is now, since
+        # every later change was either checked or undone (a revert restores the checked graph)
+        self.last_check = None
         if before is None:
             before = ctx.cost.graph_cost(gm, ctx.hints)
         ctx.accuracy_check = self.accuracy_check
@@ -371,7 +374,9 @@ class PassManager:
                     with timing.phase("accuracy checks"):
                         acc = self.accuracy_check(gm, ctx.low_precision)
                     res.accuracy = acc.as_dict()
-                    if not acc.passed:
+                    if acc.passed:
+                        self.last_check = (acc, ctx.low_precision)
+                    else:
                         _restore(gm, saved_graph)
                         res.status = "reverted"
                         if p.changes_dtypes:

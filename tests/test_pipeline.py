@@ -190,3 +190,29 @@ def test_code_is_generated_once_when_nothing_runs_the_graph_between_passes(monke
     counts.clear()
     guarded = graphopt.optimize(model, inputs, target="h200", cuda_graphs=False)
     assert len(counts) >= len([p for p in guarded.report.passes if p.status == "applied"])
+
+
+def test_the_final_accuracy_check_reuses_the_last_passing_one(monkeypatch):
+    """The graph handed back is the one the last applied pass's check ran (later passes changed
+    nothing or were undone): optimize() reports that result instead of running the model again.
+    With no pass applied, the captured graph is checked once."""
+    from graphopt import api
+
+    calls = []
+    orig = api._AccuracyGuard.__call__
+
+    def counting(self, gm, low_dtype=None):
+        calls.append(low_dtype)
+        return orig(self, gm, low_dtype)
+
+    monkeypatch.setattr(api._AccuracyGuard, "__call__", counting)
+    model, inputs = zoo.get("bert-tiny")
+    model.eval()
+    opt = graphopt.optimize(model, inputs, target="h200", cuda_graphs=False)
+    applied = [p for p in opt.report.passes if p.status == "applied"]
+    assert len(applied) >= 5 and len(calls) == len(applied)
+    last = applied[-1].accuracy
+    assert opt.report.accuracy["passed"] and opt.report.accuracy["rmse"] == last["rmse"]
+    calls.clear()
+    none = graphopt.optimize(model, inputs, target="h200", passes=[], cuda_graphs=False)
+    assert len(calls) == 1 and none.report.accuracy["checked"] and none.report.accuracy["passed"]

@@ -573,6 +573,8 @@ def _same(a: tuple, b: tuple) -> bool:
 def _same_arg(a, b) -> bool:
     """Argument equality with no side effects: nodes, tensors and symbolic sizes by identity
     (comparing two SymInts with == would ask the shape environment, and may add a guard)."""
+    if a is b:  # an unchanged node keeps its args tuple
+        return True
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same_arg(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):

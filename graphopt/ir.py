@@ -371,7 +371,7 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
         gm.graph.lint()
     except Exception as e:  # lint raises RuntimeError with its own message
         raise InvariantError(f"graph lint failed{suffix}: {e}") from e
-    before = {n.name: (tensor_info(n.meta.get("val"))) for n in gm.graph.nodes}
+    before = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     try:
         repropagate(gm)
     except Exception as e:
@@ -379,7 +379,10 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
     for n in gm.graph.nodes:
         if n.op in ("output",):
             continue
-        old, new = before.get(n.name), tensor_info(n.meta.get("val"))
+        val = n.meta.get("val")
+        if val is before.get(n.name, ...):  # kept by the incremental propagation: nothing changed
+            continue
+        old, new = tensor_info(before.get(n.name)), tensor_info(val)
         if old is not None and new is not None:
             dtype_changed = old.dtype != new.dtype and not allow_dtype_change
             if dtype_changed or old.device != new.device or len(old.shape) != len(new.shape):

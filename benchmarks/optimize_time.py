@@ -46,6 +46,21 @@ def op_counts(gm) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def plan_digest(gm) -> dict:
+    """sha256 of the graph's code (comments left out) and of the constants graphopt computed:
+    equal digests, same plan (tests/test_same_plan.py does the same for the tiny models)."""
+    import hashlib
+
+    code = "\n".join(line for line in gm.code.splitlines() if line.strip() and not line.strip().startswith("#"))
+    consts = hashlib.sha256()
+    for name, buf in sorted(gm.named_buffers()):
+        if name.startswith("_graphopt_"):
+            t = buf.detach().cpu().contiguous().reshape(-1)
+            consts.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
+            consts.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return {"code_sha256": hashlib.sha256(code.encode()).hexdigest(), "constants_sha256": consts.hexdigest()}
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -85,6 +100,7 @@ def run_model(spec, batch, seq, *, dtype, device, target, reps, accuracy) -> dic
         print(f"  run {r + 1}/{reps}: {wall:.2f} s ({shown})", flush=True)
         if r == reps - 1:
             row["op_counts"] = op_counts(opt.graph_module)
+            row.update(plan_digest(opt.graph_module))
             row["applied"] = [p.name for p in rep.passes if p.status == "applied"]
             row["accuracy"] = rep.accuracy.get("passed") if rep.accuracy.get("checked") else None
         del opt, rep
@@ -113,8 +129,9 @@ def to_markdown(result: dict) -> str:
             lines.append(f"| {k} | {v:.3f} |")
         lines += ["", "passes (wall time each, verification and checks included): " + ", ".join(
             f"{k} {v:.3f}" for k, v in row["best_warm_passes"].items() if v >= 0.005), "",
-            f"optimized graph: {sum(row['op_counts'].values())} call_function nodes; applied: "
-            f"{', '.join(row['applied'])}", ""]
+            f"optimized graph: {sum(row['op_counts'].values())} call_function nodes, code "
+            f"{row['code_sha256'][:12]}, constants {row['constants_sha256'][:12]}; applied: {', '.join(row['applied'])}",
+            ""]
     return "\n".join(lines)
 
 

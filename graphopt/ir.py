@@ -245,20 +245,23 @@ class _IncrementalProp(FakeTensorProp):
 
     KEY = "_graphopt_prop_key"
 
-    def _key(self, n: fx.Node):
+    def _key(self, n: fx.Node, sig=None):
+        """What ``n``'s value is computed from (None: always re-run). ``sig(input node)``: the
+        input's value signature (default: that of its current ``meta["val"]``)."""
+        sig = sig or _node_signature
         if n.op == "get_attr" and "val" in n.meta:
             obj = get_attr_value(self.module, n.target)
             if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
                 return ("get_attr", id(obj), obj._version, tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device)
             return None
         if n.op == "call_function" and n.target is operator.getitem and "val" in n.meta:
-            return ("getitem", _node_signature(n.args[0]), n.args[1])
+            return ("getitem", sig(n.args[0]), n.args[1])
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
                 or n.target._schema.is_mutable or "val" not in n.meta:
             return None
         # the inputs' meta["val"] (set earlier in this run): detached snapshots whether computed now
         # or kept, where the interpreter's own values would differ in requires_grad between the two
-        args = fx.node.map_arg((n.args, n.kwargs), lambda a: _NodeSig(("N", _node_signature(a))))
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: _NodeSig(("N", sig(a))))
         return (n.target, _signature(args))
 
     def run_node(self, n: fx.Node):
@@ -286,40 +289,39 @@ def seed_propagation(gm: fx.GraphModule) -> int:
     them, so the first :func:`repropagate` re-runs only what changed since capture instead of the
     whole graph (BERT-base: ~0.35 s of a 1.9 s optimize()). Export's values are those a fake
     propagation computes from the same inputs (tests/test_ir_propagation.py checks every node's
-    shape, strides, offset, dtype, device and requires_grad on the zoo), with two exceptions that
-    are kept out: get_attr nodes (export's parameters require grad, a propagation's snapshots
-    do not; they are propagated here, with no kernel to run) and list values (a propagation
-    gives torch.fx's immutable_list; left unkeyed, they re-run). Returns the number of nodes keyed."""
+    shape, strides, offset, dtype, device and requires_grad on the zoo), with two exceptions left
+    unkeyed, so that the first propagation re-runs them as before: get_attr nodes (export's
+    parameters require grad, a propagation's snapshots do not; their readers are keyed with the
+    snapshot's signature, what they will read then) and list values (a propagation gives torch.fx's
+    immutable_list). No value is changed: a pass that runs before any propagation sees export's,
+    as without the keys. Returns the number of nodes keyed."""
     from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.proxy_tensor import snapshot_fake
 
     fakes = [v for v in placeholder_fakes(gm) if isinstance(v, torch.Tensor)]
     mode = detect_fake_mode(fakes)
     if mode is None:
         return 0
     prop = _IncrementalProp(gm, mode)
-    prev = mode.allow_non_fake_inputs
-    mode.allow_non_fake_inputs = True
+    attr_sig: dict = {}  # get_attr node -> the signature its propagated value will have
     keyed = 0
-    try:
-        with mode:
-            for n in gm.graph.nodes:
-                if n.op == "get_attr":
-                    if isinstance(get_attr_value(gm, n.target), torch.Tensor):
-                        prop.run_node(n)  # the propagation's own value and key
-                        keyed += 1
-                    continue
-                val = n.meta.get("val")
-                if not (isinstance(val, torch.Tensor) or (isinstance(val, tuple) and val
-                                                          and all(isinstance(v, torch.Tensor) for v in val))):
-                    continue
-                if _unbacked(val) or any(_unbacked(v) for v in (val if isinstance(val, tuple) else ())):
-                    continue
-                key = prop._key(n)
-                if key is not None:
-                    n.meta[_IncrementalProp.KEY] = key
-                    keyed += 1
-    finally:
-        mode.allow_non_fake_inputs = prev
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj = get_attr_value(gm, n.target)
+            if isinstance(obj, torch.Tensor):
+                attr_sig[n] = _signature(snapshot_fake(obj if is_fake(obj) else mode.from_tensor(obj, static_shapes=True)))
+            continue
+        val = n.meta.get("val")
+        if not (isinstance(val, torch.Tensor) or (isinstance(val, tuple) and val
+                                                  and all(isinstance(v, torch.Tensor) for v in val))):
+            continue
+        if _unbacked(val) or any(_unbacked(v) for v in (val if isinstance(val, tuple) else ())):
+            continue
+        key = prop._key(n, sig=lambda a: attr_sig[a] if a in attr_sig else _node_signature(a))
+        if key is not None:
+            n.meta[_IncrementalProp.KEY] = key
+            keyed += 1
     return keyed
 
 

@@ -88,7 +88,7 @@ def test_seeded_capture_values_are_a_propagation(name, training):
     model.train(training)
     gm = capture(model, inputs)
     keyed = [n for n in gm.graph.nodes if n.meta.get(ir._IncrementalProp.KEY) is not None]
-    assert len(keyed) > 0.9 * len([n for n in gm.graph.nodes if n.op in ("call_function", "get_attr")])
+    assert len(keyed) > 0.9 * len([n for n in gm.graph.nodes if n.op == "call_function"])
     ir.repropagate(gm)
     incremental = _signatures(gm)
     ir.repropagate(gm, incremental=False)
@@ -130,3 +130,27 @@ def test_cached_value_signature_follows_in_place_changes():
     assert after != before and after[1] == ("16", "4")
     x.meta["val"] = val.new_empty((4, 16))  # a new value object: recomputed
     assert ir._node_signature(x)[1] == ("4", "16")
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_seeding_changes_no_value(training):
+    """Seeding only adds keys: a pass that runs before any propagation reads export's values
+    (parameters that require grad included: insert_checkpoints reads that in a training graph)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).train(training)
+    x = torch.randn(2, 3, 32, 32)
+    plain = capture(model, (x,), strategy="export")
+    vals = {n.name: n.meta.get("val") for n in plain.graph.nodes}
+    for n in plain.graph.nodes:  # what capture keyed, undone: the values must be export's as they came
+        n.meta.pop(ir._IncrementalProp.KEY, None)
+    ir.seed_propagation(plain)
+    assert all(n.meta.get("val") is vals[n.name] for n in plain.graph.nodes)
+    params = [n for n in plain.graph.nodes if n.op == "get_attr" and "weight" in str(n.target)]
+    assert params and all(n.meta["val"].requires_grad for n in params)
+    assert not any(n.meta.get(ir._IncrementalProp.KEY) for n in params)  # re-run by the first propagation
+    ir.repropagate(plain)
+    incremental = _signatures(plain)
+    ir.repropagate(plain, incremental=False)
+    assert incremental == _signatures(plain)

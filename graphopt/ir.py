@@ -244,6 +244,7 @@ class _IncrementalProp(FakeTensorProp):
     and data-dependent results (unbacked symbols) always re-run."""
 
     KEY = "_graphopt_prop_key"
+    SEEDED = "_graphopt_seeded_val"  # get_attr: (key, the value a propagation gives it), from seed_propagation
 
     def _key(self, n: fx.Node, sig=None):
         """What ``n``'s value is computed from (None: always re-run). ``sig(input node)``: the
@@ -268,6 +269,11 @@ class _IncrementalProp(FakeTensorProp):
         key = self._key(n)
         if key is not None and n.meta.get(self.KEY) == key:
             return n.meta["val"]
+        seeded = n.meta.pop(self.SEEDED, None)
+        if seeded is not None and key is not None and seeded[0] == key:
+            # a parameter's propagated value, made by seed_propagation from this same tensor
+            n.meta["val"], n.meta[self.KEY] = seeded[1], key
+            return seeded[1]
         result = super().run_node(n)
         if key is None:  # a node without a value yet: keyed once it has one (its inputs are as they were)
             key = self._key(n)
@@ -294,7 +300,8 @@ def seed_propagation(gm: fx.GraphModule) -> int:
     parameters require grad, a propagation's snapshots do not; their readers are keyed with the
     snapshot's signature, what they will read then) and list values (a propagation gives torch.fx's
     immutable_list). No value is changed: a pass that runs before any propagation sees export's,
-    as without the keys. Returns the number of nodes keyed."""
+    as without the keys (the parameters' propagated values wait beside them, installed by that
+    propagation while the attribute is the same tensor). Returns the number of nodes keyed."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import is_fake
     from torch.fx.experimental.proxy_tensor import snapshot_fake
@@ -310,7 +317,11 @@ def seed_propagation(gm: fx.GraphModule) -> int:
         if n.op == "get_attr":
             obj = get_attr_value(gm, n.target)
             if isinstance(obj, torch.Tensor):
-                attr_sig[n] = _signature(snapshot_fake(obj if is_fake(obj) else mode.from_tensor(obj, static_shapes=True)))
+                snap = snapshot_fake(obj if is_fake(obj) else mode.from_tensor(obj, static_shapes=True))
+                attr_sig[n] = _signature(snap)
+                key = prop._key(n)
+                if key is not None:  # the first propagation installs it instead of converting the tensor again
+                    n.meta[_IncrementalProp.SEEDED] = (key, snap)
             continue
         val = n.meta.get("val")
         if not (isinstance(val, torch.Tensor) or (isinstance(val, tuple) and val

@@ -54,6 +54,16 @@ def test_optimize_reports_its_phases():
     buf = io.StringIO()
     rep.render(Console(file=buf, width=200))
     line = [s for s in buf.getvalue().splitlines() if s.startswith("optimized in")][0]
-    assert "capture: torch.export" in line and "fake propagation" in line
+    biggest = max(ph, key=ph.get)
+    assert line.startswith(f"optimized in {rep.optimize_seconds:.2f} s: {biggest} ")
     torch.testing.assert_close(opt(*inputs if isinstance(inputs, tuple) else (inputs,)),
                                model(*inputs if isinstance(inputs, tuple) else (inputs,)), rtol=1e-4, atol=1e-4)
+
+
+def test_format_phases_largest_first_small_ones_left_out_and_the_tail_summed():
+    ph = {"capture: torch.export": 0.5, "fake propagation": 0.2, "cost model": 0.1, "passes": 0.05,
+          "recompile": 0.001}
+    assert timing.format_phases(ph) == ("capture: torch.export 0.50 s, fake propagation 0.20 s, cost model 0.10 s, "
+                                        "passes 0.05 s")
+    assert timing.format_phases(ph, limit=2) == ("capture: torch.export 0.50 s, fake propagation 0.20 s, "
+                                                 "2 more 0.15 s")

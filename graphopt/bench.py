@@ -772,7 +772,8 @@ def _graphopt_extra(opt) -> dict:
     rep = opt.report
     runner = getattr(opt, "runner", None)
     extra = {"predicted_ms": rep.predicted_s_after * 1e3, "predicted_ms_before": rep.predicted_s_before * 1e3,
-             "optimize_s": rep.optimize_seconds, "guard": rep.accuracy,
+             "optimize_s": rep.optimize_seconds, "optimize_phases": getattr(rep, "optimize_phases", {}),
+             "guard": rep.accuracy,
              "applied": [p.name for p in rep.passes if getattr(p, "status", "") == "applied"]}
     if runner is not None:
         extra["cuda_graph"] = runner.decision.note()

@@ -9,6 +9,7 @@ against this vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
@@ -23,7 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ir
+from . import ir, timing
 from .capture_mha import MhaCapture, batch_first_sdpa, resolve_mode
 from .errors import CaptureError
 
@@ -154,7 +155,7 @@ def _advice(exc: BaseException) -> str:
 
 
 def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, strategy: str = "auto",
-            mha: str | None = None) -> fx.GraphModule:
+            mha: str | None = None, stack_traces: bool = False) -> fx.GraphModule:
     """Capture ``model`` as a GraphModule whose outputs equal the model's.
 
     ``dynamic`` maps argument names to ``{dim: "name"}``, e.g. ``{"x": {0: "batch"}}``; dims that
@@ -163,6 +164,10 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     ``mha``: "sdpa" captures eligible nn.MultiheadAttention self-attention calls in the batch-first
     SDPA form eager's fast path runs (graphopt.capture_mha), "module" keeps the module's own
     forward; default: the environment variable GRAPHOPT_MHA, else "sdpa".
+    ``stack_traces``: keep torch.export's per-node source locations (``node.stack_trace``, the
+    ``# File:`` comments of the generated code; graphopt itself never reads them). Recording
+    them is ~15% of export's time, and symbolizing them ~0.25 s more on a process's first export
+    (BERT-base), so they are off unless asked for (``optimize(dump_dir=...)`` asks).
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -177,10 +182,12 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     if strategy in ("auto", "export"):
         try:
             with batch_first_sdpa(model, mha_record):
-                gm = _capture_export(model, args, kwargs, dynamic)
+                gm = _capture_export(model, args, kwargs, dynamic, stack_traces)
             info.method = "torch.export"
             info.mha = mha_record.as_dict()
             info.notes.extend(mha_record.notes())
+            # export's values count as propagated: the first re-propagation re-runs what changed
+            ir.seed_propagation(gm)
         except CaptureError:
             raise
         except Exception as e:  # export failed: remember why, try the fallback
@@ -193,13 +200,15 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
         if dynamic:
             raise _capture_error(model, export_exc, None, extra="dynamic shapes need torch.export")
         try:
-            gm = _capture_symbolic(model, args, kwargs)
+            with timing.phase("capture: symbolic_trace"):
+                gm = _capture_symbolic(model, args, kwargs)
             info.method = "symbolic_trace"
         except Exception as e:
             raise _capture_error(model, export_exc or e, e) from None
         if export_exc is not None:
             info.notes.append(f"torch.export failed ({info.export_error}); captured with symbolic_trace")
-    canonicalize(gm, info)
+    with timing.phase("capture: canonicalize"):
+        canonicalize(gm, info)
     gm.meta["graphopt_capture"] = info
     return gm
 
@@ -251,10 +260,27 @@ def _dynamic_shapes(model, args, kwargs, dynamic):
     return spec
 
 
-def _capture_export(model, args, kwargs, dynamic) -> fx.GraphModule:
+@contextlib.contextmanager
+def _stack_traces(keep: bool):
+    """torch.fx.config.do_not_emit_stack_traces for the duration of an export (torch versions
+    without that switch record them either way)."""
+    config = getattr(torch.fx, "config", None)
+    if keep or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    prev = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = prev
+
+
+def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False) -> fx.GraphModule:
     shapes = _dynamic_shapes(model, args, kwargs, dynamic)
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+        with timing.phase("capture: torch.export"), _stack_traces(stack_traces):
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):
             raise CaptureError(
@@ -262,7 +288,8 @@ def _capture_export(model, args, kwargs, dynamic) -> fx.GraphModule:
                 "drop it from dynamic= or remove the code that fixes its size"
             ) from None
         raise
-    gm = ep.module()
+    with timing.phase("capture: unlift (ep.module)"):
+        gm = ep.module()
     return gm
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 import torch.fx as fx
 
-from . import ir
+from . import ir, timing
 from .cost.model import CostModel
 from .cost.profiles import DeviceProfile
 from .errors import GraphoptError, PassConfigError
@@ -295,12 +295,22 @@ class PassManager:
         self.passes = passes
         self.accuracy_check = accuracy_check
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassResult]:
+    def run(self, gm: fx.GraphModule, ctx: PassContext, before=None) -> list[PassResult]:
+        """Run the passes; ``before``: the cost of ``gm`` as it is, if the caller has it.
+        ``final_cost`` is then the cost of the graph handed back."""
         results = []
         if ctx.dump_dir is not None:
             ctx.dump_dir.mkdir(parents=True, exist_ok=True)
             (ctx.dump_dir / "000_captured.py").write_text(gm.code)
-        before = ctx.cost.graph_cost(gm, ctx.hints)
+        # with nothing to run the graph between passes (no accuracy check, no dump), its Python
+        # code is generated once at the end rather than after every pass that changes it
+        defer_recompile = self.accuracy_check is None and ctx.dump_dir is None
+        stale = False
+        # (result, low dtype) of the last accuracy check that passed: the graph as it is now, since
+        # every later change was either checked or undone (a revert restores the checked graph)
+        self.last_check = None
+        if before is None:
+            before = ctx.cost.graph_cost(gm, ctx.hints)
         ctx.accuracy_check = self.accuracy_check
         ctx.scheduled = frozenset(p.name for p in self.passes if not getattr(p, "disabled", False))
         for i, p in enumerate(self.passes, start=1):
@@ -317,11 +327,12 @@ class PassManager:
                 res.predicted_s_after, res.peak_bytes_after = before.total_s, before.peak_memory_bytes
                 results.append(res)
                 continue
-            saved_graph = copy.deepcopy(gm.graph)
             t0 = time.perf_counter()
+            with timing.phase("graph snapshots"):
+                saved_graph = copy.deepcopy(gm.graph)
             ctx.observer = ir.ProvenanceObserver(gm, p.name)
             try:
-                with ctx.observer.active():
+                with ctx.observer.active(), timing.phase("passes"):
                     out = p.run(gm, ctx)
             except (GraphoptError, KeyboardInterrupt):
                 raise
@@ -338,7 +349,11 @@ class PassManager:
             res = out
             res.family = p.family
             if res.changed and res.status != "reverted":
-                gm.recompile()
+                if defer_recompile:
+                    stale = True
+                else:
+                    with timing.phase("recompile"):
+                        gm.recompile()
                 broken = None
                 if ctx.verify:
                     try:
@@ -357,9 +372,12 @@ class PassManager:
                     continue
                 res.status = "applied"
                 if self.accuracy_check is not None:
-                    acc = self.accuracy_check(gm, ctx.low_precision)
+                    with timing.phase("accuracy checks"):
+                        acc = self.accuracy_check(gm, ctx.low_precision)
                     res.accuracy = acc.as_dict()
-                    if not acc.passed:
+                    if acc.passed:
+                        self.last_check = (acc, ctx.low_precision)
+                    else:
                         _restore(gm, saved_graph)
                         res.status = "reverted"
                         if p.changes_dtypes:
@@ -373,14 +391,19 @@ class PassManager:
                 (ctx.dump_dir / f"{i:03d}_{p.name}.py").write_text(gm.code)
             results.append(res)
         ir.remove_unused_attributes(gm)
+        if stale:
+            with timing.phase("recompile"):
+                gm.recompile()
+        self.final_cost = before
         return results
 
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph) -> None:
     """Undo a pass: its graph back, the constants it added dropped, metadata re-propagated."""
-    gm.graph = saved
-    ir.remove_unused_attributes(gm)
-    gm.recompile()
+    with timing.phase("recompile"):
+        gm.graph = saved
+        ir.remove_unused_attributes(gm)
+        gm.recompile()
     ir.repropagate(gm)
 
 

@@ -46,6 +46,8 @@ class Report:
     # predicted execution (CostModel.execution_cost): {"before": eager, "after": {"eager", "graphed"},
     # "mode": the one calls use}; predicted_s_before/after are its "before" and "after"[mode]
     execution: dict | None = None
+    # optimize()'s wall time per phase (graphopt.timing; exclusive, summing to optimize_seconds)
+    optimize_phases: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ data
 
@@ -72,6 +74,7 @@ class Report:
             "cost_after": self.cost_after,
             "accuracy": self.accuracy,
             "optimize_seconds": self.optimize_seconds,
+            "optimize_phases": self.optimize_phases,
             "passes": [p.as_dict() for p in self.passes],
             "top_nodes": self.top_nodes,
             "notes": self.notes,
@@ -169,7 +172,12 @@ class Report:
             self._render_partition(console)
         for note in self.notes:
             console.print(f"• {note}")
-        console.print(f"optimized in {self.optimize_seconds:.2f} s")
+        if self.optimize_phases:
+            from .timing import format_phases
+
+            console.print(f"optimized in {self.optimize_seconds:.2f} s: {format_phases(self.optimize_phases)}")
+        else:
+            console.print(f"optimized in {self.optimize_seconds:.2f} s")
 
     def _render_partition(self, console) -> None:
         """The stage table of partition_devices: per stage and per boundary."""

@@ -185,9 +185,16 @@ class FuseAttention(Pass):
     description = "explicit matmul-scale-mask-softmax-matmul attention -> scaled_dot_product_attention (GQA, causal)"
     inference_only = False  # SDPA is differentiable; active dropout is refused per match
 
+    def _is_causal(self, value: torch.Tensor) -> bool:
+        hit = self._causal.get(id(value))
+        if hit is None or hit[0] is not value:
+            hit = self._causal[id(value)] = (value, is_causal_mask(value))
+        return hit[1]
+
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         self._masks: dict = {}
+        self._causal: dict = {}  # id(mask value) -> (value, is_causal_mask): every layer reads the same mask
         candidates, explained = [], set()
         for m in _find_unchecked(gm, PATTERN):
             explained.add(m["softmax"])
@@ -211,7 +218,7 @@ class FuseAttention(Pass):
                 if value is None:
                     raise Refuse("its mask is computed from the inputs; kept as attn_mask")
                 qs, ks, outs = _shape(m["q"]), _shape(m["k"]), _shape(sd)
-                if not is_causal_mask(value) or not (value.shape[-1] == ks[-2] == qs[-2]) or not _broadcastable(
+                if not self._is_causal(value) or not (value.shape[-1] == ks[-2] == qs[-2]) or not _broadcastable(
                         tuple(value.shape), tuple(outs[:-1]) + (ks[-2],)):
                     raise Refuse("its constant mask is not a causal mask for these shapes; kept as attn_mask")
             except Refuse as e:
@@ -340,7 +347,7 @@ class FuseAttention(Pass):
                 raise Refuse(f"mask {mask.name} of shape {mi.shape} does not broadcast to the scores {scores_shape}")
             value = _const_value(gm, mask, memo=self._masks) if qs[2] == ks[2] else None
             if value is not None:
-                if value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and is_causal_mask(value):
+                if value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and self._is_causal(value):
                     mask, causal, dropped = None, True, mask
         # nodes reading the scores / probabilities outside the pattern
         inside = set(m.nodes)

@@ -291,3 +291,36 @@ def test_on_new_shape_reoptimize_specializes_and_stays_correct():
     assert any("specialization" in n for n in opt.report.notes)
     with pytest.raises(graphopt.GraphoptError, match="on_new_shape"):
         graphopt.optimize(model, (x,), on_new_shape="sometimes")
+
+
+def test_optimize_hands_the_process_objects_back_to_the_collector():
+    """optimize() freezes the process's existing objects for its duration so its collections scan
+    only what it creates (api._collect_young_only); afterwards nothing stays frozen, the collector
+    is as it was, and objects the caller froze stay frozen."""
+    import gc
+
+    model, inputs = zoo.get("mlp")
+    seen = []
+    cb = lambda phase, info: phase == "start" and seen.append(gc.get_freeze_count())  # noqa: E731
+    gc.callbacks.append(cb)
+    try:
+        gc.collect()
+        graphopt.optimize(model, inputs, check_accuracy=False)
+        gc.collect()  # a collection while optimize() runs would have seen the frozen objects
+    finally:
+        gc.callbacks.remove(cb)
+    assert any(c > 0 for c in seen[:-1]) and seen[-1] == 0  # frozen during, none after
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()  # the caller's own freeze is left alone
+    try:
+        frozen = gc.get_freeze_count()
+        graphopt.optimize(model, inputs, check_accuracy=False)
+        assert frozen - 1000 < gc.get_freeze_count() <= frozen  # (a frozen object freed meanwhile leaves)
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        graphopt.optimize(model, inputs, check_accuracy=False)
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()

@@ -164,3 +164,21 @@ def test_dtype_asserts_dropped_inside_subgraphs():
     assert not any(n.target is aten._assert_tensor_metadata.default for n in gm.body.graph.nodes)
     t = torch.randn(3, dtype=torch.bfloat16)
     assert torch.equal(gm(t), t * 2)  # a bf16 input no longer trips the fp32 assertion
+
+
+def test_stack_traces_are_left_out_unless_asked_for():
+    """torch.export's per-node source locations cost export time and graphopt never reads them;
+    capture(stack_traces=True) (optimize(dump_dir=...)) keeps them. The graph is the same."""
+    config = getattr(torch.fx, "config", None)
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        pytest.skip("this torch records stack traces unconditionally")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    plain = capture(model, (x,))
+    traced = capture(model, (x,), stack_traces=True)
+    assert config.do_not_emit_stack_traces is False  # restored
+    ops = lambda gm: [(n.op, str(n.target)) for n in gm.graph.nodes]  # noqa: E731
+    assert ops(plain) == ops(traced)
+    assert not any(n.stack_trace for n in plain.graph.nodes if n.op == "call_function")
+    assert any(n.stack_trace for n in traced.graph.nodes if n.op == "call_function")
+    torch.testing.assert_close(plain(x), model(x))

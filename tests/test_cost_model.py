@@ -279,3 +279,53 @@ def test_row_per_block_norms_priced_by_rows():
     assert t == pytest.approx(rows * h200.norm_row_s)
     plain = DeviceProfile(**{**h200.to_dict(), "norm_row_s": 0.0})
     assert CostModel(plain).node_cost(ln).time_s < t / 3
+
+
+def test_node_prices_are_memoized_until_a_node_or_its_inputs_change(monkeypatch):
+    from graphopt import ir
+
+    gm = capture(Lin().eval(), (torch.randn(64, 256),))
+    cm = CostModel(_h200())
+    first = cm.graph_cost(gm)
+    calls = []
+    orig = CostModel._flops_bytes
+    monkeypatch.setattr(CostModel, "_flops_bytes",  # ops only: placeholders and attributes cost nothing to price
+                        lambda self, n: (n.op == "call_function" and calls.append(n.name)) or orig(self, n))
+    again = cm.graph_cost(gm)
+    assert calls == [] and again.total_s == first.total_s and again.peak_memory_bytes == first.peak_memory_bytes
+    # the linear's input becomes bf16: the linear, and only what reads changed values, is priced again
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    lin = _node(gm, "linear")
+    with gm.graph.inserting_after(x):
+        cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
+    lin.replace_input_with(x, cast)
+    for a in [n for n in lin.all_input_nodes if n.op == "get_attr"]:  # the parameters follow, as assign_precision would
+        name = ir.register_constant(gm, a.target + "_bf16", ir.get_attr_value(gm, a.target).to(torch.bfloat16))
+        with gm.graph.inserting_after(a):
+            b = gm.graph.get_attr(name)
+        lin.replace_input_with(a, b)
+    gm.recompile()
+    ir.repropagate(gm)
+    calls.clear()
+    changed = cm.graph_cost(gm)
+    assert "linear" in calls and "relu" in calls  # relu reads the linear's new (bf16) value
+    fresh = CostModel(_h200()).graph_cost(gm)
+    assert [(c.node, c.bytes, c.time_s) for c in changed.nodes] == [(c.node, c.bytes, c.time_s) for c in fresh.nodes]
+    assert changed.total_s == fresh.total_s
+    lin_bytes = lambda g: next(c.bytes for c in g.nodes if c.node == "linear")  # noqa: E731
+    assert lin_bytes(changed) < lin_bytes(first)  # bf16 operands
+
+
+def test_memo_compares_symbolic_sizes_by_identity_only():
+    """Comparing SymInts with == would consult (and may add guards to) the shape environment."""
+    from graphopt.cost.model import _same_arg
+
+    gm = capture(Lin().eval(), (torch.randn(8, 256),), dynamic={"x": {0: "batch"}})
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    s = x.meta["val"].shape[0]
+    env = s.node.shape_env
+    guards = len(env.guards)
+    other = s * 1 + 0
+    assert _same_arg([s, 4], [s, 4]) and not _same_arg([s], [s + 1]) and not _same_arg((s,), [s])
+    assert _same_arg({"a": 1.0}, {"a": 1.0}) and not _same_arg({"a": 1}, {"a": 1.0})
+    assert len(env.guards) == guards and isinstance(other, torch.SymInt)

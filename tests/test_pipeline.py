@@ -160,3 +160,59 @@ def test_disabled_pass_is_reported():
     opt = graphopt.optimize(model, inputs, disable=["fold_conv_bn"])
     assert opt.report.pass_result("fold_conv_bn").status == "disabled"
     assert any(n.target is aten.batch_norm.default for n in opt.graph_module.graph.nodes)
+
+
+def test_code_is_generated_once_when_nothing_runs_the_graph_between_passes(monkeypatch):
+    """No accuracy check and no dump: the PassManager recompiles the graph's Python code once,
+    after the last pass (not after each pass that changed it); the module handed back runs the
+    final graph. With the accuracy check, each changed graph is recompiled to be run."""
+    import sys
+
+    from tests.helpers import reference_check
+
+    model, inputs = zoo.get("bert-tiny")
+    model.eval()
+    counts = []
+    orig = fx.GraphModule.recompile
+
+    def counting(self):
+        if sys._getframe(1).f_code.co_filename.endswith(("graphopt/pipeline.py", "graphopt\\pipeline.py")):
+            counts.append(1)  # the PassManager's own (capture and some passes recompile themselves)
+        return orig(self)
+
+    monkeypatch.setattr(fx.GraphModule, "recompile", counting)
+    opt = graphopt.optimize(model, inputs, target="h200", check_accuracy=False, cuda_graphs=False)
+    applied = [p.name for p in opt.report.passes if p.status == "applied"]
+    assert len(applied) >= 5 and len(counts) == 1
+    assert reference_check(model, opt.graph_module, inputs).passed
+    gm = opt.graph_module
+    assert gm.code == gm.graph.python_code("self").src  # the code is the final graph's
+    counts.clear()
+    guarded = graphopt.optimize(model, inputs, target="h200", cuda_graphs=False)
+    assert len(counts) >= len([p for p in guarded.report.passes if p.status == "applied"])
+
+
+def test_the_final_accuracy_check_reuses_the_last_passing_one(monkeypatch):
+    """The graph handed back is the one the last applied pass's check ran (later passes changed
+    nothing or were undone): optimize() reports that result instead of running the model again.
+    With no pass applied, the captured graph is checked once."""
+    from graphopt import api
+
+    calls = []
+    orig = api._AccuracyGuard.__call__
+
+    def counting(self, gm, low_dtype=None):
+        calls.append(low_dtype)
+        return orig(self, gm, low_dtype)
+
+    monkeypatch.setattr(api._AccuracyGuard, "__call__", counting)
+    model, inputs = zoo.get("bert-tiny")
+    model.eval()
+    opt = graphopt.optimize(model, inputs, target="h200", cuda_graphs=False)
+    applied = [p for p in opt.report.passes if p.status == "applied"]
+    assert len(applied) >= 5 and len(calls) == len(applied)
+    last = applied[-1].accuracy
+    assert opt.report.accuracy["passed"] and opt.report.accuracy["rmse"] == last["rmse"]
+    calls.clear()
+    none = graphopt.optimize(model, inputs, target="h200", passes=[], cuda_graphs=False)
+    assert len(calls) == 1 and none.report.accuracy["checked"] and none.report.accuracy["passed"]

@@ -40,7 +40,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .. import ir
+from .. import ir, timing
 from ..errors import GraphoptError
 from .profiles import DeviceProfile
 
@@ -215,11 +215,41 @@ class CostModel:
 
     def __init__(self, profile: DeviceProfile):
         self.profile = profile
+        # node -> (what its price was computed from, (flops_bytes, NodeCost)): a pipeline prices
+        # the whole graph after every pass that changes a few nodes (graph_cost, execution_cost)
+        self._memo: dict = {}
+
+    def _memo_key(self, node: fx.Node):
+        """Everything a call_function node's price reads: its target and arguments, its own and
+        its inputs' ``meta["val"]`` (by identity: propagation replaces a value, never edits it)
+        and cuDNN's TF32 switch; None (not memoized) for other nodes."""
+        if node.op != "call_function":
+            return None
+        return (node.target, node.args, node.kwargs, node.meta.get("val"),
+                tuple(a.meta.get("val") for a in node.all_input_nodes), torch.backends.cudnn.allow_tf32)
+
+    def _memoized(self, node: fx.Node):
+        key = self._memo_key(node)
+        if key is None:
+            return None, None
+        hit = self._memo.get(node)
+        if hit is not None and _same(hit[0], key):
+            return key, hit[1]
+        return key, None
 
     # ------------------------------------------------------------------ per node
 
     def flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
         """(flops, bytes, kernel launches, kind) of one node; kind in matmul/pointwise/free/..."""
+        key, hit = self._memoized(node)
+        if hit is not None:
+            return hit[0]
+        out = self._flops_bytes(node)
+        if key is not None:
+            self._memo[node] = (key, (out, None))
+        return out
+
+    def _flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
         if node.op == "call_module":  # a region a pass wrapped (insert_checkpoints) prices itself
             owner = node.graph.owning_module
             try:
@@ -301,6 +331,15 @@ class CostModel:
         return numel * weight, in_bytes + out_bytes, 1, kind
 
     def node_cost(self, node: fx.Node) -> NodeCost:
+        key, hit = self._memoized(node)
+        if hit is not None and hit[1] is not None:
+            return hit[1]
+        out = self._node_cost(node)
+        if key is not None:
+            self._memo[node] = (key, (self.flops_bytes(node), out))
+        return out
+
+    def _node_cost(self, node: fx.Node) -> NodeCost:
         flops, nbytes, launches, kind = self.flops_bytes(node)
         p = self.profile
         if kind == "region":  # its nodes' times plus their recomputation in backward
@@ -356,6 +395,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ per graph
 
+    @timing.timed("cost model")
     def graph_cost(self, gm: fx.GraphModule, hints: dict | None = None) -> GraphCost:
         if hints is None:
             hints = ir.shape_hints(gm)
@@ -432,6 +472,7 @@ class CostModel:
             launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
             yield n, c(host), c(dev), launches, _op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
 
+    @timing.timed("cost model")
     def execution_cost(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
                        reuse_outputs: bool = False) -> ExecutionCost:
         """Predicted time of one call of ``gm`` run ``mode`` ("eager": node by node, the host
@@ -546,6 +587,29 @@ class CostModel:
             peak = max(peak, live)
             live -= frees.pop(i, 0.0)
         return peak + params, params, params + inputs + outputs
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Two memo keys equal: values by identity, arguments structurally (_same_arg)."""
+    return (a[0] is b[0] and a[3] is b[3] and a[5] == b[5] and len(a[4]) == len(b[4])
+            and all(x is y for x, y in zip(a[4], b[4])) and _same_arg(a[1], b[1]) and _same_arg(a[2], b[2]))
+
+
+def _same_arg(a, b) -> bool:
+    """Argument equality with no side effects: nodes, tensors and symbolic sizes by identity
+    (comparing two SymInts with == would ask the shape environment, and may add a guard)."""
+    if a is b:  # an unchanged node keeps its args tuple
+        return True
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_arg(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(_same_arg(a[k], b[k]) for k in a)
+    if isinstance(a, (fx.Node, torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)) or type(a) is not type(b):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an argument type without a plain ==: recompute
+        return False
 
 
 def _efficiency_kind(node: fx.Node) -> str:

@@ -328,3 +328,22 @@ def test_sdpa_over_repeated_kv_with_a_non_causal_mask_keeps_the_repeat():
     assert not sd.kwargs.get("enable_gqa") and sd.args[3] is not None
     assert any(n.target is aten.expand.default for n in gm.graph.nodes)
     assert reference_check(model, gm, args).passed
+
+
+def test_a_shared_causal_mask_is_inspected_once(monkeypatch):
+    """Every layer reads the same constant mask: it is proven causal once per pass run, and each
+    layer's attention is still rewritten."""
+    import graphopt.passes.fuse_attention as fa
+
+    seen = []
+    orig = fa.is_causal_mask
+    monkeypatch.setattr(fa, "is_causal_mask", lambda v: seen.append(v) or orig(v))
+    model, inputs = zoo.get("glm4-tiny")
+    gm = capture(model.eval(), inputs)
+    run_passes(gm, PRE)
+    (res,) = run_passes(gm, ["fuse_attention"])
+    assert len(res.rewrites) == 2 and len(seen) == 1
+    assert all(n.kwargs.get("is_causal") or (len(n.args) > 5 and n.args[5]) for n in _sdpa_nodes(gm))
+    assert reference_check(model, gm, inputs).passed
+    # a mask that is not causal is inspected (once) and refused: no is_causal
+    assert not fa.is_causal_mask(torch.zeros(4, 4))

@@ -1,0 +1,87 @@
+"""optimize() made faster must plan the same graph: the optimized graphs of the tiny zoo models,
+recorded before the optimize-time work (commit df8cb2a: graphopt.timing only), are reproduced
+exactly -- op counts, the generated code (every node, its arguments and order; comments aside) and
+the values of the constants graphopt computed (folded masks, merged weights).
+
+When a pass changes on purpose, regenerate the record and say so in the commit:
+
+    PYTHONPATH=$PWD python tests/test_same_plan.py --regenerate
+"""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import get_profile
+from graphopt.examples import zoo
+
+RECORD = Path(__file__).with_name("same_plan.json")
+# (zoo model, optimize kwargs): the GPU plan (fused kernels, bf16 lowering, guarded) and the CPU plan
+CONFIGS = [
+    ("bert-tiny", {"target": "h200"}),
+    ("glm4-tiny", {"target": "h200"}),
+    ("vit-tiny", {"target": "h200"}),
+    ("bert-tiny", {"target": "cpu"}),
+    ("shape-branch", {"target": "h200"}),
+]
+
+
+def _key(name, kw) -> str:
+    return name + " " + " ".join(f"{k}={v}" for k, v in sorted(kw.items()))
+
+
+def plan_record(gm) -> dict:
+    ops: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            ops[str(n.target)] = ops.get(str(n.target), 0) + 1
+    consts = hashlib.sha256()
+    for name, buf in sorted(gm.named_buffers()):
+        if name.startswith("_graphopt_"):
+            t = buf.detach().cpu().contiguous().reshape(-1)
+            consts.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
+            consts.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    # the code without its comments (torch.export's source locations, which capture may leave out)
+    code = "\n".join(line for line in gm.code.splitlines() if line.strip() and not line.strip().startswith("#"))
+    return {"op_counts": dict(sorted(ops.items())), "nodes": len(gm.graph.nodes),
+            "code_sha256": hashlib.sha256(code.encode()).hexdigest(), "constants_sha256": consts.hexdigest()}
+
+
+def optimized(name, kw):
+    torch.manual_seed(0)
+    model, inputs = zoo.get(name)
+    return graphopt.optimize(model.eval(), inputs, **kw)
+
+
+@pytest.mark.parametrize("name,kw", CONFIGS, ids=[_key(n, k) for n, k in CONFIGS])
+def test_optimized_graph_is_the_recorded_one(name, kw):
+    want = json.loads(RECORD.read_text())[_key(name, kw)]
+    opt = optimized(name, kw)
+    got = plan_record(opt.graph_module)
+    assert got["op_counts"] == want["op_counts"]
+    assert got["nodes"] == want["nodes"]
+    assert got["code_sha256"] == want["code_sha256"], "same op counts, different graph (order or arguments)"
+    assert got["constants_sha256"] == want["constants_sha256"], "the computed constants differ"
+    assert opt.report.accuracy.get("passed") is True
+    # the report's predicted cost after optimizing is that of the graph handed back, priced afresh
+    fresh = CostModel(get_profile(kw["target"])[0]).graph_cost(opt.graph_module)
+    assert opt.report.cost_after == fresh.as_dict()
+
+
+def test_the_record_tells_graphs_apart():
+    """The record is not vacuous: one rewrite fewer is a different record."""
+    full = plan_record(optimized("bert-tiny", {"target": "h200"}).graph_module)
+    fewer = plan_record(optimized("bert-tiny", {"target": "h200", "disable": ["fuse_attention"]}).graph_module)
+    assert fewer["code_sha256"] != full["code_sha256"] and fewer["op_counts"] != full["op_counts"]
+
+
+if __name__ == "__main__" and "--regenerate" in sys.argv:
+    RECORD.write_text(json.dumps({_key(n, k): plan_record(optimized(n, k).graph_module) for n, k in CONFIGS},
+                                 indent=1) + "\n")
+    print(f"wrote {RECORD}")

@@ -148,11 +148,12 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 
 def rotary_layout(x: torch.Tensor) -> torch.Tensor:
-    """An empty output for rotary(x): in x's [B, S, H, D] order when x is that transposed (a
-    projection viewed as heads and transposed, the usual spelling), so attention over it writes its
-    output in that order and the heads merge back without a copy; else contiguous [B, H, S, D].
+    """An empty output for rotary(x): dense in [B, S, H, D] order when x's heads are closer in memory
+    than its positions (a projection viewed as heads and transposed, the usual spelling, or a slice
+    of a merged QKV projection), so attention over it writes its output in that order and the heads
+    merge back without a copy; else contiguous [B, H, S, D].
     The CUDA op (registration.cpp rotary_out) and the fake op follow the same rule."""
-    if x.dim() == 4 and x.stride(3) == 1 and x.stride(1) == x.shape[3] and x.stride(2) == x.shape[1] * x.shape[3]:
+    if x.dim() == 4 and x.stride(3) == 1 and x.stride(1) < x.stride(2):
         return x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2)
     return x.new_empty(x.shape)
 

@@ -182,12 +182,13 @@ RotaryArgs rotary_args(const at::Tensor& x, const at::Tensor& out, const at::Ten
   return a;
 }
 
-// The output layout: a q/k that is a transposed [B, S, H, D] projection (the usual spelling,
-// view + transpose(1, 2)) gets its output in that order, so attention reading it writes its own
+// The output layout: a q/k whose heads are closer in memory than its positions (a [B, S, H, D]
+// projection viewed as heads and transposed, the usual spelling, also a slice of a merged QKV
+// projection) gets a dense output in that [B, S, H, D] order, so attention reading it writes its own
 // output in [B, S, H, D] order and the heads merge back without a copy; anything else gets a
 // contiguous [B, H, S, D]. reference.rotary_layout is the same rule for the CPU and fake paths.
 at::Tensor rotary_out(const at::Tensor& x) {
-  if (x.dim() == 4 && x.stride(3) == 1 && x.stride(1) == x.size(3) && x.stride(2) == x.size(1) * x.size(3))
+  if (x.dim() == 4 && x.stride(3) == 1 && x.stride(1) < x.stride(2))
     return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
   return at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
 }

@@ -18,27 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import diag_resnet_convs  # noqa: E402
+
 
 def _time(fn, reps=7, inner=20):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / inner)
-    return statistics.median(out)
+    return diag_resnet_convs._time(fn, torch.device("cuda"), reps, inner)
 
 
 def im2col_weight(w, kpad):

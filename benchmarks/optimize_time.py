@@ -32,33 +32,9 @@ if str(ROOT) not in sys.path:
 
 import graphopt  # noqa: E402
 from graphopt.bench import _load, parse_dtype  # noqa: E402
+from tests.test_same_plan import plan_record  # noqa: E402  (op counts, code and constants digests)
 
 DEFAULT = "bert-base:64:128,glm4-9b-4l:8:1024"
-
-
-def op_counts(gm) -> dict[str, int]:
-    """call_function targets of the graph and their counts (tests/helpers.op_counts, by name)."""
-    out: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            key = str(n.target)
-            out[key] = out.get(key, 0) + 1
-    return dict(sorted(out.items()))
-
-
-def plan_digest(gm) -> dict:
-    """sha256 of the graph's code (comments left out) and of the constants graphopt computed:
-    equal digests, same plan (tests/test_same_plan.py does the same for the tiny models)."""
-    import hashlib
-
-    code = "\n".join(line for line in gm.code.splitlines() if line.strip() and not line.strip().startswith("#"))
-    consts = hashlib.sha256()
-    for name, buf in sorted(gm.named_buffers()):
-        if name.startswith("_graphopt_"):
-            t = buf.detach().cpu().contiguous().reshape(-1)
-            consts.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
-            consts.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return {"code_sha256": hashlib.sha256(code.encode()).hexdigest(), "constants_sha256": consts.hexdigest()}
 
 
 def cpu_name() -> str:
@@ -99,8 +75,7 @@ def run_model(spec, batch, seq, *, dtype, device, target, reps, accuracy) -> dic
         shown = ", ".join(f"{k} {v:.2f}" for k, v in list(phases.items())[:6])
         print(f"  run {r + 1}/{reps}: {wall:.2f} s ({shown})", flush=True)
         if r == reps - 1:
-            row["op_counts"] = op_counts(opt.graph_module)
-            row.update(plan_digest(opt.graph_module))
+            row.update(plan_record(opt.graph_module))
             row["applied"] = [p.name for p in rep.passes if p.status == "applied"]
             row["accuracy"] = rep.accuracy.get("passed") if rep.accuracy.get("checked") else None
         del opt, rep

@@ -56,3 +56,14 @@ def pointwise_kernel_time(ctx, bytes_moved: float, elems: float = 0.0, flops_per
     cost model's formula for a node in the graphopt namespace."""
     p = ctx.profile
     return p.kernel_seconds(elems * flops_per_elem / p.elementwise_flops, bytes_moved / p.bandwidth)
+
+
+def conv_pair(v, default):
+    """A convolution's stride/padding/dilation argument as a [h, w] list (an int, a 1- or 2-list, or
+    None for ``default``)."""
+    if v is None:
+        v = default
+    if isinstance(v, int):
+        return [v, v]
+    v = list(v)
+    return v * 2 if len(v) == 1 else v

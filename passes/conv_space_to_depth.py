@@ -37,19 +37,10 @@ from graphopt.cost.model import conv_bias_add_s, is_channels_last, narrow_conv_i
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import pointwise_kernel_time
+from ._fusion_meta import conv_pair, pointwise_kernel_time
 
 aten = torch.ops.aten
 MAX_CHANNELS = 4  # 4 x C4 input channels after the regrouping: at most 16
-
-
-def _pair(v, default):
-    if v is None:
-        v = default
-    if isinstance(v, int):
-        return [v, v]
-    v = list(v)
-    return v * 2 if len(v) == 1 else v
 
 
 def plan(shape, kernel, padding):
@@ -106,8 +97,8 @@ class ConvSpaceToDepth(Pass):
     def _candidate(self, gm, ctx, res, conv) -> Candidate | None:
         x, w = conv.args[0], conv.args[1]
         bias = get_arg(conv, 2, "bias")
-        stride, padding = _pair(get_arg(conv, 3, "stride"), 1), _pair(get_arg(conv, 4, "padding"), 0)
-        dilation, groups = _pair(get_arg(conv, 5, "dilation"), 1), get_arg(conv, 6, "groups") or 1
+        stride, padding = conv_pair(get_arg(conv, 3, "stride"), 1), conv_pair(get_arg(conv, 4, "padding"), 0)
+        dilation, groups = conv_pair(get_arg(conv, 5, "dilation"), 1), get_arg(conv, 6, "groups") or 1
         xi, wi, yi = ir.info(x), ir.info(w), ir.info(conv)
         label = conv.name
         if stride != [2, 2] or dilation != [1, 1] or groups != 1:
@@ -136,7 +127,7 @@ class ConvSpaceToDepth(Pass):
         c4, kbs, pads, blocks = pl
         h = ctx.hints
         es = xi.dtype.itemsize
-        n_, co = shape[0], int(yi.shape[1])
+        n_ = shape[0]
         padded = n_ * c4 * (2 * blocks[0]) * (2 * blocks[1]) * es
         old = ctx.node_time([conv])
         # both copies move C4-element (8-byte) runs: aten's copy kernels at the profile's narrow_copy_scale

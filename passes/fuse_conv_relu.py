@@ -38,25 +38,16 @@ from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from graphopt.cost.model import conv_bias_add_s
 
-from ._fusion_meta import nbytes, set_meta
+from ._fusion_meta import conv_pair, nbytes, set_meta
 
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _pair(v, default):
-    if v is None:
-        v = default
-    if isinstance(v, int):
-        return [v, v]
-    v = list(v)
-    return v * 2 if len(v) == 1 else v
-
-
 def _conv_args(conv: fx.Node):
     """(x, w, bias, stride, padding, dilation, groups) of an aten.conv2d.default node."""
-    return (conv.args[0], conv.args[1], get_arg(conv, 2), _pair(get_arg(conv, 3), 1), _pair(get_arg(conv, 4), 0),
-            _pair(get_arg(conv, 5), 1), get_arg(conv, 6) if get_arg(conv, 6) is not None else 1)
+    return (conv.args[0], conv.args[1], get_arg(conv, 2), conv_pair(get_arg(conv, 3), 1), conv_pair(get_arg(conv, 4), 0),
+            conv_pair(get_arg(conv, 5), 1), get_arg(conv, 6) if get_arg(conv, 6) is not None else 1)
 
 
 def match_epilogue(relu: fx.Node, res: PassResult | None = None):

@@ -174,6 +174,19 @@ def test_example_scripts_compile():
         py_compile.compile(str(EXAMPLES / f), doraise=True)
 
 
+def test_train_mlp_fp16_with_loss_scaling():
+    """examples/train_mlp.py --precision fp16: fp16 compute through graphopt, a GradScaler on the
+    loss, the loss falling as in fp32 training."""
+    from graphopt.examples import train_mlp
+
+    src = (EXAMPLES / "train_mlp.py").read_text()
+    assert "torch.amp.GradScaler" in src and "scaler.scale(loss).backward()" in src
+    fp16 = train_mlp.main(steps=20, precision="fp16")
+    fp32 = train_mlp.main(steps=20)
+    assert all(torch.isfinite(torch.tensor(fp16)))
+    assert fp16[-1] < 0.5 * fp16[0] and abs(fp16[-1] - fp32[-1]) < 0.05 * fp32[0]
+
+
 def test_data_dependent_model_runs():
     from graphopt.examples import data_dependent
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from graphopt.calibrate import calibrate
 from graphopt.cli import main
@@ -149,3 +150,19 @@ def test_fit_channel_chunk():
     plain = [(f, b, f / peak + b / bw + fit[2], cin) for f, b, _, cin in few]
     assert fit_channel_chunk(plain, fit, peak, bw) in (0, 16)  # 16 wastes nothing on 16+ channels but 8
     assert fit_channel_chunk([], fit, peak, bw) == 0
+
+
+def test_conv_samples_sort_shapes_by_input_channels(monkeypatch):
+    """calibrate's convolution samples: shapes over >= 64 channels feed the conv fit, 8-63 channels
+    the channel-chunk fit, channel counts that are not a multiple of 8 the narrow-input factor."""
+    import graphopt.calibrate as cal
+
+    monkeypatch.setattr(cal, "CONV_SHAPES", [(2, 64, 8, 8, 64, 3, 1), (2, 3, 16, 16, 8, 7, 2), (2, 16, 8, 8, 16, 3, 1),
+                                             (2, 128, 4, 4, 64, 1, 1)])
+    cs = cal._conv_samples(torch.device("cpu"), torch.float32, quick=False)
+    assert len(cs["samples"]) == 2 and [s[3] for s in cs["narrow"]] == [3] and [s[3] for s in cs["few"]] == [16]
+    assert all(f > 0 and b > 0 and t > 0 for f, b, t in cs["samples"])
+    assert cs["unfused"] == 1.0 and cs["bias_add_scale"] is None  # measured on a GPU only
+    fit = cal.fit_conv(cs["samples"], 1e12, 1e11)
+    assert len(fit) == 4 and 0 < fit[0] <= 1 and 0 < fit[1] <= 1
+    assert cal.fit_channel_chunk(cs["few"], fit, 1e12, 1e11) in (0, 16, 32, 64, 128, 256)

@@ -166,3 +166,25 @@ def test_cuda_op_matches_reference_and_keeps_layout(dtype):
         assert y.dtype == dtype and y.is_contiguous(memory_format=torch.channels_last)
         tol = 1e-2 if dtype == torch.float32 else 3e-2  # TF32 convolutions under fp32
         torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+
+
+def test_residual_bias_moves_when_the_fused_convolution_has_none():
+    class NoBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+            self.d = nn.Conv2d(8, 8, 1, bias=True)
+
+        def forward(self, x):
+            return torch.relu(self.c(x) + self.d(x))
+
+    torch.manual_seed(2)
+    m = NoBias().eval()
+    x = torch.randn(2, 8, 6, 6)
+    gm = capture(m, (x,))
+    _, res = run_passes(gm, ["fold_conv_bn", "fuse_conv_relu"], target="h200")
+    (fused,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
+    torch.testing.assert_close(getattr(gm, fused.args[2].target), m.d.bias.detach())
+    (z,) = [n for n in gm.graph.nodes if str(n.target) == "aten.conv2d.default"]
+    assert len(z.args) < 3 or z.args[2] is None
+    assert reference_check(m, gm, (x,)).passed

@@ -75,6 +75,8 @@ def _conv_nodes(gm):
 
 
 def _spec(n):
+    from graphopt.passes._fusion_meta import conv_pair
+
     g = torch.ops.graphopt
     x, w = n.args[0].meta["val"], n.args[1].meta["val"]
     fused = n.target is g.conv_bias_relu.default
@@ -84,11 +86,10 @@ def _spec(n):
     else:
         bias, stride, padding, dilation, groups = a[2], a[3] or [1, 1], a[4] or [0, 0], a[5] or [1, 1], a[6] or 1
         z = None
-    pair = (lambda v: [v, v] if isinstance(v, int) else list(v) * (2 if len(v) == 1 else 1))
     return {"node": n.name, "op": "conv_bias_relu" if fused else "conv2d", "x": tuple(x.shape), "w": tuple(w.shape),
             "x_channels_last": x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous(),
-            "bias": bias is not None, "residual": z is not None, "stride": pair(stride), "padding": pair(padding),
-            "dilation": pair(dilation), "groups": groups, "dtype": str(x.dtype).replace("torch.", ""),
+            "bias": bias is not None, "residual": z is not None, "stride": conv_pair(stride, 1),
+            "padding": conv_pair(padding, 0), "dilation": conv_pair(dilation, 1), "groups": groups, "dtype": str(x.dtype).replace("torch.", ""),
             "out": tuple(n.meta["val"].shape)}
 
 

@@ -236,6 +236,17 @@ def fit_conv(samples, peak: float, bandwidth: float) -> tuple[float, float, floa
     return best[1], best[2], best[3], best[4]
 
 
+def conv_fit_seconds(flops, nbytes, cin, fit, chunk: int, peak: float, bandwidth: float) -> float:
+    """A convolution's time under a conv fit (scale, memory scale, fixed[, overlap]) and a channel
+    chunk: what DeviceProfile.gpu_seconds(kind="conv") prices once the fit is in a profile."""
+    from .cost.model import channel_chunk_factor
+
+    c = flops * channel_chunk_factor(chunk, cin) / (peak * fit[0])
+    mem = nbytes / (bandwidth * fit[1])
+    overlap = len(fit) > 3 and fit[3]
+    return (max(c, mem) if overlap else c + mem) + fit[2]
+
+
 def fit_channel_chunk(few, fit, peak: float, bandwidth: float) -> int:
     """The input-channel chunk (0, 16, 32, 64, 128 or 256) that best explains [(FLOPs, bytes,
     seconds, C_in)] of convolutions over few channels given the conv fit (scale, memory scale,
@@ -247,10 +258,7 @@ def fit_channel_chunk(few, fit, peak: float, bandwidth: float) -> int:
     for chunk in (0, 16, 32, 64, 128, 256):
         err = 0.0
         for f, b, t, cin in few:
-            pad = chunk / cin if chunk and cin < chunk else 1.0
-            c, mem = f * pad / (peak * fit[0]), b / (bandwidth * fit[1])
-            overlap = len(fit) > 3 and fit[3]
-            err += math.log(((max(c, mem) if overlap else c + mem) + fit[2]) / t) ** 2
+            err += math.log(conv_fit_seconds(f, b, cin, fit, chunk, peak, bandwidth) / t) ** 2
         if few and (best_err is None or err < best_err - 1e-12):
             best, best_err = chunk, err
     return best
@@ -553,12 +561,7 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             chunk = fit_channel_chunk(cs["few"], fit, peak["bfloat16"], bw)
             extra_fit["conv_channel_chunk"] = chunk
 
-            def conv_pred(f, b, cin):
-                pad = chunk / cin if chunk and cin < chunk else 1.0
-                c, mem = f * pad / (peak["bfloat16"] * fit[0]), b / (bw * fit[1])
-                return (max(c, mem) if fit[3] else c + mem) + fit[2]
-
-            narrow = [t / conv_pred(f, b, cin) for f, b, t, cin in cs["narrow"]]
+            narrow = [t / conv_fit_seconds(f, b, cin, fit, chunk, peak["bfloat16"], bw) for f, b, t, cin in cs["narrow"]]
             if narrow:
                 extra_fit["conv_narrow_input_slowdown"] = max(1.0, sorted(narrow)[len(narrow) // 2])
             source["conv_efficiency"] = (

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import conv_bias_add_s, is_channels_last, narrow_conv_input
+from graphopt.cost.model import channel_chunk_factor, conv_bias_add_s, is_channels_last, narrow_conv_input
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
@@ -137,8 +137,7 @@ class ConvSpaceToDepth(Pass):
         out_bytes = ir.concrete(yi.nbytes, h)
         flops = 2.0 * ir.concrete(yi.numel, h) * 4 * c4 * kbs[0] * kbs[1]
         pf = ctx.profile
-        chunk = pf.conv_channel_chunk  # the new convolution's 4 x C4 channels per tap (cost model's conv_channel_padding)
-        waste = chunk / (4 * c4) if chunk and 4 * c4 < chunk else 1.0
+        waste = channel_chunk_factor(pf.conv_channel_chunk, 4 * c4)  # the new convolution's 4 x C4 channels per tap
         conv_s = pf.gpu_seconds(flops * waste / pf.matmul_rate(xi.dtype), (padded + out_bytes) / pf.bandwidth, "conv")
         conv_s += ir.concrete(conv_bias_add_s(pf, conv), h)
         new = pad_s + regroup_s + max(conv_s, pf.launch_overhead_s)

@@ -290,13 +290,10 @@ class CostModel:
             # a kernel smaller than its stride (ResNet's 1x1 stride-2 downsample) reads only the
             # input pixels its windows cover
             x = ins[0]
-            if len(x.shape) == 4 and len(out.shape) == 4 and len(w.shape) == 4:
+            if len(x.shape) == 4 == len(out.shape) == len(w.shape) and not (x.symbolic or out.symbolic or w.symbolic):
                 touched = x.shape[0] * x.shape[1] * out.shape[2] * out.shape[3] * w.shape[2] * w.shape[3] * x.dtype.itemsize
-                try:
-                    if float(ir.concrete(touched)) < float(ir.concrete(x.nbytes)):
-                        in_bytes = in_bytes - x.nbytes + touched
-                except Exception:  # noqa: BLE001 - symbolic sizes: keep the whole input
-                    pass
+                if touched < x.nbytes:
+                    in_bytes = in_bytes - x.nbytes + touched
             return flops, in_bytes + out_bytes, 1, "matmul"
         if name in ATTENTION_OPS:
             q, k = ins[0], ins[1]
@@ -371,10 +368,6 @@ class CostModel:
             memory = memory / p.narrow_copy_scale
         if _op_name(node) in POOL_OPS:
             memory = memory / p.pool_bandwidth_scale
-        t = p.kernel_seconds(compute, memory, eff, launches)
-        if _op_name(node) in ROW_BLOCK_NORMS:
-            t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
-        gpu = _num(p.gpu_seconds(compute, memory, eff))
         if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
             dev = conv_device_s(p, node, compute, memory, bias=False)
             bias_dev = conv_bias_add_s(p, node)
@@ -383,6 +376,11 @@ class CostModel:
             if bias_dev:
                 t = t + _smax(bias_dev, p.launch_overhead_s)
                 launches += 1
+        else:
+            t = p.kernel_seconds(compute, memory, eff, launches)
+            if _op_name(node) in ROW_BLOCK_NORMS:
+                t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
+            gpu = _num(p.gpu_seconds(compute, memory, eff))
         launch = launches * p.launch_overhead_s
         c, m = _num(compute), _num(memory)
         if launch >= gpu:
@@ -705,17 +703,23 @@ def conv_channel_padding(node: fx.Node, profile: DeviceProfile) -> float:
     so a convolution over fewer channels runs at C_in / chunk of the rate (ResNet's 3-channel stem,
     the 16-channel space-to-depth stem). 1.0 without a measured chunk, for grouped convolutions
     and for C_in >= chunk."""
-    chunk = profile.conv_channel_chunk
     infos = ir.arg_infos(node)
-    if not chunk or len(infos) < 2 or len(infos[0].shape) != 4 or len(infos[1].shape) != 4:
+    if not profile.conv_channel_chunk or len(infos) < 2 or len(infos[0].shape) != 4 or len(infos[1].shape) != 4:
         return 1.0
     try:
         cin, cin_w = int(infos[0].shape[1]), int(infos[1].shape[1])
     except TypeError:  # symbolic channels
         return 1.0
-    if cin != cin_w or cin <= 0 or cin >= chunk:  # grouped (or depthwise), or enough channels
+    if cin != cin_w:  # grouped (or depthwise)
         return 1.0
-    return chunk / cin
+    return channel_chunk_factor(profile.conv_channel_chunk, cin)
+
+
+def channel_chunk_factor(chunk: int, cin: int) -> float:
+    """chunk / C_in for an ungrouped convolution over fewer than ``chunk`` input channels, else 1.0
+    (no chunk measured: 0). The one formula the cost model, calibrate's fit and
+    conv_space_to_depth's estimate share."""
+    return chunk / cin if chunk and 0 < cin < chunk else 1.0
 
 
 def narrow_conv_input(node: fx.Node) -> bool:

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from graphopt import capture
 from graphopt.pipeline import run_passes
-from passes.conv_space_to_depth import plan, regroup_weight
+from graphopt.passes.conv_space_to_depth import plan, regroup_weight
 from tests.helpers import op_counts, reference_check
 
 CL = torch.channels_last

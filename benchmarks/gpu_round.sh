@@ -1,5 +1,6 @@
 #!/bin/bash
 # One device call per step (outputs under $OUT); each step installs graphopt and builds the kernels first.
+#   probe6   GLM GEMM shapes, bs1 busy breakdown, optimize() time with the guard (cProfile of the last call)
 #   sanitize cuda_ext tests, compute-sanitizer memcheck + racecheck on the kernel driver, the ResNet conv diagnostic
 #   round5   cuda tests (kernels, passes, measure, capture_mha), compute-sanitizer, ViT precision-only, run_models $2
 #   accuracy cost accuracy with the shipped profile, then run_models $2
@@ -33,6 +34,11 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+probe6)
+  timeout 120 python3 benchmarks/diag_gemm.py --out "$OUT" 2>&1 | grep "^|" ; echo "### gemm ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
+  timeout $((560 - SECONDS)) python3 benchmarks/optimize_time.py --device cuda --accuracy --profile --reps 3 \
+    --models bert-base:64:128,glm4-9b-4l:8:1024,resnet50:64,vit_b_16:64 --out "$OUT" 2>&1 | quiet | grep "^## \|run \|accuracy" ;;
 sanitize)
   timeout 150 python3 -m pytest -m cuda tests/cuda_ext -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 \
     | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_ext.log"

@@ -58,16 +58,31 @@ def parse_models(text: str) -> list[tuple[str, int | None, int | None]]:
     return out
 
 
-def run_model(spec, batch, seq, *, dtype, device, target, reps, accuracy) -> dict:
+def run_model(spec, batch, seq, *, dtype, device, target, reps, accuracy, profile_to=None) -> dict:
     print(f"{spec} bs{batch} seq{seq}: building", flush=True)
     t0 = time.perf_counter()
     model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, torch.device(device))
     row = {"model": name, "batch": batch, "seq_len": seq, "build_s": time.perf_counter() - t0, "runs": []}
     for r in range(reps):
         gc.collect()
+        prof = None
+        if profile_to is not None and r == reps - 1:  # the last call under cProfile (wall times then inflate)
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         opt = graphopt.optimize(model, (args, kwargs), target=target, check_accuracy=accuracy, model_name=name)
         wall = time.perf_counter() - t0
+        if prof is not None:
+            import io
+            import pstats
+
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+            Path(profile_to).mkdir(parents=True, exist_ok=True)
+            (Path(profile_to) / f"optimize_profile_{name}_bs{batch}.txt").write_text(buf.getvalue())
         rep = opt.report
         phases = dict(getattr(rep, "optimize_phases", {}) or {})
         row["runs"].append({"wall_s": wall, "optimize_s": rep.optimize_seconds, "phases": phases,
@@ -120,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--accuracy", action="store_true", help="with the fp64 accuracy guard (check_accuracy=True)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (1 steadies a CPU shared with other work; default: torch's)")
+    p.add_argument("--profile", action="store_true",
+                   help="run the last call under cProfile and write its top functions to --out (that call's times inflate)")
     p.add_argument("--tag", default="", help="a word in the file name (e.g. before/after)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
@@ -142,7 +159,8 @@ def main(argv=None) -> int:
                                                    "cpu" if a.device == "cpu" else a.device) if x)
     for spec, batch, seq in parse_models(a.models):
         result["rows"].append(run_model(spec, batch, seq, dtype=parse_dtype(a.dtype), device=a.device,
-                                        target=a.target, reps=a.reps, accuracy=a.accuracy))
+                                        target=a.target, reps=a.reps, accuracy=a.accuracy,
+                                        profile_to=out if a.profile else None))
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
         (out / f"{stem}.md").write_text(to_markdown(result))
     print(to_markdown(result))

@@ -1,0 +1,149 @@
+"""Where a small-batch call's wall time goes (issue 5: GPU busy >= 90% at bs1).
+
+    python benchmarks/diag_busy.py --out DIR [--models resnet50:1,bert-base:1:128]
+
+For each model (bf16, optimized with graphopt's defaults) it times, with CUDA events:
+
+* *call*: one call of the optimized module, the GPU idle before it (how bench.py times latency);
+* *replay*: the module's CUDA graph replayed alone (no Python wrapper, no input copy, no clone);
+* *loop*: 50 calls back to back, divided by 50 (the host can run ahead of the GPU);
+* *python*: the host time of one call (perf_counter, no sync), and of the runner's parts;
+
+and, from torch.profiler over 5 calls, the device activity per call (union of kernel/copy
+intervals), kernels per call and the idle time between consecutive kernels inside the replay.
+busy = device activity / call. Writes diag_busy_<date>.{json,md} under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import graphopt  # noqa: E402
+from graphopt.bench import _load, parse_dtype, time_call  # noqa: E402
+from graphopt.measure import _device_intervals, _union  # noqa: E402
+
+
+def _events(fn, reps=30, warmup=5, inner=1) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / inner)
+    return statistics.median(out)
+
+
+def _host(fn, reps=50) -> float:
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def run(spec, batch, seq, dtype) -> dict:
+    dev = torch.device("cuda")
+    model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, dev)
+    opt = graphopt.optimize(model, (args, kwargs), model_name=name)
+    call = lambda: opt(*args, **kwargs)  # noqa: E731
+    row = {"model": name, "batch": batch, "seq_len": seq}
+    with torch.inference_mode():
+        row["call_ms"] = statistics.median(time_call(call, reps=30, warmup=5, device=dev)) * 1e3
+        row["loop_ms"] = _events(call, reps=5, warmup=3, inner=50) * 1e3
+        row["host_call_ms"] = _host(call) * 1e3
+        runner = getattr(opt, "runner", None)
+        graphs = list(getattr(runner, "_graphs", {}).values()) if runner is not None else []
+        row["execution"] = "graphed" if graphs else "eager"
+        if graphs:
+            g = graphs[-1].graph
+            row["replay_ms"] = _events(g.replay) * 1e3
+            row["host_replay_ms"] = _host(g.replay) * 1e3
+            row["replay_loop_ms"] = _events(g.replay, reps=5, warmup=3, inner=50) * 1e3
+        from torch.profiler import ProfilerActivity, profile
+
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                call()
+                torch.cuda.synchronize()
+        iv = sorted(_device_intervals(prof))
+    row["device_ms"] = _union(iv) / 1e3 / 5
+    row["kernels_per_call"] = len(iv) / 5
+    # idle gaps between consecutive device intervals shorter than 50 us (inside one call)
+    gaps = [b[0] - a[1] for a, b in zip(iv, iv[1:]) if 0 < b[0] - a[1] < 50]
+    row["inner_gap_ms"] = sum(gaps) / 1e3 / 5
+    row["inner_gaps"] = len(gaps) / 5
+    row["busy_call"] = row["device_ms"] / row["call_ms"]
+    row["busy_loop"] = row["device_ms"] / row["loop_ms"]
+    names = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+            d = e.time_range.end - e.time_range.start
+            k = e.name[:70]
+            names[k] = names.get(k, 0) + d / 5
+    row["top_kernels_us"] = sorted(names.items(), key=lambda t: -t[1])[:12]
+    print(json.dumps({k: v for k, v in row.items() if k != "top_kernels_us"}), flush=True)
+    del opt, model
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="resnet50:1,bert-base:1:128")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("diag_busy: needs a CUDA device")
+    rows = []
+    for item in a.models.split(","):
+        parts = item.split(":") + [None, None]
+        rows.append(run(parts[0], int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None,
+                        parse_dtype(a.dtype)))
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head = (f"# bs1 wall time and GPU busy — {torch.cuda.get_device_name()}, torch {torch.__version__}, {stamp}\n\n"
+            "| model | batch | runs | call ms | loop ms | replay ms | replay loop ms | host per call ms | host per replay ms "
+            "| device ms | kernels | inner gaps ms | busy (call) | busy (loop) |\n"
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    lines = []
+    for r in rows:
+        f = lambda k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else "—"  # noqa: E731
+        lines.append(f"| {r['model']} | {r['batch']} | {r['execution']} | {f('call_ms')} | {f('loop_ms')} | {f('replay_ms')} "
+                     f"| {f('replay_loop_ms')} | {f('host_call_ms')} | {f('host_replay_ms')} | {f('device_ms')} "
+                     f"| {r['kernels_per_call']:.0f} | {f('inner_gap_ms')} | {r['busy_call']:.0%} | {r['busy_loop']:.0%} |")
+    detail = []
+    for r in rows:
+        detail += ["", f"## {r['model']}: top kernels (µs per call)", ""] + [f"- {us:.1f} `{k}`" for k, us in r["top_kernels_us"]]
+    (out / f"diag_busy_{stamp}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"diag_busy_{stamp}.md").write_text(head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n")
+    print(head + "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

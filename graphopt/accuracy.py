@@ -75,7 +75,39 @@ def flatten_outputs(out) -> list:
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
-def compare_leaf(i, out, ref64, eager, training=False, dtype=None) -> LeafResult:
+# elements per chunk of a comparison: a decoder's logits (10^9 elements) are compared without
+# materializing float64 copies of the whole tensor
+_CHUNK = 1 << 25
+
+
+def _stats(out: torch.Tensor, ref: torch.Tensor, tol: float):
+    """One chunked float64 pass over ``out`` vs ``ref`` on out's device: (sum of squared error over
+    the elements where ref is finite, their count, max |err| over them, allclose(atol=rtol=tol,
+    equal_nan) over all, any NaN in out, any NaN in ref), as device tensors (one sync later)."""
+    o, r = out.detach().reshape(-1), ref.detach().to(device=out.device).reshape(-1)
+    dev = o.device
+    acc = torch.zeros(2, dtype=torch.float64, device=dev)  # squared error, finite count
+    worst = torch.zeros((), dtype=torch.float64, device=dev)
+    flags = torch.zeros(3, dtype=torch.bool, device=dev)  # not close, nan in out, nan in ref
+    for s in range(0, o.numel(), _CHUNK):
+        oc, rc = o[s:s + _CHUNK].double(), r[s:s + _CHUNK].double()
+        fin = torch.isfinite(rc)
+        d = torch.where(fin, oc - rc, 0.0)
+        acc += torch.stack([(d * d).sum(), fin.sum(dtype=torch.float64)])
+        worst = torch.maximum(worst, d.abs().max()) if d.numel() else worst
+        flags |= torch.stack([~torch.isclose(oc, rc, rtol=tol, atol=tol, equal_nan=True).all(),
+                              torch.isnan(oc).any(), torch.isnan(rc).any()])
+    return acc, worst, flags
+
+
+def _rmse_of(acc) -> float:
+    total, count = acc.tolist()
+    return (total / count) ** 0.5 if count else 0.0
+
+
+def compare_leaf(i, out, ref64, eager, training=False, dtype=None, cache: dict | None = None) -> LeafResult:
+    """The rule on one output. ``cache``: a dict the caller keeps across checks against the same
+    ``ref64``/``eager`` pair (the eager rmse is then computed once)."""
     if out.shape != ref64.shape:
         return LeafResult(i, False, "fail", float("inf"), float("inf"), None, 0.0)
     if not (out.is_floating_point() or out.is_complex()):
@@ -84,31 +116,48 @@ def compare_leaf(i, out, ref64, eager, training=False, dtype=None) -> LeafResult
     if dtype is None:
         dtype = eager.dtype if eager is not None and eager.is_floating_point() else out.dtype
     tol = tolerance(dtype, training)
-    # compared in float64 on the output's device: a GPU holds a decoder's logits, the host may not
-    o = out.detach().double()
-    r = ref64.detach().to(device=o.device, dtype=torch.float64)
-    if torch.isnan(o).any() and not torch.isnan(r).any():
-        return LeafResult(i, False, "fail", float("nan"), float("nan"), None, tol)
-    finite = torch.isfinite(r)
-    diff = (o - r).abs()[finite]
-    max_err = float(diff.max()) if diff.numel() else 0.0
-    err = rmse(o[finite], r[finite])
-    if torch.allclose(o, r, atol=tol, rtol=tol, equal_nan=True):
-        return LeafResult(i, True, "allclose", max_err, err, None, tol)
-    eager_err = rmse(eager.detach().to(device=o.device, dtype=torch.float64)[finite], r[finite]) if eager is not None else None
+    if out.is_complex():  # rare: the plain float64 path
+        o, r = out.detach().to(torch.complex128), ref64.detach().to(device=out.device, dtype=torch.complex128)
+        err = rmse(o, r)
+        max_err = float((o - r).abs().max()) if o.numel() else 0.0
+        if torch.allclose(o, r, atol=tol, rtol=tol, equal_nan=True):
+            return LeafResult(i, True, "allclose", max_err, err, None, tol)
+        eager_err = rmse(eager.detach().to(device=o.device, dtype=o.dtype), r) if eager is not None else None
+    else:
+        # the comparison runs in float64 on the output's device (a GPU holds a decoder's logits, the
+        # host may not), chunk by chunk, with one device sync
+        acc, worst, flags = _stats(out, ref64, tol)
+        not_close, nan_out, nan_ref = flags.tolist()
+        if nan_out and not nan_ref:
+            return LeafResult(i, False, "fail", float("nan"), float("nan"), None, tol)
+        err, max_err = _rmse_of(acc), float(worst)
+        if not not_close:
+            return LeafResult(i, True, "allclose", max_err, err, None, tol)
+        eager_err = None
+        if eager is not None:
+            key = (i, id(eager), id(ref64))
+            if cache is not None and key in cache:
+                eager_err = cache[key]
+            else:
+                # the rmse over the elements where the reference is finite, as for the output
+                eager_err = _rmse_of(_stats(eager, ref64, tol)[0])
+                if cache is not None:
+                    cache[key] = eager_err
     if eager_err is not None and err <= k_factor(dtype) * eager_err + tol / 10:
         return LeafResult(i, True, "rmse", max_err, err, eager_err, tol)
     return LeafResult(i, False, "fail", max_err, err, eager_err, tol)
 
 
-def check(out, ref64, eager, training: bool = False, dtype: torch.dtype | None = None) -> AccuracyResult:
+def check(out, ref64, eager, training: bool = False, dtype: torch.dtype | None = None,
+          cache: dict | None = None) -> AccuracyResult:
     """Apply the accuracy rule to every tensor leaf of (possibly nested) outputs. The tolerance
-    follows the eager output's dtype unless ``dtype`` names the precision being judged."""
+    follows the eager output's dtype unless ``dtype`` names the precision being judged. ``cache``:
+    see :func:`compare_leaf` (the caller must keep ``ref64`` and ``eager`` alive with it)."""
     outs, refs = flatten_outputs(out), flatten_outputs(ref64)
     eagers = flatten_outputs(eager) if eager is not None else [None] * len(refs)
     if len(outs) != len(refs):
         return AccuracyResult(False, [], f"{len(outs)} outputs, expected {len(refs)}")
-    leaves = [compare_leaf(i, o, r, e, training, dtype) for i, (o, r, e) in enumerate(zip(outs, refs, eagers))]
+    leaves = [compare_leaf(i, o, r, e, training, dtype, cache) for i, (o, r, e) in enumerate(zip(outs, refs, eagers))]
     bad = [leaf for leaf in leaves if not leaf.passed]
     reason = ""
     if bad:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import contextlib
 import gc
 import time
@@ -241,6 +243,7 @@ class _AccuracyGuard:
             self.ref64.append(accuracy.fp64_reference(model, a, k))
         self._low: dict = {}
         self._floor: dict = {}
+        self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
 
     def _eager_low(self, dtype):
         if dtype not in self._low:
@@ -286,7 +289,7 @@ class _AccuracyGuard:
         for (a, k), ref, yard in zip(self.batches, self.ref64, yardsticks):
             with self._keep_buffers(gm):
                 out = _run(gm, a, k, self.training)
-            yield accuracy.check(out, ref, yard, training=self.training, dtype=dtype)
+            yield accuracy.check(out, ref, yard, training=self.training, dtype=dtype, cache=self._rmse_cache)
 
     def __call__(self, gm, low_dtype=None):
         yardsticks = self._matmul_floor(low_dtype) if low_dtype is not None else self.eager
@@ -477,15 +480,19 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
         cap = gm.meta["graphopt_capture"]
         hints = ir.shape_hints(gm)
         cost = CostModel(profile)
-        ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
-                          dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
-                          options={"precision": precision, "device": model_dev, "memory_budget": memory_budget,
-                                   "checkpoint_backend": checkpoint_backend})
-        if devices is not None:
-            from .partition import resolve_devices
+        def new_context():
+            ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
+                              dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
+                              options={"precision": precision, "device": model_dev, "memory_budget": memory_budget,
+                                       "checkpoint_backend": checkpoint_backend})
+            if devices is not None:
+                from .partition import resolve_devices
 
-            ctx.options.update(devices=resolve_devices(devices, target, memory_cap), microbatches=microbatches,
-                               schedule=schedule)
+                ctx.options.update(devices=resolve_devices(devices, target, memory_cap), microbatches=microbatches,
+                                   schedule=schedule)
+            return ctx
+
+        ctx = new_context()
         pipeline = assemble(passes, disable)
         before = cost.graph_cost(gm, hints)
         run_cost = CostModel(run_profile)
@@ -503,8 +510,29 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
                 with timing.phase("accuracy: eager + fp64 reference runs"):
                     check = _AccuracyGuard(model, args, kwargs, training, model_dev, calibration_data)
 
-        manager = PassManager(pipeline, check)
+        # The guard runs optimistically: every pass, then one check of the result. Only when that
+        # fails does the pipeline run again from the captured graph with a check after each pass,
+        # which finds and reverts the pass(es) at fault (passes that search with the guard
+        # themselves, like assign_precision, call it in both runs).
+        snapshot = copy.deepcopy(gm.graph) if check is not None else None
+        manager = PassManager(pipeline, check, check_each=False)
         results = manager.run(gm, ctx, before=before)
+        acc_mode = "once, after all passes"
+        if check is not None:
+            with timing.phase("accuracy checks"):
+                first = check(gm, ctx.low_precision)
+            if first.passed:
+                manager.last_check = (first, ctx.low_precision)
+            else:
+                with timing.phase("recompile"):
+                    gm.graph = snapshot
+                    ir.remove_unused_attributes(gm)
+                    gm.recompile()
+                ir.repropagate(gm)
+                ctx = new_context()
+                manager = PassManager(assemble(passes, disable), check, check_each=True)
+                results = manager.run(gm, ctx, before=before)
+                acc_mode = f"after each pass (the check after all passes failed: {first.reason})"
         after = manager.final_cost
         execution["after"] = {"eager": run_cost.execution_cost(gm, hints, "eager").as_dict()}
         if run_profile.kind == "cuda":
@@ -518,7 +546,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
             else:
                 with timing.phase("accuracy checks"):
                     final = check(gm, ctx.low_precision)
-            acc_info = {"checked": True, **final.as_dict()}
+            acc_info = {"checked": True, "mode": acc_mode, **final.as_dict()}
             if not final.passed:
                 acc_info["reason"] = final.reason
     finally:

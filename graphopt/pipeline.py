@@ -291,9 +291,14 @@ def assemble(passes: Iterable[str] | None = None, disable: Iterable[str] = ()) -
 
 
 class PassManager:
-    def __init__(self, passes: list[Pass], accuracy_check: Callable[[fx.GraphModule], object] | None = None):
+    def __init__(self, passes: list[Pass], accuracy_check: Callable[[fx.GraphModule], object] | None = None,
+                 check_each: bool = True):
+        """``accuracy_check``: the guard, handed to passes (``ctx.accuracy_check``) and, with
+        ``check_each``, run after every pass that changes the graph (a pass that fails it is
+        reverted); without ``check_each`` the caller checks the result once."""
         self.passes = passes
         self.accuracy_check = accuracy_check
+        self.check_each = check_each
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, before=None) -> list[PassResult]:
         """Run the passes; ``before``: the cost of ``gm`` as it is, if the caller has it.
@@ -304,7 +309,8 @@ class PassManager:
             (ctx.dump_dir / "000_captured.py").write_text(gm.code)
         # with nothing to run the graph between passes (no accuracy check, no dump), its Python
         # code is generated once at the end rather than after every pass that changes it
-        defer_recompile = self.accuracy_check is None and ctx.dump_dir is None
+        per_pass_check = self.accuracy_check if self.check_each else None
+        defer_recompile = per_pass_check is None and ctx.dump_dir is None
         stale = False
         # (result, low dtype) of the last accuracy check that passed: the graph as it is now, since
         # every later change was either checked or undone (a revert restores the checked graph)
@@ -371,9 +377,9 @@ class PassManager:
                     results.append(res)
                     continue
                 res.status = "applied"
-                if self.accuracy_check is not None:
+                if per_pass_check is not None:
                     with timing.phase("accuracy checks"):
-                        acc = self.accuracy_check(gm, ctx.low_precision)
+                        acc = per_pass_check(gm, ctx.low_precision)
                     res.accuracy = acc.as_dict()
                     if acc.passed:
                         self.last_check = (acc, ctx.low_precision)

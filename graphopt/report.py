@@ -163,7 +163,8 @@ class Report:
         if acc.get("checked"):
             mark = "[green]passed[/green]" if acc["passed"] else "[red]FAILED[/red]"
             console.print(f"[bold]accuracy[/bold] vs fp64 reference: {mark} "
-                          f"(max |err| {acc.get('max_abs_err', 0):.3g}, rmse {acc.get('rmse', 0):.3g})")
+                          f"(max |err| {acc.get('max_abs_err', 0):.3g}, rmse {acc.get('rmse', 0):.3g}; "
+                          f"checked {acc.get('mode', 'after each pass')})")
         else:
             console.print(f"[bold]accuracy[/bold] not checked: {acc.get('reason', '')}")
         if self.measured:

@@ -63,3 +63,56 @@ def test_matmul_floor_rounds_only_matmul_inputs():
     torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)
     assert got.dtype == torch.float32
     assert not torch.allclose(got, plain, rtol=1e-6, atol=1e-6)  # the rounding did happen
+
+
+def _rule_unchunked(out, ref, eager, tol, k):
+    """The rule written out on whole float64 tensors (what the chunked pass must equal)."""
+    o, r = out.double(), ref.double()
+    if torch.isnan(o).any() and not torch.isnan(r).any():
+        return False, None, None
+    fin = torch.isfinite(r)
+    d = (o - r)[fin]
+    err = float(torch.sqrt((d * d).mean())) if d.numel() else 0.0
+    mx = float(d.abs().max()) if d.numel() else 0.0
+    if torch.allclose(o, r, atol=tol, rtol=tol, equal_nan=True):
+        return True, err, mx
+    e = (eager.double() - r)[fin]
+    eager_err = float(torch.sqrt((e * e).mean()))
+    return err <= k * eager_err + tol / 10, err, mx
+
+
+def test_chunked_comparison_equals_the_whole_tensor_rule(monkeypatch):
+    monkeypatch.setattr(accuracy, "_CHUNK", 7)  # many chunks, a ragged last one
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(5, 23, dtype=torch.float64, generator=g) * 10
+    ref[1, 2] = float("inf")  # a non-finite reference element is left out of rmse and max |err|
+    eager = (ref + 0.05 * torch.randn(ref.shape, dtype=torch.float64, generator=g)).float()
+    for scale, expect in ((1e-6, True), (0.06, True), (2.0, False)):
+        out = (ref + scale * torch.randn(ref.shape, dtype=torch.float64, generator=g)).float()
+        leaf = accuracy.check(out, ref, eager).leaves[0]
+        passed, err, mx = _rule_unchunked(out, ref, eager, 1e-4, 2.0)
+        assert leaf.passed == passed == expect
+        assert abs(leaf.rmse - err) <= 1e-9 * max(1.0, err) and abs(leaf.max_abs_err - mx) <= 1e-9 * max(1.0, mx)
+
+
+def test_a_nan_output_fails_in_any_chunk(monkeypatch):
+    monkeypatch.setattr(accuracy, "_CHUNK", 4)
+    ref = torch.randn(30, dtype=torch.float64)
+    out = ref.float().clone()
+    out[29] = float("nan")  # in the last, short chunk
+    assert not accuracy.check(out, ref, ref.float()).passed
+
+
+def test_eager_rmse_cached_across_checks(monkeypatch):
+    ref = torch.randn(200, dtype=torch.float64)
+    eager = (ref + 0.1 * torch.randn(200, dtype=torch.float64)).float()
+    out = (ref + 0.1 * torch.randn(200, dtype=torch.float64)).float()
+    cache: dict = {}
+    first = accuracy.check(out, ref, eager, cache=cache)
+    assert first.leaves[0].how == "rmse" and len(cache) == 1
+    calls = []
+    real = accuracy._stats
+    monkeypatch.setattr(accuracy, "_stats", lambda *a: calls.append(a[0]) or real(*a))
+    second = accuracy.check(out, ref, eager, cache=cache)
+    assert second.leaves[0].eager_rmse == first.leaves[0].eager_rmse
+    assert len(calls) == 1 and calls[0] is out  # the output's pass only; the eager rmse came from the cache

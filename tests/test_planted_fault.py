@@ -101,6 +101,36 @@ def test_accuracy_guard_reverts_the_planted_rewrite_in_the_full_pipeline(bert, t
         torch.testing.assert_close(o, e, atol=1e-4, rtol=1e-4)
 
 
+def test_optimize_checks_once_then_per_pass_when_the_result_fails(bert, monkeypatch):
+    """optimize()'s guard checks the result of all passes once; the planted fault fails that
+    check, so the pipeline runs again from the captured graph with a check after each pass: the
+    planted pass alone is reverted, the real passes apply, and the report says how it checked."""
+    from graphopt import api
+
+    model, args, kwargs, eager = bert
+
+    def with_planted(passes=None, disable=None):
+        real = assemble(passes, disable)
+        cut = next(i for i, p in enumerate(real) if p.family != "cleanup")
+        return real[:cut] + [ScaleAttentionOutput()] + real[cut:]
+
+    calls = []
+    orig = api._AccuracyGuard.__call__
+    monkeypatch.setattr(api._AccuracyGuard, "__call__", lambda self, gm, low=None: calls.append(1) or orig(self, gm, low))
+    monkeypatch.setattr(api, "assemble", with_planted)
+    opt = graphopt.optimize(model, (args, kwargs), target="h200", cuda_graphs=False)
+    by = {r.name: r for r in opt.report.passes}
+    assert by["scale_attention_planted"].status == "reverted"
+    applied = [r for r in opt.report.passes if r.status == "applied"]
+    assert len(applied) >= 5 and all(r.accuracy["passed"] for r in applied)
+    assert len(calls) == 1 + len(applied) + 1  # the failed check, one per changed graph (the planted one too)
+    acc = opt.report.accuracy
+    assert acc["passed"] and acc["mode"].startswith("after each pass (the check after all passes failed")
+    out = _run(opt.graph_module, args, kwargs)
+    for o, e in zip(accuracy.flatten_outputs(out), accuracy.flatten_outputs(eager)):
+        torch.testing.assert_close(o, e, atol=1e-4, rtol=1e-4)
+
+
 # ---- GPU: a wrong CUDA kernel ------------------------------------------------------------------
 _WRONG = {}
 

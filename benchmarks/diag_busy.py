@@ -80,6 +80,19 @@ def run(spec, batch, seq, dtype) -> dict:
             row["replay_ms"] = _events(g.replay) * 1e3
             row["host_replay_ms"] = _host(g.replay) * 1e3
             row["replay_loop_ms"] = _events(g.replay, reps=5, warmup=3, inner=50) * 1e3
+        import cProfile
+        import io
+        import pstats
+
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(300):
+            call()
+        prof_host.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(25)
+        row["host_profile"] = buf.getvalue()
         from torch.profiler import ProfilerActivity, profile
 
         call()
@@ -104,7 +117,7 @@ def run(spec, batch, seq, dtype) -> dict:
             k = e.name[:70]
             names[k] = names.get(k, 0) + d / 5
     row["top_kernels_us"] = sorted(names.items(), key=lambda t: -t[1])[:12]
-    print(json.dumps({k: v for k, v in row.items() if k != "top_kernels_us"}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels_us", "host_profile")}), flush=True)
     del opt, model
     torch.cuda.empty_cache()
     return row
@@ -139,6 +152,7 @@ def main(argv=None) -> int:
     detail = []
     for r in rows:
         detail += ["", f"## {r['model']}: top kernels (µs per call)", ""] + [f"- {us:.1f} `{k}`" for k, us in r["top_kernels_us"]]
+    (out / f"diag_busy_{stamp}_host.txt").write_text("\n\n".join(f"## {r['model']}\n{r.pop('host_profile')}" for r in rows))
     (out / f"diag_busy_{stamp}.json").write_text(json.dumps(rows, indent=1))
     (out / f"diag_busy_{stamp}.md").write_text(head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n")
     print(head + "\n".join(lines))

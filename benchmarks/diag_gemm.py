@@ -50,9 +50,17 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     M = a.tokens
     rows = []
-    for lib in ("cublas", "cublaslt"):
+    for lib in ("cublas", "cublaslt", "tunableop"):
         try:
-            torch.backends.cuda.preferred_blas_library(lib)
+            if lib == "tunableop":  # torch.cuda.tunable: times the BLAS library's candidate algorithms per shape
+                torch.backends.cuda.preferred_blas_library("cublas")
+                torch.cuda.tunable.set_filename(str(Path(a.out) / "tunableop_results.csv"))
+                torch.cuda.tunable.set_max_tuning_duration(200)
+                torch.cuda.tunable.set_cublaslt_requested_algo_count(64)
+                torch.cuda.tunable.enable(True)
+                torch.cuda.tunable.tuning_enable(True)
+            else:
+                torch.backends.cuda.preferred_blas_library(lib)
         except Exception as e:  # noqa: BLE001
             print(f"{lib}: unavailable ({e})")
             continue
@@ -70,6 +78,8 @@ def main(argv=None) -> int:
                 "M in two halves": lambda: (torch.mm(x[:half], w.t(), out=out[:half]), torch.mm(x[half:], w.t(), out=out[half:])),
             }
             flops = 2 * mm * K * N
+            if lib == "tunableop":
+                forms = {"linear": forms["linear"]}
             for form, fn in forms.items():
                 try:
                     s = timed(fn)

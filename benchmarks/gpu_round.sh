@@ -39,6 +39,15 @@ probe6)
   timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
   timeout $((560 - SECONDS)) python3 benchmarks/optimize_time.py --device cuda --accuracy --profile --reps 3 \
     --models bert-base:64:128,glm4-9b-4l:8:1024,resnet50:64,vit_b_16:64 --out "$OUT" 2>&1 | quiet | grep "^## \|run \|accuracy" ;;
+probe7)
+  timeout 150 python3 -m pytest -m cuda tests/test_lower.py tests/test_api.py tests/test_planted_fault.py tests/test_accuracy.py \
+    tests/test_pipeline.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_probe7.log"
+  tail -30 "$OUT/pytest_cuda_probe7.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  timeout 100 python3 benchmarks/diag_sdpa.py --out "$OUT" 2>&1 | quiet | grep "^|\|^torch\|^## \|^inputs" ; echo "### sdpa ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag_gemm.py --out "$OUT" 2>&1 | grep "^| tunableop\|^| cublas | lm_head | .* linear\|unavailable\|Error" ; echo "### gemm ${SECONDS}s"
+  timeout $((560 - SECONDS)) python3 benchmarks/optimize_time.py --device cuda --accuracy --reps 3 \
+    --models bert-base:64:128,glm4-9b-4l:8:1024 --out "$OUT" 2>&1 | quiet | grep "^## \|run \|accuracy" ;;
 sanitize)
   timeout 150 python3 -m pytest -m cuda tests/cuda_ext -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 \
     | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_ext.log"

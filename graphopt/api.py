@@ -131,7 +131,9 @@ class OptimizedModule(nn.Module):
         return out
 
     def _guard(self, args, kwargs) -> None:
-        flat = flat_tensors(args, kwargs)
+        self._guard_flat(flat_tensors(args, kwargs))
+
+    def _guard_flat(self, flat: list) -> None:
         if len(flat) != len(self._signature):
             raise GuardError(f"optimized for {len(self._signature)} inputs, called with {len(flat)}; "
                              "call graphopt.optimize again for this calling convention")
@@ -144,6 +146,8 @@ class OptimizedModule(nn.Module):
             if x.dtype != dtype or x.device.type != device.type:
                 raise GuardError(f"input {i} is {x.dtype} on {x.device}; optimized for {dtype} on {device} - "
                                  "optimize again for this dtype/device")
+            if x.shape == shape:
+                continue
             dyn = self._dynamic_dims.get(i, set())
             if x.dim() != len(shape) or any(a != b for d, (a, b) in enumerate(zip(x.shape, shape)) if d not in dyn):
                 raise GuardError(f"input {i} has shape {tuple(x.shape)}; optimized for {tuple(shape)} "
@@ -158,6 +162,8 @@ class OptimizedModule(nn.Module):
         if self._convention is None:
             return args, kwargs
         sig, pos_names, kw_names = self._convention
+        if len(args) == len(pos_names) and len(kwargs) == len(kw_names) and list(kwargs) == kw_names:
+            return args, kwargs  # spelled as captured (what binding would hand back)
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError as e:
@@ -193,8 +199,9 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._as_optimized(args, kwargs)
+        flat, structure = call_leaves(args, kwargs)
         try:
-            self._guard(args, kwargs)
+            self._guard_flat(flat)
         except GuardError as e:
             return self._specialization(args, kwargs, e)(*args, **kwargs)
         placed = self._modules.get("placed")  # graphopt.partition.PlacedModule (optimize(devices=...))
@@ -202,7 +209,16 @@ class OptimizedModule(nn.Module):
             return placed(*args, **kwargs)
         if self._runner is None:
             return self.graph_module(*args, **kwargs)
-        return self._runner(*args, **kwargs)
+        return self._runner.call_flat(flat, structure, args, kwargs)
+
+
+def call_leaves(args: tuple, kwargs: dict):
+    """(leaves, structure) of a call: for the common call whose arguments are all tensors, its
+    tensors in pytree order and a cheap structure key, without flattening; otherwise pytree's
+    leaves and TreeSpec."""
+    if all(type(a) is torch.Tensor for a in args) and all(type(v) is torch.Tensor for v in kwargs.values()):
+        return [*args, *kwargs.values()], ("tensors", len(args), tuple(kwargs))
+    return pytree.tree_flatten((args, kwargs))
 
 
 def _model_device(model: nn.Module, flat_inputs: list) -> torch.device:

@@ -364,14 +364,19 @@ class Runner:
         return any(p.requires_grad for p in self.gm.parameters())
 
     def __call__(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        return self.call_flat(leaves, spec, args, kwargs)
+
+    def call_flat(self, leaves: list, structure, args: tuple, kwargs: dict):
+        """A call whose flat inputs are ``leaves``; ``structure``: its TreeSpec, or any hashable
+        key that tells call structures apart (graphopt.api.call_leaves)."""
         if not self.decision.on or self._disabled is not None:
             self.stats["eager_calls"] += 1
             return self.gm(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
         if torch.is_grad_enabled() and self._needs_grad(leaves):
             return self._eager(args, kwargs, "grad-enabled call: wrap inference in torch.no_grad() or torch.inference_mode()")
         device = self.decision.device
-        key = [spec]
+        key = [structure]
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 if x.device != device:
@@ -385,11 +390,14 @@ class Runner:
         except TypeError:  # an unhashable non-tensor input
             return self._eager(args, kwargs, "a non-tensor input is not hashable")
         if entry is None:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
             return self._capture_and_run(key, leaves, spec, args, kwargs)
         self._graphs.move_to_end(key)
-        for buf, x in zip(entry.static_inputs, leaves):
-            if buf is not None and x is not buf:
-                buf.copy_(x)
+        bufs = [(buf, x) for buf, x in zip(entry.static_inputs, leaves) if buf is not None and x is not buf]
+        if len(bufs) > 1:  # one multi-tensor copy kernel instead of one launch per input
+            torch._foreach_copy_([b for b, _ in bufs], [x for _, x in bufs])
+        elif bufs:
+            bufs[0][0].copy_(bufs[0][1])
         return self._replay(entry)
 
     def _replay(self, entry: _Entry):

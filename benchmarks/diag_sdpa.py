@@ -1,0 +1,145 @@
+"""Which SDPA back end the optimized graph's attention runs on, and what each would take.
+
+    python benchmarks/diag_sdpa.py --out DIR [--models bert-base:1:128,bert-base:64:128]
+
+For each model (bf16, optimized with graphopt's defaults, CUDA graphs off) the first
+scaled_dot_product_attention node's actual inputs are recorded; the call is then timed under each
+back end torch offers (flash, memory-efficient, cuDNN, math; a back end that refuses the inputs is
+reported with torch's reason) and once with torch's own choice, whose kernels the profiler names.
+Writes diag_sdpa_<date>.{json,md} under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import graphopt  # noqa: E402
+from graphopt.bench import _load, parse_dtype  # noqa: E402
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+class _Record(fx.Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.call = None
+
+    def call_function(self, target, args, kwargs):
+        if target is SDPA and self.call is None:
+            self.call = (args, dict(kwargs))
+        return super().call_function(target, args, kwargs)
+
+
+def _time(fn, reps=20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        torch.cuda._sleep(100_000)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def _describe(t):
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    return f"{tuple(t.shape)} {str(t.dtype)[6:]} strides {tuple(t.stride())}"
+
+
+def run(spec, batch, seq, dtype) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = torch.device("cuda")
+    model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, dev)
+    opt = graphopt.optimize(model, (args, kwargs), model_name=name, cuda_graphs=False, check_accuracy=False)
+    rec = _Record(opt.graph_module)
+    with torch.inference_mode():
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        rec.run(*flat)
+    row = {"model": name, "batch": batch, "seq_len": seq, "sdpa_nodes": sum(
+        1 for n in opt.graph_module.graph.nodes if n.target is SDPA)}
+    if rec.call is None:
+        row["note"] = "no SDPA node in the optimized graph"
+        return row
+    a, k = rec.call
+    row["inputs"] = [_describe(x) for x in a] + [f"{key}={v}" for key, v in k.items()]
+    call = lambda: F.scaled_dot_product_attention(*a, **k)  # noqa: E731
+    with torch.inference_mode():
+        row["default_us"] = _time(call)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        row["default_kernels"] = sorted({e.name[:90] for e in prof.events()
+                                         if str(getattr(e, "device_type", "")).endswith("CUDA")})
+        row["backends"] = {}
+        for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with sdpa_kernel([b]):
+                        us = _time(call)
+                    row["backends"][b.name] = {"us": us}
+                except RuntimeError as e:
+                    row["backends"][b.name] = {"error": str(e).splitlines()[0][:160],
+                                               "why": [str(w.message)[:200] for w in caught][:4]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="bert-base:1:128,bert-base:64:128")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    rows = []
+    for item in a.models.split(","):
+        parts = item.split(":") + [None, None]
+        rows.append(run(parts[0], int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None,
+                        parse_dtype(a.dtype)))
+        torch.cuda.empty_cache()
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = [f"# SDPA back ends for the optimized graphs' attention — {torch.cuda.get_device_name()}, torch {torch.__version__}", ""]
+    for r in rows:
+        md += [f"## {r['model']} bs{r['batch']} seq{r['seq_len']}: {r.get('sdpa_nodes', 0)} SDPA nodes", ""]
+        if "inputs" not in r:
+            md += [r.get("note", ""), ""]
+            continue
+        md += ["inputs: " + "; ".join(r["inputs"]), "",
+               f"torch's choice: {r['default_us']:.1f} µs, kernels: " + ", ".join(f"`{k}`" for k in r["default_kernels"]), "",
+               "| back end | µs | refused because |", "| --- | ---: | --- |"]
+        for b, v in r["backends"].items():
+            md.append(f"| {b} | {v['us']:.1f} |  |" if "us" in v else f"| {b} | — | {v['error']} {' / '.join(v['why'])} |")
+        md.append("")
+    (out / f"diag_sdpa_{stamp}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"diag_sdpa_{stamp}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -252,16 +252,47 @@ class _AccuracyGuard:
     def __init__(self, model, args, kwargs, training, device, calibration_data=None):
         self.model, self.training, self.device = model, training, device
         self.batches = [(args, kwargs)] + [split_inputs(b) for b in (calibration_data or [])]
-        self.ref64, self.eager = [], []
-        for a, k in self.batches:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
-                self.eager.append(_run(model, a, k, training))
-            self.ref64.append(accuracy.fp64_reference(model, a, k))
+        self._ref64, self._eager = [], []
+        # On a GPU the eager and fp64 runs are queued on a side stream, so the passes (which run
+        # meanwhile and sync on their own small work, e.g. a mask proven causal) do not wait for
+        # them; the first use of their outputs joins the streams (_ready). Training runs stay on
+        # the current stream: they write BatchNorm statistics the passes may read.
+        self._stream = None
+        if device.type == "cuda" and not training:
+            self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            for a, k in self.batches:
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
+                    self._eager.append(_run(model, a, k, training))
+                self._ref64.append(accuracy.fp64_reference(model, a, k))
         self._low: dict = {}
         self._floor: dict = {}
         self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
 
+    def _ready(self) -> None:
+        """Join the side stream the reference runs were queued on (once)."""
+        if self._stream is None:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_stream(self._stream)
+        for t in pytree.tree_leaves((self._eager, self._ref64)):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                t.record_stream(cur)  # made on the side stream, read (and freed) on this one
+        self._stream = None
+
+    @property
+    def eager(self) -> list:
+        self._ready()
+        return self._eager
+
+    @property
+    def ref64(self) -> list:
+        self._ready()
+        return self._ref64
+
     def _eager_low(self, dtype):
+        self._ready()
         if dtype not in self._low:
             import copy
 
@@ -272,6 +303,7 @@ class _AccuracyGuard:
         return self._low[dtype]
 
     def _matmul_floor(self, dtype):
+        self._ready()
         if dtype not in self._floor:
             outs = []
             for a, k in self.batches:

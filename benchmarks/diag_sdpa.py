@@ -93,6 +93,47 @@ def run(spec, batch, seq, dtype) -> dict:
             torch.cuda.synchronize()
         row["default_kernels"] = sorted({e.name[:90] for e in prof.events()
                                          if str(getattr(e, "device_type", "")).endswith("CUDA")})
+        # the same call captured in a CUDA graph (as the optimized module replays it): which kernels?
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            call()
+        g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        import time as _t
+
+        hs = []
+        for _ in range(50):
+            t0 = _t.perf_counter()
+            g.replay()
+            hs.append(_t.perf_counter() - t0)
+            torch.cuda.synchronize()
+        row["graph_replay_host_us"] = statistics.median(hs) * 1e6
+        row["graphed_kernels"] = sorted({e.name[:90] for e in prof.events()
+                                         if str(getattr(e, "device_type", "")).endswith("CUDA")})
+        # and the optimized module as optimize() returns it by default (guard on, CUDA graphs auto)
+        opt2 = graphopt.optimize(model, (args, kwargs), model_name=name)
+        row["default_optimize"] = {"sdpa_nodes": sum(1 for n in opt2.graph_module.graph.nodes if n.target is SDPA),
+                                   "passes": {p.name: p.status for p in opt2.report.passes if p.status not in ("unchanged", "skipped")},
+                                   "accuracy": {k: opt2.report.accuracy.get(k) for k in ("passed", "mode", "reason")}}
+        opt2(*args, **kwargs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            opt2(*args, **kwargs)
+            torch.cuda.synchronize()
+        names = {}
+        for e in prof.events():
+            if str(getattr(e, "device_type", "")).endswith("CUDA"):
+                names[e.name[:80]] = names.get(e.name[:80], 0) + 1
+        row["default_optimize"]["kernels"] = sorted(names.items(), key=lambda t: -t[1])[:14]
+        del opt2
         row["backends"] = {}
         for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
             with warnings.catch_warnings(record=True) as caught:
@@ -131,6 +172,8 @@ def main(argv=None) -> int:
             continue
         md += ["inputs: " + "; ".join(r["inputs"]), "",
                f"torch's choice: {r['default_us']:.1f} µs, kernels: " + ", ".join(f"`{k}`" for k in r["default_kernels"]), "",
+               f"in a CUDA graph (host {r['graph_replay_host_us']:.1f} µs per replay): " + ", ".join(f"`{k}`" for k in r["graphed_kernels"]), "",
+               "optimize() defaults: " + json.dumps(r["default_optimize"]), "",
                "| back end | µs | refused because |", "| --- | ---: | --- |"]
         for b, v in r["backends"].items():
             md.append(f"| {b} | {v['us']:.1f} |  |" if "us" in v else f"| {b} | — | {v['error']} {' / '.join(v['why'])} |")

@@ -48,6 +48,11 @@ probe7)
   timeout 150 python3 benchmarks/diag_gemm.py --out "$OUT" 2>&1 | grep "^| tunableop\|^| cublas | lm_head | .* linear\|unavailable\|Error" ; echo "### gemm ${SECONDS}s"
   timeout $((560 - SECONDS)) python3 benchmarks/optimize_time.py --device cuda --accuracy --reps 3 \
     --models bert-base:64:128,glm4-9b-4l:8:1024 --out "$OUT" 2>&1 | quiet | grep "^## \|run \|accuracy" ;;
+probe8)
+  timeout 150 python3 benchmarks/diag_sdpa.py --models bert-base:1:128 --out "$OUT" 2>&1 | quiet | grep "^|\|^torch\|^## \|^in a\|^optimize()" ; echo "### sdpa ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
+  timeout $((560 - SECONDS)) python3 benchmarks/optimize_time.py --device cuda --accuracy --reps 3 \
+    --models glm4-9b-4l:8:1024,bert-base:64:128 --out "$OUT" 2>&1 | quiet | grep "^## \|run \|accuracy" ;;
 sanitize)
   timeout 150 python3 -m pytest -m cuda tests/cuda_ext -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 \
     | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_ext.log"

@@ -67,7 +67,12 @@ def run(spec, batch, seq, dtype) -> dict:
     model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, dev)
     opt = graphopt.optimize(model, (args, kwargs), model_name=name)
     call = lambda: opt(*args, **kwargs)  # noqa: E731
-    row = {"model": name, "batch": batch, "seq_len": seq}
+    row = {"model": name, "batch": batch, "seq_len": seq,
+           "passes": {p.name: p.status + (f" ({p.notes[0][:160]})" if p.notes else "")
+                      for p in opt.report.passes if p.status not in ("unchanged", "skipped", "disabled")},
+           "accuracy": {k: opt.report.accuracy.get(k) for k in ("passed", "mode", "reason")},
+           "sdpa_nodes": sum(1 for n in opt.graph_module.graph.nodes
+                             if n.target is torch.ops.aten.scaled_dot_product_attention.default)}
     with torch.inference_mode():
         row["call_ms"] = statistics.median(time_call(call, reps=30, warmup=5, device=dev)) * 1e3
         row["loop_ms"] = _events(call, reps=5, warmup=3, inner=50) * 1e3
@@ -151,7 +156,8 @@ def main(argv=None) -> int:
                      f"| {r['kernels_per_call']:.0f} | {f('inner_gap_ms')} | {r['busy_call']:.0%} | {r['busy_loop']:.0%} |")
     detail = []
     for r in rows:
-        detail += ["", f"## {r['model']}: top kernels (µs per call)", ""] + [f"- {us:.1f} `{k}`" for k, us in r["top_kernels_us"]]
+        detail += ["", f"## {r['model']}: {r['sdpa_nodes']} SDPA nodes; accuracy {json.dumps(r['accuracy'])}; passes "
+                   + json.dumps(r["passes"]), "", f"top kernels (µs per call)", ""] + [f"- {us:.1f} `{k}`" for k, us in r["top_kernels_us"]]
     (out / f"diag_busy_{stamp}_host.txt").write_text("\n\n".join(f"## {r['model']}\n{r.pop('host_profile')}" for r in rows))
     (out / f"diag_busy_{stamp}.json").write_text(json.dumps(rows, indent=1))
     (out / f"diag_busy_{stamp}.md").write_text(head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n")

@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     detail = []
     for r in rows:
         detail += ["", f"## {r['model']}: {r['sdpa_nodes']} SDPA nodes; accuracy {json.dumps(r['accuracy'])}; passes "
-                   + json.dumps(r["passes"]), "", f"top kernels (µs per call)", ""] + [f"- {us:.1f} `{k}`" for k, us in r["top_kernels_us"]]
+                   + json.dumps(r["passes"]), "", "top kernels (µs per call)", ""] + [f"- {us:.1f} `{k}`" for k, us in r["top_kernels_us"]]
     (out / f"diag_busy_{stamp}_host.txt").write_text("\n\n".join(f"## {r['model']}\n{r.pop('host_profile')}" for r in rows))
     (out / f"diag_busy_{stamp}.json").write_text(json.dumps(rows, indent=1))
     (out / f"diag_busy_{stamp}.md").write_text(head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n")

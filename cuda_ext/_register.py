@@ -82,17 +82,25 @@ def _fake_conv_bias_relu(x, w, bias, z, stride, padding, dilation, groups):
     return x.new_empty(shape).contiguous(memory_format=reference.conv_layout(x, w))
 
 
+def _fake_max_pool2d_nhwc(x, kernel, stride, padding):
+    torch._check(x.dim() == 4, lambda: "graphopt::max_pool2d_nhwc: x must be [N, C, H, W]")
+    ho = (x.shape[2] + 2 * padding - kernel) // stride + 1
+    wo = (x.shape[3] + 2 * padding - kernel) // stride + 1
+    return x.new_empty((x.shape[0], x.shape[1], ho, wo)).contiguous(memory_format=torch.channels_last)
+
+
 FAKES = {
     "bias_act": _fake_bias_act, "add_rms_norm": _fake_add_rms_norm, "add_layer_norm": _fake_add_layer_norm,
     "swiglu": _fake_swiglu, "rotary": _fake_rotary, "softmax_mask": _fake_softmax_mask,
     "fused_pointwise": _fake_fused_pointwise, "conv_bias_relu": _fake_conv_bias_relu,
-    "layer_norm": _fake_layer_norm,
+    "layer_norm": _fake_layer_norm, "max_pool2d_nhwc": _fake_max_pool2d_nhwc,
 }
 REFERENCES = {
     "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
     "add_layer_norm": reference.add_layer_norm, "swiglu": reference.swiglu, "rotary": reference.rotary,
     "softmax_mask": reference.softmax_mask, "fused_pointwise": reference.fused_pointwise,
     "conv_bias_relu": reference.conv_bias_relu, "layer_norm": reference.layer_norm,
+    "max_pool2d_nhwc": reference.max_pool2d_nhwc,
 }
 
 

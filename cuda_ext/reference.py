@@ -95,6 +95,17 @@ def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     return torch.relu(y).to(x.dtype).contiguous(memory_format=conv_layout(x, w))
 
 
+def max_pool2d_nhwc(x: torch.Tensor, kernel: int, stride: int, padding: int) -> torch.Tensor:
+    """max_pool2d(x, kernel, stride, padding) (square, dilation 1, floor; padding left out of the
+    window, a NaN in it gives NaN), channels_last out."""
+    if x.dim() != 4:
+        raise ValueError(f"graphopt::max_pool2d_nhwc: x must be [N, C, H, W], got {tuple(x.shape)}")
+    if not (kernel >= 1 and stride >= 1 and 0 <= 2 * padding <= kernel):
+        raise ValueError(f"graphopt::max_pool2d_nhwc: needs kernel >= 1, stride >= 1 and 0 <= padding <= kernel / 2, "
+                         f"got {kernel}, {stride}, {padding}")
+    return F.max_pool2d(x, kernel, stride, padding).contiguous(memory_format=torch.channels_last)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual (rounded to x's dtype, as the model's residual stream is);

@@ -254,6 +254,7 @@ PIPELINE: tuple[str, ...] = (
     # lower
     "conv_space_to_depth",
     "fuse_conv_relu",
+    "lower_max_pool",
 )
 
 

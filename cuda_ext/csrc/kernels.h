@@ -42,6 +42,14 @@ struct RotaryArgs {
 };
 cudaError_t launch_rotary(int dtype, const RotaryArgs& q, const RotaryArgs& k, cudaStream_t stream);
 
+// Max pooling (square kernel, stride, padding; dilation 1, floor) over NHWC-dense in/out:
+// in [N, H, W, C], out [N, Ho, Wo, C] in memory; padding left out of the window.
+struct PoolArgs {
+  int64_t N, H, W, C, Ho, Wo;
+  int kernel, stride, pad;
+};
+cudaError_t launch_max_pool_nhwc(int dtype, const void* in, void* out, const PoolArgs& a, cudaStream_t stream);
+
 // softmax(scores * scale + mask) over the last dim (n), rows = prod(leading dims) .
 // scores contiguous. mask: up to 4 leading dims described by (mdims, mstrides) for the row index
 // decomposition, and last-dim stride mlast; mask_kind: 0 none, 1 bool (keep), 2 additive.

@@ -159,6 +159,25 @@ at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
   return out;
 }
 
+at::Tensor max_pool2d_nhwc_cuda(const at::Tensor& x, int64_t kernel, int64_t stride, int64_t padding) {
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(x.dim() == 4, "graphopt::max_pool2d_nhwc: x must be [N, C, H, W], got ", x.sizes());
+  TORCH_CHECK(kernel >= 1 && stride >= 1 && padding >= 0 && 2 * padding <= kernel,
+              "graphopt::max_pool2d_nhwc: needs kernel >= 1, stride >= 1 and 0 <= padding <= kernel / 2, got ",
+              kernel, ", ", stride, ", ", padding);
+  const int dt = dtype_code(x.scalar_type());
+  at::Tensor in = x.contiguous(at::MemoryFormat::ChannelsLast);
+  graphopt::PoolArgs a;
+  a.N = x.size(0); a.C = x.size(1); a.H = x.size(2); a.W = x.size(3);
+  a.Ho = (a.H + 2 * padding - kernel) / stride + 1;
+  a.Wo = (a.W + 2 * padding - kernel) / stride + 1;
+  TORCH_CHECK(a.Ho >= 1 && a.Wo >= 1, "graphopt::max_pool2d_nhwc: output would be empty for input ", x.sizes());
+  a.kernel = static_cast<int>(kernel); a.stride = static_cast<int>(stride); a.pad = static_cast<int>(padding);
+  at::Tensor out = at::empty({a.N, a.C, a.Ho, a.Wo}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  check(launch_max_pool_nhwc(dt, in.data_ptr(), out.data_ptr(), a, stream_of(x)), "max_pool2d_nhwc");
+  return out;
+}
+
 RotaryArgs rotary_args(const at::Tensor& x, const at::Tensor& out, const at::Tensor& c, const at::Tensor& s,
                        int64_t R, bool interleaved, const char* name) {
   TORCH_CHECK(x.dim() == 4, "graphopt::rotary: ", name, " must be [B, H, S, D], got ", x.sizes());
@@ -303,6 +322,7 @@ TORCH_LIBRARY(graphopt, m) {
   m.def("softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("fused_pointwise(str program, Tensor[] inputs) -> Tensor[]", {at::Tag::pt2_compliant_tag});
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("max_pool2d_nhwc(Tensor x, int kernel, int stride, int padding) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, int[2] dilation, int groups) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 
@@ -314,4 +334,5 @@ TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
   m.impl("rotary", &graphopt::rotary_cuda);
   m.impl("softmax_mask", &graphopt::softmax_mask_cuda);
   m.impl("conv_bias_relu", &graphopt::conv_bias_relu_cuda);
+  m.impl("max_pool2d_nhwc", &graphopt::max_pool2d_nhwc_cuda);
 }

@@ -22,6 +22,9 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
         ce.add_layer_norm(x, None, None, None, 1e-5)
     for shape in [(2,), (3, 14), (5, 2046), (2, 8192), (3, 8194)]:
         ce.swiglu(r(*shape))
+    for shape, k, st, pd in [((2, 64, 13, 11), 3, 2, 1), ((1, 3, 7, 7), 3, 2, 1), ((1, 40, 9, 9), 5, 3, 2)]:
+        ce.max_pool2d_nhwc(r(*shape).contiguous(memory_format=torch.channels_last), k, st, pd)
+        ce.max_pool2d_nhwc(r(*shape), k, st, pd)
     for B, Hq, Hk, S, D, R in [(2, 4, 2, 7, 64, 64), (1, 3, 1, 1, 10, 4), (2, 4, 2, 33, 128, 64)]:
         q, k = r(B, S, Hq, D).transpose(1, 2), r(B, S, Hk, D).transpose(1, 2)
         ce.rotary(q, k, r(1, S, R), r(1, S, R), True)

@@ -152,6 +152,34 @@ def test_swiglu(device, dtype):
     check(torch.ops.graphopt.swiglu(gu), ref.swiglu(f64(gu)), eager.swiglu(gu))
 
 
+# ---------------------------------------------------------------------------- max_pool2d_nhwc
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_max_pool2d_nhwc(device, dtype):
+    """Exactly aten's max_pool2d (a max moves values, it does not round them): square windows with
+    and without padding, odd image sizes, channel counts on the vector path (multiples of 8) and off
+    it, NaN propagation, an unaligned input, a non-channels_last input."""
+    cases = [((2, 64, 13, 11), 3, 2, 1), ((1, 3, 7, 7), 3, 2, 1), ((2, 16, 8, 9), 2, 2, 0),
+             ((1, 24, 5, 6), 3, 1, 1), ((3, 8, 4, 4), 1, 1, 0), ((1, 40, 9, 9), 5, 3, 2)]
+    for shape, k, st, p in cases:
+        n, c, h, w = shape
+        nhwc = rnd(n, h, w, c, dtype=dtype, device=device, scale=3)
+        nhwc.view(-1)[::37] = float("nan")  # a NaN in some windows
+        x = nhwc.permute(0, 3, 1, 2)  # dense channels_last
+        poison_allocator(device)
+        y = torch.ops.graphopt.max_pool2d_nhwc(x, k, st, p)
+        want = torch.nn.functional.max_pool2d(x, k, st, p)
+        assert y.is_contiguous(memory_format=torch.channels_last), shape
+        assert torch.equal(torch.isnan(y), torch.isnan(want)) and torch.equal(y.nan_to_num(), want.nan_to_num()), shape
+    # an input whose data pointer is not 16-byte aligned (the scalar path) and an NCHW one
+    base = rnd(1 + 2 * 16 * 6 * 6, dtype=dtype, device=device)[1:]
+    x = base.view(2, 6, 6, 16).permute(0, 3, 1, 2)
+    for inp in (x, x.contiguous()):
+        assert torch.equal(torch.ops.graphopt.max_pool2d_nhwc(inp, 3, 2, 1), torch.nn.functional.max_pool2d(inp, 3, 2, 1))
+    with pytest.raises((RuntimeError, ValueError), match="padding"):
+        torch.ops.graphopt.max_pool2d_nhwc(x, 3, 2, 2)
+
+
 # ---------------------------------------------------------------------------- rotary
 def _cos_sin(B, S, R, device, dtype, interleaved):
     inv = 1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float64) / R))

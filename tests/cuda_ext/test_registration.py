@@ -26,6 +26,7 @@ EXPECTED = {
     "softmax_mask": "softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor",
     "fused_pointwise": "fused_pointwise(str program, Tensor[] inputs) -> Tensor[]",
     "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor",
+    "max_pool2d_nhwc": "max_pool2d_nhwc(Tensor x, int kernel, int stride, int padding) -> Tensor",
     "conv_bias_relu": "conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, "
                       "int[2] dilation, int groups) -> Tensor",
 }
@@ -51,6 +52,8 @@ def sample_args(device="cpu"):
         "conv_bias_relu": (torch.randn(2, 3, 7, 7, device=device), torch.randn(4, 3, 3, 3, device=device),
                            torch.randn(4, device=device), torch.randn(2, 4, 4, 4, device=device), [2, 2], [1, 1],
                            [1, 1], 1),
+        "max_pool2d_nhwc": (torch.randn(2, 16, 7, 9, device=device).contiguous(memory_format=torch.channels_last),
+                            3, 2, 1),
     }
 
 

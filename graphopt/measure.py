@@ -14,7 +14,7 @@
   over the nodes with a nonzero predicted time and over the "heavy" ones (measured above 3x the
   launch overhead), and the whole call timed as one call against ``CostModel.execution_cost``
   (the eager host/device queue, or a graphed replay when ``call`` replays one).
-* :func:`busy_fraction`: GPU kernel time / wall time of a call (torch.profiler: the union of the
+* :func:`busy_fraction`: GPU kernel time / wall time of a call, and of calls back to back (torch.profiler: the union of the
   device activity intervals over a few calls, divided by the median unprofiled wall time of a
   call). ``None`` on the CPU.
 * :func:`measure_report`: what ``graphopt explain --measure`` puts in ``Report.measured``.
@@ -319,18 +319,36 @@ def _union(intervals) -> float:
     return total
 
 
-def busy_fraction(fn, device, calls: int = 5, reps: int = 10, warmup: int = 3) -> dict:
-    """GPU busy fraction of one call of ``fn``: device activity (kernels, copies; the union of
-    their intervals, from torch.profiler over ``calls`` calls) per call / median wall time of one
-    unprofiled call. ``{"busy": None, "reason": ...}`` on the CPU or when the profiler saw no
-    kernel."""
+def _loop_seconds(fn, device, calls: int) -> float:
+    """Seconds per call of ``calls`` calls issued back to back (one pair of CUDA events around all
+    of them): the host may run ahead of the device, as in a serving loop."""
+    with torch.inference_mode(), torch.cuda.device(device):
+        fn()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+
+
+def busy_fraction(fn, device, calls: int = 5, reps: int = 10, warmup: int = 3, loop_calls: int = 20) -> dict:
+    """GPU busy fraction of ``fn``: device activity (kernels, copies; the union of their intervals,
+    from torch.profiler over ``calls`` calls) per call / median wall time of one unprofiled call
+    started on an idle device ("busy": what a caller waiting for each result sees), and / the time
+    per call of ``loop_calls`` calls back to back ("busy_loop": the steady state of a serving
+    loop, where the host's issue time overlaps the previous call's kernels).
+    ``{"busy": None, "reason": ...}`` on the CPU or when the profiler saw no kernel."""
     device = torch.device(device)
     if device.type != "cuda":
-        return {"busy": None, "reason": "n/a on CPU"}
+        return {"busy": None, "busy_loop": None, "reason": "n/a on CPU"}
     from torch.profiler import ProfilerActivity, profile
 
     wall = measure_call(fn, device, reps=reps, warmup=warmup)
     try:
+        loop = _loop_seconds(fn, device, loop_calls)
         with torch.inference_mode():
             fn()
             torch.cuda.synchronize(device)
@@ -340,13 +358,14 @@ def busy_fraction(fn, device, calls: int = 5, reps: int = 10, warmup: int = 3) -
                 torch.cuda.synchronize(device)
         intervals = _device_intervals(prof)
     except Exception as e:  # noqa: BLE001 - a profiler failure is a missing number, not a failed explain
-        return {"busy": None, "reason": f"torch.profiler failed: {type(e).__name__}: {str(e)[:160]}",
+        return {"busy": None, "busy_loop": None, "reason": f"torch.profiler failed: {type(e).__name__}: {str(e)[:160]}",
                 "wall_ms": wall * 1e3}
     if not intervals:
-        return {"busy": None, "reason": "the profiler recorded no device activity", "wall_ms": wall * 1e3}
+        return {"busy": None, "busy_loop": None, "reason": "the profiler recorded no device activity", "wall_ms": wall * 1e3}
     kernel_s = _union(intervals) / 1e6 / calls
-    return {"busy": min(1.0, kernel_s / wall) if wall > 0 else None, "kernel_ms": kernel_s * 1e3,
-            "wall_ms": wall * 1e3, "kernels_per_call": len(intervals) / calls}
+    return {"busy": min(1.0, kernel_s / wall) if wall > 0 else None,
+            "busy_loop": min(1.0, kernel_s / loop) if loop > 0 else None, "kernel_ms": kernel_s * 1e3,
+            "wall_ms": wall * 1e3, "loop_ms": loop * 1e3, "kernels_per_call": len(intervals) / calls}
 
 
 # ------------------------------------------------------------------------------------ explain --measure
@@ -412,6 +431,8 @@ def measure_report(opt, model, inputs, *, profile=None, reps: int = 5, top: int 
         "spearman_after": after["spearman"],
         "busy_before": bb.get("busy"),
         "busy_after": ba.get("busy"),
+        "busy_loop_before": bb.get("busy_loop"),
+        "busy_loop_after": ba.get("busy_loop"),
         "busy_detail": {"before": bb, "after": ba},
         "per_pass": None,
         "nodes": rows,

@@ -252,8 +252,12 @@ class Report:
                       f"(predicted {f(m.get('predicted_after_ms'))}{err(m.get('error_after_pct'))}, "
                       f"{m.get('execution_after', 'eager')}; the graph run eagerly {f(m.get('after_graph_ms'))} ms, "
                       f"predicted {f(m.get('predicted_after_graph_ms'))}{err(m.get('error_after_graph_pct'))})")
-        console.print(f"[bold]GPU busy[/bold] (kernel time / wall time): before {pct(m.get('busy_before'))} → "
-                      f"after {pct(m.get('busy_after'))}   rank correlation over nodes (Spearman): before "
+        loop = ""
+        if m.get("busy_loop_after") is not None:
+            loop = (f"; calls back to back: before {pct(m.get('busy_loop_before'))} → "
+                    f"after {pct(m.get('busy_loop_after'))}")
+        console.print(f"[bold]GPU busy[/bold] (kernel time / wall time): one call on an idle GPU: before "
+                      f"{pct(m.get('busy_before'))} → after {pct(m.get('busy_after'))}{loop}   rank correlation over nodes (Spearman): before "
                       f"{rho(m.get('spearman_before'))}, after {rho(m.get('spearman_after'))}")
         nodes = m.get("nodes") or []
         if nodes:

@@ -68,7 +68,8 @@ def test_accuracy_table_cpu():
     assert t["heavy_threshold_ms"] == pytest.approx(3 * profile.launch_overhead_s * 1e3)
     assert t["nodes_heavy"] <= t["nodes_costed"]
     assert all({"predicted_host_ms", "predicted_device_ms", "measured_host_ms"} <= set(r) for r in t["nodes"])
-    assert busy_fraction(lambda: gm(torch.randn(8, 64)), "cpu")["busy"] is None
+    cpu = busy_fraction(lambda: gm(torch.randn(8, 64)), "cpu")
+    assert cpu["busy"] is None and cpu["busy_loop"] is None
 
 
 def test_explain_measure_mlp(capfd, tmp_path):
@@ -123,5 +124,8 @@ def test_busy_fraction_and_nodes_cuda():
     a = torch.randn(2048, 2048, device="cuda")
     busy = busy_fraction(lambda: [a @ a for _ in range(10)], "cuda")
     assert busy["busy"] is not None and 0 < busy["busy"] <= 1, busy
+    # device-bound GEMMs back to back keep the GPU busy; a launch-bound eager graph cannot
+    assert busy["busy_loop"] > 0.9 and busy["loop_ms"] <= busy["wall_ms"] * 1.1, busy
     tiny = busy_fraction(lambda: gm(*args, **kwargs), "cuda")
     assert tiny["busy"] is not None and 0 < tiny["busy"] <= 1, tiny
+    assert tiny["busy_loop"] is not None and tiny["busy_loop"] < 0.9, tiny

@@ -360,6 +360,8 @@ class CostModel:
                     rate = rate / conv_channel_padding(node, p)
                 if p.kind == "cuda" and _op_name(node) != "conv_bias_relu":
                     rate = rate / p.conv_unfused_slowdown
+            elif eff == "attention" and p.attention_tile:
+                rate = rate / attention_tile_waste(node, p.attention_tile)
         else:
             rate = p.elementwise_flops
         compute = flops / rate
@@ -695,6 +697,22 @@ def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s, bi
     if profile.conv_narrow_input_slowdown > 1.0 and narrow_conv_input(node):
         t = t * profile.conv_narrow_input_slowdown
     return t + conv_bias_add_s(profile, node) if bias else t
+
+
+def attention_tile_waste(node: fx.Node, tile: int) -> float:
+    """The work an SDPA kernel does over sequences padded up to whole tiles of ``tile`` positions,
+    per unit of the work the call asks for: (ceil(Sq / tile) * tile / Sq) * (same for Sk); ViT's
+    197 positions run as 256 (1.69x). 1.0 for symbolic lengths."""
+    infos = ir.arg_infos(node)
+    if len(infos) < 2 or len(infos[0].shape) < 2 or len(infos[1].shape) < 2:
+        return 1.0
+    try:
+        sq, sk = int(infos[0].shape[-2]), int(infos[1].shape[-2])
+    except TypeError:
+        return 1.0
+    if sq < 1 or sk < 1:
+        return 1.0
+    return (-(-sq // tile) * tile / sq) * (-(-sk // tile) * tile / sk)
 
 
 def conv_channel_padding(node: fx.Node, profile: DeviceProfile) -> float:

@@ -78,9 +78,14 @@ class DeviceProfile:
     conv_unfused_slowdown: float = 1.0
     # scaled_dot_product_attention likewise: flops / (peak * attention_scale) + attention_fixed_s,
     # fitted on BERT/ViT/GLM-shaped attention (short sequences run far below the GEMM rate);
-    # None: not measured, attention runs at the GEMM efficiency
+    # None: not measured, attention runs at the GEMM efficiency. With attention_memory_scale:
+    # max(flops / (peak * attention_scale), bytes / (bandwidth * attention_memory_scale))
+    # + attention_fixed_s (a short-sequence call with a mask moves more than it computes), and with
+    # attention_tile the flops of sequences padded up to whole tiles of that many positions
     attention_scale: float | None = None
     attention_fixed_s: float | None = None
+    attention_memory_scale: float | None = None
+    attention_tile: int = 0
     # host (CPU) time to run one fx node that launches no kernel (an ATen view or metadata op,
     # dispatched from the GraphModule's generated code); a kernel node's host time is its
     # launch_overhead_s. Used by the host/device queue model of eager execution
@@ -116,6 +121,9 @@ class DeviceProfile:
         elif kind == "attention":
             if self.attention_scale is None:
                 compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
+            elif self.attention_memory_scale is not None:
+                return (_max(compute_s / self.attention_scale, memory_s / self.attention_memory_scale)
+                        + (self.attention_fixed_s or 0.0))
             else:
                 compute_s = compute_s / self.attention_scale + (self.attention_fixed_s or 0.0)
         return _max(compute_s, memory_s + self.kernel_fixed_s)

@@ -211,12 +211,13 @@ def _pool_bandwidth_scale(device, dtype, bw: float, quick: bool) -> float:
     return min(1.0, (x.numel() + y.numel()) * x.element_size() / t / bw)
 
 
-def fit_conv(samples, peak: float, bandwidth: float) -> tuple[float, float, float, bool]:
+def fit_conv(samples, peak: float, bandwidth: float, forms=(False, True)) -> tuple[float, float, float, bool]:
     """(scale, memory_scale, fixed_s, overlap) for convolutions priced as
     ``max(flops / (peak * scale), bytes / (bandwidth * memory_scale)) + fixed_s`` (overlap: compute
     and memory traffic overlap) or as the sum of the two terms + fixed_s, fitted to [(flops, bytes,
     seconds)] by a grid search minimizing the squared log error over both forms, both scales at
-    most 1; the form with the smaller error wins."""
+    most 1; the form with the smaller error wins. ``forms``: the overlap values to try (attention
+    is priced in the max form only)."""
     f = torch.tensor([x[0] for x in samples], dtype=torch.float64) / peak
     m = torch.tensor([x[1] for x in samples], dtype=torch.float64) / bandwidth
     t = torch.tensor([x[2] for x in samples], dtype=torch.float64)
@@ -228,6 +229,8 @@ def fit_conv(samples, peak: float, bandwidth: float) -> tuple[float, float, floa
     n, k = len(fixed), len(scales)
     best = None
     for overlap, pred in ((False, c + b), (True, torch.maximum(c, b))):
+        if overlap not in forms:
+            continue
         err = ((pred + fixed[None, None, :, None]) / t).log().pow(2).sum(-1)
         i = int(err.argmin())
         if best is None or float(err.flatten()[i]) < best[0]:
@@ -264,20 +267,31 @@ def fit_channel_chunk(few, fit, peak: float, bandwidth: float) -> int:
     return best
 
 
-def _attention_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
-    """(FLOPs as the cost model counts them, seconds) of SDPA on model-shaped inputs."""
+ATTENTION_TILE = 128  # sequence positions per SDPA tile: the cost model pads the work up to whole tiles
+
+
+def attention_work(b, h, sq, sk, d, causal: bool, tile: int = ATTENTION_TILE) -> float:
+    """An SDPA call's FLOPs as the cost model counts them (QK^T and PV, halved when causal), padded
+    to whole tiles of ``tile`` positions (cost.model.attention_tile_waste)."""
+    waste = (-(-sq // tile) * tile / sq) * (-(-sk // tile) * tile / sk)
+    return 4.0 * b * h * sq * sk * d / (2 if causal else 1) * waste
+
+
+def _attention_samples(device, dtype, quick: bool) -> list[tuple[float, float, float]]:
+    """(FLOPs padded to whole tiles, bytes, device seconds) of SDPA on model-shaped inputs, timed
+    queued behind a GPU sleep (cuDNN's attention spends more host time per call than a short
+    call runs). A padding mask is materialized [B, 1, S, S], as Hugging Face's models pass it."""
     import torch.nn.functional as F
 
     out = []
     for b, h, s, d, kind in (ATTENTION_SHAPES[::2] if quick else ATTENTION_SHAPES):
         q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
-        mask = None
-        if kind == "mask":  # HF's expanded padding mask: [B, 1, S, S], a broadcast view
-            mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).expand(b, 1, s, s)
+        mask = torch.zeros(b, 1, s, s, device=device, dtype=dtype) if kind == "mask" else None
         causal = kind == "causal"
         t = _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal), device,
-                          5 if quick else 10)
-        out.append((4.0 * b * h * s * s * d / (2 if causal else 1), t))
+                          5 if quick else 10, queued=True)
+        nbytes = 4 * q.nbytes + (mask.nbytes if mask is not None else 0)
+        out.append((attention_work(b, h, s, s, d, causal), nbytes, t))
         del q, k, v, mask
     return out
 
@@ -579,9 +593,13 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             source["pool_bandwidth"] = f"{stamp}: max_pool2d 3x3/2 over 64x64x112x112 channels_last bf16"
             say("attention efficiency (BERT/ViT/GLM-shaped bf16 SDPA)")
             attn = _attention_samples(device, torch.bfloat16, quick)
-            extra_fit.update(zip(("attention_scale", "attention_fixed_s"), _fit_efficiency(attn, peak["bfloat16"])))
-            source["attention_efficiency"] = (f"{stamp}: the same fit on {len(attn)} bf16 SDPA calls shaped like "
-                                              "BERT-base (padding mask), ViT-B/16 and GLM-4 (causal) attention")
+            afit = fit_conv(attn, peak["bfloat16"], bw, forms=(True,))
+            extra_fit.update(attention_scale=afit[0], attention_memory_scale=afit[1], attention_fixed_s=afit[2],
+                             attention_tile=ATTENTION_TILE)
+            source["attention_efficiency"] = (
+                f"{stamp}: max(flops padded to {ATTENTION_TILE}-position tiles / (peak * scale), bytes / (bandwidth * "
+                f"memory scale)) + fixed fitted to {len(attn)} bf16 SDPA calls shaped like BERT-base (padding mask), "
+                "ViT-B/16 and GLM-4 (causal) attention, timed queued behind a GPU sleep")
             say("launch overhead")
             launch_wall, launch_graph = _launch_overhead(device)
             say("host time per fx node (views, tiny kernels)")
@@ -688,7 +706,8 @@ def run_cli(args) -> int:
                                      f"{prof.conv_narrow_input_slowdown:.1f}× slower)")
         t.add_row("pooling bandwidth", f"{prof.pool_bandwidth_scale:.0%} of the copy rate")
         if prof.attention_scale is not None:
-            t.add_row("attention efficiency", f"{prof.attention_scale:.0%} of peak + "
+            mem = "" if prof.attention_memory_scale is None else f", bytes at {prof.attention_memory_scale:.0%} of the copy rate"
+            t.add_row("attention efficiency", f"{prof.attention_scale:.0%} of peak{mem} + "
                                               f"{(prof.attention_fixed_s or 0) * 1e6:.1f} µs")
         t.add_row("memory-bound kernel fixed time", f"{prof.kernel_fixed_s * 1e6:.1f} µs")
     for k, v in prof.link_bandwidth.items():

@@ -166,3 +166,47 @@ def test_conv_samples_sort_shapes_by_input_channels(monkeypatch):
     fit = cal.fit_conv(cs["samples"], 1e12, 1e11)
     assert len(fit) == 4 and 0 < fit[0] <= 1 and 0 < fit[1] <= 1
     assert cal.fit_channel_chunk(cs["few"], fit, 1e12, 1e11) in (0, 16, 32, 64, 128, 256)
+
+
+def test_attention_fit_recovers_the_max_form_and_prices_like_the_cost_model():
+    """calibrate's attention fit (the max form over tile-padded FLOPs and bytes) recovers the
+    parameters of samples generated from it, and a profile holding them prices an SDPA node the
+    way the samples were generated (the cost model pads the same tiles)."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from graphopt import capture
+    from graphopt.calibrate import ATTENTION_SHAPES, attention_work, fit_conv
+    from graphopt.cost.model import CostModel
+
+    prof = get_profile("h200")[0]
+    peak, bw = prof.peak_flops["bfloat16"], prof.bandwidth
+    scale, mem, fixed = 0.47, 0.48, 8.5e-6
+
+    def seconds(work, nbytes):
+        return max(work / (peak * scale), nbytes / (bw * mem)) + fixed
+
+    samples = []
+    for b, h, s, d, kind in ATTENTION_SHAPES:
+        nbytes = 4 * b * h * s * d * 2 + (b * s * s * 2 if kind == "mask" else 0)
+        work = attention_work(b, h, s, s, d, kind == "causal")
+        samples.append((work, nbytes, seconds(work, nbytes)))
+    got = fit_conv(samples, peak, bw, forms=(True,))
+    assert got[3] is True
+    assert got[0] == pytest.approx(scale, abs=0.011) and got[1] == pytest.approx(mem, abs=0.011)
+    assert got[2] == pytest.approx(fixed, abs=0.6e-6)
+
+    fitted = dataclasses.replace(prof, attention_scale=scale, attention_memory_scale=mem, attention_fixed_s=fixed,
+                                 attention_tile=128)
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    q = torch.randn(2, 4, 197, 64, dtype=torch.bfloat16)  # 197 positions: padded to 256
+    gm = capture(Attn(), (q, q.clone(), q.clone()))
+    node = next(n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    cost = CostModel(fitted).node_cost(node)
+    want = seconds(attention_work(2, 4, 197, 197, 64, False), 4 * q.nbytes)
+    assert prof.kind == "cuda" and float(cost.time_s) == pytest.approx(max(want, fitted.launch_overhead_s), rel=1e-6)

@@ -352,6 +352,139 @@ def _compute_prefix(an: _Analysis, profile: DeviceProfile, hints: dict) -> np.nd
     return np.concatenate([[0.0], np.cumsum(t)])
 
 
+# --------------------------------------------------------------------------- backward costs
+
+_BACKWARD_MEMO: dict = {}  # (op signature, profile name) -> backward seconds, or None (not traceable)
+
+
+def _requires_grad(an: "_Analysis", gm: fx.GraphModule) -> dict:
+    """Which values carry gradients in a training step: trainable parameters and what is computed
+    from them (the graph's inputs do not need gradients; a stage's received activations are
+    computed from the earlier stages' parameters, so they do)."""
+    rg: dict = {}
+    for a in an.attrs:
+        val = ir.get_attr_value(gm, a.target)
+        rg[a] = isinstance(val, nn.Parameter) and val.requires_grad
+    for p in an.placeholders:
+        rg[p] = False
+    for n in an.order:
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+        rg[n] = floating and any(rg.get(x, False) for x in n.all_input_nodes)
+    return rg
+
+
+def _backward_seconds(node: fx.Node, rg: dict, profile: DeviceProfile, hints: dict) -> float | None:
+    """Predicted seconds of ``node``'s backward: the ATen ops autograd runs for it, traced with
+    FakeTensors (make_fx of the op and torch.autograd.grad for the inputs that need gradients,
+    less the op's own forward trace) and priced by the cost model. None when it cannot be traced
+    (symbolic shapes, an op without a derivative formula)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils import _pytree as pytree
+
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    leaves, spec = pytree.tree_flatten((list(node.args), dict(node.kwargs)))
+    tpos = [i for i, a in enumerate(leaves) if isinstance(a, fx.Node)]
+    tensors = [leaves[i] for i in tpos]
+
+    def sig(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor) or any(not isinstance(d, int) for d in v.shape):
+                raise _Untraceable
+            return ("T", tuple(v.shape), tuple(v.stride()), str(v.dtype), v.device.type,
+                    bool(rg.get(a, False) and v.is_floating_point()))
+        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _Untraceable
+        return repr(a)
+
+    try:
+        key = (str(node.target), str(spec), tuple(sig(a) for a in leaves), profile.name)
+    except _Untraceable:
+        return None
+    if key in _BACKWARD_MEMO:
+        return _BACKWARD_MEMO[key]
+    grad_in = [j for j, a in enumerate(tensors) if key[2][tpos[j]][5]]
+    out_val = node.meta.get("val")
+    outs = [v for v in (out_val if isinstance(out_val, (tuple, list)) else [out_val])
+            if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not grad_in or not outs:
+        _BACKWARD_MEMO[key] = 0.0
+        return 0.0
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [torch.empty_strided(tuple(t.meta["val"].shape), tuple(t.meta["val"].stride()),
+                                     dtype=t.meta["val"].dtype, device=t.meta["val"].device) for t in tensors]
+        gouts = [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device) for v in outs]
+    n_in = len(tensors)
+
+    def call(xs):
+        filled = list(leaves)
+        for j, i in enumerate(tpos):
+            filled[i] = xs[j]
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return node.target(*args, **kwargs)
+
+    def forward(*xs):
+        return call(xs)
+
+    def joint(*xs):
+        ins = [x.detach().requires_grad_(j in grad_in) for j, x in enumerate(xs[:n_in])]
+        res = [o for o in pytree.tree_leaves(call(ins)) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        pairs = [(o, g) for o, g in zip(res, xs[n_in:]) if o.requires_grad]
+        if not pairs:
+            return []
+        return torch.autograd.grad([o for o, _ in pairs], [ins[j] for j in grad_in], [g for _, g in pairs],
+                                   allow_unused=True)
+
+    cost = CostModel(profile)
+
+    def priced(g: fx.GraphModule) -> float:
+        return sum(float(ir.concrete(cost.node_cost(n).time_s, hints)) for n in g.graph.nodes)
+
+    try:
+        with mode:
+            fwd = make_fx(forward, tracing_mode="fake")(*fakes)
+            both = make_fx(joint, tracing_mode="fake")(*fakes, *gouts)
+        secs = max(0.0, priced(both) - priced(fwd))
+    except Exception:  # noqa: BLE001 - an op whose backward cannot be traced is priced by the factor
+        secs = None
+    _BACKWARD_MEMO[key] = secs
+    return secs
+
+
+class _Untraceable(Exception):
+    pass
+
+
+def _training_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfile, hints: dict,
+                     forward: np.ndarray) -> tuple[np.ndarray, int]:
+    """Prefix sums of each compute node's forward + backward seconds (its backward traced and
+    priced, :func:`_backward_seconds`; an untraceable one at (TRAINING_FACTOR - 1) × its forward),
+    + the gradient sums autograd adds where a value feeds several nodes that need its gradient.
+    Returns (prefix, nodes priced by the factor)."""
+    rg = _requires_grad(an, gm)
+    fwd = np.diff(forward)
+    out = np.empty(an.N)
+    fallback = 0
+    for idx, n in enumerate(an.order):
+        b = _backward_seconds(n, rg, profile, hints) if rg.get(n, False) else 0.0
+        if b is None and fwd[idx] == 0:  # no kernel (getitem of a tuple, a view): no backward kernel either
+            b = 0.0
+        if b is None:
+            b = (TRAINING_FACTOR - 1.0) * fwd[idx]
+            fallback += 1
+        # autograd sums the gradients of a value read by k nodes that need them: k - 1 adds
+        readers = sum(1 for u in n.users if rg.get(u, False))
+        if rg.get(n, False) and readers > 1:
+            b += (readers - 1) * (3.0 * an.size[n] / profile.bandwidth + profile.kernel_fixed_s)
+        out[idx] = fwd[idx] + b
+    return np.concatenate([[0.0], np.cumsum(out)]), fallback
+
+
 # --------------------------------------------------------------------------- the planner
 
 
@@ -384,11 +517,13 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         raise GraphoptError(f"the graph has {N} compute nodes and {len(cuts) - 2} places it can be cut; "
                             f"it cannot be split into {K} stages")
     sdev = [devices[k % S] for k in range(K)]  # the device of each stage
-    factor = TRAINING_FACTOR if training else 1.0
     prefix = {}
+    fallback = 0
     for d in devices:
         if d.profile.name not in prefix:
             prefix[d.profile.name] = _compute_prefix(an, d.profile, hints)
+            if training:  # forward + each node's traced backward
+                prefix[d.profile.name], fallback = _training_prefix(an, gm, d.profile, hints, prefix[d.profile.name])
     links = [link_bandwidth(sdev[k], sdev[k + 1]) for k in range(K - 1)]
     reserve = [runtime_reserve(d, training) for d in devices]
     # tied parameters: in training a parameter read by two stages would need its gradients summed
@@ -427,7 +562,7 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         the device's runtime workspace, which is counted once per device)."""
         d = sdev[k]
         pre = prefix[d.profile.name]
-        compute = (pre[j] - pre[i]) * factor
+        compute = pre[j] - pre[i]
         if k == K - 1 and loss_s:
             compute = compute + loss_s.get(d.profile.name, 0.0)
         params = P(i, j)
@@ -506,16 +641,19 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         step = (microbatches + S - 1) * slowest
     else:
         step = microbatches * max(x["predicted_ms"] for x in per_device) / 1e3 + (S - 1) * slowest
-    single = float(microbatches * (prefix[devices[0].profile.name][N] * factor
+    single = float(microbatches * (prefix[devices[0].profile.name][N]
                                    + (loss_s or {}).get(devices[0].profile.name, 0.0)))
     notes = []
     if v > 1:
         notes.append(f"interleaved 1F1B: {v} stages per device (device d holds stages d, d+{S}, …); bubble "
                      f"(S-1)/(v·M+S-1) = {bubble_fraction(S, microbatches, v):.0%} (Narayanan et al. 2021, §2.2.2)")
     if training:
-        notes.append(f"training step predicted as {TRAINING_FACTOR:g}× the forward + the gradient accumulation over "
-                     "micro-batches; memory counts weights + gradients (optimizer state is not in the graph) and every "
-                     "tensor a stage produces as saved for backward")
+        notes.append("training step predicted as the forward + each node's backward (traced with fake tensors, priced "
+                     "by the cost model; autograd's gradient sums included"
+                     + (f"; {fallback} node(s) not traceable priced at {TRAINING_FACTOR - 1:g}× their forward"
+                        if fallback else "")
+                     + ") + the gradient accumulation over micro-batches; memory counts weights + gradients (optimizer "
+                     "state is not in the graph) and every tensor a stage produces as saved for backward")
     if any(reserve):
         notes.append(f"each device reserves {fmt_bytes(max(reserve))} of runtime workspace (cuBLAS, per thread)")
     if loss_s:
@@ -740,25 +878,31 @@ def _no_fit(an, cand, S, v, stage_terms, devices, reserve, training, total_param
 
 
 def loss_seconds(loss_fn, output, target, devices: list[Device]) -> dict:
-    """Predicted seconds of ``loss_fn(output, target)``, forward and backward (× TRAINING_FACTOR),
-    per profile: traced with FakeTensors (make_fx) into ATen ops the cost model prices.
-    ``output``/``target``: tensors (real, fake or meta) of one micro-batch's shapes."""
+    """Predicted seconds of ``loss_fn(output, target)``, forward and backward (the gradient of the
+    loss with respect to ``output``), per profile: traced with FakeTensors (make_fx) into ATen ops
+    the cost model prices. ``output``/``target``: tensors (real, fake or meta) of one
+    micro-batch's shapes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+
+    def step(out, tgt):
+        out = out.detach().requires_grad_(out.is_floating_point())
+        loss = loss_fn(out, tgt)
+        return torch.autograd.grad(loss, out) if loss.requires_grad else (loss,)
+
     try:
         with mode:
-            g = make_fx(loss_fn, tracing_mode="fake")(fake(output), fake(target))
+            g = make_fx(step, tracing_mode="fake")(fake(output), fake(target))
     except Exception as e:  # noqa: BLE001 - a loss we cannot trace is left out of the plan, and said so
         raise GraphoptError(f"could not trace loss_fn to cost it: {type(e).__name__}: {str(e).splitlines()[0][:120]}") from e
     out = {}
     for d in devices:
         if d.profile.name not in out:
             cost = CostModel(d.profile)
-            out[d.profile.name] = TRAINING_FACTOR * sum(float(ir.concrete(cost.node_cost(n).time_s))
-                                                        for n in g.graph.nodes)
+            out[d.profile.name] = sum(float(ir.concrete(cost.node_cost(n).time_s)) for n in g.graph.nodes)
     return out
 
 

@@ -212,11 +212,12 @@ def test_the_loss_on_the_last_stage_is_costed_and_shifts_the_cut():
     assert costed.stages[1].start > plain.stages[1].start  # the last stage gives nodes away
     last = costed.stages[1]
     an = partition._Analysis(gm, {})
-    pre = partition._compute_prefix(an, devs[1].profile, {})
+    fwd = partition._compute_prefix(an, devs[1].profile, {})
+    pre, fallback = partition._training_prefix(an, gm, devs[1].profile, {}, fwd)
+    assert fallback == 0
     # + the schedule scaling the gradients once (M = 1: no accumulation): read and write each
     accumulate = last.param_bytes * 2.0 / devs[1].profile.bandwidth
-    assert last.compute_s == pytest.approx((pre[an.N] - pre[last.start]) * partition.TRAINING_FACTOR + loss_s["h200"]
-                                           + accumulate)
+    assert last.compute_s == pytest.approx(pre[an.N] - pre[last.start] + loss_s["h200"] + accumulate)
     with pytest.raises(GraphoptError, match="could not trace loss_fn"):
         partition.loss_seconds(lambda out, t: out.numpy(), torch.empty(2, 2), torch.empty(2), devs)
 
@@ -346,3 +347,47 @@ def test_interleaved_refuses_what_it_cannot_run_in_one_line():
                                   microbatches=3, virtual_stages=2, training=True)
     assert [s.device for s in three.stages] == ["cuda:0", "cuda:1", "cuda:2"] * 2
     assert three.bubble_fraction == pytest.approx(2 / 8)
+
+
+def test_training_prices_each_nodes_traced_backward():
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(65536, 256)
+            self.lin = nn.Linear(256, 4096)
+
+        def forward(self, ids):
+            return torch.tanh(self.lin(self.emb(ids)))
+
+    ids = torch.randint(0, 65536, (64, 128))
+    gm = capture(Emb().train(), (ids,))
+    an = partition._Analysis(gm, {})
+    prof = _h200()[0].profile
+    rg = partition._requires_grad(an, gm)
+    by = {str(n.target).split(".")[1]: n for n in an.order if n.op == "call_function"}
+    cost = partition.CostModel(prof)
+    lin, emb, tanh = by["linear"], by["embedding"], by["tanh"]
+    assert rg[lin] and rg[emb] and rg[tanh]
+    # a GEMM's backward is two GEMMs of its FLOPs (the input's and the weight's gradients) + the bias's sum
+    f = cost.node_cost(lin).time_s
+    assert 1.9 * f <= partition._backward_seconds(lin, rg, prof, {}) <= 2.4 * f
+    # the embedding's backward writes the whole table's gradient, its forward reads only the rows it gathers
+    table = 65536 * 256 * 4
+    assert partition._backward_seconds(emb, rg, prof, {}) >= table / prof.bandwidth > 3 * cost.node_cost(emb).memory_s
+    fwd = partition._compute_prefix(an, prof, {})
+    pre, fallback = partition._training_prefix(an, gm, prof, {}, fwd)
+    assert fallback == 0 and pre[-1] > 3 * fwd[-1]  # more than the old 3 × forward here
+    # nothing needs a gradient without trainable parameters: the backward is free
+    frozen = Emb()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    gm_f = capture(frozen.train(), (ids,))
+    an_f = partition._Analysis(gm_f, {})
+    pre_f, _ = partition._training_prefix(an_f, gm_f, prof, {}, partition._compute_prefix(an_f, prof, {}))
+    assert pre_f[-1] == pytest.approx(partition._compute_prefix(an_f, prof, {})[-1])
+    # a node whose shapes are symbolic is not traced (the planner prices it by the factor)
+    dyn = capture(Emb().train(), (ids,), dynamic={"ids": {0: "batch"}})
+    node = next(n for n in dyn.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+    hints = partition.ir.shape_hints(dyn)
+    rg_d = partition._requires_grad(partition._Analysis(dyn, hints), dyn)
+    assert rg_d[node] and partition._backward_seconds(node, rg_d, prof, hints) is None

@@ -52,8 +52,10 @@ from graphopt.examples import zoo  # noqa: E402
 from graphopt.pipeline import available as available_passes  # noqa: E402
 
 
-def log(rank, *a):
-    print(f"[rank {rank} {time.strftime('%H:%M:%S')}]", *a, flush=True)
+def log(rank, *a, all_ranks=False):
+    """Progress on rank 0 (every rank for failures)."""
+    if rank == 0 or all_ranks:
+        print(f"[rank {rank} {time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
 def build(cfg, device, dtype, seed=0):
@@ -221,7 +223,7 @@ def guarded(result, key, rank, out, fn):
     except Exception as e:  # noqa: BLE001 - a benchmark keeps the other configurations
         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         result.setdefault("errors", {})[key] = msg
-        log(rank, f"{key} FAILED: {msg}")
+        log(rank, f"{key} FAILED: {msg}", all_ranks=True)
         traceback.print_exc()
     result.setdefault("config_s", {})[key] = time.perf_counter() - t
     save(result, out, rank)
@@ -239,6 +241,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="start no further configuration after this many seconds (recorded as skipped); "
                          "results are written after every configuration")
+    ap.add_argument("--pipelines", default="infer:gpipe:8,train:1f1b:4,train:interleaved1f1b:4,train:interleaved1f1b:8",
+                    help="pipeline configurations to run, comma-separated mode:schedule:micro-batches")
+    ap.add_argument("--no-single", action="store_true", help="skip the one-GPU baselines")
+    ap.add_argument("--no-cap", action="store_true", help="skip the memory-cap runs")
     ap.add_argument("--pg-timeout-s", type=float, default=420.0,
                     help="collective timeout: a rank stuck waiting for one whose configuration failed gives up after "
                          "this long (the results written so far stay)")
@@ -342,7 +348,7 @@ def main():
             set_attention(model, "sdpa")
             free(device)
 
-    if rank == 0:
+    if rank == 0 and not args.no_single:
         guarded(result, "one GPU", rank, out, one_gpu)
     dist.barrier()
 
@@ -409,8 +415,13 @@ def main():
                   f"{[round(s.compute_s * 1e3, 2) for s in plan.stages]} ms")
         pipe = params = None
 
-    for train, schedule, mbs in ((False, "gpipe", 8), (True, "1f1b", 4), (True, "interleaved1f1b", 4),
-                                 (True, "interleaved1f1b", 8)):
+    configs = []
+    for item in filter(None, (x.strip() for x in args.pipelines.split(","))):
+        mode, schedule, mbs = item.split(":")
+        if mode not in ("infer", "train"):
+            raise SystemExit(f"--pipelines: mode must be infer or train, got {mode!r}")
+        configs.append((mode == "train", schedule, int(mbs)))
+    for train, schedule, mbs in configs:
         key = f"{'training' if train else 'inference'} {schedule} M={mbs}"
         if over_budget(key):
             continue
@@ -418,6 +429,14 @@ def main():
         free(device)
         dist.barrier()
 
+    if args.no_cap:
+        result["total_s"] = time.perf_counter() - t0
+        save(result, out, rank)
+        if rank == 0:
+            print(markdown(result), flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     # ---- the memory cap (bs8 inference, 8 micro-batches); the model is freed before each run
     set_attention(model, "sdpa")
     capres = result["memory_cap"] = {"batch": train_bs, "microbatches": 8, "runs": []}

@@ -745,7 +745,8 @@ def _search_interleaved(an, cand, S, v, M, stage_terms, devices, reserve, overfl
     (T_d: the sum of device d's stage times) with every device's summed memory within its cap
     (or, with ``overflow``, minimizing the largest memory overflow). Exhaustive over the candidate
     cuts (the last two cuts vectorized over a grid); with more candidates than INTERLEAVED_WORK
-    allows, exhaustive over an even subset, then coordinate descent over every candidate."""
+    allows, exhaustive over an even subset, then exhaustive again over the candidates around the
+    chosen cuts, then one cut at a time."""
     K = S * v
     caps = np.array([d.memory_bytes for d in devices]) - np.array(reserve)
 
@@ -826,15 +827,35 @@ def _search_interleaved(an, cand, S, v, M, stage_terms, devices, reserve, overfl
         return float(val), float(sum(an.cross[cand[c]] for c in idx[1:-1]))
 
     C = len(cand)
+    def fits(n):
+        return math.comb(max(n - 2, 0), K - 3) * n * n <= INTERLEAVED_WORK
+
     sub_n = C
-    while sub_n > K + 1 and math.comb(sub_n - 2, K - 3) * sub_n * sub_n > INTERLEAVED_WORK:
+    while sub_n > K + 1 and not fits(sub_n):
         sub_n = max(K + 1, int(sub_n * 0.8))
     sub = np.unique(np.linspace(0, C - 1, sub_n).round().astype(int))
-    val, _, idx = exhaustive(sub)
-    if idx is None:
+    _, _, coarse = exhaustive(sub)
+    if coarse is None:
         return None
-    idx = [int(sub[x]) for x in idx]
-    if len(sub) < C:  # refine on every candidate: move one cut at a time while it helps
+    idx = [int(sub[x]) for x in coarse]
+    if len(sub) < C:
+        # zoom in: every candidate between each chosen cut's neighbours in the subset, searched
+        # exhaustively together (narrower windows when their union is still too large) …
+        for _ in range(3):
+            width = max(int(sub[1] - sub[0]) if len(sub) > 1 else 1, 1)
+            while True:
+                near = {0, C - 1}
+                for c in idx[1:-1]:
+                    near.update(range(max(1, c - width), min(C - 1, c + width + 1)))
+                zoom = np.array(sorted(near))
+                if fits(len(zoom)) or width <= 1:
+                    break
+                width = max(1, width // 2)
+            _, _, got = exhaustive(zoom)
+            if got is None or [int(zoom[x]) for x in got] == idx:
+                break
+            idx = [int(zoom[x]) for x in got]
+        # … then move one cut at a time while it helps
         cur = evaluate(idx)
         for _ in range(50):
             moved = False

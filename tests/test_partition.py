@@ -391,3 +391,13 @@ def test_training_prices_each_nodes_traced_backward():
     hints = partition.ir.shape_hints(dyn)
     rg_d = partition._requires_grad(partition._Analysis(dyn, hints), dyn)
     assert rg_d[node] and partition._backward_seconds(node, rg_d, prof, hints) is None
+
+
+def test_interleaved_search_on_a_subset_then_refined_matches_the_exhaustive_one(monkeypatch):
+    gm = capture(_layers(12, 128), (torch.randn(256, 128),))
+    devs = _h200()
+    full = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
+    monkeypatch.setattr(partition, "INTERLEAVED_WORK", 2e3)  # forces an even subset + the cut-by-cut refinement
+    coarse = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
+    assert coarse.predicted_step_s <= full.predicted_step_s * 1.02
+    assert [s.device for s in coarse.stages] == [s.device for s in full.stages]

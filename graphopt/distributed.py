@@ -32,7 +32,8 @@ from torch.utils import _pytree as pytree
 from . import ir
 from .capture import capture, flat_tensors, split_inputs
 from .errors import GraphoptError
-from .partition import StagePlan, check_interleaving, loss_seconds, plan_stages, resolve_devices, stage_modules
+from .partition import (StagePlan, check_interleaving, loss_memory_bytes, loss_seconds, plan_stages, resolve_devices,
+                        stage_modules)
 
 # NVLink SHARP / multicast stay off in every process graphopt starts (the lent machines ask it)
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -154,15 +155,17 @@ class Pipeline:
         box = [devs]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         devs = box[0]
-        loss_s = None
+        loss_s, loss_bytes = None, 0.0
         if loss_fn is not None and example_target is not None:
             out_node = next(n for n in gm.graph.nodes if n.op == "output")
             out_val = [a.meta.get("val") for a in out_node.all_input_nodes]
             (tgt,), _ = microbatch(example_target, microbatches)
-            loss_s = loss_seconds(loss_fn, out_val[0] if len(out_val) == 1 else tuple(out_val), tgt, devs)
+            out_one = out_val[0] if len(out_val) == 1 else tuple(out_val)
+            loss_s = loss_seconds(loss_fn, out_one, tgt, devs)
+            loss_bytes = loss_memory_bytes(loss_fn, out_one, tgt)
         self.plan: StagePlan = plan_stages(gm, devs, hints=ir.shape_hints(gm), schedule=schedule,
                                            microbatches=microbatches, training=self.training, loss_s=loss_s,
-                                           virtual_stages=virtual_stages)
+                                           virtual_stages=virtual_stages, loss_bytes=loss_bytes)
         mods = stage_modules(gm, self.plan)
         #: this rank's stage indices and their GraphModules (one, or virtual_stages when interleaved)
         self.stage_indices = self.plan.stages_on(self.rank)

@@ -490,11 +490,12 @@ def _training_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfile
 
 def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None = None, schedule: str = "gpipe",
                 microbatches: int = 1, training: bool = False, loss_s: dict | None = None,
-                virtual_stages: int | None = None) -> StagePlan:
+                virtual_stages: int | None = None, loss_bytes: float = 0.0) -> StagePlan:
     """Contiguous stages over ``gm``'s topological order minimizing the pipeline's predicted step
     within each device's memory. Raises BudgetError naming the shortfall when no split fits.
     ``loss_s``: {profile name: seconds} of the loss the last stage computes per micro-batch,
-    forward and backward (:func:`loss_seconds`).
+    forward and backward (:func:`loss_seconds`); ``loss_bytes``: what it allocates at its peak
+    beyond its input (:func:`loss_memory_bytes`), on the last stage.
 
     gpipe / 1f1b: one stage per device (the slowest stage's time is minimized, by dynamic
     programming). interleaved1f1b: ``virtual_stages`` (v, default 2) stages per device, S·v
@@ -593,6 +594,8 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         # measured on 2 H200s, GLM 8 layers bs8 M=8, the last GPU peaked at 6.76 GB where the plan
         # without the concatenation said 4.16 (2.5 GB of logits)
         outputs = an.out_bytes * (2 * microbatches - 1) if k == K - 1 and microbatches > 1 else 0.0
+        if k == K - 1 and training:
+            outputs = outputs + loss_bytes
         memory = pbytes + act * fl + buffers + outputs
         return time, memory, compute, transfer, act, fl, params
 
@@ -658,7 +661,7 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         notes.append(f"each device reserves {fmt_bytes(max(reserve))} of runtime workspace (cuBLAS, per thread)")
     if loss_s:
         notes.append(f"the loss on the last stage is costed: {max(loss_s.values()) * 1e3:.3f} ms per micro-batch "
-                     "(forward + backward)")
+                     f"(forward + backward), {fmt_bytes(loss_bytes)} at its peak")
     if tied:
         notes.append("parameters read by several nodes far apart (tied weights) keep those nodes on one stage: "
                      + ", ".join(a.target for a, _ in tied[:4]))
@@ -898,11 +901,9 @@ def _no_fit(an, cand, S, v, stage_terms, devices, reserve, training, total_param
                        "add devices, raise memory_cap, or use more micro-batches")
 
 
-def loss_seconds(loss_fn, output, target, devices: list[Device]) -> dict:
-    """Predicted seconds of ``loss_fn(output, target)``, forward and backward (the gradient of the
-    loss with respect to ``output``), per profile: traced with FakeTensors (make_fx) into ATen ops
-    the cost model prices. ``output``/``target``: tensors (real, fake or meta) of one
-    micro-batch's shapes."""
+def _trace_loss(loss_fn, output, target) -> fx.GraphModule:
+    """``loss_fn(output, target)`` and its gradient with respect to ``output``, traced with
+    FakeTensors (make_fx) into ATen ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -916,15 +917,33 @@ def loss_seconds(loss_fn, output, target, devices: list[Device]) -> dict:
 
     try:
         with mode:
-            g = make_fx(step, tracing_mode="fake")(fake(output), fake(target))
+            return make_fx(step, tracing_mode="fake")(fake(output), fake(target))
     except Exception as e:  # noqa: BLE001 - a loss we cannot trace is left out of the plan, and said so
         raise GraphoptError(f"could not trace loss_fn to cost it: {type(e).__name__}: {str(e).splitlines()[0][:120]}") from e
+
+
+def loss_seconds(loss_fn, output, target, devices: list[Device]) -> dict:
+    """Predicted seconds of ``loss_fn(output, target)``, forward and backward (the gradient of the
+    loss with respect to ``output``), per profile: traced with FakeTensors (make_fx) into ATen ops
+    the cost model prices. ``output``/``target``: tensors (real, fake or meta) of one
+    micro-batch's shapes."""
+    g = _trace_loss(loss_fn, output, target)
     out = {}
     for d in devices:
         if d.profile.name not in out:
             cost = CostModel(d.profile)
             out[d.profile.name] = sum(float(ir.concrete(cost.node_cost(n).time_s)) for n in g.graph.nodes)
     return out
+
+
+def loss_memory_bytes(loss_fn, output, target) -> float:
+    """Bytes the loss's forward and backward allocate beyond their inputs at their peak (the
+    liveness peak of the traced graph less its inputs: an fp32 cross-entropy over a large
+    vocabulary holds the upcast logits, their log-softmax and their gradient)."""
+    g = _trace_loss(loss_fn, output, target)
+    peak = CostModel(_NULL_PROFILE).memory(g)[0]
+    inputs = sum(sum(float(ir.concrete(t.nbytes)) for t in ir.infos(n)) for n in g.graph.nodes if n.op == "placeholder")
+    return max(0.0, float(peak) - inputs)
 
 
 def equal_split(gm: fx.GraphModule, stages: int) -> list[int]:

@@ -401,3 +401,18 @@ def test_interleaved_search_on_a_subset_then_refined_matches_the_exhaustive_one(
     coarse = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
     assert coarse.predicted_step_s <= full.predicted_step_s * 1.02
     assert [s.device for s in coarse.stages] == [s.device for s in full.stages]
+
+
+def test_the_loss_working_memory_is_on_the_last_stage():
+    """An fp32 cross-entropy over bf16 logits holds the upcast logits, their log-softmax and their
+    gradient at once (on 2 H200s the last GLM stage peaked 3 GB over a plan without them)."""
+    loss_fn = lambda out, t: torch.nn.functional.cross_entropy(out.float(), t)  # noqa: E731
+    logits = torch.empty(256, 4096, dtype=torch.bfloat16)
+    extra = partition.loss_memory_bytes(loss_fn, logits, torch.zeros(256, dtype=torch.long))
+    assert 2 * 256 * 4096 * 4 <= extra <= 6 * 256 * 4096 * 4
+    gm = capture(_layers(4), (torch.randn(256, 256),))
+    plain = partition.plan_stages(gm, _h200(), training=True, microbatches=2, schedule="1f1b")
+    held = partition.plan_stages(gm, _h200(), training=True, microbatches=2, schedule="1f1b", loss_bytes=extra)
+    assert [s.start for s in plain.stages] == [s.start for s in held.stages]
+    assert held.stages[1].memory_bytes - plain.stages[1].memory_bytes == pytest.approx(extra)
+    assert held.stages[0].memory_bytes == plain.stages[0].memory_bytes

@@ -215,6 +215,26 @@ def stage_train_s(pipe, ids_mb, device, warm, reps) -> dict:
     return res
 
 
+def runtime_workspace(device) -> dict:
+    """What the runtime keeps allocated after one GEMM (forward thread) and after one backward
+    (autograd's thread), measured before anything else runs: the plan's per-device reserve
+    (the profile's runtime_workspace_bytes, once for inference, twice for training)."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    a = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    (a @ a).sum().item()
+    del a
+    torch.cuda.synchronize(device)
+    fwd = torch.cuda.memory_allocated(device) - base
+    a = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    (a @ a).sum().backward()
+    del a
+    torch.cuda.synchronize(device)
+    return {"after_forward_gemm_bytes": fwd, "after_backward_bytes": torch.cuda.memory_allocated(device) - base}
+
+
 def guarded(result, key, rank, out, fn):
     """Run one configuration; on an error record it (and go on to the next)."""
     t = time.perf_counter()
@@ -284,6 +304,11 @@ def main():
               "loss": "next-token cross-entropy on the shifted logits, fp32 (forward + backward, no optimizer step)",
               "infer": {"batch": infer_bs, "seq": seq}, "train": {"batch": train_bs, "seq": seq}, "runs": []}
     t0 = time.perf_counter()
+    result["runtime_workspace_measured"] = gather(runtime_workspace(device))
+    prof_ws = partition.resolve_devices([str(device) if device.type == "cuda" else "cpu"], target=target)[0]
+    result["runtime_workspace_profile_bytes"] = prof_ws.profile.runtime_workspace_bytes
+    log(rank, f"runtime workspace measured per rank {result['runtime_workspace_measured']} "
+              f"(profile: {prof_ws.profile.runtime_workspace_bytes / 2**20:.0f} MiB per thread)")
     log(rank, f"building the model on {device}")
     model = build(cfg, device, dtype)
     result["parameters"] = sum(p.numel() for p in model.parameters())
@@ -569,6 +594,13 @@ def markdown(r) -> str:
         lines += ["", f"Correctness (inference, first micro-batch, pipeline vs eager on the last GPU): relative RMSE "
                       f"{c0.get('relative_rmse', float('nan')):.2e}, max |err| {c0.get('max_abs_err', float('nan')):.3g}, "
                       f"finite {c0.get('finite')}, same weights on every rank {c0.get('same_weights_on_every_rank')}."]
+    ws = [w for w in r.get("runtime_workspace_measured") or [] if w]
+    if ws:
+        lines += ["", "Runtime workspace kept allocated per GPU (measured before the model, one GEMM then one backward): "
+                      + "; ".join(f"{w['after_forward_gemm_bytes'] / 2**20:.1f} MiB after a GEMM, "
+                                  f"{w['after_backward_bytes'] / 2**20:.1f} MiB after a backward" for w in ws)
+                      + f" (the profile reserves {r.get('runtime_workspace_profile_bytes', 0) / 2**20:.0f} MiB per thread: "
+                        "once for inference, twice for training)."]
     c = r.get("memory_cap")
     if c:
         lines += ["", f"Memory cap (bs{c['batch']} inference, GPipe, {c['microbatches']} micro-batches; the model is freed "

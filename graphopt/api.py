@@ -411,6 +411,7 @@ def optimize(
     memory_cap=None,
     microbatches: int = 1,
     schedule: str = "gpipe",
+    virtual_stages: int | None = None,
 ) -> OptimizedModule:
     """Capture ``model``, run the pass pipeline ranked by the cost model, guard accuracy.
 
@@ -440,8 +441,9 @@ def optimize(
       of GPUs): the partition_devices pass plans cost-balanced stages within each device's memory
       (``memory_cap`` bytes per device overrides the profiles'), the report gets the stage table,
       and where the devices exist the module runs placed across them (graphopt.partition); the
-      example inputs are one micro-batch of a ``schedule`` ("gpipe"/"1f1b") pipeline of
-      ``microbatches`` (run multi-process with graphopt.distributed).
+      example inputs are one micro-batch of a ``schedule`` ("gpipe"/"1f1b"/"interleaved1f1b": with
+      ``virtual_stages`` (default 2) non-adjacent stages per device) pipeline of ``microbatches``
+      (run multi-process with graphopt.distributed).
     """
     timer = timing.PhaseTimer()
     with timer.active(), _collect_young_only():
@@ -450,7 +452,7 @@ def optimize(
                         cuda_graphs=cuda_graphs, on_new_shape=on_new_shape, check_accuracy=check_accuracy,
                         verify=verify, dump_dir=dump_dir, model_name=model_name, memory_budget=memory_budget,
                         checkpoint_backend=checkpoint_backend, devices=devices, memory_cap=memory_cap,
-                        microbatches=microbatches, schedule=schedule)
+                        microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
     # the whole call, lowering (CUDA-graph planning) included; the phases sum to it
     opt.report.optimize_seconds = timer.total()
     opt.report.optimize_phases = timer.as_dict(opt.report.optimize_seconds)
@@ -478,7 +480,8 @@ def _collect_young_only():
 
 def _optimize(model, example_inputs, *, device, target, passes, disable, training, dynamic, precision,
               calibration_data, cuda_graphs, on_new_shape, check_accuracy, verify, dump_dir, model_name,
-              memory_budget, checkpoint_backend, devices, memory_cap, microbatches, schedule) -> OptimizedModule:
+              memory_budget, checkpoint_backend, devices, memory_cap, microbatches, schedule,
+              virtual_stages=None) -> OptimizedModule:
     t_start = time.perf_counter()
     if precision not in PRECISIONS:
         raise GraphoptError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -537,7 +540,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
                 from .partition import resolve_devices
 
                 ctx.options.update(devices=resolve_devices(devices, target, memory_cap), microbatches=microbatches,
-                                   schedule=schedule)
+                                   schedule=schedule, virtual_stages=virtual_stages)
             return ctx
 
         ctx = new_context()
@@ -640,7 +643,8 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
                                        check_accuracy=check_accuracy, verify=verify, model_name=model_name,
                                        memory_budget=memory_budget, checkpoint_backend=checkpoint_backend,
                                        devices=devices, memory_cap=memory_cap,
-                                       microbatches=microbatches, schedule=schedule), 8)
+                                       microbatches=microbatches, schedule=schedule,
+                                       virtual_stages=virtual_stages), 8)
     elif on_new_shape != "error":
         raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")
     return opt

@@ -70,7 +70,9 @@ def _add_model_args(p):
                                      "a machine without GPUs plans for them)")
     p.add_argument("--memory-cap", type=_bytes, help="memory per device for --devices (bytes, or 40GB / 512MB)")
     p.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches for --devices (the example batch is one)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="pipeline schedule for --devices")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved1f1b"], default="gpipe",
+                   help="pipeline schedule for --devices (interleaved1f1b: --virtual-stages stages per device)")
+    p.add_argument("--virtual-stages", type=int, help="stages per device for --schedule interleaved1f1b (default 2)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +169,8 @@ def _optimize(args):
     opt = optimize(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
                    check_accuracy=not args.no_accuracy, dump_dir=args.dump_ir, model_name=name,
                    precision=args.precision, devices=_devices(args.devices), memory_cap=args.memory_cap,
-                   microbatches=args.microbatches, schedule=args.schedule, training=getattr(args, "training", False),
+                   microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
+                   training=getattr(args, "training", False),
                    memory_budget=getattr(args, "memory_budget", None),
                    checkpoint_backend=getattr(args, "checkpoint_backend", "auto"))
     args._model = model  # explain --measure captures it again for the before graph

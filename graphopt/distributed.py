@@ -4,7 +4,9 @@ One process per device (``torchrun --nproc-per-node N script.py``, or :func:`spa
 captures the same graph at the micro-batch size, builds the same :class:`StagePlan` (the planner
 is deterministic), keeps its own stage (graphopt.partition.stage_modules: inputs are the tensors
 crossing its left cut, outputs those crossing its right cut) and runs it as a
-``torch.distributed.pipelining.PipelineStage`` under ``ScheduleGPipe`` or ``Schedule1F1B``.
+``torch.distributed.pipelining.PipelineStage`` under ``ScheduleGPipe`` or ``Schedule1F1B``; with
+``schedule="interleaved1f1b"`` each rank keeps ``virtual_stages`` (default 2) non-adjacent stages
+(rank r: stages r, r + world, …) under ``ScheduleInterleaved1F1B``.
 NCCL on GPUs, gloo on the CPU. Training: ``loss_fn(output, target)`` on the last stage;
 gradients land on each stage's parameters (the model's own objects), averaged over micro-batches
 as for the whole batch.
@@ -30,7 +32,8 @@ from torch.utils import _pytree as pytree
 from . import ir
 from .capture import capture, flat_tensors, split_inputs
 from .errors import GraphoptError
-from .partition import StagePlan, loss_seconds, plan_stages, resolve_devices, stage_modules
+from .partition import (StagePlan, check_interleaving, loss_memory_bytes, loss_seconds, plan_stages, resolve_devices,
+                        stage_modules)
 
 # NVLink SHARP / multicast stay off in every process graphopt starts (the lent machines ask it)
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -104,7 +107,8 @@ class Pipeline:
     model: the same model (same weights) on every rank, on this rank's device.
     example_inputs: one global batch (a tensor, a tuple, or a dict); the graph is captured at
       its micro-batch size (batch / microbatches).
-    schedule: "gpipe" or "1f1b". loss_fn: ``loss_fn(output, target) -> scalar`` (training; the
+    schedule: "gpipe", "1f1b" or "interleaved1f1b" (``virtual_stages`` stages per rank, default 2;
+      the micro-batches must be a multiple of the ranks). loss_fn: ``loss_fn(output, target) -> scalar`` (training; the
       last stage applies it per micro-batch; with ``example_target`` (one global batch's target) its
       cost is added to the last stage's in the plan). devices: the stage devices (default: this rank's
       device type, one per rank); target / memory_cap: as for ``optimize(devices=...)``.
@@ -113,7 +117,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, example_inputs, *, microbatches: int = 4, schedule: str = "gpipe",
                  loss_fn=None, example_target=None, devices=None, target=None, memory_cap=None, passes=(),
-                 group=None, device: torch.device | None = None):
+                 group=None, device: torch.device | None = None, virtual_stages: int | None = None):
         if not dist.is_initialized():
             raise GraphoptError("graphopt.distributed.Pipeline needs a process group: run under torchrun and "
                                 "call graphopt.distributed.init() first (or use graphopt.distributed.spawn)")
@@ -131,6 +135,7 @@ class Pipeline:
         self.microbatches = microbatches
         if schedule == "1f1b" and microbatches < self.world:
             raise GraphoptError(f"1F1B needs at least as many micro-batches as stages ({microbatches} < {self.world})")
+        check_interleaving(schedule, self.world, microbatches, virtual_stages)
         mb_args, mb_kwargs = microbatch(example_inputs, microbatches)
         was = model.training
         model.train(self.training)
@@ -150,34 +155,63 @@ class Pipeline:
         box = [devs]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         devs = box[0]
-        loss_s = None
+        loss_s, loss_bytes = None, 0.0
         if loss_fn is not None and example_target is not None:
             out_node = next(n for n in gm.graph.nodes if n.op == "output")
             out_val = [a.meta.get("val") for a in out_node.all_input_nodes]
             (tgt,), _ = microbatch(example_target, microbatches)
-            loss_s = loss_seconds(loss_fn, out_val[0] if len(out_val) == 1 else tuple(out_val), tgt, devs)
+            out_one = out_val[0] if len(out_val) == 1 else tuple(out_val)
+            loss_s = loss_seconds(loss_fn, out_one, tgt, devs)
+            loss_bytes = loss_memory_bytes(loss_fn, out_one, tgt)
         self.plan: StagePlan = plan_stages(gm, devs, hints=ir.shape_hints(gm), schedule=schedule,
-                                           microbatches=microbatches, training=self.training, loss_s=loss_s)
-        self.module = stage_modules(gm, self.plan)[self.rank].to(self.device)
+                                           microbatches=microbatches, training=self.training, loss_s=loss_s,
+                                           virtual_stages=virtual_stages, loss_bytes=loss_bytes)
+        mods = stage_modules(gm, self.plan)
+        #: this rank's stage indices and their GraphModules (one, or virtual_stages when interleaved)
+        self.stage_indices = self.plan.stages_on(self.rank)
+        self.modules = [mods[k].to(self.device) for k in self.stage_indices]
+        del mods
+        #: this rank's stage module (an nn.ModuleList of them when interleaved)
+        self.module = self.modules[0] if len(self.modules) == 1 else nn.ModuleList(self.modules)
         del gm
         self._group, self._loss_fn = group, loss_fn
         self.set_schedule(schedule)
 
     def set_schedule(self, schedule: str) -> None:
-        """Run the same stages under another schedule ("gpipe" | "1f1b"; the plan keeps the
-        memory terms of the schedule it was made for)."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        """Run the same stages under another schedule ("gpipe" | "1f1b" for a plan of one stage
+        per rank; "interleaved1f1b" for a plan of several; the plan keeps the memory terms of the
+        schedule it was made for)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        if schedule not in ("gpipe", "1f1b"):
-            raise GraphoptError(f"schedule must be gpipe or 1f1b, got {schedule!r}")
+        if schedule not in ("gpipe", "1f1b", "interleaved1f1b"):
+            raise GraphoptError(f"schedule must be gpipe, 1f1b or interleaved1f1b, got {schedule!r}")
         if schedule == "1f1b" and self.microbatches < self.world:
             raise GraphoptError(f"1F1B needs at least as many micro-batches as stages ({self.microbatches} < {self.world})")
+        v = self.plan.virtual_stages
+        if (schedule == "interleaved1f1b") != (v > 1):
+            raise GraphoptError(f"the plan has {v} stage(s) per rank; {schedule} runs "
+                                + ("several: build the Pipeline with schedule='interleaved1f1b'" if v == 1 else
+                                   "one: build the Pipeline with schedule='gpipe' or '1f1b'"))
+        if v > 1:
+            check_interleaving(schedule, self.world, self.microbatches, v)
         self.schedule_name = schedule
-        self.stage = PipelineStage(self.module, self.rank, self.world, self.device, group=self._group)
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        K = self.plan.num_stages
+        self.stages = [PipelineStage(m, k, K, self.device, group=self._group)
+                       for m, k in zip(self.modules, self.stage_indices)]
+        self.stage = self.stages[0]
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}[schedule]
         # torch >= 2.7 averages gradients over micro-batches (scale_grads); older ones sum them
         self._scale_by_hand = "scale_grads" not in inspect.signature(cls.__init__).parameters
-        self.schedule = cls(self.stage, self.microbatches, loss_fn=self._loss_fn)
+        self.schedule = cls(self.stages if v > 1 else self.stage, self.microbatches, loss_fn=self._loss_fn)
+
+    def named_parameters(self):
+        """(name, parameter) of this rank's stages, named as in the model."""
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def parameters(self):
+        for _, p in self.named_parameters():
+            yield p
 
     @property
     def is_first(self) -> bool:
@@ -206,7 +240,7 @@ class Pipeline:
         if self.training:
             out = self.schedule.step(*args, **kw)
             if self._scale_by_hand:
-                for p in self.module.parameters():
+                for p in self.parameters():
                     if p.grad is not None:
                         p.grad.div_(self.microbatches)
         else:

@@ -185,7 +185,9 @@ class Report:
         from rich.table import Table
 
         plan = self.partition
-        t = Table(header_style="bold", title=f"partition: {len(plan['stages'])} stages, {plan['schedule']}, "
+        v = plan.get("virtual_stages", 1)
+        t = Table(header_style="bold", title=f"partition: {len(plan['stages'])} stages"
+                                             + (f" ({v} per device)" if v > 1 else "") + f", {plan['schedule']}, "
                                              f"{plan['microbatches']} micro-batch(es)"
                                              + (", training" if plan["training"] else ""))
         for col, just in (("stage", "right"), ("device", "left"), ("nodes", "right"), ("params", "right"),
@@ -201,7 +203,12 @@ class Report:
         for i, b in enumerate(plan["boundaries"]):
             console.print(f"  cut {i}|{i + 1} after {b['after_node']}: {b['bytes'] / 1e6:.3f} MB in "
                           f"{len(b['tensors'])} tensor(s) over {b['link']} ({b['transfer_ms']:.3f} ms)")
-        console.print(f"  bubble (S-1)/(M+S-1) = {plan['bubble_fraction']:.0%}; predicted step "
+        for d in plan.get("devices") or []:
+            console.print(f"  {d['device']}: stage(s) {', '.join(map(str, d['stages']))}, {d['predicted_ms']:.3f} ms per "
+                          f"micro-batch, memory {d['predicted_memory_bytes'] / 1e6:.1f} MB (runtime reserve "
+                          f"{d['runtime_reserve_bytes'] / 1e6:.1f}) of {d['memory_cap_bytes'] / 1e6:.0f} MB")
+        formula = "(S-1)/(v·M+S-1)" if v > 1 else "(S-1)/(M+S-1)"
+        console.print(f"  bubble {formula} = {plan['bubble_fraction']:.0%}; predicted step "
                       f"{plan['predicted_step_ms']:.3f} ms vs {plan['single_device_ms']:.3f} ms on one device "
                       f"({plan['predicted_speedup']:.2f}×)")
 

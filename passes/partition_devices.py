@@ -7,7 +7,8 @@ tensors crossing its boundaries at the link's bandwidth) is as small as possible
 device's memory. The pass plans; it does not rewrite the graph. ``optimize`` then places the
 stages (graphopt.partition.PlacedModule) and graphopt.distributed runs them as a pipeline.
 Options (``ctx.options``): ``devices`` (a list of graphopt.partition.Device), ``microbatches``,
-``schedule`` ("gpipe" | "1f1b"). A single device (or none) leaves it a no-op, with the reason.
+``schedule`` ("gpipe" | "1f1b" | "interleaved1f1b"), ``virtual_stages`` (stages per device,
+interleaved1f1b only; default 2). A single device (or none) leaves it a no-op, with the reason.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class PartitionDevices(Pass):
                              "no devices= given: nothing to partition")
             return res
         plan = plan_stages(gm, devices, hints=ctx.hints, schedule=ctx.options.get("schedule", "gpipe"),
-                           microbatches=ctx.options.get("microbatches", 1), training=ctx.training)
+                           microbatches=ctx.options.get("microbatches", 1), training=ctx.training,
+                           virtual_stages=ctx.options.get("virtual_stages"))
         ctx.options["partition_plan"] = plan
         res.status = "planned"
         res.details["partition"] = plan.as_dict()

@@ -1,6 +1,6 @@
 """Multi-process pipelines on the CPU (gloo): graphopt's stage plan run by
 torch.distributed.pipelining gives the unpartitioned model's outputs and gradients (accuracy
-rule), with GPipe and 1F1B, on 2 and 3 processes."""
+rule), with GPipe, 1F1B and interleaved 1F1B (two stages per process), on 2 and 3 processes."""
 
 from __future__ import annotations
 
@@ -37,13 +37,20 @@ def _work(rank, world, path, batch, runs, name, passes=(), plan_for=None):
         pipe = gd.Pipeline(model, x, microbatches=mbs, schedule=schedule, loss_fn=loss if train else None,
                            example_target=target if train else None, passes=passes, target=plan_for)
         if passes:
-            out.setdefault("ops", set()).update(str(n.target) for n in pipe.module.graph.nodes
+            out.setdefault("ops", set()).update(str(n.target) for m in pipe.modules for n in m.graph.nodes
                                                 if n.op == "call_function")
         key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
         losses = []
         res = pipe.step(x, target=target if train else None, losses=losses if train else None)
         out[key] = {"out": res, "losses": [x.detach() for x in losses], "plan": pipe.plan.as_dict(),
-                    "grads": {n: p.grad.clone() for n, p in pipe.module.named_parameters() if p.grad is not None}}
+                    "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
+                    "stage_indices": pipe.stage_indices}
+    if any(s == "interleaved1f1b" for s, _, _ in runs):  # the negative case, on every rank
+        model, x, loss, target = build(batch, name)
+        try:
+            gd.Pipeline(model, x, microbatches=1, schedule="interleaved1f1b", loss_fn=loss, example_target=target)
+        except GraphoptError as e:
+            out["refused"] = str(e)
     torch.save(out, f"{path}/rank{rank}.pt")
 
 
@@ -69,7 +76,11 @@ def _check(tmp_path, world, batch, runs, name="glm4-tiny", passes=(), plan_for=N
     for schedule, mbs, train in runs:
         key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
         plan = ranks[0][key]["plan"]
-        assert len(plan["stages"]) == world and plan["schedule"] == schedule
+        v = 2 if schedule == "interleaved1f1b" else 1
+        assert len(plan["stages"]) == world * v and plan["schedule"] == schedule and plan["virtual_stages"] == v
+        for r in range(world):  # rank r holds stages r, r + world, …
+            assert ranks[r][key]["stage_indices"] == list(range(r, world * v, world))
+            assert [s["device"] for s in plan["stages"]][r::world] == ["cpu"] * v
         assert any("loss on the last stage is costed" in n for n in plan["notes"]) == train
         assert all(r[key]["out"] is None for r in ranks[:-1])
         last = ranks[-1][key]
@@ -93,6 +104,16 @@ def _check(tmp_path, world, batch, runs, name="glm4-tiny", passes=(), plan_for=N
 
 def test_two_processes_gpipe_and_1f1b_match_the_unpartitioned_model(tmp_path):
     _check(tmp_path, 2, 4, [("gpipe", 2, False), ("gpipe", 2, True), ("1f1b", 4, True)])
+
+
+def test_two_processes_interleaved_1f1b_two_stages_each_match_the_unpartitioned_model(tmp_path):
+    ranks = _check(tmp_path, 2, 4, [("interleaved1f1b", 2, True), ("interleaved1f1b", 4, True),
+                                    ("interleaved1f1b", 2, False)])
+    for r in ranks:  # each rank trained the parameters of its two non-adjacent stages
+        assert "multiple of the devices (1 micro-batches on 2 devices)" in r["refused"]
+    plan = ranks[0]["interleaved1f1b-4-train"]["plan"]
+    assert plan["bubble_fraction"] == pytest.approx(1 / (2 * 4 + 1))
+    assert [d["stages"] for d in plan["devices"]] == [[0, 2], [1, 3]]
 
 
 def test_two_processes_with_fused_stage_graphs(tmp_path):

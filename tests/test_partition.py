@@ -5,6 +5,8 @@ matches eager, forward and backward."""
 from __future__ import annotations
 
 import copy
+import itertools
+import dataclasses
 
 import numpy as np
 import pytest
@@ -210,8 +212,12 @@ def test_the_loss_on_the_last_stage_is_costed_and_shifts_the_cut():
     assert costed.stages[1].start > plain.stages[1].start  # the last stage gives nodes away
     last = costed.stages[1]
     an = partition._Analysis(gm, {})
-    pre = partition._compute_prefix(an, devs[1].profile, {})
-    assert last.compute_s == pytest.approx((pre[an.N] - pre[last.start]) * partition.TRAINING_FACTOR + loss_s["h200"])
+    fwd = partition._compute_prefix(an, devs[1].profile, {})
+    pre, fallback = partition._training_prefix(an, gm, devs[1].profile, {}, fwd)
+    assert fallback == 0
+    # + the schedule scaling the gradients once (M = 1: no accumulation): read and write each
+    accumulate = last.param_bytes * 2.0 / devs[1].profile.bandwidth
+    assert last.compute_s == pytest.approx(pre[an.N] - pre[last.start] + loss_s["h200"] + accumulate)
     with pytest.raises(GraphoptError, match="could not trace loss_fn"):
         partition.loss_seconds(lambda out, t: out.numpy(), torch.empty(2, 2), torch.empty(2), devs)
 
@@ -248,5 +254,165 @@ def test_last_stage_holds_every_microbatch_output_and_their_concatenation():
     one = partition.plan_stages(gm, _h200(), microbatches=1)
     four = partition.plan_stages(gm, _h200(), microbatches=4)
     assert [s.start for s in one.stages] == [s.start for s in four.stages]
-    assert four.stages[0].memory_bytes == pytest.approx(one.stages[0].memory_bytes)
-    assert four.stages[1].memory_bytes - one.stages[1].memory_bytes == pytest.approx(7 * an.out_bytes)
+    cut = four.boundaries[0]["bytes"]
+    # torch.distributed.pipelining: a receive buffer per micro-batch, and every micro-batch's
+    # outputs in the forward cache until the next step (3 more of each at M = 4 than at M = 1)
+    assert four.stages[0].memory_bytes - one.stages[0].memory_bytes == pytest.approx(3 * cut)
+    assert four.stages[1].memory_bytes - one.stages[1].memory_bytes == pytest.approx(7 * an.out_bytes + 3 * cut)
+
+
+def test_each_gpu_reserves_the_cublas_workspace_once_twice_when_training():
+    gm = _gm(WideMiddle(), torch.randn(64, 16))
+    ws = _h200()[0].profile.runtime_workspace_bytes
+    assert ws == 32 * 2**20  # torch's default on sm90
+    bare = [dataclasses.replace(d, profile=dataclasses.replace(d.profile, runtime_workspace_bytes=0.0)) for d in _h200()]
+    without = partition.plan_stages(gm, bare)
+    gpu = partition.plan_stages(gm, _h200())
+    for c, g in zip(without.stages, gpu.stages):
+        assert c.start == g.start and g.memory_bytes - c.memory_bytes == pytest.approx(ws)
+    assert [d["runtime_reserve_bytes"] for d in gpu.device_summary] == [ws, ws]
+    gm_t = capture(WideMiddle().train(), (torch.randn(64, 16),))
+    tr = partition.plan_stages(gm_t, _h200(), training=True)
+    assert [d["runtime_reserve_bytes"] for d in tr.device_summary] == [2 * ws, 2 * ws]
+
+
+def _layers(n=8, width=256):
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(width, width), nn.Tanh())]).train()
+
+
+def test_interleaved_plan_puts_stage_k_on_device_k_mod_s_and_balances_each_device():
+    gm = capture(_layers(), (torch.randn(512, 256),))
+    devs = _h200()
+    plan = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
+    assert plan.virtual_stages == 2 and plan.num_stages == 4 and plan.num_devices == 2
+    assert [s.device for s in plan.stages] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert [d["stages"] for d in plan.device_summary] == [[0, 2], [1, 3]] == [plan.stages_on(0), plan.stages_on(1)]
+    assert [plan.stages[k].end for k in range(3)] == [plan.stages[k + 1].start for k in range(3)]
+    # every boundary crosses devices, the wrap-around from the last GPU back to the first included
+    assert [(b["from"], b["to"]) for b in plan.boundaries] == [("cuda:0", "cuda:1"), ("cuda:1", "cuda:0"),
+                                                               ("cuda:0", "cuda:1")]
+    assert all(s.transfer_s > 0 for s in plan.stages)
+    # a device's time is the sum of its stages'; 8 equal layers: each device within one layer of half
+    dev_ms = [d["predicted_ms"] for d in plan.device_summary]
+    assert dev_ms == [pytest.approx(sum(plan.stages[k].time_s for k in ks) * 1e3) for ks in ([0, 2], [1, 3])]
+    layer_ms = 3 * partition.CostModel(devs[0].profile).node_cost(
+        next(n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))).time_s * 1e3
+    assert abs(dev_ms[0] - dev_ms[1]) <= 2 * layer_ms
+    # the step: M · slowest device + (S − 1) · slowest stage; bubble (S − 1)/(v·M + S − 1)
+    slowest = max(s.time_s for s in plan.stages)
+    assert plan.predicted_step_s == pytest.approx(4 * max(dev_ms) / 1e3 + slowest)
+    assert plan.bubble_fraction == pytest.approx(1 / 9) == partition.bubble_fraction(2, 4, 2)
+    one = partition.plan_stages(gm, devs, schedule="1f1b", microbatches=4, training=True)
+    assert one.bubble_fraction == pytest.approx(1 / 5) and plan.predicted_step_s < one.predicted_step_s
+    # exhaustive check: no other split of the candidate cuts predicts a shorter step within the caps
+    an = partition._Analysis(gm, {})
+    cand = [c for c in range(1, an.N) if an.valid[c] and an.float_only[c]]
+    pre = partition._compute_prefix(an, devs[0].profile, {})
+    best = min(4 * max(pre[a] + pre[c] - pre[b], pre[b] - pre[a] + pre[an.N] - pre[c]) * 3
+               + max(pre[a], pre[b] - pre[a], pre[c] - pre[b], pre[an.N] - pre[c]) * 3
+               for a, b, c in itertools.combinations(cand, 3))
+    assert plan.predicted_step_s <= best * 1.05  # transfers and gradient accumulation are extra
+
+
+def test_interleaved_memory_is_summed_per_device_and_in_flight_follows_torch():
+    gm = capture(_layers(), (torch.randn(512, 256),))
+    plan = partition.plan_stages(gm, _h200(), schedule="interleaved1f1b", microbatches=4, training=True)
+    # ScheduleInterleaved1F1B, 2 ranks, M = 4: rank 0 runs 4 warm-up forwards (2 per stage) + 1,
+    # rank 1 runs 2 + 1 (stage 1 twice, stage 3 once)
+    assert [s.in_flight for s in plan.stages] == [3, 2, 2, 1]
+    for d in plan.device_summary:
+        mine = [plan.stages[k] for k in d["stages"]]
+        assert d["predicted_memory_bytes"] == pytest.approx(sum(s.memory_bytes for s in mine) + d["runtime_reserve_bytes"])
+    # a cap per device a little over the plan's need fits; under the larger device's need, the
+    # search moves work off it or, with nothing left to move, refuses naming each device's need
+    need = max(d["predicted_memory_bytes"] for d in plan.device_summary)
+    ok = partition.plan_stages(gm, _h200(cap=need * 1.001), schedule="interleaved1f1b", microbatches=4, training=True)
+    assert all(d["predicted_memory_bytes"] <= need * 1.001 for d in ok.device_summary)
+    with pytest.raises(BudgetError, match=r"4 stages \(2 per device\).*cuda:0 needs .*cuda:1 needs"):
+        partition.plan_stages(gm, _h200(cap=need * 0.3), schedule="interleaved1f1b", microbatches=4, training=True)
+
+
+def test_interleaved_refuses_what_it_cannot_run_in_one_line():
+    gm = capture(_layers(2), (torch.randn(8, 256),))
+    with pytest.raises(GraphoptError, match=r"multiple of the devices \(3 micro-batches on 2 devices\)"):
+        partition.plan_stages(gm, _h200(), schedule="interleaved1f1b", microbatches=3, training=True)
+    with pytest.raises(GraphoptError, match="needs schedule='interleaved1f1b'"):
+        partition.plan_stages(gm, _h200(), schedule="1f1b", microbatches=2, virtual_stages=2)
+    with pytest.raises(GraphoptError, match="positive integer"):
+        partition.plan_stages(gm, _h200(), schedule="interleaved1f1b", microbatches=2, virtual_stages=0)
+    with pytest.raises(GraphoptError, match="cannot be split into 12 stages"):
+        partition.plan_stages(gm, _h200(), schedule="interleaved1f1b", microbatches=2, virtual_stages=6)
+    three = partition.plan_stages(capture(_layers(6), (torch.randn(8, 256),)), _h200(3), schedule="interleaved1f1b",
+                                  microbatches=3, virtual_stages=2, training=True)
+    assert [s.device for s in three.stages] == ["cuda:0", "cuda:1", "cuda:2"] * 2
+    assert three.bubble_fraction == pytest.approx(2 / 8)
+
+
+def test_training_prices_each_nodes_traced_backward():
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(65536, 256)
+            self.lin = nn.Linear(256, 4096)
+
+        def forward(self, ids):
+            return torch.tanh(self.lin(self.emb(ids)))
+
+    ids = torch.randint(0, 65536, (64, 128))
+    gm = capture(Emb().train(), (ids,))
+    an = partition._Analysis(gm, {})
+    prof = _h200()[0].profile
+    rg = partition._requires_grad(an, gm)
+    by = {str(n.target).split(".")[1]: n for n in an.order if n.op == "call_function"}
+    cost = partition.CostModel(prof)
+    lin, emb, tanh = by["linear"], by["embedding"], by["tanh"]
+    assert rg[lin] and rg[emb] and rg[tanh]
+    # a GEMM's backward is two GEMMs of its FLOPs (the input's and the weight's gradients) + the bias's sum
+    f = cost.node_cost(lin).time_s
+    assert 1.9 * f <= partition._backward_seconds(lin, rg, prof, {}) <= 2.4 * f
+    # the embedding's backward writes the whole table's gradient, its forward reads only the rows it gathers
+    table = 65536 * 256 * 4
+    assert partition._backward_seconds(emb, rg, prof, {}) >= table / prof.bandwidth > 3 * cost.node_cost(emb).memory_s
+    fwd = partition._compute_prefix(an, prof, {})
+    pre, fallback = partition._training_prefix(an, gm, prof, {}, fwd)
+    assert fallback == 0 and pre[-1] > 3 * fwd[-1]  # more than the old 3 × forward here
+    # nothing needs a gradient without trainable parameters: the backward is free
+    frozen = Emb()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    gm_f = capture(frozen.train(), (ids,))
+    an_f = partition._Analysis(gm_f, {})
+    pre_f, _ = partition._training_prefix(an_f, gm_f, prof, {}, partition._compute_prefix(an_f, prof, {}))
+    assert pre_f[-1] == pytest.approx(partition._compute_prefix(an_f, prof, {})[-1])
+    # a node whose shapes are symbolic is not traced (the planner prices it by the factor)
+    dyn = capture(Emb().train(), (ids,), dynamic={"ids": {0: "batch"}})
+    node = next(n for n in dyn.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+    hints = partition.ir.shape_hints(dyn)
+    rg_d = partition._requires_grad(partition._Analysis(dyn, hints), dyn)
+    assert rg_d[node] and partition._backward_seconds(node, rg_d, prof, hints) is None
+
+
+def test_interleaved_search_on_a_subset_then_refined_matches_the_exhaustive_one(monkeypatch):
+    gm = capture(_layers(12, 128), (torch.randn(256, 128),))
+    devs = _h200()
+    full = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
+    monkeypatch.setattr(partition, "INTERLEAVED_WORK", 2e3)  # forces an even subset + the cut-by-cut refinement
+    coarse = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
+    assert coarse.predicted_step_s <= full.predicted_step_s * 1.02
+    assert [s.device for s in coarse.stages] == [s.device for s in full.stages]
+
+
+def test_the_loss_working_memory_is_on_the_last_stage():
+    """An fp32 cross-entropy over bf16 logits holds the upcast logits, their log-softmax and their
+    gradient at once (on 2 H200s the last GLM stage peaked 3 GB over a plan without them)."""
+    loss_fn = lambda out, t: torch.nn.functional.cross_entropy(out.float(), t)  # noqa: E731
+    logits = torch.empty(256, 4096, dtype=torch.bfloat16)
+    extra = partition.loss_memory_bytes(loss_fn, logits, torch.zeros(256, dtype=torch.long))
+    assert 2 * 256 * 4096 * 4 <= extra <= 6 * 256 * 4096 * 4
+    gm = capture(_layers(4), (torch.randn(256, 256),))
+    plain = partition.plan_stages(gm, _h200(), training=True, microbatches=2, schedule="1f1b")
+    held = partition.plan_stages(gm, _h200(), training=True, microbatches=2, schedule="1f1b", loss_bytes=extra)
+    assert [s.start for s in plain.stages] == [s.start for s in held.stages]
+    assert held.stages[1].memory_bytes - plain.stages[1].memory_bytes == pytest.approx(extra)
+    assert held.stages[0].memory_bytes == plain.stages[0].memory_bytes

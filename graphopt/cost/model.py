@@ -61,7 +61,15 @@ ADD_FIRST = {"addmm", "_addmm_activation", "baddbmm", "addbmm"}
 CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "cudnn_convolution",
             "conv_bias_relu"}
 ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu"}
+# their backward kernels (the first input is the output's gradient, then query, key, value):
+# FlashAttention's backward recomputes Q·Kᵀ and computes dV, dP, dQ and dK, five products where
+# the forward has two, so 2.5 × the forward's FLOPs (Dao, FlashAttention-2, 2023, §3.1.2)
+ATTENTION_BACKWARD_OPS = {"_scaled_dot_product_flash_attention_backward",
+                          "_scaled_dot_product_efficient_attention_backward",
+                          "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_backward",
+                          "_efficient_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward"}
 # arithmetic per output element for pointwise and reduction-like ops (rough FLOP weights)
 FLOP_WEIGHT = {
     "gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 6, "exp": 4, "log": 4, "pow": 4, "rsqrt": 2,
@@ -302,6 +310,14 @@ class CostModel:
             sk = k.shape[-2]
             causal = bool(node.kwargs.get("is_causal", False) or _positional(node, "is_causal") is True)
             flops = 4 * b_h * sq * sk * d
+            if causal:
+                flops = flops / 2
+            return flops, in_bytes + out_bytes, 1, "matmul"
+        if name in ATTENTION_BACKWARD_OPS and len(ins) >= 3:
+            q, k = ins[1], ins[2]
+            b_h = _prod(q.shape[:-2])
+            causal = bool(node.kwargs.get("is_causal", False))
+            flops = 10 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
             if causal:
                 flops = flops / 2
             return flops, in_bytes + out_bytes, 1, "matmul"
@@ -617,7 +633,7 @@ def _efficiency_kind(node: fx.Node) -> str:
     name = _op_name(node)
     if name in CONV_OPS:
         return "conv"
-    if name in ATTENTION_OPS:
+    if name in ATTENTION_OPS or name in ATTENTION_BACKWARD_OPS:
         return "attention"
     return "matmul"
 

@@ -95,6 +95,11 @@ class DeviceProfile:
     # tensors): the host time of that op's node in the queue model instead of launches *
     # launch_overhead_s (SDPA, composite and custom ops dispatch more than one tiny kernel)
     host_op_s: dict = field(default_factory=dict)
+    # bytes the runtime allocates through the caching allocator per thread that launches GEMMs:
+    # torch gives every (cuBLAS handle, stream) pair a workspace (CUBLAS_WORKSPACE_CONFIG; 32 MiB by
+    # default on sm90, which cuBLASLt shares); handles are per thread, so a training step has two
+    # (the forward's thread and autograd's device thread). Used by graphopt.partition's memory plan
+    runtime_workspace_bytes: float = 0.0
 
     def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:
         name = str(dtype).replace("torch.", "")

@@ -51,3 +51,25 @@ def test_explain_devices_plans_for_gpus_from_a_cpu_machine(tmp_path, capsys):
     assert plan["bubble_fraction"] == 1 / 5
     rc = cli.main(["explain", "mlp", "--devices", "cpu,cpu", "--memory-cap", "1kB", "--no-accuracy"])
     assert rc == 2 and "needs" in capsys.readouterr().err
+
+
+def test_interleaved_plan_in_explain_and_the_placed_module_matches_eager(capsys):
+    rc = cli.main(["explain", "glm4-tiny", "--devices", "cuda:0,cuda:1", "--target", "h200", "--microbatches", "4",
+                   "--schedule", "interleaved1f1b", "--virtual-stages", "2", "--no-accuracy"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "partition: 4 stages (2 per device), interleaved1f1b" in text
+    assert "cuda:0: stage(s) 0, 2" in text and "cuda:1: stage(s) 1, 3" in text and "(S-1)/(v·M+S-1) = 11%" in text
+    rc = cli.main(["explain", "mlp", "--devices", "cuda:0,cuda:1", "--target", "h200", "--microbatches", "3",
+                   "--schedule", "interleaved1f1b", "--no-accuracy"])
+    assert rc == 2 and "multiple of the devices" in capsys.readouterr().err
+    model, inputs = zoo.get("glm4-tiny", batch=2, seq_len=16)
+    opt = graphopt.optimize(model, inputs, devices=["cpu", "cpu"], precision="fp32", schedule="interleaved1f1b",
+                            microbatches=2)
+    plan = opt.report.partition
+    assert plan["virtual_stages"] == 2 and [s["device"] for s in plan["stages"]] == ["cpu"] * 4
+    assert opt.placed is not None
+    with torch.no_grad():
+        out, eager = opt(*inputs), model(*inputs)
+    ref = accuracy.fp64_reference(model, tuple(inputs), {})
+    assert accuracy.check(out.logits, ref.logits, eager.logits).passed

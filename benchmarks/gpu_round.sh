@@ -143,6 +143,11 @@ mid)
     --models resnet50@64 --out "$OUT" 2>&1 | grep "^| resnet" | head -4; echo "### accuracy ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models vit_b_16:64,bert-base:64:128 --out "$OUT" \
     --reps 10 2>&1 | quiet | grep "^|" | tail -4 ;;
+part7)
+  # on nvidia-h200-x2: the 2-GPU pipeline benchmark (issue 9), everything in its default set
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout $((590 - SECONDS)) python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT" \
+    --budget-s $((540 - SECONDS)) 2>&1 | quiet | grep "^|\|rror\|within cap\|skip" | head -60; echo "### partition ${SECONDS}s" ;;
 last1)
   # on nvidia-h200-x2: kernels (tests + table), GLM checkpointing, the 2-GPU pipeline
   timeout 150 python3 -m pytest -m cuda tests/cuda_ext tests/passes \

@@ -161,6 +161,7 @@ class Plan:
     notes: list = field(default_factory=list)
     recomputed: set | None = None  # the nodes that rerun (AOT accounting: only those backward needs)
     saved_roots: set | None = None  # the storages saved for backward (AOT accounting)
+    early: dict = field(default_factory=dict)  # AOT: recomputed nodes rerun early by a recompute chain
 
     @property
     def total_bytes(self) -> float:
@@ -380,6 +381,7 @@ class _Selector:
         size = len(am.body) + 2
         diff = [0.0] * size
         need: dict = {}
+        early: dict = {}  # recomputed nodes a later recomputation reruns early (positions early)
         for n in sorted(recomputed, key=self.index.get, reverse=True):
             reads = read_at.get(n, [])
             users = [need[u] for u in rc_users.get(n, ()) if u in need]
@@ -387,6 +389,8 @@ class _Selector:
             if hi is None:
                 continue
             need[n] = hi
+            if reads and hi > max(reads):  # rerun before its own readers need it: a recompute chain
+                early[n] = hi - max(reads)
             lo = min(reads + users)
             b = (am.bytes.get(n, 0.0) if am.root.get(n) is n else 0.0) + am.extra.get(n, 0.0)
             if b > 0:
@@ -421,6 +425,7 @@ class _Selector:
         keep = set(keep) | {n for n in saved_roots if n in region_of}
         plan = Plan(keep, regions, kept_bytes, max(peak - kept_bytes, 0.0), extra_s)
         plan.recomputed, plan.saved_roots = recomputed, saved_roots
+        plan.early = early
         return plan
 
     def account(self, keep: set, regions: list) -> Plan:
@@ -469,7 +474,20 @@ class _Selector:
 
     def refine(self, plan: Plan, budget: float, tries: int = 64) -> Plan:
         """The cheapest-per-byte order can overshoot: keep again the costliest recomputed
-        nodes that still fit (same region cuts)."""
+        nodes that still fit (same region cuts). First (AOT), break recompute chains: a node a
+        later recomputation reruns long before its own readers need it is kept where that costs
+        no memory and no time (the chain's transient goes), which leaves room to keep GEMMs."""
+        for _ in range(4 if self.aot else 0):
+            changed = False
+            for n in sorted(plan.early, key=lambda n: -plan.early[n] * self.cost_bytes(n))[:tries]:
+                if n in plan.keep or ir.is_random(n) or n in self.forced_recompute:
+                    continue
+                trial = self.account(plan.keep | {n}, plan.regions)
+                if trial.total_bytes <= plan.total_bytes and trial.extra_s <= plan.extra_s:
+                    trial.notes, trial.crossing_bytes = plan.notes, plan.crossing_bytes
+                    plan, changed = trial, True
+            if not changed:
+                break
         recomputed = [n for n in self.order() if n not in plan.keep and self.am.seconds[n] > 0]
         for n in sorted(recomputed, key=lambda n: -self.am.seconds[n])[:tries]:
             if ir.is_random(n):  # a region's random ops stay together

@@ -398,8 +398,8 @@ class _Selector:
                 diff[hi + 1] -= b
         grads_diff = [0.0] * size  # fresh parameter gradients a region's backward holds, by position
         for region in regions:
-            if not any(n in recomputed for n in region):
-                continue  # left as it is: eager's backward accumulates each gradient at once
+            if all(n in keep or n in saved_roots for n in region):
+                continue  # left as it is (the rewrite skips it): eager's backward accumulates each gradient at once
             made_at: dict = {}
             for n in region:
                 for a in self.params_of.get(n, ()):

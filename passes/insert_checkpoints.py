@@ -161,6 +161,7 @@ class Plan:
     notes: list = field(default_factory=list)
     recomputed: set | None = None  # the nodes that rerun (AOT accounting: only those backward needs)
     saved_roots: set | None = None  # the storages saved for backward (AOT accounting)
+    early: dict = field(default_factory=dict)  # AOT: recomputed nodes rerun early by a recompute chain
 
     @property
     def total_bytes(self) -> float:
@@ -332,18 +333,28 @@ class _Selector:
             saved_roots.add(r)
             saved_at[k] += am.bytes.get(r, 0.0)
 
-        # each saved value is needed in the region of the node whose backward reads it
+        # each saved value is needed in the region of the node whose backward reads it; items are
+        # (value, region, position of the backward node reading it, or None: a recomputation reads it)
         stack = []
         for n in am.body:
             k = region_of.get(n, 0)
-            stack.extend((r, k) for r in am.saved[n] if r in self.index)
+            j = self.index[n]
+            stack.extend((r, k, j) for r in am.saved[n] if r in self.index)
             if am.extra.get(n, 0.0) > 0:
-                stack.append((n, k))
+                stack.append((n, k, j))
         seen = set()
+        read_at: dict = {}  # recomputed node -> positions of the backward nodes that read it
+        rc_users: dict = {}  # recomputed node -> the recomputed nodes whose recomputation reads it
         while stack:
-            n, k = stack.pop()
-            if n not in region_of or (n, k) in seen:
+            n, k, j = stack.pop()
+            if n not in region_of:
                 continue  # an input, parameter or buffer: held anyway
+            if isinstance(j, fx.Node):  # read by the recomputation of j
+                rc_users.setdefault(n, set()).add(j)
+            elif j is not None:
+                read_at.setdefault(n, []).append(j)
+            if (n, k) in seen:
+                continue
             seen.add((n, k))
             r = am.root.get(n, n)
             if region_of[n] != k:  # produced by an earlier region: saved as this region's input
@@ -358,39 +369,63 @@ class _Selector:
             if n not in recomputed:
                 recomputed.add(n)
                 extra_s += am.seconds.get(n, 0.0)
-            stack.extend((a, k) for a in n.all_input_nodes)
-        # the backward at forward position p still holds what was saved before p (its later
-        # users' backward has freed the rest) and the recomputed values live across p (the
-        # backward reruns each just before its first use); a region's backward also holds its
-        # parameters' fresh gradients until it returns (beyond the largest one, which the
-        # baseline's working set has)
+            stack.extend((a, k, n) for a in n.all_input_nodes)
+        # The backward runs the forward positions in reverse. At position p it holds: what was
+        # saved before p (its later readers' backward has freed the rest); the recomputed values
+        # live across p; the backward working set of node p (its output's and inputs' gradients,
+        # its parameters' fresh gradients); and, inside an AOT region, the fresh gradients of the
+        # region's parameters produced so far (its backward returns them together, when it ends).
+        # A recomputed value runs when the first backward node needing it runs — directly, or
+        # through the recomputation of a later value that reads it (a recomputed residual stream
+        # reruns everything it is made of at once) — and is freed after its last reader.
         size = len(am.body) + 2
         diff = [0.0] * size
+        need: dict = {}
+        early: dict = {}  # recomputed nodes a later recomputation reruns early (positions early)
+        for n in sorted(recomputed, key=self.index.get, reverse=True):
+            reads = read_at.get(n, [])
+            users = [need[u] for u in rc_users.get(n, ()) if u in need]
+            hi = max(reads + users, default=None)
+            if hi is None:
+                continue
+            need[n] = hi
+            if reads and hi > max(reads):  # rerun before its own readers need it: a recompute chain
+                early[n] = hi - max(reads)
+            lo = min(reads + users)
+            b = (am.bytes.get(n, 0.0) if am.root.get(n) is n else 0.0) + am.extra.get(n, 0.0)
+            if b > 0:
+                diff[lo] += b
+                diff[hi + 1] -= b
+        grads_diff = [0.0] * size  # fresh parameter gradients a region's backward holds, by position
+        for region in regions:
+            if all(n in keep or n in saved_roots for n in region):
+                continue  # left as it is (the rewrite skips it): eager's backward accumulates each gradient at once
+            made_at: dict = {}
+            for n in region:
+                for a in self.params_of.get(n, ()):
+                    made_at[a] = self.index[n]  # made by its latest reader's backward (counted there as work)
+            lo = self.index[region[0]]
+            for a, pos in made_at.items():  # then held below it until the region's backward returns
+                grads_diff[lo] += self.param_bytes.get(a, 0.0)
+                grads_diff[pos] -= self.param_bytes.get(a, 0.0)
         for r in saved_roots:
             if r in self.index:
                 diff[self.index[r] + 1] += am.bytes.get(r, 0.0)
         for n in am.body:
             if n in keep and n not in recomputed and am.extra.get(n, 0.0) > 0 and n in region_of:
                 diff[self.index[n] + 1] += am.extra[n]
-        for n in recomputed:
-            b = (am.bytes.get(n, 0.0) if am.root.get(n) is n else 0.0) + am.extra.get(n, 0.0)
-            if b > 0:
-                diff[self.index[n] + 1] += b
-                diff[min(max(self.last.get(n, self.index[n]), self.index[n]) + 2, size - 1)] -= b
-        # plus, at each node, its backward's own working set (its gradients, its parameters'):
-        # the step's fixed working set (the largest of these) is budgeted apart, so only the
-        # excess of a point of the backward over "all saved + the largest working set" counts
-        live, peak = 0.0, 0.0
+        live, grads, peak = 0.0, 0.0, 0.0
         for p, d in enumerate(diff):
             live += d
-            peak = max(peak, live + (self.work_pos[p] if p < len(self.work_pos) else 0.0))
+            grads += grads_diff[p]
+            peak = max(peak, live + (self.work_pos[p] if p < len(self.work_pos) else 0.0) + grads)
         kept_bytes = self.scratch_bytes + sum(saved_at)
-        grads = max((sum(self.param_bytes.get(a, 0.0) for a in {a for n in region for a in self.params_of.get(n, ())})
-                     for region in regions if any(n in recomputed for n in region)), default=0.0)
-        peak = self.scratch_bytes + max(peak - self.working, 0.0) + max(grads - self.am.largest_param_grad, 0.0)
+        # the step's fixed part (outputs, the largest working set) is budgeted apart
+        peak = self.scratch_bytes + max(peak - self.working, 0.0)
         keep = set(keep) | {n for n in saved_roots if n in region_of}
         plan = Plan(keep, regions, kept_bytes, max(peak - kept_bytes, 0.0), extra_s)
         plan.recomputed, plan.saved_roots = recomputed, saved_roots
+        plan.early = early
         return plan
 
     def account(self, keep: set, regions: list) -> Plan:
@@ -439,7 +474,20 @@ class _Selector:
 
     def refine(self, plan: Plan, budget: float, tries: int = 64) -> Plan:
         """The cheapest-per-byte order can overshoot: keep again the costliest recomputed
-        nodes that still fit (same region cuts)."""
+        nodes that still fit (same region cuts). First (AOT), break recompute chains: a node a
+        later recomputation reruns long before its own readers need it is kept where that costs
+        no memory and no time (the chain's transient goes), which leaves room to keep GEMMs."""
+        for _ in range(4 if self.aot else 0):
+            changed = False
+            for n in sorted(plan.early, key=lambda n: -plan.early[n] * self.cost_bytes(n))[:tries]:
+                if n in plan.keep or ir.is_random(n) or n in self.forced_recompute:
+                    continue
+                trial = self.account(plan.keep | {n}, plan.regions)
+                if trial.total_bytes <= plan.total_bytes and trial.extra_s <= plan.extra_s:
+                    trial.notes, trial.crossing_bytes = plan.notes, plan.crossing_bytes
+                    plan, changed = trial, True
+            if not changed:
+                break
         recomputed = [n for n in self.order() if n not in plan.keep and self.am.seconds[n] > 0]
         for n in sorted(recomputed, key=lambda n: -self.am.seconds[n])[:tries]:
             if ir.is_random(n):  # a region's random ops stay together

@@ -27,10 +27,10 @@ ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 TOL = 1e-3  # the accuracy rule's fp32 training tolerance
 
 
-def budget_model(name, resnet_res=32):
+def budget_model(name, resnet_res=32, resnet_batch=16):
     """The models the memory tests run: a small ResNet-18, a dropout MLP stack, or a zoo model."""
     if name == "resnet18":
-        return small_resnet(res=resnet_res)
+        return small_resnet(batch=resnet_batch, res=resnet_res)
     if name == "stack":
         torch.manual_seed(0)
         return Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)

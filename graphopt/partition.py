@@ -694,6 +694,13 @@ def check_interleaving(schedule: str, devices: int, microbatches: int, virtual_s
     return v
 
 
+def usable_bytes(device: Device) -> float:
+    """The memory a plan may fill on ``device``: its cap less the profile's allocator headroom (a
+    fraction of it kept free for the caching allocator's block rounding and transients no plan
+    sees)."""
+    return device.memory_bytes * (1.0 - float(getattr(device.profile, "allocator_headroom", 0.0) or 0.0))
+
+
 def runtime_reserve(device: Device, training: bool) -> float:
     """Bytes the runtime takes on ``device`` beside the graph's tensors: the profile's per-thread
     GEMM workspace, twice when training (autograd runs the backward on a thread of its own)."""
@@ -721,7 +728,7 @@ def _dp_one_per_device(an, cand, S, stage_terms, devices, reserve, overflow=Fals
             if not ok.any():
                 continue
             time, memory, *_ = stage_terms(k - 1, cand[ci], cand[cj])
-            need = memory + reserve[k - 1] - devices[k - 1].memory_bytes
+            need = memory + reserve[k - 1] - usable_bytes(devices[k - 1])
             val, feas = (need, np.ones(len(ci), dtype=bool)) if overflow else (time, need <= 0)
             tot = np.maximum(prev, val)
             tot[~(ok & feas)] = INF
@@ -751,7 +758,7 @@ def _search_interleaved(an, cand, S, v, M, stage_terms, devices, reserve, overfl
     allows, exhaustive over an even subset, then exhaustive again over the candidates around the
     chosen cuts, then one cut at a time."""
     K = S * v
-    caps = np.array([d.memory_bytes for d in devices]) - np.array(reserve)
+    caps = np.array([usable_bytes(d) for d in devices]) - np.array(reserve)
 
     def score(time_d, tmax, mem_d, cross):
         over = np.max(np.stack(np.broadcast_arrays(*[mem_d[d] - caps[d] for d in range(S)])), axis=0)
@@ -891,7 +898,7 @@ def _no_fit(an, cand, S, v, stage_terms, devices, reserve, training, total_param
         need[k % S] += float(memory[0])
     parts = []
     for d in range(S):
-        have = devices[d].memory_bytes
+        have = usable_bytes(devices[d])
         parts.append(f"{devices[d].name} needs {fmt_bytes(need[d])}, has {fmt_bytes(have)}"
                      + (f" (short {fmt_bytes(need[d] - have)})" if need[d] > have else ""))
     total = total_param_bytes * (2.0 if training else 1.0)

@@ -416,3 +416,31 @@ def test_the_loss_working_memory_is_on_the_last_stage():
     assert [s.start for s in plain.stages] == [s.start for s in held.stages]
     assert held.stages[1].memory_bytes - plain.stages[1].memory_bytes == pytest.approx(extra)
     assert held.stages[0].memory_bytes == plain.stages[0].memory_bytes
+
+
+def test_plans_leave_the_allocator_headroom_free_under_a_cap():
+    """The H200 profile keeps 1% of a device's memory (or cap) unplanned for the caching
+    allocator: the smallest cap a plan fits is ~1% higher than without the headroom, and the
+    plan at it stays 1% under the cap."""
+    gm = _gm(WideMiddle(), torch.randn(64, 16))
+    assert _h200()[0].profile.allocator_headroom == 0.01
+
+    def smallest_cap(headroom):
+        def devices(cap):
+            return [dataclasses.replace(d, profile=dataclasses.replace(d.profile, allocator_headroom=headroom))
+                    for d in _h200(cap=cap)]
+
+        lo, hi = 1.0, 1e9
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            try:
+                partition.plan_stages(gm, devices(mid))
+                hi = mid
+            except BudgetError:
+                lo = mid
+        return hi, partition.plan_stages(gm, devices(hi))
+
+    bare, _ = smallest_cap(0.0)
+    kept, plan = smallest_cap(0.01)
+    assert kept == pytest.approx(bare / 0.99, rel=2e-3)
+    assert all(d["predicted_memory_bytes"] <= 0.99 * kept * (1 + 1e-9) for d in plan.device_summary)

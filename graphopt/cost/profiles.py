@@ -100,6 +100,9 @@ class DeviceProfile:
     # default on sm90, which cuBLASLt shares); handles are per thread, so a training step has two
     # (the forward's thread and autograd's device thread). Used by graphopt.partition's memory plan
     runtime_workspace_bytes: float = 0.0
+    # fraction of a device's memory (or memory_cap) the partitioner leaves unplanned: the caching
+    # allocator's block rounding and transients no plan sees (0: plan up to the cap)
+    allocator_headroom: float = 0.0
 
     def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:
         name = str(dtype).replace("torch.", "")

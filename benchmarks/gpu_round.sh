@@ -143,6 +143,21 @@ mid)
     --models resnet50@64 --out "$OUT" 2>&1 | grep "^| resnet" | head -4; echo "### accuracy ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models vit_b_16:64,bert-base:64:128 --out "$OUT" \
     --reps 10 2>&1 | quiet | grep "^|" | tail -4 ;;
+final8)
+  # on nvidia-h200-x2: this round's cuda tests, the memory-cap rerun (2 GPUs), GLM checkpointing, ResNet/BERT models, bs1 busy
+  timeout 120 python3 -m pytest -m cuda tests/cuda_ext/test_kernels.py tests/passes/test_lower_max_pool.py tests/test_measure.py \
+    tests/test_lower.py tests/test_api.py tests/test_planted_fault.py tests/test_memtrace.py tests/passes/test_insert_checkpoints_memory.py \
+    -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_final8.log"
+  tail -30 "$OUT/pytest_cuda_final8.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  ( export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT/cap" \
+      --pipelines "" --no-single --budget-s 100 2>&1 | quiet | grep "^| smallest\|^| half\|rror" ); echo "### cap ${SECONDS}s"
+  timeout 230 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 --backend aot --no-reference \
+    --passes fold_constants,fuse_attention,insert_checkpoints 2>&1 | quiet | grep "^|\|rror" | tail -6; echo "### ckpt ${SECONDS}s"
+  left=$((500 - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/run_models.py --configs resnet50:64,resnet50:1,bert-base:1 \
+    --budget-s $((left - 20)) --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^|" | tail -14; echo "### models ${SECONDS}s"
+  left=$((585 - SECONDS)); [ $left -gt 40 ] && timeout $left python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror"
+  echo "### busy ${SECONDS}s" ;;
 part7)
   # on nvidia-h200-x2: the 2-GPU pipeline benchmark (issue 9), everything in its default set
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

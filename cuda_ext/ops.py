@@ -35,6 +35,9 @@ def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
 
 def max_pool2d_nhwc(x: torch.Tensor, kernel: int, stride: int, padding: int = 0) -> torch.Tensor:
     """max_pool2d over a channels_last tensor (square window, dilation 1), channels_last out."""
+    if x.dim() != 4 or not (kernel >= 1 and stride >= 1 and 0 <= 2 * padding <= kernel):
+        raise ValueError(f"graphopt::max_pool2d_nhwc: needs a 4-D x, kernel >= 1, stride >= 1 and "
+                         f"0 <= padding <= kernel / 2; got {tuple(x.shape)}, {kernel}, {stride}, {padding}")
     return torch.ops.graphopt.max_pool2d_nhwc(x, kernel, stride, padding)
 
 

@@ -176,6 +176,13 @@ def test_max_pool2d_nhwc(device, dtype):
     x = base.view(2, 6, 6, 16).permute(0, 3, 1, 2)
     for inp in (x, x.contiguous()):
         assert torch.equal(torch.ops.graphopt.max_pool2d_nhwc(inp, 3, 2, 1), torch.nn.functional.max_pool2d(inp, 3, 2, 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_max_pool2d_nhwc_bad_window(device):
+    x = rnd(2, 16, 6, 6, device=device).contiguous(memory_format=torch.channels_last)
+    with pytest.raises((RuntimeError, ValueError), match="padding"):
+        ce.max_pool2d_nhwc(x, 3, 2, 2)
     with pytest.raises((RuntimeError, ValueError), match="padding"):
         torch.ops.graphopt.max_pool2d_nhwc(x, 3, 2, 2)
 

@@ -143,6 +143,8 @@ mid)
     --models resnet50@64 --out "$OUT" 2>&1 | grep "^| resnet" | head -4; echo "### accuracy ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models vit_b_16:64,bert-base:64:128 --out "$OUT" \
     --reps 10 2>&1 | quiet | grep "^|" | tail -4 ;;
+acc10)
+  timeout 330 python3 benchmarks/cost_model_accuracy.py --out "$OUT" 2>&1 | grep "^| " | head -12; echo "### accuracy ${SECONDS}s" ;;
 final9)
   # C++ argument checks on CUDA raise (each in its own process), the cuda tests final8 could not reach, GLM checkpointing at 0.38
   for snippet in "torch.ops.graphopt.swiglu(torch.randn(4, 7, device='cuda'))" \

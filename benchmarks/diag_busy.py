@@ -29,6 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import diag_resnet_convs  # noqa: E402  (its CUDA-event timer)
 
 import graphopt  # noqa: E402
 from graphopt.bench import _load, parse_dtype, time_call  # noqa: E402
@@ -36,19 +39,10 @@ from graphopt.measure import _device_intervals, _union  # noqa: E402
 
 
 def _events(fn, reps=30, warmup=5, inner=1) -> float:
+    """Median seconds per call, ``inner`` back-to-back calls between two CUDA events."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / inner)
-    return statistics.median(out)
+    return diag_resnet_convs._time(fn, torch.device("cuda"), reps, inner) / 1e3
 
 
 def _host(fn, reps=50) -> float:

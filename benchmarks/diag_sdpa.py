@@ -30,6 +30,9 @@ if str(ROOT) not in sys.path:
 import graphopt  # noqa: E402
 from graphopt.bench import _load, parse_dtype  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import diag_gemm  # noqa: E402  (its queued timer)
+
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
@@ -45,19 +48,8 @@ class _Record(fx.Interpreter):
 
 
 def _time(fn, reps=20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        torch.cuda._sleep(100_000)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    """Median µs per call, each call queued behind a GPU sleep (diag_gemm's timer)."""
+    return diag_gemm.timed(fn, reps=reps) * 1e6
 
 
 def _describe(t):

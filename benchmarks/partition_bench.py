@@ -455,12 +455,7 @@ def main():
         dist.barrier()
 
     if args.no_cap:
-        result["total_s"] = time.perf_counter() - t0
-        save(result, out, rank)
-        if rank == 0:
-            print(markdown(result), flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
+        finish(result, out, rank, t0)
         return
     # ---- the memory cap (bs8 inference, 8 micro-batches); the model is freed before each run
     set_attention(model, "sdpa")
@@ -535,6 +530,11 @@ def main():
         guarded(result, f"memory cap: {what}", rank, out, lambda: cap_run(what, cap))
         free(device)
         dist.barrier()
+    finish(result, out, rank, t0)
+
+
+def finish(result, out, rank, t0) -> None:
+    """The total time, the results written and printed (rank 0), the process group closed."""
     result["total_s"] = time.perf_counter() - t0
     save(result, out, rank)
     if rank == 0:

@@ -565,7 +565,10 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
         # fails does the pipeline run again from the captured graph with a check after each pass,
         # which finds and reverts the pass(es) at fault (passes that search with the guard
         # themselves, like assign_precision, call it in both runs).
-        snapshot = copy.deepcopy(gm.graph) if check is not None else None
+        snapshot = None
+        if check is not None:
+            with timing.phase("graph snapshots"):
+                snapshot = copy.deepcopy(gm.graph)
         manager = PassManager(pipeline, check, check_each=False)
         results = manager.run(gm, ctx, before=before)
         acc_mode = "once, after all passes"

@@ -1,0 +1,26 @@
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GRAPHOPT_CACHE_DIR=/tmp/graphopt-cache
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || export PYTHONPATH=$PWD
+timeout 150 python3 -m graphopt.cuda_ext.build --arch sm_90 2>&1 | tail -1
+cat > /tmp/bad.py <<'PY'
+import sys, torch, graphopt.cuda_ext as ce
+which = sys.argv[1]
+try:
+    if which == "swiglu":
+        torch.ops.graphopt.swiglu(torch.randn(4, 7, device="cuda"))
+    elif which == "pool":
+        torch.ops.graphopt.max_pool2d_nhwc(torch.randn(2, 16, 6, 6, device="cuda"), 3, 2, 2)
+    elif which == "swiglu_cpu":
+        torch.ops.graphopt.swiglu(torch.randn(4, 7))
+    print("no error")
+except Exception as e:
+    print("raised", type(e).__name__, str(e).splitlines()[0][:100])
+PY
+for w in swiglu pool; do
+  timeout 60 python3 /tmp/bad.py $w > /tmp/o.txt 2>&1; echo "$w rc=$? $(tail -1 /tmp/o.txt)"
+  TORCH_SHOW_CPP_STACKTRACES=1 timeout 60 python3 /tmp/bad.py $w > /tmp/o.txt 2>&1; echo "$w stacktraces=1 rc=$? $(tail -1 /tmp/o.txt)"
+done
+which gdb && timeout 120 gdb -batch -ex run -ex bt --args python3 /tmp/bad.py swiglu 2>&1 | grep -E "^#|signal" | head -40
+so=$(ls /tmp/graphopt-cache/ext/*/graphopt_kernels.so | head -1); echo "$so"
+readelf -S "$so" | grep -E "eh_frame|gcc_except" ; nm -D "$so" | grep -c " U " ; ldd "$so" | grep -E "stdc|torch|c10" | head

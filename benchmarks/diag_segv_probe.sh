@@ -24,3 +24,8 @@ done
 which gdb && timeout 120 gdb -batch -ex run -ex bt --args python3 /tmp/bad.py swiglu 2>&1 | grep -E "^#|signal" | head -40
 so=$(ls /tmp/graphopt-cache/ext/*/graphopt_kernels.so | head -1); echo "$so"
 readelf -S "$so" | grep -E "eh_frame|gcc_except" ; nm -D "$so" | grep -c " U " ; ldd "$so" | grep -E "stdc|torch|c10" | head
+echo "--- NEEDED"; readelf -d "$so" | grep NEEDED
+echo "--- exception runtime symbols (D: defined here, U: from a shared library)"
+nm -D "$so" | grep -E "__cxa_throw|__cxa_begin_catch|__cxa_allocate_exception|_Unwind_Resume|__gxx_personality" | head
+echo "--- link line"; grep -h -E "\-shared" /tmp/graphopt-cache/ext/*/build.ninja 2>/dev/null | head -3
+g++ --version | head -1; c++ -v 2>&1 | grep -i "configured\|static" | head -2

@@ -21,6 +21,7 @@ for w in swiglu pool; do
   timeout 60 python3 /tmp/bad.py $w > /tmp/o.txt 2>&1; echo "$w rc=$? $(tail -1 /tmp/o.txt)"
   TORCH_SHOW_CPP_STACKTRACES=1 timeout 60 python3 /tmp/bad.py $w > /tmp/o.txt 2>&1; echo "$w stacktraces=1 rc=$? $(tail -1 /tmp/o.txt)"
 done
+timeout 100 python3 -m pytest -m cuda tests/cuda_ext/test_kernels.py -q -p no:cacheprovider -W ignore 2>&1 | grep -E "passed|failed|Fatal" | tail -2
 which gdb && timeout 120 gdb -batch -ex run -ex bt --args python3 /tmp/bad.py swiglu 2>&1 | grep -E "^#|signal" | head -40
 so=$(ls /tmp/graphopt-cache/ext/*/graphopt_kernels.so | head -1); echo "$so"
 readelf -S "$so" | grep -E "eh_frame|gcc_except" ; nm -D "$so" | grep -c " U " ; ldd "$so" | grep -E "stdc|torch|c10" | head

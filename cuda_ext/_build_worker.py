@@ -21,6 +21,10 @@ def main() -> int:
         sources=sources,
         extra_cflags=["-O2"],
         extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo"],
+        # the C++ runtime from the shared libstdc++ that libtorch uses: on the H200 image the link
+        # otherwise embedded a static copy (__cxa_throw defined in the .so, no libstdc++ NEEDED),
+        # and a TORCH_CHECK thrown with it crashed the process when libtorch caught it
+        extra_ldflags=["-Wl,-Bdynamic", "-lstdc++"],
         extra_include_paths=[csrc],
         build_directory=build_dir,
         is_python_module=False,

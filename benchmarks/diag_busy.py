@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import diag_resnet_convs  # noqa: E402  (its CUDA-event timer)
 
 import graphopt  # noqa: E402
+from optimize_time import parse_models  # noqa: E402  (MODEL:BATCH:SEQ items)
 from graphopt.bench import _load, parse_dtype, time_call  # noqa: E402
 from graphopt.measure import _device_intervals, _union  # noqa: E402
 
@@ -131,10 +132,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("diag_busy: needs a CUDA device")
     rows = []
-    for item in a.models.split(","):
-        parts = item.split(":") + [None, None]
-        rows.append(run(parts[0], int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None,
-                        parse_dtype(a.dtype)))
+    for spec, batch, seq in parse_models(a.models):
+        rows.append(run(spec, batch, seq, parse_dtype(a.dtype)))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import graphopt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from optimize_time import parse_models  # noqa: E402  (MODEL:BATCH:SEQ items)
 from graphopt.bench import _load, parse_dtype  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import diag_gemm  # noqa: E402  (its queued timer)
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -148,10 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     rows = []
-    for item in a.models.split(","):
-        parts = item.split(":") + [None, None]
-        rows.append(run(parts[0], int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None,
-                        parse_dtype(a.dtype)))
+    for spec, batch, seq in parse_models(a.models):
+        rows.append(run(spec, batch, seq, parse_dtype(a.dtype)))
         torch.cuda.empty_cache()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
     out = Path(a.out)

@@ -130,9 +130,6 @@ class OptimizedModule(nn.Module):
             self._runner.reset()  # captured graphs point at the old parameter memory
         return out
 
-    def _guard(self, args, kwargs) -> None:
-        self._guard_flat(flat_tensors(args, kwargs))
-
     def _guard_flat(self, flat: list) -> None:
         if len(flat) != len(self._signature):
             raise GuardError(f"optimized for {len(self._signature)} inputs, called with {len(flat)}; "

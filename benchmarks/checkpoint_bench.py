@@ -49,6 +49,7 @@ import copy
 import datetime as _dt
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -204,8 +205,10 @@ def one_step_grads(fn, args, params, grads_out, seed=0):
                                                          for p in params]
 
 
-def compare(a_outs, a_grads, b_outs, b_grads, tol):
-    """Outputs allclose at tol, and the worst relative L2 error of any gradient."""
+def compare(a_outs, a_grads, b_outs, b_grads, tol, ref64=None):
+    """Outputs allclose at tol, and the worst relative L2 error of any gradient. With ``ref64``
+    (fp64 gradients and the eager step's RMSE against them), the accuracy rule of DESIGN.md on all
+    gradients together also decides: rmse(a, fp64) <= 2 * rmse(eager, fp64) + tol / 10 (fp32)."""
     out_ok = all(torch.allclose(x, y, atol=tol, rtol=tol) for x, y in zip(a_outs, b_outs))
     worst = 0.0
     for x, y in zip(a_grads, b_grads):
@@ -214,7 +217,38 @@ def compare(a_outs, a_grads, b_outs, b_grads, tol):
                 worst = float("inf")
             continue
         worst = max(worst, float((x - y).norm() / y.norm().clamp_min(1e-12)))
-    return {"outputs_allclose": out_ok, "worst_grad_rel_err": worst, "passed": out_ok and worst <= tol}
+    out = {"outputs_allclose": out_ok, "worst_grad_rel_err": worst, "passed": out_ok and worst <= tol}
+    if ref64 is not None and worst != float("inf"):
+        grads64, eager_rmse = ref64
+        rmse = _rmse64(a_grads, grads64)
+        rule = math.isfinite(rmse) and rmse <= 2 * eager_rmse + tol / 10
+        out.update({"grad_rmse_vs_fp64": rmse, "eager_grad_rmse_vs_fp64": eager_rmse, "fp64_rule_passed": rule})
+        out["passed"] = out["passed"] or rule
+    return out
+
+
+def _rmse64(grads, grads64):
+    """RMSE of all gradients together against the fp64 gradients."""
+    sq = n = 0.0
+    for x, y in zip(grads, grads64):
+        if x is None or y is None:
+            continue
+        sq += float((x.double() - y).pow(2).sum())
+        n += y.numel()
+    return (sq / max(n, 1)) ** 0.5
+
+
+def fp64_grads(model, inputs, grads_out):
+    """The step's parameter gradients from an fp64 copy of ``model`` (the accuracy rule's reference)."""
+    m64 = copy.deepcopy(model).double()
+    args = [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in inputs]
+    params64 = list(m64.parameters())
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        outs = _outs(m64(*args))
+        torch.autograd.backward(outs, [g.double() for g in grads_out])
+    grads = [p.grad.detach().clone() if p.grad is not None else None for p in params64]
+    del m64, outs, params64
+    return grads
 
 
 def free():
@@ -245,6 +279,12 @@ def run_budget_config(name, build, reference, budget, args, device):
     log(f"[{name}] eager: activations {gb(act)} GB, {ms:.2f} ms/step")
     grads_out = eager.grads_out
     ref_outs, ref_grads = one_step_grads(model, inputs, params, grads_out)
+    ref64 = None
+    if args.fp64_check and dtype == torch.float32:
+        g64 = fp64_grads(model, inputs, grads_out)
+        ref64 = (g64, _rmse64(ref_grads, g64))
+        log(f"[{name}] fp64 reference: eager gradients' RMSE {ref64[1]:.3e}")
+        free()
 
     row["reference"] = None
     if not args.no_reference:
@@ -266,7 +306,7 @@ def run_budget_config(name, build, reference, budget, args, device):
     for backend in args.backends:
         try:
             row["graphopt"].append(run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol,
-                                               budget, backend, ms, row["eager"]["activation_gb"], args))
+                                               budget, backend, ms, row["eager"]["activation_gb"], args, ref64))
         except Exception as e:  # keep the other backend's row
             import traceback
 
@@ -279,7 +319,7 @@ def run_budget_config(name, build, reference, budget, args, device):
 
 
 def run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol, budget, backend, eager_ms,
-                eager_act_gb, args):
+                eager_act_gb, args, ref64=None):
     """graphopt at ``budget`` with checkpoint_backend ``backend``: measured memory and time, and the
     loss/gradient check against the eager step."""
     import graphopt
@@ -289,7 +329,12 @@ def run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol
     opt = graphopt.optimize(model, inputs, training=True, memory_budget=budget, check_accuracy=False,
                             passes=passes, cuda_graphs=False, model_name=name, checkpoint_backend=backend)
     opt_s = time.perf_counter() - t0
-    res = opt.report.pass_result("insert_checkpoints")
+    try:
+        res = opt.report.pass_result("insert_checkpoints")
+    except KeyError:  # --passes without insert_checkpoints: the other passes' training step alone
+        from graphopt.pipeline import PassResult
+
+        res = PassResult("insert_checkpoints", status="not run")
     d = res.details
     log(f"[{name}/{backend}] optimized in {opt_s:.1f} s: {res.status}, backend {d.get('backend')}, {d.get('regions')} "
         f"regions, predicted saved {gb(d.get('baseline_saved_bytes'))} -> {gb(d.get('predicted_saved_bytes'))} GB"
@@ -299,7 +344,7 @@ def run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol
     stepper.grads_out = grads_out
     act_g, after_g, ms_g = measure(stepper, args.warmup, args.reps)
     g_outs, g_grads = one_step_grads(opt, inputs, params, grads_out)
-    check = compare(g_outs, g_grads, ref_outs, ref_grads, tol)
+    check = compare(g_outs, g_grads, ref_outs, ref_grads, tol, ref64)
     out = {
         "backend": d.get("backend", backend), "asked": backend, "backend_reason": d.get("backend_reason"),
         "activation_gb": gb(act_g), "after_forward_gb": gb(after_g), "ms": ms_g, "optimize_s": opt_s,
@@ -520,6 +565,8 @@ def markdown(result):
                     lines.append(f"| {r['config']} | graphopt ({g['backend']}) | | | | | | | FAILED: {g['error']} |")
                     continue
                 ran = g["backend"] if g["backend"] == g["asked"] else f"{g['asked']} → ran {g['backend']}: {g.get('backend_reason')}"
+                if g.get("status") == "not run":
+                    ran = f"passes {result.get('passes')}, no checkpoints"
                 aot_note = (f"AOT forward saves {_f(g['aot_saved_gb'])} GB, {g['aot_recomputed_ops']} ops rerun in backward; "
                             if g.get("aot_saved_gb") is not None else "")
                 within = ("" if g.get("within_budget") is None else
@@ -529,7 +576,11 @@ def markdown(result):
                          f"predicted saved {_f(g['predicted_saved_gb'])} + transient {_f(g['predicted_transient_gb'])} GB; "
                          f"{aot_note}predicted +{_f(g['predicted_extra_ms'], '{:.1f}')} ms; {g['regions']} regions; optimize "
                          f"{_f(g['optimize_s'], '{:.1f}')} s; check {'passed' if g['check']['passed'] else 'FAILED'} "
-                         f"(worst grad rel err {g['check']['worst_grad_rel_err']:.2e})")
+                         f"(worst grad rel err vs eager {g['check']['worst_grad_rel_err']:.2e}"
+                         + (f"; gradient RMSE vs fp64 {g['check']['grad_rmse_vs_fp64']:.3e}, eager's "
+                            f"{g['check']['eager_grad_rmse_vs_fp64']:.3e}: accuracy rule "
+                            f"{'passed' if g['check']['fp64_rule_passed'] else 'FAILED'}" if "fp64_rule_passed" in g["check"] else "")
+                         + ")")
                 err = f" ({g['activation_error']:+.1%})" if g.get("activation_error") is not None else ""
                 lines.append(f"| {r['config']} | graphopt ({ran}) | {_f(g['activation_gb'])} | {_f(g['predicted_activation_gb'])}{err} | "
                              f"{_f(g.get('memory_ratio'))} | {_f(g['after_forward_gb'], '{:.3f}')} ({_f(g['predicted_held_gb'], '{:.3f}')}) | "
@@ -576,6 +627,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="default: cuda if present (else cpu)")
     ap.add_argument("--budget", type=float, default=None,
                     help="memory budget for the budget configs (default: resnet50 0.4, glm4 0.3; --tiny 0.97 / 0.7)")
+    ap.add_argument("--fp64-check", action="store_true",
+                    help="fp32 configs: also judge the gradients by the accuracy rule against an fp64 copy's")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the reference row (checkpoint_sequential / Hugging Face per-layer checkpointing)")
     args = ap.parse_args(argv)
@@ -590,7 +643,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": name,
               "torch": torch.__version__, "tiny": args.tiny, "reps": args.reps, "budget_configs": [], "zoo": [],
-              "diagnostics": [], "backends": args.backends, "errors": []}
+              "diagnostics": [], "backends": args.backends, "errors": [],
+              "passes": "all" if args.all_passes else (args.passes or "insert_checkpoints")}
     t_all = time.perf_counter()
     for c in configs:
         try:

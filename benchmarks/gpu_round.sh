@@ -34,6 +34,22 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+s7a)
+  # the C++-check crash probe; ResNet-50 AOT gradients vs fp64 (TF32 on/off); ResNet-50 training at 0.4 with
+  # channels_last, the AOT backend let through for training BatchNorm (refusal patched out for this run)
+  bash benchmarks/diag_segv_probe.sh 2>&1 | grep -E "rc=|passed|failed" | head -8; echo "### segv ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag_aot_resnet.py --out "$OUT" 2>&1 | quiet | grep "tf32=\|insert_\|rror"; echo "### aot-bn ${SECONDS}s"
+  unrefused() { timeout $1 python3 -c "import sys, runpy
+from graphopt.passes import insert_checkpoints as ic
+ic._aot_refused = lambda gm, ctx: None
+sys.argv = ['checkpoint_bench.py'] + sys.argv[1:]
+runpy.run_path('benchmarks/checkpoint_bench.py', run_name='__main__')" "${@:2}" 2>&1 | quiet | grep "^| resnet\|rror" | tail -5; }
+  unrefused 200 --out "$OUT" --configs resnet50 --backend aot --fp64-check --passes convert_channels_last,eliminate_permutes,insert_checkpoints
+  echo "### ckpt-cl ${SECONDS}s"
+  unrefused 150 --out "$OUT" --configs resnet50 --backend aot --no-reference --passes convert_channels_last,eliminate_permutes
+  echo "### cl-only ${SECONDS}s"
+  left=$((560 - SECONDS)); [ $left -gt 60 ] && unrefused $left --out "$OUT" --configs resnet50 --backend aot --no-reference --fp64-check
+  echo "### ckpt-nchw ${SECONDS}s" ;;
 probe6)
   timeout 120 python3 benchmarks/diag_gemm.py --out "$OUT" 2>&1 | grep "^|" ; echo "### gemm ${SECONDS}s"
   timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"

@@ -34,6 +34,22 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+s7b)
+  # GLM-4 8 layers training under a budget: the AOT graphs with pointwise fusion (0.38, 0.3) against without (0.38);
+  # the checkpoint tests on the GPU; the C++-check crash under gdb
+  timeout 150 python3 -m pytest -m cuda tests/passes/test_insert_checkpoints_aot.py tests/passes/test_insert_checkpoints_glm.py \
+    tests/test_memtrace.py -q -p no:cacheprovider -W ignore --tb=short 2>&1 | grep -E "passed|failed|Error" | tail -4
+  for b in 0.38 0.3; do
+    timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 --backend aot --no-reference --budget $b \
+      --passes fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints 2>&1 | quiet | grep "^| glm\|rror" | tail -3
+    echo "### fused $b ${SECONDS}s"
+  done
+  left=$((500 - SECONDS)); [ $left -gt 100 ] && timeout $left python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 \
+    --backend aot --no-reference --budget 0.38 --passes fold_constants,fuse_attention,insert_checkpoints 2>&1 | quiet \
+    | grep "^| glm\|rror" | tail -3; echo "### unfused ${SECONDS}s"
+  left=$((580 - SECONDS)); [ $left -gt 40 ] && timeout $left gdb -batch -ex run -ex bt --args python3 -c \
+    "import torch, graphopt.cuda_ext; torch.ops.graphopt.swiglu(torch.randn(4, 7, device='cuda'))" > "$OUT/segv_gdb.txt" 2>&1
+  grep -E "^#|signal|SIG" "$OUT/segv_gdb.txt" | head -30 ;;
 s7a)
   # the C++-check crash probe; ResNet-50 AOT gradients vs fp64 (TF32 on/off); ResNet-50 training at 0.4 with
   # channels_last, the AOT backend let through for training BatchNorm (refusal patched out for this run)

@@ -365,6 +365,10 @@ class AotRecompute(nn.Module):
         self.partitions: dict = {}  # signature -> the partition's info (saved values, recomputed ops)
         self.frees_inputs = True
         self.cost: dict | None = None  # flops/bytes/launches/time of the body plus its recomputation
+        # fuse(gm) -> int: rewrites a compiled forward/backward graph in place before it runs (the
+        # pointwise fusion of insert_checkpoints' AOT backend), returns the groups fused
+        self.fuse = None
+        self.fuse_errors: list = []
 
     def compile(self, args) -> dict:
         """Compile for these (real or fake) arguments; returns the partition's info."""
@@ -377,14 +381,26 @@ class AotRecompute(nn.Module):
 
         holder = {}
 
+        def fused(gm, which):
+            """``self.fuse`` over a compiled graph (pointwise fusion: the graphs run without
+            autograd, so graphopt's kernels may appear in them); a failure leaves it as it was."""
+            if self.fuse is None:
+                return gm
+            try:
+                holder[which + "_fused"] = self.fuse(gm)
+            except Exception as e:  # noqa: BLE001 - the unfused graph is correct as it is
+                holder[which + "_fuse_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self.fuse_errors.append(holder[which + "_fuse_error"])
+            return gm
+
         def fw_compiler(gm, example_inputs):
-            holder["fw"] = gm
+            holder["fw"] = gm = fused(gm, "fw")
             run = _boxed(gm)
             self.frees_inputs = self.frees_inputs and run.frees_inputs
             return run
 
         def bw_compiler(gm, example_inputs):
-            holder["bw"] = gm
+            holder["bw"] = gm = fused(gm, "bw")
             run = _boxed(gm)
             self.frees_inputs = self.frees_inputs and run.frees_inputs
             return run

@@ -744,6 +744,29 @@ def _by_layer(am: ActivationModel, keep: set) -> list:
     return list(rows.values())
 
 
+def _training_fuser(ctx: PassContext):
+    """fuse_elementwise for the AOT backend's forward and backward graphs, or None.
+
+    The pass is inference-only because graphopt's kernels have no autograd formulas; the AOT
+    graphs run without autograd (AOTAutograd already split forward from backward), so their
+    pointwise chains (a norm's casts and statistics, SiLU and its derivative, rotary, the
+    recomputed ones included) can run as generated kernels. Done when fuse_elementwise is one of
+    this run's passes and the plan is for a GPU; the cost model decides each group as it does
+    for inference."""
+    if "fuse_elementwise" not in ctx.scheduled or not ctx.fused_kernels:
+        return None
+    from .fuse_elementwise import FuseElementwise
+
+    def fuse(g: fx.GraphModule) -> int:
+        sub = PassContext(profile=ctx.profile, cost=ctx.cost, training=True, verify=False)
+        r = FuseElementwise().run(g, sub)
+        g.graph.lint()
+        g.recompile()
+        return len(r.rewrites)
+
+    return fuse
+
+
 def _aot_refused(gm: fx.GraphModule, ctx: PassContext) -> str | None:
     """Why the AOT rewrite must not run on this graph, or None.
 
@@ -892,6 +915,7 @@ class InsertCheckpoints(Pass):
             return isinstance(val, torch.Tensor) and val.requires_grad
         frees, fallbacks = True, []
         details["selective_regions"] = 0
+        fuse = _training_fuser(ctx)
         for i, nodes in enumerate(plan.regions):
             rerun = [n for n in nodes if n not in plan.keep]
             if not rerun:
@@ -900,6 +924,7 @@ class InsertCheckpoints(Pass):
 
             def make_module(body_gm, inputs, mutated, outputs):
                 module = aot.AotRecompute(body_gm, recompute, keep, mutated)
+                module.fuse = fuse
                 try:
                     example = aot.example_args(inputs, gm, ctx.hints, requires_grad=needs_grad)
                 except Exception as e:
@@ -938,6 +963,9 @@ class InsertCheckpoints(Pass):
                 op = str(target).split(".")[-2] if str(target).count(".") >= 2 else str(target)
                 aot_ops[op] = aot_ops.get(op, 0) + 1
             totals["untagged"] += len(info["untagged_saved"])
+            totals["fused"] = totals.get("fused", 0) + int(info["graphs"].get("fw_fused") or 0)
+            if info["graphs"].get("fw_fuse_error"):
+                res.notes.append(f"region {i}: forward graph left unfused ({info['graphs']['fw_fuse_error']})")
             for pos in info["saved_inputs"]:
                 src = made["inputs"][pos] if pos < len(made["inputs"]) else None
                 src = by_name.get(src.meta.get("ckpt_source", src.name)) if src is not None else None
@@ -962,6 +990,11 @@ class InsertCheckpoints(Pass):
             aot_untagged_saved=totals["untagged"],
             aot_frees_saved_inputs=frees,
         )
+        if fuse is not None:
+            details["aot_fused_forward_groups"] = totals.get("fused", 0)
+            res.notes.append(f"pointwise fusion in the AOT graphs (fuse_elementwise is on): {totals.get('fused', 0)} "
+                             "groups in the forward graphs; the backward graphs are fused when first compiled "
+                             "(at the first backward)")
         if fallbacks:
             details["aot_fallbacks"] = fallbacks
             res.notes.append(f"{len(fallbacks)} region(s) ran as selective checkpoints instead: {fallbacks[0]}")

@@ -101,3 +101,36 @@ def test_after_fuse_attention_sdpa_reads_unrepeated_kv_and_the_plan_still_fits()
     assert d["aot_saved_bytes"] == pytest.approx(d["predicted_saved_bytes"], rel=0.15)
     model.train()
     accuracy_rule(model, opt, args)
+
+
+def _fused_ops(opt, which):
+    return sum(1 for m in aot_modules(opt) for info in m.partitions.values()
+               for n in info["graphs"][which].graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.graphopt.fused_pointwise.default)
+
+
+def test_with_fuse_elementwise_the_aot_graphs_run_fused_pointwise_kernels_and_gradients_follow_eager():
+    # planned for the H200 on this machine: the fused kernels run their reference evaluation here
+    model, args = glm_sdpa()
+    plain = graphopt.optimize(copy.deepcopy(model), args, training=True, memory_budget=0.6, check_accuracy=False,
+                              passes=["insert_checkpoints"], target="h200")
+    assert _fused_ops(plain, "fw") == 0
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, check_accuracy=False,
+                            passes=["fuse_elementwise", "insert_checkpoints"], target="h200")
+    res = opt.report.pass_result("insert_checkpoints")
+    assert opt.report.pass_result("fuse_elementwise").status == "skipped"  # inference-only on the graph itself
+    d = res.details
+    assert d["backend"] == "aot" and d["aot_fused_forward_groups"] == _fused_ops(opt, "fw") > 0
+    assert any("pointwise fusion in the AOT graphs" in n for n in res.notes)
+    accuracy_rule(model, opt, args)  # runs backward: the backward graphs are compiled (and fused) now
+    assert _fused_ops(opt, "bw") > 0
+    assert not any(m.fuse_errors for m in aot_modules(opt))
+
+
+def test_on_a_cpu_profile_the_aot_graphs_are_not_fused():
+    model, args = glm_sdpa()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, check_accuracy=False,
+                            passes=["fuse_elementwise", "insert_checkpoints"], target="cpu")
+    assert opt.report.pass_result("insert_checkpoints").details["backend"] == "aot"
+    assert _fused_ops(opt, "fw") == 0 and "aot_fused_forward_groups" not in \
+        opt.report.pass_result("insert_checkpoints").details

@@ -408,8 +408,7 @@ class AotRecompute(nn.Module):
         try:
             # cuDNN off while tracing: a training BatchNorm then traces as the functional
             # _native_batch_norm_legit (running statistics as explicit outputs) rather than
-            # cudnn_batch_norm, which updates them behind functionalization's back and whose
-            # recomputation gave wrong BN gradients on the H200 (benchmarks/diag_aot_resnet.py).
+            # cudnn_batch_norm, which updates them behind functionalization's back.
             # Convolutions trace as aten.convolution either way and run on cuDNN at call time.
             with torch.backends.cudnn.flags(enabled=False):
                 fn = aot(self.body, list(args), fw_compiler=fw_compiler, bw_compiler=bw_compiler,

@@ -767,24 +767,6 @@ def _training_fuser(ctx: PassContext):
     return fuse
 
 
-def _aot_refused(gm: fx.GraphModule, ctx: PassContext) -> str | None:
-    """Why the AOT rewrite must not run on this graph, or None.
-
-    Training BatchNorm on a GPU with cuDNN on: on the H200 the AOT backend gave ResNet-50 wrong
-    BatchNorm gradients (relative error 0.5; exact with cuDNN off, and on the CPU), not yet
-    explained (benchmarks/diag_aot_resnet.py, benchmarks/results/checkpoint_2026-11-29_235403_h200.md).
-    Until it is, such graphs take the selective checkpoint, which matches eager exactly there."""
-    if ctx.profile.kind != "cuda" or not torch.backends.cudnn.enabled:
-        return None
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _BN_TRAINING_ARG:
-            flag = n.args[_BN_TRAINING_ARG[n.target]] if len(n.args) > _BN_TRAINING_ARG[n.target] else None
-            if flag is True:
-                return ("training BatchNorm with cuDNN on a GPU: the AOT rewrite gave wrong BatchNorm gradients "
-                        "on the H200 (under investigation); the selective checkpoint is exact there")
-    return None
-
-
 @register
 class InsertCheckpoints(Pass):
     name = "insert_checkpoints"
@@ -832,7 +814,7 @@ class InsertCheckpoints(Pass):
             raise GraphoptError(f"checkpoint_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         why_not_aot = None
         if backend in ("auto", "aot"):
-            why_not_aot = aot.available() or _aot_refused(gm, ctx)
+            why_not_aot = aot.available()
             if why_not_aot is not None and backend == "aot":
                 raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {why_not_aot}")
         use_aot = backend in ("auto", "aot") and why_not_aot is None
@@ -845,7 +827,10 @@ class InsertCheckpoints(Pass):
             # the AOT rewrite keeps every random op's output; the selective checkpoint replays RNG
             plan = _Selector(am, ctx.hints).select(budget, caps, offset)
             use_aot = False
-            why_not_aot = f"the budget needs recomputing random ops, which the AOT rewrite never does ({e})"
+            if any(ir.is_random(n) for n in am.body):
+                why_not_aot = f"the budget needs recomputing random ops, which the AOT rewrite never does ({e})"
+            else:
+                why_not_aot = f"no AOT plan fits the budget ({e}); a selective-checkpoint plan does"
         details.update(self._plan_details(am, plan))
         res.notes.extend(plan.notes)
         if use_aot:

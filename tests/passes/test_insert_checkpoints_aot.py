@@ -341,20 +341,18 @@ def test_no_grad_call_runs_the_captured_body():
         torch.testing.assert_close(opt(*args), ref(*args))
 
 
-def test_training_batchnorm_planned_for_a_gpu_takes_the_selective_checkpoint():
-    """A training BatchNorm on a GPU profile (cuDNN on): the AOT rewrite gave wrong BN gradients on
-    the H200, so "auto" runs the selective checkpoint and says why; "aot" refuses in one line."""
+def test_training_batchnorm_planned_for_a_gpu_takes_the_aot_rewrite():
+    """Training BatchNorm planned for a GPU runs the AOT rewrite. (It was refused for a round: its
+    ResNet-50 gradients differed from eager's by a relative 0.5 on one parameter with cuDNN on.
+    benchmarks/diag_aot_resnet.py showed that is TF32 rounding: eager's own gradients are as far
+    from an fp64 copy's, the rewrite passes the accuracy rule, and with TF32 off it is 6e-6 from eager.)"""
     import torchvision
 
     import graphopt
-    from graphopt.errors import GraphoptError
 
     m = torchvision.models.resnet18().train()
-    x = torch.randn(4, 3, 96, 96)
-    kw = dict(training=True, memory_budget=0.8, check_accuracy=False, passes=["insert_checkpoints"],
-              cuda_graphs=False, target="h200")
-    res = graphopt.optimize(m, (x,), **kw).report.pass_result("insert_checkpoints")
-    assert res.details["backend"] == "sac"
-    assert any("training BatchNorm with cuDNN" in n for n in res.notes)
-    with pytest.raises(GraphoptError, match="training BatchNorm with cuDNN"):
-        graphopt.optimize(m, (x,), checkpoint_backend="aot", **kw)
+    x = torch.randn(32, 3, 96, 96)
+    res = graphopt.optimize(m, (x,), training=True, memory_budget=0.9, check_accuracy=False,
+                            passes=["insert_checkpoints"], cuda_graphs=False, target="h200").report
+    d = res.pass_result("insert_checkpoints").details
+    assert d["backend"] == "aot" and d["aot_regions"] >= 1

@@ -34,6 +34,17 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+s7c)
+  # GLM: fused AOT checkpointing at 0.27 with the Hugging Face per-layer reference in the same run, and its gradient
+  # numerics against an fp32 copy; ResNet-50 fp32 training: channels_last + fused AOT at 0.57 (fp64 gradient check)
+  F=fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints
+  timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 --backend aot --budget 0.27 --passes $F \
+    2>&1 | quiet | grep "^| glm\|rror" | tail -4; echo "### glm 0.27 ${SECONDS}s"
+  timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4-diag --backend aot --budget 0.3 --passes $F \
+    2>&1 | quiet | grep "^| \|rror" | tail -6; echo "### glm diag ${SECONDS}s"
+  timeout $((570 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.57 \
+    --fp64-check --passes convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints 2>&1 | quiet \
+    | grep "^| resnet\|rror" | tail -4; echo "### resnet ${SECONDS}s" ;;
 s7b)
   # GLM-4 8 layers training under a budget: the AOT graphs with pointwise fusion (0.38, 0.3) against without (0.38);
   # the checkpoint tests on the GPU; the C++-check crash under gdb

@@ -34,6 +34,19 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+s7d)
+  # GLM fused AOT checkpointing at 0.275 (under Hugging Face per-layer's 5.74 GB); its gradient numerics at batch 1 (0.4)
+  F=fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints
+  timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 --backend aot --budget 0.275 --passes $F \
+    --no-reference 2>&1 | quiet | grep "^| glm\|rror" | tail -4; echo "### glm 0.275 ${SECONDS}s"
+  timeout 250 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4-diag --backend aot --budget 0.4 --passes $F \
+    2>&1 | quiet | grep "^| \|rror" | tail -6; echo "### glm diag ${SECONDS}s" ;;
+part8)
+  # on nvidia-h200-x2: plain 1F1B training at 8 micro-batches (and 4) against one GPU
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout $((590 - SECONDS)) python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT" \
+    --pipelines train:1f1b:8,train:1f1b:4 --no-cap --budget-s $((540 - SECONDS)) 2>&1 | quiet \
+    | grep "^|\|rror\|skip" | head -30; echo "### partition ${SECONDS}s" ;;
 s7c)
   # GLM: fused AOT checkpointing at 0.27 with the Hugging Face per-layer reference in the same run, and its gradient
   # numerics against an fp32 copy; ResNet-50 fp32 training: channels_last + fused AOT at 0.57 (fp64 gradient check)

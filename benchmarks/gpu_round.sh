@@ -45,7 +45,7 @@ part8)
   # on nvidia-h200-x2: plain 1F1B training at 8 micro-batches (and 4) against one GPU
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   timeout $((590 - SECONDS)) python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT" \
-    --pipelines train:1f1b:8,train:1f1b:4 --no-cap --budget-s $((540 - SECONDS)) 2>&1 | quiet \
+    --pipelines ${PIPES:-train:1f1b:4,train:interleaved1f1b:4,train:1f1b:8} --no-cap --budget-s $((540 - SECONDS)) 2>&1 | quiet \
     | grep "^|\|rror\|skip" | head -30; echo "### partition ${SECONDS}s" ;;
 s7c)
   # GLM: fused AOT checkpointing at 0.27 with the Hugging Face per-layer reference in the same run, and its gradient

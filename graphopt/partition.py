@@ -994,6 +994,7 @@ def stage_modules(gm: fx.GraphModule, plan: StagePlan) -> list[fx.GraphModule]:
                 val = v.meta.get("val")
                 if isinstance(val, torch.Tensor) and val.is_floating_point():
                     env[v] = g.call_function(contiguous_grad, (env[v],))
+                    env[v].meta = dict(v.meta)  # the same tensor (what a later rewrite reads)
         root = nn.Module()
         for a in an.attrs:
             if any(st.start <= p < st.end for p in an.attr_uses[a]):

@@ -87,21 +87,6 @@ def spawn(fn, nprocs: int, *args, backend: str = "gloo") -> None:
     mp.spawn(_entry, args=(fn, nprocs, free_port(), backend, args), nprocs=nprocs, join=True)
 
 
-def _fuse_stage(gm, target, passes):
-    """A training stage's ATen ops as AOT forward/backward graphs with pointwise fusion (the
-    stage graphs skip fuse_elementwise, which is inference-only: graphopt's kernels have no
-    autograd formulas, and the AOT graphs need none). Returns the record."""
-    from .cost.model import CostModel
-    from .cost.profiles import get_profile
-    from .passes.insert_checkpoints import fuse_training_graph
-    from .pipeline import PassContext
-
-    profile, _ = get_profile(target)
-    ctx = PassContext(profile=profile, cost=CostModel(profile), training=True, hints=ir.shape_hints(gm),
-                      scheduled=frozenset(passes))
-    return fuse_training_graph(gm, ctx)
-
-
 def microbatch(example_inputs, microbatches: int):
     """The first micro-batch of a batch (every tensor split along dim 0)."""
     args, kwargs = split_inputs(example_inputs)
@@ -186,11 +171,6 @@ class Pipeline:
         self.stage_indices = self.plan.stages_on(self.rank)
         self.modules = [mods[k].to(self.device) for k in self.stage_indices]
         del mods
-        #: per stage of this rank, the training-graph fusion's record (None: not tried)
-        self.fusion = [None] * len(self.modules)
-        if self.training and "fuse_elementwise" in (passes or ()):
-            self.fusion = [_fuse_stage(m, target or ("h200" if self.device.type == "cuda" else "cpu"), passes)
-                           for m in self.modules]
         #: this rank's stage module (an nn.ModuleList of them when interleaved)
         self.module = self.modules[0] if len(self.modules) == 1 else nn.ModuleList(self.modules)
         del gm

@@ -40,9 +40,6 @@ def _work(rank, world, path, batch, runs, name, passes=(), plan_for=None):
             out.setdefault("ops", set()).update(str(n.target) for m in pipe.modules for n in m.graph.nodes
                                                 if n.op == "call_function")
         key = f"{schedule}-{mbs}-{'train' if train else 'infer'}"
-        out.setdefault("fusion", {})[key] = [None if r is None else (r.status, r.details.get("aot_regions", 0),
-                                                                     r.details.get("aot_fused_forward_groups", 0))
-                                             for r in pipe.fusion]
         losses = []
         res = pipe.step(x, target=target if train else None, losses=losses if train else None)
         out[key] = {"out": res, "losses": [x.detach() for x in losses], "plan": pipe.plan.as_dict(),
@@ -130,11 +127,6 @@ def test_two_processes_with_fused_stage_graphs(tmp_path):
     ranks = _check(tmp_path, 2, 4, [("gpipe", 2, False), ("gpipe", 2, True)], passes=passes, plan_for="h200")
     ops = set().union(*(r["ops"] for r in ranks))
     assert any(o.startswith("graphopt.") for o in ops), ops  # fused kernels ended up in the stages
-    # training stages: their ATen ops run as AOT forward/backward graphs with pointwise fusion
-    assert all(r["fusion"]["gpipe-2-infer"] == [None] for r in ranks)
-    for r in ranks:
-        (status, regions, groups), = r["fusion"]["gpipe-2-train"]
-        assert status == "applied" and regions >= 1 and groups > 0, r["fusion"]
 
 
 def test_three_processes_gpipe_and_1f1b_match_the_unpartitioned_mlp(tmp_path):

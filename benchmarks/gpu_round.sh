@@ -34,6 +34,14 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+s7e)
+  # TunableOp on GLM's GEMM shapes; ResNet-50 training: AOT at 0.57 with channels_last but without fusion, and NCHW AOT at 0.7
+  timeout 150 python3 benchmarks/diag_tunableop.py 2>&1 | quiet | grep "ms\|rror" | tail -5; echo "### tunableop ${SECONDS}s"
+  timeout 150 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.57 --no-reference \
+    --passes convert_channels_last,eliminate_permutes,insert_checkpoints 2>&1 | quiet | grep "^| resnet\|rror" | tail -3
+  echo "### resnet cl unfused ${SECONDS}s"
+  timeout $((570 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.7 \
+    --no-reference --fp64-check 2>&1 | quiet | grep "^| resnet\|rror" | tail -3; echo "### resnet nchw ${SECONDS}s" ;;
 s7d)
   # GLM fused AOT checkpointing at 0.275 (under Hugging Face per-layer's 5.74 GB); its gradient numerics at batch 1 (0.4)
   F=fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints

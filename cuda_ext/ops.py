@@ -1,12 +1,42 @@
-"""Python wrappers of the graphopt ops: thin calls of ``torch.ops.graphopt.*``, with defaults
-and docstrings. Any of them can be called directly or appear in an FX graph / TorchScript."""
+"""Python wrappers of the graphopt ops: calls of ``torch.ops.graphopt.*`` with defaults,
+docstrings and argument checks. Any of them can be called directly or appear in an FX graph /
+TorchScript.
+
+The wrappers check what the ops' C++ side would refuse and raise KernelArgumentError (a
+GraphoptError and a ValueError) in one line: on the H200 image a C++ check failing inside the
+extension ended the process instead of raising (see the README's Kernels section), so a bad
+call must not reach it."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
+from graphopt.errors import KernelArgumentError
+
 from .pointwise import Program
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish")
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _floating(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.dtype not in _FLOATS:
+            raise KernelArgumentError(f"graphopt::{op}: {name} is {t.dtype}; float32, float16 or bfloat16 only")
+
+
+def _at_least_1d(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dim() < 1:
+        raise KernelArgumentError(f"graphopt::{op}: {name} needs at least one dim, got a 0-d tensor")
+
+
+def _norm_params(op: str, x: torch.Tensor, **params) -> None:
+    _at_least_1d(op, "x", x)
+    for name, p in params.items():
+        if p is not None and p.numel() != x.shape[-1]:
+            raise KernelArgumentError(f"graphopt::{op}: {name} must have {x.shape[-1]} elements (x's last dim), "
+                                      f"got shape {tuple(p.shape)}")
 
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",
@@ -14,6 +44,18 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none
     """``act(x + bias) + residual`` in one pass. ``bias`` is 1-D along ``x.size(bias_dim)``
     (-1 for linear outputs, 1 for NCHW convolutions); ``act`` is one of none, relu, gelu,
     gelu_tanh, silu, sigmoid, tanh, hardswish; ``residual`` has x's shape. fp32 math."""
+    if act not in ACTIVATIONS:
+        raise KernelArgumentError(f"graphopt::bias_act: unknown activation {act!r} ({', '.join(ACTIVATIONS)})")
+    _floating("bias_act", x=x)
+    if bias is not None:
+        _at_least_1d("bias_act", "x", x)
+        if not -x.dim() <= bias_dim < x.dim():
+            raise KernelArgumentError(f"graphopt::bias_act: bias_dim {bias_dim} out of range for {x.dim()}-D x")
+        if bias.dim() != 1 or bias.shape[0] != x.shape[bias_dim]:
+            raise KernelArgumentError(f"graphopt::bias_act: bias must be 1-D of length {x.shape[bias_dim]} "
+                                      f"(x.size({bias_dim})), got shape {tuple(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+        raise KernelArgumentError(f"graphopt::bias_act: residual shape {tuple(residual.shape)} != x's {tuple(x.shape)}")
     return torch.ops.graphopt.bias_act(x, bias, act, residual, bias_dim)
 
 
@@ -22,6 +64,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
     """``layer_norm`` over the last dim (up to 8192 wide) with fp32 statistics; on CUDA a Triton
     kernel that normalizes many rows per program (fast for narrow rows, where one block per row
     is scheduling-bound)."""
+    _floating("layer_norm", x=x)
+    _norm_params("layer_norm", x, weight=weight, bias=bias)
     return torch.ops.graphopt.layer_norm(x, weight, bias, eps)
 
 
@@ -30,13 +74,16 @@ def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
                    dilation: Sequence[int] = (1, 1), groups: int = 1) -> torch.Tensor:
     """``relu(conv2d(x, w) + bias + z)`` as one cuDNN fused convolution on CUDA (z: an optional
     residual of the output's shape). The output is channels_last when x or w is."""
+    if x.dim() != 4 or w.dim() != 4:
+        raise KernelArgumentError(f"graphopt::conv_bias_relu: 2-D convolutions only (4-D x and w), got "
+                                  f"{tuple(x.shape)} and {tuple(w.shape)}")
     return torch.ops.graphopt.conv_bias_relu(x, w, bias, z, list(stride), list(padding), list(dilation), groups)
 
 
 def max_pool2d_nhwc(x: torch.Tensor, kernel: int, stride: int, padding: int = 0) -> torch.Tensor:
     """max_pool2d over a channels_last tensor (square window, dilation 1), channels_last out."""
     if x.dim() != 4 or not (kernel >= 1 and stride >= 1 and 0 <= 2 * padding <= kernel):
-        raise ValueError(f"graphopt::max_pool2d_nhwc: needs a 4-D x, kernel >= 1, stride >= 1 and "
+        raise KernelArgumentError(f"graphopt::max_pool2d_nhwc: needs a 4-D x, kernel >= 1, stride >= 1 and "
                          f"0 <= padding <= kernel / 2; got {tuple(x.shape)}, {kernel}, {stride}, {padding}")
     return torch.ops.graphopt.max_pool2d_nhwc(x, kernel, stride, padding)
 
@@ -45,6 +92,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (or a copy of x); returns ``(rmsnorm(h) * weight, h)``. Numerics of
     Hugging Face's LlamaRMSNorm: fp32 statistics over h, ``weight * normed.to(x.dtype)``."""
+    _floating("add_rms_norm", x=x)
+    _norm_params("add_rms_norm", x, weight=weight)
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+        raise KernelArgumentError(f"graphopt::add_rms_norm: residual shape {tuple(residual.shape)} != x's {tuple(x.shape)}")
     return torch.ops.graphopt.add_rms_norm(x, residual, weight, eps)
 
 
@@ -52,11 +103,19 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
                    bias: torch.Tensor | None, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (or a copy of x); returns ``(layer_norm(h) * weight + bias, h)``
     over the last dim, fp32 statistics."""
+    _floating("add_layer_norm", x=x)
+    _norm_params("add_layer_norm", x, weight=weight, bias=bias)
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+        raise KernelArgumentError(f"graphopt::add_layer_norm: residual shape {tuple(residual.shape)} != x's {tuple(x.shape)}")
     return torch.ops.graphopt.add_layer_norm(x, residual, weight, bias, eps)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``; shape ``[..., H]``."""
+    _floating("swiglu", gate_up=gate_up)
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise KernelArgumentError(f"graphopt::swiglu: last dim must be even (gate and up halves), got "
+                                  f"shape {tuple(gate_up.shape)}")
     return torch.ops.graphopt.swiglu(gate_up)
 
 
@@ -66,6 +125,20 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     cos/sin ``[B or 1, S, R]`` (``[B or 1, 1, S, R]`` is accepted too), R even and <= D: the
     first R dims of each head rotate, the rest pass through. ``interleaved=False`` is Llama's
     rotate_half, ``True`` GLM's pairwise form. Returns contiguous ``(q_out, k_out)``."""
+    _floating("rotary", q=q, k=k)
+    if q.dim() != 4 or k.dim() != 4:
+        raise KernelArgumentError(f"graphopt::rotary: q and k must be [B, H, S, D], got {tuple(q.shape)} and "
+                                  f"{tuple(k.shape)}")
+    if q.dtype != k.dtype or (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+        raise KernelArgumentError(f"graphopt::rotary: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} "
+                                  "differ in batch, positions, head dim or dtype")
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise KernelArgumentError(f"graphopt::rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} shapes differ")
+    c = cos.squeeze(1) if cos.dim() == 4 and cos.shape[1] == 1 else cos
+    if c.dim() != 3 or c.shape[0] not in (1, q.shape[0]) or c.shape[1] != q.shape[2] or c.shape[2] % 2 \
+            or c.shape[2] > q.shape[3]:
+        raise KernelArgumentError(f"graphopt::rotary: cos/sin must be [1 or {q.shape[0]}, {q.shape[2]}, R] (or "
+                                  f"[B, 1, S, R]) with R even and <= {q.shape[3]}, got {tuple(cos.shape)}")
     return torch.ops.graphopt.rotary(q, k, cos, sin, interleaved)
 
 
@@ -73,6 +146,8 @@ def softmax_mask(scores: torch.Tensor, scale: float = 1.0, mask: torch.Tensor | 
     """``softmax(scores * scale + mask, -1)`` with fp32 math. ``mask`` broadcasts to scores;
     bool masks keep True positions, float masks are added. A row whose every position is
     masked (all False, or all -inf) comes out as zeros, not NaN."""
+    _floating("softmax_mask", scores=scores)
+    _at_least_1d("softmax_mask", "scores", scores)
     return torch.ops.graphopt.softmax_mask(scores, scale, mask)
 
 

@@ -45,3 +45,7 @@ class AccuracyError(GraphoptError):
 
 class GuardError(GraphoptError):
     """An optimized module was called with inputs it was not specialized for."""
+
+
+class KernelArgumentError(GraphoptError, ValueError):
+    """A bundled op (graphopt.cuda_ext.ops) was called with arguments it does not accept."""

@@ -34,6 +34,13 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+s7f)
+  # GLM fused AOT checkpointing with recomputation priced as fused: 0.3 and 0.275
+  F=fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints
+  for b in 0.3 0.275; do
+    timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 --backend aot --budget $b --passes $F \
+      --no-reference 2>&1 | quiet | grep "^| glm\|rror" | tail -2; echo "### glm $b ${SECONDS}s"
+  done ;;
 s7e)
   # TunableOp on GLM's GEMM shapes; ResNet-50 training: AOT at 0.57 with channels_last but without fusion, and NCHW AOT at 0.7
   timeout 150 python3 benchmarks/diag_tunableop.py 2>&1 | quiet | grep "ms\|rror" | tail -5; echo "### tunableop ${SECONDS}s"

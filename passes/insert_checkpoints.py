@@ -767,28 +767,6 @@ def _training_fuser(ctx: PassContext):
     return fuse
 
 
-def _price_fused_recompute(am: ActivationModel, ctx: PassContext) -> int:
-    """Reprice the recomputation of pointwise nodes for AOT graphs that fuse_elementwise will
-    fuse: a fused group reads its inputs once and writes what leaves it, so a recomputed
-    pointwise node costs about one write of its output at the copy rate, with no launch of its
-    own (measured on the 8-layer GLM at bs4 seq2048, budget 0.3: +12.7 ms against +37.6 ms priced
-    one kernel per node). Returns how many nodes were repriced."""
-    from .fuse_elementwise import _dtypes, fusible
-
-    dtypes = _dtypes()
-    bw = ctx.profile.bandwidth
-    n_repriced = 0
-    for n in am.body:
-        if n.op != "call_function" or fusible(n, dtypes):
-            continue
-        out = sum(float(ir.concrete(t.nbytes, ctx.hints)) for t in ir.infos(n))
-        fused = out / bw
-        if fused < am.seconds.get(n, 0.0):
-            am.seconds[n] = fused
-            n_repriced += 1
-    return n_repriced
-
-
 @register
 class InsertCheckpoints(Pass):
     name = "insert_checkpoints"
@@ -841,17 +819,11 @@ class InsertCheckpoints(Pass):
                 raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {why_not_aot}")
         use_aot = backend in ("auto", "aot") and why_not_aot is None
         caps = [max(share * am.baseline_saved_bytes(), 1.0) for share in REGION_SHARES]
-        unfused = dict(am.seconds)
-        if use_aot and _training_fuser(ctx) is not None:
-            repriced = _price_fused_recompute(am, ctx)
-            res.notes.append(f"recomputation priced as fused: {repriced} pointwise nodes at one write of their output "
-                             "(the AOT graphs run fuse_elementwise)")
         try:
             plan = _Selector(am, ctx.hints, keep_random=use_aot, aot=use_aot).select(budget, caps, offset)
         except BudgetError as e:
             if not use_aot or backend == "aot":
                 raise
-            am.seconds = unfused  # the selective checkpoint runs the ops unfused
             # the AOT rewrite keeps every random op's output; the selective checkpoint replays RNG
             plan = _Selector(am, ctx.hints).select(budget, caps, offset)
             use_aot = False
@@ -876,7 +848,6 @@ class InsertCheckpoints(Pass):
                 if backend == "aot":
                     raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {e}") from e
                 why_not_aot = str(e)
-                am.seconds = unfused
                 # the plan kept random ops for AOT; the selective backend replays RNG instead
                 plan = _Selector(am, ctx.hints).select(budget, caps, offset)
                 details.update(self._plan_details(am, plan))

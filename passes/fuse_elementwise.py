@@ -213,6 +213,9 @@ class FuseElementwise(Pass):
                 continue
             label = f"{len(group)} pointwise ops {group[0].name} .. {group[-1].name}"
             ins, outs = _boundary(group)
+            if not outs:  # nothing reads the group (dead code): eliminate_dead_code's to remove
+                res.reject(label, "nothing reads its values (dead code)")
+                continue
             if len(ins) > MAX_INPUTS or len(outs) > MAX_OUTPUTS:
                 res.reject(label, f"{len(ins)} inputs / {len(outs)} outputs: over the program limit "
                                   f"({MAX_INPUTS} / {MAX_OUTPUTS})")

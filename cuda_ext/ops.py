@@ -31,6 +31,19 @@ def _at_least_1d(op: str, name: str, t: torch.Tensor) -> None:
         raise KernelArgumentError(f"graphopt::{op}: {name} needs at least one dim, got a 0-d tensor")
 
 
+def _residual(op: str, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """A residual broadcasts to x's shape (the op expands it)."""
+    if residual is None:
+        return
+    try:
+        ok = tuple(torch.broadcast_shapes(tuple(residual.shape), tuple(x.shape))) == tuple(x.shape)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise KernelArgumentError(f"graphopt::{op}: residual shape {tuple(residual.shape)} does not broadcast to "
+                                  f"x's {tuple(x.shape)}")
+
+
 def _norm_params(op: str, x: torch.Tensor, **params) -> None:
     _at_least_1d(op, "x", x)
     for name, p in params.items():
@@ -54,8 +67,7 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none
         if bias.dim() != 1 or bias.shape[0] != x.shape[bias_dim]:
             raise KernelArgumentError(f"graphopt::bias_act: bias must be 1-D of length {x.shape[bias_dim]} "
                                       f"(x.size({bias_dim})), got shape {tuple(bias.shape)}")
-    if residual is not None and tuple(residual.shape) != tuple(x.shape):
-        raise KernelArgumentError(f"graphopt::bias_act: residual shape {tuple(residual.shape)} != x's {tuple(x.shape)}")
+    _residual("bias_act", x, residual)
     return torch.ops.graphopt.bias_act(x, bias, act, residual, bias_dim)
 
 
@@ -94,8 +106,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     Hugging Face's LlamaRMSNorm: fp32 statistics over h, ``weight * normed.to(x.dtype)``."""
     _floating("add_rms_norm", x=x)
     _norm_params("add_rms_norm", x, weight=weight)
-    if residual is not None and tuple(residual.shape) != tuple(x.shape):
-        raise KernelArgumentError(f"graphopt::add_rms_norm: residual shape {tuple(residual.shape)} != x's {tuple(x.shape)}")
+    _residual("add_rms_norm", x, residual)
     return torch.ops.graphopt.add_rms_norm(x, residual, weight, eps)
 
 
@@ -105,8 +116,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     over the last dim, fp32 statistics."""
     _floating("add_layer_norm", x=x)
     _norm_params("add_layer_norm", x, weight=weight, bias=bias)
-    if residual is not None and tuple(residual.shape) != tuple(x.shape):
-        raise KernelArgumentError(f"graphopt::add_layer_norm: residual shape {tuple(residual.shape)} != x's {tuple(x.shape)}")
+    _residual("add_layer_norm", x, residual)
     return torch.ops.graphopt.add_layer_norm(x, residual, weight, bias, eps)
 
 

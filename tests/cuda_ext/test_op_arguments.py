@@ -49,6 +49,7 @@ def test_the_same_ops_accept_good_arguments():
     assert ce.swiglu(x).shape == (4, 4)
     assert ce.bias_act(x, r(8), act="gelu", residual=r(4, 8)).shape == (4, 8)
     assert ce.bias_act(r(2, 8, 3, 3), r(8), act="relu", bias_dim=1).shape == (2, 8, 3, 3)
+    assert ce.bias_act(x, None, act="relu", residual=r(1, 8)).shape == (4, 8)  # a residual that broadcasts
     assert ce.layer_norm(x, r(8), r(8)).shape == (4, 8)
     y, h = ce.add_rms_norm(x, r(4, 8), r(8))
     assert y.shape == h.shape == (4, 8)

@@ -34,6 +34,9 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+s7g)
+  # why fused AOT training stages were slower: a stage-0-like module (embedding + 4 GLM layers, bs2 seq1024)
+  timeout 400 python3 benchmarks/diag_stage_fusion.py 2>&1 | quiet | grep -v "^$" | tail -60; echo "### stage ${SECONDS}s" ;;
 s7f)
   # GLM fused AOT checkpointing with recomputation priced as fused: 0.3 and 0.275
   F=fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints

@@ -767,6 +767,67 @@ def _training_fuser(ctx: PassContext):
     return fuse
 
 
+def fuse_training_graph(gm: fx.GraphModule, ctx: PassContext, regions: int = 4, fuse: bool = True) -> PassResult:
+    """Run a training graph's body as AOT regions that recompute nothing, so that its forward and
+    backward graphs get pointwise fusion (:func:`_training_fuser`; needs fuse_elementwise in
+    ``ctx.scheduled`` and a GPU plan). Used for pipeline stages, which are not checkpointed.
+    Only runs of ATen ops are taken (a stage's gradient-layout shims stay outside), cut into about
+    ``regions`` pieces so each piece's backward hands its parameters' gradients back when it ends.
+    Returns the record; the graph is unchanged when fusion or AOTAutograd is unavailable."""
+    res = PassResult("fuse_training", "fusion")
+    if fuse and _training_fuser(ctx) is None:
+        res.notes.append("no pointwise fusion for this plan (fuse_elementwise off, or not a GPU)")
+        return res
+    why = aot.available()
+    if why is not None:
+        res.notes.append(f"AOT backend unavailable: {why}")
+        return res
+    am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.profile.kind)
+
+    def traceable(n):
+        return n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
+
+    runs, cur = [], []
+    for n in am.body:
+        if traceable(n):
+            cur.append(n)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    size = max(1, sum(len(r) for r in runs) // max(regions, 1))
+    chunks = []
+    for r in runs:
+        start = 0
+        while start < len(r):
+            end = min(start + size, len(r))
+            # never cut between a multi-output node and the getitems that unpack it
+            while end < len(r) and (r[end].target is operator.getitem or
+                                    isinstance(r[end - 1].meta.get("val"), (tuple, list))):
+                end += 1
+            chunks.append(r[start:end])
+            start = end
+    if not chunks:
+        res.notes.append("no ATen ops to compile")
+        return res
+    body = [n for c in chunks for n in c]
+    plan = Plan(set(am.body), chunks, 0.0, 0.0, 0.0)
+    details: dict = {}
+    try:
+        InsertCheckpoints()._rewrite_aot(gm, ctx, am, plan, res, details, strict=False, fuse_only=True,
+                                         fuse=fuse)
+    except aot.AotUnavailable as e:
+        res.notes.append(f"left as it is: {e}")
+        return res
+    res.details = details
+    res.changed = bool(res.rewrites)
+    res.status = "applied" if res.changed else "unchanged"
+    res.notes.append(f"{len(body)} ATen ops in {details.get('aot_regions', 0)} AOT regions"
+                     + (" with pointwise fusion" if fuse else ""))
+    return res
+
+
 @register
 class InsertCheckpoints(Pass):
     name = "insert_checkpoints"
@@ -878,7 +939,7 @@ class InsertCheckpoints(Pass):
         )
 
     def _rewrite_aot(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict,
-                     strict: bool) -> None:
+                     strict: bool, fuse_only: bool = False, fuse: bool = True) -> None:
         """Each region of the plan that recomputes something becomes one AotRecompute call (its
         own autograd function, so its parameters' gradients are released when its backward ends,
         as eager's are, not all at the end of one whole-graph backward), compiled here. If the
@@ -900,10 +961,10 @@ class InsertCheckpoints(Pass):
             return isinstance(val, torch.Tensor) and val.requires_grad
         frees, fallbacks = True, []
         details["selective_regions"] = 0
-        fuse = _training_fuser(ctx)
+        fuse = _training_fuser(ctx) if fuse else None
         for i, nodes in enumerate(plan.regions):
             rerun = [n for n in nodes if n not in plan.keep]
-            if not rerun:
+            if not rerun and not fuse_only:
                 continue
             made = {}
 
@@ -960,9 +1021,13 @@ class InsertCheckpoints(Pass):
                     totals["saved"] += am.bytes[root]
                     totals["values"] += 1
             frees = frees and module.frees_inputs
-            res.record(f"recompute by graph rewrite, region {i} (AOTAutograd partition: {len(info['recomputed'])} "
-                       f"forward ops rerun in backward)", [n.name for n in rerun][:6], [call],
-                       -sum(am.seconds[n] for n in rerun))
+            if fuse_only:
+                res.record(f"training region {i} as AOT forward/backward graphs with pointwise fusion "
+                           f"({info['graphs'].get('fw_fused') or 0} forward groups)", [n.name for n in nodes][:6], [call], 0.0)
+            else:
+                res.record(f"recompute by graph rewrite, region {i} (AOTAutograd partition: {len(info['recomputed'])} "
+                           f"forward ops rerun in backward)", [n.name for n in rerun][:6], [call],
+                           -sum(am.seconds[n] for n in rerun))
         if totals["regions"] == 0 and not fallbacks:
             raise aot.AotUnavailable("no region recomputes anything")
         details.update(

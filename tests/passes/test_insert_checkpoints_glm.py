@@ -134,3 +134,43 @@ def test_on_a_cpu_profile_the_aot_graphs_are_not_fused():
     assert opt.report.pass_result("insert_checkpoints").details["backend"] == "aot"
     assert _fused_ops(opt, "fw") == 0 and "aot_fused_forward_groups" not in \
         opt.report.pass_result("insert_checkpoints").details
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_fuse_training_graph_runs_a_training_graph_as_aot_regions_that_recompute_nothing(fuse):
+    from graphopt import ir
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.passes.insert_checkpoints import fuse_training_graph
+    from graphopt.pipeline import PassContext
+
+    model, args = glm_sdpa()
+    opt = graphopt.optimize(model, args, training=True, passes=[], check_accuracy=False, target="h200",
+                            cuda_graphs=False)
+    gm = opt.graph_module
+    profile, _ = get_profile("h200")
+    ctx = PassContext(profile=profile, cost=CostModel(profile), training=True, hints=ir.shape_hints(gm),
+                      scheduled=frozenset({"fuse_elementwise"}))
+    res = fuse_training_graph(gm, ctx, regions=4, fuse=fuse)
+    mods = aot_modules(opt)
+    assert res.status == "applied" and len(mods) == res.details["aot_regions"] >= 2
+    assert all(not info["recomputed"] for m in mods for info in m.partitions.values())
+    assert (_fused_ops(opt, "fw") > 0) == fuse
+    accuracy_rule(model, opt, args)
+
+
+def test_fuse_training_graph_leaves_a_cpu_plan_alone():
+    from graphopt import ir
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.passes.insert_checkpoints import fuse_training_graph
+    from graphopt.pipeline import PassContext
+
+    model, args = glm_sdpa()
+    opt = graphopt.optimize(model, args, training=True, passes=[], check_accuracy=False, target="cpu")
+    profile, _ = get_profile("cpu")
+    ctx = PassContext(profile=profile, cost=CostModel(profile), training=True, hints=ir.shape_hints(opt.graph_module),
+                      scheduled=frozenset({"fuse_elementwise"}))
+    res = fuse_training_graph(opt.graph_module, ctx)
+    assert res.status == "unchanged" and "no pointwise fusion" in res.notes[0]
+    assert not any(isinstance(m, aot.AotRecompute) for m in opt.graph_module.modules())

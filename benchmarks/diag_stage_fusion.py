@@ -27,6 +27,9 @@ from graphopt.examples import zoo  # noqa: E402
 from graphopt.passes.insert_checkpoints import fuse_training_graph  # noqa: E402
 from graphopt.pipeline import PassContext  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import cuda_median_ms  # noqa: E402
+
 
 class Stage0(nn.Module):
     def __init__(self, model):
@@ -53,18 +56,7 @@ def timed(run, reps=10):
         for _ in range(2):
             run()
         return (time.perf_counter() - t) / 2 * 1e3
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    return cuda_median_ms(run, reps=reps)
 
 
 def top_kernels(run, n=10):

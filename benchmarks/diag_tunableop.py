@@ -5,26 +5,20 @@ that runs at 89% of the 776 TFLOP/s peak)? Times F.linear with CUDA events, defa
     python benchmarks/diag_tunableop.py
 """
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import cuda_median_ms  # noqa: E402
 
-def bench(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # queue the GEMM behind ~1 ms of GPU sleep: events time the kernel
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+
+def bench(fn):
+    # queued behind ~1 ms of GPU sleep: the events time the GEMM, not its launch
+    return cuda_median_ms(fn, reps=20, sleep_cycles=1_000_000)
 
 
 def main():

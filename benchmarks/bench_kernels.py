@@ -51,19 +51,10 @@ def bench(fn, reps: int = 50, warmup: int = 10, timer: str | None = None) -> flo
     timer = timer or TIMER
     if DEVICE != "cuda" or timer == "isolated":
         return statistics.median(time_call(fn, reps=reps, warmup=warmup, device=DEVICE))
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time: the host enqueues the op meanwhile
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    from _timing import cuda_median_ms
+
+    # ~1 ms of GPU sleep queued first: the host enqueues the op meanwhile
+    return cuda_median_ms(fn, reps=reps, warmup=warmup, sleep_cycles=2_000_000) / 1e3
 
 
 VARIANT_FAMILY = {"norm": 0, "softmax": 1, "rotary": 2}  # kernels.h VariantKernel

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -26,19 +25,10 @@ SHAPES = {  # name: (K, N, bias)
 
 
 def timed(fn, reps=15, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        torch.cuda._sleep(200_000)  # queue the GEMM behind the GPU so host time is hidden
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+    from _timing import cuda_median_ms
+
+    # queued behind a GPU sleep so host time is hidden
+    return cuda_median_ms(fn, reps=reps, warmup=warmup, sleep_cycles=200_000) / 1e3
 
 
 def main(argv=None) -> int:

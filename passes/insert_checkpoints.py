@@ -815,8 +815,8 @@ def fuse_training_graph(gm: fx.GraphModule, ctx: PassContext, regions: int = 4, 
     plan = Plan(set(am.body), chunks, 0.0, 0.0, 0.0)
     details: dict = {}
     try:
-        InsertCheckpoints()._rewrite_aot(gm, ctx, am, plan, res, details, strict=False, fuse_only=True,
-                                         fuse=fuse)
+        InsertCheckpoints()._rewrite_aot(gm, ctx, am, plan, res, details, strict=False, every_region=True,
+                                         pointwise=fuse)
     except aot.AotUnavailable as e:
         res.notes.append(f"left as it is: {e}")
         return res
@@ -939,12 +939,14 @@ class InsertCheckpoints(Pass):
         )
 
     def _rewrite_aot(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict,
-                     strict: bool, fuse_only: bool = False, fuse: bool = True) -> None:
+                     strict: bool, every_region: bool = False, pointwise: bool = True) -> None:
         """Each region of the plan that recomputes something becomes one AotRecompute call (its
         own autograd function, so its parameters' gradients are released when its backward ends,
         as eager's are, not all at the end of one whole-graph backward), compiled here. If the
         first cannot be traced, AotUnavailable is raised before anything changed; a later one
-        runs as selective-checkpoint regions instead (or, ``strict``, raises GraphoptError)."""
+        runs as selective-checkpoint regions instead (or, ``strict``, raises GraphoptError).
+        ``every_region``: regions that recompute nothing are compiled too (fuse_training_graph);
+        ``pointwise``: their graphs get pointwise fusion where :func:`_training_fuser` allows."""
         aot.tag_nodes(am.body)
         keep = {n.name for n in am.body if n in plan.keep}
         recompute = {n.name for n in am.body if n not in plan.keep}
@@ -961,10 +963,10 @@ class InsertCheckpoints(Pass):
             return isinstance(val, torch.Tensor) and val.requires_grad
         frees, fallbacks = True, []
         details["selective_regions"] = 0
-        fuse = _training_fuser(ctx) if fuse else None
+        fuse = _training_fuser(ctx) if pointwise else None
         for i, nodes in enumerate(plan.regions):
             rerun = [n for n in nodes if n not in plan.keep]
-            if not rerun and not fuse_only:
+            if not rerun and not every_region:
                 continue
             made = {}
 
@@ -1021,7 +1023,7 @@ class InsertCheckpoints(Pass):
                     totals["saved"] += am.bytes[root]
                     totals["values"] += 1
             frees = frees and module.frees_inputs
-            if fuse_only:
+            if every_region:
                 res.record(f"training region {i} as AOT forward/backward graphs with pointwise fusion "
                            f"({info['graphs'].get('fw_fused') or 0} forward groups)", [n.name for n in nodes][:6], [call], 0.0)
             else:

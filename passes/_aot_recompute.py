@@ -338,6 +338,45 @@ class Partitioner:
 # --------------------------------------------------------------------------- the runtime module
 
 
+def native_training_bn(gm: fx.GraphModule) -> int:
+    """Rewrite each training ``aten.batch_norm`` of ``gm`` as ``_native_batch_norm_legit`` (the op
+    batch_norm runs without cuDNN: same output, running statistics updated in place, which
+    functionalization turns into outputs). Tags and metadata carry over. Returns how many."""
+    legit = getattr(getattr(torch.ops.aten, "_native_batch_norm_legit", None), "default", None)
+    if legit is None:
+        return 0
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.batch_norm.default or n.kwargs:
+            continue
+        a = n.args
+        if len(a) < 8 or a[5] is not True or a[3] is None or a[4] is None:
+            continue
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(legit, (a[0], a[1], a[2], a[3], a[4], True, a[6], a[7]))
+            out = gm.graph.call_function(operator.getitem, (new, 0))
+        new.meta = {k: v for k, v in n.meta.items() if k != "val"}
+        out.meta = dict(n.meta)
+        n.replace_all_uses_with(out)
+        gm.graph.erase_node(n)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def _trace_backends():
+    """What the trace may choose: attention without cuDNN's backend (the flash, memory-efficient
+    and math kernels the AOT graphs were first built and measured with)."""
+    import contextlib
+
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _signature(args) -> tuple:
     return tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad)
                  if isinstance(a, torch.Tensor) else ("v", repr(a)) for a in args)
@@ -358,6 +397,7 @@ class AotRecompute(nn.Module):
 
     def __init__(self, body: fx.GraphModule, recompute: set, keep: set, mutated: tuple = (), max_compiled: int = 8):
         super().__init__()
+        native_training_bn(body)
         self.body = body
         self.partitioner = Partitioner(recompute, keep, mutated)
         self.max_compiled = max_compiled
@@ -406,11 +446,13 @@ class AotRecompute(nn.Module):
             return run
 
         try:
-            # cuDNN off while tracing: a training BatchNorm then traces as the functional
-            # _native_batch_norm_legit (running statistics as explicit outputs) rather than
-            # cudnn_batch_norm, which updates them behind functionalization's back.
-            # Convolutions trace as aten.convolution either way and run on cuDNN at call time.
-            with torch.backends.cudnn.flags(enabled=False):
+            # cuDNN stays on while tracing, so a convolution's traced output has the layout it will
+            # have at call time (with cuDNN off, a channels_last convolution traces as contiguous:
+            # every tangent was then copied to that layout and BatchNorm's backward met mixed
+            # layouts). Training BatchNorms were rewritten to the native op (functionalized with its
+            # running statistics as outputs; batch_norm would pick cudnn_batch_norm, which updates
+            # them behind functionalization's back), and attention keeps the backends it had.
+            with _trace_backends():
                 fn = aot(self.body, list(args), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                          partition_fn=self.partitioner)
         except AotUnavailable:

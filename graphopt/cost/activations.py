@@ -365,9 +365,37 @@ class ActivationModel:
 
     def step_activation_bytes(self, saved_bytes: float | None = None, transient: float = 0.0) -> float:
         """Predicted activation memory of a training step (what ``max_memory_allocated`` during
-        forward+backward minus the memory allocated before the forward measures): saved
-        tensors + outputs + the backward working set (+ a recomputation transient)."""
+        forward+backward minus the memory allocated before the forward measures). The eager step
+        (no arguments): :meth:`baseline_walk_bytes`. A plan's: its saved tensors + outputs + the
+        largest backward working set + its recomputation transient (an upper bound: the working
+        set is taken at the moment everything saved is still held)."""
+        if saved_bytes is None and not transient:
+            return self.baseline_walk_bytes()
         return self.held_bytes(saved_bytes) + self.backward_working_bytes() + transient
+
+    def baseline_walk_bytes(self) -> float:
+        """The eager step's activation memory, walked in the order the backward runs: at each
+        node, what is still saved for it and the nodes before it (their backward has not run yet)
+        plus that node's working set; the largest, plus the outputs. A CNN's largest working set
+        comes at the end of its backward (the first layers' gradients), when most saved tensors
+        are gone; a language model's (the logits' gradient) at the start, with everything held."""
+        index = {n: i for i, n in enumerate(self.body)}
+        diff = [0.0] * (len(self.body) + 1)
+        first: dict = {}
+        for n in self.body:
+            for r in self.saved[n]:
+                if r in self.bytes:
+                    first[r] = min(first.get(r, index[n]), index[n])
+        for r, i in first.items():
+            diff[i] += self.bytes[r]
+        for n, b in self.extra.items():
+            if n in index:
+                diff[index[n]] += b
+        live = best = 0.0
+        for p, n in enumerate(self.body):
+            live += diff[p]
+            best = max(best, live + self.node_working_bytes(n))
+        return best + self.output_bytes()
 
     def step_peak_bytes(self, saved_bytes: float | None = None, transient: float = 0.0) -> float:
         """Predicted peak of a training step: parameters, their gradients, inputs, activations."""

@@ -198,7 +198,7 @@ def test_optimizer_on_model_parameters_trains_the_optimized_module():
     args = (torch.randn(16, 32),)
     ref = copy.deepcopy(model)
     keys = list(model.state_dict())
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="sac")
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, checkpoint_backend="sac")
     assert regions(opt)
     assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
     assert list(model.state_dict()) == keys

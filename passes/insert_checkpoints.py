@@ -162,6 +162,8 @@ class Plan:
     recomputed: set | None = None  # the nodes that rerun (AOT accounting: only those backward needs)
     saved_roots: set | None = None  # the storages saved for backward (AOT accounting)
     early: dict = field(default_factory=dict)  # AOT: recomputed nodes rerun early by a recompute chain
+    segments: list = field(default_factory=list)  # AOT: (first, last) region runs under an outer checkpoint
+    walk: dict | None = None  # AOT: the memory walk nest() reads
 
     @property
     def total_bytes(self) -> float:
@@ -415,18 +417,158 @@ class _Selector:
             if n in keep and n not in recomputed and am.extra.get(n, 0.0) > 0 and n in region_of:
                 diff[self.index[n] + 1] += am.extra[n]
         live, grads, peak = 0.0, 0.0, 0.0
+        curve = []
         for p, d in enumerate(diff):
             live += d
             grads += grads_diff[p]
-            peak = max(peak, live + (self.work_pos[p] if p < len(self.work_pos) else 0.0) + grads)
+            curve.append(live + (self.work_pos[p] if p < len(self.work_pos) else 0.0) + grads)
+            peak = max(peak, curve[-1])
         kept_bytes = self.scratch_bytes + sum(saved_at)
-        # the step's fixed part (outputs, the largest working set) is budgeted apart
-        peak = self.scratch_bytes + max(peak - self.working, 0.0)
+        # the step's fixed part (outputs, the largest working set) is budgeted apart: the plan's
+        # total is the walk's peak less that working set, so the transient may be negative (the
+        # largest working set comes when much of what was saved is already freed)
+        peak = self.scratch_bytes + peak - self.working
         keep = set(keep) | {n for n in saved_roots if n in region_of}
-        plan = Plan(keep, regions, kept_bytes, max(peak - kept_bytes, 0.0), extra_s)
+        plan = Plan(keep, regions, kept_bytes, peak - kept_bytes, extra_s)
         plan.recomputed, plan.saved_roots = recomputed, saved_roots
         plan.early = early
+        # what nest() needs: the memory walk, and the bytes saved per (region of the value, region
+        # of its last forward reader) -- a segment covering both drops them until its backward
+        pairs: dict = {}
+        for r in saved_roots:
+            if r in self.index and r in region_of:
+                last = self.last.get(r, len(am.body))
+                j = region_of[am.body[last]] if last < len(am.body) else len(regions)
+                pairs[(region_of[r], max(j, region_of[r]))] = pairs.get((region_of[r], max(j, region_of[r])), 0.0) + am.bytes.get(r, 0.0)
+        for n in am.body:
+            if n in keep and n not in recomputed and am.extra.get(n, 0.0) > 0 and n in region_of:
+                k = region_of[n]
+                pairs[(k, k)] = pairs.get((k, k), 0.0) + am.extra[n]
+        plan.walk = {"curve": curve, "pairs": pairs}
         return plan
+
+    def nest(self, plan: Plan, budget: float, max_len: int = 16) -> Plan | None:
+        """Two-level recomputation for a plan that does not fit: runs of consecutive regions
+        (segments) go under an outer checkpoint, which keeps only the segment's inputs through the
+        forward and, when the backward reaches the segment, reruns the segment's forward (its
+        regions' forward graphs) to get back what those regions save; their own backwards then
+        recompute as before. A segment frees, for every moment of the backward before it is
+        reached, the bytes its regions save for themselves, for one more forward of its nodes.
+        Segments are chosen greedily by memory above the budget removed per second of forward
+        rerun, then trimmed while the plan still fits. None when no segmentation fits."""
+        walk = plan.walk
+        if not walk or not plan.regions:
+            return None
+        am, regions = self.am, plan.regions
+        R = len(regions)
+        curve = torch.tensor(walk["curve"], dtype=torch.float64)
+        limit = budget - self.scratch_bytes + self.working
+        lo = [self.index[r[0]] for r in regions]
+        hi = [self.index[r[-1]] for r in regions]
+        secs = [sum(am.seconds.get(n, 0.0) for n in r) for r in regions]
+        biggest = [max((am.bytes.get(n, 0.0) for n in r if am.root.get(n) is n), default=0.0) for r in regions]
+        pairs = walk["pairs"]
+        n_pos = curve.shape[0]
+
+        saved = plan.saved_roots or set()
+
+        inputs_memo: dict = {}
+        drop_memo: dict = {}
+
+        def held_inputs(a: int, b: int) -> list:
+            """Activations the segment reads from before it that the plan frees after the forward:
+            the outer checkpoint holds every input of its segment until the segment's backward."""
+            if (a, b) in inputs_memo:
+                return inputs_memo[(a, b)]
+            out = {}
+            for r in regions[a:b + 1]:
+                for n in r:
+                    for x in n.all_input_nodes:
+                        x = am.root.get(x, x)
+                        if (x in self.index and self.index[x] < lo[a] and x not in saved and x not in am.outputs
+                                and am.bytes.get(x, 0.0) > 0):
+                            out[x] = am.bytes[x]
+            inputs_memo[(a, b)] = list(out.items())
+            return inputs_memo[(a, b)]
+
+        def drop(a: int, b: int) -> float:
+            if (a, b) not in drop_memo:
+                drop_memo[(a, b)] = (sum(v for (i, j), v in pairs.items() if a <= i and j <= b)
+                                     - sum(v for _, v in held_inputs(a, b)))
+            return drop_memo[(a, b)]
+
+        memo: dict = {}
+
+        def effect(a: int, b: int) -> torch.Tensor:
+            """The change to the walk of segment a..b: its regions' own saved bytes gone after its
+            end (the backward reaches it later); its forward rerun as the backward enters it."""
+            if (a, b) not in memo:
+                d = torch.zeros(n_pos, dtype=torch.float64)
+                d[hi[b] + 1:] -= drop(a, b) + sum(v for _, v in held_inputs(a, b))
+                for x, v in held_inputs(a, b):
+                    d[self.index[x] + 1:] += v
+                d[hi[b]] += max(biggest[a:b + 1])
+                memo[(a, b)] = d
+            return memo[(a, b)]
+
+        def excess(c: torch.Tensor, kept: float) -> float:
+            return float((c - limit).clamp(min=0).sum())
+
+        def fits(c: torch.Tensor, kept: float) -> bool:
+            return float(c.max()) <= limit
+
+        segs: list = []
+        cur = curve.clone()
+        kept = plan.saved_bytes
+        while not fits(cur, kept):
+            base_ex = excess(cur, kept)
+            best = None
+            for a in range(R):
+                for b in range(a, min(R, a + max_len)):
+                    inside = [s for s in segs if a <= s[0] and s[1] <= b]
+                    if any(not (s[1] < a or s[0] > b) for s in segs if s not in inside):
+                        continue  # overlaps a segment partly
+                    if inside == [(a, b)]:
+                        continue
+                    trial = cur + effect(a, b)
+                    for s in inside:
+                        trial -= effect(*s)
+                    trial_kept = kept - drop(a, b) + sum(drop(*s) for s in inside)
+                    gain = base_ex - excess(trial, trial_kept)
+                    dt = sum(secs[a:b + 1]) - sum(sum(secs[s[0]:s[1] + 1]) for s in inside)
+                    if gain <= 0:
+                        continue
+                    score = gain / max(dt, 1e-9)
+                    if best is None or score > best[0]:
+                        best = (score, (a, b), inside, trial, trial_kept)
+            if best is None:
+                return None
+            _, seg, inside, cur, kept = best
+            segs = sorted([s for s in segs if s not in inside] + [seg])
+        # trim: shrink each segment from either end while the plan still fits
+        changed = True
+        while changed:
+            changed = False
+            for k, (a, b) in enumerate(list(segs)):
+                for na, nb in ((a + 1, b), (a, b - 1)):
+                    if na > nb:
+                        trial, trial_kept = cur - effect(a, b), kept + drop(a, b)
+                    else:
+                        trial = cur - effect(a, b) + effect(na, nb)
+                        trial_kept = kept + drop(a, b) - drop(na, nb)
+                    if fits(trial, trial_kept):
+                        cur, kept = trial, trial_kept
+                        segs[k] = (na, nb)
+                        changed = True
+                        break
+            segs = [s for s in segs if s[0] <= s[1]]
+        peak = self.scratch_bytes + float(cur.max()) - self.working
+        out = Plan(plan.keep, regions, kept, peak - kept, plan.extra_s + sum(sum(secs[a:b + 1]) for a, b in segs),
+                   plan.crossing_bytes, list(plan.notes), plan.recomputed, plan.saved_roots, plan.early)
+        out.segments = segs
+        out.notes.append(f"two-level recomputation: {len(segs)} segment(s) of consecutive regions run under an outer "
+                         "checkpoint (their forward reruns once more in backward) to fit the budget")
+        return out
 
     def account(self, keep: set, regions: list) -> Plan:
         """Memory and time of keeping ``keep`` with these region cuts."""
@@ -508,6 +650,7 @@ class _Selector:
         order = self.order()
         all_keep = set(n for n in self.am.body if n not in self.forced_recompute)
         best_fit, minimum = None, None
+        smallest: list = []  # each region size's sampled plans (smallest first): where two-level recomputation starts
         n = len(order)
         grid = sorted({round(n * i / 16) for i in range(17)})
         for cap in caps:
@@ -518,6 +661,9 @@ class _Selector:
             low = min((p for _, p in sampled), key=lambda p: p.total_bytes)
             if minimum is None or low.total_bytes < minimum.total_bytes:
                 minimum = low
+            # every sampled plan may start a two-level plan: the cheapest may recompute little itself
+            # and leave the memory to the outer checkpoints
+            smallest.extend(sorted((p for _, p in sampled), key=lambda p: p.total_bytes))
             fits = [k for k, p in sampled if p.total_bytes <= budget]
             if not fits:
                 continue
@@ -535,9 +681,24 @@ class _Selector:
                 best_fit = plan
         if best_fit is not None:
             best_fit = self.refine(best_fit, budget)
+        if best_fit is None and self.aot:
+            # no plan of one level fits: run consecutive regions under an outer checkpoint
+            for p in smallest:
+                nested = self.nest(p, budget)
+                if nested is not None and (best_fit is None or nested.extra_s < best_fit.extra_s):
+                    best_fit = nested
         if best_fit is None:
             base = self.am.step_activation_bytes()
             low = minimum.total_bytes + offset
+            if self.aot and smallest:  # the smallest two-level plan: bisect the budget nest() can meet
+                lo_b, hi_b = 0.0, min(p.total_bytes for p in smallest)
+                for _ in range(10):
+                    mid = (lo_b + hi_b) / 2
+                    if any(self.nest(p, mid) is not None for p in smallest):
+                        hi_b = mid
+                    else:
+                        lo_b = mid
+                low = min(low, hi_b + offset)
             raise BudgetError(
                 f"memory budget {format_bytes(budget + offset)} is below the achievable minimum "
                 f"{format_bytes(low)} ({low / base:.3f} of the baseline activation memory {format_bytes(base)}: "
@@ -563,11 +724,62 @@ def _region_cost(ctx: PassContext, nodes: list, keep: set) -> dict:
     return total
 
 
+_REGION = "graphopt_ckpt_region"  # node meta: the plan region a node (or its rewritten call) came from
+
+
+def _boundary(nodes: list) -> tuple:
+    """(set of nodes, the values they read from outside in first-use order, the nodes read outside)."""
+    inside = set(nodes)
+    inputs: list = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    return inside, inputs, [n for n in nodes if any(u not in inside for u in n.users)]
+
+
+def _call_replacing(gm: fx.GraphModule, name: str, nodes: list, inputs: list, outputs: list, inside: set,
+                    movers: tuple = (), source: bool = False) -> fx.Node:
+    """Insert ``name(*inputs)`` after ``nodes``, one getitem per output in their place (``movers``
+    after them), and erase ``nodes``. ``source``: each getitem records the node it stands for."""
+    with gm.graph.inserting_after(nodes[-1]):
+        call = gm.graph.call_module(name, tuple(inputs))
+    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    if _REGION in nodes[0].meta:
+        call.meta[_REGION] = nodes[0].meta[_REGION]
+    getters = []
+    prev = call
+    for i, o in enumerate(outputs):
+        with gm.graph.inserting_after(prev):
+            prev = gm.graph.call_function(operator.getitem, (call, i))
+        prev.meta = dict(o.meta)
+        if source:
+            prev.meta["ckpt_source"] = o.name  # the captured node this region output stands for
+        getters.append(prev)
+    for n in movers:
+        prev.append(n)
+        prev = n
+    for o, gi in zip(outputs, getters):
+        o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(nodes):
+        gm.graph.erase_node(n)
+    return call
+
+
+def _placeholders(g: fx.Graph, inputs: list) -> dict:
+    env = {}
+    for a in inputs:
+        p = g.placeholder(a.name)
+        p.meta = dict(a.meta)
+        env[a] = p
+    return env
+
+
 def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassContext,
              selective: bool | None = None, make_module=None) -> fx.Node:
     """Replace ``nodes`` (contiguous in topological order) by one call of a CheckpointRegion
     (or of ``make_module(body, inputs)``'s module: the AOT backend's whole-graph body)."""
-    inside = set(nodes)
+    inside, inputs, outputs = _boundary(nodes)
     # nodes interleaved with the region but not in it (export's _guards_fn) that read its values
     # move after it; one the region itself reads back would make a cycle: leave the region alone
     order = list(gm.graph.nodes)
@@ -580,12 +792,6 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     if any(u in inside for n in closure for u in n.users):
         return None
     movers = [n for n in order[lo:hi] if n in closure]
-    inputs: list = []
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     mutated = set()
     for n in nodes:
         mutated.update(a for a in _mutated_args(n) if a not in inside)
@@ -597,11 +803,7 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
     else:
         owned = []
     g = fx.Graph()
-    env = {}
-    for a in inputs:
-        p = g.placeholder(a.name)
-        p.meta = dict(a.meta)
-        env[a] = p
+    env = _placeholders(g, inputs)
     for a in owned:
         env[a] = g.node_copy(a)
     state = None
@@ -622,24 +824,34 @@ def _extract(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: PassCon
                                   [n.name for n in nodes if n in keep], [n.name for n in nodes if n not in keep],
                                   cost, selective)
     gm.add_submodule(name, region)
-    with gm.graph.inserting_after(nodes[-1]):
-        call = gm.graph.call_module(name, tuple(inputs))
-    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-    getters = []
-    prev = call
-    for i, o in enumerate(outputs):
-        with gm.graph.inserting_after(prev):
-            prev = gm.graph.call_function(operator.getitem, (call, i))
-        prev.meta = dict(o.meta)
-        prev.meta["ckpt_source"] = o.name  # the captured node this region output stands for
-        getters.append(prev)
-    for n in movers:
-        prev.append(n)
-        prev = n
-    for o, gi in zip(outputs, getters):
-        o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in inside)
-    for n in reversed(nodes):
-        gm.graph.erase_node(n)
+    return _call_replacing(gm, name, nodes, inputs, outputs, inside, movers, source=True)
+
+
+class OuterCheckpoint(CheckpointRegion):
+    """A segment of regions under a plain non-reentrant checkpoint (two-level recomputation): the
+    forward keeps only the segment's inputs; the backward reruns the segment's forward (its AOT
+    regions' forward graphs save their values again) and the regions' own backwards follow.
+    Buffers the segment updates are swapped for scratch copies in the rerun (CheckpointRegion)."""
+
+
+def _outer_region(gm: fx.GraphModule, nodes: list, mutated: list, name: str, cost: dict) -> fx.Node:
+    """Replace ``nodes`` (a contiguous run of the graph, less its placeholders and attributes,
+    so nothing outside both reads and feeds it) by one OuterCheckpoint call; its body calls the
+    same submodules (AOT regions) the nodes called."""
+    inside, inputs, outputs = _boundary(nodes)
+    g = fx.Graph()
+    env = _placeholders(g, inputs)
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[o] for o in outputs))
+    body = fx.GraphModule(gm, g, class_name="OuterBody")
+    region = OuterCheckpoint(body, tuple(i for i, a in enumerate(inputs) if a in set(mutated)), [],
+                             [n.name for n in nodes], cost, False)
+    gm.add_submodule(name, region)
+    call = _call_replacing(gm, name, nodes, inputs, outputs, inside)
+    for n in nodes:  # the region calls now live in the outer body only
+        if n.op == "call_module" and not any(m.op == "call_module" and m.target == n.target for m in gm.graph.nodes):
+            gm.delete_submodule(n.target)
     return call
 
 
@@ -924,7 +1136,7 @@ class InsertCheckpoints(Pass):
     def _plan_details(am: ActivationModel, plan: Plan) -> dict:
         return dict(
             predicted_saved_bytes=plan.saved_bytes,
-            recompute_transient_bytes=plan.transient_bytes,
+            recompute_transient_bytes=max(plan.transient_bytes, 0.0),
             region_input_bytes=plan.crossing_bytes,
             predicted_held_bytes=am.held_bytes(plan.saved_bytes),
             predicted_activation_bytes=am.step_activation_bytes(plan.saved_bytes, plan.transient_bytes),
@@ -964,6 +1176,9 @@ class InsertCheckpoints(Pass):
         frees, fallbacks = True, []
         details["selective_regions"] = 0
         fuse = _training_fuser(ctx) if pointwise else None
+        for i, nodes in enumerate(plan.regions):
+            for n in nodes:
+                n.meta[_REGION] = i
         for i, nodes in enumerate(plan.regions):
             rerun = [n for n in nodes if n not in plan.keep]
             if not rerun and not every_region:
@@ -1032,6 +1247,8 @@ class InsertCheckpoints(Pass):
                            -sum(am.seconds[n] for n in rerun))
         if totals["regions"] == 0 and not fallbacks:
             raise aot.AotUnavailable("no region recomputes anything")
+        if plan.segments:
+            self._wrap_segments(gm, ctx, am, plan, res, details)
         details.update(
             regions=totals["regions"] + details.get("selective_regions", 0),
             aot_regions=totals["regions"],
@@ -1057,6 +1274,43 @@ class InsertCheckpoints(Pass):
             res.notes.append(f"{totals['untagged']} joint-graph value(s) with no captured counterpart "
                              "saved (as default_partition would)")
         gm.recompile()
+
+    def _wrap_segments(self, gm, ctx: PassContext, am: ActivationModel, plan: Plan, res: PassResult, details: dict) -> None:
+        """Two-level recomputation: each segment (a run of the plan's regions, now AOT region
+        calls, selective-checkpoint calls or nodes left as they were) becomes one plain
+        checkpoint region around them (``OuterCheckpoint``)."""
+        rows = []
+        for k, (a, b) in enumerate(plan.segments):
+            order = list(gm.graph.nodes)
+            where = [i for i, n in enumerate(order) if a <= n.meta.get(_REGION, -1) <= b]
+            if not where:
+                continue
+            nodes = [n for n in order[where[0]:where[-1] + 1] if n.op not in ("placeholder", "get_attr", "output")]
+            mutated = []
+            for n in nodes:
+                if n.op == "call_module":
+                    sub = gm.get_submodule(n.target)
+                    pos = sub.partitioner.mutated if isinstance(sub, aot.AotRecompute) else getattr(sub, "mutated", ())
+                    mutated.extend(n.args[i] for i in pos)
+                else:
+                    mutated.extend(_mutated_args(n))
+            secs = sum(am.seconds.get(n, 0.0) for r in plan.regions[a:b + 1] for n in r)
+            cost = {"flops": 0.0, "bytes": 0.0, "launches": 0, "time_s": 0.0, "recompute_s": secs}
+            for n in nodes:  # what the segment's calls and nodes cost, plus the forward rerun
+                inner = getattr(gm.get_submodule(n.target), "cost", None) if n.op == "call_module" else None
+                if isinstance(inner, dict) and "time_s" in inner:
+                    for key in cost:
+                        cost[key] += inner.get(key, 0.0)
+                else:
+                    c = ctx.cost.node_cost(n)
+                    for key, v in (("flops", c.flops), ("bytes", c.bytes), ("time_s", c.time_s)):
+                        cost[key] += float(ir.concrete(v, ctx.hints))
+                    cost["launches"] += int(c.launches)
+            call = _outer_region(gm, nodes, mutated, f"ckpt_outer_{k}", cost)
+            rows.append({"regions": [a, b], "forward_rerun_ms": secs * 1e3})
+            res.record(f"outer checkpoint over regions {a}-{b} (their forward reruns once in backward; only the "
+                       "segment's inputs are held through the forward)", [n.name for n in nodes][:6], [call], -secs)
+        details["segments"] = rows
 
     def _sac_regions(self, gm, ctx, am: ActivationModel, plan: Plan, res: PassResult, details: dict, regions: list,
                      prefix: str = "ckpt_region_") -> None:

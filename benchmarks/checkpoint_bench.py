@@ -195,6 +195,58 @@ def measure(stepper, warmup, reps):
     return act, after, statistics.median(step_ms(stepper, reps, cuda))
 
 
+def kernel_profile(stepper, top=25, with_stack=False):
+    """One step under torch.profiler: device time by kernel name and by the ATen op that launched it
+    (ms, calls), largest first, and the total. Shows where a plan's extra time goes (recomputed
+    convolutions, BatchNorm kernels, layout copies...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack) as prof:
+        stepper()
+        torch.cuda.synchronize()
+    rows: dict = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        r = rows.setdefault(e.name[:160], [0.0, 0])
+        r[0] += e.device_time / 1e3  # device_time: microseconds
+        r[1] += 1
+    total = sum(v[0] for v in rows.values())
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
+    # CUDA runtime calls on the host (a synchronize or a cudaMalloc stalls the queue: the GPU idles)
+    runtime: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda") and "Launch" not in e.name:
+            r = runtime.setdefault(e.name, [0.0, 0])
+            r[0] += e.cpu_time_total / 1e3
+            r[1] += 1
+    # idle gaps on the GPU (> 20 us between one kernel's end and the next's start), by the kernel
+    # that came late: where the host, not the device, set the pace
+    launched = sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps: dict = {}
+    idle = 0.0
+    for (s0, e0, _), (s1, _, op) in zip(launched, launched[1:]):
+        g = (s1 - e0) / 1e3
+        if g > 0.02:
+            idle += g
+            r = gaps.setdefault(op, [0.0, 0])
+            r[0] += g
+            r[1] += 1
+    ops = sorted(((a.key, a.self_device_time_total / 1e3, a.count) for a in prof.key_averages()
+                  if a.self_device_time_total > 0 and a.key.startswith("aten::")), key=lambda t: -t[1])[:top]
+    return {"total_ms": total, "kernels": [{"name": k, "ms": v[0], "calls": v[1]} for k, v in ranked],
+            "ops": [{"name": k, "ms": ms, "calls": c} for k, ms, c in ops],
+            "runtime": [{"name": k, "host_ms": v[0], "calls": v[1]} for k, v in sorted(runtime.items(), key=lambda kv: -kv[1][0])],
+            "idle_ms": idle,
+            # where the host's time goes (self CPU time by event: ATen ops, autograd nodes, hooks)
+            "host": [{"name": a.key[:120], "ms": a.self_cpu_time_total / 1e3, "calls": a.count}
+                     for a in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]],
+            "host_total_ms": sum(a.self_cpu_time_total for a in prof.key_averages()) / 1e3,
+            "gaps_before": [{"name": k, "ms": v[0], "gaps": v[1]} for k, v in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
 def one_step_grads(fn, args, params, grads_out, seed=0):
     for p in params:
         p.grad = None
@@ -276,6 +328,8 @@ def run_budget_config(name, build, reference, budget, args, device):
     eager = Stepper(model, inputs, params)
     act, after, ms = measure(eager, args.warmup, args.reps)
     row["eager"] = {"activation_gb": gb(act), "after_forward_gb": gb(after), "ms": ms}
+    if args.profile and device.type == "cuda":
+        row["eager"]["profile"] = kernel_profile(eager)
     log(f"[{name}] eager: activations {gb(act)} GB, {ms:.2f} ms/step")
     grads_out = eager.grads_out
     ref_outs, ref_grads = one_step_grads(model, inputs, params, grads_out)
@@ -343,6 +397,9 @@ def run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol
     stepper = Stepper(opt, inputs, params)
     stepper.grads_out = grads_out
     act_g, after_g, ms_g = measure(stepper, args.warmup, args.reps)
+    prof = kernel_profile(stepper) if args.profile and torch.cuda.is_available() else None
+    if prof is not None:  # the host's time by Python function too (the tracer slows the step: relative only)
+        prof["host_traced"] = kernel_profile(stepper, with_stack=True)["host"]
     g_outs, g_grads = one_step_grads(opt, inputs, params, grads_out)
     check = compare(g_outs, g_grads, ref_outs, ref_grads, tol, ref64)
     out = {
@@ -361,7 +418,10 @@ def run_backend(name, model, inputs, params, grads_out, ref_outs, ref_grads, tol
         "aot_saved_gb": gb(d.get("aot_saved_bytes")),
         "aot_recomputed_ops": d.get("aot_recomputed_ops"),
         "check": check,
+        "segments": d.get("segments"),
     }
+    if prof is not None:
+        out["profile"] = prof
     if eager_act_gb:
         out["memory_ratio"] = act_g / 1e9 / eager_act_gb
     if act_g and out["predicted_activation_gb"]:
@@ -581,7 +641,10 @@ def markdown(result):
                 notes = (f"budget {r['budget']} = {_f(g['budget_gb'])} GB of predicted {_f(g['predicted_baseline_activation_gb'])} GB "
                          f"step activations (saved {_f(g['predicted_baseline_saved_gb'])} GB); {within}"
                          f"predicted saved {_f(g['predicted_saved_gb'])} + transient {_f(g['predicted_transient_gb'])} GB; "
-                         f"{aot_note}predicted +{_f(g['predicted_extra_ms'], '{:.1f}')} ms; {g['regions']} regions; optimize "
+                         f"{aot_note}predicted +{_f(g['predicted_extra_ms'], '{:.1f}')} ms; {g['regions']} regions; "
+                         + (f"outer checkpoints over regions {', '.join(f'{a}-{b}' for a, b in (x['regions'] for x in g['segments']))}; "
+                            if g.get("segments") else "")
+                         + f"optimize "
                          f"{_f(g['optimize_s'], '{:.1f}')} s; check {'passed' if g['check']['passed'] else 'FAILED'} "
                          f"(worst grad rel err vs eager {g['check']['worst_grad_rel_err']:.2e}"
                          + (f"; gradient RMSE vs fp64 {g['check']['grad_rmse_vs_fp64']:.3e}, eager's "
@@ -593,6 +656,28 @@ def markdown(result):
                              f"{_f(g.get('memory_ratio'))} | {_f(g['after_forward_gb'], '{:.3f}')} ({_f(g['predicted_held_gb'], '{:.3f}')}) | "
                              f"{_f(g['ms'])} | {_f(g['time_ratio'], '{:.3f}')} | {notes} |")
         lines.append("")
+        for r in result["budget_configs"]:
+            profiled = [("eager", r["eager"].get("profile"))] + [(f"graphopt ({g['backend']})", g.get("profile"))
+                                                                 for g in r["graphopt"] if "error" not in g]
+            for label, prof in profiled:
+                if not prof:
+                    continue
+                lines += ["", f"{r['config']}, {label}: device time by kernel in one step ({prof['total_ms']:.2f} ms in all)", "",
+                          "| kernel | calls | ms |", "| --- | ---: | ---: |"]
+                lines += [f"| `{k['name']}` | {k['calls']} | {k['ms']:.2f} |" for k in prof["kernels"][:15]]
+                if prof.get("ops"):
+                    lines += ["", f"{r['config']}, {label}: device time by ATen op (self)", "", "| op | calls | ms |",
+                              "| --- | ---: | ---: |"]
+                    lines += [f"| `{k['name']}` | {k['calls']} | {k['ms']:.2f} |" for k in prof["ops"][:15]]
+                if prof.get("gaps_before"):
+                    lines += ["", f"{r['config']}, {label}: GPU idle gaps over 20 us ({prof['idle_ms']:.2f} ms in all), by the "
+                              "kernel after the gap", "", "| kernel | gaps | ms |", "| --- | ---: | ---: |"]
+                    lines += [f"| `{k['name']}` | {k['gaps']} | {k['ms']:.2f} |" for k in prof["gaps_before"][:12]]
+                if prof.get("runtime"):
+                    lines += ["", f"{r['config']}, {label}: CUDA runtime calls on the host (not launches)", "",
+                              "| call | calls | host ms |", "| --- | ---: | ---: |"]
+                    lines += [f"| `{k['name']}` | {k['calls']} | {k['host_ms']:.2f} |" for k in prof["runtime"][:10]]
+            lines.append("")
     for diag in result.get("diagnostics", []):
         lines += ["", f"GLM gradient numerics ({diag['config']}, batch {diag['batch']}, seq {diag['seq_len']}): relative L2 "
                   "error of the parameter gradients, all parameters together (global) and the worst parameter with "
@@ -641,6 +726,8 @@ def main(argv=None):
                     help="memory budget for the budget configs (default: resnet50 0.4, glm4 0.3; --tiny 0.97 / 0.7)")
     ap.add_argument("--fp64-check", action="store_true",
                     help="fp32 configs: also judge the gradients by the accuracy rule against an fp64 copy's")
+    ap.add_argument("--profile", action="store_true",
+                    help="on a GPU: device time by kernel for one eager and one graphopt step (in the JSON and Markdown)")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the reference row (checkpoint_sequential / Hugging Face per-layer checkpointing)")
     args = ap.parse_args(argv)

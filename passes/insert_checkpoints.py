@@ -13,9 +13,12 @@ tensors, outputs and the backward's working set — or bytes).
    GEMMs/convolutions, attention last — until the outputs, the backward's working set, the
    predicted saved bytes and the recomputation transient fit the budget. For the aot backend a
    plan is priced as its backward runs (``_Selector.account_needed``: only the recomputation a
-   backward formula needs costs time; saved values are those the backward reads). The graph
-   outputs are always kept (the caller holds them). If recomputing everything allowed cannot
-   fit, ``BudgetError`` states the minimum.
+   backward formula needs costs time; saved values are those the backward reads; its memory is
+   a walk over the backward in the order it runs). The graph outputs are always kept (the caller
+   holds them). When no such plan fits, runs of consecutive regions go under an outer
+   checkpoint that keeps only their inputs and reruns their forward in backward
+   (``_Selector.nest``, ``OuterCheckpoint``: two-level recomputation). If that cannot fit
+   either, ``BudgetError`` states the minimum.
 3. Rewrite, two backends (``options["checkpoint_backend"]``: "auto" | "aot" | "sac"):
 
    * aot (the default where it works; :mod:`graphopt.passes._aot_recompute`): each region of
@@ -24,7 +27,7 @@ tensors, outputs and the backward's working set — or bytes).
      always kept: dropout masks are saved, never redrawn) and recomputes the rest as copies in
      the backward graph; forward and backward run as plain generated ATen code. "auto" falls back
      to sac, with the reason in the report, when the torch helpers are missing, the graph does
-     not trace, or the budget needs a random op recomputed.
+     not trace, or the budget needs a random op recomputed and no two-level plan fits.
    * sac: the graph is cut into regions at points where nothing but kept tensors crosses (so
      checkpoint's own hold on a region's inputs costs nothing extra); each region becomes a
      sub-GraphModule called through ``torch.utils.checkpoint.checkpoint(use_reentrant=False,

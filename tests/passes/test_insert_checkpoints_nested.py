@@ -109,3 +109,45 @@ def test_outer_segments_keep_gradients_and_running_stats_and_free_memory(monkeyp
     # BatchNorm statistics updated once per step, as eager's (the rerun updates scratch copies)
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(b, c, msg=name)
+
+
+def test_compiled_forward_runs_fp32_cuda_training_batchnorm_on_cudnn():
+    """The rewrite of a compiled forward graph (checked on fake CUDA tensors: no GPU needed): one
+    cudnn_batch_norm whose output, mean and inverse std keep their readers, and whose running
+    statistics are copies of the buffers it updated; CPU or bf16 BatchNorms stay."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not torch.backends.cudnn.is_available():
+        pytest.skip("this torch has no cuDNN")
+    aten = torch.ops.aten
+
+    def graph(device, dtype):
+        g = fx.Graph()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            vals = [torch.empty(8, 16, 4, 4, device=device, dtype=dtype)] + [
+                torch.empty(16, device=device, dtype=dtype) for _ in range(4)]
+        ph = []
+        for name, v in zip(("x", "w", "b", "rm", "rv"), vals):
+            p = g.placeholder(name)
+            p.meta["val"] = v
+            ph.append(p)
+        bn = g.call_function(aten._native_batch_norm_legit_functional.default, (*ph, True, 0.1, 1e-5))
+        outs = [g.call_function(operator.getitem, (bn, i)) for i in range(5)]
+        g.output((outs[3], outs[4], outs[0], outs[1], outs[2]))
+        return fx.GraphModule(torch.nn.Module(), g), ph
+
+    gm, ph = graph("cuda", torch.float32)
+    assert aot.cudnn_training_bn(gm) == 1
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert [n.target for n in calls] == [aten.clone.default, aten.clone.default, aten.cudnn_batch_norm.default]
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    # the running statistics: copies of the buffers, updated by cuDNN and returned (the inputs stay untouched)
+    assert out[0] is calls[0] and out[1] is calls[1] and calls[0].args == (ph[3],) and calls[1].args == (ph[4],)
+    assert calls[2].args[3:5] == (calls[0], calls[1])
+    assert [(a.args[0], a.args[1]) for a in out[2:]] == [(calls[2], 0), (calls[2], 1), (calls[2], 2)]
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        gm, _ = graph(device, dtype)
+        assert aot.cudnn_training_bn(gm) == 0

@@ -34,6 +34,14 @@ precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
 case "$1" in
+s8f)
+  # ResNet-50 two-level plans with the compiled forwards' BatchNorms on cuDNN: 0.4 (fp64 gradient check) and 0.35
+  lscpu | grep -i "model name" | head -1
+  P=convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints
+  timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.4 --fp64-check \
+    --profile --no-reference --passes $P 2>&1 | quiet | grep "^| resnet50 | \|rror" | head -3; echo "### 0.4 ${SECONDS}s"
+  timeout $((570 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.35 \
+    --no-reference --passes $P 2>&1 | quiet | grep "^| resnet50 | graphopt\|rror" | head -3; echo "### 0.35 ${SECONDS}s" ;;
 s8e)
   # host time of two-level plans: 0.4 (16 regions, slow) against 0.35 (9 regions), CPU-side profile of one step
   P=convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints

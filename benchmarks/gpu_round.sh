@@ -33,43 +33,32 @@ models() {
 precision() {
   timeout $((570 - SECONDS)) python3 benchmarks/precision_bench.py --out "$OUT" --reps 15 2>&1 | quiet | grep "^|\|^-" | tail -10
 }
+# checkpoint_bench on ResNet-50 bs128 with channels_last + fused AOT graphs: rn BUDGET TIMEOUT [more arguments]
+rn() {
+  timeout $2 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget $1 \
+    --passes convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints "${@:3}" 2>&1 | quiet \
+    | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
+}
 case "$1" in
 s8f)
   # ResNet-50 two-level plans with the compiled forwards' BatchNorms on cuDNN: 0.4 (fp64 gradient check) and 0.35
   lscpu | grep -i "model name" | head -1
-  P=convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints
-  timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.4 --fp64-check \
-    --profile --no-reference --passes $P 2>&1 | quiet | grep "^| resnet50 | \|rror" | head -3; echo "### 0.4 ${SECONDS}s"
-  timeout $((570 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.35 \
-    --no-reference --passes $P 2>&1 | quiet | grep "^| resnet50 | graphopt\|rror" | head -3; echo "### 0.35 ${SECONDS}s" ;;
+  rn 0.4 200 --fp64-check --profile --no-reference
+  rn 0.35 $((570 - SECONDS)) --no-reference ;;
 s8e)
   # host time of two-level plans: 0.4 (16 regions, slow) against 0.35 (9 regions), CPU-side profile of one step
-  P=convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints
-  for b in 0.4 0.35; do
-    timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget $b --reps 5 \
-      --profile --no-reference --passes $P 2>&1 | quiet | grep "^| resnet50 | graphopt\|rror" | head -3; echo "### $b ${SECONDS}s"
-  done ;;
+  for b in 0.4 0.35; do rn $b 200 --reps 5 --profile --no-reference; done ;;
 s8d)
-  # final: checkpoint cuda tests; ResNet-50 bs128 fp32 at 0.4 (fp64 gradient check, profile) and 0.35 with the walked
-  # baseline and two-level plans; the GLM decoder at 0.3 (fused AOT) after this round's changes
-  timeout 120 python3 -m pytest -m cuda tests/passes/test_insert_checkpoints_aot.py tests/passes/test_insert_checkpoints_glm.py \
-    tests/passes/test_insert_checkpoints_nested.py -q -p no:cacheprovider -W ignore --tb=short 2>&1 | grep -E "passed|failed|Error" | tail -4
-  echo "### tests ${SECONDS}s"
-  P=convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints
-  timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.4 --fp64-check \
-    --profile --passes $P 2>&1 | quiet | grep "^| resnet50 | \|rror" | head -4; echo "### 0.4 ${SECONDS}s"
-  timeout 150 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.35 --no-reference \
-    --passes $P 2>&1 | quiet | grep "^| resnet50 | graphopt\|rror" | head -3; echo "### 0.35 ${SECONDS}s"
+  # final: ResNet-50 bs128 fp32 at 0.4 (fp64 gradient check, profile) and 0.35 with the walked baseline and
+  # two-level plans; the GLM decoder at 0.3 (fused AOT) after this round's changes
+  rn 0.4 200 --fp64-check --profile
+  rn 0.35 150 --no-reference
   F=fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints
   timeout $((580 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 --backend aot --budget 0.3 \
     --passes $F --no-reference 2>&1 | quiet | grep "^| glm\|rror" | tail -3; echo "### glm 0.3 ${SECONDS}s" ;;
 s8c)
   # ResNet-50 two-level plans (kernel/op/runtime-call profiles) at the budgets in $2 (default 0.4 0.38)
-  P=convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints
-  for b in ${2:-0.4 0.38}; do
-    timeout 200 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget $b --reps 5 \
-      --profile --no-reference --passes $P 2>&1 | quiet | grep "^| resnet50 | graphopt\|rror\|idle" | head -5; echo "### $b ${SECONDS}s"
-  done ;;
+  for b in ${2:-0.4 0.38}; do rn $b 200 --reps 5 --profile --no-reference; done ;;
 s8b)
   # where a checkpointed ResNet-50 step's time goes: kernel and ATen-op profiles of channels_last + fusion alone and
   # with two-level AOT recomputation at 0.36
@@ -81,14 +70,10 @@ s8b)
   echo "### 0.36 ${SECONDS}s" ;;
 s8a)
   # ResNet-50 bs128 fp32 training with two-level recomputation (outer checkpoints over runs of AOT regions):
-  # channels_last + fused AOT at 0.36 (fp64 gradient check, kernel profile of both steps) and 0.4; the checkpoint tests
-  timeout 120 python3 -m pytest -m cuda tests/passes/test_insert_checkpoints_aot.py tests/passes/test_insert_checkpoints_glm.py \
-    -q -p no:cacheprovider -W ignore --tb=short 2>&1 | grep -E "passed|failed|Error" | tail -4; echo "### tests ${SECONDS}s"
-  P=convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints
-  timeout 240 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.36 --fp64-check \
-    --profile --no-reference --passes $P 2>&1 | quiet | grep "^| resnet\|^| \`\|rror\|in all" | head -60; echo "### 0.36 ${SECONDS}s"
-  timeout $((570 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.4 \
-    --no-reference --passes $P 2>&1 | quiet | grep "^| resnet\|rror" | tail -3; echo "### 0.4 ${SECONDS}s" ;;
+  # channels_last + fused AOT at 0.36 (fp64 gradient check, kernel profile of both steps) and 0.4 (the checkpoint tests
+  # have no cuda-marked tests: the -m cuda run this step first made selected none)
+  rn 0.36 240 --fp64-check --profile --no-reference
+  rn 0.4 $((570 - SECONDS)) --no-reference ;;
 s7g)
   # why fused AOT training stages were slower: a stage-0-like module (embedding + 4 GLM layers, bs2 seq1024)
   timeout 400 python3 benchmarks/diag_stage_fusion.py 2>&1 | quiet | grep -v "^$" | tail -60; echo "### stage ${SECONDS}s" ;;

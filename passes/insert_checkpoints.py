@@ -441,8 +441,8 @@ class _Selector:
         for r in saved_roots:
             if r in self.index and r in region_of:
                 last = self.last.get(r, len(am.body))
-                j = region_of[am.body[last]] if last < len(am.body) else len(regions)
-                pairs[(region_of[r], max(j, region_of[r]))] = pairs.get((region_of[r], max(j, region_of[r])), 0.0) + am.bytes.get(r, 0.0)
+                key = (region_of[r], max(region_of[am.body[last]] if last < len(am.body) else len(regions), region_of[r]))
+                pairs[key] = pairs.get(key, 0.0) + am.bytes.get(r, 0.0)
         for n in am.body:
             if n in keep and n not in recomputed and am.extra.get(n, 0.0) > 0 and n in region_of:
                 k = region_of[n]
@@ -476,7 +476,7 @@ class _Selector:
         saved = plan.saved_roots or set()
 
         inputs_memo: dict = {}
-        drop_memo: dict = {}
+        own_memo: dict = {}
 
         def held_inputs(a: int, b: int) -> list:
             """Activations the segment reads from before it that the plan frees after the forward:
@@ -494,11 +494,15 @@ class _Selector:
             inputs_memo[(a, b)] = list(out.items())
             return inputs_memo[(a, b)]
 
+        def own(a: int, b: int) -> float:
+            """Bytes the segment's regions save for themselves (made and last read inside it)."""
+            if (a, b) not in own_memo:
+                own_memo[(a, b)] = sum(v for (i, j), v in pairs.items() if a <= i and j <= b)
+            return own_memo[(a, b)]
+
         def drop(a: int, b: int) -> float:
-            if (a, b) not in drop_memo:
-                drop_memo[(a, b)] = (sum(v for (i, j), v in pairs.items() if a <= i and j <= b)
-                                     - sum(v for _, v in held_inputs(a, b)))
-            return drop_memo[(a, b)]
+            """What the segment takes off the bytes held after the forward."""
+            return own(a, b) - sum(v for _, v in held_inputs(a, b))
 
         memo: dict = {}
 
@@ -507,24 +511,21 @@ class _Selector:
             end (the backward reaches it later); its forward rerun as the backward enters it."""
             if (a, b) not in memo:
                 d = torch.zeros(n_pos, dtype=torch.float64)
-                d[hi[b] + 1:] -= drop(a, b) + sum(v for _, v in held_inputs(a, b))
-                for x, v in held_inputs(a, b):
+                d[hi[b] + 1:] -= own(a, b)
+                for x, v in held_inputs(a, b):  # held from where it is made on
                     d[self.index[x] + 1:] += v
                 d[hi[b]] += max(biggest[a:b + 1])
                 memo[(a, b)] = d
             return memo[(a, b)]
 
-        def excess(c: torch.Tensor, kept: float) -> float:
+        def excess(c: torch.Tensor) -> float:
             return float((c - limit).clamp(min=0).sum())
-
-        def fits(c: torch.Tensor, kept: float) -> bool:
-            return float(c.max()) <= limit
 
         segs: list = []
         cur = curve.clone()
-        kept = plan.saved_bytes
-        while not fits(cur, kept):
-            base_ex = excess(cur, kept)
+        kept = plan.saved_bytes  # held after the forward
+        while float(cur.max()) > limit:
+            base_ex = excess(cur)
             best = None
             for a in range(R):
                 for b in range(a, min(R, a + max_len)):
@@ -537,7 +538,7 @@ class _Selector:
                     for s in inside:
                         trial -= effect(*s)
                     trial_kept = kept - drop(a, b) + sum(drop(*s) for s in inside)
-                    gain = base_ex - excess(trial, trial_kept)
+                    gain = base_ex - excess(trial)
                     dt = sum(secs[a:b + 1]) - sum(sum(secs[s[0]:s[1] + 1]) for s in inside)
                     if gain <= 0:
                         continue
@@ -559,7 +560,7 @@ class _Selector:
                     else:
                         trial = cur - effect(a, b) + effect(na, nb)
                         trial_kept = kept + drop(a, b) - drop(na, nb)
-                    if fits(trial, trial_kept):
+                    if float(trial.max()) <= limit:
                         cur, kept = trial, trial_kept
                         segs[k] = (na, nb)
                         changed = True

@@ -124,7 +124,9 @@ def test_memory_held_after_the_forward_fits_the_budget(name, budget):
     ours = held_after_forward(opt, args)
     assert eager == pytest.approx(d["baseline_held_bytes"], rel=0.15)
     assert ours <= d["budget_bytes"] * 1.15 and ours < eager
-    assert ours == pytest.approx(d["aot_saved_bytes"] + d["output_bytes"], rel=0.15)
+    assert ours == pytest.approx(d["predicted_held_bytes"], rel=0.15)
+    if not d.get("segments"):  # one level: what the AOT forwards save is what stays (outer checkpoints drop some)
+        assert ours == pytest.approx(d["aot_saved_bytes"] + d["output_bytes"], rel=0.15)
 
 
 def test_glm_aot_gradients_follow_eager():

@@ -148,8 +148,9 @@ def test_dropout_is_saved_never_rerun_and_grads_follow_eager_per_seed():
     torch.manual_seed(0)
     model = Stack(d=32, layers=6, p=0.3)
     args = (torch.randn(16, 32),)
+    # (planned for the shipped H200 profile: a CPU profile measured per run moves the plan's choices)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.75, checkpoint_backend="aot",
-                            check_accuracy=False)
+                            check_accuracy=False, passes=["insert_checkpoints"], target="h200")
     info = merged(opt)
     assert not [n for bw in info["bw_graphs"] for n in bw.graph.nodes if aot._is_random(n)]  # mask saved
     rerun = {target for _, _, target in info["recomputed"]}
@@ -319,7 +320,8 @@ def test_budget_below_one_level_with_dropout_nests_regions_and_replays_the_masks
     masks -- and the loss and gradients -- are eager's under the same seed."""
     torch.manual_seed(0)
     model, args = Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.45, check_accuracy=False)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.45, check_accuracy=False,
+                            passes=["insert_checkpoints"], target="h200")
     model.train()
     d = opt.report.pass_result("insert_checkpoints").details
     assert d["backend"] == "aot" and d["segments"]

@@ -205,36 +205,35 @@ def kernel_profile(stepper, top=25, with_stack=False):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack) as prof:
         stepper()
         torch.cuda.synchronize()
-    rows: dict = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        r = rows.setdefault(e.name[:160], [0.0, 0])
-        r[0] += e.device_time / 1e3  # device_time: microseconds
+    events = prof.events()
+    device = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+
+    def tally(into: dict, key: str, value: float) -> None:
+        r = into.setdefault(key, [0.0, 0])
+        r[0] += value
         r[1] += 1
+
+    rows: dict = {}
+    for e in device:
+        tally(rows, e.name[:160], e.device_time / 1e3)  # device_time: microseconds
     total = sum(v[0] for v in rows.values())
     ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
     # CUDA runtime calls on the host (a synchronize or a cudaMalloc stalls the queue: the GPU idles)
     runtime: dict = {}
-    for e in prof.events():
+    for e in events:
         if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda") and "Launch" not in e.name:
-            r = runtime.setdefault(e.name, [0.0, 0])
-            r[0] += e.cpu_time_total / 1e3
-            r[1] += 1
+            tally(runtime, e.name, e.cpu_time_total / 1e3)
     # idle gaps on the GPU (> 20 us between one kernel's end and the next's start), by the kernel
     # that came late: where the host, not the device, set the pace
-    launched = sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA)
     gaps: dict = {}
-    idle = 0.0
-    for (s0, e0, _), (s1, _, op) in zip(launched, launched[1:]):
-        g = (s1 - e0) / 1e3
+    for before, after in zip(device, device[1:]):
+        g = (after.time_range.start - before.time_range.end) / 1e3
         if g > 0.02:
-            idle += g
-            r = gaps.setdefault(op, [0.0, 0])
-            r[0] += g
-            r[1] += 1
-    ops = sorted(((a.key, a.self_device_time_total / 1e3, a.count) for a in prof.key_averages()
+            tally(gaps, after.name[:90], g)
+    idle = sum(v[0] for v in gaps.values())
+    averages = prof.key_averages()
+    ops = sorted(((a.key, a.self_device_time_total / 1e3, a.count) for a in averages
                   if a.self_device_time_total > 0 and a.key.startswith("aten::")), key=lambda t: -t[1])[:top]
     return {"total_ms": total, "kernels": [{"name": k, "ms": v[0], "calls": v[1]} for k, v in ranked],
             "ops": [{"name": k, "ms": ms, "calls": c} for k, ms, c in ops],
@@ -242,8 +241,8 @@ def kernel_profile(stepper, top=25, with_stack=False):
             "idle_ms": idle,
             # where the host's time goes (self CPU time by event: ATen ops, autograd nodes, hooks)
             "host": [{"name": a.key[:120], "ms": a.self_cpu_time_total / 1e3, "calls": a.count}
-                     for a in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]],
-            "host_total_ms": sum(a.self_cpu_time_total for a in prof.key_averages()) / 1e3,
+                     for a in sorted(averages, key=lambda a: -a.self_cpu_time_total)[:top]],
+            "host_total_ms": sum(a.self_cpu_time_total for a in averages) / 1e3,
             "gaps_before": [{"name": k, "ms": v[0], "gaps": v[1]} for k, v in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
@@ -662,21 +661,16 @@ def markdown(result):
             for label, prof in profiled:
                 if not prof:
                     continue
-                lines += ["", f"{r['config']}, {label}: device time by kernel in one step ({prof['total_ms']:.2f} ms in all)", "",
-                          "| kernel | calls | ms |", "| --- | ---: | ---: |"]
-                lines += [f"| `{k['name']}` | {k['calls']} | {k['ms']:.2f} |" for k in prof["kernels"][:15]]
-                if prof.get("ops"):
-                    lines += ["", f"{r['config']}, {label}: device time by ATen op (self)", "", "| op | calls | ms |",
-                              "| --- | ---: | ---: |"]
-                    lines += [f"| `{k['name']}` | {k['calls']} | {k['ms']:.2f} |" for k in prof["ops"][:15]]
-                if prof.get("gaps_before"):
-                    lines += ["", f"{r['config']}, {label}: GPU idle gaps over 20 us ({prof['idle_ms']:.2f} ms in all), by the "
-                              "kernel after the gap", "", "| kernel | gaps | ms |", "| --- | ---: | ---: |"]
-                    lines += [f"| `{k['name']}` | {k['gaps']} | {k['ms']:.2f} |" for k in prof["gaps_before"][:12]]
-                if prof.get("runtime"):
-                    lines += ["", f"{r['config']}, {label}: CUDA runtime calls on the host (not launches)", "",
-                              "| call | calls | host ms |", "| --- | ---: | ---: |"]
-                    lines += [f"| `{k['name']}` | {k['calls']} | {k['host_ms']:.2f} |" for k in prof["runtime"][:10]]
+                head = f"{r['config']}, {label}: "
+                for key, title, cols, col, n in (
+                        ("kernels", f"device time by kernel in one step ({prof['total_ms']:.2f} ms in all)", "kernel | calls | ms", "ms", 15),
+                        ("ops", "device time by ATen op (self)", "op | calls | ms", "ms", 15),
+                        ("gaps_before", f"GPU idle gaps over 20 us ({prof.get('idle_ms', 0.0):.2f} ms in all), by the kernel "
+                         "after the gap", "kernel | gaps | ms", "ms", 12),
+                        ("runtime", "CUDA runtime calls on the host (not launches)", "call | calls | host ms", "host_ms", 10)):
+                    if prof.get(key):
+                        lines += ["", head + title, "", f"| {cols} |", "| --- | ---: | ---: |"]
+                        lines += [f"| `{k['name']}` | {k.get('calls', k.get('gaps'))} | {k[col]:.2f} |" for k in prof[key][:n]]
             lines.append("")
     for diag in result.get("diagnostics", []):
         lines += ["", f"GLM gradient numerics ({diag['config']}, batch {diag['batch']}, seq {diag['seq_len']}): relative L2 "

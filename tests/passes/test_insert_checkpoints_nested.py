@@ -48,9 +48,9 @@ def test_resnet50_at_0_4_needs_two_levels_and_gets_them(monkeypatch):
 
 def test_eager_step_memory_is_walked_in_backward_order():
     """A CNN's largest backward working set (the first convolutions' gradients) comes when most
-    saved tensors are gone: the walk predicts the traced eager step within 3% (on ResNet-50 bs128,
-    saved + largest working set over-predicted it by 11%)."""
-    model, args = small_resnet(batch=16, res=64)
+    saved tensors are gone: the walk predicts the traced eager step within 3%, where saved + largest
+    working set over-predicts it by 19% here (11% on ResNet-50 bs128 on the H200)."""
+    model, args = small_resnet(batch=16, res=128)
     model.train()
     params = list(model.parameters())
     trace_step(model, args, params=params)
@@ -59,7 +59,7 @@ def test_eager_step_memory_is_walked_in_backward_order():
                             check_accuracy=False, checkpoint_backend="aot")
     d = opt.report.pass_result("insert_checkpoints").details
     assert abs(d["baseline_activation_bytes"] / traced - 1) < 0.03
-    assert d["baseline_activation_bytes"] <= d["baseline_held_bytes"] + d["backward_working_bytes"]
+    assert d["baseline_held_bytes"] + d["backward_working_bytes"] > 1.1 * traced
 
 
 def _one_level(monkeypatch):

@@ -173,6 +173,7 @@ class Partitioner:
         self.mutated = set(mutated)
         self.last: dict | None = None
         self._mutated_primals: set = set()
+        self._updates: set = set()
         self._ancestors: set = set()
 
     def can_recompute(self, n: fx.Node, memo: dict) -> bool:
@@ -221,8 +222,15 @@ class Partitioner:
         bwd_outputs = [a for a in flat[num_fwd_outputs:] if isinstance(a, fx.Node)]
         # A: what the forward outputs depend on (the forward graph); fwd: everything that does not
         # depend on a tangent (computable before the backward starts)
+        primals = [n for n in g.nodes if n.op == "placeholder" and "tangents" not in str(n.target)]
+        self._mutated_primals = {primals[i] for i in self.mutated if i < len(primals)}
+        # buffer updates kept in the graph (keep_inference_input_mutations): copy_(buffer, new value)
+        # nodes at the joint graph's end, which the forward graph gets; their sources are forward values
+        self._updates = {n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+                         and n.args[0] in primals and not n.users}
+        _training_bn_backward_without_stats(g)
         ancestors: set = set()
-        stack = list(fwd_outputs)
+        stack = list(fwd_outputs) + [n.args[1] for n in self._updates if isinstance(n.args[1], fx.Node)]
         while stack:
             n = stack.pop()
             if n in ancestors:
@@ -237,8 +245,11 @@ class Partitioner:
         self._ancestors = ancestors
         if ancestors and not any(_tag(n) is not None for n in ancestors):
             raise AotUnavailable("AOTAutograd did not carry graphopt's node tags (meta['custom']) into the joint graph")
-        primals = [n for n in g.nodes if n.op == "placeholder" and "tangents" not in str(n.target)]
-        self._mutated_primals = {primals[i] for i in self.mutated if i < len(primals)}
+        # the forward updates its buffers in place before the backward runs: a backward that read one
+        # would see the new value where the joint graph means the old
+        for n in g.nodes:
+            if n not in fwd and n.op != "output" and any(a in self._mutated_primals for a in n.all_input_nodes):
+                raise AotUnavailable(f"the backward reads a buffer the forward updates ({n.name})")
         # forward values the backward reads, walked back through what may be recomputed
         needed = []
         for n in g.nodes:
@@ -328,11 +339,51 @@ class Partitioner:
                 copies[n] = c
         made = set(copies.values())
         for v in list(g.nodes):
-            if v in ancestors or v.op == "output" or v in made:
-                continue
+            if v in ancestors or v.op == "output" or v in made or v in self._updates:
+                continue  # (a buffer update writes the forward's value, not a recomputed copy)
             for a in list(v.all_input_nodes):
                 if a in copies:
                     v.replace_input_with(a, copies[a])
+
+
+def _training_bn_backward_without_stats(g: fx.Graph) -> int:
+    """A training BatchNorm's backward (``native_batch_norm_backward``, train=True) reads the saved
+    mean and inverse std, never the running statistics (eager passes None for a BatchNorm without
+    them): pass None, so the backward neither saves nor reads buffers the forward updates in place.
+    Returns how many."""
+    count = 0
+    for n in g.nodes:
+        if n.target is not torch.ops.aten.native_batch_norm_backward.default or len(n.args) < 8 or n.args[7] is not True:
+            continue
+        if n.args[3] is not None or n.args[4] is not None:
+            args = list(n.args)
+            args[3] = args[4] = None
+            n.args = tuple(args)
+            count += 1
+    return count
+
+
+def fold_buffer_increments(gm: fx.GraphModule) -> int:
+    """``copy_(buf, add(buf, c))`` (a buffer update kept in the graph, e.g. BatchNorm's
+    ``num_batches_tracked += 1``) → ``add_(buf, c)``: one kernel, not two. Returns how many."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.target is not torch.ops.aten.copy_.default or n.users or len(n.args) != 2:
+            continue
+        dst, src = n.args
+        if (not isinstance(src, fx.Node) or src.target is not torch.ops.aten.add.Tensor or len(src.users) != 1
+                or src.args[0] is not dst or len(src.args) != 2 or src.kwargs
+                or isinstance(src.args[1], fx.Node)):
+            continue
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(torch.ops.aten.add_.Tensor, (dst, src.args[1]))
+        new.meta = dict(n.meta)
+        gm.graph.erase_node(n)
+        gm.graph.erase_node(src)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 # --------------------------------------------------------------------------- the runtime module
@@ -370,10 +421,12 @@ def cudnn_training_bn(gm: fx.GraphModule) -> int:
     (``_native_batch_norm_legit_functional``) as ``cudnn_batch_norm``, as eager does: one cuDNN
     kernel where aten's channels_last BatchNorm runs two and allocates and zeroes its scratch
     (host and device time, 121 times a checkpointed ResNet-50 step). cuDNN updates the running
-    statistics it is given in place: it gets copies (as the functional op makes too), returned as
-    the new values, so the graph stays functional (updating the inputs themselves would break
-    autograd's version check on what the backward saved). Its saved mean and inverse standard
-    deviation are what ``native_batch_norm_backward`` reads. Returns how many."""
+    statistics it is given in place. Where the graph ends with its own buffer updates,
+    ``copy_(buffer, new statistic)`` (AOTAutograd keeps buffer mutations in the graph) and nothing
+    else reads those buffers, it gets the buffers and the copies go (the backward reads neither:
+    ``Partitioner`` passes None for a training backward's running statistics). Otherwise it gets
+    copies, returned as the new values. Its saved mean and inverse standard deviation are what
+    ``native_batch_norm_backward`` reads. Returns how many."""
     fn = _bn_functional()
     op = getattr(getattr(torch.ops.aten, "cudnn_batch_norm", None), "default", None)
     if fn is None or op is None or not torch.backends.cudnn.is_available():
@@ -391,15 +444,31 @@ def cudnn_training_bn(gm: fx.GraphModule) -> int:
         users = list(n.users)
         if not all(u.target is operator.getitem for u in users):
             continue
+        # the graph's own buffer updates, copy_(buffer, new statistic), with nothing else reading
+        # the buffer: cuDNN updates the buffers themselves and the copies go
+        updates = {}
+        for u in users:
+            if u.args[1] in (3, 4):
+                buf = (rm, rv)[u.args[1] - 3]
+                sinks = list(u.users)
+                if (len(sinks) == 1 and sinks[0].target is torch.ops.aten.copy_.default and sinks[0].args[0] is buf
+                        and buf.op == "placeholder" and set(buf.users) == {n, sinks[0]}):
+                    updates[u] = sinks[0]
+        in_place = len(updates) == sum(1 for u in users if u.args[1] in (3, 4)) == 2
         with gm.graph.inserting_before(n):
-            stats = [gm.graph.call_function(torch.ops.aten.clone.default, (a,)) for a in (rm, rv)]
+            stats = [rm, rv] if in_place else [gm.graph.call_function(torch.ops.aten.clone.default, (a,))
+                                                for a in (rm, rv)]
             c = gm.graph.call_function(op, (x, w, b, *stats, True, n.args[6], n.args[7]))
-        for t, v in zip(stats, vals[3:]):
-            t.meta["val"] = v
+        if not in_place:
+            for t, v in zip(stats, vals[3:]):
+                t.meta["val"] = v
         c.meta = {k: v for k, v in n.meta.items() if k != "val"}
         for u in users:
             i = u.args[1]
-            if i in (3, 4):  # the new running statistics: the updated copies
+            if i in (3, 4) and in_place:  # cuDNN updated the buffer itself: its copy_ goes
+                gm.graph.erase_node(updates[u])
+                gm.graph.erase_node(u)
+            elif i in (3, 4):  # the new running statistics: the updated copies
                 u.replace_all_uses_with(stats[i - 3])
                 gm.graph.erase_node(u)
             else:  # 0 output, 1 mean, 2 inverse standard deviation: the same positions
@@ -481,6 +550,7 @@ class AotRecompute(nn.Module):
 
         def fw_compiler(gm, example_inputs):
             holder["fw_cudnn_bn"] = cudnn_training_bn(gm)
+            holder["fw_increments"] = fold_buffer_increments(gm)
             holder["fw"] = gm = fused(gm, "fw")
             run = _boxed(gm)
             self.frees_inputs = self.frees_inputs and run.frees_inputs
@@ -499,9 +569,11 @@ class AotRecompute(nn.Module):
             # layouts). Training BatchNorms were rewritten to the native op (functionalized with its
             # running statistics as outputs; batch_norm would pick cudnn_batch_norm, which updates
             # them behind functionalization's back), and attention keeps the backends it had.
+            # Buffer updates stay in the forward graph (copy_ nodes, as Inductor has them): no
+            # copies back after each call, and cuDNN's BatchNorm may update the buffers directly.
             with _trace_backends():
                 fn = aot(self.body, list(args), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                         partition_fn=self.partitioner)
+                         partition_fn=self.partitioner, keep_inference_input_mutations=True)
         except AotUnavailable:
             raise
         except Exception as e:

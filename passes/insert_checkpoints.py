@@ -105,6 +105,34 @@ def _is_fake(x) -> bool:
     return isinstance(x, FakeTensor)
 
 
+def _write_only(gm: fx.GraphModule, buf: fx.Node) -> bool:
+    """Is placeholder ``buf`` of ``gm`` only updated, never read for a value? Its uses: a training
+    BatchNorm's running statistic (positions 3 and 4; training BatchNorm never reads them), an
+    ``add_`` of a constant whose result nothing reads, or an argument of a submodule call whose
+    graph (an AOT region's body) uses it so."""
+    aten = torch.ops.aten
+    bn_ops = {aten.batch_norm.default, aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
+              aten.cudnn_batch_norm.default}
+    for u in buf.users:
+        if u.op == "call_function" and u.target in bn_ops:
+            if len(u.args) < 6 or u.args[5] is not True or buf in u.args[:3] or buf not in u.args[3:5] or u.kwargs:
+                return False
+        elif u.op == "call_function" and u.target is aten.add_.Tensor:
+            if u.users or u.args[0] is not buf or isinstance(u.args[1], fx.Node) or len(u.args) != 2:
+                return False
+        elif u.op == "call_module":
+            sub = gm.get_submodule(u.target)
+            body = getattr(sub, "body", sub)
+            if not isinstance(body, fx.GraphModule) or u.kwargs:
+                return False
+            ph = [n for n in body.graph.nodes if n.op == "placeholder"]
+            if any(len(ph) <= j or not _write_only(body, ph[j]) for j, a in enumerate(u.args) if a is buf):
+                return False
+        else:
+            return False
+    return True
+
+
 class CheckpointRegion(nn.Module):
     """A graph region run under non-reentrant ``torch.utils.checkpoint`` with a selective
     policy (kept nodes cached, the rest recomputed in backward). ``mutated`` are the argument
@@ -130,9 +158,10 @@ class CheckpointRegion(nn.Module):
 
         # buffers the region updates in place are not checkpoint arguments (checkpoint would
         # save them and see them modified): the forward gets the real ones, the recomputation
-        # scratch copies
+        # scratch copies (a buffer nothing reads, only updates, gets a scratch kept across calls)
         real = {i: args[i] for i in self.mutated}
-        scratch = {i: t.detach().clone() if isinstance(t, torch.Tensor) else t for i, t in real.items()}
+        scratch = {i: self._scratch(i, t) if i in self.write_only() else t.detach().clone()
+                   if isinstance(t, torch.Tensor) else t for i, t in real.items()}
         passed = [i for i in range(len(args)) if i not in real]
         calls = [0]
 
@@ -147,7 +176,38 @@ class CheckpointRegion(nn.Module):
 
         # a region that keeps nothing inside is a plain checkpoint (no dispatch-mode overhead)
         extra = {"context_fn": _contexts} if self.selective else {}
-        return checkpoint(run, *(args[i] for i in passed), use_reentrant=False, preserve_rng_state=True, **extra)
+        return checkpoint(run, *(args[i] for i in passed), use_reentrant=False, preserve_rng_state=self.random(),
+                          **extra)
+
+    def write_only(self) -> frozenset:
+        """The positions among ``mutated`` whose values the region only updates and never reads:
+        a training BatchNorm's running statistics, ``num_batches_tracked += 1`` (followed into
+        the graphs of the AOT regions the body calls)."""
+        if getattr(self, "_write_only", None) is None:
+            ph = [n for n in self.body.graph.nodes if n.op == "placeholder"]
+            self._write_only = frozenset(i for i in self.mutated if i < len(ph) and _write_only(self.body, ph[i]))
+        return self._write_only
+
+    def _scratch(self, i: int, t):
+        """A scratch buffer for the rerun's updates of write-only buffer ``i``: its contents never
+        matter, so one per buffer serves every call (no copy per step)."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        kept = getattr(self, "_scratches", None)
+        if kept is None:
+            kept = self._scratches = {}
+        key = (i, tuple(t.shape), t.dtype, t.device)
+        if key not in kept:
+            kept[key] = torch.zeros_like(t, memory_format=torch.preserve_format)
+        return kept[key]
+
+    def random(self) -> bool:
+        """Does the region draw random numbers (its graph, or an AOT region's graph it calls)? Only
+        then does checkpoint save and restore the RNG states for the rerun (host time per call)."""
+        if getattr(self, "_random", None) is None:
+            self._random = any(ir.is_random(n) for m in self.body.modules() if isinstance(m, fx.GraphModule)
+                               for n in m.graph.nodes)
+        return self._random
 
 
 # --------------------------------------------------------------------------- selection

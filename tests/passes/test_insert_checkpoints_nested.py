@@ -5,6 +5,7 @@ their inputs and reruns their forward when the backward reaches them."""
 
 import copy
 import importlib
+import operator
 
 import pytest
 import torch
@@ -124,7 +125,7 @@ def test_compiled_forward_runs_fp32_cuda_training_batchnorm_on_cudnn():
         pytest.skip("this torch has no cuDNN")
     aten = torch.ops.aten
 
-    def graph(device, dtype):
+    def graph(device, dtype, updates=False):
         g = fx.Graph()
         with FakeTensorMode(allow_non_fake_inputs=True):
             vals = [torch.empty(8, 16, 4, 4, device=device, dtype=dtype)] + [
@@ -136,7 +137,12 @@ def test_compiled_forward_runs_fp32_cuda_training_batchnorm_on_cudnn():
             ph.append(p)
         bn = g.call_function(aten._native_batch_norm_legit_functional.default, (*ph, True, 0.1, 1e-5))
         outs = [g.call_function(operator.getitem, (bn, i)) for i in range(5)]
-        g.output((outs[3], outs[4], outs[0], outs[1], outs[2]))
+        if updates:  # the buffer updates kept in the graph (keep_inference_input_mutations)
+            for buf, new in ((ph[3], outs[3]), (ph[4], outs[4])):
+                g.call_function(aten.copy_.default, (buf, new))
+            g.output((outs[0], outs[1], outs[2]))
+        else:
+            g.output((outs[3], outs[4], outs[0], outs[1], outs[2]))
         return fx.GraphModule(torch.nn.Module(), g), ph
 
     gm, ph = graph("cuda", torch.float32)
@@ -151,6 +157,100 @@ def test_compiled_forward_runs_fp32_cuda_training_batchnorm_on_cudnn():
     for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
         gm, _ = graph(device, dtype)
         assert aot.cudnn_training_bn(gm) == 0
+    # with the graph's own buffer updates: cuDNN updates the buffers themselves, no copies either way
+    gm, ph = graph("cuda", torch.float32, updates=True)
+    assert aot.cudnn_training_bn(gm) == 1
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert [n.target for n in calls] == [aten.cudnn_batch_norm.default]
+    assert calls[0].args[3:5] == (ph[3], ph[4])
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert [(a.args[0], a.args[1]) for a in out] == [(calls[0], 0), (calls[0], 1), (calls[0], 2)]
+
+
+def test_buffer_updates_stay_in_the_forward_graph():
+    """AOT regions keep their buffer updates in the forward graph: BatchNorm's running statistics
+    are copied in place at its end (on a GPU, cuDNN updates them itself), ``num_batches_tracked``
+    is one ``add_``; the forward returns no buffers for a copy after each call, and the backward
+    neither saves nor reads the running statistics. Statistics and gradients as eager's, also with
+    an outer checkpoint over the regions (its rerun updates scratch copies)."""
+    model, args = small_resnet(batch=8, res=64)
+    ref = copy.deepcopy(model).train()
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.7, passes=["insert_checkpoints"],
+                            check_accuracy=False, checkpoint_backend="aot", target="h200")
+    model.train()
+    assert opt.report.pass_result("insert_checkpoints").details["segments"]
+    for _ in range(2):
+        opt(*args).sum().backward()
+        ref(*args).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, msg=name)
+    regions = [m for m in opt.graph_module.modules() if isinstance(m, aot.AotRecompute)]
+    assert regions
+    aten = torch.ops.aten
+    counts = {}
+    for region in regions:
+        info = next(iter(region.partitions.values()))
+        fw, bw = info["graphs"]["fw"], info["graphs"]["bw"]
+        for n in fw.graph.nodes:
+            counts[n.target] = counts.get(n.target, 0) + 1
+        # the copies write BatchNorm's new statistics (the increment's copy_ folded into its add_)
+        assert all(n.args[1].target is operator.getitem and n.args[1].args[1] in (3, 4)
+                   for n in fw.graph.nodes if n.target is aten.copy_.default)
+        assert info["fw_graph"] is not None and info["num_fwd_outputs"] == len(region.body.graph.output_node().args[0])
+        backs = [n for n in bw.graph.nodes if n.target is aten.native_batch_norm_backward.default]
+        assert all(n.args[3] is None and n.args[4] is None for n in backs)
+    bns = sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert counts[aten._native_batch_norm_legit_functional.default] == bns
+    assert counts[aten.copy_.default] == 2 * bns and counts[aten.add_.Tensor] == bns
+    outers = [m for m in opt.graph_module.modules() if isinstance(m, ic.OuterCheckpoint)]
+    for outer in outers:
+        assert not outer.random()  # no random ops: checkpoint keeps no RNG states
+        # BatchNorm's buffers are only updated: the rerun's scratch buffers are kept, not copied per step
+        assert outer.mutated and outer.write_only() == set(outer.mutated)
+        assert len(outer._scratches) == len(outer.mutated)
+
+
+def test_a_buffer_the_region_reads_is_not_write_only():
+    import torch.fx as fx
+
+    class Counted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(4)
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            self.count.add_(1)
+            return self.bn(x) * self.count
+
+    gm = torch.export.export(Counted().train(), (torch.randn(8, 4),)).module()
+    ph = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+    stats = [n for name, n in ph.items() if "running" in name or "num_batches" in name]
+    assert stats and all(ic._write_only(gm, n) for n in stats)
+    assert not ic._write_only(gm, ph["count"])
+
+
+def test_buffer_increment_folds_into_one_in_place_add():
+    import torch.fx as fx
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    buf, other = g.placeholder("buf"), g.placeholder("other")
+    inc = g.call_function(aten.add.Tensor, (buf, 1))
+    g.call_function(aten.copy_.default, (buf, inc))
+    kept = g.call_function(aten.add.Tensor, (other, 1))  # read elsewhere: stays
+    g.call_function(aten.copy_.default, (other, kept))
+    g.output((kept,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert aot.fold_buffer_increments(gm) == 1
+    calls = [(n.target, n.args[0].name) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sorted(calls, key=str) == sorted([(aten.add_.Tensor, "buf"), (aten.add.Tensor, "other"),
+                                             (aten.copy_.default, "other")], key=str)
+    b, o = torch.zeros(3), torch.ones(3)
+    (res,) = gm(b, o)
+    assert b.tolist() == [1, 1, 1] and o.tolist() == [2, 2, 2] and res.tolist() == [2, 2, 2]
 
 
 def test_two_level_plan_traces_as_predicted():

@@ -40,6 +40,22 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s9b)
+  # the same ResNet-50 plans on whichever machine this call gets (host variance): 0.4, 0.35, 0.4 again
+  lscpu | grep -i "model name" | head -1
+  rn 0.4 150 --no-reference
+  rn 0.35 150 --no-reference
+  rn 0.4 $((570 - SECONDS)) --no-reference ;;
+s9a)
+  # buffer updates kept in the AOT forward graphs (cuDNN BatchNorm updates the running statistics itself, no copies),
+  # no RNG-state saving for outer checkpoints without random ops: ResNet-50 at 0.4 (fp64 check, profile) and 0.35,
+  # then the GLM decoder at 0.3 (fused AOT)
+  lscpu | grep -i "model name" | head -1; nproc
+  rn 0.4 200 --fp64-check --profile --no-reference
+  rn 0.35 150 --no-reference
+  F=fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints
+  timeout $((580 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs glm4 --backend aot --budget 0.3 \
+    --passes $F --no-reference 2>&1 | quiet | grep "^| glm\|rror" | tail -3; echo "### glm 0.3 ${SECONDS}s" ;;
 s8g)
   # the final code's ResNet-50 plans at 0.4 and 0.35 once more, on whichever machine this call gets (host variance)
   lscpu | grep -i "model name" | head -1; nproc

@@ -40,6 +40,14 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s9c)
+  # the backward's recomputed BatchNorms and their backwards on cuDNN: the cuda test of both rewrites, then ResNet-50
+  # at 0.4 (fp64 check, profile), 0.35 and 0.4 again
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore -m cuda tests/passes/test_insert_checkpoints_nested.py 2>&1 | tail -3
+  lscpu | grep -i "model name" | head -1
+  rn 0.4 200 --fp64-check --profile --no-reference
+  rn 0.35 150 --no-reference
+  rn 0.4 $((570 - SECONDS)) --no-reference ;;
 s9b)
   # the same ResNet-50 plans on whichever machine this call gets (host variance): 0.4, 0.35, 0.4 again
   lscpu | grep -i "model name" | head -1

@@ -167,6 +167,39 @@ def test_compiled_forward_runs_fp32_cuda_training_batchnorm_on_cudnn():
     assert [(a.args[0], a.args[1]) for a in out] == [(calls[0], 0), (calls[0], 1), (calls[0], 2)]
 
 
+@pytest.mark.cuda
+def test_cudnn_batchnorm_rewrite_matches_aten_on_the_gpu():
+    """The compiled forward's cuDNN BatchNorm on real channels_last CUDA tensors, against the graph
+    it replaces: the same output, and the running statistics updated in place as aten's."""
+    import torch.fx as fx
+
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, 14, 14, device="cuda").to(memory_format=torch.channels_last)
+    w, b = torch.rand(64, device="cuda") + 0.5, torch.randn(64, device="cuda")
+
+    def forward_graph():
+        g = fx.Graph()
+        ph = [g.placeholder(n) for n in ("x", "w", "b", "rm", "rv")]
+        for p, v in zip(ph, (x, w, b, w, w)):
+            p.meta["val"] = v
+        bn = g.call_function(aten._native_batch_norm_legit_functional.default, (*ph, True, 0.1, 1e-5))
+        outs = [g.call_function(operator.getitem, (bn, i)) for i in range(5)]
+        g.call_function(aten.copy_.default, (ph[3], outs[3]))
+        g.call_function(aten.copy_.default, (ph[4], outs[4]))
+        g.output((outs[0],))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    ref, new = forward_graph(), forward_graph()
+    assert aot.cudnn_training_bn(new) == 1
+    stats = [(torch.randn(64, device="cuda"), torch.rand(64, device="cuda") + 0.5) for _ in range(2)]
+    stats[1] = (stats[0][0].clone(), stats[0][1].clone())
+    (y_ref,), (y_new,) = ref(x, w, b, *stats[0]), new(x, w, b, *stats[1])
+    torch.testing.assert_close(y_new, y_ref, rtol=1e-4, atol=1e-4)
+    for a, c in zip(stats[0], stats[1]):
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-5)
+
+
 def test_buffer_updates_stay_in_the_forward_graph():
     """AOT regions keep their buffer updates in the forward graph: BatchNorm's running statistics
     are copied in place at its end (on a GPU, cuDNN updates them itself), ``num_batches_tracked``

@@ -40,6 +40,14 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s9d)
+  # a pipeline training stage's predicted vs measured time by op family (stage-0-like, bs1 and bs2), then the final
+  # checkpointing code's ResNet-50 plans: 0.4, 0.35, 0.4 again
+  timeout 240 python3 benchmarks/diag_stage_time.py --out "$OUT" --batches 1,2 --layers 4 2>&1 | quiet | grep -v "^$" | tail -24
+  echo "### stage ${SECONDS}s"; lscpu | grep -i "model name" | head -1
+  rn 0.4 120 --no-reference
+  rn 0.35 120 --no-reference
+  rn 0.4 $((570 - SECONDS)) --no-reference ;;
 s9c)
   # the backward's recomputed BatchNorms and their backwards on cuDNN: the cuda test of both rewrites, then ResNet-50
   # at 0.4 (fp64 check, profile), 0.35 and 0.4 again

@@ -610,6 +610,13 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             source["host_node"] = (f"{stamp}: host time per node of a GraphModule of 400 back-to-back views "
                                    "(aten.t/unsqueeze/view/squeeze)")
             extra_fit["host_node_s"] = host_node
+            say("host time per op of a training step")
+            from .cost.profiles import measure_host_train_op_s
+
+            extra_fit["host_train_op_s"], extra_fit["host_train_call_s"] = measure_host_train_op_s(device)
+            source["host_train_op"] = (f"{stamp}: wall time per ATen op (as graphopt.partition counts them) of a "
+                                       "host-bound training step, and the fixed time per step: captured 1- and "
+                                       "4-block transformer stacks on tiny tensors, forward + backward")
             link: dict[str, float] = {}
             say("host<->device (pinned)")
             h2d, d2h = _h2d_d2h(device, (64 << 20) if quick else (256 << 20))
@@ -692,6 +699,9 @@ def run_cli(args) -> int:
     t.add_row("launch overhead", f"{prof.launch_overhead_s * 1e6:.2f} µs")
     t.add_row("launch in a CUDA graph", f"{prof.launch_overhead_graph_s * 1e6:.2f} µs")
     t.add_row("host time per view node", f"{prof.host_node_s * 1e6:.2f} µs")
+    if prof.host_train_op_s:
+        t.add_row("host time per op of a training step", f"{prof.host_train_op_s * 1e6:.2f} µs "
+                  f"(+ {prof.host_train_call_s * 1e6:.0f} µs per step)")
     if prof.host_op_s:
         ops = sorted(prof.host_op_s.items(), key=lambda kv: -kv[1])
         t.add_row(f"host time per op ({len(ops)} ops)", ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in ops[:6])

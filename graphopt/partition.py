@@ -375,6 +375,30 @@ def _requires_grad(an: "_Analysis", gm: fx.GraphModule) -> dict:
     return rg
 
 
+def _backward_key(node: fx.Node, rg: dict, profile: DeviceProfile) -> tuple | None:
+    """The memo key of ``node``'s backward: op, argument structure, each argument's shape, strides,
+    dtype, device and whether it needs a gradient; None for symbolic shapes (not traced)."""
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten((list(node.args), dict(node.kwargs)))
+
+    def sig(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor) or any(not isinstance(d, int) for d in v.shape):
+                raise _Untraceable
+            return ("T", tuple(v.shape), tuple(v.stride()), str(v.dtype), v.device.type,
+                    bool(rg.get(a, False) and v.is_floating_point()))
+        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _Untraceable
+        return repr(a)
+
+    try:
+        return (str(node.target), str(spec), tuple(sig(a) for a in leaves), profile.name)
+    except _Untraceable:
+        return None
+
+
 def _backward_seconds(node: fx.Node, rg: dict, profile: DeviceProfile, hints: dict) -> float | None:
     """Predicted seconds of ``node``'s backward: the ATen ops autograd runs for it, traced with
     FakeTensors (make_fx of the op and torch.autograd.grad for the inputs that need gradients,
@@ -389,21 +413,8 @@ def _backward_seconds(node: fx.Node, rg: dict, profile: DeviceProfile, hints: di
     leaves, spec = pytree.tree_flatten((list(node.args), dict(node.kwargs)))
     tpos = [i for i, a in enumerate(leaves) if isinstance(a, fx.Node)]
     tensors = [leaves[i] for i in tpos]
-
-    def sig(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            if not isinstance(v, torch.Tensor) or any(not isinstance(d, int) for d in v.shape):
-                raise _Untraceable
-            return ("T", tuple(v.shape), tuple(v.stride()), str(v.dtype), v.device.type,
-                    bool(rg.get(a, False) and v.is_floating_point()))
-        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise _Untraceable
-        return repr(a)
-
-    try:
-        key = (str(node.target), str(spec), tuple(sig(a) for a in leaves), profile.name)
-    except _Untraceable:
+    key = _backward_key(node, rg, profile)
+    if key is None:
         return None
     if key in _BACKWARD_MEMO:
         return _BACKWARD_MEMO[key]
@@ -450,14 +461,52 @@ def _backward_seconds(node: fx.Node, rg: dict, profile: DeviceProfile, hints: di
             fwd = make_fx(forward, tracing_mode="fake")(*fakes)
             both = make_fx(joint, tracing_mode="fake")(*fakes, *gouts)
         secs = max(0.0, priced(both) - priced(fwd))
+        _BACKWARD_OPS[key] = max(0, _aten_ops(both) - _aten_ops(fwd))
     except Exception:  # noqa: BLE001 - an op whose backward cannot be traced is priced by the factor
         secs = None
     _BACKWARD_MEMO[key] = secs
     return secs
 
 
+_BACKWARD_OPS: dict = {}  # same keys: the ATen ops autograd dispatches for the node's backward
+
+
+def _aten_ops(g: fx.GraphModule) -> int:
+    return sum(1 for n in g.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
+
+
+def _backward_ops(node: fx.Node, rg: dict, profile: DeviceProfile, hints: dict) -> int | None:
+    """ATen ops in ``node``'s traced backward (after :func:`_backward_seconds` traced it), or None."""
+    if _backward_seconds(node, rg, profile, hints) is None:
+        return None
+    return _BACKWARD_OPS.get(_backward_key(node, rg, profile), 0)
+
+
 class _Untraceable(Exception):
     pass
+
+
+def _host_train_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfile, hints: dict) -> np.ndarray | None:
+    """Prefix sums of each node's host seconds in an eager training step: the ATen ops its forward
+    and its traced backward dispatch (an untraceable backward counts as two ops per forward op),
+    plus one gradient accumulation per trainable parameter at its first reader, each
+    ``profile.host_train_op_s``. None when the profile has no such measurement (or is a CPU's,
+    whose compute is host time already)."""
+    h = profile.host_train_op_s
+    if not h or profile.kind == "cpu":
+        return None
+    rg = _requires_grad(an, gm)
+    ops = np.zeros(an.N)
+    for idx, n in enumerate(an.order):
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        b = _backward_ops(n, rg, profile, hints) if rg.get(n, False) else 0
+        ops[idx] = 1 + (2 if b is None else b)
+    for a, uses in an.attr_uses.items():
+        val = ir.get_attr_value(gm, a.target)
+        if uses and isinstance(val, nn.Parameter) and val.requires_grad:
+            ops[uses[0]] += 1
+    return np.concatenate([[0.0], np.cumsum(ops * h)])
 
 
 def _training_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfile, hints: dict,
@@ -519,12 +568,14 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
                             f"it cannot be split into {K} stages")
     sdev = [devices[k % S] for k in range(K)]  # the device of each stage
     prefix = {}
+    host = {}  # training: host seconds per node (None where the profile has no host measurement)
     fallback = 0
     for d in devices:
         if d.profile.name not in prefix:
             prefix[d.profile.name] = _compute_prefix(an, d.profile, hints)
             if training:  # forward + each node's traced backward
                 prefix[d.profile.name], fallback = _training_prefix(an, gm, d.profile, hints, prefix[d.profile.name])
+                host[d.profile.name] = _host_train_prefix(an, gm, d.profile, hints)
     links = [link_bandwidth(sdev[k], sdev[k + 1]) for k in range(K - 1)]
     reserve = [runtime_reserve(d, training) for d in devices]
     # tied parameters: in training a parameter read by two stages would need its gradients summed
@@ -572,6 +623,9 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
             # stolen, each later one is added in place (read two, write one), and the schedule
             # scales them once a step (read one, write one): averaged per micro-batch
             compute = compute + params * (3.0 * (microbatches - 1) + 2.0) / microbatches / d.profile.bandwidth
+            hp = host.get(d.profile.name)
+            if hp is not None:  # the host issues every op: a stage of small micro-batches waits on it
+                compute = np.maximum(compute, hp[j] - hp[i] + d.profile.host_train_call_s)
         tin = np.where(i > 0, an.cross[i] / links[k - 1][0], 0.0) if k > 0 else np.zeros(len(i))
         tout = an.cross[j] / links[k][0] if k < K - 1 and j < N else 0.0
         transfer = (tin + tout) * (2.0 if training else 1.0)  # activations forward, gradients back
@@ -657,6 +711,13 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
                         if fallback else "")
                      + ") + the gradient accumulation over micro-batches; memory counts weights + gradients (optimizer "
                      "state is not in the graph) and every tensor a stage produces as saved for backward")
+        hosts = {d.profile.name: d.profile.host_train_op_s for d in devices if host.get(d.profile.name) is not None}
+        if hosts:
+            calls = {d.profile.name: d.profile.host_train_call_s for d in devices}
+            notes.append("a training stage costs the longer of its device time and its host time: the ATen ops its "
+                         "forward and backward dispatch, " + ", ".join(f"{v * 1e6:.1f} µs each + {calls[k] * 1e6:.0f} "
+                                                                        f"µs per call on {k}" for k, v in hosts.items())
+                         + " (host_train_op_s and host_train_call_s, measured by graphopt calibrate)")
     if any(reserve):
         notes.append(f"each device reserves {fmt_bytes(max(reserve))} of runtime workspace (cuBLAS, per thread)")
     if loss_s:

@@ -210,3 +210,24 @@ def test_attention_fit_recovers_the_max_form_and_prices_like_the_cost_model():
     cost = CostModel(fitted).node_cost(node)
     want = seconds(attention_work(2, 4, 197, 197, 64, False), 4 * q.nbytes)
     assert prof.kind == "cuda" and float(cost.time_s) == pytest.approx(max(want, fitted.launch_overhead_s), rel=1e-6)
+
+
+def test_host_time_per_op_of_a_training_step(tmp_path):
+    """host_train_op_s: a host-bound training step's wall time over its ops, counted as the
+    partition planner counts them; it travels through the profile JSON (absent: 0, no host term)."""
+    import torch
+
+    from graphopt.cost.profiles import measure_host_train_op_s
+
+    h, call = measure_host_train_op_s(torch.device("cpu"), steps=3, reps=1)
+    assert 1e-8 < h < 1e-3 and 0 <= call < 0.1
+    prof = get_profile("h200")[0]
+    prof.host_train_op_s, prof.host_train_call_s = h, call
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    back = get_profile(str(path))[0]
+    assert (back.host_train_op_s, back.host_train_call_s) == (h, call)
+    data = prof.to_dict()
+    del data["host_train_op_s"], data["host_train_call_s"]
+    path.write_text(json.dumps(data))
+    assert get_profile(str(path))[0].host_train_op_s == 0.0 == get_profile(str(path))[0].host_train_call_s

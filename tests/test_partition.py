@@ -48,6 +48,13 @@ def _h200(n=2, cap=None):
     return partition.resolve_devices([f"cuda:{i}" for i in range(n)], target="h200", memory_cap=cap)
 
 
+def _with_host(devs, h, call=0.0):
+    """The devices with ``host_train_op_s = h`` and ``host_train_call_s = call`` (h = 0: training
+    stages priced by their device time alone)."""
+    return [dataclasses.replace(d, profile=dataclasses.replace(d.profile, host_train_op_s=h, host_train_call_s=call,
+                                                               name=f"h200-host-{h}")) for d in devs]
+
+
 def test_dp_avoids_the_wide_cut_an_equal_split_takes():
     gm = _gm(WideMiddle(), torch.randn(64, 16))
     an = partition._Analysis(gm, {})
@@ -204,9 +211,10 @@ def test_the_loss_on_the_last_stage_is_costed_and_shifts_the_cut():
     x = torch.randn(256, 512)
     gm = _gm(model, x)
     devs = _h200()
+    devs = _with_host(devs, 0.0)  # the device time's terms (these small stages would wait on the host)
     loss_fn = lambda out, t: torch.nn.functional.cross_entropy(out.float(), t)  # noqa: E731
     loss_s = partition.loss_seconds(loss_fn, torch.empty(256, 4096), torch.zeros(256, dtype=torch.long), devs)
-    assert loss_s["h200"] > 0
+    assert loss_s["h200-host-0.0"] > 0
     plain = partition.plan_stages(gm, devs, training=True)
     costed = partition.plan_stages(gm, devs, training=True, loss_s=loss_s)
     assert costed.stages[1].start > plain.stages[1].start  # the last stage gives nodes away
@@ -217,7 +225,7 @@ def test_the_loss_on_the_last_stage_is_costed_and_shifts_the_cut():
     assert fallback == 0
     # + the schedule scaling the gradients once (M = 1: no accumulation): read and write each
     accumulate = last.param_bytes * 2.0 / devs[1].profile.bandwidth
-    assert last.compute_s == pytest.approx(pre[an.N] - pre[last.start] + loss_s["h200"] + accumulate)
+    assert last.compute_s == pytest.approx(pre[an.N] - pre[last.start] + loss_s["h200-host-0.0"] + accumulate)
     with pytest.raises(GraphoptError, match="could not trace loss_fn"):
         partition.loss_seconds(lambda out, t: out.numpy(), torch.empty(2, 2), torch.empty(2), devs)
 
@@ -283,7 +291,7 @@ def _layers(n=8, width=256):
 
 def test_interleaved_plan_puts_stage_k_on_device_k_mod_s_and_balances_each_device():
     gm = capture(_layers(), (torch.randn(512, 256),))
-    devs = _h200()
+    devs = _with_host(_h200(), 0.0)  # device time alone: the layer arithmetic below
     plan = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
     assert plan.virtual_stages == 2 and plan.num_stages == 4 and plan.num_devices == 2
     assert [s.device for s in plan.stages] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
@@ -444,3 +452,30 @@ def test_plans_leave_the_allocator_headroom_free_under_a_cap():
     kept, plan = smallest_cap(0.01)
     assert kept == pytest.approx(bare / 0.99, rel=2e-3)
     assert all(d["predicted_memory_bytes"] <= 0.99 * kept * (1 + 1e-9) for d in plan.device_summary)
+
+
+def test_training_stages_wait_on_the_host_where_it_is_slower():
+    """A training stage issues every ATen op of its forward and backward from the host: with
+    ``host_train_op_s`` measured, a stage costs the longer of its device time and its ops times
+    that plus ``host_train_call_s`` per call (small micro-batches are host-bound); without it, the
+    device time alone."""
+    gm = capture(_layers(), (torch.randn(512, 256),))
+    device_only = partition.plan_stages(gm, _with_host(_h200(), 0.0), schedule="1f1b", microbatches=4, training=True)
+    slow = partition.plan_stages(gm, _with_host(_h200(), 1e-3, call=2e-3), schedule="1f1b", microbatches=4,
+                                 training=True)
+    fast = partition.plan_stages(gm, _with_host(_h200(), 1e-12), schedule="1f1b", microbatches=4, training=True)
+    assert [s.compute_s for s in fast.stages] == pytest.approx([s.compute_s for s in device_only.stages])
+    an = partition._Analysis(gm, {})
+    prof = _with_host(_h200(), 1e-3)[0].profile
+    hp = partition._host_train_prefix(an, gm, prof, {})
+    rg = partition._requires_grad(an, gm)
+    # per op: each ATen node of the forward, its traced backward's ops, one accumulation per parameter
+    linear = next(n for n in an.order if "linear" in str(n.target))
+    assert partition._backward_ops(linear, rg, prof, {}) >= 2  # the input's and the weight's gradient GEMMs
+    params = sum(1 for p in gm.parameters() if p.requires_grad)
+    assert hp[-1] / 1e-3 >= len(an.order) + params
+    for s in slow.stages:
+        assert s.compute_s == pytest.approx(hp[s.end] - hp[s.start] + 2e-3) and s.compute_s > 10 * max(
+            d.compute_s for d in device_only.stages)
+    # a CPU profile's compute is host time already: no second host term
+    assert partition._host_train_prefix(an, gm, dataclasses.replace(prof, kind="cpu"), {}) is None

@@ -22,7 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 
 import graphopt  # noqa: E402
 from graphopt import ir  # noqa: E402
@@ -33,6 +32,7 @@ from graphopt.pipeline import available as available_passes, registry  # noqa: E
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import cuda_median_ms  # noqa: E402
+from diag_stage_fusion import Stage0  # noqa: E402  (embedding + decoder layers, the last hidden state)
 
 FAMILIES = (  # (family, substrings of an op name), first match wins
     ("gemm", ("mm", "linear", "matmul", "addmm", "baddbmm", "bmm")),
@@ -50,15 +50,6 @@ def family(name: str) -> str:
         if any(k in name for k in keys):
             return fam
     return "elementwise"
-
-
-class Stage0(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids):
-        return self.m(input_ids=ids).last_hidden_state
 
 
 def predicted(gm, profile):

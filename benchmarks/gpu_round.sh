@@ -40,6 +40,29 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s9e)
+  # on nvidia-h200-x2: the host time per op of a training step, measured on this host and written into the h200
+  # profile, then the 2-GPU training pipelines (1F1B at 8 and 4 micro-batches, interleaved at 4) with the planner's
+  # host term
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  lscpu | grep -i "model name" | head -1
+  python3 - <<'PY' 2>&1 | quiet | tail -3
+import json, os, torch
+from graphopt.cost.profiles import measure_host_train_op_s
+vals = [measure_host_train_op_s(torch.device("cuda:0")) for _ in range(3)]
+h, c = sorted(v[0] for v in vals)[1], sorted(v[1] for v in vals)[1]
+print("host_train_op_s", [round(v[0] * 1e6, 2) for v in vals], "us; call", [round(v[1] * 1e6) for v in vals],
+      "us; medians", round(h * 1e6, 2), round(c * 1e6), "us")
+path = "graphopt/cost/profiles/h200.json"
+d = json.load(open(path)); d["host_train_op_s"] = h; d["host_train_call_s"] = c
+json.dump(d, open(path, "w"), indent=1)
+json.dump({"host_train_op_s": [v[0] for v in vals], "host_train_call_s": [v[1] for v in vals], "medians": [h, c]},
+          open(os.environ["OUT"] + "/host_train_op_s.json", "w"))
+PY
+  echo "### host ${SECONDS}s"
+  timeout $((590 - SECONDS)) python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT" \
+    --pipelines ${PIPES:-train:1f1b:8,train:1f1b:4,train:interleaved1f1b:4} --no-cap --budget-s $((540 - SECONDS)) 2>&1 \
+    | quiet | grep "^|\|rror\|skip" | head -30; echo "### partition ${SECONDS}s" ;;
 s9d)
   # a pipeline training stage's predicted vs measured time by op family (stage-0-like, bs1 and bs2), then the final
   # checkpointing code's ResNet-50 plans: 0.4, 0.35, 0.4 again

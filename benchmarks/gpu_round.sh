@@ -40,6 +40,12 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s9f)
+  # final: every cuda-marked test with this round's code, then ResNet-50 checkpointing at 0.4 once more
+  timeout 240 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  lscpu | grep -i "model name" | head -1
+  rn 0.4 $((570 - SECONDS)) --no-reference ;;
 s9e)
   # on nvidia-h200-x2: the host time per op of a training step, measured on this host and written into the h200
   # profile, then the 2-GPU training pipelines (1F1B at 8 and 4 micro-batches, interleaved at 4) with the planner's

@@ -200,7 +200,7 @@ def test_cudnn_batchnorm_rewrite_matches_aten_on_the_gpu():
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-5)
 
 
-def test_buffer_updates_stay_in_the_forward_graph():
+def test_buffer_updates_stay_in_the_forward_graph(monkeypatch):
     """AOT regions keep their buffer updates in the forward graph: BatchNorm's running statistics
     are copied in place at its end (on a GPU, cuDNN updates them itself), ``num_batches_tracked``
     is one ``add_``; the forward returns no buffers for a copy after each call, and the backward
@@ -212,9 +212,19 @@ def test_buffer_updates_stay_in_the_forward_graph():
                             check_accuracy=False, checkpoint_backend="aot", target="h200")
     model.train()
     assert opt.report.pass_result("insert_checkpoints").details["segments"]
+    import torch.utils.checkpoint as tuc
+
+    rng_kept, real = [], tuc.checkpoint
+
+    def checkpoint(*a, **kw):
+        rng_kept.append(kw.get("preserve_rng_state"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tuc, "checkpoint", checkpoint)
     for _ in range(2):
         opt(*args).sum().backward()
         ref(*args).sum().backward()
+    assert rng_kept and not any(rng_kept)  # no random ops: no RNG states saved and restored
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):

@@ -40,6 +40,10 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s9g)
+  # plans keep 1% of the budget free: ResNet-50 at 0.35 (now below the minimum with the margin?) and 0.37
+  rn 0.35 100 --no-reference
+  rn 0.37 $((280 - SECONDS)) --no-reference ;;
 s9f)
   # final: every cuda-marked test with this round's code, then ResNet-50 checkpointing at 0.4 once more
   timeout 240 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"

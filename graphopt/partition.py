@@ -354,7 +354,8 @@ def _compute_prefix(an: _Analysis, profile: DeviceProfile, hints: dict) -> np.nd
 
 # --------------------------------------------------------------------------- backward costs
 
-_BACKWARD_MEMO: dict = {}  # (op signature, profile name) -> backward seconds, or None (not traceable)
+# (op signature, profile name) -> (backward seconds, ATen ops it dispatches), or (None, None) (not traceable)
+_BACKWARD_MEMO: dict = {}
 
 
 def _requires_grad(an: "_Analysis", gm: fx.GraphModule) -> dict:
@@ -404,18 +405,29 @@ def _backward_seconds(node: fx.Node, rg: dict, profile: DeviceProfile, hints: di
     FakeTensors (make_fx of the op and torch.autograd.grad for the inputs that need gradients,
     less the op's own forward trace) and priced by the cost model. None when it cannot be traced
     (symbolic shapes, an op without a derivative formula)."""
+    return _backward_cost(node, rg, profile, hints)[0]
+
+
+def _backward_ops(node: fx.Node, rg: dict, profile: DeviceProfile, hints: dict) -> int | None:
+    """ATen ops in ``node``'s traced backward, or None when it cannot be traced."""
+    return _backward_cost(node, rg, profile, hints)[1]
+
+
+def _backward_cost(node: fx.Node, rg: dict, profile: DeviceProfile, hints: dict) -> tuple:
+    """(seconds, ATen ops) of ``node``'s traced backward (:func:`_backward_seconds`), memoized
+    per op signature and profile; (None, None) when it cannot be traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils import _pytree as pytree
 
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return None
+        return None, None
     leaves, spec = pytree.tree_flatten((list(node.args), dict(node.kwargs)))
     tpos = [i for i, a in enumerate(leaves) if isinstance(a, fx.Node)]
     tensors = [leaves[i] for i in tpos]
     key = _backward_key(node, rg, profile)
     if key is None:
-        return None
+        return None, None
     if key in _BACKWARD_MEMO:
         return _BACKWARD_MEMO[key]
     grad_in = [j for j, a in enumerate(tensors) if key[2][tpos[j]][5]]
@@ -423,8 +435,8 @@ def _backward_seconds(node: fx.Node, rg: dict, profile: DeviceProfile, hints: di
     outs = [v for v in (out_val if isinstance(out_val, (tuple, list)) else [out_val])
             if isinstance(v, torch.Tensor) and v.is_floating_point()]
     if not grad_in or not outs:
-        _BACKWARD_MEMO[key] = 0.0
-        return 0.0
+        _BACKWARD_MEMO[key] = (0.0, 0)
+        return 0.0, 0
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fakes = [torch.empty_strided(tuple(t.meta["val"].shape), tuple(t.meta["val"].stride()),
@@ -460,33 +472,23 @@ def _backward_seconds(node: fx.Node, rg: dict, profile: DeviceProfile, hints: di
         with mode:
             fwd = make_fx(forward, tracing_mode="fake")(*fakes)
             both = make_fx(joint, tracing_mode="fake")(*fakes, *gouts)
-        secs = max(0.0, priced(both) - priced(fwd))
-        _BACKWARD_OPS[key] = max(0, _aten_ops(both) - _aten_ops(fwd))
+        cost = (max(0.0, priced(both) - priced(fwd)), max(0, _aten_ops(both) - _aten_ops(fwd)))
     except Exception:  # noqa: BLE001 - an op whose backward cannot be traced is priced by the factor
-        secs = None
-    _BACKWARD_MEMO[key] = secs
-    return secs
-
-
-_BACKWARD_OPS: dict = {}  # same keys: the ATen ops autograd dispatches for the node's backward
+        cost = (None, None)
+    _BACKWARD_MEMO[key] = cost
+    return cost
 
 
 def _aten_ops(g: fx.GraphModule) -> int:
     return sum(1 for n in g.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
 
 
-def _backward_ops(node: fx.Node, rg: dict, profile: DeviceProfile, hints: dict) -> int | None:
-    """ATen ops in ``node``'s traced backward (after :func:`_backward_seconds` traced it), or None."""
-    if _backward_seconds(node, rg, profile, hints) is None:
-        return None
-    return _BACKWARD_OPS.get(_backward_key(node, rg, profile), 0)
-
-
 class _Untraceable(Exception):
     pass
 
 
-def _host_train_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfile, hints: dict) -> np.ndarray | None:
+def _host_train_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfile, hints: dict,
+                       rg: dict | None = None) -> np.ndarray | None:
     """Prefix sums of each node's host seconds in an eager training step: the ATen ops its forward
     and its traced backward dispatch (an untraceable backward counts as two ops per forward op),
     plus one gradient accumulation per trainable parameter at its first reader, each
@@ -495,7 +497,7 @@ def _host_train_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfi
     h = profile.host_train_op_s
     if not h or profile.kind == "cpu":
         return None
-    rg = _requires_grad(an, gm)
+    rg = _requires_grad(an, gm) if rg is None else rg
     ops = np.zeros(an.N)
     for idx, n in enumerate(an.order):
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
@@ -510,12 +512,12 @@ def _host_train_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfi
 
 
 def _training_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfile, hints: dict,
-                     forward: np.ndarray) -> tuple[np.ndarray, int]:
+                     forward: np.ndarray, rg: dict | None = None) -> tuple[np.ndarray, int]:
     """Prefix sums of each compute node's forward + backward seconds (its backward traced and
     priced, :func:`_backward_seconds`; an untraceable one at (TRAINING_FACTOR - 1) × its forward),
     + the gradient sums autograd adds where a value feeds several nodes that need its gradient.
     Returns (prefix, nodes priced by the factor)."""
-    rg = _requires_grad(an, gm)
+    rg = _requires_grad(an, gm) if rg is None else rg
     fwd = np.diff(forward)
     out = np.empty(an.N)
     fallback = 0
@@ -570,12 +572,14 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
     prefix = {}
     host = {}  # training: host seconds per node (None where the profile has no host measurement)
     fallback = 0
+    rg = _requires_grad(an, gm) if training else None
     for d in devices:
         if d.profile.name not in prefix:
             prefix[d.profile.name] = _compute_prefix(an, d.profile, hints)
             if training:  # forward + each node's traced backward
-                prefix[d.profile.name], fallback = _training_prefix(an, gm, d.profile, hints, prefix[d.profile.name])
-                host[d.profile.name] = _host_train_prefix(an, gm, d.profile, hints)
+                prefix[d.profile.name], fallback = _training_prefix(an, gm, d.profile, hints, prefix[d.profile.name],
+                                                                    rg)
+                host[d.profile.name] = _host_train_prefix(an, gm, d.profile, hints, rg)
     links = [link_bandwidth(sdev[k], sdev[k + 1]) for k in range(K - 1)]
     reserve = [runtime_reserve(d, training) for d in devices]
     # tied parameters: in training a parameter read by two stages would need its gradients summed

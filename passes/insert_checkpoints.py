@@ -183,10 +183,11 @@ class CheckpointRegion(nn.Module):
         """The positions among ``mutated`` whose values the region only updates and never reads:
         a training BatchNorm's running statistics, ``num_batches_tracked += 1`` (followed into
         the graphs of the AOT regions the body calls)."""
-        if getattr(self, "_write_only", None) is None:
+        if getattr(self, "_write_only_positions", None) is None:
             ph = [n for n in self.body.graph.nodes if n.op == "placeholder"]
-            self._write_only = frozenset(i for i in self.mutated if i < len(ph) and _write_only(self.body, ph[i]))
-        return self._write_only
+            self._write_only_positions = frozenset(i for i in self.mutated
+                                                   if i < len(ph) and _write_only(self.body, ph[i]))
+        return self._write_only_positions
 
     def _scratch(self, i: int, t):
         """A scratch buffer for the rerun's updates of write-only buffer ``i``: its contents never

@@ -57,12 +57,21 @@ def _host(fn, reps=50) -> float:
     return statistics.median(out)
 
 
-def run(spec, batch, seq, dtype) -> dict:
+def _set_splitk(allow: bool) -> None:
+    """cuBLASLt's split-K for bf16/fp16 GEMMs (torch's reduction-scheme mask): read when a GEMM is
+    launched, so it decides the kernels a CUDA graph captures."""
+    m = torch.backends.cuda.matmul
+    m.allow_bf16_reduced_precision_reduction = (True, True) if allow else (False, False)
+    m.allow_fp16_reduced_precision_reduction = (True, True) if allow else (False, False)
+
+
+def run(spec, batch, seq, dtype, splitk: bool = True) -> dict:
     dev = torch.device("cuda")
+    _set_splitk(splitk)
     model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, dev)
     opt = graphopt.optimize(model, (args, kwargs), model_name=name)
     call = lambda: opt(*args, **kwargs)  # noqa: E731
-    row = {"model": name, "batch": batch, "seq_len": seq,
+    row = {"model": name + ("" if splitk else " (no split-K)"), "batch": batch, "seq_len": seq,
            "passes": {p.name: p.status + (f" ({p.notes[0][:160]})" if p.notes else "")
                       for p in opt.report.passes if p.status not in ("unchanged", "skipped", "disabled")},
            "accuracy": {k: opt.report.accuracy.get(k) for k in ("passed", "mode", "reason")},
@@ -117,7 +126,21 @@ def run(spec, batch, seq, dtype) -> dict:
             k = e.name[:70]
             names[k] = names.get(k, 0) + d / 5
     row["top_kernels_us"] = sorted(names.items(), key=lambda t: -t[1])[:12]
-    print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels_us", "host_profile")}), flush=True)
+    # the idle time in front of each kernel (inside a call), summed per kernel name
+    ev = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")
+                and e.time_range.end > e.time_range.start)
+    before = {}
+    for a, b in zip(ev, ev[1:]):
+        g = b[0] - a[1]
+        if 0 < g < 50:
+            k = before.setdefault(b[2], [0.0, 0])
+            k[0] += g / 5
+            k[1] += 1 / 5
+    row["gap_before_us"] = sorted(([k, round(v[0], 2), v[1]] for k, v in before.items()), key=lambda t: -t[1])[:12]
+    _set_splitk(True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels_us", "host_profile", "gap_before_us")}),
+          flush=True)
     del opt, model
     torch.cuda.empty_cache()
     return row
@@ -128,12 +151,15 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="resnet50:1,bert-base:1:128")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--out", required=True)
+    p.add_argument("--splitk", default="on", help="on, off or on,off: cuBLASLt split-K allowed while the graphs "
+                   "are captured (off: torch's reduction mask set to no split-K)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("diag_busy: needs a CUDA device")
     rows = []
     for spec, batch, seq in parse_models(a.models):
-        rows.append(run(spec, batch, seq, parse_dtype(a.dtype)))
+        for sk in a.splitk.split(","):
+            rows.append(run(spec, batch, seq, parse_dtype(a.dtype), splitk=sk == "on"))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,6 +177,8 @@ def main(argv=None) -> int:
     for r in rows:
         detail += ["", f"## {r['model']}: {r['sdpa_nodes']} SDPA nodes; accuracy {json.dumps(r['accuracy'])}; passes "
                    + json.dumps(r["passes"]), "", "top kernels (µs per call)", ""] + [f"- {us:.1f} `{k}`" for k, us in r["top_kernels_us"]]
+        detail += ["", "idle time in front of each kernel (µs per call, gaps per call)", ""] + [
+            f"- {us:.1f} ({n:.0f}) `{k}`" for k, us, n in r["gap_before_us"]]
     (out / f"diag_busy_{stamp}_host.txt").write_text("\n\n".join(f"## {r['model']}\n{r.pop('host_profile')}" for r in rows))
     (out / f"diag_busy_{stamp}.json").write_text(json.dumps(rows, indent=1))
     (out / f"diag_busy_{stamp}.md").write_text(head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n")

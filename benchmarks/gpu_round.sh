@@ -40,6 +40,11 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s10a)
+  # bs1 busy: the CUDA graphs captured with and without cuBLASLt split-K, idle time in front of each kernel
+  timeout 400 python3 benchmarks/diag_busy.py --out "$OUT" --splitk on,off \
+    --models ${2:-resnet50:1,bert-base:1:128,glm4-9b-4l:1:1024} 2>&1 | quiet | grep "^|\|rror" | tail -12
+  echo "### busy ${SECONDS}s" ;;
 s9g)
   # plans keep 1% of the budget free: ResNet-50 at 0.35 (now below the minimum with the margin?) and 0.37
   rn 0.35 100 --no-reference

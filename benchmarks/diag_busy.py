@@ -57,21 +57,25 @@ def _host(fn, reps=50) -> float:
     return statistics.median(out)
 
 
-def _set_splitk(allow: bool) -> None:
-    """cuBLASLt's split-K for bf16/fp16 GEMMs (torch's reduction-scheme mask): read when a GEMM is
-    launched, so it decides the kernels a CUDA graph captures."""
-    m = torch.backends.cuda.matmul
-    m.allow_bf16_reduced_precision_reduction = (True, True) if allow else (False, False)
-    m.allow_fp16_reduced_precision_reduction = (True, True) if allow else (False, False)
+VARIANTS = ("default", "no-splitk", "no-cudnn-sdpa")
 
 
-def run(spec, batch, seq, dtype, splitk: bool = True) -> dict:
+def _set_variant(variant: str) -> None:
+    """Library settings read when a kernel is launched, so they decide what a CUDA graph captures:
+    ``no-splitk``: cuBLASLt's bf16 GEMMs without split-K (torch's reduction-scheme mask);
+    ``no-cudnn-sdpa``: SDPA dispatches to the flash / memory-efficient kernels instead of cuDNN's."""
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = \
+        (False, False) if variant == "no-splitk" else (True, True)
+    torch.backends.cuda.enable_cudnn_sdp(variant != "no-cudnn-sdpa")
+
+
+def run(spec, batch, seq, dtype, variant: str = "default") -> dict:
     dev = torch.device("cuda")
-    _set_splitk(splitk)
+    _set_variant(variant)
     model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, dev)
     opt = graphopt.optimize(model, (args, kwargs), model_name=name)
     call = lambda: opt(*args, **kwargs)  # noqa: E731
-    row = {"model": name + ("" if splitk else " (no split-K)"), "batch": batch, "seq_len": seq,
+    row = {"model": name + ("" if variant == "default" else f" ({variant})"), "batch": batch, "seq_len": seq,
            "passes": {p.name: p.status + (f" ({p.notes[0][:160]})" if p.notes else "")
                       for p in opt.report.passes if p.status not in ("unchanged", "skipped", "disabled")},
            "accuracy": {k: opt.report.accuracy.get(k) for k in ("passed", "mode", "reason")},
@@ -138,7 +142,7 @@ def run(spec, batch, seq, dtype, splitk: bool = True) -> dict:
             k[0] += g / 5
             k[1] += 1 / 5
     row["gap_before_us"] = sorted(([k, round(v[0], 2), v[1]] for k, v in before.items()), key=lambda t: -t[1])[:12]
-    _set_splitk(True)
+    _set_variant("default")
     print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels_us", "host_profile", "gap_before_us")}),
           flush=True)
     del opt, model
@@ -151,15 +155,17 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="resnet50:1,bert-base:1:128")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--out", required=True)
-    p.add_argument("--splitk", default="on", help="on, off or on,off: cuBLASLt split-K allowed while the graphs "
-                   "are captured (off: torch's reduction mask set to no split-K)")
+    p.add_argument("--variants", default="default", help="comma-separated, of " + ", ".join(VARIANTS)
+                   + " (library settings while the model is optimized and its graphs captured)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("diag_busy: needs a CUDA device")
     rows = []
     for spec, batch, seq in parse_models(a.models):
-        for sk in a.splitk.split(","):
-            rows.append(run(spec, batch, seq, parse_dtype(a.dtype), splitk=sk == "on"))
+        for v in a.variants.split(","):
+            if v not in VARIANTS:
+                raise SystemExit(f"diag_busy: unknown variant {v!r}; one of {', '.join(VARIANTS)}")
+            rows.append(run(spec, batch, seq, parse_dtype(a.dtype), variant=v))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -40,9 +40,13 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s10b)
+  # attention at small batch: SDPA backends against the one-tile Triton kernel, then BERT bs1 busy again
+  timeout 200 python3 benchmarks/diag_attention_small.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | tail -30
+  echo "### attention ${SECONDS}s" ;;
 s10a)
   # bs1 busy: the CUDA graphs captured with and without cuBLASLt split-K, idle time in front of each kernel
-  timeout 400 python3 benchmarks/diag_busy.py --out "$OUT" --splitk on,off \
+  timeout 400 python3 benchmarks/diag_busy.py --out "$OUT" --variants ${V:-default,no-cudnn-sdpa} \
     --models ${2:-resnet50:1,bert-base:1:128,glm4-9b-4l:1:1024} 2>&1 | quiet | grep "^|\|rror" | tail -12
   echo "### busy ${SECONDS}s" ;;
 s9g)

@@ -40,6 +40,14 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s10c)
+  # graphopt::short_attention: its cuda tests, BERT bs1 busy, then BERT bs1/bs8 and ViT bs1 against eager and compile
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext/test_short_attention.py tests/passes/test_lower_attention.py \
+    tests/cuda_ext/test_registration.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_short_attention.log"
+  tail -30 "$OUT/pytest_cuda_short_attention.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  timeout 120 python3 benchmarks/diag_busy.py --out "$OUT" --models bert-base:1:128 2>&1 | quiet | grep "^|\|rror" | tail -3
+  echo "### busy ${SECONDS}s"
+  models "${2:-bert-base:1,bert-base:8,vit_b_16:1}" ;;
 s10b)
   # attention at small batch: SDPA backends against the one-tile Triton kernel, then BERT bs1 busy again
   timeout 200 python3 benchmarks/diag_attention_small.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | tail -30

@@ -89,18 +89,25 @@ def _fake_max_pool2d_nhwc(x, kernel, stride, padding):
     return x.new_empty((x.shape[0], x.shape[1], ho, wo)).contiguous(memory_format=torch.channels_last)
 
 
+def _fake_short_attention(q, k, v, mask, scale, is_causal):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                 lambda: "graphopt::short_attention: q, k and v must be [batch, heads, sequence, head_dim]")
+    return reference.short_attention_layout(q)
+
+
 FAKES = {
     "bias_act": _fake_bias_act, "add_rms_norm": _fake_add_rms_norm, "add_layer_norm": _fake_add_layer_norm,
     "swiglu": _fake_swiglu, "rotary": _fake_rotary, "softmax_mask": _fake_softmax_mask,
     "fused_pointwise": _fake_fused_pointwise, "conv_bias_relu": _fake_conv_bias_relu,
     "layer_norm": _fake_layer_norm, "max_pool2d_nhwc": _fake_max_pool2d_nhwc,
+    "short_attention": _fake_short_attention,
 }
 REFERENCES = {
     "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
     "add_layer_norm": reference.add_layer_norm, "swiglu": reference.swiglu, "rotary": reference.rotary,
     "softmax_mask": reference.softmax_mask, "fused_pointwise": reference.fused_pointwise,
     "conv_bias_relu": reference.conv_bias_relu, "layer_norm": reference.layer_norm,
-    "max_pool2d_nhwc": reference.max_pool2d_nhwc,
+    "max_pool2d_nhwc": reference.max_pool2d_nhwc, "short_attention": reference.short_attention,
 }
 
 
@@ -114,6 +121,14 @@ def _layer_norm_cuda(x, weight, bias, eps):
     from .norm_triton import layer_norm_triton
 
     return layer_norm_triton(x, weight, bias, eps)
+
+
+def _short_attention_cuda(q, k, v, mask, scale, is_causal):
+    from .attention_triton import attention_triton, supported
+
+    if supported(tuple(q.shape), tuple(k.shape), q.dtype) is not None:  # fp32, long or odd shapes: correct, slower
+        return reference.short_attention(q, k, v, mask, scale, is_causal)
+    return attention_triton(q, k, v, mask, scale, is_causal)
 
 
 def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
@@ -130,6 +145,8 @@ def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
             lib.impl(name, _pointwise_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif name == "layer_norm":  # a Triton kernel, like fused_pointwise
             lib.impl(name, _layer_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
+        elif name == "short_attention":  # likewise
+            lib.impl(name, _short_attention_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif not cuda_kernels:
             lib.impl(name, REFERENCES[name], "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=lib)

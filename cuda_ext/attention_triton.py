@@ -1,4 +1,4 @@
-"""CUDA implementation of ``graphopt::attention`` in Triton: attention over short key sequences
+"""CUDA implementation of ``graphopt::short_attention`` in Triton: attention over short key sequences
 in one pass, no workspace.
 
 At small batch the SDPA backends cost more around their kernel than in it: on the H200 a
@@ -13,10 +13,9 @@ Semantics are ``scaled_dot_product_attention`` in inference: ``softmax(q @ k^T *
 v`` with an additive float mask or a boolean mask (True = attend), broadcast over batch, heads
 and rows through its strides; ``is_causal`` is the top-left-aligned triangle (key j visible to
 query i when j <= i) as SDPA's; grouped-query attention when q has a multiple of k's heads
-(query head h reads key/value head h // (Hq / Hk)). A row that masks out every key gives zeros
-(SDPA's math backend gives NaN there; the rewrite only applies to masks that cannot do that or
-to the ones the model built itself, see passes/lower_attention.py). The probabilities are
-rounded to the value dtype before the second product, as the flash kernels do.
+(query head h reads key/value head h // (Hq / Hk)). A row that masks out every key gives zeros,
+as SDPA does (its "safe softmax"). The unnormalized probabilities are rounded to the value dtype
+before the second product, as the flash kernels round theirs.
 
 The output is laid out [B, S, H, D] in memory and returned as the [B, H, S, D] view, so the
 usual ``transpose(1, 2).reshape(B, S, H * D)`` after attention is a view, not a copy.
@@ -88,7 +87,7 @@ def _kernel():
         v = tl.load(V + b * svb + hk * svh + rn[:, None] * svn + rd[None, :] * svd,
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         o = tl.dot(p.to(v.dtype), v)
-        o = o / tl.where(den > 0, den, 1.0)[:, None]
+        o = o / tl.where(den > 0, den, 1.0)[:, None]  # a row that masks out every key: zeros, as SDPA
         tl.store(O + b * sob + h * soh + rm[:, None] * som + rd[None, :] * sod, o.to(O.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
 
@@ -128,7 +127,7 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     why = supported(tuple(q.shape), tuple(k.shape), q.dtype)
     if why is not None:
-        raise ValueError(f"graphopt::attention: {why}")
+        raise ValueError(f"graphopt::short_attention: {why}")
     B, H, SQ, D = q.shape
     Hk, SK = k.shape[1], k.shape[2]
     out = torch.empty((B, SQ, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)

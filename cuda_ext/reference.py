@@ -205,6 +205,43 @@ def softmax_mask(scores: torch.Tensor, scale: float, mask: torch.Tensor | None) 
     return _fresh(p.to(scores.dtype), scores)
 
 
+def short_attention_layout(q: torch.Tensor) -> torch.Tensor:
+    """An empty [B, H, S, D] output laid out [B, S, H, D] in memory (the view the kernel returns)."""
+    B, H, S, D = q.shape
+    return q.new_empty((B, S, H, D)).transpose(1, 2)
+
+
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    is_causal: bool) -> torch.Tensor:
+    """``scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale)`` in
+    inference, as the one-tile kernel computes it: scores in fp32 (fp64 for fp64 inputs), a bool
+    mask keeps True positions, a float mask is added, ``is_causal`` keeps key j for query i when
+    j <= i; the unnormalized probabilities are rounded to v's dtype before the product with v;
+    query heads h read key/value head h // (Hq / Hk). A row with every key masked out gives zeros,
+    as SDPA does. Output [B, H, Sq, D] laid out [B, Sq, H, D]."""
+    ct = compute_dtype(q.dtype)
+    H, Hk = q.shape[1], k.shape[1]
+    if H != Hk:
+        k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
+    s = (q.to(ct) @ k.to(ct).transpose(-1, -2)) * scale
+    sq, sk = q.shape[-2], k.shape[-2]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if is_causal:
+        keep = keep.tril()
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            s = s + mask.to(ct)
+    s = s.masked_fill(~keep, -math.inf)
+    mx = s.amax(dim=-1, keepdim=True)
+    mx = torch.where(mx == -math.inf, torch.zeros((), dtype=ct, device=q.device), mx)
+    p = torch.exp(s - mx).masked_fill(~keep, 0.0)
+    den = p.sum(-1, keepdim=True)
+    o = (p.to(v.dtype).to(ct) @ v.to(ct)) / torch.where(den > 0, den, torch.ones((), dtype=ct, device=q.device))
+    return short_attention_layout(q).copy_(o)
+
+
 def fused_pointwise(program: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Evaluate a pointwise program (see graphopt.cuda_ext.pointwise) with torch ops."""
     from .pointwise import broadcast_shape, dense_order, empty_in_order, evaluate

@@ -255,6 +255,7 @@ PIPELINE: tuple[str, ...] = (
     "conv_space_to_depth",
     "fuse_conv_relu",
     "lower_max_pool",
+    "lower_attention",
 )
 
 

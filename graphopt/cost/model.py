@@ -303,6 +303,16 @@ class CostModel:
                 if touched < x.nbytes:
                     in_bytes = in_bytes - x.nbytes + touched
             return flops, in_bytes + out_bytes, 1, "matmul"
+        if name == "short_attention" and len(ins) >= 2:  # the kernel computes whole padded tiles, causal or not
+            q, k = ins[0], ins[1]
+            try:
+                B, H, sq, d = (int(x) for x in q.shape)
+                sk = int(k.shape[-2])
+            except TypeError:  # symbolic sizes: the unpadded work
+                return 4 * _prod(q.shape) * k.shape[-2], in_bytes + out_bytes, 1, "matmul"
+            from graphopt.cuda_ext.attention_triton import blocks
+            bm, bn, _ = blocks(B, H, sq, sk, d, self.profile.sm_count or 132)
+            return 4 * B * H * (-(-sq // bm) * bm) * bn * max(16, d), in_bytes + out_bytes, 1, "matmul"
         if name in ATTENTION_OPS:
             q, k = ins[0], ins[1]
             b_h = _prod(q.shape[:-2])
@@ -629,12 +639,15 @@ def _same_arg(a, b) -> bool:
 
 
 def _efficiency_kind(node: fx.Node) -> str:
-    """Which fitted efficiency a matmul-like node runs at: "conv", "attention" or "matmul"."""
+    """Which fitted efficiency a matmul-like node runs at: "conv", "attention", "short_attention"
+    or "matmul"."""
     name = _op_name(node)
     if name in CONV_OPS:
         return "conv"
     if name in ATTENTION_OPS or name in ATTENTION_BACKWARD_OPS:
         return "attention"
+    if name == "short_attention":
+        return "short_attention"
     return "matmul"
 
 

@@ -86,6 +86,11 @@ class DeviceProfile:
     attention_fixed_s: float | None = None
     attention_memory_scale: float | None = None
     attention_tile: int = 0
+    # graphopt::short_attention (the one-tile Triton kernel, cuda_ext/attention_triton.py):
+    # max(flops of its padded tiles / (peak * short_attention_scale), bytes / bandwidth)
+    # + short_attention_fixed_s; None: not measured, and passes/lower_attention.py leaves SDPA be
+    short_attention_scale: float | None = None
+    short_attention_fixed_s: float = 0.0
     # host (CPU) time to run one fx node that launches no kernel (an ATen view or metadata op,
     # dispatched from the GraphModule's generated code); a kernel node's host time is its
     # launch_overhead_s. Used by the host/device queue model of eager execution
@@ -135,7 +140,9 @@ class DeviceProfile:
             compute_s = compute_s / self.conv_scale + self.conv_fixed_s
         elif kind == "matmul":
             compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
-        elif kind == "attention":
+        elif kind == "short_attention" and self.short_attention_scale is not None:
+            return _max(compute_s / self.short_attention_scale, memory_s) + self.short_attention_fixed_s
+        elif kind in ("attention", "short_attention"):
             if self.attention_scale is None:
                 compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
             elif self.attention_memory_scale is not None:

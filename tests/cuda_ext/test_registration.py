@@ -27,6 +27,7 @@ EXPECTED = {
     "fused_pointwise": "fused_pointwise(str program, Tensor[] inputs) -> Tensor[]",
     "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor",
     "max_pool2d_nhwc": "max_pool2d_nhwc(Tensor x, int kernel, int stride, int padding) -> Tensor",
+    "short_attention": "short_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor",
     "conv_bias_relu": "conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, "
                       "int[2] dilation, int groups) -> Tensor",
 }
@@ -54,6 +55,9 @@ def sample_args(device="cpu"):
                            [1, 1], 1),
         "max_pool2d_nhwc": (torch.randn(2, 16, 7, 9, device=device).contiguous(memory_format=torch.channels_last),
                             3, 2, 1),
+        "short_attention": (torch.randn(2, 4, 5, 16, device=device), torch.randn(2, 2, 7, 16, device=device),
+                            torch.randn(2, 2, 7, 16, device=device), torch.rand(2, 1, 1, 7, device=device) > 0.2,
+                            0.25, False),
     }
 
 

@@ -1,0 +1,164 @@
+"""lower_attention: short-sequence ``scaled_dot_product_attention`` -> graphopt::short_attention.
+
+At small batch the SDPA backends cost more around their kernel than in it. Inside a CUDA graph on
+the H200, one BERT-base layer's attention at bs1 seq128 takes 6.9 µs per call through cuDNN (a
+5.7 µs kernel, a memset, and launch gaps) and 9.6 µs through the memory-efficient kernel; the
+bundled one-tile Triton kernel (cuda_ext/attention_triton.py) takes 3.6 µs
+(``benchmarks/results/diag_attention_small_2026-11-30_131037.md``). It holds every key of a head in
+one tile, so it needs no running maximum, no second pass and no workspace.
+
+Applies to an SDPA call in an inference graph on a CUDA profile when:
+* q, k, v are 4-D bf16/fp16 with static shapes, at most ``MAX_KEYS`` (256) keys and a head dim of
+  16-128 (a multiple of 8); grouped-query attention (``enable_gqa``) when q's heads are a multiple
+  of k's;
+* dropout is 0;
+* the mask is absent, boolean, or a float tensor (additive), broadcastable to [B, H, Sq, Sk];
+* the profile has measured the kernel (``short_attention_scale``), and it is predicted at most
+  ``MARGIN`` (75%) of SDPA's time. The margin is the SDPA fit's error on these sizes: the profile's
+  SDPA fit predicts 12.7 µs for a 256-token causal decoder layer that cuDNN ran in 9.3 (a 37%
+  overestimate), while on BERT bs1/bs8 and ViT bs1 it is within 25%, and there the kernel is
+  predicted at 38-51% of SDPA (measured 52-89%).
+
+Same semantics (a row whose every key is masked out gives zeros, as SDPA's safe softmax); the
+probabilities are rounded to v's dtype before the product with v, as the flash kernels round
+theirs, and the output is laid out [B, S, H, D], so the ``transpose(1, 2).reshape`` that usually
+follows is a view. The op has no backward: inference graphs only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.matcher import get_arg
+from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+MARGIN = 0.75
+
+
+def _static(shape) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(s) for s in shape)
+    except TypeError:
+        return None
+
+
+@register
+class LowerAttention(Pass):
+    name = "lower_attention"
+    family = "lower"
+    description = ("short-sequence SDPA (<= 256 keys, bf16/fp16, inference) -> graphopt::short_attention, one "
+                   "Triton tile per query block (no memset, no workspace)")
+    inference_only = True  # the bundled op has no backward
+    requires = ("fuse_attention",)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
+        if not calls:
+            return res
+        if ctx.profile.kind != "cuda":
+            for n in calls:
+                res.reject(n.name, f"the bundled attention kernel is for CUDA; {ctx.profile.name} runs SDPA")
+            return res
+        if ctx.profile.short_attention_scale is None:
+            for n in calls:
+                res.reject(n.name, f"profile {ctx.profile.name} has no measurement of graphopt::short_attention "
+                                   "(short_attention_scale; benchmarks/diag_attention_small.py)")
+            return res
+        cands = [c for c in (self._candidate(gm, ctx, res, n) for n in calls) if c is not None]
+        res.apply_ranked(ctx, cands, fused_kernels=True)
+        return res
+
+    def _candidate(self, gm, ctx, res, node) -> Candidate | None:
+        from graphopt.cuda_ext.attention_triton import supported
+
+        q, k, v = node.args[0], node.args[1], node.args[2]
+        mask = get_arg(node, 3, "attn_mask")
+        dropout = get_arg(node, 4, "dropout_p")
+        causal = bool(get_arg(node, 5, "is_causal"))
+        scale = get_arg(node, 6, "scale")
+        gqa = bool(get_arg(node, 7, "enable_gqa"))
+        label = node.name
+        qi, ki, vi = ir.info(q), ir.info(k), ir.info(v)
+        if qi is None or ki is None or vi is None:
+            res.reject(label, "q, k or v has no tensor metadata")
+            return None
+        qs, ks, vs = _static(qi.shape), _static(ki.shape), _static(vi.shape)
+        if qs is None or ks is None or vs is None:
+            res.reject(label, "symbolic shapes: the kernel's one tile needs the key count known")
+            return None
+        why = supported(qs, ks, qi.dtype)
+        if why is not None:
+            res.reject(label, why)
+            return None
+        if ki.dtype != qi.dtype or vi.dtype != qi.dtype or ks != vs or ks[0] != qs[0] or ks[3] != qs[3]:
+            res.reject(label, f"q, k, v do not line up ({qs} {qi.dtype}, {ks} {ki.dtype}, {vs} {vi.dtype})")
+            return None
+        if ks[1] != qs[1] and not gqa:
+            res.reject(label, f"{qs[1]} query heads over {ks[1]} key heads without enable_gqa")
+            return None
+        if dropout not in (None, 0, 0.0):
+            res.reject(label, f"dropout {dropout} (the kernel draws no random numbers)")
+            return None
+        if isinstance(scale, fx.Node):
+            res.reject(label, "the scale is a tensor, not a number")
+            return None
+        if mask is not None:
+            mi = ir.info(mask) if isinstance(mask, fx.Node) else None
+            ms = _static(mi.shape) if mi is not None else None
+            if mi is None or ms is None:
+                res.reject(label, "the mask is not a tensor of static shape")
+                return None
+            if not (mi.dtype == torch.bool or mi.dtype.is_floating_point):
+                res.reject(label, f"mask dtype {mi.dtype} (bool or float only)")
+                return None
+            try:
+                ok = tuple(torch.broadcast_shapes(ms, (qs[0], qs[1], qs[2], ks[2]))) == (qs[0], qs[1], qs[2], ks[2])
+            except RuntimeError:
+                ok = False
+            if not ok:
+                res.reject(label, f"mask {ms} does not broadcast to {(qs[0], qs[1], qs[2], ks[2])}")
+                return None
+        scale = float(qs[3] ** -0.5 if scale is None else scale)
+        args = (q, k, v, mask, scale, causal)
+        old = ctx.node_time([node])
+        new = self._time_of(ctx, node, args)
+        if new > MARGIN * old:
+            res.reject(label, f"predicted {new * 1e6:.1f} us against SDPA's {old * 1e6:.1f} us "
+                              f"(applied below {MARGIN:.0%} of SDPA's: the SDPA fit's error)")
+            return None
+        desc = f"SDPA {qs[0]}x{qs[1]}x{qs[2]}x{ks[2]}x{qs[3]}{' causal' if causal else ''} -> short_attention"
+        return Candidate(desc, [node], old - new, lambda: self._apply(gm, node, args), label=label)
+
+    @staticmethod
+    def _time_of(ctx, like: fx.Node, args) -> float:
+        """Predicted time of a short_attention node with these args, built in a scratch graph."""
+        from graphopt.cuda_ext.reference import short_attention_layout
+
+        g = fx.Graph()
+        mapping = {}
+        for a in args:
+            if isinstance(a, fx.Node) and a not in mapping:
+                ph = g.placeholder(a.name)
+                ph.meta["val"] = a.meta.get("val")
+                mapping[a] = ph
+        node = g.call_function(torch.ops.graphopt.short_attention.default,
+                               tuple(mapping.get(a, a) if isinstance(a, fx.Node) else a for a in args))
+        node.meta["val"] = short_attention_layout(args[0].meta["val"])
+        return ctx.node_time([node])
+
+    @staticmethod
+    def _apply(gm, node, args):
+        from graphopt.cuda_ext.reference import short_attention_layout
+
+        g = gm.graph
+        with g.inserting_before(node):
+            new = g.call_function(torch.ops.graphopt.short_attention.default, args)
+        new.meta["val"] = short_attention_layout(args[0].meta["val"])
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        return new

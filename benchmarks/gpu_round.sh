@@ -40,6 +40,11 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s10d)
+  # bs1 busy for both issue-5 models with short_attention, then the bs1 latency rows (and BERT bs8) against compile
+  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet | grep "^|\|rror" | tail -4
+  echo "### busy ${SECONDS}s"
+  models "${2:-bert-base:1,resnet50:1,vit_b_16:1,bert-base:8}" ;;
 s10c)
   # graphopt::short_attention: its cuda tests, BERT bs1 busy, then BERT bs1/bs8 and ViT bs1 against eager and compile
   timeout 150 python3 -m pytest -m cuda tests/cuda_ext/test_short_attention.py tests/passes/test_lower_attention.py \

@@ -61,7 +61,12 @@ def select(only: str | None, configs: str | None, no_ro: bool, guard: bool) -> l
     for group in (want_models or []) + [n for n, _ in (want_cfgs or [])]:
         if group not in names:
             raise SystemExit(f"run_models: unknown model '{group}'; the set is {', '.join(sorted(names))}")
-    for model, batch, seq, vs, okw in SUITE:
+    suite = list(SUITE)
+    seqs = {m: seq for m, _, seq, _, _ in SUITE}
+    for name, batch in sorted(want_cfgs or ()):  # a batch the suite does not list: latency variants at bs1
+        if (name, batch) not in {(m, b) for m, b, *_ in SUITE}:
+            suite.append((name, batch, seqs[name], LATENCY if batch == 1 else BASE, None))
+    for model, batch, seq, vs, okw in suite:
         if want_models is not None and model not in want_models:
             continue
         if want_cfgs is not None and (model, batch) not in want_cfgs:

@@ -40,6 +40,15 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s10e)
+  # final: every cuda-marked test with this round's code, compute-sanitizer memcheck over every kernel (short_attention
+  # included), ResNet-50 and BERT bs1 busy once more
+  timeout 260 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
+    > "$OUT/memcheck.log" 2>&1; echo "### memcheck rc=$? ${SECONDS}s"; tail -3 "$OUT/memcheck.log"
+  timeout $((580 - SECONDS)) python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
+    | grep "^|\|rror" | tail -4; echo "### busy ${SECONDS}s" ;;
 s10d)
   # bs1 busy for both issue-5 models with short_attention, then the bs1 latency rows (and BERT bs8) against compile
   timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet | grep "^|\|rror" | tail -4

@@ -121,6 +121,13 @@ def blocks(B: int, H: int, SQ: int, SK: int, D: int, sms: int = 132) -> tuple[in
     return bm, bn, warps
 
 
+def padded_flops(B: int, H: int, SQ: int, SK: int, D: int, sms: int = 132) -> int:
+    """The kernel's work: both products over whole tiles (queries up to BLOCK_M, keys up to
+    BLOCK_N, the head dim up to 16), causal or not (the one tile is computed whole)."""
+    bm, bn, _ = blocks(B, H, SQ, SK, D, sms)
+    return 4 * B * H * (-(-SQ // bm) * bm) * bn * max(16, D)
+
+
 def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      is_causal: bool) -> torch.Tensor:
     import triton

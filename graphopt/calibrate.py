@@ -296,6 +296,29 @@ def _attention_samples(device, dtype, quick: bool) -> list[tuple[float, float, f
     return out
 
 
+# graphopt::short_attention's fit (B, H, S, D, mask): BERT-base bs1/bs8/bs64, ViT-B/16 bs1, a causal decoder prefill
+SHORT_ATTENTION_SHAPES = [(1, 12, 128, 64, "mask"), (1, 12, 197, 64, None), (8, 12, 128, 64, "mask"),
+                          (64, 12, 128, 64, "mask"), (1, 32, 256, 128, "causal")]
+
+
+def _short_attention_samples(device, dtype, quick: bool) -> list[tuple[float, float]]:
+    """(FLOPs of the padded tiles, device seconds) of graphopt::short_attention (the one-tile Triton
+    kernel), timed queued behind a GPU sleep as the SDPA samples are."""
+    from graphopt.cuda_ext.attention_triton import attention_triton, padded_flops
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out = []
+    for b, h, s, d, kind in (SHORT_ATTENTION_SHAPES[::2] if quick else SHORT_ATTENTION_SHAPES):
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
+        mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype) if kind == "mask" else None
+        causal = kind == "causal"
+        t = _best_seconds(lambda: attention_triton(q, k, v, mask, d ** -0.5, causal), device, 5 if quick else 20,
+                          queued=True)
+        out.append((float(padded_flops(b, h, s, s, d, sms)), t))
+        del q, k, v, mask
+    return out
+
+
 def _copy_fixed(device, bw: float, quick: bool) -> float:
     """Fixed device time of a memory-bound kernel: copies of 1-256 MiB, t - bytes / bw, median."""
     extra = []
@@ -600,6 +623,18 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
                 f"{stamp}: max(flops padded to {ATTENTION_TILE}-position tiles / (peak * scale), bytes / (bandwidth * "
                 f"memory scale)) + fixed fitted to {len(attn)} bf16 SDPA calls shaped like BERT-base (padding mask), "
                 "ViT-B/16 and GLM-4 (causal) attention, timed queued behind a GPU sleep")
+            say("short attention (graphopt::short_attention, one Triton tile)")
+            try:
+                sa = _short_attention_samples(device, torch.bfloat16, quick)
+            except Exception as e:  # no Triton, or it cannot compile here: lower_attention stays off
+                source["short_attention"] = f"{stamp}: not measured ({type(e).__name__}: {str(e)[:120]})"
+            else:
+                scale, fixed = _fit_efficiency(sa, peak["bfloat16"])
+                extra_fit.update(short_attention_scale=scale, short_attention_fixed_s=fixed)
+                source["short_attention"] = (
+                    f"{stamp}: flops of the padded tiles / (peak * scale) + fixed fitted to {len(sa)} bf16 calls of "
+                    "graphopt::short_attention shaped like BERT-base bs1/bs8/bs64, ViT-B/16 bs1 and a 256-token causal "
+                    "prefill, timed queued behind a GPU sleep")
             say("launch overhead")
             launch_wall, launch_graph = _launch_overhead(device)
             say("host time per fx node (views, tiny kernels)")
@@ -719,6 +754,9 @@ def run_cli(args) -> int:
             mem = "" if prof.attention_memory_scale is None else f", bytes at {prof.attention_memory_scale:.0%} of the copy rate"
             t.add_row("attention efficiency", f"{prof.attention_scale:.0%} of peak{mem} + "
                                               f"{(prof.attention_fixed_s or 0) * 1e6:.1f} µs")
+        if prof.short_attention_scale is not None:
+            t.add_row("short attention (one tile)", f"{prof.short_attention_scale:.0%} of peak + "
+                                                    f"{prof.short_attention_fixed_s * 1e6:.1f} µs")
         t.add_row("memory-bound kernel fixed time", f"{prof.kernel_fixed_s * 1e6:.1f} µs")
     for k, v in prof.link_bandwidth.items():
         t.add_row(f"link {k}", _fmt_rate(v, "B/s"))

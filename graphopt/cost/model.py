@@ -310,9 +310,8 @@ class CostModel:
                 sk = int(k.shape[-2])
             except TypeError:  # symbolic sizes: the unpadded work
                 return 4 * _prod(q.shape) * k.shape[-2], in_bytes + out_bytes, 1, "matmul"
-            from graphopt.cuda_ext.attention_triton import blocks
-            bm, bn, _ = blocks(B, H, sq, sk, d, self.profile.sm_count or 132)
-            return 4 * B * H * (-(-sq // bm) * bm) * bn * max(16, d), in_bytes + out_bytes, 1, "matmul"
+            from graphopt.cuda_ext.attention_triton import padded_flops
+            return padded_flops(B, H, sq, sk, d, self.profile.sm_count or 132), in_bytes + out_bytes, 1, "matmul"
         if name in ATTENTION_OPS:
             q, k = ins[0], ins[1]
             b_h = _prod(q.shape[:-2])

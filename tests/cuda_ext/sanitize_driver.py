@@ -66,5 +66,11 @@ p = ce.Program()
 a, b = p.input(), p.input()
 p.output(p.gelu_tanh(a + b), torch.bfloat16)
 ce.fused_pointwise(p, [r(3, 5, 70), r(3, 1, 70)])
+# short_attention: ragged query tiles, keys that are not a power of 2 (masked loads), GQA, masks
+for B, H, Hk, SQ, SK, D in [(1, 4, 4, 37, 37, 64), (2, 4, 2, 5, 256, 40), (3, 2, 1, 70, 129, 128)]:
+    q, k, v = r(B, H, SQ, D), r(B, Hk, SK, D), r(B, Hk, SK, D)
+    ce.short_attention(q, k, v, None, None, True)
+    ce.short_attention(q, k, v, torch.rand(B, 1, SQ, SK, device=dev) > 0.3)
+    ce.short_attention(q, k, v, r(B, 1, 1, SK))
 torch.cuda.synchronize()
 print("sanitize_driver: ok")

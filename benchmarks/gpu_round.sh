@@ -40,6 +40,11 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s10f)
+  # where GLM bs1 seq1024's time goes (graphopt 4.90 ms against reduce-overhead 5.02): kernels of eager, graphopt and
+  # torch.compile, and the device's idle time inside a call
+  timeout 300 python3 benchmarks/profile_model.py glm4-9b-4l --batch 1 --seq-len 1024 --top 18 --reps 10 --compile --gaps \
+    --out "$OUT" 2>&1 | quiet | grep -v "^$" | tail -80; echo "### profile ${SECONDS}s" ;;
 s10e)
   # final: every cuda-marked test with this round's code, compute-sanitizer memcheck over every kernel (short_attention
   # included), ResNet-50 and BERT bs1 busy once more

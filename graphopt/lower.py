@@ -18,6 +18,10 @@ What happens on a call when CUDA graphs are on (``runner.decision.on``):
   would silently change on the next call. ``reuse_outputs=True`` skips the clone (the fastest
   path): outputs are then only valid until the next call of the runner (of any shape: graphs
   share one pool).
+* An output of at least ``TAIL_MIN_BYTES`` that the graph's last op on it makes (a fresh tensor,
+  read by nothing else: a language model's logits) is not captured: that op runs eagerly right
+  after the replay, on the graph's static buffers, and its result is the caller's to keep, so it
+  needs no clone (GLM-4 at bs1: 310 MB of logits, a 0.13 ms copy). :func:`tail_nodes` picks them.
 * Calls that cannot be replayed safely run the GraphModule eagerly, with a one-time warning
   per reason: grad-enabled calls with anything requiring grad (a replayed graph records no
   autograd history), inputs on another device, unhashable non-tensor inputs, or a capture
@@ -48,7 +52,11 @@ from torch.utils import _pytree as pytree
 
 from . import ir
 
-__all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "RANDOM_OPS", "HOST_SYNC_OPS"]
+__all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "tail_nodes", "RANDOM_OPS", "HOST_SYNC_OPS"]
+
+# an output at least this large, made by one op that nothing else reads, runs outside the graph
+# instead of being cloned out of it (a clone of 16 MiB costs 8 us on the H200, an eager launch 7)
+TAIL_MIN_BYTES = 16 << 20
 
 # op names (ATen schema names, without the namespace) that make a graph unfit for replay
 RANDOM_OPS = ir.RANDOM_OPS  # (re-exported; ir.is_random is the one definition)
@@ -207,6 +215,96 @@ def launch_savings_s(kernel_launches: int, profile) -> float:
     return max(0.0, kernel_launches * (profile.launch_overhead_s - per_graph))
 
 
+# ------------------------------------------------------------------------------------- eager tail
+
+
+def _output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def _flat_outputs(gm: fx.GraphModule):
+    """The output node's flat tuple of values when the module unflattens them itself (pytree
+    codegen, as capture makes), else None (also for a module that is not a GraphModule)."""
+    if not isinstance(gm, fx.GraphModule):
+        return None
+    cg = gm.graph._codegen
+    info = getattr(cg, "pytree_info", None)
+    if not isinstance(cg, fx.graph._PyTreeCodeGen) or info is None or info.out_spec is None:
+        return None
+    flat = _output_node(gm).args[0]
+    return list(flat) if isinstance(flat, (tuple, list)) else None
+
+
+def tail_nodes(gm: fx.GraphModule, min_bytes: int = TAIL_MIN_BYTES) -> list[fx.Node]:
+    """Output nodes that a replay can leave to an eager call after it: an ATen or graphopt op
+    whose single, fresh (not a view) output is at least ``min_bytes``, read only by the output,
+    returned once, that neither draws random numbers nor mutates its arguments."""
+    flat = _flat_outputs(gm)
+    if flat is None:
+        return []
+    out = []
+    for n in flat:
+        if not isinstance(n, fx.Node) or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        schema = n.target._schema
+        if len(schema.returns) != 1 or schema.returns[0].alias_info is not None or schema.is_mutable:
+            continue
+        if flat.count(n) != 1 or len(n.users) != 1 or ir.is_random(n):
+            continue
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        try:
+            nbytes = int(val.numel()) * val.element_size()
+        except TypeError:  # symbolic size
+            continue
+        if nbytes >= min_bytes:
+            out.append(n)
+    return out
+
+
+class _Tail:
+    """``gm`` split in two: ``head`` (captured) returns the outputs the replay keeps, then the
+    values the tail ops read; ``run`` calls the tail ops on those and puts every output back in
+    its place, unflattened like ``gm``'s."""
+
+    def __init__(self, gm: fx.GraphModule, tail: list[fx.Node]):
+        flat = _flat_outputs(gm)
+        cg = gm.graph._codegen
+        self.out_spec = cg.pytree_info.out_spec
+        g = fx.Graph()
+        env: dict = {}
+        mapped = g.graph_copy(gm.graph, env)
+        self.slots = [i for i, n in enumerate(flat) if n in tail]  # output positions the tail fills
+        keep = [i for i in range(len(flat)) if i not in self.slots]
+        reads: list[fx.Node] = []
+        for n in tail:
+            for a in n.all_input_nodes:
+                if a not in reads:
+                    reads.append(a)
+        for n in tail:
+            g.erase_node(env[n])
+        g.output(tuple(mapped[i] for i in keep) + tuple(env[a] for a in reads))
+        head_cg = copy.copy(cg)
+        head_cg.pytree_info = cg.pytree_info._replace(out_spec=None)
+        g._codegen = head_cg
+        self.head = fx.GraphModule(gm, g)
+        self.keep, self.n_flat = keep, len(flat)
+        self.ops = [(flat.index(n), n.target, n.args, n.kwargs) for n in tail]
+        self.ops_nodes = list(tail)
+        self.reads = reads
+        self.nbytes = sum(int(n.meta["val"].numel()) * n.meta["val"].element_size() for n in tail)
+
+    def run(self, kept: list, read_values: list):
+        env = dict(zip(self.reads, read_values))
+        flat = [None] * self.n_flat
+        for i, v in zip(self.keep, kept):
+            flat[i] = v
+        for i, target, args, kwargs in self.ops:
+            flat[i] = target(*fx.node.map_arg(args, env.__getitem__), **fx.node.map_arg(kwargs, env.__getitem__))
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+
 # ------------------------------------------------------------------------------------- backends
 
 
@@ -290,6 +388,7 @@ class _Entry:
     out_leaves: list
     out_spec: object
     out_is_tensor: list = field(default_factory=list)
+    tail: _Tail | None = None  # outputs made after the replay (their ops' inputs follow the kept outputs)
 
 
 class Runner:
@@ -297,7 +396,8 @@ class Runner:
     ``decision.on`` (see the module docstring). Build it with :func:`lower`."""
 
     def __init__(self, gm: fx.GraphModule, decision: Decision, *, max_graphs: int = 8,
-                 reuse_outputs: bool = False, warmup: int = 3, backend: str = "cuda"):
+                 reuse_outputs: bool = False, warmup: int = 3, backend: str = "cuda",
+                 tail_min_bytes: int | None = TAIL_MIN_BYTES):
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         self.gm = gm
@@ -306,6 +406,8 @@ class Runner:
         self.reuse_outputs = reuse_outputs
         self.warmup = warmup
         self.backend_name = backend
+        self.tail_min_bytes = tail_min_bytes
+        self._tail: _Tail | None | bool = False  # False: not looked for yet
         self._backend = _BACKENDS[backend]()
         self._graphs: OrderedDict = OrderedDict()
         self._pool = None
@@ -333,11 +435,13 @@ class Runner:
         state = dict(self.__dict__)
         state["_graphs"] = OrderedDict()
         state["_pool"] = None
+        state["_tail"] = False
         return state
 
     def __deepcopy__(self, memo):
         new = Runner(copy.deepcopy(self.gm, memo), self.decision, max_graphs=self.max_graphs,
-                     reuse_outputs=self.reuse_outputs, warmup=self.warmup, backend=self.backend_name)
+                     reuse_outputs=self.reuse_outputs, warmup=self.warmup, backend=self.backend_name,
+                     tail_min_bytes=self.tail_min_bytes)
         new._disabled = self._disabled
         return new
 
@@ -400,6 +504,14 @@ class Runner:
             bufs[0][0].copy_(bufs[0][1])
         return self._replay(entry)
 
+    @property
+    def tail(self) -> _Tail | None:
+        """The outputs made outside the graph (None: every output comes from the replay)."""
+        if self._tail is False:
+            nodes = [] if self.reuse_outputs or self.tail_min_bytes is None else tail_nodes(self.gm, self.tail_min_bytes)
+            self._tail = _Tail(self.gm, nodes) if nodes else None
+        return self._tail
+
     def _replay(self, entry: _Entry):
         self._backend.replay(entry.graph, self.decision.device)
         self.stats["replays"] += 1
@@ -407,6 +519,9 @@ class Runner:
             outs = entry.out_leaves
         else:
             outs = [o.clone() if t else o for o, t in zip(entry.out_leaves, entry.out_is_tensor)]
+        if entry.tail is not None:  # the tail's ops read the head's static values, right after the replay
+            k = len(entry.tail.keep)
+            return entry.tail.run(outs[:k], entry.out_leaves[k:])
         return pytree.tree_unflatten(outs, entry.out_spec)
 
     def _capture_and_run(self, key, leaves, spec, args, kwargs):
@@ -417,8 +532,11 @@ class Runner:
             s_leaves = [s if s is not None else x for s, x in zip(static, leaves)]
             s_args, s_kwargs = pytree.tree_unflatten(s_leaves, spec)
 
+            tail = self.tail
+            module = tail.head if tail is not None else self.gm
+
             def fn():
-                return self.gm(*s_args, **s_kwargs)
+                return module(*s_args, **s_kwargs)
 
             if len(self._graphs) >= self.max_graphs:
                 self._graphs.popitem(last=False)
@@ -436,9 +554,13 @@ class Runner:
                     except Exception:  # noqa: BLE001
                         pass
                 return self._eager(args, kwargs, self._disabled)
-        out_leaves, out_spec = pytree.tree_flatten(out)
-        entry = _Entry(graph, static, spec, out_leaves, out_spec,
-                       [isinstance(o, torch.Tensor) for o in out_leaves])
+        if tail is not None:  # the head returns a flat tuple: kept outputs, then the tail's inputs
+            out_leaves, out_spec = list(out), None
+            flags = [isinstance(o, torch.Tensor) for o in out_leaves[:len(tail.keep)]]
+        else:
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            flags = [isinstance(o, torch.Tensor) for o in out_leaves]
+        entry = _Entry(graph, static, spec, out_leaves, out_spec, flags, tail)
         self._graphs[key] = entry
         self.stats["captures"] += 1
         # capture records the work without running it: replay once for this call's result
@@ -447,7 +569,7 @@ class Runner:
 
 def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_graphs: int = 8,
           reuse_outputs: bool = False, dynamic: bool = False, training: bool = False,
-          warmup: int = 3, backend: str = "cuda") -> Runner:
+          warmup: int = 3, backend: str = "cuda", tail_min_bytes: int | None = TAIL_MIN_BYTES) -> Runner:
     """Wrap ``gm`` in a :class:`Runner` that replays CUDA graphs where that is safe.
 
     example_flat_inputs: the flat list of example inputs (tensors and other leaves) ``gm`` was
@@ -461,6 +583,8 @@ def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_gr
     dynamic / training: what the graph was captured for (``auto`` keeps graphs off for both).
     warmup: eager runs on a side stream before each capture.
     backend: "cuda", or "emulate" (a CPU stand-in used by the tests; see ``_EmulatedBackend``).
+    tail_min_bytes: outputs this large made by their own last op run after the replay instead of
+      being cloned (:func:`tail_nodes`); None keeps every op in the graph.
 
     ``runner.decision.note()`` is the line for the report: ``CUDA graph: on/off (why)``.
     """
@@ -469,4 +593,4 @@ def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_gr
     decision = decide(gm, list(example_flat_inputs), cuda_graphs=cuda_graphs, dynamic=dynamic,
                       training=training, device_type=_BACKENDS[backend].device_type)
     return Runner(gm, decision, max_graphs=max_graphs, reuse_outputs=reuse_outputs, warmup=warmup,
-                  backend=backend)
+                  backend=backend, tail_min_bytes=tail_min_bytes)

@@ -479,3 +479,103 @@ def test_sdpa_without_dropout_is_not_random():
         gm = capture(Attn(p).eval(), (q, q, q))
         sd = [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot" in str(n.target)]
         assert sd and all(ir.is_random(n) == random for n in sd), (p, [n.args for n in sd])
+
+
+# ---------------------------------------------------------------------------------- outputs made after the replay
+
+
+class Head(nn.Module):
+    """A language-model head: a small trunk, then a wide projection whose output is returned
+    (the logits), plus a small second output."""
+
+    def __init__(self, vocab=300):
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.lm = nn.Linear(16, vocab, bias=False)
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return {"logits": self.lm(h), "pooled": h.mean(1)}
+
+
+def test_a_big_output_is_made_after_the_replay_not_cloned():
+    from graphopt.lower import tail_nodes
+
+    model, x = Head().eval(), torch.randn(4, 8)
+    runner = _emulated(model, x, tail_min_bytes=4 * 300 * 4)  # the logits qualify, the pooled output does not
+    (node,) = tail_nodes(runner.gm, 4 * 300 * 4)
+    assert node.meta["val"].shape == (4, 300)
+    assert runner.tail is not None and len(runner.tail.ops) == 1 and len(runner.tail.keep) == 1
+    with torch.no_grad():
+        first_in = torch.randn(4, 8)
+        a = runner(first_in)
+        a_logits = a["logits"].clone()
+        b = runner(torch.randn(4, 8))
+        _same(a, model(first_in))
+        assert torch.equal(a["logits"], a_logits)  # kept by the caller, not overwritten by the next replay
+        assert a["logits"].data_ptr() != b["logits"].data_ptr()
+        entry = next(iter(runner._graphs.values()))
+        # the graph's static outputs: the pooled output, then the tail's inputs (h and the weight)
+        assert len(entry.out_leaves) == 3 and entry.out_leaves[2] is model.lm.weight
+        assert all(o.data_ptr() != a["logits"].data_ptr() for o in entry.out_leaves)
+    assert runner.stats["replays"] == 2
+
+
+def test_small_outputs_views_and_reused_outputs_stay_in_the_graph():
+    from graphopt.lower import tail_nodes
+
+    model, x = Head().eval(), torch.randn(4, 8)
+    assert _emulated(model, x).tail is None  # 4.8 KB of logits: under TAIL_MIN_BYTES, cloned
+    assert _emulated(model, x, tail_min_bytes=1, reuse_outputs=True).tail is None
+
+    class ViewOut(nn.Module):  # the output is a view of an op's result: the op stays in the graph
+        def forward(self, x):
+            return (x * 2).reshape(-1)
+
+    gm = _gm(ViewOut(), x)
+    assert [n.target for n in tail_nodes(gm, 1)] == []
+
+    class Reread(nn.Module):  # the big op's output is read again by another output
+        def forward(self, x):
+            y = x @ x.t()
+            return y, y.sum()
+
+    assert [str(n.target) for n in tail_nodes(_gm(Reread(), x), 1)] == ["aten.sum.default"]  # not the product
+
+
+def test_optimize_reports_and_prices_the_outputs_made_after_the_replay():
+    """Planned for the H200 on this CPU: the cost model's graphed time counts the tail as an
+    eager kernel, not a clone (the GLM-4 logits case, scaled down)."""
+    from graphopt.cost.model import CostModel
+    from graphopt.lower import tail_nodes
+
+    model, x = Head(vocab=1 << 20).eval(), torch.randn(4, 8)  # 16 MiB of fp32 logits
+    gm = _gm(model, x)
+    (node,) = tail_nodes(gm)
+    p, _ = get_profile("h200")
+    cm = CostModel(p)
+    graphed = cm.execution_cost(gm, mode="graphed").total_s
+    reuse = cm.execution_cost(gm, mode="graphed", reuse_outputs=True).total_s
+    clone_s = p.gpu_seconds(0.0, 2 * (4 << 22) / p.bandwidth)
+    assert graphed < reuse + clone_s  # the 16 MiB clone is not charged
+    assert graphed > reuse  # the eager launch of the projection is
+
+
+@pytest.mark.cuda
+def test_cuda_logits_made_after_the_replay():
+    """A real CUDA graph with its wide projection left outside: same results as eager, the
+    caller's logits survive the next call, and the report says how the outputs come out."""
+    model = Head(vocab=1 << 16).cuda().eval()  # 4 x 65536 fp32 logits: 1 MiB
+    x = torch.randn(4, 8, device="cuda")
+    gm = capture(model, (x,))
+    runner = lower(gm, [x], tail_min_bytes=1 << 20)
+    assert runner.decision.on and runner.tail is not None
+    with torch.no_grad():
+        xa, xb = torch.randn(4, 8, device="cuda"), torch.randn(4, 8, device="cuda")
+        a = runner(xa)
+        keep = a["logits"].clone()
+        b = runner(xb)
+        torch.cuda.synchronize()
+        _same(a, model(xa), tol=1e-5)
+        _same(b, model(xb), tol=1e-5)
+    assert torch.equal(a["logits"], keep) and runner.stats["captures"] == 1

@@ -530,17 +530,25 @@ class CostModel:
                              "start_s": start, "end_s": t_dev})
             return ExecutionCost("eager", max(t_host, t_dev), sum(s[1] for s in steps), busy,
                                  sum(s[3] for s in steps), rows)
-        # graphed: copy-ins, one replay, clones, each issued by the host like an eager kernel
-        body = sum(max(d, launches * p.launch_overhead_graph_s) for _, _, d, launches, _ in steps if launches)
+        # graphed: copy-ins, one replay, the ops left outside the graph (graphopt.lower.tail_nodes: big
+        # outputs made after the replay instead of cloned), clones, each issued by the host like an eager kernel
+        from graphopt.lower import tail_nodes
+
+        tail = set() if reuse_outputs else set(tail_nodes(gm))
+        body = sum(max(d, launches * p.launch_overhead_graph_s) for n, _, d, launches, _ in steps
+                   if launches and n not in tail)
         items = []
         for n in gm.graph.nodes:
             if n.op == "placeholder":
                 for t in ir.infos(n):
                     items.append((p.launch_overhead_s, p.gpu_seconds(0.0, 2 * float(ir.concrete(t.nbytes, hints)) / p.bandwidth)))
         items.append((p.launch_overhead_s, body))
+        items += [(launches * p.launch_overhead_s, d) for n, _, d, launches, _ in steps if n in tail]
         if not reuse_outputs:
             out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
             for a in out.all_input_nodes:
+                if a in tail:
+                    continue
                 for t in ir.infos(a):
                     items.append((p.launch_overhead_s, p.gpu_seconds(0.0, 2 * float(ir.concrete(t.nbytes, hints)) / p.bandwidth)))
         t_host = t_dev = 0.0

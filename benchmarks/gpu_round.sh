@@ -40,6 +40,11 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s10g)
+  # final: every cuda-marked test with this round's code, then GLM bs1 (its logits made after the replay) against compile
+  timeout 270 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  models "${2:-glm4-9b-4l:1}" ;;
 s10f)
   # where GLM bs1 seq1024's time goes (graphopt 4.90 ms against reduce-overhead 5.02): kernels of eager, graphopt and
   # torch.compile, and the device's idle time inside a call

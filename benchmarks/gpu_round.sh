@@ -40,6 +40,11 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s10h)
+  # compute-sanitizer memcheck over every kernel (short_attention included), then GLM bs8 (graphs on now?)
+  timeout 130 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
+    > "$OUT/memcheck.log" 2>&1; echo "### memcheck rc=$? ${SECONDS}s"; tail -3 "$OUT/memcheck.log"
+  models "${2:-glm4-9b-4l:8}" ;;
 s10g)
   # final: every cuda-marked test with this round's code, then GLM bs1 (its logits made after the replay) against compile
   timeout 270 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"

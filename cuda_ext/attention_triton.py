@@ -23,9 +23,10 @@ usual ``transpose(1, 2).reshape(B, S, H * D)`` after attention is a view, not a 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
+
+from .norm_triton import cached_kernel, next_pow2
 
 _kernels: dict = {}
 MAX_KEYS = 256       # every key of a head in one tile
@@ -33,15 +34,11 @@ MAX_HEAD_DIM = 128
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _kernel():
-    key = os.environ.get("TRITON_INTERPRET", "0")
-    k = _kernels.get(key)
-    if k is not None:
-        return k
+    return cached_kernel(_kernels, _build)
+
+
+def _build():
     import triton
     import triton.language as tl
 
@@ -91,7 +88,6 @@ def _kernel():
         tl.store(O + b * sob + h * soh + rm[:, None] * som + rd[None, :] * sod, o.to(O.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
 
-    _kernels[key] = attn_one_tile_kernel
     return attn_one_tile_kernel
 
 
@@ -113,11 +109,11 @@ def supported(q_shape, k_shape, dtype) -> str | None:
 def blocks(B: int, H: int, SQ: int, SK: int, D: int, sms: int = 132) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps): the query tile shrinks (64 -> 32 -> 16) until the grid fills
     the device, and a score tile of more than 64x128 gets 8 warps."""
-    bn = max(16, _next_pow2(SK))
+    bn = max(16, next_pow2(SK))
     bm = 64
     while bm > 16 and -(-SQ // bm) * B * H < sms:
         bm //= 2
-    warps = 8 if bm * bn > 64 * 128 or bm * max(16, _next_pow2(D)) > 64 * 128 else 4
+    warps = 8 if bm * bn > 64 * 128 or bm * max(16, next_pow2(D)) > 64 * 128 else 4
     return bm, bn, warps
 
 
@@ -154,5 +150,5 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
             H, H // Hk, SQ, SK, D,
             HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool, CAUSAL=bool(is_causal),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, _next_pow2(D)), num_warps=warps)
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)), num_warps=warps)
     return out

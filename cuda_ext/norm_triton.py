@@ -18,15 +18,24 @@ _kernels: dict = {}
 MAX_HIDDEN = 8192
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel():
+def cached_kernel(kernels: dict, build):
+    """``build()`` (which defines a ``@triton.jit`` function) once per TRITON_INTERPRET setting:
+    the interpreter must be chosen before a kernel is defined, and the tests switch it."""
     key = os.environ.get("TRITON_INTERPRET", "0")
-    k = _kernels.get(key)
-    if k is not None:
-        return k
+    if key not in kernels:
+        kernels[key] = build()
+    return kernels[key]
+
+
+def _kernel():
+    return cached_kernel(_kernels, _build)
+
+
+def _build():
     import triton
     import triton.language as tl
 
@@ -49,7 +58,6 @@ def _kernel():
             y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
-    _kernels[key] = ln_rows_kernel
     return ln_rows_kernel
 
 
@@ -68,7 +76,7 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
         return y
     w = weight.to(x.device).contiguous() if weight is not None else None
     b = bias.to(x.device).contiguous() if bias is not None else None
-    bh = _next_pow2(H)
+    bh = next_pow2(H)
     rows = max(1, min(128, 8192 // bh))
     warps = 4 if bh * rows <= 4096 else 8
     k = _kernel()

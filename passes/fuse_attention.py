@@ -55,6 +55,7 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.matcher import Alt, Any, Attr, Const, Match, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+from ._fusion_meta import scratch_node_time
 from .fold_constants import constant_value
 
 aten = torch.ops.aten
@@ -438,16 +439,7 @@ class FuseAttention(Pass):
     @staticmethod
     def _time_of(ctx, like: fx.Node, args, kwargs) -> float:
         """Predicted time of an SDPA node with these args, built in a scratch graph."""
-        g = fx.Graph()
-        mapping = {}
-        for a in args:
-            if isinstance(a, fx.Node) and a not in mapping:
-                ph = g.placeholder(a.name)
-                ph.meta["val"] = a.meta.get("val")
-                mapping[a] = ph
-        node = g.call_function(SDPA, tuple(mapping.get(a, a) if isinstance(a, fx.Node) else a for a in args), kwargs)
-        node.meta["val"] = like.meta.get("val")
-        return ctx.node_time([node])
+        return scratch_node_time(ctx, SDPA, args, kwargs, like.meta.get("val"))
 
     # ------------------------------------------------------------------ rewrite
 

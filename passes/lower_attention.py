@@ -34,6 +34,8 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
+from ._fusion_meta import scratch_node_time
+
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 MARGIN = 0.75
@@ -139,17 +141,8 @@ class LowerAttention(Pass):
         """Predicted time of a short_attention node with these args, built in a scratch graph."""
         from graphopt.cuda_ext.reference import short_attention_layout
 
-        g = fx.Graph()
-        mapping = {}
-        for a in args:
-            if isinstance(a, fx.Node) and a not in mapping:
-                ph = g.placeholder(a.name)
-                ph.meta["val"] = a.meta.get("val")
-                mapping[a] = ph
-        node = g.call_function(torch.ops.graphopt.short_attention.default,
-                               tuple(mapping.get(a, a) if isinstance(a, fx.Node) else a for a in args))
-        node.meta["val"] = short_attention_layout(args[0].meta["val"])
-        return ctx.node_time([node])
+        return scratch_node_time(ctx, torch.ops.graphopt.short_attention.default, args, {},
+                                 short_attention_layout(args[0].meta["val"]))
 
     @staticmethod
     def _apply(gm, node, args):

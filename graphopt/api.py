@@ -81,7 +81,7 @@ class OptimizedModule(nn.Module):
                 launches = int(self.report.cost_after.get("kernel_launches", 0) or 0)
                 saving = launch_savings_s(launches, profile)
                 out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
-                made_after = set(self._runner.tail.ops_nodes) if self._runner.tail is not None else set()
+                made_after = set(self._runner.tail.nodes) if self._runner.tail is not None else set()
                 cloned = [a for a in out_node.all_input_nodes if a not in made_after]
                 out_bytes = sum(float(ir.concrete(t.nbytes)) for a in cloned for t in ir.infos(a))
                 clone = profile.kernel_seconds(0.0, 2 * out_bytes / profile.bandwidth, launches=len(cloned))
@@ -100,7 +100,7 @@ class OptimizedModule(nn.Module):
                 tail = self._runner.tail
                 outs = "reused, valid until the next call)" if reuse_outputs else "cloned)"
                 if tail is not None:
-                    outs = (f"{len(tail.ops)} made after the replay by their last op ({tail.nbytes / 1e6:.0f} MB, "
+                    outs = (f"{len(tail.nodes)} made after the replay by their last op ({tail.nbytes / 1e6:.0f} MB, "
                             "no clone)" + ("" if len(tail.keep) == 0 else f", {len(tail.keep)} cloned") + ")")
                 note = note[:-1] + (f"; replays 1 graph instead of {launches} kernel launches, predicted "
                                     f"-{launch_savings_s(launches, profile) * 1e3:.3f} ms launch overhead; "

@@ -235,6 +235,10 @@ def _flat_outputs(gm: fx.GraphModule):
     return list(flat) if isinstance(flat, (tuple, list)) else None
 
 
+def _nbytes(val: torch.Tensor) -> int:
+    return int(val.numel()) * val.element_size()
+
+
 def tail_nodes(gm: fx.GraphModule, min_bytes: int = TAIL_MIN_BYTES) -> list[fx.Node]:
     """Output nodes that a replay can leave to an eager call after it: an ATen or graphopt op
     whose single, fresh (not a view) output is at least ``min_bytes``, read only by the output,
@@ -255,53 +259,47 @@ def tail_nodes(gm: fx.GraphModule, min_bytes: int = TAIL_MIN_BYTES) -> list[fx.N
         if not isinstance(val, torch.Tensor):
             continue
         try:
-            nbytes = int(val.numel()) * val.element_size()
+            big = _nbytes(val) >= min_bytes
         except TypeError:  # symbolic size
             continue
-        if nbytes >= min_bytes:
+        if big:
             out.append(n)
     return out
 
 
 class _Tail:
     """``gm`` split in two: ``head`` (captured) returns the outputs the replay keeps, then the
-    values the tail ops read; ``run`` calls the tail ops on those and puts every output back in
-    its place, unflattened like ``gm``'s."""
+    values the tail's nodes read; ``run`` runs those nodes' ops on them and puts every output
+    back in its place, unflattened like ``gm``'s."""
 
-    def __init__(self, gm: fx.GraphModule, tail: list[fx.Node]):
+    def __init__(self, gm: fx.GraphModule, nodes: list[fx.Node]):
         flat = _flat_outputs(gm)
         cg = gm.graph._codegen
         self.out_spec = cg.pytree_info.out_spec
+        self.nodes = list(nodes)
+        self.n_flat = len(flat)
+        self.keep = [i for i, n in enumerate(flat) if n not in self.nodes]  # output positions the replay fills
+        self.slots = [flat.index(n) for n in self.nodes]
+        self.reads = list(dict.fromkeys(a for n in self.nodes for a in n.all_input_nodes))
+        self.nbytes = sum(_nbytes(n.meta["val"]) for n in self.nodes)
         g = fx.Graph()
         env: dict = {}
         mapped = g.graph_copy(gm.graph, env)
-        self.slots = [i for i, n in enumerate(flat) if n in tail]  # output positions the tail fills
-        keep = [i for i in range(len(flat)) if i not in self.slots]
-        reads: list[fx.Node] = []
-        for n in tail:
-            for a in n.all_input_nodes:
-                if a not in reads:
-                    reads.append(a)
-        for n in tail:
+        for n in self.nodes:
             g.erase_node(env[n])
-        g.output(tuple(mapped[i] for i in keep) + tuple(env[a] for a in reads))
+        g.output(tuple(mapped[i] for i in self.keep) + tuple(env[a] for a in self.reads))
         head_cg = copy.copy(cg)
         head_cg.pytree_info = cg.pytree_info._replace(out_spec=None)
         g._codegen = head_cg
         self.head = fx.GraphModule(gm, g)
-        self.keep, self.n_flat = keep, len(flat)
-        self.ops = [(flat.index(n), n.target, n.args, n.kwargs) for n in tail]
-        self.ops_nodes = list(tail)
-        self.reads = reads
-        self.nbytes = sum(int(n.meta["val"].numel()) * n.meta["val"].element_size() for n in tail)
 
     def run(self, kept: list, read_values: list):
         env = dict(zip(self.reads, read_values))
         flat = [None] * self.n_flat
         for i, v in zip(self.keep, kept):
             flat[i] = v
-        for i, target, args, kwargs in self.ops:
-            flat[i] = target(*fx.node.map_arg(args, env.__getitem__), **fx.node.map_arg(kwargs, env.__getitem__))
+        for i, n in zip(self.slots, self.nodes):
+            flat[i] = n.target(*fx.node.map_arg(n.args, env.__getitem__), **fx.node.map_arg(n.kwargs, env.__getitem__))
         return pytree.tree_unflatten(flat, self.out_spec)
 
 

@@ -19,7 +19,8 @@ MAX_HIDDEN = 8192
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    """The smallest power of 2 >= n (1 for n <= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def cached_kernel(kernels: dict, build):

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from .norm_triton import next_pow2
 from .pointwise import COMPARE, DTYPES, Program, compute_dtype_for, dense_order, parse, value_kinds
 
 BLOCK = 1024
@@ -338,7 +339,7 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     # per-row div/mod and still vectorize. A broadcast that coalesces to rank 1 (a size-1 operand
     # over a dense one) takes the flat walk.
     tile2d = (not all(dense) and len(cshape) >= 2 and (len(cshape) == 2 or cshape[-1] >= 64)
-              and triton_cdiv(cshape[-1], min(BLOCK, triton_next_pow2(cshape[-1]))) <= 65535)
+              and triton_cdiv(cshape[-1], min(BLOCK, next_pow2(cshape[-1]))) <= 65535)
     # the hardware tanh where every output is 16-bit (not under the interpreter: no inline asm)
     pl.fast = (os.environ.get("TRITON_INTERPRET", "0") != "1" and device is not None and device.type == "cuda"
                and all(d in (torch.float16, torch.bfloat16) for d in pl.out_dtypes)
@@ -347,7 +348,7 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     pl.kern = get_kernel(*pl.spec, fast=pl.fast)
     pl.scalars = [pl.numel] + cshape + [s for stv in cstr for s in stv]
     if tile2d:
-        bn = min(BLOCK, triton_next_pow2(cshape[-1]))
+        bn = min(BLOCK, next_pow2(cshape[-1]))
         bm = max(1, BLOCK // bn)
         pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), triton_cdiv(cshape[-1], bn))
         pl.meta = dict(BM=bm, BN=bn, num_warps=4)
@@ -395,10 +396,6 @@ def fused_pointwise_triton(program: str, inputs: Sequence[torch.Tensor]) -> list
                 _plans.clear()
             _plans[key] = pl
     return _run_plan(pl, inputs)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -92,18 +92,35 @@ def _build():
 
 
 def supported(q_shape, k_shape, dtype) -> str | None:
-    """None when the kernel covers these shapes, else why not (for the pass's report)."""
+    """None when the kernel covers these shapes and dtype, else why not (for the pass's report)."""
     if dtype not in DTYPES:
         return f"dtype {dtype} (bf16 and fp16 only)"
+    return shape_problem(q_shape, k_shape)
+
+
+def shape_problem(q_shape, k_shape) -> str | None:
+    """None when one tile covers q [B, H, Sq, D] over k [B, Hk, Sk, D], else why not."""
     if len(q_shape) != 4 or len(k_shape) != 4:
         return "q, k and v must be [batch, heads, sequence, head_dim]"
     if k_shape[2] > MAX_KEYS:
-        return f"{k_shape[2]} keys > {MAX_KEYS} (one tile holds every key of a head)"
+        return f"{k_shape[2]} keys > {MAX_KEYS} (at most {MAX_KEYS} keys: one tile holds every key of a head)"
     if q_shape[3] > MAX_HEAD_DIM or q_shape[3] < 16 or q_shape[3] % 8:
         return f"head dim {q_shape[3]} (16-{MAX_HEAD_DIM}, a multiple of 8)"
-    if q_shape[1] % k_shape[1]:
-        return f"{q_shape[1]} query heads over {k_shape[1]} key heads"
+    if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
+        return f"{q_shape[1]} query heads over {k_shape[1]} key heads (q's heads must be a multiple of k's)"
     return None
+
+
+def mask_problem(mask_shape, mask_dtype, target) -> str | None:
+    """None when a mask of this shape and dtype (bool, or float added to the scores) broadcasts
+    to ``target`` = (B, H, Sq, Sk), else why not."""
+    if not (mask_dtype == torch.bool or mask_dtype.is_floating_point):
+        return f"mask dtype {mask_dtype} (bool or float only)"
+    try:
+        ok = tuple(torch.broadcast_shapes(tuple(mask_shape), tuple(target))) == tuple(target)
+    except RuntimeError:
+        ok = False
+    return None if ok else f"mask {tuple(mask_shape)} does not broadcast to {tuple(target)}"
 
 
 def blocks(B: int, H: int, SQ: int, SK: int, D: int, sms: int = 132) -> tuple[int, int, int]:

@@ -175,26 +175,16 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     queries), an additive float or boolean mask broadcastable to [B, H, Sq, Sk]; ``scale``
     defaults to 1/sqrt(D). On CUDA one Triton program per query tile holds every key (bf16/fp16);
     the output is [B, H, Sq, D] laid out [B, Sq, H, D]."""
-    from .attention_triton import MAX_HEAD_DIM, MAX_KEYS
+    from .attention_triton import mask_problem, shape_problem
 
     _floating("short_attention", q=q, k=k, v=v)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise KernelArgumentError("graphopt::short_attention: q, k and v must be [batch, heads, sequence, head_dim], "
-                                  f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, H, SQ, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or k.shape[1] == 0 or H % k.shape[1]:
-        raise KernelArgumentError(f"graphopt::short_attention: k and v must be [{B}, Hk, Sk, {D}] with {H} a multiple "
-                                  f"of Hk, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[2] > MAX_KEYS or not (16 <= D <= MAX_HEAD_DIM and D % 8 == 0):
-        raise KernelArgumentError(f"graphopt::short_attention: at most {MAX_KEYS} keys and a head dim of 16-"
-                                  f"{MAX_HEAD_DIM} (a multiple of 8), got {k.shape[2]} keys of dim {D}")
-    if mask is not None:
-        try:
-            ok = tuple(torch.broadcast_shapes(tuple(mask.shape), (B, H, SQ, k.shape[2]))) == (B, H, SQ, k.shape[2])
-        except RuntimeError:
-            ok = False
-        if not ok or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
-            raise KernelArgumentError(f"graphopt::short_attention: mask {tuple(mask.shape)} {mask.dtype} must be bool or "
-                                      f"float and broadcast to {(B, H, SQ, k.shape[2])}")
+    why = shape_problem(tuple(q.shape), tuple(k.shape))
+    if why is None and (k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]):
+        why = f"k and v must both be [{q.shape[0]}, Hk, Sk, {q.shape[3]}], got {tuple(k.shape)} and {tuple(v.shape)}"
+    if why is None and mask is not None:
+        why = mask_problem(mask.shape, mask.dtype, (*q.shape[:3], k.shape[2]))
+    if why is not None:
+        raise KernelArgumentError(f"graphopt::short_attention: {why}")
+    D = q.shape[3]
     return torch.ops.graphopt.short_attention(q, k, v, mask, D ** -0.5 if scale is None else float(scale),
                                               bool(is_causal))

@@ -425,9 +425,11 @@ class Runner:
         return len(self._graphs)
 
     def reset(self) -> None:
-        """Drop every captured graph and the memory pool (after parameters moved)."""
+        """Drop every captured graph, the memory pool and the head/tail split (after parameters
+        moved: the split's head module holds the constants it was built with)."""
         self._graphs.clear()
         self._pool = None
+        self._tail = False
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -76,7 +76,7 @@ class LowerAttention(Pass):
         return res
 
     def _candidate(self, gm, ctx, res, node) -> Candidate | None:
-        from graphopt.cuda_ext.attention_triton import supported
+        from graphopt.cuda_ext.attention_triton import mask_problem, supported
 
         q, k, v = node.args[0], node.args[1], node.args[2]
         mask = get_arg(node, 3, "attn_mask")
@@ -115,15 +115,9 @@ class LowerAttention(Pass):
             if mi is None or ms is None:
                 res.reject(label, "the mask is not a tensor of static shape")
                 return None
-            if not (mi.dtype == torch.bool or mi.dtype.is_floating_point):
-                res.reject(label, f"mask dtype {mi.dtype} (bool or float only)")
-                return None
-            try:
-                ok = tuple(torch.broadcast_shapes(ms, (qs[0], qs[1], qs[2], ks[2]))) == (qs[0], qs[1], qs[2], ks[2])
-            except RuntimeError:
-                ok = False
-            if not ok:
-                res.reject(label, f"mask {ms} does not broadcast to {(qs[0], qs[1], qs[2], ks[2])}")
+            why = mask_problem(ms, mi.dtype, (*qs[:3], ks[2]))
+            if why is not None:
+                res.reject(label, why)
                 return None
         scale = float(qs[3] ** -0.5 if scale is None else scale)
         args = (q, k, v, mask, scale, causal)

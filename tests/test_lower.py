@@ -519,6 +519,9 @@ def test_a_big_output_is_made_after_the_replay_not_cloned():
         assert len(entry.out_leaves) == 3 and entry.out_leaves[2] is model.lm.weight
         assert all(o.data_ptr() != a["logits"].data_ptr() for o in entry.out_leaves)
     assert runner.stats["replays"] == 2
+    split = runner.tail
+    runner.reset()  # after parameters moved: the split's head holds the constants it was built with
+    assert runner.tail is not split and runner.tail.nodes == [node]
 
 
 def test_small_outputs_views_and_reused_outputs_stay_in_the_graph():

@@ -40,6 +40,12 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s11a)
+  # (nvidia-h200-x2) issue 9 memory caps: one GPU's training peak, then bs8 inference at the smallest cap, at half the
+  # parameters + working set, at half the footprint with outputs copied to the host; a bs8 1F1B step at half its peak
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout $((585 - SECONDS)) torchrun --nproc-per-node 2 benchmarks/partition_bench.py --out "$OUT" --pipelines "" \
+    --budget-s 430 2>&1 | quiet | grep "^\[rank\|^|\|rror\|^Memory" | tail -40 ;;
 s10h)
   # compute-sanitizer memcheck over every kernel (short_attention included), then GLM bs8 (graphs on now?)
   timeout 130 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \

@@ -19,10 +19,13 @@ that fails is recorded with its error and the others still run):
   scaled once, as in the pipeline; the last stage with the loss), each stage alone on its GPU;
 - correctness: the pipeline's logits vs the eager model's for the first micro-batch;
 - the memory-cap runs (bs8 inference, 8 micro-batches): (a) the smallest cap per GPU at which
-  two GPUs hold the model (bisection over the plan) and (b) half the model's parameter bytes +
+  two GPUs hold the model (bisection over the plan), (b) half the model's parameter bytes +
   the largest per-GPU working set of that plan (activations, pipeline buffers, the merged
-  logits, the runtime workspace); for each: one GPU refused, measured peak per GPU against the
-  predicted and the cap ("within cap" is measured peak <= cap on every GPU).
+  logits, the runtime workspace), (c) half of one GPU's predicted footprint with the outputs
+  copied to the host per micro-batch (``Pipeline(outputs_to_host=True)``); and a bs8 training
+  step (1F1B, 4 micro-batches) capped at half of what one GPU's training step measured at its
+  peak; for each: one GPU refused, measured peak per GPU against the predicted and the cap
+  ("within cap" is measured peak <= cap on every GPU).
 """
 
 from __future__ import annotations
@@ -457,7 +460,8 @@ def main():
     if args.no_cap:
         finish(result, out, rank, t0)
         return
-    # ---- the memory cap (bs8 inference, 8 micro-batches); the model is freed before each run
+    # ---- the memory cap (bs8 inference, 8 micro-batches; a bs8 training step, 1F1B at 4); the model is
+    # freed before each run
     set_attention(model, "sdpa")
     capres = result["memory_cap"] = {"batch": train_bs, "microbatches": 8, "runs": []}
     mbs = 8
@@ -470,10 +474,10 @@ def main():
     gm = capture(model, (ids_cap[: train_bs // mbs],))
     two = [f"cuda:{r}" for r in range(world)] if device.type == "cuda" else ["cpu"] * world
 
-    def plan_at(c, devs=two):
+    def plan_at(c, devs=two, host=False):
         try:
             return partition.plan_stages(gm, partition.resolve_devices(devs, target=target, memory_cap=c),
-                                         microbatches=mbs)
+                                         microbatches=mbs, outputs_on_host=host)
         except BudgetError:
             return None
 
@@ -486,22 +490,48 @@ def main():
                for d in smallest.device_summary)
     half_params = result["parameter_bytes"] / 2 + work
     capres.update(half_of_footprint_bytes=foot / 2, half_of_footprint_fits=plan_at(foot / 2) is not None,
+                  half_of_footprint_fits_outputs_on_host=plan_at(foot / 2, host=True) is not None,
                   working_set_bytes=work)
-    caps = [("smallest cap two GPUs hold the model at (bisection over the plan)", hi),
-            ("half the parameters + the largest per-GPU working set", half_params)]
-    refused = {cap: plan_at(cap, [one[0].name]) is None for _, cap in caps}
+    # (what, cap, outputs to host, of what footprint)
+    caps = [("smallest cap two GPUs hold the model at (bisection over the plan)", hi, False),
+            ("half the parameters + the largest per-GPU working set", half_params, False),
+            ("half of one GPU's footprint, outputs copied to the host per micro-batch", foot / 2, True)]
+    refused = {(cap, host): plan_at(cap, [one[0].name], host) is None for _, cap, host in caps}
+    # training: half of what one GPU's training step measured at its peak (rank 0's one-GPU run; the
+    # planner's one-device prediction where that did not run), and the planner's verdict on one GPU at that cap
+    measured_t = gather(result.get("single_train_peak_bytes"))[0]
+    measured_t = measured_t if measured_t and measured_t == measured_t else None  # NaN on a CPU
+    tr = capres["training"] = {"batch": train_bs, "schedule": "1f1b", "microbatches": 4,
+                               "one_device_measured_peak_bytes": measured_t}
+    model.train()
+    set_attention(model, "eager")
+    try:
+        gm_t = capture(model, (ids_tr,))
+        tr["one_device_predicted_bytes"] = foot_t = partition.plan_stages(gm_t, one, training=True).stages[0].memory_bytes
+        train_cap = (measured_t or foot_t) / 2
+        try:
+            partition.plan_stages(gm_t, partition.resolve_devices([one[0].name], target=target, memory_cap=train_cap),
+                                  training=True)
+            tr["one_device_refused"] = False
+        except BudgetError as e:
+            tr["one_device_refused"], tr["one_device_refusal"] = True, str(e)
+    finally:
+        model.eval()
+        set_attention(model, "sdpa")
+    gm_t = None
     smallest = gm = None  # the captured graph holds the model's parameters
     model_alive = [model]
     model = None
 
-    def cap_run(what, cap):
+    def cap_run(what, cap, host):
         m = model_alive[0] if model_alive else build(cfg, device, dtype)
         model_alive.clear()
         set_attention(m, "sdpa")
-        row = {"what": what, "cap_bytes": cap, "cap_fraction_of_one_gpu": cap / foot,
-               "one_device_refused": refused[cap]}
+        row = {"what": what, "mode": "inference", "cap_bytes": cap, "cap_fraction_of_one_gpu": cap / foot,
+               "one_device_refused": refused[(cap, host)], "outputs_to_host": host}
         capres["runs"].append(row)
-        pipe = gd.Pipeline(m, ids_cap, microbatches=mbs, schedule="gpipe", target=target, memory_cap=cap)
+        pipe = gd.Pipeline(m, ids_cap, microbatches=mbs, schedule="gpipe", target=target, memory_cap=cap,
+                           outputs_to_host=host)
         del m
         free(device)
         params = list(pipe.parameters())
@@ -516,18 +546,60 @@ def main():
         peaks = gather(peak(device))
         pred = [d["predicted_memory_bytes"] for d in pipe.plan.device_summary]
         row.update(ran=True, step_s=t, peak_bytes_per_rank=peaks, predicted_memory_bytes=pred,
+                   predicted_step_s=pipe.plan.predicted_step_s,
                    half_of_model_parameter_bytes=result["parameter_bytes"] / 2,
                    within_cap=all(p <= cap for p in peaks) if device.type == "cuda" else None,
                    measured_minus_predicted_bytes=[p - q for p, q in zip(peaks, pred)])
         log(rank, f"  cap {cap / 1e9:.2f} GB ({what}): peaks {[round(p / 1e9, 3) for p in peaks]} GB, predicted "
-                  f"{[round(p / 1e9, 3) for p in pred]} GB, within cap {row['within_cap']}")
+                  f"{[round(p / 1e9, 3) for p in pred]} GB, within cap {row['within_cap']}, step {t * 1e3:.1f} ms")
         pipe = None
 
-    for what, cap in caps:
+    def train_cap_run(cap):
+        m = build(cfg, device, dtype)
+        m.train()
+        set_attention(m, "eager")
+        row = {"what": "half of one GPU's measured training-step peak" if measured_t else
+               "half of one GPU's predicted training footprint", "mode": "training", "cap_bytes": cap,
+               "cap_fraction_of_one_gpu": cap / (measured_t or foot_t), "outputs_to_host": False,
+               "one_device_refused": tr["one_device_refused"]}
+        capres["runs"].append(row)
+        pipe = gd.Pipeline(m, ids_tr, microbatches=tr["microbatches"], schedule=tr["schedule"],
+                           loss_fn=zoo.next_token_loss, example_target=ids_tr, target=target, memory_cap=cap,
+                           passes=stage_passes)
+        del m
+        free(device)
+        params = list(pipe.parameters())
+        row["parameter_bytes_per_rank"] = gather(float(sum(p.numel() * p.element_size() for p in params)))
+
+        def step():
+            pipe.step(ids_tr if pipe.is_first else None, target=ids_tr if pipe.is_last else None)
+            for p in params:
+                p.grad = None
+
+        t = max_across(timed(step, device, warm, reps, barrier=True))
+        peaks = gather(peak(device))
+        pred = [d["predicted_memory_bytes"] for d in pipe.plan.device_summary]
+        single = result.get("single_train_s")
+        row.update(ran=True, step_s=t, peak_bytes_per_rank=peaks, predicted_memory_bytes=pred,
+                   predicted_step_s=pipe.plan.predicted_step_s, speedup_vs_one_gpu=(single / t) if single else None,
+                   within_cap=all(p <= cap for p in peaks) if device.type == "cuda" else None,
+                   measured_minus_predicted_bytes=[p - q for p, q in zip(peaks, pred)])
+        log(rank, f"  training cap {cap / 1e9:.2f} GB: peaks {[round(p / 1e9, 3) for p in peaks]} GB, predicted "
+                  f"{[round(p / 1e9, 3) for p in pred]} GB, within cap {row['within_cap']}, step {t * 1e3:.1f} ms")
+        params = pipe = None
+
+    for what, cap, host in caps:
         if over_budget(f"memory cap {what}"):
             continue
         log(rank, f"memory-cap run: {what}, {cap / 1e9:.2f} GB per GPU")
-        guarded(result, f"memory cap: {what}", rank, out, lambda: cap_run(what, cap))
+        guarded(result, f"memory cap: {what}", rank, out, lambda: cap_run(what, cap, host))
+        free(device)
+        dist.barrier()
+    model_alive.clear()
+    free(device)
+    if not over_budget("memory cap: training"):
+        log(rank, f"memory-cap run: training, {train_cap / 1e9:.2f} GB per GPU")
+        guarded(result, "memory cap: training", rank, out, lambda: train_cap_run(train_cap))
         free(device)
         dist.barrier()
     finish(result, out, rank, t0)
@@ -603,28 +675,37 @@ def markdown(r) -> str:
                         "once for inference, twice for training)."]
     c = r.get("memory_cap")
     if c:
-        lines += ["", f"Memory cap (bs{c['batch']} inference, GPipe, {c['microbatches']} micro-batches; the model is freed "
-                      f"before each run). One GPU's predicted footprint {gb(c.get('one_device_predicted_bytes'))} GB; half of "
-                      f"it ({gb(c.get('half_of_footprint_bytes'))} GB) "
+        tr = c.get("training") or {}
+        lines += ["", f"Memory cap (inference: bs{c['batch']}, GPipe, {c['microbatches']} micro-batches; training: "
+                      f"bs{tr.get('batch', '?')}, {tr.get('schedule', '?')} at {tr.get('microbatches', '?')}; the model is "
+                      f"freed before each run). One GPU's predicted inference footprint "
+                      f"{gb(c.get('one_device_predicted_bytes'))} GB; half of it ({gb(c.get('half_of_footprint_bytes'))} GB) "
                       + ("fits on two GPUs" if c.get("half_of_footprint_fits") else
-                         "cannot hold the model on two GPUs: beyond its half of the parameters, each GPU needs its "
-                         f"working set (the last one {gb(c.get('working_set_bytes'))} GB: the logits of every micro-batch "
-                         "and their concatenation, activations, the pipeline's buffers, the runtime workspace)") + ".", "",
-                  "| cap | GB per GPU | of one GPU's footprint | one GPU refused | params GB per GPU (half the model: "
+                         "cannot hold the model on two GPUs with the merged outputs on the last GPU (beyond its half of "
+                         f"the parameters, the last GPU needs {gb(c.get('working_set_bytes'))} GB: the logits of every "
+                         "micro-batch and their concatenation, activations, the pipeline's buffers, the runtime "
+                         "workspace)")
+                      + (", and fits with the outputs copied to the host per micro-batch"
+                         if c.get("half_of_footprint_fits_outputs_on_host") else "") + ". "
+                      f"One GPU's training step: {gb(tr.get('one_device_measured_peak_bytes'))} GB measured at its peak, "
+                      f"{gb(tr.get('one_device_predicted_bytes'))} GB predicted.", "",
+                  "| mode | cap | GB per GPU | of one GPU's footprint | one GPU refused | params GB per GPU (half the model: "
                   f"{gb(r.get('parameter_bytes', 0) / 2)}) | predicted GB per GPU | measured peak GB per GPU | "
-                  "measured − predicted MB | within cap | step ms |",
-                  "| --- | ---: | ---: | --- | --- | --- | --- | --- | --- | ---: |"]
+                  "measured − predicted MB | within cap | step ms (predicted) |",
+                  "| --- | --- | ---: | ---: | --- | --- | --- | --- | --- | --- | ---: |"]
         for x in c.get("runs", []):
+            mode = x.get("mode", "inference")
             if not x.get("ran"):
-                lines.append(f"| {x['what']} | {gb(x['cap_bytes'])} | {x['cap_fraction_of_one_gpu']:.0%} | "
+                lines.append(f"| {mode} | {x['what']} | {gb(x['cap_bytes'])} | {x['cap_fraction_of_one_gpu']:.0%} | "
                              f"{x['one_device_refused']} | — | — | — | — | not run | — |")
                 continue
-            lines.append(f"| {x['what']} | {gb(x['cap_bytes'])} | {x['cap_fraction_of_one_gpu']:.0%} | "
+            pred = f" ({ms(x['predicted_step_s'])})" if x.get("predicted_step_s") else ""
+            lines.append(f"| {mode} | {x['what']} | {gb(x['cap_bytes'])} | {x['cap_fraction_of_one_gpu']:.0%} | "
                          f"{x['one_device_refused']} | {', '.join(gb(p) for p in x['parameter_bytes_per_rank'])} | "
                          f"{', '.join(gb(p) for p in x['predicted_memory_bytes'])} | "
                          f"{', '.join(gb(p) for p in x['peak_bytes_per_rank'])} | "
                          f"{', '.join(f'{d / 1e6:+.0f}' for d in x['measured_minus_predicted_bytes'])} | "
-                         f"{x['within_cap']} | {ms(x['step_s'])} |")
+                         f"{x['within_cap']} | {ms(x['step_s'])}{pred} |")
     for sk in r.get("skipped", []):
         lines.append(f"skipped: {sk}")
     for k, e in (r.get("errors") or {}).items():

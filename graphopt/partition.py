@@ -110,9 +110,13 @@ def link_bandwidth(a: Device, b: Device) -> tuple[float, str]:
         bw = min(a.profile.link_bandwidth.get("pcie_h2d", 25e9), b.profile.link_bandwidth.get("pcie_h2d", 25e9))
         return bw, "pcie"
     if a.kind == "cuda" or b.kind == "cuda":
-        gpu = a if a.kind == "cuda" else b
-        return gpu.profile.link_bandwidth.get("pcie_h2d", 25e9), "pcie_h2d"
+        return host_bandwidth(a if a.kind == "cuda" else b), "pcie_h2d"
     return a.profile.bandwidth, "host memory"
+
+
+def host_bandwidth(gpu: Device) -> float:
+    """Bytes/s between a GPU and host memory (the profile's ``link_bandwidth["pcie_h2d"]``)."""
+    return gpu.profile.link_bandwidth.get("pcie_h2d", 25e9)
 
 
 # --------------------------------------------------------------------------- plan records
@@ -541,12 +545,16 @@ def _training_prefix(an: "_Analysis", gm: fx.GraphModule, profile: DeviceProfile
 
 def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None = None, schedule: str = "gpipe",
                 microbatches: int = 1, training: bool = False, loss_s: dict | None = None,
-                virtual_stages: int | None = None, loss_bytes: float = 0.0) -> StagePlan:
+                virtual_stages: int | None = None, loss_bytes: float = 0.0,
+                outputs_on_host: bool = False) -> StagePlan:
     """Contiguous stages over ``gm``'s topological order minimizing the pipeline's predicted step
     within each device's memory. Raises BudgetError naming the shortfall when no split fits.
     ``loss_s``: {profile name: seconds} of the loss the last stage computes per micro-batch,
     forward and backward (:func:`loss_seconds`); ``loss_bytes``: what it allocates at its peak
-    beyond its input (:func:`loss_memory_bytes`), on the last stage.
+    beyond its input (:func:`loss_memory_bytes`), on the last stage. ``outputs_on_host``
+    (inference): the last stage copies each micro-batch's outputs to host memory as it makes them
+    (``Pipeline(outputs_to_host=True)``), so its device holds one micro-batch's outputs, not the
+    whole batch's and their concatenation; the copy is priced at the host link's bandwidth.
 
     gpipe / 1f1b: one stage per device (the slowest stage's time is minimized, by dynamic
     programming). interleaved1f1b: ``virtual_stages`` (v, default 2) stages per device, S·v
@@ -621,6 +629,8 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         compute = pre[j] - pre[i]
         if k == K - 1 and loss_s:
             compute = compute + loss_s.get(d.profile.name, 0.0)
+        if k == K - 1 and outputs_on_host and d.kind != "cpu":
+            compute = compute + an.out_bytes / host_bandwidth(d)
         params = P(i, j)
         if training:
             # gradient accumulation over the micro-batches: the first backward's gradients are
@@ -651,7 +661,8 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         # and the merge (a concatenation) allocates the whole batch's outputs while they are alive:
         # measured on 2 H200s, GLM 8 layers bs8 M=8, the last GPU peaked at 6.76 GB where the plan
         # without the concatenation said 4.16 (2.5 GB of logits)
-        outputs = an.out_bytes * (2 * microbatches - 1) if k == K - 1 and microbatches > 1 else 0.0
+        outputs = an.out_bytes * (2 * microbatches - 1) if k == K - 1 and microbatches > 1 and not outputs_on_host \
+            else 0.0
         if k == K - 1 and training:
             outputs = outputs + loss_bytes
         memory = pbytes + act * fl + buffers + outputs
@@ -724,6 +735,10 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
                          + " (host_train_op_s and host_train_call_s, measured by graphopt calibrate)")
     if any(reserve):
         notes.append(f"each device reserves {fmt_bytes(max(reserve))} of runtime workspace (cuBLAS, per thread)")
+    if outputs_on_host:
+        notes.append(f"the last stage copies each micro-batch's outputs ({fmt_bytes(an.out_bytes)}) to host memory as it "
+                     "makes them: its device holds one micro-batch's outputs, and the merged outputs are on the host"
+                     + (f" (priced at {host_bandwidth(sdev[-1]) / 1e9:.0f} GB/s)" if sdev[-1].kind != "cpu" else ""))
     if loss_s:
         notes.append(f"the loss on the last stage is costed: {max(loss_s.values()) * 1e3:.3f} ms per micro-batch "
                      f"(forward + backward), {fmt_bytes(loss_bytes)} at its peak")

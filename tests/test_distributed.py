@@ -133,9 +133,36 @@ def test_three_processes_gpipe_and_1f1b_match_the_unpartitioned_mlp(tmp_path):
     _check(tmp_path, 3, 12, [("gpipe", 4, False), ("1f1b", 3, True)], name="mlp")
 
 
+def _outputs_to_host(rank, world, path):
+    model, x, _, _ = build(4)
+    pipe = gd.Pipeline(model, x, microbatches=2, schedule="gpipe", outputs_to_host=True)
+    res = pipe.step(x)
+    torch.save({"out": res, "names": sorted(n for n, _ in pipe.named_parameters()),
+                "notes": pipe.plan.notes}, f"{path}/rank{rank}.pt")
+
+
+def test_outputs_copied_to_the_host_give_the_unpartitioned_models_outputs(tmp_path):
+    """outputs_to_host: the last stage's outputs go through the copy wrapper (torch's pipelining
+    infers its shapes and validates its outputs with it in place); same outputs, parameters named as
+    in the model, the plan says so."""
+    gd.spawn(_outputs_to_host, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    eager_out, ref_out, _, _ = _reference(4, "glm4-tiny")
+    assert ranks[0]["out"] is None and ranks[1]["out"].device.type == "cpu"
+    res = accuracy.check(ranks[1]["out"], ref_out, eager_out)
+    assert res.passed, res.reason
+    model, _, _, _ = build(4)
+    assert set(ranks[0]["names"]) | set(ranks[1]["names"]) <= {n for n, _ in model.named_parameters()}
+    assert all(not n.startswith("inner.") for r in ranks for n in r["names"])
+    assert any("to host memory" in n for n in ranks[0]["notes"])
+
+
 def test_pipeline_refuses_bad_setups_in_one_line():
     model, ids, _, _ = build(4)
     with pytest.raises(GraphoptError, match="process group"):
         gd.Pipeline(model, ids, microbatches=2)
     with pytest.raises(GraphoptError, match="does not split into 3"):
         gd.microbatch(ids, 3)
+    # checked before the process group: nothing to set up for a request that cannot run
+    with pytest.raises(GraphoptError, match="outputs_to_host is for inference"):
+        gd.Pipeline(model, ids, microbatches=2, loss_fn=zoo.next_token_loss, outputs_to_host=True)

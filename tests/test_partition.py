@@ -269,6 +269,28 @@ def test_last_stage_holds_every_microbatch_output_and_their_concatenation():
     assert four.stages[1].memory_bytes - one.stages[1].memory_bytes == pytest.approx(7 * an.out_bytes + 3 * cut)
 
 
+def test_outputs_on_host_keep_one_microbatch_of_outputs_on_the_last_gpu_and_price_the_copy():
+    """Pipeline(outputs_to_host=True): the last stage copies each micro-batch's outputs to host memory,
+    so its GPU holds none of the (2M - 1) merged outputs; the copies cost the host link's time."""
+    gm = _gm(WideMiddle(), torch.randn(64, 16))
+    an = partition._Analysis(gm, {})
+    devs = _h200(1)  # one stage: the same cut either way
+    dev = partition.plan_stages(gm, devs, microbatches=4)
+    host = partition.plan_stages(gm, devs, microbatches=4, outputs_on_host=True)
+    assert dev.stages[0].memory_bytes - host.stages[0].memory_bytes == pytest.approx(7 * an.out_bytes)
+    pcie = devs[0].profile.link_bandwidth["pcie_h2d"]
+    assert host.stages[0].compute_s - dev.stages[0].compute_s == pytest.approx(an.out_bytes / pcie)
+    assert any("to host memory" in n for n in host.notes) and not any("to host memory" in n for n in dev.notes)
+    # a cap the merged outputs do not fit under, but one micro-batch's outputs do
+    big = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1 << 16))
+    gmb = _gm(big, torch.randn(64, 16))
+    need = partition.plan_stages(gmb, _h200(), microbatches=8, outputs_on_host=True)
+    cap = max(d["predicted_memory_bytes"] for d in need.device_summary) * 1.02
+    with pytest.raises(BudgetError):
+        partition.plan_stages(gmb, _h200(cap=cap), microbatches=8)
+    assert partition.plan_stages(gmb, _h200(cap=cap), microbatches=8, outputs_on_host=True).stages
+
+
 def test_each_gpu_reserves_the_cublas_workspace_once_twice_when_training():
     gm = _gm(WideMiddle(), torch.randn(64, 16))
     ws = _h200()[0].profile.runtime_workspace_bytes

@@ -1,0 +1,125 @@
+"""Small-M, long-K projections: cuBLAS's own split-K against K split into a batched GEMM.
+
+    python benchmarks/diag_splitk.py --out DIR
+
+At bs1 a transformer's down projection (BERT-base: 128 x 768 x 3072) has too few output tiles to
+fill the GPU, so cuBLASLt splits K and adds a reduction kernel. The alternative measured here
+splits K ourselves: ``bmm`` over S slices of K with float32 output (``out_dtype``), leaving S
+partial sums for the next kernel (a residual add + LayerNorm) to add. Each variant is captured as
+24 calls on 24 different weights (so weights come from memory, as a 12-layer model's do) into one
+CUDA graph, and timed per call; the profiler names the kernels of one call.
+Writes diag_splitk_<date>.{json,md} under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+CALLS = 24
+SHAPES = [(128, 768, 3072, "BERT-base bs1 FFN down"), (197, 768, 3072, "ViT-B/16 bs1 FFN down"),
+          (1024, 768, 3072, "BERT-base bs8 FFN down"), (128, 3072, 768, "BERT-base bs1 FFN up"),
+          (128, 2304, 768, "BERT-base bs1 QKV")]
+SPLITS = (2, 3, 4, 6, 8)
+
+
+def _graph_us(fn) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 5 / CALLS * 1e3)
+    return statistics.median(ts)
+
+
+def _kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return names
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    dev = torch.device("cuda")
+    rows = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for M, N, K, what in SHAPES:
+        x = torch.randn(M, K, generator=g).to(dev, torch.bfloat16)
+        ws = [(torch.randn(N, K, generator=g) * K ** -0.5).to(dev, torch.bfloat16) for _ in range(CALLS)]
+        b = torch.randn(N, generator=g).to(dev, torch.bfloat16)
+        ref = F.linear(x.double(), ws[0].double(), b.double())
+        variants = {"linear (cuBLAS)": lambda: [F.linear(x, w, b) for w in ws]}
+        for S in SPLITS:
+            if K % S:
+                continue
+
+            def split(S=S):
+                xs = x.view(M, S, K // S).transpose(0, 1)
+                return [torch.bmm(xs, w.view(N, S, K // S).permute(1, 2, 0), out_dtype=torch.float32) for w in ws]
+            variants[f"bmm over {S} K-slices, fp32 partials"] = split
+        for name, fn in variants.items():
+            row = {"shape": f"{what} (M{M} N{N} K{K})", "variant": name}
+            try:
+                with torch.inference_mode():
+                    out = fn()[0]
+                    if out.dim() == 3:
+                        out = out.sum(0) + b.float()
+                    row["max_abs_err"] = (out.double() - ref).abs().max().item()
+                    row["graph_us"] = _graph_us(fn)
+                    ks = _kernels(lambda: fn()[:1])
+                    row["kernels"] = len(ks)
+                    row["kernel_names"] = [k[:90] for k in ks]
+            except Exception as e:  # e.g. out_dtype missing on this torch
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Split-K — {torch.cuda.get_device_name()}, torch {torch.__version__}, {stamp}", "",
+             f"µs per call in one CUDA graph ({CALLS} calls on {CALLS} weights); kernels per call; max |error| against "
+             "float64 (partials summed in float32).", "",
+             "| shape | variant | graph µs | kernels | max abs err | kernel names |", "| --- | --- | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['variant']} | — | — | — | {r['error']} |")
+        else:
+            lines.append(f"| {r['shape']} | {r['variant']} | {r['graph_us']:.2f} | {r['kernels']} | "
+                         f"{r['max_abs_err']:.2e} | {'; '.join(k[:60] for k in r['kernel_names'])} |")
+    (out / f"diag_splitk_{stamp}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"diag_splitk_{stamp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

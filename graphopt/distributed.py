@@ -101,23 +101,69 @@ def microbatch(example_inputs, microbatches: int):
     return pytree.tree_map(cut, (args, kwargs))
 
 
-def _to_host(x):
-    """``x`` in host memory (pinned, so the device copies it at the link's rate); meta tensors (the
-    pipeline's shape inference) and host tensors as they are."""
-    if not isinstance(x, torch.Tensor) or x.device.type in ("cpu", "meta"):
-        return x
-    return torch.empty_like(x, device="cpu", pin_memory=True).copy_(x)
-
-
 class _OutputsToHost(nn.Module):
-    """The last stage with its outputs copied to host memory as each micro-batch's are made."""
+    """The last stage, its outputs written to host memory as each micro-batch's are made.
 
-    def __init__(self, inner: nn.Module):
+    With ``rows`` on, micro-batch i's outputs are copied straight into rows [i·n, (i+1)·n) of one
+    batch-sized host buffer per output (pinned for a GPU's outputs, so the copy runs at the link's
+    rate), and the schedule's merge (``merge_spec``) returns those buffers instead of concatenating
+    the chunks: on GLM-4's bs8 logits (2.5 GB) the concatenation took longer than the pipeline's
+    step. Rows need the forward calls of a step to be the micro-batches in order, which holds
+    after the first step (the first may also run torch's shape inference), so the first step copies
+    each micro-batch's outputs on their own and the merge concatenates them. Meta tensors pass
+    through uncounted; an output that is not batched along dim 0 in contiguous rows is copied on
+    its own and concatenated."""
+
+    def __init__(self, inner: nn.Module, microbatches: int):
         super().__init__()
         self.inner = inner
+        self.microbatches = microbatches
+        self.rows = False
+        self.calls = 0
+        self._batch: list = []
 
     def forward(self, *args, **kwargs):
-        return pytree.tree_map(_to_host, self.inner(*args, **kwargs))
+        leaves, spec = pytree.tree_flatten(self.inner(*args, **kwargs))
+        if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in leaves):
+            return pytree.tree_unflatten(leaves, spec)
+        i = self.calls % self.microbatches
+        self.calls += 1
+        if i == 0:
+            self._batch = [None] * len(leaves)
+        out = []
+        for j, x in enumerate(leaves):
+            if not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
+            pin = x.device.type != "cpu"
+            if not self.rows or x.dim() == 0 or not x.is_contiguous():
+                out.append(torch.empty_like(x, device="cpu", pin_memory=pin).copy_(x))
+                continue
+            n = x.shape[0]
+            if i == 0:
+                self._batch[j] = torch.empty((n * self.microbatches, *x.shape[1:]), dtype=x.dtype, device="cpu",
+                                             pin_memory=pin)
+            out.append(self._batch[j][i * n:(i + 1) * n].copy_(x))
+        return pytree.tree_unflatten(out, spec)
+
+    def _merge(self, acc, chunk):
+        """Reducer over one output's micro-batch chunks: the batch buffer the chunks are rows of, or
+        (an output copied on its own) their concatenation (a non-tensor or 0-dim output: the first)."""
+        base = getattr(chunk, "_base", None)
+        if base is not None and any(base is b for b in self._batch):
+            return base
+        if acc is None:
+            return chunk
+        if not isinstance(chunk, torch.Tensor) or chunk.dim() == 0:
+            return acc
+        return torch.cat([acc, chunk])
+
+    def merge_spec(self, outputs: int):
+        """The schedule's ``output_merge_spec`` for a stage with ``outputs`` flat outputs."""
+        from torch.distributed.pipelining.microbatch import _CustomReducer
+
+        one = lambda: _CustomReducer(None, self._merge)  # noqa: E731
+        return one() if outputs == 1 else tuple(one() for _ in range(outputs))
 
 
 class Pipeline:
@@ -225,14 +271,21 @@ class Pipeline:
             check_interleaving(schedule, self.world, self.microbatches, v)
         self.schedule_name = schedule
         K = self.plan.num_stages
-        self.stages = [PipelineStage(_OutputsToHost(m) if self.outputs_to_host and k == K - 1 else m, k, K,
-                                     self.device, group=self._group)
-                       for m, k in zip(self.modules, self.stage_indices)]
+        self._to_host = None
+        mods = list(self.modules)
+        if self.outputs_to_host and K - 1 in self.stage_indices:
+            at = self.stage_indices.index(K - 1)
+            mods[at] = self._to_host = _OutputsToHost(mods[at], self.microbatches)
+        self.stages = [PipelineStage(m, k, K, self.device, group=self._group) for m, k in zip(mods, self.stage_indices)]
         self.stage = self.stages[0]
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}[schedule]
         # torch >= 2.7 averages gradients over micro-batches (scale_grads); older ones sum them
         self._scale_by_hand = "scale_grads" not in inspect.signature(cls.__init__).parameters
-        self.schedule = cls(self.stages if v > 1 else self.stage, self.microbatches, loss_fn=self._loss_fn)
+        merge = {}
+        if self._to_host is not None:
+            out = next(n for n in self._to_host.inner.graph.nodes if n.op == "output").args[0]
+            merge["output_merge_spec"] = self._to_host.merge_spec(len(out) if isinstance(out, (list, tuple)) else 1)
+        self.schedule = cls(self.stages if v > 1 else self.stage, self.microbatches, loss_fn=self._loss_fn, **merge)
 
     def named_parameters(self):
         """(name, parameter) of this rank's stages, named as in the model."""
@@ -274,8 +327,16 @@ class Pipeline:
                     if p.grad is not None:
                         p.grad.div_(self.microbatches)
         else:
+            if self._to_host is not None:
+                self._to_host.calls = 0
             with torch.no_grad():
                 out = self.schedule.step(*args, **kw)
+            if self._to_host is not None:
+                if self._to_host.rows and self._to_host.calls != self.microbatches:
+                    raise GraphoptError(f"outputs_to_host: the last stage ran {self._to_host.calls} forwards for "
+                                        f"{self.microbatches} micro-batches in one step, so its outputs' rows are not "
+                                        "known; this torch's pipelining schedule is not supported with outputs_to_host")
+                self._to_host.rows = True  # the first step ran torch's shape inference, if it runs one
         if not self.is_last:
             return None
         if self._out_spec is not None and out is not None:

@@ -137,7 +137,11 @@ def _outputs_to_host(rank, world, path):
     model, x, _, _ = build(4)
     pipe = gd.Pipeline(model, x, microbatches=2, schedule="gpipe", outputs_to_host=True)
     res = pipe.step(x)
-    torch.save({"out": res, "names": sorted(n for n, _ in pipe.named_parameters()),
+    again = pipe.step(x)  # the second step writes rows of one buffer per output
+    if res is not None:
+        torch.testing.assert_close(again, res, rtol=0, atol=0)
+        assert again._base is None and again.shape[0] == x.shape[0]
+    torch.save({"out": again, "names": sorted(n for n, _ in pipe.named_parameters()),
                 "notes": pipe.plan.notes}, f"{path}/rank{rank}.pt")
 
 
@@ -155,6 +159,28 @@ def test_outputs_copied_to_the_host_give_the_unpartitioned_models_outputs(tmp_pa
     assert set(ranks[0]["names"]) | set(ranks[1]["names"]) <= {n for n, _ in model.named_parameters()}
     assert all(not n.startswith("inner.") for r in ranks for n in r["names"])
     assert any("to host memory" in n for n in ranks[0]["notes"])
+
+
+def test_outputs_to_host_write_each_microbatch_into_one_batch_buffer():
+    """Micro-batch i's outputs land in rows i·n.. of one batch buffer, and the merge returns that
+    buffer (no concatenation); a strided output is copied on its own and concatenated; meta tensors
+    (torch's shape inference) pass through uncounted."""
+    from torch.distributed.pipelining.microbatch import merge_chunks
+
+    class Two(torch.nn.Module):
+        def forward(self, x):
+            return x * 2, (x * 3).t()
+
+    w = gd._OutputsToHost(Two(), microbatches=3)
+    assert w(torch.empty(2, 4, device="meta"))[0].device.type == "meta" and w.calls == 0
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    for rows in (False, True):  # the first step: chunks copied on their own; later ones: rows of one buffer
+        w.rows, w.calls = rows, 0
+        chunks = [w(x) for x in xs]
+        merged = merge_chunks(chunks, w.merge_spec(2))
+        assert (merged[0] is w._batch[0]) == rows and merged[0].shape == (6, 4)
+        torch.testing.assert_close(merged[0], torch.cat(xs) * 2)
+        torch.testing.assert_close(merged[1], torch.cat([(x * 3).t() for x in xs]))
 
 
 def test_pipeline_refuses_bad_setups_in_one_line():

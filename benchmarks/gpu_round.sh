@@ -40,6 +40,9 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s11b)
+  # where GLM bs8's non-GEMM time goes (SDPA's GQA and output layout per backend; ops by CUDA time, no graph)
+  timeout 400 python3 benchmarks/diag_glm_ops.py --out "$OUT" 2>&1 | quiet | grep "^|" | tail -45 ;;
 s11a)
   # (nvidia-h200-x2) issue 9 memory caps: one GPU's training peak, then bs8 inference at the smallest cap, at half the
   # parameters + working set, at half the footprint with outputs copied to the host; a bs8 1F1B step at half its peak

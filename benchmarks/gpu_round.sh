@@ -40,6 +40,24 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s11c)
+  # the sandwich norm (graphopt::rms_norm_add_rms_norm): its cuda tests, then GLM bs8 and bs1 against compile, then
+  # GLM bs8's ops by CUDA time
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_registration.py \
+    tests/passes/test_fuse_rms_norm.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_sandwich.log"
+  tail -30 "$OUT/pytest_cuda_sandwich.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  models "${2:-glm4-9b-4l:8,glm4-9b-4l:1}"
+  left=$((585 - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag_glm_ops.py --out "$OUT" 2>&1 | quiet \
+    | grep "^|" | tail -22 ;;
+s11d)
+  # final: every cuda-marked test, compute-sanitizer memcheck over every kernel (the sandwich norm included)
+  timeout 330 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
+    > "$OUT/memcheck.log" 2>&1; echo "### memcheck rc=$? ${SECONDS}s"; tail -3 "$OUT/memcheck.log"
+  # is the 776 TFLOP/s ceiling sustained? (GEMM rate per second under load, SM clock, power, throttle reasons)
+  left=$((585 - SECONDS)); [ $left -gt 40 ] && timeout $left python3 benchmarks/diag_sustained.py --out "$OUT" \
+    --seconds $(( left > 60 ? 8 : 4 )) 2>&1 | tail -6 ;;
 s11b)
   # where GLM bs8's non-GEMM time goes (SDPA's GQA and output layout per backend; ops by CUDA time, no graph)
   timeout 400 python3 benchmarks/diag_glm_ops.py --out "$OUT" 2>&1 | quiet | grep "^|" | tail -45 ;;

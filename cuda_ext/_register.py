@@ -46,6 +46,10 @@ def _fake_add_layer_norm(x, residual, weight, bias, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
+def _fake_rms_norm_add_rms_norm(y, residual, weight_y, weight, eps_y, eps):
+    return y.new_empty(y.shape), y.new_empty(y.shape)
+
+
 def _fake_swiglu(gate_up):
     torch._check(gate_up.shape[-1] % 2 == 0, lambda: "graphopt::swiglu: last dim must be even")
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
@@ -100,7 +104,7 @@ FAKES = {
     "swiglu": _fake_swiglu, "rotary": _fake_rotary, "softmax_mask": _fake_softmax_mask,
     "fused_pointwise": _fake_fused_pointwise, "conv_bias_relu": _fake_conv_bias_relu,
     "layer_norm": _fake_layer_norm, "max_pool2d_nhwc": _fake_max_pool2d_nhwc,
-    "short_attention": _fake_short_attention,
+    "short_attention": _fake_short_attention, "rms_norm_add_rms_norm": _fake_rms_norm_add_rms_norm,
 }
 REFERENCES = {
     "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
@@ -108,6 +112,7 @@ REFERENCES = {
     "softmax_mask": reference.softmax_mask, "fused_pointwise": reference.fused_pointwise,
     "conv_bias_relu": reference.conv_bias_relu, "layer_norm": reference.layer_norm,
     "max_pool2d_nhwc": reference.max_pool2d_nhwc, "short_attention": reference.short_attention,
+    "rms_norm_add_rms_norm": reference.rms_norm_add_rms_norm,
 }
 
 
@@ -121,6 +126,14 @@ def _layer_norm_cuda(x, weight, bias, eps):
     from .norm_triton import layer_norm_triton
 
     return layer_norm_triton(x, weight, bias, eps)
+
+
+def _rms_norm_add_rms_norm_cuda(y, residual, weight_y, weight, eps_y, eps):
+    from .norm_triton import MAX_HIDDEN, rms_norm_add_rms_norm_triton
+
+    if y.dim() == 0 or y.shape[-1] > MAX_HIDDEN:  # wider rows: correct, slower
+        return reference.rms_norm_add_rms_norm(y, residual, weight_y, weight, eps_y, eps)
+    return rms_norm_add_rms_norm_triton(y, residual, weight_y, weight, eps_y, eps)
 
 
 def _short_attention_cuda(q, k, v, mask, scale, is_causal):
@@ -147,6 +160,8 @@ def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
             lib.impl(name, _layer_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif name == "short_attention":  # likewise
             lib.impl(name, _short_attention_cuda if pointwise_triton else REFERENCES[name], "CUDA")
+        elif name == "rms_norm_add_rms_norm":  # likewise
+            lib.impl(name, _rms_norm_add_rms_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif not cuda_kernels:
             lib.impl(name, REFERENCES[name], "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=lib)

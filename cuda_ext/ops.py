@@ -110,6 +110,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return torch.ops.graphopt.add_rms_norm(x, residual, weight, eps)
 
 
+def rms_norm_add_rms_norm(y: torch.Tensor, residual: torch.Tensor, weight_y: torch.Tensor, weight: torch.Tensor,
+                          eps_y: float = 1e-6, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sandwich norm in one pass: ``h = rms_norm(y) * weight_y + residual``; returns
+    ``(rms_norm(h) * weight, h)``, each step rounded as :func:`add_rms_norm` rounds it (GLM-4's
+    post-attention / post-MLP norm, the residual add and the next norm). On CUDA a Triton kernel."""
+    _floating("rms_norm_add_rms_norm", y=y, residual=residual)
+    _norm_params("rms_norm_add_rms_norm", y, weight_y=weight_y, weight=weight)
+    _residual("rms_norm_add_rms_norm", y, residual)
+    return torch.ops.graphopt.rms_norm_add_rms_norm(y, residual, weight_y, weight, eps_y, eps)
+
+
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (or a copy of x); returns ``(layer_norm(h) * weight + bias, h)``

@@ -119,6 +119,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return _fresh(out, x, residual, weight), _fresh(h, x, residual)
 
 
+def rms_norm_add_rms_norm(y: torch.Tensor, residual: torch.Tensor, weight_y: torch.Tensor, weight: torch.Tensor,
+                          eps_y: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sandwich norm's two RMSNorms around a residual add: ``y' = rms_norm(y) * weight_y``, then
+    ``h = y' + residual`` and ``(rms_norm(h) * weight, h)``, each step rounded as
+    :func:`add_rms_norm` rounds it (GLM-4's post-sublayer norm, then the next sublayer's)."""
+    yn, _ = add_rms_norm(y, None, weight_y, eps_y)
+    return add_rms_norm(yn, residual, weight, eps)
+
+
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual; out = layer_norm(h) over the last dim (fp32 statistics, one rounding)."""

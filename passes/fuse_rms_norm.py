@@ -13,6 +13,13 @@ output and ``h = y + residual``, which replaces the add for its other readers (t
 stream of a decoder layer). Numerics are the kernel's contract: h rounded to x's dtype, fp32
 statistics, ``weight * normed.to(x.dtype)`` -- exactly HF's roundings.
 
+A sandwich norm (GLM-4: ``post_self_attn_layernorm`` on the attention's output, the residual add,
+then ``post_attention_layernorm``; likewise after the MLP) is then one more step: a plain fused
+RMSNorm whose output only feeds the next residual add + RMSNorm becomes, with it,
+``rms_norm_add_rms_norm(y, residual, weight_y, weight)`` -- one pass that reads y and the residual
+and writes the normalized output and h, instead of writing y's norm (and an unread copy of y) for
+the next kernel to read back. Cost-gated; rows wider than the kernel's limit are refused.
+
 Refused, with the reason recorded: normalization over more than the last dim, ``keepdim=False``,
 a weight that is not 1-D of the hidden size, an eps that is not a literal, an output dtype other
 than x's (a weight of another dtype promotes), and every candidate on a CPU profile
@@ -27,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 from graphopt.matcher import Alt, Any, Attr, Const, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
@@ -140,6 +148,29 @@ def _aten_site(m) -> tuple[_Site | None, str]:
     return _Site(root, x, weight, float(eps), [root]), ""
 
 
+def _sandwich_pairs(gm: fx.GraphModule):
+    """(first, its output, second, residual) for each fused plain RMSNorm ``first`` whose output
+    is read only by the fused residual add + RMSNorm ``second`` (either add operand), of the same
+    dtype, and whose h (a copy of its input) nobody reads."""
+    op = torch.ops.graphopt.add_rms_norm.default
+    for second in list(gm.graph.nodes):
+        if second.target is not op or second.args[1] is None:
+            continue
+        for taken, residual in ((second.args[0], second.args[1]), (second.args[1], second.args[0])):
+            if not (isinstance(taken, fx.Node) and taken.target is operator.getitem and taken.args[1] == 0):
+                continue
+            first = taken.args[0]
+            if not (isinstance(first, fx.Node) and first.target is op and first.args[1] is None):
+                continue
+            if list(taken.users) != [second] or list(first.users) != [taken]:
+                continue
+            a, b = ir.info(first.args[0]), ir.info(residual)
+            if a is None or b is None or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+                continue
+            yield first, taken, second, residual
+            break
+
+
 @register
 class FuseRmsNorm(Pass):
     name = "fuse_rms_norm"
@@ -174,7 +205,33 @@ class FuseRmsNorm(Pass):
                 res.reject(f"residual add {s.x.name} into rms_norm at {s.root.name}", f"add not absorbed: {why}")
             candidates.append(self._candidate(gm, ctx, s, add))
         res.apply_ranked(ctx, candidates, fused_kernels=True)
+        if res.rewrites:  # then the sandwich pairs among the fused norms
+            res.apply_ranked(ctx, [self._sandwich(gm, ctx, *pair) for pair in _sandwich_pairs(gm)],
+                             fused_kernels=True)
         return res
+
+    @staticmethod
+    def _sandwich(gm, ctx, first, taken, second, residual) -> Candidate:
+        y, wy, eps_y = first.args[0], first.args[2], first.args[3]
+        w, eps = second.args[2], second.args[3]
+        info = ir.info(y)
+        gone = [first, taken, second]
+        label = f"rms_norm {first.name} + residual add + rms_norm {second.name}"
+        if ir.concrete(info.shape[-1], ctx.hints) > MAX_HIDDEN:
+            return Candidate("rms_norm + residual add + rms_norm", gone, -1.0, lambda: None, label=label,
+                             refusal=f"rows wider than {MAX_HIDDEN} (the one-pass kernel's limit)")
+        gain = ctx.node_time(gone) - kernel_time(ctx, [y, residual, wy, w], [info, info], flops_per_elem=8)
+
+        def apply():
+            g = gm.graph
+            with g.inserting_before(second):
+                new = g.call_function(torch.ops.graphopt.rms_norm_add_rms_norm.default, (y, residual, wy, w, eps_y, eps))
+            new.meta["val"] = second.meta.get("val")
+            second.replace_all_uses_with(new)
+            for n in (second, taken, first):
+                g.erase_node(n)
+            return new
+        return Candidate("rms_norm + residual add + rms_norm", gone, gain, apply, label=label)
 
     @staticmethod
     def _candidate(gm, ctx, s: _Site, add) -> Candidate:

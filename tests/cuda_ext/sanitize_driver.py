@@ -20,6 +20,7 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
         ce.add_rms_norm(x, None, torch.randn(h, device=dev), 1e-6)
         ce.add_layer_norm(x, res, r(h), r(h), 1e-5)
         ce.add_layer_norm(x, None, None, None, 1e-5)
+        ce.rms_norm_add_rms_norm(x, res, r(h), r(h), 1e-6, 1e-5)
     for shape in [(2,), (3, 14), (5, 2046), (2, 8192), (3, 8194)]:
         ce.swiglu(r(*shape))
     for shape, k, st, pd in [((2, 64, 13, 11), 3, 2, 1), ((1, 3, 7, 7), 3, 2, 1), ((1, 40, 9, 9), 5, 3, 2)]:

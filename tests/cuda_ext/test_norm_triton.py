@@ -35,6 +35,38 @@ def interpreter_cases():
     print("interpreter cases ok")
 
 
+def _check_sandwich(y, r, wy, w, dtype):
+    out, h = norm_triton.rms_norm_add_rms_norm_triton(y, r, wy, w, 1e-6, 1e-5)
+    ref_out, ref_h = reference.rms_norm_add_rms_norm(y, r, wy, w, 1e-6, 1e-5)
+    assert out.dtype == h.dtype == dtype and out.shape == h.shape == y.shape
+    # rsqrt against 1/sqrt can move a 16-bit rounding by one step, and h's step carries into out: a
+    # tolerance of about two steps at the values' size (|h| < 8, |out| < 16 here)
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 6.25e-2)
+    torch.testing.assert_close(h.double(), ref_h.double(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.double(), ref_out.double(), rtol=rtol, atol=2 * atol)
+
+
+def interpreter_sandwich_cases():
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden in (1, 7, 96, 200):
+            torch.manual_seed(hidden)
+            y, r = torch.randn(37, hidden).to(dtype), torch.randn(37, hidden).to(dtype)
+            _check_sandwich(y, r, torch.randn(hidden), torch.randn(hidden).to(dtype), dtype)
+    y = torch.randn(3, 5, 64)
+    _check_sandwich(y, torch.randn(1, 5, 64), torch.randn(64), torch.randn(64), torch.float32)  # a broadcast residual
+    print("interpreter cases ok")
+
+
+def test_rms_norm_add_rms_norm_in_interpreter():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c",
+                        "from tests.cuda_ext.test_norm_triton import interpreter_sandwich_cases as f; f()"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "interpreter cases ok" in r.stdout, r.stderr[-3000:]
+
+
 def test_layer_norm_rows_in_interpreter():
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
@@ -65,3 +97,27 @@ def test_layer_norm_op_on_gpu(dtype, hidden):
     x = torch.randn(3, 57, hidden, device="cuda").to(dtype)
     w, b = torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda")
     _check(torch.ops.graphopt.layer_norm(x, w, b, 1e-6), x, w, b, 1e-6, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [96, 1000, 4096, 8192])
+def test_rms_norm_add_rms_norm_op_on_gpu(dtype, hidden):
+    torch.manual_seed(0)
+    y, r = torch.randn(3, 57, hidden, device="cuda").to(dtype), torch.randn(3, 57, hidden, device="cuda").to(dtype)
+    _check_sandwich(y, r, torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda").to(dtype), dtype)
+    # the op (what the pass emits) gives the kernel's result, also replayed from a CUDA graph
+    wy, w = torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda").to(dtype)
+    eager = torch.ops.graphopt.rms_norm_add_rms_norm(y, r, wy, w, 1e-6, 1e-5)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.graphopt.rms_norm_add_rms_norm(y, r, wy, w, 1e-6, 1e-5)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        graphed = torch.ops.graphopt.rms_norm_add_rms_norm(y, r, wy, w, 1e-6, 1e-5)
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

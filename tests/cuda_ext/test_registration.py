@@ -21,6 +21,8 @@ EXPECTED = {
     "bias_act": "bias_act(Tensor x, Tensor? bias, str act, Tensor? residual, int bias_dim=-1) -> Tensor",
     "add_rms_norm": "add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)",
     "add_layer_norm": "add_layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
+    "rms_norm_add_rms_norm": "rms_norm_add_rms_norm(Tensor y, Tensor residual, Tensor weight_y, Tensor weight, "
+                             "float eps_y, float eps) -> (Tensor, Tensor)",
     "swiglu": "swiglu(Tensor gate_up) -> Tensor",
     "rotary": "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
     "softmax_mask": "softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor",
@@ -44,6 +46,8 @@ def sample_args(device="cpu"):
         "add_rms_norm": (x, torch.randn(4, 24, device=device), torch.randn(24, device=device), 1e-6),
         "add_layer_norm": (x, torch.randn(4, 24, device=device), torch.randn(24, device=device),
                            torch.randn(24, device=device), 1e-5),
+        "rms_norm_add_rms_norm": (x, torch.randn(4, 24, device=device), torch.randn(24, device=device),
+                                  torch.randn(24, device=device), 1e-6, 1e-5),
         "swiglu": (torch.randn(3, 2, 16, device=device),),
         "rotary": (torch.randn(2, 4, 5, 16, device=device), torch.randn(2, 2, 5, 16, device=device),
                    torch.randn(1, 5, 8, device=device), torch.randn(1, 5, 8, device=device), True),

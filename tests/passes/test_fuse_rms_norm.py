@@ -153,6 +153,9 @@ def test_cpu_profile_refuses():
     assert sum(r.reason == NO_FUSED_KERNELS for r in res.rejected) == 3
 
 
+SANDWICH = "graphopt.rms_norm_add_rms_norm.default"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_glm4_tiny_every_norm_fused(dtype):
     model, inputs = zoo.get("glm4-tiny")
@@ -162,9 +165,66 @@ def test_glm4_tiny_every_norm_fused(dtype):
     gm = capture(model, inputs)
     *_, res = run_passes(gm, ["eliminate_dead_code", "fold_constants", "fuse_rms_norm"], target="h200")
     # 4 RMSNorms per GLM-4 layer (input, post_self_attn, post_attention, post_mlp) + the final norm
-    assert len(res.rewrites) == 4 * layers + 1
+    norms = [r for r in res.rewrites if r.pattern != "rms_norm + residual add + rms_norm"]
+    assert len(norms) == 4 * layers + 1
     # the residual adds before post_attention, the next layer's input norm and the final norm
-    assert sum(r.pattern == "residual add + rms_norm" for r in res.rewrites) == 2 * layers
+    assert sum(r.pattern == "residual add + rms_norm" for r in norms) == 2 * layers
+    # then each sandwich: post_self_attn's norm with post_attention's, post_mlp's with the next input (final) norm
+    pairs = [r for r in res.rewrites if r.pattern == "rms_norm + residual add + rms_norm"]
+    assert len(pairs) == 2 * layers and all(r.predicted_gain_s > 0 for r in pairs)
     c = op_counts(gm)
-    assert c[FUSED] == 4 * layers + 1 and c["aten.rsqrt.default"] == 0
+    assert c[SANDWICH] == 2 * layers and c[FUSED] == 1 and c["aten.rsqrt.default"] == 0  # the first input norm
     assert reference_check(model, gm, inputs).passed
+
+
+class Sandwich(nn.Module):
+    """GLM-4's sublayer: y = norm_post(f(x)); h = x + y; out = norm_next(h); with ``leak`` the
+    post-norm's output is also returned (read outside the pair)."""
+
+    def __init__(self, h=32, leak=False):
+        super().__init__()
+        self.f, self.post, self.next = nn.Linear(h, h), HFRMSNorm(h), HFRMSNorm(h, eps=1e-5)
+        self.leak = leak
+
+    def forward(self, x):
+        y = self.post(self.f(x))
+        h = x + y
+        return (self.next(h), h, y) if self.leak else (self.next(h), h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sandwich_norm_is_one_kernel(dtype):
+    m, x = Sandwich().eval(), torch.randn(2, 8, 32)
+    if dtype == torch.bfloat16:
+        m, x = _bf16(m, x)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    c = op_counts(gm)
+    assert c[SANDWICH] == 1 and c[FUSED] == 0 and c["aten.add.Tensor"] == 0
+    assert [r.pattern for r in res.rewrites][-1] == "rms_norm + residual add + rms_norm"
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_sandwich_left_alone_when_the_post_norm_is_read_elsewhere():
+    m, x = Sandwich(leak=True).eval(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    c = op_counts(gm)
+    assert c[SANDWICH] == 0 and c[FUSED] == 2
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_sandwich_reference_matches_the_two_norms_in_float64():
+    from graphopt.cuda_ext import reference
+
+    torch.manual_seed(0)
+    y, r = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16)
+    wy, w = torch.randn(64), torch.randn(64)
+    out, h = reference.rms_norm_add_rms_norm(y, r, wy, w, 1e-6, 1e-5)
+    yd = y.double()
+    yn = yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + 1e-6) * wy.double()
+    hd = yn + r.double()
+    od = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert out.dtype == h.dtype == torch.bfloat16
+    torch.testing.assert_close(h.double(), hd, rtol=2e-2, atol=3e-2)
+    torch.testing.assert_close(out.double(), od, rtol=2e-2, atol=5e-2)

@@ -20,3 +20,45 @@ def cuda_median_ms(fn, reps: int = 10, warmup: int = 3, sleep_cycles: int = 0) -
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def graph_us_per_call(fn, calls: int, replays: int = 5, reps: int = 20) -> float:
+    """Median µs per call of ``fn`` (which makes ``calls`` calls) captured once into a CUDA graph and
+    replayed: the kernels and the gaps between them, no host time (warmed up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(replays):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / replays / calls * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def write_rows(out, stem: str, rows: list, lines: list) -> None:
+    """``rows`` as ``<stem>_<UTC date>.json`` and the Markdown ``lines`` as ``.md`` under ``out``
+    (created), and the Markdown printed."""
+    import datetime as dt
+    import json
+    from pathlib import Path
+
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}_{stamp}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{stem}_{stamp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

@@ -13,7 +13,6 @@ Writes diag_attention_small_<date>.{json,md} under --out.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import sys
@@ -29,6 +28,9 @@ if str(ROOT) not in sys.path:
 
 from graphopt.calibrate import SHORT_ATTENTION_SHAPES  # noqa: E402
 from graphopt.cuda_ext import attention_triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import graph_us_per_call, write_rows  # noqa: E402
 
 CHAIN = 24
 # the shapes graphopt calibrate fits the kernel's cost on (BERT-base bs1/bs8/bs64 with a padding mask,
@@ -73,31 +75,6 @@ def _chain(f, q):
     return x
 
 
-def _time_graph(f, q) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            _chain(f, q)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        _chain(f, q)
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 5 / CHAIN * 1e3)
-    return statistics.median(ts)
-
-
 def _time_eager(f, q) -> tuple[float, float]:
     for _ in range(3):
         _chain(f, q)
@@ -137,16 +114,13 @@ def main(argv=None) -> int:
             try:
                 with torch.inference_mode():
                     row["max_abs_err"] = (f(q).double() - ref).abs().max().item()
-                    row["graph_us"] = _time_graph(f, q)
+                    row["graph_us"] = graph_us_per_call(lambda: _chain(f, q), CHAIN)
                     row["eager_us"], row["host_us"] = _time_eager(f, q)
             except Exception as e:  # a backend that does not take this shape
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Attention at small batch — {torch.cuda.get_device_name()}, torch {torch.__version__}, {stamp}", "",
+    lines = [f"# Attention at small batch — {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
              f"µs per call, {CHAIN} chained calls: in one CUDA graph, launched eagerly back to back; host µs of one "
              "eager launch; max |error| against float64 SDPA (bf16 inputs).", "",
              "| shape | backend | graph µs | eager µs | host µs | max abs err |", "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -156,9 +130,7 @@ def main(argv=None) -> int:
         else:
             lines.append(f"| {r['shape']} | {r['backend']} | {r['graph_us']:.2f} | {r['eager_us']:.2f} | "
                          f"{r['host_us']:.1f} | {r['max_abs_err']:.2e} |")
-    (out / f"diag_attention_small_{stamp}.json").write_text(json.dumps(rows, indent=1))
-    (out / f"diag_attention_small_{stamp}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_rows(a.out, "diag_attention_small", rows, lines)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,6 +21,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import cuda_median_ms  # noqa: E402
 
 
 def kernels_of(fn):
@@ -34,20 +35,6 @@ def kernels_of(fn):
         torch.cuda.synchronize()
     return [(e.name, e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
             for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def ms_of(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main(argv=None):
@@ -75,7 +62,7 @@ def main(argv=None):
         try:
             o = f()
             ks = kernels_of(f)
-            lines.append(f"| {name} | {ms_of(f):.3f} | {tuple(o.stride())} | "
+            lines.append(f"| {name} | {cuda_median_ms(f, reps=20, warmup=1):.3f} | {tuple(o.stride())} | "
                          + "; ".join(f"{n[:70]} ({t:.0f})" for n, t in ks) + " |")
         except Exception as e:  # noqa: BLE001
             lines.append(f"| {name} | — | — | {type(e).__name__}: {str(e).splitlines()[0][:150]} |")

@@ -13,44 +13,21 @@ Writes diag_splitk_<date>.{json,md} under --out.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import graph_us_per_call, write_rows  # noqa: E402
 
 CALLS = 24
 SHAPES = [(128, 768, 3072, "BERT-base bs1 FFN down"), (197, 768, 3072, "ViT-B/16 bs1 FFN down"),
           (1024, 768, 3072, "BERT-base bs8 FFN down"), (128, 3072, 768, "BERT-base bs1 FFN up"),
           (128, 2304, 768, "BERT-base bs1 QKV")]
 SPLITS = (2, 3, 4, 6, 8)
-
-
-def _graph_us(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 5 / CALLS * 1e3)
-    return statistics.median(ts)
 
 
 def _kernels(fn) -> list[str]:
@@ -94,7 +71,7 @@ def main(argv=None) -> int:
                     if out.dim() == 3:
                         out = out.sum(0) + b.float()
                     row["max_abs_err"] = (out.double() - ref).abs().max().item()
-                    row["graph_us"] = _graph_us(fn)
+                    row["graph_us"] = graph_us_per_call(fn, CALLS)
                     ks = _kernels(lambda: fn()[:1])
                     row["kernels"] = len(ks)
                     row["kernel_names"] = [k[:90] for k in ks]
@@ -102,10 +79,7 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Split-K — {torch.cuda.get_device_name()}, torch {torch.__version__}, {stamp}", "",
+    lines = [f"# Split-K — {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
              f"µs per call in one CUDA graph ({CALLS} calls on {CALLS} weights); kernels per call; max |error| against "
              "float64 (partials summed in float32).", "",
              "| shape | variant | graph µs | kernels | max abs err | kernel names |", "| --- | --- | ---: | ---: | ---: | --- |"]
@@ -115,9 +89,7 @@ def main(argv=None) -> int:
         else:
             lines.append(f"| {r['shape']} | {r['variant']} | {r['graph_us']:.2f} | {r['kernels']} | "
                          f"{r['max_abs_err']:.2e} | {'; '.join(k[:60] for k in r['kernel_names'])} |")
-    (out / f"diag_splitk_{stamp}.json").write_text(json.dumps(rows, indent=1))
-    (out / f"diag_splitk_{stamp}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_rows(a.out, "diag_splitk", rows, lines)
     return 0
 
 

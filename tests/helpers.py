@@ -24,3 +24,23 @@ def op_counts(gm):
 
 def fresh(model):
     return copy.deepcopy(model)
+
+
+def run_in_triton_interpreter(function: str) -> None:
+    """Run ``module:function`` (e.g. ``tests.cuda_ext.test_norm_triton:interpreter_cases``) in a
+    fresh process with Triton's interpreter on (it must be on before triton is imported for
+    tl.sum and the other library functions to work); the function prints "interpreter cases ok"."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    module, name = function.split(":")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", f"from {module} import {name} as f; f()"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "interpreter cases ok" in r.stdout, r.stderr[-3000:]

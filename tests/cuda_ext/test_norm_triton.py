@@ -1,15 +1,12 @@
 """graphopt::layer_norm's Triton kernel (many rows per program): on the CPU through Triton's
 interpreter, on the GPU when marked cuda; against the fp64 reference."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from graphopt.cuda_ext import norm_triton, reference
+from tests.helpers import run_in_triton_interpreter
 
 
 def _check(y, x, w, b, eps, dtype):
@@ -58,22 +55,11 @@ def interpreter_sandwich_cases():
 
 
 def test_rms_norm_add_rms_norm_in_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c",
-                        "from tests.cuda_ext.test_norm_triton import interpreter_sandwich_cases as f; f()"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "interpreter cases ok" in r.stdout, r.stderr[-3000:]
+    run_in_triton_interpreter("tests.cuda_ext.test_norm_triton:interpreter_sandwich_cases")
 
 
 def test_layer_norm_rows_in_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c", "from tests.cuda_ext.test_norm_triton import interpreter_cases as f; f()"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "interpreter cases ok" in r.stdout, r.stderr[-3000:]
+    run_in_triton_interpreter("tests.cuda_ext.test_norm_triton:interpreter_cases")
 
 
 def test_too_wide_rows_refused():

@@ -2,10 +2,6 @@
 through Triton's interpreter (fp16: the interpreter's bf16 dot is not usable) and, marked cuda,
 on the GPU in bf16/fp16; the wrapper's argument checks."""
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +9,7 @@ import torch.nn.functional as F
 
 from graphopt.cuda_ext import attention_triton, ops, reference
 from graphopt.errors import KernelArgumentError
+from tests.helpers import run_in_triton_interpreter
 
 # B, H, Hk, Sq, Sk, D, mask kind, causal
 CASES = [
@@ -87,13 +84,7 @@ def interpreter_cases():
 
 
 def test_kernel_in_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c",
-                        "from tests.cuda_ext.test_short_attention import interpreter_cases as f; f()"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "interpreter cases ok" in r.stdout, r.stderr[-3000:]
+    run_in_triton_interpreter("tests.cuda_ext.test_short_attention:interpreter_cases")
 
 
 def test_blocks_fill_the_device():

@@ -49,6 +49,25 @@ def graph_us_per_call(fn, calls: int, replays: int = 5, reps: int = 20) -> float
     return sorted(ts)[len(ts) // 2]
 
 
+def table_lines(title: str, intro: str, columns: list, rows: list) -> list:
+    """A Markdown report: ``title``, ``intro`` and a table of ``rows`` (dicts) with ``columns`` as
+    (header, row -> cell text, right-aligned); a cell whose key a row lacks is "—", and a row with
+    an "error" shows it in the last column."""
+    lines = [title, "", intro, "", "| " + " | ".join(h for h, _, _ in columns) + " |",
+             "| " + " | ".join("---:" if right else "---" for _, _, right in columns) + " |"]
+    for r in rows:
+        cells = []
+        for _, cell, _ in columns:
+            try:
+                cells.append(cell(r))
+            except KeyError:
+                cells.append("—")
+        if "error" in r:
+            cells[-1] = r["error"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_rows(out, stem: str, rows: list, lines: list) -> None:
     """``rows`` as ``<stem>_<UTC date>.json`` and the Markdown ``lines`` as ``.md`` under ``out``
     (created), and the Markdown printed."""

@@ -30,7 +30,7 @@ from graphopt.calibrate import SHORT_ATTENTION_SHAPES  # noqa: E402
 from graphopt.cuda_ext import attention_triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_us_per_call, write_rows  # noqa: E402
+from _timing import graph_us_per_call, table_lines, write_rows  # noqa: E402
 
 CHAIN = 24
 # the shapes graphopt calibrate fits the kernel's cost on (BERT-base bs1/bs8/bs64 with a padding mask,
@@ -120,16 +120,14 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-    lines = [f"# Attention at small batch — {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             f"µs per call, {CHAIN} chained calls: in one CUDA graph, launched eagerly back to back; host µs of one "
-             "eager launch; max |error| against float64 SDPA (bf16 inputs).", "",
-             "| shape | backend | graph µs | eager µs | host µs | max abs err |", "| --- | --- | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['shape']} | {r['backend']} | — | — | — | {r['error']} |")
-        else:
-            lines.append(f"| {r['shape']} | {r['backend']} | {r['graph_us']:.2f} | {r['eager_us']:.2f} | "
-                         f"{r['host_us']:.1f} | {r['max_abs_err']:.2e} |")
+    lines = table_lines(
+        f"# Attention at small batch — {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        f"µs per call, {CHAIN} chained calls: in one CUDA graph, launched eagerly back to back; host µs of one "
+        "eager launch; max |error| against float64 SDPA (bf16 inputs).",
+        [("shape", lambda r: r["shape"], False), ("backend", lambda r: r["backend"], False),
+         ("graph µs", lambda r: f"{r['graph_us']:.2f}", True), ("eager µs", lambda r: f"{r['eager_us']:.2f}", True),
+         ("host µs", lambda r: f"{r['host_us']:.1f}", True),
+         ("max abs err", lambda r: f"{r['max_abs_err']:.2e}", True)], rows)
     write_rows(a.out, "diag_attention_small", rows, lines)
     return 0
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_us_per_call, write_rows  # noqa: E402
+from _timing import graph_us_per_call, table_lines, write_rows  # noqa: E402
 
 CALLS = 24
 SHAPES = [(128, 768, 3072, "BERT-base bs1 FFN down"), (197, 768, 3072, "ViT-B/16 bs1 FFN down"),
@@ -79,16 +79,14 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-    lines = [f"# Split-K — {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             f"µs per call in one CUDA graph ({CALLS} calls on {CALLS} weights); kernels per call; max |error| against "
-             "float64 (partials summed in float32).", "",
-             "| shape | variant | graph µs | kernels | max abs err | kernel names |", "| --- | --- | ---: | ---: | ---: | --- |"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['shape']} | {r['variant']} | — | — | — | {r['error']} |")
-        else:
-            lines.append(f"| {r['shape']} | {r['variant']} | {r['graph_us']:.2f} | {r['kernels']} | "
-                         f"{r['max_abs_err']:.2e} | {'; '.join(k[:60] for k in r['kernel_names'])} |")
+    lines = table_lines(
+        f"# Split-K — {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        f"µs per call in one CUDA graph ({CALLS} calls on {CALLS} weights); kernels per call; max |error| against "
+        "float64 (partials summed in float32).",
+        [("shape", lambda r: r["shape"], False), ("variant", lambda r: r["variant"], False),
+         ("graph µs", lambda r: f"{r['graph_us']:.2f}", True), ("kernels", lambda r: str(r["kernels"]), True),
+         ("max abs err", lambda r: f"{r['max_abs_err']:.2e}", True),
+         ("kernel names", lambda r: "; ".join(k[:60] for k in r["kernel_names"]), False)], rows)
     write_rows(a.out, "diag_splitk", rows, lines)
     return 0
 

@@ -78,12 +78,14 @@ class FuseLayerNorm(Pass):
             add, why = residual_add(m["x"])
             if why:
                 res.reject(f"residual add {m['x'].name} into layer_norm {m['ln'].name}", f"add not absorbed: {why}")
-            candidates.append(self._candidate(gm, ctx, m, add))
+            c = self._candidate(gm, ctx, m, add, res)
+            if c is not None:
+                candidates.append(c)
         res.apply_ranked(ctx, candidates, fused_kernels=True)
         return res
 
     @staticmethod
-    def _candidate(gm, ctx, m, add) -> Candidate:
+    def _candidate(gm, ctx, m, add, res) -> Candidate | None:
         ln, x = m["ln"], m["x"]
         xi = ir.info(x)
         params = [p for p in (m["weight"], m["bias"]) if isinstance(p, fx.Node)]
@@ -97,8 +99,8 @@ class FuseLayerNorm(Pass):
             return Candidate("residual add + layer_norm", gone, ctx.node_time(gone) - new,
                              lambda: FuseLayerNorm._apply(gm, m, add, eps), label=label, refusal=refusal)
         if ir.concrete(xi.shape[-1], ctx.hints) > MAX_HIDDEN:
-            return Candidate("layer_norm", gone, -1.0, lambda: None, label=label,
-                             refusal=f"rows wider than {MAX_HIDDEN} (the many-rows kernel's limit)")
+            res.reject(label, f"rows wider than {MAX_HIDDEN} (the many-rows kernel's limit)")
+            return None
         # graphopt::layer_norm (Triton): many rows per program, no per-row block to schedule
         new = kernel_time(ctx, inputs, [xi], flops_per_elem=8)
         return Candidate("layer_norm -> many-rows layer_norm", gone, ctx.node_time(gone) - new,

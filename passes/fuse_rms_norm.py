@@ -206,20 +206,20 @@ class FuseRmsNorm(Pass):
             candidates.append(self._candidate(gm, ctx, s, add))
         res.apply_ranked(ctx, candidates, fused_kernels=True)
         if res.rewrites:  # then the sandwich pairs among the fused norms
-            res.apply_ranked(ctx, [self._sandwich(gm, ctx, *pair) for pair in _sandwich_pairs(gm)],
-                             fused_kernels=True)
+            pairs = [self._sandwich(gm, ctx, res, *pair) for pair in _sandwich_pairs(gm)]
+            res.apply_ranked(ctx, [c for c in pairs if c is not None], fused_kernels=True)
         return res
 
     @staticmethod
-    def _sandwich(gm, ctx, first, taken, second, residual) -> Candidate:
+    def _sandwich(gm, ctx, res, first, taken, second, residual) -> Candidate | None:
         y, wy, eps_y = first.args[0], first.args[2], first.args[3]
         w, eps = second.args[2], second.args[3]
         info = ir.info(y)
         gone = [first, taken, second]
         label = f"rms_norm {first.name} + residual add + rms_norm {second.name}"
         if ir.concrete(info.shape[-1], ctx.hints) > MAX_HIDDEN:
-            return Candidate("rms_norm + residual add + rms_norm", gone, -1.0, lambda: None, label=label,
-                             refusal=f"rows wider than {MAX_HIDDEN} (the one-pass kernel's limit)")
+            res.reject(label, f"not merged: rows wider than {MAX_HIDDEN} (the one-pass kernel's limit)")
+            return None
         gain = ctx.node_time(gone) - kernel_time(ctx, [y, residual, wy, w], [info, info], flops_per_elem=8)
 
         def apply():

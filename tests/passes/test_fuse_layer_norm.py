@@ -87,6 +87,17 @@ def test_narrow_rows_take_the_many_rows_kernel(dtype):
     assert op_counts(gm)[LN] == 1 and not res.rewrites
 
 
+def test_rows_wider_than_the_many_rows_kernel_are_refused_with_the_reason():
+    from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
+
+    h = MAX_HIDDEN + 8
+    m, x = _randomize(nn.Sequential(nn.Linear(h, h), nn.LayerNorm(h))).eval(), torch.randn(1, 2, h)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    assert op_counts(gm)[LN] == 1 and not res.rewrites
+    assert any(f"rows wider than {MAX_HIDDEN}" in r.reason for r in res.rejected)
+
+
 def test_refuses_norm_over_two_dims():
     m = _randomize(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm([8, 32]))).eval()
     x = torch.randn(2, 8, 32)

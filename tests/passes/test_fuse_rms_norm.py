@@ -214,6 +214,16 @@ def test_sandwich_left_alone_when_the_post_norm_is_read_elsewhere():
     assert reference_check(m, gm, (x,)).passed
 
 
+def test_sandwich_over_rows_wider_than_the_kernel_is_refused_with_the_reason():
+    from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
+
+    m, x = Sandwich(h=MAX_HIDDEN + 8).eval(), torch.randn(1, 2, MAX_HIDDEN + 8)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    assert op_counts(gm)[SANDWICH] == 0 and op_counts(gm)[FUSED] == 2
+    assert any(f"rows wider than {MAX_HIDDEN}" in r.reason for r in res.rejected)
+
+
 def test_sandwich_reference_matches_the_two_norms_in_float64():
     from graphopt.cuda_ext import reference
 

@@ -134,31 +134,38 @@ def test_three_processes_gpipe_and_1f1b_match_the_unpartitioned_mlp(tmp_path):
 
 
 def _outputs_to_host(rank, world, path):
-    model, x, _, _ = build(4)
-    pipe = gd.Pipeline(model, x, microbatches=2, schedule="gpipe", outputs_to_host=True)
-    res = pipe.step(x)
-    again = pipe.step(x)  # the second step writes rows of one buffer per output
-    if res is not None:
-        torch.testing.assert_close(again, res, rtol=0, atol=0)
-        assert again._base is None and again.shape[0] == x.shape[0]
-    torch.save({"out": again, "names": sorted(n for n, _ in pipe.named_parameters()),
-                "notes": pipe.plan.notes}, f"{path}/rank{rank}.pt")
+    res = {}
+    for schedule in ("gpipe", "1f1b", "interleaved1f1b"):
+        model, x, _, _ = build(4)
+        pipe = gd.Pipeline(model, x, microbatches=2, schedule=schedule, outputs_to_host=True)
+        first = pipe.step(x)
+        again = pipe.step(x)  # from the second step on, the rows of one buffer per output
+        if pipe.is_last:
+            assert first is not pipe._to_host._batch[0]  # the first step concatenates
+            assert again is pipe._to_host._batch[0] and again.shape[0] == x.shape[0]
+            torch.testing.assert_close(again, first, rtol=0, atol=0)
+        res[schedule] = {"out": again, "names": sorted(n for n, _ in pipe.named_parameters()),
+                         "notes": pipe.plan.notes}
+    torch.save(res, f"{path}/rank{rank}.pt")
 
 
 def test_outputs_copied_to_the_host_give_the_unpartitioned_models_outputs(tmp_path):
-    """outputs_to_host: the last stage's outputs go through the copy wrapper (torch's pipelining
-    infers its shapes and validates its outputs with it in place); same outputs, parameters named as
-    in the model, the plan says so."""
+    """outputs_to_host under GPipe, 1F1B and interleaved 1F1B: the last stage's outputs go through
+    the copy wrapper (torch's pipelining infers its shapes and validates its outputs with it in
+    place); same outputs as the unpartitioned model, parameters named as in the model, the plan says
+    so."""
     gd.spawn(_outputs_to_host, 2, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     eager_out, ref_out, _, _ = _reference(4, "glm4-tiny")
-    assert ranks[0]["out"] is None and ranks[1]["out"].device.type == "cpu"
-    res = accuracy.check(ranks[1]["out"], ref_out, eager_out)
-    assert res.passed, res.reason
     model, _, _, _ = build(4)
-    assert set(ranks[0]["names"]) | set(ranks[1]["names"]) <= {n for n, _ in model.named_parameters()}
-    assert all(not n.startswith("inner.") for r in ranks for n in r["names"])
-    assert any("to host memory" in n for n in ranks[0]["notes"])
+    for schedule, last in ranks[1].items():
+        assert ranks[0][schedule]["out"] is None and last["out"].device.type == "cpu"
+        res = accuracy.check(last["out"], ref_out, eager_out)
+        assert res.passed, (schedule, res.reason)
+        names = [r[schedule]["names"] for r in ranks]
+        assert set(names[0]) | set(names[1]) <= {n for n, _ in model.named_parameters()}
+        assert all(not n.startswith("inner.") for ns in names for n in ns)
+        assert any("to host memory" in n for n in ranks[0][schedule]["notes"])
 
 
 def test_outputs_to_host_write_each_microbatch_into_one_batch_buffer():

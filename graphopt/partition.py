@@ -566,6 +566,9 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         raise GraphoptError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise GraphoptError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if outputs_on_host and training:
+        raise GraphoptError("outputs_on_host is for inference: in training the loss is computed from the last "
+                            "stage's outputs on its device")
     S = len(devices)
     v = check_interleaving(schedule, S, microbatches, virtual_stages)
     K = S * v  # stages (virtual stages when interleaved)

@@ -289,6 +289,8 @@ def test_outputs_on_host_keep_one_microbatch_of_outputs_on_the_last_gpu_and_pric
     with pytest.raises(BudgetError):
         partition.plan_stages(gmb, _h200(cap=cap), microbatches=8)
     assert partition.plan_stages(gmb, _h200(cap=cap), microbatches=8, outputs_on_host=True).stages
+    with pytest.raises(GraphoptError, match="outputs_on_host is for inference"):
+        partition.plan_stages(gmb, _h200(), microbatches=8, training=True, outputs_on_host=True)
 
 
 def test_each_gpu_reserves_the_cublas_workspace_once_twice_when_training():

@@ -90,6 +90,31 @@ def _matmul_rate(n: int, dtype, device, iters: int) -> float:
     return 2 * n**3 / t
 
 
+def _matmul_sustained(n: int, device, burst: float, seconds: float, window: float = 0.5) -> float:
+    """The bf16 n³ GEMM rate sustained back to back for ``seconds`` (the median of the later half
+    of its ``window``-second windows), as a fraction of ``burst`` (at most 1): a GPU at its power
+    limit lowers its clock within a fraction of a second."""
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    rates = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        calls, start = 0, time.perf_counter()
+        e0.record()
+        while time.perf_counter() - start < window:
+            for _ in range(10):
+                torch.mm(a, b)
+            calls += 10
+            if calls % 50 == 0:  # keep the queue short, so the window's wall time is the GPU's
+                torch.cuda.current_stream().synchronize()
+        e1.record()
+        e1.synchronize()
+        rates.append(calls * 2 * n**3 / (e0.elapsed_time(e1) / 1e3))
+    later = sorted(rates[len(rates) // 2:])
+    return min(1.0, later[len(later) // 2] / burst)
+
+
 # model-shaped work for the efficiency fits: (M, N, K) GEMMs from BERT/ViT/GLM layers and the
 # LM head, and ResNet-50's convolutions (batch, Cin, H, W, Cout, kernel, stride) in channels_last
 GEMM_SHAPES = [(8192, 768, 768), (8192, 3072, 768), (8192, 768, 3072), (12608, 2304, 768), (8192, 4608, 4096),
@@ -585,6 +610,11 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             extra_fit = dict(zip(("matmul_scale", "matmul_fixed_s"), _fit_efficiency(gemm, peak["bfloat16"])))
             source["matmul_efficiency"] = (f"{stamp}: t = flops / (peak * scale) + fixed fitted to {len(gemm)} "
                                            "bf16 GEMMs shaped like BERT/ViT/GLM layers")
+            seconds = 2.0 if quick else 5.0
+            say(f"sustained bf16 GEMM rate ({n}³ back to back for {seconds:g} s)")
+            extra_fit["matmul_sustained_fraction"] = _matmul_sustained(n, device, peak["bfloat16"], seconds)
+            source["matmul_sustained"] = (f"{stamp}: {n}³ bf16 torch.mm back to back for {seconds:g} s, the median "
+                                          "rate of the later half of its 0.5 s windows over the burst rate above")
             say("memory-bound kernel fixed time")
             extra_fit["kernel_fixed_s"] = _copy_fixed(device, bw, quick)
             source["kernel_fixed"] = f"{stamp}: median of (t - bytes / bandwidth) over 1-256 MiB copies"
@@ -743,6 +773,8 @@ def run_cli(args) -> int:
                   + (", …" if len(ops) > 6 else ""))
     if prof.kind == "cuda":
         t.add_row("GEMM efficiency", f"{prof.matmul_scale:.0%} of peak + {prof.matmul_fixed_s * 1e6:.1f} µs")
+        t.add_row("sustained GEMM rate", f"{prof.matmul_sustained_fraction:.0%} of peak, back to back (power and "
+                                         "clock limits; explain's floor at this rate)")
         mem = "" if prof.conv_memory_scale is None else f" + memory at {prof.conv_memory_scale:.0%} of the copy rate"
         t.add_row("conv efficiency", f"{prof.conv_scale:.0%} of peak{mem} + {prof.conv_fixed_s * 1e6:.1f} µs "
                                      f"(aten conv2d {prof.conv_unfused_slowdown:.2f}× slower, its bias add at "

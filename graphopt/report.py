@@ -147,7 +147,9 @@ class Report:
                    f"{'CUDA graph replay' if a['mode'] == 'graphed' else a['mode']}, {a['bound']}-bound{busy(a)})")
         console.print(
             f"[bold]predicted[/bold] {_ms(self.predicted_s_before)} ms → {_ms(self.predicted_s_after)} ms "
-            f"({speed:.2f}×){how}   roofline floor {_ms(ca['roofline_floor_ms'] / 1e3)} ms   "
+            f"({speed:.2f}×){how}   roofline floor {_ms(ca['roofline_floor_ms'] / 1e3)} ms"
+            + (f" ({_ms(ca['roofline_floor_sustained_ms'] / 1e3)} at the sustained GEMM rate)"
+               if (ca.get("roofline_floor_sustained_ms") or 0) > 1.01 * ca["roofline_floor_ms"] else "") + "   "
             f"kernels {cb['kernel_launches']} → {ca['kernel_launches']}   "
             f"peak memory {_mb(cb['peak_memory_bytes'])} → {_mb(ca['peak_memory_bytes'])}"
         )

@@ -64,6 +64,7 @@ def test_calibrate_cuda_quick(tmp_path):
     assert {"linear", "scaled_dot_product_attention", "layer_norm"} <= set(prof.host_op_s)
     assert 0 < prof.attention_scale <= 1 and prof.attention_fixed_s >= 0
     assert 0 < prof.short_attention_scale <= 1 and prof.short_attention_fixed_s >= 0  # lower_attention's fit
+    assert 0.3 < prof.matmul_sustained_fraction <= 1  # the GEMM rate under back-to-back load
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof.to_dict()))
     assert get_profile(str(path))[0].to_dict() == prof.to_dict()

@@ -75,6 +75,18 @@ def test_explain_mlp_json_schema(capfd, tmp_path):
         assert words in out, words
 
 
+def test_explain_for_the_h200_shows_the_floor_at_the_sustained_gemm_rate(capfd):
+    """Planning for the H200 from this machine: the summary gives the roofline floor at the peak
+    rate and at the rate the GPU sustains under its power limit (the profile's measurement)."""
+    assert main(["explain", "mlp", "--target", "h200", "--no-accuracy", "--batch", "8192"]) == 0
+    out = " ".join(capfd.readouterr().out.split())  # rich wraps the summary line
+    assert "roofline floor" in out and "at the sustained GEMM rate" in out
+    # a launch-bound batch: the two floors agree, and only one is shown
+    assert main(["explain", "mlp", "--target", "h200", "--no-accuracy"]) == 0
+    out = " ".join(capfd.readouterr().out.split())
+    assert "roofline floor" in out and "sustained GEMM rate" not in out
+
+
 def test_explain_default_model_is_resnet50_with_53_folds(capfd, tmp_path):
     """No MODEL: the bundled default (resnet50, batch 1 to keep the test quick; assign_precision
     left out: its bf16 search over resnet50 on the CPU profile costs minutes and ends unchanged)."""

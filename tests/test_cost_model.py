@@ -208,6 +208,23 @@ def test_bound_classification_big_matmul_is_compute_bound():
     assert c.compute_s == pytest.approx(2 * 8192 * 4096 * 4096 / 776e12)
 
 
+def test_roofline_floor_at_the_sustained_gemm_rate():
+    """The H200 sustains ~86% of its burst GEMM rate under its power limit: the floor at that rate
+    divides the matmul part by the fraction and leaves the rest; unmeasured (1.0), there is none."""
+    gm = capture(Lin(4096, 4096).eval().to(torch.bfloat16), (torch.randn(8192, 4096, dtype=torch.bfloat16),))
+    h200 = _h200()
+    assert 0.5 < h200.matmul_sustained_fraction < 1
+    cost = CostModel(h200).graph_cost(gm)
+    mm = 2 * 8192 * 4096 * 4096 / 776e12
+    assert cost.roofline_floor_s >= mm
+    assert cost.roofline_floor_sustained_s == pytest.approx(
+        cost.roofline_floor_s + mm * (1 / h200.matmul_sustained_fraction - 1), rel=1e-6)
+    assert cost.as_dict()["roofline_floor_sustained_ms"] == pytest.approx(cost.roofline_floor_sustained_s * 1e3)
+    burst = CostModel(dataclasses.replace(h200, matmul_sustained_fraction=1.0)).graph_cost(gm)
+    assert burst.roofline_floor_sustained_s is None and burst.as_dict()["roofline_floor_sustained_ms"] is None
+    assert burst.roofline_floor_s == pytest.approx(cost.roofline_floor_s)
+
+
 def test_launch_bound_tiny_graph():
     gm = capture(Lin(8, 8).eval(), (torch.randn(2, 8),))
     cost = CostModel(_h200()).graph_cost(gm)

@@ -110,11 +110,15 @@ class GraphCost:
     peak_memory_bytes: float
     parameter_bytes: float
     symbolic_total: object = None  # sympy expression when shapes are symbolic
+    # the floor with GEMMs at the rate the device sustains (profile.matmul_sustained_fraction)
+    roofline_floor_sustained_s: float | None = None
 
     def as_dict(self):
         return {
             "predicted_ms": self.total_s * 1e3,
             "roofline_floor_ms": self.roofline_floor_s * 1e3,
+            "roofline_floor_sustained_ms": (None if self.roofline_floor_sustained_s is None
+                                            else self.roofline_floor_sustained_s * 1e3),
             "flops": self.flops,
             "bytes": self.bytes,
             "kernel_launches": self.launches,
@@ -440,8 +444,11 @@ class CostModel:
         if total > 0:
             share = {k: v / total for k, v in share.items()}
         peak, params, compulsory = self.memory(gm, hints)
-        floor = max(self._floor_compute(gm, nodes), compulsory / self.profile.bandwidth)
-        return GraphCost(total, nodes, flops, nbytes, launches, floor, share, peak, params, symbolic_total)
+        matmul_t, other_t = self._floor_compute(gm, nodes)
+        floor = max(matmul_t + other_t, compulsory / self.profile.bandwidth)
+        frac = self.profile.matmul_sustained_fraction
+        sustained = max(matmul_t / frac + other_t, compulsory / self.profile.bandwidth) if frac < 1.0 else None
+        return GraphCost(total, nodes, flops, nbytes, launches, floor, share, peak, params, symbolic_total, sustained)
 
     # ------------------------------------------------------------------ execution (host/device queue)
 
@@ -557,17 +564,20 @@ class CostModel:
             t_dev = max(t_host, t_dev) + d
         return ExecutionCost("graphed", max(t_host, t_dev), sum(h for h, _ in items), sum(d for _, d in items), len(items))
 
-    def _floor_compute(self, gm, nodes) -> float:
-        t = 0.0
+    def _floor_compute(self, gm, nodes) -> tuple[float, float]:
+        """(seconds of the matmul-like flops at the peak rate, seconds of the rest)."""
+        mm = other = 0.0
         by_name = {n.name: n for n in gm.graph.nodes}
         for c in nodes:
             if c.bound == "free" or c.flops == 0:
                 continue
             node = by_name.get(c.node)
             _, _, _, kind = self.flops_bytes(node)
-            rate = self.profile.matmul_rate(ir.arg_infos(node)[0].dtype) if kind == "matmul" else self.profile.elementwise_flops
-            t += c.flops / rate
-        return t
+            if kind == "matmul":
+                mm += c.flops / self.profile.matmul_rate(ir.arg_infos(node)[0].dtype)
+            else:
+                other += c.flops / self.profile.elementwise_flops
+        return mm, other
 
     def memory(self, gm: fx.GraphModule, hints=None) -> tuple[float, float, float]:
         """(predicted peak bytes of one forward, parameter+buffer bytes, compulsory bytes).

@@ -114,6 +114,11 @@ class DeviceProfile:
     # default on sm90, which cuBLASLt shares); handles are per thread, so a training step has two
     # (the forward's thread and autograd's device thread). Used by graphopt.partition's memory plan
     runtime_workspace_bytes: float = 0.0
+    # the bf16 GEMM rate a device sustains under back-to-back load, as a fraction of peak_flops (a
+    # GPU at its power limit lowers its clock within a fraction of a second: the H200's dense
+    # GEMMs run at ~86% of their burst rate). `explain` shows the roofline floor at this rate
+    # beside the peak-rate floor; 1.0: not measured (or no such cap)
+    matmul_sustained_fraction: float = 1.0
     # fraction of a device's memory (or memory_cap) the partitioner leaves unplanned: the caching
     # allocator's block rounding and transients no plan sees (0: plan up to the cap)
     allocator_headroom: float = 0.0

@@ -13,11 +13,15 @@ import argparse
 import datetime as dt
 import json
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from graphopt.calibrate import gemm_rates  # noqa: E402
 
 QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -52,20 +56,7 @@ def run(name, M, K, N, seconds):
     th = threading.Thread(target=sampler, args=(stop, rows))
     th.start()
     t_start = time.perf_counter()
-    per_second = []
-    while time.perf_counter() - t_start < seconds:
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        n = 0
-        e0.record()
-        t1 = time.perf_counter()
-        while time.perf_counter() - t1 < 1.0:
-            for _ in range(10):
-                a @ b
-            n += 10
-            torch.cuda.current_stream().synchronize() if n % 50 == 0 else None
-        e1.record()
-        e1.synchronize()
-        per_second.append(n * flop / (e0.elapsed_time(e1) / 1e3) / 1e12)
+    per_second = [r / 1e12 for r in gemm_rates(a, b, seconds, window=1.0)]
     stop.set()
     th.join()
     rows = [[round(r[0] - t_start, 2)] + r[1:] for r in rows]

@@ -90,12 +90,10 @@ def _matmul_rate(n: int, dtype, device, iters: int) -> float:
     return 2 * n**3 / t
 
 
-def _matmul_sustained(n: int, device, burst: float, seconds: float, window: float = 0.5) -> float:
-    """The bf16 n³ GEMM rate sustained back to back for ``seconds`` (the median of the later half
-    of its ``window``-second windows), as a fraction of ``burst`` (at most 1): a GPU at its power
-    limit lowers its clock within a fraction of a second."""
-    a = torch.randn(n, n, device=device).to(torch.bfloat16)
-    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+def gemm_rates(a: torch.Tensor, b: torch.Tensor, seconds: float, window: float = 0.5) -> list[float]:
+    """FLOP/s of ``a @ b`` run back to back for ``seconds``, one rate per ``window`` seconds (CUDA
+    events around each window's calls): how the rate falls as a GPU reaches its power limit."""
+    flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     rates = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -110,7 +108,16 @@ def _matmul_sustained(n: int, device, burst: float, seconds: float, window: floa
                 torch.cuda.current_stream().synchronize()
         e1.record()
         e1.synchronize()
-        rates.append(calls * 2 * n**3 / (e0.elapsed_time(e1) / 1e3))
+        rates.append(calls * flop / (e0.elapsed_time(e1) / 1e3))
+    return rates
+
+
+def _matmul_sustained(n: int, device, burst: float, seconds: float) -> float:
+    """The bf16 n³ GEMM rate sustained back to back for ``seconds`` (the median of the later half
+    of its half-second windows), as a fraction of ``burst`` (at most 1)."""
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    rates = gemm_rates(a, b, seconds)
     later = sorted(rates[len(rates) // 2:])
     return min(1.0, later[len(later) // 2] / burst)
 

@@ -49,6 +49,21 @@ def graph_us_per_call(fn, calls: int, replays: int = 5, reps: int = 20) -> float
     return sorted(ts)[len(ts) // 2]
 
 
+def measure_row(rows: list, row: dict, measure) -> None:
+    """``measure(row)`` fills ``row`` under inference mode; an exception (a backend or torch that
+    cannot run the case) is recorded in it as "error" instead. The row is appended to ``rows`` and
+    printed as JSON."""
+    import json
+
+    try:
+        with torch.inference_mode():
+            measure(row)
+    except Exception as e:  # noqa: BLE001 - a diagnostic keeps the other cases
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def table_lines(title: str, intro: str, columns: list, rows: list) -> list:
     """A Markdown report: ``title``, ``intro`` and a table of ``rows`` (dicts) with ``columns`` as
     (header, row -> cell text, right-aligned); a cell whose key a row lacks is "—", and a row with

@@ -13,7 +13,6 @@ Writes diag_attention_small_<date>.{json,md} under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from graphopt.calibrate import SHORT_ATTENTION_SHAPES  # noqa: E402
 from graphopt.cuda_ext import attention_triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_us_per_call, table_lines, write_rows  # noqa: E402
+from _timing import graph_us_per_call, measure_row, table_lines, write_rows  # noqa: E402
 
 CHAIN = 24
 # the shapes graphopt calibrate fits the kernel's cost on (BERT-base bs1/bs8/bs64 with a padding mask,
@@ -110,16 +109,11 @@ def main(argv=None) -> int:
                                              attn_mask=None if mask is None else mask.double(), is_causal=causal,
                                              scale=D ** -0.5)
         for name, f in _fns(q, k, v, mask, causal).items():
-            row = {"shape": f"B{B} H{H} Q{SQ} K{SK} D{D} {kind or 'no mask'}", "backend": name}
-            try:
-                with torch.inference_mode():
-                    row["max_abs_err"] = (f(q).double() - ref).abs().max().item()
-                    row["graph_us"] = graph_us_per_call(lambda: _chain(f, q), CHAIN)
-                    row["eager_us"], row["host_us"] = _time_eager(f, q)
-            except Exception as e:  # a backend that does not take this shape
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            def measure(row, f=f):  # a backend that does not take this shape: the row's error
+                row["max_abs_err"] = (f(q).double() - ref).abs().max().item()
+                row["graph_us"] = graph_us_per_call(lambda: _chain(f, q), CHAIN)
+                row["eager_us"], row["host_us"] = _time_eager(f, q)
+            measure_row(rows, {"shape": f"B{B} H{H} Q{SQ} K{SK} D{D} {kind or 'no mask'}", "backend": name}, measure)
     lines = table_lines(
         f"# Attention at small batch — {torch.cuda.get_device_name()}, torch {torch.__version__}",
         f"µs per call, {CHAIN} chained calls: in one CUDA graph, launched eagerly back to back; host µs of one "

@@ -13,7 +13,6 @@ Writes diag_splitk_<date>.{json,md} under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_us_per_call, table_lines, write_rows  # noqa: E402
+from _timing import graph_us_per_call, measure_row, table_lines, write_rows  # noqa: E402
 
 CALLS = 24
 SHAPES = [(128, 768, 3072, "BERT-base bs1 FFN down"), (197, 768, 3072, "ViT-B/16 bs1 FFN down"),
@@ -64,21 +63,16 @@ def main(argv=None) -> int:
                 return [torch.bmm(xs, w.view(N, S, K // S).permute(1, 2, 0), out_dtype=torch.float32) for w in ws]
             variants[f"bmm over {S} K-slices, fp32 partials"] = split
         for name, fn in variants.items():
-            row = {"shape": f"{what} (M{M} N{N} K{K})", "variant": name}
-            try:
-                with torch.inference_mode():
-                    out = fn()[0]
-                    if out.dim() == 3:
-                        out = out.sum(0) + b.float()
-                    row["max_abs_err"] = (out.double() - ref).abs().max().item()
-                    row["graph_us"] = graph_us_per_call(fn, CALLS)
-                    ks = _kernels(lambda: fn()[:1])
-                    row["kernels"] = len(ks)
-                    row["kernel_names"] = [k[:90] for k in ks]
-            except Exception as e:  # e.g. out_dtype missing on this torch
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            def measure(row, fn=fn):  # out_dtype missing on a torch is recorded as the row's error
+                out = fn()[0]
+                if out.dim() == 3:
+                    out = out.sum(0) + b.float()
+                row["max_abs_err"] = (out.double() - ref).abs().max().item()
+                row["graph_us"] = graph_us_per_call(fn, CALLS)
+                ks = _kernels(lambda: fn()[:1])
+                row["kernels"] = len(ks)
+                row["kernel_names"] = [k[:90] for k in ks]
+            measure_row(rows, {"shape": f"{what} (M{M} N{N} K{K})", "variant": name}, measure)
     lines = table_lines(
         f"# Split-K — {torch.cuda.get_device_name()}, torch {torch.__version__}",
         f"µs per call in one CUDA graph ({CALLS} calls on {CALLS} weights); kernels per call; max |error| against "

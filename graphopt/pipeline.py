@@ -92,6 +92,11 @@ class PassResult:
     def reject(self, candidate: str, reason: str) -> None:
         self.rejected.append(Rejected(candidate, reason))
 
+    def reject_all(self, candidates: Iterable, reason: str) -> None:
+        """Reject each of ``candidates`` (nodes, by name, or descriptions) for the same reason."""
+        for c in candidates:
+            self.reject(c.name if isinstance(c, fx.Node) else str(c), reason)
+
     def record(self, pattern: str, matched: Iterable, replacement: Iterable, gain_s: float) -> None:
         names = lambda xs: [x.name if isinstance(x, fx.Node) else str(x) for x in xs]  # noqa: E731
         self.rewrites.append(Rewrite(pattern, names(matched), names(replacement), gain_s))
@@ -103,8 +108,7 @@ class PassResult:
         ``fused_kernels=True``: the rewrites call torch.ops.graphopt.* kernels, so on a profile
         where they cannot pay (a CPU) every candidate is refused with NO_FUSED_KERNELS."""
         if fused_kernels and not ctx.fused_kernels:
-            for c in candidates:
-                self.reject(c.description, NO_FUSED_KERNELS)
+            self.reject_all([c.description for c in candidates], NO_FUSED_KERNELS)
             return
         taken: set = set()
         winners: dict = {}

@@ -87,8 +87,7 @@ class ConvSpaceToDepth(Pass):
             return res
         p = ctx.profile
         if p.kind != "cuda" or (p.conv_narrow_input_slowdown <= 1.0 and not p.conv_channel_chunk):
-            for n in convs:
-                res.reject(n.name, f"the {p.name} profile measured no slow path for convolutions over few channels")
+            res.reject_all(convs, f"the {p.name} profile measured no slow path for convolutions over few channels")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in convs) if c is not None]
         res.apply_ranked(ctx, cands)

@@ -63,13 +63,11 @@ class LowerAttention(Pass):
         if not calls:
             return res
         if ctx.profile.kind != "cuda":
-            for n in calls:
-                res.reject(n.name, f"the bundled attention kernel is for CUDA; {ctx.profile.name} runs SDPA")
+            res.reject_all(calls, f"the bundled attention kernel is for CUDA; {ctx.profile.name} runs SDPA")
             return res
         if ctx.profile.short_attention_scale is None:
-            for n in calls:
-                res.reject(n.name, f"profile {ctx.profile.name} has no measurement of graphopt::short_attention "
-                                   "(short_attention_scale; benchmarks/diag_attention_small.py)")
+            res.reject_all(calls, f"profile {ctx.profile.name} has no measurement of graphopt::short_attention "
+                                  "(short_attention_scale; benchmarks/diag_attention_small.py)")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in calls) if c is not None]
         res.apply_ranked(ctx, cands, fused_kernels=True)

@@ -63,8 +63,7 @@ class LowerMaxPool(Pass):
         if not pools:
             return res
         if ctx.profile.kind != "cuda":
-            for n in pools:
-                res.reject(n.name, f"the bundled pooling kernel is for CUDA; {ctx.profile.name} runs aten's")
+            res.reject_all(pools, f"the bundled pooling kernel is for CUDA; {ctx.profile.name} runs aten's")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in pools) if c is not None]
         res.apply_ranked(ctx, cands)

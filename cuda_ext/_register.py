@@ -50,6 +50,13 @@ def _fake_rms_norm_add_rms_norm(y, residual, weight_y, weight, eps_y, eps):
     return y.new_empty(y.shape), y.new_empty(y.shape)
 
 
+def _fake_linear_add_layer_norm(x, weight, bias, residual, ln_weight, ln_bias, eps, splits):
+    torch._check(weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+                 lambda: "graphopt::linear_add_layer_norm: weight must be [N, K] with K = x's last dim")
+    shape = (*x.shape[:-1], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape)
+
+
 def _fake_swiglu(gate_up):
     torch._check(gate_up.shape[-1] % 2 == 0, lambda: "graphopt::swiglu: last dim must be even")
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
@@ -105,6 +112,7 @@ FAKES = {
     "fused_pointwise": _fake_fused_pointwise, "conv_bias_relu": _fake_conv_bias_relu,
     "layer_norm": _fake_layer_norm, "max_pool2d_nhwc": _fake_max_pool2d_nhwc,
     "short_attention": _fake_short_attention, "rms_norm_add_rms_norm": _fake_rms_norm_add_rms_norm,
+    "linear_add_layer_norm": _fake_linear_add_layer_norm,
 }
 REFERENCES = {
     "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
@@ -113,6 +121,7 @@ REFERENCES = {
     "conv_bias_relu": reference.conv_bias_relu, "layer_norm": reference.layer_norm,
     "max_pool2d_nhwc": reference.max_pool2d_nhwc, "short_attention": reference.short_attention,
     "rms_norm_add_rms_norm": reference.rms_norm_add_rms_norm,
+    "linear_add_layer_norm": reference.linear_add_layer_norm,
 }
 
 
@@ -134,6 +143,14 @@ def _rms_norm_add_rms_norm_cuda(y, residual, weight_y, weight, eps_y, eps):
     if y.dim() == 0 or y.shape[-1] > MAX_HIDDEN:  # wider rows: correct, slower
         return reference.rms_norm_add_rms_norm(y, residual, weight_y, weight, eps_y, eps)
     return rms_norm_add_rms_norm_triton(y, residual, weight_y, weight, eps_y, eps)
+
+
+def _linear_add_layer_norm_cuda(x, weight, bias, residual, ln_weight, ln_bias, eps, splits):
+    from .norm_triton import linear_add_layer_norm_triton, split_k_supported
+
+    if split_k_supported(x, weight, splits) is not None:  # fp64, wide rows, K not divisible: correct, slower
+        return reference.linear_add_layer_norm(x, weight, bias, residual, ln_weight, ln_bias, eps, splits)
+    return linear_add_layer_norm_triton(x, weight, bias, residual, ln_weight, ln_bias, eps, splits)
 
 
 def _short_attention_cuda(q, k, v, mask, scale, is_causal):
@@ -162,6 +179,8 @@ def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
             lib.impl(name, _short_attention_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif name == "rms_norm_add_rms_norm":  # likewise
             lib.impl(name, _rms_norm_add_rms_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
+        elif name == "linear_add_layer_norm":  # a batched GEMM (cuBLAS) and a Triton norm
+            lib.impl(name, _linear_add_layer_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif not cuda_kernels:
             lib.impl(name, REFERENCES[name], "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=lib)

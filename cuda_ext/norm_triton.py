@@ -6,6 +6,10 @@ block scheduling: ConvNeXt-T's 96-768-wide rows ran at about a tenth of the copy
 the H200 (benchmarks/results/profile_convnext_tiny_bs64.md). Here one program normalizes
 ``ROWS`` rows at once as a [ROWS, BLOCK_H] tile (fp32 statistics, two-pass over registers, one
 rounding at the store), so a program always moves ~8K elements whatever the row width.
+
+The same kernel is the norm half of ``graphopt::linear_add_layer_norm``: it first sums the fp32
+partial products of a projection split along K (plus its bias and the residual), rounds h once
+and normalizes it. The file also holds the sandwich norm (``rms_norm_add_rms_norm``).
 """
 from __future__ import annotations
 
@@ -41,23 +45,37 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def ln_rows_kernel(X, W, B, Y, R, H, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
+    def ln_rows_kernel(P, PS, BIAS, X, W, B, OUT, HOUT, R, H, eps, S: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       HAS_X: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_H: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+        # OUT = layer_norm(h) over rows of H, h = the S fp32 partial products at P (PS apart) + BIAS + X,
+        # rounded to OUT's dtype once (stored to HOUT with STORE_H). A plain LayerNorm is S = 0 with X its
+        # input (rounding X to its own dtype changes nothing).
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
         mask = (rows < R)[:, None] & cmask[None, :]
         offs = rows[:, None] * H + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / H
-        d = tl.where(mask, x - mean[:, None], 0.0)
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(S):  # the S partial products of K's slices, fp32
+            acc += tl.load(P + s * PS + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_X:
+            acc += tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        h = acc.to(OUT.dtype.element_ty)
+        hf = tl.where(mask, h.to(tl.float32), 0.0)
+        mean = tl.sum(hf, axis=1) / H
+        d = tl.where(mask, hf - mean[:, None], 0.0)
         var = tl.sum(d * d, axis=1) / H
         y = d * (1.0 / tl.sqrt(var + eps))[:, None]
         if HAS_W:
             y = y * tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)[None, :]
         if HAS_B:
             y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_H:
+            tl.store(HOUT + offs, h, mask=mask)
+        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
 
     return ln_rows_kernel
 
@@ -138,7 +156,71 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
     warps = 4 if bh * rows <= 4096 else 8
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        k[(triton.cdiv(R, rows),)](xc, w if w is not None else xc, b if b is not None else xc, y, R, H, float(eps),
-                                   HAS_W=w is not None, HAS_B=b is not None, ROWS=rows, BLOCK_H=bh,
-                                   num_warps=warps)
+        k[(triton.cdiv(R, rows),)](xc, 0, xc, xc, w if w is not None else xc, b if b is not None else xc, y, y, R, H,
+                                   float(eps), S=0, HAS_BIAS=False, HAS_X=True, HAS_W=w is not None,
+                                   HAS_B=b is not None, STORE_H=False, ROWS=rows, BLOCK_H=bh, num_warps=warps)
     return y
+
+
+SPLIT_K_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def split_k_supported(x: torch.Tensor, weight: torch.Tensor, splits: int) -> str | None:
+    """None when :func:`linear_add_layer_norm_triton` takes these operands, else why not."""
+    if x.dtype not in SPLIT_K_DTYPES or weight.dtype != x.dtype:
+        return f"dtypes {x.dtype}/{weight.dtype} (float16, bfloat16 or float32, the same for x and weight)"
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        return f"shapes {tuple(x.shape)} and {tuple(weight.shape)} (x [..., K], weight [N, K])"
+    if splits < 1 or x.shape[-1] % splits:
+        return f"{splits} slices do not divide K={x.shape[-1]}"
+    if weight.shape[0] > MAX_HIDDEN:
+        return f"rows wider than {MAX_HIDDEN}"
+    return None
+
+
+def linear_add_layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 residual: torch.Tensor | None, ln_weight: torch.Tensor | None,
+                                 ln_bias: torch.Tensor | None, eps: float, splits: int):
+    """``graphopt::linear_add_layer_norm`` (see reference.linear_add_layer_norm) as two kernels:
+    one batched GEMM over ``splits`` slices of K writing fp32 partial products ([S, M, N]: S times
+    the output tiles of a small-M projection, where cuBLAS would otherwise add its own split-K
+    reduction kernel), then one Triton kernel that sums them with the bias and the residual,
+    rounds h once and normalizes it."""
+    import triton
+
+    why = split_k_supported(x, weight, splits)
+    if why is not None:
+        raise ValueError(f"graphopt::linear_add_layer_norm: unsupported {why}")
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    w = weight.contiguous()
+    xs = x2.view(M, splits, K // splits).transpose(0, 1)  # [S, M, K/S]: strided views, no copy
+    ws = w.view(N, splits, K // splits).permute(1, 2, 0)  # [S, K/S, N]
+    if x.dtype == torch.float32 or x.device.type != "cuda":  # bmm's out_dtype is CUDA-only (the interpreter's tests)
+        parts = torch.bmm(xs.float(), ws.float())
+    else:
+        parts = torch.bmm(xs, ws, out_dtype=torch.float32)
+    shape = (*x.shape[:-1], N)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(out)
+    if M == 0 or N == 0:
+        return out, h
+    res = residual.to(x.dtype).expand(shape).contiguous() if residual is not None else None
+    vec = [t.to(x.device).contiguous() if t is not None else None for t in (bias, ln_weight, ln_bias)]
+    bh = next_pow2(N)
+    rows = max(1, min(64, 2048 // bh))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
+    while rows > 1 and triton.cdiv(M, rows) < sms:  # a small M (the case this op is for): a program per SM or more
+        rows //= 2
+    warps = 8 if bh * rows >= 4096 else 4
+    k = _kernel()
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        b, lw, lb = (t if t is not None else parts for t in vec)  # an absent operand: any pointer, never read
+        k[(triton.cdiv(M, rows),)](parts, M * N, b, res if res is not None else parts, lw, lb, out, h, M, N,
+                                   float(eps), S=splits, HAS_BIAS=vec[0] is not None, HAS_X=res is not None,
+                                   HAS_W=vec[1] is not None, HAS_B=vec[2] is not None, STORE_H=True, ROWS=rows,
+                                   BLOCK_H=bh, num_warps=warps)
+    return out, h

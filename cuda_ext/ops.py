@@ -131,6 +131,30 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     return torch.ops.graphopt.add_layer_norm(x, residual, weight, bias, eps)
 
 
+def linear_add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          residual: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
+                          ln_bias: torch.Tensor | None = None, eps: float = 1e-5,
+                          splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection feeding a residual LayerNorm: ``h = x @ weight.T + bias + residual`` (rounded
+    once); returns ``(layer_norm(h) * ln_weight + ln_bias, h)``. On CUDA one batched GEMM over
+    ``splits`` slices of K (fp32 partial products) and one Triton kernel that sums them into the
+    norm: a small-M, long-K projection fills the GPU without cuBLAS's split-K reduction kernel."""
+    _floating("linear_add_layer_norm", x=x, weight=weight)
+    _at_least_1d("linear_add_layer_norm", "x", x)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise KernelArgumentError(f"graphopt::linear_add_layer_norm: weight must be [N, K] with K = x's last dim "
+                                  f"({x.shape[-1]}), got shape {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise KernelArgumentError(f"graphopt::linear_add_layer_norm: weight is {weight.dtype}, x is {x.dtype}")
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 or x.shape[-1] % splits:
+        raise KernelArgumentError(f"graphopt::linear_add_layer_norm: splits must be a positive divisor of K "
+                                  f"({x.shape[-1]}), got {splits!r}")
+    out_like = x.new_empty((*x.shape[:-1], weight.shape[0]), device="meta")
+    _norm_params("linear_add_layer_norm", out_like, bias=bias, ln_weight=ln_weight, ln_bias=ln_bias)
+    _residual("linear_add_layer_norm", out_like, residual)
+    return torch.ops.graphopt.linear_add_layer_norm(x, weight, bias, residual, ln_weight, ln_bias, eps, splits)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``; shape ``[..., H]``."""
     _floating("swiglu", gate_up=gate_up)

@@ -138,6 +138,27 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     return _fresh(out.to(x.dtype), x, residual), _fresh(h, x, residual)
 
 
+def linear_add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          residual: torch.Tensor | None, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
+                          eps: float, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection feeding a residual LayerNorm: ``h = x @ weight.T + bias + residual``, rounded to
+    x's dtype once (the projection is not rounded before the add, one rounding fewer than
+    linear -> add_layer_norm); returns ``(layer_norm(h) * ln_weight + ln_bias, h)`` over the last
+    dim, fp32 statistics. ``splits`` (a divisor of K) is how many slices of K the CUDA kernel
+    multiplies on their own (partial sums in fp32, added by the norm): numerics only."""
+    K = x.shape[-1] if x.dim() else 0
+    if splits < 1 or K % splits:
+        raise ValueError(f"graphopt::linear_add_layer_norm: splits {splits} does not divide K={K}")
+    ct = compute_dtype(x.dtype)
+    y = F.linear(x.to(ct), weight.to(ct), None if bias is None else bias.to(ct))
+    if residual is not None:
+        y = y + residual.to(ct)
+    h = y.to(x.dtype)
+    out = F.layer_norm(h.to(ct), (h.shape[-1],), None if ln_weight is None else ln_weight.to(ct),
+                       None if ln_bias is None else ln_bias.to(ct), eps)
+    return _fresh(out.to(x.dtype), x, residual), _fresh(h, x, residual)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up where gate, up = gate_up.chunk(2, -1)."""
     if gate_up.shape[-1] % 2:

@@ -317,6 +317,7 @@ TORCH_LIBRARY(graphopt, m) {
   m.def("bias_act(Tensor x, Tensor? bias, str act, Tensor? residual, int bias_dim=-1) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("add_layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
+  m.def("linear_add_layer_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor? ln_weight, Tensor? ln_bias, float eps, int splits) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("rms_norm_add_rms_norm(Tensor y, Tensor residual, Tensor weight_y, Tensor weight, float eps_y, float eps) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("swiglu(Tensor gate_up) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});

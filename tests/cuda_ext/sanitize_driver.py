@@ -21,6 +21,9 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
         ce.add_layer_norm(x, res, r(h), r(h), 1e-5)
         ce.add_layer_norm(x, None, None, None, 1e-5)
         ce.rms_norm_add_rms_norm(x, res, r(h), r(h), 1e-6, 1e-5)
+    for M, N, K, s in [(1, 1, 1, 1), (7, 33, 96, 3), (128, 768, 3072, 6), (197, 768, 3072, 4), (3, 8192, 64, 2)]:
+        ce.linear_add_layer_norm(r(1, M, K), r(N, K), r(N), r(1, M, N), r(N), r(N), 1e-5, s)
+        ce.linear_add_layer_norm(r(M, K), r(N, K), None, None, None, None, 1e-5, s)
     for shape in [(2,), (3, 14), (5, 2046), (2, 8192), (3, 8194)]:
         ce.swiglu(r(*shape))
     for shape, k, st, pd in [((2, 64, 13, 11), 3, 2, 1), ((1, 3, 7, 7), 3, 2, 1), ((1, 40, 9, 9), 5, 3, 2)]:

@@ -107,3 +107,90 @@ def test_rms_norm_add_rms_norm_op_on_gpu(dtype, hidden):
     torch.cuda.synchronize()
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _linear_ln_case(M, N, K, dtype, device="cpu", residual=True, affine=True, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    x = r(1, M, K).to(dtype)
+    w = r(N, K, scale=K ** -0.5).to(dtype)
+    return (x, w, r(N).to(dtype) if bias else None, r(1, M, N).to(dtype) if residual else None,
+            r(N) * 0.1 + 1 if affine else None, r(N) * 0.1 if affine else None)
+
+
+def _check_linear_ln(args, splits, dtype):
+    out, h = norm_triton.linear_add_layer_norm_triton(*args, 1e-12, splits)
+    x, w, b, res, lw, lb = args
+    d = [t.double() if t is not None else None for t in args]
+    h64 = F.linear(d[0], d[1], d[2]) + (d[3] if res is not None else 0)
+    ref = F.layer_norm(h64, (w.shape[0],), d[4], d[5], 1e-12)
+    assert out.dtype == h.dtype == dtype and out.shape == h.shape == (*x.shape[:-1], w.shape[0])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(h.double(), h64, rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=2 * tol)
+    # the op's reference gives the same (its one rounding of h is the kernel's)
+    ref_out, ref_h = reference.linear_add_layer_norm(*args, 1e-12, splits)
+    torch.testing.assert_close(h, ref_h, rtol=tol, atol=tol)
+
+
+def interpreter_split_k_cases():
+    for dtype in (torch.float32, torch.bfloat16):
+        for M, N, K, splits in ((37, 48, 96, 3), (5, 200, 64, 2), (16, 64, 128, 1)):
+            _check_linear_ln(_linear_ln_case(M, N, K, dtype), splits, dtype)
+    # no bias, no residual, no affine parameters
+    _check_linear_ln(_linear_ln_case(9, 32, 64, torch.float32, residual=False, affine=False, bias=False), 4,
+                     torch.float32)
+    print("interpreter cases ok")
+
+
+def test_linear_add_layer_norm_in_interpreter():
+    run_in_triton_interpreter("tests.cuda_ext.test_norm_triton:interpreter_split_k_cases")
+
+
+def test_split_k_refusals():
+    x, w = torch.zeros(4, 96), torch.zeros(8, 96)
+    assert norm_triton.split_k_supported(x, w, 6) is None
+    assert "do not divide" in norm_triton.split_k_supported(x, w, 5)
+    assert "dtypes" in norm_triton.split_k_supported(x.double(), w.double(), 2)
+    assert "shapes" in norm_triton.split_k_supported(x, torch.zeros(8, 64), 2)
+    assert "wider" in norm_triton.split_k_supported(torch.zeros(1, 2), torch.zeros(norm_triton.MAX_HIDDEN + 1, 2), 1)
+    with pytest.raises(ValueError, match="do not divide"):
+        norm_triton.linear_add_layer_norm_triton(x, w, None, None, None, None, 1e-5, 5)
+    with pytest.raises(ValueError, match="does not divide"):
+        reference.linear_add_layer_norm(x, w, None, None, None, None, 1e-5, 5)
+
+
+def test_linear_add_layer_norm_reference_rounds_once():
+    """The reference adds the projection to the residual before rounding: in bf16 it is closer
+    to float64 than linear -> add_layer_norm's two roundings, never farther than one step."""
+    x, w, b, res, lw, lb = _linear_ln_case(64, 96, 384, torch.bfloat16, seed=3)
+    out, h = reference.linear_add_layer_norm(x, w, b, res, lw, lb, 1e-5, 4)
+    h64 = F.linear(x.double(), w.double(), b.double()) + res.double()
+    two = reference.add_layer_norm(F.linear(x, w, b), res, lw, lb, 1e-5)[1]
+    assert (h.double() - h64).abs().max() <= (two.double() - h64).abs().max()
+    assert (h.double() - h64).abs().max() <= h64.abs().max() * 2 ** -8
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(128, 768, 3072, 6), (197, 768, 3072, 4), (50, 1000, 512, 2), (1, 64, 64, 1)])
+def test_linear_add_layer_norm_op_on_gpu(dtype, shape):
+    M, N, K, splits = shape
+    args = _linear_ln_case(M, N, K, dtype, device="cuda")
+    _check_linear_ln(args, splits, dtype)
+    eager = torch.ops.graphopt.linear_add_layer_norm(*args, 1e-12, splits)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.graphopt.linear_add_layer_norm(*args, 1e-12, splits)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        graphed = torch.ops.graphopt.linear_add_layer_norm(*args, 1e-12, splits)
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -28,6 +28,13 @@ BAD = [
     ("rms_norm_add_rms_norm", lambda: ce.rms_norm_add_rms_norm(r(4, 8), r(4, 8), r(7), r(8)),
      "weight_y must have 8 elements"),
     ("rms_norm_add_rms_norm", lambda: ce.rms_norm_add_rms_norm(r(4, 8), r(4, 9), r(8), r(8)), "residual shape"),
+    ("linear_add_layer_norm", lambda: ce.linear_add_layer_norm(r(4, 8), r(6, 9)), "weight must be [N, K]"),
+    ("linear_add_layer_norm", lambda: ce.linear_add_layer_norm(r(4, 8), r(6, 8), splits=3), "positive divisor"),
+    ("linear_add_layer_norm", lambda: ce.linear_add_layer_norm(r(4, 8), r(6, 8), ln_weight=r(8)),
+     "ln_weight must have 6 elements"),
+    ("linear_add_layer_norm", lambda: ce.linear_add_layer_norm(r(4, 8), r(6, 8), residual=r(4, 8)), "residual shape"),
+    ("linear_add_layer_norm", lambda: ce.linear_add_layer_norm(r(4, 8), r(6, 8, dtype=torch.bfloat16)),
+     "weight is torch.bfloat16"),
     ("rotary", lambda: ce.rotary(r(1, 2, 4, 8), r(1, 2, 4, 8), r(1, 4, 3), r(1, 4, 3)), "R even"),
     ("rotary", lambda: ce.rotary(r(1, 2, 4, 8), r(1, 2, 5, 8), r(1, 4, 8), r(1, 4, 8)), "differ"),
     ("rotary", lambda: ce.rotary(r(2, 4, 8), r(2, 4, 8), r(1, 4, 8), r(1, 4, 8)), "must be [B, H, S, D]"),
@@ -50,6 +57,8 @@ def test_bad_arguments_raise_one_line_errors_naming_the_op(op, call, message):
 def test_the_same_ops_accept_good_arguments():
     x = r(4, 8)
     assert ce.swiglu(x).shape == (4, 4)
+    out, h = ce.linear_add_layer_norm(x, r(6, 8), r(6), r(4, 6), r(6), r(6), splits=4)
+    assert out.shape == h.shape == (4, 6)
     assert ce.bias_act(x, r(8), act="gelu", residual=r(4, 8)).shape == (4, 8)
     assert ce.bias_act(r(2, 8, 3, 3), r(8), act="relu", bias_dim=1).shape == (2, 8, 3, 3)
     assert ce.bias_act(x, None, act="relu", residual=r(1, 8)).shape == (4, 8)  # a residual that broadcasts

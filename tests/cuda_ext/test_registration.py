@@ -23,6 +23,8 @@ EXPECTED = {
     "add_layer_norm": "add_layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
     "rms_norm_add_rms_norm": "rms_norm_add_rms_norm(Tensor y, Tensor residual, Tensor weight_y, Tensor weight, "
                              "float eps_y, float eps) -> (Tensor, Tensor)",
+    "linear_add_layer_norm": "linear_add_layer_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, "
+                             "Tensor? ln_weight, Tensor? ln_bias, float eps, int splits) -> (Tensor, Tensor)",
     "swiglu": "swiglu(Tensor gate_up) -> Tensor",
     "rotary": "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
     "softmax_mask": "softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor",
@@ -48,6 +50,9 @@ def sample_args(device="cpu"):
                            torch.randn(24, device=device), 1e-5),
         "rms_norm_add_rms_norm": (x, torch.randn(4, 24, device=device), torch.randn(24, device=device),
                                   torch.randn(24, device=device), 1e-6, 1e-5),
+        "linear_add_layer_norm": (torch.randn(2, 3, 48, device=device), torch.randn(24, 48, device=device),
+                                  torch.randn(24, device=device), torch.randn(2, 3, 24, device=device),
+                                  torch.randn(24, device=device), torch.randn(24, device=device), 1e-5, 3),
         "swiglu": (torch.randn(3, 2, 16, device=device),),
         "rotary": (torch.randn(2, 4, 5, 16, device=device), torch.randn(2, 2, 5, 16, device=device),
                    torch.randn(1, 5, 8, device=device), torch.randn(1, 5, 8, device=device), True),

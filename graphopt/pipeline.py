@@ -260,6 +260,7 @@ PIPELINE: tuple[str, ...] = (
     "fuse_conv_relu",
     "lower_max_pool",
     "lower_attention",
+    "lower_split_k",
 )
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import _is_contiguous
+from graphopt.cost.model import _is_contiguous, split_k_reduce_node_seconds
 from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
@@ -194,7 +194,9 @@ class FuseBiasAct(Pass):
         flops, byts, _, _ = ctx.cost.flops_bytes(gemm)
         flops, byts = ir.concrete(flops, ctx.hints), ir.concrete(byts, ctx.hints) - minus_bias
         rate = p.matmul_rate(ir.arg_infos(gemm)[0].dtype)
-        return p.kernel_seconds(flops / rate, byts / p.bandwidth, "conv" if gemm.target in CONVS else "matmul")
+        t = p.kernel_seconds(flops / rate, byts / p.bandwidth, "conv" if gemm.target in CONVS else "matmul")
+        red = split_k_reduce_node_seconds(p, gemm)  # without its bias the GEMM still splits K
+        return t + p.kernel_seconds(0.0, red - p.kernel_fixed_s) if red else t
 
     # ------------------------------------------------------------------ rewrites
 

@@ -214,6 +214,85 @@ POOL_OPS = {"max_pool2d", "avg_pool2d", "max_pool2d_with_indices"}
 ROW_BLOCK_NORMS = {"layer_norm", "native_layer_norm", "add_layer_norm", "add_rms_norm"}
 
 
+# 2-D projections cuBLASLt may split along K (see cublas_split_k)
+SPLIT_K_OPS = {"linear", "mm", "addmm"}
+SPLIT_K_CHOICES = (2, 3, 4, 6, 8)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def cublas_split_k(profile: DeviceProfile, M, N, K) -> bool:
+    """Whether cuBLASLt is expected to run an M x N x K projection as split-K (its GEMM kernel
+    writing fp32 partial products, then ``splitKreduce_kernel``): when the output has fewer than
+    half as many 64 x 32 tiles as the GPU has SMs and K is at least 4 N. The rule is fitted to
+    what the H200 ran (``benchmarks/results/diag_splitk_2026-11-30_144502.md``,
+    ``diag_busy_…132141``): BERT-base bs1's FFN down projection (128 x 768 x 3072) is split; its
+    attention output projection (K = 768), its up and QKV projections, ViT-B/16 bs1's down
+    projection (M = 197: 96 tiles) and BERT bs8's are not. Symbolic sizes: not split."""
+    sms = profile.sm_count
+    if profile.kind != "cuda" or not sms:
+        return False
+    try:
+        M, N, K = int(M), int(N), int(K)
+    except TypeError:
+        return False
+    return M > 0 and _cdiv(M, 64) * _cdiv(N, 32) * 2 < sms and K >= 4 * N
+
+
+def split_k_slices(profile: DeviceProfile, M: int, N: int, K: int) -> int:
+    """How many slices of K a batched GEMM over them should use so that the slices' 64 x 64 output
+    tiles come closest to one per SM (1: no split that keeps each slice at least 256 deep and
+    16-byte aligned in 16-bit types). BERT-base bs1's down projection: 24 tiles, 6 slices (144),
+    the fastest of 2-8 slices in diag_splitk (4.96 µs against 5.22-5.94)."""
+    sms = profile.sm_count or 0
+    tiles = _cdiv(int(M), 64) * _cdiv(int(N), 64)
+    best, best_d = 1, abs(tiles - sms)
+    for s in SPLIT_K_CHOICES:
+        if K % s or (K // s) % 8 or K // s < 256:
+            continue
+        d = abs(s * tiles - sms)
+        if d < best_d:
+            best, best_d = s, d
+    return best
+
+
+def split_k_reduce_seconds(profile: DeviceProfile, M: int, N: int, K: int, itemsize: int) -> float:
+    """Device seconds of the reduction kernel cuBLASLt adds after a split-K GEMM: it reads the
+    fp32 partial products of the slices (as many as :func:`split_k_slices` would choose) and
+    writes the output."""
+    s = split_k_slices(profile, M, N, K)
+    return profile.gpu_seconds(0.0, (max(s, 2) * 4 + itemsize) * M * N / profile.bandwidth)
+
+
+def split_k_reduce_node_seconds(profile: DeviceProfile, node: fx.Node) -> float:
+    """Device seconds of the split-K reduction kernel cuBLASLt runs after projection ``node``
+    (linear / mm / addmm), 0 where it is not expected to split K (:func:`cublas_split_k`). Its
+    wall time in an eager loop is ``profile.kernel_seconds(0, this - kernel_fixed_s)``."""
+    if _op_name(node) not in SPLIT_K_OPS:
+        return 0.0
+    mnk = _gemm_mnk(node)
+    if mnk is None or not cublas_split_k(profile, *mnk):
+        return 0.0
+    return split_k_reduce_seconds(profile, *mnk, ir.infos(node)[0].dtype.itemsize)
+
+
+def linear_norm_seconds(profile: DeviceProfile, M, N, K, splits: int, dtype: torch.dtype, residual: bool,
+                        vectors: int) -> tuple[float, float, float, float]:
+    """(GEMM seconds, norm seconds, flops, bytes) of ``graphopt::linear_add_layer_norm``: a batched
+    GEMM over ``splits`` slices of K writing fp32 partial products, then one norm kernel reading
+    them (with the residual and ``vectors`` N-long parameters) and writing out and h."""
+    flops = 2 * M * N * K
+    partials = splits * M * N * 4
+    itemsize = dtype.itemsize
+    gemm_bytes = (M * K + N * K) * itemsize + partials
+    norm_bytes = partials + (M * N * (3 if residual else 2) + vectors * N) * itemsize
+    gemm = profile.kernel_seconds(flops / profile.matmul_rate(dtype), gemm_bytes / profile.bandwidth, "matmul")
+    norm = profile.kernel_seconds(10 * M * N / profile.elementwise_flops, norm_bytes / profile.bandwidth)
+    return gemm, norm, flops, gemm_bytes + norm_bytes
+
+
 def norm_rows_seconds(profile: DeviceProfile, x: ir.TensorInfo):
     """The block-scheduling floor of a one-block-per-row norm over x's last dim: rows *
     profile.norm_row_s (0 where the profile has not measured it)."""
@@ -288,6 +367,8 @@ class CostModel:
             if same and (name not in ("contiguous", "reshape", "flatten") or _is_contiguous(src)):
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
+        if name == "linear_add_layer_norm":
+            return 2 * outs[0].numel * ins[0].shape[-1], in_bytes + out_bytes, 2, "linear_norm"
         if name in MATMUL_OPS:
             # addmm-style ops take the bias first: the reduction dim is the first matrix's last
             k = (ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]).shape[-1]
@@ -368,6 +449,8 @@ class CostModel:
     def _node_cost(self, node: fx.Node) -> NodeCost:
         flops, nbytes, launches, kind = self.flops_bytes(node)
         p = self.profile
+        if kind == "linear_norm":
+            return self._linear_norm_cost(node)
         if kind == "region":  # its nodes' times plus their recomputation in backward
             cost = node.graph.owning_module.get_submodule(node.target).cost
             t = cost["time_s"] + cost["recompute_s"]
@@ -412,6 +495,12 @@ class CostModel:
             if _op_name(node) in ROW_BLOCK_NORMS:
                 t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
+        if kind == "matmul":
+            red = split_k_reduce_node_seconds(p, node)
+            if red:  # cuBLASLt's reduction kernel after the GEMM
+                t = t + p.kernel_seconds(0.0, red - p.kernel_fixed_s)
+                gpu = gpu + red
+                launches += 1
         launch = launches * p.launch_overhead_s
         c, m = _num(compute), _num(memory)
         if launch >= gpu:
@@ -421,6 +510,20 @@ class CostModel:
         else:
             bound = "memory"
         return NodeCost(node.name, _op_name(node), flops, nbytes, launches, compute, memory, t, bound)
+
+    def _linear_norm_cost(self, node: fx.Node) -> NodeCost:
+        x, w = ir.arg_infos(node)[:2]
+        res = len(node.args) > 3 and node.args[3] is not None
+        vectors = sum(1 for i in (2, 4, 5) if len(node.args) > i and node.args[i] is not None)
+        splits = node.args[7] if len(node.args) > 7 else node.kwargs.get("splits", 1)
+        M = x.numel // x.shape[-1]
+        gemm, norm, flops, nbytes = linear_norm_seconds(self.profile, M, w.shape[0], x.shape[-1], splits, x.dtype,
+                                                         res, vectors)
+        p = self.profile
+        compute = flops / p.matmul_rate(x.dtype)
+        memory = nbytes / p.bandwidth
+        bound = "launch" if 2 * p.launch_overhead_s >= _num(gemm + norm) else "compute"
+        return NodeCost(node.name, _op_name(node), flops, nbytes, 2, compute, memory, gemm + norm, bound)
 
     # ------------------------------------------------------------------ per graph
 
@@ -653,6 +756,19 @@ def _same_arg(a, b) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an argument type without a plain ==: recompute
         return False
+
+
+def _gemm_mnk(node: fx.Node):
+    """(M, N, K) of a 2-D projection (linear over any leading dims, mm, addmm), or None."""
+    ins, outs = ir.arg_infos(node), ir.infos(node)
+    if not outs or not ins or not outs[0].shape:
+        return None
+    name = _op_name(node)
+    a = ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]
+    if not a.shape:
+        return None
+    N = outs[0].shape[-1]
+    return outs[0].numel // N if N else 0, N, a.shape[-1]
 
 
 def _efficiency_kind(node: fx.Node) -> str:

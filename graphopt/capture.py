@@ -89,11 +89,27 @@ def _register_hf_pytrees() -> None:
             return [], 0
         return keys + values, len(keys)
 
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # pragma: no cover - a transformers without per-layer cache classes
+        DynamicLayer = None
+
     def unflatten(values, n):
+        """The cache holding these keys and values. ``update`` would concatenate each to an empty
+        past, a copy per layer on every call (8 copies, 0.15 ms a call of the 4-layer GLM-4 at
+        bs8 on the H200); a plain DynamicLayer is initialized on an empty slice and then holds the
+        tensors themselves, which is what that concatenation returns a copy of."""
         cache = DynamicCache()
         values = list(values)
         for i in range(n):
-            cache.update(values[i], values[n + i], i)
+            k, v = values[i], values[n + i]
+            if DynamicLayer is not None and k.dim() >= 2 and v.dim() >= 2:
+                cache.update(k.narrow(-2, 0, 0), v.narrow(-2, 0, 0), i)  # creates and initializes layer i
+                layer = cache.layers[i] if len(getattr(cache, "layers", ())) > i else None
+                if type(layer) is DynamicLayer:
+                    layer.keys, layer.values = k, v
+                    continue
+            cache.update(k, v, i)  # another layer class (a sliding window keeps a suffix): its own update
         return cache
 
     def flatten_with_keys(cache):

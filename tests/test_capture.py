@@ -28,6 +28,8 @@ def test_capture_matches_model_and_has_metadata(name):
     info = gm.meta["graphopt_capture"]
     assert info.method == "torch.export"
     for n in gm.graph.nodes:
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.nn.Module):
+            continue  # a higher-order op's body (transformers 5.17's rotary runs under wrap_with_autocast)
         if n.op in ("placeholder", "call_function", "get_attr"):
             assert "val" in n.meta, n.name
     # parameters stay attributes of the module, read with get_attr, not graph inputs
@@ -182,3 +184,26 @@ def test_stack_traces_are_left_out_unless_asked_for():
     assert not any(n.stack_trace for n in plain.graph.nodes if n.op == "call_function")
     assert any(n.stack_trace for n in traced.graph.nodes if n.op == "call_function")
     torch.testing.assert_close(plain(x), model(x))
+
+
+def test_cache_rebuilt_without_copies_and_usable_for_decoding():
+    """The returned DynamicCache holds the graph's key/value outputs themselves (no concatenation
+    to an empty past per layer on every call), and a next-token step appends to it as to the
+    model's own cache."""
+    model, inputs = zoo.get("glm4-tiny")
+    gm = capture(model, inputs)
+    from torch.utils import _pytree as pytree
+
+    out = gm(*inputs)
+    cache = out[1]
+    leaves, spec = pytree.tree_flatten(cache)
+    rebuilt = pytree.tree_unflatten(leaves, spec)
+    assert all(a is b for a, b in zip(pytree.tree_leaves(rebuilt), leaves))
+    ref = model(*inputs)[1]
+    assert rebuilt.get_seq_length() == ref.get_seq_length() == inputs[0].shape[1]
+    nxt = torch.randint(0, 256, (inputs[0].shape[0], 1))
+    with torch.no_grad():
+        a = model(nxt, past_key_values=rebuilt).logits
+        b = model(nxt, past_key_values=ref).logits
+    torch.testing.assert_close(a, b)
+    assert rebuilt.get_seq_length() == inputs[0].shape[1] + 1

@@ -40,6 +40,37 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s12d)
+  # the GLM cache rebuilt without copies: does transformers 5.17 give plain DynamicLayers, are GLM bs8's 8 aten::cat gone
+  # (ops by CUDA time), then GLM bs8 and bs1 against torch.compile
+  python3 -c "import torch, transformers.cache_utils as u; c = u.DynamicCache(); z = torch.zeros(1, 2, 0, 4); \
+c.update(z, z, 0); print('cache layer class:', type(c.layers[0]).__name__, '; DynamicLayer exported:', hasattr(u, 'DynamicLayer'))"
+  timeout 300 python3 benchmarks/diag_glm_ops.py --out "$OUT" 2>&1 | quiet | grep "^|" | tail -24; echo "### ops ${SECONDS}s"
+  models "${2:-glm4-9b-4l:8,glm4-9b-4l:1}" ;;
+s12c)
+  # final: every cuda-marked test, bs1 GPU busy again, compute-sanitizer memcheck over every kernel (the split-K
+  # norm included)
+  timeout 330 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  timeout 90 python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
+    | grep "^|\|rror" | tail -4; echo "### busy ${SECONDS}s"
+  timeout $((585 - SECONDS)) compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
+    > "$OUT/memcheck.log" 2>&1; echo "### memcheck rc=$? ${SECONDS}s"; tail -3 "$OUT/memcheck.log" ;;
+s12b)
+  # split-K into the residual LayerNorm (graphopt::linear_add_layer_norm, pass lower_split_k) and the cache
+  # rebuilt without copies: their tests, bs1 GPU busy, then BERT bs1 and GLM bs8/bs1 against torch.compile
+  timeout 200 python3 -m pytest tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_registration.py \
+    tests/cuda_ext/test_op_arguments.py tests/passes/test_lower_split_k.py tests/test_capture.py -q -p no:cacheprovider \
+    -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_splitk.log"
+  tail -30 "$OUT/pytest_cuda_splitk.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
+    | grep "^|\|rror" | tail -4; echo "### busy ${SECONDS}s"
+  models "${2:-bert-base:1,glm4-9b-4l:8,glm4-9b-4l:1}" ;;
+s12a)
+  # programmatic dependent launch between small kernels in a graph, then BERT-base / ResNet-50 bs1 GPU busy
+  timeout 120 python3 benchmarks/diag_pdl.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" ; echo "### pdl ${SECONDS}s"
+  timeout $((570 - SECONDS)) python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
+    | grep "^|\|rror" | tail -4 ;;
 s11c)
   # the sandwich norm (graphopt::rms_norm_add_rms_norm): its cuda tests, then GLM bs8 and bs1 against compile, then
   # GLM bs8's ops by CUDA time

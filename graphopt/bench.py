@@ -107,7 +107,8 @@ class VariantResult:
     ms_p90: float | None = None
     reps: int = 0
     setup_s: float | None = None
-    peak_mem_bytes: int | None = None
+    setup_peak_bytes: int | None = None  # CUDA: the most allocated while building and in the first call
+    peak_mem_bytes: int | None = None  # CUDA: the most allocated during the timed calls
     accuracy: dict | None = None  # {"passed", "how", "max_abs_err", "rmse", "eager_rmse", "reason"}
     extra: dict = field(default_factory=dict)
 
@@ -170,7 +171,8 @@ class BenchRun:
         rows = []
         for r in self.results:
             if r.error and not r.variants:
-                rows.append({"config": r.title, "variant": "—", "ms": "error", "setup s": "", "peak mem": "",
+                rows.append({"config": r.title, "variant": "—", "ms": "error", "setup s": "", "setup peak": "",
+                             "peak mem": "",
                              "accuracy": _short(r.error, 70), **{f"× {p}": "" for p in self._peers()}})
                 continue
             for i, v in enumerate(r.variants):
@@ -183,13 +185,15 @@ class BenchRun:
                     s = r.speedup(v.variant, p) if v.status == "ok" else None
                     row[f"× {p}"] = "" if s is None or p == v.variant else f"{s:.2f}×"
                 row["setup s"] = "" if v.setup_s is None else f"{v.setup_s:.1f}"
+                row["setup peak"] = "" if v.setup_peak_bytes is None else _fmt_bytes(v.setup_peak_bytes)
                 row["peak mem"] = "" if v.peak_mem_bytes is None else _fmt_bytes(v.peak_mem_bytes)
                 row["accuracy"] = _fmt_acc(v)
                 rows.append(row)
         return rows
 
     def columns(self) -> list[str]:
-        return ["config", "variant", "ms"] + [f"× {p}" for p in self._peers()] + ["setup s", "peak mem", "accuracy"]
+        return (["config", "variant", "ms"] + [f"× {p}" for p in self._peers()]
+                + ["setup s", "setup peak", "peak mem", "accuracy"])
 
     def header_lines(self) -> list[str]:
         h = self.header
@@ -698,6 +702,8 @@ def _line(r: ConfigResult, v: VariantResult) -> str:
         parts.append(f"{vs_eager:.2f}× eager")
     if v.setup_s is not None:
         parts.append(f"setup {v.setup_s:.1f} s")
+    if v.setup_peak_bytes is not None:
+        parts.append(f"setup peak {_fmt_bytes(v.setup_peak_bytes)}")
     if v.peak_mem_bytes is not None:
         parts.append(f"peak {_fmt_bytes(v.peak_mem_bytes)}")
     parts.append(f"accuracy {_fmt_acc(v)}")
@@ -742,6 +748,11 @@ def _run_variant(variant, vr: VariantResult, model, args, kwargs, state, *, devi
                 vr.setup_s = time.perf_counter() - t0 if variant != "graphopt-reuse" else None
             sample = _sample(out, max_check_elems)  # before the next call can overwrite it
             del out
+            # building (torch.compile's compilation, graphopt's fp64 accuracy guard) can need far more
+            # memory than running: report the two peaks apart
+            vr.setup_peak_bytes = _peak(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             times = time_call(lambda: fn(*args, **kwargs), reps=reps, warmup=warmup, device=device)
         times_ms = sorted(t * 1e3 for t in times)
         vr.ms = statistics.median(times_ms)

@@ -20,7 +20,8 @@ def _console():
 def _run(configs, tmp_path=None, **kw):
     kw.setdefault("reps", 2)
     kw.setdefault("warmup", 1)
-    return run(configs, device="cpu", out_dir=tmp_path, console=_console(), progress=False, **kw)
+    kw.setdefault("device", "cpu")
+    return run(configs, out_dir=tmp_path, console=_console(), progress=False, **kw)
 
 
 def test_parse_vs_and_dtype():
@@ -57,6 +58,7 @@ def test_run_mlp_writes_json_and_markdown(tmp_path):
     assert "graphopt" in data["results"][0]["speedups"]
     md = (tmp_path / res.paths["markdown"].split("/")[-1]).read_text()
     assert "| config | variant | ms | × eager |" in md and "mlp bs4" in md and "torch " in md
+    assert "| setup s | setup peak | peak mem | accuracy |" in md  # building's memory apart from running's
     assert res.paths["json"].endswith(".json") and "_cpu_torch-" in res.paths["json"] and "/bench_" in res.paths["json"]
     out = _console()
     res.render(out)
@@ -192,3 +194,12 @@ def test_run_models_selection(capsys):
         rm.select("nope", None, False, False)
     assert rm.main(["--list", "--only", "vit_b_16"]) == 0
     assert "vit_b_16 bs64: eager, compile" in capsys.readouterr().out
+
+
+@pytest.mark.cuda
+def test_setup_and_timed_peaks_apart(tmp_path):
+    """On a GPU the build's peak (graphopt's fp64 accuracy guard) and the timed calls' peak are two numbers."""
+    res = _run([BenchConfig("mlp", batch=4, vs=("eager",))], tmp_path, device="cuda")
+    g = res.results[0].get("graphopt")
+    assert g.status == "ok" and g.setup_peak_bytes and g.peak_mem_bytes
+    assert g.setup_peak_bytes >= g.peak_mem_bytes * 0.5

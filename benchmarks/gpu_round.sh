@@ -40,6 +40,10 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s12e)
+  # the bench harness's two memory peaks on the GPU, then BERT bs1 and GLM bs1 with both columns
+  timeout 120 python3 -m pytest -m cuda tests/test_bench.py -q -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -2
+  models "${2:-bert-base:1,glm4-9b-4l:1}" ;;
 s12d)
   # the GLM cache rebuilt without copies: does transformers 5.17 give plain DynamicLayers, are GLM bs8's 8 aten::cat gone
   # (ops by CUDA time), then GLM bs8 and bs1 against torch.compile

@@ -70,7 +70,7 @@ class LowerSplitK(Pass):
         return res
 
     def _candidate(self, ctx, n: fx.Node, lin: fx.Node, label: str):
-        if len(lin.users) != 1:
+        if len(lin.users) != 1 or any(a is lin for a in n.args[1:]):
             return "the projection's output is also read elsewhere (the norm would have to write it)", None
         x, w = lin.args[0], lin.args[1]
         b = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")

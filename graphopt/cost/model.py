@@ -522,7 +522,10 @@ class CostModel:
         p = self.profile
         compute = flops / p.matmul_rate(x.dtype)
         memory = nbytes / p.bandwidth
-        bound = "launch" if 2 * p.launch_overhead_s >= _num(gemm + norm) else "compute"
+        if 2 * p.launch_overhead_s >= _num(gemm + norm):
+            bound = "launch"
+        else:
+            bound = "compute" if _num(compute) >= _num(memory) else "memory"
         return NodeCost(node.name, _op_name(node), flops, nbytes, 2, compute, memory, gemm + norm, bound)
 
     # ------------------------------------------------------------------ per graph

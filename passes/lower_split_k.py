@@ -28,16 +28,15 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.cost.model import cublas_split_k, linear_norm_seconds, split_k_slices
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN, SPLIT_K_DTYPES
+from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
 aten = torch.ops.aten
 
-
-def _concrete(v):
-    try:
-        return int(v)
-    except TypeError:
-        return None
+# the projection may have other readers here: the candidate then says why it is refused
+PATTERN = Op(torch.ops.graphopt.add_layer_norm.default,
+             Op(aten.linear.default, Any("x"), Any("w"), name="lin", single_use=False),
+             Any("residual"), Any("lnw"), Any("lnb"), Any("eps"), name="aln")
 
 
 @register
@@ -50,18 +49,13 @@ class LowerSplitK(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        candidates, matches = [], []
-        for n in gm.graph.nodes:
-            if n.op != "call_function" or n.target != torch.ops.graphopt.add_layer_norm.default:
-                continue
-            lin = n.args[0]
-            if isinstance(lin, fx.Node) and lin.op == "call_function" and lin.target == aten.linear.default:
-                matches.append((n, lin, f"linear {lin.name} -> add_layer_norm {n.name}"))
+        matches = [(m, f"linear {m['lin'].name} -> add_layer_norm {m['aln'].name}") for m in find(gm, PATTERN)]
         if not ctx.fused_kernels:  # the slices are chosen for a GPU's SMs
-            res.reject_all([label for _, _, label in matches], NO_FUSED_KERNELS)
+            res.reject_all([label for _, label in matches], NO_FUSED_KERNELS)
             return res
-        for n, lin, label in matches:
-            why, c = self._candidate(ctx, n, lin, label)
+        candidates = []
+        for m, label in matches:
+            why, c = self._candidate(ctx, m, label)
             if why:
                 res.reject(label, why)
             else:
@@ -69,11 +63,11 @@ class LowerSplitK(Pass):
         res.apply_ranked(ctx, candidates, fused_kernels=True)
         return res
 
-    def _candidate(self, ctx, n: fx.Node, lin: fx.Node, label: str):
+    def _candidate(self, ctx, m, label: str):
+        n, lin, x, w = m["aln"], m["lin"], m["x"], m["w"]
         if len(lin.users) != 1 or any(a is lin for a in n.args[1:]):
             return "the projection's output is also read elsewhere (the norm would have to write it)", None
-        x, w = lin.args[0], lin.args[1]
-        b = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
+        b = get_arg(lin, 2, "bias")
         xi = ir.info(x) if isinstance(x, fx.Node) else None
         wi = ir.info(w) if isinstance(w, fx.Node) else None
         oi = ir.info(lin)
@@ -83,10 +77,10 @@ class LowerSplitK(Pass):
             return f"weight {w.name} is {len(wi.shape)}-D", None
         if xi.dtype not in SPLIT_K_DTYPES or wi.dtype != xi.dtype or oi.dtype != xi.dtype:
             return f"dtypes {xi.dtype}/{wi.dtype} (float16, bfloat16 or float32, the same for input and weight)", None
-        K, N = _concrete(ir.concrete(xi.shape[-1], ctx.hints)), _concrete(ir.concrete(wi.shape[0], ctx.hints))
-        M = _concrete(ir.concrete(xi.numel // xi.shape[-1], ctx.hints)) if K else None
-        if None in (M, N, K):
+        if xi.symbolic or wi.symbolic:
             return "symbolic shapes (the slices are chosen for one size)", None
+        K, N = int(xi.shape[-1]), int(wi.shape[0])
+        M = int(xi.numel) // K if K else 0
         if N > MAX_HIDDEN:
             return f"rows wider than {MAX_HIDDEN} (the norm kernel's limit)", None
         if not cublas_split_k(ctx.profile, M, N, K):
@@ -96,7 +90,7 @@ class LowerSplitK(Pass):
         if splits == 1:
             return (f"no split of K={K} into 2-8 slices at least 256 deep and 16-byte aligned brings its "
                     f"{M} x {N} output closer to one tile per SM"), None
-        residual, lnw, lnb, eps = n.args[1], n.args[2], n.args[3], n.args[4]
+        residual, lnw, lnb, eps = m["residual"], m["lnw"], m["lnb"], m["eps"]
         vectors = sum(1 for v in (b, lnw, lnb) if v is not None)
         gemm, norm, _, _ = linear_norm_seconds(ctx.profile, M, N, K, splits, xi.dtype, residual is not None, vectors)
         gain = ctx.node_time([lin, n]) - (gemm + norm)

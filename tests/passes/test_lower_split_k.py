@@ -75,6 +75,14 @@ def test_not_split_where_the_projection_is_read_elsewhere():
     assert any("also read elsewhere" in r.reason for r in res.rejected)
 
 
+def test_refused_for_symbolic_shapes():
+    m, x = FFN().eval(), torch.randn(1, 64, 256)
+    gm = capture(m, (x,), dynamic={"x": {1: "seq"}})
+    (_, res) = run_passes(gm, PASSES, target="h200")
+    assert op_counts(gm)[FUSED] == 0
+    assert any("symbolic shapes" in r.reason for r in res.rejected), res.rejected
+
+
 def test_refused_where_cublas_would_not_split():
     """1024 rows (BERT bs8-sized): cuBLAS fills the GPU without split-K, so there is no reduction
     kernel to remove and the partials only add bytes."""

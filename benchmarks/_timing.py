@@ -49,6 +49,16 @@ def graph_us_per_call(fn, calls: int, replays: int = 5, reps: int = 20) -> float
     return sorted(ts)[len(ts) // 2]
 
 
+def out_dir(doc: str, argv=None) -> str:
+    """The ``--out`` directory of a diagnostic that takes nothing else (``doc``: its module
+    docstring, whose first paragraph is the help text)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for the .json and .md results")
+    return p.parse_args(argv).out
+
+
 def measure_row(rows: list, row: dict, measure) -> None:
     """``measure(row)`` fills ``row`` under inference mode; an exception (a backend or torch that
     cannot run the case) is recorded in it as "error" instead. The row is appended to ``rows`` and

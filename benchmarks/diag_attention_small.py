@@ -12,7 +12,6 @@ Writes diag_attention_small_<date>.{json,md} under --out.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from graphopt.calibrate import SHORT_ATTENTION_SHAPES  # noqa: E402
 from graphopt.cuda_ext import attention_triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_us_per_call, measure_row, table_lines, write_rows  # noqa: E402
+from _timing import graph_us_per_call, measure_row, out_dir, table_lines, write_rows  # noqa: E402
 
 CHAIN = 24
 # the shapes graphopt calibrate fits the kernel's cost on (BERT-base bs1/bs8/bs64 with a padding mask,
@@ -97,9 +96,7 @@ def _time_eager(f, q) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
+    out = out_dir(__doc__, argv)
     dev = torch.device("cuda")
     rows = []
     for B, H, SQ, SK, D, kind in SHAPES:
@@ -122,7 +119,7 @@ def main(argv=None) -> int:
          ("graph µs", lambda r: f"{r['graph_us']:.2f}", True), ("eager µs", lambda r: f"{r['eager_us']:.2f}", True),
          ("host µs", lambda r: f"{r['host_us']:.1f}", True),
          ("max abs err", lambda r: f"{r['max_abs_err']:.2e}", True)], rows)
-    write_rows(a.out, "diag_attention_small", rows, lines)
+    write_rows(out, "diag_attention_small", rows, lines)
     return 0
 
 

@@ -8,13 +8,11 @@ final output is checked against the plain one.
 
     python benchmarks/diag_pdl.py --out benchmarks/results
 """
-import argparse
-
 import torch
 import triton
 import triton.language as tl
 
-from _timing import graph_us_per_call, measure_row, table_lines, write_rows
+from _timing import graph_us_per_call, measure_row, out_dir, table_lines, write_rows
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -47,9 +45,7 @@ def ln(x, w, out, variant):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+    out = out_dir(__doc__)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     M, N = 128, 768
@@ -98,7 +94,7 @@ def main():
                         f"triton {triton.__version__}",
                         "A step is one LayerNorm (chain) or one GEMM + one LayerNorm (pairs), replayed in a CUDA graph.",
                         cols, rows)
-    write_rows(args.out, "diag_pdl", rows, lines)
+    write_rows(out, "diag_pdl", rows, lines)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Writes diag_splitk_<date>.{json,md} under --out.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_us_per_call, measure_row, table_lines, write_rows  # noqa: E402
+from _timing import graph_us_per_call, measure_row, out_dir, table_lines, write_rows  # noqa: E402
 
 CALLS = 24
 SHAPES = [(128, 768, 3072, "BERT-base bs1 FFN down"), (197, 768, 3072, "ViT-B/16 bs1 FFN down"),
@@ -42,9 +41,7 @@ def _kernels(fn) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
+    out = out_dir(__doc__, argv)
     dev = torch.device("cuda")
     rows = []
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -81,7 +78,7 @@ def main(argv=None) -> int:
          ("graph µs", lambda r: f"{r['graph_us']:.2f}", True), ("kernels", lambda r: str(r["kernels"]), True),
          ("max abs err", lambda r: f"{r['max_abs_err']:.2e}", True),
          ("kernel names", lambda r: "; ".join(k[:60] for k in r["kernel_names"]), False)], rows)
-    write_rows(a.out, "diag_splitk", rows, lines)
+    write_rows(out, "diag_splitk", rows, lines)
     return 0
 
 

@@ -258,24 +258,20 @@ def split_k_slices(profile: DeviceProfile, M: int, N: int, K: int) -> int:
     return best
 
 
-def split_k_reduce_seconds(profile: DeviceProfile, M: int, N: int, K: int, itemsize: int) -> float:
-    """Device seconds of the reduction kernel cuBLASLt adds after a split-K GEMM: it reads the
-    fp32 partial products of the slices (as many as :func:`split_k_slices` would choose) and
-    writes the output."""
-    s = split_k_slices(profile, M, N, K)
-    return profile.gpu_seconds(0.0, (max(s, 2) * 4 + itemsize) * M * N / profile.bandwidth)
-
-
 def split_k_reduce_node_seconds(profile: DeviceProfile, node: fx.Node) -> float:
     """Device seconds of the split-K reduction kernel cuBLASLt runs after projection ``node``
-    (linear / mm / addmm), 0 where it is not expected to split K (:func:`cublas_split_k`). Its
-    wall time in an eager loop is ``profile.kernel_seconds(0, this - kernel_fixed_s)``."""
+    (linear / mm / addmm): it reads the fp32 partial products of the slices (as many as
+    :func:`split_k_slices` would choose) and writes the output; 0 where cuBLAS is not expected to
+    split K (:func:`cublas_split_k`). Its wall time in an eager loop is
+    ``profile.kernel_seconds(0, this - kernel_fixed_s)``."""
     if _op_name(node) not in SPLIT_K_OPS:
         return 0.0
     mnk = _gemm_mnk(node)
     if mnk is None or not cublas_split_k(profile, *mnk):
         return 0.0
-    return split_k_reduce_seconds(profile, *mnk, ir.infos(node)[0].dtype.itemsize)
+    M, N, K = mnk
+    s = max(split_k_slices(profile, M, N, K), 2)
+    return profile.gpu_seconds(0.0, (s * 4 + ir.infos(node)[0].dtype.itemsize) * M * N / profile.bandwidth)
 
 
 def linear_norm_seconds(profile: DeviceProfile, M, N, K, splits: int, dtype: torch.dtype, residual: bool,

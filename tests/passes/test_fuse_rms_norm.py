@@ -2,7 +2,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import graphopt
 from graphopt import capture
 from graphopt.examples import zoo
 from graphopt.pipeline import NO_FUSED_KERNELS, run_passes
@@ -47,13 +46,20 @@ def _bf16(m, x):
     return m.to(torch.bfloat16), x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fuses_norms_and_residual_adds(dtype):
-    m, x = Decoder().eval(), torch.randn(2, 8, 32)
+def _fused(m, dtype):
+    """``m`` (on a [2, 8, 32] input, in ``dtype``) captured and run through fuse_rms_norm for the
+    H200: (model, input, graph, the pass's result)."""
+    m, x = m.eval(), torch.randn(2, 8, 32)
     if dtype == torch.bfloat16:
         m, x = _bf16(m, x)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    return m, x, gm, res
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuses_norms_and_residual_adds(dtype):
+    m, x, gm, res = _fused(Decoder(), dtype)
     c = op_counts(gm)
     assert c[FUSED] == 3 and c["aten.rsqrt.default"] == 0 and c["aten.pow.Tensor_Scalar"] == 0
     assert sorted(r.pattern for r in res.rewrites) == ["residual add + rms_norm"] * 2 + ["rms_norm"]
@@ -194,11 +200,7 @@ class Sandwich(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sandwich_norm_is_one_kernel(dtype):
-    m, x = Sandwich().eval(), torch.randn(2, 8, 32)
-    if dtype == torch.bfloat16:
-        m, x = _bf16(m, x)
-    gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200")
+    m, x, gm, res = _fused(Sandwich(), dtype)
     c = op_counts(gm)
     assert c[SANDWICH] == 1 and c[FUSED] == 0 and c["aten.add.Tensor"] == 0
     assert [r.pattern for r in res.rewrites][-1] == "rms_norm + residual add + rms_norm"

@@ -40,6 +40,9 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s13a)
+  # Triton GEMMs with the SwiGLU step folded in (epilogue / prologue) against cuBLAS + graphopt::swiglu
+  timeout 480 python3 benchmarks/diag_swiglu_gemm.py --out "$OUT" ${2:+--tokens $2} 2>&1 | quiet | tail -60 ;;
 s12e)
   # the bench harness's two memory peaks on the GPU, then BERT bs1 and GLM bs1 with both columns
   timeout 120 python3 -m pytest -m cuda tests/test_bench.py -q -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -2

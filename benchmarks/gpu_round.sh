@@ -40,6 +40,22 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s13d)
+  # final: every cuda-marked test, compute-sanitizer memcheck over every kernel (the SwiGLU GEMM included)
+  timeout 360 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  timeout $((585 - SECONDS)) compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
+    > "$OUT/memcheck.log" 2>&1; echo "### memcheck rc=$? ${SECONDS}s"; tail -3 "$OUT/memcheck.log" ;;
+s13c)
+  # the 3.6 interpreter's error in full, then GEMM tile order against power and clock
+  TRITON_INTERPRET=1 PYTHONPATH=$PWD timeout 120 python3 -c "from tests.cuda_ext.test_gemm_triton import interpreter_cases as f; f()" 2>&1 | tail -25
+  timeout 400 python3 benchmarks/diag_gemm_order.py --out "$OUT" 2>&1 | quiet | tail -20 ;;
+s13b)
+  # gemm_swiglu: its kernel, op and pass tests on the GPU, then GLM bs8 and bs1 against torch.compile
+  timeout 240 python3 -m pytest -m "cuda or not cuda" tests/cuda_ext/test_gemm_triton.py tests/passes/test_lower_gemm_swiglu.py \
+    tests/cuda_ext/test_registration.py tests/cuda_ext/test_op_arguments.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 \
+    | grep -v "^DEBUG\|^INFO" | tail -15; echo "### tests ${SECONDS}s"
+  models "${2:-glm4-9b-4l:8,glm4-9b-4l:1}" ;;
 s13a)
   # Triton GEMMs with the SwiGLU step folded in (epilogue / prologue) against cuBLAS + graphopt::swiglu
   timeout 480 python3 benchmarks/diag_swiglu_gemm.py --out "$OUT" ${2:+--tokens $2} 2>&1 | quiet | tail -60 ;;

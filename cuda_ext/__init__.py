@@ -6,12 +6,12 @@ implementations otherwise. See README.md in this folder.
 
 Ops (schemas in csrc/registration.cpp): bias_act, add_rms_norm, add_layer_norm, swiglu,
 rotary, softmax_mask, fused_pointwise, conv_bias_relu, layer_norm, max_pool2d_nhwc,
-short_attention, rms_norm_add_rms_norm, linear_add_layer_norm.
+short_attention, rms_norm_add_rms_norm, linear_add_layer_norm, gemm_swiglu.
 """
 from . import reference
 from ._loader import backend, backend_info, ensure_loaded
 from ._schemas import schemas
-from .ops import (add_layer_norm, add_rms_norm, bias_act, conv_bias_relu, fused_pointwise, layer_norm,
+from .ops import (add_layer_norm, add_rms_norm, bias_act, conv_bias_relu, fused_pointwise, gemm_swiglu, layer_norm,
                   linear_add_layer_norm, max_pool2d_nhwc, rms_norm_add_rms_norm, rotary, short_attention, softmax_mask, swiglu)
 from .pointwise import Program, ProgramError, evaluate, parse
 
@@ -19,7 +19,7 @@ __all__ = [
     "ensure_loaded", "backend", "backend_info", "schemas", "reference",
     "bias_act", "add_rms_norm", "add_layer_norm", "swiglu", "rotary", "softmax_mask", "fused_pointwise", "conv_bias_relu",
     "layer_norm", "max_pool2d_nhwc", "short_attention", "rms_norm_add_rms_norm", "linear_add_layer_norm",
-    "Program", "ProgramError", "parse", "evaluate",
+    "gemm_swiglu", "Program", "ProgramError", "parse", "evaluate",
 ]
 
 ensure_loaded()

@@ -57,6 +57,12 @@ def _fake_linear_add_layer_norm(x, weight, bias, residual, ln_weight, ln_bias, e
     return x.new_empty(shape), x.new_empty(shape)
 
 
+def _fake_gemm_swiglu(x, weight, n, block):
+    torch._check(weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+                 lambda: "graphopt::gemm_swiglu: weight must be [rows, K] with K = x's last dim")
+    return x.new_empty((*x.shape[:-1], n))
+
+
 def _fake_swiglu(gate_up):
     torch._check(gate_up.shape[-1] % 2 == 0, lambda: "graphopt::swiglu: last dim must be even")
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
@@ -112,7 +118,7 @@ FAKES = {
     "fused_pointwise": _fake_fused_pointwise, "conv_bias_relu": _fake_conv_bias_relu,
     "layer_norm": _fake_layer_norm, "max_pool2d_nhwc": _fake_max_pool2d_nhwc,
     "short_attention": _fake_short_attention, "rms_norm_add_rms_norm": _fake_rms_norm_add_rms_norm,
-    "linear_add_layer_norm": _fake_linear_add_layer_norm,
+    "linear_add_layer_norm": _fake_linear_add_layer_norm, "gemm_swiglu": _fake_gemm_swiglu,
 }
 REFERENCES = {
     "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
@@ -121,7 +127,7 @@ REFERENCES = {
     "conv_bias_relu": reference.conv_bias_relu, "layer_norm": reference.layer_norm,
     "max_pool2d_nhwc": reference.max_pool2d_nhwc, "short_attention": reference.short_attention,
     "rms_norm_add_rms_norm": reference.rms_norm_add_rms_norm,
-    "linear_add_layer_norm": reference.linear_add_layer_norm,
+    "linear_add_layer_norm": reference.linear_add_layer_norm, "gemm_swiglu": reference.gemm_swiglu,
 }
 
 
@@ -153,6 +159,14 @@ def _linear_add_layer_norm_cuda(x, weight, bias, residual, ln_weight, ln_bias, e
     return linear_add_layer_norm_triton(x, weight, bias, residual, ln_weight, ln_bias, eps, splits)
 
 
+def _gemm_swiglu_cuda(x, weight, n, block):
+    from .gemm_triton import gemm_swiglu_triton, supported
+
+    if supported(x, weight, n, block) is not None:  # before sm_90, fp32, unaligned rows: correct, slower
+        return reference.gemm_swiglu(x, weight, n, block)
+    return gemm_swiglu_triton(x, weight, n, block)
+
+
 def _short_attention_cuda(q, k, v, mask, scale, is_causal):
     from .attention_triton import attention_triton, supported
 
@@ -181,6 +195,8 @@ def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
             lib.impl(name, _rms_norm_add_rms_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif name == "linear_add_layer_norm":  # a batched GEMM (cuBLAS) and a Triton norm
             lib.impl(name, _linear_add_layer_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
+        elif name == "gemm_swiglu":  # a Triton GEMM
+            lib.impl(name, _gemm_swiglu_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif not cuda_kernels:
             lib.impl(name, REFERENCES[name], "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=lib)

@@ -2,31 +2,35 @@
 
 A SwiGLU MLP runs ``gate_up = x @ W_gu.T`` (the merged gate and up projections), then
 ``act = silu(gate) * up`` (a memory-bound kernel: at GLM-4's 8192 x 27392 it reads 449 MB and writes
-224 MB), then ``act @ W_down.T``. Two ways to drop the middle kernel:
+224 MB), then ``act @ W_down.T``. ``gemm_swiglu`` drops the middle kernel: the weight's gate and up
+rows are interleaved in blocks of the output tile's width once (``interleave_gate_up``), so one
+``[BM, 2 BN]`` tile of the product holds matching gate and up columns; its epilogue stores
+``silu(gate) * up`` from the fp32 accumulator, and the ``[M, 2N]`` intermediate is never written.
 
-* ``gemm_swiglu`` (epilogue): each output tile accumulates the gate and the up columns of one
-  ``BLOCK_N``-wide slice side by side in fp32 and stores ``silu(gate) * up`` once: the
-  ``[M, 2N]`` intermediate is never written.
-* ``swiglu_gemm`` (prologue): the down projection loads the gate and up tiles of its A operand,
-  forms ``silu(gate) * up`` in registers (rounded to bf16, as the unfused kernel stores it) and
-  multiplies: the ``[M, N]`` activation is never written.
-
-``gemm`` is the same persistent loop without the fused step, to compare Triton's GEMM with
-cuBLAS's on the same shape. All three take row-major ``x`` and an ``nn.Linear``-layout weight
-``[out, in]``; TMA needs 16-byte aligned rows (K and N multiples of 8 for bf16).
+``gemm`` is the same persistent loop (TMA loads, grouped tile order, one program per SM) without
+the epilogue. Both take a row-major ``x`` and an ``nn.Linear``-layout weight ``[out, in]``; TMA
+needs 16-byte aligned rows (K and N multiples of 8 for 2-byte dtypes).
 """
 from __future__ import annotations
 
 import torch
 
 from .norm_triton import cached_kernel
+from .reference import interleave_gate_up  # noqa: F401 - the layout gemm_swiglu takes
 
 _kernels: dict = {}
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N is the width of one half for the
-# SwiGLU epilogue, whose tile holds two fp32 accumulators.
-DEFAULT_CONFIG = {"gemm": (128, 256, 64, 3, 8), "gemm_swiglu": (128, 128, 64, 3, 8),
-                  "swiglu_gemm": (128, 256, 64, 3, 8)}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, GROUP_M]); BLOCK_N is the output tile's width, so the
+# SwiGLU epilogue multiplies [BLOCK_M, 2 BLOCK_N] tiles. The fastest of the configurations
+# benchmarks/diag_swiglu_gemm.py tried on the H200 (diag_swiglu_gemm_2026-11-30_185919.md): plain
+# 803 TFLOP/s at GLM-4's 8192 x 4096 x 27392, with the SwiGLU epilogue 807 (cuBLAS: 800).
+DEFAULT_CONFIG = {"gemm": (128, 256, 64, 3, 8), "gemm_swiglu": (128, 128, 64, 3, 8)}
+# gemm_swiglu's configuration per weight block (the block is the output tile's width). Groups of
+# 16 row blocks: back to back under the H200's power cap the fused GEMM ran 2.701 ms at GROUP_M = 16,
+# 2.713 at 8, 2.759 at 32, 2.850 at 64 (diag_gemm_order_2026-11-30_191649.md)
+SWIGLU_CONFIGS = {128: (128, 128, 64, 3, 8, 16), 64: (128, 64, 64, 4, 8, 16)}
+SWIGLU_BLOCK = 128
+SWIGLU_DTYPES = (torch.float16, torch.bfloat16)
 GROUP_M = 8
 
 
@@ -39,11 +43,11 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def gemm_kernel(a_desc, b_desc, c_desc, M, N, K, UP, MODE: tl.constexpr, BM: tl.constexpr,
+    def gemm_kernel(a_desc, b_desc, c_desc, M, N, K, SWIGLU: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
-        # MODE 0: C = A @ B.T.  MODE 1 (epilogue): C = silu(A @ B[:UP].T) * (A @ B[UP:].T), columns
-        # [n, n+BN) of each half per tile.  MODE 2 (prologue): C = (silu(A[:, :UP]) * A[:, UP:]) @ B.T
-        # with the product rounded to A's dtype before the multiply.
+        # C = A @ B.T over [BM, BN] tiles of C (N: C's columns). SWIGLU: B's rows are gate and up
+        # blocks of BN interleaved (``interleave_gate_up``); a tile multiplies one [2 BN, BK] block of
+        # B at a time into a [BM, 2 BN] fp32 accumulator and stores silu(gate) * up.
         start = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(N, BN)
@@ -53,30 +57,25 @@ def _build():
         tile_c = start - PROGRAMS  # the epilogue's own counter keeps the loop's prologue independent
         for tile_id in tl.range(start, tiles, PROGRAMS, flatten=True):
             first_m = (tile_id // in_group) * GROUP
-            size_m = min(num_pid_m - first_m, GROUP)
+            size_m = tl.minimum(num_pid_m - first_m, GROUP)
             om = (first_m + tile_id % size_m) * BM
             on = ((tile_id % in_group) // size_m) * BN
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if MODE == 1:
-                acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+            if SWIGLU:
+                acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+                on = on * 2
+            else:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
             for ki in range(k_tiles):
                 ok = ki * BK
-                if MODE == 2:
-                    g = a_desc.load([om, ok]).to(tl.float32)
-                    u = a_desc.load([om, UP + ok]).to(tl.float32)
-                    a = (g * tl.sigmoid(g) * u).to(a_desc.dtype)
-                else:
-                    a = a_desc.load([om, ok])
+                a = a_desc.load([om, ok])
                 b = b_desc.load([on, ok])
                 acc = tl.dot(a, b.T, acc)
-                if MODE == 1:
-                    bu = b_desc.load([UP + on, ok])
-                    acc_up = tl.dot(a, bu.T, acc_up)
             tile_c += PROGRAMS
             first_m = (tile_c // in_group) * GROUP
-            size_m = min(num_pid_m - first_m, GROUP)
-            if MODE == 1:
-                acc = acc * tl.sigmoid(acc) * acc_up
+            size_m = tl.minimum(num_pid_m - first_m, GROUP)
+            if SWIGLU:
+                gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+                acc = gate * tl.sigmoid(gate) * up
             c_desc.store([(first_m + tile_c % size_m) * BM, ((tile_c % in_group) // size_m) * BN],
                          acc.to(c_desc.dtype))
 
@@ -87,34 +86,62 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _launch(mode: int, a: torch.Tensor, b: torch.Tensor, M: int, N: int, K: int, up: int,
-            config, programs: int | None) -> torch.Tensor:
+def _launch(swiglu: bool, a: torch.Tensor, b: torch.Tensor, n: int, config, programs: int | None) -> torch.Tensor:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    bm, bn, bk, stages, warps = config
-    out = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    tiles = -(-M // bm) * -(-N // bn)
+    bm, bn, bk, stages, warps, *group = config
+    m, k = a.shape
+    out = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    tiles = -(-m // bm) * -(-n // bn)
     programs = min(programs or _programs(a.device), tiles)
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-    b_desc = TensorDescriptor.from_tensor(b, [bn, bk])
+    b_desc = TensorDescriptor.from_tensor(b, [2 * bn if swiglu else bn, bk])
     c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-    _kernel()[(programs,)](a_desc, b_desc, c_desc, M, N, K, up, MODE=mode, BM=bm, BN=bn, BK=bk,
-                           GROUP=GROUP_M, PROGRAMS=programs, num_stages=stages, num_warps=warps)
+    _kernel()[(programs,)](a_desc, b_desc, c_desc, m, n, k, SWIGLU=swiglu, BM=bm, BN=bn, BK=bk,
+                           GROUP=group[0] if group else GROUP_M, PROGRAMS=programs, num_stages=stages, num_warps=warps)
     return out
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, config=None, programs: int | None = None) -> torch.Tensor:
     """``x @ w.T`` (x: [M, K], w: [N, K])."""
-    return _launch(0, x, w, x.shape[0], w.shape[0], x.shape[1], 0, config or DEFAULT_CONFIG["gemm"], programs)
+    return _launch(False, x, w, w.shape[0], config or DEFAULT_CONFIG["gemm"], programs)
 
 
-def gemm_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, config=None, programs: int | None = None) -> torch.Tensor:
-    """``silu(x @ Wg.T) * (x @ Wu.T)`` with ``w_gate_up = cat([Wg, Wu])`` ([2N, K]); returns [M, N]."""
-    n = w_gate_up.shape[0] // 2
-    return _launch(1, x, w_gate_up, x.shape[0], n, x.shape[1], n, config or DEFAULT_CONFIG["gemm_swiglu"], programs)
+def gemm_swiglu(x: torch.Tensor, w_interleaved: torch.Tensor, n: int, config=None,
+                programs: int | None = None) -> torch.Tensor:
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` ([M, n]) from ``interleave_gate_up(cat([Wg, Wu]), BN)`` with
+    BN the config's block width (the output tile's)."""
+    config = config or DEFAULT_CONFIG["gemm_swiglu"]
+    return _launch(True, x, w_interleaved, n, config, programs)
 
 
-def swiglu_gemm(gate_up: torch.Tensor, w: torch.Tensor, config=None, programs: int | None = None) -> torch.Tensor:
-    """``(silu(gate) * up) @ w.T`` with ``gate_up = cat([gate, up], -1)`` ([M, 2K]), w: [N, K]."""
-    k = gate_up.shape[1] // 2
-    return _launch(2, gate_up, w, gate_up.shape[0], w.shape[0], k, k, config or DEFAULT_CONFIG["swiglu_gemm"], programs)
+def supported(x: torch.Tensor, weight: torch.Tensor, n: int, block: int) -> str | None:
+    """None when :func:`gemm_swiglu_triton` takes these operands, else why not."""
+    if x.dtype not in SWIGLU_DTYPES or weight.dtype != x.dtype:
+        return f"dtypes {x.dtype}/{weight.dtype} (float16 or bfloat16, the same for both)"
+    if block not in SWIGLU_CONFIGS:
+        return f"block {block} (one of {sorted(SWIGLU_CONFIGS)})"
+    K = x.shape[-1] if x.dim() else 0
+    if K % 8 or n % 8 or K == 0 or x.numel() == 0:
+        return f"K={K} and n={n} must be non-zero multiples of 8 (16-byte TMA rows)"
+    if weight.dim() != 2 or weight.shape[1] != K or weight.shape[0] % (2 * block) or n > weight.shape[0] // 2:
+        return f"weight {tuple(weight.shape)} is not gate and up blocks of {block} rows"
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return "needs a GPU with TMA (sm_90 or newer)"
+    return None
+
+
+def gemm_swiglu_triton(x: torch.Tensor, weight: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """``graphopt::gemm_swiglu`` (see reference.gemm_swiglu) on a Hopper GPU: one persistent kernel."""
+    why = supported(x, weight, n, block)
+    if why is not None:
+        raise ValueError(f"graphopt::gemm_swiglu: unsupported {why}")
+    K = x.shape[-1]
+    a = x.reshape(-1, K).contiguous()
+    if a.data_ptr() % 16:  # a view at an odd offset: TMA needs 16-byte aligned bases
+        a = a.clone()
+    w = weight.contiguous()
+    if w.data_ptr() % 16:
+        w = w.clone()
+    out = gemm_swiglu(a, w, n, SWIGLU_CONFIGS[block])
+    return out.view(*x.shape[:-1], n)

@@ -155,6 +155,26 @@ def linear_add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.ops.graphopt.linear_add_layer_norm(x, weight, bias, residual, ln_weight, ln_bias, eps, splits)
 
 
+def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int = 128) -> torch.Tensor:
+    """``silu(x @ Wg.T) * (x @ Wu.T)``, shape ``[..., n]``: a SwiGLU MLP's gate and up projections
+    and its activation in one GEMM. ``weight`` is ``reference.interleave_gate_up(cat([Wg, Wu]),
+    block)``: Wg and Wu in alternating blocks of ``block`` rows."""
+    _floating("gemm_swiglu", x=x, weight=weight)
+    _at_least_1d("gemm_swiglu", "x", x)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise KernelArgumentError(f"graphopt::gemm_swiglu: weight must be [rows, K] with K = x's last dim "
+                                  f"({x.shape[-1]}), got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise KernelArgumentError(f"graphopt::gemm_swiglu: weight is {weight.dtype}, x is {x.dtype}")
+    if not isinstance(block, int) or block < 1 or weight.shape[0] % (2 * block):
+        raise KernelArgumentError(f"graphopt::gemm_swiglu: weight's {weight.shape[0]} rows are not pairs of "
+                                  f"{block}-row gate and up blocks")
+    if not isinstance(n, int) or not 0 < n <= weight.shape[0] // 2:
+        raise KernelArgumentError(f"graphopt::gemm_swiglu: n must be in 1..{weight.shape[0] // 2} (the weight's "
+                                  f"gate rows), got {n!r}")
+    return torch.ops.graphopt.gemm_swiglu(x, weight, n, block)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``; shape ``[..., H]``."""
     _floating("swiglu", gate_up=gate_up)

@@ -168,6 +168,35 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return _fresh((F.silu(g) * u).to(gate_up.dtype), gate_up)
 
 
+def interleave_gate_up(w_gate_up: torch.Tensor, block: int) -> torch.Tensor:
+    """``cat([Wg, Wu])`` ([2n, K], an ``nn.Linear`` weight) reordered as ``block`` rows of Wg,
+    ``block`` rows of Wu, the next ``block`` of each, ...; each half zero-padded to a multiple of
+    ``block`` rows: the weight layout ``gemm_swiglu`` takes."""
+    if w_gate_up.dim() != 2 or w_gate_up.shape[0] % 2 or block < 1:
+        raise ValueError(f"interleave_gate_up: need a [2n, K] weight and block >= 1, got {tuple(w_gate_up.shape)}, {block}")
+    n, k = w_gate_up.shape[0] // 2, w_gate_up.shape[1]
+    pad = -n % block
+    halves = [F.pad(h, (0, 0, 0, pad)) for h in (w_gate_up[:n], w_gate_up[n:])]
+    return torch.stack([h.reshape(-1, block, k) for h in halves], 1).reshape(-1, k).contiguous()
+
+
+def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` ([..., n]): a SwiGLU MLP's gate and up projections and its
+    activation, the projections never rounded. ``weight`` holds Wg and Wu as
+    :func:`interleave_gate_up` lays them out (blocks of ``block`` rows)."""
+    K = x.shape[-1] if x.dim() else 0
+    if (weight.dim() != 2 or weight.shape[1] != K or block < 1 or weight.shape[0] % (2 * block)
+            or not 0 < n <= weight.shape[0] // 2):
+        raise ValueError(f"graphopt::gemm_swiglu: weight {tuple(weight.shape)} is not gate and up blocks of {block} "
+                         f"rows over K={K} holding n={n} outputs")
+    ct = compute_dtype(x.dtype)
+    w = weight.to(ct).reshape(-1, 2, block, K)
+    xc = x.to(ct)
+    gate = F.linear(xc, w[:, 0].reshape(-1, K)[:n])
+    up = F.linear(xc, w[:, 1].reshape(-1, K)[:n])
+    return _fresh((F.silu(gate) * up).to(x.dtype), x)
+
+
 def _rotary_table(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if t.dim() == 4:
         if t.shape[1] != 1:

@@ -732,6 +732,7 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
         source=source,
         link_bandwidth=link,
         sm_count=int(props.multi_processor_count),
+        compute_capability=[int(props.major), int(props.minor)],
         **extra,
     )
 

@@ -261,6 +261,7 @@ PIPELINE: tuple[str, ...] = (
     "lower_max_pool",
     "lower_attention",
     "lower_split_k",
+    "lower_gemm_swiglu",
 )
 
 

@@ -27,7 +27,7 @@ def set_meta(gm: fx.GraphModule, nodes) -> None:
     try:
         for n in nodes:
             if n.op == "get_attr":
-                n.meta["val"] = mode.from_tensor(ir.get_attr_value(gm, n.target))
+                n.meta["val"] = mode.from_tensor(ir.get_attr_value(gm, n.target), static_shapes=True)
                 continue
             if n.op != "call_function":
                 continue

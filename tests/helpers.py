@@ -44,3 +44,25 @@ def run_in_triton_interpreter(function: str) -> None:
     r = subprocess.run([sys.executable, "-c", f"from {module} import {name} as f; f()"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "interpreter cases ok" in r.stdout, r.stderr[-3000:]
+
+
+def same_when_graphed(call):
+    """``call()`` (an op returning a tensor or tensors) gives bit-identical results eagerly and
+    replayed from a CUDA graph it was captured into (warmed up on a side stream first, as capture
+    requires)."""
+    def tensors(v):
+        return v if isinstance(v, (tuple, list)) else (v,)
+
+    eager = tensors(call())
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        graphed = tensors(call())
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

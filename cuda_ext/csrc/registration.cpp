@@ -320,6 +320,7 @@ TORCH_LIBRARY(graphopt, m) {
   m.def("linear_add_layer_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor? ln_weight, Tensor? ln_bias, float eps, int splits) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("rms_norm_add_rms_norm(Tensor y, Tensor residual, Tensor weight_y, Tensor weight, float eps_y, float eps) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("swiglu(Tensor gate_up) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("gemm_swiglu(Tensor x, Tensor weight, int n, int block) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("fused_pointwise(str program, Tensor[] inputs) -> Tensor[]", {at::Tag::pt2_compliant_tag});

@@ -289,6 +289,39 @@ def linear_norm_seconds(profile: DeviceProfile, M, N, K, splits: int, dtype: tor
     return gemm, norm, flops, gemm_bytes + norm_bytes
 
 
+# gemm_swiglu's output tile (graphopt.cuda_ext.gemm_triton.SWIGLU_CONFIGS[128]): 128 rows by 128
+# outputs, i.e. 256 columns of the gate+up product
+SWIGLU_TILE = (128, 256)
+
+
+def persistent_rounds_factor(profile: DeviceProfile, M, N, tile=SWIGLU_TILE) -> float:
+    """How much longer a persistent GEMM (one program per SM, output tiles dealt round-robin) takes
+    than its work at the full rate: its ceil(tiles / SMs) rounds over tiles / SMs, the last round
+    part idle. cuBLAS picks tile shapes and split strategies that avoid most of this, so the cost
+    model prices cuBLAS without it. Fitted on the H200 (diag_swiglu_gemm_2026-11-30_185919.md): GLM-4's
+    8192 x 4096 x 27392 (51.9 rounds: 1.002) ran 0.99x cuBLAS's time, its 1024-row form (6.5 rounds:
+    1.079) 1.08x. 1.0 for symbolic sizes or an unknown SM count."""
+    sms = profile.sm_count or 0
+    try:
+        tiles = _cdiv(int(M), tile[0]) * _cdiv(int(N), tile[1])
+    except TypeError:
+        return 1.0
+    if not sms or not tiles:
+        return 1.0
+    return _cdiv(tiles, sms) * sms / tiles
+
+
+def gemm_swiglu_seconds(profile: DeviceProfile, M, K, rows: int, n: int, dtype: torch.dtype) -> float:
+    """Seconds of ``graphopt::gemm_swiglu``: an M x K x ``rows`` GEMM (rows: the interleaved gate and
+    up weight's) reading x and the weight and writing the [M, n] product once, at the fitted GEMM
+    rate, times :func:`persistent_rounds_factor`."""
+    itemsize = dtype.itemsize
+    compute = 2 * M * K * rows / profile.matmul_rate(dtype)
+    memory = (M * K + rows * K + M * n) * itemsize / profile.bandwidth
+    f = persistent_rounds_factor(profile, M, rows)
+    return profile.kernel_seconds(compute * f, memory * f, "matmul")
+
+
 def norm_rows_seconds(profile: DeviceProfile, x: ir.TensorInfo):
     """The block-scheduling floor of a one-block-per-row norm over x's last dim: rows *
     profile.norm_row_s (0 where the profile has not measured it)."""
@@ -365,6 +398,9 @@ class CostModel:
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
         if name == "linear_add_layer_norm":
             return 2 * outs[0].numel * ins[0].shape[-1], in_bytes + out_bytes, 2, "linear_norm"
+        if name == "gemm_swiglu":  # the GEMM runs over every (padded) gate and up row of the weight
+            x, w = ins[0], ins[1]
+            return 2 * (x.numel // x.shape[-1]) * x.shape[-1] * w.shape[0], in_bytes + out_bytes, 1, "matmul"
         if name in MATMUL_OPS:
             # addmm-style ops take the bias first: the reduction dim is the first matrix's last
             k = (ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]).shape[-1]
@@ -474,6 +510,10 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
+        if _op_name(node) == "gemm_swiglu":  # a persistent Triton GEMM: its last round of tiles part idle
+            x, w = ir.arg_infos(node)[:2]
+            f = persistent_rounds_factor(p, x.numel // x.shape[-1], w.shape[0])
+            compute, memory = compute * f, memory * f
         if p.narrow_copy_scale < 1.0 and _op_name(node) in COPY_OPS and narrow_copy(node):
             memory = memory / p.narrow_copy_scale
         if _op_name(node) in POOL_OPS:

@@ -119,6 +119,9 @@ class DeviceProfile:
     # GEMMs run at ~86% of their burst rate). `explain` shows the roofline floor at this rate
     # beside the peak-rate floor; 1.0: not measured (or no such cap)
     matmul_sustained_fraction: float = 1.0
+    # the GPU's compute capability [major, minor] (empty: not known, or a CPU); sm_90 and newer have
+    # the Tensor Memory Accelerator graphopt's Triton GEMM (gemm_swiglu) loads through
+    compute_capability: list = field(default_factory=list)
     # fraction of a device's memory (or memory_cap) the partitioner leaves unplanned: the caching
     # allocator's block rounding and transients no plan sees (0: plan up to the cap)
     allocator_headroom: float = 0.0

@@ -6,25 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.cuda_ext import norm_triton, reference
-from tests.helpers import run_in_triton_interpreter
-
-
-def _same_when_graphed(call):
-    """``call()`` (an op returning tensors) gives bit-identical results eagerly and replayed from a
-    CUDA graph it was captured into (warmed up on a side stream first, as capture requires)."""
-    eager = call()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        graphed = call()
-    g.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(eager, graphed):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+from tests.helpers import run_in_triton_interpreter, same_when_graphed
 
 
 def _check(y, x, w, b, eps, dtype):
@@ -112,7 +94,7 @@ def test_rms_norm_add_rms_norm_op_on_gpu(dtype, hidden):
     _check_sandwich(y, r, torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda").to(dtype), dtype)
     # the op (what the pass emits) gives the kernel's result, also replayed from a CUDA graph
     wy, w = torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda").to(dtype)
-    _same_when_graphed(lambda: torch.ops.graphopt.rms_norm_add_rms_norm(y, r, wy, w, 1e-6, 1e-5))
+    same_when_graphed(lambda: torch.ops.graphopt.rms_norm_add_rms_norm(y, r, wy, w, 1e-6, 1e-5))
 
 
 def _linear_ln_case(M, N, K, dtype, device="cpu", residual=True, affine=True, bias=True, seed=0):
@@ -187,4 +169,4 @@ def test_linear_add_layer_norm_op_on_gpu(dtype, shape):
     M, N, K, splits = shape
     args = _linear_ln_case(M, N, K, dtype, device="cuda")
     _check_linear_ln(args, splits, dtype)
-    _same_when_graphed(lambda: torch.ops.graphopt.linear_add_layer_norm(*args, 1e-12, splits))
+    same_when_graphed(lambda: torch.ops.graphopt.linear_add_layer_norm(*args, 1e-12, splits))

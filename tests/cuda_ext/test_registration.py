@@ -26,6 +26,7 @@ EXPECTED = {
     "linear_add_layer_norm": "linear_add_layer_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, "
                              "Tensor? ln_weight, Tensor? ln_bias, float eps, int splits) -> (Tensor, Tensor)",
     "swiglu": "swiglu(Tensor gate_up) -> Tensor",
+    "gemm_swiglu": "gemm_swiglu(Tensor x, Tensor weight, int n, int block) -> Tensor",
     "rotary": "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
     "softmax_mask": "softmax_mask(Tensor scores, float scale, Tensor? mask) -> Tensor",
     "fused_pointwise": "fused_pointwise(str program, Tensor[] inputs) -> Tensor[]",
@@ -54,6 +55,7 @@ def sample_args(device="cpu"):
                                   torch.randn(24, device=device), torch.randn(2, 3, 24, device=device),
                                   torch.randn(24, device=device), torch.randn(24, device=device), 1e-5, 3),
         "swiglu": (torch.randn(3, 2, 16, device=device),),
+        "gemm_swiglu": (torch.randn(2, 3, 32, device=device), torch.randn(64, 32, device=device), 24, 16),
         "rotary": (torch.randn(2, 4, 5, 16, device=device), torch.randn(2, 2, 5, 16, device=device),
                    torch.randn(1, 5, 8, device=device), torch.randn(1, 5, 8, device=device), True),
         "softmax_mask": (torch.randn(2, 2, 5, 9, device=device), 0.3, torch.rand(2, 1, 1, 9, device=device) > 0.2),

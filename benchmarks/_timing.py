@@ -22,9 +22,9 @@ def cuda_median_ms(fn, reps: int = 10, warmup: int = 3, sleep_cycles: int = 0) -
     return sorted(times)[len(times) // 2]
 
 
-def graph_us_per_call(fn, calls: int, replays: int = 5, reps: int = 20) -> float:
-    """Median µs per call of ``fn`` (which makes ``calls`` calls) captured once into a CUDA graph and
-    replayed: the kernels and the gaps between them, no host time (warmed up on a side stream)."""
+def captured(fn, times: int = 1) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``times`` calls of ``fn``, captured after two warm-up calls on a side stream
+    (as capture requires)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -33,7 +33,15 @@ def graph_us_per_call(fn, calls: int, replays: int = 5, reps: int = 20) -> float
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        for _ in range(times):
+            fn()
+    return g
+
+
+def graph_us_per_call(fn, calls: int, replays: int = 5, reps: int = 20) -> float:
+    """Median µs per call of ``fn`` (which makes ``calls`` calls) captured once into a CUDA graph and
+    replayed: the kernels and the gaps between them, no host time (warmed up on a side stream)."""
+    g = captured(fn)
     for _ in range(replays):
         g.replay()
     torch.cuda.synchronize()

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import cuda_median_ms  # noqa: E402
+from _timing import captured, cuda_median_ms  # noqa: E402
 
 HIDDEN, FFN = 4096, 13696
 CONFIGS = {  # (BM, BN, BK, stages, warps); BN is the output tile's width (gemm_swiglu multiplies 2 BN)
@@ -51,15 +51,7 @@ def sustained(fn, calls: int = 10, seconds: float = 3.0) -> dict:
     """``fn`` replayed from a CUDA graph back to back for ``seconds``: the median ms per call over the
     replays of the last third, and the board power (W) and SM clock (MHz) nvidia-smi's library
     reported then (None where it is not installed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    g = captured(fn, calls)
     torch.cuda.synchronize()
     t0, times, watts, mhz = time.perf_counter(), [], [], []
     while time.perf_counter() - t0 < seconds:

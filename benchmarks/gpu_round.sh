@@ -40,6 +40,14 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s13e)
+  # explain on the real GLM shapes: bs8 measured (the fused GEMM's predicted and measured node time), bs1's refusal
+  timeout 380 graphopt explain glm4-9b-4l --batch 8 --seq-len 1024 --dtype bf16 --no-accuracy --measure \
+    --json "$OUT/explain_glm4-9b-4l_bs8.json" > "$OUT/explain_glm4-9b-4l_bs8.txt" 2>&1; echo "### bs8 rc=$? ${SECONDS}s"
+  grep -i -E "gemm_swiglu|lower_gemm|measured|busy|total" "$OUT/explain_glm4-9b-4l_bs8.txt" | head -30
+  timeout $((560 - SECONDS)) graphopt explain glm4-9b-4l --batch 1 --seq-len 1024 --dtype bf16 --no-accuracy \
+    > "$OUT/explain_glm4-9b-4l_bs1.txt" 2>&1; echo "### bs1 rc=$? ${SECONDS}s"
+  grep -i -E "lower_gemm|gemm_swiglu|no gain" "$OUT/explain_glm4-9b-4l_bs1.txt" | head -8 ;;
 s13d)
   # final: every cuda-marked test, compute-sanitizer memcheck over every kernel (the SwiGLU GEMM included)
   timeout 360 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"

@@ -44,6 +44,17 @@ def _residual(op: str, x: torch.Tensor, residual: torch.Tensor | None) -> None:
                                   f"x's {tuple(x.shape)}")
 
 
+def _projection(op: str, x: torch.Tensor, weight: torch.Tensor, rows: str) -> None:
+    """x (at least 1-D) times an ``nn.Linear``-layout weight ``[rows, K]`` of x's floating dtype."""
+    _floating(op, x=x, weight=weight)
+    _at_least_1d(op, "x", x)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise KernelArgumentError(f"graphopt::{op}: weight must be [{rows}, K] with K = x's last dim "
+                                  f"({x.shape[-1]}), got shape {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise KernelArgumentError(f"graphopt::{op}: weight is {weight.dtype}, x is {x.dtype}")
+
+
 def _norm_params(op: str, x: torch.Tensor, **params) -> None:
     _at_least_1d(op, "x", x)
     for name, p in params.items():
@@ -139,13 +150,7 @@ def linear_add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     once); returns ``(layer_norm(h) * ln_weight + ln_bias, h)``. On CUDA one batched GEMM over
     ``splits`` slices of K (fp32 partial products) and one Triton kernel that sums them into the
     norm: a small-M, long-K projection fills the GPU without cuBLAS's split-K reduction kernel."""
-    _floating("linear_add_layer_norm", x=x, weight=weight)
-    _at_least_1d("linear_add_layer_norm", "x", x)
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise KernelArgumentError(f"graphopt::linear_add_layer_norm: weight must be [N, K] with K = x's last dim "
-                                  f"({x.shape[-1]}), got shape {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise KernelArgumentError(f"graphopt::linear_add_layer_norm: weight is {weight.dtype}, x is {x.dtype}")
+    _projection("linear_add_layer_norm", x, weight, "N")
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 or x.shape[-1] % splits:
         raise KernelArgumentError(f"graphopt::linear_add_layer_norm: splits must be a positive divisor of K "
                                   f"({x.shape[-1]}), got {splits!r}")
@@ -159,13 +164,7 @@ def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int = 128)
     """``silu(x @ Wg.T) * (x @ Wu.T)``, shape ``[..., n]``: a SwiGLU MLP's gate and up projections
     and its activation in one GEMM. ``weight`` is ``reference.interleave_gate_up(cat([Wg, Wu]),
     block)``: Wg and Wu in alternating blocks of ``block`` rows."""
-    _floating("gemm_swiglu", x=x, weight=weight)
-    _at_least_1d("gemm_swiglu", "x", x)
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise KernelArgumentError(f"graphopt::gemm_swiglu: weight must be [rows, K] with K = x's last dim "
-                                  f"({x.shape[-1]}), got {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise KernelArgumentError(f"graphopt::gemm_swiglu: weight is {weight.dtype}, x is {x.dtype}")
+    _projection("gemm_swiglu", x, weight, "rows")
     if not isinstance(block, int) or block < 1 or weight.shape[0] % (2 * block):
         raise KernelArgumentError(f"graphopt::gemm_swiglu: weight's {weight.shape[0]} rows are not pairs of "
                                   f"{block}-row gate and up blocks")

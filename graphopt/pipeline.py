@@ -102,6 +102,19 @@ class PassResult:
         self.rewrites.append(Rewrite(pattern, names(matched), names(replacement), gain_s))
         self.changed = True
 
+    def consider(self, ctx: "PassContext", labelled: Iterable, build: Callable) -> None:
+        """For each ``(match, label)``, ``build(match, label)`` gives ``(why not, None)`` or ``("",
+        Candidate)``: refusals are recorded with their reason, the candidates applied ranked (they
+        call graphopt's kernels, so a CPU profile refuses them all)."""
+        candidates = []
+        for m, label in labelled:
+            why, c = build(m, label)
+            if why:
+                self.reject(label, why)
+            else:
+                candidates.append(c)
+        self.apply_ranked(ctx, candidates, fused_kernels=True)
+
     def apply_ranked(self, ctx: "PassContext", candidates: list[Candidate], allow_zero_gain: bool = False,
                      fused_kernels: bool = False) -> None:
         """Apply candidates best predicted gain first; skip overlaps and predicted losses.

@@ -43,6 +43,27 @@ def set_meta(gm: fx.GraphModule, nodes) -> None:
         mode.allow_non_fake_inputs = prev
 
 
+def projection_mnk(x, w, out: fx.Node, dtypes, symbolic: str):
+    """``("", (M, N, K, dtype))`` for ``out = linear(x, w)`` when its metadata is present, w is 2-D, x, w
+    and out share one of ``dtypes`` and the shapes are concrete; else ``(why not, None)``
+    (``symbolic``: why the rewrite needs one size)."""
+    xi = ir.info(x) if isinstance(x, fx.Node) else None
+    wi = ir.info(w) if isinstance(w, fx.Node) else None
+    oi = ir.info(out)
+    if xi is None or wi is None or oi is None or not xi.shape:
+        return "no tensor metadata", None
+    if len(wi.shape) != 2:
+        return f"weight {w.name} is {len(wi.shape)}-D", None
+    if xi.dtype not in dtypes or wi.dtype != xi.dtype or oi.dtype != xi.dtype:
+        names = [str(d).replace("torch.", "") for d in dtypes]
+        allowed = " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
+        return f"dtypes {xi.dtype}/{wi.dtype} ({allowed}, the same for input and weight)", None
+    if xi.symbolic or wi.symbolic:
+        return f"symbolic shapes ({symbolic})", None
+    K, N = int(xi.shape[-1]), int(wi.shape[0])
+    return "", (int(xi.numel) // K if K else 0, N, K, xi.dtype)
+
+
 def numel(ti: ir.TensorInfo, hints) -> float:
     return ir.concrete(ti.numel, hints)
 

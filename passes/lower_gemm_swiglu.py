@@ -13,6 +13,10 @@ the projection is not rounded before the activation. On the H200, run back to ba
 4.289 (cuBLAS GEMM + swiglu + cuBLAS down projection); the fused GEMM ran at 807 TFLOP/s in a burst
 where cuBLAS's gate/up GEMM alone ran at 800.
 
+The reordered weight is a copy (merge_sibling_linears' concatenations are too): 224 MB a layer at
+GLM-4-9B, alive beside the original model's weight for as long as the caller keeps that model
+(run_models' GLM bs8 peak: 8.28 GB, 7.41 before).
+
 Matches ``graphopt.swiglu(linear(x, W))`` where the projection has no bias and no other reader, W
 is a constant 2-D weight (a parameter or buffer: its rows are reordered here), x and W are fp16 or
 bf16, K and n are multiples of 8 (TMA's 16-byte rows) and the shapes are concrete. Priced against
@@ -34,7 +38,7 @@ from graphopt.cuda_ext.reference import interleave_gate_up
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import set_meta
+from ._fusion_meta import projection_mnk, set_meta
 
 aten = torch.ops.aten
 
@@ -64,14 +68,7 @@ class LowerGemmSwiglu(Pass):
             res.reject_all([label for _, label in matches],
                            f"the Triton GEMM loads through TMA (sm_90 or newer); {ctx.profile.name} has {got}")
             return res
-        candidates = []
-        for m, label in matches:
-            why, c = self._candidate(gm, ctx, m, label)
-            if why:
-                res.reject(label, why)
-            else:
-                candidates.append(c)
-        res.apply_ranked(ctx, candidates, fused_kernels=True)
+        res.consider(ctx, matches, lambda m, label: self._candidate(gm, ctx, m, label))
         return res
 
     def _candidate(self, gm, ctx, m, label: str):
@@ -82,23 +79,17 @@ class LowerGemmSwiglu(Pass):
             return "the projection has a bias (the fused GEMM adds none)", None
         if not isinstance(w, fx.Node) or w.op != "get_attr":
             return "the weight is not a constant of the graph (its rows are reordered at optimization time)", None
-        xi, wi, oi = ir.info(x), ir.info(w), ir.info(sw)
-        if xi is None or wi is None or oi is None or not xi.shape:
-            return "no tensor metadata", None
-        if len(wi.shape) != 2:
-            return f"weight {w.name} is {len(wi.shape)}-D", None
-        if xi.dtype not in SWIGLU_DTYPES or wi.dtype != xi.dtype or oi.dtype != xi.dtype:
-            return f"dtypes {xi.dtype}/{wi.dtype} (float16 or bfloat16, the same for input and weight)", None
-        if xi.symbolic or wi.symbolic:
-            return "symbolic shapes (the kernel's tile rounds are priced for one size)", None
-        K, n = int(xi.shape[-1]), int(wi.shape[0]) // 2
-        M = int(xi.numel) // K if K else 0
+        why, mnk = projection_mnk(x, w, lin, SWIGLU_DTYPES, "the kernel's tile rounds are priced for one size")
+        if why:
+            return why, None
+        M, rows, K, dtype = mnk
+        n = rows // 2
         if K % 8 or n % 8 or not M:
             return f"K={K} and n={n} must be non-zero multiples of 8 (TMA loads and stores 16-byte rows)", None
-        rows = 2 * (-(-n // SWIGLU_BLOCK) * SWIGLU_BLOCK)
-        fused = gemm_swiglu_seconds(ctx.profile, M, K, rows, n, xi.dtype)
+        padded = 2 * (-(-n // SWIGLU_BLOCK) * SWIGLU_BLOCK)  # the interleaved weight's rows
+        fused = gemm_swiglu_seconds(ctx.profile, M, K, padded, n, dtype)
         gain = ctx.node_time([lin, sw]) - fused
-        return "", Candidate(f"linear -> swiglu: one {M} x {K} x {rows} GEMM with the activation in its epilogue",
+        return "", Candidate(f"linear -> swiglu: one {M} x {K} x {padded} GEMM with the activation in its epilogue",
                              [lin, sw], gain, lambda: self._apply(gm, sw, lin, x, w, n), label=label)
 
     @staticmethod

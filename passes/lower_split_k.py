@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphopt import ir
 from graphopt.cost.model import cublas_split_k, linear_norm_seconds, split_k_slices
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN, SPLIT_K_DTYPES
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
+
+from ._fusion_meta import projection_mnk
 
 aten = torch.ops.aten
 
@@ -53,14 +54,7 @@ class LowerSplitK(Pass):
         if not ctx.fused_kernels:  # the slices are chosen for a GPU's SMs
             res.reject_all([label for _, label in matches], NO_FUSED_KERNELS)
             return res
-        candidates = []
-        for m, label in matches:
-            why, c = self._candidate(ctx, m, label)
-            if why:
-                res.reject(label, why)
-            else:
-                candidates.append(c)
-        res.apply_ranked(ctx, candidates, fused_kernels=True)
+        res.consider(ctx, matches, lambda m, label: self._candidate(ctx, m, label))
         return res
 
     def _candidate(self, ctx, m, label: str):
@@ -68,19 +62,10 @@ class LowerSplitK(Pass):
         if len(lin.users) != 1 or any(a is lin for a in n.args[1:]):
             return "the projection's output is also read elsewhere (the norm would have to write it)", None
         b = get_arg(lin, 2, "bias")
-        xi = ir.info(x) if isinstance(x, fx.Node) else None
-        wi = ir.info(w) if isinstance(w, fx.Node) else None
-        oi = ir.info(lin)
-        if xi is None or wi is None or oi is None or not xi.shape:
-            return "no tensor metadata", None
-        if len(wi.shape) != 2:
-            return f"weight {w.name} is {len(wi.shape)}-D", None
-        if xi.dtype not in SPLIT_K_DTYPES or wi.dtype != xi.dtype or oi.dtype != xi.dtype:
-            return f"dtypes {xi.dtype}/{wi.dtype} (float16, bfloat16 or float32, the same for input and weight)", None
-        if xi.symbolic or wi.symbolic:
-            return "symbolic shapes (the slices are chosen for one size)", None
-        K, N = int(xi.shape[-1]), int(wi.shape[0])
-        M = int(xi.numel) // K if K else 0
+        why, mnk = projection_mnk(x, w, lin, SPLIT_K_DTYPES, "the slices are chosen for one size")
+        if why:
+            return why, None
+        M, N, K, dtype = mnk
         if N > MAX_HIDDEN:
             return f"rows wider than {MAX_HIDDEN} (the norm kernel's limit)", None
         if not cublas_split_k(ctx.profile, M, N, K):
@@ -92,7 +77,7 @@ class LowerSplitK(Pass):
                     f"{M} x {N} output closer to one tile per SM"), None
         residual, lnw, lnb, eps = m["residual"], m["lnw"], m["lnb"], m["eps"]
         vectors = sum(1 for v in (b, lnw, lnb) if v is not None)
-        gemm, norm, _, _ = linear_norm_seconds(ctx.profile, M, N, K, splits, xi.dtype, residual is not None, vectors)
+        gemm, norm, _, _ = linear_norm_seconds(ctx.profile, M, N, K, splits, dtype, residual is not None, vectors)
         gain = ctx.node_time([lin, n]) - (gemm + norm)
         return "", Candidate(f"linear -> residual layer_norm: {splits} K slices, partials summed by the norm",
                              [lin, n], gain, lambda: self._apply(ctx, n, lin, x, w, b, residual, lnw, lnb, eps, splits),

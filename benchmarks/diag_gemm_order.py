@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     wv = (torch.randn(151552, HIDDEN, device=dev) / HIDDEN ** 0.5).bfloat16()
     wgu = (torch.randn(2 * FFN, HIDDEN, device=dev) / HIDDEN ** 0.5).bfloat16()
     wil = reference.interleave_gate_up(wgu, gt.SWIGLU_BLOCK)
-    plain, fused = gt.DEFAULT_CONFIG["gemm"], gt.SWIGLU_CONFIGS[gt.SWIGLU_BLOCK]
+    plain, fused = gt.GEMM_CONFIG, gt.SWIGLU_CONFIGS[gt.SWIGLU_BLOCK]
     variants = [("vocabulary", "cuBLAS", lambda: F.linear(x, wv)),
                 ("gate/up + SwiGLU", "cuBLAS + graphopt::swiglu", lambda: ops.swiglu(F.linear(x, wgu)))]
     for g in GROUPS:

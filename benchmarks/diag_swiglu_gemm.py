@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from graphopt.cuda_ext import gemm_triton as gt
-    from graphopt.cuda_ext import ops
+    from graphopt.cuda_ext import ops, reference
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
             first, second, flops = shapes.get(kind, shapes["gemm"])
             for cfg in configs:
                 if kind == "gemm_swiglu":
-                    wil = gt.interleave_gate_up(wgu, cfg[1])
+                    wil = reference.interleave_gate_up(wgu, cfg[1])
                     fn = lambda: gt.gemm_swiglu(x, wil, FFN, cfg)  # noqa: E731
                 else:
                     fn = lambda: gt.gemm(first, second, cfg)  # noqa: E731
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         if "gemm down" in cfg:
             variants["triton down"] = lambda: gt.gemm(act, wd, cfg["gemm down"])
         if "gemm_swiglu" in cfg:
-            wil = gt.interleave_gate_up(wgu, cfg["gemm_swiglu"][1])
+            wil = reference.interleave_gate_up(wgu, cfg["gemm_swiglu"][1])
             err["gemm_swiglu"] = rel_err(gt.gemm_swiglu(x, wil, FFN, cfg["gemm_swiglu"]), ref_act)
             variants["triton gate_up+swiglu"] = lambda: gt.gemm_swiglu(x, wil, FFN, cfg["gemm_swiglu"])
             variants["MLP epilogue (triton gate_up+swiglu, cublas down)"] = lambda: F.linear(gt.gemm_swiglu(x, wil, FFN, cfg["gemm_swiglu"]), wd)

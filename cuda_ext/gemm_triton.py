@@ -3,7 +3,7 @@
 A SwiGLU MLP runs ``gate_up = x @ W_gu.T`` (the merged gate and up projections), then
 ``act = silu(gate) * up`` (a memory-bound kernel: at GLM-4's 8192 x 27392 it reads 449 MB and writes
 224 MB), then ``act @ W_down.T``. ``gemm_swiglu`` drops the middle kernel: the weight's gate and up
-rows are interleaved in blocks of the output tile's width once (``interleave_gate_up``), so one
+rows are interleaved in blocks of the output tile's width once (``reference.interleave_gate_up``), so one
 ``[BM, 2 BN]`` tile of the product holds matching gate and up columns; its epilogue stores
 ``silu(gate) * up`` from the fp32 accumulator, and the ``[M, 2N]`` intermediate is never written.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from .norm_triton import cached_kernel
-from .reference import interleave_gate_up  # noqa: F401 - the layout gemm_swiglu takes
 
 _kernels: dict = {}
 
@@ -24,7 +23,7 @@ _kernels: dict = {}
 # SwiGLU epilogue multiplies [BLOCK_M, 2 BLOCK_N] tiles. The fastest of the configurations
 # benchmarks/diag_swiglu_gemm.py tried on the H200 (diag_swiglu_gemm_2026-11-30_185919.md): plain
 # 803 TFLOP/s at GLM-4's 8192 x 4096 x 27392, with the SwiGLU epilogue 807 (cuBLAS: 800).
-DEFAULT_CONFIG = {"gemm": (128, 256, 64, 3, 8), "gemm_swiglu": (128, 128, 64, 3, 8)}
+GEMM_CONFIG = (128, 256, 64, 3, 8)
 # gemm_swiglu's configuration per weight block (the block is the output tile's width). Groups of
 # 16 row blocks: back to back under the H200's power cap the fused GEMM ran 2.701 ms at GROUP_M = 16,
 # 2.713 at 8, 2.759 at 32, 2.850 at 64 (diag_gemm_order_2026-11-30_191649.md)
@@ -104,15 +103,14 @@ def _launch(swiglu: bool, a: torch.Tensor, b: torch.Tensor, n: int, config, prog
 
 def gemm(x: torch.Tensor, w: torch.Tensor, config=None, programs: int | None = None) -> torch.Tensor:
     """``x @ w.T`` (x: [M, K], w: [N, K])."""
-    return _launch(False, x, w, w.shape[0], config or DEFAULT_CONFIG["gemm"], programs)
+    return _launch(False, x, w, w.shape[0], config or GEMM_CONFIG, programs)
 
 
 def gemm_swiglu(x: torch.Tensor, w_interleaved: torch.Tensor, n: int, config=None,
                 programs: int | None = None) -> torch.Tensor:
     """``silu(x @ Wg.T) * (x @ Wu.T)`` ([M, n]) from ``interleave_gate_up(cat([Wg, Wu]), BN)`` with
     BN the config's block width (the output tile's)."""
-    config = config or DEFAULT_CONFIG["gemm_swiglu"]
-    return _launch(True, x, w_interleaved, n, config, programs)
+    return _launch(True, x, w_interleaved, n, config or SWIGLU_CONFIGS[SWIGLU_BLOCK], programs)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, n: int, block: int) -> str | None:

@@ -33,6 +33,7 @@ from optimize_time import parse_models  # noqa: E402  (MODEL:BATCH:SEQ items)
 from graphopt.bench import _load, parse_dtype  # noqa: E402
 
 import diag_gemm  # noqa: E402  (its queued timer)
+from _timing import captured  # noqa: E402
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
@@ -87,14 +88,7 @@ def run(spec, batch, seq, dtype) -> dict:
         row["default_kernels"] = sorted({e.name[:90] for e in prof.events()
                                          if str(getattr(e, "device_type", "")).endswith("CUDA")})
         # the same call captured in a CUDA graph (as the optimized module replays it): which kernels?
-        g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(g):
-            call()
+        g = captured(call)
         g.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

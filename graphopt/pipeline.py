@@ -104,8 +104,12 @@ class PassResult:
 
     def consider(self, ctx: "PassContext", labelled: Iterable, build: Callable) -> None:
         """For each ``(match, label)``, ``build(match, label)`` gives ``(why not, None)`` or ``("",
-        Candidate)``: refusals are recorded with their reason, the candidates applied ranked (they
-        call graphopt's kernels, so a CPU profile refuses them all)."""
+        Candidate)``: refusals are recorded with their reason, the candidates applied ranked. The
+        rewrites call graphopt's kernels, so on a profile where they cannot pay (a CPU) every match
+        is refused with NO_FUSED_KERNELS before anything is built."""
+        if not ctx.fused_kernels:
+            self.reject_all([label for _, label in labelled], NO_FUSED_KERNELS)
+            return
         candidates = []
         for m, label in labelled:
             why, c = build(m, label)

@@ -28,7 +28,7 @@ import torch.fx as fx
 from graphopt.cost.model import cublas_split_k, linear_norm_seconds, split_k_slices
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN, SPLIT_K_DTYPES
 from graphopt.matcher import Any, Op, find, get_arg
-from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
+from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from ._fusion_meta import projection_mnk
 
@@ -51,9 +51,6 @@ class LowerSplitK(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         matches = [(m, f"linear {m['lin'].name} -> add_layer_norm {m['aln'].name}") for m in find(gm, PATTERN)]
-        if not ctx.fused_kernels:  # the slices are chosen for a GPU's SMs
-            res.reject_all([label for _, label in matches], NO_FUSED_KERNELS)
-            return res
         res.consider(ctx, matches, lambda m, label: self._candidate(ctx, m, label))
         return res
 

@@ -311,17 +311,6 @@ def persistent_rounds_factor(profile: DeviceProfile, M, N, tile=SWIGLU_TILE) -> 
     return _cdiv(tiles, sms) * sms / tiles
 
 
-def gemm_swiglu_seconds(profile: DeviceProfile, M, K, rows: int, n: int, dtype: torch.dtype) -> float:
-    """Seconds of ``graphopt::gemm_swiglu``: an M x K x ``rows`` GEMM (rows: the interleaved gate and
-    up weight's) reading x and the weight and writing the [M, n] product once, at the fitted GEMM
-    rate, times :func:`persistent_rounds_factor`."""
-    itemsize = dtype.itemsize
-    compute = 2 * M * K * rows / profile.matmul_rate(dtype)
-    memory = (M * K + rows * K + M * n) * itemsize / profile.bandwidth
-    f = persistent_rounds_factor(profile, M, rows)
-    return profile.kernel_seconds(compute * f, memory * f, "matmul")
-
-
 def norm_rows_seconds(profile: DeviceProfile, x: ir.TensorInfo):
     """The block-scheduling floor of a one-block-per-row norm over x's last dim: rows *
     profile.norm_row_s (0 where the profile has not measured it)."""
@@ -399,8 +388,7 @@ class CostModel:
         if name == "linear_add_layer_norm":
             return 2 * outs[0].numel * ins[0].shape[-1], in_bytes + out_bytes, 2, "linear_norm"
         if name == "gemm_swiglu":  # the GEMM runs over every (padded) gate and up row of the weight
-            x, w = ins[0], ins[1]
-            return 2 * (x.numel // x.shape[-1]) * x.shape[-1] * w.shape[0], in_bytes + out_bytes, 1, "matmul"
+            return 2 * ins[0].numel * ins[1].shape[0], in_bytes + out_bytes, 1, "matmul"
         if name in MATMUL_OPS:
             # addmm-style ops take the bias first: the reduction dim is the first matrix's last
             k = (ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]).shape[-1]

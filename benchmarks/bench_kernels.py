@@ -44,9 +44,9 @@ DEVICE = "cuda"
 
 def bench(fn, reps: int = 50, warmup: int = 10, timer: str | None = None) -> float:
     """Median seconds per call. ``queued``: CUDA events around each call with a GPU sleep queued
-    first (host overhead hidden); ``isolated``: graphopt.bench's timer (device idle before each
+    first (host overhead hidden); ``isolated``: graphopt.tools.bench's timer (device idle before each
     call); on the CPU (--tiny without a GPU) perf_counter."""
-    from graphopt.bench import time_call
+    from graphopt.tools.bench import time_call
 
     timer = timer or TIMER
     if DEVICE != "cuda" or timer == "isolated":

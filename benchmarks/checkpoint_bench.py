@@ -137,8 +137,8 @@ class Stepper:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-        if record and not cuda:  # no allocator statistics: graphopt.memtrace's exact tensor timeline
-            from graphopt.memtrace import MemoryTrace
+        if record and not cuda:  # no allocator statistics: graphopt.tools.memtrace's exact tensor timeline
+            from graphopt.tools.memtrace import MemoryTrace
 
             with MemoryTrace(record_ops=False) as tracer:
                 out = self.fn(*self.args)

@@ -13,7 +13,7 @@ Each model is built as ``graphopt bench`` builds it (converted to the dtype, cha
 CNNs in bf16/fp16) and optimized with ``graphopt.optimize(..., check_accuracy=False)`` planning
 with ``--profile`` (default: the device's). Predictions use that profile, with the host costs
 (``host_node_s``, the per-launch host time ``launch_overhead_s`` and the per-op host times
-``host_op_s``) measured on this device at the start of the run (``graphopt.calibrate.host_costs``
+``host_op_s``) measured on this device at the start of the run (``graphopt.tools.calibrate.host_costs``
 and ``host_op_costs``, about a second) unless the profile has them already or
 ``--no-host-calibration``. Three measurements per model:
 
@@ -21,7 +21,7 @@ and ``host_op_costs``, about a second) unless the profile has them already or
   timed as one call (median), against ``CostModel.execution_cost`` in the same execution mode
   ("graphed": inputs copied in, one replay, outputs cloned; or "eager").
 * **eager graph**: the optimized GraphModule run eagerly, against the eager host/device queue.
-* **per node** (``graphopt.measure.accuracy_table``): each node's op called ``--inner`` times back
+* **per node** (``graphopt.tools.measure.accuracy_table``): each node's op called ``--inner`` times back
   to back between two CUDA events (no synchronization inside, nothing subtracted), against
   ``CostModel.node_loop_s`` (the longer of the node's host and device time). Spearman over the
   nodes with a nonzero predicted time ("costed", views included: they cost host time) and over
@@ -69,7 +69,7 @@ def parse_model(text: str) -> tuple[str, int | None, int | None]:
 def prediction_profile(profile_arg, device, dtype, calibrate_host: bool):
     """The profile predictions use: --profile (or the device's), with this device's host costs
     measured now when asked and missing from it. Returns (profile, note)."""
-    from graphopt.calibrate import host_costs, host_op_costs
+    from graphopt.tools.calibrate import host_costs, host_op_costs
     from graphopt.cost.profiles import get_profile
 
     profile, _ = get_profile(profile_arg if profile_arg is not None else device)
@@ -89,9 +89,9 @@ def prediction_profile(profile_arg, device, dtype, calibrate_host: bool):
 
 def run_one(spec: str, *, device, dtype, profile_arg, pred_profile, reps: int, inner: int) -> dict:
     from graphopt.api import optimize
-    from graphopt.bench import _load
+    from graphopt.tools.bench import _load
     from graphopt.cost.model import CostModel
-    from graphopt.measure import accuracy_table, busy_fraction, measure_call, module_execution
+    from graphopt.tools.measure import accuracy_table, busy_fraction, measure_call, module_execution
 
     name, batch, seq = parse_model(spec)
     row: dict = {"model": name, "batch": batch, "seq_len": seq}
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a dry run: mlp and bert-tiny, one node-by-node run")
     a = ap.parse_args(argv)
 
-    from graphopt.bench import environment, parse_dtype
+    from graphopt.tools.bench import environment, parse_dtype
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

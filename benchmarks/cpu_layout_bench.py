@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import graphopt  # noqa: E402
-from graphopt.bench import environment  # noqa: E402
+from graphopt.tools.bench import environment  # noqa: E402
 from graphopt.cost.profiles import cpu_profile  # noqa: E402
 from graphopt.examples import zoo  # noqa: E402
 

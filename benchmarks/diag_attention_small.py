@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from graphopt.calibrate import SHORT_ATTENTION_SHAPES  # noqa: E402
+from graphopt.tools.calibrate import SHORT_ATTENTION_SHAPES  # noqa: E402
 from graphopt.cuda_ext import attention_triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -35,8 +35,8 @@ import diag_resnet_convs  # noqa: E402  (its CUDA-event timer)
 
 import graphopt  # noqa: E402
 from optimize_time import parse_models  # noqa: E402  (MODEL:BATCH:SEQ items)
-from graphopt.bench import _load, parse_dtype, time_call  # noqa: E402
-from graphopt.measure import _device_intervals, _union  # noqa: E402
+from graphopt.tools.bench import _load, parse_dtype, time_call  # noqa: E402
+from graphopt.tools.measure import _device_intervals, _union  # noqa: E402
 
 
 def _events(fn, reps=30, warmup=5, inner=1) -> float:

@@ -4,7 +4,7 @@
         [--budget 0.3] [--target cpu|h200] [--region-shares 0.5] [--backends aot,sac]
 
 A GLM-4-9B-shaped decoder scaled down (MLP 3.34x hidden, vocab 37x hidden, bf16, SDPA) runs one
-training step eagerly and once per checkpoint backend under ``graphopt.memtrace.MemoryTrace``
+training step eagerly and once per checkpoint backend under ``graphopt.tools.memtrace.MemoryTrace``
 (every storage an op makes, forward and backward, freed by a finalizer: the exact tensor peak, what
 ``max_memory_allocated`` measures on a GPU). It prints the traced peak and memory after the
 forward next to the plan's prediction, and what was live at the peak by the op that made it.
@@ -56,7 +56,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import graphopt
-    from graphopt.memtrace import trace_step
+    from graphopt.tools.memtrace import trace_step
 
     ic = importlib.import_module("graphopt.passes.insert_checkpoints")
     if args.region_shares:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import graphopt  # noqa: E402
-from graphopt.bench import time_call  # noqa: E402
+from graphopt.tools.bench import time_call  # noqa: E402
 from graphopt.examples import zoo  # noqa: E402
 from benchmarks.profile_model import top_kernels  # noqa: E402
 

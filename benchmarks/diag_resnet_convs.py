@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
     from graphopt import ir
     from graphopt.api import optimize
-    from graphopt.bench import _load
+    from graphopt.tools.bench import _load
     from graphopt.cost.model import CostModel
     from graphopt.cost.profiles import get_profile
 

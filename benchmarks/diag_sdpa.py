@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 import graphopt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from optimize_time import parse_models  # noqa: E402  (MODEL:BATCH:SEQ items)
-from graphopt.bench import _load, parse_dtype  # noqa: E402
+from graphopt.tools.bench import _load, parse_dtype  # noqa: E402
 
 import diag_gemm  # noqa: E402  (its queued timer)
 from _timing import captured  # noqa: E402

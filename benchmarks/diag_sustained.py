@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from graphopt.calibrate import gemm_rates  # noqa: E402
+from graphopt.tools.calibrate import gemm_rates  # noqa: E402
 
 QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 

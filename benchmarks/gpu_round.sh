@@ -407,7 +407,7 @@ accuracy)
   models "${2:-bert-base:64,glm4-9b-4l:8,resnet50:1,bert-base:1,glm4-9b-4l:1}" ;;
 conv)
   timeout 40 python3 benchmarks/diag_stem.py --out "$OUT" 2>&1 | quiet | grep -v "^ \|^{\|^}"; echo "### stem ${SECONDS}s"
-  timeout 150 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error\|wrote"
+  timeout 150 python3 -m graphopt calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error\|wrote"
   echo "### calibrate ${SECONDS}s"
   python3 -c "import json; d=json.load(open('$OUT/h200-calibrated.json')); print({k: v for k, v in d.items() if 'conv' in k}); print(d['source'].get('conv_efficiency'))"
   timeout 150 python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" --models resnet50@64,resnet50@1 \
@@ -416,12 +416,12 @@ conv)
 core)
   timeout 150 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
   tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
-  timeout 120 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | tail -26; echo "### calibrate ${SECONDS}s"
+  timeout 120 python3 -m graphopt calibrate -o "$OUT/h200-calibrated.json" 2>&1 | tail -26; echo "### calibrate ${SECONDS}s"
   timeout 200 python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" --out "$OUT" 2>&1 | grep "^|" | head -14
   echo "### accuracy ${SECONDS}s"
   precision ;;
 cost)
-  timeout 150 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | tail -32; echo "### calibrate ${SECONDS}s"
+  timeout 150 python3 -m graphopt calibrate -o "$OUT/h200-calibrated.json" 2>&1 | tail -32; echo "### calibrate ${SECONDS}s"
   prof=(); [ -s "$OUT/h200-calibrated.json" ] && prof=(--profile "$OUT/h200-calibrated.json")
   timeout $((590 - SECONDS)) python3 benchmarks/cost_model_accuracy.py ${prof[@]+"${prof[@]}"} --out "$OUT" 2>&1 | quiet \
     | grep -v "^E[0-9]" | tail -80
@@ -438,13 +438,13 @@ final)
   timeout 120 python3 -m pytest -m cuda tests/cuda_ext tests/passes tests/test_planted_fault.py -q -p no:cacheprovider \
     -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
   tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
-  timeout 100 python3 -m graphopt.cli bench convnext_tiny --batch 64 --dtype bf16 --vs eager --reps 30 --out "$OUT" \
+  timeout 100 python3 -m graphopt bench convnext_tiny --batch 64 --dtype bf16 --vs eager --reps 30 --out "$OUT" \
     2>&1 | grep "^|"; echo "### convnext ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" 2>&1 | quiet | tail -40 ;;
 probe)
   timeout 240 python3 benchmarks/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 30 --compile --reps 10 \
     --out "$OUT" 2>&1 | quiet | tail -120; echo "### profile ${SECONDS}s"
-  timeout 120 python3 -m graphopt.cli explain glm4-9b-4l --batch 8 --seq-len 1024 --dtype bf16 --no-accuracy > "$OUT/explain_glm4_bs8.txt" 2>&1
+  timeout 120 python3 -m graphopt explain glm4-9b-4l --batch 8 --seq-len 1024 --dtype bf16 --no-accuracy > "$OUT/explain_glm4_bs8.txt" 2>&1
   echo "### explain ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models glm4-9b-4l:8:1024,vit_b_16:64 --out "$OUT" \
     --reps 10 2>&1 | quiet | grep "^|\|^-" | tail -10 ;;
@@ -456,7 +456,7 @@ mid)
     2>&1 | quiet | tail -14; echo "### models ${SECONDS}s"
   timeout 100 python3 benchmarks/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 14 --gaps --reps 10 \
     --out "$OUT" 2>&1 | quiet | grep -v "^$" | tail -48; echo "### profile ${SECONDS}s"
-  timeout 110 python3 -m graphopt.cli calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error" | tail -4
+  timeout 110 python3 -m graphopt calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error" | tail -4
   echo "### calibrate ${SECONDS}s"
   [ -s "$OUT/h200-calibrated.json" ] && timeout 90 python3 benchmarks/cost_model_accuracy.py --profile "$OUT/h200-calibrated.json" \
     --models resnet50@64 --out "$OUT" 2>&1 | grep "^| resnet" | head -4; echo "### accuracy ${SECONDS}s"

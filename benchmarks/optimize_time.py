@@ -4,7 +4,7 @@
     python benchmarks/optimize_time.py --models bert-tiny:2:16 --reps 2 --out /tmp/x   # dry run
     python benchmarks/optimize_time.py --accuracy ...                            # with the fp64 accuracy guard
 
-Each model is built as the model benchmark builds it (graphopt.bench._load: bf16, eval) and
+Each model is built as the model benchmark builds it (graphopt.tools.bench._load: bf16, eval) and
 optimized ``--reps`` times in one process with ``target=--target`` (default h200: the GPU plan, on
 any machine). The first call is reported apart ("cold": it pays torch.export's and graphopt's
 first-use costs, as the first optimize() in a benchmark process does); the phases are those of the
@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import graphopt  # noqa: E402
-from graphopt.bench import _load, parse_dtype  # noqa: E402
+from graphopt.tools.bench import _load, parse_dtype  # noqa: E402
 from tests.test_same_plan import plan_record  # noqa: E402  (op counts, code and constants digests)
 
 DEFAULT = "bert-base:64:128,glm4-9b-4l:8:1024"
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     import transformers
 
-    from graphopt.bench import _git_commit
+    from graphopt.tools.bench import _git_commit
 
     header = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_name(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,

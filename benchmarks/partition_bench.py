@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import graphopt.distributed as gd  # noqa: E402
+import graphopt.runtime.distributed as gd  # noqa: E402
 from graphopt import partition  # noqa: E402
 from graphopt.capture import capture  # noqa: E402
 from graphopt.errors import BudgetError  # noqa: E402

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 
 import graphopt  # noqa: E402
 from graphopt import accuracy  # noqa: E402
-from graphopt.bench import environment, time_call  # noqa: E402
+from graphopt.tools.bench import environment, time_call  # noqa: E402
 from graphopt.examples import zoo  # noqa: E402
 
 # (zoo name, batch, seq_len): the configurations

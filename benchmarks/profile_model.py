@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import graphopt  # noqa: E402
-from graphopt.bench import time_call  # noqa: E402
+from graphopt.tools.bench import time_call  # noqa: E402
 from graphopt.examples import zoo  # noqa: E402
 
 

@@ -15,7 +15,7 @@ mode="reduce-overhead" and graphopt with uncloned outputs (the clone's cost). A 
 once for all its configs (bs1 uses the first row of the larger batch's inputs). One combined
 table is printed at the end (also when a config fails) and written as JSON + Markdown under
 benchmarks/results/models_<date>_<gpu>_torch-<ver>_cuda-<ver>.{json,md}, rewritten after every
-variant. A thin script over graphopt.bench.
+variant. A thin script over graphopt.tools.bench.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from graphopt.bench import DEFAULT_OUT, BenchConfig, parse_dtype, run  # noqa: E402
+from graphopt.tools.bench import DEFAULT_OUT, BenchConfig, parse_dtype, run  # noqa: E402
 
 BASE = ("eager", "compile")
 LATENCY = ("eager", "compile", "compile-ro", "graphopt-reuse")

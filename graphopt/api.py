@@ -57,11 +57,11 @@ class OptimizedModule(nn.Module):
 
     def set_cuda_graphs(self, mode="auto", *, max_graphs: int = 8, reuse_outputs: bool = False,
                         example_flat: list | None = None) -> "OptimizedModule":
-        """Choose how calls run (graphopt.lower): ``mode`` "auto" (CUDA graphs for static-shape
+        """Choose how calls run (graphopt.runtime.cuda_graphs): ``mode`` "auto" (CUDA graphs for static-shape
         inference on CUDA), True or False; ``max_graphs`` graphs kept (LRU); ``reuse_outputs``
         returns the graph's static outputs uncloned (valid until the next call). Updates the
         report's "CUDA graph: on/off (why)" note. Returns self."""
-        from .lower import launch_savings_s, lower
+        from .runtime.cuda_graphs import launch_savings_s, lower
 
         if example_flat is None:  # the signature stands in for the example inputs
             example_flat = [torch.empty(0, dtype=s[1], device=s[2]) if s is not None else None
@@ -128,7 +128,7 @@ class OptimizedModule(nn.Module):
 
     @property
     def runner(self):
-        """The :class:`graphopt.lower.Runner` calls go through (``.decision``, ``.stats``)."""
+        """The :class:`graphopt.runtime.cuda_graphs.Runner` calls go through (``.decision``, ``.stats``)."""
         return self._runner
 
     def _apply(self, fn, *args, **kwargs):
@@ -208,7 +208,7 @@ class OptimizedModule(nn.Module):
             self._guard_flat(flat)
         except GuardError as e:
             return self._specialization(args, kwargs, e)(*args, **kwargs)
-        placed = self._modules.get("placed")  # graphopt.partition.PlacedModule (optimize(devices=...))
+        placed = self._modules.get("placed")  # graphopt.runtime.placement.PlacedModule (optimize(devices=...))
         if placed is not None:
             return placed(*args, **kwargs)
         if self._runner is None:
@@ -447,7 +447,7 @@ def optimize(
       and where the devices exist the module runs placed across them (graphopt.partition); the
       example inputs are one micro-batch of a ``schedule`` ("gpipe"/"1f1b"/"interleaved1f1b": with
       ``virtual_stages`` (default 2) non-adjacent stages per device) pipeline of ``microbatches``
-      (run multi-process with graphopt.distributed).
+      (run multi-process with graphopt.runtime.distributed).
     """
     timer = timing.PhaseTimer()
     with timer.active(), _collect_young_only():
@@ -518,7 +518,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
     run_profile = profile  # the device as it runs eager kernels: the execution-time predictions use it
     if (cuda_graphs is not False and not training and not dynamic and profile.kind == "cuda"
             and model_dev.type == "cuda" and profile.launch_overhead_graph_s < profile.launch_overhead_s):
-        # static-shape inference on a GPU replays a CUDA graph when it pays (graphopt.lower): plan
+        # static-shape inference on a GPU replays a CUDA graph when it pays (graphopt.runtime.cuda_graphs): plan
         # the rewrites with the launch cost a replay leaves, where kernels' device time is what counts
         import dataclasses
 
@@ -659,7 +659,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
 
 def _place(opt: OptimizedModule, gm: fx.GraphModule, plan, training: bool, report: Report) -> None:
     """Run the optimized module placed across the plan's devices, where they exist here."""
-    from .partition import PlacedModule
+    from .runtime.placement import PlacedModule
 
     missing = [s.device for s in plan.stages if torch.device(s.device).type == "cuda"
                and (not torch.cuda.is_available() or torch.device(s.device).index >= torch.cuda.device_count())]
@@ -669,7 +669,7 @@ def _place(opt: OptimizedModule, gm: fx.GraphModule, plan, training: bool, repor
         return
     opt.placed = PlacedModule(gm, plan, training=training)
     report.notes.append(f"placed across {', '.join(s.device for s in plan.stages)} in one process (outputs on "
-                        f"{plan.stages[-1].device}); graphopt.distributed runs the stages as a pipeline")
+                        f"{plan.stages[-1].device}); graphopt.runtime.distributed runs the stages as a pipeline")
 
 
 def _calling_convention(model, args, kwargs):

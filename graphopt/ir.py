@@ -513,3 +513,53 @@ def connected_components(nodes, order: dict, joinable=lambda a, n: True) -> list
     for n in nodes:
         comps.setdefault(find(n), []).append(n)
     return [sorted(c, key=order.__getitem__) for c in comps.values()]
+
+
+# an output at least this large, made by one op that nothing else reads, runs outside a replayed
+# CUDA graph instead of being cloned out of it (graphopt.runtime.cuda_graphs; the cost model prices it)
+TAIL_MIN_BYTES = 16 << 20
+
+
+def flat_outputs(gm: fx.GraphModule):
+    """The output node's flat tuple of values when the module unflattens them itself (pytree
+    codegen, as capture makes), else None (also for a module that is not a GraphModule)."""
+    if not isinstance(gm, fx.GraphModule):
+        return None
+    cg = gm.graph._codegen
+    info = getattr(cg, "pytree_info", None)
+    if not isinstance(cg, fx.graph._PyTreeCodeGen) or info is None or info.out_spec is None:
+        return None
+    flat = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return list(flat) if isinstance(flat, (tuple, list)) else None
+
+
+def nbytes(val: torch.Tensor) -> int:
+    return int(val.numel()) * val.element_size()
+
+
+def tail_nodes(gm: fx.GraphModule, min_bytes: int = TAIL_MIN_BYTES) -> list[fx.Node]:
+    """Output nodes that a replay can leave to an eager call after it: an ATen or graphopt op
+    whose single, fresh (not a view) output is at least ``min_bytes``, read only by the output,
+    returned once, that neither draws random numbers nor mutates its arguments."""
+    flat = flat_outputs(gm)
+    if flat is None:
+        return []
+    out = []
+    for n in flat:
+        if not isinstance(n, fx.Node) or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        schema = n.target._schema
+        if len(schema.returns) != 1 or schema.returns[0].alias_info is not None or schema.is_mutable:
+            continue
+        if flat.count(n) != 1 or len(n.users) != 1 or is_random(n):
+            continue
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        try:
+            big = nbytes(val) >= min_bytes
+        except TypeError:  # symbolic size
+            continue
+        if big:
+            out.append(n)
+    return out

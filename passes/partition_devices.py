@@ -5,7 +5,7 @@ programming over cut positions in its topological order, into one stage per devi
 slowest stage's predicted time (its nodes on that device's profile plus the transfer of the
 tensors crossing its boundaries at the link's bandwidth) is as small as possible, within each
 device's memory. The pass plans; it does not rewrite the graph. ``optimize`` then places the
-stages (graphopt.partition.PlacedModule) and graphopt.distributed runs them as a pipeline.
+stages (graphopt.runtime.placement.PlacedModule) and graphopt.runtime.distributed runs them as a pipeline.
 Options (``ctx.options``): ``devices`` (a list of graphopt.partition.Device), ``microbatches``,
 ``schedule`` ("gpipe" | "1f1b" | "interleaved1f1b"), ``virtual_stages`` (stages per device,
 interleaved1f1b only; default 2). A single device (or none) leaves it a no-op, with the reason.

@@ -1,4 +1,4 @@
-"""graphopt.bench and `graphopt bench`: the harness runs on the CPU with tiny models; these
+"""graphopt.tools.bench and `graphopt bench`: the harness runs on the CPU with tiny models; these
 tests check its records, files, failure handling and accuracy sampling, never its timings."""
 
 import io
@@ -8,9 +8,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from graphopt import bench
-from graphopt.bench import BenchConfig, _check, _sample, parse_dtype, parse_vs, run, time_call
-from graphopt.cli import main
+from graphopt.tools import bench
+from graphopt.tools.bench import BenchConfig, _check, _sample, parse_dtype, parse_vs, run, time_call
+from graphopt.tools.cli import main
 
 
 def _console():

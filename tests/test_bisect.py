@@ -1,7 +1,7 @@
 import torch
 
 import graphopt
-from graphopt.bisect import bisect
+from graphopt.tools.bisect import bisect
 from graphopt.examples import zoo
 from graphopt.pipeline import Candidate, Pass, assemble
 
@@ -56,7 +56,7 @@ def test_bisect_clean_pipeline_reports_no_failure():
 
 
 def test_cli_bisect(capsys):
-    from graphopt.cli import main
+    from graphopt.tools.cli import main
 
     assert main(["explain", "shape-branch", "--bisect", "--precision", "fp32"]) == 0
     assert "no pass breaks the accuracy rule" in capsys.readouterr().out

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from graphopt.calibrate import calibrate
-from graphopt.cli import main
+from graphopt.tools.calibrate import calibrate
+from graphopt.tools.cli import main
 from graphopt.cost.profiles import DeviceProfile, get_profile
 
 
@@ -73,7 +73,7 @@ def test_calibrate_cuda_quick(tmp_path):
 def test_efficiency_fit_recovers_a_known_line():
     """The GEMM/conv efficiency fit: t = flops / (peak * scale) + fixed, and a fixed time is never
     negative (refit through the origin)."""
-    from graphopt.calibrate import _fit_efficiency, fit_line
+    from graphopt.tools.calibrate import _fit_efficiency, fit_line
 
     peak = 800e12
     samples = [(f, f / (peak * 0.8) + 4e-6) for f in (1e9, 1e10, 1e11, 1e12)]
@@ -89,7 +89,7 @@ def test_host_costs_measured_and_roundtrip(tmp_path):
     the defaults."""
     import torch
 
-    from graphopt.calibrate import host_costs, host_op_costs
+    from graphopt.tools.calibrate import host_costs, host_op_costs
     from graphopt.cost.profiles import view_chain
 
     x = torch.randn(4, 4)
@@ -119,7 +119,7 @@ def test_fit_conv_recovers_conv_efficiency():
     1x1s) give back the scales and fixed time they were made with, and the profile prices them so."""
     import dataclasses
 
-    from graphopt.calibrate import fit_conv
+    from graphopt.tools.calibrate import fit_conv
     from graphopt.cost.profiles import get_profile
 
     peak, bw = 776e12, 4.2e12
@@ -143,7 +143,7 @@ def test_fit_conv_recovers_conv_efficiency():
 def test_fit_channel_chunk():
     """Few-channel samples made with compute at C_in / 64 of the rate give back a chunk of 64; none
     (or samples the plain fit explains) give 0."""
-    from graphopt.calibrate import fit_channel_chunk
+    from graphopt.tools.calibrate import fit_channel_chunk
 
     peak, bw, fit = 776e12, 4.2e12, (1.0, 1.0, 4.5e-6, False)
     few = [(f, b, f * (64 / cin) / peak + b / bw + fit[2], cin) for f, b, cin in
@@ -157,7 +157,7 @@ def test_fit_channel_chunk():
 def test_conv_samples_sort_shapes_by_input_channels(monkeypatch):
     """calibrate's convolution samples: shapes over >= 64 channels feed the conv fit, 8-63 channels
     the channel-chunk fit, channel counts that are not a multiple of 8 the narrow-input factor."""
-    import graphopt.calibrate as cal
+    import graphopt.tools.calibrate as cal
 
     monkeypatch.setattr(cal, "CONV_SHAPES", [(2, 64, 8, 8, 64, 3, 1), (2, 3, 16, 16, 8, 7, 2), (2, 16, 8, 8, 16, 3, 1),
                                              (2, 128, 4, 4, 64, 1, 1)])
@@ -179,7 +179,7 @@ def test_attention_fit_recovers_the_max_form_and_prices_like_the_cost_model():
     import torch.nn.functional as F
 
     from graphopt import capture
-    from graphopt.calibrate import ATTENTION_SHAPES, attention_work, fit_conv
+    from graphopt.tools.calibrate import ATTENTION_SHAPES, attention_work, fit_conv
     from graphopt.cost.model import CostModel
 
     prof = get_profile("h200")[0]
@@ -219,7 +219,7 @@ def test_host_time_per_op_of_a_training_step(tmp_path):
     partition planner counts them; it travels through the profile JSON (absent: 0, no host term)."""
     import torch
 
-    from graphopt.cost.profiles import measure_host_train_op_s
+    from graphopt.tools.calibrate import measure_host_train_op_s
 
     h, call = measure_host_train_op_s(torch.device("cpu"), steps=3, reps=1)
     assert 1e-8 < h < 1e-3 and 0 <= call < 0.1

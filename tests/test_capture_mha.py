@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt import CaptureError, capture, ir
-from graphopt.cli import main
+from graphopt.tools.cli import main
 from graphopt.examples import zoo
 from tests.helpers import op_counts, reference_check
 

@@ -15,7 +15,7 @@ import torch
 
 import graphopt
 from graphopt import accuracy
-from graphopt.cli import main
+from graphopt.tools.cli import main
 from graphopt.examples import zoo
 from graphopt.pipeline import assemble
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt import accuracy
-from graphopt import distributed as gd
+from graphopt.runtime import distributed as gd
 from graphopt.errors import GraphoptError
 from graphopt.examples import zoo
 

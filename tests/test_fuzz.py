@@ -1,4 +1,4 @@
-"""Fuzzing the passes (issue 10.2): random programs from graphopt.fuzz's grammar, random pass
+"""Fuzzing the passes (issue 10.2): random programs from graphopt.tools.fuzz's grammar, random pass
 subsets (pipeline order), cpu and h200 targets, checked against eager by the accuracy rule.
 Bounded budget here; `python benchmarks/fuzz.py --examples N --seed S` is the long campaign, and
 its shrunk failures live in tests/fuzz_regressions/."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from graphopt import fuzz
+from graphopt.tools import fuzz
 from graphopt.pipeline import available
 
 # signatures of known, still-open pass bugs the CI property skips (each pinned by an xfail test in

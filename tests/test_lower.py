@@ -1,4 +1,4 @@
-"""graphopt.lower: the CUDA-graph runner.
+"""graphopt.runtime.cuda_graphs: the CUDA-graph runner.
 
 On the CPU: the runner falls back cleanly, the on/off decision says why, and the cache/guard/
 aliasing logic runs against the emulated backend (capture = run once and keep the outputs as the
@@ -19,7 +19,7 @@ from graphopt import accuracy
 from graphopt.capture import capture
 from graphopt.cost.profiles import get_profile
 from graphopt.examples import zoo
-from graphopt.lower import Decision, Runner, decide, launch_savings_s, lower
+from graphopt.runtime.cuda_graphs import Decision, Runner, decide, launch_savings_s, lower
 
 
 class Small(nn.Module):
@@ -499,7 +499,7 @@ class Head(nn.Module):
 
 
 def test_a_big_output_is_made_after_the_replay_not_cloned():
-    from graphopt.lower import tail_nodes
+    from graphopt.runtime.cuda_graphs import tail_nodes
 
     model, x = Head().eval(), torch.randn(4, 8)
     runner = _emulated(model, x, tail_min_bytes=4 * 300 * 4)  # the logits qualify, the pooled output does not
@@ -525,7 +525,7 @@ def test_a_big_output_is_made_after_the_replay_not_cloned():
 
 
 def test_small_outputs_views_and_reused_outputs_stay_in_the_graph():
-    from graphopt.lower import tail_nodes
+    from graphopt.runtime.cuda_graphs import tail_nodes
 
     model, x = Head().eval(), torch.randn(4, 8)
     assert _emulated(model, x).tail is None  # 4.8 KB of logits: under TAIL_MIN_BYTES, cloned
@@ -550,7 +550,7 @@ def test_graphed_cost_counts_the_tail_as_an_eager_kernel_not_a_clone():
     """Planned for the H200 on this CPU: the cost model's graphed time counts the tail as an
     eager kernel, not a clone (the GLM-4 logits case, scaled down)."""
     from graphopt.cost.model import CostModel
-    from graphopt.lower import tail_nodes
+    from graphopt.runtime.cuda_graphs import tail_nodes
 
     model, x = Head(vocab=1 << 20).eval(), torch.randn(4, 8)  # 16 MiB of fp32 logits
     gm = _gm(model, x)

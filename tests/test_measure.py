@@ -1,4 +1,4 @@
-"""graphopt.measure: node-by-node timing, Spearman, explain --measure (CPU; no wall-clock assertions)."""
+"""graphopt.tools.measure: node-by-node timing, Spearman, explain --measure (CPU; no wall-clock assertions)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 
 import graphopt
 from graphopt.capture import capture, split_inputs
-from graphopt.cli import main
+from graphopt.tools.cli import main
 from graphopt.cost.model import CostModel
 from graphopt.cost.profiles import get_profile
 from graphopt.examples import zoo
-from graphopt.measure import accuracy_table, busy_fraction, graph_inputs, measure_nodes, spearman
+from graphopt.tools.measure import accuracy_table, busy_fraction, graph_inputs, measure_nodes, spearman
 
 
 def _mlp():
@@ -96,7 +96,7 @@ def test_render_measured_section():
 
     model, inputs = _mlp()
     opt = graphopt.optimize(model, inputs, check_accuracy=False)
-    from graphopt.measure import measure_report
+    from graphopt.tools.measure import measure_report
 
     measure_report(opt, model, inputs, reps=1)
     console = Console(record=True, width=160)

@@ -1,4 +1,4 @@
-"""graphopt.memtrace: an exact live-tensor-bytes timeline on the CPU (what max_memory_allocated
+"""graphopt.tools.memtrace: an exact live-tensor-bytes timeline on the CPU (what max_memory_allocated
 measures on a GPU): new storages counted once, views and pre-existing storages not at all, frees
 when the storage dies, and the backward's ops seen too."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from graphopt.errors import GraphoptError
-from graphopt.memtrace import MemoryTrace, trace_step
+from graphopt.tools.memtrace import MemoryTrace, trace_step
 
 
 def test_counts_new_storages_once_and_frees_them():

@@ -222,7 +222,7 @@ def test_wrong_cuda_kernel_is_reverted_by_the_guard():
 
 @pytest.mark.cuda
 def test_bisect_names_the_wrong_cuda_kernel():
-    from graphopt.bisect import bisect
+    from graphopt.tools.bisect import bisect
 
     model = _mlp_cuda()
     x = torch.randn(64, 256, device="cuda")

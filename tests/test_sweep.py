@@ -3,7 +3,7 @@ tests/sweep_expected.csv. The full sweep is `python benchmarks/sweep.py --all`."
 
 import pytest
 
-from graphopt import sweep
+from graphopt.tools import sweep
 
 FAST = ["resnet18", "mobilenet_v3_small", "squeezenet1_0", "shufflenet_v2_x0_5", "regnet_y_400mf",
         "efficientnet_b0", "bert", "llama", "gpt2", "vit"]

@@ -612,7 +612,7 @@ class CostModel:
 
     def node_loop_s(self, node: fx.Node, hints=None) -> float:
         """Predicted seconds per run of one node run many times back to back (how
-        graphopt.measure times a node): on a GPU the longer of its host and device time (a
+        graphopt.tools.measure times a node): on a GPU the longer of its host and device time (a
         queue of one op), on the CPU their sum. Includes ``wrap``-style higher-order ops' bodies."""
         host, dev = 0.0, 0.0
         for _, h, d, _, _ in self._steps(node.graph.owning_module, hints, only=node):
@@ -667,11 +667,9 @@ class CostModel:
                              "start_s": start, "end_s": t_dev})
             return ExecutionCost("eager", max(t_host, t_dev), sum(s[1] for s in steps), busy,
                                  sum(s[3] for s in steps), rows)
-        # graphed: copy-ins, one replay, the ops left outside the graph (graphopt.lower.tail_nodes: big
-        # outputs made after the replay instead of cloned), clones, each issued by the host like an eager kernel
-        from graphopt.lower import tail_nodes
-
-        tail = set() if reuse_outputs else set(tail_nodes(gm))
+        # graphed: copy-ins, one replay, the ops left outside the graph (ir.tail_nodes: big outputs made
+        # after the replay instead of cloned), clones, each issued by the host like an eager kernel
+        tail = set() if reuse_outputs else set(ir.tail_nodes(gm))
         body = sum(max(d, launches * p.launch_overhead_graph_s) for n, _, d, launches, _ in steps
                    if launches and n not in tail)
         items = []

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 import graphopt
 from graphopt.capture import capture
-from graphopt.cli import main
+from graphopt.tools.cli import main
 from graphopt.cost.activations import ActivationModel
 from graphopt.cost.model import CostModel
 from graphopt.cost.profiles import get_profile

@@ -1,4 +1,4 @@
-"""The checkpoint plan's step memory, checked on the CPU against graphopt.memtrace (the exact
+"""The checkpoint plan's step memory, checked on the CPU against graphopt.tools.memtrace (the exact
 live-tensor timeline of a step: what max_memory_allocated measures on a GPU), on a GLM-4-shaped
 decoder (the GLM-4-9B ratios: MLP 3.34x hidden, vocab 37x hidden; bf16, 4 layers).
 
@@ -16,7 +16,7 @@ import torch
 import graphopt
 from graphopt.errors import BudgetError
 from graphopt.examples import zoo
-from graphopt.memtrace import trace_step
+from graphopt.tools.memtrace import trace_step
 from tests.passes.test_insert_checkpoints_aot import accuracy_rule, aot_modules
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")

@@ -12,7 +12,7 @@ import torch
 
 import graphopt
 from graphopt.errors import BudgetError
-from graphopt.memtrace import trace_step
+from graphopt.tools.memtrace import trace_step
 from tests.passes.test_insert_checkpoints import _meta_model, small_resnet
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")

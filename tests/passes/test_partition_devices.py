@@ -8,7 +8,8 @@ import json
 import torch
 
 import graphopt
-from graphopt import accuracy, cli
+from graphopt import accuracy
+from graphopt.tools import cli
 from graphopt.examples import zoo
 
 

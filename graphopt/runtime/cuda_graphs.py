@@ -50,13 +50,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from . import ir
+from .. import ir
+from ..ir import TAIL_MIN_BYTES, flat_outputs as _flat_outputs, tail_nodes
 
 __all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "tail_nodes", "RANDOM_OPS", "HOST_SYNC_OPS"]
 
-# an output at least this large, made by one op that nothing else reads, runs outside the graph
-# instead of being cloned out of it (a clone of 16 MiB costs 8 us on the H200, an eager launch 7)
-TAIL_MIN_BYTES = 16 << 20
 
 # op names (ATen schema names, without the namespace) that make a graph unfit for replay
 RANDOM_OPS = ir.RANDOM_OPS  # (re-exported; ir.is_random is the one definition)
@@ -222,51 +220,6 @@ def _output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
-def _flat_outputs(gm: fx.GraphModule):
-    """The output node's flat tuple of values when the module unflattens them itself (pytree
-    codegen, as capture makes), else None (also for a module that is not a GraphModule)."""
-    if not isinstance(gm, fx.GraphModule):
-        return None
-    cg = gm.graph._codegen
-    info = getattr(cg, "pytree_info", None)
-    if not isinstance(cg, fx.graph._PyTreeCodeGen) or info is None or info.out_spec is None:
-        return None
-    flat = _output_node(gm).args[0]
-    return list(flat) if isinstance(flat, (tuple, list)) else None
-
-
-def _nbytes(val: torch.Tensor) -> int:
-    return int(val.numel()) * val.element_size()
-
-
-def tail_nodes(gm: fx.GraphModule, min_bytes: int = TAIL_MIN_BYTES) -> list[fx.Node]:
-    """Output nodes that a replay can leave to an eager call after it: an ATen or graphopt op
-    whose single, fresh (not a view) output is at least ``min_bytes``, read only by the output,
-    returned once, that neither draws random numbers nor mutates its arguments."""
-    flat = _flat_outputs(gm)
-    if flat is None:
-        return []
-    out = []
-    for n in flat:
-        if not isinstance(n, fx.Node) or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-            continue
-        schema = n.target._schema
-        if len(schema.returns) != 1 or schema.returns[0].alias_info is not None or schema.is_mutable:
-            continue
-        if flat.count(n) != 1 or len(n.users) != 1 or ir.is_random(n):
-            continue
-        val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
-        try:
-            big = _nbytes(val) >= min_bytes
-        except TypeError:  # symbolic size
-            continue
-        if big:
-            out.append(n)
-    return out
-
-
 class _Tail:
     """``gm`` split in two: ``head`` (captured) returns the outputs the replay keeps, then the
     values the tail's nodes read; ``run`` runs those nodes' ops on them and puts every output
@@ -281,7 +234,7 @@ class _Tail:
         self.keep = [i for i, n in enumerate(flat) if n not in self.nodes]  # output positions the replay fills
         self.slots = [flat.index(n) for n in self.nodes]
         self.reads = list(dict.fromkeys(a for n in self.nodes for a in n.all_input_nodes))
-        self.nbytes = sum(_nbytes(n.meta["val"]) for n in self.nodes)
+        self.nbytes = sum(ir.nbytes(n.meta["val"]) for n in self.nodes)
         g = fx.Graph()
         env: dict = {}
         mapped = g.graph_copy(gm.graph, env)

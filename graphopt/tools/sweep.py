@@ -29,7 +29,7 @@ import torch
 
 STATUSES = ("pass", "fail_accuracy", "capture_error", "fail_to_run", "skipped")
 FIELDS = ("name", "source", "status", "seconds", "message")
-EXPECTED_CSV = Path(__file__).resolve().parents[1] / "tests" / "sweep_expected.csv"
+EXPECTED_CSV = Path(__file__).resolve().parents[2] / "tests" / "sweep_expected.csv"
 
 # torchvision models whose float64 reference and per-pass accuracy checks do not fit a CPU sweep's
 # time budget (parameters above this many millions are skipped with that reason)

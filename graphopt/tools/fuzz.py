@@ -255,7 +255,7 @@ class ProgramModule(nn.Module):
 
 
 def _act(x, kind):
-    from .cuda_ext.reference import activation  # the one table of activations (bias_act's reference)
+    from ..cuda_ext.reference import activation  # the one table of activations (bias_act's reference)
 
     return activation(x, kind)
 
@@ -419,7 +419,7 @@ def pass_subsets(include=None):
 
 
 def strict_passes() -> list:
-    from .pipeline import available
+    from ..pipeline import available
 
     return [n for n in available() if n not in STRICT_EXCLUDED]
 
@@ -436,12 +436,12 @@ def check_program(program: Program, passes, target: str = "cpu", mode: str = "pa
     """Capture, run ``passes`` (strict: a pass bug raises), and apply the accuracy rule against
     eager; mode "optimize" goes through graphopt.optimize end to end instead. Raises
     FuzzFailure on any failure."""
-    from . import accuracy
-    from .capture import capture
-    from .cost.model import CostModel
-    from .cost.profiles import get_profile
-    from . import ir
-    from .pipeline import PassContext, PassManager, assemble
+    from .. import accuracy
+    from ..capture import capture
+    from ..cost.model import CostModel
+    from ..cost.profiles import get_profile
+    from .. import ir
+    from ..pipeline import PassContext, PassManager, assemble
 
     model, inputs = build(program)
     with torch.no_grad():
@@ -449,7 +449,7 @@ def check_program(program: Program, passes, target: str = "cpu", mode: str = "pa
     ref64 = accuracy.fp64_reference(model, inputs, {})
     low = torch.bfloat16 if program.uses_bf16() else None
     if mode == "optimize":
-        from .api import optimize
+        from ..api import optimize
 
         try:
             opt = optimize(model, inputs, passes=list(passes), target=target)
@@ -510,9 +510,9 @@ def regression_source(program: Program, passes, target: str, mode: str, error: s
     msg = " ".join(error.strip().splitlines()[0].split())[:200]
     mark = f"@pytest.mark.xfail(strict=True, reason={msg!r})\n" if xfail else ""
     return (
-        f'"""Fuzz regression (graphopt.fuzz): {msg}"""\n\n'
+        f'"""Fuzz regression (graphopt.tools.fuzz): {msg}"""\n\n'
         "import pytest\n\n"
-        "from graphopt.fuzz import Program, check_program\n\n"
+        "from graphopt.tools.fuzz import Program, check_program\n\n"
         f"PROGRAM = {program!r}\n"
         f"PASSES = {list(passes)!r}\n"
         f"TARGET = {target!r}\n"

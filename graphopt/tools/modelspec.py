@@ -12,12 +12,12 @@ from pathlib import Path
 
 from torch import nn
 
-from .errors import GraphoptError, ModelSpecError
+from ..errors import GraphoptError, ModelSpecError
 
 
 def load_model(spec: str | None, **zoo_kwargs):
     """Returns (model, example_inputs, display_name)."""
-    from .examples import zoo
+    from ..examples import zoo
 
     if spec is None:
         spec = zoo.DEFAULT

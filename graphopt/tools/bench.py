@@ -1,6 +1,6 @@
 """Side-by-side benchmark: eager, torch.compile and graphopt on the same model and inputs.
 
-    from graphopt.bench import BenchConfig, run
+    from graphopt.tools.bench import BenchConfig, run
     result = run([BenchConfig("resnet50", batch=1, vs=("eager", "compile", "compile-ro"))], dtype="bf16")
     result.render()                      # rich table
     result.paths                         # JSON + Markdown written under benchmarks/results/
@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from . import accuracy
+from .. import accuracy
 
 __all__ = ["VARIANTS", "PEERS", "BenchConfig", "VariantResult", "ConfigResult", "BenchRun", "run",
            "time_call", "environment", "parse_dtype", "parse_vs", "DEFAULT_OUT"]
@@ -299,7 +299,7 @@ def _first_line(e: BaseException) -> str:
 
 def _git_commit() -> str | None:
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=5)
         commit = out.stdout.strip() or None
@@ -324,7 +324,7 @@ def _version(module: str) -> str | None:
 
 def environment(device: torch.device) -> dict:
     """The header of a result: date, device, versions."""
-    from . import __version__
+    from .. import __version__
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -452,7 +452,7 @@ def _check(sample: _Sample, ref: _Sample | None, eager: _Sample | None) -> dict:
 
 
 def _is_cnn(name: str, model) -> bool:
-    from .examples import zoo
+    from ..examples import zoo
 
     if name in zoo.names():
         return zoo.entry(name).family == "cnn"
@@ -460,7 +460,7 @@ def _is_cnn(name: str, model) -> bool:
 
 
 def _load(spec: str, batch, seq_len, dtype, device):
-    from .capture import _register_hf_pytrees, split_inputs
+    from ..capture import _register_hf_pytrees, split_inputs
     from .modelspec import load_model
 
     model, inputs, name = load_model(spec, batch=batch, seq_len=seq_len, dtype=dtype, device=str(device))
@@ -515,7 +515,7 @@ class _Budget:
 
 def _with_defaults(c: BenchConfig) -> BenchConfig:
     """Zoo models: fill in the zoo's default batch / sequence length so the table shows them."""
-    from .examples import zoo
+    from ..examples import zoo
 
     if c.model not in zoo.names():
         return c
@@ -717,7 +717,7 @@ def _build(variant: str, model, args, kwargs, state: dict, optimize_kwargs: dict
         torch.compiler.reset()
         return torch.compile(model, mode="reduce-overhead" if variant == "compile-ro" else None)
     if variant == "graphopt":
-        from .api import optimize
+        from ..api import optimize
 
         opt = optimize(model, (args, kwargs), model_name=name, **optimize_kwargs)
         state["graphopt"] = opt
@@ -798,10 +798,10 @@ def _graphopt_extra(opt) -> dict:
 
 
 def run_cli(args) -> int:
-    """``graphopt bench`` (see graphopt/cli.py for the flags)."""
+    """``graphopt bench`` (see graphopt/tools/cli.py for the flags)."""
     from rich.console import Console
 
-    from .errors import GraphoptError
+    from ..errors import GraphoptError
 
     models = args.models or ["resnet50"]
     try:

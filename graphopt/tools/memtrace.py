@@ -31,7 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import GraphoptError
+from ..errors import GraphoptError
 
 
 def _key(t: torch.Tensor):

@@ -1,6 +1,6 @@
 """Measured time against the cost model's predictions.
 
-    from graphopt.measure import measure_nodes, accuracy_table, busy_fraction, measure_report
+    from graphopt.tools.measure import measure_nodes, accuracy_table, busy_fraction, measure_report
     times = measure_nodes(gm, flat_inputs, device, reps=5)     # {node name: seconds}
     table = accuracy_table(gm, (args, kwargs), CostModel(profile))
 
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.fx as fx
 
-from . import ir
+from .. import ir
 
 __all__ = ["measure_nodes", "measure_call", "accuracy_table", "spearman", "busy_fraction", "graph_inputs",
            "measure_report"]
@@ -53,7 +53,7 @@ def _device_of(gm: fx.GraphModule, flat_inputs) -> torch.device:
 def graph_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
     """The graph's placeholder values for a call ``gm(*args, **kwargs)`` (the pytree order a
     torch.export module flattens its inputs in)."""
-    from .capture import flat_tensors
+    from ..capture import flat_tensors
 
     codegen = gm.graph._codegen
     if type(codegen).__name__ == "_PyTreeCodeGen":
@@ -156,7 +156,7 @@ def measure_nodes(gm: fx.GraphModule, flat_inputs, device=None, reps: int = 5, w
 
 
 def measure_call(fn, device, reps: int = 10, warmup: int = 3) -> float:
-    """Median seconds of one call of ``fn`` (graphopt.bench.time_call: CUDA events / perf_counter)."""
+    """Median seconds of one call of ``fn`` (graphopt.tools.bench.time_call: CUDA events / perf_counter)."""
     from .bench import time_call
 
     with torch.inference_mode():
@@ -219,7 +219,7 @@ def accuracy_table(gm: fx.GraphModule, inputs, cost_model, hints: dict | None = 
     ``cost_model.execution_cost(gm, hints, execution)`` ("eager", or "graphed" when ``call``
     replays a CUDA graph). ``inputs``: the example inputs (a tensor, a tuple of args, a dict of
     kwargs or ``(args, kwargs)``)."""
-    from .capture import split_inputs
+    from ..capture import split_inputs
 
     args, kwargs = split_inputs(inputs)
     flat = graph_inputs(gm, args, kwargs)
@@ -386,9 +386,9 @@ def measure_report(opt, model, inputs, *, profile=None, reps: int = 5, top: int 
     model's predictions, and the GPU busy fraction of the eager graph and of the optimized module.
     ``profile``: the cost profile to predict with (a name, a .json path or a DeviceProfile;
     default: the report's target). Per-pass measurement is not done (before/after only)."""
-    from .capture import capture, split_inputs
-    from .cost.model import CostModel
-    from .cost.profiles import get_profile
+    from ..capture import capture, split_inputs
+    from ..cost.model import CostModel
+    from ..cost.profiles import get_profile
 
     args, kwargs = split_inputs(inputs)
     report = opt.report

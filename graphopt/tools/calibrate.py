@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from .cost.profiles import DeviceProfile, _load_json, calibrate_cpu, shipped
-from .errors import GraphoptError
+from ..cost.profiles import DeviceProfile, _load_json, calibrate_cpu, shipped
+from ..errors import GraphoptError
 
 __all__ = ["calibrate", "run_cli"]
 
@@ -274,7 +274,7 @@ def fit_conv(samples, peak: float, bandwidth: float, forms=(False, True)) -> tup
 def conv_fit_seconds(flops, nbytes, cin, fit, chunk: int, peak: float, bandwidth: float) -> float:
     """A convolution's time under a conv fit (scale, memory scale, fixed[, overlap]) and a channel
     chunk: what DeviceProfile.gpu_seconds(kind="conv") prices once the fit is in a profile."""
-    from .cost.model import channel_chunk_factor
+    from ..cost.model import channel_chunk_factor
 
     c = flops * channel_chunk_factor(chunk, cin) / (peak * fit[0])
     mem = nbytes / (bandwidth * fit[1])
@@ -427,7 +427,7 @@ def host_costs(device) -> tuple[float, float]:
     GraphModule of back-to-back views, and of back-to-back tiny kernels
     (graphopt.cost.profiles.measure_host_seconds), what the cost model's host/device queue
     charges per fx node."""
-    from .cost.profiles import measure_host_seconds
+    from ..cost.profiles import measure_host_seconds
 
     device = torch.device(device)
     return measure_host_seconds(device, launches=False), measure_host_seconds(device, launches=True)
@@ -683,7 +683,6 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
                                    "(aten.t/unsqueeze/view/squeeze)")
             extra_fit["host_node_s"] = host_node
             say("host time per op of a training step")
-            from .cost.profiles import measure_host_train_op_s
 
             extra_fit["host_train_op_s"], extra_fit["host_train_call_s"] = measure_host_train_op_s(device)
             source["host_train_op"] = (f"{stamp}: wall time per ATen op (as graphopt.partition counts them) of a "
@@ -803,3 +802,70 @@ def run_cli(args) -> int:
     console.print(t)
     console.print(f"wrote {out}; use it with --target {out}")
     return 0
+
+
+def measure_host_train_op_s(device: torch.device, steps: int = 20, reps: int = 3) -> tuple[float, float]:
+    """(``host_train_op_s``, ``host_train_call_s``): the wall seconds per ATen op of a host-bound
+    training step on ``device``, and the fixed seconds per step beyond its ops. The step is what a
+    pipeline stage runs: a captured (ATen-level) GraphModule of a small pre-norm transformer block
+    stack (RMSNorm as Hugging Face writes it, linears, a SiLU MLP, attention by matmul and
+    softmax) on tiny tensors, forward and autograd's backward with gradient accumulation, at one
+    and at four blocks: the line through the two (wall time against ops) gives both. Ops are
+    counted as graphopt.partition counts them (the graph's ATen nodes, each node's traced
+    backward, one accumulation per parameter), so the planner's host time of these steps is their
+    measured wall time. Each point is the best of ``reps`` runs of ``steps`` steps."""
+    import torch.nn as nn
+
+    from .. import ir
+    from .. import partition as part
+    from ..capture import capture
+
+    class Block(nn.Module):
+        def __init__(self, d=32):
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.ones(d)), nn.Parameter(torch.ones(d))
+            self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+            self.up, self.down = nn.Linear(d, 4 * d, bias=False), nn.Linear(2 * d, d, bias=False)
+
+        @staticmethod
+        def norm(x, w):
+            return w * (x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+        def forward(self, x):
+            b, s, d = x.shape
+            q, k, v = self.qkv(self.norm(x, self.w1)).view(b, s, 3, 4, d // 4).permute(2, 0, 3, 1, 4)
+            a = torch.softmax(q @ k.transpose(-1, -2) * (d // 4) ** -0.5, dim=-1) @ v
+            x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+            g, u = self.up(self.norm(x, self.w2)).chunk(2, dim=-1)
+            return x + self.down(nn.functional.silu(g) * u)
+
+    unit = DeviceProfile(name="host-op-count", kind="cuda", peak_flops={"float32": 1e12}, elementwise_flops=1e12,
+                         bandwidth=1e12, launch_overhead_s=0.0, memory_bytes=0.0, host_train_op_s=1.0)
+    cuda = device.type == "cuda"
+    points = []
+    for blocks in (1, 4):
+        torch.manual_seed(0)
+        x = torch.randn(2, 8, 32, device=device)
+        gm = capture(nn.Sequential(*[Block() for _ in range(blocks)]).to(device), (x,))
+        hints = ir.shape_hints(gm)
+        ops = float(part._host_train_prefix(part._Analysis(gm, hints), gm, unit, hints)[-1])
+
+        def step():
+            gm(x).sum().backward()
+
+        for _ in range(3):
+            step()
+        best = float("inf")
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        points.append((ops, best / steps))
+    (o1, t1), (o4, t4) = points
+    per_op = (t4 - t1) / (o4 - o1) if o4 > o1 and t4 > t1 else t4 / max(o4, 1.0)
+    return per_op, max(0.0, t1 - o1 * per_op)

@@ -2,7 +2,7 @@
 
 One process per device (``torchrun --nproc-per-node N script.py``, or :func:`spawn`): every rank
 captures the same graph at the micro-batch size, builds the same :class:`StagePlan` (the planner
-is deterministic), keeps its own stage (graphopt.partition.stage_modules: inputs are the tensors
+is deterministic), keeps its own stage (graphopt.runtime.placement.stage_modules: inputs are the tensors
 crossing its left cut, outputs those crossing its right cut) and runs it as a
 ``torch.distributed.pipelining.PipelineStage`` under ``ScheduleGPipe`` or ``Schedule1F1B``; with
 ``schedule="interleaved1f1b"`` each rank keeps ``virtual_stages`` (default 2) non-adjacent stages
@@ -11,7 +11,7 @@ NCCL on GPUs, gloo on the CPU. Training: ``loss_fn(output, target)`` on the last
 gradients land on each stage's parameters (the model's own objects), averaged over micro-batches
 as for the whole batch.
 
-    import graphopt.distributed as gd
+    import graphopt.runtime.distributed as gd
     rank, world, device = gd.init()                  # reads torchrun's environment
     model, batch = build(device)                     # the same model on every rank
     pipe = gd.Pipeline(model, batch, microbatches=8, schedule="1f1b", loss_fn=loss)
@@ -29,11 +29,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import ir
-from .capture import capture, flat_tensors, split_inputs
-from .errors import GraphoptError
-from .partition import (StagePlan, check_interleaving, loss_memory_bytes, loss_seconds, plan_stages, resolve_devices,
-                        stage_modules)
+from .. import ir
+from ..capture import capture, flat_tensors, split_inputs
+from ..errors import GraphoptError
+from ..partition import StagePlan, check_interleaving, loss_memory_bytes, loss_seconds, plan_stages, resolve_devices
+from .placement import stage_modules
 
 # NVLink SHARP / multicast stay off in every process graphopt starts (the lent machines ask it)
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -192,8 +192,8 @@ class Pipeline:
             raise GraphoptError("outputs_to_host is for inference: in training the loss is computed from the last "
                                 "stage's outputs on its device")
         if not dist.is_initialized():
-            raise GraphoptError("graphopt.distributed.Pipeline needs a process group: run under torchrun and "
-                                "call graphopt.distributed.init() first (or use graphopt.distributed.spawn)")
+            raise GraphoptError("graphopt.runtime.distributed.Pipeline needs a process group: run under torchrun and "
+                                "call graphopt.runtime.distributed.init() first (or use graphopt.runtime.distributed.spawn)")
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if self.world < 2:
             raise GraphoptError("a pipeline needs at least 2 processes (one per stage)")
@@ -218,7 +218,7 @@ class Pipeline:
         finally:
             model.train(was)
         if passes:
-            from .pipeline import run_passes
+            from ..pipeline import run_passes
 
             run_passes(gm, list(passes), target=target or ("h200" if self.device.type == "cuda" else "cpu"),
                        training=self.training)

@@ -1,7 +1,7 @@
 """Find the first pass, and the first rewrite within it, that breaks the accuracy rule.
 
     graphopt explain MODEL --bisect
-    graphopt.bisect.bisect(model, example_inputs)
+    graphopt.tools.bisect.bisect(model, example_inputs)
 
 The pipeline runs one pass at a time with the optimizer's own guard switched off; after each
 pass that changed the graph the accuracy rule is applied (fp64 reference, the same rule as the
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ir
-from .api import _AccuracyGuard, _model_device
-from .capture import capture, flat_tensors, split_inputs
-from .cost.model import CostModel
-from .cost.profiles import get_profile
-from .pipeline import Pass, PassContext, PassManager, Rewrite, assemble
+from .. import ir
+from ..api import _AccuracyGuard, _model_device
+from ..capture import capture, flat_tensors, split_inputs
+from ..cost.model import CostModel
+from ..cost.profiles import get_profile
+from ..pipeline import Pass, PassContext, PassManager, Rewrite, assemble
 
 
 @dataclass

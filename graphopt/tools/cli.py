@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import GraphoptError
+from ..errors import GraphoptError
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bisect", action="store_true",
                    help="find the first pass, and the first rewrite in it, that breaks the accuracy rule")
     p.add_argument("--measure", action="store_true",
-                   help="also time the graph before and after, node by node and whole, beside the predictions (graphopt/measure.py)")
+                   help="also time the graph before and after, node by node and whole, beside the predictions (graphopt/tools/measure.py)")
     p.add_argument("--training", action="store_true", help="optimize the training graph (model.train(); backward on its outputs)")
     p.add_argument("--memory-budget", metavar="B",
                    help="with --training: fit saved activations into B: a fraction of the baseline (0.4) or a size (8GB, 512MB, bytes)")
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("-o", "--output", required=True, help="output path (.pt for TorchScript, .pt2 for torch.export)")
     p.add_argument("--format", choices=["torchscript", "pt2"], help="default: from the suffix")
-    p = sub.add_parser("bench", help="time eager, torch.compile and graphopt side by side (graphopt/bench.py)")
+    p = sub.add_parser("bench", help="time eager, torch.compile and graphopt side by side (graphopt/tools/bench.py)")
     p.add_argument("models", nargs="*", metavar="MODEL", help="zoo names or FILE.py:FACTORY (default: resnet50)")
     p.add_argument("--vs", default="eager,compile", help="peers: eager,compile,compile-ro,graphopt-reuse (eager and graphopt always run)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 on CUDA, fp32 on the CPU")
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-kernels", help="compile the bundled CUDA kernels now (else on first import on a GPU)")
     p.add_argument("--arch", help="comma-separated archs, e.g. sm_80,sm_90 (default: the GPU found)")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
-    p = sub.add_parser("calibrate", help="measure this device and write a cost profile JSON (graphopt/calibrate.py)")
+    p = sub.add_parser("calibrate", help="measure this device and write a cost profile JSON (graphopt/tools/calibrate.py)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if present)")
     p.add_argument("-o", "--output", help="profile path (default: <name>-calibrated.json)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
@@ -163,7 +163,7 @@ def _devices(text: str | None):
 
 
 def _optimize(args):
-    from .api import optimize
+    from ..api import optimize
 
     model, inputs, name, device = _load(args)
     opt = optimize(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
@@ -212,7 +212,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export
+    from ..export import export
 
     opt, inputs = _optimize(args)
     path = export(opt, args.output, format=args.format, example_inputs=inputs)
@@ -223,7 +223,7 @@ def cmd_export(args) -> int:
 def cmd_zoo(args) -> int:
     from rich.table import Table
 
-    from .examples import zoo
+    from ..examples import zoo
 
     t = Table("name", "family", "cpu", "description", header_style="bold")
     for n in zoo.names():
@@ -236,7 +236,7 @@ def cmd_zoo(args) -> int:
 def cmd_passes(args) -> int:
     from rich.table import Table
 
-    from .pipeline import available, registry
+    from ..pipeline import available, registry
 
     reg = registry()
     t = Table("#", "pass", "family", "inference only", "what it does", header_style="bold")
@@ -284,7 +284,7 @@ def cmd_calibrate(args) -> int:
 def cmd_build_kernels(args) -> int:
     from rich.progress import Progress
 
-    from .cuda_ext import build
+    from ..cuda_ext import build
 
     archs = _csv(args.arch)
     with Progress(transient=False) as progress:

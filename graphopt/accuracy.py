@@ -8,7 +8,6 @@ passes. Integer and bool outputs must be equal.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -84,13 +83,13 @@ def _stats(out: torch.Tensor, ref: torch.Tensor, tol: float):
     """One chunked float64 pass over ``out`` vs ``ref`` on out's device: (sum of squared error over
     the elements where ref is finite, their count, max |err| over them, allclose(atol=rtol=tol,
     equal_nan) over all, any NaN in out, any NaN in ref), as device tensors (one sync later)."""
-    o, r = out.detach().reshape(-1), ref.detach().to(device=out.device).reshape(-1)
+    o, r = out.detach().reshape(-1), ref.detach().reshape(-1)  # ref moves to out's device a chunk at a time
     dev = o.device
     acc = torch.zeros(2, dtype=torch.float64, device=dev)  # squared error, finite count
     worst = torch.zeros((), dtype=torch.float64, device=dev)
     flags = torch.zeros(3, dtype=torch.bool, device=dev)  # not close, nan in out, nan in ref
     for s in range(0, o.numel(), _CHUNK):
-        oc, rc = o[s:s + _CHUNK].double(), r[s:s + _CHUNK].double()
+        oc, rc = o[s:s + _CHUNK].double(), r[s:s + _CHUNK].to(device=dev, dtype=torch.float64)
         fin = torch.isfinite(rc)
         d = torch.where(fin, oc - rc, 0.0)
         acc += torch.stack([(d * d).sum(), fin.sum(dtype=torch.float64)])
@@ -173,12 +172,66 @@ def _to_double(x):
     return x
 
 
-def fp64_reference(model: torch.nn.Module, args: tuple, kwargs: dict):
-    """Run a float64 copy of the model on float64 copies of the inputs."""
-    ref_model = copy.deepcopy(model).double()
+class _Float64State(torch.overrides.TorchFunctionMode):
+    """Run a model as ``model.double()`` would, without a float64 copy of it: every torch function
+    that reads one of the model's parameters or buffers gets a float64 copy of that tensor made
+    for the call (a buffer of another dtype gets a plain copy, so in-place updates — BatchNorm's
+    statistics and its step counter — land on the copy, never on the model). Only the tensors one
+    call reads exist in float64 at a time (the largest weight, not all of them)."""
+
+    CHUNK_BYTES = 64 << 20  # float64 bytes of a weight converted at once
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.params = {id(p) for p in model.parameters()}
+        self.buffers = {id(b) for b in model.buffers()}
+
+    def _swap(self, x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in self.params:
+            return x.detach().double() if x.is_floating_point() else x.detach()
+        if id(x) in self.buffers:
+            return x.detach().double() if x.is_floating_point() else x.detach().clone()
+        return x
+
+    def _big(self, w) -> bool:
+        return (isinstance(w, torch.Tensor) and id(w) in self.params and w.is_floating_point()
+                and w.dim() == 2 and w.numel() * 8 > self.CHUNK_BYTES)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # a large weight is never converted whole: a projection runs over blocks of its rows, an
+        # embedding gathers its rows first (the same values as converting the whole weight)
+        if func is torch.nn.functional.linear and len(args) >= 2 and self._big(args[1]):
+            x, w = self._swap(args[0]), args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = max(1, self.CHUNK_BYTES // (w.shape[1] * 8))
+            outs = [torch.nn.functional.linear(x, w[i:i + rows].detach().double(),
+                                               None if b is None else self._swap(b)[i:i + rows])
+                    for i in range(0, w.shape[0], rows)]
+            return torch.cat(outs, dim=-1)
+        if (func is torch.nn.functional.embedding and len(args) >= 2 and self._big(args[1])
+                and kwargs.get("max_norm") is None and (len(args) < 4 or args[3] is None)):
+            return args[1].detach()[args[0]].double()
+        args, kwargs = pytree.tree_map(self._swap, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def fp64_reference(model: torch.nn.Module, args: tuple, kwargs: dict, *, offload_bytes: float | None = None):
+    """The model run in float64 on float64 copies of the inputs: what ``copy.deepcopy(model).double()``
+    computes, with each parameter and buffer converted when an op reads it (:class:`_Float64State`)
+    instead of a float64 copy of the whole model beside it. ``offload_bytes``: outputs on a GPU
+    larger than this in total are moved to the host (the rule compares chunk by chunk on the
+    output's device)."""
     a, k = pytree.tree_map(_to_double, (args, kwargs))
-    with torch.no_grad():
-        return ref_model(*a, **k)
+    with torch.no_grad(), _Float64State(model):
+        out = model(*a, **k)
+    if offload_bytes is not None:
+        leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.device.type == "cuda"]
+        if sum(x.numel() * x.element_size() for x in leaves) > offload_bytes:
+            out = pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x, out)
+    return out
 
 
 # ------------------------------------------------------------- the low-precision yardstick

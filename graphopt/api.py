@@ -25,6 +25,9 @@ from .pipeline import PassContext, PassManager, assemble
 from .report import Report
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+# float64 reference outputs larger than this (a decoder's logits at batch 8) wait on the host; the rule
+# moves them to the device a chunk at a time
+REFERENCE_ON_DEVICE_BYTES = 1 << 30
 
 
 def _kernel_backend() -> str:
@@ -269,7 +272,7 @@ class _AccuracyGuard:
             for a, k in self.batches:
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
                     self._eager.append(_run(model, a, k, training))
-                self._ref64.append(accuracy.fp64_reference(model, a, k))
+                self._ref64.append(accuracy.fp64_reference(model, a, k, offload_bytes=REFERENCE_ON_DEVICE_BYTES))
         self._low: dict = {}
         self._floor: dict = {}
         self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
@@ -374,8 +377,13 @@ class _AccuracyGuard:
 
 
 def _fp64_memory_shortfall(model: nn.Module, device: torch.device) -> str:
-    """The guard runs a float64 copy of the model beside it; say so if that cannot fit."""
-    need = sum(p.numel() for p in model.parameters()) * 8 + sum(b.numel() for b in model.buffers()) * 8
+    """The guard's float64 run converts one parameter or buffer at a time (a large 2-D weight by
+    blocks, accuracy._Float64State); say so if even the largest of those cannot fit."""
+    def fp64_bytes(t):
+        whole = t.numel() * 8
+        return min(whole, accuracy._Float64State.CHUNK_BYTES) if t.dim() == 2 and t.is_floating_point() else whole
+
+    need = max((fp64_bytes(t) for t in (*model.parameters(), *model.buffers())), default=0)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
@@ -386,7 +394,7 @@ def _fp64_memory_shortfall(model: nn.Module, device: torch.device) -> str:
         except (OSError, ValueError):
             return ""
     if need * 1.5 > free:
-        return (f"the float64 reference copy needs {need / 1e9:.1f} GB of parameters and {free / 1e9:.1f} GB are free "
+        return (f"the float64 reference needs {need / 1e9:.1f} GB for its largest weight and {free / 1e9:.1f} GB are free "
                 f"on {device}; not checked (run on a device with more memory, or check_accuracy=False to silence this)")
     return ""
 

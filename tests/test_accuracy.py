@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from graphopt import accuracy
@@ -116,3 +117,73 @@ def test_eager_rmse_cached_across_checks(monkeypatch):
     second = accuracy.check(out, ref, eager, cache=cache)
     assert second.leaves[0].eager_rmse == first.leaves[0].eager_rmse
     assert len(calls) == 1 and calls[0] is out  # the output's pass only; the eager rmse came from the cache
+
+
+def _deepcopy_reference(model, args, kwargs):
+    """What fp64_reference computed before it stopped copying the model."""
+    import copy
+
+    from torch.utils import _pytree as pytree
+
+    ref = copy.deepcopy(model).double()
+    a, k = pytree.tree_map(lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                           (args, kwargs))
+    with torch.no_grad():
+        return ref(*a, **k)
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "glm4-tiny", "mlp"])
+def test_fp64_reference_equals_a_float64_copy_of_the_model(name):
+    from graphopt.examples import zoo
+
+    model, inputs = zoo.get(name)
+    args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
+    args = args if isinstance(args, tuple) else (args,)
+    got = accuracy.flatten_outputs(accuracy.fp64_reference(model, args, kwargs))
+    want = accuracy.flatten_outputs(_deepcopy_reference(model, args, kwargs))
+    assert len(got) == len(want) and all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
+    assert all(p.dtype != torch.float64 for p in model.parameters())
+
+
+def test_fp64_reference_holds_one_weight_in_float64_at_a_time_and_leaves_the_model_alone():
+    from graphopt.tools.memtrace import MemoryTrace
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256) for _ in range(8)] + [torch.nn.BatchNorm1d(256)]
+    model = torch.nn.Sequential(*layers).train()
+    x = torch.randn(4, 256)
+    stats = {k: v.clone() for k, v in model.state_dict().items()}
+    with MemoryTrace(record_ops=False) as tr:
+        ref = accuracy.fp64_reference(model, (x,), {})
+    assert ref.dtype == torch.float64
+    weights64 = sum(p.numel() for p in model.parameters()) * 8
+    assert tr.peak < weights64 / 3  # a float64 copy of the model would be all of it
+    for k, v in model.state_dict().items():  # BatchNorm's running stats and step counter untouched
+        assert torch.equal(v, stats[k]), k
+    want = _deepcopy_reference(model, (x,), {})
+    assert torch.equal(ref, want)
+
+
+def test_fp64_reference_converts_large_weights_by_blocks(monkeypatch):
+    """A projection or embedding over a weight above the block size gives what a float64 copy of
+    the model gives, without a float64 copy of that weight."""
+    from graphopt.tools.memtrace import MemoryTrace
+
+    torch.manual_seed(0)
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(1000, 64)
+            self.head = torch.nn.Linear(64, 1000)
+
+        def forward(self, ids):
+            return self.head(torch.relu(self.embed(ids)))
+
+    model, ids = LM(), torch.randint(0, 1000, (2, 5))
+    monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)  # blocks of 100 rows
+    with MemoryTrace(record_ops=False) as tr:
+        ref = accuracy.fp64_reference(model, (ids,), {})
+    want = _deepcopy_reference(model, (ids,), {})
+    assert ref.dtype == torch.float64 and torch.allclose(ref, want, rtol=1e-12, atol=1e-12)
+    assert tr.peak < 1000 * 64 * 8  # never the whole head or embedding in float64

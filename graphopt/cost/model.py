@@ -417,6 +417,16 @@ class CostModel:
                 return 4 * _prod(q.shape) * k.shape[-2], in_bytes + out_bytes, 1, "matmul"
             from graphopt.cuda_ext.attention_triton import padded_flops
             return padded_flops(B, H, sq, sk, d, self.profile.sm_count or 132), in_bytes + out_bytes, 1, "matmul"
+        if name == "decode_attention" and len(node.args) >= 5:  # the whole cache read: kv_len is a run-time value
+            q, k = ir.info(node.args[0]), ir.info(node.args[1])
+            extra = [ir.info(a).nbytes for a in node.args[3:5] if isinstance(a, fx.Node) and ir.info(a) is not None]
+            try:
+                from graphopt.cuda_ext.decode_attention_triton import cost
+                flops, nbytes, launches = cost(q.shape, k.shape, q.dtype.itemsize, sum(extra), 0,
+                                               self.profile.sm_count or 132)
+            except TypeError:  # symbolic sizes: one pass over q, the cache and the output
+                return 4 * _prod(q.shape) * k.shape[-2], in_bytes + out_bytes, 2, "matmul"
+            return flops, nbytes, launches, "matmul"
         if name in ATTENTION_OPS:
             q, k = ins[0], ins[1]
             b_h = _prod(q.shape[:-2])
@@ -498,6 +508,8 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
+        if eff == "decode_attention" and launches > 1:  # the combine kernel's own fixed time
+            memory = memory + (launches - 1) * p.kernel_fixed_s
         if _op_name(node) == "gemm_swiglu":  # a persistent Triton GEMM: its last round of tiles part idle
             x, w = ir.arg_infos(node)[:2]
             f = persistent_rounds_factor(p, x.numel // x.shape[-1], w.shape[0])
@@ -806,6 +818,8 @@ def _efficiency_kind(node: fx.Node) -> str:
         return "attention"
     if name == "short_attention":
         return "short_attention"
+    if name == "decode_attention":  # memory-bound: the plain roofline at the tensor-core rate
+        return "decode_attention"
     return "matmul"
 
 

@@ -723,7 +723,8 @@ class CostModel:
         """(predicted peak bytes of one forward, parameter+buffer bytes, compulsory bytes).
 
         Liveness over the topological order: a tensor lives from its producer to its last
-        reader; views keep their base alive; parameters live throughout."""
+        reader; views keep their base alive; parameters live throughout. Compulsory bytes: what
+        the parameters, buffers and inputs must be read for (:func:`bytes_read`) plus the outputs."""
         c = lambda v: ir.concrete(v, hints)  # noqa: E731
         nodes = list(gm.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
@@ -736,9 +737,10 @@ class CostModel:
             nbytes = sum(c(t.nbytes) for t in infos)
             if n.op == "get_attr":
                 params += nbytes
+                inputs += bytes_read(n, nbytes, hints)
                 continue
             if n.op == "placeholder":
-                inputs += nbytes
+                inputs += bytes_read(n, nbytes, hints)
             kind = self.flops_bytes(n)[3] if n.op == "call_function" else "input"
             if kind == "free" and n.all_input_nodes:
                 src = n.all_input_nodes[0]
@@ -769,7 +771,26 @@ class CostModel:
                 frees[end] = frees.get(end, 0.0) + size[n]
             peak = max(peak, live)
             live -= frees.pop(i, 0.0)
-        return peak + params, params, params + inputs + outputs
+        return peak + params, params, inputs + outputs
+
+
+# ops that read only the rows their index selects from their first argument
+GATHER_OPS = {"embedding", "index_select"}
+
+
+def bytes_read(node: fx.Node, nbytes: float, hints=None) -> float:
+    """Bytes of a parameter, buffer or input (``nbytes`` in all) a graph must read: all of them,
+    except where every reader gathers rows from it (an embedding table: the rows looked up, at most
+    the whole) and where nothing reads it (nothing). A decode step reads one row of its embedding."""
+    if not node.users:
+        return 0.0
+    rows = 0.0
+    for u in node.users:
+        if not (u.op == "call_function" and _op_name(u) in GATHER_OPS and u.args and u.args[0] is node
+                and all(a is not node for a in u.args[1:])):
+            return nbytes
+        rows += sum(float(ir.concrete(t.nbytes, hints)) for t in ir.infos(u))
+    return min(rows, nbytes)
 
 
 def _same(a: tuple, b: tuple) -> bool:

@@ -124,6 +124,11 @@ def argument_problem(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, mask_
     return None
 
 
+def decode_shape(q_shape, k_shape) -> bool:
+    """A decode step's attention: at most MAX_TQ query positions, fewer than the keys."""
+    return len(q_shape) == 4 and len(k_shape) == 4 and q_shape[2] <= MAX_TQ and q_shape[2] < k_shape[2]
+
+
 def kernel_problem(q_shape, k_shape, dtype) -> str | None:
     """None when the Triton kernels cover these shapes and dtype (else the CUDA op runs the
     reference), else why not."""

@@ -23,7 +23,8 @@ Applies to an SDPA call in an inference graph on a CUDA profile when (legality):
 ``kv_len`` is passed only when the mask proves it: a bool mask (or ``where(bool, x, -inf)``) that is,
 through views, expands and conjunctions, the comparison ``kv_index <= q_position`` (``<``, ``>=``,
 ``>`` likewise), where ``kv_index`` is ``arange`` over the key dim (plus a literal) and
-``q_position`` an integer tensor constant along it, and nothing on the way is written in place.
+``q_position`` an integer tensor constant along it (``kv_index`` may be the constant fold_constants
+makes of that arange), and nothing on the way is written in place.
 Every key past ``max(q_position) + 1`` is then masked out, so ``kv_len = amax(q_position) + 1``
 (two tiny kernels, shared by every layer that reads the same mask) bounds the keys read without
 changing the answer. Anything else: no kv_len,
@@ -83,9 +84,13 @@ def _int_literal(v) -> bool:
 
 def kv_index_offset(node, L: int, depth: int = 8) -> int | None:
     """c when ``node`` holds j + c at index j of its last dim (L long) and nothing else varies:
-    ``arange`` over L positions plus literals, through unsqueeze, view, expand and integer casts;
-    else None."""
-    if depth < 0 or not isinstance(node, fx.Node) or node.op != "call_function":
+    ``arange`` over L positions plus literals, through unsqueeze, view, expand and integer casts,
+    or a constant (a get_attr, as fold_constants leaves that arange) holding those values; else None."""
+    if depth < 0 or not isinstance(node, fx.Node):
+        return None
+    if node.op == "get_attr":
+        return _constant_offset(ir.get_attr_value(node.graph.owning_module, node.target), L)
+    if node.op != "call_function":
         return None
     ti, shape = ir.info(node), _shape(node)
     if ti is None or shape is None or not shape or shape[-1] != L or ti.dtype.is_floating_point \
@@ -116,6 +121,16 @@ def kv_index_offset(node, L: int, depth: int = 8) -> int | None:
     if t is aten.unsqueeze.default or t in _VIEWS or t in _EXPANDS or t in _CASTS:
         return kv_index_offset(src, L, depth - 1)
     return None
+
+
+def _constant_offset(value, L: int) -> int | None:
+    """c when the integer tensor ``value`` [..., L] holds j + c at index j of its last dim everywhere."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] != L \
+            or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        return None
+    d = value.reshape(-1, L).to(torch.int64) - torch.arange(L, device=value.device)
+    c = d.flatten()[0]
+    return int(c) if bool((d == c).all()) else None
 
 
 def key_bound(node, L: int, depth: int = 12):
@@ -203,7 +218,7 @@ class LowerDecodeAttention(Pass):
 
     def _legal(self, node):
         """(why not, plan)."""
-        from graphopt.cuda_ext.decode_attention_triton import MAX_TQ, argument_problem, kernel_problem
+        from graphopt.cuda_ext.decode_attention_triton import MAX_TQ, argument_problem, decode_shape, kernel_problem
 
         q, k, v = node.args[0], node.args[1], node.args[2]
         mask = get_arg(node, 3, "attn_mask")
@@ -219,7 +234,7 @@ class LowerDecodeAttention(Pass):
             return "symbolic shapes (the split count is chosen for one cache length)", None
         if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
             return "q, k and v must be [batch, heads, sequence, head_dim]", None
-        if qs[2] > MAX_TQ or qs[2] >= ks[2]:
+        if not decode_shape(qs, ks):
             return f"{qs[2]} queries over {ks[2]} keys: not a decode step (at most {MAX_TQ}, fewer than keys)", None
         if dropout not in (None, 0, 0.0):
             return f"dropout {dropout} (the kernel draws no random numbers)", None

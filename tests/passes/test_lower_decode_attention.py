@@ -77,11 +77,12 @@ def _lower(model, args, target=None, pre=("fuse_attention",)):
     return gm, results[-1]
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_decode_step_lowers_with_kv_len_and_matches(T):
+@pytest.mark.parametrize("T,pre", [(1, ("fuse_attention",)), (4, ("fold_constants", "fuse_attention"))])
+def test_decode_step_lowers_with_kv_len_and_matches(T, pre):
+    """Also after fold_constants, which turns the mask's arange over the keys into a constant."""
     model = DecodeStep().to(torch.bfloat16)
     args = _inputs(T=T)
-    gm, res = _lower(model, args)
+    gm, res = _lower(model, args, pre=pre)
     assert res.status == "applied" and len(res.rewrites) == 1 and res.rewrites[0].predicted_gain_s > 0
     assert "kv_len from the mask" in res.rewrites[0].pattern
     counts = op_counts(gm)
@@ -115,6 +116,16 @@ def _node_value(gm, node, args):
     with torch.no_grad():
         Record(gm).run(*args)
     return seen["v"]
+
+
+def test_lower_attention_leaves_decode_steps_to_this_pass():
+    """48 keys fit lower_attention's one tile, but a decode step is this pass's (no repeat copies)."""
+    model = DecodeStep().to(torch.bfloat16)
+    args = _inputs()
+    gm = capture(model.eval(), args)
+    results = run_passes(gm, ["fuse_attention", "lower_attention", "lower_decode_attention"], target=graphed_h200())
+    assert "left to lower_decode_attention" in results[1].rejected[0].reason
+    assert op_counts(gm).get(DECODE) == 1 and "graphopt.short_attention.default" not in op_counts(gm)
 
 
 def test_enable_gqa_without_a_mask_lowers_without_kv_len():
@@ -198,6 +209,14 @@ def test_key_bound_reads_comparisons_and_conjunctions():
     assert key_bound(outs[2], 48) is None  # nothing ties the mask to the key index
 
 
+def test_constant_key_index():
+    from passes.lower_decode_attention import _constant_offset
+
+    assert _constant_offset(torch.arange(5, 53)[None, None, None, :].expand(2, 1, 1, 48), 48) == 5
+    assert _constant_offset(torch.arange(48).flip(0), 48) is None
+    assert _constant_offset(torch.arange(48.0), 48) is None
+
+
 @pytest.mark.slow
 def test_hugging_face_llama_with_a_static_cache():
     """The graph torch.export makes of a two-layer Llama decode step over transformers' StaticCache
@@ -224,7 +243,7 @@ def test_hugging_face_llama_with_a_static_cache():
     kw = {"input_ids": torch.randint(0, 128, (2, 1), generator=torch.Generator().manual_seed(0)),
           "cache_position": torch.tensor([21])}
     gm = capture(w, ((), kw))
-    results = run_passes(gm, ["fuse_attention", "lower_decode_attention"], target=graphed_h200())
+    results = run_passes(gm, ["fold_constants", "fuse_attention", "lower_decode_attention"], target=graphed_h200())
     assert len(results[-1].rewrites) == 2
     counts = op_counts(gm)
     assert counts.get(DECODE) == 2 and SDPA not in counts and counts.get("aten.amax.default") == 1

@@ -31,9 +31,11 @@ changing the answer. Anything else: no kv_len,
 the mask alone decides, and the whole cache is read.
 
 Profitability: the op is priced by the cost model (the K/V cache, q, the output, the mask and the
-fp32 split partials, at the copy bandwidth; two launches with several splits), plus the kv_len
-nodes, against SDPA and the repeat copies it makes unread. The cache is priced whole: kv_len is
-a run-time value, so the prediction is the step at the end of the cache.
+fp32 split partials, at the copy bandwidth; two launches with several splits), plus its share of
+the kv_len nodes (split between the layers that read the same mask), against SDPA and the repeat
+copies it makes unread. The cache is priced whole: kv_len is a run-time value, so the prediction
+is the step at the end of the cache, and what kv_len saves before that is not priced (it never
+reads more).
 """
 
 from __future__ import annotations
@@ -211,7 +213,13 @@ class LowerDecodeAttention(Pass):
         res = self.result()
         self._bounds: dict = {}  # (q_position node, c, comparison) -> the kv_len node made for it
         matches = [(m, m["sdpa"].name) for m in find(gm, PATTERN)]
-        res.consider(ctx, matches, lambda m, label: self._candidate(gm, ctx, m["sdpa"]))
+        plans = {m["sdpa"]: self._legal(m["sdpa"]) for m, _ in matches} if ctx.fused_kernels else {}
+        # every layer reads the same mask: its kv_len nodes are shared, their time split between the readers
+        self._sharing: dict = {}
+        for _, plan in plans.values():
+            if plan is not None and plan["bound"] is not None:
+                self._sharing[plan["bound"]] = self._sharing.get(plan["bound"], 0) + 1
+        res.consider(ctx, matches, lambda m, label: self._candidate(gm, ctx, m["sdpa"], *plans[m["sdpa"]]))
         return res
 
     # ------------------------------------------------------------------ legality
@@ -274,8 +282,7 @@ class LowerDecodeAttention(Pass):
 
     # ------------------------------------------------------------------ profitability
 
-    def _candidate(self, gm, ctx, node):
-        why, plan = self._legal(node)
+    def _candidate(self, gm, ctx, node, why, plan):
         if why:
             return why, None
         from graphopt.cuda_ext.decode_attention_triton import output_layout
@@ -290,7 +297,8 @@ class LowerDecodeAttention(Pass):
                 plan["bound"] = bound = None
             else:
                 kv_len_time = (scratch_node_time(ctx, aten.amax.default, (qpos, []), {}, amax)
-                               + scratch_node_time(ctx, aten.add.Tensor, (amax, 1 + c), {}, amax))
+                               + scratch_node_time(ctx, aten.add.Tensor, (amax, 1 + c), {}, amax)
+                               ) / self._sharing[bound]
         args = (q, k, v, mask, kv_len_val if bound is not None else None, scale)
         new = scratch_node_time(ctx, torch.ops.graphopt.decode_attention.default, args, {},
                                 output_layout(q.meta["val"])) + (kv_len_time or 0.0)

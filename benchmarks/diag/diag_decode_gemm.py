@@ -12,7 +12,9 @@ replayed; µs per call, the weight bytes over that time (GB/s) and as a fraction
 copy bandwidth, the kernels one call launches (torch.profiler), and the cost model's prediction
 (the shipped h200 profile with CUDA-graph launch costs). The last table adds the shapes up into
 one decode step per model (32 / 40 layers + the LM head): measured, predicted and the weight-read
-floor. Writes diag_decode_gemm_<date>.{json,md} under --out.
+floor. A last table times the SwiGLU MLP's gate+up half at each M both ways lower_gemm_swiglu chooses
+between (cuBLAS + graphopt::swiglu, graphopt::gemm_swiglu). Writes diag_decode_gemm_<date>.{json,md}
+under --out.
 """
 from __future__ import annotations
 
@@ -110,6 +112,7 @@ def main(argv=None) -> int:
             del ws
             torch.cuda.empty_cache()
     torch.backends.cuda.preferred_blas_library("cublas")
+    swiglu_rows = swiglu_epilogue(cm, bw)
     cols = [("model", lambda r: r["model"], False), ("proj", lambda r: r["proj"], False),
             ("K x N", lambda r: f"{r['K']}x{r['N']}", False), ("M", lambda r: str(r["M"]), True),
             ("lib", lambda r: r["lib"], False), ("MB", lambda r: f"{r['weight_MB']:.1f}", True),
@@ -141,8 +144,67 @@ def main(argv=None) -> int:
             if ok:
                 lines.append(f"| {model} | {M} | {meas / 1e3:.3f} | {pred / 1e3:.3f} | {floor / 1e3:.3f} | "
                              f"{meas / floor:.2f} |")
-    write_rows(a.out, "diag_decode_gemm", rows, lines)
+    lines += [""] + table_lines(
+        "## SwiGLU epilogue at decode: cuBLAS gate+up then graphopt::swiglu, against graphopt::gemm_swiglu",
+        "what lower_gemm_swiglu chooses between (the persistent Triton GEMM's tiles are 128 rows: at M <= 32 most "
+        "of each tile is padding); µs per MLP half, CUDA graph, own weight copy per call",
+        [("model", lambda r: r["model"], False), ("M", lambda r: str(r["M"]), True),
+         ("variant", lambda r: r["variant"], False), ("µs", lambda r: f"{r['us']:.1f}", True),
+         ("of copy", lambda r: f"{r['of_copy']:.0%}", True), ("predicted µs", lambda r: f"{r['predicted_us']:.1f}", True)],
+        swiglu_rows)
+    write_rows(a.out, "diag_decode_gemm", rows + swiglu_rows, lines)
     return 0
+
+
+def swiglu_epilogue(cm: CostModel, bw: float) -> list:
+    """The gate+up projection and its activation, both ways, at each M (rows tagged "swiglu")."""
+    import graphopt.cuda_ext  # noqa: F401  (the graphopt ops; builds the CUDA kernels once if needed)
+    from graphopt.cuda_ext.reference import interleave_gate_up
+
+    rows: list = []
+    for model, (_, shapes) in MODELS.items():
+        K, N2, _ = shapes["gate_up"]
+        n = N2 // 2
+        wbytes = N2 * K * 2
+        copies = max(2, min(8, math.ceil(4 * L2_BYTES / wbytes)))
+        ws = [torch.randn(N2, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5 for _ in range(copies)]
+        wis = [interleave_gate_up(w, 128) for w in ws]
+        for M in TOKENS:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            variants = {
+                "linear + swiglu": (lambda: [torch.ops.graphopt.swiglu(F.linear(x, w)) for w in ws],
+                                    predicted_us(cm, M, K, N2, False) + _swiglu_predicted(cm, M, n)),
+                "gemm_swiglu": (lambda: [torch.ops.graphopt.gemm_swiglu(x, w, n, 128) for w in wis],
+                                _gemm_swiglu_predicted(cm, M, K, wis[0].shape[0], n)),
+            }
+            for name, (fn, pred) in variants.items():
+                def measure(row, fn=fn):
+                    us = graph_us_per_call(fn, copies, replays=3, reps=10)
+                    row.update(us=us, of_copy=wbytes / (us * 1e-6) / bw)
+                measure_row(rows, {"table": "swiglu", "model": model, "M": M, "variant": name, "predicted_us": pred},
+                            measure)
+        del ws, wis
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _swiglu_predicted(cm: CostModel, M: int, n: int) -> float:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(M, 2 * n, dtype=torch.bfloat16, device="meta")
+    node = g.call_function(torch.ops.graphopt.swiglu.default, (x,))
+    node.meta["val"] = torch.empty(M, n, dtype=torch.bfloat16, device="meta")
+    return float(cm.node_cost(node).time_s) * 1e6
+
+
+def _gemm_swiglu_predicted(cm: CostModel, M: int, K: int, rows: int, n: int) -> float:
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["val"] = torch.empty(M, K, dtype=torch.bfloat16, device="meta")
+    w.meta["val"] = torch.empty(rows, K, dtype=torch.bfloat16, device="meta")
+    node = g.call_function(torch.ops.graphopt.gemm_swiglu.default, (x, w, n, 128))
+    node.meta["val"] = torch.empty(M, n, dtype=torch.bfloat16, device="meta")
+    return float(cm.node_cost(node).time_s) * 1e6
 
 
 if __name__ == "__main__":

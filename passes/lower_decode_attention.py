@@ -205,7 +205,8 @@ class LowerDecodeAttention(Pass):
     name = "lower_decode_attention"
     family = "lower"
     description = ("SDPA of <= 16 query positions over a long K/V cache (bf16/fp16, inference) -> "
-                   "graphopt::decode_attention: split-KV Triton kernels, GQA groups read K/V once, kv_len from the mask")
+                   "graphopt::decode_attention: split-KV Triton kernels, GQA groups read K/V once, kv_len from "
+                   "the mask")
     inference_only = True  # the bundled op has no backward
     requires = ("fuse_attention",)
 

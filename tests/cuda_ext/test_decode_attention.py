@@ -182,7 +182,7 @@ GPU_CASES = CASES + [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_kernel_on_gpu(case, dtype):
-    from tests.cuda_ext.conftest import poison_allocator
+    from conftest import poison_allocator
 
     q, k, v, mask, kv_len = _inputs(*case[:8], dtype, device="cuda")
     poison_allocator("cuda")

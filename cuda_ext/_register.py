@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import decode_attention_triton, reference
 from ._schemas import NAMESPACE, schemas
 
 _libs: list[torch.library.Library] = []   # keep the registrations alive
@@ -119,6 +119,7 @@ FAKES = {
     "layer_norm": _fake_layer_norm, "max_pool2d_nhwc": _fake_max_pool2d_nhwc,
     "short_attention": _fake_short_attention, "rms_norm_add_rms_norm": _fake_rms_norm_add_rms_norm,
     "linear_add_layer_norm": _fake_linear_add_layer_norm, "gemm_swiglu": _fake_gemm_swiglu,
+    "decode_attention": decode_attention_triton.fake,
 }
 REFERENCES = {
     "bias_act": reference.bias_act, "add_rms_norm": reference.add_rms_norm,
@@ -128,6 +129,7 @@ REFERENCES = {
     "max_pool2d_nhwc": reference.max_pool2d_nhwc, "short_attention": reference.short_attention,
     "rms_norm_add_rms_norm": reference.rms_norm_add_rms_norm,
     "linear_add_layer_norm": reference.linear_add_layer_norm, "gemm_swiglu": reference.gemm_swiglu,
+    "decode_attention": reference.decode_attention,
 }
 
 
@@ -197,6 +199,8 @@ def register_impls(cuda_kernels: bool, pointwise_triton: bool) -> None:
             lib.impl(name, _linear_add_layer_norm_cuda if pointwise_triton else REFERENCES[name], "CUDA")
         elif name == "gemm_swiglu":  # a Triton GEMM
             lib.impl(name, _gemm_swiglu_cuda if pointwise_triton else REFERENCES[name], "CUDA")
+        elif name == "decode_attention":  # two Triton kernels (split keys, combine)
+            lib.impl(name, decode_attention_triton.cuda_impl if pointwise_triton else REFERENCES[name], "CUDA")
         elif not cuda_kernels:
             lib.impl(name, REFERENCES[name], "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=lib)

@@ -242,3 +242,22 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     D = q.shape[3]
     return torch.ops.graphopt.short_attention(q, k, v, mask, D ** -0.5 if scale is None else float(scale),
                                               bool(is_causal))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                     kv_len: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of a few query positions q [B, Hq, Tq, D] over a key/value cache k, v
+    [B, Hkv, L, D] (Hq a multiple of Hkv): ``scaled_dot_product_attention`` in inference with an
+    optional bool or additive mask broadcastable to [B, Hq, Tq, L] and an optional ``kv_len``
+    (int32/int64, 1 or B values, on q's device): keys at or past kv_len[b] are not read. ``scale``
+    defaults to 1/sqrt(D). On CUDA split-KV Triton kernels (bf16/fp16); output [B, Hq, Tq, D]
+    laid out [B, Tq, Hq, D]. See cuda_ext/decode_attention_triton.py."""
+    from .decode_attention_triton import check
+
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise KernelArgumentError("graphopt::decode_attention: q, k and v must be tensors")
+    why = check(q, k, v, mask, kv_len)
+    if why is not None:
+        raise KernelArgumentError(f"graphopt::decode_attention: {why}")
+    return torch.ops.graphopt.decode_attention(q, k, v, mask, kv_len,
+                                               q.shape[3] ** -0.5 if scale is None else float(scale))

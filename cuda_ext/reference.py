@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .decode_attention_triton import reference as decode_attention  # noqa: F401  (the op's own module)
+
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish")
 
 

@@ -277,6 +277,7 @@ PIPELINE: tuple[str, ...] = (
     "fuse_conv_relu",
     "lower_max_pool",
     "lower_attention",
+    "lower_decode_attention",
     "lower_split_k",
     "lower_gemm_swiglu",
 )

@@ -346,3 +346,49 @@ def test_memo_compares_symbolic_sizes_by_identity_only():
     assert _same_arg([s, 4], [s, 4]) and not _same_arg([s], [s + 1]) and not _same_arg((s,), [s])
     assert _same_arg({"a": 1.0}, {"a": 1.0}) and not _same_arg({"a": 1}, {"a": 1.0})
     assert len(env.guards) == guards and isinstance(other, torch.SymInt)
+
+
+class TinyDecoderStep(nn.Module):
+    """A decode step's weight traffic: one token's embedding row, two SwiGLU blocks, the LM head."""
+
+    def __init__(self, vocab=8192, hidden=256, ffn=512):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(nn.ModuleList([nn.Linear(hidden, 2 * ffn, bias=False),
+                                                   nn.Linear(ffn, hidden, bias=False)]) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for up, down in self.blocks:
+            g, u = up(h).chunk(2, -1)
+            h = h + down(torch.nn.functional.silu(g) * u)
+        return self.head(h)
+
+
+def test_a_one_token_projection_is_priced_as_its_weight_read():
+    gm = capture(Lin(4096, 4096).eval().to(torch.bfloat16), (torch.randn(1, 4096, dtype=torch.bfloat16),))
+    p = _h200()
+    c = CostModel(p).node_cost(_node(gm, "linear"))
+    weights = 2 * (4096 * 4096 + 4096)
+    assert c.bound == "memory" and weights < c.bytes < 1.01 * weights
+    assert c.time_s == pytest.approx(c.bytes / p.bandwidth + p.kernel_fixed_s)
+
+
+def test_explain_on_a_decode_step_shows_the_weight_read_floor():
+    """The floor of a one-token step is the weights it reads: the embedding's one row, not its table."""
+    import graphopt
+
+    model = TinyDecoderStep().eval().to(torch.bfloat16)
+    ids = torch.tensor([[17]])
+    report = graphopt.explain(model, (ids,), target="h200", check_accuracy=False)
+    p = _h200()
+    table = 8192 * 256 * 2
+    read = sum(t.numel() * 2 for n, t in model.named_parameters() if not n.startswith("emb")) + 256 * 2
+    floor = report.cost_after["roofline_floor_ms"] / 1e3
+    outputs = 8192 * 2
+    assert floor == pytest.approx((read + 8 + outputs) / p.bandwidth, rel=1e-3)
+    assert floor < (read + table) / p.bandwidth
+    gm = capture(model, (ids,))
+    cost = CostModel(p).graph_cost(gm)
+    assert cost.parameter_bytes == read - 256 * 2 + table  # memory still holds the whole table

@@ -327,6 +327,7 @@ TORCH_LIBRARY(graphopt, m) {
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("max_pool2d_nhwc(Tensor x, int kernel, int stride, int padding) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("short_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? kv_len, float scale) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, int[2] dilation, int groups) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 

@@ -417,6 +417,16 @@ class CostModel:
                 return 4 * _prod(q.shape) * k.shape[-2], in_bytes + out_bytes, 1, "matmul"
             from graphopt.cuda_ext.attention_triton import padded_flops
             return padded_flops(B, H, sq, sk, d, self.profile.sm_count or 132), in_bytes + out_bytes, 1, "matmul"
+        if name == "decode_attention" and len(node.args) >= 5:  # the whole cache read: kv_len is a run-time value
+            q, k = ir.info(node.args[0]), ir.info(node.args[1])
+            extra = [ir.info(a).nbytes for a in node.args[3:5] if isinstance(a, fx.Node) and ir.info(a) is not None]
+            try:
+                from graphopt.cuda_ext.decode_attention_triton import cost
+                flops, nbytes, launches = cost(q.shape, k.shape, q.dtype.itemsize, sum(extra), 0,
+                                               self.profile.sm_count or 132)
+            except TypeError:  # symbolic sizes: one pass over q, the cache and the output
+                return 4 * _prod(q.shape) * k.shape[-2], in_bytes + out_bytes, 2, "matmul"
+            return flops, nbytes, launches, "matmul"
         if name in ATTENTION_OPS:
             q, k = ins[0], ins[1]
             b_h = _prod(q.shape[:-2])
@@ -498,6 +508,8 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
+        if eff == "decode_attention" and launches > 1:  # the combine kernel's own fixed time
+            memory = memory + (launches - 1) * p.kernel_fixed_s
         if _op_name(node) == "gemm_swiglu":  # a persistent Triton GEMM: its last round of tiles part idle
             x, w = ir.arg_infos(node)[:2]
             f = persistent_rounds_factor(p, x.numel // x.shape[-1], w.shape[0])
@@ -711,7 +723,8 @@ class CostModel:
         """(predicted peak bytes of one forward, parameter+buffer bytes, compulsory bytes).
 
         Liveness over the topological order: a tensor lives from its producer to its last
-        reader; views keep their base alive; parameters live throughout."""
+        reader; views keep their base alive; parameters live throughout. Compulsory bytes: what
+        the parameters, buffers and inputs must be read for (:func:`bytes_read`) plus the outputs."""
         c = lambda v: ir.concrete(v, hints)  # noqa: E731
         nodes = list(gm.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
@@ -724,9 +737,10 @@ class CostModel:
             nbytes = sum(c(t.nbytes) for t in infos)
             if n.op == "get_attr":
                 params += nbytes
+                inputs += bytes_read(n, nbytes, hints)
                 continue
             if n.op == "placeholder":
-                inputs += nbytes
+                inputs += bytes_read(n, nbytes, hints)
             kind = self.flops_bytes(n)[3] if n.op == "call_function" else "input"
             if kind == "free" and n.all_input_nodes:
                 src = n.all_input_nodes[0]
@@ -757,7 +771,26 @@ class CostModel:
                 frees[end] = frees.get(end, 0.0) + size[n]
             peak = max(peak, live)
             live -= frees.pop(i, 0.0)
-        return peak + params, params, params + inputs + outputs
+        return peak + params, params, inputs + outputs
+
+
+# ops that read only the rows their index selects from their first argument
+GATHER_OPS = {"embedding", "index_select"}
+
+
+def bytes_read(node: fx.Node, nbytes: float, hints=None) -> float:
+    """Bytes of a parameter, buffer or input (``nbytes`` in all) a graph must read: all of them,
+    except where every reader gathers rows from it (an embedding table: the rows looked up, at most
+    the whole) and where nothing reads it (nothing). A decode step reads one row of its embedding."""
+    if not node.users:
+        return 0.0
+    rows = 0.0
+    for u in node.users:
+        if not (u.op == "call_function" and _op_name(u) in GATHER_OPS and u.args and u.args[0] is node
+                and all(a is not node for a in u.args[1:])):
+            return nbytes
+        rows += sum(float(ir.concrete(t.nbytes, hints)) for t in ir.infos(u))
+    return min(rows, nbytes)
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -806,6 +839,8 @@ def _efficiency_kind(node: fx.Node) -> str:
         return "attention"
     if name == "short_attention":
         return "short_attention"
+    if name == "decode_attention":  # memory-bound: the plain roofline at the tensor-core rate
+        return "decode_attention"
     return "matmul"
 
 

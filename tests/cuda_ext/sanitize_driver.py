@@ -78,5 +78,12 @@ for B, H, Hk, SQ, SK, D in [(1, 4, 4, 37, 37, 64), (2, 4, 2, 5, 256, 40), (3, 2,
     ce.short_attention(q, k, v, None, None, True)
     ce.short_attention(q, k, v, torch.rand(B, 1, SQ, SK, device=dev) > 0.3)
     ce.short_attention(q, k, v, r(B, 1, 1, SK))
+# decode_attention: one and several splits, empty splits (kv_len short or 0), odd lengths, GQA, masks
+for B, H, Hk, T, L, D in [(2, 8, 2, 1, 333, 128), (1, 32, 8, 4, 100, 64), (3, 4, 4, 2, 70, 80)]:
+    q, k, v = r(B, H, T, D), r(B, Hk, L, D), r(B, Hk, L, D)
+    n = torch.randint(0, L + 5, (B,), device=dev)
+    ce.decode_attention(q, k, v, None, n)
+    ce.decode_attention(q, k, v, torch.rand(B, 1, T, L, device=dev) > 0.3)
+    ce.decode_attention(q, k, v, r(B, H, T, L), n[:1].to(torch.int32))
 torch.cuda.synchronize()
 print("sanitize_driver: ok")

@@ -35,6 +35,8 @@ EXPECTED = {
     "short_attention": "short_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor",
     "conv_bias_relu": "conv_bias_relu(Tensor x, Tensor w, Tensor? bias, Tensor? z, int[2] stride, int[2] padding, "
                       "int[2] dilation, int groups) -> Tensor",
+    "decode_attention": "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? kv_len, float scale) "
+                        "-> Tensor",
 }
 
 
@@ -69,6 +71,9 @@ def sample_args(device="cpu"):
         "short_attention": (torch.randn(2, 4, 5, 16, device=device), torch.randn(2, 2, 7, 16, device=device),
                             torch.randn(2, 2, 7, 16, device=device), torch.rand(2, 1, 1, 7, device=device) > 0.2,
                             0.25, False),
+        "decode_attention": (torch.randn(2, 4, 1, 16, device=device), torch.randn(2, 2, 9, 16, device=device),
+                             torch.randn(2, 2, 9, 16, device=device), torch.rand(2, 1, 1, 9, device=device) > 0.2,
+                             torch.tensor([5, 9], device=device), 0.25),
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import operator
 import os
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from . import ir, timing
 from .capture_mha import MhaCapture, batch_first_sdpa, resolve_mode
-from .errors import CaptureError
+from .errors import CaptureError, traceback_requested
 
 log = logging.getLogger("graphopt.capture")
 aten = torch.ops.aten
@@ -243,7 +244,10 @@ def _capture_error(model, export_exc, trace_exc, extra: str = "") -> CaptureErro
     if extra:
         parts.append(f"- {extra}")
     parts.append(f"- fix: {_advice(exc) if exc is not None else 'see above'}")
-    return CaptureError(" ".join(parts))
+    err = CaptureError(" ".join(parts))
+    graph = getattr(export_exc, "partial_fx_graph", None)
+    err.partial_graph = None if graph is None else str(graph)
+    return err
 
 
 def _dynamic_shapes(model, args, kwargs, dynamic):
@@ -292,11 +296,33 @@ def _stack_traces(keep: bool):
         config.do_not_emit_stack_traces = prev
 
 
+def _export(model, args, kwargs, shapes):
+    """torch.export.export, non-strict. A failed trace makes torch print the graph traced so far
+    to stderr before it raises; that text stays on the exception (``partial_fx_graph``, which
+    CaptureError keeps as ``partial_graph``) so the one-line error comes first. Anything else
+    written to stderr is passed on; GRAPHOPT_TRACEBACK=1 leaves torch's print alone."""
+    if traceback_requested():
+        return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    buf, graph = io.StringIO(), None
+    try:
+        with contextlib.redirect_stderr(buf):
+            return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    except Exception as e:
+        graph = getattr(e, "partial_fx_graph", None)
+        raise
+    finally:
+        text = buf.getvalue()
+        if graph is not None:
+            text = text.replace(f"{graph}\n", "")  # printed once per nested export wrapper
+        if text:
+            sys.stderr.write(text)
+
+
 def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False) -> fx.GraphModule:
     shapes = _dynamic_shapes(model, args, kwargs, dynamic)
     try:
         with timing.phase("capture: torch.export"), _stack_traces(stack_traces):
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+            ep = _export(model, args, kwargs, shapes)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):
             raise CaptureError(

@@ -718,12 +718,14 @@ class CostModel:
         base: dict[fx.Node, fx.Node] = {}
         size: dict[fx.Node, float] = {}
         params = 0.0
+        read_params = 0.0  # what a call must read of them: a gathered table only its gathered rows
         inputs = 0.0
         for n in nodes:
             infos = ir.infos(n)
             nbytes = sum(c(t.nbytes) for t in infos)
             if n.op == "get_attr":
                 params += nbytes
+                read_params += self._param_bytes_read(n, nbytes, hints)
                 continue
             if n.op == "placeholder":
                 inputs += nbytes
@@ -757,7 +759,17 @@ class CostModel:
                 frees[end] = frees.get(end, 0.0) + size[n]
             peak = max(peak, live)
             live -= frees.pop(i, 0.0)
-        return peak + params, params, params + inputs + outputs
+        return peak + params, params, read_params + inputs + outputs
+
+    def _param_bytes_read(self, n: fx.Node, nbytes: float, hints) -> float:
+        """Bytes of the constant ``n`` a call must read: all of it, unless every reader gathers
+        rows of it (an embedding table read by ``embedding``), then at most the rows gathered."""
+        users = list(n.users)
+        if not users or any(u.op != "call_function" or not u.args or u.args[0] is not n
+                            or self.flops_bytes(u)[3] != "gather" for u in users):
+            return nbytes
+        gathered = sum(float(ir.concrete(t.nbytes, hints)) for u in users for t in ir.infos(u))
+        return min(nbytes, gathered)
 
 
 def _same(a: tuple, b: tuple) -> bool:

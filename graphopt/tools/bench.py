@@ -39,7 +39,6 @@ import datetime as _dt
 import gc
 import json
 import math
-import os
 import platform
 import re
 import statistics
@@ -53,6 +52,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import accuracy
+from ..errors import traceback_requested
 
 __all__ = ["VARIANTS", "PEERS", "BenchConfig", "VariantResult", "ConfigResult", "BenchRun", "run",
            "time_call", "environment", "parse_dtype", "parse_vs", "DEFAULT_OUT"]
@@ -765,7 +765,7 @@ def _run_variant(variant, vr: VariantResult, model, args, kwargs, state, *, devi
         return sample
     except Exception as e:  # noqa: BLE001 - one failing variant is a row, not the end of the run
         vr.status, vr.error = "error", _first_line(e)
-        if os.environ.get("GRAPHOPT_TRACEBACK"):
+        if traceback_requested():
             import traceback
 
             traceback.print_exc()

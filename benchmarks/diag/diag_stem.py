@@ -1,6 +1,7 @@
+# Answered: What is the fastest form of ResNet's 3-channel stem? A 4x4 stride-1 convolution over 2x2 pixel blocks, 0.504 -> 0.288 ms: conv_space_to_depth (results/archive/diag_stem_2026-11-30_0304_h200.json).
 """ResNet's stem (7x7 stride-2 convolution of a 3-channel image) in the forms it could be lowered to.
 
-    python benchmarks/diag_stem.py [--batch 64] [--out DIR]
+    python benchmarks/diag/diag_stem.py [--batch 64] [--out DIR]
 
 cuDNN runs ResNet-50's stem at bs64 bf16 channels_last in about 0.5 ms (20% of the optimized
 model; diag_resnet_convs.py), padded to 8 channels or in NCHW no faster. Times (CUDA events,
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import diag_resnet_convs  # noqa: E402
 
 

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Answered: How each GPU round was run: one device call per step name; the runs' outputs are results/archive/ (see SUMMARY_history.md).
 # One device call per step (outputs under $OUT); each step installs graphopt and builds the kernels first.
 #   probe6   GLM GEMM shapes, bs1 busy breakdown, optimize() time with the guard (cProfile of the last call)
 #   sanitize cuda_ext tests, compute-sanitizer memcheck + racecheck on the kernel driver, the ResNet conv diagnostic
@@ -18,7 +19,7 @@
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
 #   final    the cuda tests of this round's kernels and passes, ConvNeXt bs64, checkpoint_bench.py
-#   bash benchmarks/gpu_round.sh core
+#   bash benchmarks/diag/gpu_round.sh core
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GRAPHOPT_CACHE_DIR=/tmp/graphopt-cache TRITON_CACHE_DIR=/tmp/triton-cache
@@ -57,7 +58,7 @@ s13d)
 s13c)
   # the 3.6 interpreter's error in full, then GEMM tile order against power and clock
   TRITON_INTERPRET=1 PYTHONPATH=$PWD timeout 120 python3 -c "from tests.cuda_ext.test_gemm_triton import interpreter_cases as f; f()" 2>&1 | tail -25
-  timeout 400 python3 benchmarks/diag_gemm_order.py --out "$OUT" 2>&1 | quiet | tail -20 ;;
+  timeout 400 python3 benchmarks/diag/diag_gemm_order.py --out "$OUT" 2>&1 | quiet | tail -20 ;;
 s13b)
   # gemm_swiglu: its kernel, op and pass tests on the GPU, then GLM bs8 and bs1 against torch.compile
   timeout 240 python3 -m pytest -m "cuda or not cuda" tests/cuda_ext/test_gemm_triton.py tests/passes/test_lower_gemm_swiglu.py \
@@ -66,7 +67,7 @@ s13b)
   models "${2:-glm4-9b-4l:8,glm4-9b-4l:1}" ;;
 s13a)
   # Triton GEMMs with the SwiGLU step folded in (epilogue / prologue) against cuBLAS + graphopt::swiglu
-  timeout 480 python3 benchmarks/diag_swiglu_gemm.py --out "$OUT" ${2:+--tokens $2} 2>&1 | quiet | tail -60 ;;
+  timeout 480 python3 benchmarks/diag/diag_swiglu_gemm.py --out "$OUT" ${2:+--tokens $2} 2>&1 | quiet | tail -60 ;;
 s12e)
   # the bench harness's two memory peaks on the GPU, then BERT bs1 and GLM bs1 with both columns
   timeout 120 python3 -m pytest -m cuda tests/test_bench.py -q -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -2
@@ -76,14 +77,14 @@ s12d)
   # (ops by CUDA time), then GLM bs8 and bs1 against torch.compile
   python3 -c "import torch, transformers.cache_utils as u; c = u.DynamicCache(); z = torch.zeros(1, 2, 0, 4); \
 c.update(z, z, 0); print('cache layer class:', type(c.layers[0]).__name__, '; DynamicLayer exported:', hasattr(u, 'DynamicLayer'))"
-  timeout 300 python3 benchmarks/diag_glm_ops.py --out "$OUT" 2>&1 | quiet | grep "^|" | tail -24; echo "### ops ${SECONDS}s"
+  timeout 300 python3 benchmarks/diag/diag_glm_ops.py --out "$OUT" 2>&1 | quiet | grep "^|" | tail -24; echo "### ops ${SECONDS}s"
   models "${2:-glm4-9b-4l:8,glm4-9b-4l:1}" ;;
 s12c)
   # final: every cuda-marked test, bs1 GPU busy again, compute-sanitizer memcheck over every kernel (the split-K
   # norm included)
   timeout 330 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
   tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
-  timeout 90 python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
+  timeout 90 python3 benchmarks/diag/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
     | grep "^|\|rror" | tail -4; echo "### busy ${SECONDS}s"
   timeout $((585 - SECONDS)) compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
     > "$OUT/memcheck.log" 2>&1; echo "### memcheck rc=$? ${SECONDS}s"; tail -3 "$OUT/memcheck.log" ;;
@@ -94,13 +95,13 @@ s12b)
     tests/cuda_ext/test_op_arguments.py tests/passes/test_lower_split_k.py tests/test_capture.py -q -p no:cacheprovider \
     -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_splitk.log"
   tail -30 "$OUT/pytest_cuda_splitk.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
-  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
+  timeout 150 python3 benchmarks/diag/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
     | grep "^|\|rror" | tail -4; echo "### busy ${SECONDS}s"
   models "${2:-bert-base:1,glm4-9b-4l:8,glm4-9b-4l:1}" ;;
 s12a)
   # programmatic dependent launch between small kernels in a graph, then BERT-base / ResNet-50 bs1 GPU busy
-  timeout 120 python3 benchmarks/diag_pdl.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" ; echo "### pdl ${SECONDS}s"
-  timeout $((570 - SECONDS)) python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
+  timeout 120 python3 benchmarks/diag/diag_pdl.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" ; echo "### pdl ${SECONDS}s"
+  timeout $((570 - SECONDS)) python3 benchmarks/diag/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
     | grep "^|\|rror" | tail -4 ;;
 s11c)
   # the sandwich norm (graphopt::rms_norm_add_rms_norm): its cuda tests, then GLM bs8 and bs1 against compile, then
@@ -109,7 +110,7 @@ s11c)
     tests/passes/test_fuse_rms_norm.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_sandwich.log"
   tail -30 "$OUT/pytest_cuda_sandwich.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
   models "${2:-glm4-9b-4l:8,glm4-9b-4l:1}"
-  left=$((585 - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag_glm_ops.py --out "$OUT" 2>&1 | quiet \
+  left=$((585 - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/diag_glm_ops.py --out "$OUT" 2>&1 | quiet \
     | grep "^|" | tail -22 ;;
 s11d)
   # final: every cuda-marked test, compute-sanitizer memcheck over every kernel (the sandwich norm included)
@@ -118,11 +119,11 @@ s11d)
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
     > "$OUT/memcheck.log" 2>&1; echo "### memcheck rc=$? ${SECONDS}s"; tail -3 "$OUT/memcheck.log"
   # is the 776 TFLOP/s ceiling sustained? (GEMM rate per second under load, SM clock, power, throttle reasons)
-  left=$((585 - SECONDS)); [ $left -gt 40 ] && timeout $left python3 benchmarks/diag_sustained.py --out "$OUT" \
+  left=$((585 - SECONDS)); [ $left -gt 40 ] && timeout $left python3 benchmarks/diag/diag_sustained.py --out "$OUT" \
     --seconds $(( left > 60 ? 8 : 4 )) 2>&1 | tail -6 ;;
 s11b)
   # where GLM bs8's non-GEMM time goes (SDPA's GQA and output layout per backend; ops by CUDA time, no graph)
-  timeout 400 python3 benchmarks/diag_glm_ops.py --out "$OUT" 2>&1 | quiet | grep "^|" | tail -45 ;;
+  timeout 400 python3 benchmarks/diag/diag_glm_ops.py --out "$OUT" 2>&1 | quiet | grep "^|" | tail -45 ;;
 s11a)
   # (nvidia-h200-x2) issue 9 memory caps: one GPU's training peak, then bs8 inference at the smallest cap, at half the
   # parameters + working set, at half the footprint with outputs copied to the host; a bs8 1F1B step at half its peak
@@ -142,7 +143,7 @@ s10g)
 s10f)
   # where GLM bs1 seq1024's time goes (graphopt 4.90 ms against reduce-overhead 5.02): kernels of eager, graphopt and
   # torch.compile, and the device's idle time inside a call
-  timeout 300 python3 benchmarks/profile_model.py glm4-9b-4l --batch 1 --seq-len 1024 --top 18 --reps 10 --compile --gaps \
+  timeout 300 python3 benchmarks/diag/profile_model.py glm4-9b-4l --batch 1 --seq-len 1024 --top 18 --reps 10 --compile --gaps \
     --out "$OUT" 2>&1 | quiet | grep -v "^$" | tail -80; echo "### profile ${SECONDS}s" ;;
 s10e)
   # final: every cuda-marked test with this round's code, compute-sanitizer memcheck over every kernel (short_attention
@@ -151,11 +152,11 @@ s10e)
   tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
     > "$OUT/memcheck.log" 2>&1; echo "### memcheck rc=$? ${SECONDS}s"; tail -3 "$OUT/memcheck.log"
-  timeout $((580 - SECONDS)) python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
+  timeout $((580 - SECONDS)) python3 benchmarks/diag/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet \
     | grep "^|\|rror" | tail -4; echo "### busy ${SECONDS}s" ;;
 s10d)
   # bs1 busy for both issue-5 models with short_attention, then the bs1 latency rows (and BERT bs8) against compile
-  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet | grep "^|\|rror" | tail -4
+  timeout 150 python3 benchmarks/diag/diag_busy.py --out "$OUT" --models resnet50:1,bert-base:1:128 2>&1 | quiet | grep "^|\|rror" | tail -4
   echo "### busy ${SECONDS}s"
   models "${2:-bert-base:1,resnet50:1,vit_b_16:1,bert-base:8}" ;;
 s10c)
@@ -163,16 +164,16 @@ s10c)
   timeout 150 python3 -m pytest -m cuda tests/cuda_ext/test_short_attention.py tests/passes/test_lower_attention.py \
     tests/cuda_ext/test_registration.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_short_attention.log"
   tail -30 "$OUT/pytest_cuda_short_attention.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
-  timeout 120 python3 benchmarks/diag_busy.py --out "$OUT" --models bert-base:1:128 2>&1 | quiet | grep "^|\|rror" | tail -3
+  timeout 120 python3 benchmarks/diag/diag_busy.py --out "$OUT" --models bert-base:1:128 2>&1 | quiet | grep "^|\|rror" | tail -3
   echo "### busy ${SECONDS}s"
   models "${2:-bert-base:1,bert-base:8,vit_b_16:1}" ;;
 s10b)
   # attention at small batch: SDPA backends against the one-tile Triton kernel, then BERT bs1 busy again
-  timeout 200 python3 benchmarks/diag_attention_small.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | tail -30
+  timeout 200 python3 benchmarks/diag/diag_attention_small.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | tail -30
   echo "### attention ${SECONDS}s" ;;
 s10a)
   # bs1 busy: the CUDA graphs captured with and without cuBLASLt split-K, idle time in front of each kernel
-  timeout 400 python3 benchmarks/diag_busy.py --out "$OUT" --variants ${V:-default,no-cudnn-sdpa} \
+  timeout 400 python3 benchmarks/diag/diag_busy.py --out "$OUT" --variants ${V:-default,no-cudnn-sdpa} \
     --models ${2:-resnet50:1,bert-base:1:128,glm4-9b-4l:1:1024} 2>&1 | quiet | grep "^|\|rror" | tail -12
   echo "### busy ${SECONDS}s" ;;
 s9g)
@@ -211,7 +212,7 @@ PY
 s9d)
   # a pipeline training stage's predicted vs measured time by op family (stage-0-like, bs1 and bs2), then the final
   # checkpointing code's ResNet-50 plans: 0.4, 0.35, 0.4 again
-  timeout 240 python3 benchmarks/diag_stage_time.py --out "$OUT" --batches 1,2 --layers 4 2>&1 | quiet | grep -v "^$" | tail -24
+  timeout 240 python3 benchmarks/diag/diag_stage_time.py --out "$OUT" --batches 1,2 --layers 4 2>&1 | quiet | grep -v "^$" | tail -24
   echo "### stage ${SECONDS}s"; lscpu | grep -i "model name" | head -1
   rn 0.4 120 --no-reference
   rn 0.35 120 --no-reference
@@ -281,7 +282,7 @@ s8a)
   rn 0.4 $((570 - SECONDS)) --no-reference ;;
 s7g)
   # why fused AOT training stages were slower: a stage-0-like module (embedding + 4 GLM layers, bs2 seq1024)
-  timeout 400 python3 benchmarks/diag_stage_fusion.py 2>&1 | quiet | grep -v "^$" | tail -60; echo "### stage ${SECONDS}s" ;;
+  timeout 400 python3 benchmarks/diag/diag_stage_fusion.py 2>&1 | quiet | grep -v "^$" | tail -60; echo "### stage ${SECONDS}s" ;;
 s7f)
   # GLM fused AOT checkpointing with recomputation priced as fused: 0.3 and 0.275
   F=fold_constants,fuse_attention,fuse_elementwise,insert_checkpoints
@@ -291,7 +292,7 @@ s7f)
   done ;;
 s7e)
   # TunableOp on GLM's GEMM shapes; ResNet-50 training: AOT at 0.57 with channels_last but without fusion, and NCHW AOT at 0.7
-  timeout 150 python3 benchmarks/diag_tunableop.py 2>&1 | quiet | grep "ms\|rror" | tail -5; echo "### tunableop ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag/diag_tunableop.py 2>&1 | quiet | grep "ms\|rror" | tail -5; echo "### tunableop ${SECONDS}s"
   timeout 150 python3 benchmarks/checkpoint_bench.py --out "$OUT" --configs resnet50 --backend aot --budget 0.57 --no-reference \
     --passes convert_channels_last,eliminate_permutes,insert_checkpoints 2>&1 | quiet | grep "^| resnet\|rror" | tail -3
   echo "### resnet cl unfused ${SECONDS}s"
@@ -340,8 +341,8 @@ s7b)
 s7a)
   # the C++-check crash probe; ResNet-50 AOT gradients vs fp64 (TF32 on/off); ResNet-50 training at 0.4 with
   # channels_last, the AOT backend let through for training BatchNorm (refusal patched out for this run)
-  bash benchmarks/diag_segv_probe.sh 2>&1 | grep -E "rc=|passed|failed" | head -8; echo "### segv ${SECONDS}s"
-  timeout 150 python3 benchmarks/diag_aot_resnet.py --out "$OUT" 2>&1 | quiet | grep "tf32=\|insert_\|rror"; echo "### aot-bn ${SECONDS}s"
+  bash benchmarks/diag/diag_segv_probe.sh 2>&1 | grep -E "rc=|passed|failed" | head -8; echo "### segv ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag/diag_aot_resnet.py --out "$OUT" 2>&1 | quiet | grep "tf32=\|insert_\|rror"; echo "### aot-bn ${SECONDS}s"
   unrefused() { timeout $1 python3 -c "import sys, runpy
 from graphopt.passes import insert_checkpoints as ic
 ic._aot_refused = lambda gm, ctx: None
@@ -354,22 +355,22 @@ runpy.run_path('benchmarks/checkpoint_bench.py', run_name='__main__')" "${@:2}" 
   left=$((560 - SECONDS)); [ $left -gt 60 ] && unrefused $left --out "$OUT" --configs resnet50 --backend aot --no-reference --fp64-check
   echo "### ckpt-nchw ${SECONDS}s" ;;
 probe6)
-  timeout 120 python3 benchmarks/diag_gemm.py --out "$OUT" 2>&1 | grep "^|" ; echo "### gemm ${SECONDS}s"
-  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
+  timeout 120 python3 benchmarks/diag/diag_gemm.py --out "$OUT" 2>&1 | grep "^|" ; echo "### gemm ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
   timeout $((560 - SECONDS)) python3 benchmarks/optimize_time.py --device cuda --accuracy --profile --reps 3 \
     --models bert-base:64:128,glm4-9b-4l:8:1024,resnet50:64,vit_b_16:64 --out "$OUT" 2>&1 | quiet | grep "^## \|run \|accuracy" ;;
 probe7)
   timeout 150 python3 -m pytest -m cuda tests/test_lower.py tests/test_api.py tests/test_planted_fault.py tests/test_accuracy.py \
     tests/test_pipeline.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_probe7.log"
   tail -30 "$OUT/pytest_cuda_probe7.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
-  timeout 100 python3 benchmarks/diag_sdpa.py --out "$OUT" 2>&1 | quiet | grep "^|\|^torch\|^## \|^inputs" ; echo "### sdpa ${SECONDS}s"
-  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
-  timeout 150 python3 benchmarks/diag_gemm.py --out "$OUT" 2>&1 | grep "^| tunableop\|^| cublas | lm_head | .* linear\|unavailable\|Error" ; echo "### gemm ${SECONDS}s"
+  timeout 100 python3 benchmarks/diag/diag_sdpa.py --out "$OUT" 2>&1 | quiet | grep "^|\|^torch\|^## \|^inputs" ; echo "### sdpa ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag/diag_gemm.py --out "$OUT" 2>&1 | grep "^| tunableop\|^| cublas | lm_head | .* linear\|unavailable\|Error" ; echo "### gemm ${SECONDS}s"
   timeout $((560 - SECONDS)) python3 benchmarks/optimize_time.py --device cuda --accuracy --reps 3 \
     --models bert-base:64:128,glm4-9b-4l:8:1024 --out "$OUT" 2>&1 | quiet | grep "^## \|run \|accuracy" ;;
 probe8)
-  timeout 150 python3 benchmarks/diag_sdpa.py --models bert-base:1:128 --out "$OUT" 2>&1 | quiet | grep "^|\|^torch\|^## \|^in a\|^optimize()" ; echo "### sdpa ${SECONDS}s"
-  timeout 150 python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag/diag_sdpa.py --models bert-base:1:128 --out "$OUT" 2>&1 | quiet | grep "^|\|^torch\|^## \|^in a\|^optimize()" ; echo "### sdpa ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|Error" ; echo "### busy ${SECONDS}s"
   timeout $((560 - SECONDS)) python3 benchmarks/optimize_time.py --device cuda --accuracy --reps 3 \
     --models glm4-9b-4l:8:1024,bert-base:64:128 --out "$OUT" 2>&1 | quiet | grep "^## \|run \|accuracy" ;;
 sanitize)
@@ -380,7 +381,7 @@ sanitize)
     timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/cuda_ext/sanitize_driver.py \
       > "$OUT/$tool.log" 2>&1; echo "### $tool rc=$? ${SECONDS}s"; tail -3 "$OUT/$tool.log"
   done
-  timeout $((580 - SECONDS)) python3 benchmarks/diag_resnet_convs.py --out "$OUT" 2>&1 | quiet | tail -60 ;;
+  timeout $((580 - SECONDS)) python3 benchmarks/diag/diag_resnet_convs.py --out "$OUT" 2>&1 | quiet | tail -60 ;;
 round5)
   timeout 150 python3 -m pytest -m cuda tests/cuda_ext tests/passes tests/test_measure.py tests/test_capture_mha.py -q \
     -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_round5.log"
@@ -400,13 +401,13 @@ check6)
   models "${2:-glm4-9b-4l:8}" ;;
 accuracy)
   timeout 200 python3 benchmarks/cost_model_accuracy.py --out "$OUT" 2>&1 | grep "^| " | head -14; echo "### accuracy ${SECONDS}s"
-  timeout 70 python3 benchmarks/profile_model.py vit_b_16 --batch 64 --passes eliminate_dead_code,fold_constants --top 16 \
+  timeout 70 python3 benchmarks/diag/profile_model.py vit_b_16 --batch 64 --passes eliminate_dead_code,fold_constants --top 16 \
     --reps 10 --out "$OUT" 2>&1 | quiet | grep "^#\|^|" | head -44; echo "### vit profile ${SECONDS}s"
-  timeout 80 python3 benchmarks/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 14 --reps 10 \
+  timeout 80 python3 benchmarks/diag/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 14 --reps 10 \
     --out "$OUT" 2>&1 | quiet | grep "^#\|^|" | head -36; echo "### glm profile ${SECONDS}s"
   models "${2:-bert-base:64,glm4-9b-4l:8,resnet50:1,bert-base:1,glm4-9b-4l:1}" ;;
 conv)
-  timeout 40 python3 benchmarks/diag_stem.py --out "$OUT" 2>&1 | quiet | grep -v "^ \|^{\|^}"; echo "### stem ${SECONDS}s"
+  timeout 40 python3 benchmarks/diag/diag_stem.py --out "$OUT" 2>&1 | quiet | grep -v "^ \|^{\|^}"; echo "### stem ${SECONDS}s"
   timeout 150 python3 -m graphopt calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error\|wrote"
   echo "### calibrate ${SECONDS}s"
   python3 -c "import json; d=json.load(open('$OUT/h200-calibrated.json')); print({k: v for k, v in d.items() if 'conv' in k}); print(d['source'].get('conv_efficiency'))"
@@ -432,7 +433,7 @@ models)
   models "$2" ;;
 ckpt)
   timeout 300 python3 benchmarks/checkpoint_bench.py --out "$OUT" 2>&1 | quiet | tail -40; echo "### ckpt ${SECONDS}s"
-  timeout 60 python3 benchmarks/diag_precision.py bert-base 64 2>&1 | quiet | tail -3; echo "### diag ${SECONDS}s"
+  timeout 60 python3 -m graphopt explain bert-base --batch 64 --verbose 2>&1 | quiet | grep -A3 assign_precision; echo "### diag ${SECONDS}s"
   models "${2:-vit_b_16:64,resnet50:1,bert-base:1}" ;;
 final)
   timeout 120 python3 -m pytest -m cuda tests/cuda_ext tests/passes tests/test_planted_fault.py -q -p no:cacheprovider \
@@ -442,7 +443,7 @@ final)
     2>&1 | grep "^|"; echo "### convnext ${SECONDS}s"
   timeout $((585 - SECONDS)) python3 benchmarks/checkpoint_bench.py --out "$OUT" 2>&1 | quiet | tail -40 ;;
 probe)
-  timeout 240 python3 benchmarks/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 30 --compile --reps 10 \
+  timeout 240 python3 benchmarks/diag/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 30 --compile --reps 10 \
     --out "$OUT" 2>&1 | quiet | tail -120; echo "### profile ${SECONDS}s"
   timeout 120 python3 -m graphopt explain glm4-9b-4l --batch 8 --seq-len 1024 --dtype bf16 --no-accuracy > "$OUT/explain_glm4_bs8.txt" 2>&1
   echo "### explain ${SECONDS}s"
@@ -454,7 +455,7 @@ mid)
   tail -30 /tmp/pytest_cuda_mid.log | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
   timeout 200 python3 benchmarks/run_models.py --configs glm4-9b-4l:8,glm4-9b-4l:1 --reps 20 --warmup 3 --out "$OUT" \
     2>&1 | quiet | tail -14; echo "### models ${SECONDS}s"
-  timeout 100 python3 benchmarks/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 14 --gaps --reps 10 \
+  timeout 100 python3 benchmarks/diag/profile_model.py glm4-9b-4l --batch 8 --seq-len 1024 --top 14 --gaps --reps 10 \
     --out "$OUT" 2>&1 | quiet | grep -v "^$" | tail -48; echo "### profile ${SECONDS}s"
   timeout 110 python3 -m graphopt calibrate -o "$OUT/h200-calibrated.json" 2>&1 | grep -i "conv\|error" | tail -4
   echo "### calibrate ${SECONDS}s"
@@ -496,7 +497,7 @@ final8)
     --passes fold_constants,fuse_attention,insert_checkpoints 2>&1 | quiet | grep "^|\|rror" | tail -6; echo "### ckpt ${SECONDS}s"
   left=$((500 - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/run_models.py --configs resnet50:64,resnet50:1,bert-base:1 \
     --budget-s $((left - 20)) --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^|" | tail -14; echo "### models ${SECONDS}s"
-  left=$((585 - SECONDS)); [ $left -gt 40 ] && timeout $left python3 benchmarks/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror"
+  left=$((585 - SECONDS)); [ $left -gt 40 ] && timeout $left python3 benchmarks/diag/diag_busy.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror"
   echo "### busy ${SECONDS}s" ;;
 part7)
   # on nvidia-h200-x2: the 2-GPU pipeline benchmark (issue 9), everything in its default set
@@ -521,7 +522,7 @@ last2)
   timeout $((585 - SECONDS)) python3 benchmarks/precision_bench.py --models bert-base:64:128 --out "$OUT" --reps 10 2>&1 \
     | quiet | grep "^|" | tail -3 ;;
 diag)
-  timeout 150 python3 benchmarks/diag_checkpoint.py 2>&1 | quiet | tail -45; echo "### diag ${SECONDS}s"
+  timeout 150 python3 benchmarks/diag/diag_checkpoint.py 2>&1 | quiet | tail -45; echo "### diag ${SECONDS}s"
   precision ;;
 esac
 echo "### done ${SECONDS}s"

@@ -1,6 +1,7 @@
+# Answered: Does a persistent GEMM's tile-group order change its speed under the power cap? Groups of 16 row blocks were fastest (2.701 ms against 2.713 at 8), now the default (results/archive/diag_gemm_order_2026-11-30_191649.md).
 """Does the order of a GEMM's output tiles change its speed under the H200's power cap (issue 4)?
 
-    python benchmarks/diag_gemm_order.py --out DIR
+    python benchmarks/diag/diag_gemm_order.py --out DIR
 
 A persistent GEMM walks its tiles in groups of GROUP_M row blocks, each group sweeping every column
 block: a larger group reads the weight from HBM fewer times (GLM-4's vocabulary projection: 8 times
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag_swiglu_gemm import FFN, HIDDEN, sustained  # noqa: E402
 
 GROUPS = (4, 8, 16, 32, 64)

@@ -1,3 +1,4 @@
+# Answered: Are the AOT checkpoint backend's ResNet-50 GPU gradients wrong? No: TF32 rounding; eager is as far from fp64, and with TF32 off the rewrite is within 2.4e-6 of eager (results/archive/diag_aot_resnet_2026-11-30_h200.json).
 """Diagnostic: the AOT checkpoint backend's ResNet-50 gradients on the GPU (fp32, batch 8, 128x128 by default),
 judged against an fp64 reference, with cuDNN's TF32 convolutions on (torch's default) and off.
 
@@ -8,7 +9,7 @@ BatchNorm through different kernels, cuDNN's and aten's, and the tiny difference
 TF32 convolutions) on parameters whose gradients nearly cancel? The accuracy rule of DESIGN.md
 decides: rmse(x, fp64) <= 2 * rmse(eager, fp64) + tol/10 (fp32 training, tol 1e-3).
 
-    python benchmarks/diag_aot_resnet.py [--out DIR]
+    python benchmarks/diag/diag_aot_resnet.py [--out DIR]
 """
 import argparse
 import copy
@@ -16,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 

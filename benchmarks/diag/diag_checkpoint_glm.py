@@ -1,6 +1,7 @@
+# Answered: Where does the checkpointed GLM step's extra time go? 19 of +69 ms was SDPA's materialized causal mask (now folded); recomputed memory-bound ops cost ~2x their price (results/archive/diag_checkpoint_glm_2026-11-30_012215_h200.md).
 """Where does the checkpointed GLM step's extra time go? (issue 8)
 
-    python benchmarks/diag_checkpoint_glm.py --out DIR [--tiny] [--budget 0.3] [--reps 5]
+    python benchmarks/diag/diag_checkpoint_glm.py --out DIR [--tiny] [--budget 0.3] [--reps 5]
                                              [--variants eager,captured,ckpt,fa,fa+ckpt,hf]
 
 GLM-4-9B shape (``zoo.glm4_9b_config(8)``: 8 layers), bf16, batch 4, seq 2048, SDPA attention
@@ -36,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(Path(__file__).resolve().parent)):
+ROOT = Path(__file__).resolve().parents[2]
+for p in (str(ROOT), str(Path(__file__).resolve().parents[1])):
     if p not in sys.path:
         sys.path.insert(0, p)
 

@@ -1,6 +1,7 @@
+# Answered: Can SwiGLU ride a GEMM epilogue as fast as cuBLAS? Yes, a persistent TMA Triton GEMM: GLM bs8 MLP 4.085 against 4.289 ms: lower_gemm_swiglu (results/archive/diag_swiglu_gemm_2026-11-30_185919.md).
 """Can the SwiGLU kernel be folded into a GEMM on the H200 (issue 4: GLM bs8 within 15% of its floor)?
 
-    python benchmarks/diag_swiglu_gemm.py --out DIR [--tokens 8192,1024]
+    python benchmarks/diag/diag_swiglu_gemm.py --out DIR [--tokens 8192,1024]
 
 GLM-4's MLP is ``gate_up = x @ Wgu.T`` (cuBLAS), ``act = silu(gate) * up`` (graphopt::swiglu, 0.17 ms a
 layer at bs8, at the copy rate) and ``act @ Wd.T`` (cuBLAS). The Triton GEMM of
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import captured, cuda_median_ms  # noqa: E402
 
 HIDDEN, FFN = 4096, 13696

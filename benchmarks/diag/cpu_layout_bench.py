@@ -1,6 +1,7 @@
+# Answered: Does channels_last pay on the CPU when the cost model picks it? ResNet-50 418 against 508 ms eager, MobileNetV3 40 against 85; ConvNeXt-T 2% behind without it (results/archive/cpu_layout_2026-11-29.md).
 """Issue 6 on the CPU: channels_last where oneDNN is faster, chosen by the cost model.
 
-    python benchmarks/cpu_layout_bench.py [--models resnet50,mobilenet_v3_large,convnext_tiny] [--batch 8] [--out DIR]
+    python benchmarks/diag/cpu_layout_bench.py [--models resnet50,mobilenet_v3_large,convnext_tiny] [--batch 8] [--out DIR]
 
 fp32 on this machine's CPU, median of --reps forwards (perf_counter, no_grad): the eager model
 (NCHW), the eager model hand-converted to channels_last, graphopt (whole pipeline; its CPU
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import graphopt  # noqa: E402

@@ -1,6 +1,7 @@
+# Answered: How fast does cuBLAS run GLM-4's GEMMs, in any form graphopt could emit? 93-104% of 776 TFLOP/s except the vocabulary projection's 89%, in every form (results/archive/diag_gemm_2026-11-30_045457.md).
 """GEMM rates for the GLM-4-9B decoder's shapes (issue 4: GLM bs8 within 15% of its roofline).
 
-    python benchmarks/diag_gemm.py --out DIR [--tokens 8192]
+    python benchmarks/diag/diag_gemm.py --out DIR [--tokens 8192]
 
 Times each of the decoder's matrix multiplies (bf16, M = tokens) in the forms graphopt could emit:
 ``F.linear(x, W)`` (what the graph calls), the transposed problem ``(W @ x.T).T``, M split in two,
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ SHAPES = {  # name: (K, N, bias)
 
 
 def timed(fn, reps=15, warmup=3) -> float:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _timing
     from _timing import cuda_median_ms
 
     # queued behind a GPU sleep so host time is hidden

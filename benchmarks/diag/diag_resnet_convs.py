@@ -1,6 +1,7 @@
+# Answered: Which ResNet-50 convolutions are slow as lowered? The 3-channel stem and the downsample convs' separate bias add: conv_space_to_depth and fuse_conv_relu's bias move (results/archive/diag_resnet_convs_2026-11-30_025546.md).
 """Every convolution of the optimized ResNet-50, timed alone in the forms graphopt could lower it to.
 
-    python benchmarks/diag_resnet_convs.py [--model resnet50] [--batch 64] [--out DIR] [--reps 5] [--inner 20]
+    python benchmarks/diag/diag_resnet_convs.py [--model resnet50] [--batch 64] [--out DIR] [--reps 5] [--inner 20]
 
 Builds the model as ``graphopt bench`` does (bf16, channels_last on CUDA), optimizes it, and for each
 ``conv2d`` / ``graphopt::conv_bias_relu`` node of the result times (CUDA events around ``--inner``

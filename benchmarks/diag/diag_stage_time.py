@@ -1,3 +1,4 @@
+# Answered: Where does a training stage's predicted time part from measured? The host: device time within 6%, the step 23% over its kernels; led to host_train_op_s (results/archive/diag_stage_time_2026-11-30_111357.json).
 """Diagnostic: where does a pipeline training stage's predicted time part from the measured one?
 
 On 2 H200s the partition benchmark's stage 0 (embedding + decoder layers) ran 25% slower than
@@ -11,7 +12,7 @@ model with the target profile) beside the measurement, in total and by op family
 - measured: the step's wall time (CUDA events, median), its kernel time and the device time by ATen op
   (self time, one profiled step), grouped into the same families.
 
-    python benchmarks/diag_stage_time.py --out DIR [--batches 1,2] [--layers 4] [--seq 1024]
+    python benchmarks/diag/diag_stage_time.py --out DIR [--batches 1,2] [--layers 4] [--seq 1024]
 """
 import argparse
 import json
@@ -19,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -30,7 +31,7 @@ from graphopt.cost.profiles import get_profile  # noqa: E402
 from graphopt.examples import zoo  # noqa: E402
 from graphopt.pipeline import available as available_passes, registry  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import cuda_median_ms  # noqa: E402
 from diag_stage_fusion import Stage0  # noqa: E402  (embedding + decoder layers, the last hidden state)
 

@@ -1,8 +1,9 @@
+# Answered: Does TunableOp find a faster GEMM for GLM's vocabulary projection? No: 14.68 ms default against 14.70 tuned (results/archive/diag_tunableop_2026-11-30_h200.md).
 """Diagnostic: does TunableOp (cuBLAS/cuBLASLt algorithm search) find a faster algorithm than the
 heuristic default for GLM-4's vocabulary projection ([8192, 4096] x [4096, 151552] bf16, the GEMM
 that runs at 89% of the 776 TFLOP/s peak)? Times F.linear with CUDA events, default vs tuned.
 
-    python benchmarks/diag_tunableop.py
+    python benchmarks/diag/diag_tunableop.py
 """
 import os
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import cuda_median_ms  # noqa: E402
 
 

@@ -1,6 +1,7 @@
+# Answered: Does a checkpoint plan's predicted step memory match the traced peak (CPU)? Within 8% once the backward is walked in order; tests/passes/test_insert_checkpoints_memory.py now checks it (no result file).
 """A checkpoint plan's predicted step activations vs the traced peak, on the CPU (issue 8's memory model).
 
-    python benchmarks/diag_checkpoint_memory.py [--layers 8] [--hidden 256] [--batch 4] [--seq 256]
+    python benchmarks/diag/diag_checkpoint_memory.py [--layers 8] [--hidden 256] [--batch 4] [--seq 256]
         [--budget 0.3] [--target cpu|h200] [--region-shares 0.5] [--backends aot,sac]
 
 A GLM-4-9B-shaped decoder scaled down (MLP 3.34x hidden, vocab 37x hidden, bf16, SDPA) runs one
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

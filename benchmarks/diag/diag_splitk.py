@@ -1,6 +1,7 @@
+# Answered: Is K split into a batched GEMM faster than cuBLAS's split-K at bs1? Yes, 4.96 against 7.81 us for BERT bs1's FFN down projection: lower_split_k (results/archive/diag_splitk_2026-11-30_144502.md).
 """Small-M, long-K projections: cuBLAS's own split-K against K split into a batched GEMM.
 
-    python benchmarks/diag_splitk.py --out DIR
+    python benchmarks/diag/diag_splitk.py --out DIR
 
 At bs1 a transformer's down projection (BERT-base: 128 x 768 x 3072) has too few output tiles to
 fill the GPU, so cuBLASLt splits K and adds a reduction kernel. The alternative measured here
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import graph_us_per_call, measure_row, out_dir, table_lines, write_rows  # noqa: E402
 
 CALLS = 24

@@ -1,6 +1,7 @@
+# Answered: Where does a bs1 call's wall time go? BERT-base: ~0.4 us idle in front of each of 98 kernels, 90-91% busy back to back; ResNet-50 92-93% (results/archive/diag_busy_2026-11-30_172826.md).
 """Where a small-batch call's wall time goes (issue 5: GPU busy >= 90% at bs1).
 
-    python benchmarks/diag_busy.py --out DIR [--models resnet50:1,bert-base:1:128]
+    python benchmarks/diag/diag_busy.py --out DIR [--models resnet50:1,bert-base:1:128]
 
 For each model (bf16, optimized with graphopt's defaults) it times, with CUDA events:
 
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import diag_resnet_convs  # noqa: E402  (its CUDA-event timer)
 

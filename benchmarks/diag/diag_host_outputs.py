@@ -1,6 +1,7 @@
+# Answered: How fast can a pipeline's last stage send its logits to the host? Pinned copies 55 GB/s, but torch.cat of the chunks 162 ms: one persistent pinned buffer, outputs_to_host (results/archive/diag_host_outputs_2026-11-30_145505.json).
 """Where the time goes when a pipeline's last stage sends its outputs to host memory.
 
-    python benchmarks/diag_host_outputs.py --out DIR
+    python benchmarks/diag/diag_host_outputs.py --out DIR
 
 GLM-4's logits at bs8 seq1024 (8 micro-batches of 1 x 1024 x 151552 bf16, 310 MB each): per step,
 the device-to-host copies into freshly allocated pinned memory (torch's caching host allocator),

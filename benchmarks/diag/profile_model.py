@@ -1,7 +1,8 @@
+# Answered: Where does a model's time go? Top kernels of eager / graphopt / torch.compile, idle gaps, per-pass ablation; its profiles are results/archive/profile_*.md.
 """Where does the time go? Kernel profile and per-pass ablation of one zoo model.
 
-    python benchmarks/profile_model.py vit_b_16 --batch 64 --ablate
-    python benchmarks/profile_model.py glm4-9b-4l --batch 1 --seq-len 1024
+    python benchmarks/diag/profile_model.py vit_b_16 --batch 64 --ablate
+    python benchmarks/diag/profile_model.py glm4-9b-4l --batch 1 --seq-len 1024
 
 Prints (1) the top CUDA kernels of eager and of graphopt by total time (torch.profiler),
 (2) with --ablate, the median time of graphopt with each applied pass disabled in turn, so a
@@ -16,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,3 +1,4 @@
+# Answered: Why did fused AOT training stages slow the pipeline? 104 fused launches through Python make the stage host-bound though device time falls 15%: reverted (results/archive/diag_stage_fusion_2026-11-30_h200.md).
 """Diagnostic: why did running a pipeline's training stages as AOT graphs with pointwise fusion make
 them slower on the H200, when the same fusion made the checkpointed 8-layer GLM step 12% faster?
 
@@ -8,14 +9,14 @@ fold_constants + fuse_attention (what a training stage runs); the same with its 
 regions (insert_checkpoints.fuse_training_graph) without and with pointwise fusion. Step times
 (median of CUDA-event timed steps) and each variant's top kernels in one profiled step.
 
-    python benchmarks/diag_stage_fusion.py [--batch 2] [--seq 1024] [--layers 4]
+    python benchmarks/diag/diag_stage_fusion.py [--batch 2] [--seq 1024] [--layers 4]
 """
 import argparse
 import copy
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
@@ -27,7 +28,7 @@ from graphopt.examples import zoo  # noqa: E402
 from graphopt.passes.insert_checkpoints import fuse_training_graph  # noqa: E402
 from graphopt.pipeline import PassContext  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import cuda_median_ms  # noqa: E402
 
 

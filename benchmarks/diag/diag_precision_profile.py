@@ -1,6 +1,7 @@
+# Answered: Where did precision='auto' lose to the hand-converted GLM? An fp32 GEMM per layer from the autocast-wrapped rotary table; higher-order ops are now opaque to assign_precision (results/archive/precision_2026-11-29_h200_run4.md).
 """Diagnostic: where precision="auto" alone spends its time against the hand-converted model.
 
-    python benchmarks/diag_precision_profile.py glm4-9b-4l --batch 8 --seq-len 1024
+    python benchmarks/diag/diag_precision_profile.py glm4-9b-4l --batch 8 --seq-len 1024
 
 Builds the zoo model in fp32, the hand-converted bf16 copy, and graphopt with only the cleanup
 passes and assign_precision (no CUDA graph); prints the wall time and the top CUDA kernels of each
@@ -11,13 +12,13 @@ import copy
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import graphopt  # noqa: E402
 from graphopt.tools.bench import time_call  # noqa: E402
 from graphopt.examples import zoo  # noqa: E402
-from benchmarks.profile_model import top_kernels  # noqa: E402
+from profile_model import top_kernels  # noqa: E402
 
 
 def main():

@@ -1,3 +1,4 @@
+# Answered: Does programmatic dependent launch save time in our CUDA graphs? 0.45 us only between two PDL kernels, nothing after a cuBLAS/cuDNN kernel: not built (results/archive/diag_pdl_2026-11-30_165541.md).
 """Programmatic dependent launch (PDL, Hopper+) between small kernels in a CUDA graph: what does it save?
 
 A row-wise LayerNorm in Triton is launched 48 times in a chain (each reads the last one's output), and 24
@@ -6,13 +7,17 @@ and replayed. Variants: a plain launch; ``launch_pdl=True`` with ``griddepcontro
 first statement; the same plus ``griddepcontrol.launch_dependents`` right after it. Every variant's
 final output is checked against the plain one.
 
-    python benchmarks/diag_pdl.py --out benchmarks/results
+    python benchmarks/diag/diag_pdl.py --out benchmarks/results
 """
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
-from _timing import graph_us_per_call, measure_row, out_dir, table_lines, write_rows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _timing
+from _timing import graph_us_per_call, measure_row, out_dir, table_lines, write_rows  # noqa: E402
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -1,3 +1,4 @@
+# Answered: Does linking the shared libstdc++ stop a failing TORCH_CHECK crashing the H200 image? No, cause open; the Python wrappers check arguments first (results/archive/SUMMARY_history.md, 'The C++-check crash').
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GRAPHOPT_CACHE_DIR=/tmp/graphopt-cache

@@ -1,6 +1,7 @@
+# Answered: Is 776 TFLOP/s bf16 a sustained rate? No: 662-674 TFLOP/s back to back under the 700 W cap, the profile's matmul_sustained_fraction 0.857 (results/archive/diag_sustained_2026-11-30_152332.json).
 """Is the 776 TFLOP/s bf16 ceiling a burst or a sustained rate? GEMM rate and SM clock under load.
 
-    python benchmarks/diag_sustained.py --out DIR [--seconds 8]
+    python benchmarks/diag/diag_sustained.py --out DIR [--seconds 8]
 
 Runs (1) an 8192^3 bf16 matmul and (2) GLM-4's vocabulary projection (8192 x 4096 x 151552), each
 first as a short burst (5 calls after an idle second) and then back to back for ``--seconds``,
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from graphopt.tools.calibrate import gemm_rates  # noqa: E402
 
 QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"

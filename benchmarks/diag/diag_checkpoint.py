@@ -1,11 +1,12 @@
+# Answered: Where does the selective-checkpoint ResNet-50 step's time go? Its per-op Python dispatch makes the step host-bound, which led to the aot backend (results/archive/checkpoint_2026-11-29_212954_h200.md).
 """Where does the checkpointed step's time go? eager vs the captured graph without checkpoints vs
 with them (ResNet-50 bs128 fp32 at 0.4), a kernel-time profile of each, and the numerics of
 checkpointing alone (the captured graph with vs without) on a 2-layer GLM in bf16."""
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import graphopt  # noqa: E402

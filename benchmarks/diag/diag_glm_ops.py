@@ -1,6 +1,7 @@
+# Answered: Which ops besides GEMMs take GLM-4 bs8's time? Norms, SDPA, SwiGLU, a cache cat, rotary (~2.3 ms); led to the sandwich-norm kernel and the copy-free cache (results/archive/diag_glm_ops_2026-11-30_173148.md).
 """Which ops besides the GEMMs take the GLM-4 decoder's time at bs8, and how SDPA treats its GQA.
 
-    python benchmarks/diag_glm_ops.py --out DIR [--batch 8]
+    python benchmarks/diag/diag_glm_ops.py --out DIR [--batch 8]
 
 1. SDPA on GLM-4's attention shape (32 query heads, 2 key/value heads, head dim 128, causal,
    q/k/v laid out [B, S, H, D] as the QKV projection makes them), per backend (cuDNN, flash,
@@ -19,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import cuda_median_ms  # noqa: E402
 
 

@@ -97,9 +97,8 @@ def _register_hf_pytrees() -> None:
 
     def unflatten(values, n):
         """The cache holding these keys and values. ``update`` would concatenate each to an empty
-        past, a copy per layer on every call (8 copies, 0.15 ms a call of the 4-layer GLM-4 at
-        bs8 on the H200); a plain DynamicLayer is initialized on an empty slice and then holds the
-        tensors themselves, which is what that concatenation returns a copy of."""
+        past, a copy per layer on every call; a plain DynamicLayer is initialized on an empty slice
+        and then holds the tensors themselves, which is what that concatenation returns a copy of."""
         cache = DynamicCache()
         values = list(values)
         for i in range(n):
@@ -182,9 +181,9 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     SDPA form eager's fast path runs (graphopt.capture_mha), "module" keeps the module's own
     forward; default: the environment variable GRAPHOPT_MHA, else "sdpa".
     ``stack_traces``: keep torch.export's per-node source locations (``node.stack_trace``, the
-    ``# File:`` comments of the generated code; graphopt itself never reads them). Recording
-    them is ~15% of export's time, and symbolizing them ~0.25 s more on a process's first export
-    (BERT-base), so they are off unless asked for (``optimize(dump_dir=...)`` asks).
+    ``# File:`` comments of the generated code; graphopt itself never reads them). Recording and
+    symbolizing them is a noticeable share of export's time, so they are off unless asked for
+    (``optimize(dump_dir=...)`` asks).
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")

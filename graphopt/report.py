@@ -244,7 +244,7 @@ class Report:
             from .timing import format_phases
 
             console.print(f"optimized in {self.optimize_seconds:.2f} s: "
-                          f"{format_phases(self.optimize_phases, limit=8 if verbose else 3)}")
+                          f"{format_phases(self.optimize_phases, limit=8 if verbose else 2)}")
         else:
             console.print(f"optimized in {self.optimize_seconds:.2f} s")
 

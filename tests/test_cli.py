@@ -270,7 +270,7 @@ CONV_STACK = textwrap.dedent("""
 
     def make():
         layers = []
-        for _ in range(12):
+        for _ in range(6):
             layers += [torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU()]
         return torch.nn.Sequential(*layers).eval(), (torch.randn(1, 4, 8, 8),)
 """)
@@ -283,7 +283,7 @@ def test_explain_is_concise_by_default_and_verbose_on_request(capfd, tmp_path):
     f.write_text(CONV_STACK)
     rc, out, _ = run(capfd, "explain", f"{f}:make", "--no-accuracy")
     assert rc == 0
-    assert "12 × conv+batchnorm" in out and "conv2d_3" not in out and "batch_norm_3" not in out
+    assert "6 × conv+batchnorm" in out and "conv2d_3" not in out and "batch_norm_3" not in out
     assert "fuse_rotary" not in out and "other passes changed nothing" in out
     assert "predicted" in out and out.count(" ms → ") == 1  # one predicted total
     assert len(out.splitlines()) < 30

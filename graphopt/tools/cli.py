@@ -1,6 +1,6 @@
 """The ``graphopt`` command line.
 
-    graphopt explain [MODEL] [--device D] [--target T] [--json PATH] [--passes a,b] [--disable a,b]
+    graphopt explain [MODEL] [--device D] [--target T] [--json PATH] [--passes a,b] [--disable a,b] [-v]
     graphopt export  [MODEL] -o out.pt [--format torchscript|pt2]
     graphopt zoo
     graphopt passes
@@ -8,7 +8,8 @@
     graphopt bench   [MODEL...] [--vs eager,compile,compile-ro] [--dtype bf16] [--batch N] [--reps N] [--out DIR]
 
 User mistakes print one line on stderr and exit 2, never a traceback (set GRAPHOPT_TRACEBACK=1
-to see one).
+to see one; 0, false, no and off leave it off). ``explain`` prints the passes that changed the
+graph and why others refused; ``-v`` prints every pass, node and refusal.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ History: the backend's gradients differed from eager's by a relative 0.5 on the 
 with cuDNN on (exact with cuDNN off, and on the CPU), so it refuses training BatchNorm on a GPU.
 The question this answers: is that a wrong gradient, or TF32 rounding (eager and the rewrite run
 BatchNorm through different kernels, cuDNN's and aten's, and the tiny differences then go through
-TF32 convolutions) on parameters whose gradients nearly cancel? The accuracy rule of DESIGN.md
+TF32 convolutions) on parameters whose gradients nearly cancel? The accuracy rule (docs/design.md)
 decides: rmse(x, fp64) <= 2 * rmse(eager, fp64) + tol/10 (fp32 training, tol 1e-3).
 
     python benchmarks/diag/diag_aot_resnet.py [--out DIR]

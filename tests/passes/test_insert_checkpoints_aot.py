@@ -59,7 +59,7 @@ def step(fn, params, args, seed=0):
 
 
 def accuracy_rule(model, opt, args, seed=0):
-    """Loss and gradients of the optimized step vs eager by DESIGN.md's rule (fp64 reference)."""
+    """Loss and gradients of the optimized step vs eager by the accuracy rule (docs/design.md; fp64 reference)."""
     ref = copy.deepcopy(model)
     ref64 = copy.deepcopy(model).double()
     params = list(model.parameters())

@@ -258,7 +258,7 @@ def one_step_grads(fn, args, params, grads_out, seed=0):
 
 def compare(a_outs, a_grads, b_outs, b_grads, tol, ref64=None):
     """Outputs allclose at tol, and the worst relative L2 error of any gradient. With ``ref64``
-    (fp64 gradients and the eager step's RMSE against them), the accuracy rule of DESIGN.md on all
+    (fp64 gradients and the eager step's RMSE against them), the accuracy rule (docs/design.md) on all
     gradients together also decides: rmse(a, fp64) <= 2 * rmse(eager, fp64) + tol / 10 (fp32)."""
     out_ok = all(torch.allclose(x, y, atol=tol, rtol=tol) for x, y in zip(a_outs, b_outs))
     worst = 0.0
@@ -502,7 +502,7 @@ def run_glm_diagnostic(args, device):
             model.train()
             g = grads_of(opt, params)
             row = {"variant": label, "vs_fp32": _grad_errors(g, g32, named), "vs_eager": _grad_errors(g, g_eager, named)}
-            # DESIGN.md's rule with the fp32 copy as the high-precision reference (bf16: k = 3, tol 1e-2)
+            # the accuracy rule (docs/design.md) with the fp32 copy as the high-precision reference (bf16: k = 3, tol 1e-2)
             row["rmse_vs_fp32"] = _rmse64(g, g32)
             row["rule_passed"] = row["rmse_vs_fp32"] <= 3 * eager_rmse + 1e-3
             if kw.get("passes"):
@@ -676,7 +676,7 @@ def markdown(result):
         lines += ["", f"GLM gradient numerics ({diag['config']}, batch {diag['batch']}, seq {diag['seq_len']}): relative L2 "
                   "error of the parameter gradients, all parameters together (global) and the worst parameter with "
                   "> 1024 elements, against an fp32 eager copy and against eager in the model's dtype.", "",
-                  "Accuracy rule (DESIGN.md, the fp32 copy as the high-precision reference): gradient RMSE vs fp32 "
+                  "Accuracy rule (docs/design.md, the fp32 copy as the high-precision reference): gradient RMSE vs fp32 "
                   "<= 3 x eager's + 1e-3.", "",
                   "| variant | vs fp32: global | vs fp32: worst param | vs eager: global | vs eager: worst param | "
                   "RMSE vs fp32 | rule |",

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hypothesis import HealthCheck, given, settings, seed as hseed, strategies as st  # noqa: E402
 
-from graphopt import fuzz  # noqa: E402
+from graphopt.tools import fuzz  # noqa: E402
 from graphopt.pipeline import available  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fuzz_regressions"

@@ -7,7 +7,7 @@ For each model, built in fp32 from the zoo: eager fp32; the hand-converted model
 (``copy.deepcopy(model).to(torch.bfloat16)``, bf16 inputs, outputs read back as they come); and
 graphopt with only ``precision="auto"`` (the cleanup passes and ``assign_precision``, every other
 pass off, no CUDA graph). Each is timed with CUDA events (median of ``--reps``) and judged against
-a float64 copy of the model by the accuracy rule (DESIGN.md: bf16 tolerance 1e-2, k = 3 against
+a float64 copy of the model by the accuracy rule (docs/design.md: bf16 tolerance 1e-2, k = 3 against
 the fp32 model's error) -- so the table also says whether the hand-converted model passes it.
 The graphopt row also gives the share of FLOPs and bytes the report puts in each dtype, and the
 nodes kept in fp32.
@@ -156,7 +156,7 @@ def markdown(rows, env):
              "",
              f"torch {v.get('torch')}, CUDA {v.get('CUDA')}, transformers {v.get('transformers')}, graphopt {v.get('graphopt')}. "
              "graphopt with passes = " + ", ".join(PRECISION_ONLY) + " (every fusion/layout pass off, no CUDA "
-             "graph). Median of timed forwards (CUDA events). Accuracy: the DESIGN.md rule against a float64 copy "
+             "graph). Median of timed forwards (CUDA events). Accuracy: the accuracy rule (docs/design.md) against a float64 copy "
              "(bf16: tol 1e-2, rmse ≤ 3 × the fp32 model's rmse + 1e-3).",
              "",
              "\"hand captured\": the hand-converted model captured by graphopt with only the cleanup passes (what "

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from graphopt import sweep  # noqa: E402
+from graphopt.tools import sweep  # noqa: E402
 
 
 def main(argv=None) -> int:

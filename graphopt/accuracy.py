@@ -1,4 +1,4 @@
-"""The accuracy rule (DESIGN.md), shared by the optimizer's guard and the tests.
+"""The accuracy rule (docs/design.md), shared by the optimizer's guard and the tests.
 
 pass if ``allclose(out, ref, atol=tol, rtol=tol)``; else if
 ``rmse(out, ref64) <= k * rmse(eager, ref64) + tol / 10`` with k = 2 for fp32 and 3 for

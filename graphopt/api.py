@@ -476,8 +476,8 @@ def _collect_young_only():
     """Garbage collections during optimize() scan only the objects it creates: the objects the
     process already holds (in a benchmark process after eager and torch.compile runs, ~0.4 M) are
     frozen for the duration (gc.freeze) and handed back to the collector afterwards
-    (gc.unfreeze). A full collection over them in the middle of capture cost ~0.2 s of BERT-base's
-    first optimize(). Nothing is left uncollected: what optimize() drops is collected as usual,
+    (gc.unfreeze), so a full collection in the middle of capture does not walk them. Nothing is
+    left uncollected: what optimize() drops is collected as usual,
     and the process's own garbage at the next full collection. Not done when the collector is off
     or the caller froze objects itself (unfreezing would hand back theirs)."""
     if not gc.isenabled() or gc.get_freeze_count():

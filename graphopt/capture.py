@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import operator
 import os
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from . import ir, timing
 from .capture_mha import MhaCapture, batch_first_sdpa, resolve_mode
-from .errors import CaptureError
+from .errors import CaptureError, traceback_requested
 
 log = logging.getLogger("graphopt.capture")
 aten = torch.ops.aten
@@ -96,9 +97,8 @@ def _register_hf_pytrees() -> None:
 
     def unflatten(values, n):
         """The cache holding these keys and values. ``update`` would concatenate each to an empty
-        past, a copy per layer on every call (8 copies, 0.15 ms a call of the 4-layer GLM-4 at
-        bs8 on the H200); a plain DynamicLayer is initialized on an empty slice and then holds the
-        tensors themselves, which is what that concatenation returns a copy of."""
+        past, a copy per layer on every call; a plain DynamicLayer is initialized on an empty slice
+        and then holds the tensors themselves, which is what that concatenation returns a copy of."""
         cache = DynamicCache()
         values = list(values)
         for i in range(n):
@@ -181,9 +181,9 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     SDPA form eager's fast path runs (graphopt.capture_mha), "module" keeps the module's own
     forward; default: the environment variable GRAPHOPT_MHA, else "sdpa".
     ``stack_traces``: keep torch.export's per-node source locations (``node.stack_trace``, the
-    ``# File:`` comments of the generated code; graphopt itself never reads them). Recording
-    them is ~15% of export's time, and symbolizing them ~0.25 s more on a process's first export
-    (BERT-base), so they are off unless asked for (``optimize(dump_dir=...)`` asks).
+    ``# File:`` comments of the generated code; graphopt itself never reads them). Recording and
+    symbolizing them is a noticeable share of export's time, so they are off unless asked for
+    (``optimize(dump_dir=...)`` asks).
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -243,7 +243,10 @@ def _capture_error(model, export_exc, trace_exc, extra: str = "") -> CaptureErro
     if extra:
         parts.append(f"- {extra}")
     parts.append(f"- fix: {_advice(exc) if exc is not None else 'see above'}")
-    return CaptureError(" ".join(parts))
+    err = CaptureError(" ".join(parts))
+    graph = getattr(export_exc, "partial_fx_graph", None)
+    err.partial_graph = None if graph is None else str(graph)
+    return err
 
 
 def _dynamic_shapes(model, args, kwargs, dynamic):
@@ -292,11 +295,33 @@ def _stack_traces(keep: bool):
         config.do_not_emit_stack_traces = prev
 
 
+def _export(model, args, kwargs, shapes):
+    """torch.export.export, non-strict. A failed trace makes torch print the graph traced so far
+    to stderr before it raises; that text stays on the exception (``partial_fx_graph``, which
+    CaptureError keeps as ``partial_graph``) so the one-line error comes first. Anything else
+    written to stderr is passed on; GRAPHOPT_TRACEBACK=1 leaves torch's print alone."""
+    if traceback_requested():
+        return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    buf, graph = io.StringIO(), None
+    try:
+        with contextlib.redirect_stderr(buf):
+            return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    except Exception as e:
+        graph = getattr(e, "partial_fx_graph", None)
+        raise
+    finally:
+        text = buf.getvalue()
+        if graph is not None:
+            text = text.replace(f"{graph}\n", "")  # printed once per nested export wrapper
+        if text:
+            sys.stderr.write(text)
+
+
 def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False) -> fx.GraphModule:
     shapes = _dynamic_shapes(model, args, kwargs, dynamic)
     try:
         with timing.phase("capture: torch.export"), _stack_traces(stack_traces):
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+            ep = _export(model, args, kwargs, shapes)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):
             raise CaptureError(

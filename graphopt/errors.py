@@ -1,6 +1,16 @@
 """Error types. Every user-facing failure is a ``GraphoptError`` with a one-line message
 that says what to change; the CLI prints the message and exits 2."""
 
+import os
+
+_OFF = ("", "0", "false", "no", "off")
+
+
+def traceback_requested() -> bool:
+    """Whether ``GRAPHOPT_TRACEBACK`` asks for tracebacks and torch's own diagnostics: any value
+    but unset, empty, 0, false, no or off (case-insensitive)."""
+    return os.environ.get("GRAPHOPT_TRACEBACK", "").strip().lower() not in _OFF
+
 
 class GraphoptError(Exception):
     """Base class of every error graphopt raises on purpose."""
@@ -12,7 +22,11 @@ class GraphoptError(Exception):
 
 
 class CaptureError(GraphoptError):
-    """The model could not be captured as a graph (neither torch.export nor symbolic_trace)."""
+    """The model could not be captured as a graph (neither torch.export nor symbolic_trace).
+
+    ``partial_graph``: the graph torch.export had traced when it stopped, as code, or None."""
+
+    partial_graph: str | None = None
 
 
 class UnsupportedOpError(GraphoptError):

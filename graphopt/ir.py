@@ -239,8 +239,8 @@ def _node_signature(node: fx.Node):
 class _IncrementalProp(FakeTensorProp):
     """FakeTensorProp that keeps a pure op's ``meta["val"]`` when its target, arguments and its
     inputs' signatures are those it was last computed from: a pass changes a few nodes, and
-    re-running fake kernels over the whole graph after each one dominated ``optimize()``'s time
-    (BERT-base: 8 full propagations, 60% of it). Mutating ops, higher-order ops, submodule calls
+    re-running fake kernels over the whole graph after each one dominated ``optimize()``'s time.
+    Mutating ops, higher-order ops, submodule calls
     and data-dependent results (unbacked symbols) always re-run."""
 
     KEY = "_graphopt_prop_key"
@@ -293,7 +293,7 @@ def _unbacked(val) -> bool:
 def seed_propagation(gm: fx.GraphModule) -> int:
     """Key the ``meta["val"]`` torch.export left on the graph as if a propagation had computed
     them, so the first :func:`repropagate` re-runs only what changed since capture instead of the
-    whole graph (BERT-base: ~0.35 s of a 1.9 s optimize()). Export's values are those a fake
+    whole graph. Export's values are those a fake
     propagation computes from the same inputs (tests/test_ir_propagation.py checks every node's
     shape, strides, offset, dtype, device and requires_grad on the zoo), with two exceptions left
     unkeyed, so that the first propagation re-runs them as before: get_attr nodes (export's

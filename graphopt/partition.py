@@ -651,13 +651,11 @@ def plan_stages(gm: fx.GraphModule, devices: list[Device], *, hints: dict | None
         pbytes = params * (2.0 if training else 1.0)  # weights (+ their gradients)
         # torch.distributed.pipelining allocates a receive buffer per micro-batch for the stage's
         # inputs, and keeps every micro-batch's outputs in its forward cache until the next step
-        # (training: a gradient receive buffer per micro-batch instead); measured on 2 H200s, a
-        # plan with two of each was ~110 MB short on GLM's stages at M = 8 (with the workspace)
+        # (training: a gradient receive buffer per micro-batch instead); a plan with two of each
+        # came out short of the measured peaks on two H200s
         buffers = float(microbatches) * (an.cross[i] + an.cross[j]) if K > 1 else np.zeros(len(i))
         # the last stage keeps every micro-batch's outputs for the merge (one is in ``act`` already),
-        # and the merge (a concatenation) allocates the whole batch's outputs while they are alive:
-        # measured on 2 H200s, GLM 8 layers bs8 M=8, the last GPU peaked at 6.76 GB where the plan
-        # without the concatenation said 4.16 (2.5 GB of logits)
+        # and the merge (a concatenation) allocates the whole batch's outputs while they are alive
         outputs = an.out_bytes * (2 * microbatches - 1) if k == K - 1 and microbatches > 1 and not outputs_on_host \
             else 0.0
         if k == K - 1 and training:

@@ -7,6 +7,7 @@ machine-readable form written by ``graphopt explain --json``.
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,16 @@ def _ms(seconds: float) -> str:
     return f"{ms:.3f}" if ms < 10 else f"{ms:.2f}"
 
 
-@dataclass
+def default_console():
+    """A rich Console for reports: the terminal's width, or 120 columns when the output is not a
+    terminal (rich would otherwise wrap and cut at 80)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=120)
+
+
+@dataclass(repr=False)
 class Report:
     model: str
     device: str
@@ -86,71 +96,126 @@ class Report:
     def to_json(self, indent: int = 1) -> str:
         return json.dumps(self.as_dict(), indent=indent, default=str)
 
+    # ------------------------------------------------------------------ text
+
+    def _mode_words(self) -> str:
+        """How the predicted call runs, before → after: "eager, host-bound, GPU busy 66% → CUDA
+        graph replay, device-bound", or how a CPU profile runs it."""
+        ex = self.execution or {}
+        if not (ex.get("before") and ex.get("mode") in ex.get("after", {})):
+            return ""
+        b, a = ex["before"], ex["after"][ex["mode"]]
+        if b["mode"] == "serial":
+            return "ops one after another on the CPU"
+        busy = lambda e: "" if e.get("busy") is None else f", GPU busy {e['busy']:.0%}"  # noqa: E731
+        return (f"{b['mode']}, {b['bound']}-bound{busy(b)} → "
+                f"{'CUDA graph replay' if a['mode'] == 'graphed' else a['mode']}, {a['bound']}-bound{busy(a)}")
+
+    def _speedup(self) -> float:
+        return self.predicted_s_before / self.predicted_s_after if self.predicted_s_after else float("nan")
+
+    def _floor(self) -> str:
+        """The roofline floor, at the sustained GEMM rate too where that differs; said to be above
+        the prediction when it is (the prediction then prices some node below the peak rates)."""
+        ca = self.cost_after
+        floor_s = ca["roofline_floor_ms"] / 1e3
+        text = f"roofline floor {_ms(floor_s)} ms"
+        if (ca.get("roofline_floor_sustained_ms") or 0) > 1.01 * ca["roofline_floor_ms"]:
+            text += f" ({_ms(ca['roofline_floor_sustained_ms'] / 1e3)} at the sustained GEMM rate)"
+        if self.predicted_s_after and floor_s > 1.0001 * self.predicted_s_after:
+            text += " (above the prediction: the cost model prices some node faster than the profile's peak rates)"
+        return text
+
+    def applied(self) -> list[PassResult]:
+        """The passes that changed the graph or planned something (applied, planned, reverted)."""
+        return [p for p in self.passes if p.status in ("applied", "planned", "reverted")]
+
+    def __repr__(self) -> str:
+        acc = self.accuracy
+        verdict = ("passed" if acc.get("passed") else "failed") if acc.get("checked") else "not checked"
+        return (f"<Report {self.model} on {self.device} (profile {self.target}): predicted "
+                f"{_ms(self.predicted_s_before)} → {_ms(self.predicted_s_after)} ms, "
+                f"{len(self.applied())} of {len(self.passes)} passes applied, accuracy {verdict}>")
+
+    def __str__(self) -> str:
+        """A few lines for ``print(report)``; ``render()`` prints the full report."""
+        acc = self.accuracy
+        if acc.get("checked"):
+            verdict = (f"{'passed' if acc['passed'] else 'FAILED'} (max |err| {acc.get('max_abs_err', 0):.3g}, "
+                       f"rmse {acc.get('rmse', 0):.3g})")
+        else:
+            verdict = f"not checked ({acc.get('reason', '')})"
+        done = ", ".join(f"{p.name} ({p.status}, {len(p.rewrites)} rewrite{'s' if len(p.rewrites) != 1 else ''})"
+                         for p in self.applied()) or "none"
+        mode = self._mode_words()
+        return "\n".join([
+            f"graphopt report: {self.model} on {self.device}, cost profile {self.target}, "
+            f"captured with {self.capture.get('method')}, kernels: {self.kernel_backend}",
+            f"predicted {_ms(self.predicted_s_before)} ms → {_ms(self.predicted_s_after)} ms per call "
+            f"({self._speedup():.2f}×{'; ' + mode if mode else ''}); {self._floor()}",
+            f"passes that changed the graph: {done}",
+            f"accuracy vs fp64 reference: {verdict}",
+            f"optimized in {self.optimize_seconds:.2f} s; report.render() for each pass, report.to_json() for everything",
+        ])
+
     # ------------------------------------------------------------------ rendering
 
-    def render(self, console=None, max_rejected: int = 8, max_rewrites: int = 6) -> None:
-        from rich.console import Console
+    def render(self, console=None, max_rejected: int = 8, max_rewrites: int = 6, verbose: bool = False) -> None:
+        """Print the report. By default: the passes that changed the graph, each pass's rewrites
+        per pattern and its refusals per reason, the predictions and the accuracy. ``verbose``:
+        every pass in the table, the matched nodes of each rewrite (``max_rewrites`` per pattern),
+        each refusal (``max_rejected`` per pass), the costliest nodes and every phase of
+        optimize()'s time. Without a ``console``, a terminal's width, else 120 columns."""
+        from rich import box
         from rich.table import Table
+        from rich.text import Text
 
-        console = console or Console()
-        speed = self.predicted_s_before / self.predicted_s_after if self.predicted_s_after else float("nan")
+        console = console or default_console()
         console.print(
             f"[bold]graphopt explain[/bold] {self.model}  device [cyan]{self.device}[/cyan]  "
             f"cost profile [cyan]{self.target}[/cyan]  captured with {self.capture.get('method')}  "
             f"kernels: {self.kernel_backend}"
         )
-        table = Table(show_lines=False, header_style="bold")
-        for col, just in (("pass", "left"), ("status", "left"), ("rewrites", "right"), ("rejected", "right"),
-                          ("predicted ms", "right"), ("peak MB", "right"), ("took", "right")):
-            table.add_column(col, justify=just, no_wrap=True)
-        style = {"applied": "green", "planned": "cyan", "reverted": "red", "skipped": "yellow", "disabled": "dim", "unchanged": "dim"}
+        shown = self.passes if verbose else self.applied()
+        style = {"applied": "green", "planned": "cyan", "reverted": "red", "skipped": "yellow", "disabled": "dim",
+                 "unchanged": "dim"}
+        if shown:
+            table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+            for col, just in (("pass", "left"), ("status", "left"), ("rewrites", "right"), ("rejected", "right"),
+                              ("Δ predicted ms", "right"), ("peak MB", "right"), ("took", "right")):
+                table.add_column(col, justify=just, no_wrap=True)
+            for p in shown:
+                delta = (p.predicted_s_after - p.predicted_s_before) * 1e3
+                table.add_row(
+                    p.name, f"[{style.get(p.status, '')}]{p.status}[/]", str(len(p.rewrites)), str(len(p.rejected)),
+                    "0" if delta == 0 else f"{delta:+.3f}".replace("-", "−"),
+                    f"{p.peak_bytes_before / 1e6:.0f}→{p.peak_bytes_after / 1e6:.0f}",
+                    f"{p.seconds:.2f}s",
+                )
+            console.print(table)
+        rest = len(self.passes) - len(shown)
+        if rest:
+            console.print(f"{rest} other passes changed nothing (--verbose lists every pass)", style="dim")
+        width = max((len(p.name) for p in self.passes), default=0)
+        wrap_at = max(40, console.size.width - width - 2)
         for p in self.passes:
-            table.add_row(
-                p.name, f"[{style.get(p.status, '')}]{p.status}[/]", str(len(p.rewrites)), str(len(p.rejected)),
-                f"{_ms(p.predicted_s_before)}→{_ms(p.predicted_s_after)}",
-                f"{p.peak_bytes_before / 1e6:.0f}→{p.peak_bytes_after / 1e6:.0f}",
-                f"{p.seconds:.2f}s",
-            )
-        console.print(table)
-        for p in self.passes:
-            if not (p.rewrites or p.rejected or p.notes):
-                continue
-            console.print(f"[bold]{p.name}[/bold]")
-            groups: dict[str, list] = {}
-            for r in p.rewrites:
-                groups.setdefault(r.pattern, []).append(r)
-            for pattern, rs in groups.items():
-                gain = sum(r.predicted_gain_s for r in rs)
-                sign = "−" if gain >= 0 else "+"
-                console.print(f"  ✓ {len(rs)} × {pattern}  (predicted {sign}{abs(gain) * 1e3:.3f} ms)")
-                for r in rs[:max_rewrites]:
-                    repl = ", ".join(r.replacement) if r.replacement else "(removed)"
-                    console.print(f"      {', '.join(r.matched)} → {repl}", style="dim")
-                if len(rs) > max_rewrites:
-                    console.print(f"      … {len(rs) - max_rewrites} more", style="dim")
-            for r in p.rejected[:max_rejected]:
-                console.print(f"  ✗ {r.candidate}: {r.reason}", style="yellow")
-            if len(p.rejected) > max_rejected:
-                console.print(f"  ✗ … {len(p.rejected) - max_rejected} more rejected (see --json)", style="yellow")
-            for note in p.notes:
-                console.print(f"  • {note}")
+            first = True
+            for text, line_style in self._pass_lines(p, verbose, max_rewrites, max_rejected):
+                indent = "    " if text.startswith("    ") else ""
+                for piece in textwrap.wrap(text, wrap_at, subsequent_indent=indent + "  ", break_on_hyphens=False):
+                    console.print(Text.assemble((f"{p.name if first else '':<{width}}  ", "bold"),
+                                                (piece, line_style)), soft_wrap=True)
+                    first = False
             if p.details.get("checkpoint"):
                 self._render_checkpoints(console, p.details)
         cb, ca = self.cost_before, self.cost_after
         share = ca.get("bound_share", {})
-        ex = self.execution or {}
-        how = ""
-        if ex.get("before") and ex.get("mode") in ex.get("after", {}) and ex["before"]["mode"] != "serial":
-            b, a = ex["before"], ex["after"][ex["mode"]]
-            busy = lambda e: "" if e.get("busy") is None else f", GPU busy {e['busy']:.0%}"  # noqa: E731
-            how = (f" ({b['mode']}, {b['bound']}-bound{busy(b)} → "
-                   f"{'CUDA graph replay' if a['mode'] == 'graphed' else a['mode']}, {a['bound']}-bound{busy(a)})")
+        mode = self._mode_words()
         console.print(
-            f"[bold]predicted[/bold] {_ms(self.predicted_s_before)} ms → {_ms(self.predicted_s_after)} ms "
-            f"({speed:.2f}×){how}   roofline floor {_ms(ca['roofline_floor_ms'] / 1e3)} ms"
-            + (f" ({_ms(ca['roofline_floor_sustained_ms'] / 1e3)} at the sustained GEMM rate)"
-               if (ca.get("roofline_floor_sustained_ms") or 0) > 1.01 * ca["roofline_floor_ms"] else "") + "   "
-            f"kernels {cb['kernel_launches']} → {ca['kernel_launches']}   "
+            f"[bold]predicted[/bold] {_ms(self.predicted_s_before)} ms → {_ms(self.predicted_s_after)} ms per call "
+            f"({self._speedup():.2f}×" + (f"; {mode})" if mode else ")"))
+        console.print(
+            f"{self._floor()}   kernels {cb['kernel_launches']} → {ca['kernel_launches']}   "
             f"peak memory {_mb(cb['peak_memory_bytes'])} → {_mb(ca['peak_memory_bytes'])}"
         )
         console.print(
@@ -158,7 +223,7 @@ class Report:
             f"compute-bound {share.get('compute', 0):.0%}, memory-bound {share.get('memory', 0):.0%}, "
             f"launch-bound {share.get('launch', 0):.0%}"
         )
-        if self.top_nodes:
+        if self.top_nodes and verbose:
             console.print("[bold]costliest nodes[/bold]: " + ", ".join(
                 f"{t['node']} ({t['op']}, {t['ms']:.3f} ms, {t['bound']})" for t in self.top_nodes[:5]))
         acc = self.accuracy
@@ -178,9 +243,52 @@ class Report:
         if self.optimize_phases:
             from .timing import format_phases
 
-            console.print(f"optimized in {self.optimize_seconds:.2f} s: {format_phases(self.optimize_phases)}")
+            console.print(f"optimized in {self.optimize_seconds:.2f} s: "
+                          f"{format_phases(self.optimize_phases, limit=8 if verbose else 2)}")
         else:
             console.print(f"optimized in {self.optimize_seconds:.2f} s")
+
+    @staticmethod
+    def _pass_lines(p: PassResult, verbose: bool, max_rewrites: int, max_rejected: int,
+                    max_reasons: int = 3) -> list[tuple[str, str]]:
+        """(text, style) lines for one pass: its rewrites per pattern, its refusals per reason (most
+        common first; verbose: each refusal, the nodes each rewrite matched and the gain the
+        candidates were ranked by), its notes (those of a pass that did nothing and refused
+        nothing only when verbose)."""
+        out: list[tuple[str, str]] = []
+        groups: dict[str, list] = {}
+        for r in p.rewrites:
+            groups.setdefault(r.pattern, []).append(r)
+        for pattern, rs in groups.items():
+            if not verbose:
+                out.append((f"✓ {len(rs)} × {pattern}", ""))
+                continue
+            gain = sum(r.predicted_gain_s for r in rs)  # what ranking the candidates predicted, node by node
+            sign = "−" if gain >= 0 else "+"
+            out.append((f"✓ {len(rs)} × {pattern}  (ranked at {sign}{abs(gain) * 1e3:.3f} ms)", ""))
+            for r in rs[:max_rewrites]:
+                repl = ", ".join(r.replacement) if r.replacement else "(removed)"
+                out.append((f"    {', '.join(r.matched)} → {repl}", "dim"))
+            if len(rs) > max_rewrites:
+                out.append((f"    … {len(rs) - max_rewrites} more", "dim"))
+        if verbose:
+            out += [(f"✗ {r.candidate}: {r.reason}", "yellow") for r in p.rejected[:max_rejected]]
+            if len(p.rejected) > max_rejected:
+                out.append((f"✗ … {len(p.rejected) - max_rejected} more rejected (see --json)", "yellow"))
+        else:
+            reasons: dict[str, list[str]] = {}
+            for r in p.rejected:
+                reasons.setdefault(r.reason, []).append(r.candidate)
+            ordered = sorted(reasons.items(), key=lambda kv: -len(kv[1]))
+            for reason, cands in ordered[:max_reasons]:
+                what = cands[0] if len(cands) == 1 else f"{len(cands)} candidates"
+                out.append((f"✗ {what}: {reason}", "yellow"))
+            if len(ordered) > max_reasons:
+                n = sum(len(c) for _, c in ordered[max_reasons:])
+                out.append((f"✗ … {n} more for {len(ordered) - max_reasons} other reasons (--verbose)", "yellow"))
+        if p.status in ("applied", "planned", "reverted") or p.rejected or verbose:
+            out += [(f"• {note}", "") for note in p.notes]
+        return out
 
     def _render_partition(self, console) -> None:
         """The stage table of partition_devices: per stage and per boundary."""

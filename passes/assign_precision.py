@@ -284,9 +284,8 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
             # x.to(float32) of a value that is already fp32 in this (fp32) model: in the low-
             # precision graph it follows its input, as a view does. Hugging Face's norms write
             # .to(float32) ... .to(input_dtype); in an fp32 capture both read .to(float32), so
-            # keeping them pinned would cast every normalized activation up and down again
-            # (measured: GLM-4 precision-only 1.23x the hand-converted model); the sensitive
-            # statistics still compute in fp32 under the rule below.
+            # keeping them pinned would cast every normalized activation up and down again; the
+            # sensitive statistics still compute in fp32 under the rule below.
             d = dtype_of(node.args[0])
             if d != FP32:
                 if node.target is aten.to.dtype:

@@ -1,14 +1,12 @@
 """conv_space_to_depth: a stride-2 convolution over a few input channels (ResNet's 3-channel
 stem) as a stride-1 convolution over 2x2 pixel blocks.
 
-cuDNN runs a channels_last convolution whose input channels are not a multiple of 8 on a slow
-path: ResNet-50's stem (3 -> 64 channels, 7x7, stride 2) takes 0.50 ms at bs64 in bf16, 9.5x the
-conv fit, a fifth of the optimized model; padding the input to 8 channels, NCHW or
-cudnn.benchmark do not help (``benchmarks/results/diag_resnet_convs_2026-11-30_025546.md``,
-``diag_stem_2026-11-30_0304_h200.json``). Rearranged, the same convolution reads each 2x2 block
-of the (padded) image as one pixel of 4 x C channels, so a KxK stride-2 kernel becomes a
-ceil(K/2) x ceil(K/2) stride-1 kernel over 16 channels (3 padded to 4), which cuDNN runs on its
-regular path (measured 0.29 ms with the rearrangement, 0.18 ms of it the convolution).
+cuDNN runs a channels_last convolution over few input channels on a slow path (it computes a
+fixed chunk of input channels per kernel tap); padding the channels, NCHW or cudnn.benchmark do
+not avoid it (``benchmarks/diag/diag_resnet_convs.py``, ``diag_stem.py``). Rearranged, the same
+convolution reads each 2x2 block of the (padded) image as one pixel of 4 x C channels, so a KxK
+stride-2 kernel becomes a ceil(K/2) x ceil(K/2) stride-1 kernel over 16 channels (3 padded to 4),
+which cuDNN runs on its regular path.
 
     y = conv2d(x, W, b, stride=2, padding=p)                   x: [N, C, H, W], C <= 4
       = conv2d(s2d(pad(x)), W', b, stride=1, padding=0)
@@ -19,12 +17,11 @@ image by p on the top/left and up to the block grid the output needs on the bott
 channels_last); W' is W zero-padded to an even kernel and regrouped the same way at optimization
 time. Exact: every product of the original sum appears once, the added ones multiply zeros.
 
-Inference graphs on a CUDA profile that measured the slow path (cuDNN's per-tap channel chunk,
-``conv_channel_chunk``: 3 channels compute at 3/64 of the rate, 16 at 16/64; or a
-``conv_narrow_input_slowdown``),
-bf16/fp16 channels_last inputs, ungrouped, undilated, stride 2, a constant weight; cost-gated
-(the padded copy, the regrouping copy and the new convolution against the slow one). Runs in the
-lowering family just before fuse_conv_relu, which then fuses the new convolution's bias and ReLU.
+Inference graphs on a CUDA profile that measured the slow path (``conv_channel_chunk`` or
+``conv_narrow_input_slowdown``), bf16/fp16 channels_last inputs, ungrouped, undilated, stride 2, a
+constant weight; cost-gated (the padded copy, the regrouping copy and the new convolution against
+the slow one). Runs in the lowering family just before fuse_conv_relu, which then fuses the new
+convolution's bias and ReLU.
 """
 
 from __future__ import annotations

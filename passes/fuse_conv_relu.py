@@ -5,8 +5,7 @@ fused convolution (``torch.ops.graphopt.conv_bias_relu``, which calls aten's
 aten runs ``relu(conv2d(x, W, b) + z)`` as four kernels: the convolution, the bias add (cuDNN's
 convolution in aten takes no bias), the residual add and the ReLU, each reading and writing the
 whole activation. cuDNN's fused engines apply bias, residual and ReLU in the convolution's
-epilogue. Measured on the H200 (benchmarks/diag_resnet_fusion.py, bf16 channels_last,
-BatchNorm folded): ResNet-50 bs64 5.15 ms with the separate kernels, 2.67 ms fused.
+epilogue (``benchmarks/diag/diag_resnet_fusion.py`` measured the difference on ResNet-50).
 
 A lowering step: it runs after the layout and precision passes, so it sees the layout and the
 dtypes the graph will run in (the fused op keeps cuDNN's layout: channels_last in, channels_last
@@ -16,10 +15,8 @@ is the reference convolution).
 Then the residual branch's bias moves into the fused convolution's bias: a residual read only by
 the fused op that is itself ``conv2d(x2, W2, b2)`` (ResNet's downsample: convolution + folded
 BatchNorm) gives ``relu(conv(x, W) + b + conv(x2, W2) + b2)``, so ``b + b2`` (summed once, in fp32,
-at optimization time) goes to the fused op and the residual convolution runs without a bias. aten
-adds a convolution's bias in a separate broadcast kernel, slow in channels_last: ResNet-50 bs64's
-first downsample measured 0.185 ms with its bias, 0.041 ms without
-(``benchmarks/results/diag_resnet_convs_2026-11-30_025546.md``). Only constant biases move.
+at optimization time) goes to the fused op and the residual convolution runs without a bias, which
+aten would add in a separate broadcast kernel, slow in channels_last. Only constant biases move.
 
 Refused, with the reason in the report: grouped and depthwise
 convolutions (cuDNN's fused engines for them are unmeasured here), a convolution whose output

@@ -1,11 +1,10 @@
 """lower_attention: short-sequence ``scaled_dot_product_attention`` -> graphopt::short_attention.
 
-At small batch the SDPA backends cost more around their kernel than in it. Inside a CUDA graph on
-the H200, one BERT-base layer's attention at bs1 seq128 takes 6.9 µs per call through cuDNN (a
-5.7 µs kernel, a memset, and launch gaps) and 9.6 µs through the memory-efficient kernel; the
-bundled one-tile Triton kernel (cuda_ext/attention_triton.py) takes 3.6 µs
-(``benchmarks/results/diag_attention_small_2026-11-30_131037.md``). It holds every key of a head in
-one tile, so it needs no running maximum, no second pass and no workspace.
+At small batch the SDPA backends cost more around their kernel than in it (cuDNN adds a memset
+and launch gaps inside a CUDA graph). The bundled one-tile Triton kernel
+(cuda_ext/attention_triton.py) holds every key of a head in one tile, so it needs no running
+maximum, no second pass and no workspace (``benchmarks/diag/diag_attention_small.py`` compares
+them).
 
 Applies to an SDPA call in an inference graph on a CUDA profile when:
 * q, k, v are 4-D bf16/fp16 with static shapes, at most ``MAX_KEYS`` (256) keys and a head dim of
@@ -16,10 +15,8 @@ Applies to an SDPA call in an inference graph on a CUDA profile when:
 * it is not a decode step (at most 16 queries over more keys) while lower_decode_attention is
   scheduled: that pass reads grouped K/V heads once, without repeat_kv's copies;
 * the profile has measured the kernel (``short_attention_scale``), and it is predicted at most
-  ``MARGIN`` (75%) of SDPA's time. The margin is the SDPA fit's error on these sizes: the profile's
-  SDPA fit predicts 12.7 µs for a 256-token causal decoder layer that cuDNN ran in 9.3 (a 37%
-  overestimate), while on BERT bs1/bs8 and ViT bs1 it is within 25%, and there the kernel is
-  predicted at 38-51% of SDPA (measured 52-89%).
+  ``MARGIN`` (75%) of SDPA's time: the margin covers the SDPA fit's error at these sizes, which
+  overestimates cuDNN most on short causal sequences.
 
 Same semantics (a row whose every key is masked out gives zeros, as SDPA's safe softmax); the
 probabilities are rounded to v's dtype before the product with v, as the flash kernels round
@@ -69,7 +66,7 @@ class LowerAttention(Pass):
             return res
         if ctx.profile.short_attention_scale is None:
             res.reject_all(calls, f"profile {ctx.profile.name} has no measurement of graphopt::short_attention "
-                                  "(short_attention_scale; benchmarks/diag_attention_small.py)")
+                                  "(short_attention_scale; benchmarks/diag/diag_attention_small.py)")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in calls) if c is not None]
         res.apply_ranked(ctx, cands, fused_kernels=True)

@@ -3,26 +3,21 @@ whose epilogue applies the activation (``graphopt::gemm_swiglu``).
 
 After merge_sibling_linears and fuse_swiglu a SwiGLU MLP (GLM-4, Llama) runs ``gate_up = linear(x,
 W)`` (cuBLAS), then ``graphopt.swiglu(gate_up)``, a memory-bound kernel that reads the [M, 2n]
-product and writes the [M, n] activation: at GLM-4-9B bs8 (8192 x 4096 x 27392) 0.164 ms a layer at
-the copy rate, after a 2.77 ms GEMM. Here W's gate and up rows are interleaved once, at
-optimization time, in blocks of the GEMM's output tile width, so each [128, 256] tile of a
-persistent TMA GEMM (``cuda_ext/gemm_triton.py``) holds matching gate and up columns and stores
-``silu(gate) * up`` from its fp32 accumulator: the [M, 2n] product is never written or read, and
-the projection is not rounded before the activation. On the H200, run back to back for 3 s
-(``benchmarks/results/diag_swiglu_gemm_2026-11-30_185919.md``), the MLP took 4.085 ms against
-4.289 (cuBLAS GEMM + swiglu + cuBLAS down projection); the fused GEMM ran at 807 TFLOP/s in a burst
-where cuBLAS's gate/up GEMM alone ran at 800.
+product and writes the [M, n] activation. Here W's gate and up rows are interleaved once, at
+optimization time, in blocks of the GEMM's output tile width, so each tile of a persistent TMA GEMM
+(``cuda_ext/gemm_triton.py``) holds matching gate and up columns and stores ``silu(gate) * up`` from
+its fp32 accumulator: the [M, 2n] product is never written or read, and the projection is not
+rounded before the activation (``benchmarks/diag/diag_swiglu_gemm.py`` compares it with cuBLAS).
 
-The reordered weight is a copy (merge_sibling_linears' concatenations are too): 224 MB a layer at
-GLM-4-9B, alive beside the original model's weight for as long as the caller keeps that model
-(run_models' GLM bs8 peak: 8.28 GB, 7.41 before).
+The reordered weight is a copy (merge_sibling_linears' concatenations are too), alive beside the
+original model's weight for as long as the caller keeps that model.
 
 Matches ``graphopt.swiglu(linear(x, W))`` where the projection has no bias and no other reader, W
 is a constant 2-D weight (a parameter or buffer: its rows are reordered here), x and W are fp16 or
 bf16, K and n are multiples of 8 (TMA's 16-byte rows) and the shapes are concrete. Priced against
 the GEMM + swiglu pair with the cost model's GEMM rate times the persistent kernel's idle last round
-(:func:`graphopt.cost.model.persistent_rounds_factor`: 1.002 at GLM-4 bs8, 1.079 at bs1, where the
-swiglu kernel it removes is small), so few-row projections stay on cuBLAS. Refused on CPU profiles
+(:func:`graphopt.cost.model.persistent_rounds_factor`), so few-row projections, where that round
+costs more than the swiglu kernel it removes, stay on cuBLAS. Refused on CPU profiles
 (NO_FUSED_KERNELS) and on GPUs before sm_90 (no TMA), each with the reason in the report.
 """
 

@@ -7,17 +7,15 @@ second kernel (``splitKreduce_kernel``) adds them, before the residual add + Lay
 the result. Here the projection becomes ``bmm`` over S slices of K with fp32 output (S chosen so the
 slices' tiles come closest to one per SM, :func:`graphopt.cost.model.split_k_slices`), and the norm
 kernel sums the S partials with the bias and the residual before it normalizes: one kernel fewer
-per layer, and h is rounded once instead of twice. On the H200 the batched GEMM alone ran in
-4.96 µs where cuBLAS's split-K pair took 7.81 (``benchmarks/results/diag_splitk_…144502.md``).
+per layer, and h is rounded once instead of twice (``benchmarks/diag/diag_splitk.py``).
 
 Matches ``graphopt.add_layer_norm(linear(x, W, b), residual, w, b, eps)`` (fuse_layer_norm's
 output) where the norm is the linear's only reader, W is 2-D, the dtypes are fp32/bf16/fp16 and
 the shapes are concrete. Only where the cost model expects cuBLASLt to split K
-(:func:`graphopt.cost.model.cublas_split_k`): elsewhere (ViT-B/16 bs1's 197 rows, every bs8
-model, K under 4 N) there is no reduction kernel to remove and the partials would only add bytes,
-and the report says so. The rest is priced: cuBLASLt's reduction kernel and the norm's reads
-against the partials the norm reads instead. On a CPU profile every candidate is refused
-(NO_FUSED_KERNELS).
+(:func:`graphopt.cost.model.cublas_split_k`): elsewhere (more output tiles than half the SMs, K under 4 N)
+there is no reduction kernel to remove and the partials would only add bytes, and the report says
+so. The rest is priced: cuBLASLt's reduction kernel and the norm's reads against the partials the
+norm reads instead. On a CPU profile every candidate is refused (NO_FUSED_KERNELS).
 """
 
 from __future__ import annotations

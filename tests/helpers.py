@@ -9,7 +9,7 @@ from graphopt import accuracy
 
 
 def reference_check(model, gm, args, kwargs=None, training=False):
-    """Run gm and model on args; apply the DESIGN.md accuracy rule against an fp64 copy."""
+    """Run gm and model on args; apply the accuracy rule (docs/design.md) against an fp64 copy."""
     kwargs = kwargs or {}
     with torch.no_grad():
         eager = model(*args, **kwargs)

@@ -30,7 +30,7 @@ def _chosen_dtype(opt):
 
 
 def _rule(out, model, inputs, opt, training=False):
-    """The DESIGN.md accuracy rule against an fp64 copy of the model, with the tolerance of the
+    """The accuracy rule (docs/design.md) against an fp64 copy of the model, with the tolerance of the
     precision the optimizer chose."""
     with torch.no_grad():
         eager = model(*inputs)

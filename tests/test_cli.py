@@ -51,7 +51,7 @@ def by_name(report):
 
 
 def test_explain_mlp_json_schema(capfd, tmp_path):
-    report, out = explain_json(capfd, tmp_path, "mlp")
+    report, out = explain_json(capfd, tmp_path, "mlp", "--verbose")
     assert report["model"] == "mlp"
     assert report["device"] == "cpu"
     for key in ("predicted_ms_before", "predicted_ms_after"):
@@ -67,7 +67,7 @@ def test_explain_mlp_json_schema(capfd, tmp_path):
         assert isinstance(p["rejected"], list)
         for r in p["rejected"]:
             assert set(r) >= {"candidate", "reason"} and r["reason"]
-    # the table printed on stdout shows every pass, then the summary lines
+    # with --verbose the table printed on stdout shows every pass, then the summary lines
     for name in PIPELINE:
         assert name in out
     for words in ("predicted", "roofline floor", "peak memory", "bottleneck", "compute-bound", "memory-bound",
@@ -221,6 +221,76 @@ def test_graphopt_traceback_env_shows_the_traceback(monkeypatch, capfd):
     monkeypatch.setenv("GRAPHOPT_TRACEBACK", "1")
     with pytest.raises(graphopt.ModelSpecError):
         main(["explain", "no-such-model"])
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "off", ""])
+def test_graphopt_traceback_env_off_values_keep_the_one_line_error(monkeypatch, capfd, value):
+    monkeypatch.setenv("GRAPHOPT_TRACEBACK", value)
+    rc, _, err = run(capfd, "explain", "no-such-model")
+    _assert_one_line_error(rc, err, "unknown model")
+
+
+DATA_DEPENDENT = textwrap.dedent("""
+    import torch
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if y.sum() > 0:
+                return y * 2
+            return y - 1
+
+    def make():
+        return Branchy(), (torch.randn(4, 8),)
+""")
+
+
+def test_capture_error_is_one_line_and_the_partial_graph_goes_to_dump_ir(capfd, tmp_path):
+    """torch.export prints the graph it had traced before raising; the CLI's stderr is still the
+    one-line CaptureError, and --dump-ir keeps that graph in a file."""
+    f = tmp_path / "branchy.py"
+    f.write_text(DATA_DEPENDENT)
+    rc, out, err = run(capfd, "explain", f"{f}:make")
+    _assert_one_line_error(rc, err, "cannot capture Branchy")
+    assert "branchy.py:11" in err and "def forward" not in out + err
+    dump = tmp_path / "dump"
+    rc, out, err = run(capfd, "explain", f"{f}:make", "--dump-ir", dump)
+    lines = err.strip().splitlines()
+    assert rc == 2 and lines[0].startswith("graphopt: error: cannot capture Branchy") and len(lines) == 2
+    assert str(dump / "capture_failed.py") in lines[1]
+    assert "aten.linear.default" in (dump / "capture_failed.py").read_text()
+
+
+CONV_STACK = textwrap.dedent("""
+    import torch
+
+    def make():
+        layers = []
+        for _ in range(6):
+            layers += [torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers).eval(), (torch.randn(1, 4, 8, 8),)
+""")
+
+
+def test_explain_is_concise_by_default_and_verbose_on_request(capfd, tmp_path):
+    """The default output groups rewrites per pattern and refusals per reason, without node
+    names, and lists only the passes that changed something; --verbose has every pass and node."""
+    f = tmp_path / "convs.py"
+    f.write_text(CONV_STACK)
+    rc, out, _ = run(capfd, "explain", f"{f}:make", "--no-accuracy")
+    assert rc == 0
+    assert "6 × conv+batchnorm" in out and "conv2d_3" not in out and "batch_norm_3" not in out
+    assert "fuse_rotary" not in out and "other passes changed nothing" in out
+    assert "predicted" in out and out.count(" ms → ") == 1  # one predicted total
+    assert len(out.splitlines()) < 30
+    assert all(len(line) <= 120 for line in out.splitlines())
+    rc, verbose, _ = run(capfd, "explain", f"{f}:make", "--no-accuracy", "--verbose")
+    assert rc == 0 and "conv2d_3" in verbose and all(name in verbose for name in PIPELINE)
+    assert "costliest nodes" in verbose
 
 
 def test_console_script_one_line_error(factories):

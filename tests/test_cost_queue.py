@@ -206,7 +206,7 @@ def test_optimize_reports_the_execution_it_runs():
     console = Console(record=True, width=200)
     opt.report.render(console)
     line = next(t for t in console.export_text().splitlines() if t.startswith("predicted"))
-    assert "(eager, host-bound" in line and "→ CUDA graph replay, device-bound" in line
+    assert "; eager, host-bound" in line and "→ CUDA graph replay, device-bound" in line
     opt._predict_execution(False)
     assert opt.report.predicted_s_after == pytest.approx(ex["after"]["eager"]["predicted_ms"] / 1e3)
 

@@ -226,11 +226,9 @@ def _cdiv(a: int, b: int) -> int:
 def cublas_split_k(profile: DeviceProfile, M, N, K) -> bool:
     """Whether cuBLASLt is expected to run an M x N x K projection as split-K (its GEMM kernel
     writing fp32 partial products, then ``splitKreduce_kernel``): when the output has fewer than
-    half as many 64 x 32 tiles as the GPU has SMs and K is at least 4 N. The rule is fitted to
-    what the H200 ran (``benchmarks/results/diag_splitk_2026-11-30_144502.md``,
-    ``diag_busy_…132141``): BERT-base bs1's FFN down projection (128 x 768 x 3072) is split; its
-    attention output projection (K = 768), its up and QKV projections, ViT-B/16 bs1's down
-    projection (M = 197: 96 tiles) and BERT bs8's are not. Symbolic sizes: not split."""
+    half as many 64 x 32 tiles as the GPU has SMs and K is at least 4 N: the rule reproduces which
+    projections cuBLASLt split on the H200 (``benchmarks/diag/diag_splitk.py``, ``diag_busy.py``;
+    BERT-base bs1's FFN down projection, 128 x 768 x 3072, is one). Symbolic sizes: not split."""
     sms = profile.sm_count
     if profile.kind != "cuda" or not sms:
         return False
@@ -245,7 +243,7 @@ def split_k_slices(profile: DeviceProfile, M: int, N: int, K: int) -> int:
     """How many slices of K a batched GEMM over them should use so that the slices' 64 x 64 output
     tiles come closest to one per SM (1: no split that keeps each slice at least 256 deep and
     16-byte aligned in 16-bit types). BERT-base bs1's down projection: 24 tiles, 6 slices (144),
-    the fastest of 2-8 slices in diag_splitk (4.96 µs against 5.22-5.94)."""
+    the count ``benchmarks/diag/diag_splitk.py`` measured fastest."""
     sms = profile.sm_count or 0
     tiles = _cdiv(int(M), 64) * _cdiv(int(N), 64)
     best, best_d = 1, abs(tiles - sms)
@@ -298,9 +296,9 @@ def persistent_rounds_factor(profile: DeviceProfile, M, N, tile=SWIGLU_TILE) -> 
     """How much longer a persistent GEMM (one program per SM, output tiles dealt round-robin) takes
     than its work at the full rate: its ceil(tiles / SMs) rounds over tiles / SMs, the last round
     part idle. cuBLAS picks tile shapes and split strategies that avoid most of this, so the cost
-    model prices cuBLAS without it. Fitted on the H200 (diag_swiglu_gemm_2026-11-30_185919.md): GLM-4's
-    8192 x 4096 x 27392 (51.9 rounds: 1.002) ran 0.99x cuBLAS's time, its 1024-row form (6.5 rounds:
-    1.079) 1.08x. 1.0 for symbolic sizes or an unknown SM count."""
+    model prices cuBLAS without it. The factor reproduces the persistent GEMM's time against
+    cuBLAS's on GLM-4's gate/up projection at 8192 and 1024 rows
+    (``benchmarks/diag/diag_swiglu_gemm.py``). 1.0 for symbolic sizes or an unknown SM count."""
     sms = profile.sm_count or 0
     try:
         tiles = _cdiv(int(M), tile[0]) * _cdiv(int(N), tile[1])

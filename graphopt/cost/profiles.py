@@ -115,8 +115,8 @@ class DeviceProfile:
     # (the forward's thread and autograd's device thread). Used by graphopt.partition's memory plan
     runtime_workspace_bytes: float = 0.0
     # the bf16 GEMM rate a device sustains under back-to-back load, as a fraction of peak_flops (a
-    # GPU at its power limit lowers its clock within a fraction of a second: the H200's dense
-    # GEMMs run at ~86% of their burst rate). `explain` shows the roofline floor at this rate
+    # GPU at its power limit lowers its clock within a fraction of a second; the profile's notes
+    # say where it was measured). `explain` shows the roofline floor at this rate
     # beside the peak-rate floor; 1.0: not measured (or no such cap)
     matmul_sustained_fraction: float = 1.0
     # the GPU's compute capability [major, minor] (empty: not known, or a CPU); sm_90 and newer have

@@ -107,12 +107,12 @@ class _OutputsToHost(nn.Module):
     With ``rows`` on, micro-batch i's outputs are copied straight into rows [i·n, (i+1)·n) of one
     batch-sized host buffer per output (pinned for a GPU's outputs, so the copy runs at the link's
     rate), and the schedule's merge (``merge_spec``) returns those buffers instead of concatenating
-    the chunks: on GLM-4's bs8 logits (2.5 GB) the concatenation took longer than the pipeline's
-    step. Rows need the forward calls of a step to be the micro-batches in order, which holds
-    after the first step (the first may also run torch's shape inference), so the first step copies
-    each micro-batch's outputs on their own and the merge concatenates them. Meta tensors pass
-    through uncounted; an output that is not batched along dim 0 in contiguous rows is copied on
-    its own and concatenated."""
+    the chunks: a language model's concatenated logits can take longer than the pipeline's step
+    (``benchmarks/diag/diag_host_outputs.py``). Rows need the forward calls of a step to be the
+    micro-batches in order, which holds after the first step (the first may also run torch's shape
+    inference), so the first step copies each micro-batch's outputs on their own and the merge
+    concatenates them. Meta tensors pass through uncounted; an output that is not batched along dim
+    0 in contiguous rows is copied on its own and concatenated."""
 
     def __init__(self, inner: nn.Module, microbatches: int):
         super().__init__()
@@ -181,7 +181,7 @@ class Pipeline:
     outputs_to_host: inference only: the last stage copies each micro-batch's outputs to host memory
       as it makes them, and ``step`` returns the merged outputs there; its GPU then holds one
       micro-batch's outputs instead of the whole batch's and their concatenation (a language model's
-      logits: 2.5 GB at bs8 for GLM-4), at the price of the copies (planned at the host link's rate).
+      logits), at the price of the copies (planned at the host link's rate).
     """
 
     def __init__(self, model: nn.Module, example_inputs, *, microbatches: int = 4, schedule: str = "gpipe",

@@ -22,7 +22,7 @@ Timing: ``warmup`` calls, then ``reps`` calls each timed alone (CUDA events arou
 the device synchronized before it: single-call latency; ``perf_counter`` on the CPU); the table
 shows the median. "setup s" is the time to the first result (``torch.compile`` + first call,
 ``optimize`` + first call). Peak memory is ``torch.cuda.max_memory_allocated`` over the variant
-(reset before it; the model's own weights included). Accuracy is the DESIGN.md rule against a
+(reset before it; the model's own weights included). Accuracy is the accuracy rule (docs/design.md) against a
 float64 copy of the converted model on the same inputs, the eager output being the yardstick;
 outputs with more than ``max_check_elems`` elements are checked on an evenly strided sample of
 that many elements (same positions for every variant), which the notes say.
@@ -39,7 +39,6 @@ import datetime as _dt
 import gc
 import json
 import math
-import os
 import platform
 import re
 import statistics
@@ -53,6 +52,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import accuracy
+from ..errors import traceback_requested
 
 __all__ = ["VARIANTS", "PEERS", "BenchConfig", "VariantResult", "ConfigResult", "BenchRun", "run",
            "time_call", "environment", "parse_dtype", "parse_vs", "DEFAULT_OUT"]
@@ -203,7 +203,7 @@ class BenchRun:
             f"device: {h.get('device_name')} ({h.get('device')})" + (f", {h['gpu_count']} GPU(s)" if h.get("gpu_count") else ""),
             "versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
             f"dtype {h.get('dtype')}; median of {h.get('reps')} timed calls after {h.get('warmup')} warm-up "
-            f"({h.get('timing')}); accuracy: DESIGN.md rule vs a float64 copy, eager as the yardstick",
+            f"({h.get('timing')}); accuracy: the accuracy rule (graphopt/accuracy.py, docs/design.md) vs a float64 copy, eager as the yardstick",
         ]
         if h.get("command"):
             lines.append(f"command: {h['command']}")
@@ -765,7 +765,7 @@ def _run_variant(variant, vr: VariantResult, model, args, kwargs, state, *, devi
         return sample
     except Exception as e:  # noqa: BLE001 - one failing variant is a row, not the end of the run
         vr.status, vr.error = "error", _first_line(e)
-        if os.environ.get("GRAPHOPT_TRACEBACK"):
+        if traceback_requested():
             import traceback
 
             traceback.print_exc()

@@ -1,6 +1,6 @@
 """The ``graphopt`` command line.
 
-    graphopt explain [MODEL] [--device D] [--target T] [--json PATH] [--passes a,b] [--disable a,b]
+    graphopt explain [MODEL] [--device D] [--target T] [--json PATH] [--passes a,b] [--disable a,b] [-v]
     graphopt export  [MODEL] -o out.pt [--format torchscript|pt2]
     graphopt zoo
     graphopt passes
@@ -8,7 +8,8 @@
     graphopt bench   [MODEL...] [--vs eager,compile,compile-ro] [--dtype bf16] [--batch N] [--reps N] [--out DIR]
 
 User mistakes print one line on stderr and exit 2, never a traceback (set GRAPHOPT_TRACEBACK=1
-to see one).
+to see one; 0, false, no and off leave it off). ``explain`` prints the passes that changed the
+graph and why others refused; ``-v`` prints every pass, node and refusal.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import GraphoptError
+from ..errors import CaptureError, GraphoptError, traceback_requested
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="optimize a model and print what each pass did")
     _add_model_args(p)
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="every pass, the nodes each rewrite matched, each refusal, the costliest nodes")
     p.add_argument("--bisect", action="store_true",
                    help="find the first pass, and the first rewrite in it, that breaks the accuracy rule")
     p.add_argument("--measure", action="store_true",
@@ -178,10 +181,9 @@ def _optimize(args):
 
 
 def _console():
-    from rich.console import Console
+    from ..report import default_console
 
-    c = Console()
-    return c if c.is_terminal else Console(width=120)
+    return default_console()
 
 
 def cmd_explain(args) -> int:
@@ -201,7 +203,7 @@ def cmd_explain(args) -> int:
         from .measure import measure_report
 
         measure_report(opt, args._model, inputs, profile=args.target)
-    opt.report.render(_console())
+    opt.report.render(_console(), verbose=args.verbose)
     if args.json:
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -252,7 +254,7 @@ def _quiet_torch_logs():
     """torch's own loggers print multi-line tracebacks (fake-tensor dispatch failures during
     capture) before graphopt turns the failure into its one-line error; the CLI keeps stderr to
     that line. GRAPHOPT_TRACEBACK=1 or TORCH_LOGS leave torch's logging alone."""
-    if os.environ.get("GRAPHOPT_TRACEBACK") or os.environ.get("TORCH_LOGS"):
+    if traceback_requested() or os.environ.get("TORCH_LOGS"):
         yield
         return
     loggers = [logging.getLogger("torch")] + [
@@ -312,9 +314,16 @@ def main(argv: list[str] | None = None) -> int:
         with _quiet_torch_logs():
             return COMMANDS[args.command](args)
     except GraphoptError as e:
-        if os.environ.get("GRAPHOPT_TRACEBACK"):
+        if traceback_requested():
             raise
         sys.stderr.write(f"graphopt: error: {e}\n")
+        dump = getattr(args, "dump_ir", None)
+        if isinstance(e, CaptureError) and e.partial_graph and dump:
+            path = Path(dump) / "capture_failed.py"
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(e.partial_graph)
+                sys.stderr.write(f"graphopt: the graph torch.export had traced is in {path}\n")
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("graphopt: interrupted\n")

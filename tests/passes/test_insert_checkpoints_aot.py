@@ -59,7 +59,7 @@ def step(fn, params, args, seed=0):
 
 
 def accuracy_rule(model, opt, args, seed=0):
-    """Loss and gradients of the optimized step vs eager by DESIGN.md's rule (fp64 reference)."""
+    """Loss and gradients of the optimized step vs eager by the accuracy rule (docs/design.md; fp64 reference)."""
     ref = copy.deepcopy(model)
     ref64 = copy.deepcopy(model).double()
     params = list(model.parameters())
@@ -364,7 +364,7 @@ def test_no_grad_call_runs_the_captured_body():
 def test_training_batchnorm_planned_for_a_gpu_takes_the_aot_rewrite():
     """Training BatchNorm planned for a GPU runs the AOT rewrite. (It was refused for a round: its
     ResNet-50 gradients differed from eager's by a relative 0.5 on one parameter with cuDNN on.
-    benchmarks/diag_aot_resnet.py showed that is TF32 rounding: eager's own gradients are as far
+    benchmarks/diag/diag_aot_resnet.py showed that is TF32 rounding: eager's own gradients are as far
     from an fp64 copy's, the rewrite passes the accuracy rule, and with TF32 off it is 6e-6 from eager.)"""
     import torchvision
 

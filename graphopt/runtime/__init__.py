@@ -1,0 +1,1 @@
+"""How optimized graphs run: CUDA-graph replay, placement across devices, pipelines, generation."""

@@ -113,7 +113,7 @@ def test_left_padded_batch_equals_each_prompt_alone():
 
 def test_decode_graph_writes_the_cache_in_place():
     model, gen = _setup("glm4")
-    opt = gen.decode_module(2)
+    opt = gen.decode_state(2).module
     layers = model.config.num_hidden_layers
     writes = ir.input_mutations(opt.graph_module)
     assert sorted(ir.target_name(n) for n, _ in writes) == sorted(["index_copy_"] * 2 * layers + ["add_.Tensor"] * layers)
@@ -130,7 +130,7 @@ def test_replayed_decode_steps_on_the_emulated_backend():
     ids = _prompts()
     out = gen.generate(ids, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(out, _hf(model, ids, max_new_tokens=16, eos_token_id=None))
-    stats = gen._slots[2].runner.stats
+    stats = gen.decode_state(2).runner.stats
     assert stats["captures"] == 1 and stats["eager_calls"] == 1 and stats["replays"] == 14
     again = gen.generate(ids, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(again, out) and stats["captures"] == 1 and stats["replays"] == 29
@@ -164,3 +164,40 @@ def test_bad_arguments_raise_generation_errors():
         graphopt.optimize_generation(model, max_batch_size=0, max_length=16)
     with pytest.raises(GenerationError, match="chosen by the generator"):
         graphopt.optimize_generation(model, max_batch_size=1, max_length=16, on_new_shape="reoptimize")
+
+
+def test_benchmark_dry_run_writes_its_tables(tmp_path):
+    """benchmarks/generation_bench.py --tiny on the CPU: every row measured, JSON and Markdown written;
+    a variant that fails is a row with its error and the run goes on."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "generation_bench.py"
+    spec = importlib.util.spec_from_file_location("generation_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Broken(bench.Eager):
+        name = "broken"
+
+        def decode_ms(self, batch, past):
+            raise RuntimeError("planted failure")
+
+    bench.VARIANTS["broken"] = Broken
+    stem = bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "1", "--steps", "2",
+                       "--new-tokens", "4", "--prefill-reps", "1", "--variants", "eager,broken,graphopt"])
+    data = json.loads(stem.with_suffix(".json").read_text())
+    rows = data["rows"]
+    assert {(r["kind"], r["variant"]) for r in rows} >= {("decode", "eager"), ("decode", "graphopt"), ("prefill", "graphopt"),
+                                                       ("e2e", "eager"), ("e2e", "graphopt"), ("decode", "broken")}
+    broken = next(r for r in rows if r["variant"] == "broken" and r["kind"] == "decode")
+    assert "planted failure" in broken["error"]
+    for r in rows:
+        if r["variant"] != "broken":
+            assert "error" not in r, r
+    g = next(r for r in rows if r["kind"] == "decode" and r["variant"] == "graphopt")
+    assert g["ms"] > 0 and g["floor_kv_ms"] >= g["floor_weights_ms"] > 0 and g["accuracy"] == "passed"
+    assert next(r for r in rows if r["kind"] == "e2e" and r["variant"] == "graphopt")["same_as_eager"] == "all"
+    md = stem.with_suffix(".md").read_text()
+    assert "## Decode step (ms)" in md and "## End to end" in md and data["meta"]["versions"]["torch"]

@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import GenerationError
 
-__all__ = ["Generator", "optimize_generation", "warp_logits"]
+__all__ = ["Generator", "DecodeState", "optimize_generation", "warp_logits"]
 
 _PREFILL_SPECIALIZATIONS = 8
 _UNSET = object()  # a generate() option not given: the model's generation_config decides
@@ -70,17 +70,21 @@ class _LogitsStep(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs).logits
 
 
-class _Slot:
-    """What one batch size uses: a cache over the first B rows, the decode step's input tensors
-    (updated in place every step), the decode step, and the prefill graphs."""
+class DecodeState:
+    """What one batch size uses: ``cache``, a StaticCache over the first ``batch`` rows of the
+    generator's; the decode step's inputs ``input_ids`` [B, 1], ``position_ids`` [B, 1] and
+    ``attention_mask`` [B, max_length], updated in place between steps; ``step()``, one decode
+    step on them (logits [B, 1, V]; it writes the keys/values at the cache's position and advances
+    it); ``module``, the optimized step (its ``.report``); ``runner``, what replays it."""
 
     def __init__(self, batch: int):
         self.batch = batch
         self.cache = None
-        self.ids = self.pos = self.mask = None
-        self.step = None          # () -> logits [B, 1, V]
-        self.step_module = None   # the OptimizedModule of the decode step
-        self.prefill: OrderedDict = OrderedDict()
+        self.input_ids = self.position_ids = self.attention_mask = None
+        self.step = None
+        self.module = None
+        self.runner = None
+        self.prefills: OrderedDict = OrderedDict()  # prompt shape -> optimized prefill
 
 
 def warp_logits(scores: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -160,7 +164,7 @@ class Generator:
         self.cuda_graphs = cuda_graphs
         self.graph_backend = graph_backend
         self.optimize_options = dict(optimize_options)
-        self._slots: dict[int, _Slot] = {}
+        self._states: dict[int, DecodeState] = {}
         self.stats = {"prefills": 0, "decode_steps": 0, "optimized": 0}
         self._cache = self._allocate_cache()
 
@@ -199,20 +203,21 @@ class Generator:
                                   + "; only full-attention layers (StaticLayer) are supported")
         ids = torch.zeros(self.max_batch_size, 1, dtype=torch.long, device=self.device)
         with self._eval():
-            self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache}, **self._extra)
+            self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **{self._cache_arg: cache},
+                       **self._extra)
         for layer in cache.layers:
             if layer.keys is None or layer.keys.shape[2] != self.max_length:
                 raise GenerationError(f"the model did not fill a {self.max_length}-long static cache")
             layer.cumulative_length.zero_()
         return cache
 
-    def _slot(self, batch: int) -> _Slot:
-        slot = self._slots.get(batch)
+    def _state(self, batch: int) -> DecodeState:
+        slot = self._states.get(batch)
         if slot is not None:
             return slot
         from transformers.cache_utils import Cache, StaticCache, StaticLayer
 
-        slot = _Slot(batch)
+        slot = DecodeState(batch)
         layers = []
         for big in self._cache.layers:
             layer = StaticLayer.__new__(StaticLayer)
@@ -224,10 +229,10 @@ class Generator:
         cache = StaticCache.__new__(StaticCache)
         Cache.__init__(cache, layers=layers)
         slot.cache = cache
-        slot.ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-        slot.pos = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-        slot.mask = torch.ones(batch, self.max_length, dtype=torch.long, device=self.device)
-        self._slots[batch] = slot
+        slot.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        slot.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        slot.attention_mask = torch.ones(batch, self.max_length, dtype=torch.long, device=self.device)
+        self._states[batch] = slot
         return slot
 
     def _step_module(self) -> _LogitsStep:
@@ -242,12 +247,12 @@ class Generator:
         self.stats["optimized"] += 1
         return opt
 
-    def _decode_step(self, slot: _Slot):
-        """Optimize the decode step for this batch size and bind it to the slot's tensors."""
+    def _decode_step(self, slot: DecodeState):
+        """Optimize the decode step for this batch size and bind it to the state's tensors."""
         from ..lower import lower
 
-        inputs = {"input_ids": slot.ids, "attention_mask": slot.mask,
-                  "position_ids": slot.pos if self._has_positions else None, "cache": slot.cache}
+        inputs = {"input_ids": slot.input_ids, "attention_mask": slot.attention_mask,
+                  "position_ids": slot.position_ids if self._has_positions else None, "cache": slot.cache}
         # a meaningful example for the accuracy guard: a half-full cache of random keys/values
         # (optimize() runs on its own copies; generate() resets the position before use)
         past = self.max_length // 2
@@ -256,48 +261,77 @@ class Generator:
             for t in (layer.keys, layer.values):
                 t.copy_(torch.randn(t.shape, generator=gen, device=self.device, dtype=torch.float32).to(t.dtype))
             layer.cumulative_length.fill_(past)
-        slot.pos.fill_(past)
+        slot.position_ids.fill_(past)
         opt = self._optimize(inputs, f"decode step (batch {slot.batch}, cache {self.max_length})", cuda_graphs=False)
         flat, _ = pytree.tree_flatten(((), inputs))
         runner = lower(opt.graph_module, flat, cuda_graphs=self.cuda_graphs, reuse_outputs=True,
                        bind_inputs=True, backend=self.graph_backend)
         opt.report.notes.append(f"generation: {runner.decision.note()}")
-        slot.step_module = opt
+        slot.module = opt
         slot.step = runner.fixed_call(flat, ("decode", slot.batch), (), inputs)
         slot.runner = runner
 
     # ------------------------------------------------------------------ generate
 
-    def decode_module(self, batch: int):
-        """The optimized decode step for ``batch`` rows (its ``.report`` says what was done);
-        optimized now if no generate() has used this batch size yet."""
+    def decode_state(self, batch: int) -> DecodeState:
+        """The :class:`DecodeState` of ``batch`` rows; its decode step is optimized now if no
+        generate() has used this batch size yet."""
         self._check_batch(batch)
-        slot = self._slot(batch)
+        slot = self._state(batch)
         if slot.step is None:
             self._decode_step(slot)
-        return slot.step_module
+        return slot
 
     def _check_batch(self, batch: int):
         if batch > self.max_batch_size:
             raise GenerationError(f"{batch} prompts but max_batch_size={self.max_batch_size}; "
                                   "build the generator with a larger max_batch_size or split the batch")
 
-    def _prefill(self, slot: _Slot, ids, mask, pos):
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[DecodeState, torch.Tensor]:
+        """Start sequences: the prompts' keys/values written into the cache from position 0, the
+        decode inputs set for the next token. Returns the batch's :class:`DecodeState` and the
+        logits of the prompts' last position, [B, 1, V]."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+            raise GenerationError("input_ids must be an integer tensor [batch, prompt length]")
+        batch, plen = input_ids.shape
+        if batch < 1 or plen < 1:
+            raise GenerationError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        if plen >= self.max_length:
+            raise GenerationError(f"prompt length {plen} leaves no room in max_length={self.max_length}")
+        ids = input_ids.to(self.device, torch.long)
+        if attention_mask is None:
+            mask = torch.ones_like(ids)
+        else:
+            if tuple(attention_mask.shape) != (batch, plen):
+                raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, plen)}")
+            mask = attention_mask.to(self.device, torch.long)
+        if not self._has_positions and not bool(mask.all()):
+            raise GenerationError(f"{type(self.model).__name__} takes no position_ids: padded prompts are not supported")
+        slot = self.decode_state(batch)
+        for layer in slot.cache.layers:  # a fresh sequence: positions back to 0 (stale keys are masked)
+            layer.cumulative_length.zero_()
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's positions under left padding
         kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos if self._has_positions else None,
                   "cache": slot.cache}
         if self.prefill_mode == "eager":
             with self._eval():
-                return self._step_module()(**kwargs)
-        key = tuple(ids.shape)
-        opt = slot.prefill.get(key)
-        if opt is None:
-            if len(slot.prefill) >= _PREFILL_SPECIALIZATIONS:
-                slot.prefill.popitem(last=False)
-            opt = self._optimize(kwargs, f"prefill {tuple(ids.shape)}", cuda_graphs=False)
-            slot.prefill[key] = opt
-        slot.prefill.move_to_end(key)
-        with torch.no_grad():
-            return opt(**kwargs)
+                logits = self._step_module()(**kwargs)
+        else:
+            key = tuple(ids.shape)
+            opt = slot.prefills.get(key)
+            if opt is None:
+                if len(slot.prefills) >= _PREFILL_SPECIALIZATIONS:
+                    slot.prefills.popitem(last=False)
+                opt = self._optimize(kwargs, f"prefill {key}", cuda_graphs=False)
+                slot.prefills[key] = opt
+            slot.prefills.move_to_end(key)
+            logits = opt(**kwargs)
+        self.stats["prefills"] += 1
+        slot.attention_mask.fill_(1)
+        slot.attention_mask[:, :plen] = mask
+        slot.position_ids.copy_(pos[:, -1:] + 1)
+        return slot, logits
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -345,32 +379,11 @@ class Generator:
             pad = eos[0]
 
         dev = self.device
-        ids = input_ids.to(dev, torch.long)
-        if attention_mask is None:
-            mask = torch.ones_like(ids)
-            if pad is not None and (ids == pad).any() and pad not in eos:
-                mask = ids.ne(pad).long()  # as HF infers it from the pad token
-        else:
-            if tuple(attention_mask.shape) != (batch, plen):
-                raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, plen)}")
-            mask = attention_mask.to(dev, torch.long)
-        if not self._has_positions and not bool(mask.all()):
-            raise GenerationError(f"{type(self.model).__name__} takes no position_ids: padded prompts are not supported")
-
-        slot = self._slot(batch)
-        if slot.step is None:
-            self._decode_step(slot)
-        for layer in slot.cache.layers:  # a fresh sequence: positions back to 0 (stale keys are masked)
-            layer.cumulative_length.zero_()
-        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-
+        if attention_mask is None and pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            attention_mask = input_ids.ne(pad).long()  # as HF infers it from the pad token
+        slot, logits = self.prefill(input_ids, attention_mask)
         out = torch.empty(batch, plen + max_new_tokens, dtype=torch.long, device=dev)
-        out[:, :plen] = ids
-        logits = self._prefill(slot, ids, mask, pos)
-        self.stats["prefills"] += 1
-        slot.mask.fill_(1)
-        slot.mask[:, :plen] = mask
-        slot.pos.copy_(pos[:, -1:] + 1)
+        out[:, :plen] = input_ids
         eos_t = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
         unfinished = torch.ones(batch, dtype=torch.long, device=dev)
         done = torch.zeros(max_new_tokens, dtype=torch.bool, device=dev)  # all rows finished after step i
@@ -389,10 +402,10 @@ class Generator:
             out[:, plen + i] = tok
             if i == max_new_tokens - 1:
                 break
-            slot.ids.copy_(tok[:, None])
+            slot.input_ids.copy_(tok[:, None])
             logits = slot.step()  # writes the token's keys/values at the cache position, advances it
             self.stats["decode_steps"] += 1
-            slot.pos.add_(1)
+            slot.position_ids.add_(1)
             # the previous step's flag, read while this step runs (one step of lag, no stall)
             if eos_t is not None and bool(done[i]):
                 n = i + 1

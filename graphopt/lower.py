@@ -403,6 +403,10 @@ class _Entry:
     # output that is a bound input's memory (a cache written in place) is handed back as the
     # caller's tensor (or a view of it), never cloned
     aliases: dict = field(default_factory=dict)
+    copied: list = field(default_factory=list)  # indices of the inputs copied into static buffers
+
+    def __post_init__(self):
+        self.copied = [i for i, b in enumerate(self.static_inputs) if b is not None]
 
 
 class Runner:
@@ -444,9 +448,12 @@ class Runner:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    _epoch = 0  # bumped whenever captured graphs are dropped (fixed_call's entries then expire)
+
     def reset(self) -> None:
         """Drop every captured graph, the memory pool and the head/tail split (after parameters
         moved: the split's head module holds the constants it was built with)."""
+        self._epoch += 1
         self._graphs.clear()
         self._pool = None
         self._tail = False
@@ -529,7 +536,8 @@ class Runner:
 
     @staticmethod
     def _copy_in(entry: _Entry, leaves: list) -> None:
-        bufs = [(buf, x) for buf, x in zip(entry.static_inputs, leaves) if buf is not None and x is not buf]
+        static = entry.static_inputs
+        bufs = [(static[i], leaves[i]) for i in entry.copied if leaves[i] is not static[i]]
         if len(bufs) > 1:  # one multi-tensor copy kernel instead of one launch per input
             torch._foreach_copy_([b for b, _ in bufs], [x for _, x in bufs])
         elif bufs:
@@ -539,20 +547,20 @@ class Runner:
         """A function of no arguments calling with exactly these inputs, for a caller that passes
         the same tensors on every call and updates them in place (a generation loop's decode
         step): once their graph is captured, a call is its replay, without re-deriving the key
-        from the inputs. Shapes, dtypes and addresses must stay those of the first call."""
-        key = None
+        from the inputs (nor refreshing its place in the LRU order). Shapes, dtypes and addresses
+        must stay those of the first call."""
+        found = None  # (entry, the runner's epoch when it was found)
 
         def call():
-            nonlocal key
-            if key is not None:
-                entry = self._graphs.get(key)
-                if entry is not None:
-                    self._graphs.move_to_end(key)
-                    self._copy_in(entry, leaves)
-                    return self._replay(entry, leaves)
+            nonlocal found
+            if found is not None and found[1] == self._epoch:  # no graph dropped since: still captured
+                entry = found[0]
+                self._copy_in(entry, leaves)
+                return self._replay(entry, leaves)
             self.last_key = None
             out = self.call_flat(leaves, structure, args, kwargs)
-            key = self.last_key
+            entry = self._graphs.get(self.last_key) if self.last_key is not None else None
+            found = (entry, self._epoch) if entry is not None else None
             return out
 
         return call
@@ -613,6 +621,7 @@ class Runner:
 
             if len(self._graphs) >= self.max_graphs:
                 self._graphs.popitem(last=False)
+                self._epoch += 1
                 self.stats["evictions"] += 1
             try:
                 if self._pool is None:

@@ -224,3 +224,21 @@ def test_cuda_graph_generation_on_the_gpu(family):
     a = gen.generate(ids, generator=torch.Generator("cuda").manual_seed(3), **opts)
     b = gen.generate(ids, generator=torch.Generator("cuda").manual_seed(3), **opts)
     assert torch.equal(a, b) and state.runner.stats["captures"] == 1
+
+
+def test_hf_generate_drives_the_replayed_step():
+    """transformers' own generate() loop (here with a repetition penalty the generator's loop does
+    not apply, and a left-padded row) on the generator's cache and replayed decode steps: the same
+    ids as model.generate, and the model's forward is its own again afterwards."""
+    model, gen = _setup("mistral", cuda_graphs=True, graph_backend="emulate", prefill="graphopt")
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    opts = dict(max_new_tokens=12, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
+    runner = gen.decode_state(2).runner
+    before = runner.stats["replays"]
+    out = gen.hf_generate(ids, mask, **opts)
+    assert torch.equal(out, _hf(model, ids, mask, **opts))
+    assert runner.stats["replays"] - before >= 10 and "forward" not in vars(model)
+    with pytest.raises(GenerationError, match="generator's to choose"):
+        gen.hf_generate(ids, cache_implementation="static")

@@ -32,6 +32,9 @@ every row has produced an EOS token. Other generation options (beam search, repe
 min_p, stopping strings...) are not supported.
 
 On the CPU the decode step runs as the optimized graph, called each step (no CUDA graph).
+
+``hf_generate`` runs transformers' own ``model.generate`` (every option it has) on the same cache
+and replayed decode steps.
 """
 
 from __future__ import annotations
@@ -413,6 +416,56 @@ class Generator:
         return out[:, :plen + n]
 
     __call__ = generate
+
+    @torch.no_grad()
+    def hf_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **generate_kwargs):
+        """transformers' own ``model.generate`` (its loop, logits processors, stopping criteria,
+        return types) driving this generator's cache and replayed decode steps: the model's
+        forward is wrapped for the duration of the call so that one-token calls on the
+        generator's cache run the optimized step (the inputs HF prepares copied into the step's
+        tensors: ids, last position, the mask row of the new token), and every other call (the
+        prefill) runs the model itself. HF's own compilation of the forward is turned off."""
+        import functools
+
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise GenerationError("input_ids must be an integer tensor [batch, prompt length]")
+        for bad in (self._cache_arg, "past_key_values", "cache_implementation"):
+            if bad in generate_kwargs:
+                raise GenerationError(f"{bad!r} is the generator's to choose")
+        state = self.decode_state(input_ids.shape[0])
+        for layer in state.cache.layers:
+            layer.cumulative_length.zero_()
+        state.attention_mask.fill_(1)
+        model, cache_arg = self.model, self._cache_arg
+        original = model.forward
+
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            ids = kwargs.get("input_ids")
+            if args or kwargs.get(cache_arg) is not state.cache or ids is None or ids.shape[1] != 1:
+                return original(*args, **kwargs)
+            state.input_ids.copy_(ids)
+            pos = kwargs.get("position_ids")
+            if pos is not None:
+                state.position_ids.copy_(pos[:, -1:])
+            else:
+                state.position_ids.copy_(state.cache.layers[0].cumulative_length)
+            mask = kwargs.get("attention_mask")
+            if mask is not None and mask.dim() == 4:  # HF's mask for a static cache: [B, 1, 1, max_length]
+                row = mask[:, 0, -1, :]
+                state.attention_mask.copy_(row == 0 if row.is_floating_point() else row)  # additive: 0 = attend
+            elif mask is not None:  # 2D, one column per token so far
+                state.attention_mask[:, :mask.shape[1]].copy_(mask)
+            return CausalLMOutputWithPast(logits=state.step(), **{cache_arg: state.cache})
+
+        model.forward = forward
+        try:
+            return model.generate(input_ids, attention_mask=attention_mask, **{cache_arg: state.cache},
+                                  disable_compile=True, **generate_kwargs)
+        finally:
+            del model.forward
 
 
 def optimize_generation(model: nn.Module, *, max_batch_size: int, max_length: int, dtype=None, device=None,

@@ -16,7 +16,8 @@ Measures, for each variant:
   steps: what ``generate(cache_implementation="static")`` runs), ``graphopt`` (the generator's
   decode step, a CUDA-graph replay, its cache sized the same);
 - prefill ms of a --prefill-batch x past prompt (eager into a DynamicCache; eager into a StaticCache
-  for compile-ro, as generate() prefills uncompiled; graphopt's optimized prefill);
+  for compile-ro, as generate() prefills uncompiled; graphopt's prefill graph optimized for that
+  prompt shape, ``prefill="graphopt"``, also in its end-to-end run);
 - end-to-end tokens/s for --new-tokens greedy tokens after a past-long prompt at batch 1 (eager:
   ``model.generate``; compile-ro: eager prefill + compiled steps; graphopt: ``Generator.generate``),
   and whether the tokens equal eager's;
@@ -273,7 +274,7 @@ class Graphopt:
         if length not in self._gens:
             self._gens.clear()
             gc.collect()
-            opts = {"check_accuracy": not self.args.no_accuracy}
+            opts = {"check_accuracy": not self.args.no_accuracy, "prefill": "graphopt"}
             self._gens[length] = graphopt.optimize_generation(
                 self.model, max_batch_size=max(self.args.batches + [self.args.prefill_batch, 1]), max_length=length,
                 **opts)

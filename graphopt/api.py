@@ -412,6 +412,8 @@ def _fp64_memory_shortfall(model: nn.Module, device: torch.device, flat_inputs=(
     need += copied_bytes
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        # memory the caching allocator holds but no tensor uses (an earlier guard's fp64 copy) is free too
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     else:
         try:
             with open("/proc/meminfo") as f:

@@ -535,7 +535,7 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
                 kept.setdefault(root.name, []).append(node.name)  # the caller's tensor is written: in place
                 continue
             # a view base would alias: keep mutations of views as they are
-            if root is not base:
+            if base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
                 continue
             with g.inserting_before(node):
                 new = g.call_function(func, node.args, node.kwargs)

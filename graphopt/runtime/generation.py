@@ -16,11 +16,11 @@ What a :class:`Generator` holds and does:
   The graph writes the new key/value into the cache at the cache's position (``index_copy_``)
   and advances the position (``add_``) in place: no copy of the cache per step. On a GPU the
   step is replayed as a CUDA graph (graphopt.lower) bound to the generator's own input tensors
-  and cache: a step is one replay, a host->device copy of nothing; the next token, the
-  positions and the finished flags are updated on the device by a few small kernels.
-* **Prefill**: the prompt written into the cache by the model itself (``prefill="eager"``) or by a
-  graph optimized for that prompt shape (``"graphopt"``, up to 8 shapes kept); default
-  ``"auto"``: optimized on a GPU, eager on the CPU.
+  and cache: a step is one replay with no input copied; the next token, the positions and the
+  finished flags are updated on the device by a few small kernels.
+* **Prefill**: the prompt written into the cache by the model itself (``prefill="eager"``, the
+  default) or by a graph optimized for that prompt shape (``"graphopt"``: an optimize() per new
+  prompt shape, 8 kept; for prompts of a few recurring shapes).
 
 ``generate`` follows ``GenerationMixin.generate`` for decoder-only models: defaults from
 ``model.generation_config`` (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``,
@@ -132,7 +132,7 @@ class Generator:
     steps (module docstring). Build it with :func:`optimize_generation`."""
 
     def __init__(self, model: nn.Module, *, max_batch_size: int, max_length: int, dtype=None, device=None,
-                 prefill: str = "auto", cuda_graphs="auto", graph_backend: str = "cuda", **optimize_options):
+                 prefill: str = "eager", cuda_graphs="auto", graph_backend: str = "cuda", **optimize_options):
         if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
             raise GenerationError("optimize_generation needs a transformers causal LM (a model with a .config)")
         if getattr(model.config, "is_encoder_decoder", False):
@@ -142,8 +142,8 @@ class Generator:
             raise GenerationError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
         if not isinstance(max_length, int) or max_length < 2:
             raise GenerationError(f"max_length must be an int >= 2, got {max_length!r}")
-        if prefill not in ("auto", "eager", "graphopt"):
-            raise GenerationError(f"prefill must be 'auto', 'eager' or 'graphopt', got {prefill!r}")
+        if prefill not in ("eager", "graphopt"):
+            raise GenerationError(f"prefill must be 'eager' or 'graphopt', got {prefill!r}")
         for bad in ("cuda_graphs", "on_new_shape", "dynamic", "training", "devices"):
             if bad in optimize_options:
                 raise GenerationError(f"optimize option {bad!r} is chosen by the generator")
@@ -163,7 +163,7 @@ class Generator:
         self.model = model
         self.device, self.dtype = want_dev, want_dtype
         self.max_batch_size, self.max_length = max_batch_size, max_length
-        self.prefill_mode = prefill if prefill != "auto" else ("graphopt" if want_dev.type == "cuda" else "eager")
+        self.prefill_mode = prefill
         self.cuda_graphs = cuda_graphs
         self.graph_backend = graph_backend
         self.optimize_options = dict(optimize_options)
@@ -475,6 +475,6 @@ def optimize_generation(model: nn.Module, *, max_batch_size: int, max_length: in
     (``optimize_options``: its options, e.g. ``check_accuracy``, ``target``, ``precision``) and
     replayed as CUDA graphs on a GPU, and ``generate(input_ids, ...)`` returning ids as
     ``model.generate`` does. ``dtype``/``device``: run a converted copy of the model (the model
-    itself is never changed). ``prefill``: "auto", "eager" or "graphopt" (module docstring)."""
+    itself is never changed). ``prefill``: "eager" or "graphopt" (module docstring)."""
     return Generator(model, max_batch_size=max_batch_size, max_length=max_length, dtype=dtype, device=device,
                      **optimize_options)

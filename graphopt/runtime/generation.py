@@ -28,8 +28,8 @@ What a :class:`Generator` holds and does:
 when not given, positions ``cumsum(mask) - 1`` (left padding), temperature -> top-k -> top-p
 warping and ``torch.multinomial`` for sampling (the global RNG unless ``generator=`` is given,
 so a seeded run draws what HF's does), finished rows padded with ``pad_token_id``, and a stop when
-every row has produced an EOS token. Other generation options (beam search, repetition penalty,
-min_p, stopping strings...) are not supported.
+every row has produced an EOS token. A generation_config that sets other options (beam search,
+repetition penalty, min_p...) raises GenerationError: ``hf_generate`` applies them.
 
 On the CPU the decode step runs as the optimized graph, called each step (no CUDA graph).
 

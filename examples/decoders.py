@@ -4,13 +4,16 @@ random weights: tiny configs of five families (CPU tests) and full-size shapes (
     from graphopt.examples import decoders
     model = decoders.build(decoders.tiny_config("llama"), seed=0)                 # fp32, CPU, eval
     model = decoders.build(decoders.llama3_8b_config(), dtype=torch.bfloat16, device="cuda")
+
+    graphopt explain graphopt.examples.decoders:llama3_8b_decode --target h200 --no-accuracy
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "tiny_config", "llama3_8b_config", "glm4_9b_config", "build"]
+__all__ = ["FAMILIES", "tiny_config", "llama3_8b_config", "glm4_9b_config", "build", "decode_step",
+           "llama3_8b_decode", "glm4_9b_decode", "tiny_decode"]
 
 FAMILIES = ("glm4", "llama", "qwen2", "mistral", "gpt2")
 
@@ -72,3 +75,48 @@ def build(config, *, dtype=torch.float32, device="cpu", seed: int = 0):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def decode_step(config, *, batch: int = 1, past: int = 1024, room: int = 256, dtype=torch.bfloat16, device=None,
+                seed: int = 0):
+    """``(module, example_inputs)`` of one decode step as graphopt.optimize_generation optimizes
+    it: the model returning only logits (runtime.generation.LogitsStep), called with one token per
+    row against a StaticCache of ``past + room`` positions holding ``past`` of them (random keys
+    and values), the mask and positions of that step. ``device`` defaults to cuda when present,
+    else meta (shapes only: for ``explain --target h200 --no-accuracy`` of full-size shapes)."""
+    from transformers import StaticCache
+
+    from graphopt.runtime.generation import LogitsStep
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "meta"
+    model = build(config, dtype=dtype, device=device, seed=seed)
+    length = past + room
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+    for layer in cache.layers:
+        if device != "meta":
+            for t in (layer.keys, layer.values):
+                t.copy_(torch.randn(t.shape, device=device, dtype=torch.float32).to(t.dtype))
+            layer.cumulative_length.fill_(past)
+    inputs = {"input_ids": torch.randint(3, config.vocab_size, (batch, 1)).to(device),
+              "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device),
+              "position_ids": torch.full((batch, 1), past, dtype=torch.long, device=device), "cache": cache}
+    return LogitsStep(model, "cache", {"logits_to_keep": 1}), inputs
+
+
+def llama3_8b_decode():
+    """A Llama-3-8B decode step, batch 1, 1024 tokens past (:func:`decode_step`)."""
+    return decode_step(llama3_8b_config())
+
+
+def glm4_9b_decode():
+    """A GLM-4-9B (40 layers) decode step, batch 1, 1024 tokens past (:func:`decode_step`)."""
+    return decode_step(glm4_9b_config())
+
+
+def tiny_decode():
+    """A tiny Llama decode step on the CPU in fp32, batch 2, 16 tokens past (tests)."""
+    return decode_step(tiny_config("llama"), batch=2, past=16, room=8, dtype=torch.float32, device="cpu")

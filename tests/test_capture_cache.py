@@ -185,3 +185,14 @@ def test_replayed_step_reads_and_writes_the_callers_cache():
     assert int(mine["cache"].get_seq_length()) == int(theirs["cache"].get_seq_length())
     for a, b in zip(mine["cache"].layers, theirs["cache"].layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_step_factory_explains_planned_for_the_gpu():
+    """examples.decoders.decode_step (what the generator optimizes; the factory behind
+    ``graphopt explain graphopt.examples.decoders:llama3_8b_decode``): planned for the H200, the
+    report names the cache writes kept in place, and the predicted step is above its floor."""
+    module, inputs = decoders.tiny_decode()
+    report = graphopt.explain(module, inputs, target="h200", check_accuracy=False)
+    assert any("in-place write(s) into 6 input(s)" in n for n in report.notes)
+    assert report.predicted_s_after * 1e3 >= report.cost_after["roofline_floor_ms"] > 0
+    assert int(inputs["cache"].get_seq_length()) == 16  # the example's cache untouched

@@ -50,15 +50,16 @@ from torch.utils import _pytree as pytree
 
 from ..errors import GenerationError
 
-__all__ = ["Generator", "DecodeState", "optimize_generation", "warp_logits"]
+__all__ = ["Generator", "DecodeState", "LogitsStep", "optimize_generation", "warp_logits"]
 
 _PREFILL_SPECIALIZATIONS = 8
 _UNSET = object()  # a generate() option not given: the model's generation_config decides
 
 
-class _LogitsStep(nn.Module):
-    """The model called as generate() calls it, returning only the logits (the cache it writes
-    is the caller's; a graph returning it would rebuild a cache object every step)."""
+class LogitsStep(nn.Module):
+    """``model`` called as generate() calls it, returning only the logits (the cache it writes
+    is the caller's; a graph returning it would rebuild a cache object every step): what the
+    generator optimizes, for prefill and decode steps alike."""
 
     def __init__(self, model: nn.Module, cache_arg: str, extra: dict):
         super().__init__()
@@ -238,8 +239,8 @@ class Generator:
         self._states[batch] = slot
         return slot
 
-    def _step_module(self) -> _LogitsStep:
-        return _LogitsStep(self.model, self._cache_arg, self._extra)
+    def _step_module(self) -> LogitsStep:
+        return LogitsStep(self.model, self._cache_arg, self._extra)
 
     def _optimize(self, inputs: dict, name: str, cuda_graphs):
         from ..api import optimize

@@ -202,8 +202,14 @@ class CompileRO:
 
         return StaticCache(config=self.model.config, max_cache_len=length)
 
-    def _prefilled(self, prompt, length):
-        cache = self._static(prompt.shape[0], length)
+    def _prefilled(self, prompt, length, cache=None):
+        """The prompt written eagerly into a StaticCache (a new one, or ``cache`` from position
+        0: the same tensors keep the compiled step's CUDA graphs valid)."""
+        if cache is None:
+            cache = self._static(prompt.shape[0], length)
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.zero_()
         with torch.no_grad():
             out = self.model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
         return cache, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -243,8 +249,10 @@ class CompileRO:
         return median_ms(run, self.device, self.args.prefill_reps, 1)
 
     def generate(self, prompt, new):
+        cache = self._static(prompt.shape[0], prompt.shape[1] + self.args.room)
+
         def run(n):
-            cache, tok = self._prefilled(prompt, prompt.shape[1] + self.args.room)
+            _, tok = self._prefilled(prompt, None, cache)
             toks = [tok]
             for _ in range(n - 1):
                 tok = self._step(cache, tok)
@@ -479,50 +487,59 @@ def main(argv=None) -> Path:
         log(json.dumps(row))
         write()
 
-    eager_tokens = None
+    variants = {}
     for name in names:
         try:
-            variant = VARIANTS[name](model, args, device)
+            variants[name] = VARIANTS[name](model, args, device)
         except Exception as e:  # noqa: BLE001
             rows.append({"kind": "setup", "variant": name, "error": f"{type(e).__name__}: {e}"})
             write()
-            continue
-        for past in args.pasts:
-            for batch in args.batches:
-                log(f"{name}: decode step, batch {batch}, past {past}")
+    # the rows that matter most first (a time-limited run keeps them): per past length, the first
+    # batch size for every variant, then the end-to-end runs, the other batch sizes, the prefills
+    e2e_past = args.pasts[len(args.pasts) // 2]
+    plan = []
+    for past in args.pasts:
+        for i, batch in enumerate(args.batches):
+            plan += [("decode", name, batch, past) for name in variants]
+            if i == 0 and past == e2e_past and not args.no_e2e:
+                plan += [("e2e", name, 1, past) for name in variants]
+        plan += [("prefill", name, args.prefill_batch, past) for name in variants]
 
-                def decode(row, batch=batch, past=past):
-                    ms, extra = variant.decode_ms(batch, past)
-                    row.update(ms=ms, **extra)
-                    row["floor_weights_ms"] = weight_bytes(model, batch) / bw * 1e3
-                    row["floor_kv_ms"] = (weight_bytes(model, batch) + batch * past * kv_tok) / bw * 1e3
+    eager_tokens = None
 
-                run_row({"kind": "decode", "variant": name, "batch": batch, "past": past}, decode)
-            log(f"{name}: prefill, batch {args.prefill_batch}, prompt {past}")
-            run_row({"kind": "prefill", "variant": name, "batch": args.prefill_batch, "past": past},
-                    lambda row, past=past: row.update(ms=variant.prefill_ms(args.prefill_batch, past)))
-        if not args.no_e2e:
-            past = args.pasts[len(args.pasts) // 2]
-            log(f"{name}: end to end, {args.new_tokens} new tokens after a {past}-token prompt")
+    def decode(row, variant, batch, past):
+        ms, extra = variant.decode_ms(batch, past)
+        row.update(ms=ms, **extra)
+        row["floor_weights_ms"] = weight_bytes(model, batch) / bw * 1e3
+        row["floor_kv_ms"] = (weight_bytes(model, batch) + batch * past * kv_tok) / bw * 1e3
 
-            def e2e(row, past=past):
-                nonlocal eager_tokens
-                prompt = _prompt(1, past, model.config.vocab_size, device, seed=7)
-                s, tokens = variant.generate(prompt, args.new_tokens)
-                row.update(s=s, tokens_per_s=args.new_tokens / s)
-                new = tokens[:, past:].cpu()
-                if name == "eager":
-                    eager_tokens = new
-                elif eager_tokens is not None:
-                    same = (new == eager_tokens).all(0)
-                    first = int((~same).nonzero()[0]) if not bool(same.all()) else None
-                    row["same_as_eager"] = "all" if first is None else f"first {first} of {new.shape[1]}"
+    def e2e(row, variant, batch, past):
+        nonlocal eager_tokens
+        prompt = _prompt(1, past, model.config.vocab_size, device, seed=7)
+        s, tokens = variant.generate(prompt, args.new_tokens)
+        row.update(s=s, tokens_per_s=args.new_tokens / s)
+        new = tokens[:, past:].cpu()
+        if variant.name == "eager":
+            eager_tokens = new
+        elif eager_tokens is not None:
+            same = (new == eager_tokens).all(0)
+            first = int((~same).nonzero()[0]) if not bool(same.all()) else None
+            row["same_as_eager"] = "all" if first is None else f"first {first} of {new.shape[1]}"
 
-            run_row({"kind": "e2e", "variant": name, "batch": 1, "past": past, "new": args.new_tokens}, e2e)
-        del variant
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    def prefill(row, variant, batch, past):
+        row["ms"] = variant.prefill_ms(batch, past)
+
+    what = {"decode": "decode step", "e2e": f"end to end, {args.new_tokens} new tokens after the prompt",
+            "prefill": "prefill"}
+    for i, (kind, name, batch, past) in enumerate(plan, start=1):
+        log(f"[{i}/{len(plan)}] {name}: {what[kind]}, batch {batch}, past {past}")
+        row = {"kind": kind, "variant": name, "batch": batch, "past": past}
+        if kind == "e2e":
+            row["new"] = args.new_tokens
+        fn = {"decode": decode, "e2e": e2e, "prefill": prefill}[kind]
+        run_row(row, lambda r, fn=fn, v=variants[name], b=batch, p=past: fn(r, v, b, p))
+    variants.clear()
+    gc.collect()
     log(f"done; results in {stem}.json and {stem}.md")
     print(markdown(meta, rows), flush=True)
     return stem

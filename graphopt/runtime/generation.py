@@ -266,7 +266,10 @@ class Generator:
                 t.copy_(torch.randn(t.shape, generator=gen, device=self.device, dtype=torch.float32).to(t.dtype))
             layer.cumulative_length.fill_(past)
         slot.position_ids.fill_(past)
-        opt = self._optimize(inputs, f"decode step (batch {slot.batch}, cache {self.max_length})", cuda_graphs=False)
+        # planned for replay ("auto": a static-shape inference graph on a GPU is replayed, so the
+        # passes price kernel launches as inside a CUDA graph); the generator's runner replays it
+        opt = self._optimize(inputs, f"decode step (batch {slot.batch}, cache {self.max_length})",
+                             cuda_graphs=self.cuda_graphs)
         flat, _ = pytree.tree_flatten(((), inputs))
         runner = lower(opt.graph_module, flat, cuda_graphs=self.cuda_graphs, reuse_outputs=True,
                        bind_inputs=True, backend=self.graph_backend)

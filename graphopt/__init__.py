@@ -19,16 +19,18 @@ if (_root / "passes" / "__init__.py").exists() and (_root / "pyproject.toml").ex
 from .api import OptimizedModule, explain, optimize  # noqa: E402
 from .capture import capture  # noqa: E402
 from .errors import (  # noqa: E402
-    AccuracyError, ArtifactError, BudgetError, CaptureError, GraphoptError, GuardError, KernelBuildError, ModelSpecError, PassConfigError, UnsupportedOpError)
+    AccuracyError, ArtifactError, BudgetError, CaptureError, GenerationError, GraphoptError, GuardError, KernelBuildError,
+    ModelSpecError, PassConfigError, UnsupportedOpError)
 from .export import export, load  # noqa: E402
+from .runtime.generation import Generator, optimize_generation  # noqa: E402
 from .report import Report  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "explain", "export", "load", "capture", "OptimizedModule", "Report",
+    "optimize", "explain", "export", "load", "capture", "OptimizedModule", "Report", "optimize_generation", "Generator",
     "GraphoptError", "CaptureError", "UnsupportedOpError", "BudgetError", "ArtifactError", "ModelSpecError",
-    "PassConfigError", "KernelBuildError", "AccuracyError", "GuardError",
+    "PassConfigError", "KernelBuildError", "AccuracyError", "GuardError", "GenerationError",
 ]
 
 # registers torch.ops.graphopt.* (CUDA kernels when built, reference implementations otherwise),

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from . import accuracy, ir, timing
-from .capture import capture, flat_tensors, split_inputs
+from .capture import _register_hf_pytrees, capture, flat_tensors, split_inputs
 from .cost.model import CostModel
 from .cost.profiles import get_profile
 from .errors import GraphoptError, GuardError
@@ -59,18 +59,21 @@ class OptimizedModule(nn.Module):
                              example_flat=example_flat)
 
     def set_cuda_graphs(self, mode="auto", *, max_graphs: int = 8, reuse_outputs: bool = False,
-                        example_flat: list | None = None) -> "OptimizedModule":
+                        example_flat: list | None = None, bind_inputs: bool = False) -> "OptimizedModule":
         """Choose how calls run (graphopt.runtime.cuda_graphs): ``mode`` "auto" (CUDA graphs for static-shape
         inference on CUDA), True or False; ``max_graphs`` graphs kept (LRU); ``reuse_outputs``
-        returns the graph's static outputs uncloned (valid until the next call). Updates the
-        report's "CUDA graph: on/off (why)" note. Returns self."""
+        returns the graph's static outputs uncloned (valid until the next call); ``bind_inputs``
+        reads every input at the caller's address, no copy into a static buffer (a caller that
+        passes the same tensors on every call, updated in place; inputs the graph writes are
+        bound either way). Updates the report's "CUDA graph: on/off (why)" note. Returns self."""
         from .runtime.cuda_graphs import launch_savings_s, lower
 
         if example_flat is None:  # the signature stands in for the example inputs
             example_flat = [torch.empty(0, dtype=s[1], device=s[2]) if s is not None else None
                             for s in self._signature]
         self._runner = lower(self.graph_module, example_flat, cuda_graphs=mode, max_graphs=max_graphs,
-                             reuse_outputs=reuse_outputs, dynamic=bool(self._dynamic_dims), training=self._training)
+                             reuse_outputs=reuse_outputs, dynamic=bool(self._dynamic_dims), training=self._training,
+                             bind_inputs=bind_inputs)
         decision = self._runner.decision
         note = decision.note()
         if decision.on and mode == "auto" and not reuse_outputs:
@@ -85,13 +88,17 @@ class OptimizedModule(nn.Module):
                 saving = launch_savings_s(launches, profile)
                 out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
                 made_after = set(self._runner.tail.nodes) if self._runner.tail is not None else set()
-                cloned = [a for a in out_node.all_input_nodes if a not in made_after]
+                # outputs that are inputs written in place (a KV cache) are handed back, not cloned
+                written = {root for _, root in ir.input_mutations(self.graph_module)}
+                memo: dict = {}
+                cloned = [a for a in out_node.all_input_nodes if a not in made_after
+                          and ir.alias_root(a, memo) not in written]
                 out_bytes = sum(float(ir.concrete(t.nbytes)) for a in cloned for t in ir.infos(a))
                 clone = profile.kernel_seconds(0.0, 2 * out_bytes / profile.bandwidth, launches=len(cloned))
                 if saving <= clone:
                     self._runner = lower(self.graph_module, example_flat, cuda_graphs=False, max_graphs=max_graphs,
                                          reuse_outputs=reuse_outputs, dynamic=bool(self._dynamic_dims),
-                                         training=self._training)
+                                         training=self._training, bind_inputs=bind_inputs)
                     note = (f"CUDA graph: off (predicted launch saving {saving * 1e3:.3f} ms < {clone * 1e3:.3f} ms "
                             f"to clone {out_bytes / 1e6:.0f} MB of outputs per call; "
                             "set_cuda_graphs(True, reuse_outputs=True) replays without the clone)")
@@ -248,6 +255,27 @@ def _run(fn, args, kwargs, training):
         return fn(*args, **kwargs)
 
 
+class CallInputs:
+    """One call's inputs as the caller passed them, never written by optimize(). ``fresh()`` is
+    a copy for one run: containers rebuilt through pytree (a DynamicCache an eager run appends to
+    is the run's own) and the tensors the graph writes in place (``mutated``: flat indices, a
+    StaticCache's keys, values and position) cloned; the others shared."""
+
+    def __init__(self, args: tuple, kwargs: dict, mutated=()):
+        self.leaves, self.spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        self.mutated = set(mutated)
+
+    def fresh(self) -> tuple[tuple, dict]:
+        leaves = [x.detach().clone() if i in self.mutated and isinstance(x, torch.Tensor) else x
+                  for i, x in enumerate(self.leaves)]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    @property
+    def mutated_bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for i, x in enumerate(self.leaves)
+                   if i in self.mutated and isinstance(x, torch.Tensor))
+
+
 class _AccuracyGuard:
     """The accuracy rule on the example inputs (and calibration batches): against an fp64
     reference, with the eager model's own error as the yardstick. A graph lowered to bf16/fp16
@@ -256,9 +284,11 @@ class _AccuracyGuard:
     the error running GEMMs in low precision cannot avoid. The model hand-converted to that dtype,
     and the strict bar (the fp32 model as the yardstick), are reported beside it."""
 
-    def __init__(self, model, args, kwargs, training, device, calibration_data=None):
+    def __init__(self, model, args, kwargs, training, device, calibration_data=None, mutated=()):
         self.model, self.training, self.device = model, training, device
-        self.batches = [(args, kwargs)] + [split_inputs(b) for b in (calibration_data or [])]
+        # every run (eager, fp64, each check of the graph) gets its own copy of what it writes
+        self.batches = [CallInputs(args, kwargs, mutated)] + [
+            CallInputs(*split_inputs(b), mutated) for b in (calibration_data or [])]
         self._ref64, self._eager = [], []
         # On a GPU the eager and fp64 runs are queued on a side stream, so the passes (which run
         # meanwhile and sync on their own small work, e.g. a mask proven causal) do not wait for
@@ -269,10 +299,10 @@ class _AccuracyGuard:
             self._stream = torch.cuda.Stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            for a, k in self.batches:
+            for batch in self.batches:
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
-                    self._eager.append(_run(model, a, k, training))
-                self._ref64.append(accuracy.fp64_reference(model, a, k, offload_bytes=REFERENCE_ON_DEVICE_BYTES))
+                    self._eager.append(_run(model, *batch.fresh(), training))
+                self._ref64.append(accuracy.fp64_reference(model, *batch.fresh(), offload_bytes=REFERENCE_ON_DEVICE_BYTES))
         self._low: dict = {}
         self._floor: dict = {}
         self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
@@ -305,7 +335,7 @@ class _AccuracyGuard:
 
             low = copy.deepcopy(self.model).to(dtype)
             cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-            self._low[dtype] = [_run(low, *pytree.tree_map(cast, (a, k)), self.training) for a, k in self.batches]
+            self._low[dtype] = [_run(low, *pytree.tree_map(cast, b.fresh()), self.training) for b in self.batches]
             del low
         return self._low[dtype]
 
@@ -313,10 +343,10 @@ class _AccuracyGuard:
         self._ready()
         if dtype not in self._floor:
             outs = []
-            for a, k in self.batches:
+            for b in self.batches:
                 with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                         self._keep_buffers(self.model):
-                    outs.append(accuracy.matmul_floor(self.model, a, k, dtype, self.training))
+                    outs.append(accuracy.matmul_floor(self.model, *b.fresh(), dtype, self.training))
             self._floor[dtype] = outs
         return self._floor[dtype]
 
@@ -341,9 +371,9 @@ class _AccuracyGuard:
 
     def _results(self, gm, dtype, yardsticks):
         """The rule on each batch against ``yardsticks``, lazily (a caller may stop early)."""
-        for (a, k), ref, yard in zip(self.batches, self.ref64, yardsticks):
+        for b, ref, yard in zip(self.batches, self.ref64, yardsticks):
             with self._keep_buffers(gm):
-                out = _run(gm, a, k, self.training)
+                out = _run(gm, *b.fresh(), self.training)
             yield accuracy.check(out, ref, yard, training=self.training, dtype=dtype, cache=self._rmse_cache)
 
     def __call__(self, gm, low_dtype=None):
@@ -376,16 +406,21 @@ class _AccuracyGuard:
                 "rmse": max(r.worst_rmse for r in same), "matmul_floor_rmse": floor_rmse}
 
 
-def _fp64_memory_shortfall(model: nn.Module, device: torch.device) -> str:
+def _fp64_memory_shortfall(model: nn.Module, device: torch.device, flat_inputs=(), copied_bytes: int = 0) -> str:
     """The guard's float64 run converts one parameter or buffer at a time (a large 2-D weight by
-    blocks, accuracy._Float64State); say so if even the largest of those cannot fit."""
+    blocks, accuracy._Float64State) and runs on float64 copies of the inputs (a KV cache's too); each
+    run gets its own copy of what the graph writes (``copied_bytes``). Say so if that cannot fit."""
     def fp64_bytes(t):
         whole = t.numel() * 8
         return min(whole, accuracy._Float64State.CHUNK_BYTES) if t.dim() == 2 and t.is_floating_point() else whole
 
     need = max((fp64_bytes(t) for t in (*model.parameters(), *model.buffers())), default=0)
+    need += sum(x.numel() * 8 for x in flat_inputs if isinstance(x, torch.Tensor) and x.is_floating_point())
+    need += copied_bytes
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        # memory the caching allocator holds but no tensor uses (an earlier guard's fp64 copy) is free too
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     else:
         try:
             with open("/proc/meminfo") as f:
@@ -394,7 +429,7 @@ def _fp64_memory_shortfall(model: nn.Module, device: torch.device) -> str:
         except (OSError, ValueError):
             return ""
     if need * 1.5 > free:
-        return (f"the float64 reference needs {need / 1e9:.1f} GB for its largest weight and {free / 1e9:.1f} GB are free "
+        return (f"the float64 reference needs {need / 1e9:.1f} GB (its largest weight, the inputs) and {free / 1e9:.1f} GB are free "
                 f"on {device}; not checked (run on a device with more memory, or check_accuracy=False to silence this)")
     return ""
 
@@ -500,6 +535,12 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
     if not isinstance(model, nn.Module):
         raise GraphoptError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = split_inputs(example_inputs)
+    _register_hf_pytrees()  # a transformers cache flattens to its tensors, at optimization as at call time
+    # optimize() never writes what the caller passed: its runs use CallInputs.fresh() copies, and
+    # capture gets rebuilt containers (new cache objects around the caller's tensors, which
+    # torch.export only reads)
+    inputs = CallInputs(args, kwargs)
+    args, kwargs = inputs.fresh()
     flat = flat_tensors(args, kwargs)
     model_dev = _model_device(model, flat)
     if device is not None:
@@ -541,6 +582,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
     try:
         gm = capture(model, (args, kwargs), dynamic=dynamic, stack_traces=dump_dir is not None)
         cap = gm.meta["graphopt_capture"]
+        inputs.mutated = ir.mutated_flat_inputs(gm, flat)
         hints = ir.shape_hints(gm)
         cost = CostModel(profile)
         def new_context():
@@ -564,14 +606,15 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
         acc_info: dict = {"checked": False}
         check = None
         if check_accuracy:
-            short = _fp64_memory_shortfall(model, model_dev)
+            short = _fp64_memory_shortfall(model, model_dev, flat, 3 * inputs.mutated_bytes)
             if training and _has_random_ops(gm):
                 acc_info["reason"] = "the training graph has random ops (dropout); outputs differ run to run"
             elif short:
                 acc_info["reason"] = short
             else:
                 with timing.phase("accuracy: eager + fp64 reference runs"):
-                    check = _AccuracyGuard(model, args, kwargs, training, model_dev, calibration_data)
+                    check = _AccuracyGuard(model, args, kwargs, training, model_dev, calibration_data,
+                                           mutated=inputs.mutated)
 
         # The guard runs optimistically: every pass, then one check of the result. Only when that
         # fails does the pipeline run again from the captured graph with a check after each pass,
@@ -647,7 +690,9 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
     signature, dyn = _signature(flat, args, kwargs, model, dynamic)
     with timing.phase("lowering"):
         opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=training, cuda_graphs=cuda_graphs)
-    opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+    # kept for export's trace, which runs the graph: private copies of what it writes
+    opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x
+                         for x in flat_tensors(*inputs.fresh())]
     opt._convention = _calling_convention(model, args, kwargs)
     if plan is not None:
         with timing.phase("lowering"):

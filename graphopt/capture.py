@@ -70,8 +70,9 @@ def flat_tensors(args: tuple, kwargs: dict) -> list:
 
 
 def _register_hf_pytrees() -> None:
-    """Teach torch.export to flatten transformers' DynamicCache (returned by default configs),
-    so the optimized module hands back the same ModelOutput-with-cache the model does."""
+    """Teach torch.export to flatten transformers' caches: DynamicCache (returned by default
+    configs), so the optimized module hands back the same ModelOutput-with-cache the model does,
+    and StaticCache, so a decode step that writes into it can be captured."""
     if "transformers" not in sys.modules:
         return
     try:
@@ -80,6 +81,7 @@ def _register_hf_pytrees() -> None:
         return
     from torch.utils import _pytree as pytree
 
+    _register_static_cache()
     if DynamicCache in pytree.SUPPORTED_NODES:
         return
 
@@ -125,6 +127,80 @@ def _register_hf_pytrees() -> None:
             flatten_with_keys_fn=flatten_with_keys,
         )
         torch.fx._pytree.register_pytree_flatten_spec(DynamicCache, lambda c, spec: flatten(c)[0])
+    except ValueError as e:  # registered meanwhile (by transformers itself)
+        if "already registered" not in str(e):
+            raise
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.device, torch.dtype)
+
+
+def _static_cache_flatten(cache):
+    """A StaticCache as its layers' tensors (each layer's tensor attributes, by name: keys,
+    values, the position counter ``cumulative_length``) and a context holding every other
+    attribute (class, sizes, device), so unflattening rebuilds an equal cache around the same
+    tensors. The tensors are the graph's inputs; the in-place writes a step makes into them stay
+    in the graph."""
+    if getattr(cache, "offloading", False):
+        raise ValueError("a StaticCache with offloading=True moves its tensors between devices on every call; "
+                         "build it with offloading=False to capture a step")
+    leaves, ctx = [], []
+    for layer in cache.layers:
+        attrs = vars(layer)
+        names = tuple(sorted(k for k, v in attrs.items() if isinstance(v, torch.Tensor)))
+        other = []
+        for k, v in sorted(attrs.items()):
+            if isinstance(v, torch.Tensor):
+                continue
+            if not isinstance(v, _PLAIN):
+                raise ValueError(f"StaticCache layer attribute {k} is a {type(v).__name__}; only tensors and "
+                                 "plain values can be captured")
+            other.append((k, v))
+        leaves.extend(attrs[n] for n in names)
+        ctx.append((type(layer), names, tuple(other)))
+    return leaves, (type(cache), tuple(ctx))
+
+
+def _static_cache_unflatten(leaves, context):
+    from transformers.cache_utils import Cache
+
+    cache_type, ctx = context
+    it = iter(leaves)
+    layers = []
+    for layer_type, names, other in ctx:
+        layer = layer_type.__new__(layer_type)  # no __init__: it would allocate a position tensor
+        layer.__dict__.update(dict(other))
+        for n in names:
+            setattr(layer, n, next(it))
+        layers.append(layer)
+    cache = cache_type.__new__(cache_type)
+    Cache.__init__(cache, layers=layers)
+    return cache
+
+
+def _register_static_cache() -> None:
+    try:
+        from transformers.cache_utils import StaticCache
+    except Exception:  # pragma: no cover - a transformers without it
+        return
+    from torch.utils import _pytree as pytree
+
+    if StaticCache in pytree.SUPPORTED_NODES:
+        return
+
+    def flatten_with_keys(cache):
+        leaves, ctx = _static_cache_flatten(cache)
+        return [(pytree.SequenceKey(i), v) for i, v in enumerate(leaves)], ctx
+
+    try:
+        pytree.register_pytree_node(
+            StaticCache,
+            _static_cache_flatten,
+            _static_cache_unflatten,
+            serialized_type_name="transformers.cache_utils.StaticCache",
+            flatten_with_keys_fn=flatten_with_keys,
+        )
+        torch.fx._pytree.register_pytree_flatten_spec(StaticCache, lambda c, spec: _static_cache_flatten(c)[0])
     except ValueError as e:  # registered meanwhile (by transformers itself)
         if "already registered" not in str(e):
             raise
@@ -458,6 +534,8 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
     assertions on intermediates removed."""
     g = gm.graph
     changed = False
+    roots: dict = {}
+    kept: dict = {}  # input name -> the in-place ops writing into it
     for node in list(g.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -475,9 +553,11 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
         if node.target._schema.is_mutable:
             func = _functional_variant(node.target)
             base = node.args[0] if node.args else None
-            if func is None or not isinstance(base, fx.Node) or base.op in ("placeholder", "get_attr"):
-                if info is not None and base is not None and getattr(base, "op", None) in ("placeholder", "get_attr"):
-                    info.notes.append(f"{node.name} mutates {base.op} {base.target}; kept in place")
+            if func is None or not isinstance(base, fx.Node):
+                continue
+            root = ir.alias_root(base, roots)
+            if root.op in ("placeholder", "get_attr"):
+                kept.setdefault(root.name, []).append(node.name)  # the caller's tensor is written: in place
                 continue
             # a view base would alias: keep mutations of views as they are
             if base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
@@ -496,6 +576,14 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
         g.lint()
         gm.recompile()
     _drop_asserts_in_subgraphs(gm)
+    if kept and info is not None:
+        ops = sum(len(v) for v in kept.values())
+        info.notes.append(f"{ops} in-place write(s) into {len(kept)} input(s) kept in place "
+                          f"({', '.join(list(kept)[:4])}{', ...' if len(kept) > 4 else ''})")
+    # what every pass must keep: the writes into inputs, and reads ordered around them
+    gm.meta[ir.MUTATIONS] = ir.mutation_signature(gm)
+    if gm.meta[ir.MUTATIONS] and ir.mutation_order_violation(gm) is not None:
+        gm.meta[ir.MUTATION_ORDER_EXEMPT] = True
 
 
 def _drop_asserts_in_subgraphs(gm: fx.GraphModule) -> None:

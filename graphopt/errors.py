@@ -63,3 +63,8 @@ class GuardError(GraphoptError):
 
 class KernelArgumentError(GraphoptError, ValueError):
     """A bundled op (graphopt.cuda_ext.ops) was called with arguments it does not accept."""
+
+
+class GenerationError(GraphoptError):
+    """graphopt.optimize_generation or Generator.generate was given a model or arguments it
+    cannot serve (a prompt longer than max_length, more prompts than max_batch_size, ...)."""

@@ -29,6 +29,12 @@ class InvariantError(GraphoptError):
     """A pass left the graph in a broken state (names the node)."""
 
 
+# gm.meta keys set at capture: mutation_signature of the captured graph, and whether the captured
+# graph itself reads across its in-place writes (then mutation_order_violation is not checked)
+MUTATIONS = "graphopt_mutations"
+MUTATION_ORDER_EXEMPT = "graphopt_mutation_order_exempt"
+
+
 # --------------------------------------------------------------------------- metadata
 
 
@@ -349,6 +355,13 @@ def repropagate(gm: fx.GraphModule, incremental: bool = True) -> None:
         incremental = False  # values cached under another mode cannot mix with this one
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in fakes]
+    written = mutated_placeholder_indices(gm) if gm.meta.get(MUTATIONS) else ()
+    if written:
+        # a propagation runs the in-place writes on the placeholders' fake values (an index_copy_
+        # of a grad-requiring value makes its destination require grad): each run gets fresh ones
+        with mode:
+            fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                     if i in written and isinstance(v, torch.Tensor) else v for i, v in enumerate(fakes)]
     prev = mode.allow_non_fake_inputs
     mode.allow_non_fake_inputs = True
     # get_attr hands real buffers to the fake run, and an in-place op on a real 0-dim buffer
@@ -384,6 +397,17 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
         gm.graph.lint()
     except Exception as e:  # lint raises RuntimeError with its own message
         raise InvariantError(f"graph lint failed{suffix}: {e}") from e
+    captured = gm.meta.get(MUTATIONS)
+    if captured is not None:  # the in-place writes into inputs the captured graph makes (capture.py)
+        now = mutation_signature(gm)
+        if now != captured:
+            lost = {k: v for k, v in captured.items() if now.get(k, 0) != v}
+            raise InvariantError(f"the graph's in-place writes into its inputs changed{suffix}: "
+                                 f"{lost or now} (expected {captured})")
+        if captured and not gm.meta.get(MUTATION_ORDER_EXEMPT):
+            crossing = mutation_order_violation(gm)
+            if crossing is not None:
+                raise InvariantError(f"{crossing}{suffix}")
     before = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     try:
         repropagate(gm)
@@ -491,6 +515,158 @@ def remove_unused_attributes(gm: fx.GraphModule) -> list[str]:
 
 
 GETITEM = operator.getitem
+
+
+# --------------------------------------------------------------------------- aliasing and mutation
+# torch.export's graphs keep in-place ops on their inputs (a StaticCache's index_copy_ into its
+# preallocated keys, its position counter's add_): the caller's tensors are written by the call.
+# These helpers say which node's memory a value is, and which inputs a graph writes.
+
+
+def _returns_alias_of(node: fx.Node) -> fx.Node | None:
+    """The argument node whose memory ``node``'s value is, per the op's schema (a view, an
+    in-place op's return, ``alias``, or a may-alias op such as ``to``/``reshape``/``contiguous``
+    that does not copy here), or None for a fresh tensor."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return None
+    schema = t._schema
+    if len(schema.returns) != 1 or schema.returns[0].alias_info is None:
+        return None
+    sets = schema.returns[0].alias_info.before_set
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not (a.alias_info.before_set & sets):
+            continue
+        base = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        if not isinstance(base, fx.Node):
+            return None
+        if t.is_view or a.alias_info.is_write:
+            return base
+        # may-alias ops: the to() family copies when it changes dtype or device; the others
+        # (reshape, contiguous, ...) are taken to alias (the conservative answer for mutations)
+        if schema.name in ("aten::to", "aten::type_as"):
+            new, old = node.meta.get("val"), base.meta.get("val")
+            if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and (
+                    new.dtype != old.dtype or new.device != old.device):
+                return None
+        return base
+    return None
+
+
+def alias_root(node: fx.Node, memo: dict | None = None) -> fx.Node:
+    """The node that owns the memory ``node``'s value lives in (itself for a fresh tensor)."""
+    chain = []
+    while True:
+        if memo is not None and node in memo:
+            root = memo[node]
+            break
+        base = _returns_alias_of(node)
+        if base is None:
+            root = node
+            break
+        chain.append(node)
+        node = base
+    if memo is not None:
+        for n in chain:
+            memo[n] = root
+        memo[node] = root
+    return root
+
+
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """The argument nodes an in-place/out= op writes into (empty for a functional op)."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+        return []
+    out = []
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        val = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        out.extend(v for v in torch.utils._pytree.tree_leaves(val) if isinstance(v, fx.Node))
+    return out
+
+
+def input_mutations(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(mutating node, the placeholder or get_attr it writes) for every in-place write into a
+    graph input or attribute, directly or through views, in graph order."""
+    memo: dict = {}
+    out = []
+    for n in gm.graph.nodes:
+        for w in written_args(n):
+            root = alias_root(w, memo)
+            if root.op in ("placeholder", "get_attr"):
+                out.append((n, root))
+    return out
+
+
+def mutated_placeholder_indices(gm: fx.GraphModule) -> set[int]:
+    """Positions (among the graph's placeholders, i.e. the flat inputs) of the inputs the graph
+    writes in place."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    hit = {root for _, root in input_mutations(gm) if root.op == "placeholder"}
+    return {i for i, n in enumerate(places) if n in hit}
+
+
+def mutated_flat_inputs(gm: fx.GraphModule, flat: list) -> set[int]:
+    """Flat indices (pytree order of the call's arguments) of the inputs ``gm`` writes in place:
+    the placeholders' positions when they are the flat inputs (a torch.export capture), every
+    tensor input otherwise (a symbolic_trace capture that writes one)."""
+    idx = mutated_placeholder_indices(gm)
+    if not idx:
+        return set()
+    places = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    same = len(places) == len(flat) and all(
+        v is None or (isinstance(v, torch.Tensor) == isinstance(x, torch.Tensor)
+                      and (not isinstance(x, torch.Tensor) or v.dtype == x.dtype)) for v, x in zip(places, flat))
+    return idx if same else {i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
+
+
+def mutation_signature(gm: fx.GraphModule) -> dict:
+    """{(input name, op): count} of the graph's in-place writes into its inputs (placeholders):
+    what every pass must leave as it is (a write dropped, or redirected into a copy, changes it).
+    Writes into attributes (a training graph's BatchNorm statistics) are the checkpointing
+    passes' business and not counted."""
+    sig: dict = {}
+    for n, root in input_mutations(gm):
+        if root.op != "placeholder":
+            continue
+        key = (str(root.target), target_name(n))
+        sig[key] = sig.get(key, 0) + 1
+    return sig
+
+
+def mutation_order_violation(gm: fx.GraphModule) -> str | None:
+    """The first read that crosses an in-place write into an input, or None. After a node M
+    writes input R,
+    every later node must read R through M's result (or a view made after M); a later node that
+    reads a value of R made before M would see M's write where the captured graph did not (a pass
+    that moved a read, or made a new reader of an input, after its mutation)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    memo: dict = {}
+    writes: dict = {}  # input -> positions of the nodes writing into it
+    for n in gm.graph.nodes:
+        for w in written_args(n):
+            root = alias_root(w, memo)
+            if root.op == "placeholder":
+                writes.setdefault(root, []).append(order[n])
+    if not writes:
+        return None
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue  # returns the tensors themselves: their final state, as eager returns them
+        pn = order[n]
+        for x in n.all_input_nodes:
+            root = alias_root(x, memo)
+            if root not in writes:
+                continue
+            px = order[x]
+            for pm in writes[root]:
+                if px < pm < pn:
+                    m = next(k for k, v in order.items() if v == pm)
+                    return (f"{n.name} ({target_name(n)}) reads {x.name}, a value of {root.name} from before "
+                            f"{m.name} ({target_name(m)}) writes it")
+    return None
 
 
 def connected_components(nodes, order: dict, joinable=lambda a, n: True) -> list[list[fx.Node]]:

@@ -64,6 +64,8 @@ ASSERT_META = aten._assert_tensor_metadata.default
 SOFTMAXES = (aten.softmax.int, aten._softmax.default)
 CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout)
 RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+# torch 2.14's memory-efficient SDPA kernel takes GQA (Hq = n * Hkv, enable_gqa=True) with a mask
+_MASKED_GQA_KERNEL = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 
 
 def _number(v) -> bool:
@@ -243,10 +245,16 @@ class FuseAttention(Pass):
         # an SDPA reading K and V repeated to q's heads (repeat_kv: unsqueeze, expand, reshape)
         # reads the un-repeated K/V with enable_gqa=True instead (as eager's SDPA call does): the
         # repeat's copies go, and the backward neither saves them nor reduces their gradients.
-        # Mask-free SDPAs only (the flash kernel's GQA path)
+        # Mask-free SDPAs (the flash kernel's GQA path); masked ones where a fused kernel takes
+        # GQA with a mask (memory-efficient attention, torch >= 2.14) or for one query row (a
+        # decode step against a KV cache: the math kernel's own K/V repeat is what repeat_kv's
+        # copies cost, and the graph keeps q [B, H, 1, D] against the cache itself)
         unrepeats = []
         for sd in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]:
-            if _kwarg(sd, 3, "attn_mask", None) is not None or sd.kwargs.get("enable_gqa", False):
+            if sd.kwargs.get("enable_gqa", False):
+                continue
+            if _kwarg(sd, 3, "attn_mask", None) is not None and not (
+                    _MASKED_GQA_KERNEL or (ir.info(sd.args[0]) is not None and ir.info(sd.args[0]).shape[-2] == 1)):
                 continue
             k0, v0 = _unrepeated(sd.args[1]), _unrepeated(sd.args[2])
             if k0 is None or v0 is None or k0[1] != v0[1] or _shape(k0[0])[1] * k0[1] != _shape(sd.args[0])[1]:

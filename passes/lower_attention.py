@@ -12,8 +12,6 @@ Applies to an SDPA call in an inference graph on a CUDA profile when:
   of k's;
 * dropout is 0;
 * the mask is absent, boolean, or a float tensor (additive), broadcastable to [B, H, Sq, Sk];
-* it is not a decode step (at most 16 queries over more keys) while lower_decode_attention is
-  scheduled: that pass reads grouped K/V heads once, without repeat_kv's copies;
 * the profile has measured the kernel (``short_attention_scale``), and it is predicted at most
   ``MARGIN`` (75%) of SDPA's time: the margin covers the SDPA fit's error at these sizes, which
   overestimates cuDNN most on short causal sequences.
@@ -74,7 +72,6 @@ class LowerAttention(Pass):
 
     def _candidate(self, gm, ctx, res, node) -> Candidate | None:
         from graphopt.cuda_ext.attention_triton import mask_problem, supported
-        from graphopt.cuda_ext.decode_attention_triton import decode_shape
 
         q, k, v = node.args[0], node.args[1], node.args[2]
         mask = get_arg(node, 3, "attn_mask")
@@ -94,10 +91,6 @@ class LowerAttention(Pass):
         why = supported(qs, ks, qi.dtype)
         if why is not None:
             res.reject(label, why)
-            return None
-        if "lower_decode_attention" in ctx.scheduled and decode_shape(qs, ks):
-            res.reject(label, f"{qs[2]} queries over {ks[2]} keys: a decode step, left to lower_decode_attention "
-                              "(it reads grouped K/V heads once)")
             return None
         if ki.dtype != qi.dtype or vi.dtype != qi.dtype or ks != vs or ks[0] != qs[0] or ks[3] != qs[3]:
             res.reject(label, f"q, k, v do not line up ({qs} {qi.dtype}, {ks} {ki.dtype}, {vs} {vi.dtype})")

@@ -114,15 +114,51 @@ def test_repeat_interleave_with_int_repeats_is_static():
     assert not d.on and "repeat_interleave" in d.why
 
 
-def test_decide_off_for_input_mutation():
+def _writes_input():
+    """x -> x.add_(1) (returned) and x * 2 (read after the write): a graph that writes its input."""
     g = fx.Graph()
     x = g.placeholder("x")
+    w = g.placeholder("w")
     y = g.call_function(torch.ops.aten.add_.Tensor, (x, 1.0))
-    g.output(y)
-    gm = fx.GraphModule(nn.Module(), g)
-    t = torch.randn(3)
-    d = decide(gm, [t], device_type="cpu")
-    assert not d.on and "writes into input x" in d.why
+    z = g.call_function(torch.ops.aten.mul.Tensor, (y, w))
+    g.output((y, z))
+    return fx.GraphModule(nn.Module(), g)
+
+
+def test_decide_on_for_input_mutation_binds_the_written_input():
+    gm = _writes_input()
+    d = decide(gm, [torch.randn(3), torch.randn(3)], device_type="cpu")
+    assert d.on and "bound by address" in d.why
+
+
+def test_replay_writes_the_callers_tensor_once_per_call_and_hands_it_back():
+    """The written input is bound: no static copy in or out, the warm-up is the first call itself
+    (run once), later calls replay; the output that is the input comes back as the caller's
+    tensor; another tensor there captures another graph."""
+    gm = _writes_input()
+    x, w = torch.zeros(3), torch.full((3,), 2.0)
+    runner = lower(gm, [x, w], backend="emulate")
+    assert runner.bound_inputs == {0}
+    for step in range(1, 4):
+        y, z = runner(x, w)
+        assert y is x and torch.equal(x, torch.full((3,), float(step)))  # written once per call
+        assert torch.equal(z, 2.0 * step * torch.ones(3))
+    assert runner.stats["captures"] == 1 and runner.stats["replays"] == 2 and runner.stats["eager_calls"] == 1
+    other = torch.zeros(3)
+    y, _ = runner(other, w)
+    assert y is other and torch.equal(other, torch.ones(3)) and torch.equal(x, torch.full((3,), 3.0))
+    assert runner.stats["captures"] == 2
+
+
+def test_bind_inputs_reads_every_input_in_place():
+    gm = _writes_input()
+    x, w = torch.zeros(3), torch.full((3,), 2.0)
+    runner = lower(gm, [x, w], backend="emulate", bind_inputs=True)
+    runner(x, w)
+    runner(x, w)
+    w.fill_(3.0)  # read where it is: no copy into a static buffer
+    _, z = runner(x, w)
+    assert torch.equal(z, 9.0 * torch.ones(3)) and runner.stats["captures"] == 1
 
 
 def test_decide_dynamic_and_training_need_force():

@@ -27,9 +27,19 @@ What happens on a call when CUDA graphs are on (``runner.decision.on``):
   autograd history), inputs on another device, unhashable non-tensor inputs, or a capture
   that failed (the runner then stays eager).
 
+* Inputs the graph writes in place (a decode step's StaticCache: ``index_copy_`` of the new
+  keys/values into the preallocated cache, ``add_`` of its position) are **bound by address**:
+  no static copy; the graph reads and writes the caller's tensors themselves, and their
+  addresses are part of the key (a call with other tensors there captures another graph). A
+  warm-up run would write them too, so for such a graph the first call of a key runs eagerly
+  (that is its warm-up and its result) and is then captured; later calls replay. Outputs that
+  are such an input's memory are handed back as the caller's tensor, never cloned.
+  ``bind_inputs=True`` binds every input this way (a caller that updates the same input
+  tensors in place between calls, as graphopt.runtime.generation does).
+
 CUDA graphs stay off (``decision.why`` says why) for graphs with random ops (dropout, rand*),
-data-dependent ops that synchronize with the host (``.item()``, ``nonzero``), ops that mutate
-their inputs, CPU tensors (inputs, parameters or intermediates), or when CUDA is absent. With
+data-dependent ops that synchronize with the host (``.item()``, ``nonzero``), CPU tensors
+(inputs, parameters or intermediates), or when CUDA is absent. With
 ``cuda_graphs="auto"`` they are also off for dynamic-shape graphs (every new size would be a new
 capture) and for training graphs; ``cuda_graphs=True`` captures those per shape anyway.
 
@@ -101,21 +111,6 @@ def _op_name(node: fx.Node) -> str | None:
     return getattr(t, "__name__", None)
 
 
-def _mutated_placeholders(node: fx.Node) -> list[str]:
-    t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
-        return []
-    hit = []
-    for i, arg in enumerate(t._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        val = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        for v in pytree.tree_leaves(val):
-            if isinstance(v, fx.Node) and v.op == "placeholder":
-                hit.append(v.name)
-    return hit
-
-
 def _val_device(val) -> torch.device | None:
     if isinstance(val, torch.Tensor):
         return val.device
@@ -178,16 +173,18 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
             return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
         if name in HOST_SYNC_OPS and not _static_repeat(n, name):
             return Decision(False, f"data-dependent op {name} ({n.name}) synchronizes with the host", mode, device)
-        muts = _mutated_placeholders(n)
-        if muts:
-            return Decision(False, f"{n.name} ({name}) writes into input {muts[0]}; a replay would write the static copy", mode, device)
         d = _val_device(n.meta.get("val"))
         if d is not None and d.type != device_type and n.meta["val"].dim() > 0:
             return Decision(False, f"{n.name} ({name}) makes a tensor on {d}", mode, device)
     for name, t in _tensor_constants(gm):
         if t.device.type != device_type and t.dim() > 0:
             return Decision(False, f"constant {name} is on {t.device}", mode, device)
-    return Decision(True, f"static shapes, inference on {device}" if mode == "auto" else f"forced, on {device}", mode, device)
+    why = f"static shapes, inference on {device}" if mode == "auto" else f"forced, on {device}"
+    written = ir.mutated_placeholder_indices(gm)
+    if written:
+        why += (f"; {len(written)} input(s) written in place are bound by address: the graph writes the "
+                "caller's tensors, a call with other tensors there captures another graph")
+    return Decision(True, why, mode, device)
 
 
 def _tensor_constants(gm: fx.GraphModule):
@@ -269,7 +266,17 @@ class _CudaBackend:
         with torch.cuda.device(device):
             return torch.cuda.graph_pool_handle()
 
-    def capture(self, fn, pool, device, warmup: int):
+    def run_once(self, fn, device):
+        """One eager call on a side stream (the warm-up of a graph that writes its inputs)."""
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = fn()
+            torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def capture(self, fn, pool, device, warmup: int, probe=None):
         with torch.cuda.device(device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -315,10 +322,15 @@ class _EmulatedBackend:
     def new_pool(self, device):
         return None
 
-    def capture(self, fn, pool, device, warmup: int):
+    def run_once(self, fn, device):
+        return fn()
+
+    def capture(self, fn, pool, device, warmup: int, probe=None):
+        """``probe``: makes the static outputs where running ``fn`` would write the caller's
+        tensors (a CUDA capture records without running)."""
         for _ in range(warmup):
             fn()
-        out = fn()
+        out = (probe or fn)()
         return _EmulatedGraph(fn, out), out
 
     def replay(self, graph, device) -> None:
@@ -334,12 +346,20 @@ _BACKENDS = {"cuda": _CudaBackend, "emulate": _EmulatedBackend}
 @dataclass
 class _Entry:
     graph: object
-    static_inputs: list  # per flat input: the static buffer, or None for a non-tensor leaf
+    static_inputs: list  # per flat input: the static buffer, or None (non-tensor leaf, or bound input)
     in_spec: object
     out_leaves: list
     out_spec: object
     out_is_tensor: list = field(default_factory=list)
     tail: _Tail | None = None  # outputs made after the replay (their ops' inputs follow the kept outputs)
+    # out_leaves index -> (bound input index, size, stride, storage offset from the input's): an
+    # output that is a bound input's memory (a cache written in place) is handed back as the
+    # caller's tensor (or a view of it), never cloned
+    aliases: dict = field(default_factory=dict)
+    copied: list = field(default_factory=list)  # indices of the inputs copied into static buffers
+
+    def __post_init__(self):
+        self.copied = [i for i, b in enumerate(self.static_inputs) if b is not None]
 
 
 class Runner:
@@ -348,10 +368,14 @@ class Runner:
 
     def __init__(self, gm: fx.GraphModule, decision: Decision, *, max_graphs: int = 8,
                  reuse_outputs: bool = False, warmup: int = 3, backend: str = "cuda",
-                 tail_min_bytes: int | None = TAIL_MIN_BYTES):
+                 tail_min_bytes: int | None = TAIL_MIN_BYTES, bound_inputs=(), bind_all: bool = False):
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         self.gm = gm
+        # flat inputs the graph reads and writes at the caller's address (no static copy): those
+        # it writes in place, or all of them with bind_all
+        self.bound_inputs = frozenset(bound_inputs)
+        self.bind_all = bind_all
         self.decision = decision
         self.max_graphs = max_graphs
         self.reuse_outputs = reuse_outputs
@@ -377,9 +401,12 @@ class Runner:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    _epoch = 0  # bumped whenever captured graphs are dropped (fixed_call's entries then expire)
+
     def reset(self) -> None:
         """Drop every captured graph, the memory pool and the head/tail split (after parameters
         moved: the split's head module holds the constants it was built with)."""
+        self._epoch += 1
         self._graphs.clear()
         self._pool = None
         self._tail = False
@@ -394,7 +421,7 @@ class Runner:
     def __deepcopy__(self, memo):
         new = Runner(copy.deepcopy(self.gm, memo), self.decision, max_graphs=self.max_graphs,
                      reuse_outputs=self.reuse_outputs, warmup=self.warmup, backend=self.backend_name,
-                     tail_min_bytes=self.tail_min_bytes)
+                     tail_min_bytes=self.tail_min_bytes, bound_inputs=self.bound_inputs, bind_all=self.bind_all)
         new._disabled = self._disabled
         return new
 
@@ -434,11 +461,15 @@ class Runner:
             return self._eager(args, kwargs, "grad-enabled call: wrap inference in torch.no_grad() or torch.inference_mode()")
         device = self.decision.device
         key = [structure]
-        for x in leaves:
+        bound, bind_all = self.bound_inputs, self.bind_all
+        for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 if x.device != device:
                     return self._eager(args, kwargs, f"an input is on {x.device}, graphs are on {device}")
-                key.append((x.shape, x.dtype))
+                if bind_all or i in bound:  # read and written where it is: its address is part of the graph
+                    key.append((x.shape, x.dtype, x.data_ptr(), x.stride()))
+                else:
+                    key.append((x.shape, x.dtype))
             else:
                 key.append((type(x), x))
         key = tuple(key)
@@ -446,16 +477,46 @@ class Runner:
             entry = self._graphs.get(key)
         except TypeError:  # an unhashable non-tensor input
             return self._eager(args, kwargs, "a non-tensor input is not hashable")
+        self.last_key = key
         if entry is None:
             leaves, spec = pytree.tree_flatten((args, kwargs))
             return self._capture_and_run(key, leaves, spec, args, kwargs)
         self._graphs.move_to_end(key)
-        bufs = [(buf, x) for buf, x in zip(entry.static_inputs, leaves) if buf is not None and x is not buf]
+        self._copy_in(entry, leaves)
+        return self._replay(entry, leaves)
+
+    last_key = None  # the graph key of the last call that could replay
+
+    @staticmethod
+    def _copy_in(entry: _Entry, leaves: list) -> None:
+        static = entry.static_inputs
+        bufs = [(static[i], leaves[i]) for i in entry.copied if leaves[i] is not static[i]]
         if len(bufs) > 1:  # one multi-tensor copy kernel instead of one launch per input
             torch._foreach_copy_([b for b, _ in bufs], [x for _, x in bufs])
         elif bufs:
             bufs[0][0].copy_(bufs[0][1])
-        return self._replay(entry)
+
+    def fixed_call(self, leaves: list, structure, args: tuple, kwargs: dict):
+        """A function of no arguments calling with exactly these inputs, for a caller that passes
+        the same tensors on every call and updates them in place (a generation loop's decode
+        step): once their graph is captured, a call is its replay, without re-deriving the key
+        from the inputs (nor refreshing its place in the LRU order). Shapes, dtypes and addresses
+        must stay those of the first call."""
+        found = None  # (entry, the runner's epoch when it was found)
+
+        def call():
+            nonlocal found
+            if found is not None and found[1] == self._epoch:  # no graph dropped since: still captured
+                entry = found[0]
+                self._copy_in(entry, leaves)
+                return self._replay(entry, leaves)
+            self.last_key = None
+            out = self.call_flat(leaves, structure, args, kwargs)
+            entry = self._graphs.get(self.last_key) if self.last_key is not None else None
+            found = (entry, self._epoch) if entry is not None else None
+            return out
+
+        return call
 
     @property
     def tail(self) -> _Tail | None:
@@ -465,13 +526,19 @@ class Runner:
             self._tail = _Tail(self.gm, nodes) if nodes else None
         return self._tail
 
-    def _replay(self, entry: _Entry):
+    def _replay(self, entry: _Entry, leaves: list):
         self._backend.replay(entry.graph, self.decision.device)
         self.stats["replays"] += 1
+        aliases = entry.aliases
         if self.reuse_outputs:
-            outs = entry.out_leaves
+            outs = list(entry.out_leaves) if aliases else entry.out_leaves
         else:
-            outs = [o.clone() if t else o for o, t in zip(entry.out_leaves, entry.out_is_tensor)]
+            outs = [o.clone() if t and j not in aliases else o
+                    for j, (o, t) in enumerate(zip(entry.out_leaves, entry.out_is_tensor))]
+        for j, (i, size, stride, delta) in aliases.items():
+            x = leaves[i]
+            outs[j] = x if delta == 0 and x.shape == size and x.stride() == stride else \
+                x.as_strided(size, stride, x.storage_offset() + delta)
         if entry.tail is not None:  # the tail's ops read the head's static values, right after the replay
             k = len(entry.tail.keep)
             return entry.tail.run(outs[:k], entry.out_leaves[k:])
@@ -479,9 +546,14 @@ class Runner:
 
     def _capture_and_run(self, key, leaves, spec, args, kwargs):
         device = self.decision.device
+        bound = {i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
+                 and (self.bind_all or i in self.bound_inputs)}
+        first = None
         with torch.inference_mode(False), torch.no_grad():
-            # static buffers live outside the graph pool, so no graph's replay can overwrite them
-            static = [x.detach().clone() if isinstance(x, torch.Tensor) else None for x in leaves]
+            # static buffers live outside the graph pool, so no graph's replay can overwrite them;
+            # bound inputs are the caller's tensors themselves
+            static = [x.detach().clone() if isinstance(x, torch.Tensor) and i not in bound else None
+                      for i, x in enumerate(leaves)]
             s_leaves = [s if s is not None else x for s, x in zip(static, leaves)]
             s_args, s_kwargs = pytree.tree_unflatten(s_leaves, spec)
 
@@ -491,13 +563,30 @@ class Runner:
             def fn():
                 return module(*s_args, **s_kwargs)
 
+            cap_leaves, probe = s_leaves, None
+            if bound and self._backend.device_type != "cuda":
+                # the emulated capture runs its function: it does so on copies of the bound inputs
+                cap_leaves = [x.detach().clone() if i in bound else x for i, x in enumerate(s_leaves)]
+                p_args, p_kwargs = pytree.tree_unflatten(cap_leaves, spec)
+
+                def probe():
+                    return module(*p_args, **p_kwargs)
+
             if len(self._graphs) >= self.max_graphs:
                 self._graphs.popitem(last=False)
+                self._epoch += 1
                 self.stats["evictions"] += 1
             try:
                 if self._pool is None:
                     self._pool = self._backend.new_pool(device)
-                graph, out = self._backend.capture(fn, self._pool, device, self.warmup)
+                if any(i in self.bound_inputs for i in bound):
+                    # the graph writes the caller's tensors: a warm-up would write them too, so the
+                    # warm-up is this call itself, run eagerly once; the capture then records
+                    # without running, and the next call replays
+                    first = self._backend.run_once(fn, device)
+                    graph, out = self._backend.capture(fn, self._pool, device, 0, probe)
+                else:
+                    graph, out = self._backend.capture(fn, self._pool, device, self.warmup, probe)
             except Exception as e:  # noqa: BLE001 - any capture failure means: stay eager, correctly
                 self._disabled = f"capture failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
                 self.reset()
@@ -506,6 +595,8 @@ class Runner:
                         torch.cuda.synchronize(device)
                     except Exception:  # noqa: BLE001
                         pass
+                if first is not None:  # it ran already: its result is this call's
+                    return self._finish_eager(first, tail)
                 return self._eager(args, kwargs, self._disabled)
         if tail is not None:  # the head returns a flat tuple: kept outputs, then the tail's inputs
             out_leaves, out_spec = list(out), None
@@ -513,16 +604,46 @@ class Runner:
         else:
             out_leaves, out_spec = pytree.tree_flatten(out)
             flags = [isinstance(o, torch.Tensor) for o in out_leaves]
-        entry = _Entry(graph, static, spec, out_leaves, out_spec, flags, tail)
+        aliases = _bound_aliases(out_leaves[:len(flags)], {i: cap_leaves[i] for i in bound})
+        entry = _Entry(graph, static, spec, out_leaves, out_spec, flags, tail, aliases)
         self._graphs[key] = entry
         self.stats["captures"] += 1
+        if first is not None:  # this call ran eagerly as the warm-up: that is its result
+            return self._finish_eager(first, tail)
         # capture records the work without running it: replay once for this call's result
-        return self._replay(entry)
+        return self._replay(entry, leaves)
+
+    def _finish_eager(self, out, tail: _Tail | None):
+        self.stats["eager_calls"] += 1
+        if tail is None:
+            return out
+        k = len(tail.keep)
+        return tail.run(list(out[:k]), list(out[k:]))
+
+
+def _bound_aliases(out_leaves: list, bound: dict) -> dict:
+    """Outputs whose memory is a bound input's: out index -> (input index, size, stride, storage
+    offset relative to the input's)."""
+    if not bound:
+        return {}
+    by_storage = {}
+    for i, x in bound.items():
+        by_storage.setdefault(x.untyped_storage().data_ptr(), (i, x))
+    out = {}
+    for j, o in enumerate(out_leaves):
+        if not isinstance(o, torch.Tensor):
+            continue
+        hit = by_storage.get(o.untyped_storage().data_ptr())
+        if hit is not None:
+            i, x = hit
+            out[j] = (i, o.shape, o.stride(), o.storage_offset() - x.storage_offset())
+    return out
 
 
 def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_graphs: int = 8,
           reuse_outputs: bool = False, dynamic: bool = False, training: bool = False,
-          warmup: int = 3, backend: str = "cuda", tail_min_bytes: int | None = TAIL_MIN_BYTES) -> Runner:
+          warmup: int = 3, backend: str = "cuda", tail_min_bytes: int | None = TAIL_MIN_BYTES,
+          bind_inputs: bool = False) -> Runner:
     """Wrap ``gm`` in a :class:`Runner` that replays CUDA graphs where that is safe.
 
     example_flat_inputs: the flat list of example inputs (tensors and other leaves) ``gm`` was
@@ -538,6 +659,9 @@ def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_gr
     backend: "cuda", or "emulate" (a CPU stand-in used by the tests; see ``_EmulatedBackend``).
     tail_min_bytes: outputs this large made by their own last op run after the replay instead of
       being cloned (:func:`tail_nodes`); None keeps every op in the graph.
+    bind_inputs: read every tensor input at the caller's address instead of copying it into a
+      static buffer (calls then pass the same tensors, updated in place; other tensors capture
+      another graph). Inputs the graph writes in place are bound either way.
 
     ``runner.decision.note()`` is the line for the report: ``CUDA graph: on/off (why)``.
     """
@@ -545,5 +669,7 @@ def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_gr
         raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
     decision = decide(gm, list(example_flat_inputs), cuda_graphs=cuda_graphs, dynamic=dynamic,
                       training=training, device_type=_BACKENDS[backend].device_type)
+    example_flat_inputs = list(example_flat_inputs)
     return Runner(gm, decision, max_graphs=max_graphs, reuse_outputs=reuse_outputs, warmup=warmup,
-                  backend=backend, tail_min_bytes=tail_min_bytes)
+                  backend=backend, tail_min_bytes=tail_min_bytes,
+                  bound_inputs=ir.mutated_flat_inputs(gm, example_flat_inputs), bind_all=bind_inputs)

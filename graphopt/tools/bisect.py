@@ -53,7 +53,6 @@ def bisect(model: torch.nn.Module, example_inputs, *, target=None, passes=None, 
     args, kwargs = split_inputs(example_inputs)
     device = _model_device(model, flat_tensors(args, kwargs))
     profile, _ = get_profile(target if target is not None else device)
-    guard = _AccuracyGuard(model, args, kwargs, training, device)
     chosen = pipeline if pipeline is not None else assemble(passes, disable)
     was = model.training
     model.train(training)
@@ -65,6 +64,9 @@ def bisect(model: torch.nn.Module, example_inputs, *, target=None, passes=None, 
             return gm, ctx
 
         gm, ctx = fresh()
+        # the guard's runs get their own copies of the inputs the graph writes (a decode step's cache)
+        guard = _AccuracyGuard(model, args, kwargs, training, device,
+                               mutated=ir.mutated_flat_inputs(gm, flat_tensors(args, kwargs)))
         result = BisectResult(None)
         culprit = None
         for p in chosen:

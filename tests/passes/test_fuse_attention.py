@@ -319,14 +319,50 @@ def test_sdpa_over_repeated_kv_reads_them_unrepeated_with_enable_gqa():
     assert r.status == "applied" and any(sd.kwargs.get("enable_gqa") for sd in _sdpa_nodes(opt.graph_module))
 
 
-def test_sdpa_over_repeated_kv_with_a_non_causal_mask_keeps_the_repeat():
+@pytest.mark.parametrize("masked_gqa_kernel", [False, True])
+def test_sdpa_over_repeated_kv_with_a_non_causal_mask(monkeypatch, masked_gqa_kernel):
+    """With a mask, the repeat goes only where a fused kernel takes GQA with a mask (torch >=
+    2.14's memory-efficient attention); the mask stays either way."""
+    import graphopt.passes.fuse_attention as fa
+
+    monkeypatch.setattr(fa, "_MASKED_GQA_KERNEL", masked_gqa_kernel)
     torch.manual_seed(0)
     mask = torch.rand(8, 8) > 0.3
     mask[:, 0] = True
     model, args, gm, res = _run(RepeatKvSdpa(mask=mask), (torch.randn(2, 8, 32),))
     (sd,) = _sdpa_nodes(gm)
-    assert not sd.kwargs.get("enable_gqa") and sd.args[3] is not None
-    assert any(n.target is aten.expand.default for n in gm.graph.nodes)
+    assert sd.args[3] is not None
+    assert bool(sd.kwargs.get("enable_gqa")) is masked_gqa_kernel
+    assert any(n.target is aten.expand.default for n in gm.graph.nodes) is not masked_gqa_kernel
+    assert reference_check(model, gm, args).passed
+
+
+def test_sdpa_over_repeated_kv_for_one_query_row_reads_the_cache_unrepeated(monkeypatch):
+    """A decode step (one query row against the whole key/value cache, masked): SDPA reads the
+    un-repeated K/V with enable_gqa whatever the kernels (the math kernel's own repeat costs what
+    repeat_kv's copies did)."""
+    import graphopt.passes.fuse_attention as fa
+
+    monkeypatch.setattr(fa, "_MASKED_GQA_KERNEL", False)
+
+    class Step(RepeatKvSdpa):
+        def forward(self, x, k, v, mask):
+            b = x.shape[0]
+            q = self.q(x).view(b, 1, self.h, self.d).transpose(1, 2)
+            n = self.h // self.kvh
+            s = k.shape[2]
+            k = k[:, :, None].expand(b, self.kvh, n, s, self.d).reshape(b, self.h, s, self.d)
+            v = v[:, :, None].expand(b, self.kvh, n, s, self.d).reshape(b, self.h, s, self.d)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    torch.manual_seed(0)
+    mask = torch.rand(2, 1, 1, 16) > 0.3
+    mask[..., 0] = True
+    args = (torch.randn(2, 1, 32), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8), mask)
+    model, args, gm, res = _run(Step(), args)
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.kwargs.get("enable_gqa") is True and sd.args[3] is not None
+    assert [n.op for n in sd.args[1:3]] == ["placeholder", "placeholder"]  # the cache itself
     assert reference_check(model, gm, args).passed
 
 

@@ -1,0 +1,244 @@
+"""graphopt.optimize_generation on tiny decoders (CPU, fp32, random weights): the tokens are those
+of transformers' own generate(), greedy and sampled; EOS, left padding, errors; the decode step's
+cache writes; the CUDA-graph replay path on the emulated backend."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import GenerationError, ir
+from graphopt.examples import decoders
+
+aten = torch.ops.aten
+STEPS = 64
+_CACHE: dict = {}
+
+
+def _setup(family, attn="sdpa", **options):
+    """(model, generator) for a family, built once per test session (max batch 2, length 80)."""
+    key = (family, attn, tuple(sorted(options.items())))
+    if key not in _CACHE:
+        model = decoders.build(decoders.tiny_config(family, attn=attn), seed=0)
+        gen = graphopt.optimize_generation(model, max_batch_size=2, max_length=80, check_accuracy=False, **options)
+        _CACHE[key] = (model, gen)
+    return _CACHE[key]
+
+
+def _prompts(batch=2, length=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (batch, length), generator=g)
+
+
+def _hf(model, ids, mask=None, **kw):
+    kw.setdefault("pad_token_id", 0)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids), **kw)
+
+
+@pytest.mark.parametrize("family,attn", [(f, "sdpa") for f in decoders.FAMILIES] + [("llama", "eager")])
+def test_greedy_tokens_equal_transformers_generate(family, attn):
+    model, gen = _setup(family, attn)
+    ids = _prompts()
+    out = gen.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None)
+    ref = _hf(model, ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None)
+    assert out.shape == ref.shape == (2, 7 + STEPS)
+    assert torch.equal(out, ref)
+
+
+def _reference_sample(model, ids, steps, temperature, top_k, top_p, seed):
+    """Sampling written out against the eager model's logits (DynamicCache, one token per step):
+    temperature, then keep the top_k largest, then the smallest set of largest-probability tokens
+    whose mass exceeds top_p; one multinomial draw per step from a generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    seq, cache, nxt = ids, None, ids
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(nxt, cache=cache, use_cache=True)
+            cache = out.cache
+            scores = out.logits[:, -1].double().float() / temperature
+            kth = scores.sort(dim=-1, descending=True).values[:, top_k - 1:top_k]
+            scores = torch.where(scores < kth, torch.full_like(scores, -float("inf")), scores)
+            order = scores.argsort(dim=-1)  # ascending
+            probs_sorted = torch.softmax(scores.gather(1, order), dim=-1)
+            drop_sorted = probs_sorted.cumsum(-1) <= 1 - top_p
+            drop_sorted[:, -1] = False
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            scores = scores.masked_fill(drop, -float("inf"))
+            nxt = torch.multinomial(torch.softmax(scores, -1), 1, generator=g)
+            seq = torch.cat([seq, nxt], dim=1)
+    return seq
+
+
+def test_sampling_is_seeded_and_equals_a_reference_sampler_and_hf():
+    model, gen = _setup("llama")
+    ids = _prompts()
+    opts = dict(max_new_tokens=24, do_sample=True, temperature=0.8, top_k=40, top_p=0.9, eos_token_id=None)
+    a = gen.generate(ids, generator=torch.Generator().manual_seed(5), **opts)
+    b = gen.generate(ids, generator=torch.Generator().manual_seed(5), **opts)
+    c = gen.generate(ids, generator=torch.Generator().manual_seed(6), **opts)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(a, _reference_sample(model, ids, 24, 0.8, 40, 0.9, seed=5))
+    torch.manual_seed(11)  # the global RNG, as HF's sampling draws from it
+    ours = gen.generate(ids, **opts)
+    torch.manual_seed(11)
+    assert torch.equal(ours, _hf(model, ids, **opts))
+
+
+def test_eos_stops_each_row_and_pads_it():
+    model, gen = _setup("llama")
+    ids = _prompts()
+    free = gen.generate(ids, max_new_tokens=STEPS, eos_token_id=None)
+    eos = [int(free[0, 7 + 3]), int(free[1, 7 + 9])]  # row 0 ends at its 4th token, row 1 by its 10th
+    out = gen.generate(ids, max_new_tokens=STEPS, eos_token_id=eos, pad_token_id=0)
+    ref = _hf(model, ids, max_new_tokens=STEPS, eos_token_id=eos)
+    assert torch.equal(out, ref)
+    assert out.shape[1] < 7 + STEPS  # stopped when both rows had ended
+    row0 = out[0, 7:]
+    first = int((row0.unsqueeze(1) == torch.tensor(eos)).any(1).nonzero()[0])
+    assert (row0[first + 1:] == 0).all()  # padded after its EOS
+
+
+def test_left_padded_batch_equals_each_prompt_alone():
+    model, gen = _setup("qwen2")
+    short, long = _prompts(1, 5, seed=2), _prompts(1, 9, seed=3)
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    ids[0, 4:], mask[0, 4:] = short[0], 1
+    ids[1], mask[1] = long[0], 1
+    out = gen.generate(ids, mask, max_new_tokens=20, eos_token_id=None)
+    assert torch.equal(out, _hf(model, ids, mask, max_new_tokens=20, eos_token_id=None))
+    alone = [gen.generate(p, max_new_tokens=20, eos_token_id=None) for p in (short, long)]
+    assert torch.equal(out[0, 9:], alone[0][0, 5:]) and torch.equal(out[1, 9:], alone[1][0, 9:])
+
+
+def test_decode_graph_writes_the_cache_in_place():
+    model, gen = _setup("glm4")
+    opt = gen.decode_state(2).module
+    layers = model.config.num_hidden_layers
+    writes = ir.input_mutations(opt.graph_module)
+    assert sorted(ir.target_name(n) for n, _ in writes) == sorted(["index_copy_"] * 2 * layers + ["add_.Tensor"] * layers)
+    targets = [n.target for n in opt.graph_module.graph.nodes if n.op == "call_function"]
+    assert aten.index_copy.default not in targets and aten.copy_.default not in targets
+    outs = next(n for n in opt.graph_module.graph.nodes if n.op == "output").all_input_nodes
+    assert len(outs) == 1 and tuple(outs[0].meta["val"].shape) == (2, 1, model.config.vocab_size)  # logits only
+
+
+def test_replayed_decode_steps_on_the_emulated_backend():
+    """The CUDA-graph path (bound inputs, first call eager then captured, replays) on the CPU
+    stand-in: same tokens, one capture, every later step a replay, prefill optimized too."""
+    model, gen = _setup("mistral", cuda_graphs=True, graph_backend="emulate", prefill="graphopt")
+    ids = _prompts()
+    out = gen.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(out, _hf(model, ids, max_new_tokens=16, eos_token_id=None))
+    stats = gen.decode_state(2).runner.stats
+    assert stats["captures"] == 1 and stats["eager_calls"] == 1 and stats["replays"] == 14
+    again = gen.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(again, out) and stats["captures"] == 1 and stats["replays"] == 29
+
+
+def test_generator_leaves_the_model_and_inputs_alone():
+    model = decoders.build(decoders.tiny_config("gpt2"), seed=0).train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = graphopt.optimize_generation(model, max_batch_size=1, max_length=24, check_accuracy=False)
+    ids = _prompts(1, 4)
+    kept = ids.clone()
+    model.eval()
+    ref = _hf(model, ids, max_new_tokens=8, eos_token_id=None)
+    model.train()
+    assert torch.equal(gen.generate(ids, max_new_tokens=8, eos_token_id=None), ref)
+    assert torch.equal(ids, kept) and model.training
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_bad_arguments_raise_generation_errors():
+    model, gen = _setup("llama")
+    with pytest.raises(GenerationError, match="exceeds max_length"):
+        gen.generate(_prompts(1, 70), max_new_tokens=20)
+    with pytest.raises(GenerationError, match="max_batch_size"):
+        gen.generate(_prompts(3, 4), max_new_tokens=2)
+    with pytest.raises(GenerationError, match="attention_mask"):
+        gen.generate(_prompts(2, 4), torch.ones(2, 5, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(GenerationError, match="input_ids"):
+        gen.generate(torch.randn(2, 4), max_new_tokens=2)
+    with pytest.raises(GenerationError, match="max_batch_size"):
+        graphopt.optimize_generation(model, max_batch_size=0, max_length=16)
+    with pytest.raises(GenerationError, match="chosen by the generator"):
+        graphopt.optimize_generation(model, max_batch_size=1, max_length=16, on_new_shape="reoptimize")
+
+
+def test_benchmark_dry_run_writes_its_tables(tmp_path):
+    """benchmarks/generation_bench.py --tiny on the CPU: every row measured, JSON and Markdown written;
+    a variant that fails is a row with its error and the run goes on."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "generation_bench.py"
+    spec = importlib.util.spec_from_file_location("generation_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Broken(bench.Eager):
+        name = "broken"
+
+        def decode_ms(self, batch, past):
+            raise RuntimeError("planted failure")
+
+    bench.VARIANTS["broken"] = Broken
+    stem = bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "1", "--steps", "2",
+                       "--new-tokens", "4", "--prefill-reps", "1", "--variants", "eager,broken,graphopt"])
+    data = json.loads(stem.with_suffix(".json").read_text())
+    rows = data["rows"]
+    assert {(r["kind"], r["variant"]) for r in rows} >= {("decode", "eager"), ("decode", "graphopt"), ("prefill", "graphopt"),
+                                                       ("e2e", "eager"), ("e2e", "graphopt"), ("decode", "broken")}
+    broken = next(r for r in rows if r["variant"] == "broken" and r["kind"] == "decode")
+    assert "planted failure" in broken["error"]
+    for r in rows:
+        if r["variant"] != "broken":
+            assert "error" not in r, r
+    g = next(r for r in rows if r["kind"] == "decode" and r["variant"] == "graphopt")
+    assert g["ms"] > 0 and g["floor_kv_ms"] >= g["floor_weights_ms"] > 0 and g["accuracy"] == "passed"
+    assert next(r for r in rows if r["kind"] == "e2e" and r["variant"] == "graphopt")["same_as_eager"] == "all"
+    md = stem.with_suffix(".md").read_text()
+    assert "## Decode step (ms)" in md and "## End to end" in md and data["meta"]["versions"]["torch"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["llama", "glm4"])
+def test_cuda_graph_generation_on_the_gpu(family):
+    """On a GPU: the decode step is a replayed CUDA graph bound to the generator's cache (one
+    capture per batch size, the first call its warm-up), fp32 greedy tokens equal HF's generate,
+    the cache tensors keep their addresses, and sampling with a seeded generator repeats."""
+    model = decoders.build(decoders.tiny_config(family), seed=0, device="cuda")
+    gen = graphopt.optimize_generation(model, max_batch_size=2, max_length=96)
+    ids = _prompts().cuda()
+    ptrs = [layer.keys.data_ptr() for layer in gen._cache.layers]
+    out = gen.generate(ids, max_new_tokens=STEPS, eos_token_id=None)
+    assert torch.equal(out, _hf(model, ids, max_new_tokens=STEPS, eos_token_id=None))
+    state = gen.decode_state(2)
+    assert state.runner.decision.on, state.runner.decision.note()
+    assert state.runner.stats["captures"] == 1 and state.runner.stats["replays"] == STEPS - 2
+    assert [layer.keys.data_ptr() for layer in gen._cache.layers] == ptrs
+    assert state.module.report.accuracy["passed"]
+    opts = dict(max_new_tokens=16, do_sample=True, top_k=20, eos_token_id=None)
+    a = gen.generate(ids, generator=torch.Generator("cuda").manual_seed(3), **opts)
+    b = gen.generate(ids, generator=torch.Generator("cuda").manual_seed(3), **opts)
+    assert torch.equal(a, b) and state.runner.stats["captures"] == 1
+
+
+def test_hf_generate_drives_the_replayed_step():
+    """transformers' own generate() loop (here with a repetition penalty the generator's loop does
+    not apply, and a left-padded row) on the generator's cache and replayed decode steps: the same
+    ids as model.generate, and the model's forward is its own again afterwards."""
+    model, gen = _setup("mistral", cuda_graphs=True, graph_backend="emulate", prefill="graphopt")
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    opts = dict(max_new_tokens=12, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
+    runner = gen.decode_state(2).runner
+    before = runner.stats["replays"]
+    out = gen.hf_generate(ids, mask, **opts)
+    assert torch.equal(out, _hf(model, ids, mask, **opts))
+    assert runner.stats["replays"] - before >= 10 and "forward" not in vars(model)
+    with pytest.raises(GenerationError, match="generator's to choose"):
+        gen.hf_generate(ids, cache_implementation="static")

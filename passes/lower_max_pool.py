@@ -1,7 +1,7 @@
 """lower_max_pool: max_pool2d over a channels_last tensor -> graphopt::max_pool2d_nhwc.
 
 aten's channels_last max_pool2d kernel moves its input and output at 14% of the copy rate on the
-H200 (the profile's ``pool_bandwidth_scale``, measured by ``graphopt calibrate``): ResNet-50's
+H200 (the profile's ``op_efficiency["pool"]``, measured by ``graphopt calibrate``): ResNet-50's
 3x3 stride-2 pool after the stem takes 0.22 ms at bs64 in bf16, a tenth of the optimized model.
 The bundled kernel (cuda_ext/csrc/pool.cu) gives each thread one output pixel and a 16-byte
 vector of channels, so a window's nine reads are nine vector loads of adjacent channels.

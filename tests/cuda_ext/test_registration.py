@@ -234,3 +234,41 @@ def test_check_compile_reports_first_error(tmp_path, monkeypatch):
     text = "\n".join(lines)
     assert "this_is_not_defined" in text and "error" in text and "full log:" in text
     assert (tmp_path / "logs" / "broken.cu.log").exists()
+
+
+LOAD_AS_ON_A_GPU = '''
+import warnings, torch
+torch.cuda.is_available = lambda: True  # ensure_loaded's cuda branch, with or without a GPU here
+torch.cuda.get_device_capability = lambda *a: (9, 0)
+warnings.simplefilter("error")  # no kernel registered twice
+import graphopt.cuda_ext as ce
+from graphopt.cuda_ext import registry
+assert ce.backend() == "cuda", ce.backend_info()
+for name, op in registry.all_ops().items():
+    where = [l for l in torch._C._dispatch_dump("graphopt::" + name).splitlines() if l.startswith("CUDA:")]
+    assert len(where) == 1 and (op.kernel if op.compiled else "registry.py") in where[0], (name, where)
+print("ok")
+'''
+LOAD_BY_HAND_FIRST = '''
+import sys, torch
+torch.ops.load_library(sys.argv[1])  # before graphopt defines the schemas
+import graphopt.cuda_ext as ce
+assert "already registered" in ce.backend_info()["reason"], ce.backend_info()
+assert "csrc/rotary.cu" in torch._C._dispatch_dump("graphopt::rotary")
+print("ok")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(build.find_cuda_home() is None, reason="needs nvcc")
+def test_the_library_registers_each_kernel_on_the_python_schema():
+    """The compiled library (built for sm_90, no GPU needed) loaded as ensure_loaded loads it:
+    after the schemas are defined from the op modules, each csrc op gets the CUDA kernel of its
+    own source and the Triton ops keep their Python dispatch; loaded by hand before graphopt,
+    its kernels attach once the schemas exist."""
+    so = build.build_kernels(arch_list=["sm_90"])
+    env = dict(os.environ, GRAPHOPT_KERNELS="cuda", GRAPHOPT_CACHE_DIR=str(build.cache_root()),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for code in (LOAD_AS_ON_A_GPU, LOAD_BY_HAND_FIRST):
+        p = subprocess.run([sys.executable, "-c", code, str(so)], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0 and p.stdout.split() == ["ok"], p.stderr[-3000:]

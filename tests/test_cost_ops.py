@@ -170,6 +170,6 @@ def test_profiles_with_the_old_per_op_fields_load_the_same(tmp_path):
     # the old defaults meant "not measured": no entry
     bare = {k: v for k, v in old.items() if k not in LEGACY_FIELDS}
     unmeasured = DeviceProfile.from_dict({**bare, "norm_row_s": 0.0, "pool_bandwidth_scale": 1.0,
-                                          "short_attention_scale": None, "short_attention_fixed_s": 2e-6})
+                                          "short_attention_scale": None, "short_attention_fixed_s": 0.0})
     assert unmeasured.op_efficiency == {}
     assert DeviceProfile.from_dict(h200.to_dict()) == h200

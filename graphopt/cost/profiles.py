@@ -149,8 +149,6 @@ class DeviceProfile:
                 v = data.pop(old)
                 if v != unmeasured and name not in table.get(key, {}):
                     table.setdefault(key, {})[name] = v
-        if "fixed_s" in table.get("short_attention", {}) and "scale" not in table["short_attention"]:
-            del table["short_attention"]  # a fixed time without a fitted rate: not measured
         return cls(**data, op_efficiency=table)
 
     def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:

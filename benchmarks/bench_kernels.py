@@ -120,7 +120,7 @@ def cases(dev="cuda", dt=torch.bfloat16, tiny=False):
 
 def narrow_cases(dev="cuda", dt=torch.bfloat16, tiny=False):
     """Narrow rows (--variants only): where a one-block-per-row norm is bound by block scheduling
-    (the cost model's norm_row_s), against the persistent kernel."""
+    (the profile's op_efficiency row_norm), against the persistent kernel."""
     rows = 256 if tiny else 131072
     x, r, w, b = (torch.randn(rows, 768, device=dev, dtype=dt), torch.randn(rows, 768, device=dev, dtype=dt),
                   torch.randn(768, device=dev, dtype=dt), torch.randn(768, device=dev, dtype=dt))

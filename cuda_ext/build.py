@@ -1,6 +1,6 @@
 """Building the CUDA extension: JIT build + cache, ahead-of-time build, and a compile-only check.
 
-* :func:`build_kernels` builds ``graphopt_kernels`` (csrc/registration.cpp + csrc/*.cu) with
+* :func:`build_kernels` builds ``graphopt_kernels`` (csrc/*.cu + csrc/*.cpp) with
   ``torch.utils.cpp_extension.load`` (ninja) into a cache directory keyed by torch version,
   CUDA version, GPU architecture(s) and a hash of the sources::
 
@@ -50,7 +50,9 @@ def cache_root() -> Path:
 
 
 def source_files() -> list[Path]:
-    return [CSRC / "registration.cpp"] + sorted(CSRC.glob("*.cu"))
+    """Every translation unit of the library: the kernel files (each registers its op's CUDA
+    implementation) and the host-only ones."""
+    return sorted(CSRC.glob("*.cu")) + sorted(CSRC.glob("*.cpp"))
 
 
 def _all_sources() -> list[Path]:

@@ -3,7 +3,7 @@
 A SwiGLU MLP runs ``gate_up = x @ W_gu.T`` (the merged gate and up projections), then
 ``act = silu(gate) * up`` (a memory-bound kernel: at GLM-4's 8192 x 27392 it reads 449 MB and writes
 224 MB), then ``act @ W_down.T``. ``gemm_swiglu`` drops the middle kernel: the weight's gate and up
-rows are interleaved in blocks of the output tile's width once (``reference.interleave_gate_up``), so one
+rows are interleaved in blocks of the output tile's width once (``ops/gemm_swiglu.interleave_gate_up``), so one
 ``[BM, 2 BN]`` tile of the product holds matching gate and up columns; its epilogue stores
 ``silu(gate) * up`` from the fp32 accumulator, and the ``[M, 2N]`` intermediate is never written.
 

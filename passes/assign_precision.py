@@ -49,7 +49,7 @@ PINNED = {
     "zeros_like", "ones_like", "empty_like", "new_zeros", "new_ones", "new_full", "new_empty", "rand", "randn",
     "rand_like", "randn_like", "linspace", "eye", "tensor", "lift_fresh_copy", "_assert_tensor_metadata",
 }
-COMPUTE_HEAVY = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
+COMPUTE_HEAVY = MATMUL_OPS | CONV_OPS | ATTENTION_OPS | {"conv_bias_relu"}  # and graphopt's fused convolution
 MAX_OFFENDERS = 12
 MAX_CHECKS = 48  # accuracy checks (each a forward pass) the search may spend
 FP32 = torch.float32

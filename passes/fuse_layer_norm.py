@@ -7,7 +7,7 @@ residual stream; in post-norm stacks (BERT) nothing else reads it and it is drop
 
 A LayerNorm without a residual add becomes ``graphopt::layer_norm``, a Triton kernel that
 normalizes many rows per program, where the cost model predicts a gain: aten's kernel (and
-add_layer_norm) give each row a thread block, which the profile's measured ``norm_row_s`` prices
+add_layer_norm) give each row a thread block, which the profile's measured ``row_norm`` entry prices
 for narrow rows (ConvNeXt's 96-768 channels); for transformer-sized rows the two predict the same
 and the aten op stays. Refused with the reason recorded: normalized_shape other than the last
 dim alone, weight/bias not 1-D of the hidden size, an eps that is not a literal, an add that

@@ -12,7 +12,7 @@ Applies to an SDPA call in an inference graph on a CUDA profile when:
   of k's;
 * dropout is 0;
 * the mask is absent, boolean, or a float tensor (additive), broadcastable to [B, H, Sq, Sk];
-* the profile has measured the kernel (``short_attention_scale``), and it is predicted at most
+* the profile has measured the kernel (``op_efficiency["short_attention"]``), and it is predicted at most
   ``MARGIN`` (75%) of SDPA's time: the margin covers the SDPA fit's error at these sizes, which
   overestimates cuDNN most on short causal sequences.
 
@@ -62,9 +62,9 @@ class LowerAttention(Pass):
         if ctx.profile.kind != "cuda":
             res.reject_all(calls, f"the bundled attention kernel is for CUDA; {ctx.profile.name} runs SDPA")
             return res
-        if ctx.profile.short_attention_scale is None:
+        if ctx.profile.efficiency("short_attention", "scale") is None:
             res.reject_all(calls, f"profile {ctx.profile.name} has no measurement of graphopt::short_attention "
-                                  "(short_attention_scale; benchmarks/diag/diag_attention_small.py)")
+                                  "(op_efficiency short_attention; benchmarks/diag/diag_attention_small.py)")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in calls) if c is not None]
         res.apply_ranked(ctx, cands, fused_kernels=True)
@@ -128,14 +128,14 @@ class LowerAttention(Pass):
     @staticmethod
     def _time_of(ctx, like: fx.Node, args) -> float:
         """Predicted time of a short_attention node with these args, built in a scratch graph."""
-        from graphopt.cuda_ext.reference import short_attention_layout
+        from graphopt.cuda_ext.ops.short_attention import layout as short_attention_layout
 
         return scratch_node_time(ctx, torch.ops.graphopt.short_attention.default, args, {},
                                  short_attention_layout(args[0].meta["val"]))
 
     @staticmethod
     def _apply(gm, node, args):
-        from graphopt.cuda_ext.reference import short_attention_layout
+        from graphopt.cuda_ext.ops.short_attention import layout as short_attention_layout
 
         g = gm.graph
         with g.inserting_before(node):

@@ -16,7 +16,7 @@ Matches ``graphopt.swiglu(linear(x, W))`` where the projection has no bias and n
 is a constant 2-D weight (a parameter or buffer: its rows are reordered here), x and W are fp16 or
 bf16, K and n are multiples of 8 (TMA's 16-byte rows) and the shapes are concrete. Priced against
 the GEMM + swiglu pair with the cost model's GEMM rate times the persistent kernel's idle last round
-(:func:`graphopt.cost.model.persistent_rounds_factor`), so few-row projections, where that round
+(:func:`graphopt.cuda_ext.ops.gemm_swiglu.persistent_rounds_factor`), so few-row projections, where that round
 costs more than the swiglu kernel it removes, stay on cuBLAS. Refused on CPU profiles
 (NO_FUSED_KERNELS) and on GPUs before sm_90 (no TMA), each with the reason in the report.
 """
@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.cuda_ext.gemm_triton import SWIGLU_BLOCK, SWIGLU_DTYPES
-from graphopt.cuda_ext.reference import interleave_gate_up
+from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 

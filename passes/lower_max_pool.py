@@ -1,7 +1,7 @@
 """lower_max_pool: max_pool2d over a channels_last tensor -> graphopt::max_pool2d_nhwc.
 
 aten's channels_last max_pool2d kernel moves its bytes far below the copy rate (the profile's
-``pool_bandwidth_scale``, measured by ``graphopt calibrate``). The bundled kernel
+``op_efficiency["pool"]``, measured by ``graphopt calibrate``). The bundled kernel
 (cuda_ext/csrc/pool.cu) gives each thread one output pixel and a 16-byte vector of channels, so a
 window's reads are vector loads of adjacent channels.
 

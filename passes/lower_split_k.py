@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphopt.cost.model import cublas_split_k, linear_norm_seconds, split_k_slices
+from graphopt.cost.model import cublas_split_k, split_k_slices
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN, SPLIT_K_DTYPES
+from graphopt.cuda_ext.ops.linear_add_layer_norm import seconds as linear_norm_seconds
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 

@@ -63,7 +63,9 @@ def test_calibrate_cuda_quick(tmp_path):
     assert 0 < prof.host_node_s < prof.launch_overhead_s and "host_node" in prof.source
     assert {"linear", "scaled_dot_product_attention", "layer_norm"} <= set(prof.host_op_s)
     assert 0 < prof.attention_scale <= 1 and prof.attention_fixed_s >= 0
-    assert 0 < prof.short_attention_scale <= 1 and prof.short_attention_fixed_s >= 0  # lower_attention's fit
+    sa = prof.op_efficiency["short_attention"]  # lower_attention's fit
+    assert 0 < sa["scale"] <= 1 and sa["fixed_s"] >= 0
+    assert 0 < prof.op_efficiency["pool"]["memory_scale"] <= 1 and "row_norm" in prof.op_efficiency
     assert 0.3 < prof.matmul_sustained_fraction <= 1  # the GEMM rate under back-to-back load
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof.to_dict()))

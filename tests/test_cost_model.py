@@ -79,7 +79,7 @@ def test_calibrated_efficiencies_and_cpu_dispatch():
 
 def test_unfused_conv_and_pooling_calibration():
     """An aten convolution on a GPU runs conv_unfused_slowdown times slower than the fused op the
-    conv fit measured; pooling reaches pool_bandwidth_scale of the copy rate."""
+    conv fit measured; pooling reaches op_efficiency["pool"]["memory_scale"] of the copy rate."""
     from graphopt.cuda_ext import conv_bias_relu
 
     x = torch.randn(64, 64, 56, 56, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
@@ -96,9 +96,8 @@ def test_unfused_conv_and_pooling_calibration():
 
     gm = capture(ConvPool().eval(), (x,))
     base = dataclasses.replace(_h200(), conv_scale=0.5, conv_fixed_s=0.0, kernel_fixed_s=0.0, conv_unfused_slowdown=1.0,
-                               conv_memory_scale=None,
-                               pool_bandwidth_scale=1.0)
-    cal = dataclasses.replace(base, conv_unfused_slowdown=2.0, pool_bandwidth_scale=0.25)
+                               conv_memory_scale=None).with_efficiency("pool", None)
+    cal = dataclasses.replace(base, conv_unfused_slowdown=2.0).with_efficiency("pool", {"memory_scale": 0.25})
     plain, fused, pool = (_node(gm, k) for k in ("conv2d", "conv_bias_relu", "max_pool2d"))
     c0, c1 = CostModel(base), CostModel(cal)
     # aten's bias kernel after the convolution is priced on its own (conv_bias_add_scale)
@@ -283,18 +282,19 @@ def test_custom_profile_object():
 
 
 def test_row_per_block_norms_priced_by_rows():
-    """A LayerNorm over narrow rows costs at least rows * norm_row_s on a profile that measured it;
-    the same node on a profile without it is priced by its bytes alone."""
+    """A LayerNorm over narrow rows costs at least rows * op_efficiency["row_norm"]["row_s"] on a
+    profile that measured it; the same node on a profile without it is priced by its bytes alone."""
     m = nn.LayerNorm(96).eval()
     x = torch.randn(64, 56, 56, 96)
     gm = capture(m, (x,))
     ln = next(n for n in gm.graph.nodes if n.op == "call_function" and "layer_norm" in str(n.target))
     h200 = get_profile("h200")[0]
-    assert h200.norm_row_s > 0
+    row_s = h200.efficiency("row_norm", "row_s")
+    assert row_s > 0
     rows = 64 * 56 * 56
     t = CostModel(h200).node_cost(ln).time_s
-    assert t == pytest.approx(rows * h200.norm_row_s)
-    plain = DeviceProfile(**{**h200.to_dict(), "norm_row_s": 0.0})
+    assert t == pytest.approx(rows * row_s)
+    plain = h200.with_efficiency("row_norm", None)
     assert CostModel(plain).node_cost(ln).time_s < t / 3
 
 

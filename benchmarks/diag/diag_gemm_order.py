@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=8192)
     a = p.parse_args(argv)
     from graphopt.cuda_ext import gemm_triton as gt
-    from graphopt.cuda_ext import ops, reference
+    import graphopt.cuda_ext as ce
+    from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 
     torch.manual_seed(0)
     dev, m = torch.device("cuda"), a.tokens
@@ -42,10 +43,10 @@ def main(argv=None) -> int:
     rows = []
     wv = (torch.randn(151552, HIDDEN, device=dev) / HIDDEN ** 0.5).bfloat16()
     wgu = (torch.randn(2 * FFN, HIDDEN, device=dev) / HIDDEN ** 0.5).bfloat16()
-    wil = reference.interleave_gate_up(wgu, gt.SWIGLU_BLOCK)
+    wil = interleave_gate_up(wgu, gt.SWIGLU_BLOCK)
     plain, fused = gt.GEMM_CONFIG, gt.SWIGLU_CONFIGS[gt.SWIGLU_BLOCK]
     variants = [("vocabulary", "cuBLAS", lambda: F.linear(x, wv)),
-                ("gate/up + SwiGLU", "cuBLAS + graphopt::swiglu", lambda: ops.swiglu(F.linear(x, wgu)))]
+                ("gate/up + SwiGLU", "cuBLAS + graphopt::swiglu", lambda: ce.swiglu(F.linear(x, wgu)))]
     for g in GROUPS:
         variants.append(("vocabulary", f"Triton GROUP_M={g}", lambda g=g: gt.gemm(x, wv, (*plain, g))))
         variants.append(("gate/up + SwiGLU", f"Triton GROUP_M={g}", lambda g=g: gt.gemm_swiglu(x, wil, FFN, (*fused, g))))

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from graphopt.cuda_ext import gemm_triton as gt
-    from graphopt.cuda_ext import ops, reference
+    import graphopt.cuda_ext as ce
+    from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -101,14 +102,14 @@ def main(argv=None) -> int:
     for m in tokens:
         x = torch.randn(m, HIDDEN, device=dev).bfloat16()
         gu = F.linear(x, wgu)
-        act = ops.swiglu(gu)
+        act = ce.swiglu(gu)
         shapes = {"gemm": (x, wgu, 2 * m * HIDDEN * 2 * FFN), "gemm down": (act, wd, 2 * m * FFN * HIDDEN)}
         best = {}
         for kind, configs in list(CONFIGS.items()) + [("gemm down", CONFIGS["gemm"])]:
             first, second, flops = shapes.get(kind, shapes["gemm"])
             for cfg in configs:
                 if kind == "gemm_swiglu":
-                    wil = reference.interleave_gate_up(wgu, cfg[1])
+                    wil = interleave_gate_up(wgu, cfg[1])
                     fn = lambda: gt.gemm_swiglu(x, wil, FFN, cfg)  # noqa: E731
                 else:
                     fn = lambda: gt.gemm(first, second, cfg)  # noqa: E731
@@ -130,16 +131,16 @@ def main(argv=None) -> int:
         del ref_gu
         variants = {
             "cublas gate_up": lambda: F.linear(x, wgu),
-            "swiglu kernel": lambda: ops.swiglu(gu),
+            "swiglu kernel": lambda: ce.swiglu(gu),
             "cublas down": lambda: F.linear(act, wd),
-            "MLP unfused (cublas, swiglu, cublas)": lambda: F.linear(ops.swiglu(F.linear(x, wgu)), wd),
+            "MLP unfused (cublas, swiglu, cublas)": lambda: F.linear(ce.swiglu(F.linear(x, wgu)), wd),
         }
         if "gemm" in cfg:
             variants["triton gate_up"] = lambda: gt.gemm(x, wgu, cfg["gemm"])
         if "gemm down" in cfg:
             variants["triton down"] = lambda: gt.gemm(act, wd, cfg["gemm down"])
         if "gemm_swiglu" in cfg:
-            wil = reference.interleave_gate_up(wgu, cfg["gemm_swiglu"][1])
+            wil = interleave_gate_up(wgu, cfg["gemm_swiglu"][1])
             err["gemm_swiglu"] = rel_err(gt.gemm_swiglu(x, wil, FFN, cfg["gemm_swiglu"]), ref_act)
             variants["triton gate_up+swiglu"] = lambda: gt.gemm_swiglu(x, wil, FFN, cfg["gemm_swiglu"])
             variants["MLP epilogue (triton gate_up+swiglu, cublas down)"] = lambda: F.linear(gt.gemm_swiglu(x, wil, FFN, cfg["gemm_swiglu"]), wd)

@@ -3,7 +3,48 @@
 // kernel for the unaligned case and for the tail that does not fill a vector.
 #include "common.cuh"
 
+#define GRAPHOPT_DISPATCH_ACT(ACT, A, ...)                               \
+  switch (ACT) {                                                         \
+    case ::graphopt::ACT_NONE: { constexpr int A = ::graphopt::ACT_NONE; __VA_ARGS__; break; } \
+    case ::graphopt::ACT_RELU: { constexpr int A = ::graphopt::ACT_RELU; __VA_ARGS__; break; } \
+    case ::graphopt::ACT_GELU: { constexpr int A = ::graphopt::ACT_GELU; __VA_ARGS__; break; } \
+    case ::graphopt::ACT_GELU_TANH: { constexpr int A = ::graphopt::ACT_GELU_TANH; __VA_ARGS__; break; } \
+    case ::graphopt::ACT_SILU: { constexpr int A = ::graphopt::ACT_SILU; __VA_ARGS__; break; } \
+    case ::graphopt::ACT_SIGMOID: { constexpr int A = ::graphopt::ACT_SIGMOID; __VA_ARGS__; break; } \
+    case ::graphopt::ACT_TANH: { constexpr int A = ::graphopt::ACT_TANH; __VA_ARGS__; break; } \
+    case ::graphopt::ACT_HARDSWISH: { constexpr int A = ::graphopt::ACT_HARDSWISH; __VA_ARGS__; break; } \
+    default: return cudaErrorInvalidValue;                               \
+  }
+
 namespace graphopt {
+
+enum Act : int {
+  ACT_NONE = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3,
+  ACT_SILU = 4, ACT_SIGMOID = 5, ACT_TANH = 6, ACT_HARDSWISH = 7
+};
+
+// fp32 in, fp32 out; FAST: the hardware approximations (exact enough for 16-bit outputs)
+template <int ACT, bool FAST> __device__ __forceinline__ float apply_act(float x) {
+  if constexpr (ACT == ACT_NONE) {
+    return x;
+  } else if constexpr (ACT == ACT_RELU) {
+    return x > 0.f ? x : (x != x ? x : 0.f);  // keep NaN like torch.relu
+  } else if constexpr (ACT == ACT_GELU) {
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+  } else if constexpr (ACT == ACT_GELU_TANH) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    return 0.5f * x * (1.0f + tanh_f<FAST>(k0 * (x + k1 * x * x * x)));
+  } else if constexpr (ACT == ACT_SILU) {
+    return x * sigmoid_f<FAST>(x);
+  } else if constexpr (ACT == ACT_SIGMOID) {
+    return sigmoid_f<FAST>(x);
+  } else if constexpr (ACT == ACT_TANH) {
+    return tanh_f<FAST>(x);
+  } else {  // ACT_HARDSWISH
+    return x * fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f);
+  }
+}
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -124,3 +165,63 @@ cudaError_t launch_bias_act(int dtype, int act, const void* x, const void* bias,
 }
 
 }  // namespace graphopt
+
+// ---- graphopt::bias_act (host side; torch headers stay out of the device passes)
+#ifndef __CUDA_ARCH__
+#include "host.h"
+
+namespace graphopt {
+namespace {
+
+int act_code(const std::string& a) {
+  if (a == "none") return ACT_NONE;
+  if (a == "relu") return ACT_RELU;
+  if (a == "gelu") return ACT_GELU;
+  if (a == "gelu_tanh") return ACT_GELU_TANH;
+  if (a == "silu") return ACT_SILU;
+  if (a == "sigmoid") return ACT_SIGMOID;
+  if (a == "tanh") return ACT_TANH;
+  if (a == "hardswish") return ACT_HARDSWISH;
+  TORCH_CHECK(false, "graphopt::bias_act: unknown activation '", a,
+              "' (none, relu, gelu, gelu_tanh, silu, sigmoid, tanh, hardswish)");
+  return -1;
+}
+
+at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias, c10::string_view act,
+                         const std::optional<at::Tensor>& residual, int64_t bias_dim) {
+  c10::cuda::CUDAGuard guard(x.device());
+  const int dt = dtype_code(x.scalar_type());
+  const int a = act_code(std::string(act));
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  int64_t channels = 1, inner = 1;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(x.dim() > 0, "graphopt::bias_act: bias needs x with at least one dim");
+    const int64_t d = c10::maybe_wrap_dim(bias_dim, x.dim());
+    channels = x.size(d);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == channels, "graphopt::bias_act: bias must be 1-D of length ",
+                channels, " (x.size(", bias_dim, ")), got ", bias->sizes());
+    for (int64_t i = d + 1; i < x.dim(); ++i) inner *= x.size(i);
+    b = bias->to(x.scalar_type()).contiguous();
+  }
+  at::Tensor r;
+  if (residual.has_value() && residual->defined()) {
+    r = residual->to(x.scalar_type());
+    if (r.sizes() != x.sizes()) r = r.expand(x.sizes());
+    r = r.contiguous();
+  }
+  check(launch_bias_act(dt, a, xc.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
+                        r.defined() ? r.data_ptr() : nullptr, y.data_ptr(), x.numel(), channels, inner,
+                        stream_of(x)),
+        "bias_act");
+  return y;
+}
+
+}  // namespace
+}  // namespace graphopt
+
+TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
+  m.impl("bias_act", &graphopt::bias_act_cuda);
+}
+#endif  // __CUDA_ARCH__

@@ -1,5 +1,5 @@
-// Shared device helpers for the graphopt kernels. Deliberately free of torch headers so the
-// .cu files compile in seconds (the torch-facing code lives in registration.cpp).
+// Shared device helpers for the graphopt kernels. Free of torch headers so the device passes
+// compile in seconds (each kernel file's torch side includes host.h in its host pass only).
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -75,27 +75,6 @@ template <bool FAST> __device__ __forceinline__ float sigmoid_f(float x) {
   return FAST ? __fdividef(1.0f, 1.0f + __expf(-x)) : 1.0f / (1.0f + expf(-x));
 }
 
-template <int ACT, bool FAST> __device__ __forceinline__ float apply_act(float x) {
-  if constexpr (ACT == ACT_NONE) {
-    return x;
-  } else if constexpr (ACT == ACT_RELU) {
-    return x > 0.f ? x : (x != x ? x : 0.f);  // keep NaN like torch.relu
-  } else if constexpr (ACT == ACT_GELU) {
-    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-  } else if constexpr (ACT == ACT_GELU_TANH) {
-    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-    return 0.5f * x * (1.0f + tanh_f<FAST>(k0 * (x + k1 * x * x * x)));
-  } else if constexpr (ACT == ACT_SILU) {
-    return x * sigmoid_f<FAST>(x);
-  } else if constexpr (ACT == ACT_SIGMOID) {
-    return sigmoid_f<FAST>(x);
-  } else if constexpr (ACT == ACT_TANH) {
-    return tanh_f<FAST>(x);
-  } else {  // ACT_HARDSWISH
-    return x * fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f);
-  }
-}
-
 // ---- reductions -----------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -149,17 +128,4 @@ inline int num_sms() {
     case ::graphopt::DT_F16: { using T = __half; __VA_ARGS__; break; }        \
     case ::graphopt::DT_BF16: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
     default: return cudaErrorInvalidValue;                                    \
-  }
-
-#define GRAPHOPT_DISPATCH_ACT(ACT, A, ...)                               \
-  switch (ACT) {                                                         \
-    case ::graphopt::ACT_NONE: { constexpr int A = ::graphopt::ACT_NONE; __VA_ARGS__; break; } \
-    case ::graphopt::ACT_RELU: { constexpr int A = ::graphopt::ACT_RELU; __VA_ARGS__; break; } \
-    case ::graphopt::ACT_GELU: { constexpr int A = ::graphopt::ACT_GELU; __VA_ARGS__; break; } \
-    case ::graphopt::ACT_GELU_TANH: { constexpr int A = ::graphopt::ACT_GELU_TANH; __VA_ARGS__; break; } \
-    case ::graphopt::ACT_SILU: { constexpr int A = ::graphopt::ACT_SILU; __VA_ARGS__; break; } \
-    case ::graphopt::ACT_SIGMOID: { constexpr int A = ::graphopt::ACT_SIGMOID; __VA_ARGS__; break; } \
-    case ::graphopt::ACT_TANH: { constexpr int A = ::graphopt::ACT_TANH; __VA_ARGS__; break; } \
-    case ::graphopt::ACT_HARDSWISH: { constexpr int A = ::graphopt::ACT_HARDSWISH; __VA_ARGS__; break; } \
-    default: return cudaErrorInvalidValue;                               \
   }

@@ -413,3 +413,81 @@ cudaError_t launch_add_layer_norm(int dtype, int wdtype, const void* x, const vo
 }
 
 }  // namespace graphopt
+
+// ---- graphopt::add_rms_norm and graphopt::add_layer_norm (host side; torch headers stay out of the device passes)
+#ifndef __CUDA_ARCH__
+#include "host.h"
+
+namespace graphopt {
+namespace {
+
+// weight/bias dtype: fp32 stays fp32, otherwise the activation dtype
+at::Tensor norm_param(const std::optional<at::Tensor>& p, const at::Tensor& x, at::ScalarType wt, int64_t hidden,
+                      const char* what) {
+  if (!p.has_value() || !p->defined()) return at::Tensor();
+  TORCH_CHECK(p->numel() == hidden, "graphopt: ", what, " must have ", hidden, " elements, got ", p->sizes());
+  return p->to(x.device(), wt).contiguous().view({hidden});
+}
+
+at::ScalarType param_dtype(const at::Tensor& x, const std::optional<at::Tensor>& w,
+                           const std::optional<at::Tensor>& b) {
+  if (x.scalar_type() == at::kFloat) return at::kFloat;
+  const bool wf = w.has_value() && w->defined() && w->scalar_type() == at::kFloat;
+  const bool bf = b.has_value() && b->defined() && b->scalar_type() == at::kFloat;
+  return (wf || bf) ? at::kFloat : x.scalar_type();
+}
+
+std::tuple<at::Tensor, at::Tensor> add_norm_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                 const std::optional<at::Tensor>& weight,
+                                                 const std::optional<at::Tensor>& bias, double eps, bool ln) {
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(x.dim() >= 1, "graphopt: norm input needs at least one dim");
+  const int dt = dtype_code(x.scalar_type());
+  const int64_t hidden = x.size(-1);
+  const int64_t rows = hidden == 0 ? 0 : x.numel() / hidden;
+  at::Tensor xc = x.contiguous();
+  at::Tensor r;
+  if (residual.has_value() && residual->defined()) {
+    r = residual->to(x.scalar_type());
+    if (r.sizes() != x.sizes()) r = r.expand(x.sizes());
+    r = r.contiguous();
+  }
+  const at::ScalarType wt = param_dtype(x, weight, bias);
+  at::Tensor w = norm_param(weight, x, wt, hidden, "weight");
+  at::Tensor b = norm_param(bias, x, wt, hidden, "bias");
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor h = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const void* rp = r.defined() ? r.data_ptr() : nullptr;
+  const void* wp = w.defined() ? w.data_ptr() : nullptr;
+  if (ln) {
+    check(launch_add_layer_norm(dt, dtype_code(wt), xc.data_ptr(), rp, wp, b.defined() ? b.data_ptr() : nullptr,
+                                out.data_ptr(), h.data_ptr(), rows, hidden, static_cast<float>(eps), stream_of(x)),
+          "add_layer_norm");
+  } else {
+    check(launch_add_rms_norm(dt, dtype_code(wt), xc.data_ptr(), rp, wp, out.data_ptr(), h.data_ptr(), rows, hidden,
+                              static_cast<float>(eps), stream_of(x)),
+          "add_rms_norm");
+  }
+  return {out, h};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                     const at::Tensor& weight, double eps) {
+  return add_norm_cuda(x, residual, weight, std::nullopt, eps, false);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_layer_norm_cuda(const at::Tensor& x,
+                                                       const std::optional<at::Tensor>& residual,
+                                                       const std::optional<at::Tensor>& weight,
+                                                       const std::optional<at::Tensor>& bias, double eps) {
+  return add_norm_cuda(x, residual, weight, bias, eps, true);
+}
+
+}  // namespace
+}  // namespace graphopt
+
+TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
+  m.impl("add_rms_norm", &graphopt::add_rms_norm_cuda);
+  m.impl("add_layer_norm", &graphopt::add_layer_norm_cuda);
+}
+#endif  // __CUDA_ARCH__

@@ -6,6 +6,14 @@
 #include "common.cuh"
 
 namespace graphopt {
+
+// Max pooling (square kernel, stride, padding; dilation 1, floor) over NHWC-dense in/out:
+// in [N, H, W, C], out [N, Ho, Wo, C] in memory; padding left out of the window.
+struct PoolArgs {
+  int64_t N, H, W, C, Ho, Wo;
+  int kernel, stride, pad;
+};
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -76,3 +84,37 @@ cudaError_t launch_max_pool_nhwc(int dtype, const void* in, void* out, const Poo
 }
 
 }  // namespace graphopt
+
+// ---- graphopt::max_pool2d_nhwc (host side; torch headers stay out of the device passes)
+#ifndef __CUDA_ARCH__
+#include "host.h"
+
+namespace graphopt {
+namespace {
+
+at::Tensor max_pool2d_nhwc_cuda(const at::Tensor& x, int64_t kernel, int64_t stride, int64_t padding) {
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(x.dim() == 4, "graphopt::max_pool2d_nhwc: x must be [N, C, H, W], got ", x.sizes());
+  TORCH_CHECK(kernel >= 1 && stride >= 1 && padding >= 0 && 2 * padding <= kernel,
+              "graphopt::max_pool2d_nhwc: needs kernel >= 1, stride >= 1 and 0 <= padding <= kernel / 2, got ",
+              kernel, ", ", stride, ", ", padding);
+  const int dt = dtype_code(x.scalar_type());
+  at::Tensor in = x.contiguous(at::MemoryFormat::ChannelsLast);
+  graphopt::PoolArgs a;
+  a.N = x.size(0); a.C = x.size(1); a.H = x.size(2); a.W = x.size(3);
+  a.Ho = (a.H + 2 * padding - kernel) / stride + 1;
+  a.Wo = (a.W + 2 * padding - kernel) / stride + 1;
+  TORCH_CHECK(a.Ho >= 1 && a.Wo >= 1, "graphopt::max_pool2d_nhwc: output would be empty for input ", x.sizes());
+  a.kernel = static_cast<int>(kernel); a.stride = static_cast<int>(stride); a.pad = static_cast<int>(padding);
+  at::Tensor out = at::empty({a.N, a.C, a.Ho, a.Wo}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  check(launch_max_pool_nhwc(dt, in.data_ptr(), out.data_ptr(), a, stream_of(x)), "max_pool2d_nhwc");
+  return out;
+}
+
+}  // namespace
+}  // namespace graphopt
+
+TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
+  m.impl("max_pool2d_nhwc", &graphopt::max_pool2d_nhwc_cuda);
+}
+#endif  // __CUDA_ARCH__

@@ -1,6 +1,6 @@
 // Rotary position embedding on q and k in one launch. x[B, H, S, D] may have any strides
 // (e.g. a transposed [B, S, H, D] projection); the outputs have a contiguous last dim and the
-// strides the launcher gives (registration.cpp: the input's [B, S, H, D] order when the input is
+// strides the host side gives (rotary_out below: the input's [B, S, H, D] order when the input is
 // a transposed projection, so attention's output comes back in that order too, else [B, H, S, D]).
 // The first R dims of each head rotate, R..D pass through (GLM's partial rotary):
 //   interleaved = false (Llama, rotate_half): pairs (i, i + R/2)
@@ -9,6 +9,19 @@
 #include "common.cuh"
 
 namespace graphopt {
+
+// Rotary embedding on one 4-D tensor x[B, H, S, D] (any strides, in elements) into a contiguous out.
+// cos/sin are [Bc, S, R] with strides (cs_b may be 0 to broadcast), same dtype as x.
+struct RotaryArgs {
+  const void* x; void* out;
+  int64_t B, H, S, D, R;
+  int64_t sb, sh, ss, sd;        // x strides
+  int64_t osb, osh, oss;         // out strides (last dim contiguous): [B, H, S, D] or a transposed [B, S, H, D]
+  const void* cos; const void* sin;
+  int64_t cb, cs, cr;            // cos/sin strides (shared layout)
+  bool interleaved;
+};
+
 namespace {
 
 // blockDim = (32, 8): threadIdx.x walks the pairs of one row, threadIdx.y picks the row.
@@ -208,3 +221,80 @@ cudaError_t launch_rotary(int dtype, const RotaryArgs& q, const RotaryArgs& k, c
 }
 
 }  // namespace graphopt
+
+// ---- graphopt::rotary (host side; torch headers stay out of the device passes)
+#ifndef __CUDA_ARCH__
+#include "host.h"
+
+namespace graphopt {
+namespace {
+
+RotaryArgs rotary_args(const at::Tensor& x, const at::Tensor& out, const at::Tensor& c, const at::Tensor& s,
+                       int64_t R, bool interleaved, const char* name) {
+  TORCH_CHECK(x.dim() == 4, "graphopt::rotary: ", name, " must be [B, H, S, D], got ", x.sizes());
+  RotaryArgs a;
+  a.x = x.data_ptr();
+  a.out = out.data_ptr();
+  a.B = x.size(0); a.H = x.size(1); a.S = x.size(2); a.D = x.size(3); a.R = R;
+  a.sb = x.stride(0); a.sh = x.stride(1); a.ss = x.stride(2); a.sd = x.stride(3);
+  a.osb = out.stride(0); a.osh = out.stride(1); a.oss = out.stride(2);
+  TORCH_CHECK(out.size(3) <= 1 || out.stride(3) == 1, "graphopt::rotary: output's last dim must be contiguous");
+  TORCH_CHECK(c.size(0) == 1 || c.size(0) == a.B, "graphopt::rotary: cos/sin batch ", c.size(0),
+              " must be 1 or ", a.B);
+  TORCH_CHECK(c.size(1) == a.S, "graphopt::rotary: cos/sin have ", c.size(1), " positions, ", name, " has ", a.S);
+  TORCH_CHECK(R <= a.D && R % 2 == 0, "graphopt::rotary: rotary dim ", R, " must be even and <= head dim ", a.D);
+  a.cos = c.data_ptr();
+  a.sin = s.data_ptr();
+  a.cb = c.size(0) == 1 ? 0 : c.stride(0);
+  a.cs = c.stride(1);
+  a.cr = c.stride(2);
+  a.interleaved = interleaved;
+  return a;
+}
+
+// The output layout: a q/k whose heads are closer in memory than its positions (a [B, S, H, D]
+// projection viewed as heads and transposed, the usual spelling, also a slice of a merged QKV
+// projection) gets a dense output in that [B, S, H, D] order, so attention reading it writes its own
+// output in [B, S, H, D] order and the heads merge back without a copy; anything else gets a
+// contiguous [B, H, S, D]. reference.rotary_layout is the same rule for the CPU and fake paths.
+at::Tensor rotary_out(const at::Tensor& x) {
+  if (x.dim() == 4 && x.stride(3) == 1 && x.stride(1) < x.stride(2))
+    return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
+  return at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+at::Tensor rotary_table(const at::Tensor& t, const at::Tensor& q) {
+  at::Tensor c = t;
+  if (c.dim() == 4) {
+    TORCH_CHECK(c.size(1) == 1, "graphopt::rotary: 4-D cos/sin must be [B, 1, S, R], got ", c.sizes());
+    c = c.squeeze(1);
+  }
+  if (c.dim() == 2) c = c.unsqueeze(0);
+  TORCH_CHECK(c.dim() == 3, "graphopt::rotary: cos/sin must be [B or 1, S, R], got ", t.sizes());
+  return c.to(q.device(), q.scalar_type()).contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                               const at::Tensor& sin, bool interleaved) {
+  c10::cuda::CUDAGuard guard(q.device());
+  const int dt = dtype_code(q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "graphopt::rotary: q and k dtypes differ");
+  at::Tensor c = rotary_table(cos, q), s = rotary_table(sin, q);
+  TORCH_CHECK(c.sizes() == s.sizes(), "graphopt::rotary: cos and sin shapes differ");
+  const int64_t R = c.size(2);
+  at::Tensor qo = rotary_out(q), ko = rotary_out(k);
+  RotaryArgs qa = rotary_args(q, qo, c, s, R, interleaved, "q");
+  RotaryArgs ka = rotary_args(k, ko, c, s, R, interleaved, "k");
+  TORCH_CHECK(qa.B == ka.B && qa.S == ka.S && qa.D == ka.D, "graphopt::rotary: q ", q.sizes(), " and k ", k.sizes(),
+              " must agree in B, S and D");
+  check(launch_rotary(dt, qa, ka, stream_of(q)), "rotary");
+  return {qo, ko};
+}
+
+}  // namespace
+}  // namespace graphopt
+
+TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
+  m.impl("rotary", &graphopt::rotary_cuda);
+}
+#endif  // __CUDA_ARCH__

@@ -6,6 +6,20 @@
 #include "common.cuh"
 
 namespace graphopt {
+
+// softmax(scores * scale + mask) over the last dim (n), rows = prod(leading dims) .
+// scores contiguous. mask: up to 4 leading dims described by (mdims, mstrides) for the row index
+// decomposition, and last-dim stride mlast; mask_kind: 0 none, 1 bool (keep), 2 additive.
+struct SoftmaxMask {
+  const void* ptr = nullptr;
+  int kind = 0;           // 0 none, 1 bool, 2 additive
+  int dtype = DT_F32;     // for additive masks
+  int ndims = 0;          // leading dims of the scores (<= 4)
+  int64_t dims[4] = {1, 1, 1, 1};
+  int64_t strides[4] = {0, 0, 0, 0};
+  int64_t last_stride = 0;
+};
+
 namespace {
 
 template <typename MT>
@@ -302,3 +316,56 @@ cudaError_t launch_softmax_mask(int dtype, const void* scores, void* out, int64_
 }
 
 }  // namespace graphopt
+
+// ---- graphopt::softmax_mask (host side; torch headers stay out of the device passes)
+#ifndef __CUDA_ARCH__
+#include "host.h"
+
+namespace graphopt {
+namespace {
+
+at::Tensor softmax_mask_cuda(const at::Tensor& scores, double scale, const std::optional<at::Tensor>& mask) {
+  c10::cuda::CUDAGuard guard(scores.device());
+  TORCH_CHECK(scores.dim() >= 1, "graphopt::softmax_mask: scores need at least one dim");
+  const int dt = dtype_code(scores.scalar_type());
+  at::Tensor x = scores.contiguous();
+  at::Tensor out = at::empty(scores.sizes(), scores.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t n = scores.size(-1);
+  const int64_t rows = n == 0 ? 0 : scores.numel() / n;
+  SoftmaxMask mk;
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = *mask;
+    if (m.device() != scores.device()) m = m.to(scores.device());
+    if (m.scalar_type() == at::kBool) {
+      mk.kind = 1;
+    } else {
+      mk.kind = 2;
+      if (m.scalar_type() != at::kFloat && m.scalar_type() != scores.scalar_type()) m = m.to(at::kFloat);
+      mk.dtype = dtype_code(m.scalar_type());
+    }
+    m = m.expand(scores.sizes());  // zero strides where broadcast
+    const int64_t lead = scores.dim() - 1;
+    if (lead > 4) {
+      m = m.contiguous().view({rows, n});
+      mk.ndims = 1; mk.dims[0] = rows; mk.strides[0] = n; mk.last_stride = 1;
+    } else {
+      mk.ndims = static_cast<int>(lead);
+      for (int64_t i = 0; i < lead; ++i) { mk.dims[i] = scores.size(i); mk.strides[i] = m.stride(i); }
+      mk.last_stride = m.stride(-1);
+    }
+    mk.ptr = m.data_ptr();
+  }
+  check(launch_softmax_mask(dt, x.data_ptr(), out.data_ptr(), rows, n, static_cast<float>(scale), mk,
+                            stream_of(scores)),
+        "softmax_mask");
+  return out;
+}
+
+}  // namespace
+}  // namespace graphopt
+
+TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
+  m.impl("softmax_mask", &graphopt::softmax_mask_cuda);
+}
+#endif  // __CUDA_ARCH__

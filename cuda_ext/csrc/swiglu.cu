@@ -60,3 +60,33 @@ cudaError_t launch_swiglu(int dtype, const void* in, void* out, int64_t rows, in
 }
 
 }  // namespace graphopt
+
+// ---- graphopt::swiglu (host side; torch headers stay out of the device passes)
+#ifndef __CUDA_ARCH__
+#include "host.h"
+
+namespace graphopt {
+namespace {
+
+at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
+  c10::cuda::CUDAGuard guard(gate_up.device());
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "graphopt::swiglu: last dim must be even (gate and up halves), got ", gate_up.sizes());
+  const int dt = dtype_code(gate_up.scalar_type());
+  at::Tensor in = gate_up.contiguous();
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  const int64_t H = shape.back() / 2;
+  shape.back() = H;
+  at::Tensor out = at::empty(shape, gate_up.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rows = H == 0 ? 0 : out.numel() / H;
+  check(launch_swiglu(dt, in.data_ptr(), out.data_ptr(), rows, H, stream_of(gate_up)), "swiglu");
+  return out;
+}
+
+}  // namespace
+}  // namespace graphopt
+
+TORCH_LIBRARY_IMPL(graphopt, CUDA, m) {
+  m.impl("swiglu", &graphopt::swiglu_cuda);
+}
+#endif  // __CUDA_ARCH__

@@ -42,6 +42,7 @@ import torch.fx as fx
 
 from .. import ir, timing
 from ..errors import GraphoptError
+from . import ops as op_costs
 from .profiles import DeviceProfile
 
 aten = torch.ops.aten
@@ -58,8 +59,7 @@ VIEW_OPS = {
 MAYBE_VIEW_OPS = {"reshape", "flatten", "contiguous", "to", "_to_copy", "type_as"}
 MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "_addmm_activation"}
 ADD_FIRST = {"addmm", "_addmm_activation", "baddbmm", "addbmm"}
-CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "cudnn_convolution",
-            "conv_bias_relu"}
+CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "cudnn_convolution"}
 ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                  "_scaled_dot_product_flash_attention_for_cpu"}
@@ -209,9 +209,9 @@ def _prod(xs):
     return out
 
 
-# norm kernels with one thread block per row (see DeviceProfile.norm_row_s)
 POOL_OPS = {"max_pool2d", "avg_pool2d", "max_pool2d_with_indices"}
-ROW_BLOCK_NORMS = {"layer_norm", "native_layer_norm", "add_layer_norm", "add_rms_norm"}
+# aten's norm kernels with one thread block per row (see norm_rows_seconds)
+ROW_BLOCK_NORMS = {"layer_norm", "native_layer_norm"}
 
 
 # 2-D projections cuBLASLt may split along K (see cublas_split_k)
@@ -272,49 +272,13 @@ def split_k_reduce_node_seconds(profile: DeviceProfile, node: fx.Node) -> float:
     return profile.gpu_seconds(0.0, (s * 4 + ir.infos(node)[0].dtype.itemsize) * M * N / profile.bandwidth)
 
 
-def linear_norm_seconds(profile: DeviceProfile, M, N, K, splits: int, dtype: torch.dtype, residual: bool,
-                        vectors: int) -> tuple[float, float, float, float]:
-    """(GEMM seconds, norm seconds, flops, bytes) of ``graphopt::linear_add_layer_norm``: a batched
-    GEMM over ``splits`` slices of K writing fp32 partial products, then one norm kernel reading
-    them (with the residual and ``vectors`` N-long parameters) and writing out and h."""
-    flops = 2 * M * N * K
-    partials = splits * M * N * 4
-    itemsize = dtype.itemsize
-    gemm_bytes = (M * K + N * K) * itemsize + partials
-    norm_bytes = partials + (M * N * (3 if residual else 2) + vectors * N) * itemsize
-    gemm = profile.kernel_seconds(flops / profile.matmul_rate(dtype), gemm_bytes / profile.bandwidth, "matmul")
-    norm = profile.kernel_seconds(10 * M * N / profile.elementwise_flops, norm_bytes / profile.bandwidth)
-    return gemm, norm, flops, gemm_bytes + norm_bytes
-
-
-# gemm_swiglu's output tile (graphopt.cuda_ext.gemm_triton.SWIGLU_CONFIGS[128]): 128 rows by 128
-# outputs, i.e. 256 columns of the gate+up product
-SWIGLU_TILE = (128, 256)
-
-
-def persistent_rounds_factor(profile: DeviceProfile, M, N, tile=SWIGLU_TILE) -> float:
-    """How much longer a persistent GEMM (one program per SM, output tiles dealt round-robin) takes
-    than its work at the full rate: its ceil(tiles / SMs) rounds over tiles / SMs, the last round
-    part idle. cuBLAS picks tile shapes and split strategies that avoid most of this, so the cost
-    model prices cuBLAS without it. The factor reproduces the persistent GEMM's time against
-    cuBLAS's on GLM-4's gate/up projection at 8192 and 1024 rows
-    (``benchmarks/diag/diag_swiglu_gemm.py``). 1.0 for symbolic sizes or an unknown SM count."""
-    sms = profile.sm_count or 0
-    try:
-        tiles = _cdiv(int(M), tile[0]) * _cdiv(int(N), tile[1])
-    except TypeError:
-        return 1.0
-    if not sms or not tiles:
-        return 1.0
-    return _cdiv(tiles, sms) * sms / tiles
-
-
 def norm_rows_seconds(profile: DeviceProfile, x: ir.TensorInfo):
-    """The block-scheduling floor of a one-block-per-row norm over x's last dim: rows *
-    profile.norm_row_s (0 where the profile has not measured it)."""
-    if not profile.norm_row_s or not x.shape:
+    """The block-scheduling floor of a one-block-per-row norm over x's last dim: rows * the
+    profile's ``op_efficiency["row_norm"]["row_s"]`` (0 where the profile has not measured it)."""
+    row_s = profile.efficiency("row_norm", "row_s", 0.0)
+    if not row_s or not x.shape:
         return 0.0
-    return x.numel / x.shape[-1] * profile.norm_row_s
+    return x.numel / x.shape[-1] * row_s
 
 
 class CostModel:
@@ -325,6 +289,7 @@ class CostModel:
         # node -> (what its price was computed from, (flops_bytes, NodeCost)): a pipeline prices
         # the whole graph after every pass that changes a few nodes (graph_cost, execution_cost)
         self._memo: dict = {}
+        self._op_memo: dict = {}  # graphopt node -> (the same key, its OpCost)
 
     def _memo_key(self, node: fx.Node):
         """Everything a call_function node's price reads: its target and arguments, its own and
@@ -345,6 +310,19 @@ class CostModel:
         return key, None
 
     # ------------------------------------------------------------------ per node
+
+    def op_cost(self, node: fx.Node) -> op_costs.OpCost:
+        """The OpCost of a node calling one of graphopt's ops (``torch.ops.graphopt.*``), from the
+        cost function its module registered (graphopt.cost.ops)."""
+        key = self._memo_key(node)
+        hit = self._op_memo.get(node)
+        if hit is not None and key is not None and _same(hit[0], key):
+            return hit[1]
+        fn = op_costs.op_cost_fn(_op_name(node))
+        out = fn(op_costs.op_call(node), self.profile)
+        if key is not None:
+            self._op_memo[node] = (key, out)
+        return out
 
     def flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
         """(flops, bytes, kernel launches, kind) of one node; kind in matmul/pointwise/free/..."""
@@ -372,6 +350,9 @@ class CostModel:
         outs = ir.infos(node)
         if not outs:
             return 0, 0, 0, "free"
+        if _namespace(node) == op_costs.NAMESPACE:  # our ops price themselves (graphopt.cost.ops)
+            c = self.op_cost(node)
+            return c.flops, c.bytes, c.launches, c.kind
         ins = ir.arg_infos(node)
         out_bytes = sum(o.nbytes for o in outs)
         in_bytes = sum(i.nbytes for i in ins)
@@ -383,10 +364,6 @@ class CostModel:
             if same and (name not in ("contiguous", "reshape", "flatten") or _is_contiguous(src)):
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
-        if name == "linear_add_layer_norm":
-            return 2 * outs[0].numel * ins[0].shape[-1], in_bytes + out_bytes, 2, "linear_norm"
-        if name == "gemm_swiglu":  # the GEMM runs over every (padded) gate and up row of the weight
-            return 2 * ins[0].numel * ins[1].shape[0], in_bytes + out_bytes, 1, "matmul"
         if name in MATMUL_OPS:
             # addmm-style ops take the bias first: the reduction dim is the first matrix's last
             k = (ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]).shape[-1]
@@ -394,37 +371,8 @@ class CostModel:
             flops = 2 * out.numel * k
             return flops, in_bytes + out_bytes, 1, "matmul"
         if name in CONV_OPS:
-            w = ins[1]
-            out = outs[0]
-            kernel = _prod(w.shape[1:])  # Cin/groups * kh * kw
-            flops = 2 * out.numel * kernel
-            # a kernel smaller than its stride (ResNet's 1x1 stride-2 downsample) reads only the
-            # input pixels its windows cover
-            x = ins[0]
-            if len(x.shape) == 4 == len(out.shape) == len(w.shape) and not (x.symbolic or out.symbolic or w.symbolic):
-                touched = x.shape[0] * x.shape[1] * out.shape[2] * out.shape[3] * w.shape[2] * w.shape[3] * x.dtype.itemsize
-                if touched < x.nbytes:
-                    in_bytes = in_bytes - x.nbytes + touched
-            return flops, in_bytes + out_bytes, 1, "matmul"
-        if name == "short_attention" and len(ins) >= 2:  # the kernel computes whole padded tiles, causal or not
-            q, k = ins[0], ins[1]
-            try:
-                B, H, sq, d = (int(x) for x in q.shape)
-                sk = int(k.shape[-2])
-            except TypeError:  # symbolic sizes: the unpadded work
-                return 4 * _prod(q.shape) * k.shape[-2], in_bytes + out_bytes, 1, "matmul"
-            from graphopt.cuda_ext.attention_triton import padded_flops
-            return padded_flops(B, H, sq, sk, d, self.profile.sm_count or 132), in_bytes + out_bytes, 1, "matmul"
-        if name == "decode_attention" and len(node.args) >= 5:  # the whole cache read: kv_len is a run-time value
-            q, k = ir.info(node.args[0]), ir.info(node.args[1])
-            extra = [ir.info(a).nbytes for a in node.args[3:5] if isinstance(a, fx.Node) and ir.info(a) is not None]
-            try:
-                from graphopt.cuda_ext.decode_attention_triton import cost
-                flops, nbytes, launches = cost(q.shape, k.shape, q.dtype.itemsize, sum(extra), 0,
-                                               self.profile.sm_count or 132)
-            except TypeError:  # symbolic sizes: one pass over q, the cache and the output
-                return 4 * _prod(q.shape) * k.shape[-2], in_bytes + out_bytes, 2, "matmul"
-            return flops, nbytes, launches, "matmul"
+            flops, nbytes = conv_flops_bytes(ins, outs)
+            return flops, nbytes, 1, "matmul"
         if name in ATTENTION_OPS:
             q, k = ins[0], ins[1]
             b_h = _prod(q.shape[:-2])
@@ -455,9 +403,7 @@ class CostModel:
             return outs[0].numel * window, in_bytes + out_bytes, 1, "reduction"
         weight = FLOP_WEIGHT.get(name, 1)
         numel = _prod([o.numel for o in outs[:1]])
-        if _namespace(node) == "graphopt":
-            kind = "fused"
-        elif name in ("softmax", "_softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm", "sum", "mean",
+        if name in ("softmax", "_softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm", "sum", "mean",
                       "amax", "var", "rms_norm", "native_layer_norm", "cumsum", "argmax", "max", "min"):
             kind = "reduction"
         else:
@@ -477,8 +423,8 @@ class CostModel:
     def _node_cost(self, node: fx.Node) -> NodeCost:
         flops, nbytes, launches, kind = self.flops_bytes(node)
         p = self.profile
-        if kind == "linear_norm":
-            return self._linear_norm_cost(node)
+        if node.op == "call_function" and _namespace(node) == op_costs.NAMESPACE and kind != "free":
+            return self._op_node_cost(node, self.op_cost(node))
         if kind == "region":  # its nodes' times plus their recomputation in backward
             cost = node.graph.owning_module.get_submodule(node.target).cost
             t = cost["time_s"] + cost["recompute_s"]
@@ -490,15 +436,9 @@ class CostModel:
             dtype = ir.arg_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
             eff = _efficiency_kind(node)
-            if _op_name(node) in CONV_OPS:
-                eff = "conv"
-                if dtype == torch.float32 and p.kind == "cuda":  # cuDNN has its own TF32 switch (on by default)
-                    rate = p.matmul_rate(dtype, allow_tf32=torch.backends.cudnn.allow_tf32)
-                if conv_layout_penalized(ir.arg_infos(node)[0], p):
-                    rate = rate / p.conv_nchw_slowdown
-                if p.kind == "cuda":
-                    rate = rate / conv_channel_padding(node, p)
-                if p.kind == "cuda" and _op_name(node) != "conv_bias_relu":
+            if eff == "conv":
+                rate = conv_rate(p, node)
+                if p.kind == "cuda":  # aten's convolution, not cuDNN's fused one the conv fit measures
                     rate = rate / p.conv_unfused_slowdown
             elif eff == "attention" and p.attention_tile:
                 rate = rate / attention_tile_waste(node, p.attention_tile)
@@ -506,16 +446,10 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
-        if eff == "decode_attention" and launches > 1:  # the combine kernel's own fixed time
-            memory = memory + (launches - 1) * p.kernel_fixed_s
-        if _op_name(node) == "gemm_swiglu":  # a persistent Triton GEMM: its last round of tiles part idle
-            x, w = ir.arg_infos(node)[:2]
-            f = persistent_rounds_factor(p, x.numel // x.shape[-1], w.shape[0])
-            compute, memory = compute * f, memory * f
         if p.narrow_copy_scale < 1.0 and _op_name(node) in COPY_OPS and narrow_copy(node):
             memory = memory / p.narrow_copy_scale
         if _op_name(node) in POOL_OPS:
-            memory = memory / p.pool_bandwidth_scale
+            memory = memory / p.efficiency("pool", "memory_scale", 1.0)
         if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
             dev = conv_device_s(p, node, compute, memory, bias=False)
             bias_dev = conv_bias_add_s(p, node)
@@ -545,22 +479,41 @@ class CostModel:
             bound = "memory"
         return NodeCost(node.name, _op_name(node), flops, nbytes, launches, compute, memory, t, bound)
 
-    def _linear_norm_cost(self, node: fx.Node) -> NodeCost:
-        x, w = ir.arg_infos(node)[:2]
-        res = len(node.args) > 3 and node.args[3] is not None
-        vectors = sum(1 for i in (2, 4, 5) if len(node.args) > i and node.args[i] is not None)
-        splits = node.args[7] if len(node.args) > 7 else node.kwargs.get("splits", 1)
-        M = x.numel // x.shape[-1]
-        gemm, norm, flops, nbytes = linear_norm_seconds(self.profile, M, w.shape[0], x.shape[-1], splits, x.dtype,
-                                                         res, vectors)
+    def _op_node_cost(self, node: fx.Node, c: op_costs.OpCost) -> NodeCost:
+        """NodeCost of one of our ops from its OpCost (see graphopt.cost.ops)."""
         p = self.profile
-        compute = flops / p.matmul_rate(x.dtype)
-        memory = nbytes / p.bandwidth
-        if 2 * p.launch_overhead_s >= _num(gemm + norm):
-            bound = "launch"
+        launches = c.launches
+        if c.rate is not None:
+            rate = c.rate
+        elif c.kind == "matmul":
+            rate = p.matmul_rate(ir.arg_infos(node)[0].dtype)
         else:
-            bound = "compute" if _num(compute) >= _num(memory) else "memory"
-        return NodeCost(node.name, _op_name(node), flops, nbytes, 2, compute, memory, gemm + norm, bound)
+            rate = p.elementwise_flops
+        compute = c.flops / rate
+        memory = c.bytes / p.bandwidth + c.extra_s
+        if c.slowdown != 1.0:
+            compute, memory = compute * c.slowdown, memory * c.slowdown
+        launch = launches * p.launch_overhead_s
+        if c.time_s is not None:  # its kernels priced one by one: launch-bound when they all are
+            t = c.time_s
+            bound = "launch" if launch >= _num(t) else ("compute" if _num(compute) >= _num(memory) else "memory")
+            return NodeCost(node.name, _op_name(node), c.flops, c.bytes, launches, compute, memory, t, bound)
+        if c.efficiency == "conv" and p.kind == "cuda":
+            dev = conv_device_s(p, node, compute, memory, bias=False)
+            gpu = _num(dev)
+            t = _smax(dev, launch) if launches else dev
+        else:
+            t = p.kernel_seconds(compute, memory, c.efficiency, launches)
+            if c.floor_s is not None:
+                t = _smax(t, c.floor_s)
+            gpu = _num(p.gpu_seconds(compute, memory, c.efficiency))
+        if launch >= gpu:
+            bound = "launch"
+        elif _num(compute) >= _num(memory):
+            bound = "compute"
+        else:
+            bound = "memory"
+        return NodeCost(node.name, _op_name(node), c.flops, c.bytes, launches, compute, memory, t, bound)
 
     # ------------------------------------------------------------------ per graph
 
@@ -615,7 +568,10 @@ class CostModel:
         if p.kind == "cuda" and p.host_op_s:
             host = p.host_op_s.get(_op_name(node), host)
         c = self.node_cost(node)
-        eff = _efficiency_kind(node) if kind == "matmul" else "memory"
+        if _namespace(node) == op_costs.NAMESPACE:
+            eff = self.op_cost(node).efficiency
+        else:
+            eff = _efficiency_kind(node) if kind == "matmul" else "memory"
         if eff == "conv" and p.kind == "cuda":
             return host, conv_device_s(p, node, c.compute_s, c.memory_s)
         return host, p.gpu_seconds(c.compute_s, c.memory_s, eff)
@@ -828,17 +784,12 @@ def _gemm_mnk(node: fx.Node):
 
 
 def _efficiency_kind(node: fx.Node) -> str:
-    """Which fitted efficiency a matmul-like node runs at: "conv", "attention", "short_attention"
-    or "matmul"."""
+    """Which fitted efficiency an aten matmul-like node runs at: "conv", "attention" or "matmul"."""
     name = _op_name(node)
     if name in CONV_OPS:
         return "conv"
     if name in ATTENTION_OPS or name in ATTENTION_BACKWARD_OPS:
         return "attention"
-    if name == "short_attention":
-        return "short_attention"
-    if name == "decode_attention":  # memory-bound: the plain roofline at the tensor-core rate
-        return "decode_attention"
     return "matmul"
 
 
@@ -919,6 +870,36 @@ def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s, bi
     return t + conv_bias_add_s(profile, node) if bias else t
 
 
+def conv_flops_bytes(ins: list, outs: list) -> tuple[object, object]:
+    """(FLOPs, bytes) of a convolution over ``ins`` = [x, w, ...] giving ``outs``: 2 x its
+    output's elements x the weight's elements per output channel; every input and output moved
+    once, except that a kernel smaller than its stride (ResNet's 1x1 stride-2 downsample) reads
+    only the input pixels its windows cover."""
+    x, w, out = ins[0], ins[1], outs[0]
+    flops = 2 * out.numel * _prod(w.shape[1:])  # Cin/groups * kh * kw
+    in_bytes = sum(i.nbytes for i in ins)
+    if len(x.shape) == 4 == len(out.shape) == len(w.shape) and not (x.symbolic or out.symbolic or w.symbolic):
+        touched = x.shape[0] * x.shape[1] * out.shape[2] * out.shape[3] * w.shape[2] * w.shape[3] * x.dtype.itemsize
+        if touched < x.nbytes:
+            in_bytes = in_bytes - x.nbytes + touched
+    return flops, in_bytes + sum(o.nbytes for o in outs)
+
+
+def conv_rate(profile: DeviceProfile, node: fx.Node):
+    """FLOP/s a cuDNN (oneDNN on the CPU) convolution node runs at before the conv fit: the matmul
+    rate of its dtype (cuDNN's own TF32 switch for fp32), over the NCHW slowdown where its layout
+    pays it and, on CUDA, over the channel padding of a convolution over few input channels."""
+    dtype = ir.arg_infos(node)[0].dtype
+    rate = profile.matmul_rate(dtype)
+    if dtype == torch.float32 and profile.kind == "cuda":  # cuDNN has its own TF32 switch (on by default)
+        rate = profile.matmul_rate(dtype, allow_tf32=torch.backends.cudnn.allow_tf32)
+    if conv_layout_penalized(ir.arg_infos(node)[0], profile):
+        rate = rate / profile.conv_nchw_slowdown
+    if profile.kind == "cuda":
+        rate = rate / conv_channel_padding(node, profile)
+    return rate
+
+
 def attention_tile_waste(node: fx.Node, tile: int) -> float:
     """The work an SDPA kernel does over sequences padded up to whole tiles of ``tile`` positions,
     per unit of the work the call asks for: (ceil(Sq / tile) * tile / Sq) * (same for Sk); ViT's
@@ -975,9 +956,10 @@ def narrow_conv_input(node: fx.Node) -> bool:
 def conv_bias_add_s(profile: DeviceProfile, node: fx.Node):
     """Device time of the kernel aten runs after a cuDNN convolution to add its bias (aten's
     cudnn_convolution takes none): read and write the output once at the profile's measured
-    ``conv_bias_add_scale`` of the copy rate. 0 for graphopt's fused convolution, a convolution
-    without a bias, and off CUDA (oneDNN applies the bias in the convolution)."""
-    if profile.kind != "cuda" or _op_name(node) not in CONV_OPS or _op_name(node) == "conv_bias_relu":
+    ``conv_bias_add_scale`` of the copy rate. 0 for graphopt's ops (its fused convolution adds the
+    bias in cuDNN), a convolution without a bias, and off CUDA (oneDNN applies the bias in the
+    convolution)."""
+    if profile.kind != "cuda" or _namespace(node) == op_costs.NAMESPACE or _op_name(node) not in CONV_OPS:
         return 0.0
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     out = ir.info(node)

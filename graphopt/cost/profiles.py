@@ -11,7 +11,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -65,13 +65,6 @@ class DeviceProfile:
     # of 8 (ResNet's 3-channel stem) than the conv fit (with the channel chunk) predicts (1.0: not measured)
     conv_narrow_input_slowdown: float = 1.0
     kernel_fixed_s: float = 0.0
-    # norm kernels that give each row its own thread block (aten's LayerNorm, graphopt's
-    # add_layer_norm / add_rms_norm) are bound by block scheduling when rows are narrow: at least
-    # rows * norm_row_s (0: not measured)
-    norm_row_s: float = 0.0
-    # fraction of the copy bandwidth pooling kernels reach (aten's max_pool2d over channels_last
-    # bf16 reads each input element once per window it is in; 1.0: not measured)
-    pool_bandwidth_scale: float = 1.0
     # an aten convolution (conv2d + its bias kernel, cuDNN's algorithm choice with
     # cudnn.benchmark as set) against the fused conv + bias + ReLU the conv fit measures
     # (1.0: not measured)
@@ -86,11 +79,6 @@ class DeviceProfile:
     attention_fixed_s: float | None = None
     attention_memory_scale: float | None = None
     attention_tile: int = 0
-    # graphopt::short_attention (the one-tile Triton kernel, cuda_ext/attention_triton.py):
-    # max(flops of its padded tiles / (peak * short_attention_scale), bytes / bandwidth)
-    # + short_attention_fixed_s; None: not measured, and passes/lower_attention.py leaves SDPA be
-    short_attention_scale: float | None = None
-    short_attention_fixed_s: float = 0.0
     # host (CPU) time to run one fx node that launches no kernel (an ATen view or metadata op,
     # dispatched from the GraphModule's generated code); a kernel node's host time is its
     # launch_overhead_s. Used by the host/device queue model of eager execution
@@ -125,6 +113,43 @@ class DeviceProfile:
     # fraction of a device's memory (or memory_cap) the partitioner leaves unplanned: the caching
     # allocator's block rounding and transients no plan sees (0: plan up to the cap)
     allocator_headroom: float = 0.0
+    # corrections measured for one op or kernel family, by key ({key: {field: value}}; a key
+    # absent: not measured). A key an op's cost function names as its efficiency prices it as
+    # max(flops / (peak * scale), bytes / (bandwidth * memory_scale)) + fixed_s (gpu_seconds);
+    # other fields are read by the code that names them. Keys in use:
+    #   "short_attention": scale, fixed_s: graphopt::short_attention (the one-tile Triton kernel),
+    #       the flops of its padded tiles; absent, passes/lower_attention.py leaves SDPA be
+    #   "row_norm": row_s: norm kernels that give each row its own thread block (aten's LayerNorm,
+    #       graphopt's add_layer_norm / add_rms_norm) take at least rows * row_s (block
+    #       scheduling bounds them when rows are narrow)
+    #   "pool": memory_scale: the fraction of the copy bandwidth aten's pooling kernels reach
+    #       (max_pool2d over channels_last bf16 reads each input element once per window it is in)
+    op_efficiency: dict = field(default_factory=dict)
+
+    def efficiency(self, key: str, name: str, default=None):
+        """Field ``name`` of the profile's ``op_efficiency[key]``, or ``default`` if not measured."""
+        return self.op_efficiency.get(key, {}).get(name, default)
+
+    def with_efficiency(self, key: str, entry: dict | None) -> "DeviceProfile":
+        """A copy with ``op_efficiency[key]`` set to ``entry`` (None: removed)."""
+        table = {k: dict(v) for k, v in self.op_efficiency.items() if k != key}
+        if entry is not None:
+            table[key] = dict(entry)
+        return replace(self, op_efficiency=table)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DeviceProfile":
+        """A profile from its JSON form; the per-op fields of older profiles (``norm_row_s``,
+        ``pool_bandwidth_scale``, ``short_attention_scale``, ``short_attention_fixed_s``) move
+        into ``op_efficiency``."""
+        data = dict(data)
+        table = {k: dict(v) for k, v in (data.pop("op_efficiency", None) or {}).items()}
+        for old, (key, name, unmeasured) in LEGACY_FIELDS.items():
+            if old in data:
+                v = data.pop(old)
+                if v != unmeasured and name not in table.get(key, {}):
+                    table.setdefault(key, {})[name] = v
+        return cls(**data, op_efficiency=table)
 
     def matmul_rate(self, dtype: torch.dtype, allow_tf32: bool | None = None) -> float:
         name = str(dtype).replace("torch.", "")
@@ -139,7 +164,8 @@ class DeviceProfile:
 
     def gpu_seconds(self, compute_s, memory_s, kind: str = "memory"):
         """Device time of one kernel: the roofline max of its compute and memory time, with the
-        fitted efficiency of its kind ("matmul", "conv" or a memory-bound kernel)."""
+        fitted efficiency of its kind ("matmul", "conv", "attention", a key of ``op_efficiency``,
+        or a memory-bound kernel)."""
         if kind == "conv":
             if self.conv_memory_scale is not None:
                 if self.conv_overlap:
@@ -148,9 +174,10 @@ class DeviceProfile:
             compute_s = compute_s / self.conv_scale + self.conv_fixed_s
         elif kind == "matmul":
             compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
-        elif kind == "short_attention" and self.short_attention_scale is not None:
-            return _max(compute_s / self.short_attention_scale, memory_s) + self.short_attention_fixed_s
-        elif kind in ("attention", "short_attention"):
+        elif kind in self.op_efficiency:
+            e = self.op_efficiency[kind]
+            return _max(compute_s / e.get("scale", 1.0), memory_s / e.get("memory_scale", 1.0)) + e.get("fixed_s", 0.0)
+        elif kind == "attention":
             if self.attention_scale is None:
                 compute_s = compute_s / self.matmul_scale + self.matmul_fixed_s
             elif self.attention_memory_scale is not None:
@@ -182,9 +209,17 @@ def _max(a, b):
     return sympy.Max(a, b)
 
 
+# fields of older profile JSONs -> (op_efficiency key, field, the value that meant "not measured")
+LEGACY_FIELDS = {
+    "norm_row_s": ("row_norm", "row_s", 0.0),
+    "pool_bandwidth_scale": ("pool", "memory_scale", 1.0),
+    "short_attention_scale": ("short_attention", "scale", None),
+    "short_attention_fixed_s": ("short_attention", "fixed_s", 0.0),
+}
+
+
 def _load_json(path: Path) -> DeviceProfile:
-    data = json.loads(path.read_text())
-    return DeviceProfile(**data)
+    return DeviceProfile.from_dict(json.loads(path.read_text()))
 
 
 def shipped() -> dict[str, Path]:

@@ -589,6 +589,7 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
     iters = 3 if quick else 5
     peak: dict[str, float] = {}
     source: dict[str, str] = {}
+    op_eff: dict[str, dict] = {}  # DeviceProfile.op_efficiency
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
         with torch.cuda.device(device):
@@ -649,8 +650,8 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
                 f"(compute at C_in / chunk of the rate; 0: none); {len(narrow)} convolution(s) whose input channels "
                 f"are not a multiple of 8 {(sorted(narrow)[len(narrow) // 2] if narrow else 1.0):.2f}x that")
             say("pooling bandwidth (ResNet-50 stem max_pool2d)")
-            extra_fit["pool_bandwidth_scale"] = _pool_bandwidth_scale(device, torch.bfloat16, bw, quick)
-            source["pool_bandwidth"] = f"{stamp}: max_pool2d 3x3/2 over 64x64x112x112 channels_last bf16"
+            op_eff["pool"] = {"memory_scale": _pool_bandwidth_scale(device, torch.bfloat16, bw, quick)}
+            source["pool"] = f"{stamp}: max_pool2d 3x3/2 over 64x64x112x112 channels_last bf16"
             say("attention efficiency (BERT/ViT/GLM-shaped bf16 SDPA)")
             attn = _attention_samples(device, torch.bfloat16, quick)
             afit = fit_conv(attn, peak["bfloat16"], bw, forms=(True,))
@@ -667,7 +668,7 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
                 source["short_attention"] = f"{stamp}: not measured ({type(e).__name__}: {str(e)[:120]})"
             else:
                 scale, fixed = _fit_efficiency(sa, peak["bfloat16"])
-                extra_fit.update(short_attention_scale=scale, short_attention_fixed_s=fixed)
+                op_eff["short_attention"] = {"scale": scale, "fixed_s": fixed}
                 source["short_attention"] = (
                     f"{stamp}: flops of the padded tiles / (peak * scale) + fixed fitted to {len(sa)} bf16 calls of "
                     "graphopt::short_attention shaped like BERT-base bs1/bs8/bs64, ViT-B/16 bs1 and a 256-token causal "
@@ -716,8 +717,9 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
     if base is not None:
         extra["conv_nchw_slowdown"] = base.conv_nchw_slowdown
         source["conv_nchw_slowdown"] = f"kept from the shipped {base.name} profile"
-        extra["norm_row_s"] = base.norm_row_s
-        source["norm_row_s"] = f"kept from the shipped {base.name} profile"
+        if "row_norm" in base.op_efficiency:
+            op_eff["row_norm"] = dict(base.op_efficiency["row_norm"])
+            source["row_norm"] = f"kept from the shipped {base.name} profile"
     name = base.name if base is not None else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     return DeviceProfile(
         name=name,
@@ -732,6 +734,7 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
         link_bandwidth=link,
         sm_count=int(props.multi_processor_count),
         compute_capability=[int(props.major), int(props.minor)],
+        op_efficiency=op_eff,
         **extra,
     )
 
@@ -788,14 +791,14 @@ def run_cli(args) -> int:
                                      f"{prof.conv_bias_add_scale:.0%} of the copy rate; input channels taken "
                                      f"{prof.conv_channel_chunk or 'n/a'} per tap; not a multiple of 8: "
                                      f"{prof.conv_narrow_input_slowdown:.1f}× slower)")
-        t.add_row("pooling bandwidth", f"{prof.pool_bandwidth_scale:.0%} of the copy rate")
+        t.add_row("pooling bandwidth", f"{prof.efficiency('pool', 'memory_scale', 1.0):.0%} of the copy rate")
         if prof.attention_scale is not None:
             mem = "" if prof.attention_memory_scale is None else f", bytes at {prof.attention_memory_scale:.0%} of the copy rate"
             t.add_row("attention efficiency", f"{prof.attention_scale:.0%} of peak{mem} + "
                                               f"{(prof.attention_fixed_s or 0) * 1e6:.1f} µs")
-        if prof.short_attention_scale is not None:
-            t.add_row("short attention (one tile)", f"{prof.short_attention_scale:.0%} of peak + "
-                                                    f"{prof.short_attention_fixed_s * 1e6:.1f} µs")
+        if prof.efficiency("short_attention", "scale") is not None:
+            t.add_row("short attention (one tile)", f"{prof.efficiency('short_attention', 'scale'):.0%} of peak + "
+                                                    f"{prof.efficiency('short_attention', 'fixed_s', 0.0) * 1e6:.1f} µs")
         t.add_row("memory-bound kernel fixed time", f"{prof.kernel_fixed_s * 1e6:.1f} µs")
     for k, v in prof.link_bandwidth.items():
         t.add_row(f"link {k}", _fmt_rate(v, "B/s"))

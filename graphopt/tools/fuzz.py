@@ -255,7 +255,7 @@ class ProgramModule(nn.Module):
 
 
 def _act(x, kind):
-    from ..cuda_ext.reference import activation  # the one table of activations (bias_act's reference)
+    from ..cuda_ext.ops.bias_act import activation  # the one table of activations (bias_act's reference)
 
     return activation(x, kind)
 

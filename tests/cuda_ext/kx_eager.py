@@ -3,7 +3,7 @@ today). Used for the accuracy rule's rmse comparison and by the benchmark."""
 import torch
 import torch.nn.functional as F
 
-from graphopt.cuda_ext.reference import activation
+from graphopt.cuda_ext.ops.bias_act import activation
 
 
 def bias_act(x, bias, act, residual, bias_dim=-1):

@@ -3,6 +3,7 @@ compute-sanitizer (memcheck, racecheck) by cuda_ext/gpu_check.sh. Not a pytest f
 import torch
 
 import graphopt.cuda_ext as ce
+from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 
 assert ce.backend() == "cuda", ce.backend_info()
 dev = "cuda"
@@ -27,7 +28,7 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
     for shape in [(2,), (3, 14), (5, 2046), (2, 8192), (3, 8194)]:
         ce.swiglu(r(*shape))
     for M, K, n in [(1, 8, 8), (129, 72, 136), (300, 4096, 264)]:  # bf16/fp16: the Triton GEMM; fp32: reference
-        ce.gemm_swiglu(r(M, K), ce.reference.interleave_gate_up(r(2 * n, K), 128), n, 128)
+        ce.gemm_swiglu(r(M, K), interleave_gate_up(r(2 * n, K), 128), n, 128)
     for shape, k, st, pd in [((2, 64, 13, 11), 3, 2, 1), ((1, 3, 7, 7), 3, 2, 1), ((1, 40, 9, 9), 5, 3, 2)]:
         ce.max_pool2d_nhwc(r(*shape).contiguous(memory_format=torch.channels_last), k, st, pd)
         ce.max_pool2d_nhwc(r(*shape), k, st, pd)

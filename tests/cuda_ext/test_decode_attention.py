@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.cuda_ext import decode_attention_triton as dat
-from graphopt.cuda_ext import ops
+from graphopt import cuda_ext as ops
 from graphopt.errors import KernelArgumentError
 from tests.helpers import run_in_triton_interpreter
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.cuda_ext import gemm_triton, reference
+from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 from tests.helpers import run_in_triton_interpreter, same_when_graphed
 
 
@@ -36,7 +37,7 @@ def interpreter_cases():
     cfg = (16, 16, 16, 2, 4)
     for M, K, n in [(40, 48, 24), (33, 40, 16), (16, 16, 8)]:
         x, w = _case(M, K, n, torch.float16, seed=M)
-        _check(gemm_triton.gemm_swiglu(x, reference.interleave_gate_up(w, 16), n, cfg, programs=3), x, w, n)
+        _check(gemm_triton.gemm_swiglu(x, interleave_gate_up(w, 16), n, cfg, programs=3), x, w, n)
         y = gemm_triton.gemm(x, w, cfg, programs=3)
         torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-2, atol=1e-2)
     print("interpreter cases ok")
@@ -54,21 +55,21 @@ def test_kernel_in_interpreter():
 def test_interleaved_layout():
     n, K, block = 6, 3, 4
     w = torch.arange(2 * n * K, dtype=torch.float32).reshape(2 * n, K) + 1
-    wi = reference.interleave_gate_up(w, block)
+    wi = interleave_gate_up(w, block)
     gate, up = w[:n], w[n:]
     assert wi.shape == (16, K)  # each half padded from 6 to 8 rows
     assert torch.equal(wi[0:4], gate[0:4]) and torch.equal(wi[4:8], up[0:4])
     assert torch.equal(wi[8:10], gate[4:6]) and torch.equal(wi[12:14], up[4:6])
     assert not wi[10:12].any() and not wi[14:16].any()
     with pytest.raises(ValueError, match="interleave_gate_up"):
-        reference.interleave_gate_up(w[:5], block)
+        interleave_gate_up(w[:5], block)
 
 
 def test_reference_matches_fp64_and_rounds_once():
     """The reference never rounds the projection: in bf16 it is closer to float64 than
     linear -> swiglu (two roundings)."""
     x, w = _case(64, 96, 40, torch.bfloat16, lead=(2,))
-    y = reference.gemm_swiglu(x, reference.interleave_gate_up(w, 16), 40, 16)
+    y = reference.gemm_swiglu(x, interleave_gate_up(w, 16), 40, 16)
     _check(y, x, w, 40)
     ref = _ref(x, w, 40)
     two = reference.swiglu(F.linear(x, w))
@@ -100,7 +101,7 @@ def test_op_on_gpu(dtype, shape):
         pytest.skip("the Triton GEMM needs sm_90+")
     M, K, n = shape
     x, w = _case(M, K, n, dtype, device="cuda", lead=(1,))
-    wi = reference.interleave_gate_up(w, gemm_triton.SWIGLU_BLOCK)
+    wi = interleave_gate_up(w, gemm_triton.SWIGLU_BLOCK)
     assert gemm_triton.supported(x, wi, n, 128) is None
     y = torch.ops.graphopt.gemm_swiglu(x, wi, n, 128)
     _check(y, x, w, n)

@@ -1,6 +1,7 @@
-"""The ops exist with the schemas of registration.cpp, have working fake (Meta) kernels, pass
-torch.library.opcheck, export with torch.export, and TorchScript modules calling them reload in
-a fresh process. Plus the build's compile-only check and error reporting."""
+"""The ops exist with the schemas their modules declare (one module per op in cuda_ext/ops), the op
+list and the C++ registrations follow from those modules, the ops have working fake (Meta)
+kernels, pass torch.library.opcheck, export with torch.export, and TorchScript modules calling
+them reload in a fresh process. Plus the build's compile-only check and error reporting."""
 import os
 import subprocess
 import sys
@@ -9,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt.cuda_ext as ce
 from graphopt.cuda_ext import build
 from graphopt.errors import KernelBuildError
+from kx_conformance import check_fake, check_opcheck
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,11 +79,34 @@ def sample_args(device="cpu"):
 
 
 def test_schemas_are_the_registered_ones():
-    assert ce.schemas() == EXPECTED
-    for name, schema in EXPECTED.items():
+    assert {n: s for n, s in ce.schemas().items() if n in EXPECTED} == EXPECTED
+    for name, schema in ce.schemas().items():
         op = getattr(torch.ops.graphopt, name).default
         assert str(op._schema) == f"graphopt::{schema}"
         assert torch.Tag.pt2_compliant_tag in op.tags
+
+
+def test_the_op_list_comes_from_the_op_modules():
+    ops = ce.registry.all_ops()
+    assert set(EXPECTED) <= set(ops)
+    for name, op in ops.items():
+        assert op.module == f"graphopt.cuda_ext.ops.{name}" and op.schema == EXPECTED.get(name, op.schema)
+        assert name in ce.__all__ and getattr(ce, name) is op.wrapper  # graphopt.cuda_ext.<op>
+        assert getattr(ce.reference, name) is op.reference
+        assert sys.modules[op.module].__doc__.startswith(f"graphopt::{name}")
+        assert (Path(ce.__file__).parent / op.kernel).is_file()
+
+
+def test_csrc_registers_the_cuda_kernel_of_exactly_the_compiled_ops():
+    """Each csrc/ source registers its own ops' CUDA kernels (TORCH_LIBRARY_IMPL): the ops whose
+    module names that source as its kernel, and no others; no source defines a schema."""
+    ops = ce.registry.all_ops()
+    assert ce.registry.csrc_registrations() == {n: op.kernel for n, op in ops.items() if op.compiled}
+    assert all(op.cuda is not None for op in ops.values() if not op.compiled)
+    for src in (Path(ce.__file__).parent / "csrc").iterdir():
+        assert "TORCH_LIBRARY(" not in src.read_text(), f"{src.name} defines schemas (they are in ops/)"
+    assert {p.name for p in build.source_files()} == {Path(op.kernel).name for op in ops.values() if op.compiled} | {
+        "variants.cpp"}
 
 
 def test_backend_reported():
@@ -95,16 +119,7 @@ def test_backend_reported():
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_fake_tensor_shapes(name):
-    args = sample_args()[name]
-    real = getattr(torch.ops.graphopt, name)(*args)
-    with FakeTensorMode() as mode:
-        fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor)
-                      else [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in a]
-                      if isinstance(a, list) else a for a in args)
-        fake = getattr(torch.ops.graphopt, name)(*fargs)
-    real = real if isinstance(real, (tuple, list)) else [real]
-    fake = fake if isinstance(fake, (tuple, list)) else [fake]
-    assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
+    check_fake(name, sample_args()[name])
 
 
 def test_meta_device():
@@ -116,9 +131,14 @@ def test_meta_device():
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_opcheck(name):
-    args = sample_args()[name]
-    torch.library.opcheck(getattr(torch.ops.graphopt, name).default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    check_opcheck(name, sample_args()[name])
+
+
+def test_every_op_has_the_conformance_checks():
+    """An op added after these: its own test runs kx_conformance.check_op on a call of it."""
+    tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    for name in set(ce.registry.all_ops()) - set(sample_args()):
+        assert f'check_op("{name}"' in tests, f"no test calls kx_conformance.check_op(\"{name}\", ...)"
 
 
 def test_torch_export_keeps_ops():
@@ -219,3 +239,41 @@ def test_check_compile_reports_first_error(tmp_path, monkeypatch):
     text = "\n".join(lines)
     assert "this_is_not_defined" in text and "error" in text and "full log:" in text
     assert (tmp_path / "logs" / "broken.cu.log").exists()
+
+
+LOAD_AS_ON_A_GPU = '''
+import warnings, torch
+torch.cuda.is_available = lambda: True  # ensure_loaded's cuda branch, with or without a GPU here
+torch.cuda.get_device_capability = lambda *a: (9, 0)
+warnings.simplefilter("error")  # no kernel registered twice
+import graphopt.cuda_ext as ce
+from graphopt.cuda_ext import registry
+assert ce.backend() == "cuda", ce.backend_info()
+for name, op in registry.all_ops().items():
+    where = [l for l in torch._C._dispatch_dump("graphopt::" + name).splitlines() if l.startswith("CUDA:")]
+    assert len(where) == 1 and (op.kernel if op.compiled else "registry.py") in where[0], (name, where)
+print("ok")
+'''
+LOAD_BY_HAND_FIRST = '''
+import sys, torch
+torch.ops.load_library(sys.argv[1])  # before graphopt defines the schemas
+import graphopt.cuda_ext as ce
+assert "already registered" in ce.backend_info()["reason"], ce.backend_info()
+assert "csrc/rotary.cu" in torch._C._dispatch_dump("graphopt::rotary")
+print("ok")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(build.find_cuda_home() is None, reason="needs nvcc")
+def test_the_library_registers_each_kernel_on_the_python_schema():
+    """The compiled library (built for sm_90, no GPU needed) loaded as ensure_loaded loads it:
+    after the schemas are defined from the op modules, each csrc op gets the CUDA kernel of its
+    own source and the Triton ops keep their Python dispatch; loaded by hand before graphopt,
+    its kernels attach once the schemas exist."""
+    so = build.build_kernels(arch_list=["sm_90"])
+    env = dict(os.environ, GRAPHOPT_KERNELS="cuda", GRAPHOPT_CACHE_DIR=str(build.cache_root()),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for code in (LOAD_AS_ON_A_GPU, LOAD_BY_HAND_FIRST):
+        p = subprocess.run([sys.executable, "-c", code, str(so)], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0 and p.stdout.split() == ["ok"], p.stderr[-3000:]

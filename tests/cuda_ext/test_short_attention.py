@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphopt.cuda_ext import attention_triton, ops, reference
+import graphopt.cuda_ext as ce
+from graphopt.cuda_ext import attention_triton, reference
 from graphopt.errors import KernelArgumentError
 from tests.helpers import run_in_triton_interpreter
 
@@ -104,12 +105,12 @@ def test_blocks_fill_the_device():
 def test_wrapper_refuses_bad_arguments(bad, match):
     q, k, v, _ = _inputs(1, 4, 4, 8, 60, 16, None, torch.float32)
     with pytest.raises(KernelArgumentError, match=match):
-        ops.short_attention(*bad(q, k, v))
+        ce.short_attention(*bad(q, k, v))
 
 
 def test_wrapper_defaults_to_one_over_sqrt_d():
     q, k, v, _ = _inputs(1, 2, 2, 6, 6, 16, None, torch.float32)
-    torch.testing.assert_close(ops.short_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    torch.testing.assert_close(ce.short_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
 
 
 @pytest.mark.cuda

@@ -71,7 +71,7 @@ def test_plain_layer_norm_gains_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_narrow_rows_take_the_many_rows_kernel(dtype):
     """ConvNeXt-shaped: 96-wide rows, 16K of them. aten's one-block-per-row kernel is priced by the
-    H200 profile's norm_row_s; the many-rows layer_norm wins. The same LayerNorm planned for a
+    H200 profile's row_norm efficiency; the many-rows layer_norm wins. The same LayerNorm planned for a
     profile without that measurement stays aten."""
     m = _randomize(nn.Sequential(nn.Linear(96, 96), nn.LayerNorm(96, eps=1e-6))).eval().to(dtype)
     x = torch.randn(4, 64, 64, 96, dtype=dtype)

@@ -115,7 +115,7 @@ def test_refusals(what, why):
     if what == "cpu":
         target = "cpu"
     elif what == "unmeasured":
-        target = dataclasses.replace(target, short_attention_scale=None)
+        target = target.with_efficiency("short_attention", None)
     model = Sdpa(dropout=0.1 if what == "dropout" else 0.0).eval()
     gm, res = _lower(model, (q, k, v), target=target)
     assert not res.rewrites and why in res.rejected[0].reason
@@ -147,6 +147,7 @@ def test_cost_model_prices_the_padded_tiles():
     p = graphed_h200()
     c = CostModel(p).node_cost(node)
     assert c.flops == 4 * 12 * 208 * 256 * 64
-    want = c.flops / (p.peak_flops["bfloat16"] * p.short_attention_scale) + p.short_attention_fixed_s
+    sa = p.op_efficiency["short_attention"]
+    want = c.flops / (p.peak_flops["bfloat16"] * sa["scale"]) + sa["fixed_s"]
     assert c.time_s == pytest.approx(want)
     assert res.rewrites[0].predicted_gain_s > 0

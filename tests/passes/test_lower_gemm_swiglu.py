@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 from graphopt import capture
-from graphopt.cost.model import persistent_rounds_factor
 from graphopt.cost.profiles import get_profile
+from graphopt.cuda_ext.ops.gemm_swiglu import persistent_rounds_factor
 from graphopt.pipeline import NO_FUSED_KERNELS, available, run_passes
 from tests.helpers import op_counts, reference_check
 

@@ -1,0 +1,57 @@
+"""graphopt::layer_norm: ``layer_norm`` over the last dim, fp32 statistics, one rounding to x's
+dtype.
+
+CUDA kernel: ``norm_triton.py``, a Triton program normalizing many rows at once (aten's kernel
+gives each row a thread block: scheduling-bound for narrow rows), rows up to
+``norm_triton.MAX_HIDDEN`` (8192) wide.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphopt.cost.model import norm_rows_seconds
+from graphopt.cost.ops import fused_cost
+
+from ..common import check_floating, check_norm_params, compute_dtype, fresh
+from ..registry import define_op
+
+SCHEMA = "layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor"
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """layer_norm over the last dim, fp32 statistics, one rounding to x's dtype."""
+    ct = compute_dtype(x.dtype)
+    h = x.shape[-1:] if x.dim() else (1,)
+    y = F.layer_norm(x.to(ct), h, None if weight is None else weight.to(ct), None if bias is None else bias.to(ct),
+                     eps)
+    return fresh(y.to(x.dtype), x)
+
+
+def fake(x, weight, bias, eps):
+    return x.new_empty(x.shape)
+
+
+def cuda(x, weight, bias, eps):
+    from ..norm_triton import layer_norm_triton
+
+    return layer_norm_triton(x, weight, bias, eps)
+
+
+def cost(call, profile):
+    """8 FLOPs an element (aten's layer_norm weight) and the one-block-per-row floor."""
+    return fused_cost(call, flops_per_element=8, floor_s=norm_rows_seconds(profile, call.inputs[0]))
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """``layer_norm`` over the last dim (up to 8192 wide) with fp32 statistics; on CUDA a Triton
+    kernel that normalizes many rows per program (fast for narrow rows, where one block per row
+    is scheduling-bound)."""
+    check_floating("layer_norm", x=x)
+    check_norm_params("layer_norm", x, weight=weight, bias=bias)
+    return torch.ops.graphopt.layer_norm(x, weight, bias, eps)
+
+
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=layer_norm, cost=cost, kernel="norm_triton.py",
+               cuda=cuda)

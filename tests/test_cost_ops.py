@@ -1,0 +1,176 @@
+"""graphopt's own ops are priced through the registry of graphopt.cost.ops, never by name: every op
+has the cost function its module declared, the cost model follows whatever is registered, no op
+name of ours appears in the cost model's code, and cost/ imports nothing above it. Old profile
+JSONs with per-op fields load into the op_efficiency table."""
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphopt.cuda_ext as ce
+from graphopt import capture
+from graphopt.cost import ops as op_costs
+from graphopt.cost.model import CostModel
+from graphopt.cost.ops import OpCost
+from graphopt.cost.profiles import LEGACY_FIELDS, DeviceProfile, get_profile
+
+COST = Path(op_costs.__file__).resolve().parent
+G = torch.ops.graphopt
+
+
+class AllOps(torch.nn.Module):
+    """One call of every op (fp32, small)."""
+
+    def forward(self, x, r, w, q, k, v, img, cw, wgu, wl, xl, mask):
+        a = G.bias_act(x, w[0], "gelu_tanh", r, -1)
+        o1, h1 = G.add_rms_norm(a, r, w[1], 1e-6)
+        o2, h2 = G.add_layer_norm(o1, h1, w[2], w[3], 1e-5)
+        o3, _ = G.rms_norm_add_rms_norm(o2, h2, w[1], w[2], 1e-6, 1e-6)
+        o4 = G.layer_norm(o3, w[0], None, 1e-5)
+        o5, h5 = G.linear_add_layer_norm(xl, wl, w[0], r, w[1], w[2], 1e-5, 4)
+        sw = G.swiglu(torch.cat([o4, h5], -1))
+        gs = G.gemm_swiglu(x, wgu, 24, 16)
+        qr, kr = G.rotary(q, k, q[..., :8].mean(1), q[..., :8].mean(1), False)
+        sm = G.softmax_mask(qr[:, :2] @ kr.transpose(-1, -2), 0.125, mask)
+        att = G.short_attention(qr, kr, v, mask, 0.125, False)
+        dec = G.decode_attention(qr[:, :, :1], kr, v, mask[..., :1, :], None, 0.125)
+        pw = G.fused_pointwise("%0 = input 0; %1 = tanh %0; out %1 f32", [o5])
+        c = G.conv_bias_relu(img, cw, None, None, [1, 1], [1, 1], [1, 1], 1)
+        p = G.max_pool2d_nhwc(c.contiguous(memory_format=torch.channels_last), 3, 2, 1)
+        return sw, gs, sm, att, dec, pw[0], p
+
+
+def _graph():
+    H, T = 32, 24
+    args = (torch.randn(T, H), torch.randn(T, H), torch.randn(4, H), torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16),
+            torch.randn(2, 2, 8, 16), torch.randn(2, 4, 9, 9).contiguous(memory_format=torch.channels_last),
+            torch.randn(8, 4, 3, 3), torch.randn(64, H), torch.randn(H, 64), torch.randn(T, 64),
+            torch.rand(2, 1, 1, 8) > 0.1)
+    return capture(AllOps().eval(), args)
+
+
+def _op_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("graphopt.")]
+
+
+def test_every_op_has_its_modules_cost_function():
+    ops = ce.registry.all_ops()
+    assert set(ops) <= set(op_costs.registered())
+    for name, op in ops.items():
+        assert op_costs.op_cost_fn(name) is op.cost
+        assert op_costs.op_cost_fn(f"graphopt::{name}") is op.cost
+    gm = _graph()
+    assert {str(n.target).split(".")[1] for n in _op_nodes(gm)} == set(ops)  # the graph calls every op
+    p = get_profile("h200")[0]
+    cm = CostModel(p)
+    for n in _op_nodes(gm):
+        c = ops[str(n.target).split(".")[1]].cost(op_costs.op_call(n), p)
+        assert cm.flops_bytes(n) == (c.flops, c.bytes, c.launches, c.kind)
+
+
+def test_the_cost_model_prices_whatever_is_registered(monkeypatch):
+    """Every op registered with the same stand-in cost: each node then costs exactly the roofline
+    of that stand-in, whatever its name (layer_norm is also an aten op the model knows)."""
+    gm = _graph()
+    p = get_profile("h200")[0]
+    stand_in = OpCost(flops=3e9, bytes=5e7, launches=2, kind="fused")
+    for name in ce.registry.all_ops():
+        monkeypatch.setitem(op_costs._COSTS, name, lambda call, profile: stand_in)
+    compute, memory = stand_in.flops / p.elementwise_flops, stand_in.bytes / p.bandwidth
+    cm = CostModel(p)
+    for n in _op_nodes(gm):
+        assert cm.flops_bytes(n) == (3e9, 5e7, 2, "fused")
+        c = cm.node_cost(n)
+        assert (c.compute_s, c.memory_s) == (compute, memory)
+        assert c.time_s == p.kernel_seconds(compute, memory, "memory", 2)
+        assert cm.node_times(n) == (2 * p.launch_overhead_s, p.gpu_seconds(compute, memory))
+
+
+def test_op_cost_fields_reach_the_time(monkeypatch):
+    """rate, slowdown, floor_s, time_s and an op_efficiency key each act on the node's time."""
+    gm = _graph()
+    node = next(n for n in _op_nodes(gm) if "swiglu.default" in str(n.target) and "gemm" not in str(n.target))
+    p = get_profile("h200")[0].with_efficiency("toy", {"scale": 0.5, "fixed_s": 1e-6})
+    price = lambda **kw: CostModel(p).node_cost(node)  # noqa: E731
+
+    def priced(**kw):
+        monkeypatch.setitem(op_costs._COSTS, "swiglu", lambda call, profile: OpCost(1e12, 1e9, **kw))
+        return price()
+
+    base = priced(kind="matmul", efficiency="matmul")
+    assert base.compute_s == 1e12 / p.matmul_rate(torch.float32)
+    assert priced(kind="matmul", efficiency="matmul", rate=1e15).compute_s == 1e12 / 1e15
+    slow = priced(kind="matmul", efficiency="matmul", slowdown=2.0)
+    assert (slow.compute_s, slow.memory_s) == (2 * base.compute_s, 2 * base.memory_s)
+    assert priced(floor_s=1.0).time_s == 1.0
+    assert priced(time_s=0.25, launches=3).time_s == 0.25
+    toy = priced(efficiency="toy")
+    assert toy.time_s == max(toy.compute_s / 0.5, toy.memory_s) + 1e-6
+
+
+def test_an_op_without_a_cost_function_is_an_error(monkeypatch):
+    from graphopt.errors import GraphoptError
+
+    gm = _graph()
+    node = next(n for n in _op_nodes(gm) if "rotary" in str(n.target))
+    monkeypatch.delitem(op_costs._COSTS, "rotary")
+    with pytest.raises(GraphoptError, match="graphopt::rotary has no cost function"):
+        CostModel(get_profile("h200")[0]).node_cost(node)
+
+
+def _code_strings(path: Path) -> set[str]:
+    """String constants of a module's code, docstrings and comments left out."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return {n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs}
+
+
+def test_the_cost_model_names_none_of_our_ops():
+    """No branch on a graphopt op's name in the cost model: our ops price themselves. (A name
+    that is also an aten op, layer_norm, is the aten op's there; the test above shows our node
+    never reaches it.)"""
+    ours = {n for n in ce.registry.all_ops() if not hasattr(torch.ops.aten, n)}
+    assert {"short_attention", "gemm_swiglu", "linear_add_layer_norm", "conv_bias_relu", "add_rms_norm"} <= ours
+    for path in (COST / "model.py", COST / "ops.py"):
+        found = {s for s in _code_strings(path) for name in ours if name in s}
+        assert not found, f"{path.name} names graphopt ops: {sorted(found)}"
+
+
+def test_cost_imports_nothing_above_it():
+    allowed = {"graphopt.ir", "graphopt.errors", "graphopt.timing"}
+    for path in sorted(COST.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = ("graphopt.cost" if node.level == 1 else "graphopt") + (f".{node.module}" if node.module else "")
+                mods = [base] if node.module else [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            for m in mods:
+                if m.startswith("graphopt"):
+                    assert m in allowed or m.startswith("graphopt.cost"), f"{path.name} imports {m}"
+
+
+def test_profiles_with_the_old_per_op_fields_load_the_same(tmp_path):
+    """A profile JSON written before op_efficiency (norm_row_s, pool_bandwidth_scale,
+    short_attention_scale, short_attention_fixed_s as fields) loads into the table."""
+    h200 = get_profile("h200")[0]
+    old = h200.to_dict()
+    table = old.pop("op_efficiency")
+    for field, (key, name, _) in LEGACY_FIELDS.items():
+        old[field] = table[key][name]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert get_profile(str(path))[0] == h200
+    # the old defaults meant "not measured": no entry
+    bare = {k: v for k, v in old.items() if k not in LEGACY_FIELDS}
+    unmeasured = DeviceProfile.from_dict({**bare, "norm_row_s": 0.0, "pool_bandwidth_scale": 1.0,
+                                          "short_attention_scale": None, "short_attention_fixed_s": 0.0})
+    assert unmeasured.op_efficiency == {}
+    assert DeviceProfile.from_dict(h200.to_dict()) == h200

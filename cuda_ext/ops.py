@@ -163,8 +163,14 @@ def linear_add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int = 128) -> torch.Tensor:
     """``silu(x @ Wg.T) * (x @ Wu.T)``, shape ``[..., n]``: a SwiGLU MLP's gate and up projections
     and its activation in one GEMM. ``weight`` is ``reference.interleave_gate_up(cat([Wg, Wu]),
-    block)``: Wg and Wu in alternating blocks of ``block`` rows."""
+    block)``: Wg and Wu in alternating blocks of ``block`` rows; or, with ``block=0``,
+    ``cat([Wg, Wu])`` itself ([2n, K])."""
     _projection("gemm_swiglu", x, weight, "rows")
+    if isinstance(block, int) and not isinstance(block, bool) and block == 0:
+        if not isinstance(n, int) or n < 1 or weight.shape[0] != 2 * n:
+            raise KernelArgumentError(f"graphopt::gemm_swiglu: block 0 takes cat([gate, up]) with n rows each; "
+                                      f"weight has {weight.shape[0]} rows, n={n!r}")
+        return torch.ops.graphopt.gemm_swiglu(x, weight, n, block)
     if not isinstance(block, int) or block < 1 or weight.shape[0] % (2 * block):
         raise KernelArgumentError(f"graphopt::gemm_swiglu: weight's {weight.shape[0]} rows are not pairs of "
                                   f"{block}-row gate and up blocks")

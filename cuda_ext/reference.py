@@ -185,17 +185,25 @@ def interleave_gate_up(w_gate_up: torch.Tensor, block: int) -> torch.Tensor:
 def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """``silu(x @ Wg.T) * (x @ Wu.T)`` ([..., n]): a SwiGLU MLP's gate and up projections and its
     activation, the projections never rounded. ``weight`` holds Wg and Wu as
-    :func:`interleave_gate_up` lays them out (blocks of ``block`` rows)."""
+    :func:`interleave_gate_up` lays them out (blocks of ``block`` rows), or, with ``block = 0``, as
+    ``cat([Wg, Wu])`` ([2n, K], the model's merged gate/up weight as it is)."""
     K = x.shape[-1] if x.dim() else 0
-    if (weight.dim() != 2 or weight.shape[1] != K or block < 1 or weight.shape[0] % (2 * block)
-            or not 0 < n <= weight.shape[0] // 2):
-        raise ValueError(f"graphopt::gemm_swiglu: weight {tuple(weight.shape)} is not gate and up blocks of {block} "
-                         f"rows over K={K} holding n={n} outputs")
+    if block == 0:
+        if weight.dim() != 2 or weight.shape[1] != K or n < 1 or weight.shape[0] != 2 * n:
+            raise ValueError(f"graphopt::gemm_swiglu: weight {tuple(weight.shape)} is not cat([gate, up]) over K={K} "
+                             f"with n={n} rows each (block 0)")
+        gate_w, up_w = weight[:n], weight[n:]
+    else:
+        if (weight.dim() != 2 or weight.shape[1] != K or block < 1 or weight.shape[0] % (2 * block)
+                or not 0 < n <= weight.shape[0] // 2):
+            raise ValueError(f"graphopt::gemm_swiglu: weight {tuple(weight.shape)} is not gate and up blocks of "
+                             f"{block} rows over K={K} holding n={n} outputs")
+        blocks = weight.reshape(-1, 2, block, K)
+        gate_w, up_w = blocks[:, 0].reshape(-1, K)[:n], blocks[:, 1].reshape(-1, K)[:n]
     ct = compute_dtype(x.dtype)
-    w = weight.to(ct).reshape(-1, 2, block, K)
     xc = x.to(ct)
-    gate = F.linear(xc, w[:, 0].reshape(-1, K)[:n])
-    up = F.linear(xc, w[:, 1].reshape(-1, K)[:n])
+    gate = F.linear(xc, gate_w.to(ct))
+    up = F.linear(xc, up_w.to(ct))
     return _fresh((F.silu(gate) * up).to(x.dtype), x)
 
 

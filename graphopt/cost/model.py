@@ -388,7 +388,11 @@ class CostModel:
         if name == "linear_add_layer_norm":
             return 2 * outs[0].numel * ins[0].shape[-1], in_bytes + out_bytes, 2, "linear_norm"
         if name == "gemm_swiglu":  # the GEMM runs over every (padded) gate and up row of the weight
-            return 2 * ins[0].numel * ins[1].shape[0], in_bytes + out_bytes, 1, "matmul"
+            rows = ins[1].shape[0]
+            if len(node.args) > 3 and node.args[3] == 0:  # halves layout: each half padded to the tile
+                half = SWIGLU_TILE[1] // 2
+                rows = 2 * _cdiv(node.args[2], half) * half
+            return 2 * ins[0].numel * rows, in_bytes + out_bytes, 1, "matmul"
         if name in MATMUL_OPS:
             # addmm-style ops take the bias first: the reduction dim is the first matrix's last
             k = (ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]).shape[-1]

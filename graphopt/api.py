@@ -248,6 +248,17 @@ def _run(fn, args, kwargs, training):
         return fn(*args, **kwargs)
 
 
+def _held(out):
+    """Outputs the guard keeps for the whole of optimize(): those on a GPU wait on the host when they
+    are larger than REFERENCE_ON_DEVICE_BYTES in total (the rule moves them back a chunk at a time)."""
+    leaves, spec = pytree.tree_flatten(out)
+    on_gpu = [x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cuda"]
+    if sum(x.numel() * x.element_size() for x in on_gpu) <= REFERENCE_ON_DEVICE_BYTES:
+        return out
+    leaves = [x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x for x in leaves]
+    return pytree.tree_unflatten(leaves, spec)
+
+
 class _AccuracyGuard:
     """The accuracy rule on the example inputs (and calibration batches): against an fp64
     reference, with the eager model's own error as the yardstick. A graph lowered to bf16/fp16
@@ -271,8 +282,9 @@ class _AccuracyGuard:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for a, k in self.batches:
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
-                    self._eager.append(_run(model, a, k, training))
-                self._ref64.append(accuracy.fp64_reference(model, a, k, offload_bytes=REFERENCE_ON_DEVICE_BYTES))
+                    self._eager.append(_held(_run(model, a, k, training)))
+                self._ref64.append(accuracy.fp64_reference(model, a, k, offload_bytes=REFERENCE_ON_DEVICE_BYTES,
+                                                           like=self._eager[-1]))
         self._low: dict = {}
         self._floor: dict = {}
         self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
@@ -299,14 +311,17 @@ class _AccuracyGuard:
         return self._ref64
 
     def _eager_low(self, dtype):
+        """The model hand-converted to ``dtype`` (what ``copy.deepcopy(model).to(dtype)`` computes), each
+        parameter converted when an op reads it rather than a converted copy of the model."""
         self._ready()
         if dtype not in self._low:
-            import copy
-
-            low = copy.deepcopy(self.model).to(dtype)
             cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-            self._low[dtype] = [_run(low, *pytree.tree_map(cast, (a, k)), self.training) for a, k in self.batches]
-            del low
+            outs = []
+            for a, k in self.batches:
+                with accuracy._Float64State(self.model, dtype), torch.random.fork_rng(
+                        devices=[self.device] if self.device.type == "cuda" else []):
+                    outs.append(_held(_run(self.model, *pytree.tree_map(cast, (a, k)), self.training)))
+            self._low[dtype] = outs
         return self._low[dtype]
 
     def _matmul_floor(self, dtype):
@@ -316,7 +331,7 @@ class _AccuracyGuard:
             for a, k in self.batches:
                 with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                         self._keep_buffers(self.model):
-                    outs.append(accuracy.matmul_floor(self.model, a, k, dtype, self.training))
+                    outs.append(_held(accuracy.matmul_floor(self.model, a, k, dtype, self.training)))
             self._floor[dtype] = outs
         return self._floor[dtype]
 

@@ -187,3 +187,89 @@ def test_fp64_reference_converts_large_weights_by_blocks(monkeypatch):
     want = _deepcopy_reference(model, (ids,), {})
     assert ref.dtype == torch.float64 and torch.allclose(ref, want, rtol=1e-12, atol=1e-12)
     assert tr.peak < 1000 * 64 * 8  # never the whole head or embedding in float64
+
+
+class _LM(torch.nn.Module):
+    """An embedding and a projection over weights above the block size (a decoder's ends)."""
+
+    def __init__(self, then=None):
+        super().__init__()
+        self.embed = torch.nn.Embedding(1000, 64)
+        self.head = torch.nn.Linear(64, 1000)
+        self.then = then
+        self.seen = {}
+
+    def forward(self, ids):
+        h = torch.relu(self.embed(ids))
+        self.seen.update(weight_dtype=self.head.weight.dtype, weight_shape=tuple(self.head.weight.shape))
+        out = self.head(h)
+        self.seen.update(out_dtype=out.dtype, out_shape=tuple(out.shape), out_device=out.device)
+        return out if self.then is None else self.then(out)
+
+
+def test_outputs_too_large_for_the_device_are_written_to_the_host_block_by_block(monkeypatch):
+    """A projection whose result has the shape of an output named in host_outputs writes it, block
+    by block, into host memory of that dtype; the model sees the float64 tensor it would have had."""
+    from graphopt.tools.memtrace import MemoryTrace
+
+    torch.manual_seed(0)
+    model, ids = _LM(), torch.randint(0, 1000, (2, 5))
+    monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)  # blocks of 100 rows
+    want = _deepcopy_reference(model, (ids,), {})
+    with MemoryTrace(record_ops=False) as tr, torch.no_grad(), \
+            accuracy._Float64State(model, host_outputs={(2, 5, 1000): torch.float32}):
+        out = model(ids.clone())
+    assert out.dtype == torch.float32 and torch.equal(out, want.float())
+    assert model.seen == {"weight_dtype": torch.float64, "weight_shape": (1000, 64), "out_dtype": torch.float64,
+                          "out_shape": (2, 5, 1000), "out_device": torch.device("cpu")}
+    assert tr.peak < 1000 * 64 * 8 and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_host_output_an_op_reads_comes_back_and_its_shape_stays_on_the_device(monkeypatch):
+    torch.manual_seed(0)
+    model, ids = _LM(then=lambda t: torch.tanh(t / 4) * 4), torch.randint(0, 1000, (2, 5))
+    monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)
+    want = _deepcopy_reference(model, (ids,), {})
+    state = accuracy._Float64State(model, host_outputs={(2, 5, 1000): torch.float32})
+    with torch.no_grad(), state:
+        out = model(ids)
+    assert out.dtype == torch.float64 and torch.allclose(out, want, rtol=1e-6, atol=1e-6)  # through float32
+    assert state.host_outputs == {}
+
+
+def test_fp64_reference_writes_a_large_low_precision_output_in_float32(monkeypatch):
+    """like=: an output whose float64 form is above offload_bytes is written where its projection
+    makes it, in float32 for a bf16 eager output (float64 for an fp32 one)."""
+    torch.manual_seed(0)
+    model, ids = _LM(), torch.randint(0, 1000, (2, 5))
+    monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)
+    want = _deepcopy_reference(model, (ids,), {})
+    with torch.no_grad():
+        eager = model(ids)
+    ref = accuracy.fp64_reference(model, (ids,), {}, offload_bytes=1000, like=eager.bfloat16())
+    assert ref.dtype == torch.float32 and torch.equal(ref, want.float())
+    ref = accuracy.fp64_reference(model, (ids,), {}, offload_bytes=1000, like=eager)
+    assert ref.dtype == torch.float64 and torch.allclose(ref, want, rtol=1e-12, atol=1e-12)
+    assert accuracy.host_dtype(torch.float16) == torch.float32
+
+
+def test_comparison_against_a_reference_on_another_device_or_dtype():
+    """The rule gives the same answer from a float32 copy of a bf16 output's reference."""
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(3000, dtype=torch.float64, generator=g)
+    eager = (ref + 0.01 * torch.randn(3000, dtype=torch.float64, generator=g)).bfloat16()
+    out = (ref + 0.012 * torch.randn(3000, dtype=torch.float64, generator=g)).bfloat16()
+    a, b = accuracy.check(out, ref, eager).leaves[0], accuracy.check(out, ref.float(), eager).leaves[0]
+    assert a.passed == b.passed and a.how == b.how == "rmse"
+    assert abs(a.rmse - b.rmse) < 1e-6 * a.rmse and abs(a.eager_rmse - b.eager_rmse) < 1e-6 * a.eager_rmse
+
+
+def test_comparison_chunks_stay_a_fraction_of_the_output(monkeypatch):
+    from graphopt.tools.memtrace import MemoryTrace
+
+    monkeypatch.setattr(accuracy, "_MIN_CHUNK", 1000)
+    ref = torch.randn(400_000, dtype=torch.float64)
+    out = ref.float() + 1e-3
+    with MemoryTrace(record_ops=False) as tr:
+        accuracy.check(out, ref, out)
+    assert tr.peak < ref.numel() * 8  # float64 temporaries of an eighth of the output at a time

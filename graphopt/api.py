@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import accuracy, ir, timing
+from . import accuracy, ir, setup_memory, timing
 from .capture import capture, flat_tensors, split_inputs
 from .cost.model import CostModel
 from .cost.profiles import get_profile
@@ -439,6 +439,7 @@ def optimize(
     microbatches: int = 1,
     schedule: str = "gpipe",
     virtual_stages: int | None = None,
+    weight_copies="auto",
 ) -> OptimizedModule:
     """Capture ``model``, run the pass pipeline ranked by the cost model, guard accuracy.
 
@@ -471,19 +472,63 @@ def optimize(
       example inputs are one micro-batch of a ``schedule`` ("gpipe"/"1f1b"/"interleaved1f1b": with
       ``virtual_stages`` (default 2) non-adjacent stages per device) pipeline of ``microbatches``
       (run multi-process with graphopt.runtime.distributed).
+    weight_copies: how much memory the constants the passes add may take (merged, converted,
+      folded weights: copies beside the model the caller keeps): "auto" (a quarter of the model's
+      bytes, or 4% of its device's memory where that is more), "allow", "none", a fraction of the
+      model's bytes or a size ("4GB"). A rewrite beyond it is refused with the reason in the report
+      (graphopt.setup_memory). The report's ``memory`` says what was added and, on a GPU,
+      optimize()'s peak (torch.cuda.max_memory_allocated; the device's peak statistic is reset when
+      optimize() starts).
     """
     timer = timing.PhaseTimer()
-    with timer.active(), _collect_young_only():
+    peak = _SetupPeak(model)
+    with timer.active(), _collect_young_only(), peak:
         opt = _optimize(model, example_inputs, device=device, target=target, passes=passes, disable=disable,
                         training=training, dynamic=dynamic, precision=precision, calibration_data=calibration_data,
                         cuda_graphs=cuda_graphs, on_new_shape=on_new_shape, check_accuracy=check_accuracy,
                         verify=verify, dump_dir=dump_dir, model_name=model_name, memory_budget=memory_budget,
                         checkpoint_backend=checkpoint_backend, devices=devices, memory_cap=memory_cap,
-                        microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
+                        microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                        weight_copies=weight_copies)
+    peak.record(opt.report)
     # the whole call, lowering (CUDA-graph planning) included; the phases sum to it
     opt.report.optimize_seconds = timer.total()
     opt.report.optimize_phases = timer.as_dict(opt.report.optimize_seconds)
     return opt
+
+
+class _SetupPeak:
+    """optimize()'s peak memory on the model's GPU: the device's peak statistic is reset on entry and
+    read on exit (torch.cuda.max_memory_allocated). Elsewhere the report's account stands in: the
+    model plus the most constants the passes held at once."""
+
+    def __init__(self, model: nn.Module):
+        dev = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+        self.device = dev if dev.type == "cuda" else None
+        self.start = self.peak = None
+
+    def __enter__(self):
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.device is not None and exc[0] is None:
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        return False
+
+    def record(self, report: Report) -> None:
+        mem = report.memory if report.memory is not None else {}
+        if self.peak is not None:
+            mem.update(setup_peak_bytes=self.peak, setup_start_bytes=self.start, setup_peak_source="measured")
+        elif "model_bytes" in mem:
+            mem.update(setup_peak_bytes=mem["model_bytes"] + mem.get("added_peak_bytes", 0.0),
+                       setup_start_bytes=None, setup_peak_source="account")
+        report.memory = mem
+        report.setup_peak_bytes = mem.get("setup_peak_bytes")
 
 
 @contextlib.contextmanager
@@ -508,7 +553,7 @@ def _collect_young_only():
 def _optimize(model, example_inputs, *, device, target, passes, disable, training, dynamic, precision,
               calibration_data, cuda_graphs, on_new_shape, check_accuracy, verify, dump_dir, model_name,
               memory_budget, checkpoint_backend, devices, memory_cap, microbatches, schedule,
-              virtual_stages=None) -> OptimizedModule:
+              virtual_stages=None, weight_copies="auto") -> OptimizedModule:
     t_start = time.perf_counter()
     if precision not in PRECISIONS:
         raise GraphoptError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -562,7 +607,8 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
             ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
                               dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
                               options={"precision": precision, "device": model_dev, "memory_budget": memory_budget,
-                                       "checkpoint_backend": checkpoint_backend})
+                                       "checkpoint_backend": checkpoint_backend},
+                              constants=setup_memory.account(weight_copies, model, model_dev))
             if devices is not None:
                 from .partition import resolve_devices
 
@@ -655,6 +701,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
         notes=notes,
         top_nodes=[{"node": c.node, "op": c.op, "ms": c.time_s * 1e3, "bound": c.bound} for c in top if c.time_s > 0],
         execution=execution,
+        memory={"model_bytes": setup_memory.model_bytes(model), **ctx.constants.as_dict()},
     )
     plan = ctx.options.get("partition_plan")
     if plan is not None:
@@ -674,7 +721,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
                                        memory_budget=memory_budget, checkpoint_backend=checkpoint_backend,
                                        devices=devices, memory_cap=memory_cap,
                                        microbatches=microbatches, schedule=schedule,
-                                       virtual_stages=virtual_stages), 8)
+                                       virtual_stages=virtual_stages, weight_copies=weight_copies), 8)
     elif on_new_shape != "error":
         raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")
     return opt

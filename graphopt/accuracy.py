@@ -217,13 +217,19 @@ class _Float64State(torch.overrides.TorchFunctionMode):
     host memory of that dtype (the device never holds it whole); an op that reads it later gets it
     back on the device (and outputs of that shape stay on the device from then on)."""
 
-    CHUNK_BYTES = 64 << 20  # converted bytes of a weight's block
+    # converted bytes of a weight's block: at most CHUNK_BYTES, and at most a 32nd of the model's own
+    # bytes (but not under MIN_CHUNK_BYTES), so what one op converts stays small beside the model
+    CHUNK_BYTES = 64 << 20
+    MIN_CHUNK_BYTES = 1 << 20
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float64, host_outputs: dict | None = None):
         super().__init__()
         self.dtype = dtype
-        self.params = {id(p) for p in model.parameters()}
-        self.buffers = {id(b) for b in model.buffers()}
+        params, buffers = list(model.parameters()), list(model.buffers())
+        self.params = {id(p) for p in params}
+        self.buffers = {id(b) for b in buffers}
+        own = sum(t.numel() * t.element_size() for t in (*params, *buffers))
+        self.block_bytes = min(self.CHUNK_BYTES, max(self.MIN_CHUNK_BYTES, own // 32))
         self.host_outputs = dict(host_outputs or {})
         self.on_host: dict = {}  # id -> [host tensor, its device, the device copy once an op read it]
 
@@ -245,7 +251,7 @@ class _Float64State(torch.overrides.TorchFunctionMode):
 
     def _big(self, w) -> bool:
         return (isinstance(w, torch.Tensor) and id(w) in self.params and w.is_floating_point()
-                and w.dim() == 2 and w.numel() * self.dtype.itemsize > self.CHUNK_BYTES)
+                and w.dim() == 2 and w.numel() * self.dtype.itemsize > self.block_bytes)
 
     def _metadata(self, name: str, func, args, kwargs):
         """The metadata the converted tensor would have (NotImplemented when ``args[0]`` is not ours)."""
@@ -271,7 +277,7 @@ class _Float64State(torch.overrides.TorchFunctionMode):
     def _projection(self, x, w, b):
         """``linear(x, w, b)`` over blocks of w's rows converted one at a time, written into one output
         (on the host when its shape is one of ``host_outputs``)."""
-        rows = max(1, self.CHUNK_BYTES // (w.shape[1] * self.dtype.itemsize))
+        rows = max(1, self.block_bytes // (w.shape[1] * self.dtype.itemsize))
         shape = (*x.shape[:-1], w.shape[0])
         held = self.host_outputs.get(tuple(shape))
         out = torch.empty(shape, dtype=held or self.dtype, device="cpu" if held else x.device)

@@ -183,11 +183,22 @@ def _to_double(x):
     return x
 
 
-def host_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a float64 reference for an output of ``dtype`` waits in on the host: float32 for a
-    bf16/fp16 output (its rounding, 2^-24 relative, is 2^-16 of the output dtype's: invisible to the
-    rule, half the bytes to move), float64 otherwise."""
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a large float64 reference output is kept in, for an eager output of ``dtype``: float32
+    for a bf16/fp16 output (its rounding, 2^-24 relative, is 2^-16 of the output dtype's: invisible to
+    the rule, half the bytes to hold and move), float64 otherwise."""
     return torch.float32 if dtype in LOW_PRECISION else torch.float64
+
+
+def offload(out, nbytes: float):
+    """``out`` with its GPU tensors moved to the host when they hold more than ``nbytes`` in total (the
+    rule compares chunk by chunk on the output's device, moving them back a chunk at a time)."""
+    leaves, spec = pytree.tree_flatten(out)
+    on_gpu = [x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cuda"]
+    if sum(x.numel() * x.element_size() for x in on_gpu) <= nbytes:
+        return out
+    leaves = [x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x for x in leaves]
+    return pytree.tree_unflatten(leaves, spec)
 
 
 # the tensor metadata a model may read from a weight without computing with it
@@ -212,17 +223,18 @@ class _Float64State(torch.overrides.TorchFunctionMode):
     weight's metadata (shape, dtype, device...) converts nothing. Only the tensors one call reads
     exist converted at a time (a block of the largest weight, not all of them).
 
-    ``host_outputs``: ``{shape: dtype}`` of outputs too large to wait on the device: a projection
-    over a large weight whose result has one of these shapes writes it, block by block, straight into
-    host memory of that dtype (the device never holds it whole); an op that reads it later gets it
-    back on the device (and outputs of that shape stay on the device from then on)."""
+    ``narrow_outputs``: ``{shape: dtype}`` of outputs kept in a narrower dtype (a decoder's logits:
+    :func:`reference_dtype`): a projection over a large weight whose result has one of these shapes
+    writes it, block by block, into a tensor of that dtype (never whole in float64); the model sees
+    the float64 tensor it would have had (metadata included), and an op that reads it gets it back
+    in float64 (after which outputs of that shape are made in float64 again)."""
 
     # converted bytes of a weight's block: at most CHUNK_BYTES, and at most a 32nd of the model's own
     # bytes (but not under MIN_CHUNK_BYTES), so what one op converts stays small beside the model
     CHUNK_BYTES = 64 << 20
     MIN_CHUNK_BYTES = 1 << 20
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float64, host_outputs: dict | None = None):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float64, narrow_outputs: dict | None = None):
         super().__init__()
         self.dtype = dtype
         params, buffers = list(model.parameters()), list(model.buffers())
@@ -230,19 +242,19 @@ class _Float64State(torch.overrides.TorchFunctionMode):
         self.buffers = {id(b) for b in buffers}
         own = sum(t.numel() * t.element_size() for t in (*params, *buffers))
         self.block_bytes = min(self.CHUNK_BYTES, max(self.MIN_CHUNK_BYTES, own // 32))
-        self.host_outputs = dict(host_outputs or {})
-        self.on_host: dict = {}  # id -> [host tensor, its device, the device copy once an op read it]
+        self.narrow_outputs = dict(narrow_outputs or {})
+        self.narrowed: dict = {}  # id -> [the narrow tensor, its float64 form once an op read it]
 
     def _swap(self, x):
         if not isinstance(x, torch.Tensor):
             return x
         key = id(x)
-        if key in self.on_host:
-            entry = self.on_host[key]
-            if entry[2] is None:  # not an output after all: back to the device, and no more of its shape go out
-                entry[2] = entry[0].to(device=entry[1], dtype=self.dtype)
-                self.host_outputs.pop(tuple(entry[0].shape), None)
-            return entry[2]
+        if key in self.narrowed:
+            entry = self.narrowed[key]
+            if entry[1] is None:  # not an output after all: float64 again, and for its shape from now on
+                entry[1] = entry[0].to(self.dtype)
+                self.narrow_outputs.pop(tuple(entry[0].shape), None)
+            return entry[1]
         if key in self.params:
             return x.detach().to(self.dtype) if x.is_floating_point() else x.detach()
         if key in self.buffers:
@@ -259,34 +271,27 @@ class _Float64State(torch.overrides.TorchFunctionMode):
         if not isinstance(x, torch.Tensor):
             return NotImplemented
         key = id(x)
-        if key in self.on_host:
-            host, device = self.on_host[key][0], self.on_host[key][1]
-            if name in _DEVICE_METADATA:
-                return {"device": device, "is_cuda": device.type == "cuda",
-                        "get_device": device.index if device.type == "cuda" else -1}[name]
-            stand_in = torch.empty(host.shape, dtype=self.dtype, device="meta")
-        elif key in self.params or key in self.buffers:
-            if name in _DEVICE_METADATA:
-                return func(*args, **kwargs)
-            stand_in = torch.empty_strided(x.shape, x.stride(), device="meta",
-                                           dtype=self.dtype if x.is_floating_point() else x.dtype)
-        else:
+        if key not in self.narrowed and key not in self.params and key not in self.buffers:
             return NotImplemented
+        if name in _DEVICE_METADATA:
+            return func(*args, **kwargs)
+        stand_in = torch.empty_strided(x.shape, x.stride(), device="meta",
+                                       dtype=self.dtype if x.is_floating_point() else x.dtype)
         return func(stand_in, *args[1:], **kwargs)
 
     def _projection(self, x, w, b):
         """``linear(x, w, b)`` over blocks of w's rows converted one at a time, written into one output
-        (on the host when its shape is one of ``host_outputs``)."""
+        (of the narrow dtype when its shape is one of ``narrow_outputs``)."""
         rows = max(1, self.block_bytes // (w.shape[1] * self.dtype.itemsize))
         shape = (*x.shape[:-1], w.shape[0])
-        held = self.host_outputs.get(tuple(shape))
-        out = torch.empty(shape, dtype=held or self.dtype, device="cpu" if held else x.device)
+        narrow = self.narrow_outputs.get(tuple(shape))
+        out = torch.empty(shape, dtype=narrow or self.dtype, device=x.device)
         for i in range(0, w.shape[0], rows):
             part = torch.nn.functional.linear(x, w[i:i + rows].detach().to(self.dtype), None if b is None else b[i:i + rows])
-            out[..., i:i + rows].copy_(part if held is None else part.to(held))
+            out[..., i:i + rows].copy_(part)
             del part
-        if held is not None:
-            self.on_host[id(out)] = [out, x.device, None]
+        if narrow is not None:
+            self.narrowed[id(out)] = [out, None]
         return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -309,33 +314,34 @@ class _Float64State(torch.overrides.TorchFunctionMode):
 
 
 def fp64_reference(model: torch.nn.Module, args: tuple, kwargs: dict, *, offload_bytes: float | None = None,
-                   like=None):
+                   like=None, large_bytes: float | None = None):
     """The model run in float64 on float64 copies of the inputs: what ``copy.deepcopy(model).double()``
     computes, with each parameter and buffer converted when an op reads it (:class:`_Float64State`)
     instead of a float64 copy of the whole model beside it.
 
-    ``offload_bytes``: outputs on a GPU larger than this in total wait on the host (the rule compares
-    chunk by chunk on the output's device). ``like``: the eager outputs of the same call (their
-    shapes and dtypes); an output whose float64 form alone exceeds ``offload_bytes`` is then written
-    straight into host memory where a projection makes it (a decoder's logits), and a reference
-    waiting on the host takes the dtype :func:`host_dtype` gives for its eager output's."""
+    ``like`` (the eager outputs of the same call: their shapes and dtypes) and ``large_bytes``: an
+    output whose float64 form is larger than ``large_bytes`` is kept in :func:`reference_dtype` of its
+    eager output's dtype, written so where a projection makes it (a decoder's logits: never whole in
+    float64). ``offload_bytes``: outputs on a GPU larger than this in total are then moved to the host
+    (:func:`offload`; a device sync)."""
     a, k = pytree.tree_map(_to_double, (args, kwargs))
     likes = flatten_outputs(like) if like is not None else []
-    host_outputs = {}
-    if offload_bytes is not None:
-        host_outputs = {tuple(e.shape): host_dtype(e.dtype) for e in likes
-                        if e.is_floating_point() and e.numel() * 8 > offload_bytes}
-    with torch.no_grad(), _Float64State(model, host_outputs=host_outputs):
+    narrow = {}
+    if large_bytes is not None:
+        narrow = {tuple(e.shape): reference_dtype(e.dtype) for e in likes
+                  if e.is_floating_point() and e.numel() * 8 > large_bytes and reference_dtype(e.dtype) != torch.float64}
+    with torch.no_grad(), _Float64State(model, narrow_outputs=narrow):
         out = model(*a, **k)
-    if offload_bytes is not None:
+    if narrow:  # a large output another op made: narrowed at the end
         leaves, spec = pytree.tree_flatten(out)
-        on_gpu = [x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cuda"]
-        if sum(x.numel() * x.element_size() for x in on_gpu) > offload_bytes:
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            dtypes = {id(t): host_dtype(e.dtype) for t, e in zip(tensors, likes)} if len(tensors) == len(likes) else {}
-            leaves = [x.to("cpu", dtypes.get(id(x), x.dtype) if x.is_floating_point() else x.dtype)
-                      if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x for x in leaves]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if len(tensors) == len(likes):
+            want = {id(t): narrow.get(tuple(t.shape)) for t, e in zip(tensors, likes)
+                    if t.dtype == torch.float64 and t.shape == e.shape}
+            leaves = [x.to(want[id(x)]) if isinstance(x, torch.Tensor) and want.get(id(x)) else x for x in leaves]
             out = pytree.tree_unflatten(leaves, spec)
+    if offload_bytes is not None:
+        out = offload(out, offload_bytes)
     return out
 
 

@@ -251,12 +251,7 @@ def _run(fn, args, kwargs, training):
 def _held(out):
     """Outputs the guard keeps for the whole of optimize(): those on a GPU wait on the host when they
     are larger than REFERENCE_ON_DEVICE_BYTES in total (the rule moves them back a chunk at a time)."""
-    leaves, spec = pytree.tree_flatten(out)
-    on_gpu = [x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cuda"]
-    if sum(x.numel() * x.element_size() for x in on_gpu) <= REFERENCE_ON_DEVICE_BYTES:
-        return out
-    leaves = [x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x for x in leaves]
-    return pytree.tree_unflatten(leaves, spec)
+    return accuracy.offload(out, REFERENCE_ON_DEVICE_BYTES)
 
 
 class _AccuracyGuard:
@@ -271,6 +266,7 @@ class _AccuracyGuard:
         self.model, self.training, self.device = model, training, device
         self.batches = [(args, kwargs)] + [split_inputs(b) for b in (calibration_data or [])]
         self._ref64, self._eager = [], []
+        self._ref64_ready = False
         # On a GPU the eager and fp64 runs are queued on a side stream, so the passes (which run
         # meanwhile and sync on their own small work, e.g. a mask proven causal) do not wait for
         # them; the first use of their outputs joins the streams (_ready). Training runs stay on
@@ -283,22 +279,28 @@ class _AccuracyGuard:
             for a, k in self.batches:
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
                     self._eager.append(_held(_run(model, a, k, training)))
-                self._ref64.append(accuracy.fp64_reference(model, a, k, offload_bytes=REFERENCE_ON_DEVICE_BYTES,
-                                                           like=self._eager[-1]))
+                # large outputs' references are kept in float32 for bf16/fp16 outputs, and wait on the
+                # host from the first check on (_ready): moving them now would wait for the run
+                self._ref64.append(accuracy.fp64_reference(model, a, k, like=self._eager[-1],
+                                                           large_bytes=REFERENCE_ON_DEVICE_BYTES))
         self._low: dict = {}
         self._floor: dict = {}
         self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
 
     def _ready(self) -> None:
-        """Join the side stream the reference runs were queued on (once)."""
-        if self._stream is None:
+        """Join the side stream the reference runs were queued on, and move references larger than
+        REFERENCE_ON_DEVICE_BYTES to the host (once)."""
+        if self._ref64_ready:
             return
-        cur = torch.cuda.current_stream(self.device)
-        cur.wait_stream(self._stream)
-        for t in pytree.tree_leaves((self._eager, self._ref64)):
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                t.record_stream(cur)  # made on the side stream, read (and freed) on this one
-        self._stream = None
+        self._ref64_ready = True
+        if self._stream is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self._stream)
+            for t in pytree.tree_leaves((self._eager, self._ref64)):
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    t.record_stream(cur)  # made on the side stream, read (and freed) on this one
+            self._stream = None
+        self._ref64 = [_held(r) for r in self._ref64]
 
     @property
     def eager(self) -> list:
@@ -503,7 +505,9 @@ class _SetupPeak:
     model plus the most constants the passes held at once."""
 
     def __init__(self, model: nn.Module):
-        dev = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+        dev = torch.device("cpu")
+        if isinstance(model, nn.Module):  # (anything else is refused with its error inside optimize)
+            dev = next((t.device for t in (*model.parameters(), *model.buffers())), dev)
         self.device = dev if dev.type == "cuda" else None
         self.start = self.peak = None
 

@@ -207,9 +207,9 @@ class _LM(torch.nn.Module):
         return out if self.then is None else self.then(out)
 
 
-def test_outputs_too_large_for_the_device_are_written_to_the_host_block_by_block(monkeypatch):
-    """A projection whose result has the shape of an output named in host_outputs writes it, block
-    by block, into host memory of that dtype; the model sees the float64 tensor it would have had."""
+def test_large_outputs_are_written_in_their_narrow_dtype_block_by_block(monkeypatch):
+    """A projection whose result has the shape of an output named in narrow_outputs writes it, block by
+    block, in that dtype; the model sees the float64 tensor it would have had, metadata included."""
     from graphopt.tools.memtrace import MemoryTrace
 
     torch.manual_seed(0)
@@ -217,7 +217,7 @@ def test_outputs_too_large_for_the_device_are_written_to_the_host_block_by_block
     monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)  # blocks of 100 rows
     want = _deepcopy_reference(model, (ids,), {})
     with MemoryTrace(record_ops=False) as tr, torch.no_grad(), \
-            accuracy._Float64State(model, host_outputs={(2, 5, 1000): torch.float32}):
+            accuracy._Float64State(model, narrow_outputs={(2, 5, 1000): torch.float32}):
         out = model(ids.clone())
     assert out.dtype == torch.float32 and torch.equal(out, want.float())
     assert model.seen == {"weight_dtype": torch.float64, "weight_shape": (1000, 64), "out_dtype": torch.float64,
@@ -225,32 +225,37 @@ def test_outputs_too_large_for_the_device_are_written_to_the_host_block_by_block
     assert tr.peak < 1000 * 64 * 8 and all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_a_host_output_an_op_reads_comes_back_and_its_shape_stays_on_the_device(monkeypatch):
+def test_a_narrowed_output_an_op_reads_comes_back_in_float64_and_its_shape_is_made_wide_again(monkeypatch):
     torch.manual_seed(0)
     model, ids = _LM(then=lambda t: torch.tanh(t / 4) * 4), torch.randint(0, 1000, (2, 5))
     monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)
     want = _deepcopy_reference(model, (ids,), {})
-    state = accuracy._Float64State(model, host_outputs={(2, 5, 1000): torch.float32})
+    state = accuracy._Float64State(model, narrow_outputs={(2, 5, 1000): torch.float32})
     with torch.no_grad(), state:
         out = model(ids)
     assert out.dtype == torch.float64 and torch.allclose(out, want, rtol=1e-6, atol=1e-6)  # through float32
-    assert state.host_outputs == {}
+    assert state.narrow_outputs == {}
 
 
-def test_fp64_reference_writes_a_large_low_precision_output_in_float32(monkeypatch):
-    """like=: an output whose float64 form is above offload_bytes is written where its projection
-    makes it, in float32 for a bf16 eager output (float64 for an fp32 one)."""
+def test_fp64_reference_keeps_a_large_low_precision_output_in_float32(monkeypatch):
+    """like= and large_bytes: an output whose float64 form is above large_bytes is kept in float32 for a
+    bf16 eager output (written so by its projection, or narrowed at the end), float64 for an fp32 one."""
     torch.manual_seed(0)
     model, ids = _LM(), torch.randint(0, 1000, (2, 5))
     monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)
     want = _deepcopy_reference(model, (ids,), {})
     with torch.no_grad():
         eager = model(ids)
-    ref = accuracy.fp64_reference(model, (ids,), {}, offload_bytes=1000, like=eager.bfloat16())
+    ref = accuracy.fp64_reference(model, (ids,), {}, large_bytes=1000, like=eager.bfloat16())
     assert ref.dtype == torch.float32 and torch.equal(ref, want.float())
-    ref = accuracy.fp64_reference(model, (ids,), {}, offload_bytes=1000, like=eager)
+    ref = accuracy.fp64_reference(model, (ids,), {}, large_bytes=1000, like=eager)
     assert ref.dtype == torch.float64 and torch.allclose(ref, want, rtol=1e-12, atol=1e-12)
-    assert accuracy.host_dtype(torch.float16) == torch.float32
+    small = torch.nn.Linear(8, 300)  # its weight is not large: the output is narrowed at the end
+    x = torch.randn(4, 8)
+    ref = accuracy.fp64_reference(small, (x,), {}, large_bytes=1000, like=small(x).half())
+    assert ref.dtype == torch.float32 and torch.equal(ref, accuracy.fp64_reference(small, (x,), {}).float())
+    assert accuracy.reference_dtype(torch.float16) == torch.float32
+    assert accuracy.reference_dtype(torch.float32) == torch.float64
 
 
 def test_comparison_against_a_reference_on_another_device_or_dtype():

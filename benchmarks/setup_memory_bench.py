@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-COMPILE_S_PER_LAYER = 1.8  # torch.compile of GLM-4-9B's 40 layers took ~70 s on the H200
+COMPILE_S_PER_LAYER = 1.8  # the estimate --budget-s uses (issue 29: GLM-4-9B's 40 layers compiled in ~70 s)
 
 VARIANTS = {  # name: (model, batch)
     "glm4-9b-bs1": ("glm4-9b", 1),

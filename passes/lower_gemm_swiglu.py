@@ -3,21 +3,21 @@ whose epilogue applies the activation (``graphopt::gemm_swiglu``).
 
 After merge_sibling_linears and fuse_swiglu a SwiGLU MLP (GLM-4, Llama) runs ``gate_up = linear(x,
 W)`` (cuBLAS), then ``graphopt.swiglu(gate_up)``, a memory-bound kernel that reads the [M, 2n]
-product and writes the [M, n] activation: at GLM-4-9B bs8 (8192 x 4096 x 27392) 0.164 ms a layer at
-the copy rate, after a 2.77 ms GEMM. Here a persistent TMA GEMM (``cuda_ext/gemm_triton.py``) reads
-W = cat([Wg, Wu]) as it is (the op's halves layout, ``block = 0``): each k-step of an output tile
-loads a block of gate rows and the matching block of up rows into two fp32 accumulators and the
-epilogue stores ``silu(gate) * up``: the [M, 2n] product is never written or read, the projection
-is not rounded before the activation, and no copy of the weight is made (the op's interleaved
-layout, ``block = 128``, needs one: 224 MB a layer at GLM-4-9B).
+product and writes the [M, n] activation. Here a persistent TMA GEMM (``cuda_ext/gemm_triton.py``)
+reads W = cat([Wg, Wu]) as it is (the op's halves layout, ``block = 0``): each k-step of an output
+tile loads a block of gate rows and the matching block of up rows into two fp32 accumulators, and
+the epilogue stores ``silu(gate) * up``: the [M, 2n] product is never written or read, the
+projection is not rounded before the activation, and no copy of the weight is made (the op's
+interleaved layout, ``block = 128``, takes the rows reordered into a copy;
+``benchmarks/diag/diag_swiglu_layout.py`` times both layouts and cuBLAS).
 
 Matches ``graphopt.swiglu(linear(x, W))`` where the projection has no bias and no other reader, x
 and W are fp16 or bf16, K and n are multiples of 8 (TMA's 16-byte rows) and the shapes are
 concrete. Priced against the GEMM + swiglu pair with the cost model's GEMM rate times the
-persistent kernel's idle last round (:func:`graphopt.cost.model.persistent_rounds_factor`: 1.002 at
-GLM-4 bs8, 1.079 at bs1, where the swiglu kernel it removes is small), so few-row projections stay
-on cuBLAS. Refused on CPU profiles (NO_FUSED_KERNELS) and on GPUs before sm_90 (no TMA), each with
-the reason in the report.
+persistent kernel's idle last round (:func:`graphopt.cost.model.persistent_rounds_factor`), so
+few-row projections, where that round costs more than the swiglu kernel it removes, stay on cuBLAS.
+Refused on CPU profiles (NO_FUSED_KERNELS) and on GPUs before sm_90 (no TMA), each with the reason
+in the report.
 """
 
 from __future__ import annotations

@@ -476,8 +476,8 @@ def optimize(
       (run multi-process with graphopt.runtime.distributed).
     weight_copies: how much memory the constants the passes add may take (merged, converted,
       folded weights: copies beside the model the caller keeps): "auto" (a quarter of the model's
-      bytes, or 4% of its device's memory where that is more), "allow", "none", a fraction of the
-      model's bytes or a size ("4GB"). A rewrite beyond it is refused with the reason in the report
+      bytes, or 4% of its device's memory where that is more, at most half the memory free when
+      optimize() starts), "allow", "none", a fraction of the model's bytes or a size ("4GB"). A rewrite beyond it is refused with the reason in the report
       (graphopt.setup_memory). The report's ``memory`` says what was added and, on a GPU,
       optimize()'s peak (torch.cuda.max_memory_allocated; the device's peak statistic is reset when
       optimize() starts).

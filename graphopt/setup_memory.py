@@ -12,7 +12,8 @@ of optimize():
 
 - ``"auto"`` (default): at most ``AUTO_MODEL_FRACTION`` of the model's parameter and buffer bytes,
   or ``AUTO_DEVICE_FRACTION`` of its device's memory where that is more (a small model keeps all
-  its rewrites);
+  its rewrites), and never more than ``AUTO_FREE_FRACTION`` of the memory free on the device when
+  optimize() starts (the rest is the accuracy guard's);
 - ``"allow"``: no limit; ``"none"``: no rewrite that adds a constant;
 - a fraction ``0 < f <= 1`` of the model's bytes, or a size (bytes, ``"4GB"``, ``"512MB"``).
 
@@ -31,6 +32,7 @@ from .errors import GraphoptError
 
 AUTO_MODEL_FRACTION = 0.25
 AUTO_DEVICE_FRACTION = 0.04
+AUTO_FREE_FRACTION = 0.5
 SETTINGS = ("auto", "allow", "none")
 
 
@@ -140,6 +142,22 @@ def device_memory(device: torch.device) -> float | None:
     return None
 
 
+def device_free(device: torch.device) -> float | None:
+    """Memory free on ``device`` now: a GPU's free memory plus what the caching allocator holds
+    unused; the host's available memory for the CPU; None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: float(line.split()[1]) * 1024 for line in f}
+            return info.get("MemAvailable", info.get("MemFree"))
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
 def account(weight_copies, model: torch.nn.Module, device: torch.device) -> ConstantAccount:
     """The account for optimize()'s ``weight_copies`` option (see the module docstring)."""
     setting = weight_copies
@@ -151,7 +169,11 @@ def account(weight_copies, model: torch.nn.Module, device: torch.device) -> Cons
         mem = device_memory(device)
         if mem is None:
             return ConstantAccount(None, "auto")
-        return ConstantAccount(max(AUTO_MODEL_FRACTION * model_bytes(model), AUTO_DEVICE_FRACTION * mem), "auto")
+        limit = max(AUTO_MODEL_FRACTION * model_bytes(model), AUTO_DEVICE_FRACTION * mem)
+        free = device_free(device)
+        if free is not None:
+            limit = min(limit, AUTO_FREE_FRACTION * free)
+        return ConstantAccount(limit, "auto")
     from .cost.activations import parse_memory_budget
 
     try:

@@ -174,3 +174,30 @@ def test_optimize_peak_stays_within_1_3x_of_one_eager_call_on_a_decoder():
     assert weights + opt_trace.peak <= 1.3 * (weights + eager.peak)
     # the merged Q/K/V weights are what stays beside the model
     assert opt_trace.live <= opt.report.memory["added_bytes"] + ids.numel() * 64
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_peak_is_measured_and_large_references_wait_on_the_host(monkeypatch):
+    """optimize()'s peak comes from torch.cuda.max_memory_allocated; an output above the guard's
+    device threshold has its reference written in float32 (a bf16 model) and moved to the host for
+    the checks, and the rule still passes."""
+    from graphopt import api
+    from graphopt.examples import zoo
+
+    monkeypatch.setattr(api, "REFERENCE_ON_DEVICE_BYTES", 1 << 16)  # glm4-tiny's logits are above it
+    refs = []
+    real = api._AccuracyGuard._ready
+
+    def ready(self):
+        real(self)
+        refs.extend(self._ref64)
+
+    monkeypatch.setattr(api._AccuracyGuard, "_ready", ready)
+    model, (ids,) = zoo.get("glm4-tiny", batch=4, seq_len=64)
+    model = zoo.LogitsOnly(model).to("cuda", torch.bfloat16)
+    ids = ids.cuda()
+    opt = graphopt.optimize(model, (ids,))
+    mem = opt.report.memory
+    assert mem["setup_peak_source"] == "measured" and opt.report.setup_peak_bytes >= mem["model_bytes"]
+    assert opt.report.accuracy["passed"]
+    assert refs and all(r.device.type == "cpu" and r.dtype == torch.float32 for r in refs)

@@ -75,27 +75,37 @@ def flatten_outputs(out) -> list:
 
 
 # elements per chunk of a comparison: a decoder's logits (10^9 elements) are compared without
-# materializing float64 copies of the whole tensor
-_CHUNK = 1 << 25
+# materializing float64 copies of the whole tensor. A chunk is at most an eighth of the tensor (its
+# float64 temporaries then stay about the size of the output itself), but not under _MIN_CHUNK.
+_CHUNK = 1 << 23
+_MIN_CHUNK = 1 << 16
 
 
-def _stats(out: torch.Tensor, ref: torch.Tensor, tol: float):
-    """One chunked float64 pass over ``out`` vs ``ref`` on out's device: (sum of squared error over
-    the elements where ref is finite, their count, max |err| over them, allclose(atol=rtol=tol,
-    equal_nan) over all, any NaN in out, any NaN in ref), as device tensors (one sync later)."""
-    o, r = out.detach().reshape(-1), ref.detach().reshape(-1)  # ref moves to out's device a chunk at a time
-    dev = o.device
+def _chunk_elems(n: int) -> int:
+    return max(1, min(_CHUNK, max(_MIN_CHUNK, -(-n // 8))))
+
+
+def _stats(out: torch.Tensor, ref: torch.Tensor, tol: float, device: torch.device | None = None):
+    """One chunked float64 pass over ``out`` vs ``ref`` on ``device`` (default: out's): (sum of squared
+    error over the elements where ref is finite, their count, max |err| over them, allclose(atol=rtol=tol,
+    equal_nan) over all, any NaN in out, any NaN in ref), as device tensors (one sync later). Either
+    tensor may wait on the host: it moves to ``device`` a chunk at a time."""
+    o, r = out.detach().reshape(-1), ref.detach().reshape(-1)
+    dev = o.device if device is None else torch.device(device)
     acc = torch.zeros(2, dtype=torch.float64, device=dev)  # squared error, finite count
     worst = torch.zeros((), dtype=torch.float64, device=dev)
     flags = torch.zeros(3, dtype=torch.bool, device=dev)  # not close, nan in out, nan in ref
-    for s in range(0, o.numel(), _CHUNK):
-        oc, rc = o[s:s + _CHUNK].double(), r[s:s + _CHUNK].to(device=dev, dtype=torch.float64)
+    step = _chunk_elems(o.numel())
+    for s in range(0, o.numel(), step):
+        oc = o[s:s + step].to(device=dev, dtype=torch.float64)
+        rc = r[s:s + step].to(device=dev, dtype=torch.float64)
         fin = torch.isfinite(rc)
         d = torch.where(fin, oc - rc, 0.0)
         acc += torch.stack([(d * d).sum(), fin.sum(dtype=torch.float64)])
         worst = torch.maximum(worst, d.abs().max()) if d.numel() else worst
         flags |= torch.stack([~torch.isclose(oc, rc, rtol=tol, atol=tol, equal_nan=True).all(),
                               torch.isnan(oc).any(), torch.isnan(rc).any()])
+        del oc, rc, fin, d
     return acc, worst, flags
 
 
@@ -138,8 +148,9 @@ def compare_leaf(i, out, ref64, eager, training=False, dtype=None, cache: dict |
             if cache is not None and key in cache:
                 eager_err = cache[key]
             else:
-                # the rmse over the elements where the reference is finite, as for the output
-                eager_err = _rmse_of(_stats(eager, ref64, tol)[0])
+                # the rmse over the elements where the reference is finite, as for the output (on the
+                # output's device: the eager output and the reference may wait on the host)
+                eager_err = _rmse_of(_stats(eager, ref64, tol, out.device)[0])
                 if cache is not None:
                     cache[key] = eager_err
     if eager_err is not None and err <= k_factor(dtype) * eager_err + tol / 10:
@@ -172,65 +183,165 @@ def _to_double(x):
     return x
 
 
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a large float64 reference output is kept in, for an eager output of ``dtype``: float32
+    for a bf16/fp16 output (its rounding, 2^-24 relative, is 2^-16 of the output dtype's: invisible to
+    the rule, half the bytes to hold and move), float64 otherwise."""
+    return torch.float32 if dtype in LOW_PRECISION else torch.float64
+
+
+def offload(out, nbytes: float):
+    """``out`` with its GPU tensors moved to the host when they hold more than ``nbytes`` in total (the
+    rule compares chunk by chunk on the output's device, moving them back a chunk at a time)."""
+    leaves, spec = pytree.tree_flatten(out)
+    on_gpu = [x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cuda"]
+    if sum(x.numel() * x.element_size() for x in on_gpu) <= nbytes:
+        return out
+    leaves = [x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x for x in leaves]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+# the tensor metadata a model may read from a weight without computing with it
+_METADATA = {"shape", "dtype", "ndim", "layout", "device", "is_cuda", "requires_grad", "size", "dim", "numel",
+             "nelement", "ndimension", "is_floating_point", "is_complex", "element_size", "stride", "get_device",
+             "is_contiguous"}
+_DEVICE_METADATA = {"device", "is_cuda", "get_device"}
+
+
+def _metadata_name(func) -> str | None:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: Tensor.shape.__get__
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name if name in _METADATA else None
+
+
 class _Float64State(torch.overrides.TorchFunctionMode):
-    """Run a model as ``model.double()`` would, without a float64 copy of it: every torch function
-    that reads one of the model's parameters or buffers gets a float64 copy of that tensor made
-    for the call (a buffer of another dtype gets a plain copy, so in-place updates — BatchNorm's
-    statistics and its step counter — land on the copy, never on the model). Only the tensors one
-    call reads exist in float64 at a time (the largest weight, not all of them)."""
+    """Run a model as ``model.to(dtype)`` would (float64 by default), without a converted copy of
+    it: every torch function that reads one of the model's parameters or buffers gets a converted
+    copy of that tensor made for the call (a buffer is always copied, so in-place updates —
+    BatchNorm's statistics and its step counter — land on the copy, never on the model); reading a
+    weight's metadata (shape, dtype, device...) converts nothing. Only the tensors one call reads
+    exist converted at a time (a block of the largest weight, not all of them).
 
-    CHUNK_BYTES = 64 << 20  # float64 bytes of a weight converted at once
+    ``narrow_outputs``: ``{shape: dtype}`` of outputs kept in a narrower dtype (a decoder's logits:
+    :func:`reference_dtype`): a projection over a large weight whose result has one of these shapes
+    writes it, block by block, into a tensor of that dtype (never whole in float64); the model sees
+    the float64 tensor it would have had (metadata included), and an op that reads it gets it back
+    in float64 (after which outputs of that shape are made in float64 again)."""
 
-    def __init__(self, model: torch.nn.Module):
+    # converted bytes of a weight's block: at most CHUNK_BYTES, and at most a 32nd of the model's own
+    # bytes (but not under MIN_CHUNK_BYTES), so what one op converts stays small beside the model
+    CHUNK_BYTES = 64 << 20
+    MIN_CHUNK_BYTES = 1 << 20
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float64, narrow_outputs: dict | None = None):
         super().__init__()
-        self.params = {id(p) for p in model.parameters()}
-        self.buffers = {id(b) for b in model.buffers()}
+        self.dtype = dtype
+        params, buffers = list(model.parameters()), list(model.buffers())
+        self.params = {id(p) for p in params}
+        self.buffers = {id(b) for b in buffers}
+        own = sum(t.numel() * t.element_size() for t in (*params, *buffers))
+        self.block_bytes = min(self.CHUNK_BYTES, max(self.MIN_CHUNK_BYTES, own // 32))
+        self.narrow_outputs = dict(narrow_outputs or {})
+        self.narrowed: dict = {}  # id -> [the narrow tensor, its float64 form once an op read it]
 
     def _swap(self, x):
         if not isinstance(x, torch.Tensor):
             return x
-        if id(x) in self.params:
-            return x.detach().double() if x.is_floating_point() else x.detach()
-        if id(x) in self.buffers:
-            return x.detach().double() if x.is_floating_point() else x.detach().clone()
+        key = id(x)
+        if key in self.narrowed:
+            entry = self.narrowed[key]
+            if entry[1] is None:  # not an output after all: float64 again, and for its shape from now on
+                entry[1] = entry[0].to(self.dtype)
+                self.narrow_outputs.pop(tuple(entry[0].shape), None)
+            return entry[1]
+        if key in self.params:
+            return x.detach().to(self.dtype) if x.is_floating_point() else x.detach()
+        if key in self.buffers:
+            return x.detach().to(self.dtype, copy=True) if x.is_floating_point() else x.detach().clone()
         return x
 
     def _big(self, w) -> bool:
         return (isinstance(w, torch.Tensor) and id(w) in self.params and w.is_floating_point()
-                and w.dim() == 2 and w.numel() * 8 > self.CHUNK_BYTES)
+                and w.dim() == 2 and w.numel() * self.dtype.itemsize > self.block_bytes)
+
+    def _metadata(self, name: str, func, args, kwargs):
+        """The metadata the converted tensor would have (NotImplemented when ``args[0]`` is not ours)."""
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            return NotImplemented
+        key = id(x)
+        if key not in self.narrowed and key not in self.params and key not in self.buffers:
+            return NotImplemented
+        if name in _DEVICE_METADATA:
+            return func(*args, **kwargs)
+        stand_in = torch.empty_strided(x.shape, x.stride(), device="meta",
+                                       dtype=self.dtype if x.is_floating_point() else x.dtype)
+        return func(stand_in, *args[1:], **kwargs)
+
+    def _projection(self, x, w, b):
+        """``linear(x, w, b)`` over blocks of w's rows converted one at a time, written into one output
+        (of the narrow dtype when its shape is one of ``narrow_outputs``)."""
+        rows = max(1, self.block_bytes // (w.shape[1] * self.dtype.itemsize))
+        shape = (*x.shape[:-1], w.shape[0])
+        narrow = self.narrow_outputs.get(tuple(shape))
+        out = torch.empty(shape, dtype=narrow or self.dtype, device=x.device)
+        for i in range(0, w.shape[0], rows):
+            part = torch.nn.functional.linear(x, w[i:i + rows].detach().to(self.dtype), None if b is None else b[i:i + rows])
+            out[..., i:i + rows].copy_(part)
+            del part
+        if narrow is not None:
+            self.narrowed[id(out)] = [out, None]
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = _metadata_name(func)
+        if name is not None:
+            got = self._metadata(name, func, args, kwargs)
+            if got is not NotImplemented:
+                return got
         # a large weight is never converted whole: a projection runs over blocks of its rows, an
         # embedding gathers its rows first (the same values as converting the whole weight)
         if func is torch.nn.functional.linear and len(args) >= 2 and self._big(args[1]):
-            x, w = self._swap(args[0]), args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows = max(1, self.CHUNK_BYTES // (w.shape[1] * 8))
-            outs = [torch.nn.functional.linear(x, w[i:i + rows].detach().double(),
-                                               None if b is None else self._swap(b)[i:i + rows])
-                    for i in range(0, w.shape[0], rows)]
-            return torch.cat(outs, dim=-1)
+            return self._projection(self._swap(args[0]), args[1], None if b is None else self._swap(b))
         if (func is torch.nn.functional.embedding and len(args) >= 2 and self._big(args[1])
                 and kwargs.get("max_norm") is None and (len(args) < 4 or args[3] is None)):
-            return args[1].detach()[args[0]].double()
+            return args[1].detach()[self._swap(args[0])].to(self.dtype)
         args, kwargs = pytree.tree_map(self._swap, (args, kwargs))
         return func(*args, **kwargs)
 
 
-def fp64_reference(model: torch.nn.Module, args: tuple, kwargs: dict, *, offload_bytes: float | None = None):
+def fp64_reference(model: torch.nn.Module, args: tuple, kwargs: dict, *, offload_bytes: float | None = None,
+                   like=None, large_bytes: float | None = None):
     """The model run in float64 on float64 copies of the inputs: what ``copy.deepcopy(model).double()``
     computes, with each parameter and buffer converted when an op reads it (:class:`_Float64State`)
-    instead of a float64 copy of the whole model beside it. ``offload_bytes``: outputs on a GPU
-    larger than this in total are moved to the host (the rule compares chunk by chunk on the
-    output's device)."""
+    instead of a float64 copy of the whole model beside it.
+
+    ``like`` (the eager outputs of the same call: their shapes and dtypes) and ``large_bytes``: an
+    output whose float64 form is larger than ``large_bytes`` is kept in :func:`reference_dtype` of its
+    eager output's dtype, written so where a projection makes it (a decoder's logits: never whole in
+    float64). ``offload_bytes``: outputs on a GPU larger than this in total are then moved to the host
+    (:func:`offload`; a device sync)."""
     a, k = pytree.tree_map(_to_double, (args, kwargs))
-    with torch.no_grad(), _Float64State(model):
+    likes = flatten_outputs(like) if like is not None else []
+    narrow = {}
+    if large_bytes is not None:
+        narrow = {tuple(e.shape): reference_dtype(e.dtype) for e in likes
+                  if e.is_floating_point() and e.numel() * 8 > large_bytes and reference_dtype(e.dtype) != torch.float64}
+    with torch.no_grad(), _Float64State(model, narrow_outputs=narrow):
         out = model(*a, **k)
+    if narrow:  # a large output another op made: narrowed at the end
+        leaves, spec = pytree.tree_flatten(out)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if len(tensors) == len(likes):
+            want = {id(t): narrow.get(tuple(t.shape)) for t, e in zip(tensors, likes)
+                    if t.dtype == torch.float64 and t.shape == e.shape}
+            leaves = [x.to(want[id(x)]) if isinstance(x, torch.Tensor) and want.get(id(x)) else x for x in leaves]
+            out = pytree.tree_unflatten(leaves, spec)
     if offload_bytes is not None:
-        leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.device.type == "cuda"]
-        if sum(x.numel() * x.element_size() for x in leaves) > offload_bytes:
-            out = pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x, out)
+        out = offload(out, offload_bytes)
     return out
 
 

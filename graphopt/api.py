@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import accuracy, ir, timing
+from . import accuracy, ir, setup_memory, timing
 from .capture import _register_hf_pytrees, capture, flat_tensors, split_inputs
 from .cost.model import CostModel
 from .cost.profiles import get_profile
@@ -276,6 +276,12 @@ class CallInputs:
                    if i in self.mutated and isinstance(x, torch.Tensor))
 
 
+def _held(out):
+    """Outputs the guard keeps for the whole of optimize(): those on a GPU wait on the host when they
+    are larger than REFERENCE_ON_DEVICE_BYTES in total (the rule moves them back a chunk at a time)."""
+    return accuracy.offload(out, REFERENCE_ON_DEVICE_BYTES)
+
+
 class _AccuracyGuard:
     """The accuracy rule on the example inputs (and calibration batches): against an fp64
     reference, with the eager model's own error as the yardstick. A graph lowered to bf16/fp16
@@ -290,6 +296,7 @@ class _AccuracyGuard:
         self.batches = [CallInputs(args, kwargs, mutated)] + [
             CallInputs(*split_inputs(b), mutated) for b in (calibration_data or [])]
         self._ref64, self._eager = [], []
+        self._ref64_ready = False
         # On a GPU the eager and fp64 runs are queued on a side stream, so the passes (which run
         # meanwhile and sync on their own small work, e.g. a mask proven causal) do not wait for
         # them; the first use of their outputs joins the streams (_ready). Training runs stay on
@@ -301,22 +308,29 @@ class _AccuracyGuard:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for batch in self.batches:
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
-                    self._eager.append(_run(model, *batch.fresh(), training))
-                self._ref64.append(accuracy.fp64_reference(model, *batch.fresh(), offload_bytes=REFERENCE_ON_DEVICE_BYTES))
+                    self._eager.append(_held(_run(model, *batch.fresh(), training)))
+                # large outputs' references are kept in float32 for bf16/fp16 outputs, and wait on the
+                # host from the first check on (_ready): moving them now would wait for the run
+                self._ref64.append(accuracy.fp64_reference(model, *batch.fresh(), like=self._eager[-1],
+                                                           large_bytes=REFERENCE_ON_DEVICE_BYTES))
         self._low: dict = {}
         self._floor: dict = {}
         self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
 
     def _ready(self) -> None:
-        """Join the side stream the reference runs were queued on (once)."""
-        if self._stream is None:
+        """Join the side stream the reference runs were queued on, and move references larger than
+        REFERENCE_ON_DEVICE_BYTES to the host (once)."""
+        if self._ref64_ready:
             return
-        cur = torch.cuda.current_stream(self.device)
-        cur.wait_stream(self._stream)
-        for t in pytree.tree_leaves((self._eager, self._ref64)):
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                t.record_stream(cur)  # made on the side stream, read (and freed) on this one
-        self._stream = None
+        self._ref64_ready = True
+        if self._stream is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self._stream)
+            for t in pytree.tree_leaves((self._eager, self._ref64)):
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    t.record_stream(cur)  # made on the side stream, read (and freed) on this one
+            self._stream = None
+        self._ref64 = [_held(r) for r in self._ref64]
 
     @property
     def eager(self) -> list:
@@ -329,14 +343,17 @@ class _AccuracyGuard:
         return self._ref64
 
     def _eager_low(self, dtype):
+        """The model hand-converted to ``dtype`` (what ``copy.deepcopy(model).to(dtype)`` computes), each
+        parameter converted when an op reads it rather than a converted copy of the model."""
         self._ready()
         if dtype not in self._low:
-            import copy
-
-            low = copy.deepcopy(self.model).to(dtype)
             cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-            self._low[dtype] = [_run(low, *pytree.tree_map(cast, b.fresh()), self.training) for b in self.batches]
-            del low
+            outs = []
+            for b in self.batches:
+                with accuracy._Float64State(self.model, dtype), torch.random.fork_rng(
+                        devices=[self.device] if self.device.type == "cuda" else []):
+                    outs.append(_held(_run(self.model, *pytree.tree_map(cast, b.fresh()), self.training)))
+            self._low[dtype] = outs
         return self._low[dtype]
 
     def _matmul_floor(self, dtype):
@@ -346,7 +363,7 @@ class _AccuracyGuard:
             for b in self.batches:
                 with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                         self._keep_buffers(self.model):
-                    outs.append(accuracy.matmul_floor(self.model, *b.fresh(), dtype, self.training))
+                    outs.append(_held(accuracy.matmul_floor(self.model, *b.fresh(), dtype, self.training)))
             self._floor[dtype] = outs
         return self._floor[dtype]
 
@@ -459,6 +476,7 @@ def optimize(
     microbatches: int = 1,
     schedule: str = "gpipe",
     virtual_stages: int | None = None,
+    weight_copies="auto",
 ) -> OptimizedModule:
     """Capture ``model``, run the pass pipeline ranked by the cost model, guard accuracy.
 
@@ -491,19 +509,65 @@ def optimize(
       example inputs are one micro-batch of a ``schedule`` ("gpipe"/"1f1b"/"interleaved1f1b": with
       ``virtual_stages`` (default 2) non-adjacent stages per device) pipeline of ``microbatches``
       (run multi-process with graphopt.runtime.distributed).
+    weight_copies: how much memory the constants the passes add may take (merged, converted,
+      folded weights: copies beside the model the caller keeps): "auto" (a quarter of the model's
+      bytes, or 4% of its device's memory where that is more, at most half the memory free when
+      optimize() starts), "allow", "none", a fraction of the model's bytes or a size ("4GB"). A rewrite beyond it is refused with the reason in the report
+      (graphopt.setup_memory). The report's ``memory`` says what was added and, on a GPU,
+      optimize()'s peak (torch.cuda.max_memory_allocated; the device's peak statistic is reset when
+      optimize() starts).
     """
     timer = timing.PhaseTimer()
-    with timer.active(), _collect_young_only():
+    peak = _SetupPeak(model)
+    with timer.active(), _collect_young_only(), peak:
         opt = _optimize(model, example_inputs, device=device, target=target, passes=passes, disable=disable,
                         training=training, dynamic=dynamic, precision=precision, calibration_data=calibration_data,
                         cuda_graphs=cuda_graphs, on_new_shape=on_new_shape, check_accuracy=check_accuracy,
                         verify=verify, dump_dir=dump_dir, model_name=model_name, memory_budget=memory_budget,
                         checkpoint_backend=checkpoint_backend, devices=devices, memory_cap=memory_cap,
-                        microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
+                        microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                        weight_copies=weight_copies)
+    peak.record(opt.report)
     # the whole call, lowering (CUDA-graph planning) included; the phases sum to it
     opt.report.optimize_seconds = timer.total()
     opt.report.optimize_phases = timer.as_dict(opt.report.optimize_seconds)
     return opt
+
+
+class _SetupPeak:
+    """optimize()'s peak memory on the model's GPU: the device's peak statistic is reset on entry and
+    read on exit (torch.cuda.max_memory_allocated). Elsewhere the report's account stands in: the
+    model plus the most constants the passes held at once."""
+
+    def __init__(self, model: nn.Module):
+        dev = torch.device("cpu")
+        if isinstance(model, nn.Module):  # (anything else is refused with its error inside optimize)
+            dev = next((t.device for t in (*model.parameters(), *model.buffers())), dev)
+        self.device = dev if dev.type == "cuda" else None
+        self.start = self.peak = None
+
+    def __enter__(self):
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.device is not None and exc[0] is None:
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        return False
+
+    def record(self, report: Report) -> None:
+        mem = report.memory if report.memory is not None else {}
+        if self.peak is not None:
+            mem.update(setup_peak_bytes=self.peak, setup_start_bytes=self.start, setup_peak_source="measured")
+        elif "model_bytes" in mem:
+            mem.update(setup_peak_bytes=mem["model_bytes"] + mem.get("added_peak_bytes", 0.0),
+                       setup_start_bytes=None, setup_peak_source="account")
+        report.memory = mem
+        report.setup_peak_bytes = mem.get("setup_peak_bytes")
 
 
 @contextlib.contextmanager
@@ -528,7 +592,7 @@ def _collect_young_only():
 def _optimize(model, example_inputs, *, device, target, passes, disable, training, dynamic, precision,
               calibration_data, cuda_graphs, on_new_shape, check_accuracy, verify, dump_dir, model_name,
               memory_budget, checkpoint_backend, devices, memory_cap, microbatches, schedule,
-              virtual_stages=None) -> OptimizedModule:
+              virtual_stages=None, weight_copies="auto") -> OptimizedModule:
     t_start = time.perf_counter()
     if precision not in PRECISIONS:
         raise GraphoptError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -589,7 +653,8 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
             ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
                               dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
                               options={"precision": precision, "device": model_dev, "memory_budget": memory_budget,
-                                       "checkpoint_backend": checkpoint_backend})
+                                       "checkpoint_backend": checkpoint_backend},
+                              constants=setup_memory.account(weight_copies, model, model_dev))
             if devices is not None:
                 from .partition import resolve_devices
 
@@ -683,6 +748,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
         notes=notes,
         top_nodes=[{"node": c.node, "op": c.op, "ms": c.time_s * 1e3, "bound": c.bound} for c in top if c.time_s > 0],
         execution=execution,
+        memory={"model_bytes": setup_memory.model_bytes(model), **ctx.constants.as_dict()},
     )
     plan = ctx.options.get("partition_plan")
     if plan is not None:
@@ -704,7 +770,7 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
                                        memory_budget=memory_budget, checkpoint_backend=checkpoint_backend,
                                        devices=devices, memory_cap=memory_cap,
                                        microbatches=microbatches, schedule=schedule,
-                                       virtual_stages=virtual_stages), 8)
+                                       virtual_stages=virtual_stages, weight_copies=weight_copies), 8)
     elif on_new_shape != "error":
         raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")
     return opt

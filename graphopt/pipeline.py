@@ -23,6 +23,7 @@ from . import ir, timing
 from .cost.model import CostModel
 from .cost.profiles import DeviceProfile
 from .errors import GraphoptError, PassConfigError
+from .setup_memory import ConstantAccount
 
 # why kernel fusions are refused on a CPU profile (the report shows it)
 NO_FUSED_KERNELS = "graphopt's fused kernels are CUDA kernels; on the CPU their reference implementation is no faster"
@@ -58,7 +59,9 @@ class Candidate:
 
     ``apply()`` edits the graph and returns something true (the replacing node, or True for a
     pure deletion), or None if, looking closer, it cannot apply; it must then leave the graph
-    untouched and ``refusal`` says why. New nodes are found by the provenance observer."""
+    untouched and ``refusal`` says why. New nodes are found by the provenance observer.
+    ``constant_bytes``: bytes of new constants (weight copies) apply() stores in the graph; the
+    context's :class:`~graphopt.setup_memory.ConstantAccount` may refuse the rewrite for them."""
 
     pattern: str
     nodes: list
@@ -66,6 +69,7 @@ class Candidate:
     apply: Callable[[], object]
     label: str = ""
     refusal: str = ""
+    constant_bytes: float = 0.0
 
     @property
     def description(self) -> str:
@@ -144,10 +148,15 @@ class PassResult:
             if limit is not None and len(self.rewrites) >= limit:
                 self.reject(c.description, f"beyond the first {limit} rewrites (bisecting)")
                 continue
+            too_big = ctx.constants.refusal(c.constant_bytes)
+            if too_big:
+                self.reject(c.description, too_big)
+                continue
             created_before = len(ctx.observer.created) if ctx.observer else 0
             with (ctx.observer.sourced(c.nodes) if ctx.observer else _null()):
                 out = c.apply()
             if out is None:
+                ctx.constants.charge(-c.constant_bytes)
                 self.reject(c.description, c.refusal or "could not be applied")
                 continue
             created = ctx.observer.created[created_before:] if ctx.observer else []
@@ -202,6 +211,8 @@ class PassContext:
     # the passes this run will apply (set by the PassManager): a pass may leave a pattern to a
     # later one that handles it better (fuse_elementwise leaves conv epilogues to fuse_conv_relu)
     scheduled: frozenset = frozenset()
+    # bytes of constants (weight copies) the passes have added, against optimize's weight_copies limit
+    constants: ConstantAccount = field(default_factory=ConstantAccount)
 
     @property
     def fused_kernels(self) -> bool:
@@ -345,6 +356,9 @@ class PassManager:
             before = ctx.cost.graph_cost(gm, ctx.hints)
         ctx.accuracy_check = self.accuracy_check
         ctx.scheduled = frozenset(p.name for p in self.passes if not getattr(p, "disabled", False))
+        # the graph as it was before the pass, to undo it; a pass that left the graph as it was leaves
+        # the previous copy valid for the next one (a copy costs time in proportion to the graph)
+        saved_graph = None
         for i, p in enumerate(self.passes, start=1):
             res = p.result()
             res.predicted_s_before = before.total_s
@@ -360,8 +374,9 @@ class PassManager:
                 results.append(res)
                 continue
             t0 = time.perf_counter()
-            with timing.phase("graph snapshots"):
-                saved_graph = copy.deepcopy(gm.graph)
+            if saved_graph is None:
+                with timing.phase("graph snapshots"):
+                    saved_graph = copy.deepcopy(gm.graph)
             ctx.observer = ir.ProvenanceObserver(gm, p.name)
             try:
                 with ctx.observer.active(), timing.phase("passes"):
@@ -398,6 +413,8 @@ class PassManager:
                     _restore(gm, saved_graph)
                     res.status = "reverted"
                     res.notes.append(f"reverted: {broken}")
+                    saved_graph = None  # it is the graph now
+                    ctx.constants.recount(gm)
                     res.seconds = time.perf_counter() - t0
                     res.predicted_s_after, res.peak_bytes_after = before.total_s, before.peak_memory_bytes
                     results.append(res)
@@ -415,7 +432,12 @@ class PassManager:
                         if p.changes_dtypes:
                             ctx.low_precision = None
                         res.notes.append(f"reverted: fails the accuracy rule ({acc.reason})")
+            if res.status == "applied":  # constants the pass replaced are freed now, not at the end
+                ir.remove_unused_attributes(gm)
+            ctx.constants.recount(gm)
             res.seconds = time.perf_counter() - t0
+            if res.changed or res.status != "unchanged":  # changed, or restored from the copy: copy again
+                saved_graph = None
             after = ctx.cost.graph_cost(gm, ctx.hints) if res.status == "applied" else before
             res.predicted_s_after, res.peak_bytes_after = after.total_s, after.peak_memory_bytes
             before = after

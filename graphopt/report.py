@@ -58,6 +58,11 @@ class Report:
     execution: dict | None = None
     # optimize()'s wall time per phase (graphopt.timing; exclusive, summing to optimize_seconds)
     optimize_phases: dict = field(default_factory=dict)
+    # what optimize() held beside the model: {"model_bytes", the constants account
+    # (graphopt.setup_memory.ConstantAccount.as_dict), "setup_peak_bytes", "setup_start_bytes",
+    # "setup_peak_source": "measured" (torch.cuda.max_memory_allocated) or "account" (model + constants)}
+    memory: dict | None = None
+    setup_peak_bytes: float | None = None  # memory["setup_peak_bytes"]
 
     # ------------------------------------------------------------------ data
 
@@ -91,7 +96,30 @@ class Report:
             "measured": self.measured,
             "partition": self.partition,
             "execution": self.execution,
+            "memory": self.memory,
+            "setup_peak_bytes": self.setup_peak_bytes,
         }
+
+    def memory_summary(self) -> str:
+        """One line: optimize()'s peak and the constants the passes added (``memory``)."""
+        m = self.memory or {}
+        parts = []
+        if m.get("setup_peak_bytes") is not None:
+            if m.get("setup_peak_source") == "measured":
+                start = m.get("setup_start_bytes") or 0
+                parts.append(f"optimize() peaked at {_mb(m['setup_peak_bytes'])} on {self.device} "
+                             f"({_mb(m['setup_peak_bytes'] - start)} above the {_mb(start)} allocated before it)")
+            else:
+                parts.append(f"peak resident {_mb(m['setup_peak_bytes'])} (model + constants; the accuracy guard's "
+                             "temporaries not counted off the GPU)")
+        if "model_bytes" in m:
+            parts.append(f"model {_mb(m['model_bytes'])}")
+        limit = m.get("limit_bytes")
+        parts.append(f"constants added {_mb(m.get('added_bytes', 0.0))} (limit "
+                     f"{'none' if limit is None else _mb(limit)}, weight_copies={m.get('weight_copies')!r})")
+        if m.get("refused"):
+            parts.append(f"{m['refused']} weight-copying rewrite(s) refused ({_mb(m.get('refused_bytes', 0.0))})")
+        return "; ".join(parts)
 
     def to_json(self, indent: int = 1) -> str:
         return json.dumps(self.as_dict(), indent=indent, default=str)
@@ -234,6 +262,8 @@ class Report:
                           f"checked {acc.get('mode', 'after each pass')})")
         else:
             console.print(f"[bold]accuracy[/bold] not checked: {acc.get('reason', '')}")
+        if self.memory:
+            console.print(f"[bold]set-up memory[/bold] {self.memory_summary()}")
         if self.measured:
             self._render_measured(console)
         if self.partition:

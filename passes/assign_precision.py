@@ -96,7 +96,7 @@ class AssignPrecision(Pass):
         base = copy.deepcopy(gm.graph)
         before_s = ctx.cost.graph_cost(gm, ctx.hints).total_s
         consts: dict = {}
-        order = _lower(gm, low, set(), ctx.training, consts)
+        order = _lower(gm, low, set(), ctx.training, consts, ctx.constants)
         after_s = ctx.cost.graph_cost(gm, ctx.hints).total_s
         if after_s >= before_s and request == "auto":
             _restore(gm, base)
@@ -116,7 +116,7 @@ class AssignPrecision(Pass):
                 def fails(prefix_len: int) -> bool:
                     checks[0] += 1
                     _restore(gm, base)
-                    _lower(gm, low, forced | set(candidates[prefix_len:]), ctx.training, consts)
+                    _lower(gm, low, forced | set(candidates[prefix_len:]), ctx.training, consts, ctx.constants)
                     return not guard(gm, low).passed
 
                 lo, hi = 1, len(candidates)
@@ -131,7 +131,7 @@ class AssignPrecision(Pass):
                 kept.append({"node": offender, "reason": f"accuracy rule fails when it runs in {str(low)[6:]}",
                              "error": result.reason})
                 _restore(gm, base)
-                _lower(gm, low, forced, ctx.training, consts)
+                _lower(gm, low, forced, ctx.training, consts, ctx.constants)
                 result = guard(gm, low)
             if not result.passed:
                 _restore(gm, base)
@@ -163,6 +163,10 @@ class AssignPrecision(Pass):
         res.record(f"{str(low)[6:]} compute", lowered, [f"{len(lowered)} nodes in {str(low)[6:]}"], gain)
         for k in kept:
             res.reject(k["node"], f"kept in fp32: {k['reason']} ({k['error']})")
+        refused = consts.get("refused", {})
+        if refused:
+            res.reject(f"{len(refused)} weight(s) stored in {str(low)[6:]}",
+                       f"{next(iter(refused.values()))}; cast in the graph at each call instead")
         res.details.update({"dtype": str(low).replace("torch.", ""), "kept_fp32": kept, **_shares(gm, ctx)})
         sh = res.details
         res.notes.append("share in " + str(low)[6:] + f": {sh['flops_share'].get(str(low)[6:], 0):.0%} of FLOPs, "
@@ -213,9 +217,12 @@ def _restore(gm: fx.GraphModule, base: fx.Graph) -> None:
     gm.recompile()
 
 
-def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, consts: dict) -> list[str]:
+def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, consts: dict, account=None) -> list[str]:
     """Rewrite gm in place: low-precision compute except ``forced`` node names. Returns the names
-    of the compute nodes put in the low dtype (the order bisection walks)."""
+    of the compute nodes put in the low dtype (the order bisection walks). Inference weights are
+    converted once into constants (kept in ``consts`` across calls) while ``account``
+    (graphopt.setup_memory.ConstantAccount) allows; beyond it, a weight is cast in the graph at each
+    call and ``consts["refused"]`` says why."""
     g = gm.graph
     cur: dict = {}  # node -> dtype of its tensor output after the rewrite
     casts: dict = {}
@@ -232,12 +239,20 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
         key = (arg, dtype)
         if key in casts:
             return casts[key]
-        if arg.op == "get_attr" and not training and dtype_of(arg) == FP32:
+        refused = consts.setdefault("refused", {})
+        name = None
+        if arg.op == "get_attr" and not training and dtype_of(arg) == FP32 and (arg.target, dtype) not in refused:
             name = consts.get((arg.target, dtype))
             if name is None or not hasattr(gm, name):
                 value = ir.get_attr_value(gm, arg.target)
-                name = ir.register_constant(gm, f"{arg.target}_{str(dtype)[6:]}", value.detach().to(dtype))
-                consts[(arg.target, dtype)] = name
+                why = account.refusal(value.numel() * dtype.itemsize) if account is not None else ""
+                if why:
+                    refused[(arg.target, dtype)] = why
+                    name = None
+                else:
+                    name = ir.register_constant(gm, f"{arg.target}_{str(dtype)[6:]}", value.detach().to(dtype))
+                    consts[(arg.target, dtype)] = name
+        if name is not None:
             with g.inserting_before(user):
                 new = g.get_attr(name)
         else:

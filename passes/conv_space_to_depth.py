@@ -137,8 +137,10 @@ class ConvSpaceToDepth(Pass):
         conv_s = pf.gpu_seconds(flops * waste / pf.matmul_rate(xi.dtype), (padded + out_bytes) / pf.bandwidth, "conv")
         conv_s += ir.concrete(conv_bias_add_s(pf, conv), h)
         new = pad_s + regroup_s + max(conv_s, pf.launch_overhead_s)
+        wi = ir.info(conv.args[1])
+        copied = (int(wi.shape[0]) * 4 * c4 * kbs[0] * kbs[1] * wi.dtype.itemsize) if wi is not None else 0
         return Candidate("narrow stride-2 convolution -> space-to-depth + stride-1 convolution", [conv], old - new,
-                         lambda: self._apply(gm, conv, c4, kbs, pads, blocks), label=label)
+                         lambda: self._apply(gm, conv, c4, kbs, pads, blocks), label=label, constant_bytes=copied)
 
     @staticmethod
     def _apply(gm, conv, c4, kbs, pads, blocks):

@@ -80,12 +80,18 @@ class ConvertChannelsLast(Pass):
             cost = sum(pointwise_kernel_time(ctx, 2 * nbytes(ir.info(n), ctx.hints)) for n in inputs + outs)
             info = {"convolutions": len(rconvs), "input_conversions": len(inputs), "output_conversions": len(outs),
                     "predicted_conv_saving_ms": saved * 1e3, "predicted_conversion_ms": cost * 1e3}
+            # the NHWC weights stored at optimization time (inference): copies of the model's weights
+            weights = {} if ctx.training else {
+                c.args[1].target: c.args[1] for c in rconvs if isinstance(c.args[1], fx.Node) and c.args[1].op == "get_attr"
+                and ir.info(c.args[1]) is not None and len(ir.info(c.args[1]).shape) == 4
+                and not is_channels_last(ir.info(c.args[1]))}
+            copied = sum(nbytes(ir.info(w), ctx.hints) for w in weights.values())
             candidates.append(Candidate(
                 "channels_last region", rconvs, saved - cost,
                 lambda region=region, rconvs=rconvs, inputs=inputs, outs=outs, info=info:
                     self._apply(gm, ctx, region, rconvs, inputs, outs, info, output),
                 label=f"region {i + 1}: {len(rconvs)} convolutions ({len(rslow)} on NCHW), {len(inputs)} input and "
-                      f"{len(outs)} output conversions"))
+                      f"{len(outs)} output conversions", constant_bytes=copied))
         self._applied: list = []
         res.apply_ranked(ctx, candidates)
         if self._applied:

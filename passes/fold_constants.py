@@ -124,7 +124,8 @@ class FoldConstants(Pass):
                 return new
 
             candidates.append(Candidate("constant subgraph", [root], gain, apply,
-                                        label=f"{root.name} ({len(sub)} nodes from {len(sources)} constants)"))
+                                        label=f"{root.name} ({len(sub)} nodes from {len(sources)} constants)",
+                                        constant_bytes=out_bytes))
         res.apply_ranked(ctx, candidates)
         res.apply_ranked(ctx, self._empty_cats(gm, ctx, res))
         # constants that are now unused

@@ -42,8 +42,11 @@ class FoldConvBn(Pass):
         for m in find(gm, PATTERN):
             conv, bn = m["conv"], m["bn"]
             gain = ctx.node_time([bn])
+            w = ir.info(m["w"])
+            copied = ir.concrete(w.nbytes, ctx.hints) + ir.concrete(ir.info(m["mean"]).numel, ctx.hints) * w.dtype.itemsize
             candidates.append(Candidate("conv+batchnorm", [bn, conv], gain,
-                                        lambda m=m: self._fold(gm, m), label=f"{conv.name} + {bn.name}"))
+                                        lambda m=m: self._fold(gm, m), label=f"{conv.name} + {bn.name}",
+                                        constant_bytes=copied))
         # BatchNorms that follow something else are reported, not silently ignored
         matched = {c.nodes[0] for c in candidates}
         for n in gm.graph.nodes:

@@ -159,6 +159,10 @@ class FuseConvReLU(Pass):
             if b1.shape != b2.shape:
                 res.reject(label, f"bias shapes {tuple(b1.shape)} and {tuple(b2.shape)} differ")
                 continue
+            too_big = ctx.constants.refusal(b1.numel() * b1.element_size())
+            if too_big:
+                res.reject(label, too_big)
+                continue
             summed = (b1.double() + b2.double()).to(b1.dtype)
             gain = ir.concrete(conv_bias_add_s(ctx.profile, z), ctx.hints)
             with g.inserting_before(fused):

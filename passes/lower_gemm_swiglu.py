@@ -3,22 +3,21 @@ whose epilogue applies the activation (``graphopt::gemm_swiglu``).
 
 After merge_sibling_linears and fuse_swiglu a SwiGLU MLP (GLM-4, Llama) runs ``gate_up = linear(x,
 W)`` (cuBLAS), then ``graphopt.swiglu(gate_up)``, a memory-bound kernel that reads the [M, 2n]
-product and writes the [M, n] activation. Here W's gate and up rows are interleaved once, at
-optimization time, in blocks of the GEMM's output tile width, so each tile of a persistent TMA GEMM
-(``cuda_ext/gemm_triton.py``) holds matching gate and up columns and stores ``silu(gate) * up`` from
-its fp32 accumulator: the [M, 2n] product is never written or read, and the projection is not
-rounded before the activation (``benchmarks/diag/diag_swiglu_gemm.py`` compares it with cuBLAS).
+product and writes the [M, n] activation. Here a persistent TMA GEMM (``cuda_ext/gemm_triton.py``)
+reads W = cat([Wg, Wu]) as it is (the op's halves layout, ``block = 0``): each k-step of an output
+tile loads a block of gate rows and the matching block of up rows into two fp32 accumulators, and
+the epilogue stores ``silu(gate) * up``: the [M, 2n] product is never written or read, the
+projection is not rounded before the activation, and no copy of the weight is made (the op's
+interleaved layout, ``block = 128``, takes the rows reordered into a copy;
+``benchmarks/diag/diag_swiglu_layout.py`` times both layouts and cuBLAS).
 
-The reordered weight is a copy (merge_sibling_linears' concatenations are too), alive beside the
-original model's weight for as long as the caller keeps that model.
-
-Matches ``graphopt.swiglu(linear(x, W))`` where the projection has no bias and no other reader, W
-is a constant 2-D weight (a parameter or buffer: its rows are reordered here), x and W are fp16 or
-bf16, K and n are multiples of 8 (TMA's 16-byte rows) and the shapes are concrete. Priced against
-the GEMM + swiglu pair with the cost model's GEMM rate times the persistent kernel's idle last round
-(:func:`graphopt.cuda_ext.ops.gemm_swiglu.persistent_rounds_factor`), so few-row projections, where that round
-costs more than the swiglu kernel it removes, stay on cuBLAS. Refused on CPU profiles
-(NO_FUSED_KERNELS) and on GPUs before sm_90 (no TMA), each with the reason in the report.
+Matches ``graphopt.swiglu(linear(x, W))`` where the projection has no bias and no other reader, x
+and W are fp16 or bf16, K and n are multiples of 8 (TMA's 16-byte rows) and the shapes are
+concrete. Priced against the GEMM + swiglu pair with the cost model's GEMM rate times the
+persistent kernel's idle last round (:func:`graphopt.cuda_ext.ops.gemm_swiglu.persistent_rounds_factor`), so
+few-row projections, where that round costs more than the swiglu kernel it removes, stay on cuBLAS.
+Refused on CPU profiles (NO_FUSED_KERNELS) and on GPUs before sm_90 (no TMA), each with the reason
+in the report.
 """
 
 from __future__ import annotations
@@ -27,12 +26,11 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cuda_ext.gemm_triton import SWIGLU_BLOCK, SWIGLU_DTYPES
-from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
+from graphopt.cuda_ext.gemm_triton import HALVES, SWIGLU_DTYPES
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import projection_mnk, scratch_node_time, set_meta
+from ._fusion_meta import projection_mnk, scratch_node_time
 
 aten = torch.ops.aten
 
@@ -66,8 +64,8 @@ class LowerGemmSwiglu(Pass):
             return "the projection's output is also read elsewhere (the fused GEMM does not write it)", None
         if get_arg(lin, 2, "bias") is not None:
             return "the projection has a bias (the fused GEMM adds none)", None
-        if not isinstance(w, fx.Node) or w.op != "get_attr":
-            return "the weight is not a constant of the graph (its rows are reordered at optimization time)", None
+        if not isinstance(w, fx.Node):
+            return "the weight is not a tensor of the graph", None
         why, mnk = projection_mnk(x, w, lin, SWIGLU_DTYPES, "the kernel's tile rounds are priced for one size")
         if why:
             return why, None
@@ -75,28 +73,20 @@ class LowerGemmSwiglu(Pass):
         n = rows // 2
         if K % 8 or n % 8 or not M:
             return f"K={K} and n={n} must be non-zero multiples of 8 (TMA loads and stores 16-byte rows)", None
-        padded = 2 * (-(-n // SWIGLU_BLOCK) * SWIGLU_BLOCK)  # the interleaved weight's rows
-        w_like = torch.empty(padded, K, dtype=dtype, device="meta")
-        fused = scratch_node_time(ctx, torch.ops.graphopt.gemm_swiglu.default, (x, w_like, n, SWIGLU_BLOCK), {},
+        w_like = torch.empty(rows, K, dtype=dtype, device="meta")
+        fused = scratch_node_time(ctx, torch.ops.graphopt.gemm_swiglu.default, (x, w_like, n, HALVES), {},
                                   sw.meta.get("val"))
         gain = ctx.node_time([lin, sw]) - fused
-        return "", Candidate(f"linear -> swiglu: one {M} x {K} x {padded} GEMM with the activation in its epilogue",
-                             [lin, sw], gain, lambda: self._apply(gm, sw, lin, x, w, n), label=label)
+        return "", Candidate(f"linear -> swiglu: one {M} x {K} x {rows} GEMM with the activation in its epilogue",
+                             [lin, sw], gain, lambda: self._apply(sw, lin, x, w, n), label=label)
 
     @staticmethod
-    def _apply(gm, sw, lin, x, w, n):
+    def _apply(sw, lin, x, w, n):
         g = sw.graph
-        with torch.no_grad():
-            wi = interleave_gate_up(ir.get_attr_value(gm, w.target).detach(), SWIGLU_BLOCK)
-        name = ir.register_constant(gm, f"{lin.name}_gate_up_interleaved", wi)
         with g.inserting_before(sw):
-            w_node = g.get_attr(name)
-            new = g.call_function(torch.ops.graphopt.gemm_swiglu.default, (x, w_node, n, SWIGLU_BLOCK))
-        set_meta(gm, [w_node])
+            new = g.call_function(torch.ops.graphopt.gemm_swiglu.default, (x, w, n, HALVES))
         new.meta["val"] = sw.meta.get("val")
         sw.replace_all_uses_with(new)
         g.erase_node(sw)
         g.erase_node(lin)
-        if not w.users:
-            g.erase_node(w)
         return new

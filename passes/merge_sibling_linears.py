@@ -7,7 +7,8 @@
 BERT's Q/K/V, GLM-4's Q/K/V (with bias), Llama's gate/up (then fuse_swiglu sees gate and up
 as the two halves of one tensor: siblings keep graph order, gate_proj is traced first).
 The weights are concatenated once, at optimization time, into new buffers (a copy: the
-model's parameters are untouched, so the pass is inference-only). An aten rewrite: it may
+model's parameters are untouched, so the pass is inference-only; the copy counts against
+optimize's ``weight_copies`` limit, graphopt.setup_memory). An aten rewrite: it may
 apply on any profile when the cost model predicts a gain (one launch and one read of x
 instead of n, against nothing: the FLOPs are the same).
 
@@ -88,7 +89,10 @@ class MergeSiblingLinears(Pass):
                     res.reject(label, f"{u.name} views {lin.name} in a way a strided slice cannot be viewed")
                     return None
         gain = ctx.node_time(lins) - _merged_time(ctx, x, fam)
-        return Candidate("sibling linears", lins, gain, lambda: _merge(gm, x, fam), label=label)
+        copied = sum(nbytes(w, ctx.hints) for w in wis)
+        copied += sum(nbytes(ir.info(m["b"]), ctx.hints) for m in fam if m.get("b") is not None)
+        return Candidate("sibling linears", lins, gain, lambda: _merge(gm, x, fam), label=label,
+                         constant_bytes=copied)
 
 
 def _difference(keys) -> str:

@@ -187,3 +187,94 @@ def test_fp64_reference_converts_large_weights_by_blocks(monkeypatch):
     want = _deepcopy_reference(model, (ids,), {})
     assert ref.dtype == torch.float64 and torch.allclose(ref, want, rtol=1e-12, atol=1e-12)
     assert tr.peak < 1000 * 64 * 8  # never the whole head or embedding in float64
+
+
+class _LM(torch.nn.Module):
+    """An embedding and a projection over weights above the block size (a decoder's ends)."""
+
+    def __init__(self, then=None):
+        super().__init__()
+        self.embed = torch.nn.Embedding(1000, 64)
+        self.head = torch.nn.Linear(64, 1000)
+        self.then = then
+        self.seen = {}
+
+    def forward(self, ids):
+        h = torch.relu(self.embed(ids))
+        self.seen.update(weight_dtype=self.head.weight.dtype, weight_shape=tuple(self.head.weight.shape))
+        out = self.head(h)
+        self.seen.update(out_dtype=out.dtype, out_shape=tuple(out.shape), out_device=out.device)
+        return out if self.then is None else self.then(out)
+
+
+def test_large_outputs_are_written_in_their_narrow_dtype_block_by_block(monkeypatch):
+    """A projection whose result has the shape of an output named in narrow_outputs writes it, block by
+    block, in that dtype; the model sees the float64 tensor it would have had, metadata included."""
+    from graphopt.tools.memtrace import MemoryTrace
+
+    torch.manual_seed(0)
+    model, ids = _LM(), torch.randint(0, 1000, (2, 5))
+    monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)  # blocks of 100 rows
+    want = _deepcopy_reference(model, (ids,), {})
+    with MemoryTrace(record_ops=False) as tr, torch.no_grad(), \
+            accuracy._Float64State(model, narrow_outputs={(2, 5, 1000): torch.float32}):
+        out = model(ids.clone())
+    assert out.dtype == torch.float32 and torch.equal(out, want.float())
+    assert model.seen == {"weight_dtype": torch.float64, "weight_shape": (1000, 64), "out_dtype": torch.float64,
+                          "out_shape": (2, 5, 1000), "out_device": torch.device("cpu")}
+    assert tr.peak < 1000 * 64 * 8 and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_narrowed_output_an_op_reads_comes_back_in_float64_and_its_shape_is_made_wide_again(monkeypatch):
+    torch.manual_seed(0)
+    model, ids = _LM(then=lambda t: torch.tanh(t / 4) * 4), torch.randint(0, 1000, (2, 5))
+    monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)
+    want = _deepcopy_reference(model, (ids,), {})
+    state = accuracy._Float64State(model, narrow_outputs={(2, 5, 1000): torch.float32})
+    with torch.no_grad(), state:
+        out = model(ids)
+    assert out.dtype == torch.float64 and torch.allclose(out, want, rtol=1e-6, atol=1e-6)  # through float32
+    assert state.narrow_outputs == {}
+
+
+def test_fp64_reference_keeps_a_large_low_precision_output_in_float32(monkeypatch):
+    """like= and large_bytes: an output whose float64 form is above large_bytes is kept in float32 for a
+    bf16 eager output (written so by its projection, or narrowed at the end), float64 for an fp32 one."""
+    torch.manual_seed(0)
+    model, ids = _LM(), torch.randint(0, 1000, (2, 5))
+    monkeypatch.setattr(accuracy._Float64State, "CHUNK_BYTES", 64 * 8 * 100)
+    want = _deepcopy_reference(model, (ids,), {})
+    with torch.no_grad():
+        eager = model(ids)
+    ref = accuracy.fp64_reference(model, (ids,), {}, large_bytes=1000, like=eager.bfloat16())
+    assert ref.dtype == torch.float32 and torch.equal(ref, want.float())
+    ref = accuracy.fp64_reference(model, (ids,), {}, large_bytes=1000, like=eager)
+    assert ref.dtype == torch.float64 and torch.allclose(ref, want, rtol=1e-12, atol=1e-12)
+    small = torch.nn.Linear(8, 300)  # its weight is not large: the output is narrowed at the end
+    x = torch.randn(4, 8)
+    ref = accuracy.fp64_reference(small, (x,), {}, large_bytes=1000, like=small(x).half())
+    assert ref.dtype == torch.float32 and torch.equal(ref, accuracy.fp64_reference(small, (x,), {}).float())
+    assert accuracy.reference_dtype(torch.float16) == torch.float32
+    assert accuracy.reference_dtype(torch.float32) == torch.float64
+
+
+def test_comparison_against_a_reference_on_another_device_or_dtype():
+    """The rule gives the same answer from a float32 copy of a bf16 output's reference."""
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(3000, dtype=torch.float64, generator=g)
+    eager = (ref + 0.01 * torch.randn(3000, dtype=torch.float64, generator=g)).bfloat16()
+    out = (ref + 0.012 * torch.randn(3000, dtype=torch.float64, generator=g)).bfloat16()
+    a, b = accuracy.check(out, ref, eager).leaves[0], accuracy.check(out, ref.float(), eager).leaves[0]
+    assert a.passed == b.passed and a.how == b.how == "rmse"
+    assert abs(a.rmse - b.rmse) < 1e-6 * a.rmse and abs(a.eager_rmse - b.eager_rmse) < 1e-6 * a.eager_rmse
+
+
+def test_comparison_chunks_stay_a_fraction_of_the_output(monkeypatch):
+    from graphopt.tools.memtrace import MemoryTrace
+
+    monkeypatch.setattr(accuracy, "_MIN_CHUNK", 1000)
+    ref = torch.randn(400_000, dtype=torch.float64)
+    out = ref.float() + 1e-3
+    with MemoryTrace(record_ops=False) as tr:
+        accuracy.check(out, ref, out)
+    assert tr.peak < ref.numel() * 8  # float64 temporaries of an eighth of the output at a time

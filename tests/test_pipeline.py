@@ -218,3 +218,41 @@ def test_the_guard_checks_once_when_the_result_passes(monkeypatch):
     calls.clear()
     none = graphopt.optimize(model, inputs, target="h200", passes=[], cuda_graphs=False)
     assert len(calls) == 1 and none.report.accuracy["checked"] and none.report.accuracy["passed"]
+
+
+class NoMatch(Pass):
+    """A pass that finds nothing: the graph is left as it was."""
+
+    name = "no_match_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        return self.result()
+
+
+class Raises(Pass):
+    """A pass that edits the graph, then fails."""
+
+    name = "raises_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        n = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        with gm.graph.inserting_after(n):
+            gm.graph.call_function(aten.neg.default, (n,))
+        raise RuntimeError("planted")
+
+
+def test_a_pass_that_changed_nothing_leaves_the_graph_copy_for_the_next(monkeypatch):
+    """Undoing a pass needs a copy of the graph before it; after passes that left the graph as it was,
+    the copy taken before them still is that graph: one copy serves them all, and a later pass that
+    fails is still undone."""
+    copies = []
+    real = fx.Graph.__deepcopy__
+    monkeypatch.setattr(fx.Graph, "__deepcopy__", lambda g, memo=None: copies.append(1) or real(g, memo))
+    model, inputs, gm = _mlp_gm()
+    before = [n.target for n in gm.graph.nodes]
+    results = PassManager([NoMatch(), NoMatch(), Raises(), NoMatch(), ScaleOutputs()]).run(gm, _ctx(gm))
+    assert [r.status for r in results] == ["unchanged", "unchanged", "reverted", "unchanged", "applied"]
+    assert len(copies) == 3  # before the first pass; after the revert (the copy became the graph); before the last
+    assert [n.target for n in gm.graph.nodes if n.target is not aten.mul.Tensor] == before

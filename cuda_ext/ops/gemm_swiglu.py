@@ -1,8 +1,10 @@
 """graphopt::gemm_swiglu: ``silu(x @ Wg.T) * (x @ Wu.T)``, shape ``[..., n]``: a SwiGLU MLP's gate and
 up projections and its activation in one GEMM, accumulated in fp32 and rounded once.
 
-``weight = interleave_gate_up(cat([Wg, Wu]), block)`` holds Wg and Wu in alternating blocks of
-``block`` rows (each half zero-padded to a multiple of ``block``). CUDA kernel: ``gemm_triton.py``,
+``weight`` is ``cat([Wg, Wu])`` itself with ``block = 0`` (the model's merged gate/up weight, no
+copy: the kernel loads the gate and up rows of a tile with two TMA descriptors), or
+``interleave_gate_up(cat([Wg, Wu]), block)``: Wg and Wu in alternating blocks of ``block`` rows
+(each half zero-padded to a multiple of ``block``). CUDA kernel: ``gemm_triton.py``,
 a persistent Triton GEMM with TMA loads whose epilogue applies the activation, on an sm_90+ GPU
 for fp16/bf16 with K and n multiples of 8 and a block of 64 or 128; elsewhere the reference.
 """
@@ -38,17 +40,25 @@ def interleave_gate_up(w_gate_up: torch.Tensor, block: int) -> torch.Tensor:
 def reference(x: torch.Tensor, weight: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """``silu(x @ Wg.T) * (x @ Wu.T)`` ([..., n]): a SwiGLU MLP's gate and up projections and its
     activation, the projections never rounded. ``weight`` holds Wg and Wu as
-    :func:`interleave_gate_up` lays them out (blocks of ``block`` rows)."""
+    :func:`interleave_gate_up` lays them out (blocks of ``block`` rows), or, with ``block = 0``, as
+    ``cat([Wg, Wu])`` ([2n, K], the model's merged gate/up weight as it is)."""
     K = x.shape[-1] if x.dim() else 0
-    if (weight.dim() != 2 or weight.shape[1] != K or block < 1 or weight.shape[0] % (2 * block)
-            or not 0 < n <= weight.shape[0] // 2):
-        raise ValueError(f"graphopt::gemm_swiglu: weight {tuple(weight.shape)} is not gate and up blocks of {block} "
-                         f"rows over K={K} holding n={n} outputs")
+    if block == 0:
+        if weight.dim() != 2 or weight.shape[1] != K or n < 1 or weight.shape[0] != 2 * n:
+            raise ValueError(f"graphopt::gemm_swiglu: weight {tuple(weight.shape)} is not cat([gate, up]) over K={K} "
+                             f"with n={n} rows each (block 0)")
+        gate_w, up_w = weight[:n], weight[n:]
+    else:
+        if (weight.dim() != 2 or weight.shape[1] != K or block < 1 or weight.shape[0] % (2 * block)
+                or not 0 < n <= weight.shape[0] // 2):
+            raise ValueError(f"graphopt::gemm_swiglu: weight {tuple(weight.shape)} is not gate and up blocks of "
+                             f"{block} rows over K={K} holding n={n} outputs")
+        blocks = weight.reshape(-1, 2, block, K)
+        gate_w, up_w = blocks[:, 0].reshape(-1, K)[:n], blocks[:, 1].reshape(-1, K)[:n]
     ct = compute_dtype(x.dtype)
-    w = weight.to(ct).reshape(-1, 2, block, K)
     xc = x.to(ct)
-    gate = F.linear(xc, w[:, 0].reshape(-1, K)[:n])
-    up = F.linear(xc, w[:, 1].reshape(-1, K)[:n])
+    gate = F.linear(xc, gate_w.to(ct))
+    up = F.linear(xc, up_w.to(ct))
     return fresh((F.silu(gate) * up).to(x.dtype), x)
 
 
@@ -85,17 +95,28 @@ def persistent_rounds_factor(profile, M, N, tile=TILE) -> float:
 
 def cost(call, profile):
     """The GEMM over every (padded) gate and up row of the weight at the matmul efficiency, slowed
-    by the persistent kernel's last round of tiles."""
+    by the persistent kernel's last round of tiles; in the halves layout (block 0) each half is
+    padded to the tile's half."""
     x, w = call.info("x"), call.info("weight")
-    return OpCost(2 * x.numel * w.shape[0], call.in_bytes + call.out_bytes, kind="matmul", efficiency="matmul",
+    rows = w.shape[0]
+    if call.arg("block") == 0:
+        half = TILE[1] // 2
+        rows = 2 * -(-call.arg("n") // half) * half
+    return OpCost(2 * x.numel * rows, call.in_bytes + call.out_bytes, kind="matmul", efficiency="matmul",
                   slowdown=persistent_rounds_factor(profile, x.numel // x.shape[-1], w.shape[0]))
 
 
 def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int = 128) -> torch.Tensor:
     """``silu(x @ Wg.T) * (x @ Wu.T)``, shape ``[..., n]``: a SwiGLU MLP's gate and up projections
     and its activation in one GEMM. ``weight`` is ``interleave_gate_up(cat([Wg, Wu]), block)``: Wg
-    and Wu in alternating blocks of ``block`` rows."""
+    and Wu in alternating blocks of ``block`` rows; or, with ``block=0``, ``cat([Wg, Wu])`` itself
+    ([2n, K])."""
     check_projection("gemm_swiglu", x, weight, "rows")
+    if isinstance(block, int) and not isinstance(block, bool) and block == 0:
+        if not isinstance(n, int) or n < 1 or weight.shape[0] != 2 * n:
+            raise KernelArgumentError(f"graphopt::gemm_swiglu: block 0 takes cat([gate, up]) with n rows each; "
+                                      f"weight has {weight.shape[0]} rows, n={n!r}")
+        return torch.ops.graphopt.gemm_swiglu(x, weight, n, block)
     if not isinstance(block, int) or block < 1 or weight.shape[0] % (2 * block):
         raise KernelArgumentError(f"graphopt::gemm_swiglu: weight's {weight.shape[0]} rows are not pairs of "
                                   f"{block}-row gate and up blocks")

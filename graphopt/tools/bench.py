@@ -22,7 +22,8 @@ Timing: ``warmup`` calls, then ``reps`` calls each timed alone (CUDA events arou
 the device synchronized before it: single-call latency; ``perf_counter`` on the CPU); the table
 shows the median. "setup s" is the time to the first result (``torch.compile`` + first call,
 ``optimize`` + first call). Peak memory is ``torch.cuda.max_memory_allocated`` over the variant
-(reset before it; the model's own weights included). Accuracy is the accuracy rule (docs/design.md) against a
+(reset before it; the model's own weights included); off the GPU graphopt's "setup peak" is its
+report's account (the model plus the constants the passes added, ``Report.setup_peak_bytes``). Accuracy is the accuracy rule (docs/design.md) against a
 float64 copy of the converted model on the same inputs, the eager output being the yardstick;
 outputs with more than ``max_check_elems`` elements are checked on an evenly strided sample of
 that many elements (same positions for every variant), which the notes say.
@@ -751,6 +752,8 @@ def _run_variant(variant, vr: VariantResult, model, args, kwargs, state, *, devi
             # building (torch.compile's compilation, graphopt's fp64 accuracy guard) can need far more
             # memory than running: report the two peaks apart
             vr.setup_peak_bytes = _peak(device)
+            if vr.setup_peak_bytes is None and variant == "graphopt":  # off the GPU: the report's account
+                vr.setup_peak_bytes = getattr(fn.report, "setup_peak_bytes", None)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times = time_call(lambda: fn(*args, **kwargs), reps=reps, warmup=warmup, device=device)
@@ -784,7 +787,7 @@ def _graphopt_extra(opt) -> dict:
     runner = getattr(opt, "runner", None)
     extra = {"predicted_ms": rep.predicted_s_after * 1e3, "predicted_ms_before": rep.predicted_s_before * 1e3,
              "optimize_s": rep.optimize_seconds, "optimize_phases": getattr(rep, "optimize_phases", {}),
-             "guard": rep.accuracy,
+             "guard": rep.accuracy, "setup_memory": getattr(rep, "memory", None),
              "applied": [p.name for p in rep.passes if getattr(p, "status", "") == "applied"]}
     if runner is not None:
         extra["cuda_graph"] = runner.decision.note()

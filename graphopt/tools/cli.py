@@ -66,6 +66,9 @@ def _add_model_args(p):
     p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="mixed precision (default auto: bf16 where the cost model predicts a gain)")
     p.add_argument("--no-accuracy", action="store_true", help="skip the fp64 accuracy guard")
+    p.add_argument("--weight-copies", default="auto", metavar="W",
+                   help="memory the passes' weight copies may take: auto (default), allow, none, a fraction of the "
+                        "model's bytes (0.1) or a size (4GB)")
     p.add_argument("--dump-ir", metavar="DIR", help="write the graph after each pass to DIR/NNN_<pass>.py")
     p.add_argument("--devices", help="partition across devices: cuda:0,cuda:1 | cuda:0,cpu | a GPU count (with --target h200 "
                                      "a machine without GPUs plans for them)")
@@ -175,7 +178,8 @@ def _optimize(args):
                    microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
                    training=getattr(args, "training", False),
                    memory_budget=getattr(args, "memory_budget", None),
-                   checkpoint_backend=getattr(args, "checkpoint_backend", "auto"))
+                   checkpoint_backend=getattr(args, "checkpoint_backend", "auto"),
+                   weight_copies=args.weight_copies)
     args._model = model  # explain --measure captures it again for the before graph
     return opt, inputs
 

@@ -29,6 +29,7 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
         ce.swiglu(r(*shape))
     for M, K, n in [(1, 8, 8), (129, 72, 136), (300, 4096, 264)]:  # bf16/fp16: the Triton GEMM; fp32: reference
         ce.gemm_swiglu(r(M, K), interleave_gate_up(r(2 * n, K), 128), n, 128)
+        ce.gemm_swiglu(r(M, K), r(2 * n, K), n, 0)  # the halves layout
     for shape, k, st, pd in [((2, 64, 13, 11), 3, 2, 1), ((1, 3, 7, 7), 3, 2, 1), ((1, 40, 9, 9), 5, 3, 2)]:
         ce.max_pool2d_nhwc(r(*shape).contiguous(memory_format=torch.channels_last), k, st, pd)
         ce.max_pool2d_nhwc(r(*shape), k, st, pd)

@@ -1,7 +1,7 @@
-"""graphopt::gemm_swiglu: the interleaved gate/up weight layout, the reference, and the persistent
-Triton GEMM with the SwiGLU epilogue: on the CPU through Triton's interpreter (fp16: the
-interpreter misreads bf16 tensors through TMA descriptors), on an sm_90+ GPU when marked cuda;
-against fp64."""
+"""graphopt::gemm_swiglu: the two gate/up weight layouts (halves: cat([Wg, Wu]) as it is, block 0;
+interleaved blocks), the reference, and the persistent Triton GEMM with the SwiGLU epilogue: on the
+CPU through Triton's interpreter (fp16: the interpreter misreads bf16 tensors through TMA
+descriptors), on an sm_90+ GPU when marked cuda; against fp64."""
 
 import pytest
 import torch
@@ -38,6 +38,7 @@ def interpreter_cases():
     for M, K, n in [(40, 48, 24), (33, 40, 16), (16, 16, 8)]:
         x, w = _case(M, K, n, torch.float16, seed=M)
         _check(gemm_triton.gemm_swiglu(x, interleave_gate_up(w, 16), n, cfg, programs=3), x, w, n)
+        _check(gemm_triton.gemm_swiglu_halves(x, w, n, cfg + (2,), programs=3), x, w, n)
         y = gemm_triton.gemm(x, w, cfg, programs=3)
         torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-2, atol=1e-2)
     print("interpreter cases ok")
@@ -78,6 +79,15 @@ def test_reference_matches_fp64_and_rounds_once():
         reference.gemm_swiglu(x, w, 40, 16)  # 80 rows are not pairs of 16-row blocks
 
 
+def test_halves_reference_reads_the_weight_as_it_is():
+    x, w = _case(33, 96, 40, torch.bfloat16, lead=(2,))
+    y = reference.gemm_swiglu(x, w, 40, 0)
+    _check(y, x, w, 40)
+    assert torch.equal(y, reference.gemm_swiglu(x, interleave_gate_up(w, 16), 40, 16))
+    with pytest.raises(ValueError, match="block 0"):
+        reference.gemm_swiglu(x, w, 39, 0)  # 80 rows are not 2 x 39
+
+
 def test_refusals():
     x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=torch.bfloat16)
     assert "GPU with TMA" in gemm_triton.supported(x, w, 128, 128)  # the CPU
@@ -85,6 +95,8 @@ def test_refusals():
     assert "block 32" in gemm_triton.supported(x, torch.zeros(64, 64, dtype=torch.bfloat16), 32, 32)
     assert "multiples of 8" in gemm_triton.supported(x, w, 100, 128)
     assert "blocks of 128" in gemm_triton.supported(x, w[:128], 64, 128)
+    assert "GPU with TMA" in gemm_triton.supported(x, w, 128, 0)  # halves: 256 rows = 2 x 128
+    assert "cat([gate, up])" in gemm_triton.supported(x, w, 120, 0)
     with pytest.raises(ValueError, match="unsupported needs a GPU"):
         gemm_triton.gemm_swiglu_triton(x, w, 128, 128)
 
@@ -110,3 +122,19 @@ def test_op_on_gpu(dtype, shape):
     xs = torch.cat([x.reshape(-1)[:1], x.reshape(-1)])[1:].view_as(x)
     torch.testing.assert_close(torch.ops.graphopt.gemm_swiglu(xs, wi, n, 128), y, rtol=0, atol=0)
     _check(torch.ops.graphopt.gemm_swiglu(x.float(), wi.float(), n, 128), x.float(), w.float(), n, rel=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1024, 4096, 13696), (300, 4096, 264), (129, 72, 136), (1, 8, 8)])
+def test_halves_op_on_gpu(dtype, shape):
+    """block 0: the weight as the model holds it; the same values as the interleaved copy gives."""
+    if not _sm90():
+        pytest.skip("the Triton GEMM needs sm_90+")
+    M, K, n = shape
+    x, w = _case(M, K, n, dtype, device="cuda", lead=(1,))
+    assert gemm_triton.supported(x, w, n, 0) is None
+    y = torch.ops.graphopt.gemm_swiglu(x, w, n, 0)
+    _check(y, x, w, n)
+    same_when_graphed(lambda: torch.ops.graphopt.gemm_swiglu(x, w, n, 0))
+    _check(torch.ops.graphopt.gemm_swiglu(x.float(), w.float(), n, 0), x.float(), w.float(), n, rel=1e-3)

@@ -39,6 +39,7 @@ BAD = [
     ("gemm_swiglu", lambda: ce.gemm_swiglu(r(4, 8), r(24, 8), 8, 8), "not pairs of 8-row gate and up blocks"),
     ("gemm_swiglu", lambda: ce.gemm_swiglu(r(4, 8), r(32, 8), 17, 8), "n must be in 1..16"),
     ("gemm_swiglu", lambda: ce.gemm_swiglu(r(4, 8), r(32, 8, dtype=torch.bfloat16), 8, 8), "weight is torch.bfloat16"),
+    ("gemm_swiglu", lambda: ce.gemm_swiglu(r(4, 8), r(32, 8), 15, 0), "block 0 takes cat([gate, up])"),
     ("rotary", lambda: ce.rotary(r(1, 2, 4, 8), r(1, 2, 4, 8), r(1, 4, 3), r(1, 4, 3)), "R even"),
     ("rotary", lambda: ce.rotary(r(1, 2, 4, 8), r(1, 2, 5, 8), r(1, 4, 8), r(1, 4, 8)), "differ"),
     ("rotary", lambda: ce.rotary(r(2, 4, 8), r(2, 4, 8), r(1, 4, 8), r(1, 4, 8)), "must be [B, H, S, D]"),
@@ -62,6 +63,7 @@ def test_the_same_ops_accept_good_arguments():
     x = r(4, 8)
     assert ce.swiglu(x).shape == (4, 4)
     assert ce.gemm_swiglu(r(2, 4, 8), r(32, 8), 12, 8).shape == (2, 4, 12)
+    assert ce.gemm_swiglu(r(2, 4, 8), r(32, 8), 16, 0).shape == (2, 4, 16)
     out, h = ce.linear_add_layer_norm(x, r(6, 8), r(6), r(4, 6), r(6), r(6), splits=4)
     assert out.shape == h.shape == (4, 6)
     assert ce.bias_act(x, r(8), act="gelu", residual=r(4, 8)).shape == (4, 8)

@@ -70,6 +70,8 @@ class Candidate:
     label: str = ""
     refusal: str = ""
     constant_bytes: float = 0.0
+    # what to apply instead when the weight-copy budget refuses this one (a layout without the copy)
+    fallback: "Candidate | None" = None
 
     @property
     def description(self) -> str:
@@ -149,6 +151,13 @@ class PassResult:
                 self.reject(c.description, f"beyond the first {limit} rewrites (bisecting)")
                 continue
             too_big = ctx.constants.refusal(c.constant_bytes)
+            if too_big and c.fallback is not None:
+                why_not = too_big
+                c = c.fallback
+                if c.gain_s <= 0:
+                    self.reject(c.description, f"{why_not}; without the copy predicted no gain ({c.gain_s * 1e6:+.2f} us)")
+                    continue
+                too_big = ctx.constants.refusal(c.constant_bytes)
             if too_big:
                 self.reject(c.description, too_big)
                 continue

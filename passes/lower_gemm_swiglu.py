@@ -4,12 +4,19 @@ whose epilogue applies the activation (``graphopt::gemm_swiglu``).
 After merge_sibling_linears and fuse_swiglu a SwiGLU MLP (GLM-4, Llama) runs ``gate_up = linear(x,
 W)`` (cuBLAS), then ``graphopt.swiglu(gate_up)``, a memory-bound kernel that reads the [M, 2n]
 product and writes the [M, n] activation. Here a persistent TMA GEMM (``cuda_ext/gemm_triton.py``)
-reads W = cat([Wg, Wu]) as it is (the op's halves layout, ``block = 0``): each k-step of an output
-tile loads a block of gate rows and the matching block of up rows into two fp32 accumulators, and
-the epilogue stores ``silu(gate) * up``: the [M, 2n] product is never written or read, the
-projection is not rounded before the activation, and no copy of the weight is made (the op's
-interleaved layout, ``block = 128``, takes the rows reordered into a copy;
-``benchmarks/diag/diag_swiglu_layout.py`` times both layouts and cuBLAS).
+computes the product tile by tile into fp32 accumulators and its epilogue stores ``silu(gate) * up``:
+the [M, 2n] product is never written or read and the projection is not rounded before the
+activation. Two weight layouts (``graphopt::gemm_swiglu``'s ``block``):
+
+* interleaved (``block = 128``): W's gate and up rows reordered once into blocks of the tile's width,
+  so one tile load holds matching gate and up rows; the faster kernel, but a copy of W beside the
+  model's, so it is counted against the weight-copy budget (``weight_copies``);
+* halves (``block = 0``): W = cat([Wg, Wu]) as the model holds it, gate and up rows loaded through
+  two TMA descriptors into two accumulators; no copy, a slower kernel, priced at its own measured
+  rate (the profile's ``op_efficiency["gemm_swiglu_halves"]``).
+
+The interleaved candidate falls back to the halves one when the budget refuses the copy;
+``benchmarks/diag/diag_swiglu_layout.py`` times both and cuBLAS.
 
 Matches ``graphopt.swiglu(linear(x, W))`` where the projection has no bias and no other reader, x
 and W are fp16 or bf16, K and n are multiples of 8 (TMA's 16-byte rows) and the shapes are
@@ -26,11 +33,12 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cuda_ext.gemm_triton import HALVES, SWIGLU_DTYPES
+from graphopt.cuda_ext.gemm_triton import HALVES, SWIGLU_BLOCK, SWIGLU_DTYPES
+from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import projection_mnk, scratch_node_time
+from ._fusion_meta import projection_mnk, scratch_node_time, set_meta
 
 aten = torch.ops.aten
 
@@ -73,20 +81,42 @@ class LowerGemmSwiglu(Pass):
         n = rows // 2
         if K % 8 or n % 8 or not M:
             return f"K={K} and n={n} must be non-zero multiples of 8 (TMA loads and stores 16-byte rows)", None
-        w_like = torch.empty(rows, K, dtype=dtype, device="meta")
-        fused = scratch_node_time(ctx, torch.ops.graphopt.gemm_swiglu.default, (x, w_like, n, HALVES), {},
-                                  sw.meta.get("val"))
-        gain = ctx.node_time([lin, sw]) - fused
-        return "", Candidate(f"linear -> swiglu: one {M} x {K} x {rows} GEMM with the activation in its epilogue",
-                             [lin, sw], gain, lambda: self._apply(sw, lin, x, w, n), label=label)
+        before = ctx.node_time([lin, sw])
+        # the interleaved layout (a reordered copy of the weight, the faster kernel) where the weight-copy
+        # budget allows it; else the halves layout over the weight as it is, priced at its own measured rate
+        padded = 2 * (-(-n // SWIGLU_BLOCK) * SWIGLU_BLOCK)
+        halves_t = scratch_node_time(ctx, torch.ops.graphopt.gemm_swiglu.default,
+                                     (x, torch.empty(rows, K, dtype=dtype, device="meta"), n, HALVES), {},
+                                     sw.meta.get("val"))
+        halves = Candidate(f"linear -> swiglu: one {M} x {K} x {rows} GEMM with the activation in its epilogue "
+                           "(the weight as it is)", [lin, sw], before - halves_t,
+                           lambda: self._apply(gm, sw, lin, x, w, n, HALVES), label=label)
+        if not (isinstance(w, fx.Node) and w.op == "get_attr"):  # not a constant: its rows cannot be reordered
+            return "", halves
+        inter_t = scratch_node_time(ctx, torch.ops.graphopt.gemm_swiglu.default,
+                                    (x, torch.empty(padded, K, dtype=dtype, device="meta"), n, SWIGLU_BLOCK), {},
+                                    sw.meta.get("val"))
+        return "", Candidate(f"linear -> swiglu: one {M} x {K} x {padded} GEMM with the activation in its epilogue",
+                             [lin, sw], before - inter_t, lambda: self._apply(gm, sw, lin, x, w, n, SWIGLU_BLOCK),
+                             label=label, constant_bytes=padded * K * dtype.itemsize, fallback=halves)
 
     @staticmethod
-    def _apply(sw, lin, x, w, n):
+    def _apply(gm, sw, lin, x, w, n, block):
         g = sw.graph
+        w_in = w
+        if block != HALVES:
+            with torch.no_grad():
+                wi = interleave_gate_up(ir.get_attr_value(gm, w.target).detach(), block)
+            name = ir.register_constant(gm, f"{lin.name}_gate_up_interleaved", wi)
+            with g.inserting_before(sw):
+                w_in = g.get_attr(name)
+            set_meta(gm, [w_in])
         with g.inserting_before(sw):
-            new = g.call_function(torch.ops.graphopt.gemm_swiglu.default, (x, w, n, HALVES))
+            new = g.call_function(torch.ops.graphopt.gemm_swiglu.default, (x, w_in, n, block))
         new.meta["val"] = sw.meta.get("val")
         sw.replace_all_uses_with(new)
         g.erase_node(sw)
         g.erase_node(lin)
+        if w_in is not w and isinstance(w, fx.Node) and not w.users:
+            g.erase_node(w)
         return new

@@ -162,14 +162,16 @@ def test_profiles_with_the_old_per_op_fields_load_the_same(tmp_path):
     short_attention_scale, short_attention_fixed_s as fields) loads into the table."""
     h200 = get_profile("h200")[0]
     old = h200.to_dict()
-    table = old.pop("op_efficiency")
+    table = dict(old.pop("op_efficiency"))
     for field, (key, name, _) in LEGACY_FIELDS.items():
         old[field] = table[key][name]
+        table[key] = {k: v for k, v in table[key].items() if k != name}
+    old["op_efficiency"] = {k: v for k, v in table.items() if v}  # entries that never were fields stay
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
     assert get_profile(str(path))[0] == h200
     # the old defaults meant "not measured": no entry
-    bare = {k: v for k, v in old.items() if k not in LEGACY_FIELDS}
+    bare = {k: v for k, v in old.items() if k not in LEGACY_FIELDS and k != "op_efficiency"}
     unmeasured = DeviceProfile.from_dict({**bare, "norm_row_s": 0.0, "pool_bandwidth_scale": 1.0,
                                           "short_attention_scale": None, "short_attention_fixed_s": 0.0})
     assert unmeasured.op_efficiency == {}

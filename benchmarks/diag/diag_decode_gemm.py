@@ -159,7 +159,7 @@ def main(argv=None) -> int:
 def swiglu_epilogue(cm: CostModel, bw: float) -> list:
     """The gate+up projection and its activation, both ways, at each M (rows tagged "swiglu")."""
     import graphopt.cuda_ext  # noqa: F401  (the graphopt ops; builds the CUDA kernels once if needed)
-    from graphopt.cuda_ext.reference import interleave_gate_up
+    from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 
     rows: list = []
     for model, (_, shapes) in MODELS.items():

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import graphopt.cuda_ext  # noqa: F401  (registers the graphopt ops)
     from graphopt.cuda_ext import gemm_triton as gt
-    from graphopt.cuda_ext.reference import interleave_gate_up
+    from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 
     torch.manual_seed(0)
     w = torch.randn(2 * N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5

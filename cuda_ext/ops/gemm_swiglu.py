@@ -21,6 +21,9 @@ from ..gemm_triton import SWIGLU_BLOCK, SWIGLU_CONFIGS
 from ..registry import define_op
 
 SCHEMA = "gemm_swiglu(Tensor x, Tensor weight, int n, int block) -> Tensor"
+# the profile's op_efficiency key for the halves layout (block 0), whose kernel runs slower than
+# the interleaved one's (two accumulators and two TMA loads per k-step)
+HALVES_EFFICIENCY = "gemm_swiglu_halves"
 # the kernel's output tile at SWIGLU_BLOCK: BLOCK_M rows by 2 BLOCK_N columns of the gate+up product
 TILE = (SWIGLU_CONFIGS[SWIGLU_BLOCK][0], 2 * SWIGLU_CONFIGS[SWIGLU_BLOCK][1])
 
@@ -96,13 +99,17 @@ def persistent_rounds_factor(profile, M, N, tile=TILE) -> float:
 def cost(call, profile):
     """The GEMM over every (padded) gate and up row of the weight at the matmul efficiency, slowed
     by the persistent kernel's last round of tiles; in the halves layout (block 0) each half is
-    padded to the tile's half."""
+    padded to the tile's half, at the profile's measured ``op_efficiency["gemm_swiglu_halves"]``
+    rate where it has one."""
     x, w = call.info("x"), call.info("weight")
     rows = w.shape[0]
+    efficiency = "matmul"
     if call.arg("block") == 0:
         half = TILE[1] // 2
         rows = 2 * -(-call.arg("n") // half) * half
-    return OpCost(2 * x.numel * rows, call.in_bytes + call.out_bytes, kind="matmul", efficiency="matmul",
+        if profile.efficiency(HALVES_EFFICIENCY, "scale") is not None:  # measured: two accumulators per tile
+            efficiency = HALVES_EFFICIENCY
+    return OpCost(2 * x.numel * rows, call.in_bytes + call.out_bytes, kind="matmul", efficiency=efficiency,
                   slowdown=persistent_rounds_factor(profile, x.numel // x.shape[-1], w.shape[0]))
 
 

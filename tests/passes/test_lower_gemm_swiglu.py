@@ -42,26 +42,60 @@ def _run(m, x, passes=PASSES, target="h200"):
     return gm, run_passes(gm, passes, target=target)[-1]
 
 
+def _run_budget(m, x, limit, profile=None):
+    """The passes with a weight-copy budget of ``limit`` bytes (None: unlimited)."""
+    import dataclasses
+
+    from graphopt.cost.model import CostModel
+    from graphopt.pipeline import PassContext, PassManager, assemble
+    from graphopt.setup_memory import ConstantAccount
+
+    gm = capture(m, (x,))
+    profile = profile or get_profile("h200")[0]
+    ctx = PassContext(profile=profile, cost=CostModel(profile), hints=ir.shape_hints(gm),
+                      constants=ConstantAccount(limit=limit, setting="test"))
+    res = PassManager(assemble(PASSES)).run(gm, ctx)[-1]
+    return gm, res
+
+
 @pytest.mark.parametrize("merged", [True, False])
-def test_applied_on_the_weight_as_it_is(merged):
-    """The fused GEMM reads cat([Wg, Wu]) as it is (block 0): GLM-4's gate_up weight is the model's
-    own parameter, Llama's the merged siblings' one concatenation; no reordered copy."""
+def test_interleaved_copy_where_the_budget_allows(merged):
+    """With room for a copy the weight's gate and up rows are reordered once (block 128), the
+    faster kernel: GLM-4's gate_up weight and Llama's merged siblings alike."""
     m, x = MLP(merged=merged).eval().bfloat16(), torch.randn(8, 1024, 256).bfloat16()
-    gm, res = _run(m, x)
+    gm, res = _run_budget(m, x, None)
     c = op_counts(gm)
     assert c[FUSED] == 1 and c["graphopt.swiglu.default"] == 0 and c["aten.linear.default"] == 1  # down stays
     (node,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
-    assert node.args[2:] == (1024, 0)
+    assert node.args[2:] == (1024, 128)
     w = ir.get_attr_value(gm, node.args[1].target)
-    assert w.shape == (2048, 256) and w.dtype == torch.bfloat16
-    if merged:
-        assert w is m.gate_up.weight
-    else:
-        assert torch.equal(w, torch.cat([m.gate.weight, m.up.weight]))
-    added = [name for name, _ in gm.named_buffers() if name.startswith("_graphopt_")]
-    assert len(added) == (0 if merged else 1)
+    assert w.shape == (2048, 256) and w is not (m.gate_up.weight if merged else m.up.weight)
     (rw,) = res.rewrites
     assert rw.predicted_gain_s > 0 and "8192 x 256 x 2048" in rw.pattern
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_without_room_for_a_copy_the_halves_layout_is_priced_at_its_measured_rate():
+    """No room for the copy: the fallback reads cat([Wg, Wu]) as it is (block 0); on the H200 its
+    measured rate (op_efficiency gemm_swiglu_halves) makes it slower than cuBLAS + swiglu, so the
+    pair stays, with both reasons in one line; on a profile without that measurement the fallback
+    is applied on the model's own weight."""
+    import dataclasses
+
+    with torch.device("meta"):
+        glm = MLP(4096, 13696).eval().bfloat16()  # GLM-4-9B's MLP at bs8
+    gm, res = _run_budget(glm.to_empty(device="cpu"), torch.zeros(8, 1024, 4096, dtype=torch.bfloat16), 0)
+    assert op_counts(gm)[FUSED] == 0
+    (why,) = [r.reason for r in res.rejected]
+    assert "would copy" in why and "without the copy predicted no gain" in why
+    h200 = get_profile("h200")[0]
+    unmeasured = dataclasses.replace(h200, op_efficiency={k: v for k, v in h200.op_efficiency.items()
+                                                          if k != "gemm_swiglu_halves"})
+    m, x = MLP(merged=True).eval().bfloat16(), torch.randn(8, 1024, 256).bfloat16()
+    gm, res = _run_budget(m, x, 0, unmeasured)
+    (node,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
+    assert node.args[2:] == (1024, 0) and ir.get_attr_value(gm, node.args[1].target) is m.gate_up.weight
+    assert not [name for name, _ in gm.named_buffers() if name.startswith("_graphopt_")]
     assert reference_check(m, gm, (x,)).passed
 
 

@@ -511,6 +511,17 @@ class _Selector:
         plan.walk = {"curve": curve, "pairs": pairs}
         return plan
 
+    def _region_reads(self, region: list, saved: set) -> list:
+        """(activation, bytes) a region's nodes read that the plan frees after the forward (not
+        saved, not a graph output), in first-read order."""
+        am, out = self.am, {}
+        for n in region:
+            for x in n.all_input_nodes:
+                x = am.root.get(x, x)
+                if x in self.index and x not in saved and x not in am.outputs and am.bytes.get(x, 0.0) > 0:
+                    out.setdefault(x, am.bytes[x])
+        return list(out.items())
+
     def nest(self, plan: Plan, budget: float, max_len: int = 16) -> Plan | None:
         """Two-level recomputation for a plan that does not fit: runs of consecutive regions
         (segments) go under an outer checkpoint, which keeps only the segment's inputs through the
@@ -525,19 +536,22 @@ class _Selector:
             return None
         am, regions = self.am, plan.regions
         R = len(regions)
-        curve = torch.tensor(walk["curve"], dtype=torch.float64)
+        # what depends on the plan alone is kept in its walk across calls (select() bisects the
+        # budget over the same plans)
+        memo_all = walk.setdefault("nest_memo", {})
+        if not memo_all:
+            memo_all.update(
+                curve=torch.tensor(walk["curve"], dtype=torch.float64),
+                lo=[self.index[r[0]] for r in regions], hi=[self.index[r[-1]] for r in regions],
+                secs=[sum(am.seconds.get(n, 0.0) for n in r) for r in regions],
+                biggest=[max((am.bytes.get(n, 0.0) for n in r if am.root.get(n) is n), default=0.0) for r in regions],
+                reads=[self._region_reads(r, plan.saved_roots or set()) for r in regions],
+                inputs={}, own={}, effect={}, span={})
+        curve, lo, hi, secs, biggest, reads = (memo_all[k] for k in ("curve", "lo", "hi", "secs", "biggest", "reads"))
+        inputs_memo, own_memo, memo, span_memo = (memo_all[k] for k in ("inputs", "own", "effect", "span"))
         limit = budget - self.scratch_bytes + self.working
-        lo = [self.index[r[0]] for r in regions]
-        hi = [self.index[r[-1]] for r in regions]
-        secs = [sum(am.seconds.get(n, 0.0) for n in r) for r in regions]
-        biggest = [max((am.bytes.get(n, 0.0) for n in r if am.root.get(n) is n), default=0.0) for r in regions]
         pairs = walk["pairs"]
         n_pos = curve.shape[0]
-
-        saved = plan.saved_roots or set()
-
-        inputs_memo: dict = {}
-        own_memo: dict = {}
 
         def held_inputs(a: int, b: int) -> list:
             """Activations the segment reads from before it that the plan frees after the forward:
@@ -545,13 +559,10 @@ class _Selector:
             if (a, b) in inputs_memo:
                 return inputs_memo[(a, b)]
             out = {}
-            for r in regions[a:b + 1]:
-                for n in r:
-                    for x in n.all_input_nodes:
-                        x = am.root.get(x, x)
-                        if (x in self.index and self.index[x] < lo[a] and x not in saved and x not in am.outputs
-                                and am.bytes.get(x, 0.0) > 0):
-                            out[x] = am.bytes[x]
+            for k in range(a, b + 1):
+                for x, v in reads[k]:
+                    if self.index[x] < lo[a]:
+                        out[x] = v
             inputs_memo[(a, b)] = list(out.items())
             return inputs_memo[(a, b)]
 
@@ -565,8 +576,6 @@ class _Selector:
             """What the segment takes off the bytes held after the forward."""
             return own(a, b) - sum(v for _, v in held_inputs(a, b))
 
-        memo: dict = {}
-
         def effect(a: int, b: int) -> torch.Tensor:
             """The change to the walk of segment a..b: its regions' own saved bytes gone after its
             end (the backward reaches it later); its forward rerun as the backward enters it."""
@@ -578,6 +587,12 @@ class _Selector:
                 d[hi[b]] += max(biggest[a:b + 1])
                 memo[(a, b)] = d
             return memo[(a, b)]
+
+        def span_s(a: int, b: int) -> float:
+            """Seconds of the forward rerun of regions a..b."""
+            if (a, b) not in span_memo:
+                span_memo[(a, b)] = sum(secs[a:b + 1])
+            return span_memo[(a, b)]
 
         def excess(c: torch.Tensor) -> float:
             return float((c - limit).clamp(min=0).sum())
@@ -598,17 +613,17 @@ class _Selector:
                     trial = cur + effect(a, b)
                     for s in inside:
                         trial -= effect(*s)
-                    trial_kept = kept - drop(a, b) + sum(drop(*s) for s in inside)
                     gain = base_ex - excess(trial)
-                    dt = sum(secs[a:b + 1]) - sum(sum(secs[s[0]:s[1] + 1]) for s in inside)
                     if gain <= 0:
                         continue
+                    dt = span_s(a, b) - sum(span_s(*s) for s in inside)
                     score = gain / max(dt, 1e-9)
                     if best is None or score > best[0]:
-                        best = (score, (a, b), inside, trial, trial_kept)
+                        best = (score, (a, b), inside, trial)
             if best is None:
                 return None
-            _, seg, inside, cur, kept = best
+            _, seg, inside, cur = best
+            kept = kept - drop(*seg) + sum(drop(*s) for s in inside)
             segs = sorted([s for s in segs if s not in inside] + [seg])
         # trim: shrink each segment from either end while the plan still fits
         changed = True
@@ -748,10 +763,22 @@ class _Selector:
                 best_fit = plan
         if best_fit is not None:
             best_fit = self.refine(best_fit, budget)
+        # the largest budget each sampled plan could not be nested under (by id: the plans live in
+        # `smallest`); a plan that cannot meet a budget is not tried again under a smaller one
+        failed_at: dict = {}
+
+        def nested_under(p: Plan, b: float) -> Plan | None:
+            if failed_at.get(id(p), -1.0) >= b:
+                return None
+            out = self.nest(p, b)
+            if out is None:
+                failed_at[id(p)] = max(failed_at.get(id(p), -1.0), b)
+            return out
+
         if best_fit is None and self.aot:
             # no plan of one level fits: run consecutive regions under an outer checkpoint
             for p in smallest:
-                nested = self.nest(p, budget)
+                nested = nested_under(p, budget)
                 if nested is not None and (best_fit is None or nested.extra_s < best_fit.extra_s):
                     best_fit = nested
         if best_fit is None:
@@ -761,7 +788,7 @@ class _Selector:
                 lo_b, hi_b = 0.0, min(p.total_bytes for p in smallest)
                 for _ in range(10):
                     mid = (lo_b + hi_b) / 2
-                    if any(self.nest(p, mid) is not None for p in smallest):
+                    if any(nested_under(p, mid) is not None for p in smallest):
                         hi_b = mid
                     else:
                         lo_b = mid

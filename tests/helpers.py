@@ -66,3 +66,57 @@ def same_when_graphed(call):
     torch.cuda.synchronize()
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ training steps vs fp64
+def loss_of(out) -> torch.Tensor:
+    """A scalar loss from a model's output (a HF output's logits, a tuple's first tensor), in fp64."""
+    out = out.logits if hasattr(out, "logits") else out
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    return out.double().pow(2).mean()
+
+
+def train_step(fn, params, args, seed=0, loss=loss_of) -> list:
+    """One training step of ``fn`` under ``seed``: [loss, the gradient of each of ``params``]
+    (gradients cleared first; zeros for a parameter the loss does not reach)."""
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    value = loss(fn(*args))
+    value.backward()
+    return [value.detach()] + [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def _double(args):
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def step_check(model, opt, args, seed=0, loss=loss_of, buffers=True):
+    """One training step of ``opt`` (which trains ``model``'s parameters) against an eager copy of
+    ``model`` and an fp64 copy under the same seed (dropout draws the same masks in fp64), by the
+    accuracy rule: the loss, every parameter's gradient and (``buffers``) the buffers after the
+    step (BatchNorm statistics; counters exactly). Returns the eager copy after its step."""
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    ours = train_step(opt, list(model.parameters()), args, seed, loss)
+    eager = train_step(ref, list(ref.parameters()), args, seed, loss)
+    gold = train_step(ref64, list(ref64.parameters()), _double(args), seed, loss)
+    if buffers:
+        ours, eager, gold = ours + list(model.buffers()), eager + list(ref.buffers()), gold + list(ref64.buffers())
+    res = accuracy.check(ours, gold, eager, training=True)
+    assert res.passed, res.reason
+    return ref
+
+
+def sgd_check(model, opt, args, steps=3, lr=0.1, clip=1.0, loss=loss_of):
+    """``steps`` SGD steps (gradient norm clipped to ``clip``, seed i at step i) through ``opt`` on
+    ``model``'s parameters, through an eager copy and through an fp64 copy: the parameters after
+    them by the accuracy rule (training tolerance)."""
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    for fn, owner, a in ((opt, model, args), (ref, ref, args), (ref64, ref64, _double(args))):
+        sgd = torch.optim.SGD(owner.parameters(), lr=lr)
+        for i in range(steps):
+            train_step(fn, list(owner.parameters()), a, seed=i, loss=loss)
+            assert torch.isfinite(torch.nn.utils.clip_grad_norm_(owner.parameters(), clip))
+            sgd.step()
+    res = accuracy.check(list(model.parameters()), list(ref64.parameters()), list(ref.parameters()), training=True)
+    assert res.passed, res.reason

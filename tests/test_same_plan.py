@@ -1,6 +1,6 @@
 """optimize() made faster must plan the same graph: the optimized graphs of the tiny zoo models,
 recorded before the optimize-time work (commit df8cb2a: graphopt.timing only), are reproduced
-exactly -- op counts, the generated code (every node, its arguments and order; comments aside) and
+exactly -- op counts, the graph (every node, its target, arguments and order; node names aside) and
 the values of the constants graphopt computed (folded masks, merged weights).
 
 When a pass changes on purpose, regenerate the record and say so in the commit:
@@ -41,17 +41,28 @@ def plan_record(gm) -> dict:
     for n in gm.graph.nodes:
         if n.op == "call_function":
             ops[str(n.target)] = ops.get(str(n.target), 0) + 1
+    # every node in order with its target and arguments; nodes named by position and the constants
+    # graphopt computed by first use (names come from the model's code, which differ between
+    # transformers releases that compute the same graph)
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    renamed: dict[str, str] = {}
+    lines = []
+    for n in gm.graph.nodes:
+        target = n.target
+        if n.op == "get_attr" and target.startswith("_graphopt_"):
+            target = renamed.setdefault(target, f"_graphopt_c{len(renamed)}")
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda x: f"%{index[x]}")
+        lines.append(f"{n.op} {target} {args}")
+    code = "\n".join(lines)
     # each computed constant by its shape, dtype, sum and sum of magnitudes (not its bits: folding
     # BatchNorm into a convolution gave last-bit differences between an Intel and an AMD CPU)
     consts = {}
     for name, buf in sorted(gm.named_buffers()):
         if name.startswith("_graphopt_"):
             t = buf.detach().cpu().double()
-            consts[name] = [list(t.shape), str(buf.dtype), float(t.sum()), float(t.abs().sum())]
-    # the code without its comments (torch.export's source locations, which capture may leave out)
-    code = "\n".join(line for line in gm.code.splitlines() if line.strip() and not line.strip().startswith("#"))
+            consts[renamed.get(name, name)] = [list(t.shape), str(buf.dtype), float(t.sum()), float(t.abs().sum())]
     return {"op_counts": dict(sorted(ops.items())), "nodes": len(gm.graph.nodes),
-            "code_sha256": hashlib.sha256(code.encode()).hexdigest(), "constants": consts}
+            "code_sha256": hashlib.sha256(code.encode()).hexdigest(), "constants": dict(sorted(consts.items()))}
 
 
 def optimized(name, kw):

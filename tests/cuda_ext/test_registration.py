@@ -225,7 +225,35 @@ def test_build_errors_are_kernel_build_errors(tmp_path, monkeypatch):
     assert "sm_90" in build.build_dir(["sm_90"]).name and torch.__version__.split("+")[0] in build.build_dir(["sm_90"]).name
 
 
-@pytest.mark.skipif(build.find_cuda_home() is None, reason="needs nvcc")
+def test_check_compile_without_a_toolkit_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(build, "find_cuda_home", lambda: None)
+    monkeypatch.setattr(build, "find_pip_cuda_home", lambda: None)
+    lines = []
+    assert build.check_compile("sm_90", echo=lines.append, missing_ok=True) == 0
+    assert len(lines) == 1 and lines[0].startswith("check-compile: nvcc not found: CUDA kernels not compile-checked")
+    assert build.check_compile("sm_90", echo=lines.append) == 1  # asked for explicitly: a failure
+
+
+def test_pip_toolkit_is_found_under_the_torch_cuda_major(tmp_path, monkeypatch):
+    import importlib.machinery
+    import importlib.util
+
+    root = tmp_path / "nvidia"
+    for major in ("12", "13"):
+        (root / f"cu{major}" / "bin").mkdir(parents=True)
+        (root / f"cu{major}" / "include").mkdir()
+        (root / f"cu{major}" / "bin" / "nvcc").write_text("")
+        (root / f"cu{major}" / "include" / "cuda_runtime.h").write_text("")
+    spec = importlib.machinery.ModuleSpec("nvidia", None, is_package=True)
+    spec.submodule_search_locations = [str(root)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "nvidia" else None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert build.find_pip_cuda_home() == root / "cu13"
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build of torch: no toolkit to match
+    assert build.find_pip_cuda_home() is None
+
+
+@pytest.mark.skipif(build.find_cuda_home() is None and build.find_pip_cuda_home() is None, reason="needs nvcc")
 def test_check_compile_reports_first_error(tmp_path, monkeypatch):
     # a broken copy of the sources must fail with the compiler's first error line and a log path
     bad = tmp_path / "csrc"

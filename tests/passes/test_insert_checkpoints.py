@@ -1,5 +1,6 @@
-"""insert_checkpoints: selection under a memory budget, the checkpointed graph, numerics and
-BatchNorm statistics vs eager, dropout masks replayed, training with the model's parameters."""
+"""insert_checkpoints: selection under a memory budget, the checkpointed graph, losses, gradients
+and BatchNorm statistics by the accuracy rule (fp64 reference), dropout masks replayed, training
+with the model's parameters."""
 
 import collections
 import copy
@@ -22,20 +23,9 @@ from graphopt.cost.model import CostModel
 from graphopt.cost.profiles import get_profile
 from graphopt.errors import BudgetError, GraphoptError
 from graphopt.examples import zoo
+from tests.helpers import sgd_check, step_check
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")
-TOL = 1e-3  # the accuracy rule's fp32 training tolerance
-
-
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    """torch 2.14.1's CPU channels_last ResNet-18 backward on 2 threads (a 2-core AMD EPYC) gave the
-    stem conv's weight gradient up to 0.01 off float64 in eager mode alone (one thread: 5e-7), so
-    these tests, which compare graphopt's step with eager's, run torch on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def budget_model(name, resnet_res=32, resnet_batch=16):
@@ -122,30 +112,11 @@ def regions(opt):
     return [m for m in opt.graph_module.modules() if isinstance(m, ic.CheckpointRegion)]
 
 
-def step(model, args, seed=0):
-    torch.manual_seed(seed)
-    out = model(*args)
-    out = out.logits if hasattr(out, "logits") else out
-    out = out if isinstance(out, torch.Tensor) else out[0]
-    loss = out.float().pow(2).mean()
-    loss.backward()
-    return loss.detach()
-
-
-def grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_close(a, b):
-    torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
-
-
 # --------------------------------------------------------------------------- graph + numerics
 
 
 def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
     model, args = small_resnet()
-    ref = copy.deepcopy(model)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="sac")
     res = opt.report.pass_result("insert_checkpoints")
     assert res.status == "applied"
@@ -160,14 +131,8 @@ def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
     assert d["predicted_activation_bytes"] <= d["budget_bytes"]
     assert d["budget_bytes"] == pytest.approx(0.85 * d["baseline_activation_bytes"])
     assert d["extra_ms"] > 0 and d["by_layer"]
-    model.train(), ref.train()
-    assert_close(step(opt, args), step(ref, args))
-    g, gr = grads(model), grads(ref)
-    assert g.keys() == gr.keys()
-    for k in g:
-        assert_close(g[k], gr[k])
-    for (name, b), (_, b_ref) in zip(model.named_buffers(), ref.named_buffers()):
-        torch.testing.assert_close(b, b_ref, atol=1e-6, rtol=1e-5, msg=f"buffer {name} differs from eager")
+    model.train()
+    step_check(model, opt, args)  # loss, gradients and BatchNorm statistics (updated once: the counters equal)
     assert int(model.bn1.num_batches_tracked) == 1
 
 
@@ -190,40 +155,25 @@ def test_dropout_masks_are_replayed_in_recomputation():
     torch.manual_seed(0)
     model = Stack(d=32, layers=6, p=0.3)
     args = (torch.randn(16, 32),)
-    ref = copy.deepcopy(model)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, checkpoint_backend="sac")
     recomputed = {n for r in regions(opt) for n in r.recomputed}
     assert any("dropout" in n for n in recomputed), recomputed
-    model.train(), ref.train()
-    for seed in (1, 2):
-        model.zero_grad(), ref.zero_grad()
-        l1, l2 = step(opt, args, seed), step(ref, args, seed)
-        assert_close(l1, l2)
-        for k, v in grads(model).items():
-            assert_close(v, grads(ref)[k])
+    model.train()
+    for seed in (1, 2):  # a rerun drawing other masks would give other gradients
+        step_check(model, opt, args, seed)
 
 
 def test_optimizer_on_model_parameters_trains_the_optimized_module():
     torch.manual_seed(0)
     model = Stack(d=32, layers=4)
     args = (torch.randn(16, 32),)
-    ref = copy.deepcopy(model)
     keys = list(model.state_dict())
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, checkpoint_backend="sac")
     assert regions(opt)
     assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
     assert list(model.state_dict()) == keys
-    sgd, sgd_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    model.train(), ref.train()
-    for i in range(3):
-        for m, o, s in ((opt, model, sgd), (ref, ref, sgd_ref)):
-            s.zero_grad()
-            step(m, args, seed=i)
-            norm = torch.nn.utils.clip_grad_norm_(o.parameters(), 1.0)
-            assert torch.isfinite(norm)
-            s.step()
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert_close(p, q)
+    model.train()
+    sgd_check(model, opt, args, steps=3)
 
 
 # --------------------------------------------------------------------------- selection
@@ -312,29 +262,22 @@ def test_full_pipeline_planned_for_a_gpu_keeps_the_checkpoints():
     """With the H200 plan other passes run first (channels_last adds an input clone that
     export's _guards_fn reads, interleaved with the first region): the regions still apply."""
     model, args = small_resnet()
-    ref = copy.deepcopy(model)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="sac", target="h200")
     res = opt.report.pass_result("insert_checkpoints")
     assert res.status == "applied", res.notes
     assert regions(opt)
-    model.train(), ref.train()
-    assert_close(step(opt, args), step(ref, args))
-    for k, v in grads(model).items():
-        assert_close(v, grads(ref)[k])
+    model.train()
+    step_check(model, opt, args)
 
 
 def test_dynamic_batch_plan_runs_at_other_batch_sizes():
     torch.manual_seed(0)
     model = Stack(d=32, layers=6)
-    ref = copy.deepcopy(model)
     opt = graphopt.optimize(model, (torch.randn(16, 32),), training=True, memory_budget=0.5, checkpoint_backend="sac",
                             dynamic={"x": {0: "batch"}})
     assert opt.report.pass_result("insert_checkpoints").status == "applied" and regions(opt)
-    model.train(), ref.train()
-    x = torch.randn(24, 32)
-    assert_close(step(opt, (x,)), step(ref, (x,)))
-    for k, v in grads(model).items():
-        assert_close(v, grads(ref)[k])
+    model.train()
+    step_check(model, opt, (torch.randn(24, 32),))
 
 
 def test_split_at_kept_gemms_plain_regions():
@@ -374,7 +317,7 @@ def test_split_at_kept_gemms_plain_regions():
 def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
     """A conv chain at a 0.8 budget: regions ending in a kept convolution run as plain checkpoints
     (no selective dispatch mode); the backward reruns batch norm and ReLU but no convolution
-    (checkpoint's early stop), and gradients and running statistics equal eager's."""
+    (checkpoint's early stop); gradients and running statistics pass the accuracy rule."""
     from graphopt.passes import insert_checkpoints as ic
 
     class ConvChain(nn.Module):
@@ -390,17 +333,12 @@ def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
 
     torch.manual_seed(0)
     model, x = ConvChain().train(), torch.randn(4, 16, 32, 32)
-    eager = copy.deepcopy(model)
     opt = graphopt.optimize(model, (x,), training=True, memory_budget=0.8, checkpoint_backend="sac", check_accuracy=False,
                             passes=["insert_checkpoints"], target="h200")
     regions = [m for m in opt.graph_module.modules() if isinstance(m, ic.CheckpointRegion)]
     assert any(not r.selective for r in regions)
+    step_check(model, opt, (x,))
     out = opt(x)
     with Count() as backward:
         out.square().mean().backward()
     assert backward.ops["native_batch_norm"] > 0 and backward.ops["convolution"] == 0
-    eager(x).square().mean().backward()
-    for p, q in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
-    for a, b in zip(model.buffers(), eager.buffers()):
-        torch.testing.assert_close(a, b)

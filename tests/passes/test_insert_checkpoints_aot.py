@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 import graphopt
-from graphopt import accuracy
 from graphopt.errors import BudgetError, GraphoptError
 from graphopt.examples import zoo
+from tests.helpers import reference_check, sgd_check, step_check
 from tests.passes.test_insert_checkpoints import Count, Stack, budget_model, held_after_forward, small_resnet  # shared helpers
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")
@@ -40,36 +40,6 @@ def merged(opt):
         out["bw_graphs"].append(info["bw_graph"])
         out["keep"], out["recompute"] = m.partitioner.keep, m.partitioner.recompute
     return out
-
-
-def _loss(out):
-    out = out.logits if hasattr(out, "logits") else out
-    out = out if isinstance(out, torch.Tensor) else out[0]
-    return out.double().pow(2).mean()
-
-
-def step(fn, params, args, seed=0):
-    """One training step: the loss and the gradients of ``params`` (cleared first)."""
-    for p in params:
-        p.grad = None
-    torch.manual_seed(seed)
-    loss = _loss(fn(*args))
-    loss.backward()
-    return [loss.detach()] + [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-
-
-def accuracy_rule(model, opt, args, seed=0):
-    """Loss and gradients of the optimized step vs eager by the accuracy rule (docs/design.md; fp64 reference)."""
-    ref = copy.deepcopy(model)
-    ref64 = copy.deepcopy(model).double()
-    params = list(model.parameters())
-    ours = step(opt, params, args, seed)
-    eager = step(ref, list(ref.parameters()), args, seed)
-    args64 = tuple(a.double() if a.is_floating_point() else a for a in args)
-    gold = step(ref64, list(ref64.parameters()), args64, seed)
-    res = accuracy.check(ours, gold, eager, training=True)
-    assert res.passed, res.reason
-    return ref
 
 
 # --------------------------------------------------------------------------- graph + numerics
@@ -105,10 +75,8 @@ def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_k
     recomputed = {tag for _, tag, _ in info["recomputed"]}
     assert recomputed and recomputed <= info["recompute"]
     model.train()
-    ref = accuracy_rule(model, opt, args)
-    # one step each: running statistics updated once, as in eager
-    for (name, b), (_, b_ref), (_, b0) in zip(model.named_buffers(), ref.named_buffers(), before.named_buffers()):
-        torch.testing.assert_close(b, b_ref, atol=1e-6, rtol=1e-5, msg=f"buffer {name} differs from eager")
+    step_check(model, opt, args)  # with the running statistics after the step (updated once: the counters equal)
+    for (name, b), (_, b0) in zip(model.named_buffers(), before.named_buffers()):
         if name.endswith("running_mean"):
             assert not torch.equal(b, b0)
     assert int(model.bn1.num_batches_tracked) == 1
@@ -141,7 +109,7 @@ def test_glm_aot_gradients_follow_eager():
     bw_tags = {tag for _, tag, _ in info["bw_ops"]}
     assert {tag for _, tag, _ in info["recomputed"]} <= bw_tags
     model.train()
-    accuracy_rule(model, opt, args)
+    step_check(model, opt, args)
 
 
 def test_dropout_is_saved_never_rerun_and_grads_follow_eager_per_seed():
@@ -158,26 +126,17 @@ def test_dropout_is_saved_never_rerun_and_grads_follow_eager_per_seed():
     assert rerun & {"aten.gelu.default", "aten.native_layer_norm.default"}  # cheap ops are rerun
     model.train()
     for seed in (1, 2):
-        accuracy_rule(model, opt, args, seed)
+        step_check(model, opt, args, seed)
 
 
 def test_optimizer_on_model_parameters_trains_the_aot_module():
     torch.manual_seed(0)
     model = Stack(d=32, layers=4)
     args = (torch.randn(16, 32),)
-    ref = copy.deepcopy(model)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.8, checkpoint_backend="aot")
     assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
-    sgd, sgd_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    model.train(), ref.train()
-    for i in range(3):
-        for m, o, s in ((opt, model, sgd), (ref, ref, sgd_ref)):
-            s.zero_grad()
-            _loss(m(*args)).backward()
-            torch.nn.utils.clip_grad_norm_(o.parameters(), 1.0)
-            s.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+    model.train()
+    sgd_check(model, opt, args, steps=3)
 
 
 def test_dynamic_batch_compiles_again_for_a_new_size():
@@ -186,7 +145,7 @@ def test_dynamic_batch_compiles_again_for_a_new_size():
     opt = graphopt.optimize(model, (torch.randn(16, 32),), training=True, memory_budget=0.5,
                             checkpoint_backend="aot", dynamic={"x": {0: "batch"}})
     model.train()
-    accuracy_rule(model, opt, (torch.randn(24, 32),))
+    step_check(model, opt, (torch.randn(24, 32),))
     assert all(len(m.partitions) == 2 for m in aot_modules(opt))
 
 
@@ -215,7 +174,7 @@ def test_higher_order_op_with_a_submodule_body_traces():
             if isinstance(n.target, torch._ops.HigherOrderOperator)]
     assert hops and opt.report.pass_result("insert_checkpoints").details["backend"] == "aot"
     model.train()
-    accuracy_rule(model, opt, args)
+    step_check(model, opt, args)
 
 
 class TwoHeads(nn.Module):
@@ -232,18 +191,13 @@ class TwoHeads(nn.Module):
 def test_a_parameter_only_an_unused_output_reaches_keeps_grad_none_as_in_eager():
     torch.manual_seed(0)
     model, args = TwoHeads(), (torch.randn(16, 32),)
-    ref = copy.deepcopy(model).train()
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.8, checkpoint_backend="aot",
                             check_accuracy=False)
     model.train()
-    opt(*args)[0].square().mean().backward()
-    ref(*args)[0].square().mean().backward()
+    ref = step_check(model, opt, args, loss=lambda out: out[0].double().square().mean())
     assert model.extra.weight.grad is None and ref.extra.weight.grad is None
-    for p, q in zip(model.body.parameters(), ref.body.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
-    opt(*args)[1].square().mean().backward()  # now it is reached: a real gradient
-    ref(*args)[1].square().mean().backward()
-    torch.testing.assert_close(model.extra.weight.grad, ref.extra.weight.grad, atol=1e-5, rtol=1e-4)
+    step_check(model, opt, args, loss=lambda out: out[1].double().square().mean())  # now it is reached
+    assert model.extra.weight.grad is not None and model.extra.weight.grad.abs().sum() > 0
 
 
 # --------------------------------------------------------------------------- host overhead
@@ -295,7 +249,7 @@ def test_provenance_maps_nodes_where_the_custom_tag_is_not_carried(monkeypatch):
     info = merged(opt)
     assert info["recomputed"] and {t for _, t, _ in info["recomputed"]} <= info["recompute"]
     model.train()
-    accuracy_rule(model, opt, args)
+    step_check(model, opt, args)
 
 
 def test_untraceable_graph_falls_back_before_changing_it(monkeypatch):
@@ -305,19 +259,19 @@ def test_untraceable_graph_falls_back_before_changing_it(monkeypatch):
     monkeypatch.setattr(aot.AotRecompute, "compile", broken)
     torch.manual_seed(0)
     model, args = Stack(d=32, layers=6), (torch.randn(16, 32),)
-    ref = copy.deepcopy(model)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.5, check_accuracy=False)
     d = opt.report.pass_result("insert_checkpoints").details
     assert d["backend"] == "sac" and "could not trace" in d["backend_reason"]
     assert not any(isinstance(m, aot.AotRecompute) for m in opt.graph_module.modules())
-    model.train(), ref.train()
-    torch.testing.assert_close(opt(*args), ref(*args))
+    model.train()
+    step_check(model, opt, args)
 
 
 def test_budget_below_one_level_with_dropout_nests_regions_and_replays_the_masks():
     """No plan of one level fits 0.45 without recomputing dropout (which the AOT regions never
     do): consecutive regions go under outer checkpoints, whose rerun replays the RNG state, so the
-    masks -- and the loss and gradients -- are eager's under the same seed."""
+    masks are eager's under the same seed: the loss and gradients pass the rule against an fp64
+    copy (which draws the same masks)."""
     torch.manual_seed(0)
     model, args = Stack(d=32, layers=6, p=0.3), (torch.randn(16, 32),)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.45, check_accuracy=False,
@@ -327,11 +281,7 @@ def test_budget_below_one_level_with_dropout_nests_regions_and_replays_the_masks
     assert d["backend"] == "aot" and d["segments"]
     outer = [m for m in opt.graph_module.modules() if isinstance(m, ic.OuterCheckpoint)]
     assert len(outer) == len(d["segments"])
-    ref = copy.deepcopy(model)
-    ours = step(opt, list(model.parameters()), args, seed=3)
-    eager = step(ref, list(ref.parameters()), args, seed=3)
-    for a, b in zip(ours, eager):
-        torch.testing.assert_close(a, b)
+    step_check(model, opt, args, seed=3)
     with pytest.raises(BudgetError, match="achievable minimum"):
         graphopt.optimize(model, args, training=True, memory_budget=0.05, checkpoint_backend="aot")
 
@@ -354,11 +304,10 @@ def test_budget_below_minimum_inference_and_bad_backend():
 def test_no_grad_call_runs_the_captured_body():
     torch.manual_seed(0)
     model, args = Stack(d=32, layers=4), (torch.randn(8, 32),)
-    ref = copy.deepcopy(model).train()
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.85, checkpoint_backend="aot")
     model.train()
-    with torch.no_grad():
-        torch.testing.assert_close(opt(*args), ref(*args))
+    res = reference_check(model, opt, args)  # under no_grad
+    assert res.passed, res.reason
 
 
 def test_training_batchnorm_planned_for_a_gpu_takes_the_aot_rewrite():

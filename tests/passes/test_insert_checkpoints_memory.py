@@ -17,7 +17,8 @@ import graphopt
 from graphopt.errors import BudgetError
 from graphopt.examples import zoo
 from graphopt.tools.memtrace import trace_step
-from tests.passes.test_insert_checkpoints_aot import accuracy_rule, aot_modules
+from tests.helpers import step_check
+from tests.passes.test_insert_checkpoints_aot import aot_modules
 
 ic = importlib.import_module("graphopt.passes.insert_checkpoints")
 aot = importlib.import_module("graphopt.passes._aot_recompute")
@@ -88,4 +89,4 @@ def test_big_aot_regions_are_priced_with_their_recompute_chains_and_gradients(mo
     peak = traced_peak(opt, m, args)
     assert d["predicted_activation_bytes"] == pytest.approx(peak, rel=WITHIN)
     assert peak <= d["budget_bytes"] * 1.05
-    accuracy_rule(m, opt, args)
+    step_check(m, opt, args)

@@ -55,13 +55,6 @@ MAX_CHECKS = 48  # accuracy checks (each a forward pass) the search may spend
 FP32 = torch.float32
 
 
-def _name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
-
-
 def _is_float32(v) -> bool:
     return isinstance(v, fx.Node) and ir.info(v) is not None and ir.info(v).dtype == FP32
 
@@ -84,10 +77,10 @@ class AssignPrecision(Pass):
             res.reject("lower precision", why)
             return res
         fp32_work = [n for n in gm.graph.nodes if n.op == "call_function" and _is_float32(n)
-                     and _name(n) in COMPUTE_HEAVY]
+                     and ir.op_name(n) in COMPUTE_HEAVY]
         if not fp32_work:
             dtypes = sorted({str(ir.info(n).dtype).replace("torch.", "") for n in gm.graph.nodes
-                             if n.op == "call_function" and _name(n) in COMPUTE_HEAVY and ir.info(n) is not None})
+                             if n.op == "call_function" and ir.op_name(n) in COMPUTE_HEAVY and ir.info(n) is not None})
             res.notes.append(f"the model already computes in {', '.join(dtypes) or 'no float dtype'}; left as it is")
             return res
         if ctx.training and low == torch.float16:
@@ -268,7 +261,7 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
             continue
         outs = ir.infos(node)
         out = outs[0] if outs else None  # tuple outputs (split, fused norms) carry one dtype here
-        name = _name(node)
+        name = ir.op_name(node)
         ins = [a for a in node.all_input_nodes if ir.infos(a)]
         if name in VIEW_OPS or name == "getitem" or name in ("reshape", "flatten", "contiguous", "clone", "detach",
                                                               "split", "chunk", "unbind", "split_with_sizes"):

@@ -38,7 +38,6 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import _is_contiguous
 from graphopt.ir import GETITEM
 from graphopt.matcher import Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
@@ -68,14 +67,14 @@ PAIR = Op(PERMUTES, Op(PERMUTES, Any("x"), name="p", single_use=False), name="q"
 def _layout_unstable(node) -> str:
     """Name of the producer if ``node``'s strides come from an op whose output layout depends on
     the backend chosen at run time (SDPA variants, graphopt kernels), else ''."""
-    from graphopt.cost.model import ATTENTION_OPS, _namespace, _op_name
+    from graphopt.cost.model import ATTENTION_OPS
     while isinstance(node, fx.Node) and node.op == "call_function" and (
             node.target in PURE_VIEWS or node.target in SHAPE_OPS or node.target is aten.contiguous.default):
         node = node.args[0]
     if isinstance(node, fx.Node) and node.op == "call_function":
         if node.target is GETITEM:
             node = node.args[0]
-        if _op_name(node) in ATTENTION_OPS or _namespace(node) == "graphopt":
+        if ir.op_name(node) in ATTENTION_OPS or ir.op_namespace(node) == "graphopt":
             return node.name
     return ""
 
@@ -278,7 +277,7 @@ class EliminatePermutes(Pass):
                     fmt = c.kwargs.get("memory_format", torch.contiguous_format)
                     if fmt is not torch.contiguous_format:
                         continue
-                if ci.dtype != xi.dtype or ci.device != xi.device or not _is_contiguous(xi):
+                if ci.dtype != xi.dtype or ci.device != xi.device or not ir.is_contiguous(xi):
                     continue
                 unstable, views = _layout_unstable(x), _view_readers(c)
                 if unstable and views:
@@ -348,7 +347,7 @@ class EliminatePermutes(Pass):
         for m in find(gm, CONTIGUOUS):
             c, x = m["c"], m["x"]
             xi, ci = (ir.info(x) if isinstance(x, fx.Node) else None), ir.info(c)
-            if xi is None or ci is None or _is_contiguous(xi):
+            if xi is None or ci is None or ir.is_contiguous(xi):
                 continue
             if c.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
                 continue
@@ -443,7 +442,7 @@ class EliminatePermutes(Pass):
                 if xi is not None and ti is not None and len(xi.shape) >= 3 and _concrete(xi):
                     r = len(xi.shape)
                     i, j = (d % r for d in t.args[1:3])
-                    if r - 1 not in (i, j) and _is_contiguous(xi) and not _is_contiguous(ti):
+                    if r - 1 not in (i, j) and ir.is_contiguous(xi) and not ir.is_contiguous(ti):
                         cands.append(Candidate(
                             "sink_transpose_below_linear", [lin, t, x], self._copy_time(ctx, ti),
                             lambda lin=lin, t=t, x=x, i=i, j=j: self._sink(gm, lin, t, x, i, j),
@@ -476,7 +475,7 @@ class EliminatePermutes(Pass):
                 gain = self._copy_time(ctx, Xi) if ctx.profile.kind == "cuda" else 0.0
             else:
                 new_view = _fake(lambda a: a.transpose(0, 1).view(B, L, -1), X.meta["val"]) is not None
-                gain = self._copy_time(ctx, Xi) if not _is_contiguous(Xi) and new_view else 0.0
+                gain = self._copy_time(ctx, Xi) if not ir.is_contiguous(Xi) and new_view else 0.0
             if gain <= 0:
                 continue
             cands.append(Candidate(

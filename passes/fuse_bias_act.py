@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import _is_contiguous, split_k_reduce_node_seconds
+from graphopt.cost.model import split_k_reduce_node_seconds
 from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
@@ -164,7 +164,7 @@ class FuseBiasAct(Pass):
             xi = ir.info(m["x"])
             # a strided input (ConvNeXt's permuted NHWC view before the layout pass makes it
             # contiguous) is flattened by reshape, which copies only where linear would have too
-            if len(xi.shape) == 2 or _is_contiguous(xi) or gelu_ok:
+            if len(xi.shape) == 2 or ir.is_contiguous(xi) or gelu_ok:
                 new = self._gemm_time(ctx, gemm, minus_bias=0.0)
                 gain = old - new
                 use_gelu = a != "relu"
@@ -209,7 +209,7 @@ class FuseBiasAct(Pass):
         with g.inserting_before(act):
             if gemm.target is aten.linear.default:
                 k = ir.info(w).shape[-1]
-                flat = aten.view.default if _is_contiguous(ir.info(x)) else aten.reshape.default
+                flat = aten.view.default if ir.is_contiguous(ir.info(x)) else aten.reshape.default
                 x2 = x if len(ir.info(x).shape) == 2 else g.call_function(flat, (x, [-1, k]))
                 wt = g.call_function(aten.t.default, (w,))
             else:

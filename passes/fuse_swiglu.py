@@ -141,12 +141,10 @@ class FuseSwiglu(Pass):
 
     @staticmethod
     def _new_time(ctx, base, mul) -> float:
-        from graphopt.cost.model import _is_contiguous
-
         h = ctx.hints
         bi, oi = ir.info(base), ir.info(mul)
         t = pointwise_kernel_time(ctx, nbytes(bi, h) + nbytes(oi, h), ir.concrete(oi.numel, h))
-        if not _is_contiguous(bi):  # the kernel makes gate_up contiguous first
+        if not ir.is_contiguous(bi):  # the kernel makes gate_up contiguous first
             t += pointwise_kernel_time(ctx, 2 * nbytes(bi, h))
         return t
 

@@ -259,9 +259,7 @@ _ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_att
 
 
 def _tier(n: fx.Node) -> int:
-    t = n.target
-    name = t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else ""
-    return 1 if name in _ATTENTION_OPS else 0
+    return 1 if isinstance(n.target, torch._ops.OpOverload) and ir.op_name(n) in _ATTENTION_OPS else 0
 
 
 class _Selector:
@@ -931,8 +929,7 @@ _INPUT_SAVING = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "conv1d", 
 
 
 def _input_saving(n: fx.Node) -> bool:
-    t = n.target
-    return isinstance(t, torch._ops.OpOverload) and t._schema.name.split("::")[-1] in _INPUT_SAVING
+    return isinstance(n.target, torch._ops.OpOverload) and ir.op_name(n) in _INPUT_SAVING
 
 
 def split_at_kept_gemms(nodes: list, keep: set) -> list:
@@ -960,14 +957,6 @@ def split_at_kept_gemms(nodes: list, keep: set) -> list:
     return result
 
 
-def op_kind(n: fx.Node) -> str:
-    """A node's op for reports: ``linear``, ``scaled_dot_product_attention``, ``mul``..."""
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
-
-
 def recomputed_by_op(am: ActivationModel, keep: set, recomputed: set | None = None) -> dict:
     """The plan's recomputation by op: {op: {"count", "ms"}} (predicted), costliest first; views
     and other free nodes are left out. ``recomputed``: the nodes that rerun, where the plan knows
@@ -977,7 +966,7 @@ def recomputed_by_op(am: ActivationModel, keep: set, recomputed: set | None = No
         reruns = n in recomputed if recomputed is not None else n not in keep
         if not reruns or am.seconds.get(n, 0.0) <= 0:
             continue
-        r = rows.setdefault(op_kind(n), {"count": 0, "ms": 0.0})
+        r = rows.setdefault(ir.op_name(n), {"count": 0, "ms": 0.0})
         r["count"] += 1
         r["ms"] += am.seconds[n] * 1e3
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms"]))
@@ -997,7 +986,7 @@ def saved_by_op(am: ActivationModel, keep: set, saved_roots: set | None = None,
         b += am.extra.get(n, 0.0)
         if b <= 0:
             continue
-        r = rows.setdefault(op_kind(n), {"count": 0, "gb": 0.0})
+        r = rows.setdefault(ir.op_name(n), {"count": 0, "gb": 0.0})
         r["count"] += 1
         r["gb"] += b / 1e9
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]["gb"]))

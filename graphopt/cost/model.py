@@ -33,7 +33,6 @@ the profile, so they are reproducible and testable on the CPU.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import sympy
@@ -173,35 +172,6 @@ def _smax(a, b):
     return sympy.Max(a, b)
 
 
-def _op_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t._qualified_op_name.split("::")[-1]
-    if t is operator.getitem:
-        return "getitem"
-    return getattr(t, "__name__", str(t))
-
-
-def _namespace(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[0]
-    return ""
-
-
-def _is_contiguous(ti: ir.TensorInfo | None) -> bool:
-    if ti is None or ti.stride is None:
-        return True
-    expected = 1
-    for size, stride in reversed(list(zip(ti.shape, ti.stride))):
-        if size != 1 and stride != expected:
-            return False
-        expected = expected * size
-    return True
-
-
 def _prod(xs):
     out = 1
     for x in xs:
@@ -264,7 +234,7 @@ def split_k_reduce_node_seconds(profile: DeviceProfile, node: fx.Node) -> float:
     :func:`split_k_slices` would choose) and writes the output; 0 where cuBLAS is not expected to
     split K (:func:`cublas_split_k`). Its wall time in an eager loop is
     ``profile.kernel_seconds(0, this - kernel_fixed_s)``."""
-    if _op_name(node) not in SPLIT_K_OPS:
+    if ir.op_name(node) not in SPLIT_K_OPS:
         return 0.0
     mnk = _gemm_mnk(node)
     if mnk is None or not cublas_split_k(profile, *mnk):
@@ -370,7 +340,7 @@ class CostModel:
                 return cost["flops"], cost["bytes"], cost["launches"], "region"
         if node.op != "call_function":
             return 0, 0, 0, "free"
-        name = _op_name(node)
+        name = ir.op_name(node)
         outs = ir.infos(node)
         if not outs:
             return 0, 0, 0, "free"
@@ -382,7 +352,7 @@ class CostModel:
         if name in MAYBE_VIEW_OPS:
             src = ins[0] if ins else None
             same = src is not None and outs[0].dtype == src.dtype and outs[0].device == src.device
-            if same and (name not in ("contiguous", "reshape", "flatten") or _is_contiguous(src)):
+            if same and (name not in ("contiguous", "reshape", "flatten") or ir.is_contiguous(src)):
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
         if name == "linear_add_layer_norm":
@@ -447,7 +417,7 @@ class CostModel:
             return outs[0].numel * window, in_bytes + out_bytes, 1, "reduction"
         weight = FLOP_WEIGHT.get(name, 1)
         numel = _prod([o.numel for o in outs[:1]])
-        if _namespace(node) == "graphopt":
+        if ir.op_namespace(node) == "graphopt":
             kind = "fused"
         elif name in ("softmax", "_softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm", "sum", "mean",
                       "amax", "var", "rms_norm", "native_layer_norm", "cumsum", "argmax", "max", "min"):
@@ -476,13 +446,13 @@ class CostModel:
             t = cost["time_s"] + cost["recompute_s"]
             return NodeCost(node.name, "checkpoint_region", flops, nbytes, launches, 0.0, t, t, "memory")
         if kind == "free":
-            return NodeCost(node.name, _op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
+            return NodeCost(node.name, ir.op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
         eff = "memory"
         if kind == "matmul":
             dtype = ir.arg_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
             eff = _efficiency_kind(node)
-            if _op_name(node) in CONV_OPS:
+            if ir.op_name(node) in CONV_OPS:
                 eff = "conv"
                 if dtype == torch.float32 and p.kind == "cuda":  # cuDNN has its own TF32 switch (on by default)
                     rate = p.matmul_rate(dtype, allow_tf32=torch.backends.cudnn.allow_tf32)
@@ -490,7 +460,7 @@ class CostModel:
                     rate = rate / p.conv_nchw_slowdown
                 if p.kind == "cuda":
                     rate = rate / conv_channel_padding(node, p)
-                if p.kind == "cuda" and _op_name(node) != "conv_bias_relu":
+                if p.kind == "cuda" and ir.op_name(node) != "conv_bias_relu":
                     rate = rate / p.conv_unfused_slowdown
             elif eff == "attention" and p.attention_tile:
                 rate = rate / attention_tile_waste(node, p.attention_tile)
@@ -498,13 +468,13 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
-        if _op_name(node) == "gemm_swiglu":  # a persistent Triton GEMM: its last round of tiles part idle
+        if ir.op_name(node) == "gemm_swiglu":  # a persistent Triton GEMM: its last round of tiles part idle
             x, w = ir.arg_infos(node)[:2]
             f = persistent_rounds_factor(p, x.numel // x.shape[-1], w.shape[0])
             compute, memory = compute * f, memory * f
-        if p.narrow_copy_scale < 1.0 and _op_name(node) in COPY_OPS and narrow_copy(node):
+        if p.narrow_copy_scale < 1.0 and ir.op_name(node) in COPY_OPS and narrow_copy(node):
             memory = memory / p.narrow_copy_scale
-        if _op_name(node) in POOL_OPS:
+        if ir.op_name(node) in POOL_OPS:
             memory = memory / p.pool_bandwidth_scale
         if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
             dev = conv_device_s(p, node, compute, memory, bias=False)
@@ -516,7 +486,7 @@ class CostModel:
                 launches += 1
         else:
             t = p.kernel_seconds(compute, memory, eff, launches)
-            if _op_name(node) in ROW_BLOCK_NORMS:
+            if ir.op_name(node) in ROW_BLOCK_NORMS:
                 t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
         if kind == "matmul":
@@ -533,7 +503,7 @@ class CostModel:
             bound = "compute"
         else:
             bound = "memory"
-        return NodeCost(node.name, _op_name(node), flops, nbytes, launches, compute, memory, t, bound)
+        return NodeCost(node.name, ir.op_name(node), flops, nbytes, launches, compute, memory, t, bound)
 
     def _linear_norm_cost(self, node: fx.Node) -> NodeCost:
         x, w = ir.arg_infos(node)[:2]
@@ -550,7 +520,7 @@ class CostModel:
             bound = "launch"
         else:
             bound = "compute" if _num(compute) >= _num(memory) else "memory"
-        return NodeCost(node.name, _op_name(node), flops, nbytes, 2, compute, memory, gemm + norm, bound)
+        return NodeCost(node.name, ir.op_name(node), flops, nbytes, 2, compute, memory, gemm + norm, bound)
 
     # ------------------------------------------------------------------ per graph
 
@@ -596,14 +566,14 @@ class CostModel:
         if kind == "free" or not launches:
             if p.kind != "cuda":
                 return 0.0, 0.0
-            name = _op_name(node)
+            name = ir.op_name(node)
             return (p.host_op_s.get(name, p.host_node_s) if name in VIEW_OPS else p.host_node_s), 0.0
         if kind == "region":
             c = self.node_cost(node)
             return launches * p.launch_overhead_s, c.time_s
         host = launches * p.launch_overhead_s
         if p.kind == "cuda" and p.host_op_s:
-            host = p.host_op_s.get(_op_name(node), host)
+            host = p.host_op_s.get(ir.op_name(node), host)
         c = self.node_cost(node)
         eff = _efficiency_kind(node) if kind == "matmul" else "memory"
         if eff == "conv" and p.kind == "cuda":
@@ -632,7 +602,7 @@ class CostModel:
                 continue
             host, dev = self.node_times(n)
             launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
-            yield n, c(host), c(dev), launches, _op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
+            yield n, c(host), c(dev), launches, ir.op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
 
     @timing.timed("cost model")
     def execution_cost(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
@@ -663,7 +633,7 @@ class CostModel:
                     busy += d
                 if sync:
                     t_host = max(t_host, t_dev)
-                rows.append({"node": n.name, "op": _op_name(n), "host_s": h, "device_s": d, "issued_s": t_host,
+                rows.append({"node": n.name, "op": ir.op_name(n), "host_s": h, "device_s": d, "issued_s": t_host,
                              "start_s": start, "end_s": t_dev})
             return ExecutionCost("eager", max(t_host, t_dev), sum(s[1] for s in steps), busy,
                                  sum(s[3] for s in steps), rows)
@@ -788,7 +758,7 @@ def _gemm_mnk(node: fx.Node):
     ins, outs = ir.arg_infos(node), ir.infos(node)
     if not outs or not ins or not outs[0].shape:
         return None
-    name = _op_name(node)
+    name = ir.op_name(node)
     a = ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]
     if not a.shape:
         return None
@@ -799,7 +769,7 @@ def _gemm_mnk(node: fx.Node):
 def _efficiency_kind(node: fx.Node) -> str:
     """Which fitted efficiency a matmul-like node runs at: "conv", "attention", "short_attention"
     or "matmul"."""
-    name = _op_name(node)
+    name = ir.op_name(node)
     if name in CONV_OPS:
         return "conv"
     if name in ATTENTION_OPS or name in ATTENTION_BACKWARD_OPS:
@@ -944,7 +914,7 @@ def conv_bias_add_s(profile: DeviceProfile, node: fx.Node):
     cudnn_convolution takes none): read and write the output once at the profile's measured
     ``conv_bias_add_scale`` of the copy rate. 0 for graphopt's fused convolution, a convolution
     without a bias, and off CUDA (oneDNN applies the bias in the convolution)."""
-    if profile.kind != "cuda" or _op_name(node) not in CONV_OPS or _op_name(node) == "conv_bias_relu":
+    if profile.kind != "cuda" or ir.op_name(node) not in CONV_OPS or ir.op_name(node) == "conv_bias_relu":
         return 0.0
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     out = ir.info(node)

@@ -92,15 +92,6 @@ class Decision:
         return f"CUDA graph: {'on' if self.on else 'off'} ({self.why})"
 
 
-def _op_name(node: fx.Node) -> str | None:
-    if node.op != "call_function":
-        return None
-    t = node.target
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else str(t).split(".")[-1]
-    return getattr(t, "__name__", None)
-
-
 def _mutated_placeholders(node: fx.Node) -> list[str]:
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
@@ -171,9 +162,9 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
         return Decision(False, "dynamic shapes: every new size would be a new capture (cuda_graphs=True "
                         "captures one graph per shape, LRU-bounded)", mode, device)
     for n in gm.graph.nodes:
-        name = _op_name(n)
-        if name is None:
+        if n.op != "call_function":
             continue
+        name = ir.op_name(n)
         if ir.is_random(n):
             return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
         if name in HOST_SYNC_OPS and not _static_repeat(n, name):

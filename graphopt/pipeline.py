@@ -208,10 +208,20 @@ class PassContext:
         """Whether rewrites onto torch.ops.graphopt.* kernels can pay on the planned device.
         (True for CUDA profiles, also when planning for a GPU on a machine without one: the
         rewritten graph then runs the ops' reference implementations.)"""
-        return self.profile.kind == "cuda"
+        return self.cost.device_kind == "cuda"
 
     def node_time(self, nodes: Iterable[fx.Node]) -> float:
-        return sum(ir.concrete(self.cost.node_cost(n).time_s, self.hints) for n in nodes)
+        """Predicted seconds of these nodes of the graph (the cost model's, at the example sizes)."""
+        return self.cost.time_of(nodes, self.hints)
+
+    def replacement(self):
+        """A builder for the nodes a rewrite would make, priced by the cost model
+        (graphopt.cost.replacement): a candidate's gain is ``node_time(matched) - r.time()``."""
+        return self.cost.replacement(self.hints)
+
+    def price(self, target, *args, val=None, **kwargs) -> float:
+        """Predicted seconds of one ``target(*args, **kwargs)`` node a rewrite would make."""
+        return self.cost.price(target, *args, hints=self.hints, val=val, **kwargs)
 
 
 class Pass:

@@ -79,33 +79,6 @@ def pointwise_kernel_time(ctx, bytes_moved: float, elems: float = 0.0, flops_per
     return p.kernel_seconds(elems * flops_per_elem / p.elementwise_flops, bytes_moved / p.bandwidth)
 
 
-def scratch_node_time(ctx, target, args, kwargs, val) -> float:
-    """Predicted time of a ``target(*args, **kwargs)`` node whose output is ``val``, built in a
-    scratch graph (its node inputs become placeholders carrying their fake values, and a tensor
-    argument, such as a meta tensor standing for a constant the rewrite would make, a placeholder
-    carrying it), so a pass can price a replacement before it rewrites anything."""
-    g = fx.Graph()
-    mapping = {}
-    for i, a in enumerate(args):
-        if isinstance(a, fx.Node) and a not in mapping:
-            ph = g.placeholder(a.name)
-            ph.meta["val"] = a.meta.get("val")
-            mapping[a] = ph
-        elif isinstance(a, torch.Tensor):
-            ph = g.placeholder(f"arg{i}")
-            ph.meta["val"] = a
-            mapping[id(a)] = ph
-
-    def arg(a):
-        if isinstance(a, fx.Node):
-            return mapping.get(a, a)
-        return mapping[id(a)] if isinstance(a, torch.Tensor) else a
-
-    node = g.call_function(target, tuple(arg(a) for a in args), kwargs)
-    node.meta["val"] = val
-    return ctx.node_time([node])
-
-
 def conv_pair(v, default):
     """A convolution's stride/padding/dilation argument as a [h, w] list (an int, a 1- or 2-list, or
     None for ``default``)."""

@@ -34,8 +34,6 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import scratch_node_time
-
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 MARGIN = 0.75
@@ -62,11 +60,11 @@ class LowerAttention(Pass):
         calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
         if not calls:
             return res
-        if ctx.profile.kind != "cuda":
-            res.reject_all(calls, f"the bundled attention kernel is for CUDA; {ctx.profile.name} runs SDPA")
+        if ctx.cost.device_kind != "cuda":
+            res.reject_all(calls, f"the bundled attention kernel is for CUDA; {ctx.cost.device_name} runs SDPA")
             return res
-        if ctx.profile.short_attention_scale is None:
-            res.reject_all(calls, f"profile {ctx.profile.name} has no measurement of graphopt::short_attention "
+        if not ctx.cost.measured("short_attention"):
+            res.reject_all(calls, f"profile {ctx.cost.device_name} has no measurement of graphopt::short_attention "
                                   "(short_attention_scale; benchmarks/diag_attention_small.py)")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in calls) if c is not None]
@@ -130,11 +128,10 @@ class LowerAttention(Pass):
 
     @staticmethod
     def _time_of(ctx, like: fx.Node, args) -> float:
-        """Predicted time of a short_attention node with these args, built in a scratch graph."""
+        """Predicted time of the short_attention node the rewrite makes."""
         from graphopt.cuda_ext.reference import short_attention_layout
 
-        return scratch_node_time(ctx, torch.ops.graphopt.short_attention.default, args, {},
-                                 short_attention_layout(args[0].meta["val"]))
+        return ctx.price(torch.ops.graphopt.short_attention.default, *args, val=short_attention_layout(args[0].meta["val"]))
 
     @staticmethod
     def _apply(gm, node, args):

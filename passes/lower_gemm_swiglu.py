@@ -37,7 +37,7 @@ from graphopt.cuda_ext.reference import interleave_gate_up
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import projection_mnk, scratch_node_time, set_meta
+from ._fusion_meta import projection_mnk, set_meta
 
 aten = torch.ops.aten
 
@@ -63,10 +63,10 @@ class LowerGemmSwiglu(Pass):
 
     def _candidate(self, gm, ctx, m, label: str):
         sw, lin, x, w = m["sw"], m["lin"], m["x"], m["w"]
-        cc = tuple(ctx.profile.compute_capability or ())
+        cc = ctx.cost.compute_capability
         if cc < (9, 0):
             got = f"sm_{cc[0]}{cc[1] if len(cc) > 1 else 0}" if cc else "an unknown compute capability"
-            return f"the Triton GEMM loads through TMA (sm_90 or newer); {ctx.profile.name} has {got}", None
+            return f"the Triton GEMM loads through TMA (sm_90 or newer); {ctx.cost.device_name} has {got}", None
         if len(lin.users) != 1:
             return "the projection's output is also read elsewhere (the fused GEMM does not write it)", None
         if get_arg(lin, 2, "bias") is not None:
@@ -81,10 +81,10 @@ class LowerGemmSwiglu(Pass):
         if K % 8 or n % 8 or not M:
             return f"K={K} and n={n} must be non-zero multiples of 8 (TMA loads and stores 16-byte rows)", None
         padded = 2 * (-(-n // SWIGLU_BLOCK) * SWIGLU_BLOCK)  # the interleaved weight's rows
-        w_like = torch.empty(padded, K, dtype=dtype, device="meta")
-        fused = scratch_node_time(ctx, torch.ops.graphopt.gemm_swiglu.default, (x, w_like, n, SWIGLU_BLOCK), {},
-                                  sw.meta.get("val"))
-        gain = ctx.node_time([lin, sw]) - fused
+        r = ctx.replacement()
+        w_like = r.tensor((padded, K), dtype, ir.info(w).device)  # the interleaved weight
+        r.call(torch.ops.graphopt.gemm_swiglu.default, x, w_like, n, SWIGLU_BLOCK, val=sw.meta.get("val"))
+        gain = ctx.node_time([lin, sw]) - r.time()
         return "", Candidate(f"linear -> swiglu: one {M} x {K} x {padded} GEMM with the activation in its epilogue",
                              [lin, sw], gain, lambda: self._apply(gm, sw, lin, x, w, n), label=label)
 

@@ -42,6 +42,7 @@ import torch.fx as fx
 from .. import ir, timing
 from ..errors import GraphoptError
 from .profiles import DeviceProfile
+from .replacement import Replacement, is_scratch
 
 aten = torch.ops.aten
 
@@ -179,9 +180,10 @@ def _prod(xs):
     return out
 
 
-# norm kernels with one thread block per row (see DeviceProfile.norm_row_s)
 POOL_OPS = {"max_pool2d", "avg_pool2d", "max_pool2d_with_indices"}
-ROW_BLOCK_NORMS = {"layer_norm", "native_layer_norm", "add_layer_norm", "add_rms_norm"}
+# norm kernels with one thread block per row (see DeviceProfile.norm_row_s), by qualified name:
+# graphopt::layer_norm (many rows per program) is not one of them
+ROW_BLOCK_NORMS = {"aten::layer_norm", "aten::native_layer_norm", "graphopt::add_layer_norm", "graphopt::add_rms_norm"}
 
 
 # 2-D projections cuBLASLt may split along K (see cublas_split_k)
@@ -301,8 +303,9 @@ class CostModel:
     def _memo_key(self, node: fx.Node):
         """Everything a call_function node's price reads: its target and arguments, its own and
         its inputs' ``meta["val"]`` (by identity: propagation replaces a value, never edits it)
-        and cuDNN's TF32 switch; None (not memoized) for other nodes."""
-        if node.op != "call_function":
+        and cuDNN's TF32 switch; None (not memoized) for other nodes and for the scratch nodes a
+        pass prices a candidate with (they are dropped right after)."""
+        if node.op != "call_function" or is_scratch(node):
             return None
         return (node.target, node.args, node.kwargs, node.meta.get("val"),
                 tuple(a.meta.get("val") for a in node.all_input_nodes), torch.backends.cudnn.allow_tf32)
@@ -315,6 +318,83 @@ class CostModel:
         if hit is not None and _same(hit[0], key):
             return key, hit[1]
         return key, None
+
+    # ------------------------------------------------------------------ pricing rewrites (the passes' API)
+
+    def time_of(self, nodes, hints: dict | None = None) -> float:
+        """Predicted seconds of ``nodes`` (each node's ``NodeCost.time_s``, evaluated with
+        ``hints``): what a pass weighs a candidate's matched nodes and its replacement with."""
+        return sum(ir.concrete(self.node_cost(n).time_s, hints) for n in nodes)
+
+    def replacement(self, hints: dict | None = None) -> Replacement:
+        """A builder for the nodes a rewrite would make, priced by this model before the rewrite
+        (graphopt.cost.replacement): a candidate's gain is ``time_of(matched) - r.time()``."""
+        return Replacement(self, hints)
+
+    def price(self, target, *args, hints: dict | None = None, val=None, **kwargs) -> float:
+        """Predicted seconds of one ``target(*args, **kwargs)`` node a rewrite would make."""
+        r = self.replacement(hints)
+        r.call(target, *args, val=val, **kwargs)
+        return r.time()
+
+    # ------------------------------------------------------------------ device facts (for legality and reports)
+
+    @property
+    def device_name(self) -> str:
+        return self.profile.name
+
+    @property
+    def device_kind(self) -> str:
+        """"cuda" or "cpu"."""
+        return self.profile.kind
+
+    @property
+    def compute_capability(self) -> tuple:
+        """(major, minor) of the GPU; () when not known or a CPU."""
+        return tuple(self.profile.compute_capability or ())
+
+    @property
+    def launch_overhead_s(self) -> float:
+        return self.profile.launch_overhead_s
+
+    @property
+    def conv_nchw_slowdown(self) -> float:
+        """How much slower convolutions run on NCHW than on channels_last inputs (1.0: no measured
+        difference, so the layout pass leaves NCHW)."""
+        return self.profile.conv_nchw_slowdown
+
+    @property
+    def narrow_conv_slow_path(self) -> bool:
+        """Whether this device measured a slow path for convolutions over few input channels (a
+        GPU with a per-tap channel chunk or a narrow-input slowdown)."""
+        p = self.profile
+        return p.kind == "cuda" and (p.conv_narrow_input_slowdown > 1.0 or bool(p.conv_channel_chunk))
+
+    @property
+    def allocator_headroom(self) -> float:
+        """Fraction of device memory the caching allocator's rounding and transients take."""
+        return float(self.profile.allocator_headroom or 0.0)
+
+    def matmul_rate(self, dtype: torch.dtype) -> float:
+        """Peak matmul FLOP/s in ``dtype``."""
+        return self.profile.matmul_rate(dtype)
+
+    def measured(self, op: str) -> bool:
+        """Whether the profile has a fitted efficiency for the op ``op`` (its ``<op>_scale``): an
+        op whose kernel was never timed on this device is not planned onto it."""
+        return getattr(self.profile, f"{op}_scale", None) is not None
+
+    def conv_layout_penalized(self, x: ir.TensorInfo | None) -> bool:
+        """Does a convolution over ``x`` pay the device's NCHW slowdown? (see conv_layout_penalized)"""
+        return conv_layout_penalized(x, self.profile)
+
+    def cublas_split_k(self, M, N, K) -> bool:
+        """Does cuBLASLt split K for this projection on this device? (see cublas_split_k)"""
+        return cublas_split_k(self.profile, M, N, K)
+
+    def split_k_slices(self, M, N, K) -> int:
+        """K slices a batched GEMM over them should use on this device (see split_k_slices)."""
+        return split_k_slices(self.profile, M, N, K)
 
     # ------------------------------------------------------------------ per node
 
@@ -486,7 +566,7 @@ class CostModel:
                 launches += 1
         else:
             t = p.kernel_seconds(compute, memory, eff, launches)
-            if ir.op_name(node) in ROW_BLOCK_NORMS:
+            if f"{ir.op_namespace(node)}::{ir.op_name(node)}" in ROW_BLOCK_NORMS:
                 t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
         if kind == "matmul":

@@ -186,8 +186,8 @@ POOL_OPS = {"max_pool2d", "avg_pool2d", "max_pool2d_with_indices"}
 ROW_BLOCK_NORMS = {"aten::layer_norm", "aten::native_layer_norm", "graphopt::add_layer_norm", "graphopt::add_rms_norm"}
 
 
-# 2-D projections cuBLASLt may split along K (see cublas_split_k)
-SPLIT_K_OPS = {"linear", "mm", "addmm"}
+# 2-D projections cuBLASLt may split along K (see cublas_split_k); with a ReLU/GELU epilogue too
+SPLIT_K_OPS = {"linear", "mm", "addmm", "_addmm_activation"}
 SPLIT_K_CHOICES = (2, 3, 4, 6, 8)
 
 

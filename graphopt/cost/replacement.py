@@ -50,6 +50,16 @@ class Replacement:
         self._pending[ph] = (tuple(shape), dtype, torch.device(device), None if stride is None else tuple(stride))
         return ph
 
+    def like(self, node: fx.Node, *, memory_format=torch.preserve_format, dtype: torch.dtype | None = None) -> fx.Node:
+        """A value the rewrite would have where ``node``'s is, in another memory format or dtype
+        (a convolution's input once the layout pass has made its region channels_last): a
+        placeholder, not priced."""
+        val = node.meta.get("val")
+        ph = self.graph.placeholder(f"{node.name}_like")
+        with self._fake_mode(val):
+            ph.meta["val"] = torch.empty_like(val, dtype=dtype or val.dtype, memory_format=memory_format)
+        return ph
+
     def call(self, target, *args, val=None, **kwargs) -> fx.Node:
         """A ``target(*args, **kwargs)`` node; real-graph nodes in the arguments become inputs.
         Its value is ``val`` if given, else the op run on the fake values of its arguments."""
@@ -74,12 +84,12 @@ class Replacement:
 
     # ------------------------------------------------------------------ fake values
 
-    def _fake_mode(self):
+    def _fake_mode(self, *vals):
         if self._mode is None:
             from torch._guards import detect_fake_mode
             from torch._subclasses.fake_tensor import FakeTensorMode
 
-            vals = [ph.meta.get("val") for ph in self._inputs.values()]
+            vals = list(vals) + [ph.meta.get("val") for ph in self._inputs.values()]
             self._mode = detect_fake_mode([v for v in _leaves(vals) if isinstance(v, torch.Tensor)]) \
                 or FakeTensorMode(allow_non_fake_inputs=True)
         return self._mode

@@ -64,19 +64,16 @@ def projection_mnk(x, w, out: fx.Node, dtypes, symbolic: str):
     return "", (int(xi.numel) // K if K else 0, N, K, xi.dtype)
 
 
-def numel(ti: ir.TensorInfo, hints) -> float:
-    return ir.concrete(ti.numel, hints)
+class GraphBuilder:
+    """``call(target, *args, **kwargs)`` on a real graph at its insertion point, as
+    graphopt.cost.replacement.Replacement has on a scratch one: one function that builds a
+    rewrite's nodes serves both its price and the rewrite."""
 
+    def __init__(self, g: fx.Graph):
+        self.g = g
 
-def nbytes(ti: ir.TensorInfo, hints) -> float:
-    return ir.concrete(ti.nbytes, hints)
-
-
-def pointwise_kernel_time(ctx, bytes_moved: float, elems: float = 0.0, flops_per_elem: float = 1.0) -> float:
-    """Predicted time of one memory-bound kernel (a graphopt fused op) on ctx's profile: the
-    cost model's formula for a node in the graphopt namespace."""
-    p = ctx.profile
-    return p.kernel_seconds(elems * flops_per_elem / p.elementwise_flops, bytes_moved / p.bandwidth)
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        return self.g.call_function(target, args, kwargs)
 
 
 def conv_pair(v, default):

@@ -42,8 +42,6 @@ from graphopt.ir import GETITEM
 from graphopt.matcher import Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import nbytes, pointwise_kernel_time
-
 aten = torch.ops.aten
 
 PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
@@ -422,9 +420,23 @@ class EliminatePermutes(Pass):
     # ------------------------------------------------------------------ transposes around linears
 
     @staticmethod
-    def _copy_time(ctx, ti) -> float:
-        """Predicted time of materializing a tensor (read + write) in one kernel."""
-        return pointwise_kernel_time(ctx, 2 * nbytes(ti, ctx.hints))
+    def _flatten_time(ctx, t, k) -> float:
+        """The copy linear makes of a strided input: aten flattens it with ``reshape(t, [-1, k])``."""
+        return ctx.price(aten.reshape.default, t, [-1, k])
+
+    @staticmethod
+    def _sdpa_rows_time(ctx, src, perm, chain) -> float:
+        """``chain`` (pairs of view/reshape targets and arguments) applied to ``permute(src, perm)``,
+        with ``src`` (an attention output [B, H, L, D]) laid out as SDPA's CUDA kernels write it,
+        [B, L, H, D] in memory: the meta strides (from the CPU's kernels) cannot say so."""
+        si = ir.info(src)
+        B, H, L, D = (int(d) for d in si.shape)
+        r = ctx.replacement()
+        t = r.call(aten.permute.default, r.tensor((B, H, L, D), si.dtype, si.device, stride=(L * H * D, D, H * D, 1)),
+                   perm)
+        for target, args in chain:
+            t = r.call(target, t, *args)
+        return r.time()
 
     def _rowwise_transposes(self, gm, ctx, res):
         cands = []
@@ -443,8 +455,10 @@ class EliminatePermutes(Pass):
                     r = len(xi.shape)
                     i, j = (d % r for d in t.args[1:3])
                     if r - 1 not in (i, j) and ir.is_contiguous(xi) and not ir.is_contiguous(ti):
+                        # linear(x) and transpose (a view) replace linear(transpose), which flattens its
+                        # strided input with a copy first
                         cands.append(Candidate(
-                            "sink_transpose_below_linear", [lin, t, x], self._copy_time(ctx, ti),
+                            "sink_transpose_below_linear", [lin, t, x], self._flatten_time(ctx, t, ti.shape[-1]),
                             lambda lin=lin, t=t, x=x, i=i, j=j: self._sink(gm, lin, t, x, i, j),
                             label=f"{t.name} -> {lin.name} (linear on the rows in {x.name}'s order)",
                             refusal="kept: a view of the linear's result would need a copy on the new strides"))
@@ -472,10 +486,15 @@ class EliminatePermutes(Pass):
                 # attention output [B, H, L, D] read as [L, B, H, D]: SDPA's CUDA kernels (flash,
                 # efficient, cuDNN) write it as [B, L, H, D], so the caller's row order is free
                 # and the sequence-first one a copy; the meta strides (from the CPU) can't say so
-                gain = self._copy_time(ctx, Xi) if ctx.profile.kind == "cuda" else 0.0
+                gain = 0.0
+                if ctx.cost.device_kind == "cuda":
+                    gain = (self._sdpa_rows_time(ctx, src, X.args[1], [(t.target, t.args[1:])])
+                            - self._sdpa_rows_time(ctx, src, X.args[1], [(aten.transpose.int, (0, 1)),
+                                                                           (aten.reshape.default, ([B, L, -1],))]))
             else:
                 new_view = _fake(lambda a: a.transpose(0, 1).view(B, L, -1), X.meta["val"]) is not None
-                gain = self._copy_time(ctx, Xi) if not ir.is_contiguous(Xi) and new_view else 0.0
+                # the rows in the caller's order: a view of X where reshape(X) copied
+                gain = ctx.node_time([t]) if not ir.is_contiguous(Xi) and new_view else 0.0
             if gain <= 0:
                 continue
             cands.append(Candidate(

@@ -37,7 +37,7 @@ from graphopt import ir
 from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import set_meta
+from ._fusion_meta import GraphBuilder, set_meta
 
 aten = torch.ops.aten
 CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
@@ -217,7 +217,7 @@ class FuseBiasAct(Pass):
         g = gm.graph
         gemm, act = m["gemm"], m["act"]
         with g.inserting_before(act):
-            made, fused = _addmm_act_nodes(_GraphBuilder(g), gemm, *_live_inputs(m), use_gelu)
+            made, fused = _addmm_act_nodes(GraphBuilder(g), gemm, *_live_inputs(m), use_gelu)
         out = made[-1]
         set_meta(gm, [n for n in g.nodes if n in set(made)])
         act.replace_all_uses_with(out)
@@ -230,24 +230,12 @@ class FuseBiasAct(Pass):
         gemm, badd, act, radd = m["gemm"], m.get("badd"), m.get("act"), m.get("resadd")
         top = radd or act
         with g.inserting_before(top):
-            made = _bias_act_nodes(_GraphBuilder(g), m, a, bias_dim)
+            made = _bias_act_nodes(GraphBuilder(g), m, a, bias_dim)
         set_meta(gm, made)
         new = made[-1]
         top.replace_all_uses_with(new)
         ir.erase_dead(gm, [n for n in (radd, act, badd, gemm) if n is not None])
         return new
-
-
-class _GraphBuilder:
-    """``call(target, *args, **kwargs)`` on a real graph (at its insertion point), as
-    graphopt.cost.replacement.Replacement has on a scratch one: one node builder serves both the
-    price and the rewrite."""
-
-    def __init__(self, g: fx.Graph):
-        self.g = g
-
-    def call(self, target, *args, **kwargs) -> fx.Node:
-        return self.g.call_function(target, args, kwargs)
 
 
 def _addmm_act_nodes(b, gemm, x, w, bias, use_gelu: bool) -> tuple[list, fx.Node]:

@@ -972,8 +972,7 @@ def conv_channel_padding(node: fx.Node, profile: DeviceProfile) -> float:
 
 def channel_chunk_factor(chunk: int, cin: int) -> float:
     """chunk / C_in for an ungrouped convolution over fewer than ``chunk`` input channels, else 1.0
-    (no chunk measured: 0). The one formula the cost model, calibrate's fit and
-    conv_space_to_depth's estimate share."""
+    (no chunk measured: 0). The one formula the cost model and calibrate's fit share."""
     return chunk / cin if chunk and 0 < cin < chunk else 1.0
 
 

@@ -186,8 +186,8 @@ class _null:
 
 @dataclass
 class PassContext:
-    profile: DeviceProfile
     cost: CostModel
+    profile: DeviceProfile | None = None  # the cost model's (passes ask the cost model, not the profile)
     training: bool = False
     disabled: frozenset = frozenset()
     verify: bool = True
@@ -202,6 +202,10 @@ class PassContext:
     # the passes this run will apply (set by the PassManager): a pass may leave a pattern to a
     # later one that handles it better (fuse_elementwise leaves conv epilogues to fuse_conv_relu)
     scheduled: frozenset = frozenset()
+
+    def __post_init__(self):
+        if self.profile is None:
+            self.profile = self.cost.profile
 
     @property
     def fused_kernels(self) -> bool:

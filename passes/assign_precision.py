@@ -94,7 +94,8 @@ class AssignPrecision(Pass):
         if after_s >= before_s and request == "auto":
             _restore(gm, base)
             res.reject(f"{str(low)[6:]} for {len(order)} nodes",
-                       f"predicted no gain on {ctx.profile.name}: {before_s * 1e3:.3f} ms in fp32 vs {after_s * 1e3:.3f} ms")
+                       f"predicted no gain on {ctx.cost.device_name}: {before_s * 1e3:.3f} ms in fp32 vs "
+                       f"{after_s * 1e3:.3f} ms")
             return res
 
         kept: list[dict] = []
@@ -164,7 +165,7 @@ class AssignPrecision(Pass):
 
 
 def _choose_dtype(request: str, ctx: PassContext):
-    prof = ctx.profile
+    cost = ctx.cost
     device = ctx.options.get("device")
     if request in ("bf16", "fp16"):
         low = torch.bfloat16 if request == "bf16" else torch.float16
@@ -175,16 +176,16 @@ def _choose_dtype(request: str, ctx: PassContext):
             raise GraphoptError("precision='fp16' is not supported on this CPU; use precision='bf16' or 'fp32'")
         return low, ""
     # auto
-    if prof.kind == "cuda":
+    if cost.device_kind == "cuda":
         if getattr(device, "type", None) == "cuda" and torch.cuda.is_available() \
                 and torch.cuda.get_device_capability(device) < (8, 0):
             return torch.float16, ""
         return torch.bfloat16, ""
-    bf, f32 = prof.matmul_rate(torch.bfloat16), prof.matmul_rate(FP32)
+    bf, f32 = cost.matmul_rate(torch.bfloat16), cost.matmul_rate(FP32)
     if bf <= f32:
         return None, (f"bf16 matmuls measured slower than fp32 on this CPU ({bf / 1e9:.0f} vs {f32 / 1e9:.0f} "
                       "GFLOP/s); pass precision='bf16' to force it")
-    if prof.kind == "cpu":
+    if cost.device_kind == "cpu":
         # the profile measures matmuls only; bf16 convolutions and elementwise kernels are often
         # much slower than fp32 on CPUs without AMX, so "auto" does not bet on them
         return None, (f"on the CPU, auto keeps fp32 (bf16 matmul {bf / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s "

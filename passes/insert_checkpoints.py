@@ -1028,7 +1028,7 @@ def _training_fuser(ctx: PassContext):
     from .fuse_elementwise import FuseElementwise
 
     def fuse(g: fx.GraphModule) -> int:
-        sub = PassContext(profile=ctx.profile, cost=ctx.cost, training=True, verify=False)
+        sub = PassContext(cost=ctx.cost, training=True, verify=False)
         r = FuseElementwise().run(g, sub)
         g.graph.lint()
         g.recompile()
@@ -1052,7 +1052,7 @@ def fuse_training_graph(gm: fx.GraphModule, ctx: PassContext, regions: int = 4, 
     if why is not None:
         res.notes.append(f"AOT backend unavailable: {why}")
         return res
-    am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.profile.kind)
+    am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.cost.device_kind)
 
     def traceable(n):
         return n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
@@ -1115,7 +1115,7 @@ class InsertCheckpoints(Pass):
         if budget_opt is None:
             res.notes.append("no memory_budget set: activations are kept as autograd saves them")
             return res
-        am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.profile.kind)
+        am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.cost.device_kind)
         # the budget covers a step's activation memory (what max_memory_allocated measures beyond
         # parameters, gradients and inputs): saved tensors, the outputs, the backward's working set
         base = am.step_activation_bytes()
@@ -1152,7 +1152,7 @@ class InsertCheckpoints(Pass):
         caps = [max(share * am.baseline_saved_bytes(), 1.0) for share in REGION_SHARES]
         # plans leave the profile's allocator headroom free: on the H200 a plan's measured step came
         # out up to 1% over its prediction (ResNet-50 at 0.35: 3.89 GB against 3.85 predicted)
-        headroom = float(getattr(ctx.profile, "allocator_headroom", 0.0) or 0.0)
+        headroom = ctx.cost.allocator_headroom
         details["planned_bytes"] = budget * (1.0 - headroom)
         try:
             plan = _Selector(am, ctx.hints, keep_random=use_aot, aot=use_aot).select(budget, caps, offset,

@@ -34,3 +34,7 @@ __all__ = [
 # registers torch.ops.graphopt.* (CUDA kernels when built, reference implementations otherwise),
 # so graphs and TorchScript artifacts that call them work after `import graphopt`
 from . import cuda_ext  # noqa: E402,F401
+
+# registers every pass with graphopt.pipeline (whose PIPELINE declares their order): importing
+# any graphopt module imports this package first, so the registry is full wherever it is read
+from . import passes  # noqa: E402,F401

@@ -256,8 +256,7 @@ def register(cls: type[Pass]) -> type[Pass]:
 
 
 def registry() -> dict[str, type[Pass]]:
-    from . import passes  # noqa: F401  (importing registers every pass)
-
+    """The registered passes (graphopt.passes registers them; graphopt's __init__ imports it)."""
     return dict(_REGISTRY)
 
 

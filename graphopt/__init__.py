@@ -21,12 +21,13 @@ from .capture import capture  # noqa: E402
 from .errors import (  # noqa: E402
     AccuracyError, ArtifactError, BudgetError, CaptureError, GraphoptError, GuardError, KernelBuildError, ModelSpecError, PassConfigError, UnsupportedOpError)
 from .export import export, load  # noqa: E402
+from .options import OptimizeOptions  # noqa: E402
 from .report import Report  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "explain", "export", "load", "capture", "OptimizedModule", "Report",
+    "optimize", "explain", "export", "load", "capture", "OptimizedModule", "OptimizeOptions", "Report",
     "GraphoptError", "CaptureError", "UnsupportedOpError", "BudgetError", "ArtifactError", "ModelSpecError",
     "PassConfigError", "KernelBuildError", "AccuracyError", "GuardError",
 ]

@@ -68,7 +68,7 @@ class AssignPrecision(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        request = ctx.options.get("precision", "fp32")
+        request = ctx.options.precision
         if request == "fp32":
             res.notes.append("precision='fp32': dtypes left as the model has them")
             return res
@@ -166,7 +166,7 @@ class AssignPrecision(Pass):
 
 def _choose_dtype(request: str, ctx: PassContext):
     cost = ctx.cost
-    device = ctx.options.get("device")
+    device = ctx.device
     if request in ("bf16", "fp16"):
         low = torch.bfloat16 if request == "bf16" else torch.float16
         if getattr(device, "type", None) == "cuda" and low == torch.bfloat16 and torch.cuda.is_available() \

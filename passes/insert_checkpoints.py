@@ -19,7 +19,7 @@ tensors, outputs and the backward's working set — or bytes).
    checkpoint that keeps only their inputs and reruns their forward in backward
    (``_Selector.nest``, ``OuterCheckpoint``: two-level recomputation). If that cannot fit
    either, ``BudgetError`` states the minimum.
-3. Rewrite, two backends (``options["checkpoint_backend"]``: "auto" | "aot" | "sac"):
+3. Rewrite, two backends (``ctx.options.checkpoint_backend``: "auto" | "aot" | "sac"):
 
    * aot (the default where it works; :mod:`graphopt.passes._aot_recompute`): each region of
      the plan becomes one module that AOTAutograd traces into a joint forward+backward graph, cut by
@@ -1108,7 +1108,7 @@ class InsertCheckpoints(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        budget_opt = ctx.options.get("memory_budget")
+        budget_opt = ctx.options.memory_budget
         if not ctx.training:
             res.notes.append("inference graph: autograd saves nothing, so there is nothing to checkpoint")
             return res
@@ -1140,7 +1140,7 @@ class InsertCheckpoints(Pass):
             res.notes.append(f"the baseline activations ({format_bytes(base)}) fit the budget "
                              f"({format_bytes(budget)}): nothing recomputed")
             return res
-        backend = str(ctx.options.get("checkpoint_backend") or "auto").lower()
+        backend = str(ctx.options.checkpoint_backend or "auto").lower()
         if backend not in BACKENDS:
             raise GraphoptError(f"checkpoint_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         why_not_aot = None

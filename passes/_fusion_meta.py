@@ -72,7 +72,8 @@ class GraphBuilder:
     def __init__(self, g: fx.Graph):
         self.g = g
 
-    def call(self, target, *args, **kwargs) -> fx.Node:
+    def call(self, target, *args, val=None, **kwargs) -> fx.Node:
+        """A node at the insertion point (``val`` is for scratch nodes: a rewrite's set_meta computes these)."""
         return self.g.call_function(target, args, kwargs)
 
 

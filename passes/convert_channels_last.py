@@ -97,7 +97,8 @@ class ConvertChannelsLast(Pass):
         """The convolutions as they run inside the region: on channels_last inputs."""
         r = ctx.replacement()
         for c in convs:
-            r.call(c.target, r.like(c.args[0], memory_format=torch.channels_last), *c.args[1:], **c.kwargs)
+            r.call(c.target, r.like(c.args[0], memory_format=torch.channels_last), *c.args[1:], val=c.meta.get("val"),
+                   **c.kwargs)
         return r.time()
 
     @staticmethod

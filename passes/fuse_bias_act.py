@@ -271,7 +271,7 @@ def _bias_act_nodes(b, m, a: str, bias_dim: int) -> list:
     if badd is not None:  # matmul + b: the matmul stays
         y = gemm
     elif gemm.target is aten.addmm.default:
-        y = b.call(aten.mm.default, x, w)
+        y = b.call(aten.mm.default, x, w, val=gemm.meta.get("val"))
         made.append(y)
     else:
         args = list(gemm.args)
@@ -281,9 +281,10 @@ def _bias_act_nodes(b, m, a: str, bias_dim: int) -> list:
         kwargs = {k: v for k, v in gemm.kwargs.items() if k != "bias"}
         if gemm.target is aten.linear.default:
             args = args[:2]
-        y = b.call(gemm.target, *args, **kwargs)
+        y = b.call(gemm.target, *args, val=gemm.meta.get("val"), **kwargs)  # the same output, without the bias
         made.append(y)
-    made.append(b.call(torch.ops.graphopt.bias_act.default, y, bias, a, res, bias_dim))
+    made.append(b.call(torch.ops.graphopt.bias_act.default, y, bias, a, res, bias_dim,
+                       val=(radd or act).meta.get("val")))
     return made
 
 

@@ -183,7 +183,8 @@ class FuseConvReLU(Pass):
         nodes = [n for n in (relu, add, conv) if n is not None]
         old = ctx.node_time(nodes)  # the convolution's time includes aten's bias kernel
         x, w, bias, stride, padding, dilation, groups = _conv_args(conv)
-        new = ctx.price(torch.ops.graphopt.conv_bias_relu.default, x, w, bias, z, stride, padding, dilation, groups)
+        new = ctx.price(torch.ops.graphopt.conv_bias_relu.default, x, w, bias, z, stride, padding, dilation, groups,
+                        val=relu.meta.get("val"))
         return Candidate(f"conv2d + bias{' + residual' if add is not None else ''} + relu -> conv_bias_relu", nodes,
                          old - new, lambda: self._apply(gm, conv, add, relu), label=label)
 

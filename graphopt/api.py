@@ -459,7 +459,7 @@ class _PipelineRun:
     before: object  # GraphCost
     after: object  # GraphCost
     execution: dict
-    accuracy: dict
+    accuracy: dict | None  # None: not checked (the guard-less entry is _build_guard's)
     plan: object = None  # graphopt.partition.StagePlan
 
 

@@ -1,6 +1,7 @@
-"""Helpers shared by the fusion passes (merge_sibling_linears, fuse_swiglu, fuse_bias_act,
-fuse_elementwise): fake-tensor metadata for nodes a pass creates, so that later candidates
-and later passes can prove things from ``meta["val"]`` before the manager re-propagates.
+"""Helpers shared by the passes: fake-tensor metadata for nodes a pass creates, so that later
+candidates and later passes can prove things from ``meta["val"]`` before the manager
+re-propagates; GraphBuilder, so one function builds a rewrite's nodes for its price (on the cost
+model's scratch graph) and for the rewrite; a projection's sizes; a convolution's pair arguments.
 Not a pass (the leading underscore keeps passes/__init__ from importing it as one)."""
 
 from __future__ import annotations

@@ -80,13 +80,13 @@ def build(config, *, dtype=torch.float32, device="cpu", seed: int = 0):
 def decode_step(config, *, batch: int = 1, past: int = 1024, room: int = 256, dtype=torch.bfloat16, device=None,
                 seed: int = 0):
     """``(module, example_inputs)`` of one decode step as graphopt.optimize_generation optimizes
-    it: the model returning only logits (runtime.generation.LogitsStep), called with one token per
+    it: the model returning only logits (graphopt.generation.LogitsStep), called with one token per
     row against a StaticCache of ``past + room`` positions holding ``past`` of them (random keys
     and values), the mask and positions of that step. ``device`` defaults to cuda when present,
     else meta (shapes only: for ``explain --target h200 --no-accuracy`` of full-size shapes)."""
     from transformers import StaticCache
 
-    from graphopt.runtime.generation import LogitsStep
+    from graphopt.generation import LogitsStep
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "meta"

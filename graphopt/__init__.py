@@ -22,13 +22,15 @@ from .errors import (  # noqa: E402
     AccuracyError, ArtifactError, BudgetError, CaptureError, GenerationError, GraphoptError, GuardError, KernelBuildError,
     ModelSpecError, PassConfigError, UnsupportedOpError)
 from .export import export, load  # noqa: E402
-from .runtime.generation import Generator, optimize_generation  # noqa: E402
+from .options import OptimizeOptions  # noqa: E402
+from .generation import Generator, optimize_generation  # noqa: E402
 from .report import Report  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "explain", "export", "load", "capture", "OptimizedModule", "Report", "optimize_generation", "Generator",
+    "optimize", "explain", "export", "load", "capture", "OptimizedModule", "OptimizeOptions", "Report",
+    "optimize_generation", "Generator",
     "GraphoptError", "CaptureError", "UnsupportedOpError", "BudgetError", "ArtifactError", "ModelSpecError",
     "PassConfigError", "KernelBuildError", "AccuracyError", "GuardError", "GenerationError",
 ]
@@ -36,3 +38,7 @@ __all__ = [
 # registers torch.ops.graphopt.* (CUDA kernels when built, reference implementations otherwise),
 # so graphs and TorchScript artifacts that call them work after `import graphopt`
 from . import cuda_ext  # noqa: E402,F401
+
+# registers every pass with graphopt.pipeline (whose PIPELINE declares their order): importing
+# any graphopt module imports this package first, so the registry is full wherever it is read
+from . import passes  # noqa: E402,F401

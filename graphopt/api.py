@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import contextlib
+import copy
+import dataclasses
 import gc
 import time
 import warnings
-from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.fx as fx
@@ -19,12 +17,13 @@ from torch.utils import _pytree as pytree
 from . import accuracy, ir, setup_memory, timing
 from .capture import _register_hf_pytrees, capture, flat_tensors, split_inputs
 from .cost.model import CostModel
-from .cost.profiles import get_profile
+from .cost.profiles import DeviceProfile, get_profile
 from .errors import GraphoptError, GuardError
+from .options import OptimizeOptions
+from .passes.partition_devices import PartitionResult
 from .pipeline import PassContext, PassManager, assemble
 from .report import Report
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 # float64 reference outputs larger than this (a decoder's logits at batch 8) wait on the host; the rule
 # moves them to the device a chunk at a time
 REFERENCE_ON_DEVICE_BYTES = 1 << 30
@@ -46,10 +45,14 @@ class OptimizedModule(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, report: Report, signature: list, dynamic_dims: dict, *,
                  example_flat: list | None = None, training: bool = False, cuda_graphs="auto",
-                 max_graphs: int = 8, cuda_graphs_reuse_outputs: bool = False):
+                 max_graphs: int = 8, cuda_graphs_reuse_outputs: bool = False,
+                 profile: DeviceProfile | None = None, kernel_launches: int = 0):
+        """``profile``: the device as it runs eager kernels and ``kernel_launches`` the graph's,
+        what set_cuda_graphs weighs a replay with (no profile: replay whenever the runner can)."""
         super().__init__()
         self.graph_module = gm
         self.report = report
+        self._profile, self._kernel_launches = profile, kernel_launches
         self._signature = signature
         self._dynamic_dims = dynamic_dims  # flat input index -> set of dynamic axes
         self._training = training
@@ -76,15 +79,11 @@ class OptimizedModule(nn.Module):
                              bind_inputs=bind_inputs)
         decision = self._runner.decision
         note = decision.note()
+        profile, launches = self._profile, self._kernel_launches
         if decision.on and mode == "auto" and not reuse_outputs:
             # the cost model ranks the lowering too: replaying saves launch overhead, but each
             # call then clones the outputs out of the graph's static memory
-            try:
-                profile, _ = get_profile(self.report.target)
-            except GraphoptError:
-                profile = None
             if profile is not None:
-                launches = int(self.report.cost_after.get("kernel_launches", 0) or 0)
                 saving = launch_savings_s(launches, profile)
                 out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
                 made_after = set(self._runner.tail.nodes) if self._runner.tail is not None else set()
@@ -103,20 +102,15 @@ class OptimizedModule(nn.Module):
                             f"to clone {out_bytes / 1e6:.0f} MB of outputs per call; "
                             "set_cuda_graphs(True, reuse_outputs=True) replays without the clone)")
                     decision = self._runner.decision
-        if decision.on:
-            launches = int(self.report.cost_after.get("kernel_launches", 0) or 0)
-            try:
-                profile, _ = get_profile(self.report.target)
-                tail = self._runner.tail
-                outs = "reused, valid until the next call)" if reuse_outputs else "cloned)"
-                if tail is not None:
-                    outs = (f"{len(tail.nodes)} made after the replay by their last op ({tail.nbytes / 1e6:.0f} MB, "
-                            "no clone)" + ("" if len(tail.keep) == 0 else f", {len(tail.keep)} cloned") + ")")
-                note = note[:-1] + (f"; replays 1 graph instead of {launches} kernel launches, predicted "
-                                    f"-{launch_savings_s(launches, profile) * 1e3:.3f} ms launch overhead; "
-                                    "outputs " + outs)
-            except GraphoptError:
-                pass
+        if decision.on and profile is not None:
+            tail = self._runner.tail
+            outs = "reused, valid until the next call)" if reuse_outputs else "cloned)"
+            if tail is not None:
+                outs = (f"{len(tail.nodes)} made after the replay by their last op ({tail.nbytes / 1e6:.0f} MB, "
+                        "no clone)" + ("" if len(tail.keep) == 0 else f", {len(tail.keep)} cloned") + ")")
+            note = note[:-1] + (f"; replays 1 graph instead of {launches} kernel launches, predicted "
+                                f"-{launch_savings_s(launches, profile) * 1e3:.3f} ms launch overhead; "
+                                "outputs " + outs)
         self._predict_execution(decision.on, reuse_outputs)
         if self._lower_note in self.report.notes:
             self.report.notes.remove(self._lower_note)
@@ -192,7 +186,7 @@ class OptimizedModule(nn.Module):
                              "are missing now")
         return tuple(bound.arguments[k] for k in pos_names), {k: bound.arguments[k] for k in kw_names}
 
-    _reoptimize = None  # (model, optimize kwargs, max specializations) when on_new_shape="reoptimize"
+    _reoptimize = None  # (model, OptimizeOptions, max specializations) when on_new_shape="reoptimize"
 
     def _specialization(self, args, kwargs, error: GuardError) -> "OptimizedModule":
         """Another input signature: re-optimize for it (bounded cache), or re-raise."""
@@ -207,7 +201,7 @@ class OptimizedModule(nn.Module):
                 raise GuardError(f"{error} (and {limit} re-optimized specializations are cached already: "
                                  "declare the varying dims dynamic=)") from None
             warnings.warn(f"graphopt: re-optimizing for new inputs ({error})", RuntimeWarning, stacklevel=3)
-            cache[key] = optimize(model, (args, kwargs), **options)
+            cache[key] = _optimize_timed(model, (args, kwargs), options)
             self.report.notes.append(f"re-optimized for inputs {key}: {len(cache)} specialization(s)")
         return cache[key]
 
@@ -451,82 +445,22 @@ def _fp64_memory_shortfall(model: nn.Module, device: torch.device, flat_inputs=(
     return ""
 
 
-def optimize(
-    model: nn.Module,
-    example_inputs,
-    *,
-    device: str | torch.device | None = None,
-    target: str | None = None,
-    passes: Iterable[str] | None = None,
-    disable: Iterable[str] = (),
-    training: bool = False,
-    dynamic: dict | None = None,
-    precision: str = "auto",
-    calibration_data=None,
-    cuda_graphs="auto",
-    on_new_shape: str = "error",
-    check_accuracy: bool = True,
-    verify: bool = True,
-    dump_dir: str | Path | None = None,
-    model_name: str | None = None,
-    memory_budget=None,
-    checkpoint_backend: str = "auto",
-    devices=None,
-    memory_cap=None,
-    microbatches: int = 1,
-    schedule: str = "gpipe",
-    virtual_stages: int | None = None,
-    weight_copies="auto",
-) -> OptimizedModule:
+def optimize(model: nn.Module, example_inputs, **options) -> OptimizedModule:
     """Capture ``model``, run the pass pipeline ranked by the cost model, guard accuracy.
 
-    device: where the model runs (default: where its parameters are); it must match the model.
-    target: a cost profile to plan for ("h200", "a100", "cpu", a .json); default: ``device``'s.
-    passes / disable: pass ids to run / to leave out (``graphopt.pipeline.PIPELINE`` lists them).
-    training: capture and optimize a graph for training (inference-only passes are skipped;
-      parameters stay the model's own objects so optimizers built on ``model.parameters()`` work).
-    dynamic: ``{"arg": {axis: "name"}}`` dims left symbolic (the cost model keeps sympy formulas).
-    precision: "auto" (bf16 — fp16 before Ampere — where the cost model predicts a gain, sensitive
-      ops kept in fp32, guarded by the accuracy rule), "bf16", "fp16", or "fp32" (leave dtypes).
-    calibration_data: more example inputs (a list, each like ``example_inputs``) the precision
-      guard also checks.
-    cuda_graphs: "auto" (replay CUDA graphs for static-shape inference on CUDA), True or False.
-    on_new_shape: "error" (a call with another shape/dtype/device raises GuardError) or
-      "reoptimize" (optimize again for it, up to 8 cached specializations, with a warning).
-    check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
-    dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
-    memory_budget: training only: fit a step's activation memory (saved tensors, outputs, the
-      backward's working set) into this budget by recomputing the cheapest activations in backward
-      (pass insert_checkpoints): a fraction 0 < f <= 1 of the baseline step's activation memory,
-      bytes, or a size string ("8GB", "512MB").
-    checkpoint_backend: how the recomputation runs: "auto" (the AOTAutograd graph rewrite where it
-      traces the graph, else the selective checkpoint), "aot" (the rewrite, or an error) or "sac"
-      (torch.utils.checkpoint regions with a selective policy).
-    devices: partition across devices (``["cuda:0", "cuda:1"]``, ``["cuda:0", "cpu"]``, or a count
-      of GPUs): the partition_devices pass plans cost-balanced stages within each device's memory
-      (``memory_cap`` bytes per device overrides the profiles'), the report gets the stage table,
-      and where the devices exist the module runs placed across them (graphopt.partition); the
-      example inputs are one micro-batch of a ``schedule`` ("gpipe"/"1f1b"/"interleaved1f1b": with
-      ``virtual_stages`` (default 2) non-adjacent stages per device) pipeline of ``microbatches``
-      (run multi-process with graphopt.runtime.distributed).
-    weight_copies: how much memory the constants the passes add may take (merged, converted,
-      folded weights: copies beside the model the caller keeps): "auto" (a quarter of the model's
-      bytes, or 4% of its device's memory where that is more, at most half the memory free when
-      optimize() starts), "allow", "none", a fraction of the model's bytes or a size ("4GB"). A rewrite beyond it is refused with the reason in the report
-      (graphopt.setup_memory). The report's ``memory`` says what was added and, on a GPU,
-      optimize()'s peak (torch.cuda.max_memory_allocated; the device's peak statistic is reset when
-      optimize() starts).
+    ``options``: keyword arguments, each a field of :class:`graphopt.options.OptimizeOptions`,
+    whose docstring says what each does (device, target, passes, disable, training, dynamic,
+    precision, calibration_data, cuda_graphs, on_new_shape, check_accuracy, memory_budget,
+    devices, ...). They are checked before anything is captured; a bad one raises GraphoptError.
     """
+    return _optimize_timed(model, example_inputs, OptimizeOptions.of(options))
+
+
+def _optimize_timed(model: nn.Module, example_inputs, opts: OptimizeOptions) -> OptimizedModule:
     timer = timing.PhaseTimer()
     peak = _SetupPeak(model)
     with timer.active(), _collect_young_only(), peak:
-        opt = _optimize(model, example_inputs, device=device, target=target, passes=passes, disable=disable,
-                        training=training, dynamic=dynamic, precision=precision, calibration_data=calibration_data,
-                        cuda_graphs=cuda_graphs, on_new_shape=on_new_shape, check_accuracy=check_accuracy,
-                        verify=verify, dump_dir=dump_dir, model_name=model_name, memory_budget=memory_budget,
-                        checkpoint_backend=checkpoint_backend, devices=devices, memory_cap=memory_cap,
-                        microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
-                        weight_copies=weight_copies)
+        opt = _optimize(model, example_inputs, opts)
     peak.record(opt.report)
     # the whole call, lowering (CUDA-graph planning) included; the phases sum to it
     opt.report.optimize_seconds = timer.total()
@@ -589,15 +523,57 @@ def _collect_young_only():
         gc.unfreeze()
 
 
-def _optimize(model, example_inputs, *, device, target, passes, disable, training, dynamic, precision,
-              calibration_data, cuda_graphs, on_new_shape, check_accuracy, verify, dump_dir, model_name,
-              memory_budget, checkpoint_backend, devices, memory_cap, microbatches, schedule,
-              virtual_stages=None, weight_copies="auto") -> OptimizedModule:
+def _optimize(model: nn.Module, example_inputs, opts: OptimizeOptions) -> OptimizedModule:
     t_start = time.perf_counter()
-    if precision not in PRECISIONS:
-        raise GraphoptError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    inputs, args, kwargs, flat, model_dev = _validate(model, example_inputs, opts)
+    planning = _plan_profile(opts, model_dev)
+    was_training = model.training
+    model.train(opts.training)
+    try:
+        gm = _capture(model, args, kwargs, opts)
+        inputs.mutated = ir.mutated_flat_inputs(gm, flat)
+        check, acc_info = _build_guard(model, gm, inputs, flat, model_dev, opts)
+        constants = setup_memory.account(opts.weight_copies, model, model_dev)
+        run = _run_pipeline(gm, planning, check, model_dev, opts, constants)
+    finally:
+        model.train(was_training)
+    report = _build_report(model, gm, planning, run, acc_info, model_dev, opts, t_start)
+    return _lower(gm, report, run, planning, model, inputs, args, kwargs, flat, opts)
+
+
+@dataclasses.dataclass
+class _Planning:
+    """The device profile the passes plan with, the one eager execution is predicted with (they
+    differ when planning for CUDA-graph replay), and what the report says about them."""
+
+    profile: DeviceProfile
+    run_profile: DeviceProfile
+    note: str
+
+
+@dataclasses.dataclass
+class _PipelineRun:
+    """What running the passes gave: their results, the graph's predicted cost before and after,
+    the predicted execution times, the accuracy verdict and the partition plan, if any."""
+
+    results: list
+    before: object  # GraphCost
+    after: object  # GraphCost
+    execution: dict
+    accuracy: dict | None  # None: not checked (the guard-less entry is _build_guard's)
+    constants: object  # graphopt.setup_memory.ConstantAccount: the weight copies the passes added
+    plan: object = None  # graphopt.partition.StagePlan
+
+
+def _validate(model, example_inputs, opts: OptimizeOptions):
+    """(the caller's inputs, args, kwargs, flat tensors, the model's device); the model, its inputs
+    and the pass names checked against each other (the options checked themselves). optimize()
+    never writes what the caller passed: its runs use ``CallInputs.fresh()`` copies, and capture
+    gets rebuilt containers (new cache objects around the caller's tensors, which torch.export
+    only reads)."""
     if not isinstance(model, nn.Module):
         raise GraphoptError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    assemble(opts.passes, opts.disable)  # unknown pass names fail before anything runs
     args, kwargs = split_inputs(example_inputs)
     _register_hf_pytrees()  # a transformers cache flattens to its tensors, at optimization as at call time
     # optimize() never writes what the caller passed: its runs use CallInputs.fresh() copies, and
@@ -607,11 +583,11 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
     args, kwargs = inputs.fresh()
     flat = flat_tensors(args, kwargs)
     model_dev = _model_device(model, flat)
-    if device is not None:
+    if opts.device is not None:
         try:
-            want = torch.device(device)
+            want = torch.device(opts.device)
         except (RuntimeError, TypeError):
-            raise GraphoptError(f"unknown device '{device}'") from None
+            raise GraphoptError(f"unknown device '{opts.device}'") from None
         if want.type != model_dev.type:
             hint = f" or use target='{want.type}' to only plan for it" if want.type in ("cuda", "cpu") else ""
             raise GraphoptError(f"the model is on {model_dev} but device={want}; move the model and inputs "
@@ -619,160 +595,159 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
     for x in flat:
         if isinstance(x, torch.Tensor) and x.device.type != model_dev.type:
             raise GraphoptError(f"an example input is on {x.device} but the model is on {model_dev}")
-    if memory_budget is not None:
-        from .cost.activations import parse_memory_budget
+    return inputs, args, kwargs, flat, model_dev
 
-        if not training:
-            raise GraphoptError("memory_budget applies to training; pass training=True (inference saves no activations)")
-        memory_budget = parse_memory_budget(memory_budget)
-    if checkpoint_backend not in ("auto", "aot", "sac"):
-        raise GraphoptError(f"checkpoint_backend must be 'auto', 'aot' or 'sac', got {checkpoint_backend!r}")
-    profile, profile_note = get_profile(target if target is not None else model_dev)
+
+def _plan_profile(opts: OptimizeOptions, model_dev: torch.device) -> _Planning:
+    profile, note = get_profile(opts.target if opts.target is not None else model_dev)
     run_profile = profile  # the device as it runs eager kernels: the execution-time predictions use it
-    if (cuda_graphs is not False and not training and not dynamic and profile.kind == "cuda"
+    if (opts.cuda_graphs is not False and not opts.training and not opts.dynamic and profile.kind == "cuda"
             and model_dev.type == "cuda" and profile.launch_overhead_graph_s < profile.launch_overhead_s):
         # static-shape inference on a GPU replays a CUDA graph when it pays (graphopt.runtime.cuda_graphs): plan
         # the rewrites with the launch cost a replay leaves, where kernels' device time is what counts
-        import dataclasses
-
         eager_launch = profile.launch_overhead_s
         profile = dataclasses.replace(profile, launch_overhead_s=profile.launch_overhead_graph_s)
-        note = (f"planned for CUDA-graph replay: {profile.launch_overhead_s * 1e6:.2f} us per kernel launch "
-                f"({eager_launch * 1e6:.1f} us eager)")
-        profile_note = f"{profile_note}; {note}" if profile_note else note
+        replay = (f"planned for CUDA-graph replay: {profile.launch_overhead_s * 1e6:.2f} us per kernel launch "
+                  f"({eager_launch * 1e6:.1f} us eager)")
+        note = f"{note}; {replay}" if note else replay
+    return _Planning(profile, run_profile, note)
 
-    was_training = model.training
-    model.train(training)
-    try:
-        gm = capture(model, (args, kwargs), dynamic=dynamic, stack_traces=dump_dir is not None)
-        cap = gm.meta["graphopt_capture"]
-        inputs.mutated = ir.mutated_flat_inputs(gm, flat)
-        hints = ir.shape_hints(gm)
-        cost = CostModel(profile)
-        def new_context():
-            ctx = PassContext(profile=profile, cost=cost, training=training, verify=verify,
-                              dump_dir=Path(dump_dir) if dump_dir else None, hints=hints,
-                              options={"precision": precision, "device": model_dev, "memory_budget": memory_budget,
-                                       "checkpoint_backend": checkpoint_backend},
-                              constants=setup_memory.account(weight_copies, model, model_dev))
-            if devices is not None:
-                from .partition import resolve_devices
 
-                ctx.options.update(devices=resolve_devices(devices, target, memory_cap), microbatches=microbatches,
-                                   schedule=schedule, virtual_stages=virtual_stages)
-            return ctx
+def _capture(model, args, kwargs, opts: OptimizeOptions) -> fx.GraphModule:
+    return capture(model, (args, kwargs), dynamic=opts.dynamic, stack_traces=opts.dump_dir is not None)
 
-        ctx = new_context()
-        pipeline = assemble(passes, disable)
-        before = cost.graph_cost(gm, hints)
-        run_cost = CostModel(run_profile)
-        execution = {"before": run_cost.execution_cost(gm, hints, "eager").as_dict()}
 
-        acc_info: dict = {"checked": False}
-        check = None
-        if check_accuracy:
-            short = _fp64_memory_shortfall(model, model_dev, flat, 3 * inputs.mutated_bytes)
-            if training and _has_random_ops(gm):
-                acc_info["reason"] = "the training graph has random ops (dropout); outputs differ run to run"
-            elif short:
-                acc_info["reason"] = short
-            else:
-                with timing.phase("accuracy: eager + fp64 reference runs"):
-                    check = _AccuracyGuard(model, args, kwargs, training, model_dev, calibration_data,
-                                           mutated=inputs.mutated)
+def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: OptimizeOptions):
+    """(the accuracy guard or None, the report's accuracy entry when there is none). The guard's
+    runs get their own copies of what the graph writes (``inputs.fresh()``)."""
+    acc_info: dict = {"checked": False}
+    if not opts.check_accuracy:
+        return None, acc_info
+    short = _fp64_memory_shortfall(model, model_dev, flat, 3 * inputs.mutated_bytes)
+    if opts.training and _has_random_ops(gm):
+        acc_info["reason"] = "the training graph has random ops (dropout); outputs differ run to run"
+    elif short:
+        acc_info["reason"] = short
+    else:
+        args, kwargs = inputs.fresh()
+        with timing.phase("accuracy: eager + fp64 reference runs"):
+            return _AccuracyGuard(model, args, kwargs, opts.training, model_dev, opts.calibration_data,
+                                  mutated=inputs.mutated), acc_info
+    return None, acc_info
 
-        # The guard runs optimistically: every pass, then one check of the result. Only when that
-        # fails does the pipeline run again from the captured graph with a check after each pass,
-        # which finds and reverts the pass(es) at fault (passes that search with the guard
-        # themselves, like assign_precision, call it in both runs).
-        snapshot = None
-        if check is not None:
-            with timing.phase("graph snapshots"):
-                snapshot = copy.deepcopy(gm.graph)
-        manager = PassManager(pipeline, check, check_each=False)
-        results = manager.run(gm, ctx, before=before)
-        acc_mode = "once, after all passes"
-        if check is not None:
-            with timing.phase("accuracy checks"):
-                first = check(gm, ctx.low_precision)
-            if first.passed:
-                manager.last_check = (first, ctx.low_precision)
-            else:
-                with timing.phase("recompile"):
-                    gm.graph = snapshot
-                    ir.remove_unused_attributes(gm)
-                    gm.recompile()
-                ir.repropagate(gm)
-                ctx = new_context()
-                manager = PassManager(assemble(passes, disable), check, check_each=True)
-                results = manager.run(gm, ctx, before=before)
-                acc_mode = f"after each pass (the check after all passes failed: {first.reason})"
-        after = manager.final_cost
-        execution["after"] = {"eager": run_cost.execution_cost(gm, hints, "eager").as_dict()}
-        if run_profile.kind == "cuda":
-            execution["after"]["graphed"] = run_cost.execution_cost(gm, hints, "graphed").as_dict()
-            execution["after"]["graphed_reuse_outputs"] = run_cost.execution_cost(
-                gm, hints, "graphed", reuse_outputs=True).as_dict()
-        if check is not None:
+
+def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptions, constants) -> _PipelineRun:
+    """The passes, ranked by the cost model. The guard runs optimistically: every pass, then one
+    check of the result. Only when that fails does the pipeline run again from the captured graph
+    with a check after each pass, which finds and reverts the pass(es) at fault (passes that
+    search with the guard themselves, like assign_precision, call it in both runs)."""
+    hints = ir.shape_hints(gm)
+    cost = CostModel(planning.profile)
+    before = cost.graph_cost(gm, hints)
+    run_cost = CostModel(planning.run_profile)
+    execution = {"before": run_cost.execution_cost(gm, hints, "eager").as_dict()}
+
+    def context():
+        constants.used = constants.peak = 0.0  # a second run starts from the captured graph again
+        return PassContext(cost=cost, training=opts.training, verify=opts.verify, dump_dir=opts.dump_dir,
+                           hints=hints, options=opts, device=model_dev, constants=constants)
+
+    snapshot = None
+    if check is not None:
+        with timing.phase("graph snapshots"):
+            snapshot = copy.deepcopy(gm.graph)
+    ctx = context()
+    manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=False)
+    results = manager.run(gm, ctx, before=before)
+    acc_mode, final = "once, after all passes", None
+    if check is not None:
+        with timing.phase("accuracy checks"):
+            first = check(gm, ctx.low_precision)
+        if first.passed:
+            final = first
+        else:
+            with timing.phase("recompile"):
+                gm.graph = snapshot
+                ir.remove_unused_attributes(gm)
+                gm.recompile()
+            ir.repropagate(gm)
+            ctx = context()
+            manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=True)
+            results = manager.run(gm, ctx, before=before)
+            acc_mode = f"after each pass (the check after all passes failed: {first.reason})"
             last = manager.last_check
             if last is not None and last[1] == ctx.low_precision:
                 final = last[0]  # the graph handed back is the one the last pass's check ran
-            else:
-                with timing.phase("accuracy checks"):
-                    final = check(gm, ctx.low_precision)
-            acc_info = {"checked": True, "mode": acc_mode, **final.as_dict()}
-            if not final.passed:
-                acc_info["reason"] = final.reason
-    finally:
-        model.train(was_training)
+    execution["after"] = {"eager": run_cost.execution_cost(gm, hints, "eager").as_dict()}
+    if planning.run_profile.kind == "cuda":
+        execution["after"]["graphed"] = run_cost.execution_cost(gm, hints, "graphed").as_dict()
+        execution["after"]["graphed_reuse_outputs"] = run_cost.execution_cost(
+            gm, hints, "graphed", reuse_outputs=True).as_dict()
+    accuracy_info = None
+    if check is not None:
+        if final is None:
+            with timing.phase("accuracy checks"):
+                final = check(gm, ctx.low_precision)
+        accuracy_info = {"checked": True, "mode": acc_mode, **final.as_dict()}
+        if not final.passed:
+            accuracy_info["reason"] = final.reason
+    plan = next((r.plan for r in results if isinstance(r, PartitionResult)), None)
+    return _PipelineRun(results, before, manager.final_cost, execution, accuracy_info, constants, plan)
 
+
+def _build_report(model, gm, planning: _Planning, run: _PipelineRun, acc_info: dict, model_dev,
+                  opts: OptimizeOptions, t_start: float) -> Report:
+    cap = gm.meta["graphopt_capture"]
+    profile = planning.profile
     notes = list(cap.notes)
-    if profile_note:
-        notes.append(profile_note)
-    top = sorted(after.nodes, key=lambda c: -c.time_s)[:8]
+    if planning.note:
+        notes.append(planning.note)
+    top = sorted(run.after.nodes, key=lambda c: -c.time_s)[:8]
     report = Report(
-        model=model_name or type(model).__name__,
+        model=opts.model_name or type(model).__name__,
         device=str(model_dev),
         target=profile.name,
         profile={"name": profile.name, "description": profile.description},
         capture={"method": cap.method, "export_error": cap.export_error, "dynamic": {k: {str(a): d for a, d in v.items()} for k, v in cap.dynamic.items()},
                  "mha": cap.mha},
-        predicted_s_before=execution["before"]["predicted_ms"] / 1e3,
-        predicted_s_after=execution["after"]["eager"]["predicted_ms"] / 1e3,  # graphed: set by set_cuda_graphs
-        cost_before=before.as_dict(),
-        cost_after=after.as_dict(),
-        passes=results,
-        accuracy=acc_info,
+        predicted_s_before=run.execution["before"]["predicted_ms"] / 1e3,
+        predicted_s_after=run.execution["after"]["eager"]["predicted_ms"] / 1e3,  # graphed: set by set_cuda_graphs
+        cost_before=run.before.as_dict(),
+        cost_after=run.after.as_dict(),
+        passes=run.results,
+        accuracy=run.accuracy if run.accuracy is not None else acc_info,
         kernel_backend=_kernel_backend(),
         optimize_seconds=time.perf_counter() - t_start,
         notes=notes,
         top_nodes=[{"node": c.node, "op": c.op, "ms": c.time_s * 1e3, "bound": c.bound} for c in top if c.time_s > 0],
-        execution=execution,
-        memory={"model_bytes": setup_memory.model_bytes(model), **ctx.constants.as_dict()},
+        execution=run.execution,
+        memory={"model_bytes": setup_memory.model_bytes(model), **run.constants.as_dict()},
     )
-    plan = ctx.options.get("partition_plan")
-    if plan is not None:
-        report.partition = plan.as_dict()
-    signature, dyn = _signature(flat, args, kwargs, model, dynamic)
+    if run.plan is not None:
+        report.partition = run.plan.as_dict()
+    return report
+
+
+def _lower(gm, report: Report, run: _PipelineRun, planning: _Planning, model, inputs: "CallInputs", args, kwargs,
+           flat, opts: OptimizeOptions) -> OptimizedModule:
+    """The OptimizedModule: CUDA graphs where they pay, placed across devices where planned."""
+    signature, dyn = _signature(flat, args, kwargs, model, opts.dynamic)
     with timing.phase("lowering"):
-        opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=training, cuda_graphs=cuda_graphs)
+        opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=opts.training,
+                              cuda_graphs=opts.cuda_graphs, profile=planning.run_profile,
+                              kernel_launches=int(run.after.launches))
     # kept for export's trace, which runs the graph: private copies of what it writes
     opt._example_flat = [x.detach() if isinstance(x, torch.Tensor) else x
                          for x in flat_tensors(*inputs.fresh())]
     opt._convention = _calling_convention(model, args, kwargs)
-    if plan is not None:
+    if run.plan is not None:
         with timing.phase("lowering"):
-            _place(opt, gm, plan, training, report)
-    if on_new_shape == "reoptimize":
-        opt._reoptimize = (model, dict(device=device, target=target, passes=passes, disable=disable, training=training,
-                                       dynamic=dynamic, precision=precision, cuda_graphs=cuda_graphs,
-                                       check_accuracy=check_accuracy, verify=verify, model_name=model_name,
-                                       memory_budget=memory_budget, checkpoint_backend=checkpoint_backend,
-                                       devices=devices, memory_cap=memory_cap,
-                                       microbatches=microbatches, schedule=schedule,
-                                       virtual_stages=virtual_stages, weight_copies=weight_copies), 8)
-    elif on_new_shape != "error":
-        raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {on_new_shape!r}")
+            _place(opt, gm, run.plan, opts.training, report)
+    if opts.on_new_shape == "reoptimize":
+        # the same options for every specialization, but the calibration batches: they have this
+        # call's shapes, dtypes and devices, which a specialization's graph does not take (it is
+        # checked on the inputs it is made for)
+        opt._reoptimize = (model, dataclasses.replace(opts, calibration_data=None), 8)
     return opt
 
 

@@ -144,13 +144,49 @@ def is_tensor_node(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def target_name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
+    """The bare name of what a node calls, the one spelling the cost model, the passes and the
+    runtime share: ``linear`` for aten.linear.default, ``add_rms_norm`` for
+    graphopt.add_rms_norm.default, ``getitem`` for operator.getitem, a function's ``__name__``
+    (a placeholder, get_attr or call_module node: its target string)."""
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
-        return f"{t._schema.name.split('::')[-1]}" + (f".{t._overloadname}" if t._overloadname != "default" else "")
+        return t._schema.name.split("::")[-1]
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.split("::")[-1]
+    if t is operator.getitem:
+        return "getitem"
+    return getattr(t, "__name__", str(t))
+
+
+def op_namespace(node: fx.Node) -> str:
+    """The library of an op overload node ("aten", "graphopt", ...); "" for anything else."""
+    t = node.target
+    return t._schema.name.split("::")[0] if isinstance(t, torch._ops.OpOverload) else ""
+
+
+def target_name(node: fx.Node) -> str:
+    """:func:`op_name` with the overload (``add.Tensor``), ``module:<target>`` for a module call:
+    how reports name a node's op."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return op_name(node) + (f".{t._overloadname}" if t._overloadname != "default" else "")
     if node.op == "call_module":
         return f"module:{t}"
     return getattr(t, "__name__", str(t))
+
+
+def is_contiguous(ti: TensorInfo | None) -> bool:
+    """Row-major dense (size-1 dims ignored); a tensor without strides (or no tensor) counts as
+    contiguous."""
+    if ti is None or ti.stride is None:
+        return True
+    expected = 1
+    for size, stride in reversed(list(zip(ti.shape, ti.stride))):
+        if size != 1 and stride != expected:
+            return False
+        expected = expected * size
+    return True
 
 
 RANDOM_OPS = frozenset({
@@ -176,7 +212,7 @@ def is_random(node: fx.Node) -> bool:
         i = names.index("dropout_p")
         p = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
-    return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()) or t._schema.name.split("::")[-1] in RANDOM_OPS
+    return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()) or op_name(node) in RANDOM_OPS
 
 
 def get_attr_value(gm: fx.GraphModule, target: str):

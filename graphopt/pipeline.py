@@ -4,8 +4,9 @@ A pass is a small object with a verb-first ``name`` (its CLI name, report key an
 name), a ``family`` (where it sits in the pipeline) and ``run(gm, ctx) -> PassResult``. Passes
 propose :class:`Candidate` rewrites; :meth:`PassResult.apply_ranked` asks the cost model's
 predicted gain, ranks overlapping candidates, applies the winners and records the rest as
-rejected with a reason. The manager checks graph invariants after every pass, guards accuracy,
-reverts a pass that breaks it, and records predicted cost before and after.
+rejected with a reason. The manager runs each pass inside instruments (PassInstrument, as TVM's:
+the predicted cost before and after, timing, IR dumps, invariant checks, the accuracy guard) and
+reverts a pass that raises, breaks an invariant or fails the accuracy rule.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import ir, timing
 from .cost.model import CostModel
 from .cost.profiles import DeviceProfile
 from .errors import GraphoptError, PassConfigError
+from .options import OptimizeOptions
 from .setup_memory import ConstantAccount
 
 # why kernel fusions are refused on a CPU profile (the report shows it)
@@ -146,7 +148,7 @@ class PassResult:
             if c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain):
                 self.reject(c.description, f"predicted no gain ({c.gain_s * 1e6:+.2f} us)")
                 continue
-            limit = ctx.options.get("rewrite_limit")
+            limit = ctx.rewrite_limit
             if limit is not None and len(self.rewrites) >= limit:
                 self.reject(c.description, f"beyond the first {limit} rewrites (bisecting)")
                 continue
@@ -202,17 +204,26 @@ class _null:
         return False
 
 
+# a context made outside optimize() (run_passes, the pass tests, tools) leaves dtypes as they are
+PASS_DEFAULTS = OptimizeOptions(precision="fp32")
+
+
 @dataclass
 class PassContext:
-    profile: DeviceProfile
+    """What a pass may read about the run: the cost model (prices and device facts), the example
+    sizes, the caller's options (typed), and what the PassManager sets up around it."""
+
     cost: CostModel
+    profile: DeviceProfile | None = None  # the cost model's (passes ask the cost model, not the profile)
     training: bool = False
-    disabled: frozenset = frozenset()
     verify: bool = True
     dump_dir: Path | None = None
     hints: dict = field(default_factory=dict)
     observer: ir.ProvenanceObserver | None = None
-    options: dict = field(default_factory=dict)
+    options: OptimizeOptions = PASS_DEFAULTS  # optimize()'s options (precision, memory_budget, devices...)
+    device: torch.device | None = None  # where the model runs (None: planning only)
+    strict: bool = False  # a pass that raises or breaks an invariant raises (tests, bisect, fuzz) instead of reverting
+    rewrite_limit: int | None = None  # apply at most this many rewrites per pass (bisect)
     # accuracy_check(gm, low_dtype=None) -> AccuracyResult; set by the PassManager. low_dtype
     # judges against the model hand-converted to that dtype (the rule's bf16/fp16 tolerance).
     accuracy_check: Callable | None = None
@@ -223,15 +234,29 @@ class PassContext:
     # bytes of constants (weight copies) the passes have added, against optimize's weight_copies limit
     constants: ConstantAccount = field(default_factory=ConstantAccount)
 
+    def __post_init__(self):
+        if self.profile is None:
+            self.profile = self.cost.profile
+
     @property
     def fused_kernels(self) -> bool:
         """Whether rewrites onto torch.ops.graphopt.* kernels can pay on the planned device.
         (True for CUDA profiles, also when planning for a GPU on a machine without one: the
         rewritten graph then runs the ops' reference implementations.)"""
-        return self.profile.kind == "cuda"
+        return self.cost.device_kind == "cuda"
 
     def node_time(self, nodes: Iterable[fx.Node]) -> float:
-        return sum(ir.concrete(self.cost.node_cost(n).time_s, self.hints) for n in nodes)
+        """Predicted seconds of these nodes of the graph (the cost model's, at the example sizes)."""
+        return self.cost.time_of(nodes, self.hints)
+
+    def replacement(self):
+        """A builder for the nodes a rewrite would make, priced by the cost model
+        (graphopt.cost.replacement): a candidate's gain is ``node_time(matched) - r.time()``."""
+        return self.cost.replacement(self.hints)
+
+    def price(self, target, *args, val=None, **kwargs) -> float:
+        """Predicted seconds of one ``target(*args, **kwargs)`` node a rewrite would make."""
+        return self.cost.price(target, *args, hints=self.hints, val=val, **kwargs)
 
 
 class Pass:
@@ -262,8 +287,7 @@ def register(cls: type[Pass]) -> type[Pass]:
 
 
 def registry() -> dict[str, type[Pass]]:
-    from . import passes  # noqa: F401  (importing registers every pass)
-
+    """The registered passes (graphopt.passes registers them; graphopt's __init__ imports it)."""
     return dict(_REGISTRY)
 
 
@@ -336,129 +360,251 @@ def assemble(passes: Iterable[str] | None = None, disable: Iterable[str] = ()) -
     return objs
 
 
+# ---------------------------------------------------------------------------- instruments
+
+NOT_RUN = ("disabled", "skipped")
+
+
+class PassInstrument:
+    """Work done around every pass of a pipeline run, as TVM's PassInstrument: the PassManager
+    calls ``enter``/``exit`` around the run and, for every pass, ``run_before_pass`` (in list
+    order), ``should_run`` and ``run_after_pass`` (in reverse order: instruments nest like context
+    managers, so the first one listed sees the others' verdicts). ``run_after_pass`` may return
+    why the pass must be undone: the manager then restores the graph from before the pass and the
+    instruments after it see it ``reverted``. Passes left out (status disabled/skipped) get the
+    before/after calls too. ``needs_code``: the instrument runs or reads the graph's Python code
+    between passes (without one, it is generated once, at the end)."""
+
+    needs_code = False
+
+    def enter(self, gm: fx.GraphModule, ctx: "PassContext") -> None:
+        pass
+
+    def exit(self, gm: fx.GraphModule, ctx: "PassContext") -> None:
+        pass
+
+    def run_before_pass(self, gm: fx.GraphModule, p: Pass, ctx: "PassContext") -> None:
+        pass
+
+    def should_run(self, p: Pass, ctx: "PassContext") -> tuple[str, str] | None:
+        """None to run ``p``, or (status, note) to leave it out."""
+        return None
+
+    def run_after_pass(self, gm: fx.GraphModule, p: Pass, ctx: "PassContext", res: PassResult) -> str | None:
+        return None
+
+
+class PassSelection(PassInstrument):
+    """Leaves out the passes disabled by name, and inference-only passes on a training graph."""
+
+    def should_run(self, p, ctx):
+        if getattr(p, "disabled", False):
+            return "disabled", ""
+        if ctx.training and p.inference_only:
+            return "skipped", "inference-only pass; the graph is for training"
+        return None
+
+
+class DumpIR(PassInstrument):
+    """The graph's code as captured (``000_captured.py``) and after each pass that ran
+    (``NNN_<pass>.py``, numbered in pipeline order) in ``directory``."""
+
+    needs_code = True
+
+    def __init__(self, directory: Path):
+        self.directory, self.index = Path(directory), 0
+
+    def enter(self, gm, ctx):
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "000_captured.py").write_text(gm.code)
+
+    def run_before_pass(self, gm, p, ctx):
+        self.index += 1
+
+    def run_after_pass(self, gm, p, ctx, res):
+        if res.status not in NOT_RUN:
+            (self.directory / f"{self.index:03d}_{p.name}.py").write_text(gm.code)
+
+
+class PredictedCost(PassInstrument):
+    """The cost model's predicted time and peak memory before and after each pass; ``current`` is
+    the cost of the graph as it is (priced again only after a pass that applied)."""
+
+    def __init__(self, before=None):
+        self.current = before
+
+    def enter(self, gm, ctx):
+        if self.current is None:
+            self.current = ctx.cost.graph_cost(gm, ctx.hints)
+
+    def run_before_pass(self, gm, p, ctx):
+        self.before = self.current
+
+    def run_after_pass(self, gm, p, ctx, res):
+        if res.status == "applied":
+            self.current = ctx.cost.graph_cost(gm, ctx.hints)
+        res.predicted_s_before, res.peak_bytes_before = self.before.total_s, self.before.peak_memory_bytes
+        res.predicted_s_after, res.peak_bytes_after = self.current.total_s, self.current.peak_memory_bytes
+
+
+class Timing(PassInstrument):
+    """Each pass's wall time (``PassResult.seconds``): its graph snapshot, the pass and its checks."""
+
+    def run_before_pass(self, gm, p, ctx):
+        self.t0 = time.perf_counter()
+
+    def run_after_pass(self, gm, p, ctx, res):
+        if res.status not in NOT_RUN:
+            res.seconds = time.perf_counter() - self.t0
+
+
+class InvariantCheck(PassInstrument):
+    """graphopt.ir.check_invariants after every pass that changed the graph (``ctx.verify``): a
+    pass that breaks one is undone (raises with ``ctx.strict``)."""
+
+    def run_after_pass(self, gm, p, ctx, res):
+        if res.status != "applied" or not ctx.verify:
+            return None
+        try:
+            ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes)
+        except ir.InvariantError as e:
+            if ctx.strict:
+                raise
+            return str(e)
+        return None
+
+
+class AccuracyCheck(PassInstrument):
+    """The accuracy rule after every pass that changed the graph: a pass that fails it is undone.
+    ``last``: (result, low dtype) of the last check that passed, which is the graph as it is now
+    (every later change was checked or undone)."""
+
+    needs_code = True
+
+    def __init__(self, check: Callable):
+        self.check, self.last = check, None
+
+    def run_after_pass(self, gm, p, ctx, res):
+        if res.status != "applied":
+            return None
+        with timing.phase("accuracy checks"):
+            acc = self.check(gm, ctx.low_precision)
+        res.accuracy = acc.as_dict()
+        if not acc.passed:
+            return f"fails the accuracy rule ({acc.reason})"
+        self.last = (acc, ctx.low_precision)
+        return None
+
+
+# ---------------------------------------------------------------------------- the pass loop
+
+
 class PassManager:
     def __init__(self, passes: list[Pass], accuracy_check: Callable[[fx.GraphModule], object] | None = None,
-                 check_each: bool = True):
+                 check_each: bool = True, instruments: Iterable[PassInstrument] = ()):
         """``accuracy_check``: the guard, handed to passes (``ctx.accuracy_check``) and, with
-        ``check_each``, run after every pass that changes the graph (a pass that fails it is
-        reverted); without ``check_each`` the caller checks the result once."""
+        ``check_each``, run after every pass that changes the graph (AccuracyCheck: a pass that
+        fails it is reverted); without ``check_each`` the caller checks the result once.
+        ``instruments``: more PassInstruments, outermost (they see the built-in ones' verdicts)."""
         self.passes = passes
         self.accuracy_check = accuracy_check
         self.check_each = check_each
+        self.instruments = list(instruments)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, before=None) -> list[PassResult]:
         """Run the passes; ``before``: the cost of ``gm`` as it is, if the caller has it.
         ``final_cost`` is then the cost of the graph handed back."""
-        results = []
-        if ctx.dump_dir is not None:
-            ctx.dump_dir.mkdir(parents=True, exist_ok=True)
-            (ctx.dump_dir / "000_captured.py").write_text(gm.code)
-        # with nothing to run the graph between passes (no accuracy check, no dump), its Python
-        # code is generated once at the end rather than after every pass that changes it
-        per_pass_check = self.accuracy_check if self.check_each else None
-        defer_recompile = per_pass_check is None and ctx.dump_dir is None
-        stale = False
-        # (result, low dtype) of the last accuracy check that passed: the graph as it is now, since
-        # every later change was either checked or undone (a revert restores the checked graph)
-        self.last_check = None
-        if before is None:
-            before = ctx.cost.graph_cost(gm, ctx.hints)
+        self._cost = PredictedCost(before)
+        self._accuracy = AccuracyCheck(self.accuracy_check) if self.accuracy_check is not None and self.check_each \
+            else None
+        inst = [*self.instruments, PassSelection(), *([DumpIR(ctx.dump_dir)] if ctx.dump_dir is not None else []),
+                self._cost, Timing(), *([self._accuracy] if self._accuracy else []), InvariantCheck()]
         ctx.accuracy_check = self.accuracy_check
         ctx.scheduled = frozenset(p.name for p in self.passes if not getattr(p, "disabled", False))
-        # the graph as it was before the pass, to undo it; a pass that left the graph as it was leaves
-        # the previous copy valid for the next one (a copy costs time in proportion to the graph)
-        saved_graph = None
-        for i, p in enumerate(self.passes, start=1):
-            res = p.result()
-            res.predicted_s_before = before.total_s
-            res.peak_bytes_before = before.peak_memory_bytes
-            if getattr(p, "disabled", False):
-                res.status, res.predicted_s_after, res.peak_bytes_after = "disabled", before.total_s, before.peak_memory_bytes
-                results.append(res)
-                continue
-            if ctx.training and p.inference_only:
-                res.status = "skipped"
-                res.notes.append("inference-only pass; the graph is for training")
-                res.predicted_s_after, res.peak_bytes_after = before.total_s, before.peak_memory_bytes
-                results.append(res)
-                continue
-            t0 = time.perf_counter()
-            if saved_graph is None:
-                with timing.phase("graph snapshots"):
-                    saved_graph = copy.deepcopy(gm.graph)
-            ctx.observer = ir.ProvenanceObserver(gm, p.name)
-            try:
-                with ctx.observer.active(), timing.phase("passes"):
-                    out = p.run(gm, ctx)
-            except (GraphoptError, KeyboardInterrupt):
-                raise
-            except Exception as e:  # a pass bug must not cost the user the other passes
-                if ctx.options.get("strict"):
-                    raise
-                _restore(gm, saved_graph)
-                out = p.result()
-                out.status = "reverted"
-                out.notes.append(f"reverted: the pass raised {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            finally:
-                ctx.observer = None
-            out.predicted_s_before, out.peak_bytes_before = res.predicted_s_before, res.peak_bytes_before
-            res = out
-            res.family = p.family
-            if res.changed and res.status != "reverted":
-                if defer_recompile:
-                    stale = True
-                else:
-                    with timing.phase("recompile"):
-                        gm.recompile()
-                broken = None
-                if ctx.verify:
-                    try:
-                        ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes)
-                    except ir.InvariantError as e:
-                        if ctx.options.get("strict"):
-                            raise
-                        broken = e
-                if broken is not None:  # a pass bug: undo it, say so, keep the other passes
-                    _restore(gm, saved_graph)
-                    res.status = "reverted"
-                    res.notes.append(f"reverted: {broken}")
-                    saved_graph = None  # it is the graph now
-                    ctx.constants.recount(gm)
-                    res.seconds = time.perf_counter() - t0
-                    res.predicted_s_after, res.peak_bytes_after = before.total_s, before.peak_memory_bytes
-                    results.append(res)
-                    continue
-                res.status = "applied"
-                if per_pass_check is not None:
-                    with timing.phase("accuracy checks"):
-                        acc = per_pass_check(gm, ctx.low_precision)
-                    res.accuracy = acc.as_dict()
-                    if acc.passed:
-                        self.last_check = (acc, ctx.low_precision)
-                    else:
-                        _restore(gm, saved_graph)
-                        res.status = "reverted"
-                        if p.changes_dtypes:
-                            ctx.low_precision = None
-                        res.notes.append(f"reverted: fails the accuracy rule ({acc.reason})")
-            if res.status == "applied":  # constants the pass replaced are freed now, not at the end
-                ir.remove_unused_attributes(gm)
-            ctx.constants.recount(gm)
-            res.seconds = time.perf_counter() - t0
-            if res.changed or res.status != "unchanged":  # changed, or restored from the copy: copy again
-                saved_graph = None
-            after = ctx.cost.graph_cost(gm, ctx.hints) if res.status == "applied" else before
-            res.predicted_s_after, res.peak_bytes_after = after.total_s, after.peak_memory_bytes
-            before = after
-            if ctx.dump_dir is not None:
-                (ctx.dump_dir / f"{i:03d}_{p.name}.py").write_text(gm.code)
-            results.append(res)
+        # with nothing to run the graph between passes, its Python code is generated once, at the end
+        self._code_each, self._stale = any(i.needs_code for i in inst), False
+        for i in inst:
+            i.enter(gm, ctx)
+        self._snapshot, self._snapshot_fresh = None, False
+        results = [self._run_pass(gm, p, ctx, inst) for p in self.passes]
         ir.remove_unused_attributes(gm)
-        if stale:
+        if self._stale:
             with timing.phase("recompile"):
                 gm.recompile()
-        self.final_cost = before
+        for i in reversed(inst):
+            i.exit(gm, ctx)
         return results
+
+    @property
+    def final_cost(self):
+        """The predicted cost of the graph the last run handed back."""
+        return self._cost.current
+
+    @property
+    def last_check(self):
+        """(result, low dtype) of the last per-pass accuracy check that passed (None without one)."""
+        return self._accuracy.last if self._accuracy is not None else None
+
+    def _run_pass(self, gm, p: Pass, ctx: PassContext, inst: list) -> PassResult:
+        for i in inst:
+            i.run_before_pass(gm, p, ctx)
+        skip = next((s for s in (i.should_run(p, ctx) for i in inst) if s is not None), None)
+        if skip is None:
+            res = self._execute(gm, p, ctx)
+        else:
+            res = p.result()
+            res.status = skip[0]
+            if skip[1]:
+                res.notes.append(skip[1])
+        res.family = p.family
+        for i in reversed(inst):
+            why = i.run_after_pass(gm, p, ctx, res)
+            if why and res.status != "reverted":
+                self._revert(gm, ctx, res, why)
+        if res.status == "applied":  # constants the pass replaced are freed now, not at the end
+            ir.remove_unused_attributes(gm)
+        ctx.constants.recount(gm)
+        # a pass that left the graph as it was leaves the snapshot valid for the next one (a copy
+        # costs time in proportion to the graph)
+        self._snapshot_fresh = self._snapshot is not None and not res.changed and res.status == "unchanged"
+        return res
+
+    def _execute(self, gm, p: Pass, ctx: PassContext) -> PassResult:
+        """Run one pass: a snapshot to revert to, provenance stamped on the nodes it makes; a pass
+        that raises (a bug) is reverted, so it does not cost the user the other passes."""
+        if not self._snapshot_fresh:
+            with timing.phase("graph snapshots"):
+                self._snapshot = (copy.deepcopy(gm.graph), ctx.low_precision)
+        ctx.observer = ir.ProvenanceObserver(gm, p.name)
+        try:
+            with ctx.observer.active(), timing.phase("passes"):
+                res = p.run(gm, ctx)
+        except (GraphoptError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - a pass bug: undo it, say so, keep the other passes
+            if ctx.strict:
+                raise
+            res = p.result()
+            self._revert(gm, ctx, res, f"the pass raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+        finally:
+            ctx.observer = None
+        if res.changed and res.status != "reverted":
+            res.status = "applied"
+            if self._code_each:
+                with timing.phase("recompile"):
+                    gm.recompile()
+            else:
+                self._stale = True
+        return res
+
+    def _revert(self, gm, ctx: PassContext, res: PassResult, why: str) -> None:
+        graph, low_precision = self._snapshot
+        _restore(gm, graph)
+        ctx.low_precision = low_precision
+        ctx.constants.recount(gm)
+        self._snapshot_fresh = False  # the snapshot is the graph now
+        res.status = "reverted"
+        res.notes.append(f"reverted: {why}")
 
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph) -> None:
@@ -477,5 +623,5 @@ def run_passes(gm: fx.GraphModule, names: Iterable[str], *, target="h200", train
     from .cost.profiles import get_profile
 
     profile, _ = get_profile(target)
-    ctx = PassContext(profile=profile, cost=CostModel(profile), training=training, hints=ir.shape_hints(gm))
+    ctx = PassContext(cost=CostModel(profile), training=training, hints=ir.shape_hints(gm))
     return PassManager(assemble(list(names)), accuracy_check).run(gm, ctx)

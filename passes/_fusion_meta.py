@@ -1,6 +1,7 @@
-"""Helpers shared by the fusion passes (merge_sibling_linears, fuse_swiglu, fuse_bias_act,
-fuse_elementwise): fake-tensor metadata for nodes a pass creates, so that later candidates
-and later passes can prove things from ``meta["val"]`` before the manager re-propagates.
+"""Helpers shared by the passes: fake-tensor metadata for nodes a pass creates, so that later
+candidates and later passes can prove things from ``meta["val"]`` before the manager
+re-propagates; GraphBuilder, so one function builds a rewrite's nodes for its price (on the cost
+model's scratch graph) and for the rewrite; a projection's sizes; a convolution's pair arguments.
 Not a pass (the leading underscore keeps passes/__init__ from importing it as one)."""
 
 from __future__ import annotations
@@ -64,46 +65,17 @@ def projection_mnk(x, w, out: fx.Node, dtypes, symbolic: str):
     return "", (int(xi.numel) // K if K else 0, N, K, xi.dtype)
 
 
-def numel(ti: ir.TensorInfo, hints) -> float:
-    return ir.concrete(ti.numel, hints)
+class GraphBuilder:
+    """``call(target, *args, **kwargs)`` on a real graph at its insertion point, as
+    graphopt.cost.replacement.Replacement has on a scratch one: one function that builds a
+    rewrite's nodes serves both its price and the rewrite."""
 
+    def __init__(self, g: fx.Graph):
+        self.g = g
 
-def nbytes(ti: ir.TensorInfo, hints) -> float:
-    return ir.concrete(ti.nbytes, hints)
-
-
-def pointwise_kernel_time(ctx, bytes_moved: float, elems: float = 0.0, flops_per_elem: float = 1.0) -> float:
-    """Predicted time of one memory-bound kernel (a graphopt fused op) on ctx's profile: the
-    cost model's formula for a node in the graphopt namespace."""
-    p = ctx.profile
-    return p.kernel_seconds(elems * flops_per_elem / p.elementwise_flops, bytes_moved / p.bandwidth)
-
-
-def scratch_node_time(ctx, target, args, kwargs, val) -> float:
-    """Predicted time of a ``target(*args, **kwargs)`` node whose output is ``val``, built in a
-    scratch graph (its node inputs become placeholders carrying their fake values, and a tensor
-    argument, such as a meta tensor standing for a constant the rewrite would make, a placeholder
-    carrying it), so a pass can price a replacement before it rewrites anything."""
-    g = fx.Graph()
-    mapping = {}
-    for i, a in enumerate(args):
-        if isinstance(a, fx.Node) and a not in mapping:
-            ph = g.placeholder(a.name)
-            ph.meta["val"] = a.meta.get("val")
-            mapping[a] = ph
-        elif isinstance(a, torch.Tensor):
-            ph = g.placeholder(f"arg{i}")
-            ph.meta["val"] = a
-            mapping[id(a)] = ph
-
-    def arg(a):
-        if isinstance(a, fx.Node):
-            return mapping.get(a, a)
-        return mapping[id(a)] if isinstance(a, torch.Tensor) else a
-
-    node = g.call_function(target, tuple(arg(a) for a in args), kwargs)
-    node.meta["val"] = val
-    return ctx.node_time([node])
+    def call(self, target, *args, val=None, **kwargs) -> fx.Node:
+        """A node at the insertion point (``val`` is for scratch nodes: a rewrite's set_meta computes these)."""
+        return self.g.call_function(target, args, kwargs)
 
 
 def conv_pair(v, default):

@@ -1,9 +1,6 @@
 """Helpers shared by fuse_rms_norm, fuse_layer_norm and fuse_rotary (not a pass: the leading
 underscore keeps passes/__init__ from importing it as one).
 
-- :func:`kernel_time`: predicted time of one fused graphopt kernel from the bytes it reads and
-  writes, the same formula the cost model applies to a node in the ``graphopt`` namespace, so a
-  candidate's gain can be priced before the node exists.
 - :class:`Seq`: a matcher pattern for a list argument (``cat``/``stack`` inputs), element-wise.
 - :func:`residual_add`: is a norm's input ``residual + y`` that the fused residual-norm kernel can
   absorb (same shape and dtype, no alpha)?
@@ -15,27 +12,12 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import norm_rows_seconds
 from graphopt.matcher import Any, Op, Pattern, _bind, match
 
 aten = torch.ops.aten
 
 CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device)
 ADDS = (aten.add.Tensor,)
-
-
-def kernel_time(ctx, in_nodes, out_infos, flops_per_elem: float = 1.0, row_block: bool = False) -> float:
-    """Predicted seconds of one fused kernel reading ``in_nodes`` and writing ``out_infos``;
-    ``row_block``: a kernel that gives each row of its first output a thread block (add_rms_norm,
-    add_layer_norm), priced as the cost model prices those nodes (norm_rows_seconds)."""
-    p = ctx.profile
-    nbytes = sum(ir.concrete(ir.info(n).nbytes, ctx.hints) for n in dict.fromkeys(in_nodes) if ir.info(n) is not None)
-    nbytes += sum(ir.concrete(o.nbytes, ctx.hints) for o in out_infos)
-    numel = ir.concrete(out_infos[0].numel, ctx.hints) if out_infos else 0
-    t = p.kernel_seconds(numel * flops_per_elem / p.elementwise_flops, nbytes / p.bandwidth)
-    if row_block and out_infos:
-        t = max(t, ir.concrete(norm_rows_seconds(p, out_infos[0]), ctx.hints))
-    return t
 
 
 class Seq(Pattern):

@@ -55,13 +55,6 @@ MAX_CHECKS = 48  # accuracy checks (each a forward pass) the search may spend
 FP32 = torch.float32
 
 
-def _name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
-
-
 def _is_float32(v) -> bool:
     return isinstance(v, fx.Node) and ir.info(v) is not None and ir.info(v).dtype == FP32
 
@@ -75,7 +68,7 @@ class AssignPrecision(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        request = ctx.options.get("precision", "fp32")
+        request = ctx.options.precision
         if request == "fp32":
             res.notes.append("precision='fp32': dtypes left as the model has them")
             return res
@@ -84,10 +77,10 @@ class AssignPrecision(Pass):
             res.reject("lower precision", why)
             return res
         fp32_work = [n for n in gm.graph.nodes if n.op == "call_function" and _is_float32(n)
-                     and _name(n) in COMPUTE_HEAVY]
+                     and ir.op_name(n) in COMPUTE_HEAVY]
         if not fp32_work:
             dtypes = sorted({str(ir.info(n).dtype).replace("torch.", "") for n in gm.graph.nodes
-                             if n.op == "call_function" and _name(n) in COMPUTE_HEAVY and ir.info(n) is not None})
+                             if n.op == "call_function" and ir.op_name(n) in COMPUTE_HEAVY and ir.info(n) is not None})
             res.notes.append(f"the model already computes in {', '.join(dtypes) or 'no float dtype'}; left as it is")
             return res
         if ctx.training and low == torch.float16:
@@ -101,7 +94,8 @@ class AssignPrecision(Pass):
         if after_s >= before_s and request == "auto":
             _restore(gm, base)
             res.reject(f"{str(low)[6:]} for {len(order)} nodes",
-                       f"predicted no gain on {ctx.profile.name}: {before_s * 1e3:.3f} ms in fp32 vs {after_s * 1e3:.3f} ms")
+                       f"predicted no gain on {ctx.cost.device_name}: {before_s * 1e3:.3f} ms in fp32 vs "
+                       f"{after_s * 1e3:.3f} ms")
             return res
 
         kept: list[dict] = []
@@ -175,8 +169,8 @@ class AssignPrecision(Pass):
 
 
 def _choose_dtype(request: str, ctx: PassContext):
-    prof = ctx.profile
-    device = ctx.options.get("device")
+    cost = ctx.cost
+    device = ctx.device
     if request in ("bf16", "fp16"):
         low = torch.bfloat16 if request == "bf16" else torch.float16
         if getattr(device, "type", None) == "cuda" and low == torch.bfloat16 and torch.cuda.is_available() \
@@ -186,16 +180,16 @@ def _choose_dtype(request: str, ctx: PassContext):
             raise GraphoptError("precision='fp16' is not supported on this CPU; use precision='bf16' or 'fp32'")
         return low, ""
     # auto
-    if prof.kind == "cuda":
+    if cost.device_kind == "cuda":
         if getattr(device, "type", None) == "cuda" and torch.cuda.is_available() \
                 and torch.cuda.get_device_capability(device) < (8, 0):
             return torch.float16, ""
         return torch.bfloat16, ""
-    bf, f32 = prof.matmul_rate(torch.bfloat16), prof.matmul_rate(FP32)
+    bf, f32 = cost.matmul_rate(torch.bfloat16), cost.matmul_rate(FP32)
     if bf <= f32:
         return None, (f"bf16 matmuls measured slower than fp32 on this CPU ({bf / 1e9:.0f} vs {f32 / 1e9:.0f} "
                       "GFLOP/s); pass precision='bf16' to force it")
-    if prof.kind == "cpu":
+    if cost.device_kind == "cpu":
         # the profile measures matmuls only; bf16 convolutions and elementwise kernels are often
         # much slower than fp32 on CPUs without AMX, so "auto" does not bet on them
         return None, (f"on the CPU, auto keeps fp32 (bf16 matmul {bf / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s "
@@ -283,7 +277,7 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
             continue
         outs = ir.infos(node)
         out = outs[0] if outs else None  # tuple outputs (split, fused norms) carry one dtype here
-        name = _name(node)
+        name = ir.op_name(node)
         ins = [a for a in node.all_input_nodes if ir.infos(a)]
         if name in VIEW_OPS or name == "getitem" or name in ("reshape", "flatten", "contiguous", "clone", "detach",
                                                               "split", "chunk", "unbind", "split_with_sizes"):

@@ -30,11 +30,11 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import channel_chunk_factor, conv_bias_add_s, is_channels_last, narrow_conv_input
+from graphopt.cost.model import is_channels_last, narrow_conv_input
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import conv_pair, pointwise_kernel_time
+from ._fusion_meta import GraphBuilder, conv_pair
 
 aten = torch.ops.aten
 MAX_CHANNELS = 4  # 4 x C4 input channels after the regrouping: at most 16
@@ -82,9 +82,9 @@ class ConvSpaceToDepth(Pass):
                  and narrow_conv_input(n)]
         if not convs:
             return res
-        p = ctx.profile
-        if p.kind != "cuda" or (p.conv_narrow_input_slowdown <= 1.0 and not p.conv_channel_chunk):
-            res.reject_all(convs, f"the {p.name} profile measured no slow path for convolutions over few channels")
+        if not ctx.cost.narrow_conv_slow_path:
+            res.reject_all(convs, f"the {ctx.cost.device_name} profile measured no slow path for convolutions over "
+                                  "few channels")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in convs) if c is not None]
         res.apply_ranked(ctx, cands)
@@ -95,7 +95,7 @@ class ConvSpaceToDepth(Pass):
         bias = get_arg(conv, 2, "bias")
         stride, padding = conv_pair(get_arg(conv, 3, "stride"), 1), conv_pair(get_arg(conv, 4, "padding"), 0)
         dilation, groups = conv_pair(get_arg(conv, 5, "dilation"), 1), get_arg(conv, 6, "groups") or 1
-        xi, wi, yi = ir.info(x), ir.info(w), ir.info(conv)
+        xi, wi = ir.info(x), ir.info(w)
         label = conv.name
         if stride != [2, 2] or dilation != [1, 1] or groups != 1:
             res.reject(label, f"stride {stride}, dilation {dilation}, groups {groups} (stride 2, undilated, ungrouped only)")
@@ -121,24 +121,15 @@ class ConvSpaceToDepth(Pass):
             res.reject(label, "the block grid would crop the input (padding larger than the kernel needs)")
             return None
         c4, kbs, pads, blocks = pl
-        h = ctx.hints
-        es = xi.dtype.itemsize
-        n_ = shape[0]
-        padded = n_ * c4 * (2 * blocks[0]) * (2 * blocks[1]) * es
-        old = ctx.node_time([conv])
-        # both copies move C4-element (8-byte) runs: aten's copy kernels at the profile's narrow_copy_scale
-        slow = ctx.profile.narrow_copy_scale
-        pad_s = pointwise_kernel_time(ctx, (ir.concrete(xi.nbytes, h) + padded) / slow)
-        regroup_s = pointwise_kernel_time(ctx, 2 * padded / slow)
-        out_bytes = ir.concrete(yi.nbytes, h)
-        flops = 2.0 * ir.concrete(yi.numel, h) * 4 * c4 * kbs[0] * kbs[1]
-        pf = ctx.profile
-        waste = channel_chunk_factor(pf.conv_channel_chunk, 4 * c4)  # the new convolution's 4 x C4 channels per tap
-        conv_s = pf.gpu_seconds(flops * waste / pf.matmul_rate(xi.dtype), (padded + out_bytes) / pf.bandwidth, "conv")
-        conv_s += ir.concrete(conv_bias_add_s(pf, conv), h)
-        new = pad_s + regroup_s + max(conv_s, pf.launch_overhead_s)
-        wi = ir.info(conv.args[1])
-        copied = (int(wi.shape[0]) * 4 * c4 * kbs[0] * kbs[1] * wi.dtype.itemsize) if wi is not None else 0
+        # the pad and the regrouping copy, the new stride-1 convolution over 4 x C4 channels (the
+        # cost model prices the copies' narrow runs and cuDNN's per-tap channel chunk)
+        r = ctx.replacement()
+        co = int(wi.shape[0])
+        w_new = r.tensor((co, 4 * c4, kbs[0], kbs[1]), wi.dtype, wi.device,
+                         stride=(4 * c4 * kbs[0] * kbs[1], 1, kbs[1] * 4 * c4, 4 * c4))  # channels_last
+        _s2d_nodes(r, x, w_new, bias, shape[0], c4, kbs, pads, blocks)
+        old, new = ctx.node_time([conv]), r.time()
+        copied = co * 4 * c4 * kbs[0] * kbs[1] * wi.dtype.itemsize  # the regrouped weight, a new constant
         return Candidate("narrow stride-2 convolution -> space-to-depth + stride-1 convolution", [conv], old - new,
                          lambda: self._apply(gm, conv, c4, kbs, pads, blocks), label=label, constant_bytes=copied)
 
@@ -148,21 +139,27 @@ class ConvSpaceToDepth(Pass):
         x, w = conv.args[0], conv.args[1]
         bias = get_arg(conv, 2, "bias")
         wv = ir.get_attr_value(gm, w.target)
-        n_, c = int(ir.info(x).shape[0]), int(ir.info(x).shape[1])
         new_w = regroup_weight(wv.detach(), c4, kbs)
-        (ph0, ph1), (pw0, pw1) = pads
-        hb, wb = blocks
         with g.inserting_before(conv):
             w_node = g.get_attr(ir.register_constant(gm, f"{conv.name}_s2d_weight", new_w))
-            xp = g.call_function(aten.constant_pad_nd.default, (x, [pw0, pw1, ph0, ph1, 0, c4 - c], 0.0))
-            t = g.call_function(aten.permute.default, (xp, [0, 2, 3, 1]))          # [N, Hp, Wp, C4], a view
-            t = g.call_function(aten.view.default, (t, [n_, hb, 2, wb, 2, c4]))
-            t = g.call_function(aten.permute.default, (t, [0, 1, 3, 2, 4, 5]))    # [N, Hb, Wb, dy, dx, C4]
-            t = g.call_function(aten.clone.default, (t,), {"memory_format": torch.contiguous_format})
-            t = g.call_function(aten.view.default, (t, [n_, hb, wb, 4 * c4]))
-            xs = g.call_function(aten.permute.default, (t, [0, 3, 1, 2]))        # channels_last [N, 4 C4, Hb, Wb]
-            new = g.call_function(aten.conv2d.default, (xs, w_node, bias, [1, 1], [0, 0], [1, 1], 1))
+            new = _s2d_nodes(GraphBuilder(g), x, w_node, bias, int(ir.info(x).shape[0]), c4, kbs, pads, blocks)
         conv.replace_all_uses_with(new)
         g.erase_node(conv)
         ir.erase_dead(gm, [w])
         return new
+
+
+def _s2d_nodes(b, x, w, bias, n_: int, c4: int, kbs, pads, blocks) -> fx.Node:
+    """pad, regroup into 2x2 blocks, stride-1 convolution with the regrouped weight ``w``: the
+    nodes the rewrite makes (built with ``b.call``); returns the convolution."""
+    c = int(ir.info(x).shape[1])
+    (ph0, ph1), (pw0, pw1) = pads
+    hb, wb = blocks
+    xp = b.call(aten.constant_pad_nd.default, x, [pw0, pw1, ph0, ph1, 0, c4 - c], 0.0)
+    t = b.call(aten.permute.default, xp, [0, 2, 3, 1])          # [N, Hp, Wp, C4], a view
+    t = b.call(aten.view.default, t, [n_, hb, 2, wb, 2, c4])
+    t = b.call(aten.permute.default, t, [0, 1, 3, 2, 4, 5])    # [N, Hb, Wb, dy, dx, C4]
+    t = b.call(aten.clone.default, t, memory_format=torch.contiguous_format)
+    t = b.call(aten.view.default, t, [n_, hb, wb, 4 * c4])
+    xs = b.call(aten.permute.default, t, [0, 3, 1, 2])          # channels_last [N, 4 C4, Hb, Wb]
+    return b.call(aten.conv2d.default, xs, w, bias, [1, 1], [0, 0], [1, 1], 1)

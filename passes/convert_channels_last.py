@@ -8,9 +8,10 @@ reads once, at its boundary, and its 4-D convolution weights once at optimizatio
 them). Pointwise ops, batch norm, pooling, residual adds and concatenations propagate the
 layout on their own (PyTorch's memory-format propagation), so no conversion is inserted inside
 the region; 4-D outputs are converted back to the contiguous layout the caller expects. Grouped
-and depthwise convolutions are included. The cost model decides per region: predicted conv time saved
-against the bytes its boundary conversions move; on a profile with no measured NCHW penalty
-(CPUs, unmeasured GPUs) the pass refuses and says so.
+and depthwise convolutions are included. The cost model decides per region: the convolutions'
+time saved (each priced again on a channels_last input) against its boundary conversions (the
+clones it adds, priced as nodes); on a profile with no measured NCHW penalty (CPUs, unmeasured
+GPUs) the pass refuses and says so.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import conv_layout_penalized, is_channels_last
+from graphopt.cost.model import is_channels_last
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
-
-from ._fusion_meta import nbytes, pointwise_kernel_time
 
 aten = torch.ops.aten
 
@@ -50,15 +49,14 @@ class ConvertChannelsLast(Pass):
                  and ir.info(n.args[0]) is not None and len(ir.info(n.args[0]).shape) == 4]
         if not convs:
             return res
-        slow = [c for c in convs if conv_layout_penalized(ir.info(c.args[0]), ctx.profile)]
+        slow = [c for c in convs if ctx.cost.conv_layout_penalized(ir.info(c.args[0]))]
         if not slow:
             if all(is_channels_last(ir.info(c.args[0])) for c in convs):
                 res.notes.append("the convolutions already run on channels_last tensors")
             else:
                 res.reject(f"{len(convs)} convolutions", f"no measured NCHW penalty for these convolutions on "
-                                                         f"{ctx.profile.name}; the layout stays NCHW")
+                                                         f"{ctx.cost.device_name}; the layout stays NCHW")
             return res
-        p = ctx.profile
         output = next(n for n in gm.graph.nodes if n.op == "output")
         candidates = []
         for i, region in enumerate(_regions(gm, convs)):
@@ -72,12 +70,8 @@ class ConvertChannelsLast(Pass):
                 if a.op == "placeholder" and ir.info(a) is not None and len(ir.info(a).shape) == 4
                 and ir.info(a).dtype.is_floating_point and not is_channels_last(ir.info(a))))
             outs = [a for a in output.all_input_nodes if a in region]
-            saved = 0.0
-            for c in rslow:  # each convolution's time with and without the NCHW penalty
-                nc = ctx.cost.node_cost(c)
-                comp, mem = ir.concrete(nc.compute_s, ctx.hints), ir.concrete(nc.memory_s, ctx.hints)
-                saved += p.kernel_seconds(comp, mem, "conv") - p.kernel_seconds(comp / p.conv_nchw_slowdown, mem, "conv")
-            cost = sum(pointwise_kernel_time(ctx, 2 * nbytes(ir.info(n), ctx.hints)) for n in inputs + outs)
+            saved = ctx.node_time(rslow) - self._channels_last_time(ctx, rslow)
+            cost = self._conversion_time(ctx, inputs, outs)
             info = {"convolutions": len(rconvs), "input_conversions": len(inputs), "output_conversions": len(outs),
                     "predicted_conv_saving_ms": saved * 1e3, "predicted_conversion_ms": cost * 1e3}
             # the NHWC weights stored at optimization time (inference): copies of the model's weights
@@ -103,6 +97,25 @@ class ConvertChannelsLast(Pass):
                              f"{res.details['convolutions']} convolutions, {res.details['input_conversions']} input and "
                              f"{res.details['output_conversions']} output conversions; {where}")
         return res
+
+    @staticmethod
+    def _channels_last_time(ctx, convs) -> float:
+        """The convolutions as they run inside the region: on channels_last inputs."""
+        r = ctx.replacement()
+        for c in convs:
+            r.call(c.target, r.like(c.args[0], memory_format=torch.channels_last), *c.args[1:], val=c.meta.get("val"),
+                   **c.kwargs)
+        return r.time()
+
+    @staticmethod
+    def _conversion_time(ctx, inputs, outs) -> float:
+        """The copies the rewrite adds at the region's boundary (the _apply's clones)."""
+        r = ctx.replacement()
+        for x in inputs:
+            r.call(aten.clone.default, x, memory_format=torch.channels_last)
+        for o in outs:
+            r.call(aten.clone.default, r.like(o, memory_format=torch.channels_last), memory_format=torch.contiguous_format)
+        return r.time()
 
     def _apply(self, gm, ctx, region, rconvs, inputs, outs, info, output):
         g = gm.graph

@@ -13,7 +13,7 @@ def _removable(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method", "call_module", "get_attr") or node.users:
         return False
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        name = node.target._schema.name
+        name = ir.op_name(node)
         if node.target._schema.is_mutable or "_assert" in name or "print" in name:
             return False
         if ir.is_random(node):

@@ -38,12 +38,9 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import _is_contiguous
 from graphopt.ir import GETITEM
 from graphopt.matcher import Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
-
-from ._fusion_meta import nbytes, pointwise_kernel_time
 
 aten = torch.ops.aten
 
@@ -68,14 +65,14 @@ PAIR = Op(PERMUTES, Op(PERMUTES, Any("x"), name="p", single_use=False), name="q"
 def _layout_unstable(node) -> str:
     """Name of the producer if ``node``'s strides come from an op whose output layout depends on
     the backend chosen at run time (SDPA variants, graphopt kernels), else ''."""
-    from graphopt.cost.model import ATTENTION_OPS, _namespace, _op_name
+    from graphopt.cost.model import ATTENTION_OPS
     while isinstance(node, fx.Node) and node.op == "call_function" and (
             node.target in PURE_VIEWS or node.target in SHAPE_OPS or node.target is aten.contiguous.default):
         node = node.args[0]
     if isinstance(node, fx.Node) and node.op == "call_function":
         if node.target is GETITEM:
             node = node.args[0]
-        if _op_name(node) in ATTENTION_OPS or _namespace(node) == "graphopt":
+        if ir.op_name(node) in ATTENTION_OPS or ir.op_namespace(node) == "graphopt":
             return node.name
     return ""
 
@@ -278,7 +275,7 @@ class EliminatePermutes(Pass):
                     fmt = c.kwargs.get("memory_format", torch.contiguous_format)
                     if fmt is not torch.contiguous_format:
                         continue
-                if ci.dtype != xi.dtype or ci.device != xi.device or not _is_contiguous(xi):
+                if ci.dtype != xi.dtype or ci.device != xi.device or not ir.is_contiguous(xi):
                     continue
                 unstable, views = _layout_unstable(x), _view_readers(c)
                 if unstable and views:
@@ -348,7 +345,7 @@ class EliminatePermutes(Pass):
         for m in find(gm, CONTIGUOUS):
             c, x = m["c"], m["x"]
             xi, ci = (ir.info(x) if isinstance(x, fx.Node) else None), ir.info(c)
-            if xi is None or ci is None or _is_contiguous(xi):
+            if xi is None or ci is None or ir.is_contiguous(xi):
                 continue
             if c.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
                 continue
@@ -423,9 +420,23 @@ class EliminatePermutes(Pass):
     # ------------------------------------------------------------------ transposes around linears
 
     @staticmethod
-    def _copy_time(ctx, ti) -> float:
-        """Predicted time of materializing a tensor (read + write) in one kernel."""
-        return pointwise_kernel_time(ctx, 2 * nbytes(ti, ctx.hints))
+    def _flatten_time(ctx, t, k) -> float:
+        """The copy linear makes of a strided input: aten flattens it with ``reshape(t, [-1, k])``."""
+        return ctx.price(aten.reshape.default, t, [-1, k])
+
+    @staticmethod
+    def _sdpa_rows_time(ctx, src, perm, chain) -> float:
+        """``chain`` (pairs of view/reshape targets and arguments) applied to ``permute(src, perm)``,
+        with ``src`` (an attention output [B, H, L, D]) laid out as SDPA's CUDA kernels write it,
+        [B, L, H, D] in memory: the meta strides (from the CPU's kernels) cannot say so."""
+        si = ir.info(src)
+        B, H, L, D = (int(d) for d in si.shape)
+        r = ctx.replacement()
+        t = r.call(aten.permute.default, r.tensor((B, H, L, D), si.dtype, si.device, stride=(L * H * D, D, H * D, 1)),
+                   perm)
+        for target, args in chain:
+            t = r.call(target, t, *args)
+        return r.time()
 
     def _rowwise_transposes(self, gm, ctx, res):
         cands = []
@@ -443,9 +454,11 @@ class EliminatePermutes(Pass):
                 if xi is not None and ti is not None and len(xi.shape) >= 3 and _concrete(xi):
                     r = len(xi.shape)
                     i, j = (d % r for d in t.args[1:3])
-                    if r - 1 not in (i, j) and _is_contiguous(xi) and not _is_contiguous(ti):
+                    if r - 1 not in (i, j) and ir.is_contiguous(xi) and not ir.is_contiguous(ti):
+                        # linear(x) and transpose (a view) replace linear(transpose), which flattens its
+                        # strided input with a copy first
                         cands.append(Candidate(
-                            "sink_transpose_below_linear", [lin, t, x], self._copy_time(ctx, ti),
+                            "sink_transpose_below_linear", [lin, t, x], self._flatten_time(ctx, t, ti.shape[-1]),
                             lambda lin=lin, t=t, x=x, i=i, j=j: self._sink(gm, lin, t, x, i, j),
                             label=f"{t.name} -> {lin.name} (linear on the rows in {x.name}'s order)",
                             refusal="kept: a view of the linear's result would need a copy on the new strides"))
@@ -473,10 +486,15 @@ class EliminatePermutes(Pass):
                 # attention output [B, H, L, D] read as [L, B, H, D]: SDPA's CUDA kernels (flash,
                 # efficient, cuDNN) write it as [B, L, H, D], so the caller's row order is free
                 # and the sequence-first one a copy; the meta strides (from the CPU) can't say so
-                gain = self._copy_time(ctx, Xi) if ctx.profile.kind == "cuda" else 0.0
+                gain = 0.0
+                if ctx.cost.device_kind == "cuda":
+                    gain = (self._sdpa_rows_time(ctx, src, X.args[1], [(t.target, t.args[1:])])
+                            - self._sdpa_rows_time(ctx, src, X.args[1], [(aten.transpose.int, (0, 1)),
+                                                                           (aten.reshape.default, ([B, L, -1],))]))
             else:
                 new_view = _fake(lambda a: a.transpose(0, 1).view(B, L, -1), X.meta["val"]) is not None
-                gain = self._copy_time(ctx, Xi) if not _is_contiguous(Xi) and new_view else 0.0
+                # the rows in the caller's order: a view of X where reshape(X) copied
+                gain = ctx.node_time([t]) if not ir.is_contiguous(Xi) and new_view else 0.0
             if gain <= 0:
                 continue
             cands.append(Candidate(

@@ -26,11 +26,6 @@ LARGE_BYTES = 4 << 20
 aten = torch.ops.aten
 
 
-def _op_name(node):
-    t = node.target
-    return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", "")
-
-
 # regions export wraps in a higher-order op that are still plain functions of their inputs (Hugging
 # Face's rotary table under transformers 5.17 runs under autocast(enabled=False))
 _PURE_HOPS = {"wrap_with_set_grad_enabled", "wrap_with_autocast"}
@@ -48,7 +43,7 @@ def _pure_region(node: fx.Node) -> bool:
         return False  # a trainable parameter read inside: its gradient would be lost
     for n in body.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if _op_name(n) in _NEVER or n.target._schema.is_mutable or ir.is_random(n):
+            if ir.op_name(n) in _NEVER or n.target._schema.is_mutable or ir.is_random(n):
                 return False
         elif n.op not in ("placeholder", "output", "get_attr") and not (
                 n.op == "call_function" and n.target is operator.getitem):
@@ -67,7 +62,7 @@ def _is_const_node(node: fx.Node, const: set) -> bool:
         return _pure_region(node) and all(a in const for a in node.all_input_nodes)
     if not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if _op_name(node) in _NEVER or node.target._schema.is_mutable:
+    if ir.op_name(node) in _NEVER or node.target._schema.is_mutable:
         return False
     if ir.is_random(node):
         return False

@@ -55,7 +55,6 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.matcher import Alt, Any, Attr, Const, Match, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
-from ._fusion_meta import scratch_node_time
 from .fold_constants import constant_value
 
 aten = torch.ops.aten
@@ -446,8 +445,8 @@ class FuseAttention(Pass):
 
     @staticmethod
     def _time_of(ctx, like: fx.Node, args, kwargs) -> float:
-        """Predicted time of an SDPA node with these args, built in a scratch graph."""
-        return scratch_node_time(ctx, SDPA, args, kwargs, like.meta.get("val"))
+        """Predicted time of the SDPA node the rewrite makes (its output is ``like``'s)."""
+        return ctx.price(SDPA, *args, val=like.meta.get("val"), **kwargs)
 
     # ------------------------------------------------------------------ rewrite
 

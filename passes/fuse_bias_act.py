@@ -17,12 +17,15 @@ GELU goes to bias_act, whose ``gelu`` / ``gelu_tanh`` follow the model's spellin
 is the same everywhere. The epilogue saves the GELU kernel's read and write of the activation
 (BERT/ViT's 4x-wide MLP, ConvNeXt's pointwise convolutions).
 
-The cost model decides (time of the matched nodes against the GEMM without bias + one
-bias_act kernel). Notes on what it knows: a linear/addmm bias is applied in the cuBLASLt
-epilogue at no cost, so a bias + activation with nothing else to absorb saves no kernel and is
-refused with that reason; a *convolution's* bias is a separate ``add_`` kernel in aten's cuDNN
-path (cudnn_convolution takes no bias), which the pass adds to the conv's predicted time.
-Refused on a CPU profile (bias_act is a CUDA kernel) except the aten ReLU path.
+The cost model decides: the time of the matched nodes against that of the nodes the rewrite
+makes (the GEMM without its bias and the bias_act kernel, or the _addmm_activation call), each
+built before the rewrite and priced by the cost model. What it knows: a linear/addmm bias is
+applied in the cuBLASLt epilogue at no cost, so a bias + activation with nothing else to absorb
+saves no kernel and is refused with that reason; a *convolution's* bias is a separate ``add_``
+kernel in aten's cuDNN path (cudnn_convolution takes no bias). A conv2d + bias (+ residual) +
+ReLU epilogue is left to fuse_conv_relu when that pass runs later (one cuDNN call with the bias,
+residual and ReLU in its epilogue, where bias_act would leave two kernels), as fuse_elementwise
+leaves it. Refused on a CPU profile (bias_act is a CUDA kernel) except the aten ReLU path.
 """
 
 from __future__ import annotations
@@ -31,11 +34,10 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import _is_contiguous, split_k_reduce_node_seconds
 from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import nbytes, pointwise_kernel_time, set_meta
+from ._fusion_meta import GraphBuilder, set_meta
 
 aten = torch.ops.aten
 CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
@@ -95,6 +97,11 @@ class FuseBiasAct(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         candidates, claimed = [], set()
+        self._reserved = set()
+        if "fuse_conv_relu" in ctx.scheduled and ctx.fused_kernels and not ctx.training:
+            from .fuse_conv_relu import epilogue_nodes
+
+            self._reserved = epilogue_nodes(gm)
         for kind, pat in PATTERNS:
             for m in find(gm, pat):
                 gemm = m["gemm"]
@@ -135,12 +142,17 @@ class FuseBiasAct(Pass):
         if gemm.target in CONVS and len(ir.info(gemm).shape) != len(ir.info(m["x"]).shape):
             res.reject(label, "unbatched convolution")
             return None
-        if gemm.target is aten.conv2d.default and ctx.profile.conv_nchw_slowdown > 1.0 and ctx.fused_kernels:
+        if gemm.target is aten.conv2d.default and ctx.cost.conv_nchw_slowdown > 1.0 and ctx.fused_kernels:
             # bias_act writes a contiguous (NCHW) tensor: inside the channels_last region that
             # convert_channels_last builds on this device, every following convolution would get
             # an NCHW input again, at the profile's measured NCHW slowdown
             res.reject(label, "the epilogue kernel writes NCHW and would break the channels_last region "
-                              f"(NCHW convolutions measured {ctx.profile.conv_nchw_slowdown:g}x slower on {ctx.profile.name})")
+                              f"(NCHW convolutions measured {ctx.cost.conv_nchw_slowdown:g}x slower on "
+                              f"{ctx.cost.device_name})")
+            return None
+        if {act, radd} & self._reserved:
+            res.reject(label, "left to fuse_conv_relu: one cuDNN call with the bias, residual and ReLU in its "
+                              "epilogue (bias_act would leave two kernels)")
             return None
         if any(ir.info(n).dtype != yi.dtype or tuple(ir.info(n).shape) != tuple(yi.shape)
                for n in (act, radd) if n is not None):
@@ -157,28 +169,23 @@ class FuseBiasAct(Pass):
                 return None
         nodes = [n for n in (radd, act, badd, gemm) if n is not None]
         old = ctx.node_time(nodes)
-        h = ctx.hints
         # aten path: linear/addmm + bias + relu (+ gelu in bf16 on CUDA) -> _addmm_activation
-        gelu_ok = a in ("gelu", "gelu_tanh") and yi.dtype == torch.bfloat16 and ctx.profile.kind == "cuda"
+        gelu_ok = a in ("gelu", "gelu_tanh") and yi.dtype == torch.bfloat16 and ctx.cost.device_kind == "cuda"
         if (a == "relu" or gelu_ok) and radd is None and gemm.target in (aten.linear.default, aten.addmm.default):
             xi = ir.info(m["x"])
             # a strided input (ConvNeXt's permuted NHWC view before the layout pass makes it
             # contiguous) is flattened by reshape, which copies only where linear would have too
-            if len(xi.shape) == 2 or _is_contiguous(xi) or gelu_ok:
-                new = self._gemm_time(ctx, gemm, minus_bias=0.0)
-                gain = old - new
+            if len(xi.shape) == 2 or ir.is_contiguous(xi) or gelu_ok:
                 use_gelu = a != "relu"
+                gain = old - self._addmm_act_time(ctx, m, use_gelu)
                 return Candidate(f"linear + bias + {'gelu' if use_gelu else 'relu'} -> _addmm_activation"
                                  + (" (cuBLASLt GELU epilogue, tanh form: within a bf16 ulp)" if use_gelu else ""),
                                  [act, gemm], gain, lambda: self._apply_addmm_act(gm, m, use_gelu), label=label)
         if not ctx.fused_kernels:
             res.reject(label, NO_FUSED_KERNELS)
             return None
-        new = (ctx.node_time([gemm]) if badd is not None else self._gemm_time(ctx, gemm, minus_bias=nbytes(bi, h)))
-        moved = nbytes(yi, h) + nbytes(bi, h) + nbytes(ti, h) + (nbytes(ir.info(r), h) if radd is not None else 0)
-        new += pointwise_kernel_time(ctx, moved, ir.concrete(ti.numel, h))
-        gain = old - new
-        if gain <= 0.05 * ctx.profile.launch_overhead_s:  # rounding noise is not a gain
+        gain = old - self._bias_act_time(ctx, m, a, bias_dim)
+        if gain <= 0.05 * ctx.cost.launch_overhead_s:  # rounding noise is not a gain
             why = (f"bias + {a} after {ir.target_name(gemm)}: the GEMM applies its bias in the cuBLASLt epilogue, so "
                    f"bias_act would only replace the {a} kernel one for one (predicted {gain * 1e6:+.2f} us)"
                    if radd is None and badd is None and gemm.target not in CONVS else
@@ -188,15 +195,20 @@ class FuseBiasAct(Pass):
         return Candidate(f"{ir.target_name(gemm)} + bias + {a}{' + residual' if radd is not None else ''}", nodes,
                          gain, lambda: self._apply_bias_act(gm, m, a, bias_dim), label=label)
 
+    # ------------------------------------------------------------------ prices (the nodes each rewrite makes)
+
     @staticmethod
-    def _gemm_time(ctx, gemm, minus_bias: float) -> float:
-        p = ctx.profile
-        flops, byts, _, _ = ctx.cost.flops_bytes(gemm)
-        flops, byts = ir.concrete(flops, ctx.hints), ir.concrete(byts, ctx.hints) - minus_bias
-        rate = p.matmul_rate(ir.arg_infos(gemm)[0].dtype)
-        t = p.kernel_seconds(flops / rate, byts / p.bandwidth, "conv" if gemm.target in CONVS else "matmul")
-        red = split_k_reduce_node_seconds(p, gemm)  # without its bias the GEMM still splits K
-        return t + p.kernel_seconds(0.0, red - p.kernel_fixed_s) if red else t
+    def _addmm_act_time(ctx, m, use_gelu: bool) -> float:
+        r = ctx.replacement()
+        _addmm_act_nodes(r, m["gemm"], *_live_inputs(m), use_gelu)
+        return r.time()
+
+    @staticmethod
+    def _bias_act_time(ctx, m, a: str, bias_dim: int) -> float:
+        r = ctx.replacement()
+        _bias_act_nodes(r, m, a, bias_dim)
+        kept = [m["gemm"]] if m.get("badd") is not None else []  # matmul + b: the matmul stays
+        return r.time() + ctx.node_time(kept)
 
     # ------------------------------------------------------------------ rewrites
 
@@ -204,20 +216,10 @@ class FuseBiasAct(Pass):
     def _apply_addmm_act(gm, m, use_gelu: bool = False) -> fx.Node:
         g = gm.graph
         gemm, act = m["gemm"], m["act"]
-        x, w, b = _live_inputs(m)
-        out_shape = list(ir.info(gemm).shape)
         with g.inserting_before(act):
-            if gemm.target is aten.linear.default:
-                k = ir.info(w).shape[-1]
-                flat = aten.view.default if _is_contiguous(ir.info(x)) else aten.reshape.default
-                x2 = x if len(ir.info(x).shape) == 2 else g.call_function(flat, (x, [-1, k]))
-                wt = g.call_function(aten.t.default, (w,))
-            else:
-                x2, wt = x, w
-            fused = g.call_function(aten._addmm_activation.default, (b, x2, wt), {"use_gelu": use_gelu})
-            out = fused if len(out_shape) == 2 else g.call_function(aten.view.default, (fused, out_shape))
-        new = [n for n in (x2, wt, fused, out) if n.op == "call_function" and "val" not in n.meta]
-        set_meta(gm, [n for n in g.nodes if n in set(new)])
+            made, fused = _addmm_act_nodes(GraphBuilder(g), gemm, *_live_inputs(m), use_gelu)
+        out = made[-1]
+        set_meta(gm, [n for n in g.nodes if n in set(made)])
         act.replace_all_uses_with(out)
         ir.erase_dead(gm, [act, gemm])
         return fused
@@ -227,33 +229,63 @@ class FuseBiasAct(Pass):
         g = gm.graph
         gemm, badd, act, radd = m["gemm"], m.get("badd"), m.get("act"), m.get("resadd")
         top = radd or act
-        # earlier rewrites of this pass may have replaced our inputs: read them from the live nodes
-        x, w, b = _live_inputs(m)
-        inner = act or badd or gemm
-        res = None
-        if radd is not None:
-            res = radd.args[1] if radd.args[0] is inner else radd.args[0]
         with g.inserting_before(top):
-            if badd is not None:
-                y = gemm
-            else:
-                args = list(gemm.args)
-                if gemm.target is aten.addmm.default:
-                    y = g.call_function(aten.mm.default, (x, w))
-                else:
-                    while len(args) < 3:
-                        args.append(None)
-                    args[0], args[1], args[2] = x, w, None
-                    kwargs = {k: v for k, v in gemm.kwargs.items() if k != "bias"}
-                    if gemm.target is aten.linear.default:
-                        args = args[:2]
-                    y = g.call_function(gemm.target, tuple(args), kwargs)
-            new = g.call_function(torch.ops.graphopt.bias_act.default,
-                                  (y, b, a, res, bias_dim))
-        set_meta(gm, ([y] if y is not gemm else []) + [new])
+            made = _bias_act_nodes(GraphBuilder(g), m, a, bias_dim)
+        set_meta(gm, made)
+        new = made[-1]
         top.replace_all_uses_with(new)
         ir.erase_dead(gm, [n for n in (radd, act, badd, gemm) if n is not None])
         return new
+
+
+def _addmm_act_nodes(b, gemm, x, w, bias, use_gelu: bool) -> tuple[list, fx.Node]:
+    """linear/addmm(x, w, bias) + act -> [flatten x, w.t(),] _addmm_activation [, view back]:
+    (the nodes made, in order; the _addmm_activation node)."""
+    made = []
+    if gemm.target is aten.linear.default:
+        k = ir.info(w).shape[-1]
+        flat = aten.view.default if ir.is_contiguous(ir.info(x)) else aten.reshape.default
+        if len(ir.info(x).shape) != 2:
+            x = b.call(flat, x, [-1, k])
+            made.append(x)
+        w = b.call(aten.t.default, w)
+        made.append(w)
+    fused = b.call(aten._addmm_activation.default, bias, x, w, use_gelu=use_gelu)
+    made.append(fused)
+    out_shape = list(ir.info(gemm).shape)
+    if len(out_shape) != 2:
+        made.append(b.call(aten.view.default, fused, out_shape))
+    return made, fused
+
+
+def _bias_act_nodes(b, m, a: str, bias_dim: int) -> list:
+    """GEMM + bias + act (+ residual) -> [the GEMM without its bias,] bias_act: the nodes made."""
+    gemm, badd, act, radd = m["gemm"], m.get("badd"), m.get("act"), m.get("resadd")
+    # earlier rewrites of this pass may have replaced our inputs: read them from the live nodes
+    x, w, bias = _live_inputs(m)
+    inner = act or badd or gemm
+    res = None
+    if radd is not None:
+        res = radd.args[1] if radd.args[0] is inner else radd.args[0]
+    made = []
+    if badd is not None:  # matmul + b: the matmul stays
+        y = gemm
+    elif gemm.target is aten.addmm.default:
+        y = b.call(aten.mm.default, x, w, val=gemm.meta.get("val"))
+        made.append(y)
+    else:
+        args = list(gemm.args)
+        while len(args) < 3:
+            args.append(None)
+        args[0], args[1], args[2] = x, w, None
+        kwargs = {k: v for k, v in gemm.kwargs.items() if k != "bias"}
+        if gemm.target is aten.linear.default:
+            args = args[:2]
+        y = b.call(gemm.target, *args, val=gemm.meta.get("val"), **kwargs)  # the same output, without the bias
+        made.append(y)
+    made.append(b.call(torch.ops.graphopt.bias_act.default, y, bias, a, res, bias_dim,
+                       val=(radd or act).meta.get("val")))
+    return made
 
 
 def _live_inputs(m):

@@ -33,9 +33,7 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from graphopt.cost.model import conv_bias_add_s
-
-from ._fusion_meta import conv_pair, nbytes, set_meta
+from ._fusion_meta import conv_pair, set_meta
 
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -127,7 +125,7 @@ class FuseConvReLU(Pass):
                 candidates.append(cand)
         if candidates and not ctx.fused_kernels:  # one line, not one per convolution
             res.reject(f"{len(candidates)} conv + bias (+ residual) + ReLU epilogues",
-                       f"cuDNN's fused convolution is a GPU op; on {ctx.profile.name} the reference would only "
+                       f"cuDNN's fused convolution is a GPU op; on {ctx.cost.device_name} the reference would only "
                        "repeat aten's kernels")
             return res
         res.apply_ranked(ctx, candidates, fused_kernels=True)
@@ -164,15 +162,16 @@ class FuseConvReLU(Pass):
                 res.reject(label, too_big)
                 continue
             summed = (b1.double() + b2.double()).to(b1.dtype)
-            gain = ir.concrete(conv_bias_add_s(ctx.profile, z), ctx.hints)
+            args = list(z.args) + [None] * (3 - len(z.args))
+            args[2] = None
+            kwargs = {k: v for k, v in z.kwargs.items() if k != "bias"}
+            # the residual convolution without its bias (aten's separate bias kernel) against with it
+            gain = ctx.node_time([z]) - ctx.price(z.target, *args, val=z.meta.get("val"), **kwargs)
             with g.inserting_before(fused):
                 new_bias = g.get_attr(ir.register_constant(gm, f"{fused.name}_bias", summed))
             fused.update_arg(2, new_bias)
-            args = list(z.args) + [None] * (3 - len(z.args))
-            args[2] = None
             z.args = tuple(args)
-            if "bias" in z.kwargs:
-                z.kwargs = {k: v for k, v in z.kwargs.items() if k != "bias"}
+            z.kwargs = kwargs
             ir.erase_dead(gm, [n for n in (zb, bias) if n is not None])
             res.record("residual convolution's bias -> the fused convolution's bias", [z, fused], [new_bias], gain)
 
@@ -183,12 +182,10 @@ class FuseConvReLU(Pass):
         conv, add, z = found
         label = " + ".join(n.name for n in (conv, add, relu) if n is not None)
         nodes = [n for n in (relu, add, conv) if n is not None]
-        h = ctx.hints
         old = ctx.node_time(nodes)  # the convolution's time includes aten's bias kernel
-        nc = ctx.cost.node_cost(conv)
-        extra = nbytes(ir.info(z), h) if add is not None else 0.0
-        new = ctx.profile.kernel_seconds(ir.concrete(nc.compute_s, h),
-                                         ir.concrete(nc.memory_s, h) + extra / ctx.profile.bandwidth, "conv")
+        x, w, bias, stride, padding, dilation, groups = _conv_args(conv)
+        new = ctx.price(torch.ops.graphopt.conv_bias_relu.default, x, w, bias, z, stride, padding, dilation, groups,
+                        val=relu.meta.get("val"))
         return Candidate(f"conv2d + bias{' + residual' if add is not None else ''} + relu -> conv_bias_relu", nodes,
                          old - new, lambda: self._apply(gm, conv, add, relu), label=label)
 

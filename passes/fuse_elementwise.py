@@ -16,8 +16,8 @@ Never joined: reductions, GEMMs, views, graphopt ops (this pass runs last among 
 and leaves the specific kernels alone), integer tensors, no-op casts (they are aliases). A
 group that would depend on itself through an outside node (``a = exp(x); b = a / sum(a)``)
 is cut before the node that closes the loop. Groups of fewer than two kernels are not
-candidates; the cost model decides the rest (bytes saved and launches against one kernel
-that reads the inputs once and writes the outputs once). Refused on a CPU profile.
+candidates; the cost model decides the rest (the group's nodes against the one fused_pointwise
+node, which reads the inputs once and writes the outputs once). Refused on a CPU profile.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import nbytes, pointwise_kernel_time, set_meta
+from ._fusion_meta import set_meta
 
 aten = torch.ops.aten
 MAX_INPUTS = 8
@@ -205,7 +205,7 @@ class FuseElementwise(Pass):
                 ok -= reserved
                 res.notes.append(f"{len(reserved)} add/ReLU nodes of convolution epilogues left to fuse_conv_relu")
         candidates = []
-        has_conv2d = ctx.fused_kernels and ctx.profile.conv_nchw_slowdown > 1.0 and any(
+        has_conv2d = ctx.fused_kernels and ctx.cost.conv_nchw_slowdown > 1.0 and any(
             n.op == "call_function" and n.target is torch.ops.aten.conv2d.default for n in gm.graph.nodes)
         for group in self._groups(gm, ok, order):
             real = [n for n in group if not _is_free(ctx, n)]
@@ -221,7 +221,7 @@ class FuseElementwise(Pass):
                                   f"({MAX_INPUTS} / {MAX_OUTPUTS})")
                 continue
             try:
-                _program(group, ins, outs)  # expressible? (rebuilt at apply time from the live inputs)
+                program = _program(group, ins, outs)  # expressible? (rebuilt at apply time from the live inputs)
             except _NotExpressible as e:
                 res.reject(label, f"not expressible as a pointwise program: {e}")
                 continue
@@ -239,10 +239,11 @@ class FuseElementwise(Pass):
                 # and inside the channels_last region convert_channels_last builds on this device
                 # the next convolution would get NCHW again, at the profile's NCHW slowdown
                 res.reject(label, "writes NCHW outputs and would break the channels_last region "
-                                  f"(NCHW convolutions measured {ctx.profile.conv_nchw_slowdown:g}x slower on "
-                                  f"{ctx.profile.name})")
+                                  f"(NCHW convolutions measured {ctx.cost.conv_nchw_slowdown:g}x slower on "
+                                  f"{ctx.cost.device_name})")
                 continue
-            gain = ctx.node_time(group) - _fused_time(ctx, group, ins, outs)
+            gain = ctx.node_time(group) - ctx.price(torch.ops.graphopt.fused_pointwise.default, program.source, ins,
+                                                    val=[o.meta.get("val") for o in outs])
             candidates.append(Candidate("pointwise group", group, gain,
                                         lambda group=group: self._apply(gm, group), label=label))
         self._reorder = False
@@ -358,9 +359,3 @@ def _program(group, ins, outs):
         p.output(vals[o], ir.info(o).dtype)
     return p.validate()
 
-
-def _fused_time(ctx, group, ins, outs) -> float:
-    h = ctx.hints
-    moved = sum(nbytes(ir.info(a), h) for a in ins) + sum(nbytes(ir.info(o), h) for o in outs)
-    elems = ir.concrete(ir.info(group[-1]).numel, h)
-    return pointwise_kernel_time(ctx, moved, elems, len(group))

@@ -28,7 +28,7 @@ from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 
-from ._norms_common import kernel_time, position, residual_add, residual_operands
+from ._norms_common import position, residual_add, residual_operands
 
 aten = torch.ops.aten
 
@@ -88,21 +88,21 @@ class FuseLayerNorm(Pass):
     def _candidate(gm, ctx, m, add, res) -> Candidate | None:
         ln, x = m["ln"], m["x"]
         xi = ir.info(x)
-        params = [p for p in (m["weight"], m["bias"]) if isinstance(p, fx.Node)]
         gone = [ln] + ([add] if add is not None else [])
-        inputs = ([add.args[0], add.args[1]] if add is not None else [x]) + params
+        y, residual = (add.args[0], add.args[1]) if add is not None else (x, None)
         eps = 1e-5 if m["eps"] is None else float(m["eps"])
         label = (f"{add.name} + " if add is not None else "") + f"layer_norm {ln.name}"
         refusal = "its weight or bias is computed after the point where the fused kernel must run"
         if add is not None:  # add_layer_norm: one block per row, like aten's
-            new = kernel_time(ctx, inputs, [xi, xi], flops_per_elem=8, row_block=True)
+            new = ctx.price(torch.ops.graphopt.add_layer_norm.default, y, residual, m["weight"], m["bias"], eps,
+                            val=(ln.meta.get("val"), x.meta.get("val")))
             return Candidate("residual add + layer_norm", gone, ctx.node_time(gone) - new,
                              lambda: FuseLayerNorm._apply(gm, m, add, eps), label=label, refusal=refusal)
         if ir.concrete(xi.shape[-1], ctx.hints) > MAX_HIDDEN:
             res.reject(label, f"rows wider than {MAX_HIDDEN} (the many-rows kernel's limit)")
             return None
         # graphopt::layer_norm (Triton): many rows per program, no per-row block to schedule
-        new = kernel_time(ctx, inputs, [xi], flops_per_elem=8)
+        new = ctx.price(torch.ops.graphopt.layer_norm.default, x, m["weight"], m["bias"], eps, val=ln.meta.get("val"))
         return Candidate("layer_norm -> many-rows layer_norm", gone, ctx.node_time(gone) - new,
                          lambda: FuseLayerNorm._apply_plain(gm, m, eps), label=label, refusal=refusal)
 

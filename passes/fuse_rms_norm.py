@@ -38,8 +38,7 @@ from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 from graphopt.matcher import Alt, Any, Attr, Const, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._norms_common import ADDS, CASTS, is_noop_cast, kernel_time, position, residual_add, \
-    residual_operands
+from ._norms_common import ADDS, CASTS, is_noop_cast, position, residual_add, residual_operands
 
 aten = torch.ops.aten
 
@@ -220,7 +219,8 @@ class FuseRmsNorm(Pass):
         if ir.concrete(info.shape[-1], ctx.hints) > MAX_HIDDEN:
             res.reject(label, f"not merged: rows wider than {MAX_HIDDEN} (the one-pass kernel's limit)")
             return None
-        gain = ctx.node_time(gone) - kernel_time(ctx, [y, residual, wy, w], [info, info], flops_per_elem=8)
+        gain = ctx.node_time(gone) - ctx.price(torch.ops.graphopt.rms_norm_add_rms_norm.default, y, residual, wy, w,
+                                               eps_y, eps, val=second.meta.get("val"))
 
         def apply():
             g = gm.graph
@@ -240,8 +240,10 @@ class FuseRmsNorm(Pass):
         kept = s.cast_in if (s.cast_in is not None and not is_noop_cast(s.cast_in)
                              and any(u not in s.nodes for u in s.cast_in.users)) else None
         gone = [n for n in s.nodes if n is not kept] + ([add] if add is not None else [])
-        inputs = ([add.args[0], add.args[1]] if add is not None else [s.x]) + [s.weight]
-        gain = ctx.node_time(gone) - kernel_time(ctx, inputs, [xi, xi], flops_per_elem=4, row_block=True)
+        y, residual = (add.args[0], add.args[1]) if add is not None else (s.x, None)
+        new = ctx.price(torch.ops.graphopt.add_rms_norm.default, y, residual, s.weight, s.eps,
+                        val=(s.root.meta.get("val"), s.x.meta.get("val")))
+        gain = ctx.node_time(gone) - new
         pattern = "residual add + rms_norm" if add is not None else "rms_norm"
         label = f"{add.name} + " if add is not None else ""
         label += f"rms_norm {s.root.name} ({s.weight.name})"

@@ -31,7 +31,7 @@ from graphopt import ir
 from graphopt.matcher import Alt, Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._norms_common import Seq, kernel_time, position
+from ._norms_common import Seq, position
 
 aten = torch.ops.aten
 SLICE = aten.slice.Tensor
@@ -199,7 +199,9 @@ class FuseRotary(Pass):
     @staticmethod
     def _candidate(gm, ctx, a: _Rot, b: _Rot) -> Candidate:
         gone = list(dict.fromkeys(a.nodes + b.nodes))
-        new_t = kernel_time(ctx, [a.q, b.q, a.cos, a.sin], [ir.info(a.q), ir.info(b.q)], flops_per_elem=3)
+        # (the kernel reads the tables through views of cos and sin: the same bytes)
+        new_t = ctx.price(torch.ops.graphopt.rotary.default, a.q, b.q, a.cos, a.sin, a.interleaved,
+                          val=(a.root.meta.get("val"), b.root.meta.get("val")))
         gain = ctx.node_time(gone) - new_t
         form = "interleaved" if a.interleaved else "rotate_half"
         kind = "partial" if a.partial else "full"

@@ -19,7 +19,7 @@ tensors, outputs and the backward's working set — or bytes).
    checkpoint that keeps only their inputs and reruns their forward in backward
    (``_Selector.nest``, ``OuterCheckpoint``: two-level recomputation). If that cannot fit
    either, ``BudgetError`` states the minimum.
-3. Rewrite, two backends (``options["checkpoint_backend"]``: "auto" | "aot" | "sac"):
+3. Rewrite, two backends (``ctx.options.checkpoint_backend``: "auto" | "aot" | "sac"):
 
    * aot (the default where it works; :mod:`graphopt.passes._aot_recompute`): each region of
      the plan becomes one module that AOTAutograd traces into a joint forward+backward graph, cut by
@@ -259,9 +259,7 @@ _ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_att
 
 
 def _tier(n: fx.Node) -> int:
-    t = n.target
-    name = t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else ""
-    return 1 if name in _ATTENTION_OPS else 0
+    return 1 if isinstance(n.target, torch._ops.OpOverload) and ir.op_name(n) in _ATTENTION_OPS else 0
 
 
 class _Selector:
@@ -958,8 +956,7 @@ _INPUT_SAVING = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "conv1d", 
 
 
 def _input_saving(n: fx.Node) -> bool:
-    t = n.target
-    return isinstance(t, torch._ops.OpOverload) and t._schema.name.split("::")[-1] in _INPUT_SAVING
+    return isinstance(n.target, torch._ops.OpOverload) and ir.op_name(n) in _INPUT_SAVING
 
 
 def split_at_kept_gemms(nodes: list, keep: set) -> list:
@@ -987,14 +984,6 @@ def split_at_kept_gemms(nodes: list, keep: set) -> list:
     return result
 
 
-def op_kind(n: fx.Node) -> str:
-    """A node's op for reports: ``linear``, ``scaled_dot_product_attention``, ``mul``..."""
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
-
-
 def recomputed_by_op(am: ActivationModel, keep: set, recomputed: set | None = None) -> dict:
     """The plan's recomputation by op: {op: {"count", "ms"}} (predicted), costliest first; views
     and other free nodes are left out. ``recomputed``: the nodes that rerun, where the plan knows
@@ -1004,7 +993,7 @@ def recomputed_by_op(am: ActivationModel, keep: set, recomputed: set | None = No
         reruns = n in recomputed if recomputed is not None else n not in keep
         if not reruns or am.seconds.get(n, 0.0) <= 0:
             continue
-        r = rows.setdefault(op_kind(n), {"count": 0, "ms": 0.0})
+        r = rows.setdefault(ir.op_name(n), {"count": 0, "ms": 0.0})
         r["count"] += 1
         r["ms"] += am.seconds[n] * 1e3
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms"]))
@@ -1024,7 +1013,7 @@ def saved_by_op(am: ActivationModel, keep: set, saved_roots: set | None = None,
         b += am.extra.get(n, 0.0)
         if b <= 0:
             continue
-        r = rows.setdefault(op_kind(n), {"count": 0, "gb": 0.0})
+        r = rows.setdefault(ir.op_name(n), {"count": 0, "gb": 0.0})
         r["count"] += 1
         r["gb"] += b / 1e9
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]["gb"]))
@@ -1066,7 +1055,7 @@ def _training_fuser(ctx: PassContext):
     from .fuse_elementwise import FuseElementwise
 
     def fuse(g: fx.GraphModule) -> int:
-        sub = PassContext(profile=ctx.profile, cost=ctx.cost, training=True, verify=False)
+        sub = PassContext(cost=ctx.cost, training=True, verify=False)
         r = FuseElementwise().run(g, sub)
         g.graph.lint()
         g.recompile()
@@ -1090,7 +1079,7 @@ def fuse_training_graph(gm: fx.GraphModule, ctx: PassContext, regions: int = 4, 
     if why is not None:
         res.notes.append(f"AOT backend unavailable: {why}")
         return res
-    am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.profile.kind)
+    am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.cost.device_kind)
 
     def traceable(n):
         return n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
@@ -1146,14 +1135,14 @@ class InsertCheckpoints(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        budget_opt = ctx.options.get("memory_budget")
+        budget_opt = ctx.options.memory_budget
         if not ctx.training:
             res.notes.append("inference graph: autograd saves nothing, so there is nothing to checkpoint")
             return res
         if budget_opt is None:
             res.notes.append("no memory_budget set: activations are kept as autograd saves them")
             return res
-        am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.profile.kind)
+        am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.cost.device_kind)
         # the budget covers a step's activation memory (what max_memory_allocated measures beyond
         # parameters, gradients and inputs): saved tensors, the outputs, the backward's working set
         base = am.step_activation_bytes()
@@ -1178,7 +1167,7 @@ class InsertCheckpoints(Pass):
             res.notes.append(f"the baseline activations ({format_bytes(base)}) fit the budget "
                              f"({format_bytes(budget)}): nothing recomputed")
             return res
-        backend = str(ctx.options.get("checkpoint_backend") or "auto").lower()
+        backend = str(ctx.options.checkpoint_backend or "auto").lower()
         if backend not in BACKENDS:
             raise GraphoptError(f"checkpoint_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         why_not_aot = None
@@ -1190,7 +1179,7 @@ class InsertCheckpoints(Pass):
         caps = [max(share * am.baseline_saved_bytes(), 1.0) for share in REGION_SHARES]
         # plans leave the profile's allocator headroom free: on the H200 a plan's measured step came
         # out up to 1% over its prediction (ResNet-50 at 0.35: 3.89 GB against 3.85 predicted)
-        headroom = float(getattr(ctx.profile, "allocator_headroom", 0.0) or 0.0)
+        headroom = ctx.cost.allocator_headroom
         details["planned_bytes"] = budget * (1.0 - headroom)
         try:
             plan = _Selector(am, ctx.hints, keep_random=use_aot, aot=use_aot).select(budget, caps, offset,

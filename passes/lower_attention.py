@@ -31,8 +31,6 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import scratch_node_time
-
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 MARGIN = 0.75
@@ -59,11 +57,11 @@ class LowerAttention(Pass):
         calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
         if not calls:
             return res
-        if ctx.profile.kind != "cuda":
-            res.reject_all(calls, f"the bundled attention kernel is for CUDA; {ctx.profile.name} runs SDPA")
+        if ctx.cost.device_kind != "cuda":
+            res.reject_all(calls, f"the bundled attention kernel is for CUDA; {ctx.cost.device_name} runs SDPA")
             return res
-        if ctx.profile.efficiency("short_attention", "scale") is None:
-            res.reject_all(calls, f"profile {ctx.profile.name} has no measurement of graphopt::short_attention "
+        if not ctx.cost.measured("short_attention"):
+            res.reject_all(calls, f"profile {ctx.cost.device_name} has no measurement of graphopt::short_attention "
                                   "(op_efficiency short_attention; benchmarks/diag/diag_attention_small.py)")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in calls) if c is not None]
@@ -127,11 +125,10 @@ class LowerAttention(Pass):
 
     @staticmethod
     def _time_of(ctx, like: fx.Node, args) -> float:
-        """Predicted time of a short_attention node with these args, built in a scratch graph."""
+        """Predicted time of the short_attention node the rewrite makes."""
         from graphopt.cuda_ext.ops.short_attention import layout as short_attention_layout
 
-        return scratch_node_time(ctx, torch.ops.graphopt.short_attention.default, args, {},
-                                 short_attention_layout(args[0].meta["val"]))
+        return ctx.price(torch.ops.graphopt.short_attention.default, *args, val=short_attention_layout(args[0].meta["val"]))
 
     @staticmethod
     def _apply(gm, node, args):

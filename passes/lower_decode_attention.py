@@ -49,7 +49,6 @@ from graphopt import ir
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import scratch_node_time
 from .fuse_attention import _unrepeated
 
 aten = torch.ops.aten
@@ -289,20 +288,23 @@ class LowerDecodeAttention(Pass):
         from graphopt.cuda_ext.decode_attention_triton import output_layout
 
         q, k, v, mask, scale, bound = (plan[x] for x in ("q", "k", "v", "mask", "scale", "bound"))
-        kv_len_val = kv_len_time = None
+        kv_len_time = 0.0
         if bound is not None:
             qpos, c, _ = bound
-            kv_len_val = torch.empty((), dtype=ir.info(qpos).dtype, device="meta")
             amax = qpos.meta["val"].amax() if isinstance(qpos.meta.get("val"), torch.Tensor) else None
             if amax is None:
                 plan["bound"] = bound = None
             else:
-                kv_len_time = (scratch_node_time(ctx, aten.amax.default, (qpos, []), {}, amax)
-                               + scratch_node_time(ctx, aten.add.Tensor, (amax, 1 + c), {}, amax)
-                               ) / self._sharing[bound]
-        args = (q, k, v, mask, kv_len_val if bound is not None else None, scale)
-        new = scratch_node_time(ctx, torch.ops.graphopt.decode_attention.default, args, {},
-                                output_layout(q.meta["val"])) + (kv_len_time or 0.0)
+                # the two tiny nodes that make kv_len, shared by every layer reading the same mask
+                r = ctx.replacement()
+                top = r.call(aten.amax.default, qpos, [], val=amax)
+                r.call(aten.add.Tensor, top, 1 + c, val=amax)
+                kv_len_time = r.time() / self._sharing[bound]
+        r = ctx.replacement()
+        kv_len = r.tensor((), ir.info(bound[0]).dtype, ir.info(q).device) if bound is not None else None
+        args = (q, k, v, mask, kv_len, scale)
+        r.call(torch.ops.graphopt.decode_attention.default, *args, val=output_layout(q.meta["val"]))
+        new = r.time() + kv_len_time
         old = ctx.node_time([node] + plan["removed"])
         qs, ks = plan["shape"]
         desc = (f"SDPA {qs[0]}x{qs[1]}x{qs[2]} over {ks[1]}x{ks[2]}x{qs[3]} -> decode_attention"

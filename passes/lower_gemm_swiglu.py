@@ -38,7 +38,7 @@ from graphopt.cuda_ext.ops.gemm_swiglu import interleave_gate_up
 from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import projection_mnk, scratch_node_time, set_meta
+from ._fusion_meta import projection_mnk, set_meta
 
 aten = torch.ops.aten
 
@@ -64,10 +64,10 @@ class LowerGemmSwiglu(Pass):
 
     def _candidate(self, gm, ctx, m, label: str):
         sw, lin, x, w = m["sw"], m["lin"], m["x"], m["w"]
-        cc = tuple(ctx.profile.compute_capability or ())
+        cc = ctx.cost.compute_capability
         if cc < (9, 0):
             got = f"sm_{cc[0]}{cc[1] if len(cc) > 1 else 0}" if cc else "an unknown compute capability"
-            return f"the Triton GEMM loads through TMA (sm_90 or newer); {ctx.profile.name} has {got}", None
+            return f"the Triton GEMM loads through TMA (sm_90 or newer); {ctx.cost.device_name} has {got}", None
         if len(lin.users) != 1:
             return "the projection's output is also read elsewhere (the fused GEMM does not write it)", None
         if get_arg(lin, 2, "bias") is not None:
@@ -85,17 +85,19 @@ class LowerGemmSwiglu(Pass):
         # the interleaved layout (a reordered copy of the weight, the faster kernel) where the weight-copy
         # budget allows it; else the halves layout over the weight as it is, priced at its own measured rate
         padded = 2 * (-(-n // SWIGLU_BLOCK) * SWIGLU_BLOCK)
-        halves_t = scratch_node_time(ctx, torch.ops.graphopt.gemm_swiglu.default,
-                                     (x, torch.empty(rows, K, dtype=dtype, device="meta"), n, HALVES), {},
-                                     sw.meta.get("val"))
+
+        def fused_time(rows_, block):
+            r = ctx.replacement()
+            w_like = r.tensor((rows_, K), dtype, ir.info(w).device)
+            r.call(torch.ops.graphopt.gemm_swiglu.default, x, w_like, n, block, val=sw.meta.get("val"))
+            return r.time()
+
         halves = Candidate(f"linear -> swiglu: one {M} x {K} x {rows} GEMM with the activation in its epilogue "
-                           "(the weight as it is)", [lin, sw], before - halves_t,
+                           "(the weight as it is)", [lin, sw], before - fused_time(rows, HALVES),
                            lambda: self._apply(gm, sw, lin, x, w, n, HALVES), label=label)
         if not (isinstance(w, fx.Node) and w.op == "get_attr"):  # not a constant: its rows cannot be reordered
             return "", halves
-        inter_t = scratch_node_time(ctx, torch.ops.graphopt.gemm_swiglu.default,
-                                    (x, torch.empty(padded, K, dtype=dtype, device="meta"), n, SWIGLU_BLOCK), {},
-                                    sw.meta.get("val"))
+        inter_t = fused_time(padded, SWIGLU_BLOCK)
         return "", Candidate(f"linear -> swiglu: one {M} x {K} x {padded} GEMM with the activation in its epilogue",
                              [lin, sw], before - inter_t, lambda: self._apply(gm, sw, lin, x, w, n, SWIGLU_BLOCK),
                              label=label, constant_bytes=padded * K * dtype.itemsize, fallback=halves)

@@ -21,8 +21,6 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import pointwise_kernel_time
-
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -61,8 +59,8 @@ class LowerMaxPool(Pass):
         pools = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.max_pool2d.default]
         if not pools:
             return res
-        if ctx.profile.kind != "cuda":
-            res.reject_all(pools, f"the bundled pooling kernel is for CUDA; {ctx.profile.name} runs aten's")
+        if ctx.cost.device_kind != "cuda":
+            res.reject_all(pools, f"the bundled pooling kernel is for CUDA; {ctx.cost.device_name} runs aten's")
             return res
         cands = [c for c in (self._candidate(gm, ctx, res, n) for n in pools) if c is not None]
         res.apply_ranked(ctx, cands)
@@ -89,10 +87,8 @@ class LowerMaxPool(Pass):
         if not dense_channels_last(xi):
             res.reject(label, "the input is not a dense channels_last tensor (convert_channels_last lays CNNs out so)")
             return None
-        h = ctx.hints
         old = ctx.node_time([node])
-        moved = ir.concrete(xi.nbytes, h) + ir.concrete(ir.info(node).nbytes, h)
-        new = pointwise_kernel_time(ctx, moved)
+        new = ctx.price(torch.ops.graphopt.max_pool2d_nhwc.default, x, k, s, p, val=node.meta.get("val"))
         return Candidate(f"max_pool2d {k}x{k}/{s} -> max_pool2d_nhwc", [node], old - new,
                          lambda: self._apply(gm, node, k, s, p), label=label)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphopt.cost.model import cublas_split_k, split_k_slices
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN, SPLIT_K_DTYPES
 from graphopt.cuda_ext.ops.linear_add_layer_norm import seconds as linear_norm_seconds
 from graphopt.matcher import Any, Op, find, get_arg
@@ -61,20 +60,20 @@ class LowerSplitK(Pass):
         why, mnk = projection_mnk(x, w, lin, SPLIT_K_DTYPES, "the slices are chosen for one size")
         if why:
             return why, None
-        M, N, K, dtype = mnk
+        M, N, K, _ = mnk
         if N > MAX_HIDDEN:
             return f"rows wider than {MAX_HIDDEN} (the norm kernel's limit)", None
-        if not cublas_split_k(ctx.profile, M, N, K):
+        if not ctx.cost.cublas_split_k(M, N, K):
             return (f"cuBLASLt runs this {M} x {N} x {K} projection without split-K (enough output tiles, or K "
                     f"under 4 N): no reduction kernel to remove, the partials would only add bytes"), None
-        splits = split_k_slices(ctx.profile, M, N, K)
+        splits = ctx.cost.split_k_slices(M, N, K)
         if splits == 1:
             return (f"no split of K={K} into 2-8 slices at least 256 deep and 16-byte aligned brings its "
                     f"{M} x {N} output closer to one tile per SM"), None
         residual, lnw, lnb, eps = m["residual"], m["lnw"], m["lnb"], m["eps"]
-        vectors = sum(1 for v in (b, lnw, lnb) if v is not None)
-        gemm, norm, _, _ = linear_norm_seconds(ctx.profile, M, N, K, splits, dtype, residual is not None, vectors)
-        gain = ctx.node_time([lin, n]) - (gemm + norm)
+        new = ctx.price(torch.ops.graphopt.linear_add_layer_norm.default, x, w, b, residual, lnw, lnb, eps, splits,
+                        val=n.meta.get("val"))
+        gain = ctx.node_time([lin, n]) - new
         return "", Candidate(f"linear -> residual layer_norm: {splits} K slices, partials summed by the norm",
                              [lin, n], gain, lambda: self._apply(ctx, n, lin, x, w, b, residual, lnw, lnb, eps, splits),
                              label=label)

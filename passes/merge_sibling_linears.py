@@ -28,7 +28,7 @@ from graphopt import ir
 from graphopt.matcher import Any, Attr, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import nbytes, set_meta
+from ._fusion_meta import set_meta
 
 aten = torch.ops.aten
 
@@ -122,14 +122,18 @@ def _view_ok(lin: fx.Node, view: fx.Node, total_n: int, hints) -> bool:
 
 
 def _merged_time(ctx, x, fam) -> float:
-    """Predicted time of the one merged GEMM (same FLOPs, x read once, one launch)."""
-    h, p = ctx.hints, ctx.profile
-    xi = ir.info(x)
-    flops = sum(ir.concrete(ctx.cost.flops_bytes(m["lin"])[0], h) for m in fam)
-    byts = nbytes(xi, h) + sum(nbytes(ir.info(m["w"]), h) + nbytes(ir.info(m["lin"]), h) for m in fam)
-    byts += sum(nbytes(ir.info(m["b"]), h) for m in fam if m.get("b") is not None)
-    rate = p.matmul_rate(xi.dtype)
-    return p.kernel_seconds(flops / rate, byts / p.bandwidth, "matmul")
+    """Predicted time of what the merge makes: one GEMM over the concatenated weights (x read
+    once, one launch) and the split of its output into views."""
+    r = ctx.replacement()
+    wis = [ir.info(m["w"]) for m in fam]
+    sizes = [int(w.shape[0]) for w in wis]
+    w = r.tensor((sum(sizes), wis[0].shape[1]), wis[0].dtype, wis[0].device)
+    args = (x, w)
+    if fam[0].get("b") is not None:
+        bi = ir.info(fam[0]["b"])
+        args += (r.tensor((sum(sizes),), bi.dtype, bi.device),)
+    r.call(aten.split_with_sizes.default, r.call(aten.linear.default, *args), sizes, -1)
+    return r.time()
 
 
 def _merge(gm: fx.GraphModule, x: fx.Node, fam) -> fx.Node:

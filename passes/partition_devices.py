@@ -6,17 +6,25 @@ slowest stage's predicted time (its nodes on that device's profile plus the tran
 tensors crossing its boundaries at the link's bandwidth) is as small as possible, within each
 device's memory. The pass plans; it does not rewrite the graph. ``optimize`` then places the
 stages (graphopt.runtime.placement.PlacedModule) and graphopt.runtime.distributed runs them as a pipeline.
-Options (``ctx.options``): ``devices`` (a list of graphopt.partition.Device), ``microbatches``,
-``schedule`` ("gpipe" | "1f1b" | "interleaved1f1b"), ``virtual_stages`` (stages per device,
-interleaved1f1b only; default 2). A single device (or none) leaves it a no-op, with the reason.
+Options (``ctx.options``, graphopt.options.OptimizeOptions): ``partition_devices`` (the devices
+resolved), ``microbatches``, ``schedule`` ("gpipe" | "1f1b" | "interleaved1f1b"),
+``virtual_stages`` (stages per device, interleaved1f1b only; default 2). A single device (or none)
+leaves it a no-op, with the reason. The plan comes back in the result (:class:`PartitionResult`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.fx as fx
 
-from graphopt.partition import plan_stages
+from graphopt.partition import StagePlan, plan_stages
 from graphopt.pipeline import Pass, PassContext, PassResult, register
+
+
+@dataclass
+class PartitionResult(PassResult):
+    plan: StagePlan | None = None  # the stages, for optimize() to place
 
 
 @register
@@ -25,17 +33,20 @@ class PartitionDevices(Pass):
     family = "partition"
     description = "split the graph into cost-balanced pipeline stages, one per device, within each device's memory"
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    def result(self) -> PartitionResult:
+        return PartitionResult(self.name, self.family)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PartitionResult:
         res = self.result()
-        devices = ctx.options.get("devices") or []
+        opts = ctx.options
+        devices = list(opts.partition_devices or ())
         if len(devices) < 2:
             res.notes.append("one device: nothing to partition" if devices else
                              "no devices= given: nothing to partition")
             return res
-        plan = plan_stages(gm, devices, hints=ctx.hints, schedule=ctx.options.get("schedule", "gpipe"),
-                           microbatches=ctx.options.get("microbatches", 1), training=ctx.training,
-                           virtual_stages=ctx.options.get("virtual_stages"))
-        ctx.options["partition_plan"] = plan
+        plan = plan_stages(gm, devices, hints=ctx.hints, schedule=opts.schedule, microbatches=opts.microbatches,
+                           training=ctx.training, virtual_stages=opts.virtual_stages)
+        res.plan = plan
         res.status = "planned"
         res.details["partition"] = plan.as_dict()
         slow = max(plan.stages, key=lambda s: s.time_s)

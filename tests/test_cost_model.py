@@ -392,3 +392,42 @@ def test_explain_on_a_decode_step_shows_the_weight_read_floor():
     gm = capture(model, (ids,))
     cost = CostModel(p).graph_cost(gm)
     assert cost.parameter_bytes == read - 256 * 2 + table  # memory still holds the whole table
+
+
+def test_a_rewrite_is_priced_as_the_nodes_it_makes_before_it_makes_them():
+    """CostModel.replacement builds a rewrite's nodes in a scratch graph (values by fake-tensor
+    propagation, symbolic sizes kept) and prices them as it prices the graph afterwards; scratch
+    nodes are not memoized."""
+    from graphopt import ir
+
+    aten = torch.ops.aten
+    gm = capture(Lin().eval(), (torch.randn(64, 256),))
+    cm = CostModel(_h200())
+    hints = ir.shape_hints(gm)
+    lin = _node(gm, "linear")
+    x, w, b = lin.args
+    assert cm.price(aten.linear.default, x, w, b, hints=hints) == cm.time_of([lin], hints)
+    memo = len(cm._memo)
+    r = cm.replacement(hints)
+    w2 = r.tensor((1024, 256), torch.float32, "cpu")  # a weight the rewrite would make: twice the rows
+    y = r.call(aten.linear.default, x, w2)
+    r.call(aten.relu.default, y)
+    assert [tuple(n.meta["val"].shape) for n in r.nodes] == [(64, 1024), (64, 1024)]
+    assert r.time() == cm.time_of(r.nodes, hints) > cm.time_of([lin], hints)
+    assert len(cm._memo) == memo  # the scratch nodes left nothing behind
+    img = capture(nn.Conv2d(3, 8, 3).eval(), (torch.randn(1, 3, 16, 16),))
+    xi = next(n for n in img.graph.nodes if n.op == "placeholder")
+    cl = cm.replacement().like(xi, memory_format=torch.channels_last)  # a value in another layout, not priced
+    assert cl.meta["val"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_symbolic_replacement_keeps_its_sizes_symbolic():
+    from graphopt import ir
+
+    gm = capture(Lin().eval(), (torch.randn(8, 256),), dynamic={"x": {0: "batch"}})
+    lin = _node(gm, "linear")
+    cm = CostModel(_h200())
+    r = cm.replacement(ir.shape_hints(gm))
+    y = r.call(torch.ops.aten.linear.default, *lin.args)
+    assert ir.info(y).symbolic
+    assert r.time() == cm.time_of([lin], ir.shape_hints(gm))

@@ -10,14 +10,15 @@ from graphopt.cost.profiles import get_profile
 from graphopt.errors import PassConfigError
 from graphopt.examples import zoo
 from graphopt.ir import InvariantError
-from graphopt.pipeline import (PIPELINE, Candidate, available, Pass, PassContext, PassManager, assemble, registry)
+from graphopt.pipeline import (PIPELINE, Candidate, available, Pass, PassContext, PassInstrument, PassManager, assemble,
+                               registry)
 
 aten = torch.ops.aten
 
 
 def _ctx(gm, **kw):
     prof = get_profile("h200")[0]
-    return PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm), **kw)
+    return PassContext(cost=CostModel(prof), hints=ir.shape_hints(gm), **kw)
 
 
 class ScaleOutputs(Pass):
@@ -104,7 +105,7 @@ def test_accuracy_guard_reverts_a_wrong_pass():
 def test_invariant_check_names_the_node():
     model, inputs, gm = _mlp_gm()
     ctx = _ctx(gm)
-    ctx.options["strict"] = True  # tests and debugging: a broken invariant raises
+    ctx.strict = True  # tests and debugging: a broken invariant raises
     with pytest.raises(InvariantError, match="changed metadata"):
         PassManager([BreakGraph()]).run(gm, ctx)
 
@@ -254,5 +255,44 @@ def test_a_pass_that_changed_nothing_leaves_the_graph_copy_for_the_next(monkeypa
     before = [n.target for n in gm.graph.nodes]
     results = PassManager([NoMatch(), NoMatch(), Raises(), NoMatch(), ScaleOutputs()]).run(gm, _ctx(gm))
     assert [r.status for r in results] == ["unchanged", "unchanged", "reverted", "unchanged", "applied"]
-    assert len(copies) == 3  # before the first pass; after the revert (the copy became the graph); before the last
+    assert len(copies) == 2  # before the first pass; after the revert (the copy became the graph)
     assert [n.target for n in gm.graph.nodes if n.target is not aten.mul.Tensor] == before
+
+
+class _Recorder(PassInstrument):
+    """Records the hooks it sees; undoes the passes named in ``undo``, leaves out those in ``skip``."""
+
+    def __init__(self, undo=(), skip=()):
+        self.calls, self.undo, self.skip = [], set(undo), set(skip)
+
+    def enter(self, gm, ctx):
+        self.calls.append("enter")
+
+    def exit(self, gm, ctx):
+        self.calls.append("exit")
+
+    def run_before_pass(self, gm, p, ctx):
+        self.calls.append(("before", p.name))
+
+    def should_run(self, p, ctx):
+        return ("skipped", "left out by the recorder") if p.name in self.skip else None
+
+    def run_after_pass(self, gm, p, ctx, res):
+        self.calls.append(("after", p.name, res.status))
+        return "the recorder undoes it" if p.name in self.undo else None
+
+
+def test_instruments_run_around_each_pass_and_may_undo_or_skip_it():
+    """PassInstruments as TVM's: enter/exit around the run, before/after each pass; an instrument
+    listed by the caller is outermost (it sees the built-in checks' verdict, "applied"), its undo
+    restores the graph from before the pass, and should_run can leave a pass out."""
+    model, inputs, gm = _mlp_gm()
+    code = gm.code
+    rec = _Recorder(undo={"scale_relu_planted"})
+    (res,) = PassManager([ScaleOutputs()], instruments=[rec]).run(gm, _ctx(gm))
+    assert rec.calls == ["enter", ("before", "scale_relu_planted"), ("after", "scale_relu_planted", "applied"), "exit"]
+    assert res.status == "reverted" and res.notes == ["reverted: the recorder undoes it"]
+    assert gm.code == code and not any(n.target is aten.mul.Tensor for n in gm.graph.nodes)
+    skip = _Recorder(skip={"scale_relu_planted"})
+    (res,) = PassManager([ScaleOutputs()], instruments=[skip]).run(gm, _ctx(gm))
+    assert res.status == "skipped" and res.notes == ["left out by the recorder"] and gm.code == code

@@ -13,6 +13,7 @@ from graphopt.capture import split_inputs
 from graphopt.cost.model import CostModel
 from graphopt.cost.profiles import get_profile
 from graphopt.examples import zoo
+from graphopt.options import OptimizeOptions
 from graphopt.pipeline import Candidate, Pass, PassContext, PassManager, assemble
 
 aten = torch.ops.aten
@@ -57,8 +58,8 @@ def bert():
 
 def _ctx(gm, target="cpu"):
     prof = get_profile(target)[0]
-    return PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm),
-                       options={"precision": "auto", "device": torch.device("cpu")})
+    return PassContext(cost=CostModel(prof), hints=ir.shape_hints(gm), options=OptimizeOptions(precision="auto"),
+                       device=torch.device("cpu"))
 
 
 def _run(gm, args, kwargs):
@@ -201,8 +202,8 @@ def test_wrong_cuda_kernel_is_reverted_by_the_guard():
     gm = graphopt.capture(model, (x,))
     guard = _AccuracyGuard(model, (x,), {}, False, torch.device("cuda"))
     prof = get_profile("h200")[0]
-    ctx = PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm),
-                      options={"precision": "fp32", "device": torch.device("cuda")})
+    ctx = PassContext(cost=CostModel(prof), hints=ir.shape_hints(gm), options=OptimizeOptions(precision="fp32"),
+                      device=torch.device("cuda"))
     # unguarded, the kernel really is wrong on the GPU
     probe = graphopt.capture(model, (x,))
     (res,) = PassManager([WrongReluKernel()]).run(probe, ctx)

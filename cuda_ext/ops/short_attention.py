@@ -16,6 +16,7 @@ import math
 import torch
 
 from graphopt.cost.ops import OpCost
+from graphopt.cost.profiles import register_legacy_field
 from graphopt.errors import KernelArgumentError
 
 from ..attention_triton import mask_problem, padded_flops, shape_problem
@@ -111,6 +112,10 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return torch.ops.graphopt.short_attention(q, k, v, mask, D ** -0.5 if scale is None else float(scale),
                                               bool(is_causal))
 
+
+# profiles written before op_efficiency held this op's fit as fields
+register_legacy_field("short_attention_scale", "short_attention", "scale", None)
+register_legacy_field("short_attention_fixed_s", "short_attention", "fixed_s", 0.0)
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=short_attention, cost=cost,
                kernel="attention_triton.py", cuda=cuda)

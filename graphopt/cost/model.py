@@ -33,7 +33,6 @@ the profile, so they are reproducible and testable on the CPU.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import sympy
@@ -44,6 +43,7 @@ from .. import ir, timing
 from ..errors import GraphoptError
 from . import ops as op_costs
 from .profiles import DeviceProfile
+from .replacement import Replacement, is_scratch
 
 aten = torch.ops.aten
 
@@ -173,35 +173,6 @@ def _smax(a, b):
     return sympy.Max(a, b)
 
 
-def _op_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t._qualified_op_name.split("::")[-1]
-    if t is operator.getitem:
-        return "getitem"
-    return getattr(t, "__name__", str(t))
-
-
-def _namespace(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[0]
-    return ""
-
-
-def _is_contiguous(ti: ir.TensorInfo | None) -> bool:
-    if ti is None or ti.stride is None:
-        return True
-    expected = 1
-    for size, stride in reversed(list(zip(ti.shape, ti.stride))):
-        if size != 1 and stride != expected:
-            return False
-        expected = expected * size
-    return True
-
-
 def _prod(xs):
     out = 1
     for x in xs:
@@ -211,11 +182,11 @@ def _prod(xs):
 
 POOL_OPS = {"max_pool2d", "avg_pool2d", "max_pool2d_with_indices"}
 # aten's norm kernels with one thread block per row (see norm_rows_seconds)
-ROW_BLOCK_NORMS = {"layer_norm", "native_layer_norm"}
+ROW_BLOCK_NORMS = {"aten::layer_norm", "aten::native_layer_norm"}
 
 
-# 2-D projections cuBLASLt may split along K (see cublas_split_k)
-SPLIT_K_OPS = {"linear", "mm", "addmm"}
+# 2-D projections cuBLASLt may split along K (see cublas_split_k); with a ReLU/GELU epilogue too
+SPLIT_K_OPS = {"linear", "mm", "addmm", "_addmm_activation"}
 SPLIT_K_CHOICES = (2, 3, 4, 6, 8)
 
 
@@ -262,7 +233,7 @@ def split_k_reduce_node_seconds(profile: DeviceProfile, node: fx.Node) -> float:
     :func:`split_k_slices` would choose) and writes the output; 0 where cuBLAS is not expected to
     split K (:func:`cublas_split_k`). Its wall time in an eager loop is
     ``profile.kernel_seconds(0, this - kernel_fixed_s)``."""
-    if _op_name(node) not in SPLIT_K_OPS:
+    if ir.op_name(node) not in SPLIT_K_OPS:
         return 0.0
     mnk = _gemm_mnk(node)
     if mnk is None or not cublas_split_k(profile, *mnk):
@@ -294,8 +265,9 @@ class CostModel:
     def _memo_key(self, node: fx.Node):
         """Everything a call_function node's price reads: its target and arguments, its own and
         its inputs' ``meta["val"]`` (by identity: propagation replaces a value, never edits it)
-        and cuDNN's TF32 switch; None (not memoized) for other nodes."""
-        if node.op != "call_function":
+        and cuDNN's TF32 switch; None (not memoized) for other nodes and for the scratch nodes a
+        pass prices a candidate with (they are dropped right after)."""
+        if node.op != "call_function" or is_scratch(node):
             return None
         return (node.target, node.args, node.kwargs, node.meta.get("val"),
                 tuple(a.meta.get("val") for a in node.all_input_nodes), torch.backends.cudnn.allow_tf32)
@@ -309,6 +281,83 @@ class CostModel:
             return key, hit[1]
         return key, None
 
+    # ------------------------------------------------------------------ pricing rewrites (the passes' API)
+
+    def time_of(self, nodes, hints: dict | None = None) -> float:
+        """Predicted seconds of ``nodes`` (each node's ``NodeCost.time_s``, evaluated with
+        ``hints``): what a pass weighs a candidate's matched nodes and its replacement with."""
+        return sum(ir.concrete(self.node_cost(n).time_s, hints) for n in nodes)
+
+    def replacement(self, hints: dict | None = None) -> Replacement:
+        """A builder for the nodes a rewrite would make, priced by this model before the rewrite
+        (graphopt.cost.replacement): a candidate's gain is ``time_of(matched) - r.time()``."""
+        return Replacement(self, hints)
+
+    def price(self, target, *args, hints: dict | None = None, val=None, **kwargs) -> float:
+        """Predicted seconds of one ``target(*args, **kwargs)`` node a rewrite would make."""
+        r = self.replacement(hints)
+        r.call(target, *args, val=val, **kwargs)
+        return r.time()
+
+    # ------------------------------------------------------------------ device facts (for legality and reports)
+
+    @property
+    def device_name(self) -> str:
+        return self.profile.name
+
+    @property
+    def device_kind(self) -> str:
+        """"cuda" or "cpu"."""
+        return self.profile.kind
+
+    @property
+    def compute_capability(self) -> tuple:
+        """(major, minor) of the GPU; () when not known or a CPU."""
+        return tuple(self.profile.compute_capability or ())
+
+    @property
+    def launch_overhead_s(self) -> float:
+        return self.profile.launch_overhead_s
+
+    @property
+    def conv_nchw_slowdown(self) -> float:
+        """How much slower convolutions run on NCHW than on channels_last inputs (1.0: no measured
+        difference, so the layout pass leaves NCHW)."""
+        return self.profile.conv_nchw_slowdown
+
+    @property
+    def narrow_conv_slow_path(self) -> bool:
+        """Whether this device measured a slow path for convolutions over few input channels (a
+        GPU with a per-tap channel chunk or a narrow-input slowdown)."""
+        p = self.profile
+        return p.kind == "cuda" and (p.conv_narrow_input_slowdown > 1.0 or bool(p.conv_channel_chunk))
+
+    @property
+    def allocator_headroom(self) -> float:
+        """Fraction of device memory the caching allocator's rounding and transients take."""
+        return float(self.profile.allocator_headroom or 0.0)
+
+    def matmul_rate(self, dtype: torch.dtype) -> float:
+        """Peak matmul FLOP/s in ``dtype``."""
+        return self.profile.matmul_rate(dtype)
+
+    def measured(self, op: str) -> bool:
+        """Whether the profile has a fitted efficiency for the op ``op`` (its ``op_efficiency``
+        entry's ``scale``): an op whose kernel was never timed on this device is not planned onto it."""
+        return self.profile.efficiency(op, "scale") is not None
+
+    def conv_layout_penalized(self, x: ir.TensorInfo | None) -> bool:
+        """Does a convolution over ``x`` pay the device's NCHW slowdown? (see conv_layout_penalized)"""
+        return conv_layout_penalized(x, self.profile)
+
+    def cublas_split_k(self, M, N, K) -> bool:
+        """Does cuBLASLt split K for this projection on this device? (see cublas_split_k)"""
+        return cublas_split_k(self.profile, M, N, K)
+
+    def split_k_slices(self, M, N, K) -> int:
+        """K slices a batched GEMM over them should use on this device (see split_k_slices)."""
+        return split_k_slices(self.profile, M, N, K)
+
     # ------------------------------------------------------------------ per node
 
     def op_cost(self, node: fx.Node) -> op_costs.OpCost:
@@ -318,7 +367,7 @@ class CostModel:
         hit = self._op_memo.get(node)
         if hit is not None and key is not None and _same(hit[0], key):
             return hit[1]
-        fn = op_costs.op_cost_fn(_op_name(node))
+        fn = op_costs.op_cost_fn(ir.op_name(node))
         out = fn(op_costs.op_call(node), self.profile)
         if key is not None:
             self._op_memo[node] = (key, out)
@@ -346,11 +395,11 @@ class CostModel:
                 return cost["flops"], cost["bytes"], cost["launches"], "region"
         if node.op != "call_function":
             return 0, 0, 0, "free"
-        name = _op_name(node)
+        name = ir.op_name(node)
         outs = ir.infos(node)
         if not outs:
             return 0, 0, 0, "free"
-        if _namespace(node) == op_costs.NAMESPACE:  # our ops price themselves (graphopt.cost.ops)
+        if ir.op_namespace(node) == op_costs.NAMESPACE:  # our ops price themselves (graphopt.cost.ops)
             c = self.op_cost(node)
             return c.flops, c.bytes, c.launches, c.kind
         ins = ir.arg_infos(node)
@@ -361,7 +410,7 @@ class CostModel:
         if name in MAYBE_VIEW_OPS:
             src = ins[0] if ins else None
             same = src is not None and outs[0].dtype == src.dtype and outs[0].device == src.device
-            if same and (name not in ("contiguous", "reshape", "flatten") or _is_contiguous(src)):
+            if same and (name not in ("contiguous", "reshape", "flatten") or ir.is_contiguous(src)):
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
         if name in MATMUL_OPS:
@@ -423,14 +472,14 @@ class CostModel:
     def _node_cost(self, node: fx.Node) -> NodeCost:
         flops, nbytes, launches, kind = self.flops_bytes(node)
         p = self.profile
-        if node.op == "call_function" and _namespace(node) == op_costs.NAMESPACE and kind != "free":
+        if node.op == "call_function" and ir.op_namespace(node) == op_costs.NAMESPACE and kind != "free":
             return self._op_node_cost(node, self.op_cost(node))
         if kind == "region":  # its nodes' times plus their recomputation in backward
             cost = node.graph.owning_module.get_submodule(node.target).cost
             t = cost["time_s"] + cost["recompute_s"]
             return NodeCost(node.name, "checkpoint_region", flops, nbytes, launches, 0.0, t, t, "memory")
         if kind == "free":
-            return NodeCost(node.name, _op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
+            return NodeCost(node.name, ir.op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
         eff = "memory"
         if kind == "matmul":
             dtype = ir.arg_infos(node)[0].dtype
@@ -446,9 +495,9 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
-        if p.narrow_copy_scale < 1.0 and _op_name(node) in COPY_OPS and narrow_copy(node):
+        if p.narrow_copy_scale < 1.0 and ir.op_name(node) in COPY_OPS and narrow_copy(node):
             memory = memory / p.narrow_copy_scale
-        if _op_name(node) in POOL_OPS:
+        if ir.op_name(node) in POOL_OPS:
             memory = memory / p.efficiency("pool", "memory_scale", 1.0)
         if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
             dev = conv_device_s(p, node, compute, memory, bias=False)
@@ -460,7 +509,7 @@ class CostModel:
                 launches += 1
         else:
             t = p.kernel_seconds(compute, memory, eff, launches)
-            if _op_name(node) in ROW_BLOCK_NORMS:
+            if f"{ir.op_namespace(node)}::{ir.op_name(node)}" in ROW_BLOCK_NORMS:
                 t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
         if kind == "matmul":
@@ -477,7 +526,7 @@ class CostModel:
             bound = "compute"
         else:
             bound = "memory"
-        return NodeCost(node.name, _op_name(node), flops, nbytes, launches, compute, memory, t, bound)
+        return NodeCost(node.name, ir.op_name(node), flops, nbytes, launches, compute, memory, t, bound)
 
     def _op_node_cost(self, node: fx.Node, c: op_costs.OpCost) -> NodeCost:
         """NodeCost of one of our ops from its OpCost (see graphopt.cost.ops)."""
@@ -497,7 +546,7 @@ class CostModel:
         if c.time_s is not None:  # its kernels priced one by one: launch-bound when they all are
             t = c.time_s
             bound = "launch" if launch >= _num(t) else ("compute" if _num(compute) >= _num(memory) else "memory")
-            return NodeCost(node.name, _op_name(node), c.flops, c.bytes, launches, compute, memory, t, bound)
+            return NodeCost(node.name, ir.op_name(node), c.flops, c.bytes, launches, compute, memory, t, bound)
         if c.efficiency == "conv" and p.kind == "cuda":
             dev = conv_device_s(p, node, compute, memory, bias=False)
             gpu = _num(dev)
@@ -513,7 +562,7 @@ class CostModel:
             bound = "compute"
         else:
             bound = "memory"
-        return NodeCost(node.name, _op_name(node), c.flops, c.bytes, launches, compute, memory, t, bound)
+        return NodeCost(node.name, ir.op_name(node), c.flops, c.bytes, launches, compute, memory, t, bound)
 
     # ------------------------------------------------------------------ per graph
 
@@ -559,16 +608,16 @@ class CostModel:
         if kind == "free" or not launches:
             if p.kind != "cuda":
                 return 0.0, 0.0
-            name = _op_name(node)
+            name = ir.op_name(node)
             return (p.host_op_s.get(name, p.host_node_s) if name in VIEW_OPS else p.host_node_s), 0.0
         if kind == "region":
             c = self.node_cost(node)
             return launches * p.launch_overhead_s, c.time_s
         host = launches * p.launch_overhead_s
         if p.kind == "cuda" and p.host_op_s:
-            host = p.host_op_s.get(_op_name(node), host)
+            host = p.host_op_s.get(ir.op_name(node), host)
         c = self.node_cost(node)
-        if _namespace(node) == op_costs.NAMESPACE:
+        if ir.op_namespace(node) == op_costs.NAMESPACE:
             eff = self.op_cost(node).efficiency
         else:
             eff = _efficiency_kind(node) if kind == "matmul" else "memory"
@@ -598,7 +647,7 @@ class CostModel:
                 continue
             host, dev = self.node_times(n)
             launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
-            yield n, c(host), c(dev), launches, _op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
+            yield n, c(host), c(dev), launches, ir.op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
 
     @timing.timed("cost model")
     def execution_cost(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
@@ -629,7 +678,7 @@ class CostModel:
                     busy += d
                 if sync:
                     t_host = max(t_host, t_dev)
-                rows.append({"node": n.name, "op": _op_name(n), "host_s": h, "device_s": d, "issued_s": t_host,
+                rows.append({"node": n.name, "op": ir.op_name(n), "host_s": h, "device_s": d, "issued_s": t_host,
                              "start_s": start, "end_s": t_dev})
             return ExecutionCost("eager", max(t_host, t_dev), sum(s[1] for s in steps), busy,
                                  sum(s[3] for s in steps), rows)
@@ -740,7 +789,7 @@ def bytes_read(node: fx.Node, nbytes: float, hints=None) -> float:
         return 0.0
     rows = 0.0
     for u in node.users:
-        if not (u.op == "call_function" and _op_name(u) in GATHER_OPS and u.args and u.args[0] is node
+        if not (u.op == "call_function" and ir.op_name(u) in GATHER_OPS and u.args and u.args[0] is node
                 and all(a is not node for a in u.args[1:])):
             return nbytes
         rows += sum(float(ir.concrete(t.nbytes, hints)) for t in ir.infos(u))
@@ -775,7 +824,7 @@ def _gemm_mnk(node: fx.Node):
     ins, outs = ir.arg_infos(node), ir.infos(node)
     if not outs or not ins or not outs[0].shape:
         return None
-    name = _op_name(node)
+    name = ir.op_name(node)
     a = ins[1] if name in ADD_FIRST and len(ins) > 2 else ins[0]
     if not a.shape:
         return None
@@ -785,7 +834,7 @@ def _gemm_mnk(node: fx.Node):
 
 def _efficiency_kind(node: fx.Node) -> str:
     """Which fitted efficiency an aten matmul-like node runs at: "conv", "attention" or "matmul"."""
-    name = _op_name(node)
+    name = ir.op_name(node)
     if name in CONV_OPS:
         return "conv"
     if name in ATTENTION_OPS or name in ATTENTION_BACKWARD_OPS:
@@ -936,8 +985,7 @@ def conv_channel_padding(node: fx.Node, profile: DeviceProfile) -> float:
 
 def channel_chunk_factor(chunk: int, cin: int) -> float:
     """chunk / C_in for an ungrouped convolution over fewer than ``chunk`` input channels, else 1.0
-    (no chunk measured: 0). The one formula the cost model, calibrate's fit and
-    conv_space_to_depth's estimate share."""
+    (no chunk measured: 0). The one formula the cost model and calibrate's fit share."""
     return chunk / cin if chunk and 0 < cin < chunk else 1.0
 
 
@@ -959,7 +1007,7 @@ def conv_bias_add_s(profile: DeviceProfile, node: fx.Node):
     ``conv_bias_add_scale`` of the copy rate. 0 for graphopt's ops (its fused convolution adds the
     bias in cuDNN), a convolution without a bias, and off CUDA (oneDNN applies the bias in the
     convolution)."""
-    if profile.kind != "cuda" or _namespace(node) == op_costs.NAMESPACE or _op_name(node) not in CONV_OPS:
+    if profile.kind != "cuda" or ir.op_namespace(node) == op_costs.NAMESPACE or ir.op_name(node) not in CONV_OPS:
         return 0.0
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     out = ir.info(node)

@@ -209,13 +209,18 @@ def _max(a, b):
     return sympy.Max(a, b)
 
 
-# fields of older profile JSONs -> (op_efficiency key, field, the value that meant "not measured")
+# fields of older profile JSONs -> (op_efficiency key, field, the value that meant "not measured");
+# an op whose correction was once a profile field registers its old names (register_legacy_field)
 LEGACY_FIELDS = {
     "norm_row_s": ("row_norm", "row_s", 0.0),
     "pool_bandwidth_scale": ("pool", "memory_scale", 1.0),
-    "short_attention_scale": ("short_attention", "scale", None),
-    "short_attention_fixed_s": ("short_attention", "fixed_s", 0.0),
 }
+
+
+def register_legacy_field(old: str, key: str, name: str, unmeasured) -> None:
+    """Load an older profile's field ``old`` into ``op_efficiency[key][name]`` (``unmeasured``: the
+    value that meant "not measured", loaded as no entry)."""
+    LEGACY_FIELDS[old] = (key, name, unmeasured)
 
 
 def _load_json(path: Path) -> DeviceProfile:

@@ -35,7 +35,7 @@ What happens on a call when CUDA graphs are on (``runner.decision.on``):
   (that is its warm-up and its result) and is then captured; later calls replay. Outputs that
   are such an input's memory are handed back as the caller's tensor, never cloned.
   ``bind_inputs=True`` binds every input this way (a caller that updates the same input
-  tensors in place between calls, as graphopt.runtime.generation does).
+  tensors in place between calls, as graphopt.generation does).
 
 CUDA graphs stay off (``decision.why`` says why) for graphs with random ops (dropout, rand*),
 data-dependent ops that synchronize with the host (``.item()``, ``nonzero``), CPU tensors
@@ -102,13 +102,6 @@ class Decision:
         return f"CUDA graph: {'on' if self.on else 'off'} ({self.why})"
 
 
-def _op_name(node: fx.Node) -> str | None:
-    if node.op != "call_function":
-        return None
-    t = node.target
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else str(t).split(".")[-1]
-    return getattr(t, "__name__", None)
 
 
 def _val_device(val) -> torch.device | None:
@@ -166,9 +159,9 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
         return Decision(False, "dynamic shapes: every new size would be a new capture (cuda_graphs=True "
                         "captures one graph per shape, LRU-bounded)", mode, device)
     for n in gm.graph.nodes:
-        name = _op_name(n)
-        if name is None:
+        if n.op != "call_function":
             continue
+        name = ir.op_name(n)
         if ir.is_random(n):
             return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
         if name in HOST_SYNC_OPS and not _static_repeat(n, name):

@@ -23,6 +23,7 @@ from ..api import _AccuracyGuard, _model_device
 from ..capture import capture, flat_tensors, split_inputs
 from ..cost.model import CostModel
 from ..cost.profiles import get_profile
+from ..options import OptimizeOptions
 from ..pipeline import Pass, PassContext, PassManager, Rewrite, assemble
 
 
@@ -59,8 +60,9 @@ def bisect(model: torch.nn.Module, example_inputs, *, target=None, passes=None, 
     try:
         def fresh():
             gm = capture(model, (args, kwargs))
-            ctx = PassContext(profile=profile, cost=CostModel(profile), training=training, hints=ir.shape_hints(gm),
-                              options={"precision": precision, "device": device, "strict": True})
+            ctx = PassContext(cost=CostModel(profile), training=training, hints=ir.shape_hints(gm),
+                              options=OptimizeOptions(precision=precision, training=training), device=device,
+                              strict=True)
             return gm, ctx
 
         gm, ctx = fresh()
@@ -94,7 +96,7 @@ def bisect(model: torch.nn.Module, example_inputs, *, target=None, passes=None, 
             g2, c2 = fresh()
             if before:
                 PassManager(list(before)).run(g2, c2)
-            c2.options["rewrite_limit"] = k
+            c2.rewrite_limit = k
             (r2,) = PassManager([type(culprit)() if pipeline is None else copy.copy(culprit)]).run(g2, c2)
             acc2 = guard(g2, c2.low_precision)
             return not acc2.passed, r2, acc2

@@ -470,7 +470,7 @@ def check_program(program: Program, passes, target: str = "cpu", mode: str = "pa
     except Exception as e:
         raise FuzzFailure("capture", _first_line(e)) from e
     profile, _ = get_profile(target)
-    ctx = PassContext(profile=profile, cost=CostModel(profile), hints=ir.shape_hints(gm), options={"strict": True})
+    ctx = PassContext(cost=CostModel(profile), hints=ir.shape_hints(gm), strict=True)
     # one pass at a time (the same loop the PassManager runs), checked after each, so a failure
     # names the first pass that breaks the graph or its numbers
     for p in assemble(list(passes)):

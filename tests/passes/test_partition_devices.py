@@ -11,6 +11,7 @@ import graphopt
 from graphopt import accuracy
 from graphopt.tools import cli
 from graphopt.examples import zoo
+from graphopt.passes.partition_devices import PartitionResult
 
 
 def test_plans_two_stages_and_the_placed_module_matches_eager():
@@ -18,6 +19,7 @@ def test_plans_two_stages_and_the_placed_module_matches_eager():
     opt = graphopt.optimize(model, inputs, devices=["cpu", "cpu"], precision="fp32")
     res = opt.report.pass_result("partition_devices")
     assert res.status == "planned" and not res.rewrites
+    assert isinstance(res, PartitionResult) and res.plan.num_stages == 2  # the plan comes back typed
     plan = res.details["partition"]
     n_compute = len([n for n in opt.graph_module.graph.nodes if n.op not in ("placeholder", "get_attr", "output")])
     assert [s["stage"] for s in plan["stages"]] == [0, 1]

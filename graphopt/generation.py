@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..errors import GenerationError
+from .errors import GenerationError
 
 __all__ = ["Generator", "DecodeState", "LogitsStep", "optimize_generation", "warp_logits"]
 
@@ -191,7 +191,7 @@ class Generator:
             from transformers.cache_utils import StaticCache, StaticLayer
         except ImportError as e:  # pragma: no cover
             raise GenerationError(f"transformers' StaticCache is needed: {e}") from None
-        from ..capture import _register_hf_pytrees
+        from .capture import _register_hf_pytrees
 
         _register_hf_pytrees()
         cache = StaticCache(config=self.model.config, max_cache_len=self.max_length)
@@ -243,7 +243,7 @@ class Generator:
         return LogitsStep(self.model, self._cache_arg, self._extra)
 
     def _optimize(self, inputs: dict, name: str, cuda_graphs):
-        from ..api import optimize
+        from .api import optimize
 
         options = {"model_name": f"{type(self.model).__name__} {name}", **self.optimize_options}
         with self._eval():
@@ -253,7 +253,7 @@ class Generator:
 
     def _decode_step(self, slot: DecodeState):
         """Optimize the decode step for this batch size and bind it to the state's tensors."""
-        from .cuda_graphs import lower
+        from .runtime.cuda_graphs import lower
 
         inputs = {"input_ids": slot.input_ids, "attention_mask": slot.attention_mask,
                   "position_ids": slot.position_ids if self._has_positions else None, "cache": slot.cache}

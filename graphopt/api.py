@@ -24,6 +24,8 @@ from .passes.partition_devices import PartitionResult
 from .pipeline import PassContext, PassManager, assemble
 from .report import Report
 
+# seconds optimize() may spend timing graphs (the measured guard); GRAPHOPT_MEASURE_BUDGET_S overrides
+MEASURE_BUDGET_S = 5.0
 # float64 reference outputs larger than this (a decoder's logits at batch 8) wait on the host; the rule
 # moves them to the device a chunk at a time
 REFERENCE_ON_DEVICE_BYTES = 1 << 30
@@ -187,6 +189,9 @@ class OptimizedModule(nn.Module):
         return tuple(bound.arguments[k] for k in pos_names), {k: bound.arguments[k] for k in kw_names}
 
     _reoptimize = None  # (model, OptimizeOptions, max specializations) when on_new_shape="reoptimize"
+    # (the model as given,) when the measured guard found this module slower than it (a tuple: the
+    # model is not registered as a submodule, so its parameters are not this module's)
+    _fallback = None
 
     def _specialization(self, args, kwargs, error: GuardError) -> "OptimizedModule":
         """Another input signature: re-optimize for it (bounded cache), or re-raise."""
@@ -215,6 +220,8 @@ class OptimizedModule(nn.Module):
         placed = self._modules.get("placed")  # graphopt.runtime.placement.PlacedModule (optimize(devices=...))
         if placed is not None:
             return placed(*args, **kwargs)
+        if self._fallback is not None:  # measured slower than the model as given: calls run the model
+            return self._fallback[0](*args, **kwargs)
         if self._runner is None:
             return self.graph_module(*args, **kwargs)
         return self._runner.call_flat(flat, structure, args, kwargs)
@@ -534,11 +541,86 @@ def _optimize(model: nn.Module, example_inputs, opts: OptimizeOptions) -> Optimi
         inputs.mutated = ir.mutated_flat_inputs(gm, flat)
         check, acc_info = _build_guard(model, gm, inputs, flat, model_dev, opts)
         constants = setup_memory.account(opts.weight_copies, model, model_dev)
-        run = _run_pipeline(gm, planning, check, model_dev, opts, constants)
+        meter, measure_note = _meter(opts, planning, model_dev, inputs)
+        run = _run_pipeline(gm, planning, check, model_dev, opts, constants, meter)
     finally:
         model.train(was_training)
     report = _build_report(model, gm, planning, run, acc_info, model_dev, opts, t_start)
-    return _lower(gm, report, run, planning, model, inputs, args, kwargs, flat, opts)
+    opt = _lower(gm, report, run, planning, model, inputs, args, kwargs, flat, opts)
+    _measured_guard(opt, model, inputs, meter, measure_note)
+    return opt
+
+
+def _plain(spec) -> bool:
+    """A call's inputs held in tuples, lists and dicts only (no cache object a run would grow)."""
+    if spec.type is None or spec.is_leaf():
+        return True
+    kids = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+    return spec.type in (tuple, list, dict) and all(_plain(c) for c in kids)
+
+
+def _meter(opts: OptimizeOptions, planning: "_Planning", model_dev: torch.device, inputs: "CallInputs"):
+    """(the MeasuredTime instrument or None, why there is none): measuring needs the plan to be for
+    the device the model runs on, inference, static shapes."""
+    import os
+
+    from .runtime.measured import MeasuredTime, Timer, runnable
+
+    want = opts.measure
+    if want == "auto":
+        env = os.environ.get("GRAPHOPT_MEASURE", "").strip().lower()
+        want = {"0": False, "false": False, "off": False, "no": False, "1": True, "true": True, "on": True,
+                "yes": True}.get(env, "auto")
+    if want is False:
+        return None, "not measured (measure=False)"
+    if opts.training or opts.dynamic:
+        return None, "not measured (training graphs and dynamic shapes are not timed)"
+    if opts.target is not None and planning.run_profile.kind != model_dev.type:
+        return None, f"not measured (planned for {planning.run_profile.name}, running on {model_dev})"
+    args, kwargs = inputs.fresh()
+    flat = flat_tensors(args, kwargs)
+    budget = float(os.environ.get("GRAPHOPT_MEASURE_BUDGET_S", MEASURE_BUDGET_S))
+    meter = MeasuredTime(lambda g: runnable(g, flat, args, kwargs, opts.cuda_graphs), Timer(model_dev), budget)
+    return meter, ""
+
+
+def _measured_guard(opt: "OptimizedModule", model: nn.Module, inputs: "CallInputs", meter, note: str) -> None:
+    """The module as returned timed against the model as given (interleaved rounds on the model's
+    device); where it is slower by more than the margin, its calls run the model instead. The
+    report's ``speed`` holds the measured times, the passes' too (``PassResult.details``)."""
+    from .runtime.measured import slower
+
+    report = opt.report
+    if meter is None:
+        report.speed = {"measured": False, "note": note}
+        return
+    speed = {"measured": True, "captured_ms": meter.first.median_s * 1e3 if meter.first else None,
+             "passes_ms": meter.current.median_s * 1e3 if meter.current else None,
+             "timing_s": meter.timer.spent_s, "not_timed_passes": list(meter.skipped)}
+    if meter.skipped:
+        report.notes.append(f"measured guard: the time budget ({meter.budget_s:.0f} s) was spent; "
+                            f"{', '.join(meter.skipped)} applied unmeasured")
+    if inputs.mutated or not _plain(inputs.spec):
+        speed.update(model_ms=None, returned="optimized",
+                     note="the model as given not timed (its inputs include a cache or tensors it writes)")
+        report.speed = speed
+        return
+    args, kwargs = inputs.fresh()
+    was = model.training
+    model.train(False)
+    try:
+        as_given, ours = meter.timer.compare(lambda: model(*args, **kwargs), lambda: opt(*args, **kwargs))
+    finally:
+        model.train(was)
+    speed.update(model_ms=as_given.median_s * 1e3, optimized_ms=ours.median_s * 1e3, timing_s=meter.timer.spent_s)
+    if slower(ours, as_given, meter.margin):
+        opt._fallback = (model,)
+        speed["returned"] = "model"
+        report.notes.append(f"measured guard: the optimized module took {ours.median_s * 1e3:.3f} ms against the "
+                            f"model's {as_given.median_s * 1e3:.3f} ms; calls run the model as given")
+    else:
+        speed["returned"] = "optimized"
+    report.speed = speed
 
 
 @dataclasses.dataclass
@@ -636,7 +718,8 @@ def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: Optimiz
     return None, acc_info
 
 
-def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptions, constants) -> _PipelineRun:
+def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptions, constants,
+                  meter=None) -> _PipelineRun:
     """The passes, ranked by the cost model. The guard runs optimistically: every pass, then one
     check of the result. Only when that fails does the pipeline run again from the captured graph
     with a check after each pass, which finds and reverts the pass(es) at fault (passes that
@@ -657,7 +740,8 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
         with timing.phase("graph snapshots"):
             snapshot = copy.deepcopy(gm.graph)
     ctx = context()
-    manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=False)
+    instruments = [meter] if meter is not None else []
+    manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=False, instruments=instruments)
     results = manager.run(gm, ctx, before=before)
     acc_mode, final = "once, after all passes", None
     if check is not None:
@@ -672,7 +756,9 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
                 gm.recompile()
             ir.repropagate(gm)
             ctx = context()
-            manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=True)
+            if meter is not None:
+                meter.current = meter.first  # the captured graph again
+            manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=True, instruments=instruments)
             results = manager.run(gm, ctx, before=before)
             acc_mode = f"after each pass (the check after all passes failed: {first.reason})"
             last = manager.last_check

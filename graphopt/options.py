@@ -61,6 +61,13 @@ class OptimizeOptions:
       optimize() starts), "allow", "none", a fraction of the model's bytes or a size ("4GB"). A
       rewrite beyond it is refused with the reason in the report (graphopt.setup_memory); the
       report's ``memory`` says what was added and, on a GPU, optimize()'s measured peak.
+    measure: time what optimize() returns on the device it runs on (graphopt.runtime.measured):
+      every pass that changed the graph is timed against the graph before it and undone when it
+      measures slower (its first rewrites kept where they alone are faster), and the module is
+      timed against the model as given, which it stands in for where the module is slower. "auto"
+      (the default): for inference on the model's own device (not for ``target=`` another device,
+      training or dynamic shapes); the environment variable GRAPHOPT_MEASURE=0 or 1 overrides
+      "auto"; True / False.
     """
 
     device: str | torch.device | None = None
@@ -85,6 +92,7 @@ class OptimizeOptions:
     schedule: str = "gpipe"
     virtual_stages: int | None = None
     weight_copies: float | int | str = "auto"
+    measure: bool | str = "auto"
     partition_devices: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -107,6 +115,8 @@ class OptimizeOptions:
                 raise GraphoptError("memory_budget applies to training; pass training=True (inference saves no "
                                     "activations)")
             set_("memory_budget", parse_memory_budget(self.memory_budget))
+        if self.measure not in ("auto", True, False):
+            raise GraphoptError(f"measure must be 'auto', True or False, got {self.measure!r}")
         if not (isinstance(self.weight_copies, str) and self.weight_copies in ("auto", "allow", "none")):
             from .cost.activations import parse_memory_budget
 

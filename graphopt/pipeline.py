@@ -224,6 +224,9 @@ class PassContext:
     device: torch.device | None = None  # where the model runs (None: planning only)
     strict: bool = False  # a pass that raises or breaks an invariant raises (tests, bisect, fuzz) instead of reverting
     rewrite_limit: int | None = None  # apply at most this many rewrites per pass (bisect)
+    # the graph as it was before the pass now running (set by the PassManager): an instrument may
+    # run it beside the rewritten one (graphopt.runtime.measured compares their times)
+    before_pass: fx.Graph | None = None
     # accuracy_check(gm, low_dtype=None) -> AccuracyResult; set by the PassManager. low_dtype
     # judges against the model hand-converted to that dtype (the rule's bf16/fp16 tolerance).
     accuracy_check: Callable | None = None
@@ -561,13 +564,39 @@ class PassManager:
             why = i.run_after_pass(gm, p, ctx, res)
             if why and res.status != "reverted":
                 self._revert(gm, ctx, res, why)
+                self._cost.current = self._cost.before  # an outer instrument's revert: the cost of before
+                res.predicted_s_after, res.peak_bytes_after = res.predicted_s_before, res.peak_bytes_before
         if res.status == "applied":  # constants the pass replaced are freed now, not at the end
             ir.remove_unused_attributes(gm)
         ctx.constants.recount(gm)
         # a pass that left the graph as it was leaves the snapshot valid for the next one (a copy
         # costs time in proportion to the graph)
         self._snapshot_fresh = self._snapshot is not None and not res.changed and res.status == "unchanged"
+        ctx.before_pass = None
+        if res.status == "reverted" and res.details.get("bisect") and ctx.rewrite_limit is None:
+            return self._bisect(gm, p, ctx, inst, res)
         return res
+
+    def _bisect(self, gm, p: Pass, ctx: PassContext, inst: list, whole: PassResult) -> PassResult:
+        """A pass an instrument undid as a whole but whose rewrites may be kept in part (its verdict
+        set ``details["bisect"]``: a measured loss): run it again with only its first k rewrites, the
+        highest predicted gains, k halving from half of them down to one, and keep the first run
+        the instruments accept."""
+        n = len(whole.rewrites)
+        k = n // 2
+        while k >= 1:
+            ctx.rewrite_limit = k
+            try:
+                res = self._run_pass(gm, p, ctx, inst)
+            finally:
+                ctx.rewrite_limit = None
+            if res.status == "applied":
+                res.notes.append(f"kept its first {len(res.rewrites)} of {n} rewrites: {whole.notes[-1]}")
+                return res
+            if not res.details.get("bisect"):
+                break
+            k //= 2
+        return whole
 
     def _execute(self, gm, p: Pass, ctx: PassContext) -> PassResult:
         """Run one pass: a snapshot to revert to, provenance stamped on the nodes it makes; a pass
@@ -575,6 +604,7 @@ class PassManager:
         if not self._snapshot_fresh:
             with timing.phase("graph snapshots"):
                 self._snapshot = (copy.deepcopy(gm.graph), ctx.low_precision)
+        ctx.before_pass = self._snapshot[0]
         ctx.observer = ir.ProvenanceObserver(gm, p.name)
         try:
             with ctx.observer.active(), timing.phase("passes"):

@@ -62,6 +62,9 @@ class Report:
     # (graphopt.setup_memory.ConstantAccount.as_dict), "setup_peak_bytes", "setup_start_bytes",
     # "setup_peak_source": "measured" (torch.cuda.max_memory_allocated) or "account" (model + constants)}
     memory: dict | None = None
+    # the measured guard (graphopt.runtime.measured): the captured graph's, the optimized module's and
+    # the model's measured ms, which one calls run ("returned"), or why nothing was timed
+    speed: dict | None = None
     setup_peak_bytes: float | None = None  # memory["setup_peak_bytes"]
 
     # ------------------------------------------------------------------ data
@@ -98,6 +101,7 @@ class Report:
             "execution": self.execution,
             "memory": self.memory,
             "setup_peak_bytes": self.setup_peak_bytes,
+            "speed": self.speed,
         }
 
     def memory_summary(self) -> str:
@@ -209,17 +213,22 @@ class Report:
                  "unchanged": "dim"}
         if shown:
             table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-            for col, just in (("pass", "left"), ("status", "left"), ("rewrites", "right"), ("rejected", "right"),
-                              ("Δ predicted ms", "right"), ("peak MB", "right"), ("took", "right")):
+            timed = any("measured_ms" in p.details for p in shown)
+            cols = [("pass", "left"), ("status", "left"), ("rewrites", "right"), ("rejected", "right"),
+                    ("Δ predicted ms", "right")] + ([("Δ measured ms", "right")] if timed else []) + [
+                    ("peak MB", "right"), ("took", "right")]
+            for col, just in cols:
                 table.add_column(col, justify=just, no_wrap=True)
             for p in shown:
                 delta = (p.predicted_s_after - p.predicted_s_before) * 1e3
-                table.add_row(
-                    p.name, f"[{style.get(p.status, '')}]{p.status}[/]", str(len(p.rewrites)), str(len(p.rejected)),
-                    "0" if delta == 0 else f"{delta:+.3f}".replace("-", "−"),
-                    f"{p.peak_bytes_before / 1e6:.0f}→{p.peak_bytes_after / 1e6:.0f}",
-                    f"{p.seconds:.2f}s",
-                )
+                row = [p.name, f"[{style.get(p.status, '')}]{p.status}[/]", str(len(p.rewrites)), str(len(p.rejected)),
+                       "0" if delta == 0 else f"{delta:+.3f}".replace("-", "−")]
+                if timed:
+                    d = p.details
+                    row.append(f"{d['measured_ms'] - d['measured_before_ms']:+.3f}".replace("-", "−")
+                               if "measured_ms" in d else "")
+                row += [f"{p.peak_bytes_before / 1e6:.0f}→{p.peak_bytes_after / 1e6:.0f}", f"{p.seconds:.2f}s"]
+                table.add_row(*row)
             console.print(table)
         rest = len(self.passes) - len(shown)
         if rest:
@@ -264,6 +273,14 @@ class Report:
             console.print(f"[bold]accuracy[/bold] not checked: {acc.get('reason', '')}")
         if self.memory:
             console.print(f"[bold]set-up memory[/bold] {self.memory_summary()}")
+        if self.speed and self.speed.get("measured"):
+            s = self.speed
+            line = (f"[bold]measured[/bold] captured graph {s.get('captured_ms') or 0:.3f} ms → after the passes "
+                    f"{s.get('passes_ms') or 0:.3f} ms")
+            if s.get("model_ms") is not None:
+                line += (f"; the module {s.get('optimized_ms'):.3f} ms against the model as given "
+                         f"{s.get('model_ms'):.3f} ms: calls run {'the model' if s.get('returned') == 'model' else 'the module'}")
+            console.print(line + f" ({s.get('timing_s', 0):.1f} s of timing)")
         if self.measured:
             self._render_measured(console)
         if self.partition:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 
 MARGIN = 0.02
 
@@ -37,8 +38,16 @@ class Timing:
         return {"median_ms": self.median_s * 1e3, "reps": len(self.samples), "spread": self.spread}
 
 
-def slower(candidate: Timing, baseline: Timing, margin: float = MARGIN) -> bool:
-    return candidate.median_s > baseline.median_s * (1.0 + margin)
+def slower(candidate: Timing, baseline: Timing, margin: float | None = None) -> bool:
+    """Slower by more than ``margin`` (default MARGIN) at the median and, where both have samples,
+    at the fastest call too: interference from the rest of the machine only adds time, so a call
+    that is slow only at the median (a CPU shared with other work) is not taken for a loss."""
+    m = MARGIN if margin is None else margin
+    if candidate.median_s <= baseline.median_s * (1.0 + m):
+        return False
+    if candidate.samples and baseline.samples:
+        return min(candidate.samples) > min(baseline.samples) * (1.0 + m)
+    return True
 
 
 class Timer:
@@ -92,3 +101,70 @@ class Timer:
         self._sync()
         self.spent_s += time.perf_counter() - t0
         return [Timing(statistics.median(s), s) for s in samples]
+
+
+# ----------------------------------------------------------------------------- the guard
+
+
+def runnable(gm, flat_inputs: list, args: tuple, kwargs: dict, cuda_graphs):
+    """A no-argument callable that runs ``gm`` the way optimize()'s module would (CUDA-graph replay
+    where graphopt.runtime.cuda_graphs' decision allows it, outputs not cloned), on these inputs."""
+    from .cuda_graphs import lower
+
+    runner = lower(gm, flat_inputs, cuda_graphs=cuda_graphs, reuse_outputs=True)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return lambda: runner.call_flat(leaves, spec, args, kwargs)
+
+
+class MeasuredTime:
+    """A PassInstrument (graphopt.pipeline) that times the graph after every pass that changed it,
+    on the device it runs on, the way the returned module will run it (``make(gm)`` gives the
+    callable). A pass measured slower than the graph before it by more than ``margin`` — both graphs
+    timed in interleaved rounds — is undone; its result carries ``details["bisect"]``
+    so the PassManager tries its first rewrites alone. Each applied pass's result carries its
+    ``measured_ms`` beside the prediction. Timing stops, with a note, once ``budget_s`` is spent."""
+
+    needs_code = True
+
+    def __init__(self, make, timer: Timer, budget_s: float, margin: float | None = None):
+        self.make, self.timer, self.budget_s = make, timer, budget_s
+        self.margin = MARGIN if margin is None else margin
+        self.first: Timing | None = None  # the graph as the pipeline got it (the captured graph)
+        self.current: Timing | None = None
+        self.skipped: list[str] = []  # passes applied after the budget was spent
+
+    def enter(self, gm, ctx) -> None:
+        if self.first is None:
+            self.first = self.timer.time(self.make(gm))
+        if self.current is None:
+            self.current = self.first
+
+    def exit(self, gm, ctx) -> None:
+        pass
+
+    def run_before_pass(self, gm, p, ctx) -> None:
+        pass
+
+    def should_run(self, p, ctx):
+        return None
+
+    def run_after_pass(self, gm, p, ctx, res) -> str | None:
+        if res.status != "applied" or self.current is None:
+            return None
+        if self.timer.spent_s > self.budget_s or ctx.before_pass is None:
+            self.skipped.append(p.name)
+            return None
+        import torch.fx as fx
+
+        # the graph before the pass (on gm's constants, still all there) and after it, in interleaved
+        # rounds: a drift of the machine while they run lands on both alike
+        before, after = self.timer.compare(self.make(fx.GraphModule(gm, ctx.before_pass)), self.make(gm))
+        res.details["measured_ms"] = after.median_s * 1e3
+        res.details["measured_before_ms"] = before.median_s * 1e3
+        if slower(after, before, self.margin):
+            res.details["bisect"] = True
+            self.current = before
+            return (f"measured {after.median_s * 1e3:.3f} ms against {before.median_s * 1e3:.3f} ms before it "
+                    f"(predicted {(res.predicted_s_after - res.predicted_s_before) * 1e3:+.3f} ms)")
+        self.current = after
+        return None

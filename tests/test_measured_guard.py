@@ -1,0 +1,178 @@
+"""optimize()'s measured guard (graphopt.runtime.measured): every pass that changed the graph is
+timed on the device against the graph before it and undone when it measures slower (its first
+rewrites kept where they alone are faster); the module is timed against the model as given, which
+its calls run where the module is slower. The planted passes here are predicted gains that are
+really slow (a 256 x 256 x 2048 matmul per rewrite, multiplied by zero so the result is unchanged, against
+a model of about a millisecond): the margins are large enough that timing noise on a loaded CPU
+cannot hide them."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt import api, ir
+from graphopt.pipeline import Candidate, Pass, assemble
+from graphopt.runtime.measured import Timer, Timing, slower
+from tests.helpers import reference_check
+
+aten = torch.ops.aten
+
+
+class MLP(nn.Module):
+    def __init__(self, d=256, layers=6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.relu(lin(x))
+        return x
+
+
+class SlowRelu(Pass):
+    """relu(x) -> relu(x + 0 * sum(x @ W)) with a 256 x 2048 constant W: the same values, one big
+    matmul more per relu (of x, so nothing folds it away), claimed as a gain. ``fast``: the first rewrites (by predicted gain) only
+    spell relu as clamp_min(x, 0), which costs the same, so bisecting over the rewrites keeps them."""
+
+    name = "slow_relu_planted"
+    family = "fusion"
+
+    def __init__(self, fast: int = 0):
+        self.fast = fast
+
+    def run(self, gm, ctx):
+        res = self.result()
+        relus = [n for n in gm.graph.nodes if n.target is aten.relu.default]
+        w = ir.register_constant(gm, "planted_w", torch.randn(256, 2048))
+        cands = []
+        for i, n in enumerate(relus):
+            def apply(n=n, slow=i >= self.fast):
+                g = gm.graph
+                with g.inserting_before(n):
+                    if not slow:
+                        new = g.call_function(aten.clamp_min.default, (n.args[0], 0.0))
+                        n.replace_all_uses_with(new)
+                        g.erase_node(n)
+                        return new
+                    wn = g.get_attr(w)
+                    zero = g.call_function(aten.mul.Tensor, (g.call_function(aten.sum.default, (
+                        g.call_function(aten.mm.default, (n.args[0], wn)),)), 0.0))
+                    x = g.call_function(aten.add.Tensor, (n.args[0], zero))
+                n.args = (x,)
+                return x
+            cands.append(Candidate("planted: slow relu", [n], 1.0 - i * 1e-3, apply, label=f"relu #{i + 1}"))
+        res.apply_ranked(ctx, cands)
+        if res.changed:
+            ir.repropagate(gm)
+        return res
+
+
+def _with(planted):
+    def pipeline(passes=None, disable=None):
+        real = assemble(passes, disable)
+        return real[:1] + [planted] + real[1:]
+    return pipeline
+
+
+@pytest.fixture
+def mlp(monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_MEASURE_BUDGET_S", "60")  # a slow CI machine must not run out of it
+    torch.manual_seed(0)
+    return MLP().eval(), torch.randn(256, 256)
+
+
+@pytest.mark.parametrize("threads", [1, None])
+def test_a_pass_measured_slower_is_undone_and_the_others_show_their_time(mlp, monkeypatch, threads):
+    """On one thread and on all of them: the planted pass is undone with the measured times in its
+    note, every applied pass carries its measured time beside its prediction, the module is not
+    slower than the model as given, and its output passes the accuracy rule."""
+    model, x = mlp
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        monkeypatch.setattr(api, "assemble", _with(SlowRelu()))
+        opt = graphopt.optimize(model, (x,), measure=True)
+    finally:
+        torch.set_num_threads(before)
+    by = {r.name: r for r in opt.report.passes}
+    planted = by["slow_relu_planted"]
+    assert planted.status == "reverted" and any("measured" in n and "ms before it" in n for n in planted.notes)
+    assert not any(n.target is aten.mm.default for n in opt.graph_module.graph.nodes)
+    for r in opt.report.passes:
+        if r.status == "applied":
+            assert r.details["measured_ms"] > 0 and "measured_before_ms" in r.details
+    speed = opt.report.speed
+    assert speed["measured"] and speed["returned"] in ("optimized", "model") and speed["model_ms"] > 0
+    assert opt.report.to_json()  # the measured times serialize with the report
+    assert reference_check(model, opt.graph_module, (x,)).passed
+
+
+def test_within_a_pass_the_first_rewrites_that_are_not_slower_are_kept(mlp, monkeypatch):
+    """The pass's three highest-gain rewrites add nothing, the other three a matmul each: the whole
+    pass measures slower, the first half alone does not, so those are kept."""
+    from graphopt.runtime import measured
+
+    model, x = mlp
+    monkeypatch.setattr(measured, "MARGIN", 0.25)  # clamp_min for relu must not measure as a loss on a noisy CPU
+    monkeypatch.setattr(api, "assemble", _with(SlowRelu(fast=3)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a CPU shared with other work swings less on one thread
+    try:
+        opt = graphopt.optimize(model, (x,), measure=True, check_accuracy=False)
+    finally:
+        torch.set_num_threads(threads)
+    planted = opt.report.pass_result("slow_relu_planted")
+    assert planted.status == "applied" and len(planted.rewrites) == 3
+    assert any("kept its first 3 of 6 rewrites" in n for n in planted.notes), planted.notes
+    assert not any(n.target is aten.mm.default for n in opt.graph_module.graph.nodes)
+
+
+def test_a_module_slower_than_the_model_runs_the_model(mlp, monkeypatch):
+    """Where even the result is slower than the model as given (here the guard's per-pass timing is
+    out of budget, so the planted pass stays), the module's calls run the model itself."""
+    model, x = mlp
+    monkeypatch.setattr(api, "assemble", _with(SlowRelu()))
+    monkeypatch.setenv("GRAPHOPT_MEASURE_BUDGET_S", "0")
+    opt = graphopt.optimize(model, (x,), measure=True, check_accuracy=False)
+    assert opt.report.pass_result("slow_relu_planted").status == "applied"
+    assert opt.report.speed["returned"] == "model" and "slow_relu_planted" in opt.report.speed["not_timed_passes"]
+    assert any("calls run the model as given" in n for n in opt.report.notes)
+    with torch.no_grad():
+        assert torch.equal(opt(x), model(x))
+
+
+def test_measure_off_and_where_it_cannot_apply(mlp, monkeypatch):
+    model, x = mlp
+    monkeypatch.setattr(api, "assemble", _with(SlowRelu()))
+    opt = graphopt.optimize(model, (x,), measure=False, check_accuracy=False)
+    assert opt.report.pass_result("slow_relu_planted").status == "applied"
+    assert opt.report.speed == {"measured": False, "note": "not measured (measure=False)"}
+    planned = graphopt.optimize(model, (x,), target="h200", measure=True, check_accuracy=False)
+    assert not planned.report.speed["measured"] and "planned for h200" in planned.report.speed["note"]
+    with pytest.raises(graphopt.GraphoptError, match="measure must be"):
+        graphopt.optimize(model, (x,), measure="sometimes")
+
+
+def test_the_margin_and_the_interleaved_rounds():
+    assert slower(Timing(1.03), Timing(1.0)) and not slower(Timing(1.01), Timing(1.0))
+    # slow at the median only (the machine busy with other work): not a loss
+    assert not slower(Timing(1.5, [1.0, 1.5, 2.0]), Timing(1.0, [1.0, 1.0, 1.0]))
+    assert slower(Timing(1.5, [1.4, 1.5, 2.0]), Timing(1.0, [0.9, 1.0, 1.1]))
+    t = Timer("cpu", warmup=1, min_reps=3, max_reps=3)
+    calls = []
+    a, b = t.compare(lambda: calls.append("a"), lambda: calls.append("b"))
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then interleaved rounds
+    assert len(a.samples) == len(b.samples) == 3 and t.spent_s > 0
+
+
+def test_explain_shows_the_measured_times(mlp, monkeypatch, capsys):
+    from rich.console import Console
+
+    model, x = mlp
+    monkeypatch.setattr(api, "assemble", _with(SlowRelu()))
+    report = graphopt.optimize(model, (x,), measure=True, check_accuracy=False).report
+    report.render(Console(width=160, force_terminal=False))
+    out = capsys.readouterr().out
+    assert "Δ measured ms" in out and "measured captured graph" in out and "against the model as given" in out

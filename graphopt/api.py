@@ -566,7 +566,8 @@ def _optimize(model, example_inputs, *, device, target, passes, disable, trainin
     profile, profile_note = get_profile(target if target is not None else model_dev)
     run_profile = profile  # the device as it runs eager kernels: the execution-time predictions use it
     if (cuda_graphs is not False and not training and not dynamic and profile.kind == "cuda"
-            and model_dev.type == "cuda" and profile.launch_overhead_graph_s < profile.launch_overhead_s):
+            and model_dev.type in ("cuda", "meta") and profile.launch_overhead_graph_s < profile.launch_overhead_s):
+        # (a model on meta is shapes only, planned for the target: as it would run there)
         # static-shape inference on a GPU replays a CUDA graph when it pays (graphopt.runtime.cuda_graphs): plan
         # the rewrites with the launch cost a replay leaves, where kernels' device time is what counts
         import dataclasses

@@ -260,6 +260,8 @@ PIPELINE: tuple[str, ...] = (
     "fuse_rms_norm",
     "fuse_layer_norm",
     "fuse_rotary",
+    "fuse_cache_write",
+    "merge_increments",
     "fuse_swiglu",
     "fuse_bias_act",
     "fuse_elementwise",

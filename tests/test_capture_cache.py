@@ -96,8 +96,10 @@ def test_optimize_leaves_the_callers_decode_inputs_untouched(kind):
 
 def test_static_decode_step_keeps_its_cache_writes_in_place():
     """Captured: one index_copy_ per layer's keys and values and one add_ per position counter,
-    into the inputs themselves; optimized (planned for the H200): the same writes, SDPA reading
-    the written cache itself with enable_gqa (no repeat_kv copy), no functional copy of a cache."""
+    into the inputs themselves; optimized (planned for the H200): the same inputs written as
+    often (the rotary and both cache writes fused into rotary_cache_write, the position adds into
+    one _foreach_add_), SDPA reading the written caches themselves with enable_gqa (no repeat_kv
+    copy), no functional copy of a cache."""
     model = _model()
     inputs = _static_step(model, max_len=24)
     layers = model.config.num_hidden_layers
@@ -119,9 +121,14 @@ def test_static_decode_step_keeps_its_cache_writes_in_place():
     assert big == []  # nothing the size of a cache is made per step
     sdpas = [n for n in g.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
     assert len(sdpas) == layers
+    writer = {root: n for n, root in ir.input_mutations(g)}
     for sd in sdpas:
         assert sd.kwargs.get("enable_gqa") is True and sd.args[3] is not None
-        assert [a.target for a in sd.args[1:3]] == [aten.index_copy_.default] * 2
+        # the caches themselves, written by the fused rotary + cache write whose rotated q it reads
+        roots = [ir.alias_root(a) for a in sd.args[1:3]]
+        assert all(r.op == "placeholder" for r in roots)
+        assert writer[roots[0]] is writer[roots[1]] is sd.args[0]
+        assert ir.target_name(sd.args[0]) == "rotary_cache_write"
         assert tuple(sd.args[0].meta["val"].shape)[2] == 1  # q [B, H, 1, D] against the whole cache
     # run on a copy: the copy's cache is written in place, one position further
     mine = copy.deepcopy(inputs)

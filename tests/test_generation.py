@@ -143,6 +143,24 @@ def test_replayed_decode_steps_on_the_emulated_backend():
     assert stats["replays"] == 30 and not stats["fallbacks"], stats
 
 
+@pytest.mark.parametrize("family", ["llama", "glm4"])
+def test_the_gpu_plan_replayed_on_the_emulated_backend(family):
+    """The decode step as planned for the H200 (fused rotary + cache writes, the position
+    increments merged into one _foreach_add_; the graphopt ops run their references here),
+    replayed through the emulated CUDA-graph runner: HF's tokens, one capture, every later step
+    a replay bound to the caches the fused op writes."""
+    model, gen = _setup(family, target="h200", cuda_graphs=True, graph_backend="emulate")
+    ids = _prompts()
+    out = gen.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(out, _hf(model, ids, max_new_tokens=16, eos_token_id=None))
+    state = gen.decode_state(2)
+    layers = model.config.num_hidden_layers
+    writes = sorted(ir.target_name(n) for n, _ in ir.input_mutations(state.module.graph_module))
+    assert writes == sorted(["rotary_cache_write"] * 2 * layers + ["_foreach_add_.Scalar"] * layers)
+    assert state.runner.stats["captures"] == 1 and state.runner.stats["replays"] == 14
+    assert len(state.runner.bound_inputs) == 3 * layers
+
+
 def test_generator_leaves_the_model_and_inputs_alone():
     model = decoders.build(decoders.tiny_config("gpt2"), seed=0).train()
     state = {k: v.clone() for k, v in model.state_dict().items()}

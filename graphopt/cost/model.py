@@ -348,6 +348,11 @@ class CostModel:
             return 0, 0, 0, "free"
         name = _op_name(node)
         outs = ir.infos(node)
+        if not outs and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            # an in-place op that returns nothing (_foreach_add_): one kernel reading and writing what it writes
+            written = [i for i in (ir.info(w) for w in ir.written_args(node)) if i is not None]
+            if written:
+                return sum(w.numel for w in written), 2 * sum(w.nbytes for w in written), 1, "pointwise"
         if not outs:
             return 0, 0, 0, "free"
         if _namespace(node) == op_costs.NAMESPACE:  # our ops price themselves (graphopt.cost.ops)

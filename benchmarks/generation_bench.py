@@ -292,6 +292,8 @@ class Graphopt:
             self._gens.clear()
             gc.collect()
             opts = {"check_accuracy": not self.args.no_accuracy, "prefill": "graphopt"}
+            if self.args.target:
+                opts["target"] = self.args.target
             self._gens[length] = graphopt.optimize_generation(
                 self.model, max_batch_size=max(self.args.batches + [self.args.prefill_batch, 1]), max_length=length,
                 **opts)
@@ -475,6 +477,8 @@ def main(argv=None) -> Path:
     p.add_argument("--prefill-batch", type=int, default=1)
     p.add_argument("--prefill-reps", type=int, default=5)
     p.add_argument("--no-accuracy", action="store_true", help="optimize without graphopt's fp64 accuracy guard")
+    p.add_argument("--target", default=None, help="graphopt's cost profile (a name or a profile JSON, e.g. the "
+                   "h200_decode_fit.json diag_decode_gemm.py writes); default: the device's")
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip the rows left after this many seconds")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -511,7 +515,8 @@ def main(argv=None) -> Path:
     meta = {"date": stamp, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "device": str(device), "versions": versions(), "model": type(model).__name__ if args.tiny else args.model,
             "layers": model.config.num_hidden_layers, "params_b": n_params / 1e9, "dtype": str(dtype).replace("torch.", ""),
-            "copy_gbps": bw / 1e9, "kv_bytes_per_token": kv_tok, "steps": args.steps, "argv": sys.argv[1:] if argv is None else argv}
+            "copy_gbps": bw / 1e9, "kv_bytes_per_token": kv_tok, "steps": args.steps, "argv": sys.argv[1:] if argv is None else argv,
+            "target": args.target}
     rows: list = []
 
     def write():

@@ -117,7 +117,12 @@ class OptimizedModule(nn.Module):
                                     "outputs " + outs)
             except GraphoptError:
                 pass
-        self._predict_execution(decision.on, reuse_outputs)
+        graphed = decision.on
+        if not graphed and self.report.device == "meta" and any("planned for CUDA-graph replay" in n
+                                                                for n in self.report.notes):
+            graphed = True  # shapes only, planned for a GPU target: predicted as the target would replay it
+            note += "; predicted as the target replays it"
+        self._predict_execution(graphed, reuse_outputs)
         if self._lower_note in self.report.notes:
             self.report.notes.remove(self._lower_note)
         self.report.notes.append(note)

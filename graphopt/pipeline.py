@@ -282,6 +282,7 @@ PIPELINE: tuple[str, ...] = (
     "lower_decode_attention",
     "lower_split_k",
     "lower_gemm_swiglu",
+    "lower_gemv",
 )
 
 

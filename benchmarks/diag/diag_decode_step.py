@@ -220,7 +220,10 @@ def main(argv=None):
     p.add_argument("--past", type=int, default=1024)
     p.add_argument("--steps", type=int, default=50, help="timed steps (median)")
     p.add_argument("--replays", type=int, default=3, help="replays profiled")
-    p.add_argument("--target", default="h200", help="cost profile for the predicted breakdown")
+    p.add_argument("--target", default="h200", help="cost profile for the predicted breakdown (a name or a JSON)")
+    p.add_argument("--profile-for-plan", action="store_true",
+                   help="optimize with --target too (e.g. the h200_decode_fit.json diag_decode_gemm.py writes), not "
+                        "the device's profile")
     p.add_argument("--no-accuracy", action="store_true")
     p.add_argument("--device", default=None)
     p.add_argument("--out", required=True)
@@ -235,8 +238,9 @@ def main(argv=None):
     bw = copy_bandwidth(device)
     fl = floors(model, args.batch, args.past, bw)
     room = args.steps + 4 * (args.replays + 8) + 16
+    opts = {"target": args.target} if args.profile_for_plan else {}
     gen = graphopt.optimize_generation(model, max_batch_size=args.batch, max_length=args.past + room,
-                                       check_accuracy=not args.no_accuracy)
+                                       check_accuracy=not args.no_accuracy, **opts)
     state = gen.decode_state(args.batch)
     opt, runner = state.module, state.runner
     print(f"[{time.perf_counter() - t0:6.1f}s] optimized: {runner.decision.note()}", flush=True)

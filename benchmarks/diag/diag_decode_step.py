@@ -50,7 +50,7 @@ from _timing import graph_us_per_call, write_rows  # noqa: E402
 
 # kernel name -> type, first match wins
 KERNEL_TYPES = [
-    ("gemm split-K reduce", r"splitKreduce|split_k_reduce|reduce_splitk"),
+    ("gemm split-K reduce", r"splitKreduce|split_k_reduce|reduce_splitk|gemv_reduce"),
     ("attention", r"decode_split|decode_combine|flash|fmha|attention|sdpa|cudnn"),
     ("rotary + cache write", r"rotary_cache"),
     ("rotary", r"rotary"),
@@ -169,19 +169,21 @@ def profile_kernels(fn, device, replays: int) -> tuple[list, float]:
 def linear_nodes(gm) -> list:
     """(node name, N, K, weight bytes) of every GEMM node in graph order (aten linear/mm/addmm)."""
     aten = torch.ops.aten
+    gemv = torch.ops.graphopt.gemv.default
+    linear_like = (aten.linear.default, gemv)
     out = []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in (aten.linear.default, aten.mm.default, aten.addmm.default,
+        if n.op != "call_function" or n.target not in (*linear_like, aten.mm.default, aten.addmm.default,
                                                        aten.matmul.default):
             continue
-        w = n.args[1] if n.target in (aten.linear.default, aten.mm.default, aten.matmul.default) else n.args[2]
+        w = n.args[1] if n.target in (*linear_like, aten.mm.default, aten.matmul.default) else n.args[2]
         wv = w.meta.get("val") if hasattr(w, "meta") else None
         if not isinstance(wv, torch.Tensor) or wv.dim() != 2:
             continue
         nbytes = wv.numel() * wv.element_size()
-        if n.target is aten.linear.default and len(n.args) > 2 and n.args[2] is not None:
+        if n.target in linear_like and len(n.args) > 2 and n.args[2] is not None:
             nbytes += n.args[2].meta["val"].numel() * wv.element_size()
-        N, K = (wv.shape[0], wv.shape[1]) if n.target is aten.linear.default else (wv.shape[1], wv.shape[0])
+        N, K = (wv.shape[0], wv.shape[1]) if n.target in linear_like else (wv.shape[1], wv.shape[0])
         out.append((n.name, int(N), int(K), int(nbytes)))
     return out
 
@@ -266,12 +268,14 @@ def main(argv=None):
     token_ms = median_ms(token_step, device, args.steps)
     reset()
     rows = [{"kind": "meta", "model": "tiny-llama" if args.tiny else args.model, "layers": layers,
+             "planned_with": args.target if args.profile_for_plan else "the device's profile",
              "batch": args.batch, "past": args.past, "copy_gbps": bw / 1e9, "device": str(device),
              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
              "torch": torch.__version__, "cuda_graph": runner.decision.note(), "step_ms": step_ms,
              "token_ms": token_ms, "replays": runner.stats["replays"], **fl}]
     lines = [f"# Decode step breakdown: {rows[0]['model']} ({layers} layers), batch {args.batch}, past {args.past}", "",
-             f"{rows[0]['gpu']} · torch {torch.__version__} · copy {bw / 1e9:.0f} GB/s · {runner.decision.note()}", "",
+             f"{rows[0]['gpu']} · torch {torch.__version__} · copy {bw / 1e9:.0f} GB/s · planned with "
+             f"{rows[0]['planned_with']} · {runner.decision.note()}", "",
              f"- step (one replay): **{step_ms:.3f} ms**; with generate()'s per-token host work: {token_ms:.3f} ms",
              f"- floor: weights {fl['floor_weights_ms']:.3f} ms + KV = **{fl['floor_ms']:.3f} ms**; "
              f"step / floor = **{step_ms / fl['floor_ms']:.3f}x** (issue 28: <= 1.15x); "

@@ -6,6 +6,7 @@ torch.compile(mode="reduce-overhead", fullgraph=True), in one process, random bf
     python benchmarks/generation_bench.py --model glm4-9b                   # GLM-4-9B shape, 40 layers (GPU)
     python benchmarks/generation_bench.py --model llama3-8b --full          # batch 1/8/32 x past 128/1024/4096
     python benchmarks/generation_bench.py --tiny --device cpu --out /tmp/gb  # CPU dry run, seconds
+    python benchmarks/generation_bench.py --target OUT/h200_decode_fit.json  # graphopt planned with a fitted profile
 
 Measures, for each variant:
 - ms per decode step (median of --steps steps after warm-up; a step is the model call and the

@@ -638,7 +638,7 @@ def mutation_signature(gm: fx.GraphModule) -> dict:
     return sig
 
 
-def _reads_result_of(n: fx.Node, m: fx.Node) -> bool:
+def reads_result_of(n: fx.Node, m: fx.Node) -> bool:
     """``n`` reads ``m``'s result (``m`` itself, or an element of its tuple)."""
     return any(a is m or (a.op == "call_function" and a.target is operator.getitem and a.args[0] is m)
                for a in n.all_input_nodes)
@@ -676,7 +676,7 @@ def mutation_order_violation(gm: fx.GraphModule) -> str | None:
             for pm in writes[root]:
                 if px < pm < pn:
                     m = at[pm]
-                    if _returns_alias_of(m) is None and _reads_result_of(n, m):
+                    if _returns_alias_of(m) is None and reads_result_of(n, m):
                         continue
                     return (f"{n.name} ({target_name(n)}) reads {x.name}, a value of {root.name} from before "
                             f"{m.name} ({target_name(m)}) writes it")

@@ -173,7 +173,7 @@ class FuseCacheWrite(Pass):
                     return f"{n.name} writes the start position between the op's place and the positions", None
         for w in (ick, icv):
             for u in w.users:
-                if u.op != "output" and not ir._reads_result_of(u, rot) and q_r not in u.all_input_nodes:
+                if u.op != "output" and not ir.reads_result_of(u, rot) and q_r not in u.all_input_nodes:
                     return (f"{u.name} ({ir.target_name(u)}) reads the written cache but not the rotated q: "
                             "nothing would order it after the write"), None
         dead = _feeders(idx, {ick, icv}, start) if start is not None else []

@@ -55,7 +55,7 @@ class MergeIncrements(Pass):
                 res.reject(n.name, why)
                 continue
             groups.setdefault(key, []).append(n)
-        if ctx.profile.kind != "cuda":
+        if not ctx.fused_kernels:  # a CPU profile
             if any(len(g) > 1 for g in groups.values()):
                 res.reject_all([n.name for g in groups.values() for n in g],
                                "on a CPU the foreach op is the same loop of adds: nothing to save")

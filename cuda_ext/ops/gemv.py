@@ -6,7 +6,8 @@ fp32 partial sums and the bias, rounding once).
 Replaces ``aten.linear`` where ``lower_gemv`` finds it pays: priced with the profile's
 ``op_efficiency["gemv"]`` (its measured bandwidth fraction and fixed time) against cuBLAS at the
 same M priced with ``op_efficiency["small_m_linear"]``; both are measured by
-``benchmarks/diag/diag_decode_gemm.py``. fp16/bf16 on CUDA; other dtypes and more rows run the
+``benchmarks/diag/diag_decode_gemm.py``. Unmeasured, it is priced as cuBLAS is (plus its partial
+sums), so it is never chosen on a guess. fp16/bf16 on CUDA; other dtypes and more rows run the
 reference (``F.linear`` in fp32).
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..registry import define_op
 
 SCHEMA = "gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 EFFICIENCY = "gemv"  # the op_efficiency key it is priced with
+CUBLAS_SMALL_M = "small_m_linear"  # cuBLAS's at the same M (graphopt.cost.model.SMALL_M_LINEAR)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -54,7 +56,9 @@ def cuda_impl(x, weight, bias):
 
 def cost(call, profile):
     """The weight, x, y and the bias once, plus the fp32 partial sums written and read back when K
-    is split (two launches then); priced at the profile's "gemv" efficiency where it is measured."""
+    is split (two launches then); priced at the profile's "gemv" efficiency where it is measured,
+    else as cuBLAS at the same M (its "small_m_linear" entry, or any matmul's): an unmeasured GEMV
+    is never predicted faster than cuBLAS."""
     x, w, b = call.info("x"), call.info("weight"), call.info("bias")
     M, N, K = rows(x), w.shape[0], w.shape[1]
     nbytes = w.nbytes + x.nbytes + call.outputs[0].nbytes + (b.nbytes if b is not None else 0)
@@ -67,7 +71,9 @@ def cost(call, profile):
     except TypeError:  # symbolic sizes: one pass
         pass
     extra = (launches - 1) * profile.kernel_fixed_s if profile is not None else 0.0
-    return OpCost(2 * M * N * K, nbytes, launches=launches, kind="matmul", efficiency=EFFICIENCY, extra_s=extra)
+    table = profile.op_efficiency if profile is not None else {}
+    efficiency = next((k for k in (EFFICIENCY, CUBLAS_SMALL_M) if k in table), "matmul")
+    return OpCost(2 * M * N * K, nbytes, launches=launches, kind="matmul", efficiency=efficiency, extra_s=extra)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

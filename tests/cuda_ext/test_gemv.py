@@ -78,7 +78,11 @@ def test_cost_adds_the_partials_when_k_is_split():
     n.meta["val"] = torch.empty(1, 1, 4096, dtype=torch.bfloat16, device="meta")
     c = op.cost(op_call(n), prof)
     assert c.launches == 2 and c.bytes == 4096 * 4096 * 2 + 2 * 4096 * 2 + 2 * 5 * 4096 * 4
-    assert c.efficiency == "gemv"
+    # priced as cuBLAS until measured, then at its own measured rate
+    assert c.efficiency == "matmul"
+    assert op.cost(op_call(n), prof.with_efficiency("small_m_linear", {"memory_scale": 0.8})).efficiency == \
+        "small_m_linear"
+    assert op.cost(op_call(n), prof.with_efficiency("gemv", {"memory_scale": 0.9})).efficiency == "gemv"
 
 
 @pytest.mark.parametrize("bad,match", [

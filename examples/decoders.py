@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "tiny_config", "llama3_8b_config", "glm4_9b_config", "build", "decode_step",
-           "llama3_8b_decode", "glm4_9b_decode", "tiny_decode"]
+__all__ = ["FAMILIES", "tiny_config", "llama3_8b_config", "glm4_9b_config", "build", "cache_arg", "returned_cache",
+           "decode_step", "llama3_8b_decode", "glm4_9b_decode", "tiny_decode"]
 
 FAMILIES = ("glm4", "llama", "qwen2", "mistral", "gpt2")
 
@@ -77,6 +77,22 @@ def build(config, *, dtype=torch.float32, device="cpu", seed: int = 0):
     return model.eval()
 
 
+def cache_arg(model) -> str:
+    """The name ``model.forward`` (a model or its class) takes its KV cache under: ``cache``
+    (transformers 5.24) or ``past_key_values`` (5.17, before the rename)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(output):
+    """The cache a model call returned (``output.cache``, or ``output.past_key_values`` on
+    transformers that name it so)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 def decode_step(config, *, batch: int = 1, past: int = 1024, room: int = 256, dtype=torch.bfloat16, device=None,
                 seed: int = 0):
     """``(module, example_inputs)`` of one decode step as graphopt.optimize_generation optimizes
@@ -94,8 +110,9 @@ def decode_step(config, *, batch: int = 1, past: int = 1024, room: int = 256, dt
     length = past + room
     cache = StaticCache(config=model.config, max_cache_len=length)
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    arg = cache_arg(model)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **{arg: cache})
     for layer in cache.layers:
         if device != "meta":
             for t in (layer.keys, layer.values):
@@ -104,7 +121,7 @@ def decode_step(config, *, batch: int = 1, past: int = 1024, room: int = 256, dt
     inputs = {"input_ids": torch.randint(3, config.vocab_size, (batch, 1)).to(device),
               "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device),
               "position_ids": torch.full((batch, 1), past, dtype=torch.long, device=device), "cache": cache}
-    return LogitsStep(model, "cache", {"logits_to_keep": 1}), inputs
+    return LogitsStep(model, arg, {"logits_to_keep": 1}), inputs
 
 
 def llama3_8b_decode():

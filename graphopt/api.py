@@ -113,7 +113,12 @@ class OptimizedModule(nn.Module):
             note = note[:-1] + (f"; replays 1 graph instead of {launches} kernel launches, predicted "
                                 f"-{launch_savings_s(launches, profile) * 1e3:.3f} ms launch overhead; "
                                 "outputs " + outs)
-        self._predict_execution(decision.on, reuse_outputs)
+        graphed = decision.on
+        if not graphed and self.report.device == "meta" and any("planned for CUDA-graph replay" in n
+                                                                for n in self.report.notes):
+            graphed = True  # shapes only, planned for a GPU target: predicted as the target would replay it
+            note += "; predicted as the target replays it"
+        self._predict_execution(graphed, reuse_outputs)
         if self._lower_note in self.report.notes:
             self.report.notes.remove(self._lower_note)
         self.report.notes.append(note)
@@ -684,7 +689,8 @@ def _plan_profile(opts: OptimizeOptions, model_dev: torch.device) -> _Planning:
     profile, note = get_profile(opts.target if opts.target is not None else model_dev)
     run_profile = profile  # the device as it runs eager kernels: the execution-time predictions use it
     if (opts.cuda_graphs is not False and not opts.training and not opts.dynamic and profile.kind == "cuda"
-            and model_dev.type == "cuda" and profile.launch_overhead_graph_s < profile.launch_overhead_s):
+            and model_dev.type in ("cuda", "meta") and profile.launch_overhead_graph_s < profile.launch_overhead_s):
+        # (a model on meta is shapes only, planned for the target: as it would run there)
         # static-shape inference on a GPU replays a CUDA graph when it pays (graphopt.runtime.cuda_graphs): plan
         # the rewrites with the launch cost a replay leaves, where kernels' device time is what counts
         eager_launch = profile.launch_overhead_s

@@ -79,7 +79,8 @@ class DecodeState:
     generator's; the decode step's inputs ``input_ids`` [B, 1], ``position_ids`` [B, 1] and
     ``attention_mask`` [B, max_length], updated in place between steps; ``step()``, one decode
     step on them (logits [B, 1, V]; it writes the keys/values at the cache's position and advances
-    it); ``module``, the optimized step (its ``.report``); ``runner``, what replays it."""
+    it; it runs under ``torch.no_grad()`` whatever the caller's grad mode, so it replays the CUDA
+    graph); ``module``, the optimized step (its ``.report``); ``runner``, what replays it."""
 
     def __init__(self, batch: int):
         self.batch = batch
@@ -275,11 +276,20 @@ class Generator:
                        bind_inputs=True, backend=self.graph_backend)
         opt.report.notes.append(f"generation: {runner.decision.note()}")
         slot.module = opt
-        slot.step = runner.fixed_call(flat, ("decode", slot.batch), (), inputs)
+        call = runner.fixed_call(flat, ("decode", slot.batch), (), inputs)
+
+        def step():
+            # grad mode off whoever calls: a grad-enabled call would run the graph eagerly (the
+            # runner replays only calls that record no autograd history)
+            with torch.no_grad():
+                return call()
+
+        slot.step = step
         slot.runner = runner
 
     # ------------------------------------------------------------------ generate
 
+    @torch.no_grad()
     def decode_state(self, batch: int) -> DecodeState:
         """The :class:`DecodeState` of ``batch`` rows; its decode step is optimized now if no
         generate() has used this batch size yet."""

@@ -659,17 +659,25 @@ def mutated_flat_inputs(gm: fx.GraphModule, flat: list) -> set[int]:
 
 
 def mutation_signature(gm: fx.GraphModule) -> dict:
-    """{(input name, op): count} of the graph's in-place writes into its inputs (placeholders):
-    what every pass must leave as it is (a write dropped, or redirected into a copy, changes it).
-    Writes into attributes (a training graph's BatchNorm statistics) are the checkpointing
+    """{input name: number of nodes writing it} of the graph's in-place writes into its inputs
+    (placeholders): what every pass must leave as it is (a write dropped, or redirected into a
+    copy, changes it). The op doing a write may change (a fused op writing a KV cache in place of
+    index_copy_, one _foreach_add_ in place of several add_), the inputs written and how often may
+    not. Writes into attributes (a training graph's BatchNorm statistics) are the checkpointing
     passes' business and not counted."""
     sig: dict = {}
     for n, root in input_mutations(gm):
         if root.op != "placeholder":
             continue
-        key = (str(root.target), target_name(n))
+        key = str(root.target)
         sig[key] = sig.get(key, 0) + 1
     return sig
+
+
+def reads_result_of(n: fx.Node, m: fx.Node) -> bool:
+    """``n`` reads ``m``'s result (``m`` itself, or an element of its tuple)."""
+    return any(a is m or (a.op == "call_function" and a.target is operator.getitem and a.args[0] is m)
+               for a in n.all_input_nodes)
 
 
 def mutation_order_violation(gm: fx.GraphModule) -> str | None:
@@ -677,7 +685,10 @@ def mutation_order_violation(gm: fx.GraphModule) -> str | None:
     writes input R,
     every later node must read R through M's result (or a view made after M); a later node that
     reads a value of R made before M would see M's write where the captured graph did not (a pass
-    that moved a read, or made a new reader of an input, after its mutation)."""
+    that moved a read, or made a new reader of an input, after its mutation). A custom op cannot
+    return an alias of what it writes (``graphopt::rotary_cache_write`` writes a KV cache and
+    returns the rotated q): a node reading R after such an M also reads M's result, which puts it
+    after M in every order, and reads what M wrote."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     memo: dict = {}
     writes: dict = {}  # input -> positions of the nodes writing into it
@@ -688,6 +699,7 @@ def mutation_order_violation(gm: fx.GraphModule) -> str | None:
                 writes.setdefault(root, []).append(order[n])
     if not writes:
         return None
+    at = {i: n for n, i in order.items()}
     for n in gm.graph.nodes:
         if n.op == "output":
             continue  # returns the tensors themselves: their final state, as eager returns them
@@ -699,7 +711,9 @@ def mutation_order_violation(gm: fx.GraphModule) -> str | None:
             px = order[x]
             for pm in writes[root]:
                 if px < pm < pn:
-                    m = next(k for k, v in order.items() if v == pm)
+                    m = at[pm]
+                    if _returns_alias_of(m) is None and reads_result_of(n, m):
+                        continue
                     return (f"{n.name} ({target_name(n)}) reads {x.name}, a value of {root.name} from before "
                             f"{m.name} ({target_name(m)}) writes it")
     return None

@@ -307,6 +307,8 @@ PIPELINE: tuple[str, ...] = (
     "fuse_rms_norm",
     "fuse_layer_norm",
     "fuse_rotary",
+    "fuse_cache_write",
+    "merge_increments",
     "fuse_swiglu",
     "fuse_bias_act",
     "fuse_elementwise",
@@ -327,6 +329,7 @@ PIPELINE: tuple[str, ...] = (
     "lower_decode_attention",
     "lower_split_k",
     "lower_gemm_swiglu",
+    "lower_gemv",
 )
 
 

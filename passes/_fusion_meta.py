@@ -87,3 +87,8 @@ def conv_pair(v, default):
         return [v, v]
     v = list(v)
     return v * 2 if len(v) == 1 else v
+
+
+def nbytes(ti: ir.TensorInfo, hints) -> float:
+    """Bytes of a tensor at the example sizes (what a rewrite that copies it stores)."""
+    return ir.concrete(ti.nbytes, hints)

@@ -23,6 +23,8 @@ from graphopt import ir
 from graphopt.cost.model import is_channels_last
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
+from ._fusion_meta import nbytes
+
 aten = torch.ops.aten
 
 

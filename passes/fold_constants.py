@@ -2,8 +2,9 @@
 optimization time, and store the result as a buffer.
 
 Never folds random or uninitialised-memory ops, never in training mode across a trainable
-parameter (its gradient would be lost), and refuses to store a large constant that is much
-bigger than what it is computed from (an ``expand`` turned into memory).
+parameter (its gradient would be lost), never on meta (a constant there holds no values), and
+refuses to store a large constant that is much bigger than what it is computed from (an
+``expand`` turned into memory).
 
 Also removes ``cat`` of an empty constant and one other operand (Hugging Face's KV cache appending
 the new keys and values to an empty past), where the result is exactly that operand.
@@ -98,6 +99,11 @@ class FoldConstants(Pass):
                     res.reject(f"{root.name}", f"reads trainable parameter {trainable[0]} in a training graph")
                     continue
             out_info = ir.info(root)
+            if out_info is not None and out_info.device.type == "meta":
+                # shapes only: a folded constant would hold no values, and later passes that read
+                # constants (the cache positions an arange makes) could prove nothing from it
+                res.reject(root.name, "on meta: a constant there holds no values; kept as the ops that make it")
+                continue
             src_bytes = sum(ir.concrete(ir.info(s).nbytes) for s in sources if ir.info(s) is not None)
             out_bytes = ir.concrete(out_info.nbytes, ctx.hints)
             if out_bytes > LARGE_BYTES and out_bytes > 2 * src_bytes:

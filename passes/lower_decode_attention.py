@@ -126,9 +126,9 @@ def kv_index_offset(node, L: int, depth: int = 8) -> int | None:
 
 def _constant_offset(value, L: int) -> int | None:
     """c when the integer tensor ``value`` [..., L] holds j + c at index j of its last dim everywhere."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] != L \
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] != L or value.is_meta \
             or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        return None
+        return None  # (a constant on meta has no values to prove anything from)
     d = value.reshape(-1, L).to(torch.int64) - torch.arange(L, device=value.device)
     c = d.flatten()[0]
     return int(c) if bool((d == c).all()) else None

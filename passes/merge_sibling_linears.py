@@ -28,7 +28,7 @@ from graphopt import ir
 from graphopt.matcher import Any, Attr, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import set_meta
+from ._fusion_meta import nbytes, set_meta
 
 aten = torch.ops.aten
 

@@ -9,6 +9,13 @@ os.environ.setdefault("GRAPHOPT_CACHE_DIR", os.path.join(os.path.dirname(__file_
 os.environ.setdefault("GRAPHOPT_MEASURE", "0")
 
 
+def pytest_configure(config):
+    # failure reports show captured log records from INFO up: torch.export's structured trace
+    # logger ("torch.__trace") writes a DEBUG record per traced op, which buried the assertion
+    if config.getoption("log_level", None) is None and not config.getini("log_level"):
+        config.option.log_level = "INFO"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -16,6 +16,15 @@ from graphopt.runtime.cuda_graphs import lower
 aten = torch.ops.aten
 
 
+def _cache_arg():
+    from transformers import LlamaForCausalLM
+
+    return decoders.cache_arg(LlamaForCausalLM)  # "cache", or "past_key_values" on transformers 5.17
+
+
+CACHE = _cache_arg()
+
+
 def _model(family="llama", attn="sdpa"):
     return decoders.build(decoders.tiny_config(family, attn=attn), seed=0)
 
@@ -26,27 +35,27 @@ def _static_step(model, batch=2, prompt=5, max_len=24):
 
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     with torch.no_grad():
-        model(torch.randint(3, 256, (batch, prompt)), cache=cache, use_cache=True)
-    return {"input_ids": torch.randint(3, 256, (batch, 1)), "cache": cache, "use_cache": True}
+        model(torch.randint(3, 256, (batch, prompt)), use_cache=True, **{CACHE: cache})
+    return {"input_ids": torch.randint(3, 256, (batch, 1)), CACHE: cache, "use_cache": True}
 
 
 def _dynamic_step(model, batch=2, prompt=5):
     with torch.no_grad():
-        cache = model(torch.randint(3, 256, (batch, prompt)), use_cache=True).cache
-    return {"input_ids": torch.randint(3, 256, (batch, 1)), "cache": cache, "use_cache": True}
+        cache = decoders.returned_cache(model(torch.randint(3, 256, (batch, prompt)), use_cache=True))
+    return {"input_ids": torch.randint(3, 256, (batch, 1)), CACHE: cache, "use_cache": True}
 
 
 def _tensors(inputs):
     """input_ids and every tensor attribute of every cache layer (keys, values, position)."""
     out = [inputs["input_ids"]]
-    for layer in inputs["cache"].layers:
+    for layer in inputs[CACHE].layers:
         out += [v for _, v in sorted(vars(layer).items()) if isinstance(v, torch.Tensor)]
     return out
 
 
 def _snapshot(inputs):
     """The inputs' tensors by object, address and value, the cache's layer objects and length."""
-    cache = inputs["cache"]
+    cache = inputs[CACHE]
     return ([(t, t.data_ptr(), t.clone()) for t in _tensors(inputs)],
             [id(layer) for layer in cache.layers], int(cache.get_seq_length()))
 
@@ -57,8 +66,8 @@ def _unchanged(inputs, snap):
     assert [id(t) for t in _tensors(inputs)] == [id(t) for t, _, _ in tensors]
     for t, ptr, value in tensors:
         assert t.data_ptr() == ptr and torch.equal(t, value)
-    assert [id(layer) for layer in inputs["cache"].layers] == layers
-    assert int(inputs["cache"].get_seq_length()) == length
+    assert [id(layer) for layer in inputs[CACHE].layers] == layers
+    assert int(inputs[CACHE].get_seq_length()) == length
 
 
 def _check_step(model, step_fn, inputs):
@@ -87,8 +96,10 @@ def test_optimize_leaves_the_callers_decode_inputs_untouched(kind):
 
 def test_static_decode_step_keeps_its_cache_writes_in_place():
     """Captured: one index_copy_ per layer's keys and values and one add_ per position counter,
-    into the inputs themselves; optimized (planned for the H200): the same writes, SDPA reading
-    the written cache itself with enable_gqa (no repeat_kv copy), no functional copy of a cache."""
+    into the inputs themselves; optimized (planned for the H200): the same inputs written as
+    often (the rotary and both cache writes fused into rotary_cache_write, the position adds into
+    one _foreach_add_), SDPA reading the written caches themselves with enable_gqa (no repeat_kv
+    copy), no functional copy of a cache."""
     model = _model()
     inputs = _static_step(model, max_len=24)
     layers = model.config.num_hidden_layers
@@ -103,26 +114,31 @@ def test_static_decode_step_keeps_its_cache_writes_in_place():
     assert ir.mutation_signature(g) == gm.meta[ir.MUTATIONS]
     targets = [n.target for n in g.graph.nodes if n.op == "call_function"]
     assert aten.index_copy.default not in targets and aten.copy_.default not in targets
-    cache_shape = tuple(inputs["cache"].layers[0].keys.shape)
+    cache_shape = tuple(inputs[CACHE].layers[0].keys.shape)
     big = [n for n in g.graph.nodes if n.op == "call_function" and n.target not in (aten.index_copy_.default,)
            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() >= torch.Size(cache_shape).numel()
            and not ir._returns_alias_of(n)]
     assert big == []  # nothing the size of a cache is made per step
     sdpas = [n for n in g.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
     assert len(sdpas) == layers
+    writer = {root: n for n, root in ir.input_mutations(g)}
     for sd in sdpas:
         assert sd.kwargs.get("enable_gqa") is True and sd.args[3] is not None
-        assert [a.target for a in sd.args[1:3]] == [aten.index_copy_.default] * 2
+        # the caches themselves, written by the fused rotary + cache write whose rotated q it reads
+        roots = [ir.alias_root(a) for a in sd.args[1:3]]
+        assert all(r.op == "placeholder" for r in roots)
+        assert writer[roots[0]] is writer[roots[1]] is sd.args[0]
+        assert ir.target_name(sd.args[0]) == "rotary_cache_write"
         assert tuple(sd.args[0].meta["val"].shape)[2] == 1  # q [B, H, 1, D] against the whole cache
     # run on a copy: the copy's cache is written in place, one position further
     mine = copy.deepcopy(inputs)
-    ptrs = [layer.keys.data_ptr() for layer in mine["cache"].layers]
-    pos = int(mine["cache"].get_seq_length())
+    ptrs = [layer.keys.data_ptr() for layer in mine[CACHE].layers]
+    pos = int(mine[CACHE].get_seq_length())
     with torch.no_grad():
         out = opt(**mine)
-    assert [layer.keys.data_ptr() for layer in mine["cache"].layers] == ptrs
-    assert int(mine["cache"].get_seq_length()) == pos + 1
-    assert [layer.keys.data_ptr() for layer in out.cache.layers] == ptrs  # the returned cache is that memory
+    assert [layer.keys.data_ptr() for layer in mine[CACHE].layers] == ptrs
+    assert int(mine[CACHE].get_seq_length()) == pos + 1
+    assert [layer.keys.data_ptr() for layer in decoders.returned_cache(out).layers] == ptrs  # the returned cache is that memory
     assert _check_step(model, opt, inputs).passed
 
 
@@ -156,9 +172,9 @@ def test_dynamic_cache_step_is_specialized_to_its_past_length():
     opt = graphopt.optimize(model, inputs, check_accuracy=False)
     with torch.no_grad():
         out = opt(**copy.deepcopy(inputs))
-    assert out.cache.get_seq_length() == 6
+    assert decoders.returned_cache(out).get_seq_length() == 6
     with pytest.raises(GuardError):
-        opt(input_ids=inputs["input_ids"], cache=out.cache, use_cache=True)
+        opt(input_ids=inputs["input_ids"], use_cache=True, **{CACHE: decoders.returned_cache(out)})
 
 
 def test_replayed_step_reads_and_writes_the_callers_cache():
@@ -171,7 +187,7 @@ def test_replayed_step_reads_and_writes_the_callers_cache():
     flat, _ = pytree.tree_flatten(((), mine))
     runner = lower(opt.graph_module, flat, backend="emulate")
     assert runner.decision.on and len(runner.bound_inputs) == 3 * model.config.num_hidden_layers
-    ptrs = [t.data_ptr() for t in pytree.tree_leaves(mine["cache"])]
+    ptrs = [t.data_ptr() for t in pytree.tree_leaves(mine[CACHE])]
     for _ in range(3):
         with torch.no_grad():
             got = runner(**mine).logits
@@ -181,9 +197,9 @@ def test_replayed_step_reads_and_writes_the_callers_cache():
         mine["input_ids"].copy_(nxt)
         theirs["input_ids"].copy_(nxt)
     assert runner.stats["captures"] == 1 and runner.stats["replays"] == 2 and runner.stats["eager_calls"] == 1
-    assert [t.data_ptr() for t in pytree.tree_leaves(mine["cache"])] == ptrs
-    assert int(mine["cache"].get_seq_length()) == int(theirs["cache"].get_seq_length())
-    for a, b in zip(mine["cache"].layers, theirs["cache"].layers):
+    assert [t.data_ptr() for t in pytree.tree_leaves(mine[CACHE])] == ptrs
+    assert int(mine[CACHE].get_seq_length()) == int(theirs[CACHE].get_seq_length())
+    for a, b in zip(mine[CACHE].layers, theirs[CACHE].layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
 
 

@@ -397,6 +397,11 @@ class CostModel:
             return 0, 0, 0, "free"
         name = ir.op_name(node)
         outs = ir.infos(node)
+        if not outs and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            # an in-place op that returns nothing (_foreach_add_): one kernel reading and writing what it writes
+            written = [i for i in (ir.info(w) for w in ir.written_args(node)) if i is not None]
+            if written:
+                return sum(w.numel for w in written), 2 * sum(w.nbytes for w in written), 1, "pointwise"
         if not outs:
             return 0, 0, 0, "free"
         if ir.op_namespace(node) == op_costs.NAMESPACE:  # our ops price themselves (graphopt.cost.ops)
@@ -485,6 +490,8 @@ class CostModel:
             dtype = ir.arg_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
             eff = _efficiency_kind(node)
+            if eff == "matmul" and SMALL_M_LINEAR in p.op_efficiency and small_m(node):
+                eff = SMALL_M_LINEAR  # a decode step's weight stream, at the rate measured for it
             if eff == "conv":
                 rate = conv_rate(p, node)
                 if p.kind == "cuda":  # aten's convolution, not cuDNN's fused one the conv fit measures
@@ -512,7 +519,7 @@ class CostModel:
             if f"{ir.op_namespace(node)}::{ir.op_name(node)}" in ROW_BLOCK_NORMS:
                 t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
-        if kind == "matmul":
+        if kind == "matmul" and eff != SMALL_M_LINEAR:  # (the small-M fit times whole calls, reduction included)
             red = split_k_reduce_node_seconds(p, node)
             if red:  # cuBLASLt's reduction kernel after the GEMM
                 t = t + p.kernel_seconds(0.0, red - p.kernel_fixed_s)
@@ -830,6 +837,21 @@ def _gemm_mnk(node: fx.Node):
         return None
     N = outs[0].shape[-1]
     return outs[0].numel // N if N else 0, N, a.shape[-1]
+
+
+# op_efficiency key of cuBLAS's projections of at most SMALL_M_ROWS rows (a decode step's tokens):
+# {"memory_scale", "fixed_s"} fitted by benchmarks/diag/diag_decode_gemm.py; absent, they are priced
+# as any matmul
+SMALL_M_LINEAR = "small_m_linear"
+SMALL_M_ROWS = 16
+
+
+def small_m(node: fx.Node) -> bool:
+    """A linear/mm/addmm of at most SMALL_M_ROWS rows (static)."""
+    if ir.op_name(node) not in ("linear", "mm", "addmm"):
+        return False
+    mnk = _gemm_mnk(node)
+    return mnk is not None and isinstance(mnk[0], int) and 0 < mnk[0] <= SMALL_M_ROWS
 
 
 def _efficiency_kind(node: fx.Node) -> str:

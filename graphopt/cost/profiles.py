@@ -124,6 +124,11 @@ class DeviceProfile:
     #       scheduling bounds them when rows are narrow)
     #   "pool": memory_scale: the fraction of the copy bandwidth aten's pooling kernels reach
     #       (max_pool2d over channels_last bf16 reads each input element once per window it is in)
+    #   "small_m_linear": memory_scale, fixed_s: cuBLAS's linear/mm/addmm of at most 16 rows (a
+    #       decode step's weight streams), whole calls (split-K reduction included); absent, they
+    #       are priced as any matmul
+    #   "gemv": memory_scale, fixed_s: graphopt::gemv (the split-K Triton GEMV); absent,
+    #       passes/lower_gemv.py leaves cuBLAS be (both fitted by benchmarks/diag/diag_decode_gemm.py)
     op_efficiency: dict = field(default_factory=dict)
 
     def efficiency(self, key: str, name: str, default=None):

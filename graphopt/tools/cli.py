@@ -157,6 +157,8 @@ def _to_device(model, inputs, device):
     import torch
     from torch.utils import _pytree as pytree
 
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return model, inputs  # built on meta (shapes only, for --target): nothing to move
     model = model.to(device)
     inputs = pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
     return model, inputs

@@ -1,0 +1,126 @@
+"""``graphopt::gemv`` in Triton: ``x @ W.T (+ b)`` for a few rows of x (a decode step's tokens),
+split along K so that a projection with few output columns still gives every SM work.
+
+A decode step reads every weight once for 1-32 tokens: the GEMMs are weight streams. Each
+program here owns ``BLOCK_N`` output columns and one of ``splits`` slices of K; it streams its
+``[BLOCK_N, K / splits]`` block of W through shared memory (``num_stages`` loads in flight, the
+loads Triton pipelines because they feed ``tl.dot``) and multiplies it with x padded to 16 rows
+(tensor cores; the padding costs no bandwidth). With one split it adds the bias and stores y;
+with several it stores fp32 partial sums ``[splits, M, N]`` and a second kernel adds them (and the
+bias) and rounds once. :func:`plan` picks the blocks and the split count from the shape and the
+SM count; the diagnostic ``benchmarks/diag/diag_decode_gemm.py`` times it against cuBLAS.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .norm_triton import cached_kernel, next_pow2
+
+_kernels: dict = {}
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_M = 16        # rows of x one call takes (x is padded to 16 rows for tl.dot)
+SM_COUNT = 132    # the H200's, for planning without a device
+
+
+def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None, block_k: int | None = None,
+         splits: int | None = None, stages: int | None = None) -> dict:
+    """The launch of one call: BLOCK_N, BLOCK_K, the K splits (each a whole number of BLOCK_K
+    blocks), num_stages and num_warps. Default: 64 output columns and 128-deep K blocks per
+    program, and enough splits for about two programs per SM (at most 32, each slice at least
+    four K blocks deep)."""
+    bn = block_n or 64
+    bk = block_k or 128
+    tiles = -(-N // bn)
+    blocks = -(-K // bk)
+    if splits is None:
+        splits = max(1, min(-(-2 * sms // tiles), blocks // 4, 32))
+    splits = max(1, min(int(splits), blocks))
+    per = -(-blocks // splits) * bk  # K per split, whole blocks
+    splits = -(-K // per)
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "splits": splits, "k_per_split": per,
+            "num_stages": stages or 4, "num_warps": 4, "programs": tiles * splits}
+
+
+def _kernel():
+    return cached_kernel(_kernels, _build)
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_split_kernel(X, W, BIAS, Y, P, M, N, K, K_PER, sxm, sxk, swn, swk, sym, syn,
+                          HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        n_ok = rn < N
+        m_ok = rm < M
+        k_start = pid_k * K_PER
+        k_end = tl.minimum(k_start + K_PER, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < k_end
+            x = tl.load(X + rm[:, None] * sxm + rk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(W + rn[:, None].to(tl.int64) * swn + rk[None, :] * swk, mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if PARTIAL:
+            tl.store(P + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=out_ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(Y + rm[:, None] * sym + rn[None, :] * syn, acc.to(Y.dtype.element_ty), mask=out_ok)
+
+    @triton.jit
+    def gemv_reduce_kernel(P, BIAS, Y, M, N, SPLITS, sym, syn, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+        m = tl.program_id(0)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rs = tl.arange(0, BLOCK_S)
+        n_ok = rn < N
+        part = tl.load(P + ((rs[:, None] * M + m).to(tl.int64) * N + rn[None, :]),
+                       mask=(rs < SPLITS)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.sum(part, 0)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(Y + m * sym + rn * syn, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+    return gemv_split_kernel, gemv_reduce_kernel
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **config) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]); ``config``: :func:`plan`'s overrides
+    (block_n, block_k, splits, stages)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    cuda = x.device.type == "cuda"
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if cuda else SM_COUNT
+    p = plan(M, N, K, sms, **config)
+    split, reduce = _kernel()
+    s = p["splits"]
+    partial = torch.empty((s * M * N,), dtype=torch.float32, device=x.device) if s > 1 else y
+    b = bias if bias is not None else x
+    with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+        split[(-(-N // p["BLOCK_N"]), s)](
+            x, weight, b, y, partial, M, N, K, p["k_per_split"], x.stride(0), x.stride(1),
+            weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+            HAS_BIAS=bias is not None, PARTIAL=s > 1, BLOCK_M=16, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
+            STAGES=p["num_stages"], num_warps=p["num_warps"])
+        if s > 1:
+            bn = 256
+            reduce[(M, -(-N // bn))](partial, b, y, M, N, s, y.stride(0), y.stride(1), HAS_BIAS=bias is not None,
+                                     BLOCK_S=max(2, next_pow2(s)), BLOCK_N=bn, num_warps=4)
+    return y

@@ -1,0 +1,93 @@
+"""lower_gemv: a projection of at most 16 rows -> graphopt::gemv, only where the profile's measured
+efficiencies say the Triton GEMV beats cuBLAS (the op's reference runs here on the CPU)."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from graphopt import capture
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import get_profile
+from graphopt.pipeline import NO_FUSED_KERNELS, PassContext, PassManager, assemble
+from graphopt import ir
+from tests.helpers import op_counts, reference_check
+
+GEMV = "graphopt.gemv.default"
+
+
+class MLP(nn.Module):
+    def __init__(self, bias=True):
+        super().__init__()
+        self.up = nn.Linear(64, 96, bias=bias)
+        self.down = nn.Linear(96, 64, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _profile(gemv=None, cublas=None):
+    p, _ = get_profile("h200")
+    p = dataclasses.replace(p, launch_overhead_s=p.launch_overhead_graph_s)
+    if gemv is not None:
+        p = p.with_efficiency("gemv", gemv)
+    if cublas is not None:
+        p = p.with_efficiency("small_m_linear", cublas)
+    return p
+
+
+def _run(model, x, profile):
+    gm = capture(model.eval(), (x,))
+    ctx = PassContext(profile=profile, cost=CostModel(profile), hints=ir.shape_hints(gm))
+    (res,) = PassManager(assemble(["lower_gemv"])).run(gm, ctx)
+    return gm, res
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (2, 4)])
+def test_lowers_where_measured_faster(rows):
+    model, x = MLP().to(torch.bfloat16), torch.randn(*rows, 64, dtype=torch.bfloat16)
+    faster = _profile(gemv={"memory_scale": 0.95, "fixed_s": 2e-6}, cublas={"memory_scale": 0.8, "fixed_s": 4e-6})
+    gm, res = _run(model, x, faster)
+    assert op_counts(gm)[GEMV] == 2 and op_counts(gm)["aten.linear.default"] == 0
+    assert all(r.predicted_gain_s > 0 for r in res.rewrites)
+    assert reference_check(model, gm, (x,)).passed
+
+
+def test_keeps_cublas_when_it_measured_faster_or_gemv_is_not_measured():
+    model, x = MLP().to(torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
+    slower = _profile(gemv={"memory_scale": 0.7, "fixed_s": 6e-6}, cublas={"memory_scale": 0.9, "fixed_s": 2e-6})
+    gm, res = _run(model, x, slower)
+    assert op_counts(gm)[GEMV] == 0 and all("against cuBLAS" in r.reason for r in res.rejected), res.rejected
+    for unmeasured in (_profile(), _profile(cublas={"memory_scale": 0.5, "fixed_s": 2e-5})):
+        gm, res = _run(model, x, unmeasured)  # priced as cuBLAS plus its partial sums: never chosen
+        assert op_counts(gm)[GEMV] == 0 and all("against cuBLAS" in r.reason for r in res.rejected), res.rejected
+
+
+def test_refuses_fp32_and_ignores_many_rows():
+    faster = _profile(gemv={"memory_scale": 0.95, "fixed_s": 2e-6}, cublas={"memory_scale": 0.8, "fixed_s": 4e-6})
+    gm, res = _run(MLP(), torch.randn(1, 64), faster)
+    assert op_counts(gm)[GEMV] == 0 and all("fp16 or bf16" in r.reason for r in res.rejected)
+    gm, res = _run(MLP().to(torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16), faster)
+    assert op_counts(gm)[GEMV] == 0 and not res.rejected  # 32 rows: not a candidate at all
+
+
+def test_cpu_profile_refuses():
+    p, _ = get_profile("cpu")
+    gm, res = _run(MLP().to(torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16), p)
+    assert op_counts(gm)[GEMV] == 0 and {r.reason for r in res.rejected} == {NO_FUSED_KERNELS}
+
+
+def test_small_m_linear_entry_prices_cublas_at_its_measured_rate():
+    import torch.fx as fx
+
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["val"] = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
+    w.meta["val"] = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    n = g.call_function(torch.ops.aten.linear.default, (x, w))
+    n.meta["val"] = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
+    plain = CostModel(_profile()).node_cost(n).time_s
+    measured = CostModel(_profile(cublas={"memory_scale": 0.5, "fixed_s": 1e-5})).node_cost(n).time_s
+    nbytes = (4096 * 4096 + 2 * 4096) * 2
+    assert measured == pytest.approx(nbytes / (_profile().bandwidth * 0.5) + 1e-5)
+    assert measured > plain

@@ -248,10 +248,10 @@ def test_a_pass_that_changed_nothing_leaves_the_graph_copy_for_the_next(monkeypa
     """Undoing a pass needs a copy of the graph before it; after passes that left the graph as it was,
     the copy taken before them still is that graph: one copy serves them all, and a later pass that
     fails is still undone."""
+    model, inputs, gm = _mlp_gm()  # captured first: torch.export copies graphs of its own
     copies = []
     real = fx.Graph.__deepcopy__
     monkeypatch.setattr(fx.Graph, "__deepcopy__", lambda g, memo=None: copies.append(1) or real(g, memo))
-    model, inputs, gm = _mlp_gm()
     before = [n.target for n in gm.graph.nodes]
     results = PassManager([NoMatch(), NoMatch(), Raises(), NoMatch(), ScaleOutputs()]).run(gm, _ctx(gm))
     assert [r.status for r in results] == ["unchanged", "unchanged", "reverted", "unchanged", "applied"]

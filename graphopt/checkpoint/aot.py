@@ -487,6 +487,24 @@ def cudnn_training_bn(gm: fx.GraphModule) -> int:
     return count
 
 
+def views_as_reshapes(gm: fx.GraphModule) -> int:
+    """Every ``view`` of ``gm`` (an AOTAutograd graph) as a ``reshape``. AOTAutograd lowers a
+    model's ``reshape`` to ``view`` where the traced strides allow it, so the graph relies on
+    every value keeping its traced layout; after a rewrite that changes a value's layout (a
+    fused pointwise kernel writes its output contiguous where the ops it replaced followed
+    their first input's layout) such a view fails on the real tensors. ``reshape`` is the same
+    view where the strides allow one and a copy where not. Returns how many."""
+    views = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+    count = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in views:
+            n.target = torch.ops.aten.reshape.default
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def _trace_backends():
     """What the trace may choose: attention without cuDNN's backend (the flash, memory-efficient
     and math kernels the AOT graphs were first built and measured with)."""
@@ -545,7 +563,9 @@ class AotRecompute(nn.Module):
 
         def fused(gm, which):
             """``self.fuse`` over a compiled graph (pointwise fusion: the graphs run without
-            autograd, so graphopt's kernels may appear in them); a failure leaves it as it was."""
+            autograd, so graphopt's kernels may appear in them); a failure leaves it as it was.
+            A fused kernel may lay out its output otherwise than the ops it replaced did, and
+            the backward receives the forward's values: both graphs' views become reshapes."""
             if self.fuse is None:
                 return gm
             try:
@@ -553,6 +573,7 @@ class AotRecompute(nn.Module):
             except Exception as e:  # noqa: BLE001 - the unfused graph is correct as it is
                 holder[which + "_fuse_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 self.fuse_errors.append(holder[which + "_fuse_error"])
+            holder[which + "_reshapes"] = views_as_reshapes(gm)
             return gm
 
         def fw_compiler(gm, example_inputs):

@@ -59,9 +59,9 @@ def main(argv=None):
     import graphopt
     from graphopt.tools.memtrace import trace_step
 
-    ic = importlib.import_module("graphopt.passes.insert_checkpoints")
+    planner = importlib.import_module("graphopt.checkpoint.planner")
     if args.region_shares:
-        ic.REGION_SHARES = tuple(float(x) for x in args.region_shares.split(","))
+        planner.REGION_SHARES = tuple(float(x) for x in args.region_shares.split(","))
     model, inputs = build(args.layers, args.hidden, args.batch, args.seq)
     params = list(model.parameters())
 

@@ -6,7 +6,7 @@ One GPU, a stage-0-like module: GLM-4-9B-shaped embedding + 4 decoder layers (no
 head), bf16, batch 2, seq 1024 (a 1F1B micro-batch of the partition benchmark), SDPA attention. A
 training step is forward + backward of sum(out * g). Variants: eager; the captured graph after
 fold_constants + fuse_attention (what a training stage runs); the same with its ATen ops as AOT
-regions (insert_checkpoints.fuse_training_graph) without and with pointwise fusion. Step times
+regions (graphopt.checkpoint.fuse_training_graph) without and with pointwise fusion. Step times
 (median of CUDA-event timed steps) and each variant's top kernels in one profiled step.
 
     python benchmarks/diag/diag_stage_fusion.py [--batch 2] [--seq 1024] [--layers 4]
@@ -25,7 +25,8 @@ from graphopt import ir  # noqa: E402
 from graphopt.cost.model import CostModel  # noqa: E402
 from graphopt.cost.profiles import get_profile  # noqa: E402
 from graphopt.examples import zoo  # noqa: E402
-from graphopt.passes.insert_checkpoints import fuse_training_graph  # noqa: E402
+from graphopt.checkpoint import fuse_training_graph  # noqa: E402
+from graphopt.passes.insert_checkpoints import training_fuser  # noqa: E402
 from graphopt.pipeline import PassContext  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -107,7 +108,7 @@ def main():
             prof, _ = get_profile("h200")
             ctx = PassContext(profile=prof, cost=CostModel(prof), training=True, hints=ir.shape_hints(gm),
                               scheduled=frozenset({"fuse_elementwise"}))
-            r = fuse_training_graph(gm, ctx, fuse=fuse)
+            r = fuse_training_graph(gm, ctx, training_fuser(ctx), fuse=fuse)
             print(f"{label}: {r.status}; {'; '.join(r.notes)[:300]}", flush=True)
         variants[label] = opt
     for label, fn in variants.items():

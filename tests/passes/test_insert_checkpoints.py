@@ -25,7 +25,7 @@ from graphopt.errors import BudgetError, GraphoptError
 from graphopt.examples import zoo
 from tests.helpers import sgd_check, step_check
 
-ic = importlib.import_module("graphopt.passes.insert_checkpoints")
+ic = importlib.import_module("graphopt.checkpoint")
 
 
 def budget_model(name, resnet_res=32, resnet_batch=16):
@@ -191,20 +191,20 @@ def test_selection_recomputes_cheap_memory_bound_ops_before_gemms():
         model = Stack(d=2048, layers=8)
         x = torch.randn(16384, 2048)
     am = _meta_model(model, x)
-    sel = ic._Selector(am)
+    sel = ic.planner._Selector(am)
     order = sel.order()
     kind = lambda n: str(n.target).split(".")[-2]  # noqa: E731
     first_linear = next(i for i, n in enumerate(order) if kind(n) == "linear")
     cheap = [i for i, n in enumerate(order) if kind(n) in ("layer_norm", "gelu")]
     assert cheap and max(cheap) < first_linear
     base = am.baseline_saved_bytes()
-    plan = sel.select(0.65 * base, [s * base for s in ic.REGION_SHARES])
+    plan = sel.select(0.65 * base, [s * base for s in ic.planner.REGION_SHARES])
     recomputed = {kind(n) for n in am.body if n not in plan.keep}
     assert {"layer_norm", "gelu"} <= recomputed
     linears = [n for n in am.body if kind(n) == "linear"]
     assert all(n in plan.keep for n in linears)  # every GEMM stays kept at this budget
     assert plan.total_bytes <= 0.65 * base
-    tighter = sel.select(0.5 * base, [s * base for s in ic.REGION_SHARES])
+    tighter = sel.select(0.5 * base, [s * base for s in ic.planner.REGION_SHARES])
     assert tighter.extra_s > plan.extra_s and not all(n in tighter.keep for n in linears)
 
 
@@ -288,7 +288,7 @@ def test_split_at_kept_gemms_plain_regions():
     import torch.nn as nn
 
     from graphopt import capture
-    from graphopt.passes.insert_checkpoints import split_at_kept_gemms
+    from graphopt.checkpoint.sac import split_at_kept_gemms
 
     class Chain(nn.Module):
         def __init__(self, residual):
@@ -318,7 +318,7 @@ def test_plain_regions_recompute_the_cheap_ops_but_not_the_convolutions():
     """A conv chain at a 0.8 budget: regions ending in a kept convolution run as plain checkpoints
     (no selective dispatch mode); the backward reruns batch norm and ReLU but no convolution
     (checkpoint's early stop); gradients and running statistics pass the accuracy rule."""
-    from graphopt.passes import insert_checkpoints as ic
+    from graphopt import checkpoint as ic
 
     class ConvChain(nn.Module):
         def __init__(self):

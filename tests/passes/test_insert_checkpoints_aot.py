@@ -17,8 +17,8 @@ from graphopt.examples import zoo
 from tests.helpers import reference_check, sgd_check, step_check
 from tests.passes.test_insert_checkpoints import Count, Stack, budget_model, held_after_forward, small_resnet  # shared helpers
 
-ic = importlib.import_module("graphopt.passes.insert_checkpoints")
-aot = importlib.import_module("graphopt.passes._aot_recompute")
+ic = importlib.import_module("graphopt.checkpoint")
+aot = importlib.import_module("graphopt.checkpoint.aot")
 
 pytestmark = pytest.mark.skipif(aot.available() is not None, reason=f"AOT backend unavailable: {aot.available()}")
 
@@ -50,7 +50,7 @@ def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_k
     # they are most of a step's activation memory; a plan of one level fits 0.99 of the walked step.
     # One level is what this test reads: outer checkpoints, which a measured CPU profile can tip
     # the plan into, are test_insert_checkpoints_nested's)
-    monkeypatch.setattr(ic._Selector, "nest", lambda self, plan, budget, max_len=16: None)
+    monkeypatch.setattr(ic.planner._Selector, "nest", lambda self, plan, budget, max_len=16: None)
     model, args = small_resnet(batch=32, res=64)
     before = copy.deepcopy(model).train()
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.99, passes=["insert_checkpoints"])
@@ -207,7 +207,7 @@ def test_ops_dispatched_per_step_stay_near_eager_plus_the_recomputation(monkeypa
     """The AOT backend runs the graphs' ATen ops directly: per step, the ops dispatched are about
     eager's plus the recomputed ones (the selective checkpoint adds a dispatch mode per op). One
     level: an outer checkpoint's rerun adds its segment's forward."""
-    monkeypatch.setattr(ic._Selector, "nest", lambda self, plan, budget, max_len=16: None)
+    monkeypatch.setattr(ic.planner._Selector, "nest", lambda self, plan, budget, max_len=16: None)
     model, args = small_resnet(batch=32, res=64)
     ref = copy.deepcopy(model).train()
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.99, passes=["insert_checkpoints"],

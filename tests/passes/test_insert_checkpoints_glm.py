@@ -16,7 +16,7 @@ from tests.helpers import step_check
 from tests.passes.test_insert_checkpoints import held_after_forward
 from tests.passes.test_insert_checkpoints_aot import aot_modules
 
-aot = importlib.import_module("graphopt.passes._aot_recompute")
+aot = importlib.import_module("graphopt.checkpoint.aot")
 
 pytestmark = pytest.mark.skipif(aot.available() is not None, reason=f"AOT backend unavailable: {aot.available()}")
 
@@ -142,7 +142,8 @@ def test_fuse_training_graph_runs_a_training_graph_as_aot_regions_that_recompute
     from graphopt import ir
     from graphopt.cost.model import CostModel
     from graphopt.cost.profiles import get_profile
-    from graphopt.passes.insert_checkpoints import fuse_training_graph
+    from graphopt.checkpoint import fuse_training_graph
+    from graphopt.passes.insert_checkpoints import training_fuser
     from graphopt.pipeline import PassContext
 
     model, args = glm_sdpa()
@@ -152,7 +153,7 @@ def test_fuse_training_graph_runs_a_training_graph_as_aot_regions_that_recompute
     profile, _ = get_profile("h200")
     ctx = PassContext(profile=profile, cost=CostModel(profile), training=True, hints=ir.shape_hints(gm),
                       scheduled=frozenset({"fuse_elementwise"}))
-    res = fuse_training_graph(gm, ctx, regions=4, fuse=fuse)
+    res = fuse_training_graph(gm, ctx, training_fuser(ctx), regions=4, fuse=fuse)
     mods = aot_modules(opt)
     assert res.status == "applied" and len(mods) == res.details["aot_regions"] >= 2
     assert all(not info["recomputed"] for m in mods for info in m.partitions.values())
@@ -164,7 +165,8 @@ def test_fuse_training_graph_leaves_a_cpu_plan_alone():
     from graphopt import ir
     from graphopt.cost.model import CostModel
     from graphopt.cost.profiles import get_profile
-    from graphopt.passes.insert_checkpoints import fuse_training_graph
+    from graphopt.checkpoint import fuse_training_graph
+    from graphopt.passes.insert_checkpoints import training_fuser
     from graphopt.pipeline import PassContext
 
     model, args = glm_sdpa()
@@ -172,6 +174,6 @@ def test_fuse_training_graph_leaves_a_cpu_plan_alone():
     profile, _ = get_profile("cpu")
     ctx = PassContext(profile=profile, cost=CostModel(profile), training=True, hints=ir.shape_hints(opt.graph_module),
                       scheduled=frozenset({"fuse_elementwise"}))
-    res = fuse_training_graph(opt.graph_module, ctx)
+    res = fuse_training_graph(opt.graph_module, ctx, training_fuser(ctx))
     assert res.status == "unchanged" and "no pointwise fusion" in res.notes[0]
     assert not any(isinstance(m, aot.AotRecompute) for m in opt.graph_module.modules())

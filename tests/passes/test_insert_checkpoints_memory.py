@@ -20,8 +20,8 @@ from graphopt.tools.memtrace import trace_step
 from tests.helpers import step_check
 from tests.passes.test_insert_checkpoints_aot import aot_modules
 
-ic = importlib.import_module("graphopt.passes.insert_checkpoints")
-aot = importlib.import_module("graphopt.passes._aot_recompute")
+ic = importlib.import_module("graphopt.checkpoint")
+aot = importlib.import_module("graphopt.checkpoint.aot")
 
 pytestmark = pytest.mark.skipif(aot.available() is not None, reason=f"AOT backend unavailable: {aot.available()}")
 
@@ -78,7 +78,7 @@ def test_big_aot_regions_are_priced_with_their_recompute_chains_and_gradients(mo
     backward as it runs, so the budget the old model accepted for it (0.45) is refused with the
     real minimum, and a budget it can meet is met, the gradients following eager."""
     m, args = model
-    monkeypatch.setattr(ic, "REGION_SHARES", (0.5,))
+    monkeypatch.setattr(ic.planner, "REGION_SHARES", (0.5,))
     with pytest.raises(BudgetError, match="achievable minimum"):
         plan(m, args, 0.45, "aot")
     opt, d = plan(m, args, 0.7, "aot")

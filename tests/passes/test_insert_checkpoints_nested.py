@@ -15,8 +15,8 @@ from graphopt.tools.memtrace import trace_step
 from tests.helpers import step_check
 from tests.passes.test_insert_checkpoints import _meta_model, small_resnet
 
-ic = importlib.import_module("graphopt.passes.insert_checkpoints")
-aot = importlib.import_module("graphopt.passes._aot_recompute")
+ic = importlib.import_module("graphopt.checkpoint")
+aot = importlib.import_module("graphopt.checkpoint.aot")
 
 pytestmark = pytest.mark.skipif(aot.available() is not None, reason=f"AOT backend unavailable: {aot.available()}")
 
@@ -34,17 +34,17 @@ def test_resnet50_at_0_4_needs_two_levels_and_gets_them(monkeypatch):
     am = _resnet50_meta()
     base = am.step_activation_bytes()
     offset = am.all_output_bytes() + am.backward_working_bytes()
-    caps = [max(s * am.baseline_saved_bytes(), 1.0) for s in ic.REGION_SHARES]
-    sel = ic._Selector(am, keep_random=True, aot=True)
+    caps = [max(s * am.baseline_saved_bytes(), 1.0) for s in ic.planner.REGION_SHARES]
+    sel = ic.planner._Selector(am, keep_random=True, aot=True)
     plan = sel.select(0.4 * base, caps, offset)
     assert plan.segments and plan.total_bytes + offset <= 0.4 * base
     assert all(0 <= a <= b < len(plan.regions) for a, b in plan.segments)
     assert sorted(plan.segments) == plan.segments and all(s[1] < t[0] for s, t in zip(plan.segments, plan.segments[1:]))
     # each segment reruns its forward once: the plan costs more than its inner plan alone
     assert plan.extra_s > 0 and any("two-level" in n for n in plan.notes)
-    monkeypatch.setattr(ic._Selector, "nest", lambda self, plan, budget, max_len=16: None)
+    monkeypatch.setattr(ic.planner._Selector, "nest", lambda self, plan, budget, max_len=16: None)
     with pytest.raises(BudgetError, match="achievable minimum"):
-        ic._Selector(am, keep_random=True, aot=True).select(0.4 * base, caps, offset)
+        ic.planner._Selector(am, keep_random=True, aot=True).select(0.4 * base, caps, offset)
 
 
 def test_plans_leave_the_allocator_headroom_of_the_budget_free():
@@ -54,15 +54,15 @@ def test_plans_leave_the_allocator_headroom_of_the_budget_free():
     am = _resnet50_meta()
     base = am.step_activation_bytes()
     offset = am.all_output_bytes() + am.backward_working_bytes()
-    caps = [max(s * am.baseline_saved_bytes(), 1.0) for s in ic.REGION_SHARES]
+    caps = [max(s * am.baseline_saved_bytes(), 1.0) for s in ic.planner.REGION_SHARES]
     budget = 0.4 * base
-    plan = ic._Selector(am, keep_random=True, aot=True).select(budget, caps, offset, headroom=0.01)
+    plan = ic.planner._Selector(am, keep_random=True, aot=True).select(budget, caps, offset, headroom=0.01)
     assert plan.total_bytes + offset <= 0.99 * budget
     with pytest.raises(BudgetError, match=r"1% left free") as e:
-        ic._Selector(am, keep_random=True, aot=True).select(0.05 * base, caps, offset, headroom=0.01)
+        ic.planner._Selector(am, keep_random=True, aot=True).select(0.05 * base, caps, offset, headroom=0.01)
     minimum = float(str(e.value).split("(")[1].split(" of the baseline")[0]) * base
     with pytest.raises(BudgetError):  # just under the stated minimum: still refused
-        ic._Selector(am, keep_random=True, aot=True).select(0.99 * minimum, caps, offset, headroom=0.01)
+        ic.planner._Selector(am, keep_random=True, aot=True).select(0.99 * minimum, caps, offset, headroom=0.01)
 
 
 def test_eager_step_memory_is_walked_in_backward_order():
@@ -82,12 +82,12 @@ def test_eager_step_memory_is_walked_in_backward_order():
 
 
 def _one_level(monkeypatch):
-    monkeypatch.setattr(ic._Selector, "nest", lambda self, plan, budget, max_len=16: None)
+    monkeypatch.setattr(ic.planner._Selector, "nest", lambda self, plan, budget, max_len=16: None)
 
 
 def _forced_segments(monkeypatch):
     """Plans of one level as selected, plus one outer segment over all their regions but the last."""
-    orig = ic._Selector.select
+    orig = ic.planner._Selector.select
 
     def select(self, budget, caps, offset=0.0, headroom=0.0):
         plan = orig(self, budget, caps, offset, headroom)
@@ -95,7 +95,7 @@ def _forced_segments(monkeypatch):
             plan.segments = [(0, len(plan.regions) - 2)]
         return plan
 
-    monkeypatch.setattr(ic._Selector, "select", select)
+    monkeypatch.setattr(ic.planner._Selector, "select", select)
 
 
 def test_outer_segments_keep_gradients_and_running_stats_and_free_memory(monkeypatch):
@@ -273,8 +273,8 @@ def test_a_buffer_the_region_reads_is_not_write_only():
     gm = torch.export.export(Counted().train(), (torch.randn(8, 4),)).module()
     ph = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
     stats = [n for name, n in ph.items() if "running" in name or "num_batches" in name]
-    assert stats and all(ic._write_only(gm, n) for n in stats)
-    assert not ic._write_only(gm, ph["count"])
+    assert stats and all(ic.runtime._write_only(gm, n) for n in stats)
+    assert not ic.runtime._write_only(gm, ph["count"])
 
 
 def test_buffer_increment_folds_into_one_in_place_add():

@@ -1,4 +1,4 @@
-"""The AOTAutograd backend of insert_checkpoints: recomputation as a graph rewrite.
+"""The AOTAutograd backend: recomputation as a graph rewrite.
 
 Each region of the plan (a contiguous piece of the captured forward) is traced by AOTAutograd
 (``torch._functorch.aot_autograd.aot_module_simplified``) into one joint forward+backward ATen
@@ -38,6 +38,13 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt import ir
+from graphopt.cost.activations import ActivationModel
+from graphopt.errors import GraphoptError
+from graphopt.pipeline import PassContext, PassResult
+
+from .extract import REGION, extract_region, mutated_args, outer_region
+from .planner import Plan
+from .sac import checkpoint_regions
 
 TAG = "graphopt_ckpt"
 
@@ -420,7 +427,7 @@ def cudnn_training_bn(gm: fx.GraphModule) -> int:
     """In a compiled forward graph, run each fp32 CUDA training BatchNorm
     (``_native_batch_norm_legit_functional``) as ``cudnn_batch_norm``, as eager does: one cuDNN
     kernel where aten's channels_last BatchNorm runs two and allocates and zeroes its scratch
-    (host and device time, 121 times a checkpointed ResNet-50 step). cuDNN updates the running
+    (host and device time on every BatchNorm of the step). cuDNN updates the running
     statistics it is given in place. Where the graph ends with its own buffer updates,
     ``copy_(buffer, new statistic)`` (AOTAutograd keeps buffer mutations in the graph) and nothing
     else reads those buffers, it gets the buffers and the copies go (the backward reads neither:
@@ -475,6 +482,24 @@ def cudnn_training_bn(gm: fx.GraphModule) -> int:
                 u.args = (c, i)
         gm.graph.erase_node(n)
         count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def views_as_reshapes(gm: fx.GraphModule) -> int:
+    """Every ``view`` of ``gm`` (an AOTAutograd graph) as a ``reshape``. AOTAutograd lowers a
+    model's ``reshape`` to ``view`` where the traced strides allow it, so the graph relies on
+    every value keeping its traced layout; after a rewrite that changes a value's layout (a
+    fused pointwise kernel writes its output contiguous where the ops it replaced followed
+    their first input's layout) such a view fails on the real tensors. ``reshape`` is the same
+    view where the strides allow one and a copy where not. Returns how many."""
+    views = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+    count = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in views:
+            n.target = torch.ops.aten.reshape.default
+            count += 1
     if count:
         gm.recompile()
     return count
@@ -538,7 +563,9 @@ class AotRecompute(nn.Module):
 
         def fused(gm, which):
             """``self.fuse`` over a compiled graph (pointwise fusion: the graphs run without
-            autograd, so graphopt's kernels may appear in them); a failure leaves it as it was."""
+            autograd, so graphopt's kernels may appear in them); a failure leaves it as it was.
+            A fused kernel may lay out its output otherwise than the ops it replaced did, and
+            the backward receives the forward's values: both graphs' views become reshapes."""
             if self.fuse is None:
                 return gm
             try:
@@ -546,6 +573,7 @@ class AotRecompute(nn.Module):
             except Exception as e:  # noqa: BLE001 - the unfused graph is correct as it is
                 holder[which + "_fuse_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 self.fuse_errors.append(holder[which + "_fuse_error"])
+            holder[which + "_reshapes"] = views_as_reshapes(gm)
             return gm
 
         def fw_compiler(gm, example_inputs):
@@ -690,3 +718,233 @@ def example_args(inputs: list, gm: fx.GraphModule, hints: dict | None, requires_
             t.requires_grad_(True)
         out.append(t)
     return out
+
+# --------------------------------------------------------------------------- the rewrite
+
+
+def rewrite_aot(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan: Plan, res: PassResult,
+                details: dict, strict: bool, every_region: bool = False, fuser=None) -> None:
+    """Each region of the plan that recomputes something becomes one AotRecompute call (its
+    own autograd function, so its parameters' gradients are released when its backward ends,
+    as eager's are, not all at the end of one whole-graph backward), compiled here. If the
+    first cannot be traced, AotUnavailable is raised before anything changed; a later one
+    runs as selective-checkpoint regions instead (or, ``strict``, raises GraphoptError).
+    ``every_region``: regions that recompute nothing are compiled too (fuse_training_graph);
+    ``fuser(graph) -> groups fused``, when given, rewrites each compiled forward and backward graph
+    (pointwise fusion) before it runs."""
+    tag_nodes(am.body)
+    keep = {n.name for n in am.body if n in plan.keep}
+    recompute = {n.name for n in am.body if n not in plan.keep}
+    totals = {"saved": 0, "values": 0, "recomputed": 0, "untagged": 0, "regions": 0}
+    held_inputs: set = set()  # activations a region receives and saves (counted once)
+    aot_ops: dict = {}  # joint-graph ops rerun in the backward graphs, by op
+    by_name = {n.name: n for n in am.body}
+
+    def needs_grad(node) -> bool:  # an activation flowing in from the graph (or an earlier region)
+        src = by_name.get(node.meta.get("ckpt_source", node.name))
+        if src is not None:
+            return bool(am.grad.get(src, False))
+        val = node.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.requires_grad
+    frees, fallbacks = True, []
+    details["selective_regions"] = 0
+    for i, nodes in enumerate(plan.regions):
+        for n in nodes:
+            n.meta[REGION] = i
+    for i, nodes in enumerate(plan.regions):
+        rerun = [n for n in nodes if n not in plan.keep]
+        if not rerun and not every_region:
+            continue
+        made = {}
+
+        def make_module(body_gm, inputs, mutated, outputs):
+            module = AotRecompute(body_gm, recompute, keep, mutated)
+            module.fuse = fuser
+            try:
+                example = example_args(inputs, gm, ctx.hints, requires_grad=needs_grad)
+            except Exception as e:
+                raise AotUnavailable(f"no example inputs to compile with: {type(e).__name__}: {e}") from e
+            made["info"] = module.compile(example)
+            made["module"], made["inputs"], made["outputs"] = module, list(inputs), list(outputs)
+            return module
+
+        try:
+            call = extract_region(gm, nodes, plan.keep, f"ckpt_aot_{i}", ctx, make_module=make_module)
+        except AotUnavailable as e:
+            if totals["regions"] == 0 and not fallbacks:
+                raise  # nothing changed yet: the caller falls back as a whole
+            if strict:
+                raise GraphoptError(f"checkpoint_backend 'aot' cannot run region {i}: {e}") from e
+            fallbacks.append(f"region {i}: {e}")
+            checkpoint_regions(gm, ctx, am, plan, res, details, [nodes], f"ckpt_region_{i}_")
+            continue
+        if call is None:
+            res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
+                       "a node outside the region both reads it and feeds it; left as it is")
+            continue
+        info, module = made["info"], made["module"]
+        totals["regions"] += 1
+        totals["saved"] += info["saved_activation_bytes"]
+        totals["values"] += len([s for s in info["saved"] if s[2] > 0])
+        # a saved region output that a later region also saves as its input is one tensor
+        outs = made["outputs"]
+        first_user_output = info["num_fwd_outputs"] - len(outs)  # mutated buffers come first
+        for _, pos in info["saved_outputs"]:
+            k = pos - first_user_output
+            if 0 <= k < len(outs):
+                held_inputs.add(am.root.get(outs[k], outs[k]))
+        totals["recomputed"] += len(info["recomputed"])
+        for _, _, target in info["recomputed"]:
+            op = str(target).split(".")[-2] if str(target).count(".") >= 2 else str(target)
+            aot_ops[op] = aot_ops.get(op, 0) + 1
+        totals["untagged"] += len(info["untagged_saved"])
+        totals["fused"] = totals.get("fused", 0) + int(info["graphs"].get("fw_fused") or 0)
+        if info["graphs"].get("fw_fuse_error"):
+            res.notes.append(f"region {i}: forward graph left unfused ({info['graphs']['fw_fuse_error']})")
+        for pos in info["saved_inputs"]:
+            src = made["inputs"][pos] if pos < len(made["inputs"]) else None
+            src = by_name.get(src.meta.get("ckpt_source", src.name)) if src is not None else None
+            root = am.root.get(src, src) if src is not None else None
+            if root is not None and root in am.bytes and root not in held_inputs:
+                held_inputs.add(root)
+                totals["saved"] += am.bytes[root]
+                totals["values"] += 1
+        frees = frees and module.frees_inputs
+        if every_region:
+            res.record(f"training region {i} as AOT forward/backward graphs with pointwise fusion "
+                       f"({info['graphs'].get('fw_fused') or 0} forward groups)", [n.name for n in nodes][:6], [call], 0.0)
+        else:
+            res.record(f"recompute by graph rewrite, region {i} (AOTAutograd partition: {len(info['recomputed'])} "
+                       f"forward ops rerun in backward)", [n.name for n in rerun][:6], [call],
+                       -sum(am.seconds[n] for n in rerun))
+    if totals["regions"] == 0 and not fallbacks:
+        raise AotUnavailable("no region recomputes anything")
+    if plan.segments:
+        wrap_segments(gm, ctx, am, plan, res, details)
+    details.update(
+        regions=totals["regions"] + details.get("selective_regions", 0),
+        aot_regions=totals["regions"],
+        aot_saved_bytes=totals["saved"],
+        aot_saved_values=totals["values"],
+        aot_recomputed_ops=totals["recomputed"],
+        aot_recomputed_by_op=dict(sorted(aot_ops.items(), key=lambda kv: -kv[1])),
+        aot_untagged_saved=totals["untagged"],
+        aot_frees_saved_inputs=frees,
+    )
+    if fuser is not None:
+        details["aot_fused_forward_groups"] = totals.get("fused", 0)
+        res.notes.append(f"pointwise fusion in the AOT graphs (fuse_elementwise is on): {totals.get('fused', 0)} "
+                         "groups in the forward graphs; the backward graphs are fused when first compiled "
+                         "(at the first backward)")
+    if fallbacks:
+        details["aot_fallbacks"] = fallbacks
+        res.notes.append(f"{len(fallbacks)} region(s) ran as selective checkpoints instead: {fallbacks[0]}")
+    if not frees:
+        res.notes.append("this torch lacks fx's boxed codegen: a backward graph holds its saved inputs "
+                         "until it returns")
+    if totals["untagged"]:
+        res.notes.append(f"{totals['untagged']} joint-graph value(s) with no captured counterpart "
+                         "saved (as default_partition would)")
+    gm.recompile()
+
+
+def wrap_segments(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan: Plan, res: PassResult,
+                  details: dict) -> None:
+    """Two-level recomputation: each segment (a run of the plan's regions, now AOT region
+    calls, selective-checkpoint calls or nodes left as they were) becomes one plain
+    checkpoint region around them (``OuterCheckpoint``)."""
+    rows = []
+    for k, (a, b) in enumerate(plan.segments):
+        order = list(gm.graph.nodes)
+        where = [i for i, n in enumerate(order) if a <= n.meta.get(REGION, -1) <= b]
+        if not where:
+            continue
+        nodes = [n for n in order[where[0]:where[-1] + 1] if n.op not in ("placeholder", "get_attr", "output")]
+        mutated = []
+        for n in nodes:
+            if n.op == "call_module":
+                sub = gm.get_submodule(n.target)
+                pos = sub.partitioner.mutated if isinstance(sub, AotRecompute) else getattr(sub, "mutated", ())
+                mutated.extend(n.args[i] for i in pos)
+            else:
+                mutated.extend(mutated_args(n))
+        secs = sum(am.seconds.get(n, 0.0) for r in plan.regions[a:b + 1] for n in r)
+        cost = {"flops": 0.0, "bytes": 0.0, "launches": 0, "time_s": 0.0, "recompute_s": secs}
+        for n in nodes:  # what the segment's calls and nodes cost, plus the forward rerun
+            inner = getattr(gm.get_submodule(n.target), "cost", None) if n.op == "call_module" else None
+            if isinstance(inner, dict) and "time_s" in inner:
+                for key in cost:
+                    cost[key] += inner.get(key, 0.0)
+            else:
+                c = ctx.cost.node_cost(n)
+                for key, v in (("flops", c.flops), ("bytes", c.bytes), ("time_s", c.time_s)):
+                    cost[key] += float(ir.concrete(v, ctx.hints))
+                cost["launches"] += int(c.launches)
+        call = outer_region(gm, nodes, mutated, f"ckpt_outer_{k}", cost)
+        rows.append({"regions": [a, b], "forward_rerun_ms": secs * 1e3})
+        res.record(f"outer checkpoint over regions {a}-{b} (their forward reruns once in backward; only the "
+                   "segment's inputs are held through the forward)", [n.name for n in nodes][:6], [call], -secs)
+    details["segments"] = rows
+
+
+def fuse_training_graph(gm: fx.GraphModule, ctx: PassContext, fuser=None, regions: int = 4,
+                        fuse: bool = True) -> PassResult:
+    """Run a training graph's body as AOT regions that recompute nothing, so that its forward and
+    backward graphs get pointwise fusion by ``fuser`` (a callable over a graph, as
+    :func:`rewrite_aot` takes it; None where no fusion pays, and the graph is left as it is;
+    ``fuse=False`` compiles the regions without it). Used for pipeline stages, which are not
+    checkpointed. Only runs of ATen ops are taken (a stage's gradient-layout shims stay outside), cut into about
+    ``regions`` pieces so each piece's backward hands its parameters' gradients back when it ends.
+    Returns the record; the graph is unchanged when fusion or AOTAutograd is unavailable."""
+    res = PassResult("fuse_training", "fusion")
+    if fuse and fuser is None:
+        res.notes.append("no pointwise fusion for this plan (fuse_elementwise off, or not a GPU)")
+        return res
+    why = available()
+    if why is not None:
+        res.notes.append(f"AOT backend unavailable: {why}")
+        return res
+    am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.cost.device_kind)
+
+    def traceable(n):
+        return n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
+
+    runs, cur = [], []
+    for n in am.body:
+        if traceable(n):
+            cur.append(n)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    size = max(1, sum(len(r) for r in runs) // max(regions, 1))
+    chunks = []
+    for r in runs:
+        start = 0
+        while start < len(r):
+            end = min(start + size, len(r))
+            # never cut between a multi-output node and the getitems that unpack it
+            while end < len(r) and (r[end].target is operator.getitem or
+                                    isinstance(r[end - 1].meta.get("val"), (tuple, list))):
+                end += 1
+            chunks.append(r[start:end])
+            start = end
+    if not chunks:
+        res.notes.append("no ATen ops to compile")
+        return res
+    body = [n for c in chunks for n in c]
+    plan = Plan(set(am.body), chunks, 0.0, 0.0, 0.0)
+    details: dict = {}
+    try:
+        rewrite_aot(gm, ctx, am, plan, res, details, strict=False, every_region=True,
+                    fuser=fuser if fuse else None)
+    except AotUnavailable as e:
+        res.notes.append(f"left as it is: {e}")
+        return res
+    res.details = details
+    res.changed = bool(res.rewrites)
+    res.status = "applied" if res.changed else "unchanged"
+    res.notes.append(f"{len(body)} ATen ops in {details.get('aot_regions', 0)} AOT regions"
+                     + (" with pointwise fusion" if fuse else ""))
+    return res

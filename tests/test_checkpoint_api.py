@@ -1,0 +1,123 @@
+"""graphopt.checkpoint's public entry: plan_checkpoints / apply_plan (what insert_checkpoints runs),
+fuse_training_graph with an injected fuser, the one options reader, and the package's layering
+(it never imports the passes)."""
+
+import ast
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt.options import OptimizeOptions
+from graphopt import checkpoint, ir
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import get_profile
+from graphopt.errors import GraphoptError
+from graphopt.pipeline import PassContext, PassResult
+from tests.helpers import op_counts
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def model_and_args(d=16, layers=4):
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(d) for _ in range(layers)], nn.Linear(d, 4)), (torch.randn(8, d),)
+
+
+def captured(model, args, target="cpu", **options):
+    opt = graphopt.optimize(model, args, training=True, passes=[], check_accuracy=False, target=target,
+                            cuda_graphs=False)
+    profile, _ = get_profile(target)
+    gm = opt.graph_module
+    ctx = PassContext(profile=profile, cost=CostModel(profile), training=True, hints=ir.shape_hints(gm),
+                      options=OptimizeOptions(training=True, **options))
+    return opt, gm, ctx
+
+
+def test_the_package_never_imports_the_passes():
+    root = Path(checkpoint.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            for name in names:
+                assert "passes" not in name.split("."), f"{path.name} imports {name}"
+
+
+def test_option_is_the_one_reader_of_the_context_options():
+    _, _, ctx = captured(*model_and_args(layers=1), memory_budget=0.5)
+    assert checkpoint.option(ctx, "memory_budget") == 0.5
+    assert checkpoint.option(ctx, "checkpoint_backend", "auto") == "auto"
+
+
+@pytest.mark.parametrize("backend", ["sac", "aot"])
+def test_plan_then_apply_is_what_the_pass_does(backend):
+    if backend == "aot" and checkpoint.aot.available() is not None:
+        pytest.skip(checkpoint.aot.available())
+    model, args = model_and_args()
+    via_pass = graphopt.optimize(copy.deepcopy(model), args, training=True, memory_budget=0.6,
+                                 checkpoint_backend=backend, passes=["insert_checkpoints"], check_accuracy=False,
+                                 target="cpu")
+    expected = via_pass.report.pass_result("insert_checkpoints")
+    opt, gm, ctx = captured(model, args)
+    cp = checkpoint.plan_checkpoints(gm, ctx, 0.6, backend)
+    assert cp.plan is not None and cp.backend == backend
+    assert cp.details["predicted_activation_bytes"] <= cp.details["budget_bytes"]
+    res = PassResult("insert_checkpoints")
+    checkpoint.apply_plan(gm, ctx, cp, res)
+    for key in ("kept_nodes", "recomputed_nodes", "regions", "predicted_saved_bytes", "backend"):
+        assert res.details[key] == expected.details[key], key
+    assert [r.pattern for r in res.rewrites] == [r.pattern for r in expected.rewrites]
+    kind = checkpoint.AotRecompute if backend == "aot" else checkpoint.CheckpointRegion
+    assert sum(isinstance(m, kind) for m in gm.modules()) == res.details["regions"] > 0
+    assert op_counts(gm) == op_counts(via_pass.graph_module)
+    opt(*args).sum().backward()  # the rewritten graph trains
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_baseline_that_fits_plans_nothing_and_a_bad_backend_is_refused():
+    opt, gm, ctx = captured(*model_and_args(layers=2))
+    before = gm.code
+    cp = checkpoint.plan_checkpoints(gm, ctx, 1.0)
+    assert cp.plan is None and "nothing recomputed" in cp.notes[0]
+    checkpoint.apply_plan(gm, ctx, cp, PassResult("insert_checkpoints"))
+    assert gm.code == before
+    with pytest.raises(GraphoptError, match="checkpoint_backend must be one of"):
+        checkpoint.plan_checkpoints(gm, ctx, 0.5, "bogus")
+
+
+def test_fuse_training_graph_runs_the_injected_fuser_on_forward_and_backward_graphs():
+    if checkpoint.aot.available() is not None:
+        pytest.skip(checkpoint.aot.available())
+    model, args = model_and_args(layers=2)
+    opt, gm, ctx = captured(model, args)
+    seen = []
+
+    def fuser(graph):
+        seen.append(graph)
+        return 0
+
+    left = checkpoint.fuse_training_graph(gm, ctx, None)  # nothing to fuse with: unchanged
+    assert left.status == "unchanged" and not any(isinstance(m, checkpoint.AotRecompute) for m in gm.modules())
+    res = checkpoint.fuse_training_graph(gm, ctx, fuser, regions=2)
+    mods = [m for m in gm.modules() if isinstance(m, checkpoint.AotRecompute)]
+    assert res.status == "applied" and len(mods) == res.details["aot_regions"] >= 2
+    assert len(seen) == len(mods)  # each forward graph, at optimization time
+    opt(*args).sum().backward()
+    assert len(seen) == 2 * len(mods)  # and each backward graph, at its first run
+    assert all(p.grad is not None for p in model.parameters())

@@ -511,8 +511,8 @@ def regression_source(program: Program, passes, target: str, mode: str, error: s
     mark = f"@pytest.mark.xfail(strict=True, reason={msg!r})\n" if xfail else ""
     return (
         f'"""Fuzz regression (graphopt.fuzz): {msg}"""\n\n'
-        "import pytest\n\n"
-        "from graphopt.fuzz import Program, check_program\n\n"
+        + ("import pytest\n\n" if xfail else "")
+        + "from graphopt.fuzz import Program, check_program\n\n"
         f"PROGRAM = {program!r}\n"
         f"PASSES = {list(passes)!r}\n"
         f"TARGET = {target!r}\n"

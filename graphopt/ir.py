@@ -100,9 +100,21 @@ def info(node: fx.Node) -> TensorInfo | None:
 
 
 def arg_infos(node: fx.Node) -> list[TensorInfo]:
-    """TensorInfo of every tensor input of a node (each input node once)."""
+    """TensorInfo of every tensor input of a node (each input node once): what it reads, for
+    byte counts. Use :func:`operand_infos` to read a particular operand."""
     out = []
     for a in node.all_input_nodes:
+        out.extend(infos(a))
+    return out
+
+
+def operand_infos(node: fx.Node) -> list[TensorInfo]:
+    """TensorInfo of a node's tensor operands in argument order (args, then kwargs), one entry per
+    occurrence: ``sdpa(x, x, x)`` gives three, where :func:`arg_infos` gives one."""
+    nodes: list = []
+    fx.node.map_arg((node.args, node.kwargs), nodes.append)
+    out = []
+    for a in nodes:
         out.extend(infos(a))
     return out
 

@@ -193,7 +193,7 @@ class FuseBiasAct(Pass):
         p = ctx.profile
         flops, byts, _, _ = ctx.cost.flops_bytes(gemm)
         flops, byts = ir.concrete(flops, ctx.hints), ir.concrete(byts, ctx.hints) - minus_bias
-        rate = p.matmul_rate(ir.arg_infos(gemm)[0].dtype)
+        rate = p.matmul_rate(ir.operand_infos(gemm)[0].dtype)
         t = p.kernel_seconds(flops / rate, byts / p.bandwidth, "conv" if gemm.target in CONVS else "matmul")
         red = split_k_reduce_node_seconds(p, gemm)  # without its bias the GEMM still splits K
         return t + p.kernel_seconds(0.0, red - p.kernel_fixed_s) if red else t

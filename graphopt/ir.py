@@ -168,16 +168,20 @@ RANDOM_OPS = frozenset({
 
 def is_random(node: fx.Node) -> bool:
     """Does the node draw random numbers? (ops tagged nondeterministic_seeded, or a known random
-    op; eval-mode or p=0 dropout is the identity and does not count). The one definition the
+    op; a dropout of any spelling with train=False, or p=0, does not draw and does not count). The one definition the
     passes, the guard and the CUDA-graph lowering share."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return False
-    if t is aten.dropout.default:
+    names = [a.name for a in t._schema.arguments]
+    if names[1:3] == ["p", "train"]:  # the dropout family: (input, p, train)
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        return bool(train) and p != 0
-    names = [a.name for a in t._schema.arguments]
+        if train is False:
+            return False  # the identity (dropout*) or a copy and an all-true mask (native_dropout)
+        # dropout, feature_dropout, alpha_dropout (and in place) return their input at p == 0;
+        # native_dropout still draws its mask
+        return not (p == 0 and t._schema.name.split("::")[-1] != "native_dropout")
     if "dropout_p" in names:  # attention: seeded only for its dropout (tagged either way)
         i = names.index("dropout_p")
         p = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", 0.0)

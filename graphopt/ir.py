@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from . import timing
-from .errors import GraphoptError
+from .errors import GraphoptError, one_line
 
 aten = torch.ops.aten
 
@@ -398,13 +398,14 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
     suffix = f" after {where}" if where else ""
     try:
         gm.graph.lint()
-    except Exception as e:  # lint raises RuntimeError with its own message
-        raise InvariantError(f"graph lint failed{suffix}: {e}") from e
+    except Exception as e:  # lint's message ends with the whole graph: kept as the detail
+        raise InvariantError(f"graph lint failed{suffix}: {one_line(e)}", detail=str(e)) from e
     before = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     try:
         repropagate(gm)
     except Exception as e:
-        raise InvariantError(f"shape propagation failed{suffix}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        raise InvariantError(f"shape propagation failed{suffix}: {type(e).__name__}: {one_line(e)}",
+                             detail=f"{type(e).__name__}: {e}") from e
     for n in gm.graph.nodes:
         if n.op in ("output",):
             continue

@@ -11,7 +11,10 @@ reverts a pass that breaks it, and records predicted cost before and after.
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -22,7 +25,9 @@ import torch.fx as fx
 from . import ir, timing
 from .cost.model import CostModel
 from .cost.profiles import DeviceProfile
-from .errors import GraphoptError, PassConfigError
+from .errors import GraphoptError, PassConfigError, one_line
+
+log = logging.getLogger("graphopt.pipeline")
 
 # why kernel fusions are refused on a CPU profile (the report shows it)
 NO_FUSED_KERNELS = "graphopt's fused kernels are CUDA kernels; on the CPU their reference implementation is no faster"
@@ -370,10 +375,12 @@ class PassManager:
             except Exception as e:  # a pass bug must not cost the user the other passes
                 if ctx.options.get("strict"):
                     raise
+                full = "".join(traceback.format_exception(e))
+                note = _revert_note(ctx, i, p.name, gm, f"the pass raised {type(e).__name__}: {one_line(e)}", full)
                 _restore(gm, saved_graph)
                 out = p.result()
                 out.status = "reverted"
-                out.notes.append(f"reverted: the pass raised {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                out.notes.append(note)
             finally:
                 ctx.observer = None
             out.predicted_s_before, out.peak_bytes_before = res.predicted_s_before, res.peak_bytes_before
@@ -394,9 +401,11 @@ class PassManager:
                             raise
                         broken = e
                 if broken is not None:  # a pass bug: undo it, say so, keep the other passes
+                    note = _revert_note(ctx, i, p.name, gm, str(broken), broken.detail or str(broken))
                     _restore(gm, saved_graph)
                     res.status = "reverted"
-                    res.notes.append(f"reverted: {broken}")
+                    res.notes.append(note)
+                    _one_line_record(res, ctx, i)
                     res.seconds = time.perf_counter() - t0
                     res.predicted_s_after, res.peak_bytes_after = before.total_s, before.peak_memory_bytes
                     results.append(res)
@@ -414,6 +423,7 @@ class PassManager:
                         if p.changes_dtypes:
                             ctx.low_precision = None
                         res.notes.append(f"reverted: fails the accuracy rule ({acc.reason})")
+            _one_line_record(res, ctx, i)
             res.seconds = time.perf_counter() - t0
             after = ctx.cost.graph_cost(gm, ctx.hints) if res.status == "applied" else before
             res.predicted_s_after, res.peak_bytes_after = after.total_s, after.peak_memory_bytes
@@ -427,6 +437,43 @@ class PassManager:
                 gm.recompile()
         self.final_cost = before
         return results
+
+
+def _debug() -> bool:
+    return os.environ.get("GRAPHOPT_DEBUG", "") not in ("", "0")
+
+
+def _revert_note(ctx: PassContext, i: int, name: str, gm: fx.GraphModule, why: str, full: str) -> str:
+    """The one-line note of a revert. The full text (a traceback, lint's message with the graph)
+    and the graph as the pass left it go to ``NNN_<pass>.reverted.txt`` in the IR dump
+    (``--dump-ir``), or to the ``graphopt`` logger with GRAPHOPT_DEBUG=1."""
+    note = f"reverted: {one_line(why)}"
+    text = f"{name} reverted: {why}\n\n{full}\n\ngraph as {name} left it:\n{gm.graph}"
+    if ctx.dump_dir is not None:
+        path = ctx.dump_dir / f"{i:03d}_{name}.reverted.txt"
+        path.write_text(text)
+        note += f" (full text: {path.name})"
+    elif _debug():
+        log.warning("%s", text)
+    return note
+
+
+def _one_line_record(res: PassResult, ctx: PassContext, i: int) -> None:
+    """Keep every note and rejection reason of a pass to one line (explain prints one line per
+    reason); a longer text goes whole to ``NNN_<pass>.notes.txt`` in the IR dump."""
+    long = []
+    for k, note in enumerate(res.notes):
+        if one_line(note) != note:
+            long.append(note)
+            res.notes[k] = one_line(note)
+    for r in res.rejected:
+        if one_line(r.reason) != r.reason:
+            long.append(f"{r.candidate}: {r.reason}")
+            r.reason = one_line(r.reason)
+    if long and ctx.dump_dir is not None:
+        (ctx.dump_dir / f"{i:03d}_{res.name}.notes.txt").write_text("\n\n".join(long) + "\n")
+    elif long and _debug():
+        log.warning("%s: %s", res.name, "\n\n".join(long))
 
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph) -> None:

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import one_line
 from .pipeline import PassResult
 
 
@@ -129,11 +130,11 @@ class Report:
                 if len(rs) > max_rewrites:
                     console.print(f"      … {len(rs) - max_rewrites} more", style="dim")
             for r in p.rejected[:max_rejected]:
-                console.print(f"  ✗ {r.candidate}: {r.reason}", style="yellow")
+                console.print(f"  ✗ {r.candidate}: {one_line(r.reason)}", style="yellow")
             if len(p.rejected) > max_rejected:
                 console.print(f"  ✗ … {len(p.rejected) - max_rejected} more rejected (see --json)", style="yellow")
             for note in p.notes:
-                console.print(f"  • {note}")
+                console.print(f"  • {one_line(note)}")
             if p.details.get("checkpoint"):
                 self._render_checkpoints(console, p.details)
         cb, ca = self.cost_before, self.cost_after
@@ -174,7 +175,7 @@ class Report:
         if self.partition:
             self._render_partition(console)
         for note in self.notes:
-            console.print(f"• {note}")
+            console.print(f"• {one_line(note)}")
         if self.optimize_phases:
             from .timing import format_phases
 

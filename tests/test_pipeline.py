@@ -119,6 +119,80 @@ def test_broken_invariant_reverts_the_pass_for_users():
         torch.testing.assert_close(gm(*inputs), model(*inputs))
 
 
+class UseBeforeDef(Pass):
+    """Inserts a node before one of its inputs: graph.lint()'s message ends with the whole graph."""
+
+    name = "use_before_def_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        n = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        first = next(x for x in gm.graph.nodes if x.op == "call_function")
+        with gm.graph.inserting_before(first):
+            new = gm.graph.call_function(aten.neg.default, (n,))
+        n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        res.record("planted", [n], [new], 0.0)
+        return res
+
+
+class Raises(Pass):
+    name = "raises_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        raise RuntimeError("first line\nsecond line\n" + str(gm.graph))
+
+
+@pytest.mark.parametrize("planted, says", [(UseBeforeDef, "used before it has been defined"),
+                                           (Raises, "the pass raised RuntimeError: first line")])
+def test_a_revert_note_is_one_line_and_the_full_text_goes_to_the_dump(tmp_path, planted, says):
+    from graphopt.report import Report
+
+    model, inputs, gm = _mlp_gm()
+    before = [n.target for n in gm.graph.nodes]
+    (res,) = PassManager([planted()]).run(gm, _ctx(gm))
+    (note,) = res.notes
+    assert res.status == "reverted" and says in note
+    assert "\n" not in note and "graph()" not in note and "%" not in note and len(note) < 400
+    assert [n.target for n in gm.graph.nodes] == before
+    # with an IR dump, the note names the file holding the whole text and the broken graph
+    gm = graphopt.capture(model, inputs)
+    (res,) = PassManager([planted()]).run(gm, _ctx(gm, dump_dir=tmp_path))
+    name = f"001_{planted.name}.reverted.txt"
+    assert res.notes[0].endswith(f"(full text: {name})")
+    text = (tmp_path / name).read_text()
+    assert says in text and "graph()" in text
+    # explain prints the note on one line
+    import io
+
+    from rich.console import Console
+
+    report = graphopt.optimize(model, inputs, passes=[], check_accuracy=False).report
+    report.passes.append(res)
+    buf = io.StringIO()
+    report.render(Console(file=buf, width=10000))
+    (line,) = [ln for ln in buf.getvalue().splitlines() if "reverted:" in ln]
+    assert says in line and "graph()" not in buf.getvalue()
+
+
+def test_multi_line_reasons_are_kept_to_one_line(tmp_path):
+    class Chatty(Pass):
+        name = "chatty_planted"
+        family = "fusion"
+
+        def run(self, gm, ctx):
+            res = self.result()
+            res.reject("x", "why\n" + str(gm.graph))
+            res.notes.append("note " + "y" * 1000)
+            return res
+
+    model, inputs, gm = _mlp_gm()
+    (res,) = PassManager([Chatty()]).run(gm, _ctx(gm, dump_dir=tmp_path))
+    assert res.rejected[0].reason == "why …" and len(res.notes[0]) <= 300 and res.notes[0].endswith("…")
+    assert "graph()" in (tmp_path / "001_chatty_planted.notes.txt").read_text()
+
+
 def test_provenance_is_stamped_automatically():
     model, inputs, gm = _mlp_gm()
     (res,) = PassManager([ScaleOutputs()]).run(gm, _ctx(gm))

@@ -433,7 +433,8 @@ def optimize(
     on_new_shape: "error" (a call with another shape/dtype/device raises GuardError) or
       "reoptimize" (optimize again for it, up to 8 cached specializations, with a warning).
     check_accuracy: compare with an fp64 reference after each pass; a pass that fails is reverted.
-    dump_dir: write the graph after each pass as ``NNN_<pass>.py``.
+    dump_dir: write the graph after each pass as ``NNN_<pass>.py``; a reverted pass's full reason
+      and broken graph as ``NNN_<pass>.reverted.txt`` (the report keeps one line).
     memory_budget: training only: fit a step's activation memory (saved tensors, outputs, the
       backward's working set) into this budget by recomputing the cheapest activations in backward
       (pass insert_checkpoints): a fraction 0 < f <= 1 of the baseline step's activation memory,

@@ -436,18 +436,47 @@ class ProvenanceObserver:
         self.gm, self.pass_name = gm, pass_name
         self.sources: list[str] = []
         self.created: list[fx.Node] = []
+        self.replaced: dict = {}  # node -> names of the nodes its uses were redirected to
+        self.touched: list[fx.Node] = []  # nodes whose inputs a replacement redirected
 
     def _hook(self, node: fx.Node) -> None:
         node.meta["graphopt_from"] = {"pass": self.pass_name, "sources": list(self.sources)}
         self.created.append(node)
 
+    def _replace_hook(self, old: fx.Node, new: str, user: fx.Node) -> None:
+        self.replaced.setdefault(old, set()).add(new)
+        self.touched.append(user)
+
+    def live(self, node: fx.Node) -> fx.Node | None:
+        """``node`` if it is in the graph, else the node a rewrite replaced it with (all its uses
+        redirected to one node, followed through later replacements), else None."""
+        by_name = None
+        seen = set()
+        first = node
+        while getattr(node, "_erased", False):
+            names = self.replaced.get(node)
+            if not names or len(names) != 1 or node in seen:
+                return None
+            seen.add(node)
+            if by_name is None:
+                by_name = {n.name: n for n in self.gm.graph.nodes}
+            (name,) = names
+            node = by_name.get(name)
+            if node is None:
+                return None
+        if node is not first:
+            self.replaced[first] = {node.name}  # the chain resolved once
+        return node
+
     @contextlib.contextmanager
     def active(self) -> Iterator["ProvenanceObserver"]:
         self.gm._register_create_node_hook(self._hook)
+        self.gm._register_replace_node_hook(self._replace_hook)
         try:
             yield self
         finally:
             self.gm._unregister_create_node_hook(self._hook)
+            self.gm._unregister_replace_node_hook(self._replace_hook)
 
     @contextlib.contextmanager
     def sourced(self, nodes: Iterable[fx.Node]):
@@ -467,6 +496,25 @@ def replace_with(old: fx.Node, new: fx.Node) -> None:
     if "val" not in new.meta and "val" in old.meta:
         new.meta["val"] = old.meta["val"]
     old.replace_all_uses_with(new)
+
+
+def misplaced(nodes: Iterable[fx.Node]) -> str:
+    """Why the given (new) nodes break the graph's order, in one line, or "" when each one reads
+    only live nodes defined before it and is read only by nodes after it. A rewrite that read a
+    node an earlier rewrite replaced (erased), or inserted its node before one of its inputs,
+    shows here, at the rewrite, rather than in graph.lint() after the pass."""
+    for n in nodes:
+        if getattr(n, "_erased", False) or n.op == "placeholder":
+            continue
+        for a in n.all_input_nodes:
+            if getattr(a, "_erased", False) or a.graph is not n.graph:
+                return f"{n.name} reads {a.name}, which is no longer in the graph (an earlier rewrite replaced it)"
+            if not a < n:
+                return f"{n.name} reads {a.name}, which is defined after it"
+        for u in n.users:
+            if not n < u:
+                return f"{n.name} is read by {u.name}, which comes before it"
+    return ""
 
 
 def erase_dead(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:

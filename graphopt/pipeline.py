@@ -150,12 +150,19 @@ class PassResult:
                 self.reject(c.description, f"beyond the first {limit} rewrites (bisecting)")
                 continue
             created_before = len(ctx.observer.created) if ctx.observer else 0
+            touched_before = len(ctx.observer.touched) if ctx.observer else 0
             with (ctx.observer.sourced(c.nodes) if ctx.observer else _null()):
                 out = c.apply()
             if out is None:
                 self.reject(c.description, c.refusal or "could not be applied")
                 continue
             created = ctx.observer.created[created_before:] if ctx.observer else []
+            # the new nodes and the nodes the rewrite redirected to read something else
+            edited = created + list(dict.fromkeys(ctx.observer.touched[touched_before:] if ctx.observer else []))
+            _read_live(edited, ctx.observer)
+            wrong = ir.misplaced(edited)
+            if wrong:  # a pass bug: the PassManager reverts the pass (strict: raises)
+                raise ir.InvariantError(f"{self.name}: rewrite {c.description}: {wrong}")
             for n in c.nodes:
                 taken.add(n)
                 winners[n] = c.description
@@ -370,11 +377,11 @@ class PassManager:
             try:
                 with ctx.observer.active(), timing.phase("passes"):
                     out = p.run(gm, ctx)
-            except (GraphoptError, KeyboardInterrupt):
+            except KeyboardInterrupt:
                 raise
             except Exception as e:  # a pass bug must not cost the user the other passes
-                if ctx.options.get("strict"):
-                    raise
+                if ctx.options.get("strict") or (isinstance(e, GraphoptError) and not isinstance(e, ir.InvariantError)):
+                    raise  # a GraphoptError is meant for the user (a broken invariant is a pass bug)
                 full = "".join(traceback.format_exception(e))
                 note = _revert_note(ctx, i, p.name, gm, f"the pass raised {type(e).__name__}: {one_line(e)}", full)
                 _restore(gm, saved_graph)
@@ -437,6 +444,23 @@ class PassManager:
                 gm.recompile()
         self.final_cost = before
         return results
+
+
+def _read_live(created: list, observer) -> None:
+    """A rewrite is planned against the graph before the pass's earlier rewrites: where one of its
+    new nodes reads a node such a rewrite replaced (redirected all its uses, then erased), it reads
+    the replacement, which computes the same value (a LayerNorm reading a LayerNorm both rewrite).
+    Whether the replacement comes before the reader is checked next (ir.misplaced)."""
+    if observer is None:
+        return
+    for n in created:
+        if getattr(n, "_erased", False):
+            continue
+        for a in list(n.all_input_nodes):
+            if getattr(a, "_erased", False):
+                new = observer.live(a)
+                if new is not None:
+                    n.replace_input_with(a, new)
 
 
 def _debug() -> bool:

@@ -176,6 +176,85 @@ def test_a_revert_note_is_one_line_and_the_full_text_goes_to_the_dump(tmp_path, 
     assert says in line and "graph()" not in buf.getvalue()
 
 
+class StaleInput(Pass):
+    """Two rewrites planned on the graph as it was: the second reads the relu the first replaced."""
+
+    name = "stale_input_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        out = next(iter(gm.graph.find_nodes(op="output")))
+
+        def first():
+            with gm.graph.inserting_before(relu):
+                new = gm.graph.call_function(aten.relu.default, relu.args)
+            new.meta = dict(relu.meta)
+            relu.replace_all_uses_with(new)
+            gm.graph.erase_node(relu)
+            return new
+
+        def second():  # reads the relu the first rewrite replaced
+            with gm.graph.inserting_before(out):
+                new = gm.graph.call_function(aten.mul.Tensor, (relu, 1.0))
+            new.meta = dict(relu.meta)
+            return new
+
+        res.apply_ranked(ctx, [Candidate("first", [relu], 2e-6, first),
+                               Candidate("second", [], 1e-6, second, label="second")])
+        return res
+
+
+class InsertedTooEarly(Pass):
+    """A rewrite that puts its node before one of its inputs."""
+
+    name = "too_early_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        first = next(n for n in gm.graph.nodes if n.op == "call_function")
+
+        def apply():
+            with gm.graph.inserting_before(first):
+                new = gm.graph.call_function(aten.neg.default, (relu,))
+            relu.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+            return new
+
+        res.apply_ranked(ctx, [Candidate("early", [relu], 1e-6, apply, label="early")])
+        return res
+
+
+def test_a_rewrite_reading_a_replaced_node_reads_its_replacement():
+    """A rewrite planned before an earlier rewrite of the same pass replaced one of its inputs
+    reads the replacement (the same value), as fuse_layer_norm's second LayerNorm of Swin's patch
+    embedding does."""
+    model, inputs, gm = _mlp_gm()
+    ctx = _ctx(gm)
+    ctx.options["strict"] = True
+    (res,) = PassManager([StaleInput()]).run(gm, ctx)
+    assert res.status == "applied" and len(res.rewrites) == 2
+    mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    assert mul.args[0].target is aten.relu.default and not getattr(mul.args[0], "_erased", False)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), model(*inputs))
+
+
+def test_a_rewrite_placed_before_its_input_reverts_the_pass_naming_it():
+    model, inputs, gm = _mlp_gm()
+    before = [n.target for n in gm.graph.nodes]
+    (res,) = PassManager([InsertedTooEarly()]).run(gm, _ctx(gm))
+    assert res.status == "reverted"
+    assert "rewrite early" in res.notes[0] and "defined after it" in res.notes[0]
+    assert [n.target for n in gm.graph.nodes] == before
+    ctx = _ctx(gm)
+    ctx.options["strict"] = True
+    with pytest.raises(InvariantError, match="defined after it"):
+        PassManager([InsertedTooEarly()]).run(gm, ctx)
+
+
 def test_multi_line_reasons_are_kept_to_one_line(tmp_path):
     class Chatty(Pass):
         name = "chatty_planted"

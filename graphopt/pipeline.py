@@ -142,7 +142,9 @@ class PassResult:
             if clash is not None:
                 self.reject(c.description, f"overlaps {winners[clash]} (higher predicted gain)")
                 continue
-            if c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain):
+            # options["ignore_cost"] (the fuzzer): every legal rewrite applies, whatever its
+            # predicted gain, so legality is tested apart from the cost model
+            if (c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain)) and not ctx.options.get("ignore_cost"):
                 self.reject(c.description, f"predicted no gain ({c.gain_s * 1e6:+.2f} us)")
                 continue
             limit = ctx.options.get("rewrite_limit")

@@ -189,6 +189,70 @@ def is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()) or t._schema.name.split("::")[-1] in RANDOM_OPS
 
 
+# --------------------------------------------------------------------------- aliasing
+
+
+def alias_source(node: fx.Node):
+    """The input whose storage ``node``'s value shares (a view, an op that may return its input
+    such as ``to``/``contiguous``, an in-place op returning what it wrote, an item of a list of
+    views), else None."""
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if t is operator.getitem:
+        src = node.args[0]
+        return src if isinstance(src, fx.Node) and alias_source(src) is not None else None
+    if not isinstance(t, torch._ops.OpOverload) or not t._schema.returns:
+        return None
+    ret = t._schema.returns[0].alias_info
+    if ret is None:
+        return None
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.before_set & ret.before_set:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            return v if isinstance(v, fx.Node) else None
+    return None
+
+
+def written(node: fx.Node) -> list:
+    """The input nodes an in-place op writes into. Calls graphopt cannot read (a method or module
+    call of a symbolic_trace graph) whose name says in place write their first argument."""
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        if not t._schema.is_mutable:
+            return []
+        out = []
+        for i, a in enumerate(t._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                out.extend(x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, fx.Node))
+        return out
+    name = t if node.op == "call_method" else getattr(t, "__name__", "") if node.op == "call_function" else ""
+    inplace = isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        try:
+            inplace = bool(getattr(owner.get_submodule(node.target), "inplace", False)) if owner is not None else False
+        except AttributeError:
+            inplace = False
+    return [node.args[0]] if inplace and node.args and isinstance(node.args[0], fx.Node) else []
+
+
+def storages(gm: fx.GraphModule) -> tuple[dict, dict]:
+    """``(storage, writes)``: the node whose storage each node's value shares (itself for a fresh
+    tensor), and for each storage the nodes writing it in place, in graph order. Capture leaves
+    in-place ops where the written tensor is a view, an input or a parameter, so a pass that drops
+    a copy or reorders reads checks here that nothing writes the storages involved."""
+    storage: dict = {}
+    writes: dict = {}
+    for n in gm.graph.nodes:
+        src = alias_source(n)
+        storage[n] = storage.get(src, src) if src is not None else n
+        for w in written(n):
+            writes.setdefault(storage.get(w, w), []).append(n)
+    return storage, writes
+
+
 def get_attr_value(gm: fx.GraphModule, target: str):
     obj: Any = gm
     for part in target.split("."):

@@ -172,3 +172,57 @@ def test_constant_higher_order_region_is_folded():
     counts = op_counts(gm)
     assert counts["aten.repeat_interleave.self_int"] == counts["aten.cos.default"] == 0
     assert reference_check(m, gm, (x,)).passed
+
+
+class WindowMask(nn.Module):
+    """Swin's shifted-window mask, built every call on the host: zeros, slice assignments, then
+    moved to the input's device; plus a counter buffer the forward updates in place."""
+
+    def __init__(self, n=8):
+        super().__init__()
+        self.n = n
+        self.register_buffer("calls", torch.zeros(n))
+
+    def forward(self, x):
+        m = torch.zeros(self.n, self.n)
+        for i, (a, b) in enumerate(((0, 3), (3, 6), (6, None))):
+            m[a:b, a:b] = float(i + 1)
+        m[:, 0] += 0.5
+        self.calls.add_(1.0)  # a buffer written in place: not a constant
+        return x + m.to(x.device) + self.calls
+
+
+def test_folds_a_constant_written_in_place_with_its_writes():
+    m = WindowMask().eval()
+    x = torch.randn(2, 8, 8)
+    gm = capture(m, (x,))
+    assert op_counts(gm)["aten.fill_.Tensor"] + op_counts(gm)["aten.fill_.Scalar"] == 3
+    (res,) = run_passes(gm, ["fold_constants"])
+    counts = op_counts(gm)
+    # the mask is one constant; zeros, its slices and the writes into them are gone
+    assert counts["aten.zeros.default"] == 0 and counts["aten.slice.Tensor"] == 0
+    assert counts["aten.fill_.Tensor"] + counts["aten.fill_.Scalar"] == 0 and counts["aten.add_.Tensor"] == 1
+    eager = WindowMask()
+    eager.calls.copy_(gm.get_buffer("calls"))  # the counter where the graph's is
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), eager(x), rtol=0, atol=0)
+        torch.testing.assert_close(gm(x), eager(x), rtol=0, atol=0)  # and on the next call
+    # the buffer the forward writes stays read from the module, never folded
+    assert any(n.op == "get_attr" and n.target == "calls" for n in gm.graph.nodes)
+
+
+class WrittenFromInput(nn.Module):
+    def forward(self, x):
+        m = torch.zeros(4, 4)
+        m[0] = x[0, 0]  # a write of a non-constant: the mask depends on the input
+        return x + m
+
+
+def test_a_storage_written_from_the_input_is_not_constant():
+    m = WrittenFromInput().eval()
+    gm = capture(m, (torch.randn(4, 4),))
+    (res,) = run_passes(gm, ["fold_constants"])
+    assert op_counts(gm)["aten.zeros.default"] == 1 and not res.rewrites
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), m(x), rtol=0, atol=0)

@@ -456,9 +456,13 @@ def propagate_from_real(gm: fx.GraphModule, flat_inputs: list) -> None:
 
 
 @timing.timed("invariant checks")
-def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bool = False) -> None:
+def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bool = False,
+                     devices_before: set | None = None) -> None:
     """lint + metadata present and consistent; raises InvariantError naming the node.
-    ``allow_dtype_change`` is for passes whose job is to change dtypes (assign_precision)."""
+    ``allow_dtype_change`` is for passes whose job is to change dtypes (assign_precision).
+    ``devices_before``: the device types the graph computed on before the pass (graph_devices);
+    a graph may mix the host with a device as captured (tensors a forward builds on the host),
+    and a pass may only not add a device type to it."""
     suffix = f" after {where}" if where else ""
     try:
         gm.graph.lint()
@@ -484,9 +488,15 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
                     f"node {n.name} ({target_name(n)}) changed metadata{suffix}: "
                     f"{old.dtype}/{old.device}/{old.shape} -> {new.dtype}/{new.device}/{new.shape}"
                 )
-    devices = {info(n).device.type for n in gm.graph.nodes if info(n) is not None and n.op != "get_attr"}
+    devices = graph_devices(gm)
     if len(devices) > 1 and not getattr(gm, "_graphopt_multi_device", False):
-        raise InvariantError(f"graph mixes devices {sorted(devices)}{suffix}")
+        if devices_before is None or devices - devices_before:
+            raise InvariantError(f"graph mixes devices {sorted(devices)}{suffix}")
+
+
+def graph_devices(gm: fx.GraphModule) -> set:
+    """The device types the graph's computed tensors live on (constants read with get_attr aside)."""
+    return {info(n).device.type for n in gm.graph.nodes if info(n) is not None and n.op != "get_attr"}
 
 
 # --------------------------------------------------------------------------- provenance

@@ -373,6 +373,7 @@ class PassManager:
                 results.append(res)
                 continue
             t0 = time.perf_counter()
+            devices_before = ir.graph_devices(gm) if ctx.verify else None
             with timing.phase("graph snapshots"):
                 saved_graph = copy.deepcopy(gm.graph)
             ctx.observer = ir.ProvenanceObserver(gm, p.name)
@@ -404,7 +405,8 @@ class PassManager:
                 broken = None
                 if ctx.verify:
                     try:
-                        ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes)
+                        ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes,
+                                            devices_before=devices_before)
                     except ir.InvariantError as e:
                         if ctx.options.get("strict"):
                             raise

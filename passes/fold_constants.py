@@ -160,6 +160,54 @@ class Constants:
         return removed
 
 
+def _reader_device(node: fx.Node, const: set):
+    """The one device other than the host that the non-constant readers of ``node`` (a host
+    tensor) compute on, where the constant belongs, else None: a reader that returns something
+    other than tensors on that device (``item()``, a host computation, the graph's output) keeps
+    it on the host."""
+    devices = set()
+    for u in node.users:
+        if u in const:
+            continue
+        if u.op != "call_function":
+            return None
+        val, outs = u.meta.get("val"), ir.infos(u)
+        if not outs or not isinstance(val, (torch.Tensor, tuple, list)):
+            return None
+        devices |= {o.device for o in outs}
+    if len(devices) == 1 and next(iter(devices)).type != "cpu":
+        return next(iter(devices))
+    return None
+
+
+def _copies_across_devices(nodes) -> bool:
+    """Does one of ``nodes`` copy a tensor to another device (``.to(x.device)`` of a host tensor)?"""
+    for n in nodes:
+        out = ir.info(n) if n.op == "call_function" else None
+        if out is not None and any(ir.info(a) is not None and ir.info(a).device != out.device
+                                   for a in n.all_input_nodes):
+            return True
+    return False
+
+
+def _store(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> fx.Node:
+    """Replace ``node`` with a get_attr of ``value`` stored as a constant (its metadata made from
+    the value, on the value's device)."""
+    from ._fusion_meta import set_meta
+
+    name = ir.register_constant(gm, node.name, value)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.get_attr(name)
+    if ir.info(node) is not None and ir.info(node).device == value.device:
+        new.meta["val"] = node.meta["val"]
+    else:
+        set_meta(gm, [new])
+    ir.replace_with(new=new, old=node)
+    if node.op == "get_attr" and not node.users:
+        gm.graph.erase_node(node)
+    return new
+
+
 @register
 class FoldConstants(Pass):
     name = "fold_constants"
@@ -174,7 +222,7 @@ class FoldConstants(Pass):
         roots = [n for n in gm.graph.nodes if n in const and n.op == "call_function"
                  and any(u not in const for u in n.users)]
 
-        candidates = []
+        candidates, host_built = [], []
         for root in roots:
             if not isinstance(root.meta.get("val"), torch.Tensor):
                 continue
@@ -189,9 +237,11 @@ class FoldConstants(Pass):
                     res.reject(f"{root.name}", f"reads trainable parameter {trainable[0]} in a training graph")
                     continue
             out_info = ir.info(root)
+            to_device = _reader_device(root, const) if out_info.device.type == "cpu" else None
+            host = to_device is not None or _copies_across_devices(sub)
             src_bytes = sum(ir.concrete(ir.info(s).nbytes) for s in sources if ir.info(s) is not None)
             out_bytes = ir.concrete(out_info.nbytes, ctx.hints)
-            if out_bytes > LARGE_BYTES and out_bytes > 2 * src_bytes:
+            if out_bytes > LARGE_BYTES and out_bytes > 2 * src_bytes and not host:
                 res.reject(root.name, f"would store a {out_bytes / 2**20:.1f} MiB constant computed from "
                                       f"{src_bytes / 2**20:.1f} MiB")
                 continue
@@ -199,18 +249,34 @@ class FoldConstants(Pass):
             work = [n for n in sub if n.op == "call_function" and all(u in const for u in n.users) or n is root]
             gain = ctx.node_time(work)
 
-            def apply(root=root, sub=sub):
+            def apply(root=root, sub=sub, to_device=to_device):
                 v = consts.value(root)
-                name = ir.register_constant(gm, root.name, v.detach().clone() if v._base is not None else v.detach())
-                with gm.graph.inserting_before(root):
-                    new = gm.graph.get_attr(name)
-                ir.replace_with(root, new)
+                v = v.detach().clone() if v._base is not None else v.detach()
+                new = _store(gm, root, v if to_device is None else v.to(to_device))
                 ir.erase_dead(gm, [root] + [n for n in sub if n.op == "call_function"])
                 return new
 
-            candidates.append(Candidate("constant subgraph", [root], gain, apply,
-                                        label=f"{root.name} ({len(sub)} nodes from {len(sources)} constants)"))
+            c = Candidate("constant subgraph" if not host else "host-built constant -> device constant", [root], gain,
+                          apply, label=f"{root.name} ({len(sub)} nodes from {len(sources)} constants)")
+            (host_built if host else candidates).append(c)
+        # tensors that export lifted out of the forward (torch.tensor(...) literals), on the host but
+        # read on another device
+        attrs = {id(t) for t in list(gm.parameters()) + list(gm.buffers())}
+        for n in gm.graph.nodes:
+            if n.op != "get_attr" or ir.info(n) is None or ir.info(n).device.type != "cpu":
+                continue
+            if id(ir.get_attr_value(gm, n.target)) in attrs:
+                continue  # the model's own parameter or buffer: where the model put it
+            dev = _reader_device(n, const)
+            if dev is not None:
+                host_built.append(Candidate("host constant -> device constant", [n], 0.0,
+                                            lambda n=n, dev=dev: _store(gm, n, ir.get_attr_value(gm, n.target).to(dev)),
+                                            label=f"{n.name} -> {dev}"))
         res.apply_ranked(ctx, candidates)
+        # a tensor built on the host in every call and copied to the device costs host work, a
+        # copy and a synchronization each call, and keeps the graph from CUDA-graph replay: stored
+        # on the device once, also where the cost model sees nothing to gain
+        res.apply_ranked(ctx, host_built, allow_zero_gain=True)
         if res.rewrites:
             consts.erase_unread_storages(gm)
         res.apply_ranked(ctx, self._empty_cats(gm, ctx, res))

@@ -56,7 +56,8 @@ _DT = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 class FuzzFailure(AssertionError):
-    """A fuzzed program broke: ``stage`` is capture | passes | accuracy | optimize."""
+    """A fuzzed program broke: ``stage`` is capture | passes | run | accuracy | optimize, or program
+    (a generator bug: the program does not run eagerly)."""
 
     def __init__(self, stage: str, message: str, pass_name: str = ""):
         super().__init__(f"[{stage}] {message}")
@@ -264,8 +265,8 @@ class ProgramModule(nn.Module):
                 y = F.linear(x, P[key + "_w"], P[key + "_b"] if op[3] else None)
             elif kind == "matmul_w":
                 y = torch.matmul(x, P[key + "_w"])
-            elif kind == "bmm":
-                y = x @ env[op[2]].transpose(-1, -2)
+            elif kind == "bmm":  # (the .to is a no-op in the model; the fp64 reference keeps a cast's bf16)
+                y = x @ env[op[2]].to(x.dtype).transpose(-1, -2)
             elif kind == "conv":
                 b, c, n = x.shape
                 y = self.mods[key](x.reshape(b, c, 2, n // 2)).flatten(2)
@@ -700,10 +701,13 @@ def check_program(program: Program, passes, target: str = "cpu", mode: str = "pa
     from . import ir
     from .pipeline import PassContext, PassManager, assemble
 
-    model, inputs = build(program)
-    with torch.no_grad():
-        eager = model(*inputs)
-    ref64 = accuracy.fp64_reference(model, inputs, {})
+    try:
+        model, inputs = build(program)
+        with torch.no_grad():
+            eager = model(*inputs)
+        ref64 = accuracy.fp64_reference(model, inputs, {})
+    except Exception as e:  # the generator made a program eager (or its fp64 reference) cannot run
+        raise FuzzFailure("program", f"the program does not run eagerly: {_first_line(e)}") from e
     originals = [x.clone() for x in inputs]
 
     def inputs_unchanged(where: str, pass_name: str = ""):

@@ -531,6 +531,7 @@ def remove_eval_dropout(gm: fx.GraphModule) -> int:
     Returns the number of nodes removed."""
     g = gm.graph
     removed = 0
+    aliasing = None
     for node in list(g.nodes):
         x = eval_dropout_input(gm, node)
         if x is not None:
@@ -551,7 +552,7 @@ def remove_eval_dropout(gm: fx.GraphModule) -> int:
                 with g.inserting_before(u):
                     if u.args[1] == 1:
                         new = g.call_function(aten.ones_like.default, (x,), {"dtype": torch.bool})
-                    elif _written_through(u):
+                    elif _written(u, aliasing := aliasing or ir.storages(gm)):
                         new = g.call_function(aten.clone.default, (x,))
                     else:
                         new = x
@@ -564,28 +565,10 @@ def remove_eval_dropout(gm: fx.GraphModule) -> int:
     return removed
 
 
-def _written_through(node: fx.Node) -> bool:
-    """Does an in-place op write into ``node`` or a view of it?"""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            t = u.target
-            if u.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-                if u.op in ("call_module", "call_method") or (u.op == "call_function" and u.target is not operator.getitem):
-                    return True  # opaque: it may write
-                continue
-            for i, a in enumerate(t._schema.arguments):
-                if a.alias_info is not None and a.alias_info.is_write:
-                    v = u.args[i] if i < len(u.args) else u.kwargs.get(a.name)
-                    if v is n:
-                        return True
-            if t.is_view:
-                stack.append(u)
-    return False
+def _written(node: fx.Node, aliasing) -> bool:
+    """Does an in-place op write into ``node`` or a view of it? (``aliasing``: ir.storages)"""
+    storage, writes = aliasing
+    return bool(writes.get(storage.get(node, node)))
 
 
 def _drop_asserts_in_subgraphs(gm: fx.GraphModule) -> None:

@@ -478,8 +478,8 @@ def programs(max_ops: int = 8):
     @st.composite
     def draw_program(draw):
         B = draw(st.sampled_from((1, 2)))
-        S = draw(st.sampled_from((4, 3)))
-        D = draw(st.sampled_from((8, 4)))
+        S = draw(st.sampled_from((4, 3, 8)))
+        D = draw(st.sampled_from((8, 4, 16)))
         inputs = ("f32",) + tuple(draw(st.lists(st.sampled_from(("f32", "bf16")), max_size=1)))
         env = [((B, S, D), d) for d in inputs]  # (shape, dtype) per value
         ops = []

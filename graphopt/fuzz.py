@@ -25,7 +25,8 @@ Op specs (value indices are absolute: inputs first, then one value per op):
                                        parameter: a per-head relative position bias), "pad" (0 / finfo.min
                                        over keys, [B, 1, .., Sk]), "window" (0 / -100 blocks, Swin's), "bool"
                                        (a keep-mask through masked_fill); shape broadcasts to the scores
-  ("sdpa", q, k, v, mask)              F.scaled_dot_product_attention; mask None | "causal" | (kind, shape)
+  ("sdpa", q, k, v, mask)              F.scaled_dot_product_attention (fp32 or bf16); mask None | "causal" |
+                                       (kind, shape)
   ("norm", src, kind)                  LayerNorm / RMSNorm spellings: ln_module, ln_manual, ln_var, rms_plain,
                                        rms_gemma (1 + w), rms_torch (F.rms_norm)
   ("inplace", src, kind)               on a fresh copy: add_, mul_, relu_, masked_fill_, slice_fill
@@ -308,13 +309,15 @@ class ProgramModule(nn.Module):
                 elif isinstance(mask, tuple):
                     s = s + self._mask_tensor(key)
                 y = torch.softmax(s, dim=-1) @ v
-            elif kind == "sdpa":
-                _, q, k, v, mask = op
-                q, k, v = env[q], env[k], env[v]
+            elif kind == "sdpa":  # (the .to calls are no-ops in the model; in the fp64 reference a
+                _, q, k, v, mask = op  # bf16 input is fp64 while a cast's bf16 stays)
+                q = env[q]
+                k, v = env[k].to(q.dtype), env[v].to(q.dtype)
                 if mask is None or mask == "causal":
                     y = F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal")
                 else:
-                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask_tensor(key))
+                    m = self._mask_tensor(key)
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=m.to(q.dtype) if m.is_floating_point() else m)
             elif kind == "reduce":
                 _, _, rk, dim, keep = op
                 if rk == "var":
@@ -570,10 +573,10 @@ def programs(max_ops: int = 8):
                 if s is not None:
                     h = draw(st.sampled_from((2, 1)))
                     op, out = ("mha", s, h, draw(st.booleans())), env[s]
-            elif kind in ("attention", "sdpa"):
-                q = pick(lambda s, d: d == "f32" and len(s) >= (2 if kind == "attention" else 3))
+            elif kind in ("attention", "sdpa"):  # SDPA also in bf16 (lower_attention's case)
+                q = pick(lambda s, d: (d == "f32" and len(s) >= 2) if kind == "attention" else len(s) >= 3)
                 if q is not None:
-                    same = lambda s, d: s == env[q][0] and d == "f32"  # noqa: E731
+                    same = lambda s, d: s == env[q][0] and d == env[q][1]  # noqa: E731
                     k, v = pick(same), pick(same)
                     sq = env[q][0]
                     sc = sq[:-1] + (sq[-2],)

@@ -142,9 +142,7 @@ class PassResult:
             if clash is not None:
                 self.reject(c.description, f"overlaps {winners[clash]} (higher predicted gain)")
                 continue
-            # options["ignore_cost"] (the fuzzer): every legal rewrite applies, whatever its
-            # predicted gain, so legality is tested apart from the cost model
-            if (c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain)) and not ctx.options.get("ignore_cost"):
+            if (c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain)) and not ctx.ignore_cost:
                 self.reject(c.description, f"predicted no gain ({c.gain_s * 1e6:+.2f} us)")
                 continue
             limit = ctx.options.get("rewrite_limit")
@@ -216,6 +214,12 @@ class PassContext:
     # the passes this run will apply (set by the PassManager): a pass may leave a pattern to a
     # later one that handles it better (fuse_elementwise leaves conv epilogues to fuse_conv_relu)
     scheduled: frozenset = frozenset()
+
+    @property
+    def ignore_cost(self) -> bool:
+        """options["ignore_cost"] (the fuzzer): every rewrite a pass finds legal applies, whatever
+        its predicted gain, so legality is tested apart from the cost model's choices."""
+        return bool(self.options.get("ignore_cost"))
 
     @property
     def fused_kernels(self) -> bool:

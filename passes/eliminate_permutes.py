@@ -498,7 +498,7 @@ class EliminatePermutes(Pass):
             else:
                 new_view = _fake(lambda a: a.transpose(0, 1).view(B, L, -1), X.meta["val"]) is not None
                 gain = self._copy_time(ctx, Xi) if not _is_contiguous(Xi) and new_view else 0.0
-            if gain <= 0:
+            if gain <= 0 and not ctx.ignore_cost:
                 continue
             cands.append(Candidate(
                 "hoist_transpose_above_linear", [tr, v, lin, t, X], gain,

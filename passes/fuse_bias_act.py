@@ -178,7 +178,7 @@ class FuseBiasAct(Pass):
         moved = nbytes(yi, h) + nbytes(bi, h) + nbytes(ti, h) + (nbytes(ir.info(r), h) if radd is not None else 0)
         new += pointwise_kernel_time(ctx, moved, ir.concrete(ti.numel, h))
         gain = old - new
-        if gain <= 0.05 * ctx.profile.launch_overhead_s:  # rounding noise is not a gain
+        if gain <= 0.05 * ctx.profile.launch_overhead_s and not ctx.ignore_cost:  # rounding noise is not a gain
             why = (f"bias + {a} after {ir.target_name(gemm)}: the GEMM applies its bias in the cuBLASLt epilogue, so "
                    f"bias_act would only replace the {a} kernel one for one (predicted {gain * 1e6:+.2f} us)"
                    if radd is None and badd is None and gemm.target not in CONVS else

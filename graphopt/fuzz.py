@@ -21,6 +21,7 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("reduce", src, kind, dim, keepdim)  kind sum | mean | amax | var, over any dim
   ("softmax_dim", src, kind, dim, keepdim)  kind softmax | log_softmax | logsumexp (keepdim: logsumexp's)
   ("unsqueeze", src, dim)              a new size-1 dim (broadcasting across ranks follows)
+  ("heads", src, h)                    [.., S, D] -> [.., h, S, D/h] (unflatten, transpose); ("merge_heads", src) back
   ("attention", q, k, v, mask)         mask False | True (causal) | (kind, shape): kind "bias" (a float
                                        parameter: a per-head relative position bias), "pad" (0 / finfo.min
                                        over keys, [B, 1, .., Sk]), "window" (0 / -100 blocks, Swin's), "bool"
@@ -187,6 +188,10 @@ class ProgramModule(nn.Module):
             elif kind == "unsqueeze":
                 d = op[2] % (len(src) + 1)
                 out = src[:d] + (1,) + src[d:]
+            elif kind == "heads":
+                out = src[:-2] + (op[2], src[-2], src[-1] // op[2])
+            elif kind == "merge_heads":
+                out = src[:-3] + (src[-2], src[-3] * src[-1])
             elif kind == "norm":
                 nk = op[2]
                 if nk == "ln_module":
@@ -332,6 +337,10 @@ class ProgramModule(nn.Module):
                     y = (F.softmax if rk == "softmax" else F.log_softmax)(x, dim=dim)
             elif kind == "unsqueeze":
                 y = x.unsqueeze(op[2])
+            elif kind == "heads":
+                y = x.unflatten(-1, (op[2], x.shape[-1] // op[2])).transpose(-3, -2)
+            elif kind == "merge_heads":
+                y = x.transpose(-3, -2).flatten(-2)
             elif kind == "norm":
                 y = self._norm(key, x, op[2])
             elif kind == "inplace":
@@ -498,7 +507,8 @@ def programs(max_ops: int = 8):
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "swiglu", "conv",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
-                 "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const")
+                 "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
+                 "heads", "merge_heads")
 
         def mask_shape(sc, kind):
             """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
@@ -574,7 +584,10 @@ def programs(max_ops: int = 8):
                     h = draw(st.sampled_from((2, 1)))
                     op, out = ("mha", s, h, draw(st.booleans())), env[s]
             elif kind in ("attention", "sdpa"):  # SDPA also in bf16 (lower_attention's case)
-                q = pick(lambda s, d: (d == "f32" and len(s) >= 2) if kind == "attention" else len(s) >= 3)
+                ok = (lambda s, d: d == "f32" and len(s) >= 2) if kind == "attention" else (lambda s, d: len(s) >= 3)
+                # [B, H, S, D] heads (what fuse_attention and lower_attention rewrite) when there are some
+                q = pick(lambda s, d: ok(s, d) and len(s) == 4) if draw(st.booleans()) else None
+                q = q if q is not None else pick(ok)
                 if q is not None:
                     same = lambda s, d: s == env[q][0] and d == env[q][1]  # noqa: E731
                     k, v = pick(same), pick(same)
@@ -605,6 +618,16 @@ def programs(max_ops: int = 8):
                     d = draw(st.integers(-(n + 1), n))
                     sh, at = env[s][0], d % (n + 1)
                     op, out = ("unsqueeze", s, d), (sh[:at] + (1,) + sh[at:], env[s][1])
+            elif kind == "heads":
+                s = pick(lambda s, d: 2 <= len(s) <= 3 and s[-1] % 2 == 0)
+                if s is not None:
+                    sh, h = env[s][0], draw(st.sampled_from((2, 1)))
+                    op, out = ("heads", s, h), (sh[:-2] + (h, sh[-2], sh[-1] // h), env[s][1])
+            elif kind == "merge_heads":
+                s = pick(lambda s, d: len(s) >= 3)
+                if s is not None:
+                    sh = env[s][0]
+                    op, out = ("merge_heads", s), (sh[:-3] + (sh[-2], sh[-3] * sh[-1]), env[s][1])
             elif kind == "norm":
                 s = pick(f32)
                 if s is not None:

@@ -62,6 +62,11 @@ def test_grammar_renders_reductions_broadcasts_masks_norms_inplace_dropout_host_
     assert [tuple(o.shape) for o in outs] == [(2, 4, 8), (2, 1, 4, 4), (2, 2, 4), (2, 4, 4), (2, 2, 4, 4), (2, 1, 1, 4)]
     assert tuple(model.shapes[-1]) == (2, 1, 1, 4) and tuple(model.shapes[15]) == (2, 1, 4, 4)
     fuzz.check_program(p, fuzz.strict_passes(), "h200", "passes", ignore_cost=True)
+    heads = fuzz.Program(2, 4, 16, ("f32",), (("linear", 0, 16, True), ("heads", 1, 2),
+                                              ("attention", 2, 2, 2, ("pad", (2, 1, 1, 4))), ("merge_heads", 3)), (4,))
+    model, inputs = fuzz.build(heads)
+    assert [tuple(s) for s in model.shapes[2:]] == [(2, 2, 4, 8), (2, 2, 4, 8), (2, 4, 16)]
+    assert model(*inputs).shape == (2, 4, 16)
 
 
 @_ci

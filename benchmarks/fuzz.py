@@ -4,7 +4,9 @@
 
 Each distinct failure (stage, pass, error type) is shrunk by hypothesis to a minimal program
 and written as tests/fuzz_regressions/test_<hash>.py (marked xfail(strict=True) until the pass
-is fixed); later rounds treat already-found signatures as known and keep searching.
+is fixed); later rounds treat already-found signatures as known and keep searching. Half the
+programs in mode "passes" run with ``ignore_cost``: every rewrite a pass finds legal applies, so
+legality (and the order rewrites apply in) is tested apart from the cost model's choices.
 """
 
 import argparse
@@ -45,16 +47,17 @@ def main(argv=None):
         @settings(max_examples=left, deadline=None, database=None, suppress_health_check=list(HealthCheck),
                   report_multiple_bugs=False, print_blob=False)
         @given(fuzz.programs(args.max_ops), fuzz.pass_subsets(fuzz.strict_passes()), fuzz.pass_subsets(available()),
-               st.sampled_from(("cpu", "h200")), st.sampled_from(modes))
-        def prop(program, strict_subset, any_subset, target, mode):
+               st.sampled_from(("cpu", "h200")), st.sampled_from(modes), st.booleans())
+        def prop(program, strict_subset, any_subset, target, mode, ignore_cost):
             done[0] += 1
             passes = strict_subset if mode == "passes" else any_subset
+            ignore_cost = ignore_cost and mode == "passes"  # every legal rewrite, whatever its predicted gain
             try:
-                fuzz.check_program(program, passes, target, mode)
+                fuzz.check_program(program, passes, target, mode, ignore_cost=ignore_cost)
             except fuzz.FuzzFailure as e:
                 if e.signature() in known:
                     return  # already found; keep looking for others
-                last[:] = [e.signature(), (program, passes, target, mode, str(e))]
+                last[:] = [e.signature(), (program, passes, target, mode, str(e), ignore_cost)]
                 raise
 
         last.clear()
@@ -64,13 +67,13 @@ def main(argv=None):
         except fuzz.FuzzFailure:
             sig, found = last  # the final call hypothesis makes replays the shrunk example
             known[sig] = found
-            program, passes, target, mode, msg = found
-            print(f"\nFAILURE {sig}\n  program: {program!r}\n  passes: {passes} target: {target} mode: {mode}\n"
-                  f"  error: {msg.splitlines()[0]}", flush=True)
+            program, passes, target, mode, msg, ignore_cost = found
+            print(f"\nFAILURE {sig}\n  program: {program!r}\n  passes: {passes} target: {target} mode: {mode}"
+                  f"{' ignore_cost' if ignore_cost else ''}\n  error: {msg.splitlines()[0]}", flush=True)
             if not args.no_write:
                 OUT.mkdir(exist_ok=True)
-                path = OUT / f"test_{fuzz.failure_id(program, passes, target, mode)}.py"
-                path.write_text(fuzz.regression_source(program, passes, target, mode, msg))
+                path = OUT / f"test_{fuzz.failure_id(program, passes, target, mode, ignore_cost)}.py"
+                path.write_text(fuzz.regression_source(program, passes, target, mode, msg, ignore_cost=ignore_cost))
                 print(f"  wrote {path.relative_to(OUT.parent.parent)}", flush=True)
     print(f"\n{done[0]} examples (incl. shrinking) in {time.time() - t0:.0f} s; {len(known)} distinct failures")
     return 1 if known else 0

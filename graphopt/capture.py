@@ -530,10 +530,11 @@ def _functional_variant(op: torch._ops.OpOverload):
 
 
 def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
-    """In-place ops on intermediates -> functional ops; eval-mode dropout and export's dtype
-    assertions on intermediates removed."""
+    """In-place ops on intermediates -> functional ops; dropout that is the identity as called
+    (every spelling, :func:`remove_eval_dropout`) and export's dtype assertions on intermediates
+    removed."""
     g = gm.graph
-    changed = False
+    changed = remove_eval_dropout(gm) > 0
     roots: dict = {}
     kept: dict = {}  # input name -> the in-place ops writing into it
     for node in list(g.nodes):
@@ -542,11 +543,6 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
         if node.target is aten._assert_tensor_metadata.default:
             # export's record of an intermediate's dtype at trace time: true by construction of
             # the captured graph, and stale once a pass changes dtypes on purpose
-            g.erase_node(node)
-            changed = True
-            continue
-        if node.target is aten.dropout.default and (len(node.args) > 2 and node.args[2] is False):
-            node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
             changed = True
             continue
@@ -584,6 +580,108 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
     gm.meta[ir.MUTATIONS] = ir.mutation_signature(gm)
     if gm.meta[ir.MUTATIONS] and ir.mutation_order_violation(gm) is not None:
         gm.meta[ir.MUTATION_ORDER_EXEMPT] = True
+
+
+# dropout spellings whose eager kernel returns its input itself when not training or when p == 0
+# (aten's _dropout_impl); native_dropout, which returns a copy and a mask, is handled apart
+_IDENTITY_DROPOUTS = frozenset({
+    "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_"})
+# torch functions symbolic_trace leaves in the graph: name -> (index of p, index of the training
+# flag, its default)
+_DROPOUT_FUNCS = {
+    F.dropout: (1, 2, True), F.dropout1d: (1, 2, True), F.dropout2d: (1, 2, True), F.dropout3d: (1, 2, True),
+    F.alpha_dropout: (1, 2, False), F.feature_alpha_dropout: (1, 2, False),
+    torch.dropout: (1, 2, None), torch.dropout_: (1, 2, None), torch.feature_dropout: (1, 2, None),
+    torch.feature_dropout_: (1, 2, None), torch.alpha_dropout: (1, 2, None), torch.alpha_dropout_: (1, 2, None),
+    torch.feature_alpha_dropout: (1, 2, None), torch.feature_alpha_dropout_: (1, 2, None),
+}
+
+def _arg(node: fx.Node, index: int, names, default):
+    if len(node.args) > index:
+        return node.args[index]
+    for nm in (names if isinstance(names, tuple) else (names,)):
+        if nm in node.kwargs:
+            return node.kwargs[nm]
+    return default
+
+
+def eval_dropout_input(gm: fx.GraphModule, node: fx.Node):
+    """The node's input when ``node`` is a dropout that is the identity as called (not training, or
+    p == 0, in any spelling: the ATen ops, ``F.dropout*``/``torch.*dropout*`` calls and
+    ``nn.Dropout*`` modules left by symbolic_trace, in place or not); else None."""
+    x, p, train = None, None, True
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        if node.target._schema.name.split("::")[-1] not in _IDENTITY_DROPOUTS:
+            return None
+        x, p, train = node.args[0], _arg(node, 1, "p", 0.5), _arg(node, 2, "train", True)
+    elif node.op == "call_function" and node.target in _DROPOUT_FUNCS:
+        pi, ti, default = _DROPOUT_FUNCS[node.target]
+        if default is None and len(node.args) <= ti and "train" not in node.kwargs:
+            return None  # a required argument missing: leave the call to fail as it would
+        x = _arg(node, 0, "input", None)
+        p, train = _arg(node, pi, "p", 0.5), _arg(node, ti, ("training", "train"), default)
+    elif node.op == "call_module":
+        try:
+            mod = gm.get_submodule(node.target)
+        except AttributeError:
+            return None
+        if not isinstance(mod, nn.modules.dropout._DropoutNd) or len(node.args) != 1 or node.kwargs:
+            return None
+        x, p, train = node.args[0], mod.p, mod.training
+    else:
+        return None
+    if not isinstance(x, fx.Node) or isinstance(train, fx.Node) or isinstance(p, fx.Node):
+        return None
+    return x if (train is False or p == 0) else None
+
+
+def remove_eval_dropout(gm: fx.GraphModule) -> int:
+    """Remove every dropout that is the identity as called, so an inference graph has no random op
+    where eager draws no random number (CUDA-graph lowering refuses random ops). ``native_dropout``
+    with ``train=False`` returns a copy of its input and an all-true mask: the copy's readers read
+    the input (a clone is kept when something writes through it), the mask becomes ``ones_like``.
+    Returns the number of nodes removed."""
+    g = gm.graph
+    removed = 0
+    aliasing = None
+    for node in list(g.nodes):
+        x = eval_dropout_input(gm, node)
+        if x is not None:
+            node.replace_all_uses_with(x)
+            g.erase_node(node)
+            removed += 1
+            continue
+        if node.op == "call_function" and node.target in (aten.native_dropout.default, torch.native_dropout) \
+                and _arg(node, 2, "train", True) is False and isinstance(node.args[0], fx.Node):
+            x = node.args[0]
+            users = list(node.users)
+            if not all(u.op == "call_function" and u.target is operator.getitem for u in users):
+                continue
+            for u in users:
+                if not u.users:
+                    g.erase_node(u)
+                    continue
+                with g.inserting_before(u):
+                    if u.args[1] == 1:
+                        new = g.call_function(aten.ones_like.default, (x,), {"dtype": torch.bool})
+                    elif _written(u, aliasing := aliasing or ir.storages(gm)):
+                        new = g.call_function(aten.clone.default, (x,))
+                    else:
+                        new = x
+                if new is not x:
+                    new.meta = dict(u.meta)
+                u.replace_all_uses_with(new)
+                g.erase_node(u)
+            g.erase_node(node)
+            removed += 1
+    return removed
+
+
+def _written(node: fx.Node, aliasing) -> bool:
+    """Does an in-place op write into ``node`` or a view of it? (``aliasing``: ir.storages)"""
+    storage, writes = aliasing
+    return bool(writes.get(storage.get(node, node)))
 
 
 def _drop_asserts_in_subgraphs(gm: fx.GraphModule) -> None:

@@ -12,10 +12,31 @@ def traceback_requested() -> bool:
     return os.environ.get("GRAPHOPT_TRACEBACK", "").strip().lower() not in _OFF
 
 
+# how long a reason or note in a report may be (explain prints one line per reason)
+LINE_LIMIT = 300
+
+
+def one_line(text, limit: int = LINE_LIMIT) -> str:
+    """The first non-empty line of ``text``, cut to ``limit`` characters ("…" marks a cut, and a
+    dropped rest of several lines). For reasons and notes: the full text goes to the IR dump."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    first = lines[0]
+    if len(first) > limit:
+        return first[: limit - 1].rstrip() + "…"
+    return first + (" …" if len(lines) > 1 else "")
+
+
 class GraphoptError(Exception):
-    """Base class of every error graphopt raises on purpose."""
+    """Base class of every error graphopt raises on purpose. ``detail``: a longer text (a graph
+    dump, a traceback) kept apart from the one-line message, for the IR dump or a debugger."""
 
     exit_code = 2
+
+    def __init__(self, *args, detail: str = ""):
+        super().__init__(*args)
+        self.detail = detail
 
     def __str__(self) -> str:  # keep messages to one line
         return " ".join(str(a) for a in self.args).replace("\n", " ").strip()

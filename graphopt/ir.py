@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from . import timing
-from .errors import GraphoptError
+from .errors import GraphoptError, one_line
 
 aten = torch.ops.aten
 
@@ -106,9 +106,21 @@ def info(node: fx.Node) -> TensorInfo | None:
 
 
 def arg_infos(node: fx.Node) -> list[TensorInfo]:
-    """TensorInfo of every tensor input of a node (each input node once)."""
+    """TensorInfo of every tensor input of a node (each input node once): what it reads, for
+    byte counts. Use :func:`operand_infos` to read a particular operand."""
     out = []
     for a in node.all_input_nodes:
+        out.extend(infos(a))
+    return out
+
+
+def operand_infos(node: fx.Node) -> list[TensorInfo]:
+    """TensorInfo of a node's tensor operands in argument order (args, then kwargs), one entry per
+    occurrence: ``sdpa(x, x, x)`` gives three, where :func:`arg_infos` gives one."""
+    nodes: list = []
+    fx.node.map_arg((node.args, node.kwargs), nodes.append)
+    out = []
+    for a in nodes:
         out.extend(infos(a))
     return out
 
@@ -198,21 +210,89 @@ RANDOM_OPS = frozenset({
 
 def is_random(node: fx.Node) -> bool:
     """Does the node draw random numbers? (ops tagged nondeterministic_seeded, or a known random
-    op; eval-mode or p=0 dropout is the identity and does not count). The one definition the
+    op; a dropout of any spelling with train=False, or p=0, does not draw and does not count). The one definition the
     passes, the guard and the CUDA-graph lowering share."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return False
-    if t is aten.dropout.default:
+    names = [a.name for a in t._schema.arguments]
+    if names[1:3] == ["p", "train"]:  # the dropout family: (input, p, train)
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        return bool(train) and p != 0
-    names = [a.name for a in t._schema.arguments]
+        if train is False:
+            return False  # the identity (dropout*) or a copy and an all-true mask (native_dropout)
+        # dropout, feature_dropout, alpha_dropout (and in place) return their input at p == 0;
+        # native_dropout still draws its mask
+        return not (p == 0 and t._schema.name.split("::")[-1] != "native_dropout")
     if "dropout_p" in names:  # attention: seeded only for its dropout (tagged either way)
         i = names.index("dropout_p")
         p = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
     return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()) or op_name(node) in RANDOM_OPS
+
+
+# --------------------------------------------------------------------------- aliasing
+
+
+def alias_source(node: fx.Node):
+    """The input whose storage ``node``'s value shares (a view, an op that may return its input
+    such as ``to``/``contiguous``, an in-place op returning what it wrote, an item of a list of
+    views), else None."""
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if t is operator.getitem:
+        src = node.args[0]
+        return src if isinstance(src, fx.Node) and alias_source(src) is not None else None
+    if not isinstance(t, torch._ops.OpOverload) or not t._schema.returns:
+        return None
+    ret = t._schema.returns[0].alias_info
+    if ret is None:
+        return None
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.before_set & ret.before_set:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            return v if isinstance(v, fx.Node) else None
+    return None
+
+
+def written(node: fx.Node) -> list:
+    """The input nodes an in-place op writes into. Calls graphopt cannot read (a method or module
+    call of a symbolic_trace graph) whose name says in place write their first argument."""
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        if not t._schema.is_mutable:
+            return []
+        out = []
+        for i, a in enumerate(t._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                out.extend(x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, fx.Node))
+        return out
+    name = t if node.op == "call_method" else getattr(t, "__name__", "") if node.op == "call_function" else ""
+    inplace = isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        try:
+            inplace = bool(getattr(owner.get_submodule(node.target), "inplace", False)) if owner is not None else False
+        except AttributeError:
+            inplace = False
+    return [node.args[0]] if inplace and node.args and isinstance(node.args[0], fx.Node) else []
+
+
+def storages(gm: fx.GraphModule) -> tuple[dict, dict]:
+    """``(storage, writes)``: the node whose storage each node's value shares (itself for a fresh
+    tensor), and for each storage the nodes writing it in place, in graph order. Capture leaves
+    in-place ops where the written tensor is a view, an input or a parameter, so a pass that drops
+    a copy or reorders reads checks here that nothing writes the storages involved."""
+    storage: dict = {}
+    writes: dict = {}
+    for n in gm.graph.nodes:
+        src = alias_source(n)
+        storage[n] = storage.get(src, src) if src is not None else n
+        for w in written(n):
+            writes.setdefault(storage.get(w, w), []).append(n)
+    return storage, writes
 
 
 def get_attr_value(gm: fx.GraphModule, target: str):
@@ -425,14 +505,18 @@ def propagate_from_real(gm: fx.GraphModule, flat_inputs: list) -> None:
 
 
 @timing.timed("invariant checks")
-def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bool = False) -> None:
+def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bool = False,
+                     devices_before: set | None = None) -> None:
     """lint + metadata present and consistent; raises InvariantError naming the node.
-    ``allow_dtype_change`` is for passes whose job is to change dtypes (assign_precision)."""
+    ``allow_dtype_change`` is for passes whose job is to change dtypes (assign_precision).
+    ``devices_before``: the device types the graph computed on before the pass (graph_devices);
+    a graph may mix the host with a device as captured (tensors a forward builds on the host),
+    and a pass may only not add a device type to it."""
     suffix = f" after {where}" if where else ""
     try:
         gm.graph.lint()
-    except Exception as e:  # lint raises RuntimeError with its own message
-        raise InvariantError(f"graph lint failed{suffix}: {e}") from e
+    except Exception as e:  # lint's message ends with the whole graph: kept as the detail
+        raise InvariantError(f"graph lint failed{suffix}: {one_line(e)}", detail=str(e)) from e
     captured = gm.meta.get(MUTATIONS)
     if captured is not None:  # the in-place writes into inputs the captured graph makes (capture.py)
         now = mutation_signature(gm)
@@ -448,7 +532,8 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
     try:
         repropagate(gm)
     except Exception as e:
-        raise InvariantError(f"shape propagation failed{suffix}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        raise InvariantError(f"shape propagation failed{suffix}: {type(e).__name__}: {one_line(e)}",
+                             detail=f"{type(e).__name__}: {e}") from e
     for n in gm.graph.nodes:
         if n.op in ("output",):
             continue
@@ -463,9 +548,15 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
                     f"node {n.name} ({target_name(n)}) changed metadata{suffix}: "
                     f"{old.dtype}/{old.device}/{old.shape} -> {new.dtype}/{new.device}/{new.shape}"
                 )
-    devices = {info(n).device.type for n in gm.graph.nodes if info(n) is not None and n.op != "get_attr"}
+    devices = graph_devices(gm)
     if len(devices) > 1 and not getattr(gm, "_graphopt_multi_device", False):
-        raise InvariantError(f"graph mixes devices {sorted(devices)}{suffix}")
+        if devices_before is None or devices - devices_before:
+            raise InvariantError(f"graph mixes devices {sorted(devices)}{suffix}")
+
+
+def graph_devices(gm: fx.GraphModule) -> set:
+    """The device types the graph's computed tensors live on (constants read with get_attr aside)."""
+    return {info(n).device.type for n in gm.graph.nodes if info(n) is not None and n.op != "get_attr"}
 
 
 # --------------------------------------------------------------------------- provenance
@@ -479,18 +570,47 @@ class ProvenanceObserver:
         self.gm, self.pass_name = gm, pass_name
         self.sources: list[str] = []
         self.created: list[fx.Node] = []
+        self.replaced: dict = {}  # node -> names of the nodes its uses were redirected to
+        self.touched: list[fx.Node] = []  # nodes whose inputs a replacement redirected
 
     def _hook(self, node: fx.Node) -> None:
         node.meta["graphopt_from"] = {"pass": self.pass_name, "sources": list(self.sources)}
         self.created.append(node)
 
+    def _replace_hook(self, old: fx.Node, new: str, user: fx.Node) -> None:
+        self.replaced.setdefault(old, set()).add(new)
+        self.touched.append(user)
+
+    def live(self, node: fx.Node) -> fx.Node | None:
+        """``node`` if it is in the graph, else the node a rewrite replaced it with (all its uses
+        redirected to one node, followed through later replacements), else None."""
+        by_name = None
+        seen = set()
+        first = node
+        while getattr(node, "_erased", False):
+            names = self.replaced.get(node)
+            if not names or len(names) != 1 or node in seen:
+                return None
+            seen.add(node)
+            if by_name is None:
+                by_name = {n.name: n for n in self.gm.graph.nodes}
+            (name,) = names
+            node = by_name.get(name)
+            if node is None:
+                return None
+        if node is not first:
+            self.replaced[first] = {node.name}  # the chain resolved once
+        return node
+
     @contextlib.contextmanager
     def active(self) -> Iterator["ProvenanceObserver"]:
         self.gm._register_create_node_hook(self._hook)
+        self.gm._register_replace_node_hook(self._replace_hook)
         try:
             yield self
         finally:
             self.gm._unregister_create_node_hook(self._hook)
+            self.gm._unregister_replace_node_hook(self._replace_hook)
 
     @contextlib.contextmanager
     def sourced(self, nodes: Iterable[fx.Node]):
@@ -510,6 +630,25 @@ def replace_with(old: fx.Node, new: fx.Node) -> None:
     if "val" not in new.meta and "val" in old.meta:
         new.meta["val"] = old.meta["val"]
     old.replace_all_uses_with(new)
+
+
+def misplaced(nodes: Iterable[fx.Node]) -> str:
+    """Why the given (new) nodes break the graph's order, in one line, or "" when each one reads
+    only live nodes defined before it and is read only by nodes after it. A rewrite that read a
+    node an earlier rewrite replaced (erased), or inserted its node before one of its inputs,
+    shows here, at the rewrite, rather than in graph.lint() after the pass."""
+    for n in nodes:
+        if getattr(n, "_erased", False) or n.op == "placeholder":
+            continue
+        for a in n.all_input_nodes:
+            if getattr(a, "_erased", False) or a.graph is not n.graph:
+                return f"{n.name} reads {a.name}, which is no longer in the graph (an earlier rewrite replaced it)"
+            if not a < n:
+                return f"{n.name} reads {a.name}, which is defined after it"
+        for u in n.users:
+            if not n < u:
+                return f"{n.name} is read by {u.name}, which comes before it"
+    return ""
 
 
 def erase_dead(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:

@@ -12,7 +12,10 @@ reverts a pass that raises, breaks an invariant or fails the accuracy rule.
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -23,9 +26,11 @@ import torch.fx as fx
 from . import ir, timing
 from .cost.model import CostModel
 from .cost.profiles import DeviceProfile
-from .errors import GraphoptError, PassConfigError
+from .errors import GraphoptError, PassConfigError, one_line
 from .options import OptimizeOptions
 from .setup_memory import ConstantAccount
+
+log = logging.getLogger("graphopt.pipeline")
 
 # why kernel fusions are refused on a CPU profile (the report shows it)
 NO_FUSED_KERNELS = "graphopt's fused kernels are CUDA kernels; on the CPU their reference implementation is no faster"
@@ -145,7 +150,7 @@ class PassResult:
             if clash is not None:
                 self.reject(c.description, f"overlaps {winners[clash]} (higher predicted gain)")
                 continue
-            if c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain):
+            if (c.gain_s < 0 or (c.gain_s == 0 and not allow_zero_gain)) and not ctx.ignore_cost:
                 self.reject(c.description, f"predicted no gain ({c.gain_s * 1e6:+.2f} us)")
                 continue
             limit = ctx.rewrite_limit
@@ -164,6 +169,7 @@ class PassResult:
                 self.reject(c.description, too_big)
                 continue
             created_before = len(ctx.observer.created) if ctx.observer else 0
+            touched_before = len(ctx.observer.touched) if ctx.observer else 0
             with (ctx.observer.sourced(c.nodes) if ctx.observer else _null()):
                 out = c.apply()
             if out is None:
@@ -171,6 +177,12 @@ class PassResult:
                 self.reject(c.description, c.refusal or "could not be applied")
                 continue
             created = ctx.observer.created[created_before:] if ctx.observer else []
+            # the new nodes and the nodes the rewrite redirected to read something else
+            edited = created + list(dict.fromkeys(ctx.observer.touched[touched_before:] if ctx.observer else []))
+            _read_live(edited, ctx.observer)
+            wrong = ir.misplaced(edited)
+            if wrong:  # a pass bug: the PassManager reverts the pass (strict: raises)
+                raise ir.InvariantError(f"{self.name}: rewrite {c.description}: {wrong}")
             for n in c.nodes:
                 taken.add(n)
                 winners[n] = c.description
@@ -224,6 +236,9 @@ class PassContext:
     device: torch.device | None = None  # where the model runs (None: planning only)
     strict: bool = False  # a pass that raises or breaks an invariant raises (tests, bisect, fuzz) instead of reverting
     rewrite_limit: int | None = None  # apply at most this many rewrites per pass (bisect)
+    # every rewrite a pass finds legal applies, whatever its predicted gain (the fuzzer: legality
+    # tested apart from the cost model's choices)
+    ignore_cost: bool = False
     # the graph as it was before the pass now running (set by the PassManager): an instrument may
     # run it beside the rewritten one (graphopt.runtime.measured compares their times)
     before_pass: fx.Graph | None = None
@@ -468,15 +483,18 @@ class InvariantCheck(PassInstrument):
     """graphopt.ir.check_invariants after every pass that changed the graph (``ctx.verify``): a
     pass that breaks one is undone (raises with ``ctx.strict``)."""
 
+    def run_before_pass(self, gm, p, ctx):
+        self.devices_before = ir.graph_devices(gm) if ctx.verify else None
+
     def run_after_pass(self, gm, p, ctx, res):
         if res.status != "applied" or not ctx.verify:
             return None
         try:
-            ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes)
+            ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes, devices_before=self.devices_before)
         except ir.InvariantError as e:
             if ctx.strict:
                 raise
-            return str(e)
+            return e  # the manager keeps its one line in the report, its detail in the IR dump
         return None
 
 
@@ -532,7 +550,9 @@ class PassManager:
         for i in inst:
             i.enter(gm, ctx)
         self._snapshot, self._snapshot_fresh = None, False
-        results = [self._run_pass(gm, p, ctx, inst) for p in self.passes]
+        results = []
+        for self._index, p in enumerate(self.passes, start=1):
+            results.append(self._run_pass(gm, p, ctx, inst))
         ir.remove_unused_attributes(gm)
         if self._stale:
             with timing.phase("recompile"):
@@ -572,6 +592,7 @@ class PassManager:
         if res.status == "applied":  # constants the pass replaced are freed now, not at the end
             ir.remove_unused_attributes(gm)
         ctx.constants.recount(gm)
+        _one_line_record(res, ctx, self._index)
         # a pass that left the graph as it was leaves the snapshot valid for the next one (a copy
         # costs time in proportion to the graph)
         self._snapshot_fresh = self._snapshot is not None and not res.changed and res.status == "unchanged"
@@ -612,13 +633,14 @@ class PassManager:
         try:
             with ctx.observer.active(), timing.phase("passes"):
                 res = p.run(gm, ctx)
-        except (GraphoptError, KeyboardInterrupt):
+        except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - a pass bug: undo it, say so, keep the other passes
-            if ctx.strict:
-                raise
+            if ctx.strict or (isinstance(e, GraphoptError) and not isinstance(e, ir.InvariantError)):
+                raise  # a GraphoptError is meant for the user (a broken invariant is a pass bug)
             res = p.result()
-            self._revert(gm, ctx, res, f"the pass raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            self._revert(gm, ctx, res, f"the pass raised {type(e).__name__}: {one_line(e)}",
+                         "".join(traceback.format_exception(e)))
         finally:
             ctx.observer = None
         if res.changed and res.status != "reverted":
@@ -630,14 +652,73 @@ class PassManager:
                 self._stale = True
         return res
 
-    def _revert(self, gm, ctx: PassContext, res: PassResult, why: str) -> None:
+    def _revert(self, gm, ctx: PassContext, res: PassResult, why, full: str | None = None) -> None:
+        """Restore the graph from before the pass. ``why``: a reason or the InvariantError an
+        instrument returned; the report keeps one line, the full text goes to the IR dump."""
+        if isinstance(why, ir.InvariantError):
+            why, full = str(why), why.detail or str(why)
+        note = _revert_note(ctx, self._index, res.name, gm, str(why), full or str(why))
         graph, low_precision = self._snapshot
         _restore(gm, graph)
         ctx.low_precision = low_precision
         ctx.constants.recount(gm)
         self._snapshot_fresh = False  # the snapshot is the graph now
         res.status = "reverted"
-        res.notes.append(f"reverted: {why}")
+        res.notes.append(note)
+
+
+def _read_live(created: list, observer) -> None:
+    """A rewrite is planned against the graph before the pass's earlier rewrites: where one of its
+    new nodes reads a node such a rewrite replaced (redirected all its uses, then erased), it reads
+    the replacement, which computes the same value (a LayerNorm reading a LayerNorm both rewrite).
+    Whether the replacement comes before the reader is checked next (ir.misplaced)."""
+    if observer is None:
+        return
+    for n in created:
+        if getattr(n, "_erased", False):
+            continue
+        for a in list(n.all_input_nodes):
+            if getattr(a, "_erased", False):
+                new = observer.live(a)
+                if new is not None:
+                    n.replace_input_with(a, new)
+
+
+def _debug() -> bool:
+    return os.environ.get("GRAPHOPT_DEBUG", "") not in ("", "0")
+
+
+def _revert_note(ctx: PassContext, i: int, name: str, gm: fx.GraphModule, why: str, full: str) -> str:
+    """The one-line note of a revert. The full text (a traceback, lint's message with the graph)
+    and the graph as the pass left it go to ``NNN_<pass>.reverted.txt`` in the IR dump
+    (``--dump-ir``), or to the ``graphopt`` logger with GRAPHOPT_DEBUG=1."""
+    note = f"reverted: {one_line(why)}"
+    text = f"{name} reverted: {why}\n\n{full}\n\ngraph as {name} left it:\n{gm.graph}"
+    if ctx.dump_dir is not None:
+        path = ctx.dump_dir / f"{i:03d}_{name}.reverted.txt"
+        path.write_text(text)
+        note += f" (full text: {path.name})"
+    elif _debug():
+        log.warning("%s", text)
+    return note
+
+
+def _one_line_record(res: PassResult, ctx: PassContext, i: int) -> None:
+    """Keep every note and rejection reason of a pass to one line (explain prints one line per
+    reason); a longer text goes whole to ``NNN_<pass>.notes.txt`` in the IR dump."""
+    long = []
+    for k, note in enumerate(res.notes):
+        if one_line(note) != note:
+            long.append(note)
+            res.notes[k] = one_line(note)
+    for r in res.rejected:
+        if one_line(r.reason) != r.reason:
+            long.append(f"{r.candidate}: {r.reason}")
+            r.reason = one_line(r.reason)
+    if long and ctx.dump_dir is not None:
+        (ctx.dump_dir / f"{i:03d}_{res.name}.notes.txt").write_text("\n\n".join(long) + "\n")
+    elif long and _debug():
+        log.warning("%s: %s", res.name, "\n\n".join(long))
 
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph) -> None:

@@ -11,6 +11,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import one_line
 from .pipeline import PassResult
 
 
@@ -286,7 +287,7 @@ class Report:
         if self.partition:
             self._render_partition(console)
         for note in self.notes:
-            console.print(f"• {note}")
+            console.print(f"• {one_line(note)}")
         if self.optimize_phases:
             from .timing import format_phases
 
@@ -319,13 +320,13 @@ class Report:
             if len(rs) > max_rewrites:
                 out.append((f"    … {len(rs) - max_rewrites} more", "dim"))
         if verbose:
-            out += [(f"✗ {r.candidate}: {r.reason}", "yellow") for r in p.rejected[:max_rejected]]
+            out += [(f"✗ {r.candidate}: {one_line(r.reason)}", "yellow") for r in p.rejected[:max_rejected]]
             if len(p.rejected) > max_rejected:
                 out.append((f"✗ … {len(p.rejected) - max_rejected} more rejected (see --json)", "yellow"))
         else:
             reasons: dict[str, list[str]] = {}
             for r in p.rejected:
-                reasons.setdefault(r.reason, []).append(r.candidate)
+                reasons.setdefault(one_line(r.reason), []).append(r.candidate)
             ordered = sorted(reasons.items(), key=lambda kv: -len(kv[1]))
             for reason, cands in ordered[:max_reasons]:
                 what = cands[0] if len(cands) == 1 else f"{len(cands)} candidates"
@@ -334,7 +335,7 @@ class Report:
                 n = sum(len(c) for _, c in ordered[max_reasons:])
                 out.append((f"✗ … {n} more for {len(ordered) - max_reasons} other reasons (--verbose)", "yellow"))
         if p.status in ("applied", "planned", "reverted") or p.rejected or verbose:
-            out += [(f"• {note}", "") for note in p.notes]
+            out += [(f"• {one_line(note)}", "") for note in p.notes]
         return out
 
     def _render_partition(self, console) -> None:

@@ -11,8 +11,9 @@ Rewrites, each checked on ``ir.info(n).shape/.stride`` and never changing a valu
   copy disappears. This is torchvision's nn.MultiheadAttention QKV copy (``unflatten →
   unsqueeze → transpose → squeeze → contiguous → select → view → transpose → view → SDPA``).
 * ``drop_noop_contiguous``: ``contiguous`` / ``clone(memory_format=contiguous)`` of a tensor that
-  is already contiguous per metadata (graphs are functional, so aliasing is safe; a clone whose
-  result is a graph output is kept so that the caller never gets an alias of an input/output).
+  is already contiguous per metadata (aliasing is safe where nothing writes either tensor in place:
+  a copy whose storage or whose source's storage an in-place op writes is kept, as is a clone
+  whose result is a graph output, so that the caller never gets an alias of an input/output).
 * ``cancel_permute_pair``: permute/transpose p then permute/transpose q with q∘p = identity.
 * ``sink_transpose_below_linear``: ``linear(transpose(x, i, j))`` with neither i nor j the last
   dim -> ``transpose(linear(x), i, j)``. A linear acts on each row (the last dim) alone, so the
@@ -88,6 +89,16 @@ def _view_readers(node) -> list:
             if u.target in PURE_VIEWS:
                 stack.append(u)
     return out
+
+
+def _written_copy(c, x, storage, writes) -> str:
+    """Why the copy ``c`` of ``x`` must stay because something writes in place into the copy or into
+    the tensor it copies (without the copy the write would reach the other), or ""."""
+    for node, what in ((c, "the copy"), (x, "its source")):
+        w = writes.get(storage.get(node, node))
+        if w:
+            return f"kept: {w[0].name} writes {what} {node.name} in place"
+    return ""
 
 
 def _concrete(ti) -> bool:
@@ -257,6 +268,7 @@ class EliminatePermutes(Pass):
 
     def _noop_copies(self, gm, ctx, res):
         cands = []
+        storage, writes = ir.storages(gm)
         outputs = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
         for pat in (CONTIGUOUS, CLONE):
             for m in find(gm, pat):
@@ -276,6 +288,10 @@ class EliminatePermutes(Pass):
                     if fmt is not torch.contiguous_format:
                         continue
                 if ci.dtype != xi.dtype or ci.device != xi.device or not ir.is_contiguous(xi):
+                    continue
+                why = _written_copy(c, x, storage, writes)
+                if why:
+                    res.reject(c.name, why)
                     continue
                 unstable, views = _layout_unstable(x), _view_readers(c)
                 if unstable and views:
@@ -342,12 +358,17 @@ class EliminatePermutes(Pass):
 
     def _strided_contiguous(self, gm, ctx, res, final):
         cands = []
+        storage, writes = ir.storages(gm)
         for m in find(gm, CONTIGUOUS):
             c, x = m["c"], m["x"]
             xi, ci = (ir.info(x) if isinstance(x, fx.Node) else None), ir.info(c)
             if xi is None or ci is None or ir.is_contiguous(xi):
                 continue
             if c.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
+                continue
+            why = _written_copy(c, x, storage, writes)
+            if why:
+                res.reject(f"{c.name} (copy of the strided {x.name})", why)
                 continue
             gain = ctx.node_time([c])
             plan, why = self._plan(c, x, xi)
@@ -495,7 +516,7 @@ class EliminatePermutes(Pass):
                 new_view = _fake(lambda a: a.transpose(0, 1).view(B, L, -1), X.meta["val"]) is not None
                 # the rows in the caller's order: a view of X where reshape(X) copied
                 gain = ctx.node_time([t]) if not ir.is_contiguous(Xi) and new_view else 0.0
-            if gain <= 0:
+            if gain <= 0 and not ctx.ignore_cost:
                 continue
             cands.append(Candidate(
                 "hoist_transpose_above_linear", [tr, v, lin, t, X], gain,

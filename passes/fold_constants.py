@@ -53,6 +53,8 @@ def _pure_region(node: fx.Node) -> bool:
 
 
 def _is_const_node(node: fx.Node, const: set) -> bool:
+    """Computable from constants alone (in-place ops included: :class:`Constants` decides whether
+    the storage they write is the graph's own)."""
     if node.op == "get_attr":
         return True
     if node.op != "call_function":
@@ -63,11 +65,143 @@ def _is_const_node(node: fx.Node, const: set) -> bool:
         return _pure_region(node) and all(a in const for a in node.all_input_nodes)
     if not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if ir.op_name(node) in _NEVER or node.target._schema.is_mutable:
+    if ir.op_name(node) in _NEVER:
         return False
     if ir.is_random(node):
         return False
     return all(a in const for a in node.all_input_nodes)
+
+
+class Constants:
+    """Which nodes of a graph compute the same value on every call from parameters, buffers and
+    literals alone (``const``), and those values.
+
+    In-place writes are followed through storage: a node's storage is that of the input it aliases
+    (views, ``to``, in-place ops). A storage the graph creates itself (``zeros``, ``arange``...) and
+    writes in place only from constants (Swin's mask: ``zeros`` then slice assignments) stays
+    constant, its value computed with those writes in graph order; a parameter, buffer or input
+    written in place, or a storage written from anything else, is not constant (nor anything read
+    from it). Valid for the graph as it is when made."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        nodes = list(gm.graph.nodes)
+        self.pos = {n: i for i, n in enumerate(nodes)}
+        self.storage, self.writes = ir.storages(gm)  # writes: storage -> the nodes writing it, in order
+        tainted = {r for r in self.writes if r.op != "call_function"}
+        while True:
+            const: set = set()
+            for n in nodes:
+                if self.storage[n] not in tainted and _is_const_node(n, const) \
+                        and all(self.storage.get(w, w) not in tainted for w in ir.written(n)):
+                    const.add(n)
+            more = {r for r, ws in self.writes.items() if r not in tainted and any(w not in const for w in ws)}
+            if not more:
+                break
+            tainted |= more
+        self.const = const
+        self._shared: dict = {}  # values of nodes whose computation writes nothing
+
+    def written_after(self, node: fx.Node) -> bool:
+        """Is ``node``'s storage written after it (its value is not final where it is computed)?"""
+        return any(self.pos[w] > self.pos[node] for w in self.writes.get(self.storage[node], ()))
+
+    def closure(self, node: fx.Node) -> list:
+        """The constant nodes computing ``node``, with the in-place writes into the storages they
+        read that come before it, in graph order."""
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(a for a in n.all_input_nodes if a in self.const)
+            stack.extend(w for w in self.writes.get(self.storage[n], ()) if self.pos[w] < self.pos[node])
+        return sorted(seen, key=self.pos.__getitem__)
+
+    def value(self, node: fx.Node):
+        """The value of constant ``node`` where the graph computes it."""
+        order = self.closure(node)
+        if not any(self.writes.get(self.storage[n]) for n in order):
+            env = self._shared  # nothing written in place: values are shared between calls
+        else:
+            env = {}  # the writes run on fresh copies of the storages, in graph order
+        for n in order:
+            if n in env:
+                continue
+            if n.op == "get_attr":
+                env[n] = ir.get_attr_value(self.gm, n.target)
+                continue
+            load = lambda a: env[a]  # noqa: E731
+            with torch.no_grad():
+                env[n] = n.target(*fx.node.map_arg(n.args, load), **fx.node.map_arg(n.kwargs, load))
+        return env[node]
+
+    def erase_unread_storages(self, gm: fx.GraphModule) -> int:
+        """Erase each storage the graph created and wrote in place that nothing outside it reads
+        any more (what is left of a folded mask: ``zeros``, its slices and the writes into them)."""
+        removed = 0
+        for root, writes in self.writes.items():
+            if root.op != "call_function" or getattr(root, "_erased", False):
+                continue
+            members = {n for n, st in self.storage.items() if st is root and not getattr(n, "_erased", False)}
+            inner = members | {w for w in writes if not getattr(w, "_erased", False)}
+            if any(u not in inner for n in inner for u in n.users):
+                continue
+            inputs = [a for n in inner for a in n.all_input_nodes if a not in inner]
+            for n in sorted(inner, key=self.pos.__getitem__, reverse=True):
+                gm.graph.erase_node(n)
+                removed += 1
+            removed += ir.erase_dead(gm, [a for a in inputs if not getattr(a, "_erased", False)])
+        return removed
+
+
+def _reader_device(node: fx.Node, const: set):
+    """The one device other than the host that the non-constant readers of ``node`` (a host
+    tensor) compute on, where the constant belongs, else None: a reader that returns something
+    other than tensors on that device (``item()``, a host computation, the graph's output) keeps
+    it on the host."""
+    devices = set()
+    for u in node.users:
+        if u in const:
+            continue
+        if u.op != "call_function":
+            return None
+        val, outs = u.meta.get("val"), ir.infos(u)
+        if not outs or not isinstance(val, (torch.Tensor, tuple, list)):
+            return None
+        devices |= {o.device for o in outs}
+    if len(devices) == 1 and next(iter(devices)).type != "cpu":
+        return next(iter(devices))
+    return None
+
+
+def _copies_across_devices(nodes) -> bool:
+    """Does one of ``nodes`` copy a tensor to another device (``.to(x.device)`` of a host tensor)?"""
+    for n in nodes:
+        out = ir.info(n) if n.op == "call_function" else None
+        if out is not None and any(ir.info(a) is not None and ir.info(a).device != out.device
+                                   for a in n.all_input_nodes):
+            return True
+    return False
+
+
+def _store(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> fx.Node:
+    """Replace ``node`` with a get_attr of ``value`` stored as a constant (its metadata made from
+    the value, on the value's device)."""
+    from ._fusion_meta import set_meta
+
+    name = ir.register_constant(gm, node.name, value)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.get_attr(name)
+    if ir.info(node) is not None and ir.info(node).device == value.device:
+        new.meta["val"] = node.meta["val"]
+    else:
+        set_meta(gm, [new])
+    ir.replace_with(new=new, old=node)
+    if node.op == "get_attr" and not node.users:
+        gm.graph.erase_node(node)
+    return new
 
 
 @register
@@ -78,20 +212,20 @@ class FoldConstants(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        const: set = set()
-        for n in gm.graph.nodes:
-            if _is_const_node(n, const):
-                const.add(n)
+        consts = Constants(gm)
+        const = consts.const
         # fold at the frontier: constant call nodes read by something that is not constant
         roots = [n for n in gm.graph.nodes if n in const and n.op == "call_function"
                  and any(u not in const for u in n.users)]
-        value = _evaluator(gm)
 
-        candidates = []
+        candidates, host_built = [], []
         for root in roots:
             if not isinstance(root.meta.get("val"), torch.Tensor):
                 continue
-            sub = _subgraph(root, const)
+            if consts.written_after(root):
+                res.reject(root.name, "its storage is written in place after it is read; the value is not final")
+                continue
+            sub = consts.closure(root)
             sources = [n for n in sub if n.op == "get_attr"]
             if ctx.training:
                 trainable = [s.target for s in sources if getattr(ir.get_attr_value(gm, s.target), "requires_grad", False)]
@@ -99,14 +233,16 @@ class FoldConstants(Pass):
                     res.reject(f"{root.name}", f"reads trainable parameter {trainable[0]} in a training graph")
                     continue
             out_info = ir.info(root)
-            if out_info is not None and out_info.device.type == "meta":
+            to_device = _reader_device(root, const) if out_info.device.type == "cpu" else None
+            host = to_device is not None or _copies_across_devices(sub)
+            if out_info.device.type == "meta" and not host:
                 # shapes only: a folded constant would hold no values, and later passes that read
                 # constants (the cache positions an arange makes) could prove nothing from it
                 res.reject(root.name, "on meta: a constant there holds no values; kept as the ops that make it")
                 continue
             src_bytes = sum(ir.concrete(ir.info(s).nbytes) for s in sources if ir.info(s) is not None)
             out_bytes = ir.concrete(out_info.nbytes, ctx.hints)
-            if out_bytes > LARGE_BYTES and out_bytes > 2 * src_bytes:
+            if out_bytes > LARGE_BYTES and out_bytes > 2 * src_bytes and not host:
                 res.reject(root.name, f"would store a {out_bytes / 2**20:.1f} MiB constant computed from "
                                       f"{src_bytes / 2**20:.1f} MiB")
                 continue
@@ -114,20 +250,37 @@ class FoldConstants(Pass):
             work = [n for n in sub if n.op == "call_function" and all(u in const for u in n.users) or n is root]
             gain = ctx.node_time(work)
 
-            def apply(root=root, sub=sub):
-                with torch.no_grad():
-                    v = value(root)
-                name = ir.register_constant(gm, root.name, v.detach().clone() if v._base is not None else v.detach())
-                with gm.graph.inserting_before(root):
-                    new = gm.graph.get_attr(name)
-                ir.replace_with(root, new)
+            def apply(root=root, sub=sub, to_device=to_device):
+                v = consts.value(root)
+                v = v.detach().clone() if v._base is not None else v.detach()
+                new = _store(gm, root, v if to_device is None else v.to(to_device))
                 ir.erase_dead(gm, [root] + [n for n in sub if n.op == "call_function"])
                 return new
 
-            candidates.append(Candidate("constant subgraph", [root], gain, apply,
-                                        label=f"{root.name} ({len(sub)} nodes from {len(sources)} constants)",
-                                        constant_bytes=out_bytes))
+            c = Candidate("constant subgraph" if not host else "host-built constant -> device constant", [root], gain,
+                          apply, label=f"{root.name} ({len(sub)} nodes from {len(sources)} constants)",
+                          constant_bytes=out_bytes)
+            (host_built if host else candidates).append(c)
+        # tensors that export lifted out of the forward (torch.tensor(...) literals), on the host but
+        # read on another device
+        attrs = {id(t) for t in list(gm.parameters()) + list(gm.buffers())}
+        for n in gm.graph.nodes:
+            if n.op != "get_attr" or ir.info(n) is None or ir.info(n).device.type != "cpu":
+                continue
+            if id(ir.get_attr_value(gm, n.target)) in attrs:
+                continue  # the model's own parameter or buffer: where the model put it
+            dev = _reader_device(n, const)
+            if dev is not None:
+                host_built.append(Candidate("host constant -> device constant", [n], 0.0,
+                                            lambda n=n, dev=dev: _store(gm, n, ir.get_attr_value(gm, n.target).to(dev)),
+                                            label=f"{n.name} -> {dev}"))
         res.apply_ranked(ctx, candidates)
+        # a tensor built on the host in every call and copied to the device costs host work, a
+        # copy and a synchronization each call, and keeps the graph from CUDA-graph replay: stored
+        # on the device once, also where the cost model sees nothing to gain
+        res.apply_ranked(ctx, host_built, allow_zero_gain=True)
+        if res.rewrites:
+            consts.erase_unread_storages(gm)
         res.apply_ranked(ctx, self._empty_cats(gm, ctx, res))
         # constants that are now unused
         for n in list(gm.graph.nodes):
@@ -178,30 +331,22 @@ class FoldConstants(Pass):
         return out
 
 
-def constant_value(gm: fx.GraphModule, node, max_nodes: int = 256, max_bytes: int = 256 << 20):
+def constant_value(gm: fx.GraphModule, node, max_nodes: int = 256, max_bytes: int = 256 << 20,
+                   consts: Constants | None = None):
     """The value of ``node`` when everything it depends on is a parameter, buffer or literal (no
-    placeholder, random op or uninitialised memory), computed now; None otherwise, or when the
-    subgraph has more than ``max_nodes`` nodes or an output over ``max_bytes``. For passes that must
-    prove a property of a value (a causal mask built in the graph) without storing it as a buffer."""
+    placeholder, random op or uninitialised memory; in-place writes as :class:`Constants` follows
+    them), computed now; None otherwise, or when the subgraph has more than ``max_nodes`` nodes or
+    an output over ``max_bytes``. For passes that must prove a property of a value (a causal mask
+    built in the graph) without storing it as a buffer. ``consts``: an analysis of the graph as it
+    is, to share between calls."""
     if not isinstance(node, fx.Node):
         return None
-    const: set = set()
-    order: list = []
-    stack = [(node, False)]
-    while stack:
-        n, expanded = stack.pop()
-        if n in const:
-            continue
-        if expanded:
-            if not _is_const_node(n, const):
-                return None
-            const.add(n)
-            order.append(n)
-            continue
-        if len(order) + len(stack) > max_nodes:
-            return None
-        stack.append((n, True))
-        stack.extend((a, False) for a in n.all_input_nodes if a not in const)
+    consts = consts or Constants(gm)
+    if node not in consts.const or consts.written_after(node):
+        return None
+    order = consts.closure(node)
+    if len(order) > max_nodes:
+        return None
     for n in order:
         ti = ir.info(n) if n.op == "call_function" else None
         try:
@@ -209,34 +354,5 @@ def constant_value(gm: fx.GraphModule, node, max_nodes: int = 256, max_bytes: in
                 return None
         except GraphoptError:
             return None
-    with torch.no_grad():
-        v = _evaluator(gm)(node)
+    v = consts.value(node)
     return v if isinstance(v, torch.Tensor) else None
-
-
-def _evaluator(gm: fx.GraphModule):
-    """``value(node)``: a constant node's value, computed from its inputs' (each node once)."""
-    env: dict = {}
-
-    def value(node):
-        if node in env:
-            return env[node]
-        if node.op == "get_attr":
-            v = ir.get_attr_value(gm, node.target)
-        else:
-            v = node.target(*torch.fx.node.map_arg(node.args, value), **torch.fx.node.map_arg(node.kwargs, value))
-        env[node] = v
-        return v
-
-    return value
-
-
-def _subgraph(root: fx.Node, const: set) -> list:
-    seen, stack = [], [root]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.append(n)
-        stack.extend(a for a in n.all_input_nodes if a in const)
-    return seen

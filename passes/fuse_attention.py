@@ -55,7 +55,7 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.matcher import Alt, Any, Attr, Const, Match, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
-from .fold_constants import constant_value
+from .fold_constants import Constants, constant_value
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -141,26 +141,30 @@ _CONST_THROUGH = CASTS + (aten.alias.default, aten.detach.default, aten.clone.de
                           aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.contiguous.default)
 
 
-def _const_value(gm, node, depth=4, memo: dict | None = None):
+def _const_value(gm, node, depth=4, memo: dict | None = None, consts: Constants | None = None):
     """The value of ``node`` if it is a get_attr, a cast/view chain of one, or any subgraph of
     parameters, buffers and literals (a causal mask the model builds from ``arange`` in every call,
-    which fold_constants leaves unfolded rather than store it); else None. ``memo``: values already
-    computed in this pass (every layer reads the same mask)."""
+    which fold_constants leaves unfolded rather than store it); else None (also for a buffer the
+    graph writes in place, such as a cache). ``memo``: values already computed in this pass (every
+    layer reads the same mask); ``consts``: the graph's constant analysis."""
     if not isinstance(node, fx.Node):
         return None
+    consts = consts or Constants(gm)
     if memo is not None:
         if node not in memo:
-            memo[node] = _const_value(gm, node, depth)
+            memo[node] = _const_value(gm, node, depth, consts=consts)
         return memo[node]
+    if node not in consts.const or consts.written_after(node):
+        return None
     if node.op == "get_attr":
         v = ir.get_attr_value(gm, node.target)
         return v if isinstance(v, torch.Tensor) else None
     if depth > 0 and node.op == "call_function" and node.target in _CONST_THROUGH:
-        src = _const_value(gm, node.args[0], depth - 1)
+        src = _const_value(gm, node.args[0], depth - 1, consts=consts)
         if src is not None and all(a is node.args[0] for a in node.all_input_nodes):
             with torch.no_grad():
                 return node.target(src, *node.args[1:], **node.kwargs)
-    return constant_value(gm, node)
+    return constant_value(gm, node, consts=consts)
 
 
 def _erase_unread(gm, node) -> None:
@@ -193,9 +197,15 @@ class FuseAttention(Pass):
             hit = self._causal[id(value)] = (value, is_causal_mask(value))
         return hit[1]
 
+    def _constants(self, gm) -> Constants:
+        if self._consts is None:
+            self._consts = Constants(gm)
+        return self._consts
+
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         self._masks: dict = {}
+        self._consts = None  # Constants of the graph before this pass rewrites anything, made when needed
         self._causal: dict = {}  # id(mask value) -> (value, is_causal_mask): every layer reads the same mask
         candidates, explained = [], set()
         for m in _find_unchecked(gm, PATTERN):
@@ -216,7 +226,7 @@ class FuseAttention(Pass):
             if _kwarg(sd, 5, "is_causal", False) or not isinstance(m["mask"], fx.Node):
                 continue
             try:
-                value = _const_value(gm, m["mask"], memo=self._masks)
+                value = _const_value(gm, m["mask"], memo=self._masks, consts=self._constants(gm))
                 if value is None:
                     raise Refuse("its mask is computed from the inputs; kept as attn_mask")
                 qs, ks, outs = _shape(m["q"]), _shape(m["k"]), _shape(sd)
@@ -353,7 +363,7 @@ class FuseAttention(Pass):
                 raise Refuse(f"mask {mask.name} is {mi.dtype}, q is {qi.dtype} (the add would change precision)")
             if tuple(_shape(add)) != tuple(scores_shape) or not _broadcastable(mi.shape, scores_shape):
                 raise Refuse(f"mask {mask.name} of shape {mi.shape} does not broadcast to the scores {scores_shape}")
-            value = _const_value(gm, mask, memo=self._masks) if qs[2] == ks[2] else None
+            value = _const_value(gm, mask, memo=self._masks, consts=self._constants(gm)) if qs[2] == ks[2] else None
             if value is not None:
                 if value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and self._is_causal(value):
                     mask, causal, dropped = None, True, mask

@@ -185,7 +185,7 @@ class FuseBiasAct(Pass):
             res.reject(label, NO_FUSED_KERNELS)
             return None
         gain = old - self._bias_act_time(ctx, m, a, bias_dim)
-        if gain <= 0.05 * ctx.cost.launch_overhead_s:  # rounding noise is not a gain
+        if gain <= 0.05 * ctx.cost.launch_overhead_s and not ctx.ignore_cost:  # rounding noise is not a gain
             why = (f"bias + {a} after {ir.target_name(gemm)}: the GEMM applies its bias in the cuBLASLt epilogue, so "
                    f"bias_act would only replace the {a} kernel one for one (predicted {gain * 1e6:+.2f} us)"
                    if radd is None and badd is None and gemm.target not in CONVS else

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.matcher import Any, Op, find
+from graphopt.matcher import Any, Op, find, get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
@@ -110,8 +110,11 @@ class FuseLayerNorm(Pass):
     def _apply_plain(gm: fx.GraphModule, m, eps):
         g = gm.graph
         ln = m["ln"]
+        # the layer_norm's operands as they are now: an earlier rewrite may have replaced its input
+        # (a LayerNorm reading another LayerNorm that became graphopt::layer_norm)
+        x, weight, bias = (get_arg(ln, i, k) for i, k in ((0, "input"), (2, "weight"), (3, "bias")))
         with g.inserting_before(ln):
-            new = g.call_function(torch.ops.graphopt.layer_norm.default, (m["x"], m["weight"], m["bias"], eps))
+            new = g.call_function(torch.ops.graphopt.layer_norm.default, (x, weight, bias, eps))
         new.meta["val"] = ln.meta.get("val")
         ln.replace_all_uses_with(new)
         g.erase_node(ln)
@@ -122,17 +125,18 @@ class FuseLayerNorm(Pass):
         g = gm.graph
         ln = m["ln"]
         pos = position(gm)
+        weight, bias = get_arg(ln, 2, "weight"), get_arg(ln, 3, "bias")  # as they are now
         if add is not None:
             y, residual = residual_operands(add)
             anchor = add.next
         else:
-            y, residual, anchor = m["x"], None, ln
+            y, residual, anchor = get_arg(ln, 0, "input"), None, ln
         params = []
-        for p in (m["weight"], m["bias"]):
+        for p in (weight, bias):
             if isinstance(p, fx.Node) and p.op != "get_attr" and pos[p] >= pos[anchor]:
                 return None
         with g.inserting_before(anchor):
-            for p in (m["weight"], m["bias"]):
+            for p in (weight, bias):
                 if isinstance(p, fx.Node) and p.op == "get_attr" and pos[p] >= pos[anchor]:
                     q = g.get_attr(p.target)
                     q.meta["val"] = p.meta.get("val")
@@ -153,7 +157,7 @@ class FuseLayerNorm(Pass):
                 h.meta["val"] = xv
                 add.replace_all_uses_with(h)
             g.erase_node(add)
-        for p, q in zip((m["weight"], m["bias"]), params):
+        for p, q in zip((weight, bias), params):
             if isinstance(p, fx.Node) and q is not p and not p.users:
                 g.erase_node(p)
         return fused

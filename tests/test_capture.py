@@ -207,3 +207,87 @@ def test_cache_rebuilt_without_copies_and_usable_for_decoding():
         b = model(nxt, past_key_values=ref).logits
     torch.testing.assert_close(a, b)
     assert rebuilt.get_seq_length() == inputs[0].shape[1] + 1
+
+
+class _Dropouts(nn.Module):
+    """Every dropout spelling, as an inference model calls it: modules in eval (in place or not),
+    functions with training=False, the ATen-level torch.* ops, native_dropout, and p=0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.d_inplace = nn.Dropout(0.3, inplace=True)
+        self.d = nn.Dropout(0.2)
+        self.d2 = nn.Dropout2d(0.1)
+        self.d1 = nn.Dropout1d(0.1, inplace=True)
+        self.alpha = nn.AlphaDropout(0.1)
+        self.falpha = nn.FeatureAlphaDropout(0.1)
+
+    def forward(self, x):
+        y = self.d_inplace(self.fc(x).flatten(1).view(x.shape))  # EfficientNet: in place on a view
+        y = self.d(y) + 1
+        y = torch.nn.functional.dropout(y, 0.5, training=False)
+        y = self.d2(y.unsqueeze(-1)).squeeze(-1)
+        y = self.falpha(self.alpha(y).unsqueeze(-1)).squeeze(-1)
+        y = torch.dropout(y, 0.1, False) * torch.feature_dropout(y, 0.1, False) - torch.alpha_dropout(y, 0.2, False)
+        y, keep = torch.native_dropout(y, 0.3, False)
+        y = torch.nn.functional.dropout(y, 0.0, training=True) * keep
+        return torch.relu(self.d1(y))
+
+
+@pytest.mark.parametrize("strategy", ["export", "symbolic_trace"])
+def test_eval_dropout_of_every_spelling_is_removed(strategy):
+    from graphopt.runtime import cuda_graphs as lower
+
+    model, x = _Dropouts().eval(), torch.randn(2, 4, 8)
+    gm = capture(model, (x,), strategy=strategy)
+    left = [n.name for n in gm.graph.nodes if "dropout" in str(n.target).lower()
+            or (n.op == "call_module" and str(n.target).startswith(("d", "alpha", "falpha")))]
+    assert not left and not any(ir.is_random(n) for n in gm.graph.nodes), left
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    assert "random op" not in lower.decide(gm, [x], device_type="cpu").why
+
+
+def test_training_dropout_stays_random():
+    model, x = _Dropouts().train(), torch.randn(2, 4, 8)
+    gm = capture(nn.Sequential(model.fc, model.d), (x,))
+    drops = [n for n in gm.graph.nodes if "dropout" in str(n.target)]
+    assert drops and all(ir.is_random(n) for n in drops)
+
+
+def test_native_dropout_copy_kept_when_written_through():
+    """native_dropout(train=False) returns a copy: where an in-place op writes into it, the copy
+    stays (as a clone) and the input is untouched."""
+    import torch.fx as fx
+
+    from graphopt.capture import remove_eval_dropout
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    nd = g.call_function(aten.native_dropout.default, (x, 0.5, False))
+    y = g.call_function(__import__("operator").getitem, (nd, 0))
+    g.call_function(aten.add_.Tensor, (g.call_function(aten.view.default, (y, [-1])), 1.0))
+    g.output(y)
+    gm = fx.GraphModule(nn.Module(), g)
+    t = torch.randn(3)
+    want = gm(t.clone())
+    assert remove_eval_dropout(gm) == 1
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes]
+    assert aten.clone.default in targets and aten.native_dropout.default not in targets
+    t0 = t.clone()
+    torch.testing.assert_close(gm(t), want)
+    assert torch.equal(t, t0)
+
+
+@pytest.mark.slow
+def test_efficientnet_classifier_dropout_leaves_no_random_op():
+    """torchvision EfficientNet-B0's classifier: nn.Dropout(p, inplace=True) on a flattened view."""
+    torchvision = pytest.importorskip("torchvision")
+    from graphopt.runtime import cuda_graphs as lower
+
+    model, x = torchvision.models.efficientnet_b0().eval(), torch.randn(1, 3, 64, 64)
+    gm = capture(model, (x,))
+    assert not [n.name for n in gm.graph.nodes if ir.is_random(n)]
+    assert lower.decide(gm, [x], device_type="cpu").on

@@ -431,3 +431,22 @@ def test_a_symbolic_replacement_keeps_its_sizes_symbolic():
     y = r.call(torch.ops.aten.linear.default, *lin.args)
     assert ir.info(y).symbolic
     assert r.time() == cm.time_of([lin], ir.shape_hints(gm))
+
+
+def test_operands_read_by_position_when_one_tensor_is_passed_twice():
+    """sdpa(x, x, x) and mm(x, x): operands are read by position (ir.operand_infos), the bytes
+    count each tensor once (ir.arg_infos)."""
+
+    class SelfAttn(nn.Module):
+        def forward(self, x, y):
+            return torch.nn.functional.scaled_dot_product_attention(x, x, x) + torch.mm(y, y).sum()
+
+    x, y = torch.randn(1, 2, 4, 8), torch.randn(8, 8)
+    gm = capture(SelfAttn().eval(), (x, y))
+    cm = CostModel(_h200())
+    sd = _node(gm, "scaled_dot_product_attention")
+    c = cm.node_cost(sd)
+    assert c.flops == 4 * 2 * 4 * 4 * 8
+    assert c.bytes == 4 * 2 * (1 * 2 * 4 * 8)  # x read once, out written once
+    mm = cm.node_cost(_node(gm, "aten.mm"))
+    assert mm.flops == 2 * 8 * 8 * 8

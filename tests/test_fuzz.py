@@ -1,5 +1,6 @@
 """Fuzzing the passes (issue 10.2): random programs from graphopt.tools.fuzz's grammar, random pass
-subsets (pipeline order), cpu and h200 targets, checked against eager by the accuracy rule.
+subsets (pipeline order), cpu and h200 targets, with and without the cost model's choices
+(ignore_cost: every legal rewrite applies), checked against eager by the accuracy rule.
 Bounded budget here; `python benchmarks/fuzz.py --examples N --seed S` is the long campaign, and
 its shrunk failures live in tests/fuzz_regressions/."""
 
@@ -18,9 +19,9 @@ _ci = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-def _check(program, passes, target, mode):
+def _check(program, passes, target, mode, ignore_cost=False):
     try:
-        fuzz.check_program(program, passes, target, mode)
+        fuzz.check_program(program, passes, target, mode, ignore_cost=ignore_cost)
     except fuzz.FuzzFailure as e:
         if e.signature() in KNOWN:
             return
@@ -42,10 +43,36 @@ def test_grammar_renders_every_op():
     assert [tuple(s) for s in model.shapes][-1] == (2, 4, 4)
 
 
+def test_grammar_renders_reductions_broadcasts_masks_norms_inplace_dropout_host_constants():
+    p = fuzz.Program(2, 4, 8, ("f32",), (
+        ("split", 0), ("permute", 1, (0, 2, 1, 3)),
+        ("attention", 2, 2, 2, ("bias", (2, 4, 4))), ("attention", 3, 3, 3, ("pad", (2, 1, 1, 4))),
+        ("attention", 4, 4, 4, ("window", (1, 4, 4))), ("attention", 5, 5, 5, ("bool", (4, 4))),
+        ("sdpa", 6, 6, 6, "causal"), ("sdpa", 7, 7, 7, ("pad", (2, 1, 1, 4))), ("sdpa", 8, 8, 8, ("bool", (2, 1, 4, 4))),
+        ("reduce", 9, "var", 1, True), ("reduce", 9, "amax", -1, False), ("softmax_dim", 9, "logsumexp", 0, False),
+        ("softmax_dim", 9, "log_softmax", 2, False), ("unsqueeze", 12, 1), ("binary", "add", 10, "value", 14),
+        ("norm", 0, "ln_manual"), ("norm", 16, "ln_var"), ("norm", 17, "rms_plain"), ("norm", 18, "rms_gemma"),
+        ("norm", 19, "rms_torch"), ("norm", 20, "ln_module"), ("inplace", 21, "slice_fill"),
+        ("inplace", 22, "slice_add"), ("inplace", 23, "masked_fill_"), ("inplace", 24, "relu_"),
+        ("dropout", 25, "module_inplace"), ("dropout", 26, "native"), ("dropout", 27, "alpha"),
+        ("dropout", 28, "functional_inplace"), ("host_const", 29, "slice_mask"), ("host_const", 30, "arange_bias"),
+        ("host_const", 31, "scalar"), ("reduce", 15, "mean", -2, True)), (32, 15, 11, 12, 13, 33), seed=1)
+    model, inputs = fuzz.build(p)
+    outs = model(*inputs)
+    assert [tuple(o.shape) for o in outs] == [(2, 4, 8), (2, 1, 4, 4), (2, 2, 4), (2, 4, 4), (2, 2, 4, 4), (2, 1, 1, 4)]
+    assert tuple(model.shapes[-1]) == (2, 1, 1, 4) and tuple(model.shapes[15]) == (2, 1, 4, 4)
+    fuzz.check_program(p, fuzz.strict_passes(), "h200", "passes", ignore_cost=True)
+    heads = fuzz.Program(2, 4, 16, ("f32",), (("linear", 0, 16, True), ("heads", 1, 2),
+                                              ("attention", 2, 2, 2, ("pad", (2, 1, 1, 4))), ("merge_heads", 3)), (4,))
+    model, inputs = fuzz.build(heads)
+    assert [tuple(s) for s in model.shapes[2:]] == [(2, 2, 4, 8), (2, 2, 4, 8), (2, 4, 16)]
+    assert model(*inputs).shape == (2, 4, 16)
+
+
 @_ci
-@given(fuzz.programs(), fuzz.pass_subsets(), st.sampled_from(("cpu", "h200")))
-def test_random_passes_keep_eager_numbers(program, passes, target):
-    _check(program, passes, target, "passes")
+@given(fuzz.programs(), fuzz.pass_subsets(), st.sampled_from(("cpu", "h200")), st.booleans())
+def test_random_passes_keep_eager_numbers(program, passes, target, ignore_cost):
+    _check(program, passes, target, "passes", ignore_cost)
 
 
 @settings(_ci, max_examples=8)
@@ -56,9 +83,9 @@ def test_optimize_end_to_end(program, passes, target):
 
 @pytest.mark.slow
 @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(fuzz.programs(max_ops=12), fuzz.pass_subsets(), st.sampled_from(("cpu", "h200")))
-def test_random_passes_long(program, passes, target):
-    _check(program, passes, target, "passes")
+@given(fuzz.programs(max_ops=12), fuzz.pass_subsets(), st.sampled_from(("cpu", "h200")), st.booleans())
+def test_random_passes_long(program, passes, target, ignore_cost):
+    _check(program, passes, target, "passes", ignore_cost)
 
 
 def test_regression_file_reproduces(tmp_path):

@@ -120,6 +120,159 @@ def test_broken_invariant_reverts_the_pass_for_users():
         torch.testing.assert_close(gm(*inputs), model(*inputs))
 
 
+class UseBeforeDef(Pass):
+    """Inserts a node before one of its inputs: graph.lint()'s message ends with the whole graph."""
+
+    name = "use_before_def_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        n = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        first = next(x for x in gm.graph.nodes if x.op == "call_function")
+        with gm.graph.inserting_before(first):
+            new = gm.graph.call_function(aten.neg.default, (n,))
+        n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        res.record("planted", [n], [new], 0.0)
+        return res
+
+
+class Raises(Pass):
+    name = "raises_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        raise RuntimeError("first line\nsecond line\n" + str(gm.graph))
+
+
+@pytest.mark.parametrize("planted, says", [(UseBeforeDef, "used before it has been defined"),
+                                           (Raises, "the pass raised RuntimeError: first line")])
+def test_a_revert_note_is_one_line_and_the_full_text_goes_to_the_dump(tmp_path, planted, says):
+    from graphopt.report import Report
+
+    model, inputs, gm = _mlp_gm()
+    before = [n.target for n in gm.graph.nodes]
+    (res,) = PassManager([planted()]).run(gm, _ctx(gm))
+    (note,) = res.notes
+    assert res.status == "reverted" and says in note
+    assert "\n" not in note and "graph()" not in note and "%" not in note and len(note) < 400
+    assert [n.target for n in gm.graph.nodes] == before
+    # with an IR dump, the note names the file holding the whole text and the broken graph
+    gm = graphopt.capture(model, inputs)
+    (res,) = PassManager([planted()]).run(gm, _ctx(gm, dump_dir=tmp_path))
+    name = f"001_{planted.name}.reverted.txt"
+    assert res.notes[0].endswith(f"(full text: {name})")
+    text = (tmp_path / name).read_text()
+    assert says in text and "graph()" in text
+    # explain prints the note on one line
+    import io
+
+    from rich.console import Console
+
+    report = graphopt.optimize(model, inputs, passes=[], check_accuracy=False).report
+    report.passes.append(res)
+    buf = io.StringIO()
+    report.render(Console(file=buf, width=10000))
+    (line,) = [ln for ln in buf.getvalue().splitlines() if "reverted:" in ln]
+    assert says in line and "graph()" not in buf.getvalue()
+
+
+class StaleInput(Pass):
+    """Two rewrites planned on the graph as it was: the second reads the relu the first replaced."""
+
+    name = "stale_input_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        out = next(iter(gm.graph.find_nodes(op="output")))
+
+        def first():
+            with gm.graph.inserting_before(relu):
+                new = gm.graph.call_function(aten.relu.default, relu.args)
+            new.meta = dict(relu.meta)
+            relu.replace_all_uses_with(new)
+            gm.graph.erase_node(relu)
+            return new
+
+        def second():  # reads the relu the first rewrite replaced
+            with gm.graph.inserting_before(out):
+                new = gm.graph.call_function(aten.mul.Tensor, (relu, 1.0))
+            new.meta = dict(relu.meta)
+            return new
+
+        res.apply_ranked(ctx, [Candidate("first", [relu], 2e-6, first),
+                               Candidate("second", [], 1e-6, second, label="second")])
+        return res
+
+
+class InsertedTooEarly(Pass):
+    """A rewrite that puts its node before one of its inputs."""
+
+    name = "too_early_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        first = next(n for n in gm.graph.nodes if n.op == "call_function")
+
+        def apply():
+            with gm.graph.inserting_before(first):
+                new = gm.graph.call_function(aten.neg.default, (relu,))
+            relu.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+            return new
+
+        res.apply_ranked(ctx, [Candidate("early", [relu], 1e-6, apply, label="early")])
+        return res
+
+
+def test_a_rewrite_reading_a_replaced_node_reads_its_replacement():
+    """A rewrite planned before an earlier rewrite of the same pass replaced one of its inputs
+    reads the replacement (the same value), as fuse_layer_norm's second LayerNorm of Swin's patch
+    embedding does."""
+    model, inputs, gm = _mlp_gm()
+    ctx = _ctx(gm)
+    ctx.strict = True
+    (res,) = PassManager([StaleInput()]).run(gm, ctx)
+    assert res.status == "applied" and len(res.rewrites) == 2
+    mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    assert mul.args[0].target is aten.relu.default and not getattr(mul.args[0], "_erased", False)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), model(*inputs))
+
+
+def test_a_rewrite_placed_before_its_input_reverts_the_pass_naming_it():
+    model, inputs, gm = _mlp_gm()
+    before = [n.target for n in gm.graph.nodes]
+    (res,) = PassManager([InsertedTooEarly()]).run(gm, _ctx(gm))
+    assert res.status == "reverted"
+    assert "rewrite early" in res.notes[0] and "defined after it" in res.notes[0]
+    assert [n.target for n in gm.graph.nodes] == before
+    ctx = _ctx(gm)
+    ctx.strict = True
+    with pytest.raises(InvariantError, match="defined after it"):
+        PassManager([InsertedTooEarly()]).run(gm, ctx)
+
+
+def test_multi_line_reasons_are_kept_to_one_line(tmp_path):
+    class Chatty(Pass):
+        name = "chatty_planted"
+        family = "fusion"
+
+        def run(self, gm, ctx):
+            res = self.result()
+            res.reject("x", "why\n" + str(gm.graph))
+            res.notes.append("note " + "y" * 1000)
+            return res
+
+    model, inputs, gm = _mlp_gm()
+    (res,) = PassManager([Chatty()]).run(gm, _ctx(gm, dump_dir=tmp_path))
+    assert res.rejected[0].reason == "why …" and len(res.notes[0]) <= 300 and res.notes[0].endswith("…")
+    assert "graph()" in (tmp_path / "001_chatty_planted.notes.txt").read_text()
+
+
 def test_provenance_is_stamped_automatically():
     model, inputs, gm = _mlp_gm()
     (res,) = PassManager([ScaleOutputs()]).run(gm, _ctx(gm))

@@ -41,3 +41,51 @@ def test_difference_names_regressions_and_improvements():
     exp["m"]["status"] = "pass"
     worse = sweep.difference(sweep.Row("m", "hf", "fail_to_run", 1.0, "ValueError: x"), exp)
     assert "regression" in worse and "ValueError: x" in worse
+
+
+def _strict_gpu_plan(model, inputs):
+    """Every pass but assign_precision, strict (a pass that breaks the graph raises), on the H200
+    profile as optimize() plans it for CUDA-graph replay on a GPU; the result judged by the
+    accuracy rule against fp64."""
+    import dataclasses
+
+    import torch
+
+    from graphopt import accuracy, capture, ir
+    from graphopt.capture import split_inputs
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, PassManager, assemble, available
+
+    args, kwargs = split_inputs(inputs)
+    with torch.no_grad():
+        eager = model(*args, **kwargs)
+    ref = accuracy.fp64_reference(model, args, kwargs)
+    gm = capture(model, inputs)
+    prof = get_profile("h200")[0]
+    prof = dataclasses.replace(prof, launch_overhead_s=prof.launch_overhead_graph_s)
+    ctx = PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm), options={"strict": True})
+    results = PassManager(assemble([p for p in available() if p != "assign_precision"])).run(gm, ctx)
+    with torch.no_grad():
+        res = accuracy.check(gm(*args, **kwargs), ref, eager)
+    assert res.passed, res.reason
+    return [r.name for r in results if r.status == "applied"]
+
+
+@pytest.mark.parametrize("name", ["swin", "gpt2"])
+def test_gpu_plan_applies_without_breaking_the_graph(name):
+    (spec,) = sweep.get_specs([name])
+    applied = _strict_gpu_plan(*spec.build())
+    assert "fuse_layer_norm" in applied
+
+
+@pytest.mark.slow
+def test_swin_t_at_224_gpu_plan():
+    """torchvision's swin_t at 224 planned for a GPU: its patch-embedding LayerNorm feeds the
+    first block's LayerNorm, and both take the many-rows kernel (a use-before-def once)."""
+    import torch
+
+    (spec,) = sweep.get_specs(["swin_t"])
+    model, _ = spec.build()
+    applied = _strict_gpu_plan(model, (torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0)),))
+    assert "fuse_layer_norm" in applied

@@ -407,9 +407,9 @@ class CostModel:
         if ir.op_namespace(node) == op_costs.NAMESPACE:  # our ops price themselves (graphopt.cost.ops)
             c = self.op_cost(node)
             return c.flops, c.bytes, c.launches, c.kind
-        ins = ir.arg_infos(node)
+        ins = ir.operand_infos(node)  # by position (an operand passed twice counts twice)
         out_bytes = sum(o.nbytes for o in outs)
-        in_bytes = sum(i.nbytes for i in ins)
+        in_bytes = sum(i.nbytes for i in ir.arg_infos(node))  # each tensor read once
         if name in VIEW_OPS or name == "getitem":
             return 0, 0, 0, "free"
         if name in MAYBE_VIEW_OPS:
@@ -487,7 +487,7 @@ class CostModel:
             return NodeCost(node.name, ir.op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
         eff = "memory"
         if kind == "matmul":
-            dtype = ir.arg_infos(node)[0].dtype
+            dtype = ir.operand_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
             eff = _efficiency_kind(node)
             if eff == "matmul" and SMALL_M_LINEAR in p.op_efficiency and small_m(node):
@@ -517,7 +517,7 @@ class CostModel:
         else:
             t = p.kernel_seconds(compute, memory, eff, launches)
             if f"{ir.op_namespace(node)}::{ir.op_name(node)}" in ROW_BLOCK_NORMS:
-                t = _smax(t, norm_rows_seconds(p, ir.arg_infos(node)[0]))
+                t = _smax(t, norm_rows_seconds(p, ir.operand_infos(node)[0]))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
         if kind == "matmul" and eff != SMALL_M_LINEAR:  # (the small-M fit times whole calls, reduction included)
             red = split_k_reduce_node_seconds(p, node)
@@ -542,7 +542,7 @@ class CostModel:
         if c.rate is not None:
             rate = c.rate
         elif c.kind == "matmul":
-            rate = p.matmul_rate(ir.arg_infos(node)[0].dtype)
+            rate = p.matmul_rate(ir.operand_infos(node)[0].dtype)
         else:
             rate = p.elementwise_flops
         compute = c.flops / rate
@@ -724,7 +724,7 @@ class CostModel:
             node = by_name.get(c.node)
             _, _, _, kind = self.flops_bytes(node)
             if kind == "matmul":
-                mm += c.flops / self.profile.matmul_rate(ir.arg_infos(node)[0].dtype)
+                mm += c.flops / self.profile.matmul_rate(ir.operand_infos(node)[0].dtype)
             else:
                 other += c.flops / self.profile.elementwise_flops
         return mm, other
@@ -828,7 +828,7 @@ def _same_arg(a, b) -> bool:
 
 def _gemm_mnk(node: fx.Node):
     """(M, N, K) of a 2-D projection (linear over any leading dims, mm, addmm), or None."""
-    ins, outs = ir.arg_infos(node), ir.infos(node)
+    ins, outs = ir.operand_infos(node), ir.infos(node)
     if not outs or not ins or not outs[0].shape:
         return None
     name = ir.op_name(node)
@@ -915,7 +915,7 @@ def narrow_copy(node: fx.Node) -> bool:
     """A copy whose input, read in the output's memory order, comes in runs under 16 bytes (the
     space-to-depth regrouping, a channel pad of a 3-channel image): aten's copy kernel moves it at
     a fraction of the copy rate (profile.narrow_copy_scale)."""
-    ins, out = ir.arg_infos(node), ir.info(node)
+    ins, out = ir.operand_infos(node), ir.info(node)
     if not ins or out is None or out.stride is None or ins[0].stride is None or len(ins[0].shape) != len(out.shape):
         return False
     x = ins[0]
@@ -960,11 +960,11 @@ def conv_rate(profile: DeviceProfile, node: fx.Node):
     """FLOP/s a cuDNN (oneDNN on the CPU) convolution node runs at before the conv fit: the matmul
     rate of its dtype (cuDNN's own TF32 switch for fp32), over the NCHW slowdown where its layout
     pays it and, on CUDA, over the channel padding of a convolution over few input channels."""
-    dtype = ir.arg_infos(node)[0].dtype
+    dtype = ir.operand_infos(node)[0].dtype
     rate = profile.matmul_rate(dtype)
     if dtype == torch.float32 and profile.kind == "cuda":  # cuDNN has its own TF32 switch (on by default)
         rate = profile.matmul_rate(dtype, allow_tf32=torch.backends.cudnn.allow_tf32)
-    if conv_layout_penalized(ir.arg_infos(node)[0], profile):
+    if conv_layout_penalized(ir.operand_infos(node)[0], profile):
         rate = rate / profile.conv_nchw_slowdown
     if profile.kind == "cuda":
         rate = rate / conv_channel_padding(node, profile)
@@ -975,7 +975,7 @@ def attention_tile_waste(node: fx.Node, tile: int) -> float:
     """The work an SDPA kernel does over sequences padded up to whole tiles of ``tile`` positions,
     per unit of the work the call asks for: (ceil(Sq / tile) * tile / Sq) * (same for Sk); ViT's
     197 positions run as 256 (1.69x). 1.0 for symbolic lengths."""
-    infos = ir.arg_infos(node)
+    infos = ir.operand_infos(node)
     if len(infos) < 2 or len(infos[0].shape) < 2 or len(infos[1].shape) < 2:
         return 1.0
     try:
@@ -993,7 +993,7 @@ def conv_channel_padding(node: fx.Node, profile: DeviceProfile) -> float:
     so a convolution over fewer channels runs at C_in / chunk of the rate (ResNet's 3-channel stem,
     the 16-channel space-to-depth stem). 1.0 without a measured chunk, for grouped convolutions
     and for C_in >= chunk."""
-    infos = ir.arg_infos(node)
+    infos = ir.operand_infos(node)
     if not profile.conv_channel_chunk or len(infos) < 2 or len(infos[0].shape) != 4 or len(infos[1].shape) != 4:
         return 1.0
     try:
@@ -1014,7 +1014,7 @@ def channel_chunk_factor(chunk: int, cin: int) -> float:
 def narrow_conv_input(node: fx.Node) -> bool:
     """A 2-D convolution over a channels_last input whose channel count is not a multiple of 8
     (ResNet's 3-channel stem): cuDNN runs it on a slow path (profile.conv_narrow_input_slowdown)."""
-    x = ir.arg_infos(node)[0] if ir.arg_infos(node) else None
+    x = ir.operand_infos(node)[0] if ir.operand_infos(node) else None
     if x is None or len(x.shape) != 4 or not is_channels_last(x):
         return False
     try:

@@ -18,6 +18,24 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("mha", src, heads, causal)          q/k/v projections, heads split, attention, out projection
   ("swiglu", src, hidden)              down(silu(gate(x)) * up(x))
   ("cast", src, "bf16" | "f32")
+  ("reduce", src, kind, dim, keepdim)  kind sum | mean | amax | var, over any dim
+  ("softmax_dim", src, kind, dim, keepdim)  kind softmax | log_softmax | logsumexp (keepdim: logsumexp's)
+  ("unsqueeze", src, dim)              a new size-1 dim (broadcasting across ranks follows)
+  ("heads", src, h)                    [.., S, D] -> [.., h, S, D/h] (unflatten, transpose); ("merge_heads", src) back
+  ("attention", q, k, v, mask)         mask False | True (causal) | (kind, shape): kind "bias" (a float
+                                       parameter: a per-head relative position bias), "pad" (0 / finfo.min
+                                       over keys, [B, 1, .., Sk]), "window" (0 / -100 blocks, Swin's), "bool"
+                                       (a keep-mask through masked_fill); shape broadcasts to the scores
+  ("sdpa", q, k, v, mask)              F.scaled_dot_product_attention (fp32 or bf16); mask None | "causal" |
+                                       (kind, shape)
+  ("norm", src, kind)                  LayerNorm / RMSNorm spellings: ln_module, ln_manual, ln_var, rms_plain,
+                                       rms_gemma (1 + w), rms_torch (F.rms_norm)
+  ("inplace", src, kind)               on a fresh copy: add_, mul_, relu_, masked_fill_, slice_fill
+                                       (y[..., :k] = c), slice_add (y[..., :k] += 1)
+  ("dropout", src, spelling)           eval-mode dropout: module, module_inplace, functional,
+                                       functional_inplace, torch, feature, alpha, native
+  ("host_const", src, kind)            a tensor the forward builds on the host and moves to x's device:
+                                       arange_bias, slice_mask (zeros + slice assignment), scalar
 """
 
 from __future__ import annotations
@@ -40,7 +58,8 @@ _DT = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 class FuzzFailure(AssertionError):
-    """A fuzzed program broke: ``stage`` is capture | passes | accuracy | optimize."""
+    """A fuzzed program broke: ``stage`` is capture | passes | run | accuracy | optimize, or program
+    (a generator bug: the program does not run eagerly)."""
 
     def __init__(self, stage: str, message: str, pass_name: str = ""):
         super().__init__(f"[{stage}] {message}")
@@ -155,11 +174,44 @@ class ProgramModule(nn.Module):
             elif kind == "split":
                 out = src[:-1] + (2, src[-1] // 2)
             elif kind == "attention":
-                _, q, k, v, causal = op
-                n = shapes[q][-2]
-                if causal:
-                    self.register_buffer(key + "_mask", torch.ones(n, n, dtype=torch.bool).triu(1))
+                _, q, k, v, mask = op
+                self._make_mask(key, shapes[q][-2], mask, g)
                 out = shapes[q]
+            elif kind == "sdpa":
+                _, q, k, v, mask = op
+                if mask not in (None, "causal"):
+                    self._make_mask(key, shapes[q][-2], mask, g)
+                out = shapes[q][:-1] + (shapes[v][-1],)
+            elif kind in ("reduce", "softmax_dim"):
+                _, s, rk, dim, keep = op
+                out = _reduced(src, dim, keep) if kind == "reduce" or rk == "logsumexp" else src
+            elif kind == "unsqueeze":
+                d = op[2] % (len(src) + 1)
+                out = src[:d] + (1,) + src[d:]
+            elif kind == "heads":
+                out = src[:-2] + (op[2], src[-2], src[-1] // op[2])
+            elif kind == "merge_heads":
+                out = src[:-3] + (src[-2], src[-3] * src[-1])
+            elif kind == "norm":
+                nk = op[2]
+                if nk == "ln_module":
+                    ln = nn.LayerNorm(src[-1])
+                    with torch.no_grad():
+                        ln.weight.copy_(1 + 0.1 * torch.randn(src[-1], generator=g))
+                        ln.bias.copy_(0.1 * torch.randn(src[-1], generator=g))
+                    self.mods[key] = ln
+                elif nk in ("ln_manual", "ln_var"):
+                    p(key + "_w", src[-1], scale=0.1, offset=1.0)
+                    p(key + "_b", src[-1], scale=0.1)
+                else:
+                    p(key + "_w", src[-1], scale=0.1, offset=0.0 if nk == "rms_gemma" else 1.0)
+                out = src
+            elif kind == "dropout":
+                if op[2] in ("module", "module_inplace"):
+                    self.mods[key] = nn.Dropout(0.3, inplace=op[2] == "module_inplace")
+                out = src
+            elif kind in ("inplace", "host_const"):
+                out = src
             elif kind == "mha":
                 _, s, h, causal = op
                 d = src[-1]
@@ -180,6 +232,35 @@ class ProgramModule(nn.Module):
             shapes.append(out)
         self.shapes = shapes
 
+    def _make_mask(self, key: str, n: int, mask, g) -> None:
+        """The tensor an attention mask spec reads: ``key_mask``, a buffer or a parameter."""
+        if mask is True:
+            self.register_buffer(key + "_mask", torch.ones(n, n, dtype=torch.bool).triu(1))
+        if not isinstance(mask, tuple):
+            return
+        mk, shape = mask
+        if mk == "bias":
+            self.params[key + "_mask"] = nn.Parameter(torch.randn(*shape, generator=g) * 0.5)
+            return
+        if mk == "window":  # Swin's: 0 within a window, -100 across; each leading index its own windows
+            i = torch.arange(shape[-2])[:, None]
+            j = torch.arange(shape[-1])[None, :]
+            lead = math.prod(shape[:-2])
+            w = torch.stack([torch.where((i + o) // 2 == (j + o) // 2, 0.0, -100.0) for o in range(lead)])
+            self.register_buffer(key + "_mask", w.reshape(shape))
+            return
+        keep = torch.rand(*shape, generator=g) > 0.4
+        keep[..., 0] = True  # every query keeps a key: no all-masked row
+        if mk == "pad":
+            self.register_buffer(key + "_mask", torch.where(keep, 0.0, torch.finfo(torch.float32).min))
+        elif mk == "bool":
+            self.register_buffer(key + "_mask", keep)
+        else:
+            raise ValueError(f"unknown mask kind {mk!r}")
+
+    def _mask_tensor(self, key: str):
+        return self.params[key + "_mask"] if key + "_mask" in self.params else getattr(self, key + "_mask")
+
     def forward(self, x0, x1=None):
         P, prog = self.params, self.program
         env = [x0, x1][: len(prog.inputs)]
@@ -190,8 +271,8 @@ class ProgramModule(nn.Module):
                 y = F.linear(x, P[key + "_w"], P[key + "_b"] if op[3] else None)
             elif kind == "matmul_w":
                 y = torch.matmul(x, P[key + "_w"])
-            elif kind == "bmm":
-                y = x @ env[op[2]].transpose(-1, -2)
+            elif kind == "bmm":  # (the .to is a no-op in the model; the fp64 reference keeps a cast's bf16)
+                y = x @ env[op[2]].to(x.dtype).transpose(-1, -2)
             elif kind == "conv":
                 b, c, n = x.shape
                 y = self.mods[key](x.reshape(b, c, 2, n // 2)).flatten(2)
@@ -223,12 +304,51 @@ class ProgramModule(nn.Module):
             elif kind == "split":
                 y = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
             elif kind == "attention":
-                _, q, k, v, causal = op
+                _, q, k, v, mask = op
                 q, k, v = env[q], env[k], env[v]
                 s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
-                if causal:
+                if mask is True:
                     s = s.masked_fill(getattr(self, key + "_mask"), float("-inf"))
+                elif isinstance(mask, tuple) and mask[0] == "bool":
+                    s = s.masked_fill(~self._mask_tensor(key), float("-inf"))
+                elif isinstance(mask, tuple):
+                    s = s + self._mask_tensor(key)
                 y = torch.softmax(s, dim=-1) @ v
+            elif kind == "sdpa":  # (the .to calls are no-ops in the model; in the fp64 reference a
+                _, q, k, v, mask = op  # bf16 input is fp64 while a cast's bf16 stays)
+                q = env[q]
+                k, v = env[k].to(q.dtype), env[v].to(q.dtype)
+                if mask is None or mask == "causal":
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal")
+                else:
+                    m = self._mask_tensor(key)
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=m.to(q.dtype) if m.is_floating_point() else m)
+            elif kind == "reduce":
+                _, _, rk, dim, keep = op
+                if rk == "var":
+                    y = torch.var(x, dim, keepdim=keep, correction=1 if x.shape[dim] > 1 else 0)
+                else:
+                    y = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}[rk](x, dim, keepdim=keep)
+            elif kind == "softmax_dim":
+                _, _, rk, dim, keep = op
+                if rk == "logsumexp":
+                    y = torch.logsumexp(x, dim, keepdim=keep)
+                else:
+                    y = (F.softmax if rk == "softmax" else F.log_softmax)(x, dim=dim)
+            elif kind == "unsqueeze":
+                y = x.unsqueeze(op[2])
+            elif kind == "heads":
+                y = x.unflatten(-1, (op[2], x.shape[-1] // op[2])).transpose(-3, -2)
+            elif kind == "merge_heads":
+                y = x.transpose(-3, -2).flatten(-2)
+            elif kind == "norm":
+                y = self._norm(key, x, op[2])
+            elif kind == "inplace":
+                y = _inplace(x.clone(), op[2])
+            elif kind == "dropout":
+                y = self._dropout(key, x, op[2])
+            elif kind == "host_const":
+                y = _host_const(x, op[2])
             elif kind == "mha":
                 _, _, h, causal = op
                 b, n, d = x.shape
@@ -252,6 +372,96 @@ class ProgramModule(nn.Module):
             env.append(y)
         outs = tuple(env[i] for i in prog.outputs)
         return outs[0] if len(outs) == 1 else outs
+
+
+    def _norm(self, key, x, kind):
+        P, eps = self.params, 1e-5
+        if kind == "ln_module":
+            return self.mods[key](x)
+        if kind == "ln_manual":
+            xc = x - x.mean(-1, keepdim=True)
+            return xc / torch.sqrt((xc * xc).mean(-1, keepdim=True) + eps) * P[key + "_w"] + P[key + "_b"]
+        if kind == "ln_var":
+            var = x.var(-1, keepdim=True, unbiased=False)
+            return (x - x.mean(-1, keepdim=True)) * torch.rsqrt(var + eps) * P[key + "_w"] + P[key + "_b"]
+        if kind == "rms_plain":
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * P[key + "_w"]
+        if kind == "rms_gemma":  # computed in the model's float dtype, weight as (1 + w)
+            h = x.to(self.anchor.dtype)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return (h * (1.0 + P[key + "_w"].to(self.anchor.dtype))).to(x.dtype)
+        if kind == "rms_torch":
+            return F.rms_norm(x, (x.shape[-1],), P[key + "_w"], 1e-6)
+        raise ValueError(f"unknown norm {kind!r}")
+
+    def _dropout(self, key, x, spelling):
+        t = self.training
+        if spelling in ("module", "module_inplace"):
+            return self.mods[key](x)
+        if spelling == "functional":
+            return F.dropout(x, 0.2, training=t)
+        if spelling == "functional_inplace":
+            return F.dropout(x * 1.0, 0.2, t, True)
+        if spelling == "torch":
+            return torch.dropout(x, 0.1, t)
+        if spelling == "feature":
+            return torch.feature_dropout(x, 0.1, t)
+        if spelling == "alpha":
+            return F.alpha_dropout(x, 0.1, t)
+        if spelling == "native":
+            return torch.native_dropout(x, 0.1, t)[0]
+        raise ValueError(f"unknown dropout spelling {spelling!r}")
+
+
+def _broadcast(a: tuple, b: tuple):
+    """torch.broadcast_shapes(a, b), or None when they do not broadcast."""
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
+
+
+def _reduced(shape: tuple, dim: int, keepdim: bool) -> tuple:
+    d = dim % len(shape)
+    return shape[:d] + ((1,) if keepdim else ()) + shape[d + 1:]
+
+
+def _inplace(y, kind):
+    """An in-place op on ``y`` (a fresh copy the forward owns); returns ``y``."""
+    k = max(1, y.shape[-1] // 2)
+    if kind == "add_":
+        y.add_(0.5)
+    elif kind == "mul_":
+        y.mul_(2.0)
+    elif kind == "relu_":
+        y.relu_()
+    elif kind == "masked_fill_":
+        y.masked_fill_(y > 0.5, 0.25)
+    elif kind == "slice_fill":
+        y[..., :k] = 0.25
+    elif kind == "slice_add":
+        y[..., :k] += 1.0
+    else:
+        raise ValueError(f"unknown in-place op {kind!r}")
+    return y
+
+
+def _host_const(x, kind):
+    """``x`` combined with a tensor built on the host (torch's default device) during forward and
+    moved to x's device, as Swin builds its masks."""
+    if kind == "scalar":
+        return x * torch.tensor(0.75)
+    r, c = x.shape[-2], x.shape[-1]
+    if kind == "arange_bias":
+        i, j = torch.arange(r), torch.arange(c)
+        b = (i[:, None] * 0.25 - j[None, :] * 0.125).abs()
+        return x + b.to(x.device)
+    if kind == "slice_mask":
+        m = torch.zeros(r, c)
+        m[: (r + 1) // 2, : (c + 1) // 2] = 1.0
+        m[r // 2:, c // 2:] -= 0.5
+        return x + m.to(x.device)
+    raise ValueError(f"unknown host constant {kind!r}")
 
 
 def _act(x, kind):
@@ -280,8 +490,8 @@ def programs(max_ops: int = 8):
     @st.composite
     def draw_program(draw):
         B = draw(st.sampled_from((1, 2)))
-        S = draw(st.sampled_from((4, 3)))
-        D = draw(st.sampled_from((8, 4)))
+        S = draw(st.sampled_from((4, 3, 8)))
+        D = draw(st.sampled_from((8, 4, 16)))
         inputs = ("f32",) + tuple(draw(st.lists(st.sampled_from(("f32", "bf16")), max_size=1)))
         env = [((B, S, D), d) for d in inputs]  # (shape, dtype) per value
         ops = []
@@ -296,7 +506,20 @@ def programs(max_ops: int = 8):
         f32 = lambda s, d: d == "f32"  # noqa: E731
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "swiglu", "conv",
-                 "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast")
+                 "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
+                 "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
+                 "heads", "merge_heads")
+
+        def mask_shape(sc, kind):
+            """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
+            if kind == "pad":  # [B, 1, .., 1, Sk]
+                return tuple(n if i == 0 and len(sc) > 2 else 1 for i, n in enumerate(sc[:-1])) + (sc[-1],)
+            r = draw(st.integers(2, len(sc)))
+            return tuple(1 if draw(st.booleans()) else n for n in sc[len(sc) - r:-2]) + sc[-2:]
+
+        def draw_mask(sc, kinds):
+            kind = draw(st.sampled_from(kinds))
+            return (kind, mask_shape(sc, kind)) if kind in ("bias", "pad", "window", "bool") else kind
         n_ops = draw(st.integers(1, max_ops))
         for _ in range(n_ops):
             kind = draw(st.sampled_from(kinds))
@@ -309,9 +532,10 @@ def programs(max_ops: int = 8):
                 a = pick(lambda s, d: True)
                 sa, da = env[a]
                 bk = draw(st.sampled_from(("value", "param", "scalar") if bop != "div" else ("param", "scalar")))
-                if bk == "value":
-                    b = pick(lambda s, d: s == sa or (len(s) <= len(sa) and s == sa[len(sa) - len(s):]))
-                    op, out = ("binary", bop, a, "value", b), (sa, "f32" if "f32" in (da, env[b][1]) else da)
+                if bk == "value":  # any shape broadcasting with a's, across ranks ([B, 1, S] with [B, H, S])
+                    b = pick(lambda s, d: _broadcast(s, sa) is not None and math.prod(_broadcast(s, sa)) <= 512)
+                    out_shape = _broadcast(env[b][0], sa)
+                    op, out = ("binary", bop, a, "value", b), (out_shape, "f32" if "f32" in (da, env[b][1]) else da)
                 elif bk == "param":
                     # a broadcastable shape: a suffix of sa with some dims set to 1
                     k = draw(st.integers(1, len(sa)))
@@ -359,12 +583,70 @@ def programs(max_ops: int = 8):
                 if s is not None:
                     h = draw(st.sampled_from((2, 1)))
                     op, out = ("mha", s, h, draw(st.booleans())), env[s]
-            elif kind == "attention":
-                q = pick(lambda s, d: d == "f32" and len(s) >= 2)
+            elif kind in ("attention", "sdpa"):  # SDPA also in bf16 (lower_attention's case)
+                ok = (lambda s, d: d == "f32" and len(s) >= 2) if kind == "attention" else (lambda s, d: len(s) >= 3)
+                # [B, H, S, D] heads (what fuse_attention and lower_attention rewrite) when there are some
+                q = pick(lambda s, d: ok(s, d) and len(s) == 4) if draw(st.booleans()) else None
+                q = q if q is not None else pick(ok)
                 if q is not None:
-                    same = lambda s, d: s == env[q][0] and d == "f32"  # noqa: E731
+                    same = lambda s, d: s == env[q][0] and d == env[q][1]  # noqa: E731
                     k, v = pick(same), pick(same)
-                    op, out = ("attention", q, k, v, draw(st.booleans())), env[q]
+                    sq = env[q][0]
+                    sc = sq[:-1] + (sq[-2],)
+                    if kind == "attention":
+                        mask = draw_mask(sc, (False, True, "bias", "pad", "window", "bool"))
+                    else:
+                        mask = draw_mask(sc, (None, "causal", "bias", "pad", "window", "bool"))
+                    op, out = (kind, q, k, v, mask), env[q]
+            elif kind in ("reduce", "softmax_dim"):
+                s = pick(lambda s, d: len(s) >= 2)
+                if s is not None:
+                    sh = env[s][0]
+                    dim = draw(st.integers(-len(sh), len(sh) - 1))
+                    keep = draw(st.booleans())
+                    if kind == "reduce":
+                        rk = draw(st.sampled_from(("sum", "mean", "amax", "var")))
+                        out_shape = _reduced(sh, dim, keep)
+                    else:
+                        rk = draw(st.sampled_from(("softmax", "log_softmax", "logsumexp")))
+                        out_shape = _reduced(sh, dim, keep) if rk == "logsumexp" else sh
+                    op, out = (kind, s, rk, dim, keep), (out_shape, env[s][1])
+            elif kind == "unsqueeze":
+                s = pick(lambda s, d: len(s) <= 4)
+                if s is not None:
+                    n = len(env[s][0])
+                    d = draw(st.integers(-(n + 1), n))
+                    sh, at = env[s][0], d % (n + 1)
+                    op, out = ("unsqueeze", s, d), (sh[:at] + (1,) + sh[at:], env[s][1])
+            elif kind == "heads":
+                s = pick(lambda s, d: 2 <= len(s) <= 3 and s[-1] % 2 == 0)
+                if s is not None:
+                    sh, h = env[s][0], draw(st.sampled_from((2, 1)))
+                    op, out = ("heads", s, h), (sh[:-2] + (h, sh[-2], sh[-1] // h), env[s][1])
+            elif kind == "merge_heads":
+                s = pick(lambda s, d: len(s) >= 3)
+                if s is not None:
+                    sh = env[s][0]
+                    op, out = ("merge_heads", s), (sh[:-3] + (sh[-2], sh[-3] * sh[-1]), env[s][1])
+            elif kind == "norm":
+                s = pick(f32)
+                if s is not None:
+                    nk = draw(st.sampled_from(("ln_module", "ln_manual", "ln_var", "rms_plain", "rms_gemma", "rms_torch")))
+                    op, out = ("norm", s, nk), env[s]
+            elif kind == "inplace":
+                s = pick(lambda s, d: True)
+                ik = draw(st.sampled_from(("add_", "mul_", "relu_", "masked_fill_", "slice_fill", "slice_add")))
+                op, out = ("inplace", s, ik), env[s]
+            elif kind == "dropout":
+                s = pick(lambda s, d: True)
+                sp = draw(st.sampled_from(("module", "module_inplace", "functional", "functional_inplace", "torch",
+                                           "feature", "alpha", "native")))
+                op, out = ("dropout", s, sp), env[s]
+            elif kind == "host_const":
+                hk = draw(st.sampled_from(("arange_bias", "slice_mask", "scalar")))
+                s = pick(lambda s, d: d == "f32" and (len(s) >= 2 or hk == "scalar"))
+                if s is not None:
+                    op, out = ("host_const", s, hk), env[s]
             elif kind == "swiglu":
                 s = pick(f32)
                 if s is not None:
@@ -432,9 +714,11 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {s[0][:300] if s else ''}"
 
 
-def check_program(program: Program, passes, target: str = "cpu", mode: str = "passes"):
+def check_program(program: Program, passes, target: str = "cpu", mode: str = "passes", ignore_cost: bool = False):
     """Capture, run ``passes`` (strict: a pass bug raises), and apply the accuracy rule against
-    eager; mode "optimize" goes through graphopt.optimize end to end instead. Raises
+    eager; mode "optimize" goes through graphopt.optimize end to end instead. ``ignore_cost``
+    (mode "passes"): every rewrite a pass finds legal applies, whatever its predicted gain, so
+    rewrites (and orders of rewrites) the cost model would not pick are tested too. Raises
     FuzzFailure on any failure."""
     from .. import accuracy
     from ..capture import capture
@@ -443,10 +727,19 @@ def check_program(program: Program, passes, target: str = "cpu", mode: str = "pa
     from .. import ir
     from ..pipeline import PassContext, PassManager, assemble
 
-    model, inputs = build(program)
-    with torch.no_grad():
-        eager = model(*inputs)
-    ref64 = accuracy.fp64_reference(model, inputs, {})
+    try:
+        model, inputs = build(program)
+        with torch.no_grad():
+            eager = model(*inputs)
+        ref64 = accuracy.fp64_reference(model, inputs, {})
+    except Exception as e:  # the generator made a program eager (or its fp64 reference) cannot run
+        raise FuzzFailure("program", f"the program does not run eagerly: {_first_line(e)}") from e
+    originals = [x.clone() for x in inputs]
+
+    def inputs_unchanged(where: str, pass_name: str = ""):
+        for i, (x, x0) in enumerate(zip(inputs, originals)):
+            if not torch.equal(x, x0):
+                raise FuzzFailure("accuracy", f"{where} wrote into input {i} (the caller's tensor)", pass_name)
     low = torch.bfloat16 if program.uses_bf16() else None
     if mode == "optimize":
         from ..api import optimize
@@ -455,6 +748,9 @@ def check_program(program: Program, passes, target: str = "cpu", mode: str = "pa
             opt = optimize(model, inputs, passes=list(passes), target=target)
             with torch.no_grad():
                 out = opt(*inputs)
+            inputs_unchanged(f"optimize passes {list(passes)} target {target}")
+        except FuzzFailure:
+            raise
         except Exception as e:
             raise FuzzFailure("optimize", f"passes {list(passes)} target {target}: {_first_line(e)}\n"
                               + traceback.format_exc(limit=-4)) from e
@@ -470,26 +766,30 @@ def check_program(program: Program, passes, target: str = "cpu", mode: str = "pa
     except Exception as e:
         raise FuzzFailure("capture", _first_line(e)) from e
     profile, _ = get_profile(target)
-    ctx = PassContext(cost=CostModel(profile), hints=ir.shape_hints(gm), strict=True)
+    ctx = PassContext(cost=CostModel(profile), hints=ir.shape_hints(gm), strict=True, ignore_cost=ignore_cost)
     # one pass at a time (the same loop the PassManager runs), checked after each, so a failure
     # names the first pass that breaks the graph or its numbers
     for p in assemble(list(passes)):
         try:
             (r,) = PassManager([p]).run(gm, ctx)
         except Exception as e:
-            raise FuzzFailure("passes", f"{p.name} (in {list(passes)}, target {target}) raised {_first_line(e)}\n"
+            raise FuzzFailure("passes", f"{p.name} (in {list(passes)}, target {target}{_ic(ignore_cost)}) raised {_first_line(e)}\n"
                               + traceback.format_exc(limit=-4), p.name) from e
         if r.status != "applied":
             continue
         try:
             with torch.no_grad():
                 out = gm(*inputs)
+            inputs_unchanged(f"graph after {p.name} (in {list(passes)}, target {target}{_ic(ignore_cost)})", p.name)
+        except FuzzFailure:
+            raise
         except Exception as e:
-            raise FuzzFailure("run", f"graph after {p.name} (in {list(passes)}, target {target}) fails to run: "
+            raise FuzzFailure("run", f"graph after {p.name} (in {list(passes)}, target {target}{_ic(ignore_cost)}) fails to run: "
                               f"{_first_line(e)}", p.name) from e
         res = accuracy.check(out, ref64, eager, dtype=low)
         if not res.passed:
-            raise FuzzFailure("accuracy", f"after {p.name} (in {list(passes)}, target {target}): {res.reason}", p.name)
+            raise FuzzFailure("accuracy", f"after {p.name} (in {list(passes)}, target {target}{_ic(ignore_cost)}): {res.reason}",
+                              p.name)
     with torch.no_grad():
         out = gm(*inputs)
     res = accuracy.check(out, ref64, eager, dtype=low)
@@ -498,26 +798,34 @@ def check_program(program: Program, passes, target: str = "cpu", mode: str = "pa
     return res
 
 
+def _ic(ignore_cost: bool) -> str:
+    return ", every legal rewrite" if ignore_cost else ""
+
+
 # --------------------------------------------------------------------------- regressions
 
 
-def failure_id(program: Program, passes, target, mode) -> str:
-    return hashlib.sha1(repr((program, list(passes), target, mode)).encode()).hexdigest()[:10]
+def failure_id(program: Program, passes, target, mode, ignore_cost: bool = False) -> str:
+    key = (program, list(passes), target, mode) + ((True,) if ignore_cost else ())
+    return hashlib.sha1(repr(key).encode()).hexdigest()[:10]
 
 
-def regression_source(program: Program, passes, target: str, mode: str, error: str, xfail: bool = True) -> str:
+def regression_source(program: Program, passes, target: str, mode: str, error: str, xfail: bool = True,
+                      ignore_cost: bool = False) -> str:
     """A standalone pytest file reproducing a (shrunk) failure."""
     msg = " ".join(error.strip().splitlines()[0].split())[:200]
     mark = f"@pytest.mark.xfail(strict=True, reason={msg!r})\n" if xfail else ""
     return (
         f'"""Fuzz regression (graphopt.tools.fuzz): {msg}"""\n\n'
-        "import pytest\n\n"
-        "from graphopt.tools.fuzz import Program, check_program\n\n"
+        + ("import pytest\n\n" if xfail else "")
+        + "from graphopt.tools.fuzz import Program, check_program\n\n"
         f"PROGRAM = {program!r}\n"
         f"PASSES = {list(passes)!r}\n"
         f"TARGET = {target!r}\n"
-        f"MODE = {mode!r}\n\n\n"
-        f"{mark}"
+        f"MODE = {mode!r}\n"
+        + ("IGNORE_COST = True\n" if ignore_cost else "")
+        + f"\n\n{mark}"
         "def test_reproduces():\n"
-        "    check_program(PROGRAM, PASSES, TARGET, MODE)\n"
+        + ("    check_program(PROGRAM, PASSES, TARGET, MODE, ignore_cost=IGNORE_COST)\n" if ignore_cost
+           else "    check_program(PROGRAM, PASSES, TARGET, MODE)\n")
     )

@@ -172,3 +172,133 @@ def test_constant_higher_order_region_is_folded():
     counts = op_counts(gm)
     assert counts["aten.repeat_interleave.self_int"] == counts["aten.cos.default"] == 0
     assert reference_check(m, gm, (x,)).passed
+
+
+class WindowMask(nn.Module):
+    """Swin's shifted-window mask, built every call on the host: zeros, slice assignments, then
+    moved to the input's device; plus a counter buffer the forward updates in place."""
+
+    def __init__(self, n=8):
+        super().__init__()
+        self.n = n
+        self.register_buffer("calls", torch.zeros(n))
+
+    def forward(self, x):
+        m = torch.zeros(self.n, self.n)
+        for i, (a, b) in enumerate(((0, 3), (3, 6), (6, None))):
+            m[a:b, a:b] = float(i + 1)
+        m[:, 0] += 0.5
+        self.calls.add_(1.0)  # a buffer written in place: not a constant
+        return x + m.to(x.device) + self.calls
+
+
+def test_folds_a_constant_written_in_place_with_its_writes():
+    m = WindowMask().eval()
+    x = torch.randn(2, 8, 8)
+    gm = capture(m, (x,))
+    assert op_counts(gm)["aten.fill_.Tensor"] + op_counts(gm)["aten.fill_.Scalar"] == 3
+    (res,) = run_passes(gm, ["fold_constants"])
+    counts = op_counts(gm)
+    # the mask is one constant; zeros, its slices and the writes into them are gone
+    assert counts["aten.zeros.default"] == 0 and counts["aten.slice.Tensor"] == 0
+    assert counts["aten.fill_.Tensor"] + counts["aten.fill_.Scalar"] == 0 and counts["aten.add_.Tensor"] == 1
+    eager = WindowMask()
+    eager.calls.copy_(gm.get_buffer("calls"))  # the counter where the graph's is
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), eager(x), rtol=0, atol=0)
+        torch.testing.assert_close(gm(x), eager(x), rtol=0, atol=0)  # and on the next call
+    # the buffer the forward writes stays read from the module, never folded
+    assert any(n.op == "get_attr" and n.target == "calls" for n in gm.graph.nodes)
+
+
+class WrittenFromInput(nn.Module):
+    def forward(self, x):
+        m = torch.zeros(4, 4)
+        m[0] = x[0, 0]  # a write of a non-constant: the mask depends on the input
+        return x + m
+
+
+def test_a_storage_written_from_the_input_is_not_constant():
+    m = WrittenFromInput().eval()
+    gm = capture(m, (torch.randn(4, 4),))
+    (res,) = run_passes(gm, ["fold_constants"])
+    assert op_counts(gm)["aten.zeros.default"] == 1 and not res.rewrites
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), m(x), rtol=0, atol=0)
+
+
+class HostBuilt(nn.Module):
+    """Constants a forward builds on the host (torch's default device) and moves to the input's
+    device: a relative-position table from arange, a mask from zeros and slice assignments, a
+    tensor literal; plus a dead computation (for eliminate_dead_code to remove)."""
+
+    def __init__(self, n=8):
+        super().__init__()
+        self.n = n
+        self.fc = nn.Linear(n, n)
+
+    def forward(self, x):
+        idx = torch.arange(self.n)
+        rel = (idx[:, None] - idx[None, :]).abs().float()
+        mask = torch.zeros(self.n, self.n)
+        mask[: self.n // 2, : self.n // 2] = -1.0
+        _ = x * 2  # dead
+        y = self.fc(x) + rel.to(x.device) * 0.1 + mask.to(x.device)
+        return y * torch.tensor(0.5)
+
+
+def _plan(gm, names, target="h200"):
+    from graphopt import ir
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, PassManager, assemble
+
+    prof = get_profile(target)[0]
+    ctx = PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm), options={"strict": True})
+    return PassManager(assemble(names)).run(gm, ctx)
+
+
+def test_host_built_constants_become_device_constants():
+    """The model on another device than the host ("meta" stands in for "cuda" here: no values,
+    the same device logic): every constant built on the host is stored once on the model's device,
+    so the graph computes nothing on the host and the CUDA-graph decision finds no host tensor.
+    eliminate_dead_code is not reverted for the graph mixing devices as captured."""
+    from graphopt import ir
+    from graphopt.runtime import cuda_graphs as lower
+
+    m, x = HostBuilt().eval().to("meta"), torch.randn(2, 8, 8, device="meta")
+    gm = capture(m, (x,))
+    assert ir.graph_devices(gm) == {"cpu", "meta"}
+    assert "cpu" in lower.decide(gm, [x], device_type="meta").why
+    dce, fold = _plan(gm, ["eliminate_dead_code", "fold_constants"])  # strict: a broken invariant raises
+    assert dce.status == "applied" and fold.status == "applied"
+    assert {r.pattern for r in fold.rewrites} == {"host-built constant -> device constant"}
+    assert ir.graph_devices(gm) == {"meta"}
+    assert {b.device.type for b in gm.buffers()} == {"meta"}
+    assert lower.decide(gm, [x], device_type="meta").on
+
+
+def test_host_built_constants_fold_to_the_eager_values():
+    m, x = HostBuilt().eval(), torch.randn(2, 8, 8)
+    gm = capture(m, (x,))
+    (fold,) = _plan(gm, ["fold_constants"], target="cpu")
+    assert fold.status == "applied" and op_counts(gm)["aten.arange.default"] == 0 and op_counts(gm)["aten.zeros.default"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), m(x), rtol=0, atol=0)
+
+
+class BigHostMask(nn.Module):
+    def forward(self, x):
+        i = torch.arange(1200)
+        mask = (i[:, None] >= i[None, :]).float()  # 5.5 MiB, built from nothing
+        return x + mask.to(x.device)
+
+
+def test_large_host_built_constant_is_stored_only_where_it_is_copied_to_a_device():
+    gm = capture(BigHostMask().eval().to("meta"), (torch.randn(1200, 1200, device="meta"),))
+    (fold,) = _plan(gm, ["fold_constants"])
+    assert fold.status == "applied" and op_counts(gm)["aten.arange.default"] == 0
+    gm = capture(BigHostMask().eval(), (torch.randn(1200, 1200),))  # on the host: recomputing is cheaper
+    (fold,) = _plan(gm, ["fold_constants"], target="cpu")
+    assert op_counts(gm)["aten.arange.default"] == 1 and any("MiB constant" in r.reason for r in fold.rejected)

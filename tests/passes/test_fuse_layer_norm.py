@@ -87,6 +87,19 @@ def test_narrow_rows_take_the_many_rows_kernel(dtype):
     assert op_counts(gm)[LN] == 1 and not res.rewrites
 
 
+def test_layer_norm_reading_a_fused_layer_norm():
+    """Swin's patch embedding: a LayerNorm whose input is another LayerNorm (the first block's
+    norm1). Both take the many-rows kernel; the second reads the first's replacement (it read
+    the replaced node when its match was stale: a use-before-def after the pass, swin_t at 224)."""
+    m = _randomize(nn.Sequential(nn.Linear(96, 96), nn.LayerNorm(96), nn.LayerNorm(96))).eval()
+    x = torch.randn(2, 64, 64, 96)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    assert res.status == "applied" and len(res.rewrites) == 2
+    assert op_counts(gm)["graphopt.layer_norm.default"] == 2 and op_counts(gm)[LN] == 0
+    assert reference_check(m, gm, (x,)).passed
+
+
 def test_rows_wider_than_the_many_rows_kernel_are_refused_with_the_reason():
     from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 

@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-PYTEST_ARGS ?= -q -m "not slow"
+PYTEST_ARGS ?= -q -m "not slow" -n auto
 
 .PHONY: demo test install install-dev check-kernels test-all bench-kernels clean
 
@@ -37,7 +37,7 @@ test: $(VENV)/.installed-dev check-kernels
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: $(VENV)/.installed-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -300,6 +300,12 @@ _REGISTRY: dict[str, type[Pass]] = {}
 def register(cls: type[Pass]) -> type[Pass]:
     if not cls.name or cls.family not in FAMILIES:
         raise PassConfigError(f"pass {cls.__name__} needs a name and a family in {FAMILIES}")
+    old = _REGISTRY.get(cls.name)
+    if old is not None and old.__module__ != cls.__module__:
+        # the passes folder imported a second time under another name (`import passes.x` with the
+        # repository on sys.path): its classes would replace graphopt.passes' own
+        raise PassConfigError(f"pass {cls.name!r} is already registered by {old.__module__}; {cls.__module__} "
+                              "registers it again (import passes as graphopt.passes)")
     _REGISTRY[cls.name] = cls
     return cls
 

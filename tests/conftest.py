@@ -3,7 +3,13 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("GRAPHOPT_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "graphopt"))
+# pytest -n N (pytest-xdist, `make test`): each worker gets its share of the cores for torch's
+# threads (N workers at the default thread count would oversubscribe them) and a cache of its own
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+os.environ.setdefault("GRAPHOPT_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache",
+                                                         f"graphopt{'-' + _WORKER if _WORKER else ''}"))
 # optimize()'s measured guard ("auto") off: a revert it makes depends on the machine's timing, and the
 # tests check plans; tests/test_measured_guard.py turns it on (measure=True) where it is the subject
 os.environ.setdefault("GRAPHOPT_MEASURE", "0")

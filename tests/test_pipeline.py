@@ -449,3 +449,15 @@ def test_instruments_run_around_each_pass_and_may_undo_or_skip_it():
     skip = _Recorder(skip={"scale_relu_planted"})
     (res,) = PassManager([ScaleOutputs()], instruments=[skip]).run(gm, _ctx(gm))
     assert res.status == "skipped" and res.notes == ["left out by the recorder"] and gm.code == code
+
+
+def test_a_pass_registered_again_from_another_module_is_refused():
+    """`import passes.x` (the repository on sys.path) executes the pass modules a second time; their
+    classes must not replace graphopt.passes' own, which the rest of graphopt compares against."""
+    from graphopt.pipeline import register, registry
+
+    original = registry()["fold_constants"]
+    twin = type("FoldConstants", (original,), {"__module__": "passes.fold_constants"})
+    with pytest.raises(PassConfigError, match="already registered by graphopt.passes.fold_constants"):
+        register(twin)
+    assert registry()["fold_constants"] is original

@@ -183,7 +183,7 @@ def test_training_graphs_are_left_alone():
 
 
 def test_key_bound_reads_comparisons_and_conjunctions():
-    from passes.lower_decode_attention import key_bound
+    from graphopt.passes.lower_decode_attention import key_bound
 
     class M(nn.Module):
         def forward(self, pos, keep):
@@ -202,7 +202,7 @@ def test_key_bound_reads_comparisons_and_conjunctions():
 
 
 def test_constant_key_index():
-    from passes.lower_decode_attention import _constant_offset
+    from graphopt.passes.lower_decode_attention import _constant_offset
 
     assert _constant_offset(torch.arange(5, 53)[None, None, None, :].expand(2, 1, 1, 48), 48) == 5
     assert _constant_offset(torch.arange(48).flip(0), 48) is None

@@ -102,10 +102,12 @@ def _check(tmp_path, world, batch, runs, name="glm4-tiny", passes=(), plan_for=N
     return ranks
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_two_processes_gpipe_and_1f1b_match_the_unpartitioned_model(tmp_path):
     _check(tmp_path, 2, 4, [("gpipe", 2, False), ("gpipe", 2, True), ("1f1b", 4, True)])
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_two_processes_interleaved_1f1b_two_stages_each_match_the_unpartitioned_model(tmp_path):
     ranks = _check(tmp_path, 2, 4, [("interleaved1f1b", 2, True), ("interleaved1f1b", 4, True),
                                     ("interleaved1f1b", 2, False)])
@@ -116,6 +118,7 @@ def test_two_processes_interleaved_1f1b_two_stages_each_match_the_unpartitioned_
     assert [d["stages"] for d in plan["devices"]] == [[0, 2], [1, 3]]
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_two_processes_with_fused_stage_graphs(tmp_path):
     """Stage graphs cut from the graph after graphopt's fusion passes (planned for the H200, so
     the graphopt kernels are used; their reference implementations run here): same outputs and
@@ -149,6 +152,7 @@ def _outputs_to_host(rank, world, path):
     torch.save(res, f"{path}/rank{rank}.pt")
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_outputs_copied_to_the_host_give_the_unpartitioned_models_outputs(tmp_path):
     """outputs_to_host under GPipe, 1F1B and interleaved 1F1B: the last stage's outputs go through
     the copy wrapper (torch's pipelining infers its shapes and validates its outputs with it in

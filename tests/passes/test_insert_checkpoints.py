@@ -258,6 +258,7 @@ def test_cli_explain_training_memory_budget(capfd, tmp_path):
     assert rc == 2 and len((out + err).strip().splitlines()) == 1 and "memory_budget" in out + err
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_full_pipeline_planned_for_a_gpu_keeps_the_checkpoints():
     """With the H200 plan other passes run first (channels_last adds an input clone that
     export's _guards_fn reads, interleaved with the first region): the regions still apply."""

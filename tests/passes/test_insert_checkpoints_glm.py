@@ -77,6 +77,7 @@ def test_aot_saves_what_the_plan_predicts_and_gradients_follow_eager(planned):
     step_check(model, opt, args)
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_budget_below_the_minimum_raises_with_the_minimum():
     model, args = glm_sdpa()
     with pytest.raises(BudgetError, match=r"achievable minimum .* of the baseline activation memory"):

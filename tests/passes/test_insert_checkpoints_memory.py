@@ -73,6 +73,7 @@ def test_predicted_step_peak_within_15pct_of_the_traced_one_and_within_the_budge
     assert d["baseline_activation_bytes"] == pytest.approx(traced_peak(m, m, args), rel=WITHIN)
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_big_aot_regions_are_priced_with_their_recompute_chains_and_gradients(model, monkeypatch):
     """One region per half of the model (monkeypatched region sizes): the walk prices the region's
     backward as it runs, so the budget the old model accepted for it (0.45) is refused with the

@@ -30,6 +30,7 @@ def _resnet50_meta():
     return _meta_model(model, x)
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_resnet50_at_0_4_needs_two_levels_and_gets_them(monkeypatch):
     am = _resnet50_meta()
     base = am.step_activation_bytes()
@@ -47,6 +48,7 @@ def test_resnet50_at_0_4_needs_two_levels_and_gets_them(monkeypatch):
         ic.planner._Selector(am, keep_random=True, aot=True).select(0.4 * base, caps, offset)
 
 
+@pytest.mark.slow  # make test-all; the mechanism's fast tests stay in make test
 def test_plans_leave_the_allocator_headroom_of_the_budget_free():
     """A plan fills at most (1 - headroom) of the budget (the H200 profile keeps 1%: a ResNet-50
     plan at 0.35 measured 1% over its prediction, just over the budget); the BudgetError's minimum

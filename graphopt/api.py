@@ -582,6 +582,11 @@ def _meter(opts: OptimizeOptions, planning: "_Planning", model_dev: torch.device
         return None, "not measured (training graphs and dynamic shapes are not timed)"
     if opts.target is not None and planning.run_profile.kind != model_dev.type:
         return None, f"not measured (planned for {planning.run_profile.name}, running on {model_dev})"
+    if inputs.mutated:
+        # a KV cache, a position counter: each timed call would read the previous call's writes
+        # (a decode step's positions run past the end of its cache)
+        return None, (f"not measured (the graph writes {len(inputs.mutated)} of its inputs in place; "
+                      "calls timed one after another would each read the last one's writes)")
     args, kwargs = inputs.fresh()
     flat = flat_tensors(args, kwargs)
     budget = float(os.environ.get("GRAPHOPT_MEASURE_BUDGET_S", MEASURE_BUDGET_S))

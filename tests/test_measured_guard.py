@@ -176,3 +176,25 @@ def test_explain_shows_the_measured_times(mlp, monkeypatch, capsys):
     report.render(Console(width=160, force_terminal=False))
     out = capsys.readouterr().out
     assert "Δ measured ms" in out and "measured captured graph" in out and "against the model as given" in out
+
+
+class Counter(nn.Module):
+    """A decode step's shape in small: it reads its position, uses it, and moves it on in place."""
+
+    def forward(self, x, pos):
+        y = x * pos.float()
+        pos.add_(1)
+        return y
+
+
+def test_a_graph_writing_its_inputs_is_not_timed_and_the_inputs_are_untouched():
+    """Timed calls one after another would each read the last one's writes (a decode step's position
+    running past its cache): such a graph is not measured, and optimize() leaves the caller's
+    tensors as they were."""
+    x, pos = torch.randn(4, 8), torch.tensor([3])
+    opt = graphopt.optimize(Counter(), (x, pos), measure=True, check_accuracy=False)
+    assert opt.report.speed["measured"] is False
+    assert "writes 1 of its inputs in place" in opt.report.speed["note"]
+    assert pos.item() == 3
+    out = opt(x, pos)
+    assert pos.item() == 4 and torch.equal(out, x * 3)

@@ -379,7 +379,7 @@ class Generator:
             raise GenerationError(f"prompt length {plen} + max_new_tokens {max_new_tokens} = {plen + max_new_tokens} "
                                   f"exceeds max_length={self.max_length}")
         do_sample = bool(default(do_sample, "do_sample", False))
-        temperature = default(temperature, "temperature")
+        temperature = default(temperature, "temperature", 1.0)  # unset: as transformers samples, at 1.0
         top_k = default(top_k, "top_k")
         top_p = default(top_p, "top_p")
         if do_sample and (temperature is None or temperature <= 0):

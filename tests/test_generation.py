@@ -87,6 +87,19 @@ def test_sampling_is_seeded_and_equals_a_reference_sampler_and_hf():
     assert torch.equal(ours, _hf(model, ids, **opts))
 
 
+def test_sampling_without_a_temperature_samples_at_one():
+    """do_sample with no temperature given (none in the model's generation config either) samples
+    at temperature 1, as transformers does; a temperature <= 0 is refused."""
+    model, gen = _setup("llama")
+    ids = _prompts()
+    model.generation_config.temperature = None
+    opts = dict(max_new_tokens=8, do_sample=True, top_k=20, eos_token_id=None)
+    a = gen.generate(ids, generator=torch.Generator().manual_seed(3), **opts)
+    assert torch.equal(a, gen.generate(ids, generator=torch.Generator().manual_seed(3), temperature=1.0, **opts))
+    with pytest.raises(graphopt.GraphoptError, match="temperature must be > 0"):
+        gen.generate(ids, temperature=0.0, **opts)
+
+
 def test_eos_stops_each_row_and_pads_it():
     model, gen = _setup("llama")
     ids = _prompts()

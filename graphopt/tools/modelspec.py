@@ -1,12 +1,14 @@
 """Resolve a MODEL argument: ``path/file.py:factory``, ``package.module:factory`` or a zoo name.
 
-A factory returns ``(model, example_inputs)``. Every failure is a one-line ModelSpecError.
+A factory returns ``(model, example_inputs)``; one that takes ``batch`` or ``seq_len`` arguments is
+given those asked for. Every failure is a one-line ModelSpecError.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -59,8 +61,14 @@ def load_model(spec: str | None, **zoo_kwargs):
         raise ModelSpecError(f"{where} has no function '{factory_name}'")
     if not callable(factory):
         raise ModelSpecError(f"'{factory_name}' in {where} is not a function (it is {type(factory).__name__})")
+    # a factory taking ``batch`` / ``seq_len`` gets the ones asked for (``graphopt bench --batch``)
     try:
-        result = factory()
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kwargs = {k: v for k, v in zoo_kwargs.items() if k in ("batch", "seq_len") and v is not None and k in params}
+    try:
+        result = factory(**kwargs)
     except GraphoptError:
         raise
     except (Exception, SystemExit) as e:

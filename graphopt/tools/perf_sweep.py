@@ -1,0 +1,450 @@
+"""The performance sweep (issue 26, item 3): models nobody wrote a pattern for, each in a process of
+its own, timed as eager, torch.compile (default, and reduce-overhead at batch 1) and graphopt, with
+the accuracy rule, set-up time and peak, and graphopt's predicted time beside its measured one.
+
+    python benchmarks/perf_sweep.py                        # every config, this device (CUDA: bf16)
+    python benchmarks/perf_sweep.py --list
+    python benchmarks/perf_sweep.py --configs resnet50:64,hf-bert:1 --reps 20
+    python benchmarks/perf_sweep.py --small --device cpu   # the tiny CPU-sized variants (fp32)
+
+Configs: one torchvision model per classification family at batch 64 (and batch 1 for the small
+ones), Hugging Face architectures built from their configs' defaults with their default attention
+(SDPA), decoders cut to a few layers, and timm models where timm is installed. ``--small`` builds
+the same architectures at the correctness sweep's sizes (:mod:`graphopt.tools.sweep`) and small
+images, so a CPU can run the sweep. Weights are random; nothing is downloaded.
+
+Each config runs through :mod:`graphopt.tools.bench` in a fresh Python process (one model's
+compilation caches, allocator state and memory stay out of the next one's numbers) under
+``--timeout`` seconds; the rows are gathered into one table (``perf_sweep_<date>_<device>.md`` and
+``.json``) whose summary gives the geometric mean against the best torch.compile mode, the rows
+behind it, the rows slower than eager, and how many predictions fall within 20% of the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+# --------------------------------------------------------------------------- the configs
+
+# one torchvision model per classification family; the small ones also at batch 1
+TORCHVISION = ("alexnet", "vgg16_bn", "resnet50", "resnext50_32x4d", "wide_resnet50_2", "densenet121",
+               "googlenet", "inception_v3", "squeezenet1_1", "mobilenet_v2", "mobilenet_v3_large",
+               "shufflenet_v2_x1_0", "mnasnet1_0", "efficientnet_b0", "efficientnet_v2_s", "regnet_y_1_6gf",
+               "convnext_tiny", "vit_b_16", "swin_t", "maxvit_t")
+TORCHVISION_BS1 = ("resnet18", "mobilenet_v3_small", "shufflenet_v2_x1_0", "efficientnet_b0", "squeezenet1_1",
+                   "regnet_x_400mf")
+IMAGE = {"inception_v3": 299}
+
+# Hugging Face: (config class, model class, overrides of the config's defaults, input kind, batch)
+SEQ = 128
+_CUT = {"num_hidden_layers": 4}  # decoders: the default (7B-class) width, four layers
+HF = {
+    "hf-bert": ("BertConfig", "BertModel", {}, "text_mask", 64),
+    "hf-roberta": ("RobertaConfig", "RobertaModel", {}, "text_mask", 64),
+    "hf-distilbert": ("DistilBertConfig", "DistilBertModel", {}, "text_mask", 64),
+    "hf-albert": ("AlbertConfig", "AlbertModel", {"hidden_size": 768, "num_attention_heads": 12,
+                                                  "intermediate_size": 3072}, "text_mask", 64),
+    "hf-electra": ("ElectraConfig", "ElectraModel", {}, "text_mask", 64),
+    "hf-deberta-v2": ("DebertaV2Config", "DebertaV2Model", {"num_hidden_layers": 6}, "text_mask", 16),
+    "hf-mobilebert": ("MobileBertConfig", "MobileBertModel", {}, "text_mask", 16),
+    "hf-gpt2": ("GPT2Config", "GPT2Model", {"use_cache": False}, "text", 16),
+    "hf-opt": ("OPTConfig", "OPTModel", {"use_cache": False}, "text", 16),
+    "hf-llama": ("LlamaConfig", "LlamaModel", {**_CUT, "use_cache": False}, "text", 8),
+    "hf-mistral": ("MistralConfig", "MistralModel", {**_CUT, "use_cache": False}, "text", 8),
+    "hf-qwen2": ("Qwen2Config", "Qwen2Model", {**_CUT, "use_cache": False}, "text", 8),
+    "hf-qwen3": ("Qwen3Config", "Qwen3Model", {**_CUT, "use_cache": False}, "text", 8),
+    "hf-gemma": ("GemmaConfig", "GemmaModel", {**_CUT, "use_cache": False}, "text", 8),
+    "hf-phi": ("PhiConfig", "PhiModel", {**_CUT, "use_cache": False}, "text", 8),
+    "hf-gpt-neox": ("GPTNeoXConfig", "GPTNeoXModel", {**_CUT, "use_cache": False}, "text", 8),
+    "hf-t5-encoder": ("T5Config", "T5EncoderModel", {"d_model": 768, "d_ff": 3072, "num_heads": 12,
+                                                      "num_layers": 12}, "text_mask", 32),
+    "hf-vit": ("ViTConfig", "ViTModel", {}, "image", 64),
+    "hf-dinov2": ("Dinov2Config", "Dinov2Model", {"image_size": 224}, "image", 64),
+    "hf-swin": ("SwinConfig", "SwinModel", {"embed_dim": 96, "depths": [2, 2, 6, 2],
+                                            "num_heads": [3, 6, 12, 24]}, "image", 64),
+    "hf-convnext": ("ConvNextConfig", "ConvNextModel", {}, "image", 64),
+}
+HF_BS1 = ("hf-bert", "hf-gpt2", "hf-vit")
+TIMM = ("resnet50d", "efficientnet_b3", "convnext_small", "regnety_032", "deit_small_patch16_224")
+
+
+@dataclass(frozen=True)
+class PerfConfig:
+    name: str  # torchvision name, "hf-..." or "timm-..."
+    batch: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:{self.batch}"
+
+    @property
+    def source(self) -> str:
+        return "hf" if self.name.startswith("hf-") else "timm" if self.name.startswith("timm-") else "torchvision"
+
+
+def all_configs(timm_available: bool | None = None) -> list[PerfConfig]:
+    if timm_available is None:
+        timm_available = _has("timm")
+    out = [PerfConfig(n, 64) for n in TORCHVISION] + [PerfConfig(n, 1) for n in TORCHVISION_BS1]
+    out += [PerfConfig(n, spec[4]) for n, spec in HF.items()] + [PerfConfig(n, 1) for n in HF_BS1]
+    if timm_available:
+        out += [PerfConfig(f"timm-{n}", 64) for n in TIMM]
+    return out
+
+
+def parse_configs(text: str | None) -> list[PerfConfig]:
+    """'resnet50:64,hf-bert' -> configs (a name without a batch takes the sweep's batch for it)."""
+    known: dict = {}
+    for c in all_configs(timm_available=True):
+        known.setdefault(c.name, c.batch)  # a name listed twice (bs64, then bs1): its first batch
+    if not text:
+        return all_configs()
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        name, _, batch = item.partition(":")
+        if name not in known:
+            raise ValueError(f"unknown config '{name}'; --list shows them")
+        if batch and not (batch.isdigit() and int(batch) > 0):
+            raise ValueError(f"batch of '{item}' must be a positive integer")
+        out.append(PerfConfig(name, int(batch) if batch else known[name]))
+    return out
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# --------------------------------------------------------------------------- building a model
+
+def build(name: str, batch: int, small: bool = False):
+    """(model, example_inputs) of a sweep config, random weights, fp32 on the CPU (the bench
+    converts dtype and device)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    if name.startswith("hf-"):
+        return _build_hf(name, batch, small, gen)
+    if name.startswith("timm-"):
+        import timm
+
+        model = timm.create_model(name[5:], pretrained=False).eval()
+        size = 64 if small else model.default_cfg.get("input_size", (3, 224, 224))[-1]
+        return model, (torch.randn(batch, 3, size, size, generator=gen),)
+    import torchvision
+
+    kw = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
+    model = torchvision.models.get_model(name, weights=None, **kw).eval()
+    if not small:
+        size = IMAGE.get(name, 224)
+        return model, (torch.randn(batch, 3, size, size, generator=gen),)
+    from .sweep import IMAGE_SIZES
+
+    for size in IMAGE_SIZES:  # the smallest image the model takes
+        x = torch.randn(batch, 3, size, size, generator=gen)
+        try:
+            with torch.no_grad():
+                model(x[:1])
+            return model, (x,)
+        except Exception:  # noqa: BLE001 - too small for this model: the next size
+            continue
+    raise RuntimeError(f"{name}: no image size in {IMAGE_SIZES} runs")
+
+
+def _build_hf(name: str, batch: int, small: bool, gen: torch.Generator):
+    import transformers
+
+    from . import sweep
+
+    cfg_name, model_name, overrides, kind, _ = HF[name]
+    tiny = sweep.HF_MODELS.get(name[3:])
+    if small and tiny is not None:
+        kw, seq, vocab, image = dict(tiny[2]), sweep.SEQ, sweep.VOCAB, 32
+        kw.pop("attn_implementation", None)
+    else:
+        kw, seq, image = dict(overrides), SEQ, None
+        vocab = None
+    if small and tiny is None:  # no tiny config in the correctness sweep: shrink the defaults
+        kw.update(num_hidden_layers=2)
+    cfg = getattr(transformers, cfg_name)(**kw)
+    if vocab is None:
+        vocab = getattr(cfg, "vocab_size", None) or 1000
+    if image is None:
+        image = getattr(cfg, "image_size", 224)
+        image = image if isinstance(image, int) else image[0]
+    model = getattr(transformers, model_name)(cfg).eval()
+    if kind == "image":
+        return model, {"pixel_values": torch.randn(batch, 3, image, image, generator=gen)}
+    ids = torch.randint(3, min(vocab, 30000), (batch, seq), generator=gen)
+    if kind == "text":
+        return model, {"input_ids": ids}
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[:, seq - seq // 8:] = 0  # right padding: the mask matters
+    return model, {"input_ids": ids, "attention_mask": mask}
+
+
+# the bench resolves "graphopt.tools.perf_sweep:<factory>": a factory per config, named after it
+def factory_name(name: str) -> str:
+    return "model_" + name.replace("-", "_")
+
+
+def __getattr__(attr: str):
+    if attr.startswith("model_"):
+        want = attr[len("model_"):]
+        names = [c.name for c in all_configs(timm_available=True)] + ["resnet18"]
+        for n in names:
+            if n.replace("-", "_") == want:
+                small = os.environ.get("GRAPHOPT_PERF_SWEEP_SMALL") == "1"
+
+                def make(batch: int | None = None, _n=n, _small=small):
+                    return build(_n, batch or 1, _small)
+
+                make.__name__ = attr
+                return make
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+# --------------------------------------------------------------------------- one config, one process
+
+@dataclass
+class Row:
+    config: str
+    source: str
+    batch: int
+    status: str = "ok"  # ok | error | timeout
+    error: str = ""
+    ms: dict = field(default_factory=dict)  # variant -> median ms
+    accuracy: dict = field(default_factory=dict)  # variant -> passed (True/False/None)
+    setup_s: dict = field(default_factory=dict)
+    setup_peak_gb: dict = field(default_factory=dict)
+    predicted_ms: float | None = None
+    returned: str | None = None  # the measured guard: "optimized" | "model" | None (not measured)
+    guard_note: str = ""
+    applied: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def best_compile(self) -> tuple[str, float] | None:
+        opts = [(v, self.ms[v]) for v in ("compile", "compile-ro") if self.ms.get(v)]
+        return min(opts, key=lambda kv: kv[1]) if opts else None
+
+    def vs(self, peer: str) -> float | None:
+        g = self.ms.get("graphopt")
+        p = self.ms.get(peer) if peer != "best-compile" else (self.best_compile() or (None, None))[1]
+        return p / g if g and p else None
+
+
+def peers(cfg: PerfConfig, device: str, vs: tuple | None = None) -> tuple:
+    """The variants beside graphopt: eager and torch.compile, and reduce-overhead at batch 1 on CUDA
+    (where launch overhead is what it removes); ``vs`` narrows them (eager always runs)."""
+    out = ("eager", "compile", "compile-ro") if cfg.batch == 1 and device.startswith("cuda") else ("eager", "compile")
+    return out if vs is None else tuple(v for v in out if v == "eager" or v in vs)
+
+
+def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmup: int, small: bool,
+            out_dir: Path, vs: tuple | None = None) -> Row:
+    """The config through graphopt.tools.bench in this process (the child's side)."""
+    from .bench import BenchConfig, run
+
+    if small:
+        os.environ["GRAPHOPT_PERF_SWEEP_SMALL"] = "1"
+    vs = peers(cfg, device, vs)
+    spec = f"{__name__}:{factory_name(cfg.name)}"
+    t0 = time.perf_counter()
+    res = run([BenchConfig(spec, cfg.batch, None, vs)], dtype=dtype, device=device, reps=reps, warmup=warmup,
+              out_dir=out_dir, progress=False, tag=f"perf_one_{cfg.name}_bs{cfg.batch}")
+    row = Row(cfg.key, cfg.source, cfg.batch, seconds=time.perf_counter() - t0)
+    r = res.results[0]
+    if r.error:
+        row.status, row.error = "error", r.error
+    for v in r.variants:
+        if v.status != "ok":
+            row.ms[v.variant] = None
+            if v.variant in ("eager", "graphopt"):
+                row.status, row.error = "error", f"{v.variant}: {v.error}"
+            continue
+        row.ms[v.variant] = v.ms
+        row.accuracy[v.variant] = (v.accuracy or {}).get("passed")
+        row.setup_s[v.variant] = v.setup_s
+        row.setup_peak_gb[v.variant] = v.setup_peak_bytes / 1e9 if v.setup_peak_bytes else None
+        if v.variant == "graphopt":
+            row.predicted_ms = v.extra.get("predicted_ms")
+            speed = v.extra.get("speed") or {}
+            row.returned = speed.get("returned") if speed.get("measured") else None
+            row.guard_note = speed.get("note", "")
+            row.applied = v.extra.get("applied", [])
+    return row
+
+
+def run_isolated(cfg: PerfConfig, *, timeout_s: float, **kw) -> Row:
+    """run_one in a fresh interpreter (``python -m graphopt.tools.perf_sweep --one``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, "-m", __name__, "--one", cfg.key, "--device", kw["device"], "--reps", str(kw["reps"]),
+               "--warmup", str(kw["warmup"]), "--row", str(out), "--out", str(kw["out_dir"])]
+        if kw.get("dtype"):
+            cmd += ["--dtype", kw["dtype"]]
+        if kw.get("small"):
+            cmd.append("--small")
+        if kw.get("vs") is not None:
+            cmd += ["--vs", ",".join(kw["vs"])]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return Row(cfg.key, cfg.source, cfg.batch, "timeout", f"over the {timeout_s:.0f} s limit",
+                       seconds=time.perf_counter() - t0)
+        if out.exists():
+            return Row(**json.loads(out.read_text()))
+        tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+        return Row(cfg.key, cfg.source, cfg.batch, "error", f"the worker exited {p.returncode}: {tail}",
+                   seconds=time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- the table
+
+def summary(rows: list[Row]) -> dict:
+    done = [r for r in rows if r.status == "ok" and r.ms.get("graphopt")]
+    ratios = [r.vs("best-compile") for r in done if r.vs("best-compile")]
+    pred = [r for r in done if r.predicted_ms]
+    within = [r for r in pred if abs(r.predicted_ms / r.ms["graphopt"] - 1) <= 0.2]
+    return {
+        "rows": len(rows), "measured": len(done),
+        "geomean_vs_best_compile": math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else None,
+        "behind_best_compile": [r.config for r in done if (r.vs("best-compile") or 2) < 1.0],
+        "slower_than_eager": [r.config for r in done if (r.vs("eager") or 2) < 1.0],
+        "accuracy_failed": [r.config for r in done if r.accuracy.get("graphopt") is False],
+        "returned_the_model": [r.config for r in done if r.returned == "model"],
+        "predicted_within_20pct": f"{len(within)} of {len(pred)}",
+        "errors": {r.config: r.error for r in rows if r.status != "ok"},
+    }
+
+
+def _ms(v) -> str:
+    return "—" if v is None else f"{v:.3f}" if v < 10 else f"{v:.2f}"
+
+
+def _x(v) -> str:
+    return "—" if v is None else f"{v:.2f}×"
+
+
+def to_markdown(rows: list[Row], header: dict) -> str:
+    s = summary(rows)
+    lines = [f"# graphopt performance sweep: {header.get('device_name', header.get('device'))}, {header['date']}", "",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in (header.get("versions") or {}).items() if v),
+             f"- dtype {header['dtype']}; median of {header['reps']} calls after {header['warmup']} warm-up, "
+             f"each config in a fresh process{' (small CPU-sized variants)' if header.get('small') else ''}",
+             f"- command: {header['command']}", "",
+             "| config | eager ms | compile ms | compile-ro ms | graphopt ms | vs best compile | vs eager | "
+             "predicted ms | pred / measured | guard | setup s (compile / graphopt) | accuracy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+    for r in rows:
+        if r.status != "ok":
+            lines.append(f"| {r.config} | {r.status}: {r.error[:140]} |  |  |  |  |  |  |  |  |  |  |")
+            continue
+        g = r.ms.get("graphopt")
+        pe = f"{r.predicted_ms / g:.2f}" if r.predicted_ms and g else "—"
+        guard = r.returned or "not measured"
+        setup = f"{_ms(r.setup_s.get('compile'))} / {_ms(r.setup_s.get('graphopt'))}"
+        acc = "ok" if r.accuracy.get("graphopt") else "FAIL" if r.accuracy.get("graphopt") is False else "—"
+        lines.append(f"| {r.config} | {_ms(r.ms.get('eager'))} | {_ms(r.ms.get('compile'))} | "
+                     f"{_ms(r.ms.get('compile-ro'))} | {_ms(g)} | {_x(r.vs('best-compile'))} | {_x(r.vs('eager'))} | "
+                     f"{_ms(r.predicted_ms)} | {pe} | {guard} | {setup} | {acc} |")
+    gm = s["geomean_vs_best_compile"]
+    lines += ["", "## Summary", "",
+              f"- rows measured: {s['measured']} of {s['rows']}",
+              f"- geometric mean, graphopt against the best torch.compile mode: {_x(gm)}",
+              f"- behind the best torch.compile mode: {len(s['behind_best_compile'])} "
+              f"({', '.join(s['behind_best_compile']) or 'none'})",
+              f"- slower than eager: {len(s['slower_than_eager'])} ({', '.join(s['slower_than_eager']) or 'none'})",
+              f"- graphopt failing the accuracy rule: {', '.join(s['accuracy_failed']) or 'none'}",
+              f"- the measured guard returned the model as given: {', '.join(s['returned_the_model']) or 'none'}",
+              f"- predictions within 20% of the measurement: {s['predicted_within_20pct']}"]
+    if s["errors"]:
+        lines += [f"- not measured: {len(s['errors'])} ({', '.join(s['errors'])})"]
+    return "\n".join(lines) + "\n"
+
+
+def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: int, warmup: int, small: bool,
+          timeout_s: float, out: Path, command: str, vs: tuple | None = None, log=print) -> tuple[list[Row], dict]:
+    from .bench import environment, result_stem
+
+    dev = torch.device(device)
+    header = environment(dev)
+    header.update(dtype=dtype or ("bf16" if dev.type == "cuda" else "fp32"), reps=reps, warmup=warmup, small=small,
+                  command=command)
+    stem = result_stem(header, "perf_sweep")
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for i, cfg in enumerate(configs, 1):
+            log(f"[{i}/{len(configs)}] {cfg.key} ...")
+            row = run_isolated(cfg, timeout_s=timeout_s, device=device, dtype=dtype, reps=reps, warmup=warmup,
+                               small=small, out_dir=scratch, vs=vs)
+            rows.append(row)
+            log(f"    {row.status} {row.error[:160]}" if row.status != "ok" else
+                f"    graphopt {_ms(row.ms.get('graphopt'))} ms, eager {_ms(row.ms.get('eager'))}, "
+                f"compile {_ms(row.ms.get('compile'))}, compile-ro {_ms(row.ms.get('compile-ro'))} "
+                f"({row.seconds:.0f} s)")
+            (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows],
+                                                          "summary": summary(rows)}, indent=1, default=str))
+            (out / f"{stem}.md").write_text(to_markdown(rows, header))
+    return rows, {"json": str(out / f"{stem}.json"), "markdown": str(out / f"{stem}.md")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default=None, help="comma list of NAME[:BATCH] (default: every config)")
+    ap.add_argument("--list", action="store_true", help="list the configs and exit")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--small", action="store_true", help="the CPU-sized variants of the same architectures")
+    ap.add_argument("--vs", default=None, help="the peers to run beside graphopt, of eager,compile,compile-ro "
+                                               "(default: all that apply; eager always runs)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per config")
+    ap.add_argument("--out", default=str(Path("benchmarks") / "results"))
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one config
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.list:
+        for c in all_configs():
+            print(f"{c.source:12s} {c.key}")
+        return 0
+    try:
+        configs = parse_configs(a.one or a.configs)
+        vs = tuple(v.strip() for v in a.vs.split(",") if v.strip()) if a.vs else None
+        bad = [v for v in vs or () if v not in ("eager", "compile", "compile-ro")]
+        if bad:
+            raise ValueError(f"--vs takes eager, compile, compile-ro; got {', '.join(bad)}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.one:
+        row = run_one(configs[0], device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
+                      out_dir=Path(a.out), vs=vs)
+        Path(a.row).write_text(json.dumps(asdict(row), default=str))
+        return 0
+    command = " ".join(["perf_sweep.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    rows, paths = sweep(configs, device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
+                        timeout_s=a.timeout, out=Path(a.out), command=command, vs=vs)
+    print(to_markdown(rows, {**json.loads(Path(paths["json"]).read_text())["header"]}))
+    print(f"wrote {paths['markdown']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

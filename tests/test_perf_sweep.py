@@ -1,0 +1,97 @@
+"""The performance sweep's configs, its table and one config run end to end in a fresh process."""
+
+import json
+import math
+
+import pytest
+
+from graphopt.tools import perf_sweep
+from graphopt.tools.perf_sweep import PerfConfig, Row
+
+
+def test_the_sweep_covers_the_families_and_architectures_it_promises():
+    configs = perf_sweep.all_configs(timm_available=False)
+    names = {c.name for c in configs}
+    assert len(configs) >= 40
+    assert len({c.name for c in configs if c.source == "hf"}) >= 15
+    assert {"hf-bert", "hf-llama", "hf-t5-encoder", "hf-vit"} <= names  # encoder, decoder, seq2seq encoder, vision
+    assert {c.batch for c in configs if c.source == "torchvision"} == {1, 64}
+    assert len({c.key for c in configs}) == len(configs)
+    with_timm = perf_sweep.all_configs(timm_available=True)
+    assert {c.source for c in with_timm} == {"torchvision", "hf", "timm"}
+
+
+def test_configs_parse_with_and_without_a_batch():
+    assert perf_sweep.parse_configs("resnet50:8,hf-bert") == [PerfConfig("resnet50", 8), PerfConfig("hf-bert", 64)]
+    with pytest.raises(ValueError, match="unknown config 'resnet5'"):
+        perf_sweep.parse_configs("resnet5")
+    with pytest.raises(ValueError, match="positive integer"):
+        perf_sweep.parse_configs("resnet50:0")
+    assert perf_sweep.main(["--configs", "nope"]) == 2
+    assert perf_sweep.main(["--configs", "resnet50", "--vs", "inductor"]) == 2
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-swin", "mobilenet_v3_small"])
+def test_small_builds_run_at_the_batch_asked_for(name):
+    import torch
+
+    factory = getattr(perf_sweep, perf_sweep.factory_name(name))
+    model, inputs = perf_sweep.build(name, 3, small=True)
+    with torch.no_grad():
+        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    first = out[0] if isinstance(out, tuple) else (out.last_hidden_state if hasattr(out, "last_hidden_state") else out)
+    assert first.shape[0] == 3
+    assert callable(factory) and "batch" in factory.__code__.co_varnames
+
+
+def test_a_bench_factory_taking_a_batch_gets_the_one_asked_for(tmp_path):
+    from graphopt.tools.modelspec import load_model
+
+    f = tmp_path / "m.py"
+    f.write_text("import torch\n"
+                 "def make(batch=1, seq_len=4):\n"
+                 "    return torch.nn.Linear(seq_len, 2), (torch.randn(batch, seq_len),)\n"
+                 "def fixed():\n"
+                 "    return torch.nn.Linear(4, 2), (torch.randn(5, 4),)\n")
+    _, (x,), _ = load_model(f"{f}:make", batch=7, seq_len=3)
+    assert tuple(x.shape) == (7, 3)
+    _, (x,), _ = load_model(f"{f}:fixed", batch=7)  # a factory without the argument builds its own
+    assert tuple(x.shape) == (5, 4)
+
+
+def _row(config, eager, compile_, graphopt, predicted=None, ro=None, returned="optimized", passed=True):
+    return Row(config, "torchvision", 1, ms={"eager": eager, "compile": compile_, "compile-ro": ro, "graphopt": graphopt},
+               accuracy={"graphopt": passed}, predicted_ms=predicted, returned=returned)
+
+
+def test_the_summary_counts_against_the_best_compile_mode():
+    rows = [_row("a:1", 4.0, 2.0, 1.0, predicted=1.1, ro=1.5),      # 1.5x the better compile mode (r-o)
+            _row("b:64", 2.0, 1.0, 1.25, predicted=2.0),            # behind compile, prediction 60% off
+            _row("c:64", 1.0, 3.0, 1.2, returned="model", passed=False),  # slower than eager
+            Row("d:64", "hf", 64, status="timeout", error="over the 600 s limit")]
+    s = perf_sweep.summary(rows)
+    assert s["measured"] == 3 and s["rows"] == 4
+    assert s["geomean_vs_best_compile"] == pytest.approx(math.exp((math.log(1.5) + math.log(0.8) + math.log(2.5)) / 3))
+    assert s["behind_best_compile"] == ["b:64"] and s["slower_than_eager"] == ["c:64"]
+    assert s["accuracy_failed"] == ["c:64"] and s["returned_the_model"] == ["c:64"]
+    assert s["predicted_within_20pct"] == "1 of 2" and list(s["errors"]) == ["d:64"]
+    md = perf_sweep.to_markdown(rows, {"date": "today", "device": "cpu", "dtype": "fp32", "reps": 5, "warmup": 1,
+                                       "command": "perf_sweep.py", "versions": {"torch": "2.x"}})
+    assert "| a:1 | 4.000 | 2.000 | 1.500 | 1.000 | 1.50× | 4.00× | 1.100 | 1.10 | optimized |" in md
+    assert "| d:64 | timeout: over the 600 s limit |" in md
+    assert "behind the best torch.compile mode: 1 (b:64)" in md
+
+
+def test_one_config_in_a_fresh_process_gives_its_row(tmp_path):
+    """The child process builds the small config, runs eager and graphopt through the bench and
+    hands back its row; the sweep writes the table and its JSON."""
+    rows, paths = perf_sweep.sweep([PerfConfig("hf-gpt2", 2)], device="cpu", dtype=None, reps=2, warmup=1,
+                                   small=True, timeout_s=300, out=tmp_path, command="test", vs=("eager",),
+                                   log=lambda s: None)
+    (row,) = rows
+    assert row.status == "ok", row.error
+    assert row.ms["eager"] > 0 and row.ms["graphopt"] > 0 and "compile" not in row.ms
+    assert row.accuracy["graphopt"] is True and row.predicted_ms > 0
+    data = json.loads(open(paths["json"]).read())
+    assert data["rows"][0]["config"] == "hf-gpt2:2" and data["summary"]["measured"] == 1
+    assert "| hf-gpt2:2 |" in open(paths["markdown"]).read()

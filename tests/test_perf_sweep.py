@@ -95,3 +95,9 @@ def test_one_config_in_a_fresh_process_gives_its_row(tmp_path):
     data = json.loads(open(paths["json"]).read())
     assert data["rows"][0]["config"] == "hf-gpt2:2" and data["summary"]["measured"] == 1
     assert "| hf-gpt2:2 |" in open(paths["markdown"]).read()
+
+
+def test_the_small_sweep_caps_the_batch():
+    small = perf_sweep.all_configs(timm_available=False, small=True)
+    assert {c.batch for c in small} == {1, perf_sweep.SMALL_BATCH}
+    assert perf_sweep.parse_configs("resnet50", small=True) == [PerfConfig("resnet50", perf_sweep.SMALL_BATCH)]

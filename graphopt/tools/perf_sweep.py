@@ -10,8 +10,8 @@ the accuracy rule, set-up time and peak, and graphopt's predicted time beside it
 Configs: one torchvision model per classification family at batch 64 (and batch 1 for the small
 ones), Hugging Face architectures built from their configs' defaults with their default attention
 (SDPA), decoders cut to a few layers, and timm models where timm is installed. ``--small`` builds
-the same architectures at the correctness sweep's sizes (:mod:`graphopt.tools.sweep`) and small
-images, so a CPU can run the sweep. Weights are random; nothing is downloaded.
+the same architectures at the correctness sweep's sizes (:mod:`graphopt.tools.sweep`), small images
+and batches of at most SMALL_BATCH, so a CPU can run the sweep. Weights are random; nothing is downloaded.
 
 Each config runs through :mod:`graphopt.tools.bench` in a fresh Python process (one model's
 compilation caches, allocator state and memory stay out of the next one's numbers) under
@@ -94,23 +94,27 @@ class PerfConfig:
         return "hf" if self.name.startswith("hf-") else "timm" if self.name.startswith("timm-") else "torchvision"
 
 
-def all_configs(timm_available: bool | None = None) -> list[PerfConfig]:
+SMALL_BATCH = 4  # --small: the batch of the configs above 1
+
+
+def all_configs(timm_available: bool | None = None, small: bool = False) -> list[PerfConfig]:
+    """Every config; ``small``: batches above 1 become SMALL_BATCH (the CPU-sized sweep)."""
     if timm_available is None:
         timm_available = _has("timm")
     out = [PerfConfig(n, 64) for n in TORCHVISION] + [PerfConfig(n, 1) for n in TORCHVISION_BS1]
     out += [PerfConfig(n, spec[4]) for n, spec in HF.items()] + [PerfConfig(n, 1) for n in HF_BS1]
     if timm_available:
         out += [PerfConfig(f"timm-{n}", 64) for n in TIMM]
-    return out
+    return [PerfConfig(c.name, min(c.batch, SMALL_BATCH)) for c in out] if small else out
 
 
-def parse_configs(text: str | None) -> list[PerfConfig]:
+def parse_configs(text: str | None, small: bool = False) -> list[PerfConfig]:
     """'resnet50:64,hf-bert' -> configs (a name without a batch takes the sweep's batch for it)."""
     known: dict = {}
-    for c in all_configs(timm_available=True):
+    for c in all_configs(timm_available=True, small=small):
         known.setdefault(c.name, c.batch)  # a name listed twice (bs64, then bs1): its first batch
     if not text:
-        return all_configs()
+        return all_configs(small=small)
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         name, _, batch = item.partition(":")
@@ -409,7 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list the configs and exit")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
-    ap.add_argument("--small", action="store_true", help="the CPU-sized variants of the same architectures")
+    ap.add_argument("--small", action="store_true", help="the CPU-sized variants of the same architectures "
+                                                      f"(batches above 1 become {SMALL_BATCH})")
     ap.add_argument("--vs", default=None, help="the peers to run beside graphopt, of eager,compile,compile-ro "
                                                "(default: all that apply; eager always runs)")
     ap.add_argument("--reps", type=int, default=20)
@@ -421,11 +426,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if a.list:
-        for c in all_configs():
+        for c in all_configs(small=a.small):
             print(f"{c.source:12s} {c.key}")
         return 0
     try:
-        configs = parse_configs(a.one or a.configs)
+        configs = parse_configs(a.one or a.configs, small=a.small)
         vs = tuple(v.strip() for v in a.vs.split(",") if v.strip()) if a.vs else None
         bad = [v for v in vs or () if v not in ("eager", "compile", "compile-ro")]
         if bad:

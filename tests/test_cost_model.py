@@ -450,3 +450,31 @@ def test_operands_read_by_position_when_one_tensor_is_passed_twice():
     assert c.bytes == 4 * 2 * (1 * 2 * 4 * 8)  # x read once, out written once
     mm = cm.node_cost(_node(gm, "aten.mm"))
     assert mm.flops == 2 * 8 * 8 * 8
+
+
+def test_a_cpu_profile_measured_under_load_is_measured_again(tmp_path, monkeypatch):
+    """A cached profile whose matmul rate is far below what the machine does now was measured while
+    other work shared the cores: cpu_profile() measures again and replaces the cache. One that
+    matches the machine is read back as it is. The profile says when it was measured."""
+    import json
+
+    from graphopt.cost import profiles
+
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    first = profiles.cpu_profile()
+    assert "measured 20" in first.description and first.source["measured_at"] > 0
+    (path,) = tmp_path.glob("cpu-*.json")
+    # the machine's matmul rate now: the one measured, up to noise (a probe of its own would depend
+    # on what else runs beside the test)
+    monkeypatch.setattr(profiles, "_matmul_rate", lambda *a, **k: first.peak_flops["float32"] * 1.5)
+    calls = []
+    real = profiles.calibrate_cpu
+    monkeypatch.setattr(profiles, "calibrate_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert profiles.cpu_profile().peak_flops == first.peak_flops and not calls  # within 2x of the machine: kept
+    data = json.loads(path.read_text())
+    data["peak_flops"]["float32"] /= 20  # as if measured while the cores were busy
+    path.write_text(json.dumps(data))
+    assert "runs at" in profiles.stale_cpu_profile(profiles._load_json(path))
+    again = profiles.cpu_profile()
+    assert calls == [1] and again.peak_flops["float32"] > 5 * data["peak_flops"]["float32"]
+    assert json.loads(path.read_text())["peak_flops"]["float32"] == again.peak_flops["float32"]

@@ -8,6 +8,7 @@ a tiny op) and cached in ``~/.cache/graphopt`` keyed by host, core count and tor
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 from ..errors import GraphoptError
+
+log = logging.getLogger("graphopt.profiles")
 
 _DIR = Path(__file__).with_name("profiles")
 
@@ -253,10 +256,9 @@ def calibrate_cpu(quick: bool = True) -> DeviceProfile:
             ts.append(time.perf_counter() - t)
         return min(ts)
 
+    load = _load_per_core()
     n = 384 if quick else 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    t_mm = best(lambda: torch.mm(a, b), 5)
-    flops = 2 * n**3 / t_mm
+    flops = _matmul_rate(n, reps=5)
     bf = torch.randn(n, n).bfloat16()
     t_bf = best(lambda: torch.mm(bf, bf), 3)
     bf_flops = 2 * n**3 / t_bf
@@ -281,8 +283,11 @@ def calibrate_cpu(quick: bool = True) -> DeviceProfile:
         bandwidth=bw,
         launch_overhead_s=t_op,
         memory_bytes=float(mem),
-        description=f"{platform.processor() or platform.machine()}, {threads} threads, measured at first use",
-        source={"all": "measured", "conv_nchw_slowdown": "measured: ResNet-shaped fp32 convolutions (oneDNN), "
+        description=f"{platform.processor() or platform.machine()}, {threads} threads, measured "
+                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+                    + (f" at a load of {load:.2f} per core" if load is not None else ""),
+        source={"all": "measured", "measured_at": time.time(), "load_per_core": load,
+                "conv_nchw_slowdown": "measured: ResNet-shaped fp32 convolutions (oneDNN), "
                                                           "NCHW time / channels_last time",
                 "host_node": "measured: per node of a GraphModule of back-to-back views (aten.t/unsqueeze/view)"},
         conv_nchw_slowdown=slowdown,
@@ -359,16 +364,64 @@ def _cpu_conv_nchw_slowdown(best) -> float:
     return max(1.0, round(nchw / nhwc, 3)) if nhwc > 0 else 1.0
 
 
+PROBE_N = 384  # the matmul calibrate_cpu times and cpu_profile's probe times again
+REMEASURE_RATIO = 2.0  # the machine now multiplies more than this much faster: the cached profile is re-measured
+
+
+def _square(n: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+
+
+def _matmul_rate(n: int = PROBE_N, reps: int = 3) -> float:
+    """fp32 FLOP/s of an n x n matmul here, the best of ``reps`` calls."""
+    a, b = _square(n)
+    torch.mm(a, b)
+    t = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        t = min(t, time.perf_counter() - t0)
+    return 2 * n**3 / t
+
+
+def _load_per_core() -> float | None:
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return None
+
+
+def stale_cpu_profile(prof: DeviceProfile) -> str | None:
+    """Why a cached CPU profile no longer describes this machine, or None: the matmul it timed runs
+    more than REMEASURE_RATIO times faster now (it was measured while other work shared the cores).
+    A machine busier now than then keeps its profile: the next quiet call re-measures it."""
+    then = prof.peak_flops.get("float32") or 0.0
+    now = _matmul_rate()
+    if then > 0 and now > REMEASURE_RATIO * then:
+        return (f"its {PROBE_N}x{PROBE_N} matmul ran at {then / 1e9:.1f} GFLOP/s ({prof.description}); "
+                f"it runs at {now / 1e9:.1f} now")
+    return None
+
+
 def cpu_profile() -> DeviceProfile:
+    """This CPU's profile: measured at first use and cached per machine, core count, thread count
+    and torch version; a cached one measured while other work slowed the machine (see
+    :func:`stale_cpu_profile`) is measured again and the cache replaced."""
     # v2: the profile also holds the measured NCHW convolution slowdown (one cached without
     # host_node_s loads the default: the CPU model does not charge it)
     key = f"cpu-v2-{platform.node()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}.json"
     path = _cache_dir() / key
     if path.exists():
         try:
-            return _load_json(path)
+            cached = _load_json(path)
         except Exception:
-            pass
+            cached = None
+        if cached is not None:
+            why = stale_cpu_profile(cached)
+            if why is None:
+                return cached
+            log.info("re-measuring the CPU profile: %s", why)
     prof = calibrate_cpu()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

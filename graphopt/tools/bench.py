@@ -95,6 +95,9 @@ class BenchConfig:
     seq_len: int | None = None  # zoo text models only
     vs: tuple = ("eager", "compile")
     optimize_kwargs: dict | None = None  # for graphopt.optimize, over run()'s
+    # after the variants, time eager and graphopt again in interleaved rounds (a drift of the machine
+    # between the variants' own timings lands on both alike): graphopt's extra["interleaved"]
+    interleave: bool = False
 
 
 @dataclass
@@ -690,8 +693,28 @@ def _run_config(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, dtype, 
         prog.refresh()
         console.print(_line(r, vr), highlight=False)
         save()
+    if c.interleave and r.get("eager") is not None and r.get("graphopt") is not None \
+            and r.get("eager").status == "ok" and r.get("graphopt").status == "ok" and "graphopt" in state:
+        _interleaved(model, state["graphopt"], args, kwargs, r.get("graphopt"), device=device, reps=reps,
+                     warmup=warmup)
+        save()
     state.clear()
     _free(device)
+
+
+def _interleaved(model, opt, args, kwargs, vr: VariantResult, *, device, reps, warmup) -> None:
+    """Eager and graphopt timed again in alternating calls (graphopt.runtime.measured.Timer.compare)."""
+    from ..runtime.measured import Timer
+
+    timer = Timer(device, warmup=warmup, min_reps=reps, max_reps=reps)
+    try:
+        eager, ours = timer.compare(lambda: model(*args, **kwargs), lambda: opt(*args, **kwargs))
+    except Exception as e:  # noqa: BLE001 - the variants' own times stand
+        vr.extra["interleaved"] = {"error": _first_line(e)}
+        return
+    vr.extra["interleaved"] = {"eager_ms": eager.median_s * 1e3, "graphopt_ms": ours.median_s * 1e3,
+                               "eager_min_ms": min(eager.samples) * 1e3, "graphopt_min_ms": min(ours.samples) * 1e3,
+                               "reps": len(ours.samples)}
 
 
 def _line(r: ConfigResult, v: VariantResult) -> str:

@@ -230,6 +230,8 @@ class Row:
     status: str = "ok"  # ok | error | timeout
     error: str = ""
     ms: dict = field(default_factory=dict)  # variant -> median ms
+    # eager and graphopt timed again in alternating calls after the variants: {"eager_ms", "graphopt_ms", ...}
+    interleaved: dict = field(default_factory=dict)
     accuracy: dict = field(default_factory=dict)  # variant -> passed (True/False/None)
     setup_s: dict = field(default_factory=dict)
     setup_peak_gb: dict = field(default_factory=dict)
@@ -244,6 +246,11 @@ class Row:
         return min(opts, key=lambda kv: kv[1]) if opts else None
 
     def vs(self, peer: str) -> float | None:
+        """Graphopt's speed-up over ``peer`` ("best-compile": the faster torch.compile mode); over
+        eager from the interleaved timing where there is one."""
+        il = self.interleaved
+        if peer == "eager" and il.get("eager_ms") and il.get("graphopt_ms"):
+            return il["eager_ms"] / il["graphopt_ms"]
         g = self.ms.get("graphopt")
         p = self.ms.get(peer) if peer != "best-compile" else (self.best_compile() or (None, None))[1]
         return p / g if g and p else None
@@ -266,7 +273,7 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
     vs = peers(cfg, device, vs)
     spec = f"{__name__}:{factory_name(cfg.name)}"
     t0 = time.perf_counter()
-    res = run([BenchConfig(spec, cfg.batch, None, vs)], dtype=dtype, device=device, reps=reps, warmup=warmup,
+    res = run([BenchConfig(spec, cfg.batch, None, vs, interleave=True)], dtype=dtype, device=device, reps=reps, warmup=warmup,
               out_dir=out_dir, progress=False, tag=f"perf_one_{cfg.name}_bs{cfg.batch}")
     row = Row(cfg.key, cfg.source, cfg.batch, seconds=time.perf_counter() - t0)
     r = res.results[0]
@@ -288,6 +295,7 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
             row.returned = speed.get("returned") if speed.get("measured") else None
             row.guard_note = speed.get("note", "")
             row.applied = v.extra.get("applied", [])
+            row.interleaved = v.extra.get("interleaved") or {}
     return row
 
 
@@ -348,7 +356,9 @@ def to_markdown(rows: list[Row], header: dict) -> str:
     lines = [f"# graphopt performance sweep: {header.get('device_name', header.get('device'))}, {header['date']}", "",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in (header.get("versions") or {}).items() if v),
              f"- dtype {header['dtype']}; median of {header['reps']} calls after {header['warmup']} warm-up, "
-             f"each config in a fresh process{' (small CPU-sized variants)' if header.get('small') else ''}",
+             f"each config in a fresh process{' (small CPU-sized variants)' if header.get('small') else ''}; "
+             "'vs eager' from eager and graphopt timed again in alternating calls (a drift of the machine "
+             "between the variants lands on both)",
              f"- command: {header['command']}", "",
              "| config | eager ms | compile ms | compile-ro ms | graphopt ms | vs best compile | vs eager | "
              "predicted ms | pred / measured | guard | setup s (compile / graphopt) | accuracy |",

@@ -314,8 +314,11 @@ def run_isolated(cfg: PerfConfig, *, timeout_s: float, **kw) -> Row:
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return Row(cfg.key, cfg.source, cfg.batch, "timeout", f"over the {timeout_s:.0f} s limit",
+        except subprocess.TimeoutExpired as e:
+            out_text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            done = [ln.strip() for ln in out_text.splitlines() if ln.strip()]
+            last = f"; the last variant done: {done[-1][:160]}" if done else ""
+            return Row(cfg.key, cfg.source, cfg.batch, "timeout", f"over the {timeout_s:.0f} s limit{last}",
                        seconds=time.perf_counter() - t0)
         if out.exists():
             return Row(**json.loads(out.read_text()))

@@ -34,6 +34,7 @@ class EliminateDeadCode(Pass):
             dead = [n for n in gm.graph.nodes if _removable(n)]
             if not dead:
                 break
+            applied = len(res.rewrites)
             for node in reversed(dead):
                 gain = ctx.node_time([node])
 
@@ -43,4 +44,6 @@ class EliminateDeadCode(Pass):
 
                 res.apply_ranked(ctx, [Candidate("dead node", [node], gain, apply, label=f"{node.name} ({node.target})")],
                                  allow_zero_gain=True)
+            if len(res.rewrites) == applied:  # none removed this round (a rewrite limit): the rest stay
+                break
         return res

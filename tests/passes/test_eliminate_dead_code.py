@@ -61,3 +61,18 @@ def test_nothing_dead_nothing_changed():
     before = op_counts(gm)
     (res,) = run_passes(gm, ["eliminate_dead_code"])
     assert res.status == "unchanged" and op_counts(gm) == before
+
+
+def test_under_a_rewrite_limit_it_removes_that_many_and_stops():
+    """The measured guard's bisection reruns a pass with only its first k rewrites: the dead nodes
+    beyond k stay, and the pass must end (it looped for ever removing nothing more)."""
+    from graphopt import ir
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, registry
+
+    gm = capture(Dead().eval(), (torch.randn(4, 16),))
+    ctx = PassContext(cost=CostModel(get_profile("cpu")[0]), hints=ir.shape_hints(gm), rewrite_limit=1)
+    res = registry()["eliminate_dead_code"]().run(gm, ctx)
+    assert len(res.rewrites) == 1 and any("beyond the first 1 rewrites" in r.reason for r in res.rejected)
+    assert op_counts(gm)["aten.exp.default"] == 1  # the chain's first dead node (the last one) went, the rest stay

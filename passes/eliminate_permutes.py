@@ -456,6 +456,10 @@ class EliminatePermutes(Pass):
         t = r.call(aten.permute.default, r.tensor((B, H, L, D), si.dtype, si.device, stride=(L * H * D, D, H * D, 1)),
                    perm)
         for target, args in chain:
+            # a view the graph made on the CPU's strides may not apply to SDPA's layout: priced as the
+            # reshape it stands for (the copy is what this price is for); torch 2.11 captures view here
+            if target in (aten.view.default, aten._unsafe_view.default):
+                target = aten.reshape.default
             t = r.call(target, t, *args)
         return r.time()
 

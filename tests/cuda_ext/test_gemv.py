@@ -49,6 +49,11 @@ def interpreter_cases():
 
 
 def test_kernel_in_interpreter():
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        # triton 3.6's interpreter fails inside its own __index__ on this kernel's loop bounds; the
+        # cuda-marked tests run the kernel itself on that version (the H200 image's)
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run this kernel's loops")
     run_in_triton_interpreter("tests.cuda_ext.test_gemv:interpreter_cases")
 
 

@@ -141,6 +141,10 @@ def test_a_module_slower_than_the_model_runs_the_model(mlp, monkeypatch):
     assert any("calls run the model as given" in n for n in opt.report.notes)
     with torch.no_grad():
         assert torch.equal(opt(x), model(x))
+    # the model itself, with nothing in front of it: no input guard either (a new batch runs)
+    monkeypatch.setattr(type(opt), "_guard_flat", lambda *a: (_ for _ in ()).throw(AssertionError("guarded")))
+    with torch.no_grad():
+        assert torch.equal(opt(x[:3]), model(x[:3]))
 
 
 def test_measure_off_and_where_it_cannot_apply(mlp, monkeypatch):

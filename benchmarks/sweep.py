@@ -1,10 +1,15 @@
-"""The model sweep (issue 10): every torchvision classification model and the Hugging Face list,
-random weights, optimized on the CPU in fp32, judged by the accuracy rule against fp64.
+"""Breadth: the model sweep (issue 10), the performance sweep (``perf``) and the fuzz campaign (``fuzz``).
+
+The model sweep: every torchvision classification model and the Hugging Face list, random weights,
+optimized on the CPU in fp32, judged by the accuracy rule against fp64.
 
     python benchmarks/sweep.py --all                      # full sweep, prints a table, writes the CSV
     python benchmarks/sweep.py --models resnet18,bert     # some models
     python benchmarks/sweep.py --all --update             # rewrite tests/sweep_expected.csv
     python benchmarks/sweep.py --list
+
+    python benchmarks/sweep.py perf [--configs resnet50:64,hf-bert] [--small --device cpu]   # speed (--help)
+    python benchmarks/sweep.py fuzz --examples 500 --seed 1    # random programs x pass subsets (--help)
 
 Each model runs in a forked worker under --timeout seconds (default 240). Exits 1 when a status
 differs from the committed CSV (unless --update), listing the differences.
@@ -24,6 +29,15 @@ from graphopt.tools import sweep  # noqa: E402
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["perf"]:
+        from graphopt.tools import perf_sweep
+
+        return perf_sweep.main(argv[1:])
+    if argv[:1] == ["fuzz"]:
+        from graphopt.tools import fuzz
+
+        return fuzz.campaign(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--models", help="comma-separated sweep names (torchvision names, HF: " + ",".join(sweep.HF_MODELS) + ")")

@@ -1,7 +1,7 @@
 """Fuzzing the passes (issue 10.2): random programs from graphopt.tools.fuzz's grammar, random pass
 subsets (pipeline order), cpu and h200 targets, with and without the cost model's choices
 (ignore_cost: every legal rewrite applies), checked against eager by the accuracy rule.
-Bounded budget here; `python benchmarks/fuzz.py --examples N --seed S` is the long campaign, and
+Bounded budget here; `python benchmarks/sweep.py fuzz --examples N --seed S` is the long campaign, and
 its shrunk failures live in tests/fuzz_regressions/."""
 
 import pytest

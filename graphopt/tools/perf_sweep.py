@@ -2,10 +2,10 @@
 its own, timed as eager, torch.compile (default, and reduce-overhead at batch 1) and graphopt, with
 the accuracy rule, set-up time and peak, and graphopt's predicted time beside its measured one.
 
-    python benchmarks/perf_sweep.py                        # every config, this device (CUDA: bf16)
-    python benchmarks/perf_sweep.py --list
-    python benchmarks/perf_sweep.py --configs resnet50:64,hf-bert:1 --reps 20
-    python benchmarks/perf_sweep.py --small --device cpu   # the tiny CPU-sized variants (fp32)
+    python benchmarks/sweep.py perf                        # every config, this device (CUDA: bf16)
+    python benchmarks/sweep.py perf --list
+    python benchmarks/sweep.py perf --configs resnet50:64,hf-bert:1 --reps 20
+    python benchmarks/sweep.py perf --small --device cpu   # the tiny CPU-sized variants (fp32)
 
 Configs: one torchvision model per classification family at batch 64 (and batch 1 for the small
 ones), Hugging Face architectures built from their configs' defaults with their default attention
@@ -456,7 +456,7 @@ def main(argv=None) -> int:
                       out_dir=Path(a.out), vs=vs)
         Path(a.row).write_text(json.dumps(asdict(row), default=str))
         return 0
-    command = " ".join(["perf_sweep.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    command = " ".join(["sweep.py perf"] + (sys.argv[1:] if argv is None else list(argv)))
     rows, paths = sweep(configs, device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
                         timeout_s=a.timeout, out=Path(a.out), command=command, vs=vs)
     print(to_markdown(rows, {**json.loads(Path(paths["json"]).read_text())["header"]}))

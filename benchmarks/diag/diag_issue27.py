@@ -2,7 +2,7 @@
 graphs replay, for models outside the zoo (torchvision Swin-T and EfficientNet-B0, a Hugging Face
 Swin built from a small config, and a model that builds its masks on the host in forward).
 
-    python benchmarks/diag_issue27.py --out DIR [--device cuda] [--dtype fp32|bf16] [--only swin_t,...]
+    python benchmarks/diag/diag_issue27.py --out DIR [--device cuda] [--dtype fp32|bf16] [--only swin_t,...]
 
 Per model: the passes applied, each reverted pass with its (one-line) note, the accuracy check,
 the CUDA-graph decision and, after a few calls, the runner's replay count. Writes
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -3,10 +3,10 @@ predicted gains) and refusals (with their reasons) over a set of optimize() conf
 zoo (tiny models with the accuracy guard, CNNs/ViT/BERT at a few batch sizes and dtypes, planned for
 h200, a100 and cpu), recorded by one checkout and compared with another's record.
 
-    python benchmarks/diag_plan_decisions.py record before.json [--new | SUBSTRING]
+    python benchmarks/diag/diag_plan_decisions.py record before.json [--new | SUBSTRING]
     (change the code)
-    python benchmarks/diag_plan_decisions.py record after.json
-    python benchmarks/diag_plan_decisions.py diff before.json after.json [REL_TOL]
+    python benchmarks/diag/diag_plan_decisions.py record after.json
+    python benchmarks/diag/diag_plan_decisions.py diff before.json after.json [REL_TOL]
 
 ``diff`` prints [DECISION] where a pass applied or refused other candidates (rewrites compared as
 sets, so candidates tied in gain may come in another order) and [gains] where only predicted gains

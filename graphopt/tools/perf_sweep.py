@@ -207,8 +207,7 @@ def factory_name(name: str) -> str:
 def __getattr__(attr: str):
     if attr.startswith("model_"):
         want = attr[len("model_"):]
-        names = [c.name for c in all_configs(timm_available=True)] + ["resnet18"]
-        for n in names:
+        for n in (c.name for c in all_configs(timm_available=True)):
             if n.replace("-", "_") == want:
                 small = os.environ.get("GRAPHOPT_PERF_SWEEP_SMALL") == "1"
 
@@ -347,7 +346,9 @@ def summary(rows: list[Row]) -> dict:
 
 
 def _ms(v) -> str:
-    return "—" if v is None else f"{v:.3f}" if v < 10 else f"{v:.2f}"
+    from .bench import _fmt_ms
+
+    return _fmt_ms(v) or "—"
 
 
 def _x(v) -> str:

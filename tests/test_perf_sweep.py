@@ -103,3 +103,54 @@ def test_the_small_sweep_caps_the_batch():
     small = perf_sweep.all_configs(timm_available=False, small=True)
     assert {c.batch for c in small} == {1, perf_sweep.SMALL_BATCH}
     assert perf_sweep.parse_configs("resnet50", small=True) == [PerfConfig("resnet50", perf_sweep.SMALL_BATCH)]
+
+
+def test_configs_run_at_once_keep_their_order_and_share_one_device_lock(monkeypatch, tmp_path):
+    import threading
+    import time
+
+    seen, running, most = [], [0], [0]
+    guard = threading.Lock()
+
+    def fake(cfg, *, timeout_s, lock=None, **kw):
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            seen.append(lock)
+        time.sleep(0.05 if cfg.batch == 1 else 0.15)  # the first config finishes last
+        with guard:
+            running[0] -= 1
+        return Row(cfg.key, cfg.source, cfg.batch, ms={"eager": 2.0, "graphopt": 1.0})
+
+    monkeypatch.setattr(perf_sweep, "run_isolated", fake)
+    configs = [PerfConfig("resnet50", 64), PerfConfig("resnet18", 1), PerfConfig("hf-bert", 1)]
+    rows, paths = perf_sweep.sweep(configs, device="cpu", dtype=None, reps=2, warmup=1, small=True, timeout_s=10,
+                                   out=tmp_path, command="test", jobs=3, log=lambda s: None)
+    assert [r.config for r in rows] == ["resnet50:64", "resnet18:1", "hf-bert:1"]
+    assert most[0] > 1 and len(set(seen)) == 1 and seen[0].endswith("device.lock")
+    assert "3 configs at once" in open(paths["markdown"]).read()
+
+
+def test_the_device_lock_lets_one_holder_in_at_a_time(tmp_path):
+    import threading
+
+    from graphopt.tools.bench import DeviceLock
+
+    path = str(tmp_path / "lock")
+    first, second = DeviceLock(path), DeviceLock(path)
+    entered = threading.Event()
+
+    def take():
+        with second:
+            entered.set()
+
+    first.acquire()
+    t = threading.Thread(target=take)
+    t.start()
+    assert not entered.wait(0.3)  # held by the first
+    first.release()
+    assert entered.wait(5)
+    t.join()
+    assert second.waited_s > 0.2
+    with DeviceLock(None) as free:  # no path: nothing is locked
+        assert free.path is None

@@ -404,6 +404,50 @@ def time_call(fn, *, reps: int, warmup: int, device) -> list[float]:
     return times
 
 
+class DeviceLock:
+    """An exclusive lock on the device shared by processes that benchmark at once (a file lock at the
+    path in ``$GRAPHOPT_BENCH_LOCK``; no variable: nothing is locked). A config holds it from its fp64
+    reference to its last timed call, and lets it go only while torch.compile compiles (work on the
+    host), so no other process runs on the device while this one times or optimizes."""
+
+    ENV = "GRAPHOPT_BENCH_LOCK"
+
+    def __init__(self, path: str | None = None):
+        import os
+
+        self.path = path if path is not None else os.environ.get(self.ENV)
+        self._fd = None
+        self.waited_s = 0.0
+
+    def acquire(self) -> None:
+        if not self.path or self._fd is not None:
+            return
+        import fcntl
+        import os
+
+        t0 = time.perf_counter()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.waited_s += time.perf_counter() - t0
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+        import os
+
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -650,6 +694,19 @@ class _Skip(Exception):
 
 def _run_config(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, dtype, device, reps, warmup, budget,
                 console, prog, task, optimize_kwargs, max_check_elems, save):
+    lock = DeviceLock()
+    with lock:
+        _run_config_locked(model, args, kwargs, c, r, dtype=dtype, device=device, reps=reps, warmup=warmup,
+                           budget=budget, console=console, prog=prog, task=task, optimize_kwargs=optimize_kwargs,
+                           max_check_elems=max_check_elems, save=save, lock=lock)
+    if lock.path:
+        r.notes.append(f"device shared with other benchmark processes: waited {lock.waited_s:.0f} s for it; "
+                       "torch.compile compiled while others ran")
+        save()
+
+
+def _run_config_locked(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, dtype, device, reps, warmup, budget,
+                       console, prog, task, optimize_kwargs, max_check_elems, save, lock):
     variants = parse_vs(c.vs)
     prog.update(task, description=f"{r.title}: fp64 reference", refresh=True)
     ref = None
@@ -675,7 +732,8 @@ def _run_config(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, dtype, 
             vr.status, vr.error = "skipped", f"time budget spent ({budget.elapsed():.0f} s)"
         else:
             sample = _run_variant(v, vr, model, args, kwargs, state, device=device, reps=reps, warmup=warmup,
-                                  optimize_kwargs=optimize_kwargs, max_check_elems=max_check_elems, name=r.model)
+                                  optimize_kwargs=optimize_kwargs, max_check_elems=max_check_elems, name=r.model,
+                                  lock=lock)
             if v == "eager" and sample is not None:
                 eager_sample = sample
             if sample is not None:
@@ -758,11 +816,15 @@ def _build(variant: str, model, args, kwargs, state: dict, optimize_kwargs: dict
 
 
 def _run_variant(variant, vr: VariantResult, model, args, kwargs, state, *, device, reps, warmup,
-                 optimize_kwargs, max_check_elems, name):
-    """Build, first call (setup), accuracy sample, timing. Returns the output sample or None."""
+                 optimize_kwargs, max_check_elems, name, lock: DeviceLock | None = None):
+    """Build, first call (setup), accuracy sample, timing. Returns the output sample or None.
+    ``lock``: let go while torch.compile compiles (its first call), taken again before timing."""
     _free(device)
     fn = None
+    compiling = lock is not None and variant in ("compile", "compile-ro")
     try:
+        if compiling:
+            lock.release()
         t0 = time.perf_counter()
         fn = _build(variant, model, args, kwargs, state, optimize_kwargs, name)
         with torch.inference_mode():
@@ -770,6 +832,8 @@ def _run_variant(variant, vr: VariantResult, model, args, kwargs, state, *, devi
             _sync(device)
             if variant != "eager":
                 vr.setup_s = time.perf_counter() - t0 if variant != "graphopt-reuse" else None
+            if compiling:
+                lock.acquire()
             sample = _sample(out, max_check_elems)  # before the next call can overwrite it
             del out
             # building (torch.compile's compilation, graphopt's fp64 accuracy guard) can need far more
@@ -797,6 +861,8 @@ def _run_variant(variant, vr: VariantResult, model, args, kwargs, state, *, devi
             traceback.print_exc()
         return None
     finally:
+        if compiling:
+            lock.acquire()
         del fn
         if variant in ("compile", "compile-ro"):
             try:

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from .bench import DeviceLock
+
 # --------------------------------------------------------------------------- the configs
 
 # one torchvision model per classification family; the small ones also at batch 1
@@ -310,9 +312,12 @@ def run_isolated(cfg: PerfConfig, *, timeout_s: float, **kw) -> Row:
             cmd.append("--small")
         if kw.get("vs") is not None:
             cmd += ["--vs", ",".join(kw["vs"])]
+        env = dict(os.environ)
+        if kw.get("lock"):
+            env[DeviceLock.ENV] = kw["lock"]
         t0 = time.perf_counter()
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired as e:
             out_text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
             done = [ln.strip() for ln in out_text.splitlines() if ln.strip()]
@@ -363,6 +368,9 @@ def to_markdown(rows: list[Row], header: dict) -> str:
              f"each config in a fresh process{' (small CPU-sized variants)' if header.get('small') else ''}; "
              "'vs eager' from eager and graphopt timed again in alternating calls (a drift of the machine "
              "between the variants lands on both)",
+             *([f"- {header['jobs']} configs at once: each one's device work (fp64 reference, timing, graphopt's "
+                "optimize) held the device alone; torch.compile's compilation overlapped with the others, so its "
+                "set-up time ran on a shared host"] if (header.get("jobs") or 1) > 1 else []),
              f"- command: {header['command']}", "",
              "| config | eager ms | compile ms | compile-ro ms | graphopt ms | vs best compile | vs eager | "
              "predicted ms | pred / measured | guard | setup s (compile / graphopt) | accuracy |",
@@ -395,30 +403,45 @@ def to_markdown(rows: list[Row], header: dict) -> str:
 
 
 def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: int, warmup: int, small: bool,
-          timeout_s: float, out: Path, command: str, vs: tuple | None = None, log=print) -> tuple[list[Row], dict]:
+          timeout_s: float, out: Path, command: str, vs: tuple | None = None, jobs: int = 1,
+          log=print) -> tuple[list[Row], dict]:
+    """Each config in a process of its own; ``jobs`` of them at once, their device work serialized by a
+    :class:`~graphopt.tools.bench.DeviceLock` (only torch.compile's compilation overlaps)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     from .bench import environment, result_stem
 
     dev = torch.device(device)
     header = environment(dev)
     header.update(dtype=dtype or ("bf16" if dev.type == "cuda" else "fp32"), reps=reps, warmup=warmup, small=small,
-                  command=command)
+                  command=command, jobs=jobs)
     stem = result_stem(header, "perf_sweep")
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for i, cfg in enumerate(configs, 1):
-            log(f"[{i}/{len(configs)}] {cfg.key} ...")
-            row = run_isolated(cfg, timeout_s=timeout_s, device=device, dtype=dtype, reps=reps, warmup=warmup,
-                               small=small, out_dir=scratch, vs=vs)
-            rows.append(row)
-            log(f"    {row.status} {row.error[:160]}" if row.status != "ok" else
-                f"    graphopt {_ms(row.ms.get('graphopt'))} ms, eager {_ms(row.ms.get('eager'))}, "
+    slots: list[Row | None] = [None] * len(configs)
+    written = threading.Lock()
+
+    def one(i: int, cfg: PerfConfig, scratch: str, lock: str | None) -> None:
+        log(f"[{i + 1}/{len(configs)}] {cfg.key} ...")
+        row = run_isolated(cfg, timeout_s=timeout_s, device=device, dtype=dtype, reps=reps, warmup=warmup,
+                           small=small, out_dir=scratch, vs=vs, lock=lock)
+        with written:
+            slots[i] = row
+            log(f"    {cfg.key}: {row.status} {row.error[:160]}" if row.status != "ok" else
+                f"    {cfg.key}: graphopt {_ms(row.ms.get('graphopt'))} ms, eager {_ms(row.ms.get('eager'))}, "
                 f"compile {_ms(row.ms.get('compile'))}, compile-ro {_ms(row.ms.get('compile-ro'))} "
                 f"({row.seconds:.0f} s)")
-            (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows],
-                                                          "summary": summary(rows)}, indent=1, default=str))
-            (out / f"{stem}.md").write_text(to_markdown(rows, header))
-    return rows, {"json": str(out / f"{stem}.json"), "markdown": str(out / f"{stem}.md")}
+            done = [r for r in slots if r is not None]
+            (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in done],
+                                                          "summary": summary(done)}, indent=1, default=str))
+            (out / f"{stem}.md").write_text(to_markdown(done, header))
+
+    with tempfile.TemporaryDirectory() as scratch:
+        lock = str(Path(scratch) / "device.lock") if jobs > 1 else None
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for f in [pool.submit(one, i, cfg, scratch, lock) for i, cfg in enumerate(configs)]:
+                f.result()
+    return [r for r in slots if r is not None], {"json": str(out / f"{stem}.json"), "markdown": str(out / f"{stem}.md")}
 
 
 def main(argv=None) -> int:
@@ -434,6 +457,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per config")
+    ap.add_argument("--jobs", type=int, default=1, help="configs run at once; their device work takes turns "
+                                                        "(only torch.compile's compilation overlaps)")
     ap.add_argument("--out", default=str(Path("benchmarks") / "results"))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one config
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
@@ -459,7 +484,7 @@ def main(argv=None) -> int:
         return 0
     command = " ".join(["sweep.py perf"] + (sys.argv[1:] if argv is None else list(argv)))
     rows, paths = sweep(configs, device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
-                        timeout_s=a.timeout, out=Path(a.out), command=command, vs=vs)
+                        timeout_s=a.timeout, out=Path(a.out), command=command, vs=vs, jobs=max(1, a.jobs))
     print(to_markdown(rows, {**json.loads(Path(paths["json"]).read_text())["header"]}))
     print(f"wrote {paths['markdown']}")
     return 0

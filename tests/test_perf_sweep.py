@@ -154,3 +154,17 @@ def test_the_device_lock_lets_one_holder_in_at_a_time(tmp_path):
     assert second.waited_s > 0.2
     with DeviceLock(None) as free:  # no path: nothing is locked
         assert free.path is None
+
+
+def test_the_lock_holder_gets_cores_of_its_own_on_a_large_host(tmp_path, monkeypatch):
+    import os
+
+    from graphopt.tools.bench import DeviceLock
+
+    pinned = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(set(cores)), raising=False)
+    lock = DeviceLock(str(tmp_path / "lock"))
+    with lock:
+        held = pinned[-1]
+    assert pinned[0] == set(range(2, 16)) and held == {0, 1} and pinned[-1] == set(range(2, 16))

@@ -408,9 +408,13 @@ class DeviceLock:
     """An exclusive lock on the device shared by processes that benchmark at once (a file lock at the
     path in ``$GRAPHOPT_BENCH_LOCK``; no variable: nothing is locked). A config holds it from its fp64
     reference to its last timed call, and lets it go only while torch.compile compiles (work on the
-    host), so no other process runs on the device while this one times or optimizes."""
+    host), so no other process runs on the device while this one times or optimizes. On a host of
+    at least 8 cores the holder's thread also gets RESERVED_CORES to itself: a process without the
+    lock runs on the other cores (its compile workers, spawned then, inherit them), so the host
+    time of an eager or launch-bound call is not shared with another process's compilation."""
 
     ENV = "GRAPHOPT_BENCH_LOCK"
+    RESERVED_CORES = 2
 
     def __init__(self, path: str | None = None):
         import os
@@ -418,6 +422,18 @@ class DeviceLock:
         self.path = path if path is not None else os.environ.get(self.ENV)
         self._fd = None
         self.waited_s = 0.0
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if self.path and len(cores) >= 8:
+            self._held_cores, self._free_cores = set(cores[:self.RESERVED_CORES]), set(cores[self.RESERVED_CORES:])
+            os.sched_setaffinity(0, self._free_cores)
+        else:
+            self._held_cores = self._free_cores = None
+
+    def _pin(self, cores) -> None:
+        if cores:
+            import os
+
+            os.sched_setaffinity(0, cores)
 
     def acquire(self) -> None:
         if not self.path or self._fd is not None:
@@ -429,6 +445,7 @@ class DeviceLock:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         self.waited_s += time.perf_counter() - t0
+        self._pin(self._held_cores)
 
     def release(self) -> None:
         if self._fd is None:
@@ -436,6 +453,7 @@ class DeviceLock:
         import fcntl
         import os
 
+        self._pin(self._free_cores)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None

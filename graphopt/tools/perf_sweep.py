@@ -369,7 +369,7 @@ def to_markdown(rows: list[Row], header: dict) -> str:
              "'vs eager' from eager and graphopt timed again in alternating calls (a drift of the machine "
              "between the variants lands on both)",
              *([f"- {header['jobs']} configs at once: each one's device work (fp64 reference, timing, graphopt's "
-                "optimize) held the device alone; torch.compile's compilation overlapped with the others, so its "
+                "optimize) held the device alone, and two host cores of its own; torch.compile's compilation overlapped with the others, so its "
                 "set-up time ran on a shared host"] if (header.get("jobs") or 1) > 1 else []),
              f"- command: {header['command']}", "",
              "| config | eager ms | compile ms | compile-ro ms | graphopt ms | vs best compile | vs eager | "

@@ -77,6 +77,70 @@ def available() -> str | None:
     return None
 
 
+class _Doubling(nn.Module):
+    def forward(self, x):
+        return (x * 2,)
+
+
+_FREES_INCOMING_GRADS: list = []
+
+
+def frees_incoming_grads() -> bool:
+    """Does an AOT region's backward free each gradient it receives (its outputs' gradients)
+    after the gradient's last use, or does the autograd engine hold them all until the backward
+    returns? Torch whose custom autograd Functions receive gradients as one immutable tuple
+    (before ``torch.autograd.Function.boxed_grads_call``, which AOTAutograd's compiled function
+    sets) holds them. Found out once by running it: a one-op region's boxed backward drops its
+    own reference to the incoming gradient and checks whether the tensor is gone. False where the
+    probe cannot run (the planner then prices the gradients as held; it is tried again next time)."""
+    if not _FREES_INCOMING_GRADS:
+        found = _probe_incoming_grads()
+        if found is None:
+            return False
+        _FREES_INCOMING_GRADS.append(found)
+    return _FREES_INCOMING_GRADS[0]
+
+
+def _probe_incoming_grads() -> bool | None:
+    import weakref
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    seen: dict = {}
+
+    def fw_compiler(gm, example_inputs):
+        def run(args):
+            a = list(args)
+            args.clear()
+            return gm(*a)
+
+        run._boxed_call = True
+        return run
+
+    def bw_compiler(gm, example_inputs):
+        def run(args):
+            grad = args[-1]
+            ref = weakref.ref(grad)
+            args.clear()
+            out = grad * 2
+            del grad
+            seen["freed"] = ref() is None
+            return [out]
+
+        run._boxed_call = True
+        return run
+
+    try:
+        aot, _, _ = _imports()
+        with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
+            x = torch.ones(4, requires_grad=True)
+            fn = aot(fx.symbolic_trace(_Doubling()), [x], fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+            (fn(x)[0] * 3).sum().backward()  # the region receives a fresh gradient (mul's backward's)
+    except Exception:  # noqa: BLE001 - unknown: the caller prices the gradients as held
+        return None
+    return seen.get("freed")
+
+
 # --------------------------------------------------------------------------- compilers
 
 

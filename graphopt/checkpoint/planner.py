@@ -96,6 +96,13 @@ class _Selector:
         # the backward's working set at each node (as ActivationModel.backward_working_bytes)
         self.work_pos = [am.node_working_bytes(n) for n in body]
         self.working = am.backward_working_bytes()
+        # an AOT region's backward may hold the gradients of its outputs until it returns (torch
+        # without boxed gradients for custom autograd Functions): priced in the walk
+        self.grads_in_held = False
+        if aot:
+            from .aot import frees_incoming_grads
+
+            self.grads_in_held = not frees_incoming_grads()
         self.forced_recompute = set()
         self.forced_keep = set()
         for n in body:
@@ -235,7 +242,8 @@ class _Selector:
         # saved before p (its later readers' backward has freed the rest); the recomputed values
         # live across p; the backward working set of node p (its output's and inputs' gradients,
         # its parameters' fresh gradients); and, inside an AOT region, the fresh gradients of the
-        # region's parameters produced so far (its backward returns them together, when it ends).
+        # region's parameters produced so far (its backward returns them together, when it ends)
+        # and, where torch holds them (``grads_in_held``), the gradients the region received.
         # A recomputed value runs when the first backward node needing it runs — directly, or
         # through the recomputation of a later value that reads it (a recomputed residual stream
         # reruns everything it is made of at once) — and is freed after its last reader.
@@ -269,6 +277,10 @@ class _Selector:
             for a, pos in made_at.items():  # then held below it until the region's backward returns
                 grads_diff[lo] += self.param_bytes.get(a, 0.0)
                 grads_diff[pos] -= self.param_bytes.get(a, 0.0)
+            if self.grads_in_held:  # the gradients it receives, held below their outputs until it returns
+                for pos, b in self._incoming_grads(region):
+                    grads_diff[lo] += b
+                    grads_diff[pos] -= b
         for r in saved_roots:
             if r in self.index:
                 diff[self.index[r] + 1] += am.bytes.get(r, 0.0)
@@ -305,6 +317,22 @@ class _Selector:
                 pairs[(k, k)] = pairs.get((k, k), 0.0) + am.extra[n]
         plan.walk = {"curve": curve, "pairs": pairs}
         return plan
+
+    def _incoming_grads(self, region: list) -> list:
+        """(position, bytes) of the gradients a region's backward receives: one per storage of
+        its outputs that later nodes read and that need a gradient (a view and its base share
+        one), at the latest such output; a graph output's gradient is the caller's."""
+        am, members = self.am, set(region)
+        out: dict = {}
+        for n in region:
+            if not am.grad.get(n) or all(u in members for u in n.users):
+                continue
+            r = am.root.get(n, n)
+            if r not in members or r in am.outputs:
+                continue  # a view of an input (no gradient of its own), or a graph output
+            pos, b = out.get(r, (0, 0.0))
+            out[r] = (max(pos, self.index[n]), max(b, am.obytes.get(n, 0.0)))
+        return list(out.values())
 
     def _region_reads(self, region: list, saved: set) -> list:
         """(activation, bytes) a region's nodes read that the plan frees after the forward (not

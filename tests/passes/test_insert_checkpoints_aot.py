@@ -325,3 +325,28 @@ def test_training_batchnorm_planned_for_a_gpu_takes_the_aot_rewrite():
                             passes=["insert_checkpoints"], cuda_graphs=False, target="h200").report
     d = res.pass_result("insert_checkpoints").details
     assert d["backend"] == "aot" and d["aot_regions"] >= 1
+
+
+def test_regions_are_priced_with_the_gradients_their_backward_holds():
+    """Where torch hands a custom autograd Function its gradients as one tuple (no
+    ``Function.boxed_grads_call``), an AOT region's backward holds the gradients of its outputs until
+    it returns, and the walk prices them there; where it boxes them, each is freed after its last
+    use. The probe finds which; one-level plans over blocks whose outputs the next block reads twice
+    trace as predicted either way."""
+    from graphopt.tools.memtrace import trace_step
+    from tests.passes.test_insert_checkpoints_nested import _ScaledBlock
+
+    assert aot.frees_incoming_grads() == hasattr(torch.autograd.Function, "boxed_grads_call")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ScaledBlock(64) for _ in range(4)], nn.Linear(64, 8))
+    args = (torch.randn(1024, 64),)
+    params = list(model.parameters())
+    for budget in (0.4, 0.5):
+        opt = graphopt.optimize(model, args, training=True, memory_budget=budget, passes=["insert_checkpoints"],
+                                check_accuracy=False, checkpoint_backend="aot", target="h200")
+        model.train()
+        d = opt.report.pass_result("insert_checkpoints").details
+        assert d["aot_regions"] >= 2 and not d.get("segments")
+        trace_step(opt, args, params=params)
+        traced = trace_step(opt, args, params=params)
+        assert abs(traced["peak"] / d["predicted_activation_bytes"] - 1) < 0.03, budget

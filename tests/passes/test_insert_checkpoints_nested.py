@@ -331,12 +331,16 @@ class _ScaledBlock(torch.nn.Module):
 
 
 def test_outer_checkpoints_are_priced_with_the_inputs_they_hold():
+    """Two-level plans of a stack of blocks whose inputs nothing saves trace as predicted. The
+    budgets span where two levels are needed on torch with and without boxed backward gradients
+    (without, each AOT region's backward holds the gradients it receives until it returns: the
+    plans differ and the minimum is higher)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_ScaledBlock(64) for _ in range(8)], torch.nn.Linear(64, 8))
     args = (torch.randn(2048, 64),)
     params = list(model.parameters())
     planned = 0
-    for budget in (0.22, 0.205):
+    for budget in (0.23, 0.22, 0.205):
         try:
             opt = graphopt.optimize(model, args, training=True, memory_budget=budget, passes=["insert_checkpoints"],
                                     check_accuracy=False, checkpoint_backend="aot", target="h200")
@@ -347,7 +351,8 @@ def test_outer_checkpoints_are_priced_with_the_inputs_they_hold():
         planned += bool(d.get("segments"))
         trace_step(opt, args, params=params)
         traced = trace_step(opt, args, params=params)
-        # (priced without the held inputs, the 0.205 plan traced 11% over its prediction, 39% after the forward)
+        # (priced without the held inputs, the 0.205 plan traced 11% over its prediction, 39% after the forward;
+        # on torch 2.11, priced without the held incoming gradients, the 0.22 plan traced 11% over)
         assert abs(traced["peak"] / d["predicted_activation_bytes"] - 1) < 0.05, budget
         assert abs(traced["after_forward"] / d["predicted_held_bytes"] - 1) < 0.03, budget
     assert planned

@@ -168,3 +168,25 @@ def test_the_lock_holder_gets_cores_of_its_own_on_a_large_host(tmp_path, monkeyp
     with lock:
         held = pinned[-1]
     assert pinned[0] == set(range(2, 16)) and held == {0, 1} and pinned[-1] == set(range(2, 16))
+
+
+def test_runs_split_over_calls_merge_into_one_table(tmp_path):
+    from dataclasses import asdict
+
+    def write(name, rows, jobs):
+        header = {"device": "cuda", "device_name": "NVIDIA H200", "date": "2026-12-02", "dtype": "bf16", "reps": 20,
+                  "warmup": 3, "command": name, "jobs": jobs, "versions": {"torch": "2.11.0", "CUDA": "13.0"}}
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}))
+        return str(p)
+
+    a = write("a", [Row("resnet50:64", "torchvision", 64, ms={"eager": 4.0, "compile": 3.0, "graphopt": 2.0}),
+                    Row("hf-bert:64", "hf", 64, ms={"eager": 6.0, "compile": 4.0, "graphopt": 5.0})], 4)
+    b = write("b", [Row("hf-bert:64", "hf", 64, ms={"eager": 6.0, "compile": 4.0, "graphopt": 2.0})], 1)
+    assert perf_sweep.main(["--merge", a, b, "--out", str(tmp_path / "out")]) == 0
+    (js,) = (tmp_path / "out").glob("*.json")
+    data = json.loads(js.read_text())
+    assert [r["config"] for r in data["rows"]] == ["resnet50:64", "hf-bert:64"]
+    assert data["rows"][1]["ms"]["graphopt"] == 2.0  # the later file's row
+    assert data["summary"]["behind_best_compile"] == [] and "a.json; b.json" in data["header"]["command"]
+    assert perf_sweep.main(["--merge", str(tmp_path / "missing.json")]) == 2

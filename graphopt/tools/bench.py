@@ -407,8 +407,10 @@ def time_call(fn, *, reps: int, warmup: int, device) -> list[float]:
 class DeviceLock:
     """An exclusive lock on the device shared by processes that benchmark at once (a file lock at the
     path in ``$GRAPHOPT_BENCH_LOCK``; no variable: nothing is locked). A config holds it from its fp64
-    reference to its last timed call, and lets it go only while torch.compile compiles (work on the
-    host), so no other process runs on the device while this one times or optimizes. On a host of
+    reference to its last timed call, and lets it go only while torch.compile compiles and makes its
+    first call. That compilation is mostly host work, but its first call and its kernel autotuning run
+    on the device, so a holder's timing can still share the device with them: times measured so are
+    a screen, not the published number (``perf --jobs 1`` is). On a host of
     at least 8 cores the holder's thread also gets RESERVED_CORES to itself: a process without the
     lock runs on the other cores (its compile workers, spawned then, inherit them), so the host
     time of an eager or launch-bound call is not shared with another process's compilation."""

@@ -369,8 +369,10 @@ def to_markdown(rows: list[Row], header: dict) -> str:
              "'vs eager' from eager and graphopt timed again in alternating calls (a drift of the machine "
              "between the variants lands on both)",
              *([f"- {header['jobs']} configs at once: each one's device work (fp64 reference, timing, graphopt's "
-                "optimize) held the device alone, and two host cores of its own; torch.compile's compilation overlapped with the others, so its "
-                "set-up time ran on a shared host"] if (header.get("jobs") or 1) > 1 else []),
+                "optimize) held a lock on the device and two host cores of its own; torch.compile's compilation overlapped with the others (its "
+                "set-up time ran on a shared host, and its first call and autotuning on the device could fall "
+                "inside another config's timing: eager and torch.compile times of this table are noisier than "
+                "those of a run with --jobs 1)"] if (header.get("jobs") or 1) > 1 else []),
              f"- command: {header['command']}", "",
              "| config | eager ms | compile ms | compile-ro ms | graphopt ms | vs best compile | vs eager | "
              "predicted ms | pred / measured | guard | setup s (compile / graphopt) | accuracy |",
@@ -406,7 +408,8 @@ def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: in
           timeout_s: float, out: Path, command: str, vs: tuple | None = None, jobs: int = 1,
           log=print) -> tuple[list[Row], dict]:
     """Each config in a process of its own; ``jobs`` of them at once, their device work serialized by a
-    :class:`~graphopt.tools.bench.DeviceLock` (only torch.compile's compilation overlaps)."""
+    :class:`~graphopt.tools.bench.DeviceLock` (torch.compile's compilation, first call included,
+    overlaps with the others' timing: a screen, noisier than one at a time)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -444,6 +447,32 @@ def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: in
     return [r for r in slots if r is not None], {"json": str(out / f"{stem}.json"), "markdown": str(out / f"{stem}.md")}
 
 
+def merge(paths: list[Path], out: Path) -> dict:
+    """One table from the JSON files of several sweep runs (a sweep split over calls): rows in file order,
+    a config met again replaced where it stood; the header is the first file's with every command."""
+    rows: dict[str, Row] = {}
+    header: dict | None = None
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if header is None:
+            header = dict(data["header"])
+            header["command"] = "merged from: " + "; ".join(f"{Path(q).name}" for q in paths)
+            header["jobs"] = max(json.loads(Path(q).read_text())["header"].get("jobs") or 1 for q in paths)
+        for r in data["rows"]:
+            rows[r["config"]] = Row(**r)
+    if header is None:
+        raise ValueError("no files")
+    from .bench import result_stem
+
+    stem = result_stem(header, "perf_sweep")
+    out.mkdir(parents=True, exist_ok=True)
+    merged = list(rows.values())
+    (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in merged],
+                                                  "summary": summary(merged)}, indent=1, default=str))
+    (out / f"{stem}.md").write_text(to_markdown(merged, header))
+    return {"json": str(out / f"{stem}.json"), "markdown": str(out / f"{stem}.md")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=None, help="comma list of NAME[:BATCH] (default: every config)")
@@ -458,12 +487,23 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per config")
     ap.add_argument("--jobs", type=int, default=1, help="configs run at once; their device work takes turns "
-                                                        "(only torch.compile's compilation overlaps)")
+                                                        "but torch.compile's compilation overlaps (a screen)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="one table from the JSON of several runs (a config in a later file replaces it)")
     ap.add_argument("--out", default=str(Path("benchmarks") / "results"))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one config
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.merge:
+        try:
+            paths = merge([Path(p) for p in a.merge], Path(a.out))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --merge: {e}", file=sys.stderr)
+            return 2
+        print(Path(paths["markdown"]).read_text())
+        print(f"wrote {paths['markdown']}")
+        return 0
     if a.list:
         for c in all_configs(small=a.small):
             print(f"{c.source:12s} {c.key}")

@@ -240,6 +240,7 @@ class Row:
     returned: str | None = None  # the measured guard: "optimized" | "model" | None (not measured)
     guard_note: str = ""
     applied: list = field(default_factory=list)
+    optimize_phases: dict = field(default_factory=dict)  # optimize()'s wall time per phase (graphopt.timing)
     seconds: float = 0.0
 
     def best_compile(self) -> tuple[str, float] | None:
@@ -296,6 +297,7 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
             row.returned = speed.get("returned") if speed.get("measured") else None
             row.guard_note = speed.get("note", "")
             row.applied = v.extra.get("applied", [])
+            row.optimize_phases = v.extra.get("optimize_phases") or {}
             row.interleaved = v.extra.get("interleaved") or {}
     return row
 

@@ -106,6 +106,8 @@ def test_a_pass_measured_slower_is_undone_and_the_others_show_their_time(mlp, mo
     speed = opt.report.speed
     assert speed["measured"] and speed["returned"] in ("optimized", "model") and speed["model_ms"] > 0
     assert opt.report.to_json()  # the measured times serialize with the report
+    phases = opt.report.optimize_phases  # the guard's own time is a phase of optimize()'s
+    assert phases["measured guard: timed calls"] > 0 and "measured guard: building the callables" in phases
     assert reference_check(model, opt.graph_module, (x,)).passed
 
 

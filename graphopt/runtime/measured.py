@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
+from .. import timing
+
 MARGIN = 0.02
 
 
@@ -88,7 +90,7 @@ class Timer:
     def compare(self, *fns) -> list[Timing]:
         """Each callable's median over interleaved rounds (warm-up calls first, untimed)."""
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with timing.phase("measured guard: timed calls"), torch.inference_mode():
             for fn in fns:
                 for _ in range(self.warmup):
                     fn()
@@ -135,7 +137,9 @@ class MeasuredTime:
 
     def enter(self, gm, ctx) -> None:
         if self.first is None:
-            self.first = self.timer.time(self.make(gm))
+            with timing.phase("measured guard: building the callables"):
+                first = self.make(gm)
+            self.first = self.timer.time(first)
         if self.current is None:
             self.current = self.first
 
@@ -158,7 +162,9 @@ class MeasuredTime:
 
         # the graph before the pass (on gm's constants, still all there) and after it, in interleaved
         # rounds: a drift of the machine while they run lands on both alike
-        before, after = self.timer.compare(self.make(fx.GraphModule(gm, ctx.before_pass)), self.make(gm))
+        with timing.phase("measured guard: building the callables"):
+            fns = self.make(fx.GraphModule(gm, ctx.before_pass)), self.make(gm)
+        before, after = self.timer.compare(*fns)
         res.details["measured_ms"] = after.median_s * 1e3
         res.details["measured_before_ms"] = before.median_s * 1e3
         if slower(after, before, self.margin):

@@ -246,10 +246,7 @@ class FuseElementwise(Pass):
                                                     val=[o.meta.get("val") for o in outs])
             candidates.append(Candidate("pointwise group", group, gain,
                                         lambda group=group: self._apply(gm, group), label=label))
-        self._reorder = False
         res.apply_ranked(ctx, candidates)
-        if self._reorder:
-            toposort_stable(gm.graph)
         return res
 
     # ------------------------------------------------------------------ grouping
@@ -296,11 +293,15 @@ class FuseElementwise(Pass):
                 items.append(prev)
         set_meta(gm, [fused] + items)
         pos = {n: i for i, n in enumerate(g.nodes)}
+        # a reader of an early output can come before the fused node (which follows the group's last
+        # input): the group has no path back into itself (_cut_cycles), so a topological order exists
+        read_early = any(u not in group and u.op != "output" and pos[u] < pos[item]
+                         for o, item in zip(outs, items) for u in o.users)
         for o, item in zip(outs, items):
-            if any(u not in group and u.op != "output" and pos[u] < pos[item] for u in o.users):
-                self._reorder = True
             o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in group)
         ir.erase_dead(gm, group)
+        if read_early:
+            toposort_stable(g)
         return fused
 
 

@@ -532,8 +532,12 @@ def programs(max_ops: int = 8):
                 a = pick(lambda s, d: True)
                 sa, da = env[a]
                 bk = draw(st.sampled_from(("value", "param", "scalar") if bop != "div" else ("param", "scalar")))
-                if bk == "value":  # any shape broadcasting with a's, across ranks ([B, 1, S] with [B, H, S])
-                    b = pick(lambda s, d: _broadcast(s, sa) is not None and math.prod(_broadcast(s, sa)) <= 512)
+                # any shape broadcasting with a's, across ranks ([B, 1, S] with [B, H, S]), within 512 elements
+                b = pick(lambda s, d: _broadcast(s, sa) is not None and math.prod(_broadcast(s, sa)) <= 512) \
+                    if bk == "value" else None
+                if bk == "value" and b is None:  # a is itself over 512 elements: a scalar operand instead
+                    bk = "scalar"
+                if bk == "value":
                     out_shape = _broadcast(env[b][0], sa)
                     op, out = ("binary", bop, a, "value", b), (out_shape, "f32" if "f32" in (da, env[b][1]) else da)
                 elif bk == "param":

@@ -259,3 +259,21 @@ def test_corpus_end_to_end_on_the_cpu(capfd, tmp_path):
     assert fit["corpus"]["held_out"] == ["hf-bert:1"] and fit["validation"]["rows"] == 1
     assert fit["corpus"]["samples"] > 10 and fit["stream"]["factor"] > 0
     assert list(tmp_path.glob("calibrate_corpus_*.md"))
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_corpus_on_the_gpu_with_optimized_graphs(capfd, tmp_path):
+    """The CUDA path: bf16, the shipped profile of this GPU as the base, the optimized graphs (our
+    own ops) timed and fitted too."""
+    path = tmp_path / "gpu-fit.json"
+    rc = main(["calibrate", "--corpus", "--device", "cuda", "--small", "--optimized", "--configs",
+               "resnet18:1,hf-bert:1,mobilenet_v3_small:1,hf-gpt2:1", "--holdout", "4", "--min-samples", "3",
+               "-o", str(path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    prof, _ = get_profile(str(path))
+    fit = prof.op_class_fit
+    assert prof.kind == "cuda" and fit["corpus"]["dtype"] == "bfloat16" and fit["corpus"]["optimized"]
+    assert fit["classes"] and fit["validation"]["rows"] == 2  # hf-gpt2:1 captured and optimized
+    assert "optimized: error" not in out and out.count(" optimized ") == 4

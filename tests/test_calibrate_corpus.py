@@ -65,7 +65,8 @@ def _classes(gm, cost=None):
 def test_op_class_is_read_from_the_node(mix):
     c = _classes(mix)
     # N and K multiples of 16; N=30, K=60: not multiples of 8; N=24, K=64: multiples of 8 only
-    assert c["linear"] == [("gemm", "f32", "a16", "m256"), ("gemm", "f32", "odd", "m256"), ("gemm", "f32", "a8", "m256")]
+    assert c["linear"] == [("gemm", "f32", "a16", "m256"), ("gemm", "f32", "odd", "m256"),
+                           ("gemm", "f32", "a8", "m256")]
     assert c["conv2d"] == [("conv", "f32", "depthwise", "nchw", "m256"), ("conv", "f32", "grouped", "nchw", "m256"),
                            ("conv", "f32", "dense", "nchw", "m256")]
     assert c["scaled_dot_product_attention"] == [("sdpa", "f32", "float", "full"), ("sdpa", "f32", "bool", "full"),

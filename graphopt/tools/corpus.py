@@ -262,7 +262,8 @@ def build_corpus(configs, base: DeviceProfile, *, device, dtype, small: bool, he
             if device.type == "cpu":
                 run.load = wait_for_quiet(quiet_wait_s, log=log)
                 if quiet_wait_s > 0 and run.load is not None and run.load >= QUIET_CORES:
-                    log(f"    the CPU stays busy ({run.load:.1f} cores used by other work): timing the rest without waiting")
+                    log(f"    the CPU stays busy ({run.load:.1f} cores used by other work): timing the rest "
+                        "without waiting")
                     quiet_wait_s = 0.0
             _time_graph(run, lambda: gm(*args, **kwargs), graph_inputs(gm, args, kwargs), device, cost,
                         None if held else corpus, reps, whole_reps)
@@ -285,7 +286,7 @@ def build_corpus(configs, base: DeviceProfile, *, device, dtype, small: bool, he
         for r in (run, orun):
             if r is not None and r.gm is not None:
                 _hollow(r.gm)
-        del model, gm, opt
+        model = gm = opt = None  # (the graphs are hollow: free the model, its copies and the module)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -298,7 +299,7 @@ def build_corpus(configs, base: DeviceProfile, *, device, dtype, small: bool, he
                                              f", optimized {orun.nodes} nodes ({orun.new_shapes} new)")
             log(f"[{i + 1}/{len(configs)}] {cfg.key} ({role}): {run.nodes} nodes ({run.new_shapes} new shapes){extra}, "
                 f"whole {run.whole_s * 1e3:.3f} ms"
-                f"{f' (others used {run.load:.1f} cores)' if run.load is not None and run.load >= QUIET_CORES else ''}; "
+                f"{f' (others used {run.load:.1f} cores)' if (run.load or 0.0) >= QUIET_CORES else ''}; "
                 f"{run.seconds:.1f} s; corpus {len(corpus)} shapes, "
                 f"{time.perf_counter() - t_start:.0f} s in all")
     return corpus, runs
@@ -629,14 +630,15 @@ def to_markdown(result: dict) -> str:
              f"{result['fit']['stream']['add_s'] * 1e6:.2f} µs (fitted on {result['fit']['stream']['configs']} "
              "configs' whole calls)", "",
              "## Held-out configs", "",
-             f"| | before | after |", "| --- | ---: | ---: |",
+             "| | before | after |", "| --- | ---: | ---: |",
              f"| whole call predicted within ±20% | {s['within_20pct_before']} of {s['rows']} | "
              f"{s['within_20pct_after']} of {s['rows']} |",
              f"| median abs whole-call error | {_fmt(s['median_abs_error_pct_before'], 1, '%')} | "
              f"{_fmt(s['median_abs_error_pct_after'], 1, '%')} |",
              f"| Spearman over nodes ≥ 0.9 | {s['spearman_ge_0.9_before']} of {s['rows']} | "
              f"{s['spearman_ge_0.9_after']} of {s['rows']} |",
-             f"| median Spearman over nodes | {_fmt(s['median_spearman_before'])} | {_fmt(s['median_spearman_after'])} |",
+             f"| median Spearman over nodes | {_fmt(s['median_spearman_before'])} | "
+             f"{_fmt(s['median_spearman_after'])} |",
              "", "| config | graph | measured ms | predicted before | error before | predicted after | error after | "
                  "Spearman before | after | nodes |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -688,7 +690,10 @@ def run_cli(args) -> int:
     if args.holdout and len(configs) < args.holdout:
         raise GraphoptError(f"{len(configs)} config(s) hold none out at --holdout {args.holdout}: give at least "
                             f"{args.holdout}, or --holdout 0")
-    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.dtype:
+        dtype = getattr(torch, DTYPES[args.dtype])
+    else:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base, note = get_profile(args.base or ("cpu" if device.type == "cpu" else device))
     if note:
         print(f"note: {note}")
@@ -712,25 +717,30 @@ def run_cli(args) -> int:
         raise GraphoptError("no config could be measured here: " + "; ".join(f"{r.config}: {r.error}" for r in runs))
     date = stamp()
     loads = [r.load for r in measured if r.load is not None]
-    info = {"configs": [r.config for r in measured if not r.held_out], "held_out": [r.config for r in measured if r.held_out],
-            "device": str(device), "dtype": str(dtype)[6:], "small": bool(args.small), "optimized": bool(args.optimized),
+    info = {"configs": [r.config for r in measured if not r.held_out],
+            "held_out": [r.config for r in measured if r.held_out],
+            "device": str(device), "dtype": str(dtype)[6:], "small": bool(args.small),
+            "optimized": bool(args.optimized),
             "torch": torch.__version__, "measured_at": date, "seconds": built,
-            "timing": f"each node alone, best of {reps} runs (graphopt.tools.measure.measure_nodes); whole call best of {whole}",
+            "timing": f"each node alone, best of {reps} runs (graphopt.tools.measure.measure_nodes); "
+                      f"whole call best of {whole}",
             "errors": {r.config: r.error for r in runs if r.error},
             "others_cores": statistics.median(loads) if loads else None}
     say(f"fitting {len(samples)} shapes")
     prof = fit_profile(base, list(samples.values()), runs, min_samples=args.min_samples, corpus_info=info)
     validation = evaluate(runs, replace(base, op_class_fit={}), prof)
     prof.op_class_fit["validation"] = validation["summary"]
-    prof.source = dict(prof.source, op_class_fit=f"measured by graphopt calibrate --corpus on {date}: {len(samples)} op "
-                                                  f"shapes from {len(info['configs'])} sweep configs ({info['dtype']})")
+    prof.source = dict(prof.source, op_class_fit=(
+        f"measured by graphopt calibrate --corpus on {date}: {len(samples)} op shapes from "
+        f"{len(info['configs'])} sweep configs ({info['dtype']})"))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(prof.to_dict(), indent=1))
     except OSError as e:
         raise GraphoptError(f"cannot write {out}: {e.strerror or e}") from None
     header = environment(device)
-    command = "graphopt " + " ".join(sys.argv[1:]) if sys.argv and "graphopt" in sys.argv[0] else "graphopt calibrate --corpus"
+    from_cli = sys.argv[1:2] == ["calibrate"]
+    command = "graphopt " + " ".join(sys.argv[1:]) if from_cli else "graphopt calibrate --corpus"
     result = {"header": header, "command": command, "corpus": info | {"samples": len(samples)},
               "fit": {k: v for k, v in prof.op_class_fit.items() if k != "validation"}, "validation": validation}
     s = validation["summary"]

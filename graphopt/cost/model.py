@@ -5,7 +5,10 @@ time(node) = max(gpu(node), launches * launch_overhead)      (GPU: launches over
            = gpu(node) + launches * launch_overhead          (CPU: dispatch and work add up)
 
 scale/fixed are the profile's fitted GEMM and convolution efficiencies (`graphopt calibrate`;
-1 and 0 in a profile that was not calibrated: the ideal roofline).
+1 and 0 in a profile that was not calibrated: the ideal roofline). A profile with an op class fit
+(``op_class_fit``, `graphopt calibrate --corpus`) makes each node's time its class's fitted factor
+times the time above, plus the fit's per-node stream term (graphopt.cost.opclass;
+:meth:`CostModel._class_correction`).
 
 Whole-graph time of an execution (:meth:`CostModel.execution_cost`): a host/device queue.
 
@@ -261,6 +264,7 @@ class CostModel:
         # the whole graph after every pass that changes a few nodes (graph_cost, execution_cost)
         self._memo: dict = {}
         self._op_memo: dict = {}  # graphopt node -> (the same key, its OpCost)
+        self._class_memo: dict = {}  # node -> (the same key, its op class correction)
 
     def _memo_key(self, node: fx.Node):
         """Everything a call_function node's price reads: its target and arguments, its own and
@@ -470,8 +474,38 @@ class CostModel:
         if hit is not None and hit[1] is not None:
             return hit[1]
         out = self._node_cost(node)
+        if self.profile.op_class_fit:
+            factor, add, fixed = self._class_correction(node, out)
+            if fixed is not None:
+                out = NodeCost(out.node, out.op, out.flops, out.bytes, out.launches, 0.0, 0.0, fixed, "launch")
+            elif factor != 1.0 or add:  # (compute_s and memory_s stay the roofline's terms)
+                out = NodeCost(out.node, out.op, out.flops, out.bytes, out.launches, out.compute_s, out.memory_s,
+                               out.time_s * factor + add, out.bound)
         if key is not None:
             self._memo[node] = (key, (self.flops_bytes(node), out))
+        return out
+
+    def _class_correction(self, node: fx.Node, raw: NodeCost | None = None) -> tuple[float, float, float | None]:
+        """(factor, added seconds, fixed seconds or None): the profile's corpus fit for the node's
+        op class (graphopt.cost.opclass.class_correction), read at its uncorrected time
+        ``raw.time_s`` (computed if not given). The one place a fit enters: node_cost makes the
+        node's time time * factor + added (for a node it prices at nothing: the fixed time),
+        node_times multiplies its host and device time alike and adds the added seconds to the
+        host's. (1.0, 0.0, None) without a fit for its class."""
+        key = self._memo_key(node)
+        hit = self._class_memo.get(node)
+        if hit is not None and key is not None and _same(hit[0], key):
+            return hit[1]
+        from .opclass import class_correction, op_class
+
+        path = op_class(node, self.flops_bytes(node)[3]) if node.op == "call_function" else None
+        out = (1.0, 0.0, None)
+        if path is not None:
+            if raw is None:
+                raw = self._node_cost(node)
+            out = class_correction(self.profile.op_class_fit, path, _num(raw.time_s))
+        if key is not None:
+            self._class_memo[node] = (key, out)
         return out
 
     def _node_cost(self, node: fx.Node) -> NodeCost:
@@ -607,7 +641,20 @@ class CostModel:
         launch_overhead_s) and the device its roofline time; a node with no kernel costs the host
         ``host_node_s`` on a GPU (an ATen view / metadata op; ``host_op_s`` of a view op where
         measured; 0 on a CPU profile, as NodeCost prices it); placeholders, outputs, get_attr and
-        Python builtins (getitem) cost nothing."""
+        Python builtins (getitem) cost nothing. The profile's op class fit multiplies both and adds
+        its stream term to the host's (a node priced at nothing takes its class's fixed time as
+        host time)."""
+        host, dev = self._node_times(node)
+        if self.profile.op_class_fit and _dispatches(node) and node.op == "call_function":
+            factor, add, fixed = self._class_correction(node)
+            if fixed is not None:
+                return (fixed, 0.0) if not _num(host) and not _num(dev) else (host, dev)
+            if factor != 1.0 or add:
+                return host * factor + add, dev * factor
+        return host, dev
+
+    def _node_times(self, node: fx.Node) -> tuple[object, object]:
+        """node_times without the op class fit."""
         if not _dispatches(node):
             return 0.0, 0.0
         flops, nbytes, launches, kind = self.flops_bytes(node)

@@ -133,6 +133,13 @@ class DeviceProfile:
     #   "gemv": memory_scale, fixed_s: graphopt::gemv (the split-K Triton GEMV); absent,
     #       passes/lower_gemv.py leaves cuBLAS be (both fitted by benchmarks/diag/diag_decode_gemm.py)
     op_efficiency: dict = field(default_factory=dict)
+    # corrections per op class fitted by `graphopt calibrate --corpus` on op shapes of the performance
+    # sweep's models timed alone on this device (graphopt.cost.opclass: the class of a node, the form
+    # of a fit): {"classes": {class path: {"knots", "log_factor", "range", "add_s", "n", ...} or
+    # {"fixed_s", "n_fixed"}}, "stream": the per-node terms of a model's stream, "corpus": which
+    # configs, dtype, how many samples, when, "validation": the held-out configs' accuracy before
+    # and after}. Empty: no correction (the model as it was)
+    op_class_fit: dict = field(default_factory=dict)
 
     def efficiency(self, key: str, name: str, default=None):
         """Field ``name`` of the profile's ``op_efficiency[key]``, or ``default`` if not measured."""
@@ -404,14 +411,20 @@ def stale_cpu_profile(prof: DeviceProfile) -> str | None:
     return None
 
 
+def cpu_cache_path() -> Path:
+    """Where this machine's CPU profile is cached (per machine, core count, thread count and
+    torch version)."""
+    # v2: the profile also holds the measured NCHW convolution slowdown (one cached without
+    # host_node_s loads the default: the CPU model does not charge it)
+    key = f"cpu-v2-{platform.node()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}.json"
+    return _cache_dir() / key
+
+
 def cpu_profile() -> DeviceProfile:
     """This CPU's profile: measured at first use and cached per machine, core count, thread count
     and torch version; a cached one measured while other work slowed the machine (see
     :func:`stale_cpu_profile`) is measured again and the cache replaced."""
-    # v2: the profile also holds the measured NCHW convolution slowdown (one cached without
-    # host_node_s loads the default: the CPU model does not charge it)
-    key = f"cpu-v2-{platform.node()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}.json"
-    path = _cache_dir() / key
+    path = cpu_cache_path()
     if path.exists():
         try:
             cached = _load_json(path)
@@ -422,6 +435,9 @@ def cpu_profile() -> DeviceProfile:
             if why is None:
                 return cached
             log.info("re-measuring the CPU profile: %s", why)
+            if cached.op_class_fit:
+                log.warning("the CPU profile is measured again (%s); its op class fit, made against the old "
+                            "numbers, is dropped: run `graphopt calibrate --corpus` again", why)
     prof = calibrate_cpu()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -747,7 +747,13 @@ def _fmt_rate(v: float, unit: str) -> str:
 
 
 def run_cli(args) -> int:
-    """``graphopt calibrate [--device D] [-o PATH] [--quick]``."""
+    """``graphopt calibrate [--device D] [-o PATH] [--quick]``; with ``--corpus``,
+    graphopt.tools.corpus.run_cli."""
+    from . import corpus
+
+    if getattr(args, "corpus", False):
+        return corpus.run_cli(args)
+    corpus.refuse_corpus_options(args)
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table

@@ -121,6 +121,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if present)")
     p.add_argument("-o", "--output", help="profile path (default: <name>-calibrated.json)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    p.add_argument("--corpus", action="store_true",
+                   help="fit per-op-class corrections on the performance sweep's op shapes timed on this device "
+                        "(graphopt/tools/corpus.py) into the profile instead: the cached CPU profile, or -o on CUDA")
+    g = p.add_argument_group("with --corpus")
+    g.add_argument("--configs", help="comma list of NAME[:BATCH] of the performance sweep (default: all of them)")
+    g.add_argument("--small", action="store_true", help="the sweep's CPU-sized variants (small images and batches)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 on CUDA, fp32 on the CPU")
+    g.add_argument("--time-budget", type=float, default=600.0, metavar="S",
+                   help="start no config after S seconds (default 600)")
+    g.add_argument("--holdout", type=int, default=4, metavar="N",
+                   help="keep every N-th config out of the fit and report the accuracy on those (default 4; 0: none)")
+    g.add_argument("--min-samples", type=int, default=8, metavar="N",
+                   help="shapes a class needs to be corrected (default 8)")
+    g.add_argument("--optimized", action="store_true",
+                   help="also time the graphs optimize() returns (graphopt's own ops), fitted and validated alike")
+    g.add_argument("--base", metavar="PROFILE",
+                   help="the profile to correct (h200, cpu, a .json; default: this device's)")
+    g.add_argument("--results", metavar="DIR", help="also write the validation table (Markdown + JSON) into DIR")
+    g.add_argument("--quiet-wait", type=float, default=30.0, metavar="S",
+                   help="on the CPU, wait up to S seconds for other processes to quieten before timing (default 30)")
     sub.add_parser("zoo", help="list the bundled models")
     sub.add_parser("passes", help="list the passes in pipeline order")
     return parser

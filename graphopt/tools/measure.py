@@ -124,13 +124,14 @@ class _NodeTimer(fx.Interpreter):
 
 
 def measure_nodes(gm: fx.GraphModule, flat_inputs, device=None, reps: int = 5, warmup: int = 1, *,
-                  inner: int = 10, detail: bool = False, device_times: bool = False) -> dict:
+                  inner: int = 10, detail: bool = False, device_times: bool = False, best: bool = False) -> dict:
     """Seconds per ``call_function`` node of ``gm`` ({node name: median over ``reps`` runs}, each
     run timing ``inner`` back-to-back calls of the node on a GPU, see _NodeTimer).
     ``flat_inputs``: the placeholder values in order (see :func:`graph_inputs`). ``detail``:
     ``{name: (seconds per call, host issue seconds per call)}`` instead, with a third element, the
     device seconds per call (queued behind a GPU sleep, see _NodeTimer), when ``device_times``
-    (None off a GPU)."""
+    (None off a GPU). ``best``: the least of the runs instead of the median (other work sharing
+    the machine only adds time)."""
     flat_inputs = list(flat_inputs)
     device = torch.device(device) if device is not None else _device_of(gm, flat_inputs)
     samples: dict[str, list[float]] = {}
@@ -147,20 +148,22 @@ def measure_nodes(gm: fx.GraphModule, flat_inputs, device=None, reps: int = 5, w
                     host.setdefault(k, []).append(timer.host[k])
                     if k in timer.device_s:
                         dev.setdefault(k, []).append(timer.device_s[k])
+    stat = min if best else statistics.median
     if detail and device_times:
-        return {k: (statistics.median(v), statistics.median(host[k]),
-                    statistics.median(dev[k]) if k in dev else None) for k, v in samples.items()}
+        return {k: (stat(v), stat(host[k]), stat(dev[k]) if k in dev else None) for k, v in samples.items()}
     if detail:
-        return {k: (statistics.median(v), statistics.median(host[k])) for k, v in samples.items()}
-    return {k: statistics.median(v) for k, v in samples.items()}
+        return {k: (stat(v), stat(host[k])) for k, v in samples.items()}
+    return {k: stat(v) for k, v in samples.items()}
 
 
-def measure_call(fn, device, reps: int = 10, warmup: int = 3) -> float:
-    """Median seconds of one call of ``fn`` (graphopt.tools.bench.time_call: CUDA events / perf_counter)."""
+def measure_call(fn, device, reps: int = 10, warmup: int = 3, *, best: bool = False) -> float:
+    """Median seconds of one call of ``fn`` (graphopt.tools.bench.time_call: CUDA events / perf_counter);
+    ``best``: the least of the ``reps`` calls."""
     from .bench import time_call
 
     with torch.inference_mode():
-        return statistics.median(time_call(fn, reps=reps, warmup=warmup, device=torch.device(device)))
+        times = time_call(fn, reps=reps, warmup=warmup, device=torch.device(device))
+    return min(times) if best else statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------ statistics

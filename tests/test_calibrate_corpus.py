@@ -1,0 +1,280 @@
+"""graphopt calibrate --corpus: op classes read from the node, the robust per-class fit, the profile
+field that applies it (empty: the model as it was), and the command's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphopt.capture import capture
+from graphopt.cost.model import CostModel
+from graphopt.cost.opclass import correction, curve_log_factor, lookup, op_class
+from graphopt.cost.profiles import DeviceProfile, get_profile
+from graphopt.tools.cli import main
+from graphopt.tools.corpus import Sample, fit_curve, fit_op_classes, fit_stream, node_key
+
+
+def _cpu(**kw) -> DeviceProfile:
+    base = dict(name="toy-cpu", kind="cpu", peak_flops={"float32": 1e11}, elementwise_flops=1e10, bandwidth=2e10,
+                launch_overhead_s=2e-6, memory_bytes=1e10)
+    base.update(kw)
+    return DeviceProfile(**base)
+
+
+class Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.aligned = nn.Linear(64, 64)
+        self.misaligned = nn.Linear(60, 30)
+        self.narrow = nn.Linear(64, 24)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.grouped = nn.Conv2d(8, 16, 3, padding=1, groups=2)
+        self.dense = nn.Conv2d(8, 16, 3, padding=1)
+
+    def forward(self, x, y, img, q, mask):
+        return (self.aligned(x), self.misaligned(y), self.narrow(x), self.depthwise(img), self.grouped(img),
+                self.dense(img), F.scaled_dot_product_attention(q, q, q, attn_mask=mask),
+                F.scaled_dot_product_attention(q, q, q, attn_mask=mask > 0),
+                F.scaled_dot_product_attention(q, q, q, is_causal=True), torch.softmax(x, -1), x.transpose(0, 1))
+
+
+@pytest.fixture(scope="module")
+def mix():
+    torch.manual_seed(0)
+    inputs = (torch.randn(32, 64), torch.randn(32, 60), torch.randn(2, 8, 10, 10), torch.randn(2, 4, 16, 8),
+              torch.randn(2, 1, 16, 16))
+    gm = capture(Mix().eval(), inputs)
+    return gm
+
+
+def _classes(gm, cost=None):
+    cost = cost or CostModel(_cpu())
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            out.setdefault(str(n.target).split(".")[1], []).append(op_class(n, cost.flops_bytes(n)[3]))
+    return out
+
+
+def test_op_class_is_read_from_the_node(mix):
+    c = _classes(mix)
+    # N and K multiples of 16; N=30, K=60: not multiples of 8; N=24, K=64: multiples of 8 only
+    assert c["linear"] == [("gemm", "f32", "a16", "m256"), ("gemm", "f32", "odd", "m256"),
+                           ("gemm", "f32", "a8", "m256")]
+    assert c["conv2d"] == [("conv", "f32", "depthwise", "nchw", "m256"), ("conv", "f32", "grouped", "nchw", "m256"),
+                           ("conv", "f32", "dense", "nchw", "m256")]
+    assert c["scaled_dot_product_attention"] == [("sdpa", "f32", "float", "full"), ("sdpa", "f32", "bool", "full"),
+                                                 ("sdpa", "f32", "none", "causal")]
+    assert c["softmax"] == [("softmax", "row64", "contig")]
+    assert c["transpose"] == [("view", "transpose")]
+
+
+def test_op_class_channels_last_and_small_m():
+    conv = nn.Conv2d(8, 8, 3, padding=1, groups=8).to(memory_format=torch.channels_last)
+    img = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    gm = capture(nn.Sequential(conv).eval(), (img,))
+    assert _classes(gm)["conv2d"] == [("conv", "f32", "depthwise", "cl", "m256")]
+    gm = capture(nn.Linear(64, 64).eval(), (torch.randn(4, 64),))
+    assert _classes(gm)["linear"] == [("gemm", "f32", "small_m")]
+
+
+def test_node_key_tells_shapes_and_strides_apart(mix):
+    lin = [n for n in mix.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    keys = [node_key(n) for n in lin]
+    assert len(set(keys)) == 3 and all("float32" in k for k in keys)
+    x = torch.randn(8, 64)
+    a = capture(nn.Linear(64, 64).eval(), (x,))
+    b = capture(nn.Linear(64, 64).eval(), (torch.randn(8, 64),))
+    c = capture(nn.Linear(64, 64).eval(), (x.t().contiguous().t(),))  # same shape, other strides
+    key = lambda gm: [node_key(n) for n in gm.graph.nodes if n.op == "call_function"]  # noqa: E731
+    assert key(a) == key(b) and key(a) != key(c)
+
+
+def _true_curve(x):
+    # a correction known in closed form: 8x at 1 us, falling to 1x at 1 ms and flat beyond
+    lo, hi = math.log(1e-6), math.log(1e-3)
+    t = min(1.0, max(0.0, (x - lo) / (hi - lo)))
+    return math.log(8.0) * (1 - t)
+
+
+def test_fit_recovers_a_known_correction_despite_outliers():
+    rng = random.Random(0)
+    xs = [rng.uniform(math.log(3e-7), math.log(1e-2)) for _ in range(200)]
+    ys = [_true_curve(x) + rng.gauss(0, 0.05) for x in xs]
+    for i in range(0, 200, 10):  # 10% wild outliers (a timing disturbed by other work)
+        ys[i] += rng.choice([3.0, -2.5])
+    fit = fit_curve(xs, ys, knots=4)
+    for x in (math.log(1e-6), math.log(1e-5), math.log(1e-4), math.log(1e-3), math.log(5e-3)):
+        assert abs(curve_log_factor(fit, x) - _true_curve(x)) < 0.2
+    # beyond the knots the curve is flat
+    assert curve_log_factor(fit, math.log(1e-9)) == fit["log_factor"][0]
+    assert curve_log_factor(fit, 0.0) == fit["log_factor"][-1]
+
+
+def test_fit_per_class_needs_enough_samples_and_falls_back_to_the_parent():
+    rng = random.Random(1)
+    samples = []
+    for i in range(30):  # conv/f32/dense: measured 3x the prediction
+        p = math.exp(rng.uniform(-12, -8))
+        samples.append(Sample(f"d{i}", ("conv", "f32", "dense", "nchw"), "conv2d", p, p, [3 * p]))
+    for i in range(3):  # too few depthwise shapes for a class of their own
+        p = math.exp(rng.uniform(-12, -8))
+        samples.append(Sample(f"w{i}", ("conv", "f32", "depthwise", "nchw"), "conv2d", p, p, [3 * p]))
+    for i in range(10):  # views: priced at nothing, measured 2 us
+        samples.append(Sample(f"v{i}", ("view", "view"), "view", 0.0, 0.0, [2e-6]))
+    classes = fit_op_classes(samples, min_samples=8)
+    assert "conv/f32/dense/nchw" in classes and "conv/f32/depthwise" not in classes
+    assert classes["conv/f32"]["n"] == 33
+    name, entry = lookup({"classes": classes}, ("conv", "f32", "depthwise", "nchw"), 1e-4)
+    assert name == "conv/f32" and correction(entry, 1e-4)[0] == pytest.approx(3.0, rel=1e-3)
+    # a curve applies over the predicted times it was fitted on (a little wider), not far beyond
+    lo, hi = classes["conv/f32"]["range"]
+    assert math.exp(lo) < 1e-4 < math.exp(hi)
+    assert lookup({"classes": classes}, ("conv", "f32", "dense", "nchw"), 10.0) == (None, None)
+    assert classes["view/view"]["fixed_s"] == pytest.approx(2e-6) and "view" in classes
+    assert correction(classes["view"], 0.0) == (1.0, 0.0, pytest.approx(2e-6))
+
+
+def test_stream_fit_recovers_a_known_factor_and_per_node_time():
+    rng = random.Random(2)
+    pred = [math.exp(rng.uniform(-9, -2)) for _ in range(30)]
+    nodes = [rng.randint(20, 1000) for _ in range(30)]
+    meas = [1.1 * p + 3e-6 * n for p, n in zip(pred, nodes)]
+    meas[3] *= 3.0  # one config timed under load
+    factor, add = fit_stream(pred, nodes, meas)
+    assert factor == pytest.approx(1.1, rel=0.02) and add == pytest.approx(3e-6, rel=0.05)
+
+
+def test_config_order_and_held_out_set():
+    from graphopt.tools.corpus import held_out_configs, interleaved
+    from graphopt.tools.perf_sweep import all_configs
+
+    configs = all_configs(timm_available=False, small=True)
+    held = held_out_configs(configs, 4)
+    assert held == {c.key for c in configs[3::4]} and held_out_configs(configs, 0) == set()
+    order = interleaved(configs)
+    assert sorted(c.key for c in order) == sorted(c.key for c in configs)
+    assert [c.source for c in order[:4]] == ["torchvision", "hf", "torchvision", "hf"]
+
+
+def _all_times(cost, gm):
+    out = []
+    for n in gm.graph.nodes:
+        c = cost.node_cost(n)
+        out.append((c.time_s, c.compute_s, c.memory_s, c.bound, cost.node_times(n)))
+    ex = cost.execution_cost(gm)
+    return out, ex.total_s, cost.graph_cost(gm).total_s
+
+
+@pytest.mark.parametrize("profile", ["cpu", "h200"])
+def test_a_profile_without_a_fit_prices_as_before(mix, profile):
+    prof = _cpu() if profile == "cpu" else get_profile("h200")[0]
+    assert prof.op_class_fit == {}
+    plain = CostModel(prof)
+    # the uncorrected pricing, by the model's own raw functions
+    for n in mix.graph.nodes:
+        assert plain.node_cost(n) == plain._node_cost(n)
+        assert plain.node_times(n) == plain._node_times(n)
+    # a fit for a class none of these nodes has changes nothing
+    other = CostModel(DeviceProfile.from_dict({**prof.to_dict(), "op_class_fit": {
+        "classes": {"pool": {"knots": [-10.0], "log_factor": [1.0], "n": 9}}}}))
+    assert _all_times(other, mix) == _all_times(plain, mix)
+
+
+def test_a_fit_applies_where_a_node_is_priced(mix):
+    prof = _cpu()
+    fit = {"classes": {"gemm/f32": {"knots": [-10.0], "log_factor": [math.log(2.5)], "n": 9},
+                       "view": {"fixed_s": 3e-6, "n_fixed": 9, "n": 0}}}
+    plain, fitted = CostModel(prof), CostModel(DeviceProfile.from_dict({**prof.to_dict(), "op_class_fit": fit}))
+    for n in mix.graph.nodes:
+        if n.op != "call_function":
+            continue
+        cls = op_class(n, plain.flops_bytes(n)[3])
+        raw, got = plain.node_cost(n), fitted.node_cost(n)
+        if cls[0] == "gemm":
+            assert got.time_s == pytest.approx(2.5 * raw.time_s)
+            assert fitted.node_loop_s(n) == pytest.approx(2.5 * plain.node_loop_s(n))
+            assert (got.compute_s, got.memory_s) == (raw.compute_s, raw.memory_s)
+        elif cls[0] == "view":
+            assert raw.time_s == 0 and got.time_s == pytest.approx(3e-6)
+            assert fitted.node_times(n) == (pytest.approx(3e-6), 0.0)
+        else:
+            assert got.time_s == raw.time_s and fitted.node_times(n) == plain.node_times(n)
+    assert fitted.execution_cost(mix).total_s > plain.execution_cost(mix).total_s
+
+
+def test_profile_with_a_fit_round_trips_through_json(tmp_path, mix):
+    prof = DeviceProfile.from_dict({**_cpu().to_dict(), "op_class_fit": {
+        "version": 1, "classes": {"gemm": {"knots": [-12.0, -8.0], "log_factor": [1.0, 0.1], "n": 20}},
+        "corpus": {"configs": ["resnet50:4"], "samples": 20, "measured_at": "2026-12-02 05:00 UTC"}}})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    back, _ = get_profile(str(path))
+    assert back == prof and back.to_dict() == prof.to_dict()
+    assert _all_times(CostModel(back), mix) == _all_times(CostModel(prof), mix)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["calibrate", "--device", "cpu", "--configs", "resnet50"], "--configs applies to --corpus only"),
+    (["calibrate", "--device", "cpu", "--holdout", "3"], "--holdout applies to --corpus only"),
+    (["calibrate", "--corpus", "--device", "cpu", "--configs", "nonsense"], "unknown config 'nonsense'"),
+    (["calibrate", "--corpus", "--device", "cpu", "--configs", "resnet50:x"], "positive integer"),
+    (["calibrate", "--corpus", "--device", "cpu", "--holdout", "1"], "--holdout must be 0"),
+    (["calibrate", "--corpus", "--device", "cpu", "--time-budget", "0"], "--time-budget must be a positive"),
+    (["calibrate", "--corpus", "--device", "cpu", "--min-samples", "1"], "--min-samples must be at least 2"),
+    (["calibrate", "--corpus", "--device", "cpu", "--quiet-wait", "-1"], "--quiet-wait must be 0 or more"),
+    (["calibrate", "--corpus", "--device", "cpu", "--configs", "resnet50,hf-bert"], "hold none out"),
+    (["calibrate", "--corpus", "--device", "cpu", "--holdout", "many"], "invalid int value"),
+    (["calibrate", "--corpus", "--device", "tpu9"], "unknown device"),
+])
+def test_corpus_bad_arguments_are_one_line_errors(capfd, argv, words):
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors (graphopt's parser: one line, exit 2)
+        rc = e.code
+    out, err = capfd.readouterr()
+    assert rc == 2
+    assert err.startswith("graphopt: error:") and len(err.strip().splitlines()) == 1 and words in err
+
+
+@pytest.mark.slow
+def test_corpus_end_to_end_on_the_cpu(capfd, tmp_path):
+    """Two small sweep configs: one fitted, one held out; the profile written loads and carries the
+    fit, its corpus and the held-out validation."""
+    path = tmp_path / "cpu-fit.json"
+    rc = main(["calibrate", "--corpus", "--device", "cpu", "--small", "--configs", "squeezenet1_1:1,hf-bert:1",
+               "--holdout", "2", "--min-samples", "3", "--time-budget", "120", "--quiet-wait", "0", "-o", str(path),
+               "--results", str(tmp_path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    assert "[1/2] squeezenet1_1:1 (fit)" in out and "[2/2] hf-bert:1 (held out)" in out
+    prof, _ = get_profile(str(path))
+    fit = prof.op_class_fit
+    assert fit["classes"] and fit["corpus"]["configs"] == ["squeezenet1_1:1"]
+    assert fit["corpus"]["held_out"] == ["hf-bert:1"] and fit["validation"]["rows"] == 1
+    assert fit["corpus"]["samples"] > 10 and fit["stream"]["factor"] > 0
+    assert list(tmp_path.glob("calibrate_corpus_*.md"))
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_corpus_on_the_gpu_with_optimized_graphs(capfd, tmp_path):
+    """The CUDA path: bf16, the shipped profile of this GPU as the base, the optimized graphs (our
+    own ops) timed and fitted too."""
+    path = tmp_path / "gpu-fit.json"
+    rc = main(["calibrate", "--corpus", "--device", "cuda", "--small", "--optimized", "--configs",
+               "resnet18:1,hf-bert:1,mobilenet_v3_small:1,hf-gpt2:1", "--holdout", "4", "--min-samples", "3",
+               "-o", str(path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    prof, _ = get_profile(str(path))
+    fit = prof.op_class_fit
+    assert prof.kind == "cuda" and fit["corpus"]["dtype"] == "bfloat16" and fit["corpus"]["optimized"]
+    assert fit["classes"] and fit["validation"]["rows"] == 2  # hf-gpt2:1 captured and optimized
+    assert "optimized: error" not in out and out.count(" optimized ") == 4

@@ -24,6 +24,9 @@ Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
   aligned, which for Sq == Sk is the same mask). Any other mask is passed as ``attn_mask`` when it is a
   float tensor of q's dtype broadcastable to [B, H, Sq, Sk] (the add must not broadcast the scores).
   A bool tensor in the additive position adds 0/1 - not a keep-mask - and is refused.
+* A constant mask that masks nothing (bool all True, float all 0: Hugging Face's mask functions build
+  one under torch.export for an input without padding, where eager passes none) is dropped, in the
+  explicit spelling and on existing SDPA calls alike: without a mask the flash kernel can take them.
 * Existing ``scaled_dot_product_attention`` calls (torchvision's MultiheadAttention) whose attn_mask
   is such a constant causal mask are rewritten to ``is_causal=True`` without the mask; the mask and
   the nodes that built it are erased.
@@ -135,6 +138,17 @@ def is_causal_mask(value: torch.Tensor) -> bool:
     return bool((lo == 0).all()) and bool(((up <= thr) | (up == float("-inf"))).all())
 
 
+def masks_nothing(value: torch.Tensor) -> bool:
+    """True when ``value`` as an SDPA attn_mask changes nothing: bool all True (every position kept)
+    or float all 0 (nothing added to the scores). Hugging Face's mask functions build such a mask
+    under torch.export for an input without padding, where eager passes no mask."""
+    if value.numel() == 0:
+        return False
+    if value.dtype == torch.bool:
+        return bool(value.all())
+    return value.is_floating_point() and not bool(value.any())
+
+
 # shape/dtype-only ops through which a constant mask is still a constant (fold_constants may leave
 # e.g. ``buffer.to(x.dtype)`` when the cast is a no-op)
 _CONST_THROUGH = CASTS + (aten.alias.default, aten.detach.default, aten.clone.default, aten.expand.default,
@@ -197,6 +211,12 @@ class FuseAttention(Pass):
             hit = self._causal[id(value)] = (value, is_causal_mask(value))
         return hit[1]
 
+    def _masks_nothing(self, value: torch.Tensor) -> bool:
+        hit = self._empty.get(id(value))
+        if hit is None or hit[0] is not value:
+            hit = self._empty[id(value)] = (value, masks_nothing(value))
+        return hit[1]
+
     def _constants(self, gm) -> Constants:
         if self._consts is None:
             self._consts = Constants(gm)
@@ -207,6 +227,7 @@ class FuseAttention(Pass):
         self._masks: dict = {}
         self._consts = None  # Constants of the graph before this pass rewrites anything, made when needed
         self._causal: dict = {}  # id(mask value) -> (value, is_causal_mask): every layer reads the same mask
+        self._empty: dict = {}  # id(mask value) -> (value, masks_nothing)
         candidates, explained = [], set()
         for m in _find_unchecked(gm, PATTERN):
             explained.add(m["softmax"])
@@ -230,16 +251,20 @@ class FuseAttention(Pass):
                 if value is None:
                     raise Refuse("its mask is computed from the inputs; kept as attn_mask")
                 qs, ks, outs = _shape(m["q"]), _shape(m["k"]), _shape(sd)
-                if not self._is_causal(value) or not (value.shape[-1] == ks[-2] == qs[-2]) or not _broadcastable(
-                        tuple(value.shape), tuple(outs[:-1]) + (ks[-2],)):
-                    raise Refuse("its constant mask is not a causal mask for these shapes; kept as attn_mask")
+                if not _broadcastable(tuple(value.shape), tuple(outs[:-1]) + (ks[-2],)):
+                    raise Refuse(f"its constant mask {tuple(value.shape)} does not broadcast to the scores; kept")
+                causal = not self._masks_nothing(value)
+                if causal and not (self._is_causal(value) and value.shape[-1] == ks[-2] == qs[-2]):
+                    raise Refuse("its constant mask is neither empty nor a causal mask for these shapes; kept as "
+                                 "attn_mask")
             except Refuse as e:
                 res.reject(f"sdpa {sd.name}", str(e))
                 continue
-            plan = {"kind": "sdpa", "node": sd}
-            new_args = (sd.args[0], sd.args[1], sd.args[2], None, _kwarg(sd, 4, "dropout_p", 0.0), True)
+            plan = {"kind": "sdpa", "node": sd, "causal": causal}
+            new_args = (sd.args[0], sd.args[1], sd.args[2], None, _kwarg(sd, 4, "dropout_p", 0.0), causal)
             gain = ctx.node_time([sd]) - self._time_of(ctx, sd, new_args, _sdpa_kwargs(sd))
-            causal_folds.append(Candidate("sdpa constant causal mask->is_causal", [sd], gain,
+            causal_folds.append(Candidate("sdpa constant causal mask->is_causal" if causal else
+                                          "sdpa constant mask that masks nothing->no mask", [sd], gain,
                                           lambda p=plan: self._apply_sdpa(gm, p), label=f"sdpa {sd.name}"))
         # softmaxes that look like attention but did not match are reported, not silently ignored
         for n in gm.graph.nodes:
@@ -248,8 +273,9 @@ class FuseAttention(Pass):
                 if why:
                     res.reject(f"softmax {n.name}", why)
         res.apply_ranked(ctx, candidates)
-        # the same SDPA without reading the mask and with the causal half of the FLOPs is never
-        # slower, also where launch-bound (a zero predicted gain)
+        # the same SDPA without reading the mask (and with the causal half of the FLOPs) is never
+        # slower, also where launch-bound (a zero predicted gain); without a mask the flash kernel can
+        # take it
         res.apply_ranked(ctx, causal_folds, allow_zero_gain=True)
         # an SDPA reading K and V repeated to q's heads (repeat_kv: unsqueeze, expand, reshape)
         # reads the un-repeated K/V with enable_gqa=True instead (as eager's SDPA call does): the
@@ -363,9 +389,11 @@ class FuseAttention(Pass):
                 raise Refuse(f"mask {mask.name} is {mi.dtype}, q is {qi.dtype} (the add would change precision)")
             if tuple(_shape(add)) != tuple(scores_shape) or not _broadcastable(mi.shape, scores_shape):
                 raise Refuse(f"mask {mask.name} of shape {mi.shape} does not broadcast to the scores {scores_shape}")
-            value = _const_value(gm, mask, memo=self._masks, consts=self._constants(gm)) if qs[2] == ks[2] else None
+            value = _const_value(gm, mask, memo=self._masks, consts=self._constants(gm))
             if value is not None:
-                if value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and self._is_causal(value):
+                if self._masks_nothing(value):
+                    mask, dropped = None, mask
+                elif qs[2] == ks[2] and value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and self._is_causal(value):
                     mask, causal, dropped = None, True, mask
         # nodes reading the scores / probabilities outside the pattern
         inside = set(m.nodes)
@@ -497,7 +525,7 @@ class FuseAttention(Pass):
         g = gm.graph
         sd = plan["node"]
         mask = sd.args[3]
-        args = (sd.args[0], sd.args[1], sd.args[2], None, _kwarg(sd, 4, "dropout_p", 0.0), True)
+        args = (sd.args[0], sd.args[1], sd.args[2], None, _kwarg(sd, 4, "dropout_p", 0.0), plan["causal"])
         with g.inserting_before(sd):
             new = g.call_function(SDPA, args, _sdpa_kwargs(sd))
         new.meta["val"] = sd.meta.get("val")

@@ -222,6 +222,74 @@ def test_existing_sdpa_with_constant_causal_mask():
     assert reference_check(model, gm, args).passed
 
 
+class SdpaAllKeptMask(nn.Module):
+    """An SDPA whose mask keeps every position, built in every call from ``arange`` (what Hugging Face's
+    mask functions produce under torch.export for an input without padding), or a buffer."""
+
+    def __init__(self, kind="arange", seq=8):
+        super().__init__()
+        self.kind = kind
+        zeros = torch.zeros(1, 1, seq, seq)
+        if kind == "one_masked":
+            zeros[..., 0, -1] = float("-inf")
+        self.register_buffer("zeros", zeros)
+
+    def forward(self, q, k, v):
+        if self.kind == "arange":
+            pos = torch.arange(q.shape[-2], device=q.device) + 0
+            mask = (pos[None, None, :, None] >= 0).expand(q.shape[0], -1, q.shape[-2], k.shape[-2])
+        else:
+            mask = self.zeros
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["arange", "zeros"])
+def test_existing_sdpa_with_a_mask_that_masks_nothing_loses_it(kind):
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    model, args, gm, res = _run(SdpaAllKeptMask(kind), (q, k, v))
+    (sd,) = _sdpa_nodes(gm)
+    assert len(res.rewrites) == 1 and sd.args[3] is None and sd.args[5] is False
+    assert not any(n.target in (aten.arange.default, aten.arange.start) for n in gm.graph.nodes)  # its builders go
+    assert reference_check(model, gm, args).passed
+
+
+def test_a_constant_mask_that_masks_one_position_stays():
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    model, args, gm, res = _run(SdpaAllKeptMask("one_masked"), (q, k, v))
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.args[3] is not None and not res.rewrites
+    assert any("neither empty nor a causal mask" in r.reason for r in res.rejected)
+
+
+def test_explicit_attention_with_an_all_zero_additive_mask_gets_no_mask():
+    class ZeroMask(PaddedAttention):
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (t(x).view(b, s, self.h, self.d).transpose(1, 2) for t in (self.q, self.k, self.v))
+            scores = q @ k.transpose(-1, -2) / math.sqrt(self.d) + torch.zeros(1, 1, 1, s)
+            return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+
+    model, args, gm, res = _run(ZeroMask(), (torch.randn(2, 8, 32),))
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.args[3] is None and sd.args[5] is False and _attention_left(gm) == 0
+    assert reference_check(model, gm, args).passed
+
+
+def test_hf_vit_without_padding_runs_sdpa_without_a_mask():
+    """transformers' ViT passes no mask in eager but builds an all-True one under torch.export: the
+    optimized graph's SDPA calls read none (the flash kernel can take them on a GPU)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = transformers.ViTModel(cfg).eval()
+    x = torch.randn(2, 3, 32, 32)
+    opt = graphopt.optimize(model, (x,), target="h200", measure=False)
+    sds = _sdpa_nodes(opt.graph_module)
+    assert len(sds) == 2 and all(sd.args[3] is None for sd in sds)
+    assert opt.report.accuracy["passed"]
+
+
 # ---------------------------------------------------------------- zoo models
 
 

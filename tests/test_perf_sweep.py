@@ -191,3 +191,15 @@ def test_runs_split_over_calls_merge_into_one_table(tmp_path):
     assert data["rows"][1]["ms"]["graphopt"] == 2.0  # the later file's row
     assert data["summary"]["behind_best_compile"] == [] and "a.json; b.json" in data["header"]["command"]
     assert perf_sweep.main(["--merge", str(tmp_path / "missing.json")]) == 2
+
+
+def test_small_builds_without_a_tiny_config_are_narrowed_too():
+    """An architecture the correctness sweep has no tiny config for gets two layers and SMALL_WIDTHS
+    where its config takes them (two layers of a 7B-wide decoder timed out the CPU sweep)."""
+    from graphopt.tools import sweep
+
+    names = [n for n in perf_sweep.HF if n[3:] not in sweep.HF_MODELS]
+    assert names
+    for name in names:
+        model, _ = perf_sweep.build(name, 2, small=True)
+        assert sum(p.numel() for p in model.parameters()) < 2_000_000, name

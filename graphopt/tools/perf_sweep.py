@@ -97,6 +97,10 @@ class PerfConfig:
 
 
 SMALL_BATCH = 4  # --small: the batch of the configs above 1
+# --small, a Hugging Face architecture the correctness sweep has no tiny config for: these widths,
+# where its config has the field
+SMALL_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 256, "d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16, "head_dim": 16}
 
 
 def all_configs(timm_available: bool | None = None, small: bool = False) -> list[PerfConfig]:
@@ -182,9 +186,17 @@ def _build_hf(name: str, batch: int, small: bool, gen: torch.Generator):
     else:
         kw, seq, image = dict(overrides), SEQ, None
         vocab = None
+    cfg_cls = getattr(transformers, cfg_name)
     if small and tiny is None:  # no tiny config in the correctness sweep: shrink the defaults
         kw.update(num_hidden_layers=2)
-    cfg = getattr(transformers, cfg_name)(**kw)
+        narrow = {k: v for k, v in SMALL_WIDTHS.items() if hasattr(cfg_cls(**kw), k)}
+        try:  # the widths too, where the architecture takes them (a 2-layer 7B-wide decoder is 4 GB)
+            model = getattr(transformers, model_name)(cfg_cls(**{**kw, **narrow}))
+            kw.update(narrow)
+            del model
+        except Exception:  # noqa: BLE001 - sizes that depend on each other: two layers at full width
+            pass
+    cfg = cfg_cls(**kw)
     if vocab is None:
         vocab = getattr(cfg, "vocab_size", None) or 1000
     if image is None:

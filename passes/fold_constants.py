@@ -25,6 +25,10 @@ from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 _NEVER = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_assert_tensor_metadata"}
 LARGE_BYTES = 4 << 20
 aten = torch.ops.aten
+# factories whose value depends on their tensor argument's shape, dtype and device only (never on its
+# values): with static shapes a constant (torchvision's Swin builds its shifted-window mask from
+# ``x.new_zeros`` in every call)
+_SHAPE_ONLY = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}
 
 
 # regions export wraps in a higher-order op that are still plain functions of their inputs (Hugging
@@ -69,7 +73,25 @@ def _is_const_node(node: fx.Node, const: set) -> bool:
         return False
     if ir.is_random(node):
         return False
+    if shape_only(node):
+        return all(a in const for a in node.all_input_nodes if a is not node.args[0])
     return all(a in const for a in node.all_input_nodes)
+
+
+def shape_only(node: fx.Node) -> bool:
+    """A factory reading only its first argument's metadata, with a static shape (_SHAPE_ONLY)."""
+    if ir.op_name(node) not in _SHAPE_ONLY or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    src, out = ir.info(node.args[0]), ir.info(node)
+    return src is not None and out is not None and all(type(d) is int for d in (*src.shape, *out.shape))
+
+
+def _metadata_stand_in(node: fx.Node) -> torch.Tensor:
+    """A tensor with ``node``'s shape, strides, dtype and device (what a shape-only factory reads)."""
+    ti = ir.info(node)
+    if ti.stride is None:
+        return torch.empty(tuple(ti.shape), dtype=ti.dtype, device=ti.device)
+    return torch.empty_strided(tuple(ti.shape), tuple(ti.stride), dtype=ti.dtype, device=ti.device)
 
 
 class Constants:
@@ -133,6 +155,8 @@ class Constants:
                 env[n] = ir.get_attr_value(self.gm, n.target)
                 continue
             load = lambda a: env[a]  # noqa: E731
+            if shape_only(n) and n.args[0] not in env:
+                load = lambda a, src=n.args[0]: _metadata_stand_in(a) if a is src else env[a]  # noqa: E731
             with torch.no_grad():
                 env[n] = n.target(*fx.node.map_arg(n.args, load), **fx.node.map_arg(n.kwargs, load))
         return env[node]

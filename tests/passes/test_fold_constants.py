@@ -302,3 +302,40 @@ def test_large_host_built_constant_is_stored_only_where_it_is_copied_to_a_device
     gm = capture(BigHostMask().eval(), (torch.randn(1200, 1200),))  # on the host: recomputing is cheaper
     (fold,) = _plan(gm, ["fold_constants"], target="cpu")
     assert op_counts(gm)["aten.arange.default"] == 1 and any("MiB constant" in r.reason for r in fold.rejected)
+
+
+class InputShapedMask(nn.Module):
+    """torchvision Swin's spelling: the mask is ``x.new_zeros`` with slice assignments, every call;
+    ``x.new_full`` and ``ones_like`` read only x's shape too."""
+
+    def forward(self, x):
+        m = x.new_zeros((x.shape[-2], x.shape[-1]))
+        m[:3, :3] = 1.0
+        m[3:, 3:] = 2.0
+        m = m.view(1, x.shape[-2], x.shape[-1]) - 0.5  # read after its writes, as Swin reads its mask
+        return x * m + x.new_full((x.shape[-1],), 0.5) + torch.ones_like(x)
+
+
+def test_factories_reading_only_an_input_shape_fold_with_their_writes():
+    m = InputShapedMask().eval()
+    x = torch.randn(2, 8, 8)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fold_constants"])
+    counts = op_counts(gm)
+    assert res.rewrites and counts["aten.new_zeros.default"] == 0 and counts["aten.new_full.default"] == 0
+    assert counts["aten.ones_like.default"] == 0 and counts["aten.fill_.Tensor"] + counts["aten.fill_.Scalar"] == 0
+    x2 = torch.randn(2, 8, 8)  # other values, same shape: the same mask
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x2), m(x2), rtol=0, atol=0)
+
+
+def test_shape_only_factories_of_a_dynamic_shape_are_not_folded():
+    m = InputShapedMask().eval()
+    x = torch.randn(2, 8, 8)
+    gm = capture(m, (x,), dynamic={"x": {0: "batch"}})
+    (res,) = run_passes(gm, ["fold_constants"])
+    assert op_counts(gm)["aten.new_zeros.default"] == 1
+    for shape in ((2, 8, 8), (3, 8, 8)):
+        x2 = torch.randn(*shape)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x2), m(x2), rtol=0, atol=0)

@@ -93,6 +93,8 @@ def test_one_config_in_a_fresh_process_gives_its_row(tmp_path):
     assert row.ms["eager"] > 0 and row.ms["graphopt"] > 0 and "compile" not in row.ms
     assert row.accuracy["graphopt"] is True and row.predicted_ms > 0
     assert 0 < sum(row.optimize_phases.values()) <= row.setup_s["graphopt"]  # where optimize()'s time went
+    # each applied pass with the guard's measured time (None where its time budget was spent)
+    assert set(row.pass_ms) == set(row.applied) and all(ms is None or ms > 0 for ms in row.pass_ms.values())
     il = row.interleaved  # eager and graphopt again, in alternating calls: the eager ratio reads them
     assert il["reps"] == 2 and row.vs("eager") == pytest.approx(il["eager_ms"] / il["graphopt_ms"])
     data = json.loads(open(paths["json"]).read())

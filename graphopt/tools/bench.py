@@ -897,7 +897,9 @@ def _graphopt_extra(opt) -> dict:
     extra = {"predicted_ms": rep.predicted_s_after * 1e3, "predicted_ms_before": rep.predicted_s_before * 1e3,
              "optimize_s": rep.optimize_seconds, "optimize_phases": getattr(rep, "optimize_phases", {}),
              "guard": rep.accuracy, "setup_memory": getattr(rep, "memory", None), "speed": getattr(rep, "speed", None),
-             "applied": [p.name for p in rep.passes if getattr(p, "status", "") == "applied"]}
+             "applied": [p.name for p in rep.passes if getattr(p, "status", "") == "applied"],
+             "pass_ms": {p.name: p.details.get("measured_ms") for p in rep.passes
+                         if getattr(p, "status", "") == "applied"}}
     if runner is not None:
         extra["cuda_graph"] = runner.decision.note()
         extra["runner_stats"] = {k: v for k, v in runner.stats.items()}

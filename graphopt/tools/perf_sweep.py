@@ -253,6 +253,7 @@ class Row:
     guard_note: str = ""
     applied: list = field(default_factory=list)
     optimize_phases: dict = field(default_factory=dict)  # optimize()'s wall time per phase (graphopt.timing)
+    pass_ms: dict = field(default_factory=dict)  # applied pass -> its measured ms (the guard's), None: not timed
     seconds: float = 0.0
 
     def best_compile(self) -> tuple[str, float] | None:
@@ -310,6 +311,7 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
             row.guard_note = speed.get("note", "")
             row.applied = v.extra.get("applied", [])
             row.optimize_phases = v.extra.get("optimize_phases") or {}
+            row.pass_ms = v.extra.get("pass_ms") or {}
             row.interleaved = v.extra.get("interleaved") or {}
     return row
 

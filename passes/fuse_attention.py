@@ -205,16 +205,12 @@ class FuseAttention(Pass):
     description = "explicit matmul-scale-mask-softmax-matmul attention -> scaled_dot_product_attention (GQA, causal)"
     inference_only = False  # SDPA is differentiable; active dropout is refused per match
 
-    def _is_causal(self, value: torch.Tensor) -> bool:
-        hit = self._causal.get(id(value))
+    def _mask_kind(self, value: torch.Tensor) -> str | None:
+        """"empty" (masks nothing), "causal", or None (a mask that stays), judged once per mask value."""
+        hit = self._kinds.get(id(value))
         if hit is None or hit[0] is not value:
-            hit = self._causal[id(value)] = (value, is_causal_mask(value))
-        return hit[1]
-
-    def _masks_nothing(self, value: torch.Tensor) -> bool:
-        hit = self._empty.get(id(value))
-        if hit is None or hit[0] is not value:
-            hit = self._empty[id(value)] = (value, masks_nothing(value))
+            kind = "empty" if masks_nothing(value) else "causal" if is_causal_mask(value) else None
+            hit = self._kinds[id(value)] = (value, kind)
         return hit[1]
 
     def _constants(self, gm) -> Constants:
@@ -226,8 +222,7 @@ class FuseAttention(Pass):
         res = self.result()
         self._masks: dict = {}
         self._consts = None  # Constants of the graph before this pass rewrites anything, made when needed
-        self._causal: dict = {}  # id(mask value) -> (value, is_causal_mask): every layer reads the same mask
-        self._empty: dict = {}  # id(mask value) -> (value, masks_nothing)
+        self._kinds: dict = {}  # id(mask value) -> (value, _mask_kind): every layer reads the same mask
         candidates, explained = [], set()
         for m in _find_unchecked(gm, PATTERN):
             explained.add(m["softmax"])
@@ -253,8 +248,9 @@ class FuseAttention(Pass):
                 qs, ks, outs = _shape(m["q"]), _shape(m["k"]), _shape(sd)
                 if not _broadcastable(tuple(value.shape), tuple(outs[:-1]) + (ks[-2],)):
                     raise Refuse(f"its constant mask {tuple(value.shape)} does not broadcast to the scores; kept")
-                causal = not self._masks_nothing(value)
-                if causal and not (self._is_causal(value) and value.shape[-1] == ks[-2] == qs[-2]):
+                kind = self._mask_kind(value)
+                causal = kind != "empty"
+                if causal and not (kind == "causal" and value.shape[-1] == ks[-2] == qs[-2]):
                     raise Refuse("its constant mask is neither empty nor a causal mask for these shapes; kept as "
                                  "attn_mask")
             except Refuse as e:
@@ -391,9 +387,10 @@ class FuseAttention(Pass):
                 raise Refuse(f"mask {mask.name} of shape {mi.shape} does not broadcast to the scores {scores_shape}")
             value = _const_value(gm, mask, memo=self._masks, consts=self._constants(gm))
             if value is not None:
-                if self._masks_nothing(value):
+                kind = self._mask_kind(value)
+                if kind == "empty":
                     mask, dropped = None, mask
-                elif qs[2] == ks[2] and value.shape[-1] == ks[2] and value.shape[-2] == qs[2] and self._is_causal(value):
+                elif kind == "causal" and qs[2] == ks[2] and value.shape[-1] == ks[2] and value.shape[-2] == qs[2]:
                     mask, causal, dropped = None, True, mask
         # nodes reading the scores / probabilities outside the pattern
         inside = set(m.nodes)

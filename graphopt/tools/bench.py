@@ -40,6 +40,7 @@ import datetime as _dt
 import gc
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -340,7 +341,7 @@ def environment(device: torch.device) -> dict:
         gpus = 0
     commit = _git_commit()
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "device": str(dev),
         "device_name": name,
         "gpu_count": gpus,
@@ -357,6 +358,11 @@ def environment(device: torch.device) -> dict:
         "settings": {"cudnn.benchmark": torch.backends.cudnn.benchmark,
                      "float32_matmul_precision": torch.get_float32_matmul_precision()},
     }
+
+
+def utc_now() -> str:
+    """The time now as result files and profiles record it: ``2026-12-02 05:10 UTC``."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def result_stem(header: dict, tag: str | None = None) -> str:
@@ -419,8 +425,6 @@ class DeviceLock:
     RESERVED_CORES = 2
 
     def __init__(self, path: str | None = None):
-        import os
-
         self.path = path if path is not None else os.environ.get(self.ENV)
         self._fd = None
         self.waited_s = 0.0
@@ -433,15 +437,12 @@ class DeviceLock:
 
     def _pin(self, cores) -> None:
         if cores:
-            import os
-
             os.sched_setaffinity(0, cores)
 
     def acquire(self) -> None:
         if not self.path or self._fd is not None:
             return
-        import fcntl
-        import os
+        import fcntl  # POSIX: imported only where a lock is asked for
 
         t0 = time.perf_counter()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -453,7 +454,6 @@ class DeviceLock:
         if self._fd is None:
             return
         import fcntl
-        import os
 
         self._pin(self._free_cores)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -897,9 +897,9 @@ def _graphopt_extra(opt) -> dict:
     extra = {"predicted_ms": rep.predicted_s_after * 1e3, "predicted_ms_before": rep.predicted_s_before * 1e3,
              "optimize_s": rep.optimize_seconds, "optimize_phases": getattr(rep, "optimize_phases", {}),
              "guard": rep.accuracy, "setup_memory": getattr(rep, "memory", None), "speed": getattr(rep, "speed", None),
-             "applied": [p.name for p in rep.passes if getattr(p, "status", "") == "applied"],
              "pass_ms": {p.name: p.details.get("measured_ms") for p in rep.passes
                          if getattr(p, "status", "") == "applied"}}
+    extra["applied"] = list(extra["pass_ms"])
     if runner is not None:
         extra["cuda_graph"] = runner.decision.note()
         extra["runner_stats"] = {k: v for k, v in runner.stats.items()}

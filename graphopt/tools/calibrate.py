@@ -20,7 +20,6 @@ Every rate is the best of a few timed chunks (CUDA events on CUDA, perf_counter 
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import re
 import time
@@ -569,8 +568,9 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
     ``progress(description)`` is called before each measurement."""
     device = _resolve(device)
     say = progress or (lambda d: None)
-    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    stamp = f"measured by graphopt calibrate on {date}"
+    from .bench import utc_now
+
+    stamp = f"measured by graphopt calibrate on {utc_now()}"
     if device.type == "cpu":
         say("cpu: matmul, copy, dispatch overhead")
         prof = calibrate_cpu(quick=quick)

@@ -32,7 +32,6 @@ so that a time budget that stops early leaves every kind of model in the corpus.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import gc
 import math
 import os
@@ -131,15 +130,17 @@ class ConfigRun:
 
 @contextlib.contextmanager
 def _small_env(small: bool):
-    old = os.environ.get("GRAPHOPT_PERF_SWEEP_SMALL")
-    os.environ["GRAPHOPT_PERF_SWEEP_SMALL"] = "1" if small else "0"
+    from .perf_sweep import SMALL_ENV
+
+    old = os.environ.get(SMALL_ENV)
+    os.environ[SMALL_ENV] = "1" if small else "0"
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("GRAPHOPT_PERF_SWEEP_SMALL", None)
+            os.environ.pop(SMALL_ENV, None)
         else:
-            os.environ["GRAPHOPT_PERF_SWEEP_SMALL"] = old
+            os.environ[SMALL_ENV] = old
 
 
 def _hollow(gm: fx.GraphModule) -> None:
@@ -581,10 +582,6 @@ def evaluate(runs, before: DeviceProfile, after: DeviceProfile) -> dict:
     return {"summary": summary, "rows": rows, "classes": classes}
 
 
-def stamp() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
 def check_options(*, holdout: int, time_budget_s: float, min_samples: int, quiet_wait_s: float = 0.0) -> None:
     if holdout < 0 or holdout == 1:
         raise GraphoptError(f"--holdout must be 0 (none) or at least 2 (every N-th config held out), got {holdout}")
@@ -715,7 +712,9 @@ def run_cli(args) -> int:
     measured = [r for r in runs if r.source == "captured" and not r.error]
     if not samples:
         raise GraphoptError("no config could be measured here: " + "; ".join(f"{r.config}: {r.error}" for r in runs))
-    date = stamp()
+    from .bench import utc_now
+
+    date = utc_now()
     loads = [r.load for r in measured if r.load is not None]
     info = {"configs": [r.config for r in measured if not r.held_out],
             "held_out": [r.config for r in measured if r.held_out],

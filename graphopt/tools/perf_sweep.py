@@ -97,6 +97,7 @@ class PerfConfig:
 
 
 SMALL_BATCH = 4  # --small: the batch of the configs above 1
+SMALL_ENV = "GRAPHOPT_PERF_SWEEP_SMALL"  # "1": the factories build the small variants (the bench's child)
 # --small, a Hugging Face architecture the correctness sweep has no tiny config for: these widths,
 # where its config has the field
 SMALL_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -186,23 +187,23 @@ def _build_hf(name: str, batch: int, small: bool, gen: torch.Generator):
     else:
         kw, seq, image = dict(overrides), SEQ, None
         vocab = None
-    cfg_cls = getattr(transformers, cfg_name)
+    cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
+    cfg = model = None
     if small and tiny is None:  # no tiny config in the correctness sweep: shrink the defaults
         kw.update(num_hidden_layers=2)
-        narrow = {k: v for k, v in SMALL_WIDTHS.items() if hasattr(cfg_cls(**kw), k)}
+        wide = cfg_cls(**kw)
         try:  # the widths too, where the architecture takes them (a 2-layer 7B-wide decoder is 4 GB)
-            model = getattr(transformers, model_name)(cfg_cls(**{**kw, **narrow}))
-            kw.update(narrow)
-            del model
+            cfg = cfg_cls(**{**kw, **{k: v for k, v in SMALL_WIDTHS.items() if hasattr(wide, k)}})
+            model = model_cls(cfg)
         except Exception:  # noqa: BLE001 - sizes that depend on each other: two layers at full width
-            pass
-    cfg = cfg_cls(**kw)
+            cfg, model = wide, None
+    cfg = cfg or cfg_cls(**kw)
     if vocab is None:
         vocab = getattr(cfg, "vocab_size", None) or 1000
     if image is None:
         image = getattr(cfg, "image_size", 224)
         image = image if isinstance(image, int) else image[0]
-    model = getattr(transformers, model_name)(cfg).eval()
+    model = (model if model is not None else model_cls(cfg)).eval()
     if kind == "image":
         return model, {"pixel_values": torch.randn(batch, 3, image, image, generator=gen)}
     ids = torch.randint(3, min(vocab, 30000), (batch, seq), generator=gen)
@@ -223,7 +224,7 @@ def __getattr__(attr: str):
         want = attr[len("model_"):]
         for n in (c.name for c in all_configs(timm_available=True)):
             if n.replace("-", "_") == want:
-                small = os.environ.get("GRAPHOPT_PERF_SWEEP_SMALL") == "1"
+                small = os.environ.get(SMALL_ENV) == "1"
 
                 def make(batch: int | None = None, _n=n, _small=small):
                     return build(_n, batch or 1, _small)
@@ -284,7 +285,7 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
     from .bench import BenchConfig, run
 
     if small:
-        os.environ["GRAPHOPT_PERF_SWEEP_SMALL"] = "1"
+        os.environ[SMALL_ENV] = "1"
     vs = peers(cfg, device, vs)
     spec = f"{__name__}:{factory_name(cfg.name)}"
     t0 = time.perf_counter()
@@ -450,43 +451,39 @@ def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: in
                 f"    {cfg.key}: graphopt {_ms(row.ms.get('graphopt'))} ms, eager {_ms(row.ms.get('eager'))}, "
                 f"compile {_ms(row.ms.get('compile'))}, compile-ro {_ms(row.ms.get('compile-ro'))} "
                 f"({row.seconds:.0f} s)")
-            done = [r for r in slots if r is not None]
-            (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in done],
-                                                          "summary": summary(done)}, indent=1, default=str))
-            (out / f"{stem}.md").write_text(to_markdown(done, header))
+            _write_table(out, stem, header, [r for r in slots if r is not None])
 
+    paths = _write_table(out, stem, header, [])  # (rewritten as each row lands)
     with tempfile.TemporaryDirectory() as scratch:
         lock = str(Path(scratch) / "device.lock") if jobs > 1 else None
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             for f in [pool.submit(one, i, cfg, scratch, lock) for i, cfg in enumerate(configs)]:
                 f.result()
-    return [r for r in slots if r is not None], {"json": str(out / f"{stem}.json"), "markdown": str(out / f"{stem}.md")}
+    return [r for r in slots if r is not None], paths
+
+
+def _write_table(out: Path, stem: str, header: dict, rows: list[Row]) -> dict:
+    """``<stem>.json`` (header, rows, summary) and ``<stem>.md`` in ``out``; their paths."""
+    paths = {"json": str(out / f"{stem}.json"), "markdown": str(out / f"{stem}.md")}
+    Path(paths["json"]).write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows],
+                                               "summary": summary(rows)}, indent=1, default=str))
+    Path(paths["markdown"]).write_text(to_markdown(rows, header))
+    return paths
 
 
 def merge(paths: list[Path], out: Path) -> dict:
     """One table from the JSON files of several sweep runs (a sweep split over calls): rows in file order,
     a config met again replaced where it stood; the header is the first file's with every command."""
-    rows: dict[str, Row] = {}
-    header: dict | None = None
-    for p in paths:
-        data = json.loads(Path(p).read_text())
-        if header is None:
-            header = dict(data["header"])
-            header["command"] = "merged from: " + "; ".join(f"{Path(q).name}" for q in paths)
-            header["jobs"] = max(json.loads(Path(q).read_text())["header"].get("jobs") or 1 for q in paths)
-        for r in data["rows"]:
-            rows[r["config"]] = Row(**r)
-    if header is None:
-        raise ValueError("no files")
     from .bench import result_stem
 
-    stem = result_stem(header, "perf_sweep")
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    if not runs:
+        raise ValueError("no files")
+    header = dict(runs[0]["header"], command="merged from: " + "; ".join(Path(p).name for p in paths),
+                  jobs=max(run["header"].get("jobs") or 1 for run in runs))
+    rows = {r["config"]: Row(**r) for run in runs for r in run["rows"]}
     out.mkdir(parents=True, exist_ok=True)
-    merged = list(rows.values())
-    (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in merged],
-                                                  "summary": summary(merged)}, indent=1, default=str))
-    (out / f"{stem}.md").write_text(to_markdown(merged, header))
-    return {"json": str(out / f"{stem}.json"), "markdown": str(out / f"{stem}.md")}
+    return _write_table(out, result_stem(header, "perf_sweep"), header, list(rows.values()))
 
 
 def main(argv=None) -> int:

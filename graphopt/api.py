@@ -592,7 +592,8 @@ def _meter(opts: OptimizeOptions, planning: "_Planning", model_dev: torch.device
     args, kwargs = inputs.fresh()
     flat = flat_tensors(args, kwargs)
     budget = float(os.environ.get("GRAPHOPT_MEASURE_BUDGET_S", MEASURE_BUDGET_S))
-    meter = MeasuredTime(lambda g: runnable(g, flat, args, kwargs, opts.cuda_graphs), Timer(model_dev), budget)
+    timer = Timer(model_dev, early=True)
+    meter = MeasuredTime(lambda g: runnable(g, flat, args, kwargs, opts.cuda_graphs), timer, budget)
     return meter, ""
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 import graphopt
 from graphopt import api, ir
 from graphopt.pipeline import Candidate, Pass, assemble
-from graphopt.runtime.measured import Timer, Timing, slower
+from graphopt.runtime.measured import Timer, Timing, settled, slower
 from tests.helpers import reference_check
 
 aten = torch.ops.aten
@@ -204,3 +204,29 @@ def test_a_graph_writing_its_inputs_is_not_timed_and_the_inputs_are_untouched():
     assert pos.item() == 3
     out = opt(x, pos)
     assert pos.item() == 4 and torch.equal(out, x * 3)
+
+
+def test_a_comparison_stops_once_every_round_agrees():
+    """Rounds where the candidate is within the margin every time (or beyond it every time) settle the
+    verdict; mixed rounds do not, and the full count is taken."""
+    assert settled([1.0] * 6, [1.1] * 6) and settled([1.2] * 6, [1.0] * 6)
+    assert not settled([1.0] * 5, [1.1] * 5)  # too few rounds
+    assert not settled([1.0, 1.2] * 3, [1.0] * 6)  # rounds disagree
+    assert settled([1.015] * 6, [1.0] * 6)  # within the 2% margin: not slower
+    script = iter([1.0, 0.5] + [1.0, 0.5] * 24)  # first round, then baseline/candidate rounds
+
+    class Scripted(Timer):
+        def _once(self, fn):
+            fn()
+            return next(script)
+
+    calls = []
+    t = Scripted("cpu", warmup=0, min_reps=25, max_reps=25, early=True)
+    base, cand = t.compare(lambda: calls.append("a"), lambda: calls.append("b"))
+    assert len(base.samples) == len(cand.samples) == 6 and not slower(cand, base)
+    script = iter([1.0, 1.1, 1.0, 0.9] * 13)  # the candidate behind in half the rounds, ahead in the others
+    t = Scripted("cpu", warmup=0, min_reps=25, max_reps=25, early=True)
+    assert len(t.compare(lambda: None, lambda: None)[0].samples) == 25
+    script = iter([1.0] * 30)
+    t = Scripted("cpu", warmup=0, min_reps=25, max_reps=25, early=True)
+    assert len(t.time(lambda: None).samples) == 6  # one callable alone: only the report reads it

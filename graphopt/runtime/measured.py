@@ -8,6 +8,8 @@ times two or more callables in interleaved rounds (a, b, a, b, ...), so a drift 
 
 :func:`slower` is the guard's rule: a candidate is slower than a baseline when its median exceeds
 the baseline's by more than ``margin`` (2%: the run-to-run spread of one call on an idle GPU).
+:func:`settled` lets a comparison stop before its full count of rounds once every round so far
+falls on the same side of that margin: the verdict is still :func:`slower`'s, on the rounds taken.
 """
 
 from __future__ import annotations
@@ -52,14 +54,31 @@ def slower(candidate: Timing, baseline: Timing, margin: float | None = None) -> 
     return True
 
 
+def settled(candidate: list, baseline: list, margin: float | None = None, rounds: int = 6) -> bool:
+    """True once ``rounds`` or more interleaved rounds were taken and in every one of them the candidate
+    was within ``margin`` of the baseline's call of that round, or in every one it was beyond it: more
+    rounds would not change :func:`slower`'s verdict unless the machine changed. Paired rounds, so a
+    drift over the rounds lands on both calls of a round alike."""
+    m = MARGIN if margin is None else margin
+    n = min(len(candidate), len(baseline))
+    if n < rounds:
+        return False
+    within = [c <= b * (1.0 + m) for c, b in zip(candidate[:n], baseline[:n])]
+    return all(within) or not any(within)
+
+
 class Timer:
     """Times calls on ``device``. ``reps`` adapts to the call's length: at least ``min_reps``,
-    and as many more as fit in ``target_s`` per measurement, at most ``max_reps``."""
+    and as many more as fit in ``target_s`` per measurement, at most ``max_reps``. With
+    ``early=True`` a comparison of two callables stops once :func:`settled` says its verdict is
+    clear (at least ``settle_rounds`` rounds), and one callable timed alone gets ``settle_rounds``."""
 
     def __init__(self, device: torch.device | str, *, warmup: int = 2, min_reps: int = 5, max_reps: int = 25,
-                 target_s: float = 0.25):
+                 target_s: float = 0.25, early: bool = False, settle_rounds: int = 6, margin: float | None = None):
         self.device = torch.device(device)
         self.warmup, self.min_reps, self.max_reps, self.target_s = warmup, min_reps, max_reps, target_s
+        self.early, self.settle_rounds = early, settle_rounds
+        self.margin = MARGIN if margin is None else margin
         self.spent_s = 0.0  # wall time spent timing (warm-up included)
 
     def _sync(self) -> None:
@@ -88,7 +107,8 @@ class Timer:
         return self.compare(fn)[0]
 
     def compare(self, *fns) -> list[Timing]:
-        """Each callable's median over interleaved rounds (warm-up calls first, untimed)."""
+        """Each callable's median over interleaved rounds (warm-up calls first, untimed). With
+        ``early`` and two callables (baseline, candidate), the rounds stop once :func:`settled`."""
         t0 = time.perf_counter()
         with timing.phase("measured guard: timed calls"), torch.inference_mode():
             for fn in fns:
@@ -96,8 +116,12 @@ class Timer:
                     fn()
             first = [self._once(fn) for fn in fns]
             reps = self._reps(max(first))
+            if self.early and len(fns) == 1:  # one callable alone decides nothing: its median for the report
+                reps = min(reps, self.settle_rounds)
             samples = [[f] for f in first]
             for _ in range(reps - 1):
+                if self.early and len(fns) == 2 and settled(samples[1], samples[0], self.margin, self.settle_rounds):
+                    break
                 for i, fn in enumerate(fns):
                     samples[i].append(self._once(fn))
         self._sync()

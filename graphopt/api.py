@@ -719,6 +719,9 @@ def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: Optimiz
     acc_info: dict = {"checked": False}
     if not opts.check_accuracy:
         return None, acc_info
+    if model_dev.type == "meta":
+        acc_info["reason"] = "the model is on meta (shapes only): there are no values to compare"
+        return None, acc_info
     short = _fp64_memory_shortfall(model, model_dev, flat, 3 * inputs.mutated_bytes)
     if opts.training and _has_random_ops(gm):
         acc_info["reason"] = "the training graph has random ops (dropout); outputs differ run to run"

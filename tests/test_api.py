@@ -320,3 +320,12 @@ def test_optimize_hands_the_process_objects_back_to_the_collector():
         assert not gc.isenabled() and gc.get_freeze_count() == 0
     finally:
         gc.enable()
+
+
+def test_a_model_on_meta_plans_without_an_accuracy_check():
+    """Shapes only: optimize() plans for the target and says why accuracy was not checked, instead of
+    failing on the first comparison of values that do not exist."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval().to("meta")
+    opt = graphopt.optimize(model, (torch.randn(4, 16, device="meta"),), target="h200")
+    acc = opt.report.accuracy
+    assert not acc["checked"] and "meta" in acc["reason"]

@@ -82,6 +82,26 @@ def test_the_summary_counts_against_the_best_compile_mode():
     assert "behind the best torch.compile mode: 1 (b:64)" in md
 
 
+def test_the_summary_names_slow_set_ups_untimed_passes_and_reverts_by_kind():
+    a = _row("a:1", 4.0, 2.0, 1.0)
+    a.setup_s = {"compile": 30.0, "graphopt": 12.0}  # over a third
+    a.pass_ms = {"fuse_attention": 1.2, "fuse_layer_norm": None}
+    a.reverted = {"fuse_elementwise": "reverted: the pass raised IndexError: list index out of range",
+                  "convert_channels_last": "reverted: measured 1.300 ms against 1.100 ms before it (predicted -0.2 ms)"}
+    b = _row("b:64", 2.0, 1.0, 0.9)
+    b.setup_s = {"compile": 30.0, "graphopt": 9.0}
+    b.reverted = {"assign_precision": "reverted: fails the accuracy rule (rmse 3 x the floor)"}
+    s = perf_sweep.summary([a, b])
+    assert s["setup_over_a_third_of_compile"] == ["a:1"] and s["applied_not_timed"] == {"a:1": ["fuse_layer_norm"]}
+    assert s["reverted"] == {"broken graph": {"a:1": ["fuse_elementwise"]},
+                             "measured slower": {"a:1": ["convert_channels_last"]},
+                             "accuracy rule": {"b:64": ["assign_precision"]}}
+    md = perf_sweep.to_markdown([a, b], {"date": "today", "device": "cpu", "dtype": "fp32", "reps": 5, "warmup": 1,
+                                         "command": "perf_sweep.py", "versions": {}})
+    assert "- passes reverted (broken graph): a:1: fuse_elementwise" in md
+    assert "- graphopt's set-up over a third of torch.compile's: 1 (a:1)" in md
+
+
 def test_one_config_in_a_fresh_process_gives_its_row(tmp_path):
     """The child process builds the small config, runs eager and graphopt through the bench and
     hands back its row; the sweep writes the table and its JSON."""

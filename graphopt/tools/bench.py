@@ -900,6 +900,9 @@ def _graphopt_extra(opt) -> dict:
              "pass_ms": {p.name: p.details.get("measured_ms") for p in rep.passes
                          if getattr(p, "status", "") == "applied"}}
     extra["applied"] = list(extra["pass_ms"])
+    # pass -> the one line of its revert (a measured loss, the accuracy rule, or a broken graph)
+    extra["reverted"] = {p.name: (p.notes[-1] if p.notes else "") for p in rep.passes
+                         if getattr(p, "status", "") == "reverted"}
     if runner is not None:
         extra["cuda_graph"] = runner.decision.note()
         extra["runner_stats"] = {k: v for k, v in runner.stats.items()}

@@ -255,6 +255,7 @@ class Row:
     applied: list = field(default_factory=list)
     optimize_phases: dict = field(default_factory=dict)  # optimize()'s wall time per phase (graphopt.timing)
     pass_ms: dict = field(default_factory=dict)  # applied pass -> its measured ms (the guard's), None: not timed
+    reverted: dict = field(default_factory=dict)  # reverted pass -> the one line of its revert
     seconds: float = 0.0
 
     def best_compile(self) -> tuple[str, float] | None:
@@ -313,6 +314,7 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
             row.applied = v.extra.get("applied", [])
             row.optimize_phases = v.extra.get("optimize_phases") or {}
             row.pass_ms = v.extra.get("pass_ms") or {}
+            row.reverted = v.extra.get("reverted") or {}
             row.interleaved = v.extra.get("interleaved") or {}
     return row
 
@@ -350,6 +352,17 @@ def run_isolated(cfg: PerfConfig, *, timeout_s: float, **kw) -> Row:
 
 # --------------------------------------------------------------------------- the table
 
+def revert_kind(note: str) -> str:
+    """Why a pass was undone, from its one-line revert note (graphopt.pipeline): the measured guard
+    timed it slower, it failed the accuracy rule, or the graph it left was broken (it raised, or
+    an invariant check failed)."""
+    if note.startswith("reverted: measured "):
+        return "measured slower"
+    if note.startswith("reverted: fails the accuracy rule"):
+        return "accuracy rule"
+    return "broken graph"
+
+
 def summary(rows: list[Row]) -> dict:
     done = [r for r in rows if r.status == "ok" and r.ms.get("graphopt")]
     ratios = [r.vs("best-compile") for r in done if r.vs("best-compile")]
@@ -363,6 +376,13 @@ def summary(rows: list[Row]) -> dict:
         "accuracy_failed": [r.config for r in done if r.accuracy.get("graphopt") is False],
         "returned_the_model": [r.config for r in done if r.returned == "model"],
         "predicted_within_20pct": f"{len(within)} of {len(pred)}",
+        "setup_over_a_third_of_compile": [r.config for r in done if r.setup_s.get("graphopt") and r.setup_s.get("compile")
+                                          and r.setup_s["graphopt"] > r.setup_s["compile"] / 3],
+        "applied_not_timed": {r.config: [p for p, ms in r.pass_ms.items() if ms is None] for r in done
+                              if any(ms is None for ms in r.pass_ms.values())},
+        "reverted": {kind: {r.config: [p for p, note in r.reverted.items() if revert_kind(note) == kind] for r in done
+                            if any(revert_kind(note) == kind for note in r.reverted.values())}
+                     for kind in ("broken graph", "measured slower", "accuracy rule")},
         "errors": {r.config: r.error for r in rows if r.status != "ok"},
     }
 
@@ -415,7 +435,14 @@ def to_markdown(rows: list[Row], header: dict) -> str:
               f"- slower than eager: {len(s['slower_than_eager'])} ({', '.join(s['slower_than_eager']) or 'none'})",
               f"- graphopt failing the accuracy rule: {', '.join(s['accuracy_failed']) or 'none'}",
               f"- the measured guard returned the model as given: {', '.join(s['returned_the_model']) or 'none'}",
-              f"- predictions within 20% of the measurement: {s['predicted_within_20pct']}"]
+              f"- predictions within 20% of the measurement: {s['predicted_within_20pct']}",
+              f"- graphopt's set-up over a third of torch.compile's: {len(s['setup_over_a_third_of_compile'])} "
+              f"({', '.join(s['setup_over_a_third_of_compile']) or 'none'})",
+              "- applied passes without a measured time: "
+              + ("; ".join(f"{c}: {', '.join(ps)}" for c, ps in s["applied_not_timed"].items()) or "none")]
+    for kind, by_row in s["reverted"].items():
+        lines.append(f"- passes reverted ({kind}): "
+                     + ("; ".join(f"{c}: {', '.join(ps)}" for c, ps in by_row.items()) or "none"))
     if s["errors"]:
         lines += [f"- not measured: {len(s['errors'])} ({', '.join(s['errors'])})"]
     return "\n".join(lines) + "\n"

@@ -89,9 +89,19 @@ def main(argv=None) -> int:
     p.add_argument("--gaps", action="store_true", help="also list where the device idles within one call")
     p.add_argument("--passes", help="graphopt with only these passes (comma-separated), no CUDA graph: e.g. "
                    "eliminate_dead_code,fold_constants to see what capture alone runs")
+    p.add_argument("--sweep", action="store_true", help="the model is a perf sweep config's name (e.g. inception_v3, "
+                   "hf-gpt-neox): graphopt.tools.perf_sweep.build")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
-    model, inputs = zoo.get(a.model, batch=a.batch, seq_len=a.seq_len, dtype=torch.bfloat16, device="cuda")
+    if a.sweep:
+        from graphopt.tools import perf_sweep
+
+        model, inputs = perf_sweep.build(a.model, a.batch)
+        model = model.to("cuda", torch.bfloat16)
+        move = lambda x: x.to("cuda", torch.bfloat16) if x.is_floating_point() else x.to("cuda")  # noqa: E731
+        inputs = {k: move(x) for k, x in inputs.items()} if isinstance(inputs, dict) else tuple(map(move, inputs))
+    else:
+        model, inputs = zoo.get(a.model, batch=a.batch, seq_len=a.seq_len, dtype=torch.bfloat16, device="cuda")
     lines = [f"# profile {a.model} bs{a.batch}" + (f" seq{a.seq_len}" if a.seq_len else "") + " bf16",
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}", ""]
     if a.passes:
@@ -100,12 +110,13 @@ def main(argv=None) -> int:
     else:
         opt = graphopt.optimize(model, inputs, check_accuracy=False)
     with torch.inference_mode():
-        eager = lambda: model(*inputs)  # noqa: E731
-        go = lambda: opt(*inputs)  # noqa: E731
+        call = lambda f: f(**inputs) if isinstance(inputs, dict) else f(*inputs)  # noqa: E731
+        eager = lambda: call(model)  # noqa: E731
+        go = lambda: call(opt)  # noqa: E731
         variants = [("eager", eager), ("graphopt", go)]
         if a.compile:
             comp = torch.compile(model)
-            variants.append(("torch.compile", lambda: comp(*inputs)))
+            variants.append(("torch.compile", lambda: call(comp)))
         for label, fn in variants:
             ms = statistics.median(time_call(fn, reps=a.reps, warmup=3, device="cuda")) * 1e3
             total, rows = top_kernels(fn, n=a.top)
@@ -122,6 +133,13 @@ def main(argv=None) -> int:
                 lines.append("")
         notes = [n for n in opt.report.notes if "CUDA graph" in n]
         lines += [f"- {n}" for n in notes] + [""]
+        lines += ["## passes", "", "| pass | status | measured ms | note |", "| --- | --- | ---: | --- |"]
+        for r in opt.report.passes:
+            if r.status in ("applied", "reverted"):
+                ms = r.details.get("measured_ms")
+                lines.append(f"| {r.name} | {r.status} | {'' if ms is None else f'{ms:.3f}'} | "
+                             f"{(r.notes[-1] if r.notes else '')[:160]} |")
+        lines.append("")
         if a.ablate:
             applied = [r.name for r in opt.report.passes if r.status == "applied"]
             full = statistics.median(time_call(go, reps=a.reps, warmup=3, device="cuda")) * 1e3
@@ -130,7 +148,7 @@ def main(argv=None) -> int:
             for name in applied:
                 with torch.inference_mode(False):
                     o2 = graphopt.optimize(model, inputs, check_accuracy=False, disable=[name])
-                ms = statistics.median(time_call(lambda: o2(*inputs), reps=a.reps, warmup=3, device="cuda")) * 1e3
+                ms = statistics.median(time_call(lambda: call(o2), reps=a.reps, warmup=3, device="cuda")) * 1e3
                 lines.append(f"| {name} | {ms:.3f} | {full / ms:.2f}× |")
                 del o2
             lines.append("")

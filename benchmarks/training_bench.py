@@ -5,7 +5,7 @@ model's own gradient checkpointing, with the gradients judged against float64.
                                         [--layers N] [--reps 20] [--warmup 3] [--budget 0.3]
                                         [--budget-s S] [--fp64-rows N] [--no-guard] [--device cuda|cpu]
 
-On the H200 (about 5 minutes; the JSON and Markdown are rewritten after every variant):
+On the H200 (the JSON and Markdown are rewritten after every variant; --budget-s stops starting new ones):
 
     python -m graphopt build-kernels && python benchmarks/training_bench.py --out $OUT --budget-s 450
 

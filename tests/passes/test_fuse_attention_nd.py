@@ -221,3 +221,16 @@ def test_a_scaled_operand_read_elsewhere_is_not_folded():
     (sd,) = _sdpas(gm)
     assert sd.kwargs["scale"] == 1.0 and op_counts(gm)["aten.mul.Tensor"] == 1
     assert reference_check(model, gm, args).passed
+
+
+def test_training_step_through_the_flattened_sdpa():
+    """Gradients of the parameters (the bias table included) through the flattened SDPA, against fp64."""
+    import graphopt
+    from tests.helpers import step_check
+
+    torch.manual_seed(0)
+    model = NdAttention().train()
+    args = (torch.randn(2, 3, 8, 32),)
+    opt = graphopt.optimize(model, args, training=True, passes=["fold_constants", "fuse_attention"])
+    assert opt.report.pass_result("fuse_attention").status == "applied" and _sdpas(opt.graph_module)
+    step_check(model, opt, args)

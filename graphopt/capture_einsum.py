@@ -236,7 +236,8 @@ def einsums_as_matmul(gm: fx.GraphModule) -> tuple[int, dict[str, list[str]]]:
                 out = call_(aten.permute.default, out, list(form.out_perm))
         val = out.meta["val"]
         if tuple(val.shape) != tuple(out_val.shape) or val.dtype != out_val.dtype:
-            why = f"its matmul form gives {tuple(val.shape)} {val.dtype}, the einsum {tuple(out_val.shape)} {out_val.dtype}"
+            why = (f"its matmul form gives {tuple(val.shape)} {val.dtype}, the einsum "
+                   f"{tuple(out_val.shape)} {out_val.dtype}")
         elif _dense_strides(val) != _dense_strides(out_val) and (reader := _stride_dependent_reader(node)) is not None:
             why = (f"its matmul form lays the result out with strides {tuple(val.stride())} (the einsum's: "
                    f"{tuple(out_val.stride())}) and {reader.name} depends on them")

@@ -53,11 +53,13 @@ def one(name, batch, device, dtype, target) -> dict:
     run_passes(gm, ["eliminate_dead_code", "fold_constants"])
     (res,) = run_passes(gm, ["fuse_attention"], target=target)
     row["after_fuse_attention"] = _counts(gm)
-    row["fuse_attention"] = {"status": res.status, "rewrites": dict(collections.Counter(r.pattern for r in res.rewrites)),
+    rewrites = dict(collections.Counter(r.pattern for r in res.rewrites))
+    row["fuse_attention"] = {"status": res.status, "rewrites": rewrites,
                              "rejected": [f"{r.candidate}: {r.reason}" for r in res.rejected]}
     row["pass_accuracy"] = _check(model, gm, (x,))
     # fp32: the graph stays fp32 (the rule's fp32 tolerance applies); bf16: the model is bf16 already
-    opt = graphopt.optimize(model, (x,), target=target, measure=False, precision="fp32" if dtype == torch.float32 else "auto")
+    precision = "fp32" if dtype == torch.float32 else "auto"
+    opt = graphopt.optimize(model, (x,), target=target, measure=False, precision=precision)
     row["optimized"] = _counts(opt.graph_module)
     row["optimize_guard_accuracy"] = opt.report.accuracy.get("passed")
     row["optimize_accuracy"] = _check(model, opt, (x,))

@@ -75,7 +75,8 @@ def _run(model, args, dtype=torch.float32, dynamic=None):
 
 
 def _sdpas(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default]
+    sdpa = aten.scaled_dot_product_attention.default
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is sdpa]
 
 
 def _left(gm):

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ir, timing
+from .capture_einsum import einsums_as_matmul
 from .capture_mha import MhaCapture, batch_first_sdpa, resolve_mode
 from .errors import CaptureError, traceback_requested
 
@@ -532,9 +533,10 @@ def _functional_variant(op: torch._ops.OpOverload):
 def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
     """In-place ops on intermediates -> functional ops; dropout that is the identity as called
     (every spelling, :func:`remove_eval_dropout`) and export's dtype assertions on intermediates
-    removed."""
+    removed; einsums that are batched matrix products in matmul form (graphopt.capture_einsum)."""
     g = gm.graph
     changed = remove_eval_dropout(gm) > 0
+    _einsums_as_matmul(gm, info)
     roots: dict = {}
     kept: dict = {}  # input name -> the in-place ops writing into it
     for node in list(g.nodes):
@@ -580,6 +582,16 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
     gm.meta[ir.MUTATIONS] = ir.mutation_signature(gm)
     if gm.meta[ir.MUTATIONS] and ir.mutation_order_violation(gm) is not None:
         gm.meta[ir.MUTATION_ORDER_EXEMPT] = True
+
+
+def _einsums_as_matmul(gm: fx.GraphModule, info: CaptureInfo | None) -> None:
+    n, kept = einsums_as_matmul(gm)
+    if info is None:
+        return
+    if n:
+        info.notes.append(f"{n} einsum(s) that are batched matrix products captured as matmul")
+    for why, names in kept.items():
+        info.notes.append(f"einsum {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} kept as einsum: {why}")
 
 
 # dropout spellings whose eager kernel returns its input itself when not training or when p == 0

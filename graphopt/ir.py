@@ -201,6 +201,35 @@ def is_contiguous(ti: TensorInfo | None) -> bool:
     return True
 
 
+def reshape_is_view(ti: TensorInfo | None, new_shape) -> bool:
+    """Whether ``reshape(t, new_shape)`` returns a view of ``t`` (torch's rule, ATen's
+    computeStride: each run of dims merged or split must be one stride-compatible chunk); False
+    where a size or stride is symbolic or unknown."""
+    if ti is None or ti.stride is None:
+        return False
+    old, strides, new = ti.shape, ti.stride, tuple(new_shape)
+    if not all(type(d) is int for d in (*old, *strides, *new)):
+        return False
+    if math.prod(old) != math.prod(new):
+        return False
+    if math.prod(old) == 0 or not old:
+        return True
+    view_d = len(new) - 1
+    base = strides[-1]
+    t_numel = v_numel = 1
+    for d in range(len(old) - 1, -1, -1):
+        t_numel *= old[d]
+        if d == 0 or (old[d - 1] != 1 and strides[d - 1] != t_numel * base):
+            while view_d >= 0 and (v_numel < t_numel or new[view_d] == 1):
+                v_numel *= new[view_d]
+                view_d -= 1
+            if v_numel != t_numel:
+                return False
+            if d > 0:
+                base, t_numel, v_numel = strides[d - 1], 1, 1
+    return view_d == -1
+
+
 RANDOM_OPS = frozenset({
     "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand", "randn",
     "rand_like", "randn_like", "randint", "randint_like", "randperm", "normal", "uniform",

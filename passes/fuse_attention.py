@@ -12,6 +12,18 @@ Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
 
     -> scaled_dot_product_attention(q, k, v, attn_mask=mask | None, is_causal=..., scale=c | 1/c | 1.0)
 
+* q, k, v are [B, H, S, D] or have more leading batch dims [*L, H, S, D] (MaxViT's [B, G, H, P, D]),
+  the same L for all three. With more than one batch dim the SDPA call is 4-D (the fused kernels take
+  only that): q, k, v are ``flatten``-ed over L and its output ``unflatten``-ed back; both are reshapes,
+  correct for any strides and views where the strides allow (the cost model prices a flatten that
+  must copy as a copy). The mask, padded to the scores' rank, is flattened over L alike when it
+  broadcasts over all of L or none of it (a view), and expanded over L first (a copy, priced) when it
+  broadcasts over part of it. At most one dim of L may be symbolic (unflatten takes one -1).
+* Attention written with einsum is matched through capture, which spells a batched-matrix-product
+  einsum (``"bghid,bghjd->bghij"``, ``"...id,...jd->...ij"``) as ``matmul`` (graphopt.capture_einsum).
+* A literal factor q or k is multiplied (or divided) by and that nothing else reads (MaxViT's
+  ``k * feat_dim ** -0.5``) goes into SDPA's scale: (c q) k^T = c (q k^T).
+
 * ``repeat_kv`` written as ``reshape(expand(unsqueeze(kv, 2), [B, Hkv, n, S, D]), [B, Hkv*n, S, D])``
   on BOTH K and V is removed and SDPA gets ``enable_gqa=True`` with the un-repeated K/V (SDPA's GQA
   maps query head h to kv head h // n, the same as repeat_kv's expand over a new dim 2). The shapes
@@ -40,12 +52,14 @@ bf16) computes in bf16; SDPA is more precise. The pass checks that the output dt
 Refused, with the reason recorded: softmax over another dim; scores or probabilities read outside
 the pattern (e.g. attention weights returned by ``output_attentions``); masks of unsupported
 shape/dtype; a scale that is not a literal or one-element constant; dropout that is active (rng);
-q/k/v that are not 4-D or whose shapes do not line up.
+q/k/v with fewer than 4 dims, of different ranks or batch dims (matmul would broadcast them), or whose
+shapes do not line up; more than one symbolic batch dim; a mask broadcast over part of a symbolic L.
 
 Cost: SDPA does not materialize the S x S scores; its bytes are q, k, v, mask and the output (the cost
 model's ATTENTION_OPS rule), its FLOPs 4*B*H*Sq*Sk*D (halved when causal). The gain is the predicted
-time of the matched nodes (both matmuls, scale, mask add, softmax, cast, the repeat_kv copies) minus
-that of the SDPA node, estimated by building it in a scratch graph.
+time of the matched nodes (both matmuls, scale, mask add, softmax, cast, the repeat_kv copies, a
+folded operand scale) minus that of the SDPA node and any flatten/expand around it, estimated by
+building them in a scratch graph.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.matcher import Alt, Any, Attr, Const, Match, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+from ._fusion_meta import GraphBuilder, set_meta
 from .fold_constants import Constants, constant_value
 
 aten = torch.ops.aten
@@ -231,9 +246,10 @@ class FuseAttention(Pass):
             except Refuse as e:
                 res.reject(f"attention at {m['softmax'].name}", str(e))
                 continue
-            gain = ctx.node_time(plan["removed"]) - self._sdpa_time(ctx, plan)
+            gain = ctx.node_time(plan["removed"]) - self._replacement_time(ctx, plan)
             candidates.append(Candidate(
-                "attention->sdpa" + ("+gqa" if plan["gqa"] else "") + ("+causal" if plan["causal"] else ""),
+                "attention->sdpa" + ("+gqa" if plan["gqa"] else "") + ("+causal" if plan["causal"] else "")
+                + (f"+batch dims flattened ({plan['rank']}-D)" if plan["flat"] else ""),
                 plan["removed"], gain, lambda p=plan: self._apply(gm, p),
                 label=f"attention {m['qk'].name}..{m['pv'].name}"))
         causal_folds = []
@@ -305,22 +321,23 @@ class FuseAttention(Pass):
         qk, sm, pv = m["qk"], m["softmax"], m["pv"]
         q = m["q"]
         qs = _shape(q)
-        if len(qs) != 4:
-            raise Refuse(f"q {q.name} is {len(qs)}-D; only [B, H, S, D] attention is rewritten")
+        rank = len(qs)
+        if rank < 4:
+            raise Refuse(f"q {q.name} is {rank}-D; attention is rewritten for [B, H, S, D] or more leading batch dims")
         qi = ir.info(q)
         if not qi.dtype.is_floating_point:
             raise Refuse(f"q has dtype {qi.dtype}")
         # the K transpose swaps exactly the last two dims
         kt = m["kt"]
         if kt.target is aten.transpose.int:
-            dims = sorted(d % 4 for d in (m["kt_d0"], m["kt_d1"]))
-            if dims != [2, 3]:
+            dims = sorted(d % rank for d in (m["kt_d0"], m["kt_d1"]))
+            if dims != [rank - 2, rank - 1]:
                 raise Refuse(f"{kt.name} transposes dims {dims}, not the last two")
-        elif list(d % 4 for d in m["kt_perm"]) != [0, 1, 3, 2]:
+        elif list(d % rank for d in m["kt_perm"]) != list(range(rank - 2)) + [rank - 1, rank - 2]:
             raise Refuse(f"{kt.name} permutes {list(m['kt_perm'])}, not a swap of the last two dims")
         # softmax over the key dim, in q's dtype or fp32
         dim = m["dim"]
-        if not isinstance(dim, int) or dim % 4 != 3:
+        if not isinstance(dim, int) or dim % rank != rank - 1:
             raise Refuse(f"softmax {sm.name} is over dim {dim}, not the last (key) dim")
         sm_dtype = ir.info(sm).dtype
         if sm_dtype not in (qi.dtype, torch.float32):
@@ -355,20 +372,30 @@ class FuseAttention(Pass):
             k = k_rep if k_rep is not None else m["k"]
             v = v_rep if v_rep is not None else m["v"]
         ks, vs = _shape(k), _shape(v)
-        if len(ks) != 4 or len(vs) != 4:
-            raise Refuse("k/v are not 4-D")
-        if ks[0] != qs[0] or vs[0] != qs[0] or ks[3] != qs[3] or ks[2] != vs[2] or ks[1] != vs[1]:
+        if len(ks) != rank or len(vs) != rank:
+            raise Refuse(f"q is {rank}-D, k {len(ks)}-D, v {len(vs)}-D")
+        lead = tuple(qs[:-3])
+        if tuple(ks[:-3]) != lead or tuple(vs[:-3]) != lead:
+            raise Refuse(f"the batch dims of q {qs}, k {ks}, v {vs} differ (matmul broadcasts them, SDPA's kernels "
+                         "take them equal)")
+        if ks[-1] != qs[-1] or ks[-2] != vs[-2] or ks[-3] != vs[-3]:
             raise Refuse(f"shapes do not line up: q {qs}, k {ks}, v {vs}")
-        if not gqa and ks[1] != qs[1]:
-            raise Refuse(f"q has {qs[1]} heads, k/v {ks[1]} (not a repeat_kv spelling)")
+        if not gqa and ks[-3] != qs[-3]:
+            raise Refuse(f"q has {qs[-3]} heads, k/v {ks[-3]} (not a repeat_kv spelling)")
         for t in (k, v):
             if ir.info(t).dtype != qi.dtype:
                 raise Refuse(f"{t.name} is {ir.info(t).dtype}, q is {qi.dtype}")
         scores_shape = _shape(qk)
-        if tuple(scores_shape) != (qs[0], qs[1], qs[2], ks[2]) or tuple(_shape(pv)) != (qs[0], qs[1], qs[2], vs[3]):
+        if tuple(scores_shape) != tuple(qs[:-1]) + (ks[-2],) or tuple(_shape(pv)) != tuple(qs[:-1]) + (vs[-1],):
             raise Refuse(f"scores {scores_shape} / output {_shape(pv)} do not line up with q {qs}, k {ks}, v {vs}")
-        # scale
+        # scale: on the scores, and a literal factor q or k was multiplied by just for this product
         scale = self._scale(gm, m)
+        inside = set(m.nodes)
+        q, q_factor, q_mul = _scaled_operand(q, inside, qi.dtype)
+        k, k_factor, k_mul = _scaled_operand(k, inside, qi.dtype)
+        scale = scale * q_factor * k_factor
+        if scale == 0:
+            raise Refuse("the scale is 0")
         # mask
         mask, causal, dropped = None, False, None
         if m.get("mask_add") is not None:
@@ -390,10 +417,10 @@ class FuseAttention(Pass):
                 kind = self._mask_kind(value)
                 if kind == "empty":
                     mask, dropped = None, mask
-                elif kind == "causal" and qs[2] == ks[2] and value.shape[-1] == ks[2] and value.shape[-2] == qs[2]:
+                elif kind == "causal" and qs[-2] == ks[-2] and value.shape[-1] == ks[-2] and value.shape[-2] == qs[-2]:
                     mask, causal, dropped = None, True, mask
+        flat = self._flattening(qs, mask) if rank > 4 else None
         # nodes reading the scores / probabilities outside the pattern
-        inside = set(m.nodes)
         asserts = []
         for n in m.nodes[1:]:
             for u in n.users:
@@ -408,8 +435,37 @@ class FuseAttention(Pass):
                 raise Refuse(f"the {what} {n.name} are also read by {u.name} (e.g. output_attentions); "
                              "SDPA does not produce them")
         removed = [n for n in m.nodes if unrepeated or n not in repeat_nodes] + asserts
+        removed += [n for n in dict.fromkeys((q_mul, k_mul)) if n is not None]
         return {"kind": "explicit", "q": q, "k": k, "v": v, "mask": mask, "causal": causal, "scale": scale,
-                "gqa": gqa, "root": pv, "removed": removed, "dropped_mask": dropped}
+                "gqa": gqa, "root": pv, "removed": removed, "dropped_mask": dropped, "rank": rank, "flat": flat}
+
+    @staticmethod
+    def _flattening(qs: tuple, mask) -> dict:
+        """How a [*L, H, S, D] attention (len(L) > 1) runs as one 4-D SDPA: q, k, v and the output
+        flattened over L (``flatten``/``unflatten``: correct for any strides, views where the
+        strides allow), the mask flattened alike (a view where it broadcasts over all of L or none
+        of it; expanded over L first, a copy, where it broadcasts over some of L)."""
+        rank, lead = len(qs), tuple(qs[:-3])
+        symbolic = [d for d in lead if not isinstance(d, int)]
+        if len(symbolic) > 1:
+            raise Refuse(f"{len(symbolic)} of the batch dims {lead} are symbolic; unflattening the output needs "
+                         "all but one known")
+        flat = {"end": rank - 4, "lead": [d if isinstance(d, int) else -1 for d in lead],
+                "mask_expand": None, "mask_end": None}
+        if mask is None:
+            return flat
+        ms = tuple(_shape(mask))
+        mlead = (1,) * (rank - len(ms)) + ms[:-3] if len(ms) > 3 else (1,) * (rank - 3)
+        if all(d == 1 for d in mlead) or mlead == lead:  # broadcast over all of L, or none of it: a view
+            if len(ms) > 4:
+                flat["mask_end"] = len(ms) - 4
+            return flat
+        if symbolic:
+            raise Refuse(f"the mask {mask.name} {ms} broadcasts over some of the batch dims {lead}; expanding it "
+                         "over them needs their sizes known")
+        flat["mask_expand"] = list(lead) + [-1, -1, -1]
+        flat["mask_end"] = rank - 4
+        return flat
 
     @staticmethod
     def _repeat_factor(m: Match, p: str):
@@ -455,7 +511,7 @@ class FuseAttention(Pass):
             if u in seen:
                 continue
             seen.add(u)
-            if u.target in (aten.matmul.default, aten.bmm.default):
+            if u.target in (aten.matmul.default, aten.bmm.default, aten.einsum.default):
                 matmuls.append(u)
             elif u.target in CASTS + (aten.dropout.default, aten.native_dropout.default, operator.getitem):
                 frontier.extend(u.users)
@@ -467,6 +523,9 @@ class FuseAttention(Pass):
             return (f"the attention probabilities {sm.name} are read {len(consumers)} times "
                     f"({', '.join(u.name for u in consumers)}); SDPA does not produce them")
         for mm in matmuls:
+            if mm.target is aten.einsum.default:
+                return (f"the probabilities are multiplied by einsum {mm.name} {mm.args[0]!r}, not a batched matrix "
+                        "product (capture keeps it as einsum; its notes say why)")
             mt = Match(root=mm)
             if not PATTERN.match(mm, mt):
                 return f"not the matmul-scale-mask-softmax-matmul spelling at {mm.name}: {mt.why}"
@@ -474,9 +533,10 @@ class FuseAttention(Pass):
 
     # ------------------------------------------------------------------ cost
 
-    def _sdpa_time(self, ctx, plan) -> float:
-        args = (plan["q"], plan["k"], plan["v"], plan["mask"], 0.0, plan["causal"])
-        return self._time_of(ctx, plan["root"], args, {"scale": plan["scale"], "enable_gqa": plan["gqa"]})
+    def _replacement_time(self, ctx, plan) -> float:
+        r = ctx.replacement()
+        _emit(r, plan)
+        return r.time()
 
     @staticmethod
     def _time_of(ctx, like: fx.Node, args, kwargs) -> float:
@@ -489,12 +549,13 @@ class FuseAttention(Pass):
     def _apply(gm, plan) -> fx.Node:
         g = gm.graph
         root = plan["root"]
-        kwargs = {"scale": plan["scale"]}
-        if plan["gqa"]:
-            kwargs["enable_gqa"] = True
+        b = _Recorder(g)
         with g.inserting_before(root):
-            new = g.call_function(SDPA, (plan["q"], plan["k"], plan["v"], plan["mask"], 0.0, plan["causal"]), kwargs)
-        new.meta["val"] = root.meta.get("val")
+            new = _emit(b, plan)
+        if plan["flat"]:
+            set_meta(gm, b.nodes)
+        else:
+            new.meta["val"] = root.meta.get("val")
         ir.replace_with(root, new)
         ir.erase_dead(gm, plan["removed"])
         _erase_unread(gm, plan["dropped_mask"])  # the constant causal mask and what built it, now unread
@@ -530,6 +591,54 @@ class FuseAttention(Pass):
         g.erase_node(sd)
         _erase_unread(gm, mask)
         return new
+
+
+def _emit(b, plan) -> fx.Node:
+    """The SDPA call (and, for more than one batch dim, the flattening around it) that replaces
+    the matched attention, built by ``b.call`` (a Replacement to price it, a builder to make it)."""
+    q, k, v, mask, flat = plan["q"], plan["k"], plan["v"], plan["mask"], plan["flat"]
+    kwargs = {"scale": plan["scale"]}
+    if plan["gqa"]:
+        kwargs["enable_gqa"] = True
+    if flat:
+        q, k, v = (b.call(aten.flatten.using_ints, t, 0, flat["end"]) for t in (q, k, v))
+        if mask is not None and flat["mask_expand"] is not None:
+            mask = b.call(aten.expand.default, mask, flat["mask_expand"])
+        if mask is not None and flat["mask_end"] is not None:
+            mask = b.call(aten.flatten.using_ints, mask, 0, flat["mask_end"])
+    out = b.call(SDPA, q, k, v, mask, 0.0, plan["causal"],
+                 val=None if flat else plan["root"].meta.get("val"), **kwargs)
+    if flat:
+        out = b.call(aten.unflatten.int, out, 0, flat["lead"])
+    return out
+
+
+class _Recorder(GraphBuilder):
+    """A GraphBuilder that keeps the nodes it made (for their metadata)."""
+
+    def __init__(self, g: fx.Graph):
+        super().__init__(g)
+        self.nodes: list[fx.Node] = []
+
+    def call(self, target, *args, val=None, **kwargs) -> fx.Node:
+        n = super().call(target, *args, **kwargs)
+        self.nodes.append(n)
+        return n
+
+
+def _scaled_operand(node, inside: set, dtype: torch.dtype):
+    """``(x, c, node)`` when ``node`` is ``x * c`` or ``x / c`` for a literal c (MaxViT scales k
+    so) read only by the matched attention, with x of ``dtype``: the factor goes into SDPA's
+    scale. Else ``(node, 1.0, None)``."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
+            and len(node.args) == 2 and not node.kwargs and all(u in inside for u in node.users)):
+        return node, 1.0, None
+    x, c = node.args
+    if not isinstance(x, fx.Node) or not _number(c) or c == 0 or ir.info(x) is None or ir.info(x).dtype != dtype \
+            or tuple(ir.info(x).shape) != tuple(_shape(node)):
+        return node, 1.0, None
+    return x, (float(c) if node.target in (aten.mul.Tensor, aten.mul.Scalar) else 1.0 / float(c)), node
 
 
 def _unrepeated(node):

@@ -419,7 +419,8 @@ class CostModel:
         if name in MAYBE_VIEW_OPS:
             src = ins[0] if ins else None
             same = src is not None and outs[0].dtype == src.dtype and outs[0].device == src.device
-            if same and (name not in ("contiguous", "reshape", "flatten") or ir.is_contiguous(src)):
+            if same and (name not in ("contiguous", "reshape", "flatten") or ir.is_contiguous(src)
+                         or (name != "contiguous" and ir.reshape_is_view(src, outs[0].shape))):
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
         if name in MATMUL_OPS:

@@ -345,7 +345,7 @@ PIPELINE: tuple[str, ...] = (
     # lower
     "conv_space_to_depth",
     "fuse_conv_relu",
-    "lower_max_pool",
+    "lower_pool",
     "lower_attention",
     "lower_decode_attention",
     "lower_split_k",

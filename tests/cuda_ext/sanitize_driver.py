@@ -33,6 +33,8 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
     for shape, k, st, pd in [((2, 64, 13, 11), 3, 2, 1), ((1, 3, 7, 7), 3, 2, 1), ((1, 40, 9, 9), 5, 3, 2)]:
         ce.max_pool2d_nhwc(r(*shape).contiguous(memory_format=torch.channels_last), k, st, pd)
         ce.max_pool2d_nhwc(r(*shape), k, st, pd)
+        ce.avg_pool2d_nhwc(r(*shape).contiguous(memory_format=torch.channels_last), k, st, pd, True)
+        ce.avg_pool2d_nhwc(r(*shape), k, st, pd, False)
     for B, Hq, Hk, S, D, R in [(2, 4, 2, 7, 64, 64), (1, 3, 1, 1, 10, 4), (2, 4, 2, 33, 128, 64)]:
         q, k = r(B, S, Hq, D).transpose(1, 2), r(B, S, Hk, D).transpose(1, 2)
         ce.rotary(q, k, r(1, S, R), r(1, S, R), True)

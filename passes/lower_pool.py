@@ -1,15 +1,17 @@
-"""lower_max_pool: max_pool2d over a channels_last tensor -> graphopt::max_pool2d_nhwc.
+"""lower_pool: max_pool2d / avg_pool2d over a channels_last tensor -> graphopt::max_pool2d_nhwc /
+graphopt::avg_pool2d_nhwc.
 
-aten's channels_last max_pool2d kernel moves its bytes far below the copy rate (the profile's
-``op_efficiency["pool"]``, measured by ``graphopt calibrate``). The bundled kernel
-(cuda_ext/csrc/pool.cu) gives each thread one output pixel and a 16-byte vector of channels, so a
+aten's channels_last pooling kernels move their bytes far below the copy rate (the profile's
+``op_efficiency["pool"]``, measured by ``graphopt calibrate``). The bundled kernels
+(cuda_ext/csrc/pool.cu) give each thread one output pixel and a 16-byte vector of channels, so a
 window's reads are vector loads of adjacent channels.
 
-Exact (a max is a max: the values are compared in float and stored back unchanged; padding is
-left out of the window as aten's -inf padding is; a NaN in a window gives NaN as in aten).
-Applies to ``max_pool2d`` with a square kernel, stride and padding, dilation 1, floor mode, over
-a dense channels_last 4-D input in fp32/bf16/fp16, on a CUDA profile, in inference graphs (the op
-has no backward); cost-gated like every rewrite.
+max_pool2d is exact (a max is a max: the values are compared in float and stored back unchanged;
+padding is left out of the window as aten's -inf padding is; a NaN in a window gives NaN as in
+aten). avg_pool2d sums in fp32 and rounds once, as aten's kernels do, with aten's divisor
+(count_include_pad or not). Applies to a square kernel, stride and padding, dilation 1, floor
+mode (and no divisor override) over a dense channels_last 4-D input in fp32/bf16/fp16, on a CUDA
+profile, in inference graphs (the ops have no backward); cost-gated like every rewrite.
 """
 
 from __future__ import annotations
@@ -47,16 +49,20 @@ def dense_channels_last(t: ir.TensorInfo) -> bool:
     return all(s == e or d == 1 for s, e, d in zip(t.stride, want, t.shape)) and c != 1
 
 
+POOLS = (aten.max_pool2d.default, aten.avg_pool2d.default)
+
+
 @register
-class LowerMaxPool(Pass):
-    name = "lower_max_pool"
+class LowerPool(Pass):
+    name = "lower_pool"
     family = "lower"
-    description = "max_pool2d over channels_last -> graphopt::max_pool2d_nhwc (aten's NHWC pool runs at 14% of the copy rate)"
-    inference_only = True  # the bundled op has no backward
+    description = ("max_pool2d / avg_pool2d over channels_last -> graphopt::max_pool2d_nhwc / avg_pool2d_nhwc "
+                   "(aten's NHWC pooling runs far below the copy rate)")
+    inference_only = True  # the bundled ops have no backward
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        pools = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.max_pool2d.default]
+        pools = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in POOLS]
         if not pools:
             return res
         if ctx.cost.device_kind != "cuda":
@@ -72,7 +78,16 @@ class LowerMaxPool(Pass):
         s = _square(get_arg(node, 2, "stride"), k)
         p = _square(get_arg(node, 3, "padding"), 0)
         d = _square(get_arg(node, 4, "dilation"), 1)
-        ceil = get_arg(node, 5, "ceil_mode") or False
+        avg = node.target is aten.avg_pool2d.default
+        if avg:  # avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+            d, ceil = 1, get_arg(node, 4, "ceil_mode") or False
+            include_pad = get_arg(node, 5, "count_include_pad")
+            include_pad = True if include_pad is None else bool(include_pad)
+            if get_arg(node, 6, "divisor_override") is not None:
+                res.reject(node.name, "a divisor override (the kernel divides by the window's size)")
+                return None
+        else:
+            ceil = get_arg(node, 5, "ceil_mode") or False
         label = node.name
         if k is None or s is None or p is None or d != 1 or ceil:
             res.reject(label, "not a square, undilated, floor-mode window (the kernel's case)")
@@ -88,15 +103,18 @@ class LowerMaxPool(Pass):
             res.reject(label, "the input is not a dense channels_last tensor (convert_channels_last lays CNNs out so)")
             return None
         old = ctx.node_time([node])
-        new = ctx.price(torch.ops.graphopt.max_pool2d_nhwc.default, x, k, s, p, val=node.meta.get("val"))
-        return Candidate(f"max_pool2d {k}x{k}/{s} -> max_pool2d_nhwc", [node], old - new,
-                         lambda: self._apply(gm, node, k, s, p), label=label)
+        op, args = ((torch.ops.graphopt.avg_pool2d_nhwc.default, (x, k, s, p, include_pad)) if avg
+                    else (torch.ops.graphopt.max_pool2d_nhwc.default, (x, k, s, p)))
+        new = ctx.price(op, *args, val=node.meta.get("val"))
+        kind = "avg" if avg else "max"
+        return Candidate(f"{kind}_pool2d {k}x{k}/{s} -> {kind}_pool2d_nhwc", [node], old - new,
+                         lambda: self._apply(gm, node, op, args), label=label)
 
     @staticmethod
-    def _apply(gm, node, k, s, p):
+    def _apply(gm, node, op, args):
         g = gm.graph
         with g.inserting_before(node):
-            new = g.call_function(torch.ops.graphopt.max_pool2d_nhwc.default, (node.args[0], k, s, p))
+            new = g.call_function(op, args)
         node.replace_all_uses_with(new)
         g.erase_node(node)
         return new

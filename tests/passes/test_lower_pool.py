@@ -34,11 +34,11 @@ def _x(dtype=torch.bfloat16, n=8, hw=(113, 110)):  # big enough that aten's slow
 def test_channels_last_max_pool_lowered_exactly(dtype):
     m = _model(dtype=dtype)
     gm = capture(m, (_x(dtype, n=1, hw=(9, 8)),))
-    (res,) = run_passes(gm, ["lower_max_pool"], target="h200")
+    (res,) = run_passes(gm, ["lower_pool"], target="h200")
     assert not res.rewrites and "gain" in res.rejected[0].reason  # launch-bound either way
     x = _x(dtype)
     gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["lower_max_pool"], target="h200")
+    (res,) = run_passes(gm, ["lower_pool"], target="h200")
     assert len(res.rewrites) == 1 and res.rewrites[0].predicted_gain_s > 0
     counts = op_counts(gm)
     assert counts.get(POOL) == 1 and "aten.max_pool2d.default" not in counts
@@ -64,7 +64,7 @@ def test_whole_pipeline_on_a_resnet_block_lowers_the_pool():
 def test_windows_the_kernel_does_not_cover_are_refused(pool, why):
     m, x = _model(pool), _x()
     gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["lower_max_pool"], target="h200")
+    (res,) = run_passes(gm, ["lower_pool"], target="h200")
     assert not res.rewrites and why in res.rejected[0].reason, res.rejected
     assert "aten.max_pool2d.default" in op_counts(gm)
 
@@ -73,14 +73,14 @@ def test_nchw_input_cpu_profile_and_training_are_left_to_aten():
     m = _model().to(memory_format=torch.contiguous_format)
     x = _x().contiguous()
     gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["lower_max_pool"], target="h200")
+    (res,) = run_passes(gm, ["lower_pool"], target="h200")
     assert not res.rewrites and "channels_last" in res.rejected[0].reason
     m, x = _model(), _x()
     gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["lower_max_pool"], target="cpu")
+    (res,) = run_passes(gm, ["lower_pool"], target="cpu")
     assert not res.rewrites and "CUDA" in res.rejected[0].reason
     gm = capture(m.train(), (x,))
-    (res,) = run_passes(gm, ["lower_max_pool"], target="h200", training=True)
+    (res,) = run_passes(gm, ["lower_pool"], target="h200", training=True)
     assert res.status == "skipped" and "aten.max_pool2d.default" in op_counts(gm)
 
 
@@ -92,3 +92,32 @@ def test_lowered_pool_runs_the_cuda_kernel_exactly():
     with torch.no_grad():
         torch.testing.assert_close(opt(x), m(x), rtol=1e-2, atol=1e-2)  # the fused conv rounds differently
     assert opt.report.accuracy["passed"]
+
+
+AVG = "graphopt.avg_pool2d_nhwc.default"
+
+
+@pytest.mark.parametrize("include_pad", [True, False])
+def test_channels_last_avg_pool_lowered_with_atens_divisor(include_pad):
+    """Inception's branch pool (3x3, stride 1, padding 1): lowered, and by the accuracy rule
+    against fp64 the same as aten's average, with the padding counted or not."""
+    m = _model(nn.AvgPool2d(3, 1, 1, count_include_pad=include_pad))
+    x = _x()
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["lower_pool"], target="h200")
+    assert len(res.rewrites) == 1 and "avg_pool2d_nhwc" in res.rewrites[0].pattern
+    (node,) = [n for n in gm.graph.nodes if str(n.target) == AVG]
+    assert list(node.args[1:]) == [3, 1, 1, include_pad] and "aten.avg_pool2d.default" not in op_counts(gm)
+    assert reference_check(m, gm, (x,)).passed
+    edge = torch.ones(1, 8, 5, 5, dtype=torch.float64).to(memory_format=CL)  # the divisor shows at the border
+    y = torch.ops.graphopt.avg_pool2d_nhwc(edge, 3, 1, 1, include_pad)
+    assert y[0, 0, 0, 0].item() == pytest.approx(4 / 9 if include_pad else 1.0)
+
+
+def test_avg_pools_the_kernel_does_not_cover_are_refused():
+    for pool, why in [(nn.AvgPool2d(3, 1, 1, divisor_override=4), "divisor override"),
+                      (nn.AvgPool2d(3, 2, 1, ceil_mode=True), "floor-mode")]:
+        m, x = _model(pool), _x()
+        gm = capture(m, (x,))
+        (res,) = run_passes(gm, ["lower_pool"], target="h200")
+        assert not res.rewrites and why in res.rejected[0].reason, res.rejected

@@ -172,14 +172,20 @@ FIT = {"classes": {"gemm": {"knots": [-14.0, -10.0], "log_factor": [math.log(2.0
                    "view": {"fixed_s": 3e-6, "n_fixed": 9, "n": 0}}}
 
 
+@pytest.fixture(scope="module")
+def net():
+    torch.manual_seed(0)
+    return capture(Net().eval(), (torch.randn(32, 64), torch.randn(2, 8, 10, 10)))
+
+
 @pytest.mark.parametrize("profile, mode", [("cpu", "eager"), ("h200", "eager"), ("h200", "graphed")])
 @pytest.mark.parametrize("reuse", [False, True])
-def test_a_record_replays_the_cost_models_whole_call(monkeypatch, profile, mode, reuse):
+def test_a_record_replays_the_cost_models_whole_call(monkeypatch, net, profile, mode, reuse):
     """A whole call replayed from a graph's record, under any class fit, is what CostModel.execution_cost
     gives for the graph (the left-after-replay tail included)."""
     tail_nodes = ir.tail_nodes
     monkeypatch.setattr(ir, "tail_nodes", lambda gm, min_bytes=0: tail_nodes(gm, 0))
-    gm = capture(Net().eval(), (torch.randn(32, 64), torch.randn(2, 8, 10, 10)))
+    gm = net
     base = replace(get_profile(profile)[0], op_class_fit={})
     run = ConfigRun("net:1", False, gm=gm, hints=ir.shape_hints(gm), execution=mode, reuse_outputs=reuse,
                     node_s={n.name: 1e-5 for n in gm.graph.nodes if n.op == "call_function"}, whole_s=1e-3)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from graphopt.cost.ops import register_op_cost
+from graphopt.cost.ops import register_op_class, register_op_cost
 
 NAMESPACE = "graphopt"
 ROOT = Path(__file__).resolve().parent
@@ -45,6 +45,8 @@ class OpDef:
     kernel: str  # the CUDA kernel's source, relative to cuda_ext/ (csrc/<file> or <file>.py)
     cuda: Callable | None  # the CUDA implementation in Python (a Triton kernel's dispatch); None: csrc/ registers it
     module: str
+    # (graphopt.cost.ops.OpCall) -> the op class of the ATen op it replaces (graphopt.cost.opclass), or None
+    op_class: Callable | None = None
 
     @property
     def compiled(self) -> bool:
@@ -53,12 +55,14 @@ class OpDef:
 
 
 def define_op(schema: str, *, reference: Callable, fake: Callable, wrapper: Callable, cost: Callable, kernel: str,
-              cuda: Callable | None = None) -> OpDef:
+              cuda: Callable | None = None, op_class: Callable | None = None) -> OpDef:
     """Declare the op ``schema`` names (called once, at the end of its module in ``ops/``, which
     is named after the op). ``kernel``: where its CUDA kernel is, relative to cuda_ext/; a
     ``csrc/`` source registers the CUDA implementation itself (``TORCH_LIBRARY_IMPL``), else
     ``cuda`` is the Python function that dispatches to it (calling ``reference`` where the kernel
-    does not take the arguments)."""
+    does not take the arguments). ``op_class``: for an op that replaces a convolution, GEMM or
+    attention, the class of that ATen op for a call (graphopt.cost.ops.register_op_class), so
+    the cost model's per-class corrections keep, say, grouped convolutions apart from dense ones."""
     name = schema.split("(", 1)[0].strip()
     module = wrapper.__module__
     if module.rsplit(".", 1)[-1] != name:
@@ -68,9 +72,11 @@ def define_op(schema: str, *, reference: Callable, fake: Callable, wrapper: Call
                            f"kernel needs a Python cuda= dispatch (kernel={kernel!r})")
     if not (ROOT / kernel).is_file():
         raise RuntimeError(f"graphopt::{name}: kernel source {kernel} does not exist")
-    op = OpDef(name, schema, reference, fake, wrapper, cost, kernel, cuda, module)
+    op = OpDef(name, schema, reference, fake, wrapper, cost, kernel, cuda, module, op_class)
     _OPS[name] = op
     register_op_cost(name, cost)
+    if op_class is not None:
+        register_op_class(name, op_class)
     return op
 
 

@@ -89,3 +89,8 @@ class KernelArgumentError(GraphoptError, ValueError):
 class GenerationError(GraphoptError):
     """graphopt.optimize_generation or Generator.generate was given a model or arguments it
     cannot serve (a prompt longer than max_length, more prompts than max_batch_size, ...)."""
+
+
+class CorpusFileError(GraphoptError):
+    """A corpus samples file (``graphopt calibrate --corpus --refit FILE``) is missing, is not one,
+    or is corrupt."""

@@ -84,6 +84,37 @@ def test_op_class_channels_last_and_small_m():
     assert _classes(gm)["linear"] == [("gemm", "f32", "small_m")]
 
 
+class OwnOps(nn.Module):
+    """graphopt's own ops that replace a convolution, a GEMM and an attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Parameter(torch.randn(16, 8, 3, 3))
+        self.grouped = nn.Parameter(torch.randn(16, 4, 3, 3))
+        self.bias = nn.Parameter(torch.randn(16))
+        self.weight = nn.Parameter(torch.randn(32, 64))
+
+    def forward(self, img, x, q):
+        from graphopt.cuda_ext import conv_bias_relu, gemv, short_attention
+
+        conv = lambda w, groups: conv_bias_relu(img, w, self.bias, None, (1, 1), (1, 1), (1, 1), groups)  # noqa: E731
+        return conv(self.dense, 1), conv(self.grouped, 2), gemv(x, self.weight), short_attention(q, q, q,
+                                                                                                 is_causal=True)
+
+
+def test_own_ops_carry_the_class_tags_of_the_op_they_replace():
+    gm = capture(OwnOps().eval(), (torch.randn(2, 8, 10, 10), torch.randn(4, 64), torch.randn(1, 2, 8, 16)))
+    c = _classes(gm)
+    dense, grouped = c["conv_bias_relu"]
+    assert dense == ("graphopt", "conv_bias_relu", "f32", "dense", "nchw", "m256")
+    assert grouped == ("graphopt", "conv_bias_relu", "f32", "grouped", "nchw", "m256")
+    assert c["gemv"] == [("graphopt", "gemv", "f32", "small_m")]
+    assert c["short_attention"] == [("graphopt", "short_attention", "f32", "none", "causal")]
+    # a fit of dense fused convolutions is not the grouped ones'
+    fit = {"classes": {"graphopt/conv_bias_relu/f32/dense": {"knots": [-10.0], "log_factor": [1.0], "n": 9}}}
+    assert lookup(fit, dense)[0] == "graphopt/conv_bias_relu/f32/dense" and lookup(fit, grouped) == (None, None)
+
+
 def test_node_key_tells_shapes_and_strides_apart(mix):
     lin = [n for n in mix.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
     keys = [node_key(n) for n in lin]
@@ -120,24 +151,26 @@ def test_fit_recovers_a_known_correction_despite_outliers():
 def test_fit_per_class_needs_enough_samples_and_falls_back_to_the_parent():
     rng = random.Random(1)
     samples = []
-    for i in range(30):  # conv/f32/dense: measured 3x the prediction
+    for i in range(30):  # conv/f32/dense: measured 3x the prediction, in 3 configs
         p = math.exp(rng.uniform(-12, -8))
-        samples.append(Sample(f"d{i}", ("conv", "f32", "dense", "nchw"), "conv2d", p, p, [3 * p]))
+        samples.append(Sample(f"d{i}", ("conv", "f32", "dense", "nchw"), "conv2d", p, p, [3 * p], [f"c{i % 3}"]))
     for i in range(3):  # too few depthwise shapes for a class of their own
         p = math.exp(rng.uniform(-12, -8))
-        samples.append(Sample(f"w{i}", ("conv", "f32", "depthwise", "nchw"), "conv2d", p, p, [3 * p]))
+        samples.append(Sample(f"w{i}", ("conv", "f32", "depthwise", "nchw"), "conv2d", p, p, [3 * p], [f"c{i}"]))
     for i in range(10):  # views: priced at nothing, measured 2 us
-        samples.append(Sample(f"v{i}", ("view", "view"), "view", 0.0, 0.0, [2e-6]))
-    classes = fit_op_classes(samples, min_samples=8)
-    assert "conv/f32/dense/nchw" in classes and "conv/f32/depthwise" not in classes
-    assert classes["conv/f32"]["n"] == 33
+        samples.append(Sample(f"v{i}", ("view", "view"), "view", 0.0, 0.0, [2e-6], [f"c{i % 3}"]))
+    fit = fit_op_classes(samples, min_samples=8)
+    classes = fit.classes
+    # the most general class that holds the correction is kept; its children add nothing and fall back to it
+    assert "conv" in classes and classes["conv"]["n"] == 33 and "conv/f32/depthwise" not in fit.decisions
+    assert not fit.decisions["conv/f32/dense"]["kept"] and "uses conv" in fit.decisions["conv/f32/dense"]["reason"]
     name, entry = lookup({"classes": classes}, ("conv", "f32", "depthwise", "nchw"), 1e-4)
-    assert name == "conv/f32" and correction(entry, 1e-4)[0] == pytest.approx(3.0, rel=1e-3)
+    assert name == "conv" and correction(entry, 1e-4)[0] == pytest.approx(3.0, rel=1e-3)
     # a curve applies over the predicted times it was fitted on (a little wider), not far beyond
-    lo, hi = classes["conv/f32"]["range"]
+    lo, hi = classes["conv"]["range"]
     assert math.exp(lo) < 1e-4 < math.exp(hi)
     assert lookup({"classes": classes}, ("conv", "f32", "dense", "nchw"), 10.0) == (None, None)
-    assert classes["view/view"]["fixed_s"] == pytest.approx(2e-6) and "view" in classes
+    assert classes["view"]["fixed_s"] == pytest.approx(2e-6) and "view/view" not in classes
     assert correction(classes["view"], 0.0) == (1.0, 0.0, pytest.approx(2e-6))
 
 
@@ -245,21 +278,29 @@ def test_corpus_bad_arguments_are_one_line_errors(capfd, argv, words):
 
 @pytest.mark.slow
 def test_corpus_end_to_end_on_the_cpu(capfd, tmp_path):
-    """Two small sweep configs: one fitted, one held out; the profile written loads and carries the
-    fit, its corpus and the held-out validation."""
+    """Three small sweep configs: two fitted (cross-validated against each other), one held out; the
+    profile written loads and carries the fit, its corpus, decisions and the held-out validation;
+    the samples file written beside the results refits to the same fit."""
     path = tmp_path / "cpu-fit.json"
-    rc = main(["calibrate", "--corpus", "--device", "cpu", "--small", "--configs", "squeezenet1_1:1,hf-bert:1",
-               "--holdout", "2", "--min-samples", "3", "--time-budget", "120", "--quiet-wait", "0", "-o", str(path),
-               "--results", str(tmp_path)])
+    rc = main(["calibrate", "--corpus", "--device", "cpu", "--small", "--configs",
+               "squeezenet1_1:1,hf-bert:1,resnet18:1", "--holdout", "3", "--min-samples", "3", "--time-budget", "300",
+               "--quiet-wait", "0", "-o", str(path), "--results", str(tmp_path)])
     out, err = capfd.readouterr()
     assert rc == 0, err
-    assert "[1/2] squeezenet1_1:1 (fit)" in out and "[2/2] hf-bert:1 (held out)" in out
+    assert "[1/3] squeezenet1_1:1 (fit)" in out and "[3/3] resnet18:1 (held out)" in out
     prof, _ = get_profile(str(path))
     fit = prof.op_class_fit
-    assert fit["classes"] and fit["corpus"]["configs"] == ["squeezenet1_1:1"]
-    assert fit["corpus"]["held_out"] == ["hf-bert:1"] and fit["validation"]["rows"] == 1
-    assert fit["corpus"]["samples"] > 10 and fit["stream"]["factor"] > 0
-    assert list(tmp_path.glob("calibrate_corpus_*.md"))
+    assert fit["corpus"]["configs"] == ["squeezenet1_1:1", "hf-bert:1"] and fit["folds"] == 2
+    assert fit["corpus"]["held_out"] == ["resnet18:1"] and fit["validation"]["rows"] == 1
+    assert fit["corpus"]["samples"] > 10 and fit["stream"]["reason"]
+    assert set(fit["classes"]) | {k.removesuffix(" (fixed)") for k in fit["dropped"]} >= {"conv", "pointwise"}
+    assert list(tmp_path.glob("calibrate_corpus_*[0-9].md"))
+    samples, = tmp_path.glob("calibrate_corpus_*.samples.json.gz")
+    again = tmp_path / "refit.json"
+    assert main(["calibrate", "--corpus", "--refit", str(samples), "--min-samples", "3", "-o", str(again)]) == 0
+    back = get_profile(str(again))[0].op_class_fit
+    assert back["classes"] == fit["classes"] and back["stream"] == fit["stream"] and back["validation"] == fit[
+        "validation"]
 
 
 @pytest.mark.cuda
@@ -276,5 +317,7 @@ def test_corpus_on_the_gpu_with_optimized_graphs(capfd, tmp_path):
     prof, _ = get_profile(str(path))
     fit = prof.op_class_fit
     assert prof.kind == "cuda" and fit["corpus"]["dtype"] == "bfloat16" and fit["corpus"]["optimized"]
-    assert fit["classes"] and fit["validation"]["rows"] == 2  # hf-gpt2:1 captured and optimized
+    assert fit["validation"]["rows"] == 2  # hf-gpt2:1 captured and optimized
+    assert fit["folds"] == 3 and (fit["classes"] or fit["dropped"])
+    assert path.with_name("gpu-fit.samples.json.gz").exists()  # no --results: beside the profile
     assert "optimized: error" not in out and out.count(" optimized ") == 4

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.cost.model import conv_flops_bytes, conv_rate
+from graphopt.cost.opclass import conv_tags, dtype_of
 from graphopt.cost.ops import OpCost
 from graphopt.errors import KernelArgumentError
 
@@ -54,6 +55,12 @@ def cost(call, profile):
     return OpCost(flops, nbytes, kind="matmul", efficiency="conv", rate=conv_rate(profile, call.node))
 
 
+def op_class(call):
+    """A convolution's class (dense / grouped / depthwise, layout, output pixels)."""
+    x = call.info("x")
+    return conv_tags(dtype_of(x), x, call.info("w"), call.outputs[0] if call.outputs else None)
+
+
 def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                    z: torch.Tensor | None = None, stride: Sequence[int] = (1, 1), padding: Sequence[int] = (0, 0),
                    dilation: Sequence[int] = (1, 1), groups: int = 1) -> torch.Tensor:
@@ -66,4 +73,4 @@ def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
 
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=conv_bias_relu, cost=cost,
-               kernel="csrc/conv_bias_relu.cpp")
+               kernel="csrc/conv_bias_relu.cpp", op_class=op_class)

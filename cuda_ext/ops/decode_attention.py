@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from graphopt.cost.opclass import dtype_of, sdpa_tags
 from graphopt.cost.ops import OpCost
 from graphopt.errors import KernelArgumentError
 
@@ -41,6 +42,11 @@ def cost(call, profile):
                   extra_s=(launches - 1) * profile.kernel_fixed_s)
 
 
+def op_class(call):
+    """The class of the attention it replaces (by mask; a decode step's queries see every key)."""
+    return sdpa_tags(dtype_of(call.info("q")), call.arg("mask"), False)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      kv_len: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of a few query positions q [B, Hq, Tq, D] over a key/value cache k, v
@@ -56,4 +62,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 OP = define_op(SCHEMA, reference=dat.reference, fake=dat.fake, wrapper=decode_attention, cost=cost,
-               kernel="decode_attention_triton.py", cuda=dat.cuda_impl)
+               kernel="decode_attention_triton.py", cuda=dat.cuda_impl, op_class=op_class)

@@ -10,9 +10,12 @@ for fp16/bf16 with K and n multiples of 8 and a block of 64 or 128; elsewhere th
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from graphopt.cost.opclass import dtype_of, gemm_tags
 from graphopt.cost.ops import OpCost
 from graphopt.errors import KernelArgumentError
 
@@ -113,6 +116,12 @@ def cost(call, profile):
                   slowdown=persistent_rounds_factor(profile, x.numel // x.shape[-1], w.shape[0]))
 
 
+def op_class(call):
+    """The class of the gate and up projection it replaces (x's rows by the weight's rows)."""
+    x, w = call.info("x"), call.info("weight")
+    return gemm_tags(dtype_of(x), math.prod(x.shape[:-1]), w.shape[0], x.shape[-1])
+
+
 def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int = 128) -> torch.Tensor:
     """``silu(x @ Wg.T) * (x @ Wu.T)``, shape ``[..., n]``: a SwiGLU MLP's gate and up projections
     and its activation in one GEMM. ``weight`` is ``interleave_gate_up(cat([Wg, Wu]), block)``: Wg
@@ -134,4 +143,4 @@ def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int = 128)
 
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemm_swiglu, cost=cost, kernel="gemm_triton.py",
-               cuda=cuda)
+               cuda=cuda, op_class=op_class)

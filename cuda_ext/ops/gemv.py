@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from graphopt.cost.opclass import dtype_of, gemm_tags
 from graphopt.cost.ops import OpCost
 from graphopt.errors import KernelArgumentError
 
@@ -76,6 +77,12 @@ def cost(call, profile):
     return OpCost(2 * M * N * K, nbytes, launches=launches, kind="matmul", efficiency=efficiency, extra_s=extra)
 
 
+def op_class(call):
+    """The class of the linear it replaces (x's rows by the weight's [N, K])."""
+    x, w = call.info("x"), call.info("weight")
+    return gemm_tags(dtype_of(x), rows(x), w.shape[0], w.shape[1])
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(x, weight, bias)`` for x ``[..., K]`` with at most ``MAX_M`` rows (the leading dims'
     product), weight ``[N, K]``, bias ``[N]``."""
@@ -95,4 +102,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemv, cost=cost, kernel="gemv_triton.py",
-               cuda=cuda_impl)
+               cuda=cuda_impl, op_class=op_class)

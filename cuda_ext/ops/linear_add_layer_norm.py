@@ -10,9 +10,12 @@ without cuBLASLt's split-K reduction kernel.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from graphopt.cost.opclass import dtype_of, gemm_tags
 from graphopt.cost.ops import OpCost
 from graphopt.errors import KernelArgumentError
 
@@ -84,6 +87,12 @@ def cost(call, profile):
                   time_s=gemm + norm)
 
 
+def op_class(call):
+    """The class of the projection it replaces (x's rows by the weight's [N, K])."""
+    x, w = call.info("x"), call.info("weight")
+    return gemm_tags(dtype_of(x), math.prod(x.shape[:-1]), w.shape[0], w.shape[1])
+
+
 def linear_add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                           residual: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
                           ln_bias: torch.Tensor | None = None, eps: float = 1e-5,
@@ -103,4 +112,4 @@ def linear_add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=linear_add_layer_norm, cost=cost,
-               kernel="norm_triton.py", cuda=cuda)
+               kernel="norm_triton.py", cuda=cuda, op_class=op_class)

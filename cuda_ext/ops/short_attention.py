@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from graphopt.cost.opclass import dtype_of, sdpa_tags
 from graphopt.cost.ops import OpCost
 from graphopt.cost.profiles import register_legacy_field
 from graphopt.errors import KernelArgumentError
@@ -93,6 +94,11 @@ def cost(call, profile):
                   efficiency="short_attention" if measured else "attention")
 
 
+def op_class(call):
+    """The class of the attention it replaces (by mask and causality)."""
+    return sdpa_tags(dtype_of(call.info("q")), call.arg("mask"), call.arg("is_causal") is True)
+
+
 def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                     scale: float | None = None, is_causal: bool = False) -> torch.Tensor:
     """``scaled_dot_product_attention`` in inference for short key sequences (at most 256 keys,
@@ -118,4 +124,4 @@ register_legacy_field("short_attention_scale", "short_attention", "scale", None)
 register_legacy_field("short_attention_fixed_s", "short_attention", "fixed_s", 0.0)
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=short_attention, cost=cost,
-               kernel="attention_triton.py", cuda=cuda)
+               kernel="attention_triton.py", cuda=cuda, op_class=op_class)

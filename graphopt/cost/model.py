@@ -10,7 +10,8 @@ scale/fixed are the profile's fitted GEMM and convolution efficiencies (`graphop
 times the time above, plus the fit's per-node stream term (graphopt.cost.opclass;
 :meth:`CostModel._class_correction`).
 
-Whole-graph time of an execution (:meth:`CostModel.execution_cost`): a host/device queue.
+Whole-graph time of an execution (:meth:`CostModel.execution_cost`): a host/device queue
+(:func:`queue_cost` over the steps :meth:`CostModel.queue_inputs` gives).
 
 eager (GPU):  the host issues the nodes in order, each costing host time: a kernel node its
               op's measured host time (host_op_s, from `graphopt calibrate`) or launches *
@@ -162,6 +163,71 @@ class ExecutionCost:
 
 
 EXECUTION_MODES = ("eager", "graphed")
+
+
+@dataclass
+class QueueStep:
+    """One node's part in a call (CostModel.queue_inputs): ``node`` (an fx.Node, or any label),
+    its host and device seconds, kernel launches, whether it makes the host wait for the device,
+    and whether a CUDA graph replay leaves it to an eager call after the replay (``tail``)."""
+
+    node: object
+    host_s: float
+    device_s: float
+    launches: int
+    sync: bool = False
+    tail: bool = False
+
+
+@dataclass
+class QueueInputs:
+    """The steps of one call and, replayed, its copies in and out ((host, device) seconds each)."""
+
+    mode: str
+    steps: list
+    copies_in: list
+    copies_out: list
+
+
+def queue_cost(profile: DeviceProfile, q: QueueInputs) -> ExecutionCost:
+    """The host/device queue of the module docstring over ``q``'s steps: a CPU profile's serial
+    sum, an eager call's issue order, or a replayed graph (copies in, one replay of the non-tail
+    steps, the tail steps, copies out)."""
+    p, steps = profile, q.steps
+    if p.kind == "cpu":
+        host = sum(s.host_s for s in steps)
+        dev = sum(s.device_s for s in steps)
+        return ExecutionCost("serial", host + dev, host, dev, sum(s.launches for s in steps))
+    if q.mode == "eager":
+        t_host = t_dev = busy = 0.0
+        rows = []
+        for s in steps:
+            t_host += s.host_s
+            start = t_dev
+            if s.launches:
+                start = max(t_host, t_dev)
+                t_dev = start + s.device_s
+                busy += s.device_s
+            if s.sync:
+                t_host = max(t_host, t_dev)
+            rows.append({"node": getattr(s.node, "name", s.node), "op": ir.op_name(s.node) if isinstance(
+                s.node, fx.Node) else "", "host_s": s.host_s, "device_s": s.device_s, "issued_s": t_host,
+                "start_s": start, "end_s": t_dev})
+        return ExecutionCost("eager", max(t_host, t_dev), sum(s.host_s for s in steps), busy,
+                             sum(s.launches for s in steps), rows)
+    # graphed: copy-ins, one replay, the ops left outside the graph (ir.tail_nodes: big outputs made
+    # after the replay instead of cloned), clones, each issued by the host like an eager kernel
+    body = sum(max(s.device_s, s.launches * p.launch_overhead_graph_s) for s in steps if s.launches and not s.tail)
+    items = list(q.copies_in) + [(p.launch_overhead_s, body)]
+    items += [(s.launches * p.launch_overhead_s, s.device_s) for s in steps if s.tail]
+    items += list(q.copies_out)
+    t_host = t_dev = 0.0
+    for h, d in items:
+        t_host += h
+        t_dev = max(t_host, t_dev) + d
+    return ExecutionCost("graphed", max(t_host, t_dev), sum(h for h, _ in items), sum(d for _, d in items), len(items))
+
+
 # ops that make the host wait for the device (their output size or value is data-dependent)
 HOST_SYNC_OPS = frozenset({
     "_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
@@ -647,11 +713,9 @@ class CostModel:
         host time)."""
         host, dev = self._node_times(node)
         if self.profile.op_class_fit and _dispatches(node) and node.op == "call_function":
-            factor, add, fixed = self._class_correction(node)
-            if fixed is not None:
-                return (fixed, 0.0) if not _num(host) and not _num(dev) else (host, dev)
-            if factor != 1.0 or add:
-                return host * factor + add, dev * factor
+            from .opclass import corrected_times
+
+            return corrected_times(self._class_correction(node), host, dev)
         return host, dev
 
     def _node_times(self, node: fx.Node) -> tuple[object, object]:
@@ -704,6 +768,29 @@ class CostModel:
             launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
             yield n, c(host), c(dev), launches, ir.op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
 
+    def queue_inputs(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
+                     reuse_outputs: bool = False) -> "QueueInputs":
+        """What :func:`queue_cost` needs to time one call of ``gm`` run ``mode``: every node's
+        step (:meth:`_steps`: host and device seconds, launches, host sync; whether a replay
+        leaves it to an eager call after it) and, replayed, the input copies in and the output
+        clones out."""
+        if mode not in EXECUTION_MODES:
+            raise GraphoptError(f"execution mode must be one of {', '.join(EXECUTION_MODES)}, got {mode!r}")
+        if hints is None:
+            hints = ir.shape_hints(gm)
+        p = self.profile
+        tail = set() if (reuse_outputs or mode != "graphed" or p.kind == "cpu") else set(ir.tail_nodes(gm))
+        steps = [QueueStep(n, h, d, launches, sync, n in tail) for n, h, d, launches, sync in self._steps(gm, hints)]
+        copies_in, copies_out = [], []
+        if mode == "graphed" and p.kind != "cpu":
+            copy = lambda t: (p.launch_overhead_s,  # noqa: E731
+                              p.gpu_seconds(0.0, 2 * float(ir.concrete(t.nbytes, hints)) / p.bandwidth))
+            copies_in = [copy(t) for n in gm.graph.nodes if n.op == "placeholder" for t in ir.infos(n)]
+            if not reuse_outputs:
+                out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+                copies_out = [copy(t) for a in out.all_input_nodes if a not in tail for t in ir.infos(a)]
+        return QueueInputs(mode, steps, copies_in, copies_out)
+
     @timing.timed("cost model")
     def execution_cost(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
                        reuse_outputs: bool = False) -> ExecutionCost:
@@ -711,56 +798,7 @@ class CostModel:
         issuing kernels to the device's queue; "graphed": replayed as one CUDA graph, inputs
         copied in and outputs cloned unless ``reuse_outputs``). On a CPU profile both are the
         serial sum of host and work per node. See the module docstring for the model."""
-        if mode not in EXECUTION_MODES:
-            raise GraphoptError(f"execution mode must be one of {', '.join(EXECUTION_MODES)}, got {mode!r}")
-        if hints is None:
-            hints = ir.shape_hints(gm)
-        p = self.profile
-        steps = list(self._steps(gm, hints))
-        if p.kind == "cpu":
-            host = sum(h for _, h, _, _, _ in steps)
-            dev = sum(d for _, _, d, _, _ in steps)
-            return ExecutionCost("serial", host + dev, host, dev, sum(s[3] for s in steps))
-        if mode == "eager":
-            t_host = t_dev = busy = 0.0
-            rows = []
-            for n, h, d, launches, sync in steps:
-                t_host += h
-                start = t_dev
-                if launches:
-                    start = max(t_host, t_dev)
-                    t_dev = start + d
-                    busy += d
-                if sync:
-                    t_host = max(t_host, t_dev)
-                rows.append({"node": n.name, "op": ir.op_name(n), "host_s": h, "device_s": d, "issued_s": t_host,
-                             "start_s": start, "end_s": t_dev})
-            return ExecutionCost("eager", max(t_host, t_dev), sum(s[1] for s in steps), busy,
-                                 sum(s[3] for s in steps), rows)
-        # graphed: copy-ins, one replay, the ops left outside the graph (ir.tail_nodes: big outputs made
-        # after the replay instead of cloned), clones, each issued by the host like an eager kernel
-        tail = set() if reuse_outputs else set(ir.tail_nodes(gm))
-        body = sum(max(d, launches * p.launch_overhead_graph_s) for n, _, d, launches, _ in steps
-                   if launches and n not in tail)
-        items = []
-        for n in gm.graph.nodes:
-            if n.op == "placeholder":
-                for t in ir.infos(n):
-                    items.append((p.launch_overhead_s, p.gpu_seconds(0.0, 2 * float(ir.concrete(t.nbytes, hints)) / p.bandwidth)))
-        items.append((p.launch_overhead_s, body))
-        items += [(launches * p.launch_overhead_s, d) for n, _, d, launches, _ in steps if n in tail]
-        if not reuse_outputs:
-            out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-            for a in out.all_input_nodes:
-                if a in tail:
-                    continue
-                for t in ir.infos(a):
-                    items.append((p.launch_overhead_s, p.gpu_seconds(0.0, 2 * float(ir.concrete(t.nbytes, hints)) / p.bandwidth)))
-        t_host = t_dev = 0.0
-        for h, d in items:
-            t_host += h
-            t_dev = max(t_host, t_dev) + d
-        return ExecutionCost("graphed", max(t_host, t_dev), sum(h for h, _ in items), sum(d for _, d in items), len(items))
+        return queue_cost(self.profile, self.queue_inputs(gm, hints, mode, reuse_outputs=reuse_outputs))
 
     def _floor_compute(self, gm, nodes) -> tuple[float, float]:
         """(seconds of the matmul-like flops at the peak rate, seconds of the rest)."""

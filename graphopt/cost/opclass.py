@@ -14,7 +14,10 @@ arguments, never a model's name), most general first::
     reduce/row4k/sum        sums, means, maxima... by the length they reduce, and op
     pointwise/float/bcast/add  elementwise, by dtype family, inputs (same, bcast, strided) and op
     copy/strided/clone      copies by stride pattern (contiguous, strided, narrow; cat, pad) and op
-    gather/embedding, pool/max_pool2d, factory/<op>, view/<op> (no kernel), graphopt/<op>, op/<name>
+    gather/embedding, pool/max_pool2d, factory/<op>, view/<op> (no kernel), op/<name>
+    graphopt/conv_bias_relu/bf16/grouped/cl/mbig  graphopt's own ops by name, and where the op declares the
+                            class of the ATen op it replaces (graphopt.cost.ops.register_op_class), that
+                            class's tags after its family: a fit for dense convolutions is not a grouped one's
 
 The profile's ``op_class_fit`` (DeviceProfile) holds a fit per class path ("conv/f32/depthwise");
 a node takes the fit of its longest prefix whose fit covers its predicted time. A fit is a curve of
@@ -109,20 +112,17 @@ def m_bucket(m) -> str:
     return "m256" if m <= 256 else "m4k" if m <= 4096 else "mbig"
 
 
-def _gemm_tags(node: fx.Node, name: str, ins, out, dt: str, adds_first: set) -> tuple:
-    a = ins[1] if name in adds_first and len(ins) > 2 else ins[0]
-    b = ins[2] if name in adds_first and len(ins) > 2 else (ins[1] if len(ins) > 1 else None)
-    n, k = _int(out.shape[-1]) if out.shape else None, _int(a.shape[-1]) if a.shape else None
-    batched = name in BATCHED_MATMUL or (name == "matmul" and b is not None and len(a.shape) > 2 and len(b.shape) > 2)
+def gemm_tags(dt: str, m, n, k, *, batched: bool = False) -> tuple:
+    """The class of a GEMM of ``m`` x ``k`` by ``k`` x ``n`` in dtype tag ``dt`` (for a batched
+    product, one matrix of the batch): ("gemm", dt, alignment, m bucket), ("gemm", dt, "small_m"),
+    ("bmm", dt, "small" | "large"), or "sym" for symbolic sizes."""
+    m, n, k = _int(m), _int(n), _int(k)
     if batched:
-        m = _int(out.shape[-2]) if len(out.shape) > 1 else None
         if None in (m, n, k):
             return ("bmm", dt, "sym")
         return ("bmm", dt, "small" if m * n * k <= SMALL_BMM else "large")
-    numel = _int(out.numel)
-    if None in (n, k, numel) or not n:
+    if None in (m, n, k) or not n:
         return ("gemm", dt, "sym")
-    m = numel // n
     if m <= SMALL_M:
         return ("gemm", dt, "small_m")
     if n % 16 == 0 and k % 16 == 0:
@@ -132,15 +132,29 @@ def _gemm_tags(node: fx.Node, name: str, ins, out, dt: str, adds_first: set) -> 
     return ("gemm", dt, "odd", m_bucket(m))
 
 
-def _conv_tags(node: fx.Node, name: str, ins, out, dt: str) -> tuple:
+def _gemm_tags(node: fx.Node, name: str, ins, out, dt: str, adds_first: set) -> tuple:
+    a = ins[1] if name in adds_first and len(ins) > 2 else ins[0]
+    b = ins[2] if name in adds_first and len(ins) > 2 else (ins[1] if len(ins) > 1 else None)
+    n, k = _int(out.shape[-1]) if out.shape else None, _int(a.shape[-1]) if a.shape else None
+    batched = name in BATCHED_MATMUL or (name == "matmul" and b is not None and len(a.shape) > 2 and len(b.shape) > 2)
+    if batched:
+        return gemm_tags(dt, out.shape[-2] if len(out.shape) > 1 else None, n, k, batched=True)
+    numel = _int(out.numel)
+    return gemm_tags(dt, numel // n if numel is not None and n else None, n, k)
+
+
+def conv_tags(dt: str, x: ir.TensorInfo | None, w: ir.TensorInfo | None, out: ir.TensorInfo | None, *,
+              transposed: bool = False) -> tuple:
+    """The class of a convolution of input ``x`` and weight ``w`` giving ``out``: ("conv", dt,
+    dense | grouped | depthwise, cl | nchw | nd, output pixels' m bucket), ("conv", dt,
+    "transposed"), or ("conv", dt, "sym") without the tensors."""
     from .model import is_channels_last
 
-    x, w = ins[0], ins[1] if len(ins) > 1 else None
-    if w is None:
+    if x is None or w is None or out is None:
         return ("conv", dt, "sym")
-    if "transpose" in name or _arg(node, "transposed") is True:
+    if transposed:
         return ("conv", dt, "transposed")
-    cin, cin_w = _int(x.shape[1]) if len(x.shape) > 1 else None, _int(w.shape[1])
+    cin, cin_w = _int(x.shape[1]) if len(x.shape) > 1 else None, _int(w.shape[1]) if len(w.shape) > 1 else None
     if cin is None or cin_w is None or not cin_w:
         group = "sym"
     elif cin == cin_w:
@@ -149,22 +163,31 @@ def _conv_tags(node: fx.Node, name: str, ins, out, dt: str) -> tuple:
         group = "depthwise"
     else:
         group = "grouped"
-    layout = "nd" if len(x.shape) != 4 else ("cl" if is_channels_last(x) else "nchw")
+    lay = "nd" if len(x.shape) != 4 else ("cl" if is_channels_last(x) else "nchw")
     cout = _int(out.shape[1]) if len(out.shape) > 1 else None
     numel = _int(out.numel)
     pixels = numel // cout if cout and numel is not None else None
-    return ("conv", dt, group, layout, m_bucket(pixels))
+    return ("conv", dt, group, lay, m_bucket(pixels))
 
 
-def _sdpa_tags(node: fx.Node, dt: str) -> tuple:
-    mask = _arg(node, "attn_mask", 3)
+def _conv_tags(node: fx.Node, name: str, ins, out, dt: str) -> tuple:
+    return conv_tags(dt, ins[0], ins[1] if len(ins) > 1 else None, out,
+                     transposed="transpose" in name or _arg(node, "transposed") is True)
+
+
+def sdpa_tags(dt: str, mask, causal: bool) -> tuple:
+    """The class of an attention call by its mask (an fx.Node, or None) and causality:
+    ("sdpa", dt, none | bool | float, causal | full)."""
     if isinstance(mask, fx.Node):
         mi = ir.info(mask)
         kind = "bool" if mi is not None and mi.dtype == torch.bool else "float"
     else:
         kind = "none"
-    causal = _arg(node, "is_causal") is True
     return ("sdpa", dt, kind, "causal" if causal else "full")
+
+
+def _sdpa_tags(node: fx.Node, dt: str) -> tuple:
+    return sdpa_tags(dt, _arg(node, "attn_mask", 3), _arg(node, "is_causal") is True)
 
 
 def _copy_tags(node: fx.Node, name: str, ins, out) -> tuple:
@@ -195,7 +218,7 @@ def op_class(node: fx.Node, kind: str) -> tuple | None:
         return None
     name = ir.op_name(node)
     if ir.op_namespace(node) == op_costs.NAMESPACE:
-        return (op_costs.NAMESPACE, name)
+        return graphopt_op_class(node, name)
     if kind == "free":
         return ("view", name)
     outs, ins = ir.infos(node), ir.operand_infos(node)
@@ -245,6 +268,22 @@ def op_class(node: fx.Node, kind: str) -> tuple | None:
             how = "same"
         return ("pointwise", _family(out.dtype), how, name)
     return ("op", name)
+
+
+def graphopt_op_class(node: fx.Node, name: str) -> tuple:
+    """("graphopt", op) and, for an op that declares the class of the ATen op it replaces
+    (graphopt.cost.ops.register_op_class: a convolution, a GEMM, an attention), that class's
+    tags after its family: ("graphopt", "conv_bias_relu", "bf16", "grouped", "cl", "mbig")."""
+    from . import ops as op_costs
+
+    fn = op_costs.op_class_fn(name)
+    like = fn(op_costs.op_call(node)) if fn is not None else None
+    return (op_costs.NAMESPACE, name) + tuple(like[1:] if like else ())
+
+
+def dtype_of(info: ir.TensorInfo | None) -> str:
+    """The dtype tag of a tensor argument ("sym" without one)."""
+    return dtype_tag(info.dtype) if info is not None else "sym"
 
 
 def class_name(path) -> str:
@@ -298,6 +337,20 @@ def class_correction(fit: dict, path, predicted_s: float) -> tuple[float, float,
     ``predicted_s`` under the profile's ``op_class_fit``: its longest class prefix whose fit
     covers it (see :func:`correction`)."""
     return correction(lookup(fit, path, predicted_s)[1], predicted_s)
+
+
+def corrected_times(corr: tuple, host, dev) -> tuple:
+    """(host, device) seconds of a node under its class correction ``corr`` ((factor, added
+    seconds, fixed seconds or None): :func:`correction`): both times the factor, the added seconds
+    on the host's; a node with neither host nor device time takes the fixed time as host time."""
+    from .model import _num
+
+    factor, add, fixed = corr
+    if fixed is not None:
+        return (fixed, 0.0) if not _num(host) and not _num(dev) else (host, dev)
+    if factor != 1.0 or add:
+        return host * factor + add, dev * factor
+    return host, dev
 
 
 def correction(entry: dict | None, predicted_s: float) -> tuple[float, float, float | None]:

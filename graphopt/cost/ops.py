@@ -108,6 +108,22 @@ def op_cost_fn(name: str) -> CostFn:
                             "registers one with graphopt.cost.ops.register_op_cost") from None
 
 
+ClassFn = Callable[[OpCall], "tuple | None"]
+_CLASSES: dict[str, ClassFn] = {}
+
+
+def register_op_class(name: str, fn: ClassFn) -> None:
+    """Class ``graphopt::<name>`` as the ATen op it replaces: ``fn(call)`` returns that op's class
+    path (graphopt.cost.opclass.conv_tags, gemm_tags, sdpa_tags over the call's tensors), or None
+    where it cannot tell; graphopt.cost.opclass.op_class keys the op by its name and those tags."""
+    _CLASSES[name.split("::")[-1]] = fn
+
+
+def op_class_fn(name: str) -> ClassFn | None:
+    """The class function ``graphopt::<name>`` registered, or None (classed by its name alone)."""
+    return _CLASSES.get(name.split("::")[-1])
+
+
 def registered() -> list[str]:
     """The ops with a cost function, in registration order."""
     return list(_COSTS)

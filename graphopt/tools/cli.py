@@ -138,9 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the graphs optimize() returns (graphopt's own ops), fitted and validated alike")
     g.add_argument("--base", metavar="PROFILE",
                    help="the profile to correct (h200, cpu, a .json; default: this device's)")
-    g.add_argument("--results", metavar="DIR", help="also write the validation table (Markdown + JSON) into DIR")
+    g.add_argument("--results", metavar="DIR",
+                   help="also write the validation table (Markdown + JSON) into DIR, and the samples file (else it "
+                        "goes beside the profile)")
     g.add_argument("--quiet-wait", type=float, default=30.0, metavar="S",
                    help="on the CPU, wait up to S seconds for other processes to quieten before timing (default 30)")
+    g.add_argument("--refit", metavar="SAMPLES_FILE",
+                   help="fit and validate again from the samples file a corpus run wrote (no device; -o, --results, "
+                        "--min-samples apply)")
     sub.add_parser("zoo", help="list the bundled models")
     sub.add_parser("passes", help="list the passes in pipeline order")
     return parser

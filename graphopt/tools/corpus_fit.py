@@ -1,0 +1,763 @@
+"""The fit of ``graphopt calibrate --corpus``, from the corpus's records alone (no graph, no device).
+
+Records (:class:`Corpus`, saved as the samples file the command writes beside its results, read
+back by ``--refit``): the base profile; one :class:`Shape` per deduplicated op shape (its class
+path, op and uncorrected predicted time); per timed graph (:class:`RunRecord`) its steps in order as
+the cost model's queue sees them (graphopt.cost.model.queue_inputs: host and device seconds,
+launches, host sync, left after a replay; a classed node's shape and measured time alone) with
+its copies in and out and its measured whole call. A whole call under any class fit is replayed
+from them through the cost model's own queue (graphopt.cost.model.queue_cost), so the fit and its
+validation need only the records, and a refit gives what the device run gave.
+
+The fit (:func:`fit_op_classes`), per class path prefix with at least ``min_samples`` shapes, parents
+first: ln(measured / predicted) against ln(predicted seconds), piecewise linear (:func:`fit_curve`),
+fitted as a change to what the class would otherwise get (its nearest kept ancestor's curve, or
+none) and shrunk toward that by its signal to noise (a correction fitted on few or noisy shapes
+moves less); a class the model prices at nothing gets a fixed time per node, shrunk alike. A
+correction is kept only where it lowers the class's error cross-validated by config (folds of the
+fitted configs; each held-out config's error the time-weighted mean |ln(predicted / measured)| of
+its nodes of the class, predicted by the fit of the other folds) by ``MIN_GAIN`` of it and at least
+``MIN_GAIN_ABS``; else the
+class falls back to its parent's, and the decision says why. The stream terms (whole call ~
+factor * corrected nodes + seconds per corrected node: :func:`fit_stream`) are cross-validated the
+same way on whole calls and kept only where they lower that error.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import statistics
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ..cost.model import QueueInputs, QueueStep, queue_cost
+from ..cost.opclass import SEP, class_correction, class_name, corrected_times, covers, curve_log_factor, lookup
+from ..cost.profiles import DeviceProfile
+from ..errors import CorpusFileError, GraphoptError
+
+FORMAT = "graphopt calibrate --corpus samples"
+VERSION = 1
+MIN_SAMPLES = 8
+PER_KNOT = 8
+MAX_KNOTS = 5
+MAX_FOLDS = 10  # folds of the fitted configs for cross-validation (one config per fold up to this many)
+# the cut in cross-validated error a correction must bring to be kept: this share of the error, and at
+# least MIN_GAIN_ABS (in ln: a change within the timing noise is none)
+MIN_GAIN = 0.02
+MIN_GAIN_ABS = 0.005
+NOISE_FLOOR = 0.05  # the least spread (ln) of a class's points around its curve: timing noise
+DIGITS = 6  # significant digits of the seconds a samples file keeps
+
+
+# ------------------------------------------------------------------------------------ records
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One deduplicated op shape: its class path, op, and uncorrected predicted time (NodeCost's
+    ``time_s``: what a class fit is read at)."""
+
+    cls: tuple
+    op: str
+    time_s: float
+
+
+class Step(NamedTuple):
+    """One step of a timed graph (graphopt.cost.model.QueueStep, uncorrected): the shape of a
+    classed node (-1: none) and its measured time alone (None: not timed)."""
+
+    shape: int
+    host_s: float
+    device_s: float
+    launches: int
+    sync: bool
+    tail: bool
+    measured_s: float | None
+
+
+@dataclass
+class RunRecord:
+    """One timed graph: its config, source ("captured" | "optimized"), whether it was held out,
+    how its calls ran ("eager" | "graphed"), its measured whole call, steps and replay copies."""
+
+    config: str
+    source: str
+    held_out: bool
+    execution: str
+    whole_s: float | None
+    steps: list
+    copies_in: list = field(default_factory=list)
+    copies_out: list = field(default_factory=list)
+
+
+@dataclass
+class Corpus:
+    """What a corpus run measured, all a fit and its validation need."""
+
+    profile: DeviceProfile  # the base profile (no op class fit)
+    shapes: list
+    runs: list
+    info: dict = field(default_factory=dict)  # configs, held out, device, dtype, timing, errors...
+    header: dict = field(default_factory=dict)  # the measuring run's environment (graphopt.tools.bench)
+    command: str = ""
+
+    def to_dict(self) -> dict:
+        classes, ops = {}, {}
+        shapes = [[classes.setdefault(class_name(s.cls), len(classes)), ops.setdefault(s.op, len(ops)), _r(s.time_s)]
+                  for s in self.shapes]
+        runs = [{"config": r.config, "source": r.source, "held_out": r.held_out, "execution": r.execution,
+                 "whole_s": None if r.whole_s is None else _r(r.whole_s),
+                 "copies_in": [[_r(h), _r(d)] for h, d in r.copies_in],
+                 "copies_out": [[_r(h), _r(d)] for h, d in r.copies_out],
+                 "steps": [[s.shape, _r(s.host_s), _r(s.device_s), s.launches, int(s.sync) | 2 * int(s.tail),
+                            None if s.measured_s is None else _r(s.measured_s)] for s in r.steps]}
+                for r in self.runs]
+        return {"format": FORMAT, "version": VERSION, "command": self.command, "header": self.header,
+                "corpus": self.info, "profile": replace(self.profile, op_class_fit={}).to_dict(),
+                "classes": list(classes), "ops": list(ops), "shapes": shapes, "runs": runs}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "the samples") -> "Corpus":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise CorpusFileError(f"{where} is not a corpus samples file (written by graphopt calibrate --corpus)")
+        if d.get("version") != VERSION:
+            raise CorpusFileError(f"{where} is a version {d.get('version')!r} samples file; this graphopt reads "
+                                  f"version {VERSION}")
+        try:
+            profile = DeviceProfile.from_dict(d["profile"])
+            names, ops = [str(c) for c in d["classes"]], [str(o) for o in d["ops"]]
+            shapes = [Shape(tuple(names[_index(c, len(names), "class")].split(SEP)), ops[_index(o, len(ops), "op")],
+                            _seconds(t, "a shape's predicted time")) for c, o, t in d["shapes"]]
+            runs = []
+            for r in d["runs"]:
+                steps = [Step(_index(s, len(shapes), "shape", -1), _seconds(h, "host time"),
+                              _seconds(dv, "device time"), int(n), bool(f & 1), bool(f & 2),
+                              None if m is None else _seconds(m, "a measured time"))
+                         for s, h, dv, n, f, m in r["steps"]]
+                whole = r["whole_s"]
+                runs.append(RunRecord(str(r["config"]), str(r["source"]), bool(r["held_out"]), str(r["execution"]),
+                                      None if whole is None else _seconds(whole, "a whole call"), steps,
+                                      [(_seconds(h, "a copy"), _seconds(dv, "a copy")) for h, dv in r["copies_in"]],
+                                      [(_seconds(h, "a copy"), _seconds(dv, "a copy")) for h, dv in r["copies_out"]]))
+                if runs[-1].execution not in ("eager", "graphed"):
+                    raise ValueError(f"execution {runs[-1].execution!r}")
+            info, header = dict(d.get("corpus") or {}), dict(d.get("header") or {})
+        except CorpusFileError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else (str(e).splitlines()[0] if str(e) else
+                                                                         type(e).__name__)
+            raise CorpusFileError(f"{where} is corrupt: {what}") from None
+        return cls(profile, shapes, runs, info, header, str(d.get("command") or ""))
+
+    def save(self, path) -> Path:
+        """Write the records as JSON (gzip-compressed where the name ends in .gz)."""
+        path = Path(path)
+        data = json.dumps(self.to_dict(), separators=(",", ":"), default=str).encode()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
+        except OSError as e:
+            raise GraphoptError(f"cannot write {path}: {e.strerror or e}") from None
+        return path
+
+    @classmethod
+    def load(cls, path) -> "Corpus":
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise CorpusFileError(f"cannot read samples file {path}: {e.strerror or e}") from None
+        try:
+            if raw[:2] == b"\x1f\x8b":
+                raw = gzip.decompress(raw)
+            d = json.loads(raw.decode())
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorpusFileError(f"{path} is not a corpus samples file (not gzip'd JSON: "
+                                  f"{str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+        return cls.from_dict(d, str(path))
+
+
+def _r(v: float) -> float:
+    return float(f"{float(v):.{DIGITS}g}")
+
+
+def _index(v, n: int, what: str, low: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not low <= v < n:
+        raise ValueError(f"{what} index {v!r} out of range")
+    return v
+
+
+def _seconds(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{what} of {v!r} seconds")
+    return float(v)
+
+
+def loop_s(kind: str, host: float, dev: float) -> float:
+    """A node's predicted time run back to back (CostModel.node_loop_s): host + device on a CPU,
+    the longer of the two on a GPU."""
+    return host + dev if kind == "cpu" else max(host, dev)
+
+
+class _Corrections:
+    """A class fit's correction of each shape, looked up once per shape."""
+
+    def __init__(self, fit: dict, shapes: list):
+        self.fit, self.shapes, self.memo = fit, shapes, {}
+
+    def __call__(self, shape: int) -> tuple:
+        c = self.memo.get(shape)
+        if c is None:
+            s = self.shapes[shape]
+            c = self.memo[shape] = class_correction(self.fit, s.cls, s.time_s) if self.fit else (1.0, 0.0, None)
+        return c
+
+    def entry(self, shape: int) -> tuple:
+        s = self.shapes[shape]
+        return lookup(self.fit, s.cls, s.time_s) if self.fit else (None, None)
+
+
+def predicted_whole(corpus: Corpus, run: RunRecord, corr: _Corrections) -> float:
+    """The predicted whole call of ``run`` under a class fit: its steps corrected as
+    CostModel.node_times corrects them, through the cost model's queue."""
+    steps = []
+    for s in run.steps:
+        h, d = (s.host_s, s.device_s) if s.shape < 0 else corrected_times(corr(s.shape), s.host_s, s.device_s)
+        steps.append(QueueStep(s.shape, h, d, s.launches, s.sync, s.tail))
+    return float(queue_cost(corpus.profile, QueueInputs(run.execution, steps, run.copies_in, run.copies_out)).total_s)
+
+
+def predicted_nodes(corpus: Corpus, run: RunRecord, corr: _Corrections) -> list[tuple[int, float, float]]:
+    """(shape, predicted seconds alone, measured seconds) of each timed classed node of ``run``."""
+    kind, out = corpus.profile.kind, []
+    for s in run.steps:
+        if s.shape >= 0 and s.measured_s is not None:
+            h, d = corrected_times(corr(s.shape), s.host_s, s.device_s)
+            out.append((s.shape, loop_s(kind, h, d), s.measured_s))
+    return out
+
+
+def _curve_nodes(run: RunRecord, corr: _Corrections) -> int:
+    """How many of a run's nodes a curve of the fit corrects."""
+    n = 0
+    for s in run.steps:
+        if s.shape >= 0 and corr.shapes[s.shape].time_s > 0:
+            _, entry = corr.entry(s.shape)
+            n += entry is not None and bool(entry.get("knots"))
+    return n
+
+
+# ------------------------------------------------------------------------------------ samples
+
+
+@dataclass
+class Sample:
+    """One deduplicated op shape of the fitted configs: its class, the uncorrected prediction
+    (``predicted_s``: the node's NodeCost time; ``predicted_loop_s``: CostModel.node_loop_s, what
+    the node's time alone is compared with), and its measurements, each with its config."""
+
+    key: str
+    cls: tuple
+    op: str
+    predicted_s: float
+    predicted_loop_s: float
+    measured: list = field(default_factory=list)
+    configs: list = field(default_factory=list)
+
+    @property
+    def measured_s(self) -> float:
+        return statistics.median(self.measured)
+
+    def by_config(self, configs=None) -> dict:
+        """{config: its measurements} (only ``configs`` where given)."""
+        out: dict[str, list] = {}
+        for m, c in zip(self.measured, self.configs):
+            if configs is None or c in configs:
+                out.setdefault(c, []).append(m)
+        return out
+
+    def as_dict(self) -> dict:
+        return {"key": self.key, "class": class_name(self.cls), "op": self.op, "predicted_s": self.predicted_s,
+                "predicted_loop_s": self.predicted_loop_s, "measured_s": self.measured_s, "count": len(self.measured),
+                "configs": sorted(set(self.configs))}
+
+
+def training_samples(corpus: Corpus) -> list[Sample]:
+    """The timed classed nodes of the fitted (not held-out) runs, one Sample per shape."""
+    kind, by = corpus.profile.kind, {}
+    for r in corpus.runs:
+        if r.held_out:
+            continue
+        for s in r.steps:
+            if s.shape < 0 or s.measured_s is None:
+                continue
+            smp = by.get(s.shape)
+            if smp is None:
+                sh = corpus.shapes[s.shape]
+                smp = by[s.shape] = Sample(str(s.shape), sh.cls, sh.op, sh.time_s, loop_s(kind, s.host_s, s.device_s))
+            smp.measured.append(s.measured_s)
+            smp.configs.append(r.config)
+    return list(by.values())
+
+
+# ------------------------------------------------------------------------------------ curves
+
+
+def _knots(xs: list[float], k: int) -> list[float]:
+    s = sorted(xs)
+    if k <= 1 or s[0] == s[-1]:
+        return [statistics.median(s)]
+    out = []
+    for j in range(k):
+        q = s[round(j * (len(s) - 1) / (k - 1))]
+        if not out or q > out[-1] + 1e-9:
+            out.append(q)
+    return out
+
+
+def _basis(x: float, knots: list[float]) -> list[float]:
+    row = [0.0] * len(knots)
+    if len(knots) == 1 or x <= knots[0]:
+        row[0] = 1.0
+    elif x >= knots[-1]:
+        row[-1] = 1.0
+    else:
+        j = max(i for i in range(len(knots) - 1) if knots[i] <= x)
+        t = (x - knots[j]) / (knots[j + 1] - knots[j])
+        row[j], row[j + 1] = 1 - t, t
+    return row
+
+
+def fit_curve(xs, ys, knots: int, weights=None, smooth: float = 1.0, iters: int = 30) -> dict:
+    """ys ~ g(xs), g piecewise linear between ``knots`` knots at quantiles of xs (flat beyond):
+    iteratively reweighted least squares with Huber weights (1.345 robust sigmas, sigma from the
+    median absolute deviation of the residuals), ``smooth`` times the squared second differences
+    of the knot values added to the loss. Returns {"knots", "log_factor"}."""
+    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
+    w0 = [1.0] * len(xs) if weights is None else [float(w) for w in weights]
+    kn = _knots(xs, knots)
+    A = torch.tensor([_basis(x, kn) for x in xs], dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)
+    base_w = torch.tensor(w0, dtype=torch.float64)
+    K = len(kn)
+    D = torch.zeros(max(K - 2, 0), K, dtype=torch.float64)
+    for i in range(K - 2):
+        D[i, i], D[i, i + 1], D[i, i + 2] = 1.0, -2.0, 1.0
+    P = smooth * D.T @ D + 1e-9 * torch.eye(K, dtype=torch.float64)
+    w = base_w.clone()
+    v = torch.zeros(K, dtype=torch.float64)
+    for _ in range(iters):
+        Aw = A * w[:, None]
+        v_new = torch.linalg.solve(Aw.T @ A + P, Aw.T @ y)
+        r = y - A @ v_new
+        mad = float((r - r.median()).abs().median()) * 1.4826
+        delta = 1.345 * max(mad, 0.02)
+        w = base_w * torch.where(r.abs() <= delta, torch.ones_like(r), delta / r.abs().clamp_min(1e-12))
+        done = float((v_new - v).abs().max()) < 1e-7
+        v = v_new
+        if done:
+            break
+    return {"knots": kn, "log_factor": [float(a) for a in v]}
+
+
+def _spread(residuals) -> float:
+    r = list(residuals)
+    med = statistics.median(r)
+    return max(NOISE_FLOOR, 1.4826 * statistics.median(abs(x - med) for x in r))
+
+
+def _shrink(mean_sq: float, sigma: float, n: int) -> float:
+    """The share of a fitted change kept: its mean square against the variance of its level
+    (sigma^2 / n): a change fitted on few or noisy points moves less."""
+    return mean_sq / (mean_sq + sigma * sigma / n) if mean_sq > 0 else 0.0
+
+
+def _curve_entry(xs, ys, base, *, per_knot: int, max_knots: int) -> dict:
+    """A class's curve: the change from ``base`` (x -> the ln factor the class gets without its
+    own fit) fitted on (xs, ys), shrunk (:func:`_shrink`), added to ``base`` at its knots."""
+    offs = [base(x) for x in xs]
+    d = fit_curve(xs, [y - o for y, o in zip(ys, offs)], min(max_knots, 1 + len(xs) // per_knot))
+    change = [curve_log_factor(d, x) for x in xs]
+    sigma = _spread(y - o - c for y, o, c in zip(ys, offs, change))
+    shrink = _shrink(sum(c * c for c in change) / len(change), sigma, len(xs))
+    return {"knots": d["knots"], "log_factor": [base(k) + shrink * v for k, v in zip(d["knots"], d["log_factor"])],
+            "range": [min(xs), max(xs)], "n": len(xs), "shrink": shrink}
+
+
+def _fixed_entry(ms, base: float) -> dict:
+    """A fixed time per node: the median of ``ms``, shrunk toward ``base`` alike."""
+    med = statistics.median(ms)
+    sigma = 1.4826 * statistics.median(abs(m - med) for m in ms) or 1e-12
+    shrink = _shrink((med - base) ** 2, sigma, len(ms))
+    return {"fixed_s": base + shrink * (med - base), "n_fixed": len(ms), "shrink_fixed": shrink}
+
+
+# ------------------------------------------------------------------------------------ the class fit
+
+
+@dataclass
+class ClassFit:
+    """The kept class fits (``classes``), every candidate's decision (``decisions``: class ->
+    {"kind", "kept", "reason", "n", "configs", "cv_without", "cv_with"}), and, per fold of
+    ``folds`` (sets of configs), the kept classes as fitted without that fold."""
+
+    classes: dict
+    decisions: dict
+    folds: list
+    fold_classes: list
+
+
+def _folds(configs, max_folds: int) -> list[set]:
+    configs = sorted(configs)
+    k = min(len(configs), max_folds)
+    return [set(configs[i::k]) for i in range(k)] if k >= 2 else []
+
+
+def _ancestors(path: tuple):
+    for i in range(len(path) - 1, 0, -1):
+        yield class_name(path[:i])
+
+
+def _base_curve(kept: dict, path: tuple):
+    """x -> the ln factor a node of ``path`` gets from its nearest kept strict ancestor whose
+    curve covers it (0: none)."""
+    def base(x: float) -> float:
+        for name in _ancestors(path):
+            e = kept.get(name)
+            if e is not None and e.get("knots") and covers(e, math.exp(x)):
+                return curve_log_factor(e, x)
+        return 0.0
+    return base
+
+
+def _base_fixed(kept: dict, path: tuple) -> float:
+    for name in _ancestors(path):
+        e = kept.get(name)
+        if e is not None and e.get("fixed_s") is not None:
+            return e["fixed_s"]
+    return 0.0
+
+
+def _fallback_name(kept: dict, path: tuple, kind: str) -> str:
+    for name in _ancestors(path):
+        e = kept.get(name)
+        if e is not None and (e.get("knots") if kind == "curve" else e.get("fixed_s") is not None):
+            return name
+    return "no correction"
+
+
+def _better(with_: float, without: float) -> bool:
+    """Does a cross-validated error ``with_`` improve on ``without`` by the margins of MIN_GAIN?"""
+    return with_ < without - max(MIN_GAIN * without, MIN_GAIN_ABS)
+
+
+def _curve_error(items, predict) -> float:
+    """Time-weighted mean |ln(predicted / measured)| of (x, y, weight) items."""
+    return sum(w * abs(y - predict(x)) for x, y, w in items) / sum(w for _, _, w in items)
+
+
+def _fixed_error(items, pred: float) -> float:
+    """sum |predicted - measured| / sum measured over (measured, count) items."""
+    return sum(c * abs(pred - m) for m, c in items) / sum(c * m for m, c in items)
+
+
+def _own_curve(entry: dict | None, base):
+    if entry is None:
+        return base
+    return lambda x: curve_log_factor(entry, x) if covers(entry, math.exp(x)) else base(x)
+
+
+def fit_op_classes(samples, *, min_samples: int = MIN_SAMPLES, per_knot: int = PER_KNOT,
+                   max_knots: int = MAX_KNOTS, max_folds: int = MAX_FOLDS) -> ClassFit:
+    """The class fits of ``samples`` (see the module docstring): candidates are the class path
+    prefixes with at least ``min_samples`` shapes, decided parents first; the folds are the
+    samples' configs (at most ``max_folds``: configs dealt round-robin in sorted order), and a
+    fold's fit of a class needs ``min_samples`` less the share a fold holds out. A sample the model
+    prices at nothing (NodeCost 0 and node_loop_s 0) counts toward its class's fixed time; one
+    with a zero NodeCost but a host time (a view on a GPU) is left out."""
+    curves: dict[tuple, list] = {}
+    zeros: dict[tuple, list] = {}
+    configs = set()
+    for s in samples:
+        if s.measured_s <= 0:
+            continue
+        configs.update(s.configs)
+        if s.predicted_s > 0 and s.predicted_loop_s > 0:
+            into = curves
+        elif s.predicted_s == 0 and s.predicted_loop_s == 0:
+            into = zeros
+        else:
+            continue
+        for i in range(1, len(s.cls) + 1):
+            into.setdefault(s.cls[:i], []).append(s)
+    folds = _folds(configs, max_folds)
+    # the shapes a fold's fit needs: min_samples less the share a fold holds out
+    fold_min = max(2, math.ceil(min_samples * (len(folds) - 1) / len(folds))) if folds else min_samples
+    kept: dict[str, dict] = {}
+    fold_kept: list[dict] = [{} for _ in folds]
+    decisions: dict[str, dict] = {}
+    order = sorted({(p, "curve") for p, v in curves.items() if len(v) >= min_samples}
+                   | {(p, "fixed") for p, v in zeros.items() if len(v) >= min_samples},
+                   key=lambda pk: (len(pk[0]), class_name(pk[0]), pk[1]))
+    for path, kind in order:
+        name = class_name(path)
+        group = curves[path] if kind == "curve" else zeros[path]
+        seen = sorted({c for s in group for c in s.configs})
+        decision = {"kind": kind, "n": len(group), "configs": len(seen), "cv_without": None, "cv_with": None}
+        decisions[name if kind == "curve" else f"{name} (fixed)"] = decision
+        fallback = _fallback_name(kept, path, kind)
+        if len(seen) < 2 or not folds:
+            decision.update(kept=False, reason=f"measured in {len(seen)} config{'s' if len(seen) != 1 else ''} "
+                                               f"only: a fit cannot be checked across configs; uses {fallback}")
+            continue
+        fold_entries, without, with_ = [], [], []
+        for fold, fk in zip(folds, fold_kept):
+            train = [(s, ms) for s in group
+                     if (ms := [m for c, v in s.by_config().items() if c not in fold for m in v])]
+            by_cfg: dict[str, list] = {}
+            for s in group:
+                for c, v in s.by_config(fold).items():
+                    by_cfg.setdefault(c, []).append((s, v))
+            if kind == "curve":
+                base = _base_curve(fk, path)
+                entry = None
+                if len(train) >= fold_min:
+                    entry = _curve_entry([math.log(s.predicted_s) for s, _ in train],
+                                         [math.log(statistics.median(ms) / s.predicted_loop_s) for s, ms in train],
+                                         base, per_knot=per_knot, max_knots=max_knots)
+                own = _own_curve(entry, base)
+                for items in by_cfg.values():
+                    pts = [(math.log(s.predicted_s), math.log(statistics.median(v) / s.predicted_loop_s), sum(v))
+                           for s, v in items]
+                    without.append(_curve_error(pts, base))
+                    with_.append(_curve_error(pts, own))
+            else:
+                base_s = _base_fixed(fk, path)
+                entry = _fixed_entry([statistics.median(ms) for _, ms in train], base_s) if (
+                    len(train) >= fold_min) else None
+                for items in by_cfg.values():
+                    pts = [(statistics.median(v), len(v)) for _, v in items]
+                    without.append(_fixed_error(pts, base_s))
+                    with_.append(_fixed_error(pts, entry["fixed_s"] if entry else base_s))
+            fold_entries.append(entry)
+        cv_without, cv_with = statistics.fmean(without), statistics.fmean(with_)
+        decision.update(cv_without=cv_without, cv_with=cv_with, folds=len(without))
+        if not _better(cv_with, cv_without):
+            how = ("worse: the fit does not generalize across configs" if _better(cv_without, cv_with) else
+                   f"no better than without it (a kept fit cuts it by {MIN_GAIN:.0%}, at least {MIN_GAIN_ABS})")
+            decision.update(kept=False, reason=f"cross-validated error {cv_without:.3f} -> {cv_with:.3f} over "
+                                               f"{len(without)} held-out config(s), {how}; uses {fallback}")
+            continue
+        decision.update(kept=True, reason=f"cross-validated error {cv_without:.3f} -> {cv_with:.3f} over "
+                                          f"{len(without)} held-out config(s) (without it: {fallback})")
+        if kind == "curve":
+            pts = [(math.log(s.predicted_s), math.log(s.measured_s / s.predicted_loop_s)) for s in group]
+            base = _base_curve(kept, path)
+            entry = _curve_entry([x for x, _ in pts], [y for _, y in pts], base, per_knot=per_knot,
+                                 max_knots=max_knots)
+            entry["abs_log_error_before"] = statistics.median(abs(y) for _, y in pts)
+            entry["abs_log_error_after"] = statistics.median(abs(y - curve_log_factor(entry, x)) for x, y in pts)
+            entry["cv"] = [cv_without, cv_with]
+        else:
+            entry = _fixed_entry([s.measured_s for s in group], _base_fixed(kept, path))
+            entry["cv_fixed"] = [cv_without, cv_with]
+        kept.setdefault(name, {"n": 0}).update(entry)
+        for fk, fe in zip(fold_kept, fold_entries):
+            if fe is not None:
+                fk.setdefault(name, {"n": 0}).update(fe)
+    return ClassFit(kept, decisions, folds, fold_kept)
+
+
+# ------------------------------------------------------------------------------------ stream terms
+
+
+def fit_stream(predicted, nodes, measured, iters: int = 20) -> tuple[float, float]:
+    """(factor, seconds per node) with measured ~ factor * predicted + seconds * nodes over whole
+    calls, relative errors, Huber-weighted (a few configs timed under load do not pull it);
+    seconds per node at least 0 (else refitted as the factor alone)."""
+    P = torch.tensor(predicted, dtype=torch.float64)
+    N = torch.tensor(nodes, dtype=torch.float64)
+    W = torch.tensor(measured, dtype=torch.float64)
+    A, y = torch.stack([P / W, N / W], 1), torch.ones_like(W)
+    w = torch.ones_like(W)
+    sol = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    for _ in range(iters):
+        Aw = A * w[:, None]
+        sol = torch.linalg.lstsq(Aw.T @ A, Aw.T @ y).solution
+        if sol[1] < 0:
+            f = float((Aw[:, 0] @ y) / (Aw[:, 0] @ A[:, 0]))
+            sol = torch.tensor([f, 0.0], dtype=torch.float64)
+        r = y - A @ sol
+        delta = 1.345 * max(float((r - r.median()).abs().median()) * 1.4826, 0.02)
+        w = torch.where(r.abs() <= delta, torch.ones_like(r), delta / r.abs().clamp_min(1e-12))
+    return max(float(sol[0]), 1e-3), float(sol[1])
+
+
+def with_stream(classes: dict, factor: float, add_s: float) -> dict:
+    """The class fits with the stream terms folded in: every curve's factor times ``factor`` and
+    ``add_s`` added per node; every fixed time times ``factor``."""
+    out = {}
+    for k, e in classes.items():
+        e = dict(e)
+        if "log_factor" in e:
+            e["log_factor"] = [v + math.log(factor) for v in e["log_factor"]]
+            e["add_s"] = add_s
+        if "fixed_s" in e:
+            e["fixed_s"] = e["fixed_s"] * factor
+        out[k] = e
+    return out
+
+
+def without_stream(fit: dict) -> dict:
+    """A profile's op class fit with its stream terms taken out (each node alone)."""
+    stream = fit.get("stream") or {}
+    factor = stream.get("factor", 1.0) or 1.0
+    out = {}
+    for k, e in (fit.get("classes") or {}).items():
+        e = dict(e)
+        if "log_factor" in e:
+            e["log_factor"] = [v - math.log(factor) for v in e["log_factor"]]
+            e.pop("add_s", None)
+        if "fixed_s" in e:
+            e["fixed_s"] = e["fixed_s"] / factor
+        out[k] = e
+    return {"classes": out}
+
+
+def _stream_terms(corpus: Corpus, runs: list, classes: dict) -> tuple[float, float, int] | None:
+    corr = _Corrections({"classes": classes}, corpus.shapes)
+    pts = [(predicted_whole(corpus, r, corr), _curve_nodes(r, corr), r.whole_s) for r in runs]
+    pts = [p for p in pts if p[0] > 0]
+    if len(pts) < 2:
+        return None
+    factor, add = fit_stream([p for p, _, _ in pts], [n for _, n, _ in pts], [m for _, _, m in pts])
+    return factor, add, len(pts)
+
+
+def fit_stream_terms(corpus: Corpus, fit: ClassFit) -> dict:
+    """The stream terms over the fitted runs' whole calls (:func:`fit_stream`), kept only where
+    they lower the whole-call error cross-validated by ``fit``'s folds (each fold's class fits
+    and stream terms fitted without it); with the cross-validated whole-call error of the
+    uncorrected model, the class fits alone and with the stream terms."""
+    runs = [r for r in corpus.runs if not r.held_out and r.whole_s]
+    out = {"factor": 1.0, "add_s": 0.0, "configs": 0, "kept": False, "cv": None}
+    full = _stream_terms(corpus, runs, fit.classes) if fit.classes else None
+    if full is None:
+        out["reason"] = "no fitted class or fewer than 2 whole calls: no stream terms"
+        return out
+    none, cls, strm = [], [], []
+    plain = _Corrections({}, corpus.shapes)
+    for fold, classes in zip(fit.folds, fit.fold_classes):
+        train = [r for r in runs if r.config not in fold]
+        test = [r for r in runs if r.config in fold]
+        terms = _stream_terms(corpus, train, classes) if test else None
+        if terms is None:
+            continue
+        c_cls = _Corrections({"classes": classes}, corpus.shapes)
+        c_str = _Corrections({"classes": with_stream(classes, terms[0], terms[1])}, corpus.shapes)
+        for r in test:
+            none.append(abs(math.log(max(predicted_whole(corpus, r, plain), 1e-12) / r.whole_s)))
+            cls.append(abs(math.log(max(predicted_whole(corpus, r, c_cls), 1e-12) / r.whole_s)))
+            strm.append(abs(math.log(max(predicted_whole(corpus, r, c_str), 1e-12) / r.whole_s)))
+    factor, add, used = full
+    if not cls:
+        out["reason"] = f"fitted {factor:.3f}x + {add * 1e6:.2f} us but no fold could check it: not kept"
+        return out
+    cv = {"calls": len(cls), "uncorrected": statistics.fmean(none), "classes": statistics.fmean(cls),
+          "classes_and_stream": statistics.fmean(strm)}
+    out["cv"] = cv
+    if _better(cv["classes_and_stream"], cv["classes"]):
+        out.update(factor=factor, add_s=add, configs=used, kept=True,
+                   reason=f"{factor:.3f}x + {add * 1e6:.2f} us: cross-validated whole-call error "
+                          f"{cv['classes']:.3f} -> {cv['classes_and_stream']:.3f}")
+    else:
+        out["reason"] = (f"fitted {factor:.3f}x + {add * 1e6:.2f} us, dropped: cross-validated whole-call error "
+                         f"{cv['classes']:.3f} -> {cv['classes_and_stream']:.3f}, no better")
+    return out
+
+
+# ------------------------------------------------------------------------------------ the profile
+
+
+def fit_profile(corpus: Corpus, *, min_samples: int = MIN_SAMPLES, max_folds: int = MAX_FOLDS,
+                refit_from: str | None = None) -> tuple[DeviceProfile, ClassFit]:
+    """The corpus's base profile with the class fits and the stream terms (the profile ``graphopt
+    calibrate --corpus`` writes), and the class fit with its decisions."""
+    samples = training_samples(corpus)
+    if not samples:
+        raise GraphoptError("the corpus holds no timed node of a fitted config: nothing to fit")
+    fit = fit_op_classes(samples, min_samples=min_samples, max_folds=max_folds)
+    stream = fit_stream_terms(corpus, fit)
+    info = dict(corpus.info, samples=len(samples))
+    if refit_from:
+        info["refit_from"] = refit_from
+    dropped = {k: d["reason"] for k, d in fit.decisions.items() if not d["kept"]}
+    op_fit = {"version": 2, "classes": with_stream(fit.classes, stream["factor"], stream["add_s"]),
+              "min_samples": min_samples, "stream": stream, "dropped": dropped,
+              "folds": len(fit.folds), "corpus": info}
+    return replace(corpus.profile, op_class_fit=op_fit), fit
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def evaluate(corpus: Corpus, after: DeviceProfile) -> dict:
+    """Prediction against measurement on the held-out runs, before (the base profile) and after
+    the fit: per run the whole-call error and the rank correlation over its timed classed nodes
+    (Spearman: all of them; ``costed``: those predicted above 0), and per class (the one the fit
+    used) the median |ln(predicted / measured)| over the held-out nodes, each node alone (the
+    fit's stream terms taken out)."""
+    from .measure import spearman
+
+    before_c = _Corrections({}, corpus.shapes)
+    after_c = _Corrections(after.op_class_fit, corpus.shapes)
+    alone_c = _Corrections(without_stream(after.op_class_fit), corpus.shapes)
+    rows, per_class = [], {}
+    for r in corpus.runs:
+        if not r.held_out or not r.whole_s:
+            continue
+        row = {"config": r.config, "source": r.source, "execution": r.execution, "measured_ms": r.whole_s * 1e3}
+        for tag, corr in (("before", before_c), ("after", after_c)):
+            pred = predicted_whole(corpus, r, corr)
+            row[f"predicted_ms_{tag}"] = pred * 1e3
+            row[f"error_pct_{tag}"] = (pred - r.whole_s) / r.whole_s * 100
+            nodes = predicted_nodes(corpus, r, corr)
+            row["nodes"] = len(nodes)
+            row[f"spearman_{tag}"] = spearman([p for _, p, _ in nodes], [m for _, _, m in nodes])
+            costed = [(p, m) for _, p, m in nodes if p > 0]
+            row[f"spearman_costed_{tag}"] = spearman([p for p, _ in costed], [m for _, m in costed])
+        alone = predicted_nodes(corpus, r, alone_c)
+        for (shape, pb, m), (_, pa, _) in zip(predicted_nodes(corpus, r, before_c), alone):
+            if m <= 0:
+                continue
+            name = alone_c.entry(shape)[0] or f"{class_name(corpus.shapes[shape].cls)} (not fitted)"
+            c = per_class.setdefault(name, {"n": 0, "before": [], "after": []})
+            c["n"] += 1
+            if pb > 0:
+                c["before"].append(abs(math.log(pb / m)))
+            if pa > 0:
+                c["after"].append(abs(math.log(pa / m)))
+        rows.append(row)
+    classes = {k: {"n": v["n"], "abs_log_error_before": statistics.median(v["before"]) if v["before"] else None,
+                   "abs_log_error_after": statistics.median(v["after"]) if v["after"] else None}
+               for k, v in sorted(per_class.items(), key=lambda kv: -kv[1]["n"])}
+
+    def count(tag, test):
+        return sum(1 for row in rows if row.get(tag) is not None and test(row[tag]))
+
+    summary = {"rows": len(rows)}
+    for tag in ("before", "after"):
+        summary[f"within_20pct_{tag}"] = count(f"error_pct_{tag}", lambda e: abs(e) <= 20)
+        summary[f"spearman_ge_0.9_{tag}"] = count(f"spearman_{tag}", lambda s: s >= 0.9)
+        errs = [abs(row[f"error_pct_{tag}"]) for row in rows]
+        summary[f"median_abs_error_pct_{tag}"] = statistics.median(errs) if errs else None
+        rhos = [row[f"spearman_{tag}"] for row in rows if row[f"spearman_{tag}"] is not None]
+        summary[f"median_spearman_{tag}"] = statistics.median(rhos) if rhos else None
+    return {"summary": summary, "rows": rows, "classes": classes}

@@ -8,8 +8,8 @@ times two or more callables in interleaved rounds (a, b, a, b, ...), so a drift 
 
 :func:`slower` is the guard's rule: a candidate is slower than a baseline when its median exceeds
 the baseline's by more than ``margin`` (2%: the run-to-run spread of one call on an idle GPU).
-:func:`settled` lets a comparison stop before its full count of rounds once every round so far
-falls on the same side of that margin: the verdict is still :func:`slower`'s, on the rounds taken.
+:func:`settled` lets a comparison stop before its full count of rounds once the rounds so far make
+the verdict clear: the verdict is still :func:`slower`'s, on the rounds taken.
 """
 
 from __future__ import annotations
@@ -55,16 +55,18 @@ def slower(candidate: Timing, baseline: Timing, margin: float | None = None) -> 
 
 
 def settled(candidate: list, baseline: list, margin: float | None = None, rounds: int = 6) -> bool:
-    """True once ``rounds`` or more interleaved rounds were taken and in every one of them the candidate
-    was within ``margin`` of the baseline's call of that round, or in every one it was beyond it: more
-    rounds would not change :func:`slower`'s verdict unless the machine changed. Paired rounds, so a
-    drift over the rounds lands on both calls of a round alike."""
+    """True once ``rounds`` or more interleaved rounds were taken and their verdict is clear: the
+    candidate beyond the baseline's call of its round by more than ``margin`` in every round (a
+    loss), or its median ratio to the baseline within half the margin with at most a third of the
+    rounds beyond the margin (no loss; a pass that changes nothing measurable settles here instead of
+    taking every round). Paired rounds, so a drift over the rounds lands on both calls of a round."""
     m = MARGIN if margin is None else margin
     n = min(len(candidate), len(baseline))
     if n < rounds:
         return False
-    within = [c <= b * (1.0 + m) for c, b in zip(candidate[:n], baseline[:n])]
-    return all(within) or not any(within)
+    ratios = [c / b if b > 0 else float("inf") for c, b in zip(candidate[:n], baseline[:n])]
+    beyond = sum(r > 1.0 + m for r in ratios)
+    return beyond == n or (statistics.median(ratios) <= 1.0 + m / 2 and 3 * beyond <= n)
 
 
 class Timer:

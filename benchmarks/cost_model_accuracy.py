@@ -89,14 +89,14 @@ def prediction_profile(profile_arg, device, dtype, calibrate_host: bool):
 
 def run_one(spec: str, *, device, dtype, profile_arg, pred_profile, reps: int, inner: int) -> dict:
     from graphopt.api import optimize
-    from graphopt.tools.bench import _load
+    from graphopt.tools.bench import prepare_model
     from graphopt.cost.model import CostModel
     from graphopt.tools.measure import accuracy_table, busy_fraction, measure_call, module_execution
 
     name, batch, seq = parse_model(spec)
     row: dict = {"model": name, "batch": batch, "seq_len": seq}
     t0 = time.perf_counter()
-    model, args, kwargs, name, channels_last = _load(name, batch, seq, dtype, device)
+    model, args, kwargs, name, channels_last = prepare_model(name, batch, seq, dtype, device)
     row["channels_last"] = channels_last
     opt = table = None
     try:

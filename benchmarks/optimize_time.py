@@ -4,7 +4,7 @@
     python benchmarks/optimize_time.py --models bert-tiny:2:16 --reps 2 --out /tmp/x   # dry run
     python benchmarks/optimize_time.py --accuracy ...                            # with the fp64 accuracy guard
 
-Each model is built as the model benchmark builds it (graphopt.tools.bench._load: bf16, eval) and
+Each model is built as the model benchmark builds it (graphopt.tools.bench.prepare_model: bf16, eval) and
 optimized ``--reps`` times in one process with ``target=--target`` (default h200: the GPU plan, on
 any machine). The first call is reported apart ("cold": it pays torch.export's and graphopt's
 first-use costs, as the first optimize() in a benchmark process does); the phases are those of the
@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import graphopt  # noqa: E402
-from graphopt.tools.bench import _load, parse_dtype  # noqa: E402
+from graphopt.tools.bench import prepare_model, parse_dtype  # noqa: E402
 from tests.test_same_plan import plan_record  # noqa: E402  (op counts, code and constants digests)
 
 DEFAULT = "bert-base:64:128,glm4-9b-4l:8:1024"
@@ -61,7 +61,7 @@ def parse_models(text: str) -> list[tuple[str, int | None, int | None]]:
 def run_model(spec, batch, seq, *, dtype, device, target, reps, accuracy, profile_to=None) -> dict:
     print(f"{spec} bs{batch} seq{seq}: building", flush=True)
     t0 = time.perf_counter()
-    model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, torch.device(device))
+    model, args, kwargs, name, _ = prepare_model(spec, batch, seq, dtype, torch.device(device))
     row = {"model": name, "batch": batch, "seq_len": seq, "build_s": time.perf_counter() - t0, "runs": []}
     for r in range(reps):
         gc.collect()

@@ -101,17 +101,17 @@ def test_budget_skips_but_still_reports():
 
 def test_one_build_per_model_and_batch_slices():
     calls = []
-    real = bench._load
+    real = bench.prepare_model
 
     def counting(*a, **k):
         calls.append(a)
         return real(*a, **k)
 
-    bench._load, saved = counting, bench._load
+    bench.prepare_model, saved = counting, bench.prepare_model
     try:
         res = _run([BenchConfig("mlp", batch=4, vs=("eager",)), BenchConfig("mlp", batch=2, vs=("eager",))])
     finally:
-        bench._load = saved
+        bench.prepare_model = saved
     assert len(calls) == 1 and calls[0][1] == 4
     a, b = res.results
     assert a.title == "mlp bs4" and b.title == "mlp bs2"
@@ -146,9 +146,9 @@ def test_cnn_detection_and_labels():
 
 
 def test_channels_last_for_cnns_in_low_precision():
-    model, args, kwargs, name, cl = bench._load("shape-branch", 2, None, torch.bfloat16, torch.device("cpu"))
+    model, args, kwargs, name, cl = bench.prepare_model("shape-branch", 2, None, torch.bfloat16, torch.device("cpu"))
     assert not cl  # a toy, not a zoo "cnn"
-    model, args, kwargs, name, cl = bench._load("shape-branch", 2, None, torch.float32, torch.device("cpu"))
+    model, args, kwargs, name, cl = bench.prepare_model("shape-branch", 2, None, torch.float32, torch.device("cpu"))
     assert not cl and args[0].dtype == torch.float32
 
 

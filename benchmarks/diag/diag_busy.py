@@ -36,7 +36,7 @@ import diag_resnet_convs  # noqa: E402  (its CUDA-event timer)
 
 import graphopt  # noqa: E402
 from optimize_time import parse_models  # noqa: E402  (MODEL:BATCH:SEQ items)
-from graphopt.tools.bench import _load, parse_dtype, time_call  # noqa: E402
+from graphopt.tools.bench import parse_dtype, prepare_model, time_call  # noqa: E402
 from graphopt.tools.measure import _device_intervals, _union  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def _set_variant(variant: str) -> None:
 def run(spec, batch, seq, dtype, variant: str = "default") -> dict:
     dev = torch.device("cuda")
     _set_variant(variant)
-    model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, dev)
+    model, args, kwargs, name, _ = prepare_model(spec, batch, seq, dtype, dev)
     opt = graphopt.optimize(model, (args, kwargs), model_name=name)
     call = lambda: opt(*args, **kwargs)  # noqa: E731
     row = {"model": name + ("" if variant == "default" else f" ({variant})"), "batch": batch, "seq_len": seq,

@@ -106,13 +106,13 @@ def main(argv=None) -> int:
 
     from graphopt import ir
     from graphopt.api import optimize
-    from graphopt.tools.bench import _load
+    from graphopt.tools.bench import prepare_model
     from graphopt.cost.model import CostModel
     from graphopt.cost.profiles import get_profile
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, margs, mkw, name, _ = _load(args.model, args.batch, None, dtype, device)
+    model, margs, mkw, name, _ = prepare_model(args.model, args.batch, None, dtype, device)
     opt = optimize(model, (margs, mkw), target=args.profile, check_accuracy=False, model_name=name)
     gm = opt.graph_module
     cost = CostModel(get_profile(args.profile if args.profile else device)[0])

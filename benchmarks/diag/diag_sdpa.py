@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 import graphopt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from optimize_time import parse_models  # noqa: E402  (MODEL:BATCH:SEQ items)
-from graphopt.tools.bench import _load, parse_dtype  # noqa: E402
+from graphopt.tools.bench import prepare_model, parse_dtype  # noqa: E402
 
 import diag_gemm  # noqa: E402  (its queued timer)
 from _timing import captured  # noqa: E402
@@ -65,7 +65,7 @@ def run(spec, batch, seq, dtype) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev = torch.device("cuda")
-    model, args, kwargs, name, _ = _load(spec, batch, seq, dtype, dev)
+    model, args, kwargs, name, _ = prepare_model(spec, batch, seq, dtype, dev)
     opt = graphopt.optimize(model, (args, kwargs), model_name=name, cuda_graphs=False, check_accuracy=False)
     rec = _Record(opt.graph_module)
     with torch.inference_mode():

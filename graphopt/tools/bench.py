@@ -527,7 +527,10 @@ def _is_cnn(name: str, model) -> bool:
     return sum(isinstance(m, torch.nn.Conv2d) for m in model.modules()) >= 3
 
 
-def _load(spec: str, batch, seq_len, dtype, device):
+def prepare_model(spec: str, batch, seq_len, dtype, device):
+    """(model, args, kwargs, name, channels_last): a model spec (graphopt.tools.modelspec) built at
+    ``batch``/``seq_len``, converted to ``dtype`` and ``device`` in eval mode, CNNs in low precision
+    laid out channels_last; every driver that times or measures a model prepares it this way."""
     from ..capture import _register_hf_pytrees, split_inputs
     from .modelspec import load_model
 
@@ -677,7 +680,7 @@ def _run_group(spec, seq_len, group, result: BenchRun, *, dtype, device, reps, w
     try:
         if budget.spent():
             raise _Skip("time budget spent")
-        model, args0, kwargs0, name, channels_last = _load(spec, built_batch, seq_len, dtype, device)
+        model, args0, kwargs0, name, channels_last = prepare_model(spec, built_batch, seq_len, dtype, device)
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
         why = str(e) if isinstance(e, _Skip) else _first_line(e)
         for c in group:

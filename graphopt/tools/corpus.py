@@ -211,7 +211,7 @@ def build_corpus(configs, base: DeviceProfile, *, device, dtype, small: bool, he
     skipped."""
     from .. import api
     from ..capture import capture
-    from .bench import _load
+    from .bench import prepare_model
     from .measure import graph_inputs, module_execution
     from .perf_sweep import factory_name
 
@@ -235,7 +235,7 @@ def build_corpus(configs, base: DeviceProfile, *, device, dtype, small: bool, he
         model = gm = opt = orun = None
         try:
             with _small_env(small):
-                model, args, kwargs, _, _ = _load(f"graphopt.tools.perf_sweep:{factory_name(cfg.name)}", cfg.batch,
+                model, args, kwargs, _, _ = prepare_model(f"graphopt.tools.perf_sweep:{factory_name(cfg.name)}", cfg.batch,
                                                   None, dtype, device)
             gm = capture(model, (args, kwargs))
             run.gm = gm

@@ -20,7 +20,9 @@ its nodes of the class, predicted by the fit of the other folds) by ``MIN_GAIN``
 ``MIN_GAIN_ABS``; else the
 class falls back to its parent's, and the decision says why. The stream terms (whole call ~
 factor * corrected nodes + seconds per corrected node: :func:`fit_stream`) are cross-validated the
-same way on whole calls and kept only where they lower that error.
+same way on whole calls and kept only where they lower that error. The replay rule
+(:func:`fit_replay_rule`; graphopt.cost.opclass.REPLAY_RULES) says what a correction does to a
+node's device time inside a CUDA-graph replay, chosen the same way on replayed whole calls.
 """
 
 from __future__ import annotations

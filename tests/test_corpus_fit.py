@@ -181,8 +181,8 @@ def net():
 @pytest.mark.parametrize("profile, mode", [("cpu", "eager"), ("h200", "eager"), ("h200", "graphed")])
 @pytest.mark.parametrize("reuse", [False, True])
 def test_a_record_replays_the_cost_models_whole_call(monkeypatch, net, profile, mode, reuse):
-    """A whole call replayed from a graph's record, under any class fit, is what CostModel.execution_cost
-    gives for the graph (the left-after-replay tail included)."""
+    """A whole call replayed from a graph's record, under any class fit and replay rule, is what
+    CostModel.execution_cost gives for the graph (the left-after-replay tail included)."""
     tail_nodes = ir.tail_nodes
     monkeypatch.setattr(ir, "tail_nodes", lambda gm, min_bytes=0: tail_nodes(gm, 0))
     gm = net
@@ -192,7 +192,8 @@ def test_a_record_replays_the_cost_models_whole_call(monkeypatch, net, profile, 
     record, new = record_run(run, CostModel(base), {}, table := [])
     assert new == len(table) > 5 and (mode != "graphed" or reuse or any(s.tail for s in record.steps))
     corpus = Corpus.from_dict(Corpus(base, table, [record]).to_dict())  # as the samples file holds it
-    for fit in ({}, FIT):
+    fits = [{}, FIT] + [dict(FIT, replay=rule) for rule in ("lower", "none")]
+    for fit in fits:
         want = CostModel(replace(base, op_class_fit=fit)).execution_cost(gm, None, mode, reuse_outputs=reuse).total_s
         got = predicted_whole(corpus, corpus.runs[0], _Corrections(fit, corpus.shapes))
         assert got == pytest.approx(want, rel=1e-5)
@@ -273,3 +274,35 @@ def test_refit_arguments_are_one_line_errors(capfd, argv, words):
     rc = main(argv)
     _, err = capfd.readouterr()
     assert rc == 2 and len(err.strip().splitlines()) == 1 and words in err
+
+
+def test_corrections_fitted_alone_apply_to_a_replay_by_its_rule():
+    from graphopt.cost.opclass import corrected_times
+
+    corr = (3.0, 1e-6, None)
+    assert corrected_times(corr, 2e-6, 1e-5) == pytest.approx((7e-6, 3e-5))
+    assert corrected_times(corr, 2e-6, 1e-5, "full") == pytest.approx((7e-6, 3e-5))
+    assert corrected_times(corr, 2e-6, 1e-5, "none") == pytest.approx((7e-6, 1e-5))
+    assert corrected_times(corr, 2e-6, 1e-5, "lower") == pytest.approx((7e-6, 1e-5))
+    assert corrected_times((0.5, 0.0, None), 2e-6, 1e-5, "lower") == pytest.approx((1e-6, 5e-6))
+
+
+def test_the_replay_rule_is_chosen_on_replayed_whole_calls():
+    # nodes timed alone run 3x their predicted device time (host dispatch); replayed, the graph takes
+    # the predicted device times: the fit keeps the 3x for eager calls and not inside a replay
+    corpus = _corpus({("pointwise", "float"): lambda x, c: math.log(3.0)}, configs=6, held=("c5:1",))
+    prof = _toy("cuda")
+    corpus.profile = replace(prof, launch_overhead_graph_s=0.0)
+    for r in list(corpus.runs):
+        dev = sum(s.device_s for s in r.steps)
+        corpus.runs.append(RunRecord(r.config, "optimized", r.held_out, "graphed",
+                                     dev + corpus.profile.launch_overhead_s, list(r.steps)))
+    prof, fit = fit_profile(corpus)
+    assert prof.op_class_fit["replay"] in ("none", "lower")
+    cv = prof.op_class_fit["replay_fit"]["cv"]
+    assert cv["none"] < cv["full"]
+    rows = {(r["config"], r["source"]): r for r in evaluate(corpus, prof)["rows"]}
+    assert abs(rows[("c5:1", "optimized")]["error_pct_after"]) < 5
+    assert abs(rows[("c5:1", "captured")]["error_pct_after"]) < 10
+    # an old fit without the rule applies its factor in a replay as before
+    assert _Corrections({"classes": fit.classes}, corpus.shapes).replay == "full"

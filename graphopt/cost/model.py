@@ -702,7 +702,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ execution (host/device queue)
 
-    def node_times(self, node: fx.Node) -> tuple[object, object]:
+    def node_times(self, node: fx.Node, replayed: bool = False) -> tuple[object, object]:
         """(host seconds, device seconds) of one node run eagerly: a kernel node costs the host
         its launches (``host_op_s[op]`` where the profile measured that op, else launches *
         launch_overhead_s) and the device its roofline time; a node with no kernel costs the host
@@ -710,12 +710,14 @@ class CostModel:
         measured; 0 on a CPU profile, as NodeCost prices it); placeholders, outputs, get_attr and
         Python builtins (getitem) cost nothing. The profile's op class fit multiplies both and adds
         its stream term to the host's (a node priced at nothing takes its class's fixed time as
-        host time)."""
+        host time); ``replayed``: inside a CUDA-graph replay, where the fit's replay rule decides
+        what it does to the device time (graphopt.cost.opclass.REPLAY_RULES)."""
         host, dev = self._node_times(node)
         if self.profile.op_class_fit and _dispatches(node) and node.op == "call_function":
-            from .opclass import corrected_times
+            from .opclass import corrected_times, replay_rule
 
-            return corrected_times(self._class_correction(node), host, dev)
+            return corrected_times(self._class_correction(node), host, dev,
+                                   replay_rule(self.profile.op_class_fit) if replayed else None)
         return host, dev
 
     def _node_times(self, node: fx.Node) -> tuple[object, object]:
@@ -753,18 +755,20 @@ class CostModel:
             host, dev = host + h, dev + d
         return host + dev if self.profile.kind == "cpu" else max(host, dev)
 
-    def _steps(self, gm: fx.GraphModule, hints, only: fx.Node | None = None):
+    def _steps(self, gm: fx.GraphModule, hints, only: fx.Node | None = None, replayed: set | None = None):
         """(node, host_s, device_s, launches, syncs) per node in order, evaluated with ``hints``;
         a higher-order op with a GraphModule operand (torch.export's wrap_with_set_grad_enabled,
-        cond, ...) yields the steps of its body, after its own host dispatch."""
+        cond, ...) yields the steps of its body, after its own host dispatch. ``replayed``: the
+        nodes of a CUDA-graph replay (their times as :meth:`node_times` gives them replayed)."""
         c = lambda v: float(ir.concrete(v, hints))  # noqa: E731
         for n in ([only] if only is not None else gm.graph.nodes):
             sub = _hop_body(n)
             if sub is not None:
                 yield n, (self.profile.host_node_s if self.profile.kind == "cuda" else 0.0), 0.0, 0, False
-                yield from self._steps(sub, hints)
+                yield from self._steps(sub, hints, replayed=None if replayed is None or n not in replayed else
+                                       set(sub.graph.nodes))
                 continue
-            host, dev = self.node_times(n)
+            host, dev = self.node_times(n, replayed=replayed is not None and n in replayed)
             launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
             yield n, c(host), c(dev), launches, ir.op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
 
@@ -780,7 +784,9 @@ class CostModel:
             hints = ir.shape_hints(gm)
         p = self.profile
         tail = set() if (reuse_outputs or mode != "graphed" or p.kind == "cpu") else set(ir.tail_nodes(gm))
-        steps = [QueueStep(n, h, d, launches, sync, n in tail) for n, h, d, launches, sync in self._steps(gm, hints)]
+        replayed = {n for n in gm.graph.nodes if n not in tail} if mode == "graphed" and p.kind != "cpu" else None
+        steps = [QueueStep(n, h, d, launches, sync, n in tail)
+                 for n, h, d, launches, sync in self._steps(gm, hints, replayed=replayed)]
         copies_in, copies_out = [], []
         if mode == "graphed" and p.kind != "cpu":
             copy = lambda t: (p.launch_overhead_s,  # noqa: E731

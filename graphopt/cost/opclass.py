@@ -339,17 +339,33 @@ def class_correction(fit: dict, path, predicted_s: float) -> tuple[float, float,
     return correction(lookup(fit, path, predicted_s)[1], predicted_s)
 
 
-def corrected_times(corr: tuple, host, dev) -> tuple:
+# How a class correction applies to a node's device time inside a CUDA-graph replay (the fit's
+# "replay" rule, chosen by graphopt calibrate --corpus): a correction is fitted on nodes timed
+# alone, back to back from the host, where each node's time is at least its host dispatch; in a
+# replay the host's part vanishes, so the alone time bounds the device time from above only.
+REPLAY_RULES = ("full", "lower", "none")  # the factor as is | only where it lowers the time | not at all
+
+
+def replay_rule(fit: dict | None) -> str:
+    """The fit's replay rule ("full" where it has none: fits made before the rule existed)."""
+    rule = (fit or {}).get("replay") or "full"
+    return rule if rule in REPLAY_RULES else "full"
+
+
+def corrected_times(corr: tuple, host, dev, replay: str | None = None) -> tuple:
     """(host, device) seconds of a node under its class correction ``corr`` ((factor, added
     seconds, fixed seconds or None): :func:`correction`): both times the factor, the added seconds
-    on the host's; a node with neither host nor device time takes the fixed time as host time."""
+    on the host's; a node with neither host nor device time takes the fixed time as host time.
+    ``replay``: the node runs inside a CUDA-graph replay under that rule (:data:`REPLAY_RULES`),
+    which decides what the factor does to its device time."""
     from .model import _num
 
     factor, add, fixed = corr
     if fixed is not None:
         return (fixed, 0.0) if not _num(host) and not _num(dev) else (host, dev)
     if factor != 1.0 or add:
-        return host * factor + add, dev * factor
+        dev_factor = factor if replay in (None, "full") else (min(factor, 1.0) if replay == "lower" else 1.0)
+        return host * factor + add, dev * dev_factor
     return host, dev
 
 

@@ -357,7 +357,9 @@ def to_markdown(result: dict) -> str:
               "them on any machine)",
               f"- held out (not in the fit): {', '.join(c.get('held_out', [])) or 'none'}",
               f"- stream terms: {stream['reason']}" + (
-                  f" (fitted on {stream['configs']} whole calls)" if stream.get("kept") else ""), "",
+                  f" (fitted on {stream['configs']} whole calls)" if stream.get("kept") else ""),
+              f"- in a CUDA-graph replay (device time): {(fit.get('replay_fit') or {}).get('reason') or 'full'}",
+              "",
               "## Held-out configs", "",
               "| | before | after |", "| --- | ---: | ---: |",
               f"| whole call predicted within ±20% | {s['within_20pct_before']} of {s['rows']} | "
@@ -454,7 +456,8 @@ def fit_and_write(corpus: Corpus, *, out, results_dir, stem: str, min_samples: i
     s, stream = validation["summary"], prof.op_class_fit["stream"]
     dropped = sum(1 for d in fit.decisions.values() if not d["kept"])
     say(f"{len(fit.classes)} class fit(s) kept, {dropped} dropped (cross-validated by config over "
-        f"{len(fit.folds)} folds); stream terms: {stream['reason']}")
+        f"{len(fit.folds)} folds); stream terms: {stream['reason']}; in a replay: "
+        f"{prof.op_class_fit['replay_fit']['reason']}")
     if s["rows"]:
         say(f"held out ({s['rows']} graph(s)): whole call within ±20%: {s['within_20pct_before']} -> "
             f"{s['within_20pct_after']}; median |error| {_fmt(s['median_abs_error_pct_before'], 1, '%')} -> "

@@ -20,7 +20,9 @@ its nodes of the class, predicted by the fit of the other folds) by ``MIN_GAIN``
 ``MIN_GAIN_ABS``; else the
 class falls back to its parent's, and the decision says why. The stream terms (whole call ~
 factor * corrected nodes + seconds per corrected node: :func:`fit_stream`) are cross-validated the
-same way on whole calls and kept only where they lower that error.
+same way on whole calls and kept only where they lower that error. The replay rule
+(:func:`fit_replay_rule`; graphopt.cost.opclass.REPLAY_RULES) says what a correction does to a
+node's device time inside a CUDA-graph replay, chosen the same way on replayed whole calls.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from typing import NamedTuple
 import torch
 
 from ..cost.model import QueueInputs, QueueStep, queue_cost
-from ..cost.opclass import SEP, class_correction, class_name, corrected_times, covers, curve_log_factor, lookup
+from ..cost.opclass import (REPLAY_RULES, SEP, class_correction, class_name, corrected_times, covers,
+                            curve_log_factor, lookup, replay_rule)
 from ..cost.profiles import DeviceProfile
 from ..errors import CorpusFileError, GraphoptError
 
@@ -211,6 +214,7 @@ class _Corrections:
 
     def __init__(self, fit: dict, shapes: list):
         self.fit, self.shapes, self.memo = fit, shapes, {}
+        self.replay = replay_rule(fit)
 
     def __call__(self, shape: int) -> tuple:
         c = self.memo.get(shape)
@@ -228,8 +232,10 @@ def predicted_whole(corpus: Corpus, run: RunRecord, corr: _Corrections) -> float
     """The predicted whole call of ``run`` under a class fit: its steps corrected as
     CostModel.node_times corrects them, through the cost model's queue."""
     steps = []
+    replay = corr.replay if run.execution == "graphed" and corpus.profile.kind != "cpu" else None
     for s in run.steps:
-        h, d = (s.host_s, s.device_s) if s.shape < 0 else corrected_times(corr(s.shape), s.host_s, s.device_s)
+        h, d = (s.host_s, s.device_s) if s.shape < 0 else corrected_times(corr(s.shape), s.host_s, s.device_s,
+                                                                          None if s.tail else replay)
         steps.append(QueueStep(s.shape, h, d, s.launches, s.sync, s.tail))
     return float(queue_cost(corpus.profile, QueueInputs(run.execution, steps, run.copies_in, run.copies_out)).total_s)
 
@@ -631,8 +637,37 @@ def without_stream(fit: dict) -> dict:
     return {"classes": out}
 
 
-def _stream_terms(corpus: Corpus, runs: list, classes: dict) -> tuple[float, float, int] | None:
-    corr = _Corrections({"classes": classes}, corpus.shapes)
+def fit_replay_rule(corpus: Corpus, fit: ClassFit) -> dict:
+    """The replay rule (graphopt.cost.opclass.REPLAY_RULES: what a class correction, fitted on
+    nodes timed alone from the host, does to a node's device time inside a CUDA-graph replay),
+    chosen on the fitted configs' replayed whole calls cross-validated by ``fit``'s folds: "full"
+    unless another rule cuts that error (the margins of MIN_GAIN); with each rule's error."""
+    runs = [r for r in corpus.runs if not r.held_out and r.whole_s and r.execution == "graphed"]
+    out = {"rule": "full", "calls": 0, "cv": None}
+    if not fit.classes or corpus.profile.kind == "cpu":
+        out["reason"] = "no fitted class or no replay on this device: the correction applies as is"
+        return out
+    errs = {rule: [] for rule in REPLAY_RULES}
+    for fold, classes in zip(fit.folds, fit.fold_classes):
+        for r in runs:
+            if r.config in fold:
+                for rule in REPLAY_RULES:
+                    p = predicted_whole(corpus, r, _Corrections({"classes": classes, "replay": rule}, corpus.shapes))
+                    errs[rule].append(abs(math.log(max(p, 1e-12) / r.whole_s)))
+    if not errs["full"]:
+        out["reason"] = "no replayed whole call of a fitted config: the correction applies as is"
+        return out
+    cv = {rule: statistics.fmean(v) for rule, v in errs.items()}
+    best = min(REPLAY_RULES, key=lambda rule: (cv[rule], REPLAY_RULES.index(rule)))
+    rule = best if best != "full" and _better(cv[best], cv["full"]) else "full"
+    out.update(rule=rule, calls=len(errs["full"]), cv=cv,
+               reason=f"cross-validated error of {len(errs['full'])} replayed whole call(s): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in cv.items()) + f"; {rule}")
+    return out
+
+
+def _stream_terms(corpus: Corpus, runs: list, classes: dict, replay: str = "full") -> tuple[float, float, int] | None:
+    corr = _Corrections({"classes": classes, "replay": replay}, corpus.shapes)
     pts = [(predicted_whole(corpus, r, corr), _curve_nodes(r, corr), r.whole_s) for r in runs]
     pts = [p for p in pts if p[0] > 0]
     if len(pts) < 2:
@@ -641,14 +676,14 @@ def _stream_terms(corpus: Corpus, runs: list, classes: dict) -> tuple[float, flo
     return factor, add, len(pts)
 
 
-def fit_stream_terms(corpus: Corpus, fit: ClassFit) -> dict:
+def fit_stream_terms(corpus: Corpus, fit: ClassFit, replay: str = "full") -> dict:
     """The stream terms over the fitted runs' whole calls (:func:`fit_stream`), kept only where
     they lower the whole-call error cross-validated by ``fit``'s folds (each fold's class fits
     and stream terms fitted without it); with the cross-validated whole-call error of the
     uncorrected model, the class fits alone and with the stream terms."""
     runs = [r for r in corpus.runs if not r.held_out and r.whole_s]
     out = {"factor": 1.0, "add_s": 0.0, "configs": 0, "kept": False, "cv": None}
-    full = _stream_terms(corpus, runs, fit.classes) if fit.classes else None
+    full = _stream_terms(corpus, runs, fit.classes, replay) if fit.classes else None
     if full is None:
         out["reason"] = "no fitted class or fewer than 2 whole calls: no stream terms"
         return out
@@ -657,11 +692,11 @@ def fit_stream_terms(corpus: Corpus, fit: ClassFit) -> dict:
     for fold, classes in zip(fit.folds, fit.fold_classes):
         train = [r for r in runs if r.config not in fold]
         test = [r for r in runs if r.config in fold]
-        terms = _stream_terms(corpus, train, classes) if test else None
+        terms = _stream_terms(corpus, train, classes, replay) if test else None
         if terms is None:
             continue
-        c_cls = _Corrections({"classes": classes}, corpus.shapes)
-        c_str = _Corrections({"classes": with_stream(classes, terms[0], terms[1])}, corpus.shapes)
+        c_cls = _Corrections({"classes": classes, "replay": replay}, corpus.shapes)
+        c_str = _Corrections({"classes": with_stream(classes, terms[0], terms[1]), "replay": replay}, corpus.shapes)
         for r in test:
             none.append(abs(math.log(max(predicted_whole(corpus, r, plain), 1e-12) / r.whole_s)))
             cls.append(abs(math.log(max(predicted_whole(corpus, r, c_cls), 1e-12) / r.whole_s)))
@@ -694,12 +729,14 @@ def fit_profile(corpus: Corpus, *, min_samples: int = MIN_SAMPLES, max_folds: in
     if not samples:
         raise GraphoptError("the corpus holds no timed node of a fitted config: nothing to fit")
     fit = fit_op_classes(samples, min_samples=min_samples, max_folds=max_folds)
-    stream = fit_stream_terms(corpus, fit)
+    replay = fit_replay_rule(corpus, fit)
+    stream = fit_stream_terms(corpus, fit, replay["rule"])
     info = dict(corpus.info, samples=len(samples))
     if refit_from:
         info["refit_from"] = refit_from
     dropped = {k: d["reason"] for k, d in fit.decisions.items() if not d["kept"]}
     op_fit = {"version": 2, "classes": with_stream(fit.classes, stream["factor"], stream["add_s"]),
+              "replay": replay["rule"], "replay_fit": replay,
               "min_samples": min_samples, "stream": stream, "dropped": dropped,
               "folds": len(fit.folds), "corpus": info}
     return replace(corpus.profile, op_class_fit=op_fit), fit

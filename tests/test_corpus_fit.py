@@ -172,6 +172,13 @@ FIT = {"classes": {"gemm": {"knots": [-14.0, -10.0], "log_factor": [math.log(2.0
                    "view": {"fixed_s": 3e-6, "n_fixed": 9, "n": 0}}}
 
 
+SPLIT = {"device_classes": {"gemm": {"knots": [-14.0, -10.0], "log_factor": [math.log(0.5), 0.1],
+                                     "range": [-16.0, -9.0]},
+                            "pointwise": {"knots": [-12.0], "log_factor": [math.log(0.7)]}},
+         "host_classes": {"gemm": {"knots": [-13.0], "log_factor": [math.log(3.0)], "add_s": 1e-6},
+                          "view": {"knots": [-13.0], "log_factor": [math.log(2.0)]}}}
+
+
 @pytest.fixture(scope="module")
 def net():
     torch.manual_seed(0)
@@ -192,7 +199,7 @@ def test_a_record_replays_the_cost_models_whole_call(monkeypatch, net, profile, 
     record, new = record_run(run, CostModel(base), {}, table := [])
     assert new == len(table) > 5 and (mode != "graphed" or reuse or any(s.tail for s in record.steps))
     corpus = Corpus.from_dict(Corpus(base, table, [record]).to_dict())  # as the samples file holds it
-    fits = [{}, FIT] + [dict(FIT, replay=rule) for rule in ("lower", "none")]
+    fits = [{}, FIT] + [dict(FIT, replay=rule) for rule in ("lower", "none")] + [SPLIT]
     for fit in fits:
         want = CostModel(replace(base, op_class_fit=fit)).execution_cost(gm, None, mode, reuse_outputs=reuse).total_s
         got = predicted_whole(corpus, corpus.runs[0], _Corrections(fit, corpus.shapes))

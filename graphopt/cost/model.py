@@ -8,7 +8,9 @@ scale/fixed are the profile's fitted GEMM and convolution efficiencies (`graphop
 1 and 0 in a profile that was not calibrated: the ideal roofline). A profile with an op class fit
 (``op_class_fit``, `graphopt calibrate --corpus`) makes each node's time its class's fitted factor
 times the time above, plus the fit's per-node stream term (graphopt.cost.opclass;
-:meth:`CostModel._class_correction`).
+:meth:`CostModel._class_correction`); a split fit (device and host timed apart) multiplies the
+device time by its class's device factor and the host time by its host correction
+(:meth:`CostModel._split_times`).
 
 Whole-graph time of an execution (:meth:`CostModel.execution_cost`): a host/device queue
 (:func:`queue_cost` over the steps :meth:`CostModel.queue_inputs` gives).
@@ -748,7 +750,8 @@ class CostModel:
         Python builtins (getitem) cost nothing. The profile's op class fit multiplies both and adds
         its stream term to the host's (a node priced at nothing takes its class's fixed time as
         host time); ``replayed``: inside a CUDA-graph replay, where the fit's replay rule decides
-        what it does to the device time (graphopt.cost.opclass.REPLAY_RULES)."""
+        what it does to the device time (graphopt.cost.opclass.REPLAY_RULES). A split fit corrects
+        host and device time apart, replayed or not (:meth:`_split_times`)."""
         host, dev = self._node_times(node)
         if self.profile.op_class_fit and _dispatches(node) and node.op == "call_function":
             from .opclass import corrected_times, replay_rule

@@ -23,6 +23,11 @@ factor * corrected nodes + seconds per corrected node: :func:`fit_stream`) are c
 same way on whole calls and kept only where they lower that error. The replay rule
 (:func:`fit_replay_rule`; graphopt.cost.opclass.REPLAY_RULES) says what a correction does to a
 node's device time inside a CUDA-graph replay, chosen the same way on replayed whole calls.
+
+Where the corpus timed each node's host issue and device time apart (a GPU: the steps' ``host_m``
+and ``device_m``), the fit is split (:func:`fit_split`): a device factor per class against the
+device time alone and a host correction per class and op against the host issue time, each
+decided as above over the same folds; the device factor applies as is in a replay.
 """
 
 from __future__ import annotations

@@ -321,7 +321,8 @@ def test_corpus_on_the_gpu_with_optimized_graphs(capfd, tmp_path):
     assert prof.kind == "cuda" and fit["corpus"]["dtype"] == "bfloat16" and fit["corpus"]["optimized"]
     assert fit["validation"]["rows"] == 2  # hf-gpt2:1 captured and optimized
     # host issue and device time timed apart: the split fit (device factors, host corrections)
-    assert fit["folds"] == 3 and fit["version"] == 3 and (fit["device_classes"] or fit["host_classes"] or fit["dropped"])
+    assert fit["folds"] == 3 and fit["version"] == 3
+    assert fit["device_classes"] or fit["host_classes"] or fit["dropped"]
     assert fit["corpus"]["samples_device"] > 0 and fit["corpus"]["samples_host"] > 0 and fit["corpus"]["node_timing_s"]
     assert path.with_name("gpu-fit.samples.json.gz").exists()  # no --results: beside the profile
     assert "optimized: error" not in out and out.count(" optimized ") == 4

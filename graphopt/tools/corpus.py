@@ -222,9 +222,9 @@ def build_corpus(configs, base: DeviceProfile, *, device, dtype, small: bool, he
     are the best of ``reps`` / ``whole_reps`` runs (on a CPU after waiting up to ``quiet_wait_s``
     for other processes to quieten); on a GPU each node's host issue time and its device time
     alone are kept too (the device time is a second timing loop per node and run, queued behind a
-    GPU sleep: it costs time the budget counts, reported as each config's timing seconds). Returns the corpus (``base``, the shapes and a record of
-    every timed graph; those of the configs whose keys are in ``held_out`` marked held out) and
-    the runs. A config that fails to build, capture or run is recorded with its error and
+    GPU sleep: it costs time the budget counts, reported as each config's timing seconds).
+    Returns the corpus (``base``, the shapes and a record of every timed graph; those of the
+    configs whose keys are in ``held_out`` marked held out) and the runs. A config that fails to build, capture or run is recorded with its error and
     skipped."""
     from .. import api
     from ..capture import capture
@@ -479,8 +479,8 @@ def fit_and_write(corpus: Corpus, *, out, results_dir, stem: str, min_samples: i
     s, stream = validation["summary"], prof.op_class_fit["stream"]
     dropped = sum(1 for d in fit.decisions.values() if not d["kept"])
     kept = len(fit.classes) + (len(fit.host.classes) if fit.host is not None else 0)
-    say(f"{kept} class fit(s) kept{' (device and host apart)' if fit.host is not None else ''}, {dropped} dropped (cross-validated by config over "
-        f"{len(fit.folds)} folds); stream terms: {stream['reason']}; in a replay: "
+    say(f"{kept} class fit(s) kept{' (device and host apart)' if fit.host is not None else ''}, {dropped} dropped "
+        f"(cross-validated by config over {len(fit.folds)} folds); stream terms: {stream['reason']}; in a replay: "
         f"{prof.op_class_fit['replay_fit']['reason']}")
     if s["rows"]:
         say(f"held out ({s['rows']} graph(s)): whole call within ±20%: {s['within_20pct_before']} -> "

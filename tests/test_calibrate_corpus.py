@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graphopt import ir
 from graphopt.capture import capture
 from graphopt.cost.model import CostModel
 from graphopt.cost.opclass import correction, curve_log_factor, lookup, op_class
@@ -318,6 +320,77 @@ def test_corpus_on_the_gpu_with_optimized_graphs(capfd, tmp_path):
     fit = prof.op_class_fit
     assert prof.kind == "cuda" and fit["corpus"]["dtype"] == "bfloat16" and fit["corpus"]["optimized"]
     assert fit["validation"]["rows"] == 2  # hf-gpt2:1 captured and optimized
-    assert fit["folds"] == 3 and (fit["classes"] or fit["dropped"])
+    # host issue and device time timed apart: the split fit (device factors, host corrections)
+    assert fit["folds"] == 3 and fit["version"] == 3
+    assert fit["device_classes"] or fit["host_classes"] or fit["dropped"]
+    assert fit["corpus"]["samples_device"] > 0 and fit["corpus"]["samples_host"] > 0 and fit["corpus"]["node_timing_s"]
     assert path.with_name("gpu-fit.samples.json.gz").exists()  # no --results: beside the profile
     assert "optimized: error" not in out and out.count(" optimized ") == 4
+
+
+class FeatureMap(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 3, padding=1)
+        self.dw = nn.Conv2d(64, 64, 3, padding=1, groups=64)
+        self.conv2 = nn.Conv2d(64, 64, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.conv1(x))
+        return self.conv2(torch.relu(self.dw(h)) + h)
+
+
+SPLIT = {"device_classes": {"gemm": {"knots": [-10.0], "log_factor": [math.log(0.5)]}},
+         "host_classes": {"gemm": {"knots": [-12.0], "log_factor": [math.log(3.0)], "add_s": 1e-6},
+                          "view": {"knots": [-12.0], "log_factor": [math.log(2.0)]}}}
+
+
+def test_a_split_fit_corrects_device_and_host_time_apart(mix):
+    """A split fit's device factor multiplies a node's device time (eager and replayed alike), its
+    host correction its host time; NodeCost moves as the node's loop time does."""
+    from graphopt.cost.opclass import split_correction
+
+    prof = get_profile("h200")[0]
+    plain, fitted = CostModel(prof), CostModel(DeviceProfile.from_dict({**prof.to_dict(), "op_class_fit": SPLIT}))
+    seen = set()
+    for n in mix.graph.nodes:
+        if n.op != "call_function":
+            continue
+        cls = op_class(n, plain.flops_bytes(n)[3])
+        (h, d), raw = plain.node_times(n), plain.node_cost(n)
+        got = fitted.node_times(n)
+        assert fitted.node_times(n, replayed=True) == got
+        if cls is None:
+            assert got == (h, d)
+            continue
+        seen.add(cls[0])
+        fd, fh, add = split_correction(SPLIT, cls, h, d, ir.target_name(n))
+        if cls[0] == "gemm":
+            assert (fd, fh, add) == (pytest.approx(0.5), pytest.approx(3.0), 1e-6)
+            assert got == (pytest.approx(3.0 * h + 1e-6), pytest.approx(0.5 * d))
+            assert fitted.node_cost(n).time_s == pytest.approx(raw.time_s * max(got) / max(h, d))
+        elif cls[0] == "view":
+            assert got == (pytest.approx(2.0 * h), 0.0) and fitted.node_cost(n).time_s == raw.time_s == 0.0
+        else:
+            assert got == (h, d) and fitted.node_cost(n) == raw
+    assert {"gemm", "view"} <= seen
+    assert fitted.execution_cost(mix, None, "graphed").device_s < plain.execution_cost(mix, None, "graphed").device_s
+
+
+def test_a_host_correction_no_longer_flips_a_layout_decision():
+    """A class factor fitted on nodes timed alone carries their host dispatch: read as a device
+    factor it makes the big boundary copies of convert_channels_last cost 5x and the pass refuse;
+    the same 5x as a host correction leaves those device-bound copies as priced, and the pass
+    decides as with no fit."""
+    from graphopt.pipeline import run_passes
+
+    m = FeatureMap().eval().to(torch.bfloat16)
+    x = torch.randn(32, 3, 64, 64, dtype=torch.bfloat16)
+    base = get_profile("h200")[0]
+    five = {"knots": [-12.0], "log_factor": [math.log(5.0)]}
+    status = {}
+    for name, fit in {"none": {}, "combined": {"classes": {"copy": five}},
+                      "split": {"device_classes": {}, "host_classes": {"copy": five}}}.items():
+        (res,) = run_passes(capture(m, (x,)), ["convert_channels_last"], target=replace(base, op_class_fit=fit))
+        status[name] = res.status
+    assert status == {"none": "applied", "combined": "unchanged", "split": "applied"}

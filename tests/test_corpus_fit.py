@@ -172,6 +172,13 @@ FIT = {"classes": {"gemm": {"knots": [-14.0, -10.0], "log_factor": [math.log(2.0
                    "view": {"fixed_s": 3e-6, "n_fixed": 9, "n": 0}}}
 
 
+SPLIT = {"device_classes": {"gemm": {"knots": [-14.0, -10.0], "log_factor": [math.log(0.5), 0.1],
+                                     "range": [-16.0, -9.0]},
+                            "pointwise": {"knots": [-12.0], "log_factor": [math.log(0.7)]}},
+         "host_classes": {"gemm": {"knots": [-13.0], "log_factor": [math.log(3.0)], "add_s": 1e-6},
+                          "view": {"knots": [-13.0], "log_factor": [math.log(2.0)]}}}
+
+
 @pytest.fixture(scope="module")
 def net():
     torch.manual_seed(0)
@@ -192,7 +199,7 @@ def test_a_record_replays_the_cost_models_whole_call(monkeypatch, net, profile, 
     record, new = record_run(run, CostModel(base), {}, table := [])
     assert new == len(table) > 5 and (mode != "graphed" or reuse or any(s.tail for s in record.steps))
     corpus = Corpus.from_dict(Corpus(base, table, [record]).to_dict())  # as the samples file holds it
-    fits = [{}, FIT] + [dict(FIT, replay=rule) for rule in ("lower", "none")]
+    fits = [{}, FIT] + [dict(FIT, replay=rule) for rule in ("lower", "none")] + [SPLIT]
     for fit in fits:
         want = CostModel(replace(base, op_class_fit=fit)).execution_cost(gm, None, mode, reuse_outputs=reuse).total_s
         got = predicted_whole(corpus, corpus.runs[0], _Corrections(fit, corpus.shapes))
@@ -306,3 +313,107 @@ def test_the_replay_rule_is_chosen_on_replayed_whole_calls():
     assert abs(rows[("c5:1", "captured")]["error_pct_after"]) < 10
     # an old fit without the rule applies its factor in a replay as before
     assert _Corrections({"classes": fit.classes}, corpus.shapes).replay == "full"
+
+
+# ------------------------------------------------------------------------------------ split fit
+
+
+def _split_corpus(dev_truth: dict, host_truth: dict, *, configs: int = 6, per: int = 12, noise: float = 0.03,
+                  held=(), seed: int = 0) -> Corpus:
+    """A GPU corpus whose nodes were timed apart (host issue and device time alone), with known
+    truth: a node of class ``cls`` runs exp(dev_truth[cls]) times its predicted device time and
+    issues in exp(host_truth[cls]) times its predicted host time (``noise`` on both). Per config an
+    eager captured graph (its whole call the eager queue of the true times) and a replayed one
+    (its whole call the true device times after one launch)."""
+    from graphopt.cost.model import QueueInputs, QueueStep, queue_cost
+
+    rng = random.Random(seed)
+    prof = replace(_toy("cuda"), launch_overhead_graph_s=0.0)
+    shapes, runs = [], []
+    for ci in range(configs):
+        cfg = f"c{ci}:1"
+        steps, true = [], []
+        for cls in dev_truth:
+            for _ in range(per):
+                dev, host = math.exp(rng.uniform(-13.0, -8.0)), prof.launch_overhead_s * rng.choice((1.0, 1.5))
+                shapes.append(Shape(cls, f"aten.{cls[-1]}", max(dev, host)))
+                dm = dev * math.exp(dev_truth[cls] + rng.gauss(0, noise))
+                hm = host * math.exp(host_truth[cls] + rng.gauss(0, noise))
+                steps.append(Step(len(shapes) - 1, host, dev, 1, False, False, max(hm, dm), hm, dm))
+                true.append(QueueStep(None, hm, dm, 1))
+        eager = queue_cost(prof, QueueInputs("eager", true, [], [])).total_s
+        runs.append(RunRecord(cfg, "captured", cfg in held, "eager", eager, steps))
+        runs.append(RunRecord(cfg, "optimized", cfg in held, "graphed", prof.launch_overhead_s +
+                              sum(t.device_s for t in true), list(steps)))
+    return Corpus(prof, shapes, runs, {"configs": [f"c{i}:1" for i in range(configs) if f"c{i}:1" not in held],
+                                       "held_out": list(held), "dtype": "bfloat16"}, {}, "synthetic")
+
+
+GEMM, PW = ("gemm", "bf16", "a16"), ("pointwise", "float", "same", "add")
+
+
+def test_the_split_fit_recovers_device_and_host_corrections_apart():
+    from graphopt.cost.opclass import split_correction
+
+    # device: gemms run at 0.6x their predicted time, pointwise ops as predicted; host: every op
+    # issues in 3x its predicted time (what a node timed alone carries, not what a replay pays)
+    corpus = _split_corpus({GEMM: math.log(0.6), PW: 0.0}, {GEMM: math.log(3.0), PW: math.log(3.0)}, configs=8,
+                           held=("c3:1", "c7:1"))
+    prof, fit = fit_profile(corpus)
+    f = prof.op_class_fit
+    assert f["version"] == 3 and "classes" not in f and fit.host is not None
+    assert f["corpus"]["samples_device"] == f["corpus"]["samples_host"] == 2 * 12 * 6
+    assert fit.decisions["device: gemm"]["kept"] and not fit.decisions["device: pointwise"]["kept"]
+    assert "cross-validated error" in fit.decisions["device: pointwise"]["reason"]
+    assert any(k.startswith("host: ") and d["kept"] for k, d in fit.decisions.items())
+    for dev in (1e-5, 1e-4):
+        fd, fh, add = split_correction(f, GEMM, 2e-6, dev, "aten.a16")
+        assert fd == pytest.approx(0.6, rel=0.05) and fh == pytest.approx(3.0, rel=0.05) and add == 0.0
+        fd, fh, _ = split_correction(f, PW, 2e-6, dev, "aten.add")
+        assert fd == 1.0 and fh == pytest.approx(3.0, rel=0.05)
+    assert f["replay"] == "full" and "split fit" in f["replay_fit"]["reason"]
+    # held out: the eager calls (host-bound queue) and the replays (device time) predicted from them
+    v = evaluate(corpus, prof)
+    rows = {(r["config"], r["source"]): r for r in v["rows"]}
+    for cfg in ("c3:1", "c7:1"):
+        assert abs(rows[(cfg, "captured")]["error_pct_after"]) < 5 < abs(rows[(cfg, "captured")]["error_pct_before"])
+        assert abs(rows[(cfg, "optimized")]["error_pct_after"]) < 5 < abs(rows[(cfg, "optimized")]["error_pct_before"])
+    assert v["classes"]["device: gemm"]["abs_log_error_after"] < 0.1 < v["classes"]["device: gemm"][
+        "abs_log_error_before"]
+    assert any(k.startswith("host: ") and c["abs_log_error_after"] < 0.1 < c["abs_log_error_before"]
+               for k, c in v["classes"].items())
+
+
+def test_split_samples_round_trip_and_old_samples_still_refit(tmp_path):
+    corpus = _split_corpus({GEMM: math.log(0.6)}, {GEMM: math.log(3.0)}, configs=5, held=("c4:1",))
+    back = Corpus.load(corpus.save(tmp_path / "split.samples.json.gz"))
+    assert back.runs[0].steps[0].host_m == pytest.approx(corpus.runs[0].steps[0].host_m, rel=1e-5)
+    assert back.runs[0].steps[0].device_m == pytest.approx(corpus.runs[0].steps[0].device_m, rel=1e-5)
+    assert fit_profile(back)[0].op_class_fit["device_classes"]
+    # a samples file written before the host and device times were kept: the combined fit, as before
+    old = corpus.to_dict()
+    for r in old["runs"]:
+        r["steps"] = [s[:6] for s in r["steps"]]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    prof, fit = fit_profile(Corpus.load(path))
+    assert fit.host is None and prof.op_class_fit["version"] == 2 and "device_classes" not in prof.op_class_fit
+    assert fit.decisions["gemm"]["kept"] and prof.op_class_fit["classes"]
+    # a step of the wrong length is a one-line error
+    bad = corpus.to_dict()
+    bad["runs"][0]["steps"][0] = bad["runs"][0]["steps"][0][:7]
+    with pytest.raises(CorpusFileError, match="a step of 7 fields"):
+        Corpus.from_dict(bad)
+
+
+def test_a_split_refit_writes_both_tables_and_its_report(tmp_path, capfd):
+    corpus = _split_corpus({GEMM: math.log(0.6)}, {GEMM: math.log(3.0)}, configs=5, held=("c4:1",))
+    path = corpus.save(tmp_path / "calibrate_corpus_s.samples.json.gz")
+    out = tmp_path / "fit.json"
+    assert main(["calibrate", "--corpus", "--refit", str(path), "-o", str(out), "--results", str(tmp_path)]) == 0
+    o, _ = capfd.readouterr()
+    assert "(device and host apart)" in o
+    prof, _ = get_profile(str(out))
+    assert prof.op_class_fit["device_classes"] and prof.op_class_fit["host_classes"]
+    report = (tmp_path / "calibrate_corpus_s_refit.md").read_text()
+    assert "| device: gemm |" in report and "split fit on" in report and "host: gemm" in report

@@ -8,7 +8,9 @@ scale/fixed are the profile's fitted GEMM and convolution efficiencies (`graphop
 1 and 0 in a profile that was not calibrated: the ideal roofline). A profile with an op class fit
 (``op_class_fit``, `graphopt calibrate --corpus`) makes each node's time its class's fitted factor
 times the time above, plus the fit's per-node stream term (graphopt.cost.opclass;
-:meth:`CostModel._class_correction`).
+:meth:`CostModel._class_correction`); a split fit (device and host timed apart) multiplies the
+device time by its class's device factor and the host time by its host correction
+(:meth:`CostModel._split_times`).
 
 Whole-graph time of an execution (:meth:`CostModel.execution_cost`): a host/device queue
 (:func:`queue_cost` over the steps :meth:`CostModel.queue_inputs` gives).
@@ -46,6 +48,7 @@ import torch.fx as fx
 from .. import ir, timing
 from ..errors import GraphoptError
 from . import ops as op_costs
+from .opclass import is_split, split_times
 from .profiles import DeviceProfile
 from .replacement import Replacement, is_scratch
 
@@ -541,7 +544,9 @@ class CostModel:
         if hit is not None and hit[1] is not None:
             return hit[1]
         out = self._node_cost(node)
-        if self.profile.op_class_fit:
+        if self.profile.op_class_fit and is_split(self.profile.op_class_fit):
+            out = self._split_node_cost(node, out)
+        elif self.profile.op_class_fit:
             factor, add, fixed = self._class_correction(node, out)
             if fixed is not None:
                 out = NodeCost(out.node, out.op, out.flops, out.bytes, out.launches, 0.0, 0.0, fixed, "launch")
@@ -551,6 +556,40 @@ class CostModel:
         if key is not None:
             self._memo[node] = (key, (self.flops_bytes(node), out))
         return out
+
+    def _split_node_cost(self, node: fx.Node, raw: NodeCost) -> NodeCost:
+        """NodeCost under a split fit: the uncorrected time scaled as the fit changes the node's
+        loop time (the longer of its host and device time on a GPU, their sum on a CPU), so a
+        device factor moves the device-bound part and a host correction the host-bound part."""
+        if node.op != "call_function" or not _dispatches(node):
+            return raw
+        host, dev = self._node_times(node, raw)
+        h, d = _num(host), _num(dev)
+        hc, dc = self._split_times(node, h, d)
+        loop = h + d if self.profile.kind == "cpu" else max(h, d)
+        if loop <= 0 or (hc, dc) == (h, d):
+            return raw
+        after = hc + dc if self.profile.kind == "cpu" else max(hc, dc)
+        return NodeCost(raw.node, raw.op, raw.flops, raw.bytes, raw.launches, raw.compute_s, raw.memory_s,
+                        raw.time_s * (after / loop), raw.bound)
+
+    def _split_times(self, node: fx.Node, host, dev) -> tuple:
+        """(host, device) seconds of a node under the profile's split fit
+        (graphopt.cost.opclass.split_correction: a device factor read at its uncorrected device
+        time, a host correction read at its uncorrected host time)."""
+        key = self._memo_key(node)
+        hit = self._class_memo.get(node)
+        if hit is not None and key is not None and _same(hit[0], key):
+            corr = hit[1]
+        else:
+            from .opclass import op_class, split_correction
+
+            path = op_class(node, self.flops_bytes(node)[3]) if node.op == "call_function" else None
+            corr = (1.0, 1.0, 0.0) if path is None else split_correction(self.profile.op_class_fit, path, _num(host),
+                                                                          _num(dev), ir.target_name(node))
+            if key is not None:
+                self._class_memo[node] = (key, corr)
+        return split_times(corr, host, dev)
 
     def _class_correction(self, node: fx.Node, raw: NodeCost | None = None) -> tuple[float, float, float | None]:
         """(factor, added seconds, fixed seconds or None): the profile's corpus fit for the node's
@@ -711,17 +750,22 @@ class CostModel:
         Python builtins (getitem) cost nothing. The profile's op class fit multiplies both and adds
         its stream term to the host's (a node priced at nothing takes its class's fixed time as
         host time); ``replayed``: inside a CUDA-graph replay, where the fit's replay rule decides
-        what it does to the device time (graphopt.cost.opclass.REPLAY_RULES)."""
+        what it does to the device time (graphopt.cost.opclass.REPLAY_RULES). A split fit corrects
+        host and device time apart, replayed or not (:meth:`_split_times`)."""
         host, dev = self._node_times(node)
         if self.profile.op_class_fit and _dispatches(node) and node.op == "call_function":
             from .opclass import corrected_times, replay_rule
+
+            if is_split(self.profile.op_class_fit):
+                return self._split_times(node, host, dev)
 
             return corrected_times(self._class_correction(node), host, dev,
                                    replay_rule(self.profile.op_class_fit) if replayed else None)
         return host, dev
 
-    def _node_times(self, node: fx.Node) -> tuple[object, object]:
-        """node_times without the op class fit."""
+    def _node_times(self, node: fx.Node, cost: NodeCost | None = None) -> tuple[object, object]:
+        """node_times without the op class fit (``cost``: the node's uncorrected NodeCost, where
+        the caller has it)."""
         if not _dispatches(node):
             return 0.0, 0.0
         flops, nbytes, launches, kind = self.flops_bytes(node)
@@ -731,13 +775,12 @@ class CostModel:
                 return 0.0, 0.0
             name = ir.op_name(node)
             return (p.host_op_s.get(name, p.host_node_s) if name in VIEW_OPS else p.host_node_s), 0.0
+        c = cost if cost is not None else self.node_cost(node)
         if kind == "region":
-            c = self.node_cost(node)
             return launches * p.launch_overhead_s, c.time_s
         host = launches * p.launch_overhead_s
         if p.kind == "cuda" and p.host_op_s:
             host = p.host_op_s.get(ir.op_name(node), host)
-        c = self.node_cost(node)
         if ir.op_namespace(node) == op_costs.NAMESPACE:
             eff = self.op_cost(node).efficiency
         else:

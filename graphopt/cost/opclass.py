@@ -25,6 +25,13 @@ ln(measured / predicted) against ln(predicted seconds), piecewise linear between
 beyond them), applying up to a little above the largest predicted time it was fitted on (a node far
 larger takes a more general class's fit, or none), or, for a class the model prices at nothing
 (views on the CPU), ``fixed_s`` seconds per node.
+
+Two forms. A combined fit (``classes``, fitted on each node's time alone, host and device
+together) multiplies a node's host and device time alike, read at its NodeCost time. A split fit
+(``device_classes`` and ``host_classes``, fitted where the corpus measured each node's device time
+alone and its host issue time: :func:`is_split`) corrects the two apart: the device curves are read
+at the node's uncorrected device time and multiply it, the host curves are read at its uncorrected
+host time and multiply it (plus a host entry's ``add_s``).
 """
 
 from __future__ import annotations
@@ -307,10 +314,11 @@ def covers(entry: dict, predicted_s: float) -> bool:
     return entry.get("fixed_s") is not None
 
 
-def lookup(fit: dict, path, predicted_s: float | None = None) -> tuple[str | None, dict | None]:
-    """(class name, entry) of the longest prefix of ``path`` the fit has (and, given
-    ``predicted_s``, whose fit covers it: see :func:`covers`), or (None, None)."""
-    classes = (fit or {}).get("classes") or {}
+def lookup(fit: dict, path, predicted_s: float | None = None, key: str = "classes") -> tuple[str | None, dict | None]:
+    """(class name, entry) of the longest prefix of ``path`` the fit's ``key`` table has ("classes";
+    a split fit's "device_classes" or "host_classes") and, given ``predicted_s``, whose fit covers
+    it (see :func:`covers`), or (None, None)."""
+    classes = (fit or {}).get(key) or {}
     for i in range(len(path or ()), 0, -1):
         key = SEP.join(path[:i])
         entry = classes.get(key)
@@ -381,3 +389,47 @@ def correction(entry: dict | None, predicted_s: float) -> tuple[float, float, fl
             return math.exp(curve_log_factor(entry, math.log(predicted_s))), entry.get("add_s", 0.0), None
         return 1.0, 0.0, None
     return 1.0, 0.0, entry.get("fixed_s")
+
+
+# ------------------------------------------------------------------------------------ split fits
+
+SPLIT_KEYS = ("device_classes", "host_classes")
+
+
+def is_split(fit: dict | None) -> bool:
+    """Does the fit correct device and host time apart (``device_classes`` / ``host_classes``)?"""
+    return any(k in (fit or {}) for k in SPLIT_KEYS)
+
+
+def host_path(path, op: str | None) -> tuple:
+    """The path a split fit's host correction is looked up by: the class path, then the op
+    (``ir.target_name``: a host time is the op's dispatch, so a fit may go down to one op)."""
+    return tuple(path) + ((op.replace(SEP, "."),) if op else ())
+
+
+def split_correction(fit: dict, path, host_s: float, device_s: float,
+                     op: str | None = None) -> tuple[float, float, float]:
+    """(device factor, host factor, host added seconds) of a split fit for a node of class
+    ``path`` and op ``op`` whose uncorrected host and device times are ``host_s`` and
+    ``device_s``: its longest device class prefix whose curve covers ``device_s``, its longest
+    host prefix (:func:`host_path`) whose curve covers ``host_s``; (1.0, 1.0, 0.0) where none
+    does."""
+    fd, fh, add = 1.0, 1.0, 0.0
+    if device_s > 0:
+        entry = lookup(fit, path, device_s, "device_classes")[1]
+        if entry is not None:
+            fd = math.exp(curve_log_factor(entry, math.log(device_s)))
+    if host_s > 0:
+        entry = lookup(fit, host_path(path, op), host_s, "host_classes")[1]
+        if entry is not None:
+            fh = math.exp(curve_log_factor(entry, math.log(host_s)))
+            add = entry.get("add_s", 0.0)
+    return fd, fh, add
+
+
+def split_times(corr: tuple, host, dev) -> tuple:
+    """(host, device) seconds under a split correction ``corr`` (:func:`split_correction`): the
+    host time times its factor plus the added seconds, the device time times its factor, eager
+    or inside a CUDA-graph replay alike (the device factor is fitted on device time alone)."""
+    fd, fh, add = corr
+    return (host * fh + add if fh != 1.0 or add else host), (dev * fd if fd != 1.0 else dev)

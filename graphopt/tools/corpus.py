@@ -8,7 +8,8 @@ the performance sweep's models, timed alone on this device.
 1. Corpus: each config of the performance sweep (graphopt.tools.perf_sweep) is built and prepared
    as the sweep's bench prepares it (dtype, device, channels_last for CNNs in 16-bit types),
    captured as optimize() captures (graphopt.capture), and every ``call_function`` node is timed
-   alone (graphopt.tools.measure.measure_nodes); the whole captured graph is timed as one call too
+   alone (graphopt.tools.measure.measure_nodes: on a GPU its loop time, its host issue time and
+   its device time queued behind a GPU sleep); the whole captured graph is timed as one call too
    (measure_call). Nodes are deduplicated by op and the shapes, strides and dtypes of their
    tensor arguments and their other arguments. With ``optimized``, the graph optimize() returns
    is timed the same way (graphopt's own ops).
@@ -20,9 +21,12 @@ the performance sweep's models, timed alone on this device.
    any machine.
 4. Fit (graphopt.tools.corpus_fit): per class path prefix, a piecewise-linear correction of
    ln(measured / predicted) against ln(predicted seconds), robust, shrunk toward the parent's, kept
-   only where it lowers the class's error cross-validated by config; then the stream terms (whole
-   call ~ factor * corrected prediction + seconds per corrected node), kept only where they lower
-   the cross-validated whole-call error.
+   only where it lowers the class's error cross-validated by config; where the samples hold host
+   and device times (a GPU), two such fits apart: a device factor against the device time alone
+   (what a CUDA-graph replay pays) and a host correction per class and op against the host issue
+   time (what eager execution's host pays). Then the stream terms (whole call ~ factor * corrected
+   prediction + seconds per corrected node), kept only where they lower the cross-validated
+   whole-call error.
 5. Validation held out: every ``holdout``-th config (in the sweep's order) is measured but left
    out of the fit; the report gives, on those configs only, the whole-call prediction error and
    the rank correlation over nodes before and after the fit, and the error per class.
@@ -96,6 +100,10 @@ class ConfigRun:
     execution: str = "eager"  # how its calls run: "eager", or a CUDA graph replay ("graphed")
     reuse_outputs: bool = False
     node_s: dict = field(default_factory=dict)
+    # per node, where timed apart (a GPU): host issue seconds and device seconds alone
+    node_host_s: dict = field(default_factory=dict)
+    node_device_s: dict = field(default_factory=dict)
+    timing_s: float = 0.0  # seconds spent timing its nodes (the device-time loop included)
     whole_s: float | None = None
     nodes: int = 0
     new_shapes: int = 0
@@ -128,7 +136,7 @@ def record_run(run: ConfigRun, cost: CostModel, shapes: dict, table: list) -> tu
     q = cost.queue_inputs(gm, hints, run.execution, reuse_outputs=run.reuse_outputs)
     steps, new = [], 0
     for st in q.steps:
-        n, shape, measured = st.node, -1, None
+        n, shape, measured, host_m, device_m = st.node, -1, None, None, None
         path = op_class(n, cost.flops_bytes(n)[3]) if n.op == "call_function" else None
         if path is not None:
             key = node_key(n)
@@ -139,10 +147,11 @@ def record_run(run: ConfigRun, cost: CostModel, shapes: dict, table: list) -> tu
                 new += 1
             if n.graph is gm.graph:  # (measure_nodes times the graph's own nodes, not a body's)
                 measured = run.node_s.get(n.name)
+                host_m, device_m = run.node_host_s.get(n.name), run.node_device_s.get(n.name)
         elif not (st.host_s or st.device_s or st.launches or st.sync or st.tail):
             continue
         steps.append(Step(shape, float(st.host_s), float(st.device_s), int(st.launches), bool(st.sync),
-                          bool(st.tail), measured))
+                          bool(st.tail), measured, host_m, device_m))
     return RunRecord(run.config, run.source, run.held_out, run.execution, run.whole_s, steps,
                      [tuple(map(float, c)) for c in q.copies_in], [tuple(map(float, c)) for c in q.copies_out]), new
 
@@ -187,7 +196,13 @@ def _time_graph(run: ConfigRun, call, flat, device, cost: CostModel, shapes: dic
     from .measure import measure_call, measure_nodes
 
     run.hints = ir.shape_hints(run.gm)
-    run.node_s = measure_nodes(run.gm, flat, device, reps=reps, best=True)
+    t0 = time.perf_counter()
+    timed = measure_nodes(run.gm, flat, device, reps=reps, best=True, detail=True, device_times=True)
+    run.timing_s = time.perf_counter() - t0
+    run.node_s = {k: v[0] for k, v in timed.items()}
+    if device.type == "cuda":  # (on the CPU the host time is the loop time and there is no device time)
+        run.node_host_s = {k: v[1] for k, v in timed.items()}
+        run.node_device_s = {k: v[2] for k, v in timed.items() if v[2] is not None}
     run.whole_s = measure_call(call, device, reps=whole_reps, best=True)
     run.nodes = len(run.node_s)
     record, run.new_shapes = record_run(run, cost, shapes, table)
@@ -205,9 +220,11 @@ def build_corpus(configs, base: DeviceProfile, *, device, dtype, small: bool, he
     """Build, capture and time each config (see the module docstring) until ``time_budget_s``
     seconds have passed (no config is started after that); each node's time and the whole call's
     are the best of ``reps`` / ``whole_reps`` runs (on a CPU after waiting up to ``quiet_wait_s``
-    for other processes to quieten). Returns the corpus (``base``, the shapes and a record of
-    every timed graph; those of the configs whose keys are in ``held_out`` marked held out) and
-    the runs. A config that fails to build, capture or run is recorded with its error and
+    for other processes to quieten); on a GPU each node's host issue time and its device time
+    alone are kept too (the device time is a second timing loop per node and run, queued behind a
+    GPU sleep: it costs time the budget counts, reported as each config's timing seconds).
+    Returns the corpus (``base``, the shapes and a record of every timed graph; those of the
+    configs whose keys are in ``held_out`` marked held out) and the runs. A config that fails to build, capture or run is recorded with its error and
     skipped."""
     from .. import api
     from ..capture import capture
@@ -280,7 +297,8 @@ def build_corpus(configs, base: DeviceProfile, *, device, dtype, small: bool, he
             log(f"[{i + 1}/{len(configs)}] {cfg.key} ({role}): {run.nodes} nodes ({run.new_shapes} new shapes){extra}, "
                 f"whole {run.whole_s * 1e3:.3f} ms"
                 f"{f' (others used {run.load:.1f} cores)' if (run.load or 0.0) >= QUIET_CORES else ''}; "
-                f"{run.seconds:.1f} s; corpus {len(table)} shapes, "
+                f"{run.seconds:.1f} s (timing nodes {run.timing_s + (orun.timing_s if orun else 0.0):.1f} s); "
+                f"corpus {len(table)} shapes, "
                 f"{time.perf_counter() - t_start:.0f} s in all")
     return Corpus(base, table, records), runs
 
@@ -351,6 +369,9 @@ def to_markdown(result: dict) -> str:
               f"{', small variants' if c.get('small') else ''}"
               f"{', optimized graphs too' if c.get('optimized') else ''}), "
               f"{c.get('timing') or 'timing not recorded'}; built in {c.get('seconds') or 0:.0f} s"
+              + (f" ({c['node_timing_s']:.0f} s of it timing nodes)" if c.get("node_timing_s") else "")
+              + (f"; split fit on {c['samples_device']} device and {c['samples_host']} host samples"
+                 if "samples_device" in c else "")
               + (f"; other processes used {c['others_cores']:.1f} cores (median) while it was timed"
                  if c.get("others_cores") is not None else ""),
               f"- samples: {result.get('samples_file') or '—'} (`graphopt calibrate --corpus --refit FILE` refits "
@@ -404,7 +425,9 @@ def to_markdown(result: dict) -> str:
     lines += ["", "## Kept classes (training error, median |ln(measured / predicted)|)", "",
               "| class | shapes | knots (ln s) | factor at the knots | shrink | before | after | fixed µs |",
               "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
-    for k, e in fit["classes"].items():
+    tables = ([("device: ", fit.get("device_classes") or {}), ("host: ", fit.get("host_classes") or {})]
+              if "device_classes" in fit or "host_classes" in fit else [("", fit.get("classes") or {})])
+    for k, e in ((p + k, e) for p, t in tables for k, e in t.items()):
         knots = ", ".join(f"{x:.1f}" for x in e.get("knots", []))
         fac = ", ".join(f"{math.exp(v):.2f}" for v in e.get("log_factor", []))
         lines.append(f"| {k} | {e.get('n', 0) or e.get('n_fixed', 0)} | {knots} | {fac} | "
@@ -455,8 +478,9 @@ def fit_and_write(corpus: Corpus, *, out, results_dir, stem: str, min_samples: i
         result["refit"] = refit
     s, stream = validation["summary"], prof.op_class_fit["stream"]
     dropped = sum(1 for d in fit.decisions.values() if not d["kept"])
-    say(f"{len(fit.classes)} class fit(s) kept, {dropped} dropped (cross-validated by config over "
-        f"{len(fit.folds)} folds); stream terms: {stream['reason']}; in a replay: "
+    kept = len(fit.classes) + (len(fit.host.classes) if fit.host is not None else 0)
+    say(f"{kept} class fit(s) kept{' (device and host apart)' if fit.host is not None else ''}, {dropped} dropped "
+        f"(cross-validated by config over {len(fit.folds)} folds); stream terms: {stream['reason']}; in a replay: "
         f"{prof.op_class_fit['replay_fit']['reason']}")
     if s["rows"]:
         say(f"held out ({s['rows']} graph(s)): whole call within ±20%: {s['within_20pct_before']} -> "
@@ -561,8 +585,10 @@ def run_cli(args) -> int:
                    "device": str(device), "dtype": str(dtype)[6:], "small": bool(args.small),
                    "optimized": bool(args.optimized),
                    "torch": torch.__version__, "measured_at": utc_now(), "seconds": built,
-                   "timing": f"each node alone, best of {reps} runs (graphopt.tools.measure.measure_nodes); "
-                             f"whole call best of {whole}",
+                   "timing": f"each node alone, best of {reps} runs (graphopt.tools.measure.measure_nodes"
+                             + ("; its loop, host issue and device time queued behind a GPU sleep"
+                                if device.type == "cuda" else "") + f"); whole call best of {whole}",
+                   "node_timing_s": sum(r.timing_s for r in runs),
                    "errors": {r.config: r.error for r in runs if r.error},
                    "others_cores": statistics.median(loads) if loads else None}
     corpus.header, corpus.command = environment(device), _command()

@@ -23,6 +23,11 @@ factor * corrected nodes + seconds per corrected node: :func:`fit_stream`) are c
 same way on whole calls and kept only where they lower that error. The replay rule
 (:func:`fit_replay_rule`; graphopt.cost.opclass.REPLAY_RULES) says what a correction does to a
 node's device time inside a CUDA-graph replay, chosen the same way on replayed whole calls.
+
+Where the corpus timed each node's host issue and device time apart (a GPU: the steps' ``host_m``
+and ``device_m``), the fit is split (:func:`fit_split`): a device factor per class against the
+device time alone and a host correction per class and op against the host issue time, each
+decided as above over the same folds; the device factor applies as is in a replay.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import torch
 
 from ..cost.model import QueueInputs, QueueStep, queue_cost
 from ..cost.opclass import (REPLAY_RULES, SEP, class_correction, class_name, corrected_times, covers,
-                            curve_log_factor, lookup, replay_rule)
+                            curve_log_factor, host_path, is_split, lookup, replay_rule, split_correction,
+                            split_times)
 from ..cost.profiles import DeviceProfile
 from ..errors import CorpusFileError, GraphoptError
 
@@ -73,7 +79,9 @@ class Shape:
 
 class Step(NamedTuple):
     """One step of a timed graph (graphopt.cost.model.QueueStep, uncorrected): the shape of a
-    classed node (-1: none) and its measured time alone (None: not timed)."""
+    classed node (-1: none) and its measured time alone (None: not timed): its loop time
+    (``measured_s``) and, where the corpus timed them (a GPU), its host issue time (``host_m``)
+    and its device time queued behind a GPU sleep (``device_m``)."""
 
     shape: int
     host_s: float
@@ -82,6 +90,8 @@ class Step(NamedTuple):
     sync: bool
     tail: bool
     measured_s: float | None
+    host_m: float | None = None
+    device_m: float | None = None
 
 
 @dataclass
@@ -118,8 +128,7 @@ class Corpus:
                  "whole_s": None if r.whole_s is None else _r(r.whole_s),
                  "copies_in": [[_r(h), _r(d)] for h, d in r.copies_in],
                  "copies_out": [[_r(h), _r(d)] for h, d in r.copies_out],
-                 "steps": [[s.shape, _r(s.host_s), _r(s.device_s), s.launches, int(s.sync) | 2 * int(s.tail),
-                            None if s.measured_s is None else _r(s.measured_s)] for s in r.steps]}
+                 "steps": [_step_row(s) for s in r.steps]}
                 for r in self.runs]
         return {"format": FORMAT, "version": VERSION, "command": self.command, "header": self.header,
                 "corpus": self.info, "profile": replace(self.profile, op_class_fit={}).to_dict(),
@@ -139,10 +148,7 @@ class Corpus:
                             _seconds(t, "a shape's predicted time")) for c, o, t in d["shapes"]]
             runs = []
             for r in d["runs"]:
-                steps = [Step(_index(s, len(shapes), "shape", -1), _seconds(h, "host time"),
-                              _seconds(dv, "device time"), int(n), bool(f & 1), bool(f & 2),
-                              None if m is None else _seconds(m, "a measured time"))
-                         for s, h, dv, n, f, m in r["steps"]]
+                steps = [_step(row, len(shapes)) for row in r["steps"]]
                 whole = r["whole_s"]
                 runs.append(RunRecord(str(r["config"]), str(r["source"]), bool(r["held_out"]), str(r["execution"]),
                                       None if whole is None else _seconds(whole, "a whole call"), steps,
@@ -191,6 +197,30 @@ def _r(v: float) -> float:
     return float(f"{float(v):.{DIGITS}g}")
 
 
+def _opt(v):
+    return None if v is None else _r(v)
+
+
+def _step_row(s: Step) -> list:
+    """A step as the samples file keeps it: [shape, host, device, launches, flags, measured]
+    and, where measured, [measured host, measured device]."""
+    row = [s.shape, _r(s.host_s), _r(s.device_s), s.launches, int(s.sync) | 2 * int(s.tail), _opt(s.measured_s)]
+    if s.host_m is not None or s.device_m is not None:
+        row += [_opt(s.host_m), _opt(s.device_m)]
+    return row
+
+
+def _step(row, shapes: int) -> Step:
+    if len(row) not in (6, 8):
+        raise ValueError(f"a step of {len(row)} fields")
+    s, h, dv, n, f, m = row[:6]
+    hm, dm = row[6:] if len(row) == 8 else (None, None)
+    seconds = lambda v, what: None if v is None else _seconds(v, what)  # noqa: E731
+    return Step(_index(s, shapes, "shape", -1), _seconds(h, "host time"), _seconds(dv, "device time"), int(n),
+                bool(f & 1), bool(f & 2), seconds(m, "a measured time"), seconds(hm, "a measured host time"),
+                seconds(dm, "a measured device time"))
+
+
 def _index(v, n: int, what: str, low: int = 0) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not low <= v < n:
         raise ValueError(f"{what} index {v!r} out of range")
@@ -210,11 +240,28 @@ def loop_s(kind: str, host: float, dev: float) -> float:
 
 
 class _Corrections:
-    """A class fit's correction of each shape, looked up once per shape."""
+    """A class fit's correction of each shape, looked up once per shape (a split fit's once per
+    shape and uncorrected times)."""
 
     def __init__(self, fit: dict, shapes: list):
         self.fit, self.shapes, self.memo = fit, shapes, {}
         self.replay = replay_rule(fit)
+        self.split = is_split(fit)
+
+    def times(self, s: Step, replay: str | None = None) -> tuple[float, float]:
+        """(host, device) seconds of step ``s`` under the fit, as CostModel.node_times gives them
+        (``replay``: the combined fit's rule inside a CUDA-graph replay; a split fit's device
+        factor applies as is)."""
+        if s.shape < 0:
+            return s.host_s, s.device_s
+        if self.split:
+            key = (s.shape, s.host_s, s.device_s)
+            c = self.memo.get(key)
+            if c is None:
+                sh = self.shapes[s.shape]
+                c = self.memo[key] = split_correction(self.fit, sh.cls, s.host_s, s.device_s, sh.op)
+            return split_times(c, s.host_s, s.device_s)
+        return corrected_times(self(s.shape), s.host_s, s.device_s, replay)
 
     def __call__(self, shape: int) -> tuple:
         c = self.memo.get(shape)
@@ -227,6 +274,14 @@ class _Corrections:
         s = self.shapes[shape]
         return lookup(self.fit, s.cls, s.time_s) if self.fit else (None, None)
 
+    def split_entry(self, s: Step, key: str) -> tuple:
+        """(class name, entry) of a split fit's ``key`` table ("device_classes" / "host_classes")
+        that corrects step ``s``."""
+        sh = self.shapes[s.shape]
+        if key == "host_classes":
+            return lookup(self.fit, host_path(sh.cls, sh.op), s.host_s, key) if s.host_s > 0 else (None, None)
+        return lookup(self.fit, sh.cls, s.device_s, key) if s.device_s > 0 else (None, None)
+
 
 def predicted_whole(corpus: Corpus, run: RunRecord, corr: _Corrections) -> float:
     """The predicted whole call of ``run`` under a class fit: its steps corrected as
@@ -234,8 +289,7 @@ def predicted_whole(corpus: Corpus, run: RunRecord, corr: _Corrections) -> float
     steps = []
     replay = corr.replay if run.execution == "graphed" and corpus.profile.kind != "cpu" else None
     for s in run.steps:
-        h, d = (s.host_s, s.device_s) if s.shape < 0 else corrected_times(corr(s.shape), s.host_s, s.device_s,
-                                                                          None if s.tail else replay)
+        h, d = corr.times(s, None if s.tail else replay)
         steps.append(QueueStep(s.shape, h, d, s.launches, s.sync, s.tail))
     return float(queue_cost(corpus.profile, QueueInputs(run.execution, steps, run.copies_in, run.copies_out)).total_s)
 
@@ -245,16 +299,19 @@ def predicted_nodes(corpus: Corpus, run: RunRecord, corr: _Corrections) -> list[
     kind, out = corpus.profile.kind, []
     for s in run.steps:
         if s.shape >= 0 and s.measured_s is not None:
-            h, d = corrected_times(corr(s.shape), s.host_s, s.device_s)
+            h, d = corr.times(s)
             out.append((s.shape, loop_s(kind, h, d), s.measured_s))
     return out
 
 
 def _curve_nodes(run: RunRecord, corr: _Corrections) -> int:
-    """How many of a run's nodes a curve of the fit corrects."""
+    """How many of a run's nodes a curve of the fit corrects (a split fit: a host curve, where
+    the stream's seconds per node go)."""
     n = 0
     for s in run.steps:
-        if s.shape >= 0 and corr.shapes[s.shape].time_s > 0:
+        if corr.split:
+            n += s.shape >= 0 and corr.split_entry(s, "host_classes")[1] is not None
+        elif s.shape >= 0 and corr.shapes[s.shape].time_s > 0:
             _, entry = corr.entry(s.shape)
             n += entry is not None and bool(entry.get("knots"))
     return n
@@ -311,6 +368,62 @@ def training_samples(corpus: Corpus) -> list[Sample]:
             smp.measured.append(s.measured_s)
             smp.configs.append(r.config)
     return list(by.values())
+
+
+# GPU time a node's device-time loop is queued behind, per call (graphopt.tools.measure._NodeTimer's
+# sleep: ~0.1 ms): a node whose host issue takes longer may have left the device waiting, so its
+# device time is not used
+DEVICE_COVERED_HOST_S = 8e-5
+
+
+def device_usable(s: Step) -> bool:
+    """Does step ``s`` give a device sample: a measured device time of a node that launches a
+    kernel priced above 0, whose host issue did not outrun the sleep its device loop waited
+    behind."""
+    return (s.device_m is not None and s.device_m > 0 and s.device_s > 0 and bool(s.launches)
+            and s.host_m is not None and s.host_m <= DEVICE_COVERED_HOST_S)
+
+
+def host_usable(s: Step) -> bool:
+    """Does step ``s`` give a host sample: a measured host issue time of a node priced some host
+    time that does not wait for the device."""
+    return s.host_m is not None and s.host_m > 0 and s.host_s > 0 and not s.sync
+
+
+def has_split(corpus: Corpus) -> bool:
+    """Did the corpus time its nodes' host issue and device time apart (a GPU corpus written
+    since the samples file has those fields)?"""
+    return corpus.profile.kind != "cpu" and any(
+        s.host_m is not None for r in corpus.runs if not r.held_out for s in r.steps)
+
+
+def split_samples(corpus: Corpus) -> tuple[list[Sample], list[Sample]]:
+    """The timed classed nodes of the fitted runs, one Sample per shape, for the split fit: device
+    (predicted: the uncorrected device time; measured: the device time alone; nodes priced at no
+    device time, and those whose host issue outran the sleep the device loop waits behind, left
+    out) and host (class path and op: graphopt.cost.opclass.host_path; predicted: the uncorrected
+    host time; measured: the host issue time; ops that make the host wait for the device left
+    out)."""
+    dev: dict[int, Sample] = {}
+    host: dict[int, Sample] = {}
+    for r in corpus.runs:
+        if r.held_out:
+            continue
+        for s in r.steps:
+            if s.shape < 0 or s.host_m is None:
+                continue
+            sh = corpus.shapes[s.shape]
+            if device_usable(s):
+                smp = dev.get(s.shape) or dev.setdefault(s.shape, Sample(str(s.shape), sh.cls, sh.op, s.device_s,
+                                                                         s.device_s))
+                smp.measured.append(s.device_m)
+                smp.configs.append(r.config)
+            if host_usable(s):
+                smp = host.get(s.shape) or host.setdefault(s.shape, Sample(str(s.shape), host_path(sh.cls, sh.op),
+                                                                           sh.op, s.host_s, s.host_s))
+                smp.measured.append(s.host_m)
+                smp.configs.append(r.config)
+    return list(dev.values()), list(host.values())
 
 
 # ------------------------------------------------------------------------------------ curves
@@ -412,12 +525,26 @@ def _fixed_entry(ms, base: float) -> dict:
 class ClassFit:
     """The kept class fits (``classes``), every candidate's decision (``decisions``: class ->
     {"kind", "kept", "reason", "n", "configs", "cv_without", "cv_with"}), and, per fold of
-    ``folds`` (sets of configs), the kept classes as fitted without that fold."""
+    ``folds`` (sets of configs), the kept classes as fitted without that fold. A split fit
+    (``host`` set) holds the device factors here and the host corrections in ``host``, both over
+    the same folds."""
 
     classes: dict
     decisions: dict
     folds: list
     fold_classes: list
+    host: "ClassFit | None" = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.classes and not (self.host is not None and self.host.classes)
+
+    def fit_dict(self, fold: int | None = None) -> dict:
+        """The profile's op class fit tables of the fit (``fold``: as fitted without that fold)."""
+        pick = lambda f: f.classes if fold is None else f.fold_classes[fold]  # noqa: E731
+        if self.host is None:
+            return {"classes": pick(self)}
+        return {"device_classes": pick(self), "host_classes": pick(self.host)}
 
 
 def _folds(configs, max_folds: int) -> list[set]:
@@ -481,20 +608,23 @@ def _own_curve(entry: dict | None, base):
 
 
 def fit_op_classes(samples, *, min_samples: int = MIN_SAMPLES, per_knot: int = PER_KNOT,
-                   max_knots: int = MAX_KNOTS, max_folds: int = MAX_FOLDS) -> ClassFit:
+                   max_knots: int = MAX_KNOTS, max_folds: int = MAX_FOLDS, configs=None) -> ClassFit:
     """The class fits of ``samples`` (see the module docstring): candidates are the class path
     prefixes with at least ``min_samples`` shapes, decided parents first; the folds are the
     samples' configs (at most ``max_folds``: configs dealt round-robin in sorted order), and a
     fold's fit of a class needs ``min_samples`` less the share a fold holds out. A sample the model
     prices at nothing (NodeCost 0 and node_loop_s 0) counts toward its class's fixed time; one
-    with a zero NodeCost but a host time (a view on a GPU) is left out."""
+    with a zero NodeCost but a host time (a view on a GPU) is left out. ``configs``: the configs
+    the folds are dealt from (default: the samples'), so that two fits share their folds."""
     curves: dict[tuple, list] = {}
     zeros: dict[tuple, list] = {}
-    configs = set()
+    fixed_configs = configs is not None
+    configs = set(configs or ())
     for s in samples:
         if s.measured_s <= 0:
             continue
-        configs.update(s.configs)
+        if not fixed_configs:
+            configs.update(s.configs)
         if s.predicted_s > 0 and s.predicted_loop_s > 0:
             into = curves
         elif s.predicted_s == 0 and s.predicted_loop_s == 0:
@@ -621,10 +751,28 @@ def with_stream(classes: dict, factor: float, add_s: float) -> dict:
     return out
 
 
+def with_stream_fit(fit: dict, factor: float, add_s: float) -> dict:
+    """An op class fit with the stream terms folded in: a combined fit's classes as
+    :func:`with_stream`; a split fit's device curves times ``factor``, ``add_s`` on every host
+    curve."""
+    if not is_split(fit):
+        return dict(fit, classes=with_stream(fit.get("classes") or {}, factor, add_s))
+    dev = {k: dict(e, log_factor=[v + math.log(factor) for v in e["log_factor"]]) if "log_factor" in e else dict(e)
+           for k, e in (fit.get("device_classes") or {}).items()}
+    host = {k: dict(e, add_s=add_s) if "log_factor" in e else dict(e)
+            for k, e in (fit.get("host_classes") or {}).items()}
+    return dict(fit, device_classes=dev, host_classes=host)
+
+
 def without_stream(fit: dict) -> dict:
     """A profile's op class fit with its stream terms taken out (each node alone)."""
     stream = fit.get("stream") or {}
     factor = stream.get("factor", 1.0) or 1.0
+    if is_split(fit):
+        dev = {k: dict(e, log_factor=[v - math.log(factor) for v in e["log_factor"]]) if "log_factor" in e else
+               dict(e) for k, e in (fit.get("device_classes") or {}).items()}
+        host = {k: {f: v for f, v in e.items() if f != "add_s"} for k, e in (fit.get("host_classes") or {}).items()}
+        return {"device_classes": dev, "host_classes": host}
     out = {}
     for k, e in (fit.get("classes") or {}).items():
         e = dict(e)
@@ -644,6 +792,9 @@ def fit_replay_rule(corpus: Corpus, fit: ClassFit) -> dict:
     unless another rule cuts that error (the margins of MIN_GAIN); with each rule's error."""
     runs = [r for r in corpus.runs if not r.held_out and r.whole_s and r.execution == "graphed"]
     out = {"rule": "full", "calls": 0, "cv": None}
+    if fit.host is not None:
+        out["reason"] = "split fit: the device factors are fitted on device time alone and apply as is"
+        return out
     if not fit.classes or corpus.profile.kind == "cpu":
         out["reason"] = "no fitted class or no replay on this device: the correction applies as is"
         return out
@@ -666,8 +817,8 @@ def fit_replay_rule(corpus: Corpus, fit: ClassFit) -> dict:
     return out
 
 
-def _stream_terms(corpus: Corpus, runs: list, classes: dict, replay: str = "full") -> tuple[float, float, int] | None:
-    corr = _Corrections({"classes": classes, "replay": replay}, corpus.shapes)
+def _stream_terms(corpus: Corpus, runs: list, fit: dict) -> tuple[float, float, int] | None:
+    corr = _Corrections(fit, corpus.shapes)
     pts = [(predicted_whole(corpus, r, corr), _curve_nodes(r, corr), r.whole_s) for r in runs]
     pts = [p for p in pts if p[0] > 0]
     if len(pts) < 2:
@@ -683,20 +834,21 @@ def fit_stream_terms(corpus: Corpus, fit: ClassFit, replay: str = "full") -> dic
     uncorrected model, the class fits alone and with the stream terms."""
     runs = [r for r in corpus.runs if not r.held_out and r.whole_s]
     out = {"factor": 1.0, "add_s": 0.0, "configs": 0, "kept": False, "cv": None}
-    full = _stream_terms(corpus, runs, fit.classes, replay) if fit.classes else None
+    full = _stream_terms(corpus, runs, dict(fit.fit_dict(), replay=replay)) if not fit.empty else None
     if full is None:
         out["reason"] = "no fitted class or fewer than 2 whole calls: no stream terms"
         return out
     none, cls, strm = [], [], []
     plain = _Corrections({}, corpus.shapes)
-    for fold, classes in zip(fit.folds, fit.fold_classes):
+    for i, fold in enumerate(fit.folds):
         train = [r for r in runs if r.config not in fold]
         test = [r for r in runs if r.config in fold]
-        terms = _stream_terms(corpus, train, classes, replay) if test else None
+        fd = dict(fit.fit_dict(i), replay=replay)
+        terms = _stream_terms(corpus, train, fd) if test else None
         if terms is None:
             continue
-        c_cls = _Corrections({"classes": classes, "replay": replay}, corpus.shapes)
-        c_str = _Corrections({"classes": with_stream(classes, terms[0], terms[1]), "replay": replay}, corpus.shapes)
+        c_cls = _Corrections(fd, corpus.shapes)
+        c_str = _Corrections(with_stream_fit(fd, terms[0], terms[1]), corpus.shapes)
         for r in test:
             none.append(abs(math.log(max(predicted_whole(corpus, r, plain), 1e-12) / r.whole_s)))
             cls.append(abs(math.log(max(predicted_whole(corpus, r, c_cls), 1e-12) / r.whole_s)))
@@ -728,18 +880,39 @@ def fit_profile(corpus: Corpus, *, min_samples: int = MIN_SAMPLES, max_folds: in
     samples = training_samples(corpus)
     if not samples:
         raise GraphoptError("the corpus holds no timed node of a fitted config: nothing to fit")
-    fit = fit_op_classes(samples, min_samples=min_samples, max_folds=max_folds)
+    if has_split(corpus):
+        fit = fit_split(corpus, min_samples=min_samples, max_folds=max_folds)
+    else:
+        fit = fit_op_classes(samples, min_samples=min_samples, max_folds=max_folds)
     replay = fit_replay_rule(corpus, fit)
     stream = fit_stream_terms(corpus, fit, replay["rule"])
     info = dict(corpus.info, samples=len(samples))
+    if fit.host is not None:
+        dev, host = split_samples(corpus)
+        info.update(samples_device=len(dev), samples_host=len(host))
     if refit_from:
         info["refit_from"] = refit_from
     dropped = {k: d["reason"] for k, d in fit.decisions.items() if not d["kept"]}
-    op_fit = {"version": 2, "classes": with_stream(fit.classes, stream["factor"], stream["add_s"]),
+    tables = with_stream_fit(fit.fit_dict(), stream["factor"], stream["add_s"])
+    op_fit = {"version": 3 if fit.host is not None else 2, **tables,
               "replay": replay["rule"], "replay_fit": replay,
               "min_samples": min_samples, "stream": stream, "dropped": dropped,
               "folds": len(fit.folds), "corpus": info}
     return replace(corpus.profile, op_class_fit=op_fit), fit
+
+
+def fit_split(corpus: Corpus, *, min_samples: int = MIN_SAMPLES, max_folds: int = MAX_FOLDS) -> ClassFit:
+    """The split fit (:func:`split_samples`): a device factor per class against the device time
+    alone, a host correction per class and op against the host issue time, each decided as
+    :func:`fit_op_classes` decides, over the same folds of the fitted configs; the decisions
+    named "device: <class>" and "host: <class>"."""
+    dev, host = split_samples(corpus)
+    configs = {c for s in dev + host for c in s.configs}
+    dfit = fit_op_classes(dev, min_samples=min_samples, max_folds=max_folds, configs=configs)
+    hfit = fit_op_classes(host, min_samples=min_samples, max_folds=max_folds, configs=configs)
+    decisions = {f"device: {k}": d for k, d in dfit.decisions.items()}
+    decisions.update({f"host: {k}": d for k, d in hfit.decisions.items()})
+    return ClassFit(dfit.classes, decisions, dfit.folds, dfit.fold_classes, hfit)
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -750,7 +923,8 @@ def evaluate(corpus: Corpus, after: DeviceProfile) -> dict:
     the fit: per run the whole-call error and the rank correlation over its timed classed nodes
     (Spearman: all of them; ``costed``: those predicted above 0), and per class (the one the fit
     used) the median |ln(predicted / measured)| over the held-out nodes, each node alone (the
-    fit's stream terms taken out)."""
+    fit's stream terms taken out); a split fit's classes as "device: <class>" (device time alone)
+    and "host: <class>" (host issue time), over the nodes the split fit's samples would use."""
     from .measure import spearman
 
     before_c = _Corrections({}, corpus.shapes)
@@ -770,6 +944,10 @@ def evaluate(corpus: Corpus, after: DeviceProfile) -> dict:
             row[f"spearman_{tag}"] = spearman([p for _, p, _ in nodes], [m for _, _, m in nodes])
             costed = [(p, m) for _, p, m in nodes if p > 0]
             row[f"spearman_costed_{tag}"] = spearman([p for p, _ in costed], [m for _, m in costed])
+        if alone_c.split:
+            _split_errors(corpus, r, alone_c, per_class)
+            rows.append(row)
+            continue
         alone = predicted_nodes(corpus, r, alone_c)
         for (shape, pb, m), (_, pa, _) in zip(predicted_nodes(corpus, r, before_c), alone):
             if m <= 0:
@@ -798,3 +976,25 @@ def evaluate(corpus: Corpus, after: DeviceProfile) -> dict:
         rhos = [row[f"spearman_{tag}"] for row in rows if row[f"spearman_{tag}"] is not None]
         summary[f"median_spearman_{tag}"] = statistics.median(rhos) if rhos else None
     return {"summary": summary, "rows": rows, "classes": classes}
+
+
+def _split_errors(corpus: Corpus, run: RunRecord, corr: _Corrections, per_class: dict) -> None:
+    """Add ``run``'s nodes to ``per_class``: each node's device time alone and host issue time,
+    uncorrected and under the split fit ``corr``, by the class that corrects it."""
+    for s in run.steps:
+        if s.shape < 0 or s.host_m is None:
+            continue
+        h, d = corr.times(s)
+        path = corpus.shapes[s.shape].cls
+        if device_usable(s):
+            name = corr.split_entry(s, "device_classes")[0] or f"{class_name(path)} (not fitted)"
+            c = per_class.setdefault(f"device: {name}", {"n": 0, "before": [], "after": []})
+            c["n"] += 1
+            c["before"].append(abs(math.log(s.device_s / s.device_m)))
+            c["after"].append(abs(math.log(max(d, 1e-15) / s.device_m)))
+        if host_usable(s):
+            name = corr.split_entry(s, "host_classes")[0] or f"{class_name(path)} (not fitted)"
+            c = per_class.setdefault(f"host: {name}", {"n": 0, "before": [], "after": []})
+            c["n"] += 1
+            c["before"].append(abs(math.log(s.host_s / s.host_m)))
+            c["after"].append(abs(math.log(max(h, 1e-15) / s.host_m)))

@@ -225,3 +225,19 @@ def test_small_builds_without_a_tiny_config_are_narrowed_too():
     for name in names:
         model, _ = perf_sweep.build(name, 2, small=True)
         assert sum(p.numel() for p in model.parameters()) < 2_000_000, name
+
+
+@pytest.mark.slow  # two torch.compile builds on the CPU (about 20 s)
+def test_a_prewarm_compiles_each_config_cold_and_its_setup_stands_for_compile(tmp_path):
+    """--prewarm-jobs: every config compiled cold first (a child per config, nothing timed); the
+    timed run then compiles from Inductor's caches, and the row's compile set-up is the cold one,
+    the timed run's own kept beside it."""
+    logs = []
+    rows, paths = perf_sweep.sweep([PerfConfig("hf-gpt2", 2)], device="cpu", dtype=None, reps=2, warmup=1,
+                                   small=True, timeout_s=300, out=tmp_path, command="test", vs=("compile",),
+                                   prewarm_jobs=1, log=logs.append)
+    (row,) = rows
+    assert row.status == "ok", row.error
+    assert any(line.startswith("    prewarm hf-gpt2:2: compile ") for line in logs), logs
+    assert row.setup_s["compile"] > 0 and row.compile_warm_setup_s["compile"] > 0
+    assert "compiled cold" in open(paths["markdown"]).read()

@@ -98,6 +98,7 @@ class PerfConfig:
 
 SMALL_BATCH = 4  # --small: the batch of the configs above 1
 SMALL_ENV = "GRAPHOPT_PERF_SWEEP_SMALL"  # "1": the factories build the small variants (the bench's child)
+PREWARM_CORES_ENV = "GRAPHOPT_PERF_SWEEP_CORES"  # the cores a prewarm child runs on (comma list)
 # --small, a Hugging Face architecture the correctness sweep has no tiny config for: these widths,
 # where its config has the field
 SMALL_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -256,6 +257,9 @@ class Row:
     optimize_phases: dict = field(default_factory=dict)  # optimize()'s wall time per phase (graphopt.timing)
     pass_ms: dict = field(default_factory=dict)  # applied pass -> its measured ms (the guard's), None: not timed
     reverted: dict = field(default_factory=dict)  # reverted pass -> the one line of its revert
+    # torch.compile's set-up where a prewarm compiled the config first (sweep(prewarm_jobs=...)): the
+    # cold compile's seconds stand in setup_s, the timed run's own (warm cache) ones here
+    compile_warm_setup_s: dict = field(default_factory=dict)
     seconds: float = 0.0
 
     def best_compile(self) -> tuple[str, float] | None:
@@ -350,6 +354,82 @@ def run_isolated(cfg: PerfConfig, *, timeout_s: float, **kw) -> Row:
                    seconds=time.perf_counter() - t0)
 
 
+def prewarm_one(cfg: PerfConfig, *, device: str, dtype: str | None, small: bool, vs: tuple | None = None) -> dict:
+    """torch.compile's first call of each compile variant of ``cfg`` (the child's side of a prewarm):
+    the model prepared as the bench prepares it, compiled cold; Inductor's on-disk caches keep what it
+    built, so the config's timed run compiles from them. Returns {variant: seconds of the cold first call}."""
+    from .bench import _sync, parse_dtype, prepare_model
+
+    if small:
+        os.environ[SMALL_ENV] = "1"
+    dev = torch.device(device)
+    dt = parse_dtype(dtype or ("bf16" if dev.type == "cuda" else "fp32"))
+    model, args, kwargs, _, _ = prepare_model(f"{__name__}:{factory_name(cfg.name)}", cfg.batch, None, dt, dev)
+    setup = {}
+    for variant in peers(cfg, device, vs):
+        if variant not in ("compile", "compile-ro"):
+            continue
+        torch.compiler.reset()
+        t0 = time.perf_counter()
+        fn = torch.compile(model, mode="reduce-overhead" if variant == "compile-ro" else None)
+        with torch.inference_mode():
+            fn(*args, **kwargs)
+        _sync(dev)
+        setup[variant] = time.perf_counter() - t0
+        del fn
+    torch.compiler.reset()
+    return setup
+
+
+def prewarm(configs: list[PerfConfig], *, jobs: int, timeout_s: float, log=print, **kw) -> dict:
+    """Compile every config cold, ``jobs`` at once, each child on cores of its own (a share of this
+    process's), nothing timed: {config key: {variant: cold set-up seconds}} (a config whose child
+    failed is left out; its timed run then compiles cold)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = max(1, len(cores) // max(1, jobs)) if cores else 0
+    free = list(range(max(1, jobs)))  # slots: which share of the cores a child gets
+    slot_lock = __import__("threading").Lock()
+    done: dict = {}
+
+    def one(cfg: PerfConfig) -> None:
+        with slot_lock:
+            slot = free.pop()
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "setup.json"
+                cmd = [sys.executable, "-m", __name__, "--prewarm-one", cfg.key, "--device", kw["device"],
+                       "--row", str(out)]
+                if kw.get("dtype"):
+                    cmd += ["--dtype", kw["dtype"]]
+                if kw.get("small"):
+                    cmd.append("--small")
+                if kw.get("vs") is not None:
+                    cmd += ["--vs", ",".join(kw["vs"])]
+                env = dict(os.environ)
+                if share:
+                    env[PREWARM_CORES_ENV] = ",".join(map(str, cores[slot * share:(slot + 1) * share]))
+                t0 = time.perf_counter()
+                try:
+                    subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+                except subprocess.TimeoutExpired:
+                    pass
+                if out.exists():
+                    done[cfg.key] = json.loads(out.read_text())
+                log(f"    prewarm {cfg.key}: " + (", ".join(f"{v} {s:.1f} s" for v, s in done[cfg.key].items())
+                                                    if cfg.key in done else "failed (its timed run compiles cold)")
+                    + f" ({time.perf_counter() - t0:.0f} s)")
+        finally:
+            with slot_lock:
+                free.append(slot)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for f in [pool.submit(one, cfg) for cfg in configs]:
+            f.result()
+    return done
+
+
 # --------------------------------------------------------------------------- the table
 
 def revert_kind(note: str) -> str:
@@ -410,6 +490,10 @@ def to_markdown(rows: list[Row], header: dict) -> str:
                 "set-up time ran on a shared host, and its first call and autotuning on the device could fall "
                 "inside another config's timing: eager and torch.compile times of this table are noisier than "
                 "those of a run with --jobs 1)"] if (header.get("jobs") or 1) > 1 else []),
+             *([f"- torch.compile's set-up: each config was first compiled cold, {header['prewarm_jobs']} at once "
+                "on cores of their own, nothing timed meanwhile; the table's compile set-up is that cold compile's, "
+                "and the timed runs compiled from Inductor's caches (their own set-up is in the JSON, "
+                "compile_warm_setup_s)"] if header.get("prewarm_jobs") else []),
              f"- command: {header['command']}", "",
              "| config | eager ms | compile ms | compile-ro ms | graphopt ms | vs best compile | vs eager | "
              "predicted ms | pred / measured | guard | setup s (compile / graphopt) | accuracy |",
@@ -450,10 +534,12 @@ def to_markdown(rows: list[Row], header: dict) -> str:
 
 def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: int, warmup: int, small: bool,
           timeout_s: float, out: Path, command: str, vs: tuple | None = None, jobs: int = 1,
-          log=print) -> tuple[list[Row], dict]:
+          prewarm_jobs: int = 0, log=print) -> tuple[list[Row], dict]:
     """Each config in a process of its own; ``jobs`` of them at once, their device work serialized by a
     :class:`~graphopt.tools.bench.DeviceLock` (torch.compile's compilation, first call included,
-    overlaps with the others' timing: a screen, noisier than one at a time)."""
+    overlaps with the others' timing: a screen, noisier than one at a time). ``prewarm_jobs``: first
+    compile every config cold, that many at once with nothing timed (:func:`prewarm`), so the timed
+    runs compile from Inductor's caches; a row's compile set-up is then the cold compile's."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -462,16 +548,26 @@ def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: in
     dev = torch.device(device)
     header = environment(dev)
     header.update(dtype=dtype or ("bf16" if dev.type == "cuda" else "fp32"), reps=reps, warmup=warmup, small=small,
-                  command=command, jobs=jobs)
+                  command=command, jobs=jobs, prewarm_jobs=prewarm_jobs)
     stem = result_stem(header, "perf_sweep")
     out.mkdir(parents=True, exist_ok=True)
     slots: list[Row | None] = [None] * len(configs)
     written = threading.Lock()
 
+    cold: dict = {}
+    if prewarm_jobs and any(v in peers(c, device, vs) for c in configs for v in ("compile", "compile-ro")):
+        log(f"prewarm: compiling {len(configs)} config(s) cold, {prewarm_jobs} at once")
+        cold = prewarm(configs, jobs=prewarm_jobs, timeout_s=timeout_s, log=log, device=device, dtype=dtype,
+                       small=small, vs=vs)
+
     def one(i: int, cfg: PerfConfig, scratch: str, lock: str | None) -> None:
         log(f"[{i + 1}/{len(configs)}] {cfg.key} ...")
         row = run_isolated(cfg, timeout_s=timeout_s, device=device, dtype=dtype, reps=reps, warmup=warmup,
                            small=small, out_dir=scratch, vs=vs, lock=lock)
+        for variant, seconds in cold.get(cfg.key, {}).items():
+            if row.setup_s.get(variant) is not None:
+                row.compile_warm_setup_s[variant] = row.setup_s[variant]
+                row.setup_s[variant] = seconds
         with written:
             slots[i] = row
             log(f"    {cfg.key}: {row.status} {row.error[:160]}" if row.status != "ok" else
@@ -528,10 +624,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per config")
     ap.add_argument("--jobs", type=int, default=1, help="configs run at once; their device work takes turns "
                                                         "but torch.compile's compilation overlaps (a screen)")
+    ap.add_argument("--prewarm-jobs", type=int, default=0,
+                    help="first compile every config cold with torch.compile, this many at once, nothing timed; "
+                         "the timed runs (one at a time with --jobs 1) then compile from Inductor's caches")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="one table from the JSON of several runs (a config in a later file replaces it)")
     ap.add_argument("--out", default=str(Path("benchmarks") / "results"))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one config
+    ap.add_argument("--prewarm-one", default=None, help=argparse.SUPPRESS)  # the child: compile one config
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -549,7 +649,7 @@ def main(argv=None) -> int:
             print(f"{c.source:12s} {c.key}")
         return 0
     try:
-        configs = parse_configs(a.one or a.configs, small=a.small)
+        configs = parse_configs(a.one or a.prewarm_one or a.configs, small=a.small)
         vs = tuple(v.strip() for v in a.vs.split(",") if v.strip()) if a.vs else None
         bad = [v for v in vs or () if v not in ("eager", "compile", "compile-ro")]
         if bad:
@@ -557,6 +657,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.prewarm_one:
+        cores = os.environ.get(PREWARM_CORES_ENV)
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+        Path(a.row).write_text(json.dumps(prewarm_one(configs[0], device=device, dtype=a.dtype, small=a.small, vs=vs)))
+        return 0
     if a.one:
         row = run_one(configs[0], device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
                       out_dir=Path(a.out), vs=vs)
@@ -564,7 +670,8 @@ def main(argv=None) -> int:
         return 0
     command = " ".join(["sweep.py perf"] + (sys.argv[1:] if argv is None else list(argv)))
     rows, paths = sweep(configs, device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
-                        timeout_s=a.timeout, out=Path(a.out), command=command, vs=vs, jobs=max(1, a.jobs))
+                        timeout_s=a.timeout, out=Path(a.out), command=command, vs=vs, jobs=max(1, a.jobs),
+                        prewarm_jobs=max(0, a.prewarm_jobs))
     print(to_markdown(rows, {**json.loads(Path(paths["json"]).read_text())["header"]}))
     print(f"wrote {paths['markdown']}")
     return 0

@@ -8,8 +8,9 @@ shape; the caller sums each over the dims its input was broadcast along (``sum_t
 
 Derivatives follow torch's (``tools/autograd/derivatives.yaml`` and the ATen backward kernels),
 subgradients included: ``relu`` 0 at 0; ``maximum``/``minimum`` split the gradient in half at
-ties; ``clamp`` passes it at the bounds and not outside them; ``abs`` is ``sgn`` (0 at 0);
-``hardswish`` is 0 below -3, ``x/3 + 1/2`` up to 3, 1 above; ``pow`` with exponent 0 is 0.
+ties; ``clamp`` passes it strictly inside its bounds, and at a bound where the running torch does
+(torch 2.11 does, 2.14 does not: :func:`clamp_passes_at_bounds` asks torch once); ``abs`` is ``sgn`` (0 at 0);
+``hardswish`` is 0 up to -3, ``x/3 + 1/2`` between, 1 from 3 on; ``pow`` with exponent 0 is 0.
 ``where`` and comparisons give no gradient to their condition or operands. ``cast``: the gradient
 is rounded to the dtype its operand had in the eager graph (the dtype torch's ``_to_copy``
 backward would return); elsewhere, as in the forward, values stay in the compute type.
@@ -36,6 +37,24 @@ class Backward:
     inputs: tuple[int, ...]
     grads: tuple[int, ...]
     outputs: tuple[int, ...]
+
+
+def clamp_passes_at_bounds() -> tuple[bool, bool]:
+    """Whether the running torch's ``clamp`` backward passes the gradient at its lower and at its
+    upper bound (torch changed this convention between releases). Asked at import: a backward
+    program may be derived where autograd is off (inside an autograd function's forward)."""
+    return _CLAMP_AT_BOUNDS
+
+
+def _ask_clamp_at_bounds() -> tuple[bool, bool]:
+    x = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        y = torch.cat([torch.clamp(x[:1], 0.0, 1.0), torch.clamp(x[1:], -1.0, 0.0)])
+        (g,) = torch.autograd.grad(y.sum(), x)
+    return bool(g[0] == 1), bool(g[1] == 1)
+
+
+_CLAMP_AT_BOUNDS = _ask_clamp_at_bounds()
 
 
 def _eager_dtypes(p: Program, in_dtypes: Sequence[torch.dtype]) -> list[torch.dtype | None]:
@@ -162,19 +181,22 @@ def backward_program(program: str, in_dtypes: tuple[torch.dtype, ...], needs: tu
             sg = q.sigmoid(x[0])
             acc(a[0], g * (sg * (1.0 + x[0] * (1.0 - sg))))
         elif op == "hardswish":  # ATen hardswish_backward
-            acc(a[0], q.where(q.lt(x[0], -3.0), 0.0, q.where(q.le(x[0], 3.0), g * (x[0] / 3.0 + 0.5), g)))
+            acc(a[0], q.where(q.le(x[0], -3.0), 0.0, q.where(q.lt(x[0], 3.0), g * (x[0] / 3.0 + 0.5), g)))
         elif op == "pow":
             e = s.attrs[0]
             if e != 0.0:
                 acc(a[0], g * (e * q.pow(x[0], e - 1.0)))
+            else:  # torch: zeros (not no gradient), also where g is inf or NaN; zeros of g's shape
+                acc(a[0], q.where(q.eq(g, g), 0.0, 0.0))
         elif op == "clamp":
             lo, hi = s.attrs
+            at_lo, at_hi = clamp_passes_at_bounds()
             inside = None
             if lo is not None:
-                inside = q.ge(x[0], lo)
+                inside = q.ge(x[0], lo) if at_lo else q.gt(x[0], lo)
             if hi is not None:
-                le = q.le(x[0], hi)
-                inside = le if inside is None else q.where(inside, le, inside)
+                below = q.le(x[0], hi) if at_hi else q.lt(x[0], hi)
+                inside = below if inside is None else q.where(inside, below, inside)
             acc(a[0], g if inside is None else q.where(inside, g, 0.0))
         elif op == "where":
             acc(a[1], q.where(x[0], g, 0.0)), acc(a[2], q.where(x[0], 0.0, g))

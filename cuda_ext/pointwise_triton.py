@@ -254,6 +254,8 @@ def _unary(op: str, x: str, CT: str) -> str:
         return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
     if op == "silu":
         return f"({x} / (1.0 + tl.exp(-({x}))))"
+    if op == "erf":
+        return f"tl.erf({x})"
     if op == "hardswish":
         return f"({x} * tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0)"
     raise ValueError(op)

@@ -7,7 +7,7 @@ hand. :func:`define_schemas` defines the ops from Python (``torch.library``); th
 library, loaded after that, adds the CUDA kernels of the ops whose kernel is in ``csrc/`` (each
 ``.cu``/``.cpp`` has its own ``TORCH_LIBRARY_IMPL(graphopt, CUDA, m)``); :func:`register_impls`
 adds the rest: the reference on the CPU (and on CUDA where no kernel serves), the Python CUDA
-dispatch of the Triton ops, and every fake.
+dispatch of the Triton ops, every fake, and the autograd formulas of the ops that declare one.
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ class OpDef:
     module: str
     # (graphopt.cost.ops.OpCall) -> the op class of the ATen op it replaces (graphopt.cost.opclass), or None
     op_class: Callable | None = None
+    # (backward, setup_context) for torch.library.register_autograd, or None: not differentiable
+    autograd: tuple[Callable, Callable] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -55,14 +57,17 @@ class OpDef:
 
 
 def define_op(schema: str, *, reference: Callable, fake: Callable, wrapper: Callable, cost: Callable, kernel: str,
-              cuda: Callable | None = None, op_class: Callable | None = None) -> OpDef:
+              cuda: Callable | None = None, op_class: Callable | None = None,
+              autograd: tuple[Callable, Callable] | None = None) -> OpDef:
     """Declare the op ``schema`` names (called once, at the end of its module in ``ops/``, which
     is named after the op). ``kernel``: where its CUDA kernel is, relative to cuda_ext/; a
     ``csrc/`` source registers the CUDA implementation itself (``TORCH_LIBRARY_IMPL``), else
     ``cuda`` is the Python function that dispatches to it (calling ``reference`` where the kernel
     does not take the arguments). ``op_class``: for an op that replaces a convolution, GEMM or
     attention, the class of that ATen op for a call (graphopt.cost.ops.register_op_class), so
-    the cost model's per-class corrections keep, say, grouped convolutions apart from dense ones."""
+    the cost model's per-class corrections keep, say, grouped convolutions apart from dense ones.
+    ``autograd``: ``(backward, setup_context)``, registered with ``torch.library.register_autograd``
+    (eager autograd and AOTAutograd's joint graphs then differentiate through the op)."""
     name = schema.split("(", 1)[0].strip()
     module = wrapper.__module__
     if module.rsplit(".", 1)[-1] != name:
@@ -72,7 +77,7 @@ def define_op(schema: str, *, reference: Callable, fake: Callable, wrapper: Call
                            f"kernel needs a Python cuda= dispatch (kernel={kernel!r})")
     if not (ROOT / kernel).is_file():
         raise RuntimeError(f"graphopt::{name}: kernel source {kernel} does not exist")
-    op = OpDef(name, schema, reference, fake, wrapper, cost, kernel, cuda, module, op_class)
+    op = OpDef(name, schema, reference, fake, wrapper, cost, kernel, cuda, module, op_class, autograd)
     _OPS[name] = op
     register_op_cost(name, cost)
     if op_class is not None:
@@ -153,5 +158,9 @@ def register_impls(cuda_kernels: bool, triton: bool) -> None:
             elif not cuda_kernels:
                 lib.impl(op.name, op.reference, "CUDA")
             torch.library.register_fake(f"{NAMESPACE}::{op.name}", op.fake, lib=lib)
+            if op.autograd is not None:
+                backward, setup_context = op.autograd
+                torch.library.register_autograd(f"{NAMESPACE}::{op.name}", backward, setup_context=setup_context,
+                                                lib=lib)
         _libs.append(lib)
         _state["impls"] = True

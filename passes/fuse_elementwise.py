@@ -18,6 +18,12 @@ group that would depend on itself through an outside node (``a = exp(x); b = a /
 is cut before the node that closes the loop. Groups of fewer than two kernels are not
 candidates; the cost model decides the rest (the group's nodes against the one fused_pointwise
 node, which reads the inputs once and writes the outputs once). Refused on a CPU profile.
+
+Training graphs too: fused_pointwise is differentiable (its backward is one more fused_pointwise
+running the program's derivative, which rereads the forward inputs it needs and recomputes the
+rest). There a group's gain adds the backward's: eager's derivative kernels of the group's nodes
+(one elementwise kernel per operand that takes a gradient, add's pass-through excepted, plus one
+add per extra use of a value inside the group) against the backward program's one kernel.
 """
 
 from __future__ import annotations
@@ -188,7 +194,6 @@ class FuseElementwise(Pass):
     family = "fusion"
     description = "connected groups of pointwise ops -> one generated kernel (graphopt.fused_pointwise)"
     requires = ("fuse_swiglu", "fuse_bias_act")
-    inference_only = True  # graphopt's kernels have no autograd formulas
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
@@ -205,6 +210,7 @@ class FuseElementwise(Pass):
                 ok -= reserved
                 res.notes.append(f"{len(reserved)} add/ReLU nodes of convolution epilogues left to fuse_conv_relu")
         candidates = []
+        grad = _requires_grad(gm) if ctx.training else {}
         has_conv2d = ctx.fused_kernels and ctx.cost.conv_nchw_slowdown > 1.0 and any(
             n.op == "call_function" and n.target is torch.ops.aten.conv2d.default for n in gm.graph.nodes)
         for group in self._groups(gm, ok, order):
@@ -244,6 +250,8 @@ class FuseElementwise(Pass):
                 continue
             gain = ctx.node_time(group) - ctx.price(torch.ops.graphopt.fused_pointwise.default, program.source, ins,
                                                     val=[o.meta.get("val") for o in outs])
+            if ctx.training:
+                gain += _backward_gain(ctx, group, ins, outs, program, grad)
             candidates.append(Candidate("pointwise group", group, gain,
                                         lambda group=group: self._apply(gm, group), label=label))
         res.apply_ranked(ctx, candidates)
@@ -303,6 +311,67 @@ class FuseElementwise(Pass):
         if read_early:
             toposort_stable(g)
         return fused
+
+
+def _requires_grad(gm) -> dict:
+    """{node: its output takes a gradient}: parameters and inputs that require grad, and the
+    floating values computed from them (comparisons and casts to bool stop it)."""
+    out = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "get_attr":
+            out[n] = bool(getattr(_attr(gm, n.target), "requires_grad", False))
+        elif n.op == "placeholder":
+            out[n] = bool(getattr(val, "requires_grad", False))
+        else:
+            vals = val if isinstance(val, (tuple, list)) else [val]
+            floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+            out[n] = floating and any(out.get(a, False) for a in n.all_input_nodes)
+    return out
+
+
+def _attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+_PASS_THROUGH = {aten.add.Tensor, aten.add.Scalar}  # autograd hands the gradient on without a kernel
+
+
+def _backward_gain(ctx, group, ins, outs, program, grad) -> float:
+    """Predicted seconds the fused backward saves: eager's derivative kernels of ``group`` (priced
+    as an elementwise kernel of each node's shape per operand taking a gradient, plus an add per
+    extra use of a value) minus the backward program's kernel."""
+    from graphopt.cuda_ext.pointwise_grad import backward_program
+
+    gs = set(group)
+    eager = ctx.replacement()
+    for n in group:
+        takes = [a for a in _operands(n) if isinstance(a, fx.Node) and grad.get(a, False)]
+        if n.target in _PASS_THROUGH and _alpha(n) == 1:
+            takes = []
+        elif n.target in (aten.sub.Tensor, aten.sub.Scalar) and takes and takes[0] is _operands(n)[0]:
+            takes = takes[1:]  # the first operand's gradient passes through
+        for _ in takes:
+            eager.call(aten.mul.Tensor, n, n)
+    for v in list(group) + list(ins):
+        if grad.get(v, False):
+            uses = [u for u in v.users if u in gs]
+            for _ in uses[1:]:
+                eager.call(aten.add.Tensor, v, v)
+    in_vals = [a.meta.get("val") for a in ins]
+    if any(not isinstance(t, torch.Tensor) for t in in_vals):
+        return 0.0
+    bw = backward_program(program.source, tuple(t.dtype for t in in_vals), tuple(grad.get(a, False) for a in ins),
+                          tuple(o.meta["val"].dtype.is_floating_point for o in outs))
+    if bw.source is None:
+        return eager.time()
+    fused = ctx.replacement()
+    fused.call(torch.ops.graphopt.fused_pointwise.default, bw.source,
+               [ins[i] for i in bw.inputs] + [outs[j] for j in bw.grads])  # a gradient is shaped as its output
+    return eager.time() - fused.time()
 
 
 def _is_free(ctx, n) -> bool:

@@ -19,10 +19,10 @@ from graphopt.pipeline import Pass, PassContext, PassResult, register
 def training_fuser(ctx: PassContext):
     """fuse_elementwise for the AOT backend's forward and backward graphs, or None.
 
-    The pass is inference-only because graphopt's kernels have no autograd formulas; the AOT
-    graphs run without autograd (AOTAutograd already split forward from backward), so their
-    pointwise chains (a norm's casts and statistics, SiLU and its derivative, rotary, the
-    recomputed ones included) can run as generated kernels. Done when fuse_elementwise is one of
+    The pass also fuses the training graph itself (fused_pointwise is differentiable, and
+    AOTAutograd traces through it); the AOT graphs run without autograd (AOTAutograd already
+    split forward from backward), so the pointwise chains the joint graphs make (the derivatives
+    of ops no group took, the recomputed ones) can run as generated kernels too. Done when fuse_elementwise is one of
     this run's passes and the plan is for a GPU; the cost model decides each group as it does
     for inference."""
     if "fuse_elementwise" not in ctx.scheduled or not ctx.fused_kernels:

@@ -5,6 +5,10 @@ they agree on one).
 
 CUDA: ``pointwise_triton.py`` generates and caches a Triton kernel per program and layout; the
 reference evaluates the program with torch ops (fp64 included).
+
+Differentiable: the backward is another ``fused_pointwise`` call, running the program's derivative
+(``pointwise_grad.backward_program``: it recomputes the forward values it needs, so only the
+forward inputs it reads are saved), then ``sum_to_size`` for each input that was broadcast.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from graphopt.cost.ops import fused_cost
 
 from ..common import fresh
 from ..pointwise import Program, broadcast_shape, dense_order, empty_in_order, evaluate, parse
+from ..pointwise_grad import backward_program
 from ..registry import define_op
 
 SCHEMA = "fused_pointwise(str program, Tensor[] inputs) -> Tensor[]"
@@ -51,5 +56,32 @@ def fused_pointwise(program: str | Program, inputs: Sequence[torch.Tensor]) -> l
     return torch.ops.graphopt.fused_pointwise(src, list(inputs))
 
 
+def setup_context(ctx, inputs, output):
+    """Saves the forward inputs the backward program reads (for gradients of every output)."""
+    program, tensors = inputs
+    ctx.set_materialize_grads(False)  # an unused output's gradient is left out of the backward program
+    ctx.program = program
+    ctx.in_dtypes = tuple(t.dtype for t in tensors)
+    ctx.shapes = [t.shape for t in tensors]
+    grads = tuple(o.dtype.is_floating_point for o in output)
+    bw = backward_program(program, ctx.in_dtypes, tuple(t.requires_grad for t in tensors), grads)
+    ctx.saved_index = bw.inputs
+    ctx.save_for_backward(*[tensors[i] for i in bw.inputs])
+
+
+def backward(ctx, grads):
+    needs = tuple(ctx.needs_input_grad[1])
+    bw = backward_program(ctx.program, ctx.in_dtypes, needs, tuple(g is not None for g in grads))
+    result: list = [None] * len(ctx.in_dtypes)
+    if bw.source is None:
+        return None, result
+    saved = dict(zip(ctx.saved_index, ctx.saved_tensors))
+    outs = torch.ops.graphopt.fused_pointwise(bw.source, [saved[i] for i in bw.inputs] + [grads[j] for j in bw.grads])
+    for i, o in zip(bw.outputs, outs):
+        shape = ctx.shapes[i]
+        result[i] = o if o.shape == shape else o.sum_to_size(shape)
+    return None, result
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=fused_pointwise, cost=fused_cost,
-               kernel="pointwise_triton.py", cuda=cuda)
+               kernel="pointwise_triton.py", cuda=cuda, autograd=(backward, setup_context))

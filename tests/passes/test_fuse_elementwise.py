@@ -132,12 +132,96 @@ def test_leaves_graphopt_kernels_alone_on_glm4_tiny():
     assert reference_check(model, gm, inputs).passed
 
 
-def test_not_on_training_graphs():
+def _train_opt(model, args, **kw):
+    import graphopt
+
+    opt = graphopt.optimize(model, args, training=True, check_accuracy=False, target="h200", **kw)
+    model.train()
+    return opt
+
+
+def test_on_training_graphs_with_their_backward():
+    """fused_pointwise is differentiable: the group fuses in a training graph, the step's loss and
+    gradients (the broadcast bias's summed over its broadcast dims) pass the accuracy rule, and
+    autograd saves only the group's inputs (the backward recomputes the rest)."""
+    from tests.helpers import step_check
+
     m = Chain()
     x = torch.randn(4, 8, 16)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200", training=True)
-    assert res.status == "skipped" and op_counts(gm)[FP] == 0
+    assert res.status == "applied" and op_counts(gm)[FP] == 1
+    opt = _train_opt(m, (x,), passes=["fuse_elementwise"])
+    assert op_counts(opt.graph_module)[FP] == 1
+    step_check(m, opt, (x,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        opt(x)
+    assert len(saved) <= 2  # x and the bias at most; eager saves tanh's and sigmoid's results too
+
+
+def test_training_prices_the_backward():
+    """The training gain counts the fused backward (one kernel) against eager's derivative kernels."""
+    from graphopt.passes.fuse_elementwise import _backward_gain, _boundary, _program, _requires_grad
+    from graphopt import ir
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext
+
+    m = Chain()
+    gm = capture(m, (torch.randn(64, 128, 16),))
+    group = [n for n in gm.graph.nodes if n.op == "call_function" and "aten" in str(n.target)]
+    ins, outs = _boundary(group)
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), training=True, hints=ir.shape_hints(gm))
+    grad = _requires_grad(gm)
+    assert [grad[a] for a in ins] == [True, False] or [grad[a] for a in ins] == [False, True]
+    assert _backward_gain(ctx, group, ins, outs, _program(group, ins, outs), grad) > 0
+
+
+def test_trains_a_tiny_llama_with_fused_groups():
+    """A tiny transformers decoder through optimize(training=True): pointwise groups fused (the
+    RMSNorm's casts and scale, SiLU-times-up, rotary's arithmetic), gradients by the accuracy rule."""
+    import transformers as T
+
+    from tests.helpers import step_check
+
+    cfg = T.LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                        intermediate_size=64, vocab_size=64, pad_token_id=0, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(1, 64, (2, 16))
+    opt = _train_opt(model, (ids,), passes=["fuse_elementwise"])
+    res = opt.report.pass_result("fuse_elementwise")
+    assert res.status == "applied" and op_counts(opt.graph_module)[FP] == len(res.rewrites) > 0
+    step_check(model, opt, (ids,))
+
+
+def test_fused_groups_inside_aot_checkpoint_regions_train():
+    """AOTAutograd traces through fused_pointwise's autograd: a memory budget's regions hold fused
+    groups, their backward graphs call fused_pointwise with the derived program."""
+    from tests.helpers import step_check
+
+    m = nn.Sequential(nn.Linear(16, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 64), nn.SiLU(),
+                      nn.Linear(64, 16))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.s = m, nn.Parameter(torch.rand(16) + 0.5)
+
+        def forward(self, x):
+            h = self.f(x)
+            return torch.tanh(h * self.s + x) * torch.sigmoid(h) + x
+
+    model = Block().train()
+    x = torch.randn(8, 32, 16)
+    opt = _train_opt(model, (x,), passes=["fuse_elementwise", "insert_checkpoints"], memory_budget=0.85,
+                     checkpoint_backend="aot")
+    assert opt.report.pass_result("fuse_elementwise").rewrites
+    d = opt.report.pass_result("insert_checkpoints").details
+    assert d.get("aot_regions", 0) >= 1, d
+    step_check(model, opt, (x,))
 
 
 class ConvNeXtTail(nn.Module):

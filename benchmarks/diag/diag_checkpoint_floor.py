@@ -88,7 +88,8 @@ def main(argv=None) -> int:
               f"largest working set {g(work)} at {n.name if n is not None else '-'}"
               + (f" ({params[0][0]}'s gradient {g(params[0][1])})" if params else ""))
         for held in (True, False):
-            print(f"  aot minimum, incoming gradients {'held' if held else 'freed'}: {g(minimum(am, ctx, offset, caps, True, held))}")
+            low = minimum(am, ctx, offset, caps, True, held)
+            print(f"  aot minimum, incoming gradients {'held' if held else 'freed'}: {g(low)}")
         aotm.frees_incoming_grads = probe
         print(f"  selective checkpoint minimum: {g(minimum(am, ctx, offset, caps, False))}")
     return 0

@@ -548,7 +548,8 @@ class _Selector:
         set), with the node of that working set and the largest parameter gradient it makes."""
         am = self.am
         n, work, params = am.largest_working()
-        text = (f"{format_bytes(offset)} ({offset / base:.3f}) of it fixed: the outputs ({format_bytes(am.all_output_bytes())})"
+        outputs = format_bytes(am.all_output_bytes())
+        text = (f"{format_bytes(offset)} ({offset / base:.3f}) of it fixed: the outputs ({outputs})"
                 f" and the backward's largest working set ({format_bytes(work)}")
         if n is not None:
             text += f", at {n.name}"

@@ -60,6 +60,7 @@ def planned():
     return gm, ctx
 
 
+@pytest.mark.slow  # make test-all: five plans of a two-layer decoder (about 3 s)
 def test_auto_states_the_aot_minimum_and_meets_it(planned):
     gm, ctx = planned
     with pytest.raises(BudgetError, match="by the AOT backend") as e:

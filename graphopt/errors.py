@@ -55,7 +55,12 @@ class UnsupportedOpError(GraphoptError):
 
 
 class BudgetError(GraphoptError):
-    """A memory or time budget cannot be met."""
+    """A memory or time budget cannot be met. ``minimum``: the least budget that can be met, in
+    the budget's unit (bytes for memory), where the raiser knows it; else None."""
+
+    def __init__(self, *args, detail: str = "", minimum: float | None = None):
+        super().__init__(*args, detail=detail)
+        self.minimum = minimum
 
 
 class ArtifactError(GraphoptError):

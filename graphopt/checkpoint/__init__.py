@@ -113,7 +113,14 @@ def plan_checkpoints(gm: fx.GraphModule, ctx: PassContext, budget, backend: str 
         if not use_aot or requested == "aot":
             raise
         # the AOT rewrite keeps every random op's output; the selective checkpoint replays RNG
-        plan = planner._Selector(am, ctx.hints).select(budget_bytes, out.caps, offset, out.headroom)
+        try:
+            plan = planner._Selector(am, ctx.hints).select(budget_bytes, out.caps, offset, out.headroom)
+        except BudgetError as e_sac:
+            # neither fits: the error states the lower of the two backends' minimums (the selective
+            # checkpoint's upper-bound accounting and one-level plans usually need more)
+            if e_sac.minimum is not None and e.minimum is not None and e_sac.minimum < e.minimum:
+                raise
+            raise e from None
         use_aot = False
         if any(ir.is_random(n) for n in am.body):
             why_not_aot = f"the budget needs recomputing random ops, which the AOT rewrite never does ({e})"

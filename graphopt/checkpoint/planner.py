@@ -543,6 +543,20 @@ class _Selector:
                 plan = trial
         return plan
 
+    def fixed_part(self, offset: float, base: float) -> str:
+        """What no plan recomputes away (``offset``: the outputs and the largest backward working
+        set), with the node of that working set and the largest parameter gradient it makes."""
+        am = self.am
+        n, work, params = am.largest_working()
+        outputs = format_bytes(am.all_output_bytes())
+        text = (f"{format_bytes(offset)} ({offset / base:.3f}) of it fixed: the outputs ({outputs})"
+                f" and the backward's largest working set ({format_bytes(work)}")
+        if n is not None:
+            text += f", at {n.name}"
+            if params:
+                text += f", {format_bytes(params[0][1])} of it the fresh gradient of {params[0][0]}"
+        return text + ")"
+
     def select(self, budget: float, caps: list, offset: float = 0.0, headroom: float = 0.0) -> Plan:
         """The plan that fits ``budget`` with the least predicted recomputation time, over
         region sizes ``caps`` (bigger regions: fewer boundary tensors held, a bigger transient
@@ -622,7 +636,9 @@ class _Selector:
                 f"{format_bytes(low)} ({low / base:.3f} of the baseline activation memory {format_bytes(base)}: "
                 f"saved tensors, outputs and the backward's working set"
                 + (f", plus {headroom:.0%} left free for the prediction's error" if headroom else "")
-                + ") over the recompute/keep trade-offs searched; raise memory_budget to at least that")
+                + f"; {self.fixed_part(offset, base)}) over the recompute/keep trade-offs searched"
+                + (" by the AOT backend" if self.aot else " by the selective checkpoint")
+                + "; raise memory_budget to at least that", minimum=low)
         return best_fit
 
 

@@ -351,6 +351,16 @@ class ActivationModel:
         loss's backward), not made in the graph's backward."""
         return max((self.node_working_bytes(n) for n in self.body), default=0.0)
 
+    def largest_working(self) -> tuple:
+        """(node, its working set's bytes, [(parameter target, bytes of its fresh gradient)]) of the
+        node with the largest backward working set, or (None, 0.0, []) without one."""
+        n = max(self.body, key=self.node_working_bytes, default=None)
+        if n is None or self.node_working_bytes(n) <= 0:
+            return None, 0.0, []
+        params = {a.target: self.param_grad_bytes[a.target] for a in n.all_input_nodes
+                  if a.op == "get_attr" and a.target in self.param_grad_bytes}
+        return n, self.node_working_bytes(n), sorted(params.items(), key=lambda kv: -kv[1])
+
     def node_working_bytes(self, n) -> float:
         """The backward's working set at node ``n`` (0 where no gradient flows through it)."""
         if not self.grad.get(n):

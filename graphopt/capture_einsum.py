@@ -177,11 +177,23 @@ def _stride_dependent_reader(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _matmul_val(left, right):
+    """The value of ``matmul(left, right)`` for operands of equal rank whose batch dims are equal or 1
+    (what matmul_form admits): a fresh contiguous tensor of the product's shape, made without running
+    aten.matmul, whose fake kernel on torch 2.11 reads a symbolic batch size as an int and so
+    specializes it to the example's value."""
+    batch = [b if isinstance(a, int) and a == 1 else a for a, b in zip(left.shape[:-2], right.shape[:-2])]
+    return left.new_empty([*batch, left.shape[-2], right.shape[-1]])
+
+
 def _fake_run(target, args, mode):
     def load(a):
         return a.meta.get("val") if isinstance(a, fx.Node) else a
 
     vals = fx.node.map_aggregate(args, load)
+    if target is aten.matmul.default and all(isinstance(v, torch.Tensor) for v in vals) \
+            and len({v.dim() for v in vals}) == 1 and vals[0].dim() >= 3:
+        target = _matmul_val
     if mode is None:
         return target(*vals)
     prev = mode.allow_non_fake_inputs

@@ -109,3 +109,21 @@ def test_an_einsum_read_through_a_view_of_its_own_layout_is_kept():
     assert op_counts(gm)["aten.einsum.default"] == 1
     assert any("lays the result out with strides" in n for n in gm.meta["graphopt_capture"].notes)
     assert reference_check(model, gm, args).passed
+
+
+def test_a_symbolic_batch_dim_stays_symbolic_through_the_rewrite():
+    """The matmul form's metadata is made without running aten.matmul's fake kernel, which on torch
+    2.11 reads a symbolic batch size as an int and so specializes every dim of that symbol."""
+
+    class Scores(nn.Module):
+        def forward(self, q, k):
+            return torch.einsum("bghid,bghjd->bghij", q, k).softmax(-1)
+
+    q, k = torch.randn(2, 3, 4, 8, 16), torch.randn(2, 3, 4, 8, 16)
+    gm = capture(Scores(), (q, k), dynamic={"q": {0: "batch"}, "k": {0: "batch"}})
+    assert "aten.einsum.default" not in op_counts(gm)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or n.target == torch.ops.aten.matmul.default:
+            assert isinstance(n.meta["val"].shape[0], torch.SymInt), n.name
+    q2, k2 = torch.randn(5, 3, 4, 8, 16), torch.randn(5, 3, 4, 8, 16)
+    assert reference_check(Scores(), gm, (q2, k2)).passed

@@ -20,6 +20,7 @@ from graphopt.cost.opclass import correction, curve_log_factor, lookup, op_class
 from graphopt.cost.profiles import DeviceProfile, get_profile
 from graphopt.tools.cli import main
 from graphopt.tools.corpus import Sample, fit_curve, fit_op_classes, fit_stream, node_key
+from tests.passes.test_convert_channels_last import FeatureMap
 
 
 def _cpu(**kw) -> DeviceProfile:
@@ -326,18 +327,6 @@ def test_corpus_on_the_gpu_with_optimized_graphs(capfd, tmp_path):
     assert fit["corpus"]["samples_device"] > 0 and fit["corpus"]["samples_host"] > 0 and fit["corpus"]["node_timing_s"]
     assert path.with_name("gpu-fit.samples.json.gz").exists()  # no --results: beside the profile
     assert "optimized: error" not in out and out.count(" optimized ") == 4
-
-
-class FeatureMap(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 3, padding=1)
-        self.dw = nn.Conv2d(64, 64, 3, padding=1, groups=64)
-        self.conv2 = nn.Conv2d(64, 64, 3, padding=1)
-
-    def forward(self, x):
-        h = torch.relu(self.conv1(x))
-        return self.conv2(torch.relu(self.dw(h)) + h)
 
 
 SPLIT = {"device_classes": {"gemm": {"knots": [-10.0], "log_factor": [math.log(0.5)]}},

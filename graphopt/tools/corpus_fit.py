@@ -352,15 +352,20 @@ class Sample:
                 "configs": sorted(set(self.configs))}
 
 
+def _fitted_steps(corpus: Corpus):
+    """(run, step) for every classed step (a shape of the corpus) of the fitted (not held-out) runs."""
+    for r in corpus.runs:
+        if not r.held_out:
+            for s in r.steps:
+                if s.shape >= 0:
+                    yield r, s
+
+
 def training_samples(corpus: Corpus) -> list[Sample]:
     """The timed classed nodes of the fitted (not held-out) runs, one Sample per shape."""
     kind, by = corpus.profile.kind, {}
-    for r in corpus.runs:
-        if r.held_out:
-            continue
-        for s in r.steps:
-            if s.shape < 0 or s.measured_s is None:
-                continue
+    for r, s in _fitted_steps(corpus):
+        if s.measured_s is not None:
             smp = by.get(s.shape)
             if smp is None:
                 sh = corpus.shapes[s.shape]
@@ -406,23 +411,20 @@ def split_samples(corpus: Corpus) -> tuple[list[Sample], list[Sample]]:
     out)."""
     dev: dict[int, Sample] = {}
     host: dict[int, Sample] = {}
-    for r in corpus.runs:
-        if r.held_out:
+    for r, s in _fitted_steps(corpus):
+        if s.host_m is None:
             continue
-        for s in r.steps:
-            if s.shape < 0 or s.host_m is None:
-                continue
-            sh = corpus.shapes[s.shape]
-            if device_usable(s):
-                smp = dev.get(s.shape) or dev.setdefault(s.shape, Sample(str(s.shape), sh.cls, sh.op, s.device_s,
-                                                                         s.device_s))
-                smp.measured.append(s.device_m)
-                smp.configs.append(r.config)
-            if host_usable(s):
-                smp = host.get(s.shape) or host.setdefault(s.shape, Sample(str(s.shape), host_path(sh.cls, sh.op),
-                                                                           sh.op, s.host_s, s.host_s))
-                smp.measured.append(s.host_m)
-                smp.configs.append(r.config)
+        sh = corpus.shapes[s.shape]
+        if device_usable(s):
+            smp = dev.get(s.shape) or dev.setdefault(s.shape, Sample(str(s.shape), sh.cls, sh.op, s.device_s,
+                                                                     s.device_s))
+            smp.measured.append(s.device_m)
+            smp.configs.append(r.config)
+        if host_usable(s):
+            smp = host.get(s.shape) or host.setdefault(s.shape, Sample(str(s.shape), host_path(sh.cls, sh.op),
+                                                                       sh.op, s.host_s, s.host_s))
+            smp.measured.append(s.host_m)
+            smp.configs.append(r.config)
     return list(dev.values()), list(host.values())
 
 

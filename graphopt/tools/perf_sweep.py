@@ -323,18 +323,24 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
     return row
 
 
+def _child(flag: str, cfg: PerfConfig, row: Path, kw: dict, *extra: str) -> list[str]:
+    """The command line of a child process (``--one`` or ``--prewarm-one``) for ``cfg``, writing to ``row``."""
+    cmd = [sys.executable, "-m", __name__, flag, cfg.key, "--device", kw["device"], "--row", str(row), *extra]
+    if kw.get("dtype"):
+        cmd += ["--dtype", kw["dtype"]]
+    if kw.get("small"):
+        cmd.append("--small")
+    if kw.get("vs") is not None:
+        cmd += ["--vs", ",".join(kw["vs"])]
+    return cmd
+
+
 def run_isolated(cfg: PerfConfig, *, timeout_s: float, **kw) -> Row:
     """run_one in a fresh interpreter (``python -m graphopt.tools.perf_sweep --one``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, "-m", __name__, "--one", cfg.key, "--device", kw["device"], "--reps", str(kw["reps"]),
-               "--warmup", str(kw["warmup"]), "--row", str(out), "--out", str(kw["out_dir"])]
-        if kw.get("dtype"):
-            cmd += ["--dtype", kw["dtype"]]
-        if kw.get("small"):
-            cmd.append("--small")
-        if kw.get("vs") is not None:
-            cmd += ["--vs", ",".join(kw["vs"])]
+        cmd = _child("--one", cfg, out, kw, "--reps", str(kw["reps"]), "--warmup", str(kw["warmup"]),
+                     "--out", str(kw["out_dir"]))
         env = dict(os.environ)
         if kw.get("lock"):
             env[DeviceLock.ENV] = kw["lock"]
@@ -385,12 +391,13 @@ def prewarm(configs: list[PerfConfig], *, jobs: int, timeout_s: float, log=print
     """Compile every config cold, ``jobs`` at once, each child on cores of its own (a share of this
     process's), nothing timed: {config key: {variant: cold set-up seconds}} (a config whose child
     failed is left out; its timed run then compiles cold)."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     share = max(1, len(cores) // max(1, jobs)) if cores else 0
     free = list(range(max(1, jobs)))  # slots: which share of the cores a child gets
-    slot_lock = __import__("threading").Lock()
+    slot_lock = threading.Lock()
     done: dict = {}
 
     def one(cfg: PerfConfig) -> None:
@@ -399,14 +406,7 @@ def prewarm(configs: list[PerfConfig], *, jobs: int, timeout_s: float, log=print
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "setup.json"
-                cmd = [sys.executable, "-m", __name__, "--prewarm-one", cfg.key, "--device", kw["device"],
-                       "--row", str(out)]
-                if kw.get("dtype"):
-                    cmd += ["--dtype", kw["dtype"]]
-                if kw.get("small"):
-                    cmd.append("--small")
-                if kw.get("vs") is not None:
-                    cmd += ["--vs", ",".join(kw["vs"])]
+                cmd = _child("--prewarm-one", cfg, out, kw)
                 env = dict(os.environ)
                 if share:
                     env[PREWARM_CORES_ENV] = ",".join(map(str, cores[slot * share:(slot + 1) * share]))

@@ -27,3 +27,11 @@ def poison_allocator(device, nbytes: int = 1 << 26) -> None:
         return
     t = torch.full((nbytes // 4,), float("nan"), device=device)
     del t
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton kernels run by its interpreter (on the CPU)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield

@@ -202,13 +202,6 @@ def test_fast_tanh_source():
     compile(slow, "slow", "exec")
 
 
-@pytest.fixture
-def triton_interpreter(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
-
-
 def test_launch_plan_is_cached_per_layout(triton_interpreter):
     p = Program()
     a, b = p.input(), p.input()

@@ -208,13 +208,6 @@ def test_cast_rounds_the_gradient_to_its_operands_dtype():
     check(got, ref, eager, dtype=bf)
 
 
-@pytest.fixture
-def triton_interpreter(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
-
-
 def test_backward_program_runs_as_a_triton_kernel(triton_interpreter):
     """The backward program is an ordinary program: its generated kernel (interpreter) matches
     the evaluator, erf (gelu's derivative) included."""

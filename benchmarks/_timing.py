@@ -22,6 +22,17 @@ def cuda_median_ms(fn, reps: int = 10, warmup: int = 3, sleep_cycles: int = 0) -
     return sorted(times)[len(times) // 2]
 
 
+def copy_bandwidth() -> float:
+    """Bytes per second a 1 GiB device-to-device copy moves (read + write): eager copies timed by
+    CUDA events, as the generation benchmark measures it. Not replayed from a CUDA graph: captured,
+    the copy becomes a memcpy node the copy engines run, slower than the kernel an eager copy
+    launches, so a floor from it would be too low."""
+    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = cuda_median_ms(lambda: dst.copy_(src), reps=10, warmup=3)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
 def captured(fn, times: int = 1) -> "torch.cuda.CUDAGraph":
     """A CUDA graph of ``times`` calls of ``fn``, captured after two warm-up calls on a side stream
     (as capture requires)."""

@@ -230,12 +230,16 @@ def _build():
             cols = j0 + tl.arange(0, BLOCK_N)
             col_ok = cols < end
             kv_ok = col_ok[:, None] & d_ok[None, :]
+            # K, V and the mask are loaded before any of them is used: the three reads are in flight
+            # together (a split is one or two key blocks, so their latency is most of its time)
             k = tl.load(kbase + cols[:, None].to(tl.int64) * skn + rd[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            v = tl.load(vbase + cols[:, None].to(tl.int64) * svn + rd[None, :], mask=kv_ok, other=0.0)
             keep = row_ok[:, None] & col_ok[None, :]
             if HAS_MASK:
                 mk = tl.load(M + b * smb + h[:, None] * smh + t[:, None] * smt + cols[None, :].to(tl.int64) * smn,
                              mask=keep, other=0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            if HAS_MASK:
                 if MASK_BOOL:
                     keep = keep & (mk != 0)
                 else:
@@ -247,7 +251,6 @@ def _build():
             p = tl.exp(s - m_use[:, None])
             p = tl.where(keep, p, 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vbase + cols[:, None].to(tl.int64) * svn + rd[None, :], mask=kv_ok, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if SINGLE:

@@ -22,6 +22,7 @@ _kernels: dict = {}
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_M = 16        # rows of x one call takes (x is padded to 16 rows for tl.dot)
 SM_COUNT = 132    # the H200's, for planning without a device
+NORM_ONE_BLOCK = 1 << 15  # partial sums (splits x row) gemv_add_rms_norm's second kernel holds at once
 
 
 def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None, block_k: int | None = None,
@@ -93,7 +94,52 @@ def _build():
             acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(Y + m * sym + rn * syn, acc.to(Y.dtype.element_ty), mask=n_ok)
 
-    return gemv_split_kernel, gemv_reduce_kernel
+    @triton.jit
+    def gemv_norm_kernel(P, BIAS, R, NW, OUT, H, M, N, SPLITS, eps, srm, srn, som, son, shm, shn,
+                         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program per row of y: the partial sums added (and the bias), rounded as the linear's
+        # output; h = y + residual rounded and stored; then the row's RMSNorm of h times the weight.
+        # ONE_BLOCK (the row fits one block): one pass, every load issued at once, h kept in registers;
+        # else a second pass reads back the h the first stored.
+        m = tl.program_id(0)
+        rs = tl.arange(0, BLOCK_S)
+        s_ok = rs < SPLITS
+        if ONE_BLOCK:  # the norm weight's load in flight with the partial sums'
+            w = tl.load(NW + tl.arange(0, BLOCK_N), mask=tl.arange(0, BLOCK_N) < N, other=0.0).to(tl.float32)
+        ss = tl.zeros([BLOCK_N], dtype=tl.float32)
+        hf = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            n_ok = rn < N
+            part = tl.load(P + ((rs[:, None] * M + m).to(tl.int64) * N + rn[None, :]),
+                           mask=s_ok[:, None] & n_ok[None, :], other=0.0)
+            y = tl.sum(part, 0)
+            if HAS_BIAS:
+                y += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
+            y = y.to(H.dtype.element_ty).to(tl.float32)
+            if HAS_RES:
+                y += tl.load(R + m * srm + rn * srn, mask=n_ok, other=0.0).to(tl.float32)
+            h = y.to(H.dtype.element_ty)
+            tl.store(H + m * shm + rn * shn, h, mask=n_ok)
+            hf = tl.where(n_ok, h.to(tl.float32), 0.0)
+            ss += hf * hf
+        rstd = tl.rsqrt(tl.sum(ss, 0) / N + eps)
+        if ONE_BLOCK:  # h is still in registers
+            rn = tl.arange(0, BLOCK_N)
+            normed = (hf * rstd).to(OUT.dtype.element_ty).to(tl.float32)
+            tl.store(OUT + m * som + rn * son, (w * normed).to(OUT.dtype.element_ty), mask=rn < N)
+        else:
+            tl.debug_barrier()  # the h this program stored, read back by other threads of it
+            for n0 in range(0, N, BLOCK_N):
+                rn = n0 + tl.arange(0, BLOCK_N)
+                n_ok = rn < N
+                hf = tl.load(H + m * shm + rn * shn, mask=n_ok, other=0.0).to(tl.float32)
+                normed = (hf * rstd).to(OUT.dtype.element_ty).to(tl.float32)
+                wb = tl.load(NW + rn, mask=n_ok, other=0.0).to(tl.float32)
+                tl.store(OUT + m * som + rn * son, (wb * normed).to(OUT.dtype.element_ty), mask=n_ok)
+
+    return gemv_split_kernel, gemv_reduce_kernel, gemv_norm_kernel
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **config) -> torch.Tensor:
@@ -109,7 +155,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     cuda = x.device.type == "cuda"
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if cuda else SM_COUNT
     p = plan(M, N, K, sms, **config)
-    split, reduce = _kernel()
+    split, reduce, _ = _kernel()
     s = p["splits"]
     partial = torch.empty((s * M * N,), dtype=torch.float32, device=x.device) if s > 1 else y
     b = bias if bias is not None else x
@@ -124,3 +170,42 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             reduce[(M, -(-N // bn))](partial, b, y, M, N, s, y.stride(0), y.stride(1), HAS_BIAS=bias is not None,
                                      BLOCK_S=max(2, next_pow2(s)), BLOCK_N=bn, num_warps=4)
     return y
+
+
+def gemv_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                             **config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y = x [M, K] @ weight [N, K].T (+ bias)``, ``h = y + residual [M, N]`` and
+    ``(rmsnorm(h) * norm_weight, h)``: the split kernel always writes fp32 partial sums, and the
+    second kernel (one program per row) adds them, the bias and the residual and normalizes the row,
+    so the norm costs no launch of its own. ``config``: :func:`plan`'s overrides."""
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out, h
+    cuda = x.device.type == "cuda"
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if cuda else SM_COUNT
+    p = plan(M, N, max(K, 1), sms, **config)
+    split, _, norm = _kernel()
+    s = p["splits"]
+    partial = (torch.empty if K else torch.zeros)((s * M * N,), dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else x
+    r = residual if residual is not None else x
+    with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+        if K:
+            split[(-(-N // p["BLOCK_N"]), s)](
+                x, weight, b, out, partial, M, N, K, p["k_per_split"], x.stride(0), x.stride(1),
+                weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+                HAS_BIAS=False, PARTIAL=True, BLOCK_M=16, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
+                STAGES=p["num_stages"], num_warps=p["num_warps"])
+        bs = max(2, next_pow2(s))
+        one = bs * next_pow2(N) <= NORM_ONE_BLOCK  # the whole row's partial sums in one program's registers
+        bn = next_pow2(N) if one else max(16, min(next_pow2(N), max(256, 16384 // bs)))
+        norm[(M,)](partial, b, r, norm_weight, out, h, M, N, s, float(eps),
+                   r.stride(0) if residual is not None else 0, r.stride(1) if residual is not None else 0,
+                   out.stride(0), out.stride(1), h.stride(0), h.stride(1),
+                   HAS_BIAS=bias is not None, HAS_RES=residual is not None, ONE_BLOCK=one, BLOCK_S=bs, BLOCK_N=bn,
+                   num_warps=16 if one else 8)
+    return out, h

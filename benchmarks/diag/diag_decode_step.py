@@ -6,7 +6,7 @@ decode step as graphopt.optimize_generation builds it, profiled kernel by kernel
     python benchmarks/diag/diag_decode_step.py --tiny --out DIR                 # CPU/GPU dry run of the script
 
 What it measures (random bf16 weights, the model's full depth unless --layers):
-- the copy bandwidth (a 1 GiB device copy, replayed in a CUDA graph) and the step's floor: the
+- the copy bandwidth (a 1 GiB device copy, eager, timed by CUDA events) and the step's floor: the
   bytes of every weight but the input embedding table (plus B of its rows), plus the K/V cache
   bytes the step reads at this past length, over that bandwidth;
 - the step: the generator's ``DecodeState.step()`` (one replay), median of --steps CUDA-event
@@ -46,7 +46,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from _timing import graph_us_per_call, write_rows  # noqa: E402
+from _timing import copy_bandwidth as cuda_copy_bandwidth, write_rows  # noqa: E402
 
 # kernel name -> type, first match wins
 KERNEL_TYPES = [
@@ -105,10 +105,8 @@ def copy_bandwidth(device) -> float:
         for _ in range(10):
             dst.copy_(src)
         return 2 * src.numel() * 4 * 10 / (time.perf_counter() - t)
-    src = torch.empty(1 << 29, dtype=torch.float16, device=device).normal_()
-    dst = torch.empty_like(src)
-    us = graph_us_per_call(lambda: dst.copy_(src), 1, replays=3, reps=10)
-    return 2 * src.numel() * src.element_size() / (us * 1e-6)
+    with torch.cuda.device(device):
+        return cuda_copy_bandwidth()
 
 
 def floors(model, batch: int, past: int, bw: float) -> dict:

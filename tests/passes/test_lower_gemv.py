@@ -27,8 +27,10 @@ class MLP(nn.Module):
 
 
 def _profile(gemv=None, cublas=None):
+    """The H200's profile under CUDA-graph launch costs with the two fits set (None: unmeasured)."""
     p, _ = get_profile("h200")
     p = dataclasses.replace(p, launch_overhead_s=p.launch_overhead_graph_s)
+    p = p.with_efficiency("gemv", None).with_efficiency("small_m_linear", None)
     if gemv is not None:
         p = p.with_efficiency("gemv", gemv)
     if cublas is not None:
@@ -36,10 +38,10 @@ def _profile(gemv=None, cublas=None):
     return p
 
 
-def _run(model, x, profile):
+def _run(model, x, profile, passes=("lower_gemv",)):
     gm = capture(model.eval(), (x,))
     ctx = PassContext(profile=profile, cost=CostModel(profile), hints=ir.shape_hints(gm))
-    (res,) = PassManager(assemble(["lower_gemv"])).run(gm, ctx)
+    *_, res = PassManager(assemble(list(passes))).run(gm, ctx)
     return gm, res
 
 
@@ -91,3 +93,59 @@ def test_small_m_linear_entry_prices_cublas_at_its_measured_rate():
     nbytes = (4096 * 4096 + 2 * 4096) * 2
     assert measured == pytest.approx(nbytes / (_profile().bandwidth * 0.5) + 1e-5)
     assert measured > plain
+
+
+FUSED = "graphopt.gemv_add_rms_norm.default"
+
+
+def _shipped():
+    p, _ = get_profile("h200")
+    return dataclasses.replace(p, launch_overhead_s=p.launch_overhead_graph_s)
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (2, 4)])
+def test_the_norm_after_a_projection_rides_on_the_gemv(rows):
+    from tests.passes.test_fuse_rms_norm import Decoder
+
+    model, x = Decoder(64).to(torch.bfloat16), torch.randn(*rows, 64, dtype=torch.bfloat16)
+    gm, res = _run(model, x, _shipped(), passes=("fuse_rms_norm", "lower_gemv"))
+    counts = op_counts(gm)
+    # both projections feed a residual add + RMSNorm: each becomes one op (the first norm reads the input)
+    assert counts[FUSED] == 2 and counts["graphopt.add_rms_norm.default"] == 1 and counts[GEMV] == 0, counts
+    assert all(r.predicted_gain_s > 0 for r in res.rewrites) and len(res.rewrites) == 2
+    assert reference_check(model, gm, (x,)).passed
+
+
+def test_the_norm_stays_apart_when_the_projection_is_read_elsewhere():
+    class TwoReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            from tests.passes.test_fuse_rms_norm import HFRMSNorm
+
+            self.lin, self.norm = nn.Linear(64, 64, bias=False), HFRMSNorm(64)
+
+        def forward(self, x):
+            y = self.lin(x)
+            h = x + y
+            return self.norm(h), h, y * 2  # y read twice: the fused op does not return it
+
+    model, x = TwoReaders().to(torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
+    gm, _ = _run(model, x, _shipped(), passes=("fuse_rms_norm", "lower_gemv"))
+    assert op_counts(gm)[FUSED] == 0 and op_counts(gm)["graphopt.add_rms_norm.default"] == 1
+    assert reference_check(model, gm, (x,)).passed
+
+
+def test_a_plain_projection_within_the_fits_error_stays_on_cublas():
+    # Llama-3-8B's o projection at one token: the two fits price it within a few percent
+    model, x = nn.Linear(4096, 4096, bias=False).to(torch.bfloat16), torch.randn(1, 4096, dtype=torch.bfloat16)
+    gm, res = _run(model, x, _shipped())
+    assert op_counts(gm)[GEMV] == 0 and all("not 5% faster" in r.reason for r in res.rejected), res.rejected
+
+
+def test_unmeasured_gemv_keeps_the_norm_apart():
+    from tests.passes.test_fuse_rms_norm import Decoder
+
+    model, x = Decoder(64).to(torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
+    gm, res = _run(model, x, _profile(), passes=("fuse_rms_norm", "lower_gemv"))
+    assert op_counts(gm)[FUSED] == 0 and op_counts(gm)[GEMV] == 0
+    assert any("graphopt::gemv is not measured" in r.reason for r in res.rejected), res.rejected

@@ -123,3 +123,26 @@ def test_rms_backward_saves_h_and_weight_only():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out, h = fused_add_rms(x, r, w, 1e-6)
     assert len(saved) == 2 and any(s is w for s in saved)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradients_on_the_gpu_against_fp64(name):
+    """The CUDA backward (aten's layer-norm / fused RMS-norm backward kernels on bf16 tensors)
+    against the model's own spelling in fp64 on the CPU, eager bf16 on the GPU the yardstick."""
+    fused, eager, shapes, eps = CASES[name]
+    t64 = leaves(shapes, F64, 5)
+    tgpu = [None if t is None else t.to("cuda", torch.bfloat16) for t in t64]
+    g64 = torch.randn(*shapes[0], generator=torch.Generator().manual_seed(7), dtype=F64)
+    grads64 = [g64] + ([g64.flip(0)] if fused is not fused_ln else [])
+    ggpu = [t.to("cuda", torch.bfloat16) for t in grads64]
+    out, grads = _run(fused, tgpu, eps, ggpu)
+    ref_out, ref_grads = _run(eager, t64, eps, grads64)
+    e_out, e_grads = _run(eager, tgpu, eps, ggpu)
+    for i, (o, r, e) in enumerate(zip(out, ref_out, e_out)):
+        check(o.cpu(), r, e.cpu(), dtype=torch.bfloat16, training=True, what=f"{name} output {i}")
+    for i, (a, r, e) in enumerate(zip(grads, ref_grads, e_grads)):
+        if r is None:
+            assert a is None
+            continue
+        check(a.cpu(), r, e.cpu(), dtype=torch.bfloat16, training=True, what=f"{name} gradient of input {i} (cuda)")

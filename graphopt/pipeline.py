@@ -263,6 +263,21 @@ class PassContext:
         rewritten graph then runs the ops' reference implementations.)"""
         return self.cost.device_kind == "cuda"
 
+    def untrainable(self, op) -> str:
+        """Why a rewrite onto ``op`` (a ``torch.ops.graphopt`` overload) cannot go into this graph
+        ("" when it can): in a training graph every op a rewrite makes needs a backward, and an op
+        has one when its module in cuda_ext/ops declares ``autograd=``. A pass whose rewrites
+        make such ops runs in training and refuses, candidate by candidate, the ones that do not."""
+        if not self.training:
+            return ""
+        from graphopt.cuda_ext.registry import all_ops
+
+        name = op.name().split("::", 1)[-1].split(".", 1)[0]
+        d = all_ops().get(name)
+        if d is not None and d.autograd is not None:
+            return ""
+        return f"graphopt::{name} has no backward; a training graph keeps the ATen ops autograd differentiates"
+
     def node_time(self, nodes: Iterable[fx.Node]) -> float:
         """Predicted seconds of these nodes of the graph (the cost model's, at the example sizes)."""
         return self.cost.time_of(nodes, self.hints)
@@ -283,7 +298,9 @@ class Pass:
     name: str = ""
     family: str = ""
     description: str = ""
-    inference_only: bool = False  # not applied to training graphs
+    # not applied to training graphs (a pass whose ops are differentiable leaves it False and asks
+    # ctx.untrainable(op) per candidate)
+    inference_only: bool = False
     changes_dtypes: bool = False  # the invariant check then allows dtype changes
     requires: tuple = ()  # pass names that must run earlier when both are enabled
 

@@ -1,7 +1,8 @@
 """Helpers shared by the passes: fake-tensor metadata for nodes a pass creates, so that later
 candidates and later passes can prove things from ``meta["val"]`` before the manager
 re-propagates; GraphBuilder, so one function builds a rewrite's nodes for its price (on the cost
-model's scratch graph) and for the rewrite; a projection's sizes; a convolution's pair arguments.
+model's scratch graph) and for the rewrite; a projection's sizes; a convolution's pair arguments;
+which values of a training graph take a gradient.
 Not a pass (the leading underscore keeps passes/__init__ from importing it as one)."""
 
 from __future__ import annotations
@@ -92,3 +93,23 @@ def conv_pair(v, default):
 def nbytes(ti: ir.TensorInfo, hints) -> float:
     """Bytes of a tensor at the example sizes (what a rewrite that copies it stores)."""
     return ir.concrete(ti.nbytes, hints)
+
+
+def requires_grad(gm) -> dict:
+    """{node: its output takes a gradient}: parameters and inputs that require grad, and the
+    floating values computed from them (comparisons and casts to bool stop it)."""
+    out = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "get_attr":
+            try:
+                out[n] = bool(getattr(ir.get_attr_value(gm, n.target), "requires_grad", False))
+            except AttributeError:
+                out[n] = False
+        elif n.op == "placeholder":
+            out[n] = bool(getattr(val, "requires_grad", False))
+        else:
+            vals = val if isinstance(val, (tuple, list)) else [val]
+            floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+            out[n] = floating and any(out.get(a, False) for a in n.all_input_nodes)
+    return out

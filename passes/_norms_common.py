@@ -4,9 +4,13 @@ underscore keeps passes/__init__ from importing it as one).
 - :class:`Seq`: a matcher pattern for a list argument (``cat``/``stack`` inputs), element-wise.
 - :func:`residual_add`: is a norm's input ``residual + y`` that the fused residual-norm kernel can
   absorb (same shape and dtype, no alpha)?
+- :func:`backward_gain`: in a training graph, what the fused norm's backward saves (or costs)
+  against eager's derivative kernels of the nodes it replaces.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -81,3 +85,45 @@ def residual_operands(add: fx.Node) -> tuple[fx.Node, fx.Node]:
 
 def position(gm: fx.GraphModule) -> dict:
     return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+NORMS = (aten.layer_norm.default, aten.rms_norm.default)
+
+
+def _norm_backward(r, g, h, weight, bias, eps: float, recompute: bool) -> None:
+    """A norm's backward on the builder ``r``: (the row statistics recomputed from h,) then one
+    backward kernel, priced as aten's LayerNorm kernels (RMSNorm's move the same bytes)."""
+    hs = [ir.info(h).shape[-1]]
+    if recompute:
+        stats = r.call(aten.native_layer_norm.default, h, hs, None, None, eps)
+        mean, rstd = r.call(operator.getitem, stats, 1), r.call(operator.getitem, stats, 2)
+    else:  # eager saved them in its forward
+        shape = tuple(ir.info(h).shape[:-1]) + (1,)
+        mean = rstd = r.tensor(shape, torch.float32, ir.info(h).device)
+    r.call(aten.native_layer_norm_backward.default, g, h, hs, mean, rstd, weight, bias, [True, weight is not None,
+                                                                                        bias is not None])
+
+
+def backward_gain(ctx, gone, grad: dict, out: fx.Node, h: fx.Node, weight, bias, eps: float) -> float:
+    """Predicted seconds the backward of a fused norm (graphopt.cuda_ext.norm_grad) saves in a
+    training graph, against eager's backward of the nodes ``gone`` (negative where it costs more).
+    Eager: an aten norm's backward kernel, an elementwise kernel per operand taking a gradient for
+    the other nodes (a reduction's of its input's shape), nothing for an add (autograd hands its
+    gradient on). Fused: the statistics recomputed from h (``out``: a tensor shaped as the
+    output's gradient), then the norm's backward kernel. ``grad``: _fusion_meta.requires_grad."""
+    eager = ctx.replacement()
+    for n in gone:
+        if not grad.get(n, False):
+            continue
+        if n.target in NORMS:
+            _norm_backward(eager, n, n.args[0], weight, bias, eps, recompute=False)
+            continue
+        if n.target in ADDS + (aten.add.Scalar,) and n.kwargs.get("alpha", 1) == 1:
+            continue
+        shaped = n.args[0] if n.target is aten.mean.dim else n
+        for a in n.args:
+            if isinstance(a, fx.Node) and grad.get(a, False):
+                eager.call(aten.mul.Tensor, shaped, shaped)
+    fused = ctx.replacement()
+    _norm_backward(fused, out, h, weight, bias, eps, recompute=True)
+    return eager.time() - fused.time()

@@ -13,6 +13,10 @@ and the aten op stays. Refused with the reason recorded: normalized_shape other 
 dim alone, weight/bias not 1-D of the hidden size, an eps that is not a literal, an add that
 broadcasts or promotes dtypes (the add is then left alone), and everything on a CPU profile
 (``NO_FUSED_KERNELS``).
+
+Training graphs too: both ops are differentiable (cuda_ext/norm_grad.py). Their backward
+recomputes the row statistics eager's LayerNorm saved, and a candidate's training gain counts that
+read against the forward's savings.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 
-from ._norms_common import position, residual_add, residual_operands
+from ._fusion_meta import requires_grad
+from ._norms_common import backward_gain, position, residual_add, residual_operands
 
 aten = torch.ops.aten
 
@@ -65,11 +70,11 @@ class FuseLayerNorm(Pass):
     name = "fuse_layer_norm"
     family = "fusion"
     description = "residual add + LayerNorm over the last dim -> add_layer_norm; narrow-row LayerNorm -> many-rows layer_norm (cost-gated)"
-    inference_only = True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         candidates = []
+        grad = requires_grad(gm) if ctx.training else {}
         for m in find(gm, PATTERN):
             why = _check(m)
             if why:
@@ -78,14 +83,14 @@ class FuseLayerNorm(Pass):
             add, why = residual_add(m["x"])
             if why:
                 res.reject(f"residual add {m['x'].name} into layer_norm {m['ln'].name}", f"add not absorbed: {why}")
-            c = self._candidate(gm, ctx, m, add, res)
+            c = self._candidate(gm, ctx, m, add, res, grad)
             if c is not None:
                 candidates.append(c)
         res.apply_ranked(ctx, candidates, fused_kernels=True)
         return res
 
     @staticmethod
-    def _candidate(gm, ctx, m, add, res) -> Candidate | None:
+    def _candidate(gm, ctx, m, add, res, grad) -> Candidate | None:
         ln, x = m["ln"], m["x"]
         xi = ir.info(x)
         gone = [ln] + ([add] if add is not None else [])
@@ -93,17 +98,24 @@ class FuseLayerNorm(Pass):
         eps = 1e-5 if m["eps"] is None else float(m["eps"])
         label = (f"{add.name} + " if add is not None else "") + f"layer_norm {ln.name}"
         refusal = "its weight or bias is computed after the point where the fused kernel must run"
+        op = torch.ops.graphopt.add_layer_norm.default if add is not None else torch.ops.graphopt.layer_norm.default
+        untrainable = ctx.untrainable(op)
+        if untrainable:
+            res.reject(label, untrainable)
+            return None
+        # training: the fused backward recomputes the statistics eager's saved
+        bw = backward_gain(ctx, gone, grad, ln, x, m["weight"], m["bias"], eps) if ctx.training else 0.0
         if add is not None:  # add_layer_norm: one block per row, like aten's
             new = ctx.price(torch.ops.graphopt.add_layer_norm.default, y, residual, m["weight"], m["bias"], eps,
                             val=(ln.meta.get("val"), x.meta.get("val")))
-            return Candidate("residual add + layer_norm", gone, ctx.node_time(gone) - new,
+            return Candidate("residual add + layer_norm", gone, ctx.node_time(gone) - new + bw,
                              lambda: FuseLayerNorm._apply(gm, m, add, eps), label=label, refusal=refusal)
         if ir.concrete(xi.shape[-1], ctx.hints) > MAX_HIDDEN:
             res.reject(label, f"rows wider than {MAX_HIDDEN} (the many-rows kernel's limit)")
             return None
         # graphopt::layer_norm (Triton): many rows per program, no per-row block to schedule
         new = ctx.price(torch.ops.graphopt.layer_norm.default, x, m["weight"], m["bias"], eps, val=ln.meta.get("val"))
-        return Candidate("layer_norm -> many-rows layer_norm", gone, ctx.node_time(gone) - new,
+        return Candidate("layer_norm -> many-rows layer_norm", gone, ctx.node_time(gone) - new + bw,
                          lambda: FuseLayerNorm._apply_plain(gm, m, eps), label=label, refusal=refusal)
 
     @staticmethod

@@ -24,6 +24,11 @@ Refused, with the reason recorded: normalization over more than the last dim, ``
 a weight that is not 1-D of the hidden size, an eps that is not a literal, an output dtype other
 than x's (a weight of another dtype promotes), and every candidate on a CPU profile
 (``NO_FUSED_KERNELS``: the kernel is a CUDA kernel).
+
+Training graphs too: ``add_rms_norm`` is differentiable (cuda_ext/norm_grad.py), and a candidate's
+gain there adds its backward's (eager's derivative kernels of the matched nodes against the
+fused backward's statistics recompute and one kernel). The sandwich merge has no backward and is
+refused in training with that reason.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 from graphopt.matcher import Alt, Any, Attr, Const, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._norms_common import ADDS, CASTS, is_noop_cast, position, residual_add, residual_operands
+from ._fusion_meta import requires_grad
+from ._norms_common import ADDS, CASTS, backward_gain, is_noop_cast, position, residual_add, residual_operands
 
 aten = torch.ops.aten
 
@@ -175,7 +181,6 @@ class FuseRmsNorm(Pass):
     name = "fuse_rms_norm"
     family = "fusion"
     description = "RMSNorm (Hugging Face's spelling, aten.rms_norm), with a residual add before it -> add_rms_norm"
-    inference_only = True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
@@ -198,11 +203,16 @@ class FuseRmsNorm(Pass):
                 res.reject(f"rsqrt {n.name}", "not fused: not an RMSNorm spelling this pass knows, or one of "
                            "the norm's intermediates is also read outside it")
         candidates = []
+        untrainable = ctx.untrainable(torch.ops.graphopt.add_rms_norm.default)
+        grad = requires_grad(gm) if ctx.training else {}
         for s in sites:
+            if untrainable:
+                res.reject(f"rms_norm at {s.root.name}", untrainable)
+                continue
             add, why = residual_add(s.x)
             if why:
                 res.reject(f"residual add {s.x.name} into rms_norm at {s.root.name}", f"add not absorbed: {why}")
-            candidates.append(self._candidate(gm, ctx, s, add))
+            candidates.append(self._candidate(gm, ctx, s, add, grad))
         res.apply_ranked(ctx, candidates, fused_kernels=True)
         if res.rewrites:  # then the sandwich pairs among the fused norms
             pairs = [self._sandwich(gm, ctx, res, *pair) for pair in _sandwich_pairs(gm)]
@@ -216,6 +226,10 @@ class FuseRmsNorm(Pass):
         info = ir.info(y)
         gone = [first, taken, second]
         label = f"rms_norm {first.name} + residual add + rms_norm {second.name}"
+        untrainable = ctx.untrainable(torch.ops.graphopt.rms_norm_add_rms_norm.default)
+        if untrainable:
+            res.reject(label, f"not merged: {untrainable}")
+            return None
         if ir.concrete(info.shape[-1], ctx.hints) > MAX_HIDDEN:
             res.reject(label, f"not merged: rows wider than {MAX_HIDDEN} (the one-pass kernel's limit)")
             return None
@@ -234,7 +248,7 @@ class FuseRmsNorm(Pass):
         return Candidate("rms_norm + residual add + rms_norm", gone, gain, apply, label=label)
 
     @staticmethod
-    def _candidate(gm, ctx, s: _Site, add) -> Candidate:
+    def _candidate(gm, ctx, s: _Site, add, grad: dict) -> Candidate:
         xi = ir.info(s.x)
         # nodes that go away (a real upcast also read elsewhere stays)
         kept = s.cast_in if (s.cast_in is not None and not is_noop_cast(s.cast_in)
@@ -244,6 +258,8 @@ class FuseRmsNorm(Pass):
         new = ctx.price(torch.ops.graphopt.add_rms_norm.default, y, residual, s.weight, s.eps,
                         val=(s.root.meta.get("val"), s.x.meta.get("val")))
         gain = ctx.node_time(gone) - new
+        if ctx.training:
+            gain += backward_gain(ctx, gone, grad, s.root, s.x, s.weight, None, s.eps)
         pattern = "residual add + rms_norm" if add is not None else "rms_norm"
         label = f"{add.name} + " if add is not None else ""
         label += f"rms_norm {s.root.name} ({s.weight.name})"

@@ -120,3 +120,16 @@ def sgd_check(model, opt, args, steps=3, lr=0.1, clip=1.0, loss=loss_of):
             sgd.step()
     res = accuracy.check(list(model.parameters()), list(ref64.parameters()), list(ref.parameters()), training=True)
     assert res.passed, res.reason
+
+
+def tiny_llama_training():
+    """(a 2-layer transformers LlamaForCausalLM of hidden size 32 in train mode, SDPA attention, seeded
+    weights; input ids [2, 16]): the training tests' tiny decoder."""
+    import transformers as T
+
+    cfg = T.LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                        intermediate_size=64, vocab_size=64, pad_token_id=0, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(cfg).train()
+    return model, torch.randint(1, 64, (2, 16))

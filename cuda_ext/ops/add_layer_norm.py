@@ -3,6 +3,9 @@ dim, fp32 statistics, one rounding; a missing residual gives a copy of x as h.
 
 CUDA kernel: ``csrc/norms.cu`` (a row held in registers, one CTA per row); priced with the
 one-block-per-row floor the profile measures (``op_efficiency["row_norm"]``).
+
+Differentiable (``norm_grad.layer_norm_backward``): h is saved, the backward recomputes its row
+statistics; x and the residual both take h's gradient.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from graphopt.cost.model import norm_rows_seconds
 from graphopt.cost.ops import fused_cost
 
 from ..common import check_floating, check_norm_params, check_residual, compute_dtype, fresh
+from ..norm_grad import layer_norm_backward, plus
 from ..registry import define_op
 
 SCHEMA = "add_layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)"
@@ -46,4 +50,23 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     return torch.ops.graphopt.add_layer_norm(x, residual, weight, bias, eps)
 
 
-OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=add_layer_norm, cost=cost, kernel="csrc/norms.cu")
+def setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps = inputs
+    ctx.set_materialize_grads(False)
+    ctx.eps, ctx.res_dtype = eps, None if residual is None else residual.dtype
+    ctx.save_for_backward(output[1], weight, bias)
+
+
+def backward(ctx, g_out, g_h):
+    h, weight, bias = ctx.saved_tensors
+    need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]
+    dh = dw = db = None
+    if g_out is not None:
+        dh, dw, db = layer_norm_backward(g_out, h, weight, bias, ctx.eps, (True, need_w, need_b))
+    dh = plus(dh, g_h)
+    dres = dh.to(ctx.res_dtype) if dh is not None and need_res and ctx.res_dtype is not None else None
+    return (dh if need_x else None), dres, dw, db, None
+
+
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=add_layer_norm, cost=cost, kernel="csrc/norms.cu",
+               autograd=(backward, setup_context))

@@ -4,6 +4,9 @@ residual gives a copy of x as h (custom ops may not alias their inputs).
 
 CUDA kernel: ``csrc/norms.cu`` (a row held in registers, one CTA per row); priced with the
 one-block-per-row floor the profile measures (``op_efficiency["row_norm"]``).
+
+Differentiable (``norm_grad.rms_norm_backward``): h is saved, the backward recomputes its row
+statistics; x and the residual both take h's gradient.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from graphopt.cost.model import norm_rows_seconds
 from graphopt.cost.ops import fused_cost
 
 from ..common import check_floating, check_norm_params, check_residual, compute_dtype, fresh
+from ..norm_grad import plus, rms_norm_backward
 from ..registry import define_op
 
 SCHEMA = "add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)"
@@ -49,4 +53,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return torch.ops.graphopt.add_rms_norm(x, residual, weight, eps)
 
 
-OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=add_rms_norm, cost=cost, kernel="csrc/norms.cu")
+def setup_context(ctx, inputs, output):
+    x, residual, weight, eps = inputs
+    ctx.set_materialize_grads(False)
+    ctx.eps, ctx.res_dtype = eps, None if residual is None else residual.dtype
+    ctx.save_for_backward(output[1], weight)
+
+
+def backward(ctx, g_out, g_h):
+    h, weight = ctx.saved_tensors
+    need_x, need_res, need_w = ctx.needs_input_grad[:3]
+    dh = dw = None
+    if g_out is not None:
+        dh, dw = rms_norm_backward(g_out, h, weight, ctx.eps, need_w)
+    dh = plus(dh, g_h)
+    dres = dh.to(ctx.res_dtype) if dh is not None and need_res and ctx.res_dtype is not None else None
+    return (dh if need_x else None), dres, dw, None
+
+
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=add_rms_norm, cost=cost, kernel="csrc/norms.cu",
+               autograd=(backward, setup_context))

@@ -4,6 +4,9 @@ dtype.
 CUDA kernel: ``norm_triton.py``, a Triton program normalizing many rows at once (aten's kernel
 gives each row a thread block: scheduling-bound for narrow rows), rows up to
 ``norm_triton.MAX_HIDDEN`` (8192) wide.
+
+Differentiable (``norm_grad.layer_norm_backward``): x is saved, the backward recomputes its row
+statistics.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from graphopt.cost.ops import fused_cost
 
 from ..common import check_floating, check_norm_params, compute_dtype, fresh
+from ..norm_grad import layer_norm_backward
 from ..registry import define_op
 
 SCHEMA = "layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor"
@@ -53,5 +57,18 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
     return torch.ops.graphopt.layer_norm(x, weight, bias, eps)
 
 
+def setup_context(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(x, weight, bias)
+
+
+def backward(ctx, g):
+    x, weight, bias = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    dx, dw, db = layer_norm_backward(g, x, weight, bias, ctx.eps, (need_x, need_w, need_b))
+    return dx, dw, db, None
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=layer_norm, cost=cost, kernel="norm_triton.py",
-               cuda=cuda)
+               cuda=cuda, autograd=(backward, setup_context))

@@ -181,16 +181,9 @@ def test_training_prices_the_backward():
 def test_trains_a_tiny_llama_with_fused_groups():
     """A tiny transformers decoder through optimize(training=True): pointwise groups fused (the
     RMSNorm's casts and scale, SiLU-times-up, rotary's arithmetic), gradients by the accuracy rule."""
-    import transformers as T
+    from tests.helpers import step_check, tiny_llama_training
 
-    from tests.helpers import step_check
-
-    cfg = T.LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
-                        intermediate_size=64, vocab_size=64, pad_token_id=0, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(cfg).train()
-    ids = torch.randint(1, 64, (2, 16))
+    model, ids = tiny_llama_training()
     opt = _train_opt(model, (ids,), passes=["fuse_elementwise"])
     res = opt.report.pass_result("fuse_elementwise")
     assert res.status == "applied" and op_counts(opt.graph_module)[FP] == len(res.rewrites) > 0

@@ -162,3 +162,70 @@ def test_zoo_counts(name, dtype):
     assert any("broadcasts" in r.reason for r in res.rejected)
     assert any("predicted no gain" in r.reason for r in res.rejected)
     assert reference_check(model, gm, inputs).passed
+
+
+# --------------------------------------------------------------------------- training graphs
+
+
+def _forced(m, x):
+    """``m`` captured for training and fuse_layer_norm applied with the cost model ignored."""
+    from graphopt import ir
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, PassManager, assemble
+
+    gm = capture(m, (x,))
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), training=True, hints=ir.shape_hints(gm),
+                      ignore_cost=True)
+    PassManager(assemble(["fuse_layer_norm"])).run(gm, ctx)
+    return gm
+
+
+def _grads(fn, module, x, seed=0):
+    module.zero_grad(set_to_none=True)
+    out = fn(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    out.backward(g)
+    return [out.detach()] + [p.grad for _, p in sorted(module.named_parameters())]
+
+
+def test_training_post_norm_prices_the_recomputed_statistics():
+    """BERT's add + LayerNorm in a training graph: no longer skipped as inference-only, but refused by
+    the cost model: the fused backward recomputes the row statistics eager's LayerNorm saved, which
+    costs what the forward saves."""
+    m, x = _randomize(PostNorm(768)).train(), torch.randn(8, 128, 768)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200", training=True)
+    assert res.status != "skipped" and not res.rewrites
+    assert any("predicted no gain" in r.reason for r in res.rejected)
+    gm = capture(m.eval(), (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    assert res.rewrites  # inference keeps it
+
+
+@pytest.mark.parametrize("cls,fused", [(PreNorm, {FUSED: 2}), (PostNorm, {FUSED: 1}),
+                                       (lambda: nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)),
+                                        {"graphopt.layer_norm.default": 1})])
+def test_training_fused_layer_norm_gradients(cls, fused):
+    """add_layer_norm / layer_norm in a training graph (cost ignored): the output and every
+    parameter's gradient (h's second reader included, PreNorm) by the accuracy rule against the
+    model's own fp64 step, the model's fp32 step the yardstick."""
+    import copy
+
+    from graphopt import accuracy
+
+    m, x = _randomize(cls()).train(), torch.randn(2, 8, 32)
+    gm = _forced(m, x)
+    assert all(op_counts(gm)[k] == v for k, v in fused.items()) and op_counts(gm)[LN] == 0
+    m64 = copy.deepcopy(m).double()
+    assert [n for n, _ in sorted(gm.named_parameters())] == [n for n, _ in sorted(m.named_parameters())]
+    ours, eager, gold = _grads(gm, gm, x), _grads(m, m, x), _grads(m64, m64, x.double())
+    res = accuracy.check(ours, gold, eager, training=True)
+    assert res.passed, res.reason
+
+
+def test_training_cpu_profile_refuses():
+    m, x = _randomize(PostNorm()).train(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="cpu", training=True)
+    assert not res.rewrites and res.rejected and all(r.reason == NO_FUSED_KERNELS for r in res.rejected)

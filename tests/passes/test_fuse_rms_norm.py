@@ -240,3 +240,63 @@ def test_sandwich_reference_matches_the_two_norms_in_float64():
     assert out.dtype == h.dtype == torch.bfloat16
     torch.testing.assert_close(h.double(), hd, rtol=2e-2, atol=3e-2)
     torch.testing.assert_close(out.double(), od, rtol=2e-2, atol=5e-2)
+
+
+# --------------------------------------------------------------------------- training graphs
+
+
+def _train_opt(model, args, **kw):
+    import graphopt
+
+    opt = graphopt.optimize(model, args, training=True, check_accuracy=False, target="h200", **kw)
+    model.train()
+    return opt
+
+
+def test_training_fuses_norms_and_trains():
+    """add_rms_norm is differentiable: in a training graph the three norms (two with their residual
+    add) fuse, predicted to gain with the backward counted, and one step's loss and gradients pass
+    the accuracy rule against fp64."""
+    from tests.helpers import step_check
+
+    m, x = Decoder().train(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200", training=True)
+    assert op_counts(gm)[FUSED] == 3 and all(r.predicted_gain_s > 0 for r in res.rewrites)
+    opt = _train_opt(m, (x,), passes=["fuse_rms_norm"])
+    assert op_counts(opt.graph_module)[FUSED] == 3
+    step_check(m, opt, (x,))
+
+
+def test_training_prices_the_backward():
+    """The training gain adds eager's derivative kernels of the HF spelling against the fused
+    backward (statistics recomputed, one kernel): more than the forward's gain alone."""
+    m, x = Decoder(h=2048).train(), torch.randn(4, 512, 2048)
+    inf, trn = capture(m.eval(), (x,)), capture(m.train(), (x,))
+    (ri,) = run_passes(inf, ["fuse_rms_norm"], target="h200")
+    (rt,) = run_passes(trn, ["fuse_rms_norm"], target="h200", training=True)
+    assert len(rt.rewrites) == len(ri.rewrites) == 3
+    assert sum(r.predicted_gain_s for r in rt.rewrites) > sum(r.predicted_gain_s for r in ri.rewrites)
+
+
+def test_training_tiny_llama_every_norm_fused():
+    """A tiny transformers Llama through optimize(training=True): every RMSNorm fused (the residual
+    adds absorbed), gradients of every parameter by the accuracy rule against fp64."""
+    from tests.helpers import step_check, tiny_llama_training
+
+    model, ids = tiny_llama_training()
+    opt = _train_opt(model, (ids,), passes=["fuse_rms_norm", "fuse_elementwise"])
+    assert op_counts(opt.graph_module)[FUSED] == 2 * 2 + 1
+    assert "aten.rsqrt.default" not in op_counts(opt.graph_module)
+    step_check(model, opt, (ids,))
+
+
+def test_training_sandwich_refused_without_a_backward():
+    """GLM-4's sandwich norm: the add_rms_norm fusions apply in training, the merge into
+    rms_norm_add_rms_norm (no backward) is refused with that reason."""
+    m, x = Sandwich().train(), torch.randn(2, 8, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_rms_norm"], target="h200", training=True)
+    c = op_counts(gm)
+    assert c[SANDWICH] == 0 and c[FUSED] == 2
+    assert any("rms_norm_add_rms_norm has no backward" in r.reason for r in res.rejected)

@@ -99,7 +99,8 @@ def test_regression_file_reproduces(tmp_path):
     ns["test_reproduces"]()
 
 
-@seed(3)  # this seed's 1462nd program drew a binary op whose first operand is over the element limit
+@seed(3)  # (before the grammar drew GQA and attn_block ops, this seed's 1462nd program drew a binary op whose
+# first operand is over the element limit; with today's grammar the seed draws other programs)
 @settings(max_examples=1500, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(fuzz.programs(max_ops=30))
 def test_long_programs_draw(program):

@@ -17,6 +17,10 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("attention", q, k, v, causal)       q @ k^T * scale [masked_fill causal] -> softmax -> @ v
   ("mha", src, heads, causal)          q/k/v projections, heads split, attention, out projection
   ("swiglu", src, hidden)              down(silu(gate(x)) * up(x))
+  ("attn_block", src, hq, hkv, mask, spelling)  a Llama-style block on [B, S, D]: q/k/v projections (k/v
+                                       to hkv heads), heads split, attention ("manual": repeat_kv then
+                                       matmul/softmax, mask as attention's; "sdpa": enable_gqa, mask as
+                                       sdpa's), heads merged, out projection
   ("cast", src, "bf16" | "f32")
   ("reduce", src, kind, dim, keepdim)  kind sum | mean | amax | var, over any dim
   ("softmax_dim", src, kind, dim, keepdim)  kind softmax | log_softmax | logsumexp (keepdim: logsumexp's)
@@ -28,6 +32,9 @@ Op specs (value indices are absolute: inputs first, then one value per op):
                                        (a keep-mask through masked_fill); shape broadcasts to the scores
   ("sdpa", q, k, v, mask)              F.scaled_dot_product_attention (fp32 or bf16); mask None | "causal" |
                                        (kind, shape)
+  (attention or sdpa, q, k, v, mask, n)  grouped-query: k/v [.., Hq/n, S, D]; attention repeats them
+                                       to q's heads as HF's repeat_kv does (unsqueeze, expand, reshape),
+                                       sdpa passes enable_gqa=True
   ("norm", src, kind)                  LayerNorm / RMSNorm spellings: ln_module, ln_manual, ln_var, rms_plain,
                                        rms_gemma (1 + w), rms_torch (F.rms_norm)
   ("inplace", src, kind)               on a fresh copy: add_, mul_, relu_, masked_fill_, slice_fill
@@ -174,11 +181,11 @@ class ProgramModule(nn.Module):
             elif kind == "split":
                 out = src[:-1] + (2, src[-1] // 2)
             elif kind == "attention":
-                _, q, k, v, mask = op
+                q, k, v, mask = op[1:5]
                 self._make_mask(key, shapes[q][-2], mask, g)
                 out = shapes[q]
             elif kind == "sdpa":
-                _, q, k, v, mask = op
+                q, k, v, mask = op[1:5]
                 if mask not in (None, "causal"):
                     self._make_mask(key, shapes[q][-2], mask, g)
                 out = shapes[q][:-1] + (shapes[v][-1],)
@@ -220,6 +227,14 @@ class ProgramModule(nn.Module):
                     p(f"{key}_{nm}b", d, scale=0.1)
                 if causal:
                     self.register_buffer(key + "_mask", torch.ones(src[1], src[1], dtype=torch.bool).triu(1))
+                out = src
+            elif kind == "attn_block":
+                _, s, hq, hkv, mask, spelling = op
+                d, hd = src[-1], src[-1] // hq
+                for nm, rows in (("q", d), ("k", hkv * hd), ("v", hkv * hd), ("o", d)):
+                    p(f"{key}_{nm}w", rows, d)
+                if mask not in (None, "causal"):
+                    self._make_mask(key, src[-2], mask, g)
                 out = src
             elif kind == "swiglu":
                 _, s, hid = op
@@ -303,26 +318,19 @@ class ProgramModule(nn.Module):
                 y = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
             elif kind == "split":
                 y = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-            elif kind == "attention":
-                _, q, k, v, mask = op
-                q, k, v = env[q], env[k], env[v]
-                s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
-                if mask is True:
-                    s = s.masked_fill(getattr(self, key + "_mask"), float("-inf"))
-                elif isinstance(mask, tuple) and mask[0] == "bool":
-                    s = s.masked_fill(~self._mask_tensor(key), float("-inf"))
-                elif isinstance(mask, tuple):
-                    s = s + self._mask_tensor(key)
-                y = torch.softmax(s, dim=-1) @ v
-            elif kind == "sdpa":  # (the .to calls are no-ops in the model; in the fp64 reference a
-                _, q, k, v, mask = op  # bf16 input is fp64 while a cast's bf16 stays)
-                q = env[q]
-                k, v = env[k].to(q.dtype), env[v].to(q.dtype)
-                if mask is None or mask == "causal":
-                    y = F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal")
-                else:
-                    m = self._mask_tensor(key)
-                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=m.to(q.dtype) if m.is_floating_point() else m)
+            elif kind in ("attention", "sdpa"):
+                q, k, v, mask = op[1:5]
+                y = self._attend(key, env[q], env[k], env[v], mask, _n_rep(op), kind == "sdpa")
+            elif kind == "attn_block":
+                _, _, hq, hkv, mask, spelling = op
+                b, n, d = x.shape
+
+                def heads(nm, h):
+                    return F.linear(x, P[f"{key}_{nm}w"]).view(b, n, h, d // hq).transpose(1, 2)
+
+                a = self._attend(key, heads("q", hq), heads("k", hkv), heads("v", hkv), mask, hq // hkv,
+                                 spelling == "sdpa")
+                y = F.linear(a.transpose(1, 2).reshape(b, n, d), P[key + "_ow"])
             elif kind == "reduce":
                 _, _, rk, dim, keep = op
                 if rk == "var":
@@ -374,6 +382,28 @@ class ProgramModule(nn.Module):
         return outs[0] if len(outs) == 1 else outs
 
 
+    def _attend(self, key, q, k, v, mask, n_rep: int, sdpa: bool):
+        """attention of q [.., Hq, S, D] over k/v [.., Hq / n_rep, S, D] under ``mask`` (the op's spec):
+        matmul/softmax after repeat_kv, or F.scaled_dot_product_attention (fp32 or bf16; its .to calls
+        are no-ops in the model, while in the fp64 reference a bf16 input is fp64 and a cast's bf16 stays)"""
+        if sdpa:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            gqa = {"enable_gqa": True} if n_rep > 1 else {}
+            if mask is None or mask == "causal":
+                return F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal", **gqa)
+            m = self._mask_tensor(key)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m.to(q.dtype) if m.is_floating_point() else m,
+                                                  **gqa)
+        k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+        s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+        if mask is True:
+            s = s.masked_fill(getattr(self, key + "_mask"), float("-inf"))
+        elif isinstance(mask, tuple) and mask[0] == "bool":
+            s = s.masked_fill(~self._mask_tensor(key), float("-inf"))
+        elif isinstance(mask, tuple):
+            s = s + self._mask_tensor(key)
+        return torch.softmax(s, dim=-1) @ v
+
     def _norm(self, key, x, kind):
         P, eps = self.params, 1e-5
         if kind == "ln_module":
@@ -424,6 +454,19 @@ def _broadcast(a: tuple, b: tuple):
 def _reduced(shape: tuple, dim: int, keepdim: bool) -> tuple:
     d = dim % len(shape)
     return shape[:d] + ((1,) if keepdim else ()) + shape[d + 1:]
+
+
+def _n_rep(op) -> int:
+    """an attention or sdpa op's query heads per k/v head (1: as many k/v heads as query heads)"""
+    return op[5] if len(op) > 5 else 1
+
+
+def _repeat_kv(kv, n: int):
+    """HF's repeat_kv: [B, Hkv, S, D] -> [B, Hkv * n, S, D], k/v head h serving query heads h*n .. h*n+n-1"""
+    if n == 1:
+        return kv
+    b, h, s, d = kv.shape
+    return kv[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 
 
 def _inplace(y, kind):
@@ -505,7 +548,7 @@ def programs(max_ops: int = 8):
 
         f32 = lambda s, d: d == "f32"  # noqa: E731
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
-        kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "swiglu", "conv",
+        kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads")
@@ -532,9 +575,22 @@ def programs(max_ops: int = 8):
                 a = pick(lambda s, d: True)
                 sa, da = env[a]
                 bk = draw(st.sampled_from(("value", "param", "scalar") if bop != "div" else ("param", "scalar")))
-                # any shape broadcasting with a's, across ranks ([B, 1, S] with [B, H, S]), within 512 elements
-                b = pick(lambda s, d: _broadcast(s, sa) is not None and math.prod(_broadcast(s, sa)) <= 512) \
-                    if bk == "value" else None
+                # any shape broadcasting with a's, across ranks ([B, 1, S] with [B, H, S]), within 512 elements;
+                # half the time one of another shape than a's when there is one (else the latest value, often
+                # a's own shape, is what the draw favours)
+                fits = lambda s, d: _broadcast(s, sa) is not None and math.prod(_broadcast(s, sa)) <= 512  # noqa: E731
+                b = None
+                if bk == "value" and draw(st.booleans()):
+                    b = pick(lambda s, d: fits(s, d) and s != sa)
+                    if b is None and len(sa) >= 2:  # none: first reduce a value of a's shape to one that
+                        c = pick(lambda s, d: s == sa)  # broadcasts (x - x.amax(-1, keepdim=True), x * y.mean(0))
+                        dks = [(dm, kp) for dm in range(len(sa)) for kp in (True, False)
+                               if _broadcast(_reduced(sa, dm, kp), sa) == sa and _reduced(sa, dm, kp) != sa]
+                        dk = draw(st.sampled_from(dks or [(0, False)]))
+                        ops.append(("reduce", c, draw(st.sampled_from(("sum", "mean", "amax", "var")))) + dk)
+                        env.append((_reduced(sa, *dk), env[c][1]))
+                        b = len(env) - 1
+                b = pick(fits) if bk == "value" and b is None else b
                 if bk == "value" and b is None:  # a is itself over 512 elements: a scalar operand instead
                     bk = "scalar"
                 if bk == "value":
@@ -593,15 +649,34 @@ def programs(max_ops: int = 8):
                 q = pick(lambda s, d: ok(s, d) and len(s) == 4) if draw(st.booleans()) else None
                 q = q if q is not None else pick(ok)
                 if q is not None:
-                    same = lambda s, d: s == env[q][0] and d == env[q][1]  # noqa: E731
-                    k, v = pick(same), pick(same)
-                    sq = env[q][0]
+                    sq, dq = env[q]
+                    same = lambda s, d: s == sq and d == dq  # noqa: E731
+                    # grouped-query half the time there is a k/v value with fewer heads: [B, Hq/n, S, D]
+                    fewer = lambda s, d: (d == dq and len(sq) == 4 and len(s) == 4 and s[-3] < sq[-3]  # noqa: E731
+                                          and sq[-3] % s[-3] == 0 and s[:-3] + s[-2:] == sq[:-3] + sq[-2:])
+                    k = pick(fewer) if len(sq) == 4 and draw(st.booleans()) else None
+                    n_rep = sq[-3] // env[k][0][-3] if k is not None else 1
+                    if k is None:
+                        k, v = pick(same), pick(same)
+                    else:
+                        v = pick(lambda s, d: s == env[k][0] and d == dq)
                     sc = sq[:-1] + (sq[-2],)
                     if kind == "attention":
                         mask = draw_mask(sc, (False, True, "bias", "pad", "window", "bool"))
                     else:
                         mask = draw_mask(sc, (None, "causal", "bias", "pad", "window", "bool"))
-                    op, out = (kind, q, k, v, mask), env[q]
+                    op, out = (kind, q, k, v, mask) + ((n_rep,) if n_rep > 1 else ()), env[q]
+            elif kind == "attn_block":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
+                if s is not None:
+                    sh = env[s][0]
+                    hq = draw(st.sampled_from(tuple(h for h in (2, 4) if sh[-1] % h == 0)))
+                    hkv = draw(st.sampled_from(tuple(h for h in (1, 2, hq) if hq % h == 0)))
+                    spelling = draw(st.sampled_from(("manual", "sdpa")))
+                    sc = (sh[0], hq, sh[1], sh[1])
+                    mask = draw_mask(sc, (False, True, "bias", "pad", "window", "bool") if spelling == "manual"
+                                     else (None, "causal", "bias", "pad", "window", "bool"))
+                    op, out = ("attn_block", s, hq, hkv, mask, spelling), env[s]
             elif kind in ("reduce", "softmax_dim"):
                 s = pick(lambda s, d: len(s) >= 2)
                 if s is not None:
@@ -625,7 +700,7 @@ def programs(max_ops: int = 8):
             elif kind == "heads":
                 s = pick(lambda s, d: 2 <= len(s) <= 3 and s[-1] % 2 == 0)
                 if s is not None:
-                    sh, h = env[s][0], draw(st.sampled_from((2, 1)))
+                    sh, h = env[s][0], draw(st.sampled_from(tuple(h for h in (2, 1, 4) if env[s][0][-1] % h == 0)))
                     op, out = ("heads", s, h), (sh[:-2] + (h, sh[-2], sh[-1] // h), env[s][1])
             elif kind == "merge_heads":
                 s = pick(lambda s, d: len(s) >= 3)
@@ -905,3 +980,7 @@ def campaign(argv=None) -> int:
     print(f"\n{done[0]} examples (incl. shrinking) in {time.time() - t0:.0f} s; {len(known)} distinct failures")
     return 1 if known else 0
 
+
+
+if __name__ == "__main__":  # python -m graphopt.tools.fuzz --seed N --examples K --max-ops M --mode both --no-write
+    raise SystemExit(campaign())

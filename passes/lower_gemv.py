@@ -108,7 +108,7 @@ class LowerGemv(Pass):
             return f"with {u.name}: its residual is not a {dtype} tensor of the linear's shape; ", None
         if ni is None or ni.dtype != dtype or not isinstance(eps, float):
             return f"with {u.name}: its weight is not a {dtype} tensor; ", None
-        if "gemv" not in ctx.cost.profile.op_efficiency:
+        if not ctx.cost.measured("gemv"):
             return (f"with {u.name}: graphopt::gemv is not measured on this device (op_efficiency 'gemv', "
                     "benchmarks/diag/diag_decode_gemm.py); "), None
         op = torch.ops.graphopt.gemv_add_rms_norm.default

@@ -44,7 +44,8 @@ class AllOps(torch.nn.Module):
         start = (x[0, 0] * 0).long() + 3
         qc = G.rotary_cache_write(q, k, v, q[..., :8].mean(1), q[..., :8].mean(1), kc, vc, start, False)
         gv = G.gemv(x[:4], w, None)
-        return sw, gs, sm, att, dec, pw[0], p, qc, kc, gv
+        gn, _ = G.gemv_add_rms_norm(x[:4], w, None, None, w[:, 0], 1e-6)
+        return sw, gs, sm, att, dec, pw[0], p, qc, kc, gv, gn
 
 
 def _graph():

@@ -416,8 +416,9 @@ class CostModel:
 
     def measured(self, op: str) -> bool:
         """Whether the profile has a fitted efficiency for the op ``op`` (its ``op_efficiency``
-        entry's ``scale``): an op whose kernel was never timed on this device is not planned onto it."""
-        return self.profile.efficiency(op, "scale") is not None
+        entry's ``scale`` or ``memory_scale``): an op whose kernel was never timed on this device is
+        not planned onto it."""
+        return any(self.profile.efficiency(op, k) is not None for k in ("scale", "memory_scale"))
 
     def conv_layout_penalized(self, x: ir.TensorInfo | None) -> bool:
         """Does a convolution over ``x`` pay the device's NCHW slowdown? (see conv_layout_penalized)"""

@@ -735,6 +735,19 @@ def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: Optimiz
     return None, acc_info
 
 
+def _captured_activation_bytes(gm, cost, hints, opts: OptimizeOptions) -> float | None:
+    """A training step's activation bytes of the captured graph, where a memory_budget fraction
+    needs them (the fraction is of the model's activations); None otherwise."""
+    if not opts.training or opts.memory_budget is None:
+        return None
+    from .cost.activations import ActivationModel, parse_memory_budget
+
+    if not isinstance(parse_memory_budget(opts.memory_budget), float):
+        return None
+    with timing.phase("activation baseline"):
+        return ActivationModel.build(gm, cost, hints, device_kind=cost.device_kind).step_activation_bytes()
+
+
 def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptions, constants,
                   meter=None) -> _PipelineRun:
     """The passes, ranked by the cost model. The guard runs optimistically: every pass, then one
@@ -747,10 +760,13 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
     run_cost = CostModel(planning.run_profile)
     execution = {"before": run_cost.execution_cost(gm, hints, "eager").as_dict()}
 
+    captured_act = _captured_activation_bytes(gm, cost, hints, opts)
+
     def context():
         constants.used = constants.peak = 0.0  # a second run starts from the captured graph again
         return PassContext(cost=cost, training=opts.training, verify=opts.verify, dump_dir=opts.dump_dir,
-                           hints=hints, options=opts, device=model_dev, constants=constants)
+                           hints=hints, options=opts, device=model_dev, constants=constants,
+                           captured_activation_bytes=captured_act)
 
     snapshot = None
     if check is not None:

@@ -42,8 +42,8 @@ class OptimizeOptions:
     model_name: the model's name in the report (default: its class name).
     memory_budget: training only: fit a step's activation memory (saved tensors, outputs, the
       backward's working set) into this budget by recomputing the cheapest activations in backward
-      (pass insert_checkpoints): a fraction 0 < f <= 1 of the baseline step's activation memory,
-      bytes, or a size string ("8GB", "512MB"); held parsed (a float fraction or int bytes).
+      (pass insert_checkpoints): a fraction 0 < f <= 1 of the captured graph's step activation
+      memory (the model's, before fusions change it), bytes, or a size string ("8GB", "512MB"); held parsed (a float fraction or int bytes).
     checkpoint_backend: how the recomputation runs: "auto" (the AOTAutograd graph rewrite where it
       traces the graph, else the selective checkpoint), "aot" (the rewrite, or an error) or "sac"
       (torch.utils.checkpoint regions with a selective policy).

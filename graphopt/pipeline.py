@@ -251,6 +251,10 @@ class PassContext:
     scheduled: frozenset = frozenset()
     # bytes of constants (weight copies) the passes have added, against optimize's weight_copies limit
     constants: ConstantAccount = field(default_factory=ConstantAccount)
+    # a training step's activation bytes of the graph as captured (set by optimize() when a
+    # memory_budget fraction is given): the fraction is of the model's activations, not of what
+    # the fusion passes before insert_checkpoints left of them
+    captured_activation_bytes: float | None = None
 
     def __post_init__(self):
         if self.profile is None:

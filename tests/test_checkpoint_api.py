@@ -121,3 +121,24 @@ def test_fuse_training_graph_runs_the_injected_fuser_on_forward_and_backward_gra
     opt(*args).sum().backward()
     assert len(seen) == 2 * len(mods)  # and each backward graph, at its first run
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_budget_fraction_is_of_the_captured_graphs_activations():
+    """Passes before insert_checkpoints (fused norms in training) can shrink the activations; a
+    fraction stays a fraction of the model's, as optimize() captured it."""
+    import dataclasses
+
+    from graphopt.cost.activations import ActivationModel
+
+    opt, gm, ctx = captured(*model_and_args())
+    base = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.cost.device_kind).step_activation_bytes()
+    own = checkpoint.plan_checkpoints(gm, ctx, 0.6, "sac")
+    assert own.plan is not None and own.details["budget_bytes"] == pytest.approx(0.6 * base)
+    larger = checkpoint.plan_checkpoints(gm, dataclasses.replace(ctx, captured_activation_bytes=2 * base), 0.6, "sac")
+    assert larger.details["budget_bytes"] == pytest.approx(1.2 * base) and larger.plan is None  # the graph fits
+    model, args = model_and_args()
+    res = graphopt.optimize(model, args, training=True, memory_budget=0.6, checkpoint_backend="sac",
+                            passes=["insert_checkpoints"], check_accuracy=False, target="cpu",
+                            cuda_graphs=False).report.pass_result("insert_checkpoints")
+    assert res.details["captured_activation_bytes"] == pytest.approx(base)
+    assert res.details["budget_bytes"] == pytest.approx(0.6 * base)

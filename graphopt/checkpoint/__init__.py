@@ -64,14 +64,15 @@ class CheckpointPlan:
 
 
 def plan_checkpoints(gm: fx.GraphModule, ctx: PassContext, budget, backend: str | None = "auto") -> CheckpointPlan:
-    """Plan the recomputation of training graph ``gm`` under ``budget`` (a fraction of the baseline
-    step's activation memory, or bytes). Raises ``BudgetError`` stating the achievable minimum when
+    """Plan the recomputation of training graph ``gm`` under ``budget`` (a fraction of the
+    captured graph's step activation memory, ``ctx.captured_activation_bytes``, else of ``gm``'s;
+    or bytes). Raises ``BudgetError`` stating the achievable minimum when
     no plan fits, ``GraphoptError`` for an unknown or unusable ``backend``."""
     am = ActivationModel.build(gm, ctx.cost, ctx.hints, device_kind=ctx.cost.device_kind)
     # the budget covers a step's activation memory (what max_memory_allocated measures beyond
     # parameters, gradients and inputs): saved tensors, the outputs, the backward's working set
     base = am.step_activation_bytes()
-    budget_bytes = resolve_budget(budget, base)
+    budget_bytes = resolve_budget(budget, ctx.captured_activation_bytes or base)
     offset = am.all_output_bytes() + am.backward_working_bytes()
     details = {
         "checkpoint": True,
@@ -79,6 +80,7 @@ def plan_checkpoints(gm: fx.GraphModule, ctx: PassContext, budget, backend: str 
         "budget": budget if isinstance(budget, (int, float)) else str(budget),
         "baseline_saved_bytes": am.baseline_saved_bytes(),
         "baseline_activation_bytes": base,
+        "captured_activation_bytes": ctx.captured_activation_bytes or base,
         "baseline_peak_bytes": am.step_peak_bytes(),
         "output_bytes": am.all_output_bytes(),
         "baseline_held_bytes": am.held_bytes(),

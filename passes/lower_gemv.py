@@ -77,6 +77,9 @@ class LowerGemv(Pass):
         dtypes = {xi.dtype, wi.dtype} | ({ir.info(b).dtype} if b is not None else set())
         if len(dtypes) != 1 or xi.dtype not in DTYPES:
             return f"dtypes {sorted(map(str, dtypes))}: fp16 or bf16, one dtype", None
+        if not ctx.cost.fit_covers("gemv", wi.nbytes):
+            return (f"a {wi.nbytes / 1e6:.1f} MB weight: below the sizes graphopt::gemv was measured at on this "
+                    "device (op_efficiency 'gemv' min_bytes), its price there a guess"), None
         why_not_fused, fused = self._with_norm(ctx, n, x, w, b, xi.dtype)
         if fused is not None:
             return "", fused

@@ -228,7 +228,7 @@ def gemv_lines(rows: list, models: dict, tokens, bw: float, prof) -> tuple[list,
     lines = ["## graphopt::gemv against cuBLAS at M <= 16 (µs per call, CUDA graph, own weight copy per call)", "",
              "| model | proj | M | cuBLAS µs | gemv µs | gemv best config µs | gemv / cuBLAS | gemv of copy |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    lin_pts, gemv_pts, step = [], [], {}
+    lin_pts, gemv_pts, step, sizes = [], [], {}, []
     for model, (layers, shapes) in models.items():
         for name, (K, N, bias) in shapes.items():
             for M in tokens:
@@ -250,6 +250,7 @@ def gemv_lines(rows: list, models: dict, tokens, bw: float, prof) -> tuple[list,
                 s[1] += n * g["us"]
                 s[2] += n * min(c["us"], g["us"])
                 lin_bytes = (N * K + M * K + M * N + (N if bias else 0)) * 2
+                sizes.append(N * K * 2)
                 lin_pts.append((lin_bytes / prof.bandwidth * 1e6, c["us"]))
                 p = gemv_triton.plan(M, N, K, _sms())
                 gb = lin_bytes + (2 * p["splits"] * M * N * 4 if p["splits"] > 1 else 0)
@@ -263,7 +264,8 @@ def gemv_lines(rows: list, models: dict, tokens, bw: float, prof) -> tuple[list,
     if len(lin_pts) >= 3 and len(gemv_pts) >= 3:
         for key, pts in (("small_m_linear", lin_pts), ("gemv", gemv_pts)):
             scale, fixed, worst = _fit(pts)
-            entries[key] = {"memory_scale": round(scale, 4), "fixed_s": round(fixed, 8)}
+            # below the smallest weight timed the fixed time is extrapolated: lower_gemv refuses there
+            entries[key] = {"memory_scale": round(scale, 4), "fixed_s": round(fixed, 8), "min_bytes": min(sizes)}
             lines.append("")
             lines.append(f"- fit `{key}`: memory_scale {scale:.4f} of the profile's {prof.bandwidth / 1e12:.2f} TB/s, "
                          f"fixed {fixed * 1e6:.2f} µs; worst error {worst:.1%} over {len(pts)} calls")

@@ -420,6 +420,13 @@ class CostModel:
         not planned onto it."""
         return any(self.profile.efficiency(op, k) is not None for k in ("scale", "memory_scale"))
 
+    def fit_covers(self, op: str, nbytes) -> bool:
+        """Whether ``nbytes`` is at least the smallest size the op's fit was measured over (its
+        ``op_efficiency`` entry's ``min_bytes``; an entry without one covers any size): below it the
+        fit's fixed time is an extrapolation."""
+        lo = self.profile.efficiency(op, "min_bytes")
+        return lo is None or ir.concrete(nbytes, {}) >= lo
+
     def conv_layout_penalized(self, x: ir.TensorInfo | None) -> bool:
         """Does a convolution over ``x`` pay the device's NCHW slowdown? (see conv_layout_penalized)"""
         return conv_layout_penalized(x, self.profile)

@@ -98,9 +98,14 @@ def test_small_m_linear_entry_prices_cublas_at_its_measured_rate():
 FUSED = "graphopt.gemv_add_rms_norm.default"
 
 
-def _shipped():
+def _shipped(small_weights=False):
+    """The shipped H200 profile under CUDA-graph launch costs; ``small_weights``: its gemv fit taken
+    to cover this file's small test weights too (it was measured on 32 MB and up)."""
     p, _ = get_profile("h200")
-    return dataclasses.replace(p, launch_overhead_s=p.launch_overhead_graph_s)
+    p = dataclasses.replace(p, launch_overhead_s=p.launch_overhead_graph_s)
+    if small_weights:
+        p = p.with_efficiency("gemv", {k: v for k, v in p.op_efficiency["gemv"].items() if k != "min_bytes"})
+    return p
 
 
 @pytest.mark.parametrize("rows", [(1, 1), (2, 4)])
@@ -108,7 +113,7 @@ def test_the_norm_after_a_projection_rides_on_the_gemv(rows):
     from tests.passes.test_fuse_rms_norm import Decoder
 
     model, x = Decoder(64).to(torch.bfloat16), torch.randn(*rows, 64, dtype=torch.bfloat16)
-    gm, res = _run(model, x, _shipped(), passes=("fuse_rms_norm", "lower_gemv"))
+    gm, res = _run(model, x, _shipped(small_weights=True), passes=("fuse_rms_norm", "lower_gemv"))
     counts = op_counts(gm)
     # both projections feed a residual add + RMSNorm: each becomes one op (the first norm reads the input)
     assert counts[FUSED] == 2 and counts["graphopt.add_rms_norm.default"] == 1 and counts[GEMV] == 0, counts
@@ -130,7 +135,7 @@ def test_the_norm_stays_apart_when_the_projection_is_read_elsewhere():
             return self.norm(h), h, y * 2  # y read twice: the fused op does not return it
 
     model, x = TwoReaders().to(torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
-    gm, _ = _run(model, x, _shipped(), passes=("fuse_rms_norm", "lower_gemv"))
+    gm, _ = _run(model, x, _shipped(small_weights=True), passes=("fuse_rms_norm", "lower_gemv"))
     assert op_counts(gm)[FUSED] == 0 and op_counts(gm)["graphopt.add_rms_norm.default"] == 1
     assert reference_check(model, gm, (x,)).passed
 
@@ -149,3 +154,14 @@ def test_unmeasured_gemv_keeps_the_norm_apart():
     gm, res = _run(model, x, _profile(), passes=("fuse_rms_norm", "lower_gemv"))
     assert op_counts(gm)[FUSED] == 0 and op_counts(gm)[GEMV] == 0
     assert any("graphopt::gemv is not measured" in r.reason for r in res.rejected), res.rejected
+
+
+def test_weights_smaller_than_the_fit_measured_are_not_lowered_on_a_guess():
+    from tests.passes.test_fuse_rms_norm import Decoder
+
+    model, x = Decoder(64).to(torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
+    p = _shipped()
+    p = p.with_efficiency("gemv", {**p.op_efficiency["gemv"], "min_bytes": 64 * 64 * 2 + 1})
+    gm, res = _run(model, x, p, passes=("fuse_rms_norm", "lower_gemv"))
+    assert op_counts(gm)[FUSED] == 0 and op_counts(gm)[GEMV] == 0
+    assert res.rejected and all("below the sizes graphopt::gemv was measured at" in r.reason for r in res.rejected)

@@ -129,7 +129,8 @@ def test_resnet_checkpointed_step_matches_eager_with_batchnorm_statistics():
     assert (d["predicted_saved_bytes"] + d["recompute_transient_bytes"] + d["output_bytes"]
             + d["backward_working_bytes"]) <= d["budget_bytes"]
     assert d["predicted_activation_bytes"] <= d["budget_bytes"]
-    assert d["budget_bytes"] == pytest.approx(0.85 * d["baseline_activation_bytes"])
+    # a fraction of the model's activations as captured (the passes before this one changed them)
+    assert d["budget_bytes"] == pytest.approx(0.85 * d["captured_activation_bytes"])
     assert d["extra_ms"] > 0 and d["by_layer"]
     model.train()
     step_check(model, opt, args)  # loss, gradients and BatchNorm statistics (updated once: the counters equal)

@@ -11,7 +11,7 @@ the region; 4-D outputs are converted back to the contiguous layout the caller e
 and depthwise convolutions are included. The cost model decides per region: the convolutions'
 time saved (each priced again on a channels_last input) against its boundary conversions (the
 clones it adds, priced as nodes); on a profile with no measured NCHW penalty (CPUs, unmeasured
-GPUs) the pass refuses and says so.
+GPUs) the pass refuses and says so. Training graphs on the CPU keep NCHW (see run()).
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ class ConvertChannelsLast(Pass):
         convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.conv2d.default
                  and ir.info(n.args[0]) is not None and len(ir.info(n.args[0]).shape) == 4]
         if not convs:
+            return res
+        if ctx.training and ctx.cost.device_kind == "cpu":
+            # the accuracy guard judges a training graph by its forward; on the CPU oneDNN's
+            # channels_last convolution backward can be far less accurate than its NCHW one
+            # (tests/passes/test_convert_channels_last.py), so the layout is not changed unchecked
+            res.reject(f"{len(convs)} convolutions", "training on the CPU: channels_last convolution gradients are "
+                                                     "not checked by the guard (forward only); the layout stays NCHW")
             return res
         slow = [c for c in convs if ctx.cost.conv_layout_penalized(ir.info(c.args[0]))]
         if not slow:

@@ -104,6 +104,22 @@ def test_cpu_channels_last_where_onednn_is_faster():
     assert reference_check(model, gm, inputs).passed
 
 
+def test_cpu_training_keeps_nchw_since_the_guard_checks_only_the_forward():
+    """Where the CPU measures channels_last faster, a training graph still keeps NCHW: oneDNN's
+    channels_last convolution backward can be far from fp64 (on a 2-thread AMD EPYC, a ResNet's
+    conv1 weight gradient 1e-2 off against NCHW's 1e-5) and the guard judges the forward alone."""
+    import dataclasses
+
+    from graphopt.cost.profiles import get_profile
+
+    model, x = FeatureMap(), torch.randn(2, 3, 16, 16)
+    slow = dataclasses.replace(get_profile("cpu")[0], conv_nchw_slowdown=1.3)
+    (res,) = run_passes(capture(model, (x,)), ["convert_channels_last"], target=slow, training=True)
+    assert res.status != "applied" and any("training on the CPU" in r.reason for r in res.rejected), res.rejected
+    (inference,) = run_passes(capture(model, (x,)), ["convert_channels_last"], target=slow)
+    assert inference.status == "applied"
+
+
 class EncoderDecoder(nn.Module):
     """Two conv regions joined by a linear: a big encoder (NHWC pays) and a small decoder at 4x4
     (its two conversions cost more than they save)."""

@@ -65,10 +65,9 @@ def interpreter_cases():
 
 
 def test_kernel_in_interpreter():
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        # as test_gemv: triton 3.6's interpreter cannot run the split kernel's loops (the cuda tests can)
-        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run this kernel's loops")
+    from tests.cuda_ext.test_gemv import skip_old_interpreter
+
+    skip_old_interpreter()
     run_in_triton_interpreter("tests.cuda_ext.test_gemv_add_rms_norm:interpreter_cases")
 
 

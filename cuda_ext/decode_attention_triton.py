@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 
@@ -42,6 +43,7 @@ MAX_TQ = 16      # query positions per call the kernel takes (decode: 1; specula
 MAX_ROWS = 64    # query rows one program holds: (Hq / Hkv) * Tq
 MAX_SPLITS = 128
 SM_COUNT = 132   # the H200's, for planning without a device
+COMBINE_ELEMENTS = 8192   # fp32 partial-output elements the combining program loads at once
 
 
 # ---------------------------------------------------------------------------------- semantics
@@ -154,11 +156,11 @@ def blocks(group_rows: int, D: int) -> tuple[int, int, int]:
 
 def num_splits(B: int, Hkv: int, L: int, block_n: int, sms: int = SM_COUNT) -> int:
     """Splits of the key length: enough programs (B * Hkv * splits) to give every SM one, each
-    split at least two key blocks; 1 when B * Hkv programs already fill the device."""
+    split at least one key block; 1 when B * Hkv programs already fill the device."""
     programs = B * Hkv
     if programs >= sms or L <= 0:
         return 1
-    most = max(1, -(-L // (2 * block_n)))
+    most = max(1, -(-L // block_n))
     return int(max(1, min(-(-sms // programs), most, MAX_SPLITS)))
 
 
@@ -168,8 +170,14 @@ def plan(q_shape, k_shape, sms: int = SM_COUNT) -> dict:
     Hkv, L = int(k_shape[1]), int(k_shape[2])
     bm, bn, bd = blocks(H // Hkv * T, D)
     s = num_splits(B, Hkv, L, bn, sms)
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "splits": s,
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "splits": s, "fused": combine_fused(H // Hkv * T, s),
             "workspace": 0 if s == 1 else B * H * T * s * (D + 2)}
+
+
+def combine_fused(group_rows: int, splits: int) -> bool:
+    """Whether the last split of each key/value head combines the splits itself (one kernel): the
+    program then holds every split's maximum and sum for its rows, at most COMBINE_ELEMENTS // 8."""
+    return splits > 1 and max(2, next_pow2(group_rows)) * max(2, next_pow2(splits)) <= COMBINE_ELEMENTS // 8
 
 
 def cost(q_shape, k_shape, itemsize: int, mask_bytes: float, kv_len_bytes: float, sms: int = SM_COUNT):
@@ -182,7 +190,7 @@ def cost(q_shape, k_shape, itemsize: int, mask_bytes: float, kv_len_bytes: float
     flops = 4 * B * H * T * L * D
     nbytes = (2 * B * H * T * D + 2 * B * Hkv * L * D) * itemsize + mask_bytes + kv_len_bytes
     nbytes += 2 * 4 * p["workspace"]
-    return flops, nbytes, 1 if p["splits"] == 1 else 2
+    return flops, nbytes, 1 if p["splits"] == 1 or p["fused"] else 2
 
 
 # ---------------------------------------------------------------------------------- the kernels
@@ -196,13 +204,14 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def decode_split_kernel(Q, K, V, M, KVLEN, O, OP, ML, scale,
+    def decode_split_kernel(Q, K, V, M, KVLEN, O, OP, ML, CNT, scale,
                             sqb, sqh, sqt, sqd, skb, skh, skn, svb, svh, svn,
                             smb, smh, smt, smn, sob, soh, sot, sod, klb,
                             H, HKV, GROUP, TQ, L, D, SPLITS,
                             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_KVLEN: tl.constexpr,
-                            SINGLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
+                            SINGLE: tl.constexpr, FUSED: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, COMB_M: tl.constexpr,
+                            BLOCK_S: tl.constexpr, COMB_D: tl.constexpr, FENCE: tl.constexpr):
         split = tl.program_id(0)
         bk = tl.program_id(1)
         b = (bk // HKV).to(tl.int64)
@@ -263,6 +272,38 @@ def _build():
             tl.store(OP + part[:, None] * D + rd[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
             tl.store(ML + part * 2, m_i, mask=row_ok)
             tl.store(ML + part * 2 + 1, l_i, mask=row_ok)
+            if FUSED:
+                # the last split of this (batch row, key/value head) to finish combines all of them:
+                # every thread's stores are made visible at GPU scope before the count goes up
+                if FENCE:   # (the interpreter runs programs one after another and has no PTX)
+                    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [bk.to(tl.int32)],
+                                              dtype=tl.int32, is_pure=False, pack=1)
+                tl.debug_barrier()
+                done = tl.atomic_add(CNT + bk, 1, sem="acq_rel", scope="gpu")
+                if done == SPLITS - 1:
+                    cr = tl.arange(0, COMB_M)
+                    cs = tl.arange(0, BLOCK_S)
+                    c_ok = (cr < GROUP * TQ)[:, None] & (cs < SPLITS)[None, :]
+                    ch = hk * GROUP + cr // TQ
+                    ct = cr % TQ
+                    crow = (b * H + ch) * TQ + ct
+                    cpart = crow[:, None] * SPLITS + cs[None, :]
+                    m = tl.load(ML + cpart * 2, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                    lsum = tl.load(ML + cpart * 2 + 1, mask=c_ok, other=0.0, cache_modifier=".cg")
+                    mx = tl.max(m, 1)
+                    mx = tl.where(mx == float("-inf"), 0.0, mx)
+                    w = tl.exp(m - mx[:, None])
+                    den = tl.sum(w * lsum, 1)
+                    den = tl.where(den > 0, den, 1.0)
+                    for d0 in tl.static_range(0, BLOCK_D, COMB_D):
+                        cd = d0 + tl.arange(0, COMB_D)
+                        cd_ok = cd < D
+                        a = tl.load(OP + cpart[:, :, None] * D + cd[None, None, :],
+                                    mask=c_ok[:, :, None] & cd_ok[None, None, :], other=0.0, cache_modifier=".cg")
+                        o = tl.sum(a * w[:, :, None], 1) / den[:, None]
+                        tl.store(O + b * sob + ch[:, None] * soh + ct[:, None] * sot + cd[None, :] * sod,
+                                 o.to(O.dtype.element_ty), mask=(cr < GROUP * TQ)[:, None] & cd_ok[None, :])
+                    tl.store(CNT + bk, 0)   # ready for the next call (a replayed CUDA graph reuses it)
 
     @triton.jit
     def decode_combine_kernel(OP, ML, O, sob, soh, sot, sod, H, TQ, D, SPLITS,
@@ -290,10 +331,31 @@ def _build():
     return decode_split_kernel, decode_combine_kernel
 
 
+_counter_cache: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` split counters for ``device``, kept for the process:
+    each call's last split puts its counter back to zero, so calls (and CUDA-graph replays) share it.
+    Calls on one device run in stream order; a call on a second stream concurrently with another
+    would share counters, which graphopt's graphs never do."""
+    key = (device.type, device.index)
+    buf = _counter_cache.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _counter_cache[key] = buf
+    return buf
+
+
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                            kv_len: torch.Tensor | None, scale: float, splits: int | None = None) -> torch.Tensor:
-    """The two-kernel launch (``splits``: the number of key splits; default from :func:`plan` with
-    this device's SM count). K and V need a unit stride along the head dim (else they are copied)."""
+                            kv_len: torch.Tensor | None, scale: float, splits: int | None = None,
+                            num_warps: int = 4, num_stages: int | None = None,
+                            fused_combine: bool = True) -> torch.Tensor:
+    """The launch (``splits``: the number of key splits; default from :func:`plan` with this
+    device's SM count; ``num_warps``/``num_stages`` of the first kernel, for tuning). With several
+    splits and ``fused_combine`` the last split of each key/value head to finish combines them
+    (one kernel); else a second kernel does. K and V need a unit stride along the head dim (else
+    they are copied)."""
     import triton
 
     why = kernel_problem(tuple(q.shape), tuple(k.shape), q.dtype)
@@ -321,21 +383,29 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     else:
         klb = 0
     split_k, combine = _kernel()
+    group_rows = H // Hkv * T
+    comb_m, block_s = max(2, next_pow2(group_rows)), max(2, next_pow2(s))
+    fused = fused_combine and combine_fused(group_rows, s)
     if s == 1:
         op = ml = out  # unused
     else:
         op = torch.empty((B * H * T * s * D,), dtype=torch.float32, device=q.device)
         ml = torch.empty((B * H * T * s * 2,), dtype=torch.float32, device=q.device)
+    cnt = _counters(q.device, B * Hkv) if fused else out
+    comb_d = max(2, min(p["BLOCK_D"], next_pow2(max(1, COMBINE_ELEMENTS // (comb_m * block_s)) + 1) // 2))
     with torch.cuda.device(q.device) if cuda else contextlib.nullcontext():
         split_k[(s, B * Hkv)](
-            q, k, v, mask if mask is not None else q, kv_len if kv_len is not None else q, out, op, ml, float(scale),
+            q, k, v, mask if mask is not None else q, kv_len if kv_len is not None else q, out, op, ml, cnt,
+            float(scale),
             *q.stride(), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ms, *out.stride(), klb,
             H, Hkv, H // Hkv, T, L, D, s,
             HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-            HAS_KVLEN=kv_len is not None, SINGLE=s == 1,
-            BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_D=p["BLOCK_D"], num_warps=4)
-        if s > 1:
+            HAS_KVLEN=kv_len is not None, SINGLE=s == 1, FUSED=fused,
+            BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_D=p["BLOCK_D"], COMB_M=comb_m, BLOCK_S=block_s,
+            COMB_D=comb_d, FENCE=os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=num_warps,
+            **({} if num_stages is None else {"num_stages": num_stages}))
+        if s > 1 and not fused:
             combine[(B * H * T,)](op, ml, out, *out.stride(), H, T, D, s,
                                   BLOCK_S=max(2, next_pow2(s)), BLOCK_D=p["BLOCK_D"], num_warps=4)
     return out

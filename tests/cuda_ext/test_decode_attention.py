@@ -111,6 +111,14 @@ def interpreter_cases():
         out = torch.full_like(q, float("nan"))  # poison: the kernel must write every element
         out = dat.decode_attention_triton(q, k, v, mask, kv_len, q.shape[-1] ** -0.5, splits=case[8])
         _check(out, q, k, v, mask, kv_len, 5e-3)
+    # the split counters the last split of each head resets: all zero between calls
+    assert all(int(c.abs().sum()) == 0 for c in dat._counter_cache.values()) and dat._counter_cache
+    # the second-kernel combine (where one program would hold too many partial outputs)
+    for case in [c for c in CASES if (c[8] or 1) > 1][:2]:
+        q, k, v, mask, kv_len = _inputs(*case[:8], torch.float16)
+        out = dat.decode_attention_triton(q, k, v, mask, kv_len, q.shape[-1] ** -0.5, splits=case[8],
+                                          fused_combine=False)
+        _check(out, q, k, v, mask, kv_len, 5e-3)
     # kv_len 0 for one row (every key excluded: zeros) and past the cache's end (clipped) for the other
     q, k, v, _, _ = _inputs(2, 4, 2, 1, 40, 32, None, None, torch.float16)
     kv_len = torch.tensor([0, 1000])
@@ -136,12 +144,16 @@ def test_kernel_in_interpreter():
 
 
 def test_splits_fill_the_device():
-    # Llama-3-8B at bs1 (8 KV heads): 17 splits of a 4352-key cache; at bs32 256 programs, one kernel
+    # Llama-3-8B at bs1 (8 KV heads): 17 splits of a 4352-key cache, combined by the last of them;
+    # at bs32 256 programs, one split
     assert dat.plan((1, 32, 1, 128), (1, 8, 4352, 128))["splits"] == 17
+    assert dat.plan((1, 32, 1, 128), (1, 8, 4352, 128))["fused"]
     assert dat.plan((32, 32, 1, 128), (32, 8, 4352, 128))["splits"] == 1
-    # GLM-4 at bs1 (2 KV heads): 66 would fill the SMs, but a split keeps at least two key blocks
-    assert dat.plan((1, 32, 1, 128), (1, 2, 4352, 128))["splits"] == 34
-    assert dat.plan((1, 32, 1, 128), (1, 2, 300, 128))["splits"] == 3
+    # GLM-4 at bs1 (2 KV heads): 66 splits fill the SMs; a split keeps at least one key block
+    assert dat.plan((1, 32, 1, 128), (1, 2, 4352, 128))["splits"] == 66
+    assert dat.plan((1, 32, 1, 128), (1, 2, 300, 128))["splits"] == 5
+    # 16 rows x 128 splits of partial sums is more than one program combines: a second kernel does
+    assert not dat.combine_fused(16, 128) and dat.combine_fused(16, 64)
     assert dat.plan((1, 32, 1, 128), (1, 2, 300, 128))["BLOCK_M"] == 16
 
 
@@ -149,7 +161,7 @@ def test_cost_counts_the_cache_and_the_partials():
     flops, nbytes, launches = dat.cost((1, 32, 1, 128), (1, 8, 4352, 128), 2, 4352, 0)
     kv = 2 * 8 * 4352 * 128 * 2
     part = 2 * 4 * 32 * 17 * 130
-    assert launches == 2 and nbytes == kv + 2 * 32 * 128 * 2 + 4352 + part
+    assert launches == 1 and nbytes == kv + 2 * 32 * 128 * 2 + 4352 + part
     assert flops == 4 * 32 * 4352 * 128
     assert dat.cost((32, 32, 1, 128), (32, 8, 4352, 128), 2, 0, 0)[2] == 1
 

@@ -341,6 +341,7 @@ def registry() -> dict[str, type[Pass]]:
 PIPELINE: tuple[str, ...] = (
     # cleanup
     "eliminate_dead_code",
+    "eliminate_common_subexpressions",
     "fold_constants",
     # fusion
     "fold_conv_bn",

@@ -95,20 +95,25 @@ def _build():
         tl.store(Y + m * sym + rn * syn, acc.to(Y.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def gemv_norm_kernel(P, BIAS, R, NW, OUT, H, M, N, SPLITS, eps, srm, srn, som, son, shm, shn,
-                         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    def gemv_norm_kernel(P, BIAS, R, NW, PW, OUT, H, M, N, SPLITS, eps, pre_eps, srm, srn, som, son, shm, shn,
+                         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PRE: tl.constexpr, ONE_BLOCK: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
         # one program per row of y: the partial sums added (and the bias), rounded as the linear's
-        # output; h = y + residual rounded and stored; then the row's RMSNorm of h times the weight.
+        # output; with PRE, y RMS-normalized times PW first (a sandwich norm's first norm); h = y +
+        # residual rounded and stored; then the row's RMSNorm of h times the weight NW.
         # ONE_BLOCK (the row fits one block): one pass, every load issued at once, h kept in registers;
-        # else a second pass reads back the h the first stored.
+        # else a second pass reads back the h the first stored (with PRE, a pass before it normalizes
+        # the y the first stored in h's place).
         m = tl.program_id(0)
         rs = tl.arange(0, BLOCK_S)
         s_ok = rs < SPLITS
-        if ONE_BLOCK:  # the norm weight's load in flight with the partial sums'
+        if ONE_BLOCK:  # the norm weights' loads in flight with the partial sums'
             w = tl.load(NW + tl.arange(0, BLOCK_N), mask=tl.arange(0, BLOCK_N) < N, other=0.0).to(tl.float32)
+            if PRE:
+                pw = tl.load(PW + tl.arange(0, BLOCK_N), mask=tl.arange(0, BLOCK_N) < N, other=0.0).to(tl.float32)
         ss = tl.zeros([BLOCK_N], dtype=tl.float32)
         hf = tl.zeros([BLOCK_N], dtype=tl.float32)
+        ssy = tl.zeros([BLOCK_N], dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             n_ok = rn < N
@@ -118,12 +123,35 @@ def _build():
             if HAS_BIAS:
                 y += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
             y = y.to(H.dtype.element_ty).to(tl.float32)
-            if HAS_RES:
-                y += tl.load(R + m * srm + rn * srn, mask=n_ok, other=0.0).to(tl.float32)
-            h = y.to(H.dtype.element_ty)
-            tl.store(H + m * shm + rn * shn, h, mask=n_ok)
-            hf = tl.where(n_ok, h.to(tl.float32), 0.0)
-            ss += hf * hf
+            if PRE and ONE_BLOCK:  # the whole row is here: its first norm now
+                rstd_y = tl.rsqrt(tl.sum(tl.where(n_ok, y * y, 0.0), 0) / N + pre_eps)
+                y = (pw * (y * rstd_y).to(H.dtype.element_ty).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
+            if PRE and not ONE_BLOCK:  # stored in h's place until the row's statistics are known
+                tl.store(H + m * shm + rn * shn, y.to(H.dtype.element_ty), mask=n_ok)
+                ssy += tl.where(n_ok, y * y, 0.0)
+            else:
+                if HAS_RES:
+                    y += tl.load(R + m * srm + rn * srn, mask=n_ok, other=0.0).to(tl.float32)
+                h = y.to(H.dtype.element_ty)
+                tl.store(H + m * shm + rn * shn, h, mask=n_ok)
+                hf = tl.where(n_ok, h.to(tl.float32), 0.0)
+                ss += hf * hf
+        if PRE and not ONE_BLOCK:
+            rstd_y = tl.rsqrt(tl.sum(ssy, 0) / N + pre_eps)
+            tl.debug_barrier()  # the y this program stored, read back by other threads of it
+            for n0 in range(0, N, BLOCK_N):
+                rn = n0 + tl.arange(0, BLOCK_N)
+                n_ok = rn < N
+                y = tl.load(H + m * shm + rn * shn, mask=n_ok, other=0.0).to(tl.float32)
+                pwb = tl.load(PW + rn, mask=n_ok, other=0.0).to(tl.float32)
+                y = (pwb * (y * rstd_y).to(H.dtype.element_ty).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
+                if HAS_RES:
+                    y += tl.load(R + m * srm + rn * srn, mask=n_ok, other=0.0).to(tl.float32)
+                h = y.to(H.dtype.element_ty)
+                tl.debug_barrier()  # every thread has read its y before h overwrites it
+                tl.store(H + m * shm + rn * shn, h, mask=n_ok)
+                hf = tl.where(n_ok, h.to(tl.float32), 0.0)
+                ss += hf * hf
         rstd = tl.rsqrt(tl.sum(ss, 0) / N + eps)
         if ONE_BLOCK:  # h is still in registers
             rn = tl.arange(0, BLOCK_N)
@@ -174,11 +202,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def gemv_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                             pre_weight: torch.Tensor | None = None, pre_eps: float = 0.0,
                              **config) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y = x [M, K] @ weight [N, K].T (+ bias)``, ``h = y + residual [M, N]`` and
-    ``(rmsnorm(h) * norm_weight, h)``: the split kernel always writes fp32 partial sums, and the
-    second kernel (one program per row) adds them, the bias and the residual and normalizes the row,
-    so the norm costs no launch of its own. ``config``: :func:`plan`'s overrides."""
+    """``y = x [M, K] @ weight [N, K].T (+ bias)``, with ``pre_weight`` ``y = rmsnorm(y) * pre_weight``,
+    ``h = y + residual [M, N]`` and ``(rmsnorm(h) * norm_weight, h)``: the split kernel always
+    writes fp32 partial sums, and the second kernel (one program per row) adds them, the bias and
+    the residual and normalizes the row, so the norms cost no launch of their own. ``config``:
+    :func:`plan`'s overrides."""
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -203,9 +233,11 @@ def gemv_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         bs = max(2, next_pow2(s))
         one = bs * next_pow2(N) <= NORM_ONE_BLOCK  # the whole row's partial sums in one program's registers
         bn = next_pow2(N) if one else max(16, min(next_pow2(N), max(256, 16384 // bs)))
-        norm[(M,)](partial, b, r, norm_weight, out, h, M, N, s, float(eps),
+        norm[(M,)](partial, b, r, norm_weight, pre_weight if pre_weight is not None else norm_weight, out, h, M, N, s,
+                   float(eps), float(pre_eps),
                    r.stride(0) if residual is not None else 0, r.stride(1) if residual is not None else 0,
                    out.stride(0), out.stride(1), h.stride(0), h.stride(1),
-                   HAS_BIAS=bias is not None, HAS_RES=residual is not None, ONE_BLOCK=one, BLOCK_S=bs, BLOCK_N=bn,
+                   HAS_BIAS=bias is not None, HAS_RES=residual is not None, PRE=pre_weight is not None,
+                   ONE_BLOCK=one, BLOCK_S=bs, BLOCK_N=bn,
                    num_warps=16 if one else 8)
     return out, h

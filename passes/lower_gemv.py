@@ -14,7 +14,8 @@ candidate is refused (NO_FUSED_KERNELS).
 With the norm after it: a linear whose only user is ``graphopt::add_rms_norm`` (as its x or its
 residual; the add is the same either way in one dtype) becomes ``graphopt::gemv_add_rms_norm``,
 whose partial-sum kernel also adds the residual and normalizes the row: the norm's launch is
-gone. Priced against the linear (cuBLAS) and the norm apart; where it does not pay, the linear
+gone. A linear whose only user is ``graphopt::rms_norm_add_rms_norm`` as its normalized input (a
+sandwich norm, GLM-4's) folds the same way, the first norm passed as ``pre_weight``. Priced against the linear (cuBLAS) and the norm apart; where it does not pay, the linear
 alone is considered as above.
 
 Both fits price within 9-13% of the measurements they were fitted to, so a rewrite whose predicted
@@ -99,11 +100,21 @@ class LowerGemv(Pass):
         or not priced faster; ("", None) when no norm follows."""
         users = list(n.users)
         u = users[0] if len(users) == 1 else None
-        if u is None or u.op != "call_function" or u.target is not torch.ops.graphopt.add_rms_norm.default:
+        pre = ()  # a sandwich norm's first norm: (its weight, its eps)
+        if u is not None and u.op == "call_function" and u.target is torch.ops.graphopt.rms_norm_add_rms_norm.default:
+            y, residual, pw, nw, pre_eps, eps = (list(u.args) + [None] * 6)[:6]
+            if y is not n:
+                return "", None  # the linear is the residual: it is not normalized first
+            pi = ir.info(pw) if isinstance(pw, fx.Node) else None
+            if pi is None or pi.dtype != dtype or not isinstance(pre_eps, float):
+                return f"with {u.name}: its first norm's weight is not a {dtype} tensor; ", None
+            pre = (pw, pre_eps)
+        elif u is None or u.op != "call_function" or u.target is not torch.ops.graphopt.add_rms_norm.default:
             return "", None
-        y, residual, nw, eps = (list(u.args) + [None] * 4)[:4]
-        if y is not n:
-            y, residual = residual, y  # the linear is the residual: the add is the same sum
+        else:
+            y, residual, nw, eps = (list(u.args) + [None] * 4)[:4]
+            if y is not n:
+                y, residual = residual, y  # the linear is the residual: the add is the same sum
         yi = ir.info(n)
         ri = ir.info(residual) if isinstance(residual, fx.Node) else None
         ni = ir.info(nw) if isinstance(nw, fx.Node) else None
@@ -115,22 +126,23 @@ class LowerGemv(Pass):
             return (f"with {u.name}: graphopt::gemv is not measured on this device (op_efficiency 'gemv', "
                     "benchmarks/diag/diag_decode_gemm.py); "), None
         op = torch.ops.graphopt.gemv_add_rms_norm.default
-        new = ctx.price(op, x, w, b, residual, nw, eps, val=u.meta["val"])
+        new = ctx.price(op, x, w, b, residual, nw, eps, *pre, val=u.meta["val"])
         old = ctx.node_time([n, u])
         if new >= old * (1 - MIN_GAIN):
             return (f"with {u.name}: predicted {new * 1e6:.1f} us against {old * 1e6:.1f} us apart, not "
                     f"{MIN_GAIN:.0%} faster; "), None
         N, K = ir.info(w).shape
         M = int(math.prod(yi.shape[:-1]))
-        return "", Candidate(f"linear {M}x{N}x{K} + add_rms_norm -> gemv_add_rms_norm", [n, u], old - new,
-                             lambda: self._apply_norm(n, u, x, w, b, residual, nw, eps),
+        norm = ir.op_name(u)
+        return "", Candidate(f"linear {M}x{N}x{K} + {norm} -> gemv_add_rms_norm", [n, u], old - new,
+                             lambda: self._apply_norm(n, u, x, w, b, residual, nw, eps, pre),
                              label=f"{n.name} + {u.name} ({M}x{N}x{K})")
 
     @staticmethod
-    def _apply_norm(n, u, x, w, b, residual, nw, eps):
+    def _apply_norm(n, u, x, w, b, residual, nw, eps, pre=()):
         g = n.graph
         with g.inserting_before(u):
-            new = g.call_function(torch.ops.graphopt.gemv_add_rms_norm.default, (x, w, b, residual, nw, eps))
+            new = g.call_function(torch.ops.graphopt.gemv_add_rms_norm.default, (x, w, b, residual, nw, eps, *pre))
         new.meta["val"] = u.meta.get("val")
         u.replace_all_uses_with(new)
         g.erase_node(u)

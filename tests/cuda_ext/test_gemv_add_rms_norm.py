@@ -53,14 +53,37 @@ def test_reference_is_linear_then_add_rms_norm():
     assert all(torch.equal(a, c) for a, c in zip(got, want))
 
 
+def _pre_weight(N, dtype, device="cpu"):
+    g = torch.Generator().manual_seed(N)
+    return (1 + 0.1 * torch.randn(N, generator=g)).to(device=device, dtype=dtype)
+
+
+def test_reference_with_a_pre_norm_is_linear_then_the_sandwich_norm():
+    x, w, b, r, nw = _inputs(3, 20, 30, True, True, torch.float64)
+    pw = _pre_weight(20, torch.float64)
+    out, h = op.reference(x, w, b, r, nw, 1e-6, pw, 1e-5)
+    y = F.linear(x, w, b)
+    y = pw * y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(h, (y + r), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, nw * (y + r) * torch.rsqrt((y + r).pow(2).mean(-1, keepdim=True) + 1e-6),
+                               rtol=1e-12, atol=1e-12)
+    # in bf16 it is exactly gemv's rounding followed by rms_norm_add_rms_norm's
+    xb, wb, bb, rb, nb, pb = (t.bfloat16() for t in (x, w, b, r, nw, pw))
+    got = op.reference(xb, wb, bb, rb, nb, 1e-6, pb, 1e-5)
+    want = ops.rms_norm_add_rms_norm(ops.gemv(xb, wb, bb), rb, pb, nb, 1e-5, 1e-6)
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+
+
 def interpreter_cases():
     for M, N, K, bias, res, cfg in CASES:
         x, w, b, r, nw = _inputs(M, N, K, bias, res, torch.float16)
-        out, h = gt.gemv_add_rms_norm_triton(x, w, b, r, nw, 1e-6, **cfg)
-        ref_out, ref_h = op.reference(x, w, b, r, nw, 1e-6)
-        # the sum of the partials differs from the reference's fp32 sum by their order: an ulp of h
-        torch.testing.assert_close(h.float(), ref_h.float(), rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(out.float(), ref_out.float(), rtol=4e-3, atol=4e-3)
+        for pw in (None, _pre_weight(N, torch.float16)):
+            out, h = gt.gemv_add_rms_norm_triton(x, w, b, r, nw, 1e-6, pw, 1e-5, **cfg)
+            ref_out, ref_h = op.reference(x, w, b, r, nw, 1e-6, pw, 1e-5)
+            # the sum of the partials differs from the reference's fp32 sum by their order: an ulp of
+            # h (with a pre-norm, an ulp of y carried through its norm)
+            torch.testing.assert_close(h.float(), ref_h.float(), rtol=4e-3, atol=4e-3)
+            torch.testing.assert_close(out.float(), ref_out.float(), rtol=8e-3, atol=8e-3)
     print("interpreter cases ok")
 
 
@@ -78,6 +101,8 @@ def test_kernel_in_interpreter():
     (lambda x, w, b, r, nw: (x, w, b, r[:, :3], nw), "does not broadcast"),
     (lambda x, w, b, r, nw: (torch.cat([x] * 9), w, b, torch.cat([r] * 9), nw), "at most 16"),
     (lambda x, w, b, r, nw: (x.int(), w, b, r, nw), "float32, float16 or bfloat16"),
+    (lambda x, w, b, r, nw: (x, w, b, r, nw, 1e-6, nw[:3]), "pre_weight must have"),
+    (lambda x, w, b, r, nw: (x, w, b, r, nw, 1e-6, nw.int()), "pre_weight is torch.int32"),
 ])
 def test_wrapper_refuses_bad_arguments(bad, match):
     x, w, b, r, nw = _inputs(2, 20, 30, True, True, torch.float32)
@@ -91,6 +116,7 @@ def test_conformance():
     x, w, b, r, nw = _inputs(2, 20, 30, True, True, torch.float32)
     check_op("gemv_add_rms_norm", (x.reshape(2, 1, 30), w, b, r.reshape(2, 1, 20), nw, 1e-6))
     check_op("gemv_add_rms_norm", (x, w, None, None, nw, 1e-5))
+    check_op("gemv_add_rms_norm", (x, w, b, r, nw, 1e-6, _pre_weight(20, torch.float32), 1e-5))
 
 
 def test_cost_adds_the_norm_to_the_gemv():
@@ -117,15 +143,25 @@ def test_cost_adds_the_norm_to_the_gemv():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("M", [1, 8])
-@pytest.mark.parametrize("N,K,bias", [(4096, 4096, False), (4096, 14336, False), (1000, 333, True)])
-def test_kernel_on_gpu(M, N, K, bias):
+@pytest.mark.parametrize("N,K,bias,pre", [(4096, 4096, False, False), (4096, 14336, False, False),
+                                          (1000, 333, True, False), (4096, 4096, False, True),
+                                          (4096, 13696, False, True)])
+def test_kernel_on_gpu(M, N, K, bias, pre):
     from conftest import poison_allocator
 
     x, w, b, r, nw = _inputs(M, N, K, bias, True, torch.bfloat16, device="cuda")
+    pw = _pre_weight(N, torch.bfloat16, "cuda") if pre else None
     poison_allocator("cuda")
-    out, h = ops.gemv_add_rms_norm(x, w, b, r, nw, 1e-6)
-    ref_out, ref_h = _f64(x, w, b, r, nw)
-    eager_out, eager_h = ops.add_rms_norm(F.linear(x, w, b), r, nw, 1e-6)
+    out, h = ops.gemv_add_rms_norm(x, w, b, r, nw, 1e-6, pw, 1e-5)
+    if pre:  # the fp64 reference of the sandwich: y normalized first
+        y = F.linear(x.double(), w.double())
+        y = pw.double() * y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)
+        ref_h = y + r.double()
+        ref_out = nw.double() * ref_h * torch.rsqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        eager_out, eager_h = ops.rms_norm_add_rms_norm(F.linear(x, w, b), r, pw, nw, 1e-5, 1e-6)
+    else:
+        ref_out, ref_h = _f64(x, w, b, r, nw)
+        eager_out, eager_h = ops.add_rms_norm(F.linear(x, w, b), r, nw, 1e-6)
     for got, eager, ref in ((h, eager_h, ref_h), (out, eager_out, ref_out)):
         assert got.dtype == torch.bfloat16 and got.shape == ref.shape
         assert (got.double() - ref).abs().max() <= 2 * (eager.double() - ref).abs().max() + 1e-2

@@ -121,6 +121,22 @@ def test_the_norm_after_a_projection_rides_on_the_gemv(rows):
     assert reference_check(model, gm, (x,)).passed
 
 
+@pytest.mark.parametrize("rows", [(1, 1), (2, 4)])
+def test_a_sandwich_norm_after_a_projection_rides_on_the_gemv(rows):
+    """GLM-4's sublayer: the projection's own norm, the residual add and the next norm -> one op."""
+    from tests.passes.test_fuse_rms_norm import SANDWICH, Sandwich
+
+    model, x = Sandwich(64).to(torch.bfloat16), torch.randn(*rows, 64, dtype=torch.bfloat16)
+    gm, res = _run(model, x, _shipped(small_weights=True), passes=("fuse_rms_norm", "lower_gemv"))
+    counts = op_counts(gm)
+    assert counts[FUSED] == 1 and counts[SANDWICH] == 0 and counts["aten.linear.default"] == 0, counts
+    (node,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
+    assert len(node.args) == 8 and node.args[7] == 1e-6 and node.args[5] == 1e-5  # the post norm goes first
+    assert [r.pattern for r in res.rewrites] == ["linear %dx64x64 + rms_norm_add_rms_norm -> gemv_add_rms_norm"
+                                                 % (rows[0] * rows[1])]
+    assert reference_check(model, gm, (x,)).passed
+
+
 def test_the_norm_stays_apart_when_the_projection_is_read_elsewhere():
     class TwoReaders(nn.Module):
         def __init__(self):

@@ -152,8 +152,10 @@ def test_splits_fill_the_device():
     # GLM-4 at bs1 (2 KV heads): 66 splits fill the SMs; a split keeps at least one key block
     assert dat.plan((1, 32, 1, 128), (1, 2, 4352, 128))["splits"] == 66
     assert dat.plan((1, 32, 1, 128), (1, 2, 300, 128))["splits"] == 5
-    # 16 rows x 128 splits of partial sums is more than one program combines: a second kernel does
-    assert not dat.combine_fused(16, 128) and dat.combine_fused(16, 64)
+    # GLM-4's 16 rows x 66 splits of partial outputs are more than one program combines fast: a second
+    # kernel does; Llama's 4 rows x 17 splits of head dim 128 are combined by the last split
+    assert not dat.plan((1, 32, 1, 128), (1, 2, 4352, 128))["fused"]
+    assert not dat.combine_fused(16, 32, 128) and dat.combine_fused(4, 32, 128) and dat.combine_fused(16, 8, 64)
     assert dat.plan((1, 32, 1, 128), (1, 2, 300, 128))["BLOCK_M"] == 16
 
 

@@ -526,6 +526,11 @@ def build(program: Program):
 # --------------------------------------------------------------------------- the strategy
 
 
+# op kinds without parameters of their own: the same op on the same operand computes the same value
+REPEATABLE = frozenset({"act", "softmax", "transpose", "permute", "contiguous", "merge", "split", "bmm", "reduce",
+                        "softmax_dim", "unsqueeze", "heads", "merge_heads", "cast"})
+
+
 def programs(max_ops: int = 8):
     """A hypothesis strategy for valid Programs (shapes tracked while drawing)."""
     from hypothesis import strategies as st
@@ -551,7 +556,7 @@ def programs(max_ops: int = 8):
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
-                 "heads", "merge_heads")
+                 "heads", "merge_heads", "repeat")
 
         def mask_shape(sc, kind):
             """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
@@ -757,6 +762,14 @@ def programs(max_ops: int = 8):
                 s = pick(lambda s, d: True)
                 to = "f32" if env[s][1] == "bf16" else "bf16"
                 op, out = ("cast", s, to), (env[s][0], to)
+            elif kind == "repeat":  # an earlier parameter-free op again on the same operand (a common subexpression)
+                again = [j for j, o in enumerate(ops) if o[0] in REPEATABLE]
+                if again:
+                    j = draw(st.sampled_from(again))
+                    op, out = ops[j], env[len(inputs) + j]
+                else:  # nothing to repeat yet: a copy, so a program always has an op
+                    s = pick(lambda s, d: True)
+                    op, out = ("contiguous", s), env[s]
             if op is not None:
                 ops.append(op)
                 env.append(out)

@@ -725,11 +725,14 @@ class AotRecompute(nn.Module):
         if not watch:
             return
         state = {"received": 0, "queued": False}
+        # the hooks live as long as the outputs (until the backward): they hold the watched
+        # parameters only, never the other arguments (activations the backward does not save)
+        watched = [(args[i], reach[i]) for i in watch]
 
         def restore():
-            for i in watch:
-                if not reach[i] & state["received"]:
-                    args[i].grad = None
+            for param, mask in watched:
+                if not mask & state["received"]:
+                    param.grad = None
 
         def hook(j):
             def fn(grad):

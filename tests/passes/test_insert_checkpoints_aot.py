@@ -82,6 +82,30 @@ def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_k
     assert int(model.bn1.num_batches_tracked) == 1
 
 
+def test_the_hooks_that_leave_unreached_grads_none_hold_no_activation():
+    """A parameter that reaches one of a region's two outputs gets hooks on the outputs (its .grad
+    goes back to None when only the other is reached); they live until the backward and hold no
+    input the region's backward does not save (they held all of them: a ResNet region's unsaved
+    residual input, 2 MB, stayed alive through the forward)."""
+    import weakref
+
+    class TwoOutputs(nn.Module):
+        def forward(self, a, b, w):
+            h = a + b  # saves neither a nor b
+            return h.sin(), h @ w
+
+    body = torch.fx.symbolic_trace(TwoOutputs())
+    aot.tag_nodes([n for n in body.graph.nodes if n.op == "call_function"])
+    mod = aot.AotRecompute(body, set(), {n.name for n in body.graph.nodes})
+    a, b, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8), nn.Parameter(torch.randn(8, 8))
+    outs = mod(a, b, w)
+    gone = weakref.ref(b)
+    del b
+    assert gone() is None
+    outs[0].sum().backward()  # only the output w does not reach: its gradient stays None
+    assert w.grad is None and a.grad is not None
+
+
 @pytest.mark.parametrize("name,budget", [("resnet18", 0.9), ("glm4-tiny", 0.7)])
 def test_memory_held_after_the_forward_fits_the_budget(name, budget):
     model, args = budget_model(name, resnet_res=64, resnet_batch=32)

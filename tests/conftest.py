@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -20,6 +21,39 @@ def pytest_configure(config):
     # logger ("torch.__trace") writes a DEBUG record per traced op, which buried the assertion
     if config.getoption("log_level", None) is None and not config.getini("log_level"):
         config.option.log_level = "INFO"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _freeze_the_imports():
+    """The objects the imports made (torch, torch.export's and AOTAutograd's machinery, transformers,
+    torchvision, graphopt: ~0.4 M) are frozen for the session (gc.freeze), so a full collection during
+    a test (an autograd or fx graph's cycles, bench's gc.collect) walks only what the tests made since:
+    such collections took about a fifth of the checkpoint and bench tests' time. Objects frozen are
+    never collected; these live as long as the process anyway. tests/test_api.py's collector test
+    unfreezes them for its own run (see ``unfrozen``)."""
+    import importlib
+
+    for name in ("torch._dynamo", "torch.export", "torch._functorch.aot_autograd", "torch.utils.checkpoint",
+                 "transformers", "torchvision", "graphopt", "graphopt.examples.zoo", "graphopt.checkpoint"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # the zoo's extras are optional
+            pass
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture
+def unfrozen():
+    """The session's frozen objects handed back to the collector for one test (a test of how
+    graphopt itself freezes), frozen again after it (a full collection first: nothing it left
+    unreachable stays behind)."""
+    gc.unfreeze()
+    yield
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -289,7 +289,7 @@ def test_on_new_shape_reoptimize_specializes_and_stays_correct():
         graphopt.optimize(model, (x,), on_new_shape="sometimes")
 
 
-def test_optimize_hands_the_process_objects_back_to_the_collector():
+def test_optimize_hands_the_process_objects_back_to_the_collector(unfrozen):
     """optimize() freezes the process's existing objects for its duration so its collections scan
     only what it creates (api._collect_young_only); afterwards nothing stays frozen, the collector
     is as it was, and objects the caller froze stay frozen."""

@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt import ir
-from graphopt.cost.activations import ActivationModel
+from graphopt.cost.activations import ActivationModel, format_bytes
 from graphopt.errors import GraphoptError
 from graphopt.pipeline import PassContext, PassResult
 
@@ -725,11 +725,14 @@ class AotRecompute(nn.Module):
         if not watch:
             return
         state = {"received": 0, "queued": False}
+        # the hooks live as long as the outputs (until the backward): they hold the watched
+        # parameters only, never the other arguments (activations the backward does not save)
+        watched = [(args[i], reach[i]) for i in watch]
 
         def restore():
-            for i in watch:
-                if not reach[i] & state["received"]:
-                    args[i].grad = None
+            for param, mask in watched:
+                if not mask & state["received"]:
+                    param.grad = None
 
         def hook(j):
             def fn(grad):
@@ -810,6 +813,20 @@ def rewrite_aot(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan:
             return bool(am.grad.get(src, False))
         val = node.meta.get("val")
         return isinstance(val, torch.Tensor) and val.requires_grad
+
+    def saved_as_captured(nodes) -> None:
+        """A region left as captured: eager autograd saves what the activation model probed
+        (a max-pool's indices, a norm's statistics), each storage counted once."""
+        for n in nodes:
+            for r in am.saved.get(n, ()):
+                if r in am.bytes and r not in held_inputs and r not in am.outputs:
+                    held_inputs.add(r)
+                    totals["saved"] += am.bytes[r]
+                    totals["values"] += 1
+            if am.extra.get(n, 0.0) > 0:
+                totals["saved"] += am.extra[n]
+                totals["values"] += 1
+
     frees, fallbacks = True, []
     details["selective_regions"] = 0
     for i, nodes in enumerate(plan.regions):
@@ -818,6 +835,7 @@ def rewrite_aot(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan:
     for i, nodes in enumerate(plan.regions):
         rerun = [n for n in nodes if n not in plan.keep]
         if not rerun and not every_region:
+            saved_as_captured(nodes)
             continue
         made = {}
 
@@ -845,11 +863,18 @@ def rewrite_aot(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan:
         if call is None:
             res.reject(f"checkpoint region {i} ({nodes[0].name}…{nodes[-1].name})",
                        "a node outside the region both reads it and feeds it; left as it is")
+            saved_as_captured(nodes)
             continue
         info, module = made["info"], made["module"]
         totals["regions"] += 1
         totals["saved"] += info["saved_activation_bytes"]
         totals["values"] += len([s for s in info["saved"] if s[2] > 0])
+        # a saved graph output is the caller's (the plan counts it with the outputs)
+        for _, tag, b in info["saved"]:
+            root = am.root.get(by_name.get(tag), None)
+            if b > 0 and root in am.outputs and b == am.bytes.get(root):
+                totals["saved"] -= b
+                totals["values"] -= 1
         # a saved region output that a later region also saves as its input is one tensor
         outs = made["outputs"]
         first_user_output = info["num_fwd_outputs"] - len(outs)  # mutated buffers come first
@@ -883,6 +908,12 @@ def rewrite_aot(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan:
                        -sum(am.seconds[n] for n in rerun))
     if totals["regions"] == 0 and not fallbacks:
         raise AotUnavailable("no region recomputes anything")
+    # (a region run as a selective checkpoint saves what its policy caches; a graph traced on
+    # another device than the plan's saves what that device's kernels do: CPU attention for a GPU plan)
+    traced = next((v.device.type for n in gm.graph.nodes if n.op == "placeholder"
+                   and isinstance(v := n.meta.get("val"), torch.Tensor)), None)
+    if not fallbacks:
+        _check_saved_against_plan(plan, totals["saved"], res, details, correct=traced == ctx.cost.device_kind)
     if plan.segments:
         wrap_segments(gm, ctx, am, plan, res, details)
     details.update(
@@ -910,6 +941,28 @@ def rewrite_aot(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan:
         res.notes.append(f"{totals['untagged']} joint-graph value(s) with no captured counterpart "
                          "saved (as default_partition would)")
     gm.recompile()
+
+
+def _check_saved_against_plan(plan: Plan, saved: float, res: PassResult, details: dict, rel: float = 0.02,
+                              correct: bool = True) -> None:
+    """The AOT partitions (and the regions left as captured) save ``saved`` bytes; the plan's walk
+    counted ``plan.one_level_saved`` for the same regions (the two count a value saved by one region
+    and read by another in either region, so only the totals compare). Where they differ
+    (``correct``: the graph was traced on the device planned for), the predicted memory follows
+    what is saved (the plan's numbers moved by the difference) and a note says so."""
+    planned = plan.one_level_saved
+    if planned is None:
+        return
+    details["plan_saved_bytes"] = planned
+    if not correct or abs(saved - planned) <= rel * max(planned, 1.0):
+        return
+    delta = saved - planned
+    for key in ("predicted_saved_bytes", "predicted_held_bytes", "predicted_activation_bytes", "predicted_peak_bytes"):
+        if key in details:
+            details[key] += delta
+    res.notes.append(f"the AOT partitions save {format_bytes(saved)} where the plan counted {format_bytes(planned)}: "
+                     f"the predicted memory is moved by the difference ({'+' if delta > 0 else '-'}"
+                     f"{format_bytes(abs(delta))})")
 
 
 def wrap_segments(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan: Plan, res: PassResult,

@@ -42,6 +42,9 @@ class Plan:
     early: dict = field(default_factory=dict)  # AOT: recomputed nodes rerun early by a recompute chain
     segments: list = field(default_factory=list)  # AOT: (first, last) region runs under an outer checkpoint
     walk: dict | None = None  # AOT: the memory walk nest() reads
+    # AOT: what the regions save, by the walk, before outer checkpoints drop any (what the AOT
+    # partitions and the regions left as captured save, together; the rewrite compares the two)
+    one_level_saved: float | None = None
 
     @property
     def total_bytes(self) -> float:
@@ -184,10 +187,13 @@ class _Selector:
     def account_needed(self, keep: set, regions: list) -> Plan:
         """Memory and time of keeping ``keep`` with these region cuts, as the AOT backend runs it:
         from every value backward reads (what autograd saves, and the ops that save something of
-        their own), walk back: a kept node's value is saved (its bytes and what its op saves), a
-        value from an earlier region is saved (that region's output, this region's input), a
-        graph output or input/parameter is held anyway; anything else is recomputed (its time)
-        and its inputs are walked. Nodes recomputed but never needed cost nothing."""
+        their own), walk back: a kept node's value is saved where it is read (its bytes) and what
+        its op saves for its own backward (its extras) always, a value from an earlier region is
+        saved (that region's output, this region's input), a graph output or input/parameter is
+        held anyway, a value already saved for a later region with no extras is read from there;
+        anything else is recomputed (its time) and its inputs are walked. Nodes recomputed but
+        never needed cost nothing. The plan keeps what the walk saved and did not rerun: the
+        rewrite reruns exactly the rest."""
         am = self.am
         region_of = {n: k for k, region in enumerate(regions) for n in region}
         saved_at = [0.0] * len(regions)  # bytes saved, by the region holding them
@@ -202,42 +208,46 @@ class _Selector:
             saved_at[k] += am.bytes.get(r, 0.0)
 
         # each saved value is needed in the region of the node whose backward reads it; items are
-        # (value, region, position of the backward node reading it, or None: a recomputation reads it)
+        # (value, region, position of the backward node reading it, or None: a recomputation reads it,
+        # whether only the value's extras are read: what its own op saves, not its output)
         stack = []
         for n in am.body:
             k = region_of.get(n, 0)
             j = self.index[n]
-            stack.extend((r, k, j) for r in am.saved[n] if r in self.index)
+            stack.extend((r, k, j, False) for r in am.saved[n] if r in self.index)
             if am.extra.get(n, 0.0) > 0:
-                stack.append((n, k, j))
+                stack.append((n, k, j, True))
         seen = set()
         read_at: dict = {}  # recomputed node -> positions of the backward nodes that read it
         rc_users: dict = {}  # recomputed node -> the recomputed nodes whose recomputation reads it
         while stack:
-            n, k, j = stack.pop()
+            n, k, j, extras = stack.pop()
             if n not in region_of:
                 continue  # an input, parameter or buffer: held anyway
             if isinstance(j, fx.Node):  # read by the recomputation of j
                 rc_users.setdefault(n, set()).add(j)
             elif j is not None:
                 read_at.setdefault(n, []).append(j)
-            if (n, k) in seen:
+            if (n, k, extras) in seen:
                 continue
-            seen.add((n, k))
+            seen.add((n, k, extras))
             r = am.root.get(n, n)
             if region_of[n] != k:  # produced by an earlier region: saved as this region's input
                 save(r, k)
                 continue
-            if n in keep:
-                save(r, k) if r in region_of else None
-                if n not in recomputed and am.extra.get(n, 0.0) > 0 and (n, "x") not in seen:
-                    seen.add((n, "x"))
+            # kept (its extras saved; its output where read), or already saved as a later region's
+            # input with nothing of its own to save: read from there, not rerun
+            if n in keep or (not extras and r is n and r in saved_roots and n not in recomputed
+                             and am.extra.get(n, 0.0) <= 0):
+                if extras:
                     saved_at[k] += am.extra[n]
+                elif r in region_of:
+                    save(r, k)
                 continue
             if n not in recomputed:
                 recomputed.add(n)
                 extra_s += am.seconds.get(n, 0.0)
-            stack.extend((a, k, n) for a in n.all_input_nodes)
+            stack.extend((a, k, n, False) for a in n.all_input_nodes)
         # The backward runs the forward positions in reverse. At position p it holds: what was
         # saved before p (its later readers' backward has freed the rest); the recomputed values
         # live across p; the backward working set of node p (its output's and inputs' gradients,
@@ -299,10 +309,14 @@ class _Selector:
         # total is the walk's peak less that working set, so the transient may be negative (the
         # largest working set comes when much of what was saved is already freed)
         peak = self.scratch_bytes + peak - self.working
-        keep = set(keep) | {n for n in saved_roots if n in region_of}
+        # a value saved for a later region is kept, unless its own region's backward reruns it:
+        # that is how the walk priced it (a max-pool's indices, a norm's statistics not saved),
+        # and the rewrite reruns what the plan does not keep
+        keep = set(keep) | {n for n in saved_roots if n in region_of and n not in recomputed}
         plan = Plan(keep, regions, kept_bytes, peak - kept_bytes, extra_s)
         plan.recomputed, plan.saved_roots = recomputed, saved_roots
         plan.early = early
+        plan.one_level_saved = sum(saved_at)
         # what nest() needs: the memory walk, and the bytes saved per (region of the value, region
         # of its last forward reader) -- a segment covering both drops them until its backward
         pairs: dict = {}
@@ -469,6 +483,7 @@ class _Selector:
         out = Plan(plan.keep, regions, kept, peak - kept, plan.extra_s + sum(sum(secs[a:b + 1]) for a, b in segs),
                    plan.crossing_bytes, list(plan.notes), plan.recomputed, plan.saved_roots, plan.early)
         out.segments = segs
+        out.one_level_saved = plan.one_level_saved
         out.notes.append(f"two-level recomputation: {len(segs)} segment(s) of consecutive regions run under an outer "
                          "checkpoint (their forward reruns once more in backward) to fit the budget")
         return out

@@ -29,7 +29,8 @@ def _convs(gm):
 
 def test_converts_weights_once_and_inputs_at_the_boundary():
     m = FeatureMap().eval().to(torch.bfloat16)
-    x = torch.randn(32, 3, 64, 64, dtype=torch.bfloat16)
+    # (batch 16: the region's predicted gain on the H200 is 41 us; it turns to a loss below batch 6)
+    x = torch.randn(16, 3, 64, 64, dtype=torch.bfloat16)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
     assert res.status == "applied" and res.details["convolutions"] == 3
@@ -73,19 +74,33 @@ def test_no_convolutions_nothing_to_do():
     assert res.status == "unchanged" and not res.rejected
 
 
-def test_resnet50_one_region_and_accuracy():
+def _resnet18(batch, res, dtype=torch.float32):
+    """ResNet-18 (20 convolutions, BatchNorm statistics from one training-mode forward) at a low
+    resolution: the whole network is one region as ResNet-50 at 224 is, at a fraction of its CPU time."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    x = torch.randn(batch, 3, res, res)
+    with torch.no_grad():
+        model.train()(x)
+    return model.eval().to(dtype), (x.to(dtype),)
+
+
+def test_resnet_one_region_and_accuracy():
     import dataclasses
 
     from graphopt.cost.profiles import get_profile
 
-    model, inputs = zoo.get("resnet50", batch=4, dtype=torch.bfloat16)
+    model, inputs = _resnet18(4, 64, torch.bfloat16)
     gm = capture(model, inputs)
     # planned for CUDA-graph replay (as optimize() plans static-shape inference on a GPU): at
-    # batch 4 the convolutions' device time, not their launch, is what the layout changes
+    # batch 4 the convolutions' device time, not their launch, is what the layout changes (at
+    # 64 px it still pays from batch 1 on)
     h200 = get_profile("h200")[0]
     replay = dataclasses.replace(h200, launch_overhead_s=h200.launch_overhead_graph_s)
     (res,) = run_passes(gm, ["fold_conv_bn", "convert_channels_last"], target=replay)[1:]
-    assert res.status == "applied" and res.details["convolutions"] == 53
+    assert res.status == "applied" and res.details["convolutions"] == 20 and len(res.details["regions"]) == 1
     assert res.details["input_conversions"] == 1 and res.details["output_conversions"] == 0
     assert reference_check(model, gm, inputs).passed
 
@@ -96,11 +111,11 @@ def test_cpu_channels_last_where_onednn_is_faster():
 
     from graphopt.cost.profiles import get_profile
 
-    model, inputs = zoo.get("resnet50", batch=2)
+    model, inputs = _resnet18(2, 128)  # (here it pays down to 32 px)
     gm = capture(model, inputs)
     slow = dataclasses.replace(get_profile("cpu")[0], conv_nchw_slowdown=1.3)
     (res,) = run_passes(gm, ["fold_conv_bn", "convert_channels_last"], target=slow)[1:]
-    assert res.status == "applied" and res.details["convolutions"] == 53
+    assert res.status == "applied" and res.details["convolutions"] == 20
     assert reference_check(model, gm, inputs).passed
 
 
@@ -138,7 +153,7 @@ class EncoderDecoder(nn.Module):
 
 def test_each_connected_region_is_decided_on_its_own():
     m = EncoderDecoder().eval().to(torch.bfloat16)
-    x = torch.randn(16, 3, 64, 64, dtype=torch.bfloat16)
+    x = torch.randn(8, 3, 64, 64, dtype=torch.bfloat16)  # (the encoder's gain turns to a loss below batch 4)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
     assert res.status == "applied" and len(res.details["regions"]) == 1

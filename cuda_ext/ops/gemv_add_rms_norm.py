@@ -30,7 +30,7 @@ from . import add_rms_norm as arn
 from . import gemv as gv
 
 SCHEMA = ("gemv_add_rms_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor norm_weight, "
-          "float eps, Tensor? pre_weight=None, float pre_eps=0.0) -> (Tensor, Tensor)")
+          "float eps, Tensor? pre_weight=None, float pre_eps=0.) -> (Tensor, Tensor)")
 
 
 def reference(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_eps=0.0):

@@ -108,12 +108,13 @@ class _Selector:
             self.grads_in_held = not frees_incoming_grads()
         self.forced_recompute = set()
         self.forced_keep = set()
+        self.random = {n for n in body if ir.is_random(n)}  # (asked of every region of every plan tried)
         for n in body:
             val = n.meta.get("val")
             makes_tensors = isinstance(val, (torch.Tensor, tuple, list))
             if am.root.get(n) is n and n in am.outputs:
                 self.forced_keep.add(n)  # the caller holds it anyway
-            elif keep_random and ir.is_random(n) and makes_tensors:
+            elif keep_random and n in self.random and makes_tensors:
                 self.forced_keep.add(n)  # the AOT backend never reruns a random op (no RNG replay)
             elif self.cost_bytes(n) <= 0 or mutated_args(n) or not makes_tensors:
                 # views/aliases (keeping one would pin its base), buffer updates (rerun on
@@ -552,7 +553,7 @@ class _Selector:
         keep = set(plan.keep)
         changed = False
         for region in plan.regions:
-            rnd = [n for n in region if ir.is_random(n)]
+            rnd = [n for n in region if n in self.random]
             if rnd and any(n in keep for n in rnd) and any(n not in keep for n in rnd):
                 keep.difference_update(rnd)
                 changed = True
@@ -570,7 +571,7 @@ class _Selector:
         for _ in range(4 if self.aot else 0):
             changed = False
             for n in sorted(plan.early, key=lambda n: -plan.early[n] * self.cost_bytes(n))[:tries]:
-                if n in plan.keep or ir.is_random(n) or n in self.forced_recompute:
+                if n in plan.keep or n in self.random or n in self.forced_recompute:
                     continue
                 trial = self.account(plan.keep | {n}, plan.regions)
                 if trial.total_bytes <= plan.total_bytes and trial.extra_s <= plan.extra_s:
@@ -580,7 +581,7 @@ class _Selector:
                 break
         recomputed = [n for n in self.order() if n not in plan.keep and self.am.seconds[n] > 0]
         for n in sorted(recomputed, key=lambda n: -self.am.seconds[n])[:tries]:
-            if ir.is_random(n):  # a region's random ops stay together
+            if n in self.random:  # a region's random ops stay together
                 continue
             trial = self.account(plan.keep | {n}, plan.regions)
             if trial.total_bytes <= budget and trial.extra_s < plan.extra_s:

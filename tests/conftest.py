@@ -33,7 +33,8 @@ def _freeze_the_imports():
     unfreezes them for its own run (see ``unfrozen``)."""
     import importlib
 
-    for name in ("torch._dynamo", "torch.export", "torch._functorch.aot_autograd", "torch.utils.checkpoint",
+    for name in ("torch._dynamo", "torch.export", "torch._functorch.aot_autograd",
+                 "torch._functorch.partitioners", "torch.utils.checkpoint",
                  "transformers", "torchvision", "graphopt", "graphopt.examples.zoo", "graphopt.checkpoint"):
         try:
             importlib.import_module(name)

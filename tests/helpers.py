@@ -18,6 +18,20 @@ def reference_check(model, gm, args, kwargs=None, training=False):
     return accuracy.check(out, ref64, eager, training=training)
 
 
+def resnet18(batch, res, dtype=torch.float32):
+    """torchvision's ResNet-18 (20 convolutions; BatchNorm statistics from one training-mode forward
+    of the input), eval mode, and an input of ``batch`` images of ``res`` pixels: the tests' stand-in
+    for ResNet-50 at a fraction of its CPU time."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    x = torch.randn(batch, 3, res, res)
+    with torch.no_grad():
+        model.train()(x)
+    return model.eval().to(dtype), (x.to(dtype),)
+
+
 def op_counts(gm):
     return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
@@ -26,24 +40,80 @@ def fresh(model):
     return copy.deepcopy(model)
 
 
-def run_in_triton_interpreter(function: str) -> None:
-    """Run ``module:function`` (e.g. ``tests.cuda_ext.test_norm_triton:interpreter_cases``) in a
-    fresh process with Triton's interpreter on (it must be on before triton is imported for
-    tl.sum and the other library functions to work); the function prints "interpreter cases ok"."""
+# The process that runs Triton kernels in its interpreter for this test process (started at the first
+# call): Triton's interpreter must be on before triton is imported (tl.sum and the other library
+# functions), so not here; one process serves every call, since starting one (torch, triton, graphopt)
+# took as long as most of the calls' cases.
+_INTERPRETER_LOOP = r"""
+import contextlib, importlib, io, json, sys, traceback
+for line in sys.stdin:
+    module, name = line.strip().split(":")
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            getattr(importlib.import_module(module), name)()
+        ok = "interpreter cases ok" in out.getvalue()
+    except BaseException:
+        ok = False
+        out.write(traceback.format_exc())
+    sys.__stdout__.write("@@result " + json.dumps({"ok": ok, "out": out.getvalue()[-3000:]}) + "\n")
+    sys.__stdout__.flush()
+"""
+_interpreter: dict = {}
+
+
+def _interpreter_process():
+    import atexit
     import os
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
+
+    proc = _interpreter.get("proc")
+    if proc is not None and proc.poll() is None:
+        return proc
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-u", "-c", _INTERPRETER_LOOP], cwd=root, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+    _interpreter.update(proc=proc, log=log)
+    atexit.register(proc.kill)
+    return proc
+
+
+def run_in_triton_interpreter(function: str, timeout: float = 300) -> None:
+    """Run ``module:function`` (e.g. ``tests.cuda_ext.test_norm_triton:interpreter_cases``) with
+    Triton's interpreter on, in this test process's interpreter process (a fresh one if the last
+    one died); the function prints "interpreter cases ok"."""
+    import select
+    import time
 
     import pytest
 
     pytest.importorskip("triton")
-    module, name = function.split(":")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c", f"from {module} import {name} as f; f()"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "interpreter cases ok" in r.stdout, r.stderr[-3000:]
+    proc = _interpreter_process()
+    proc.stdin.write(function + "\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + timeout
+    while True:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = proc.stdout.readline() if ready else ""
+        if line.startswith("@@result "):
+            break
+        if not line and (not ready or proc.poll() is not None):  # timed out, or the process died
+            proc.kill()
+            proc.wait()
+            _interpreter.pop("proc")  # the next call starts another
+            log = _interpreter["log"]
+            log.seek(0)
+            pytest.fail(f"{function}: the interpreter process {'timed out' if not ready else 'died'}: "
+                        f"{log.read()[-3000:]}")
+    import json
+
+    res = json.loads(line[len("@@result "):])
+    assert res["ok"], res["out"]
 
 
 def same_when_graphed(call):

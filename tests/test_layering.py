@@ -54,7 +54,18 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
-TREES = {m: ast.parse(p.read_text(), filename=str(p)) for m, p in MODULES.items()}
+
+
+class _Trees(dict):
+    """Each module's syntax tree, parsed at its first use (parsing them all when the file was
+    imported cost every pytest-xdist worker 2 s of its collection)."""
+
+    def __missing__(self, module):
+        tree = self[module] = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+        return tree
+
+
+TREES = _Trees()
 
 
 def _resolve(name: str) -> str | None:

@@ -108,12 +108,13 @@ class _Selector:
             self.grads_in_held = not frees_incoming_grads()
         self.forced_recompute = set()
         self.forced_keep = set()
+        self.random = {n for n in body if ir.is_random(n)}  # (asked of every region of every plan tried)
         for n in body:
             val = n.meta.get("val")
             makes_tensors = isinstance(val, (torch.Tensor, tuple, list))
             if am.root.get(n) is n and n in am.outputs:
                 self.forced_keep.add(n)  # the caller holds it anyway
-            elif keep_random and ir.is_random(n) and makes_tensors:
+            elif keep_random and n in self.random and makes_tensors:
                 self.forced_keep.add(n)  # the AOT backend never reruns a random op (no RNG replay)
             elif self.cost_bytes(n) <= 0 or mutated_args(n) or not makes_tensors:
                 # views/aliases (keeping one would pin its base), buffer updates (rerun on
@@ -404,10 +405,15 @@ class _Selector:
             return inputs_memo[(a, b)]
 
         def own(a: int, b: int) -> float:
-            """Bytes the segment's regions save for themselves (made and last read inside it)."""
-            if (a, b) not in own_memo:
-                own_memo[(a, b)] = sum(v for (i, j), v in pairs.items() if a <= i and j <= b)
-            return own_memo[(a, b)]
+            """Bytes the segment's regions save for themselves (made and last read inside it): the
+            pairs (region made i, region last read j) with a <= i and j <= b, from a table of their
+            sums (bytes are whole numbers: the float sums are exact in any order)."""
+            if "table" not in own_memo:
+                by_pair = torch.zeros(R + 1, R + 1, dtype=torch.float64)
+                for (i, j), v in pairs.items():
+                    by_pair[i, min(j, R)] += v
+                own_memo["table"] = by_pair.flip(0).cumsum(0).flip(0).cumsum(1).tolist()
+            return own_memo["table"][a][b]
 
         def drop(a: int, b: int) -> float:
             """What the segment takes off the bytes held after the forward."""
@@ -434,34 +440,59 @@ class _Selector:
         def excess(c: torch.Tensor) -> float:
             return float((c - limit).clamp(min=0).sum())
 
+        # every candidate segment (a, b), its effect on the walk and its rerun seconds, as one matrix:
+        # each greedy step prices all of them with a few tensor operations
+        key = ("candidates", max_len)
+        if key not in memo_all:
+            cands = [(a, b) for a in range(R) for b in range(a, min(R, a + max_len))]
+            # effect() for all of them at once: its steps as a difference along the walk, summed
+            rows_at, cols_at, vals = [], [], []
+            for k, (a, b) in enumerate(cands):
+                rows_at.append(k), cols_at.append(hi[b] + 1), vals.append(-own(a, b))
+                for x, v in held_inputs(a, b):
+                    rows_at.append(k), cols_at.append(self.index[x] + 1), vals.append(v)
+            steps = torch.zeros(len(cands), n_pos + 1, dtype=torch.float64)
+            steps.index_put_((torch.tensor(rows_at), torch.tensor(cols_at)), torch.tensor(vals, dtype=torch.float64),
+                             accumulate=True)
+            effects = steps.cumsum(1)[:, :n_pos].contiguous()
+            effects[torch.arange(len(cands)), torch.tensor([hi[b] for _, b in cands])] += torch.tensor(
+                [max(biggest[a:b + 1]) for a, b in cands], dtype=torch.float64)
+            memo.update({c: effects[k] for k, c in enumerate(cands)})
+            memo_all[key] = (cands, torch.tensor([c[0] for c in cands]), torch.tensor([c[1] for c in cands]),
+                             effects, torch.tensor([span_s(a, b) for a, b in cands], dtype=torch.float64))
+        cands, first, last, effects, spans = memo_all[key]
+        rows = 1 + (1 << 22) // max(n_pos, 1)  # candidates priced at once (a temporary of 32 MB at most)
+
         segs: list = []
         cur = curve.clone()
         kept = plan.saved_bytes  # held after the forward
         while float(cur.max()) > limit:
             base_ex = excess(cur)
-            best = None
-            for a in range(R):
-                for b in range(a, min(R, a + max_len)):
-                    inside = [s for s in segs if a <= s[0] and s[1] <= b]
-                    if any(not (s[1] < a or s[0] > b) for s in segs if s not in inside):
-                        continue  # overlaps a segment partly
-                    if inside == [(a, b)]:
-                        continue
-                    trial = cur + effect(a, b)
-                    for s in inside:
-                        trial -= effect(*s)
-                    gain = base_ex - excess(trial)
-                    if gain <= 0:
-                        continue
-                    dt = span_s(a, b) - sum(span_s(*s) for s in inside)
-                    score = gain / max(dt, 1e-9)
-                    if best is None or score > best[0]:
-                        best = (score, (a, b), inside, trial)
-            if best is None:
+            # a candidate holds the segments inside it (their effects replaced by its own); one that
+            # overlaps a segment partly, or is one, is not a candidate
+            valid = torch.ones(len(cands), dtype=torch.bool)
+            inside = torch.zeros(len(cands), len(segs), dtype=torch.float64)
+            for j, (sa, sb) in enumerate(segs):
+                holds = (first <= sa) & (sb <= last)
+                valid &= holds | (sb < first) | (sa > last)
+                valid &= ~((first == sa) & (last == sb))
+                inside[:, j] = holds.double()
+            seg_effects = torch.stack([effect(*t) for t in segs]) if segs else torch.zeros(0, n_pos, dtype=torch.float64)
+            seg_spans = torch.tensor([span_s(*t) for t in segs], dtype=torch.float64)
+            gain = torch.empty(len(cands), dtype=torch.float64)
+            for lo_k in range(0, len(cands), rows):
+                trial = cur + effects[lo_k:lo_k + rows] - inside[lo_k:lo_k + rows] @ seg_effects
+                gain[lo_k:lo_k + rows] = base_ex - (trial - limit).clamp(min=0).sum(dim=1)
+            dt = spans - inside @ seg_spans
+            score = torch.where(valid & (gain > 0), gain / dt.clamp(min=1e-9), float("-inf"))
+            k = int(score.argmax())  # (the first of equal scores, as the candidates are listed)
+            if score[k] == float("-inf"):
                 return None
-            _, seg, inside, cur = best
-            kept = kept - drop(*seg) + sum(drop(*s) for s in inside)
-            segs = sorted([s for s in segs if s not in inside] + [seg])
+            seg = cands[k]
+            held = [t for j, t in enumerate(segs) if inside[k, j]]
+            cur = cur + effects[k] - inside[k] @ seg_effects
+            kept = kept - drop(*seg) + sum(drop(*t) for t in held)
+            segs = sorted([t for t in segs if t not in held] + [seg])
         # trim: shrink each segment from either end while the plan still fits
         changed = True
         while changed:
@@ -522,7 +553,7 @@ class _Selector:
         keep = set(plan.keep)
         changed = False
         for region in plan.regions:
-            rnd = [n for n in region if ir.is_random(n)]
+            rnd = [n for n in region if n in self.random]
             if rnd and any(n in keep for n in rnd) and any(n not in keep for n in rnd):
                 keep.difference_update(rnd)
                 changed = True
@@ -540,7 +571,7 @@ class _Selector:
         for _ in range(4 if self.aot else 0):
             changed = False
             for n in sorted(plan.early, key=lambda n: -plan.early[n] * self.cost_bytes(n))[:tries]:
-                if n in plan.keep or ir.is_random(n) or n in self.forced_recompute:
+                if n in plan.keep or n in self.random or n in self.forced_recompute:
                     continue
                 trial = self.account(plan.keep | {n}, plan.regions)
                 if trial.total_bytes <= plan.total_bytes and trial.extra_s <= plan.extra_s:
@@ -550,7 +581,7 @@ class _Selector:
                 break
         recomputed = [n for n in self.order() if n not in plan.keep and self.am.seconds[n] > 0]
         for n in sorted(recomputed, key=lambda n: -self.am.seconds[n])[:tries]:
-            if ir.is_random(n):  # a region's random ops stay together
+            if n in self.random:  # a region's random ops stay together
                 continue
             trial = self.account(plan.keep | {n}, plan.regions)
             if trial.total_bytes <= budget and trial.extra_s < plan.extra_s:

@@ -70,15 +70,17 @@ def test_plans_leave_the_allocator_headroom_of_the_budget_free():
 def test_eager_step_memory_is_walked_in_backward_order():
     """A CNN's largest backward working set (the first convolutions' gradients) comes when most
     saved tensors are gone: the walk predicts the traced eager step within 3%, where saved + largest
-    working set over-predicts it by 19% here (11% on ResNet-50 bs128 on the H200)."""
+    working set over-predicts it by 19% here (11% on ResNet-50 bs128 on the H200). (The numbers the
+    pass reports, from its plan; the rewrite is not needed for them.)"""
+    from tests.test_checkpoint_api import captured
+
     model, args = small_resnet(batch=16, res=128)
+    _, gm, ctx = captured(model, args)
+    d = ic.plan_checkpoints(gm, ctx, 0.99, "aot").details
     model.train()
     params = list(model.parameters())
     trace_step(model, args, params=params)
     traced = trace_step(model, args, params=params)["peak"]
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.99, passes=["insert_checkpoints"],
-                            check_accuracy=False, checkpoint_backend="aot")
-    d = opt.report.pass_result("insert_checkpoints").details
     assert abs(d["baseline_activation_bytes"] / traced - 1) < 0.03
     assert d["baseline_held_bytes"] + d["backward_working_bytes"] > 1.1 * traced
 
@@ -101,8 +103,8 @@ def _forced_segments(monkeypatch):
 
 
 def test_outer_segments_keep_gradients_and_running_stats_and_free_memory(monkeypatch):
-    model, args = small_resnet(batch=32, res=96)
-    kwargs = dict(training=True, memory_budget=0.97, passes=["insert_checkpoints"], check_accuracy=False,
+    model, args = small_resnet(batch=16, res=64)  # (its parameters' gradients: a one-level plan meets 0.99)
+    kwargs = dict(training=True, memory_budget=0.99, passes=["insert_checkpoints"], check_accuracy=False,
                   checkpoint_backend="aot", target="h200")
     _one_level(monkeypatch)
     flat = graphopt.optimize(model, args, **kwargs)
@@ -216,7 +218,7 @@ def test_buffer_updates_stay_in_the_forward_graph(monkeypatch):
     is one ``add_``; the forward returns no buffers for a copy after each call, and the backward
     neither saves nor reads the running statistics. Statistics and gradients by the accuracy rule, also with
     an outer checkpoint over the regions (its rerun updates scratch copies)."""
-    model, args = small_resnet(batch=8, res=64)
+    model, args = small_resnet(batch=4, res=64)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.7, passes=["insert_checkpoints"],
                             check_accuracy=False, checkpoint_backend="aot", target="h200")
     model.train()
@@ -301,11 +303,12 @@ def test_buffer_increment_folds_into_one_in_place_add():
 
 
 def test_two_level_plan_traces_as_predicted():
-    """A budget no plan of one level meets (ResNet-18, 0.62): the two-level plan's step traces within
-    5% of its prediction, and the memory after its forward within 3% of the predicted held bytes
-    (the outer checkpoint holds its segment's inputs, which the plan frees otherwise)."""
-    model, args = small_resnet(batch=32, res=96)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.62, passes=["insert_checkpoints"],
+    """A budget no plan of one level meets (ResNet-18 at batch 16, 64 px: 0.65; one level needs more
+    than 0.7): the two-level plan's step traces within 5% of its prediction, and the memory after its
+    forward within 3% of the predicted held bytes (the outer checkpoint holds its segment's inputs,
+    which the plan frees otherwise)."""
+    model, args = small_resnet(batch=16, res=64)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.65, passes=["insert_checkpoints"],
                             check_accuracy=False, checkpoint_backend="aot", target="h200")
     model.train()
     d = opt.report.pass_result("insert_checkpoints").details

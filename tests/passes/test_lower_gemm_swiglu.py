@@ -61,8 +61,9 @@ def _run_budget(m, x, limit, profile=None):
 @pytest.mark.parametrize("merged", [True, False])
 def test_interleaved_copy_where_the_budget_allows(merged):
     """With room for a copy the weight's gate and up rows are reordered once (block 128), the
-    faster kernel: GLM-4's gate_up weight and Llama's merged siblings alike."""
-    m, x = MLP(merged=merged).eval().bfloat16(), torch.randn(8, 1024, 256).bfloat16()
+    faster kernel: GLM-4's gate_up weight and Llama's merged siblings alike. (1024 tokens: predicted
+    5.3 us faster on the H200, 14.6 us at 8192; the fp64 check is an eighth of 8192's.)"""
+    m, x = MLP(merged=merged).eval().bfloat16(), torch.randn(2, 512, 256).bfloat16()
     gm, res = _run_budget(m, x, None)
     c = op_counts(gm)
     assert c[FUSED] == 1 and c["graphopt.swiglu.default"] == 0 and c["aten.linear.default"] == 1  # down stays
@@ -71,7 +72,7 @@ def test_interleaved_copy_where_the_budget_allows(merged):
     w = ir.get_attr_value(gm, node.args[1].target)
     assert w.shape == (2048, 256) and w is not (m.gate_up.weight if merged else m.up.weight)
     (rw,) = res.rewrites
-    assert rw.predicted_gain_s > 0 and "8192 x 256 x 2048" in rw.pattern
+    assert rw.predicted_gain_s > 0 and "1024 x 256 x 2048" in rw.pattern
     assert reference_check(m, gm, (x,)).passed
 
 
@@ -91,7 +92,7 @@ def test_without_room_for_a_copy_the_halves_layout_is_priced_at_its_measured_rat
     h200 = get_profile("h200")[0]
     unmeasured = dataclasses.replace(h200, op_efficiency={k: v for k, v in h200.op_efficiency.items()
                                                           if k != "gemm_swiglu_halves"})
-    m, x = MLP(merged=True).eval().bfloat16(), torch.randn(8, 1024, 256).bfloat16()
+    m, x = MLP(merged=True).eval().bfloat16(), torch.randn(2, 512, 256).bfloat16()
     gm, res = _run_budget(m, x, 0, unmeasured)
     (node,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
     assert node.args[2:] == (1024, 0) and ir.get_attr_value(gm, node.args[1].target) is m.gate_up.weight
@@ -150,7 +151,7 @@ def test_glm_shaped_mlp_priced_as_measured(tokens, applied):
 def test_glm4_tiny_every_layer_fused():
     from graphopt.examples import zoo
 
-    model, (ids,) = zoo.get("glm4-tiny", batch=64, seq_len=128)
+    model, (ids,) = zoo.get("glm4-tiny", batch=16, seq_len=128)  # (both layers fused from batch 8 on)
     model = model.to(torch.bfloat16)
     gm = capture(model, (ids,))
     res = run_passes(gm, available(), target="h200")

@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from .norm_triton import cached_kernel, next_pow2
+from .norm_triton import cached_kernel, next_pow2, pdl_launch
 
 _kernels: dict = {}
 DTYPES = (torch.bfloat16, torch.float16)
@@ -204,6 +204,7 @@ def _kernel():
 def _build():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def decode_split_kernel(Q, K, V, M, KVLEN, O, OP, ML, CNT, scale,
@@ -213,7 +214,10 @@ def _build():
                             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_KVLEN: tl.constexpr,
                             SINGLE: tl.constexpr, FUSED: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, COMB_M: tl.constexpr,
-                            BLOCK_S: tl.constexpr, COMB_D: tl.constexpr, FENCE: tl.constexpr):
+                            BLOCK_S: tl.constexpr, COMB_D: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         split = tl.program_id(0)
         bk = tl.program_id(1)
         b = (bk // HKV).to(tl.int64)
@@ -309,7 +313,10 @@ def _build():
 
     @triton.jit
     def decode_combine_kernel(OP, ML, O, sob, soh, sot, sod, H, TQ, D, SPLITS,
-                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         t = row % TQ
         bh = row // TQ
@@ -406,10 +413,11 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
             HAS_KVLEN=kv_len is not None, SINGLE=s == 1, FUSED=fused,
             BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_D=p["BLOCK_D"], COMB_M=comb_m, BLOCK_S=block_s,
             COMB_D=comb_d, FENCE=os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=num_warps,
-            **({} if num_stages is None else {"num_stages": num_stages}))
+            **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(q.device))
         if s > 1 and not fused:
             combine[(B * H * T,)](op, ml, out, *out.stride(), H, T, D, s,
-                                  BLOCK_S=max(2, next_pow2(s)), BLOCK_D=p["BLOCK_D"], num_warps=4)
+                                  BLOCK_S=max(2, next_pow2(s)), BLOCK_D=p["BLOCK_D"], num_warps=4,
+                                  **pdl_launch(q.device))
     return out
 
 

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from .norm_triton import cached_kernel, next_pow2
+from .norm_triton import cached_kernel, next_pow2, pdl_launch
 
 _kernels: dict = {}
 DTYPES = (torch.float16, torch.bfloat16)
@@ -51,11 +51,15 @@ def _kernel():
 def _build():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def gemv_split_kernel(X, W, BIAS, Y, P, M, N, K, K_PER, sxm, sxk, swn, swk, sym, syn,
                           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,7 +86,10 @@ def _build():
 
     @triton.jit
     def gemv_reduce_kernel(P, BIAS, Y, M, N, SPLITS, sym, syn, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+                           BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         m = tl.program_id(0)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rs = tl.arange(0, BLOCK_S)
@@ -97,7 +104,10 @@ def _build():
     @triton.jit
     def gemv_norm_kernel(P, BIAS, R, NW, PW, OUT, H, M, N, SPLITS, eps, pre_eps, srm, srn, som, son, shm, shn,
                          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PRE: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # one program per row of y: the partial sums added (and the bias), rounded as the linear's
         # output; with PRE, y RMS-normalized times PW first (a sandwich norm's first norm); h = y +
         # residual rounded and stored; then the row's RMSNorm of h times the weight NW.
@@ -192,11 +202,11 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             x, weight, b, y, partial, M, N, K, p["k_per_split"], x.stride(0), x.stride(1),
             weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
             HAS_BIAS=bias is not None, PARTIAL=s > 1, BLOCK_M=16, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-            STAGES=p["num_stages"], num_warps=p["num_warps"])
+            STAGES=p["num_stages"], num_warps=p["num_warps"], **pdl_launch(x.device))
         if s > 1:
             bn = 256
             reduce[(M, -(-N // bn))](partial, b, y, M, N, s, y.stride(0), y.stride(1), HAS_BIAS=bias is not None,
-                                     BLOCK_S=max(2, next_pow2(s)), BLOCK_N=bn, num_warps=4)
+                                     BLOCK_S=max(2, next_pow2(s)), BLOCK_N=bn, num_warps=4, **pdl_launch(x.device))
     return y
 
 
@@ -229,7 +239,7 @@ def gemv_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                 x, weight, b, out, partial, M, N, K, p["k_per_split"], x.stride(0), x.stride(1),
                 weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
                 HAS_BIAS=False, PARTIAL=True, BLOCK_M=16, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-                STAGES=p["num_stages"], num_warps=p["num_warps"])
+                STAGES=p["num_stages"], num_warps=p["num_warps"], **pdl_launch(x.device))
         bs = max(2, next_pow2(s))
         one = bs * next_pow2(N) <= NORM_ONE_BLOCK  # the whole row's partial sums in one program's registers
         bn = next_pow2(N) if one else max(16, min(next_pow2(N), max(256, 16384 // bs)))
@@ -239,5 +249,5 @@ def gemv_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                    out.stride(0), out.stride(1), h.stride(0), h.stride(1),
                    HAS_BIAS=bias is not None, HAS_RES=residual is not None, PRE=pre_weight is not None,
                    ONE_BLOCK=one, BLOCK_S=bs, BLOCK_N=bn,
-                   num_warps=16 if one else 8)
+                   num_warps=16 if one else 8, **pdl_launch(x.device))
     return out, h

@@ -20,6 +20,28 @@ import torch
 
 _kernels: dict = {}
 MAX_HIDDEN = 8192
+_capability: dict = {}
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether graphopt's Triton kernels on ``device`` use programmatic dependent launch: a Hopper
+    or newer GPU, not the Triton interpreter, and ``GRAPHOPT_PDL`` not "0". Such a kernel is
+    launched while the kernel before it still runs; each of its programs first waits
+    (``griddepcontrol.wait``) until that kernel has finished and its writes are visible, and only
+    then lets the next kernel launch, so nothing a kernel reads or writes can race with the
+    kernels before it. What overlaps is the launch and the programs' start."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" \
+            or os.environ.get("GRAPHOPT_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capability:
+        _capability[index] = torch.cuda.get_device_capability(index)
+    return _capability[index][0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch keywords of a kernel that takes ``PDL: tl.constexpr`` (see :func:`pdl`)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
 
 
 def next_pow2(n: int) -> int:
@@ -86,9 +108,14 @@ _sandwich_kernels: dict = {}
 def _build_sandwich():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def rms_add_rms_kernel(Y, RES, WY, W, OUT, HOUT, R, H, eps_y, eps, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    def rms_add_rms_kernel(Y, RES, WY, W, OUT, HOUT, R, H, eps_y, eps, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                           PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
@@ -132,7 +159,7 @@ def rms_norm_add_rms_norm_triton(y: torch.Tensor, residual: torch.Tensor, weight
     k = cached_kernel(_sandwich_kernels, _build_sandwich)
     with torch.cuda.device(y.device) if y.device.type == "cuda" else contextlib.nullcontext():
         k[(triton.cdiv(R, rows),)](yc, rc, wy, w, out, h, R, H, float(eps_y), float(eps), ROWS=rows, BLOCK_H=bh,
-                                   num_warps=warps)
+                                   num_warps=warps, **pdl_launch(y.device))
     return out, h
 
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from .norm_triton import next_pow2
+from .norm_triton import next_pow2, pdl_launch
 from .pointwise import COMPARE, DTYPES, Program, compute_dtype_for, dense_order, parse, value_kinds
 
 BLOCK = 1024
@@ -106,8 +106,12 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     params += [f"st{i}_{d}" for i in range(n_in) for d in range(ndim)]
     shape = "[BM, BN]" if tile2d else "[BLOCK]"
     consts = "BM: tl.constexpr, BN: tl.constexpr" if tile2d else "BLOCK: tl.constexpr"
-    L = ["import triton", "import triton.language as tl", "", "",
-         "@triton.jit", f"def pw_kernel({', '.join(params)}, {consts}):",
+    L = ["import triton", "import triton.language as tl",
+         "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait", "", "",
+         "@triton.jit", f"def pw_kernel({', '.join(params)}, {consts}, PDL: tl.constexpr):",
+         "    if PDL:  # programmatic dependent launch (norm_triton.pdl)",
+         "        gdc_wait()",
+         "        gdc_launch_dependents()",
          "    pid = tl.program_id(0)"]
     if tile2d:
         ity = ".to(tl.int64)" if use_i64 else ""
@@ -371,14 +375,14 @@ def _run_plan(pl: _Plan, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return outs
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         try:
-            pl.kern[pl.grid](*inputs, *outs, *pl.scalars, **pl.meta)
+            pl.kern[pl.grid](*inputs, *outs, *pl.scalars, **pl.meta, **pdl_launch(dev))
         except Exception:
             if not pl.fast:
                 raise
             # this Triton cannot compile the inline-asm tanh: use the portable formula from now on
             pl.fast = False
             pl.kern = get_kernel(*pl.spec, fast=False)
-            pl.kern[pl.grid](*inputs, *outs, *pl.scalars, **pl.meta)
+            pl.kern[pl.grid](*inputs, *outs, *pl.scalars, **pl.meta, **pdl_launch(dev))
     return outs
 
 

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from .norm_triton import cached_kernel, next_pow2
+from .norm_triton import cached_kernel, next_pow2, pdl_launch
 
 _kernels: dict = {}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,6 +30,7 @@ def _kernel():
 def _build():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def rotary_cache_kernel(Q, K, V, COS, SIN, KC, VC, POS, QO,
@@ -37,7 +38,11 @@ def _build():
                             scb, sct, ssb, sst, skcb, skch, skcl, skcd, svcb, svch, svcl, svcd,
                             sob, soh, sot, sod, sp,
                             HQ, HKV, T, L, D, DV, R,
-                            POS_SCALAR: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr):
+                            POS_SCALAR: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr,
+                            PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         bt = tl.program_id(0)
         j = tl.program_id(1)              # head slot: q heads, then k heads, then v heads
         b = (bt // T).to(tl.int64)
@@ -115,5 +120,5 @@ def rotary_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, pos, interlea
                      *out.stride(), 0 if scalar else pos.stride(0),
                      HQ, HKV, T, L, D, DV, R,
                      POS_SCALAR=scalar, INTERLEAVED=bool(interleaved), BLOCK_D=max(16, next_pow2(max(D, DV))),
-                     num_warps=1 if max(D, DV) <= 128 else 4)
+                     num_warps=1 if max(D, DV) <= 128 else 4, **pdl_launch(q.device))
     return out

@@ -103,7 +103,7 @@ def _forced_segments(monkeypatch):
 
 
 def test_outer_segments_keep_gradients_and_running_stats_and_free_memory(monkeypatch):
-    model, args = small_resnet(batch=16, res=64)  # (its parameters' gradients: a one-level plan meets 0.99)
+    model, args = small_resnet(batch=16, res=64, blocks=1)  # (its parameters' gradients: a one-level plan meets 0.99)
     kwargs = dict(training=True, memory_budget=0.99, passes=["insert_checkpoints"], check_accuracy=False,
                   checkpoint_backend="aot", target="h200")
     _one_level(monkeypatch)
@@ -218,7 +218,7 @@ def test_buffer_updates_stay_in_the_forward_graph(monkeypatch):
     is one ``add_``; the forward returns no buffers for a copy after each call, and the backward
     neither saves nor reads the running statistics. Statistics and gradients by the accuracy rule, also with
     an outer checkpoint over the regions (its rerun updates scratch copies)."""
-    model, args = small_resnet(batch=4, res=64)
+    model, args = small_resnet(batch=4, res=64, blocks=1)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.7, passes=["insert_checkpoints"],
                             check_accuracy=False, checkpoint_backend="aot", target="h200")
     model.train()

@@ -344,7 +344,9 @@ def test_outer_checkpoints_are_priced_with_the_inputs_they_hold():
     args = (torch.randn(2048, 64),)
     params = list(model.parameters())
     planned = 0
-    for budget in (0.23, 0.22, 0.205):
+    # (the minimum: 0.228 of the step on torch 2.11, 0.216 on 2.14, where 0.22 plans too; 0.205, below
+    # both, spent 3.9 s of a search that ends in BudgetError)
+    for budget in (0.23, 0.22):
         try:
             opt = graphopt.optimize(model, args, training=True, memory_budget=budget, passes=["insert_checkpoints"],
                                     check_accuracy=False, checkpoint_backend="aot", target="h200")

@@ -69,8 +69,8 @@ def _reference(batch, name):
     return eager_out, ref_out, eager_g, ref_g
 
 
-def _check(tmp_path, world, batch, runs, name="glm4-tiny", passes=(), plan_for=None):
-    gd.spawn(_work, world, str(tmp_path), batch, runs, name, passes, plan_for)
+def _check(tmp_path, world, batch, runs, name="glm4-tiny", passes=(), plan_for=None, start_method="spawn"):
+    gd.spawn(_work, world, str(tmp_path), batch, runs, name, passes, plan_for, start_method=start_method)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     eager_out, ref_out, eager_g, ref_g = _reference(batch, name)
     for schedule, mbs, train in runs:
@@ -133,7 +133,12 @@ def test_two_processes_with_fused_stage_graphs(tmp_path):
 
 
 def test_three_processes_gpipe_and_1f1b_match_the_unpartitioned_mlp(tmp_path):
-    _check(tmp_path, 3, 12, [("gpipe", 4, False), ("1f1b", 3, True)], name="mlp")
+    # forked from one server process that imported this module (torch, graphopt, the zoo) once:
+    # three spawned interpreters each imported them, most of the test's time on two cores
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload([__name__])
+    _check(tmp_path, 3, 12, [("gpipe", 4, False), ("1f1b", 3, True)], name="mlp", start_method="forkserver")
 
 
 def _outputs_to_host(rank, world, path):

@@ -78,13 +78,17 @@ def _entry(rank, fn, world, port, backend, args):
         dist.destroy_process_group()
 
 
-def spawn(fn, nprocs: int, *args, backend: str = "gloo") -> None:
+def spawn(fn, nprocs: int, *args, backend: str = "gloo", start_method: str = "spawn") -> None:
     """Run ``fn(rank, world, *args)`` in ``nprocs`` processes on this machine with a process
-    group initialized (free local port). ``fn`` must be importable (a module-level function)."""
+    group initialized (free local port). ``fn`` must be importable (a module-level function).
+    ``start_method="forkserver"`` forks the processes from one server process, which imports the
+    modules named by ``multiprocessing.set_forkserver_preload`` once for all of them (a spawned
+    process imports torch and graphopt itself: seconds each)."""
     import torch.multiprocessing as mp
 
     _safe_env()
-    mp.spawn(_entry, args=(fn, nprocs, free_port(), backend, args), nprocs=nprocs, join=True)
+    mp.start_processes(_entry, args=(fn, nprocs, free_port(), backend, args), nprocs=nprocs, join=True,
+                       start_method=start_method)
 
 
 def microbatch(example_inputs, microbatches: int):

@@ -81,6 +81,9 @@ def _run(fn, tensors, eps, grads):
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradcheck_fp64(name):
     fused, _, shapes, eps = CASES[name]
+    # the [3, 7, N] inputs as [2, 3, N]: gradcheck runs the op twice per input element, and rows are
+    # independent (test_gradients_against_fp64 keeps the 21 rows)
+    shapes = tuple(s if s is None or len(s) != 3 else (2, 3, s[-1]) for s in shapes)
     tensors = [None if t is None else t.requires_grad_() for t in leaves(shapes, F64, 0)]
     assert torch.autograd.gradcheck(lambda *a: fused(*a, eps), tuple(tensors))
 

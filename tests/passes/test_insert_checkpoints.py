@@ -38,11 +38,15 @@ def budget_model(name, resnet_res=32, resnet_batch=16):
     return zoo.get(name)
 
 
-def small_resnet(batch=16, res=32):
+def small_resnet(batch=16, res=32, blocks=2):
+    """torchvision's ResNet-18 (``blocks=2`` per stage), or with one BasicBlock per stage (a ResNet-10:
+    the same stem, stages, downsampling shortcuts and head, half the AOT regions to compile)."""
     import torchvision
+    from torchvision.models.resnet import BasicBlock, ResNet
 
     torch.manual_seed(0)
-    return torchvision.models.resnet18(num_classes=10), (torch.randn(batch, 3, res, res),)
+    model = torchvision.models.resnet18(num_classes=10) if blocks == 2 else ResNet(BasicBlock, [blocks] * 4, num_classes=10)
+    return model, (torch.randn(batch, 3, res, res),)
 
 
 class Block(nn.Module):

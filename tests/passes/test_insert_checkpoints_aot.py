@@ -273,7 +273,7 @@ def test_ops_dispatched_per_step_stay_near_eager_plus_the_recomputation(monkeypa
     eager's plus the recomputed ones (the selective checkpoint adds a dispatch mode per op). One
     level: an outer checkpoint's rerun adds its segment's forward."""
     monkeypatch.setattr(ic.planner._Selector, "nest", lambda self, plan, budget, max_len=16: None)
-    model, args = small_resnet(batch=16, res=32)
+    model, args = small_resnet(batch=16, res=32, blocks=1)
     ref = copy.deepcopy(model).train()
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.99, passes=["insert_checkpoints"],
                             check_accuracy=False)
@@ -379,12 +379,8 @@ def test_training_batchnorm_planned_for_a_gpu_takes_the_aot_rewrite():
     ResNet-50 gradients differed from eager's by a relative 0.5 on one parameter with cuDNN on.
     benchmarks/diag/diag_aot_resnet.py showed that is TF32 rounding: eager's own gradients are as far
     from an fp64 copy's, the rewrite passes the accuracy rule, and with TF32 off it is 6e-6 from eager.)"""
-    import torchvision
-
-    import graphopt
-
-    m = torchvision.models.resnet18().train()
-    x = torch.randn(8, 3, 32, 32)
+    m, (x,) = small_resnet(batch=8, res=32, blocks=1)
+    m.train()
     res = graphopt.optimize(m, (x,), training=True, memory_budget=0.9, check_accuracy=False,
                             passes=["insert_checkpoints"], cuda_graphs=False, target="h200").report
     d = res.pass_result("insert_checkpoints").details

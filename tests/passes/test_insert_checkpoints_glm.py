@@ -138,7 +138,9 @@ def test_on_a_cpu_profile_the_aot_graphs_are_not_fused():
         opt.report.pass_result("insert_checkpoints").details
 
 
-@pytest.mark.parametrize("fuse", [False, True])
+# fuse=False in make test-all only: the same regions' gradients are checked fused here (True), and
+# fuse=False's unfused regions by test_insert_checkpoints_decoders' test_the_unfused_aot_graphs_keep_their_views
+@pytest.mark.parametrize("fuse", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_fuse_training_graph_runs_a_training_graph_as_aot_regions_that_recompute_nothing(fuse):
     from graphopt import ir
     from graphopt.cost.model import CostModel

@@ -70,11 +70,12 @@ def test_plans_leave_the_allocator_headroom_of_the_budget_free():
 def test_eager_step_memory_is_walked_in_backward_order():
     """A CNN's largest backward working set (the first convolutions' gradients) comes when most
     saved tensors are gone: the walk predicts the traced eager step within 3%, where saved + largest
-    working set over-predicts it by 19% here (11% on ResNet-50 bs128 on the H200). (The numbers the
-    pass reports, from its plan; the rewrite is not needed for them.)"""
+    working set over-predicts it by over 10% here (19% on ResNet-18 at this size; 11% on ResNet-50
+    bs128 on the H200). (The numbers the pass reports, from its plan; the rewrite is not needed for
+    them.)"""
     from tests.test_checkpoint_api import captured
 
-    model, args = small_resnet(batch=16, res=128)
+    model, args = small_resnet(batch=16, res=128, blocks=1)
     _, gm, ctx = captured(model, args)
     d = ic.plan_checkpoints(gm, ctx, 0.99, "aot").details
     model.train()
@@ -103,7 +104,7 @@ def _forced_segments(monkeypatch):
 
 
 def test_outer_segments_keep_gradients_and_running_stats_and_free_memory(monkeypatch):
-    model, args = small_resnet(batch=16, res=64)  # (its parameters' gradients: a one-level plan meets 0.99)
+    model, args = small_resnet(batch=16, res=64, blocks=1)  # (its parameters' gradients: a one-level plan meets 0.99)
     kwargs = dict(training=True, memory_budget=0.99, passes=["insert_checkpoints"], check_accuracy=False,
                   checkpoint_backend="aot", target="h200")
     _one_level(monkeypatch)
@@ -218,7 +219,7 @@ def test_buffer_updates_stay_in_the_forward_graph(monkeypatch):
     is one ``add_``; the forward returns no buffers for a copy after each call, and the backward
     neither saves nor reads the running statistics. Statistics and gradients by the accuracy rule, also with
     an outer checkpoint over the regions (its rerun updates scratch copies)."""
-    model, args = small_resnet(batch=4, res=64)
+    model, args = small_resnet(batch=4, res=64, blocks=1)
     opt = graphopt.optimize(model, args, training=True, memory_budget=0.7, passes=["insert_checkpoints"],
                             check_accuracy=False, checkpoint_backend="aot", target="h200")
     model.train()
@@ -343,7 +344,9 @@ def test_outer_checkpoints_are_priced_with_the_inputs_they_hold():
     args = (torch.randn(2048, 64),)
     params = list(model.parameters())
     planned = 0
-    for budget in (0.23, 0.22, 0.205):
+    # (the minimum: 0.228 of the step on torch 2.11, 0.216 on 2.14, where 0.22 plans too; 0.205, below
+    # both, spent 3.9 s of a search that ends in BudgetError)
+    for budget in (0.23, 0.22):
         try:
             opt = graphopt.optimize(model, args, training=True, memory_budget=budget, passes=["insert_checkpoints"],
                                     check_accuracy=False, checkpoint_backend="aot", target="h200")

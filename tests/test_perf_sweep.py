@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 
@@ -152,6 +153,38 @@ def test_configs_run_at_once_keep_their_order_and_share_one_device_lock(monkeypa
     assert [r.config for r in rows] == ["resnet50:64", "resnet18:1", "hf-bert:1"]
     assert most[0] > 1 and len(set(seen)) == 1 and seen[0].endswith("device.lock")
     assert "3 configs at once" in open(paths["markdown"]).read()
+
+
+def test_configs_on_gpus_of_their_own_never_share_a_gpu_or_cores(monkeypatch, tmp_path):
+    import threading
+    import time
+
+    held, clashes, seen = set(), [], []
+    guard = threading.Lock()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+
+    def fake(cfg, *, timeout_s, lock=None, env=None, **kw):
+        gpu = env["CUDA_VISIBLE_DEVICES"]
+        with guard:
+            if gpu in held:
+                clashes.append(gpu)
+            held.add(gpu)
+            seen.append((lock, gpu, env[perf_sweep.PREWARM_CORES_ENV]))
+        time.sleep(0.05)
+        with guard:
+            held.discard(gpu)
+        return Row(cfg.key, cfg.source, cfg.batch, ms={"eager": 2.0, "graphopt": 1.0})
+
+    monkeypatch.setattr(perf_sweep, "run_isolated", fake)
+    configs = [PerfConfig(n, 1) for n in ("resnet18", "resnet50", "hf-bert", "hf-gpt2", "squeezenet1_1")]
+    rows, paths = perf_sweep.sweep(configs, device="cpu", dtype=None, reps=2, warmup=1, small=True, timeout_s=10,
+                                   out=tmp_path, command="test", gpus=2, log=lambda s: None)
+    assert [r.config for r in rows] == [c.key for c in configs] and not clashes
+    assert {s[0] for s in seen} == {None}  # no device lock: nothing to share
+    assert {(g, c) for _, g, c in seen} <= {("0", "0,1,2,3"), ("1", "4,5,6,7")} and len({g for _, g, _ in seen}) == 2
+    header = json.loads(open(paths["json"]).read())["header"]
+    assert header["gpus"] == 2 and header["jobs"] == 1
+    assert "each alone on a GPU of its own" in open(paths["markdown"]).read()
 
 
 def test_the_device_lock_lets_one_holder_in_at_a_time(tmp_path):

@@ -98,7 +98,7 @@ class PerfConfig:
 
 SMALL_BATCH = 4  # --small: the batch of the configs above 1
 SMALL_ENV = "GRAPHOPT_PERF_SWEEP_SMALL"  # "1": the factories build the small variants (the bench's child)
-PREWARM_CORES_ENV = "GRAPHOPT_PERF_SWEEP_CORES"  # the cores a prewarm child runs on (comma list)
+PREWARM_CORES_ENV = "GRAPHOPT_PERF_SWEEP_CORES"  # the cores a child (prewarm, or timed with --gpus) runs on (comma list)
 # --small, a Hugging Face architecture the correctness sweep has no tiny config for: these widths,
 # where its config has the field
 SMALL_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -344,6 +344,7 @@ def run_isolated(cfg: PerfConfig, *, timeout_s: float, **kw) -> Row:
         env = dict(os.environ)
         if kw.get("lock"):
             env[DeviceLock.ENV] = kw["lock"]
+        env.update(kw.get("env") or {})
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -490,6 +491,9 @@ def to_markdown(rows: list[Row], header: dict) -> str:
                 "set-up time ran on a shared host, and its first call and autotuning on the device could fall "
                 "inside another config's timing: eager and torch.compile times of this table are noisier than "
                 "those of a run with --jobs 1)"] if (header.get("jobs") or 1) > 1 else []),
+             *([f"- {header['gpus']} configs at once, each alone on a GPU of its own (the same model of GPU) and "
+                "on its own share of the host's cores: no config's work shared a device with another's"]
+               if header.get("gpus") else []),
              *([f"- torch.compile's set-up: each config was first compiled cold, {header['prewarm_jobs']} at once "
                 "on cores of their own, nothing timed meanwhile; the table's compile set-up is that cold compile's, "
                 "and the timed runs compiled from Inductor's caches (their own set-up is in the JSON, "
@@ -532,12 +536,25 @@ def to_markdown(rows: list[Row], header: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gpu_slots(gpus: int, cores: list[int] | None = None) -> list[dict]:
+    """The environment of each of ``gpus`` children run at once, one per GPU: CUDA_VISIBLE_DEVICES
+    names its GPU alone and it runs on a share of this process's cores of its own."""
+    if cores is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = len(cores) // gpus if cores else 0
+    return [{"CUDA_VISIBLE_DEVICES": str(g),
+             **({PREWARM_CORES_ENV: ",".join(map(str, cores[g * share:(g + 1) * share]))} if share else {})}
+            for g in range(gpus)]
+
+
 def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: int, warmup: int, small: bool,
           timeout_s: float, out: Path, command: str, vs: tuple | None = None, jobs: int = 1,
-          prewarm_jobs: int = 0, log=print) -> tuple[list[Row], dict]:
+          prewarm_jobs: int = 0, gpus: int = 0, log=print) -> tuple[list[Row], dict]:
     """Each config in a process of its own; ``jobs`` of them at once, their device work serialized by a
     :class:`~graphopt.tools.bench.DeviceLock` (torch.compile's compilation, first call included,
-    overlaps with the others' timing: a screen, noisier than one at a time). ``prewarm_jobs``: first
+    overlaps with the others' timing: a screen, noisier than one at a time). ``gpus``: instead, that
+    many configs at once, each alone on a GPU of its own and on its own share of the host's cores
+    (:func:`gpu_slots`): every row is timed as in a run of one config at a time. ``prewarm_jobs``: first
     compile every config cold, that many at once with nothing timed (:func:`prewarm`), so the timed
     runs compile from Inductor's caches; a row's compile set-up is then the cold compile's."""
     import threading
@@ -547,8 +564,10 @@ def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: in
 
     dev = torch.device(device)
     header = environment(dev)
+    if gpus:
+        jobs = gpus
     header.update(dtype=dtype or ("bf16" if dev.type == "cuda" else "fp32"), reps=reps, warmup=warmup, small=small,
-                  command=command, jobs=jobs, prewarm_jobs=prewarm_jobs)
+                  command=command, jobs=1 if gpus else jobs, gpus=gpus, prewarm_jobs=prewarm_jobs)
     stem = result_stem(header, "perf_sweep")
     out.mkdir(parents=True, exist_ok=True)
     slots: list[Row | None] = [None] * len(configs)
@@ -560,10 +579,22 @@ def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: in
         cold = prewarm(configs, jobs=prewarm_jobs, timeout_s=timeout_s, log=log, device=device, dtype=dtype,
                        small=small, vs=vs)
 
+    free = gpu_slots(gpus) if gpus else []
+    slot_lock = threading.Lock()
+
     def one(i: int, cfg: PerfConfig, scratch: str, lock: str | None) -> None:
         log(f"[{i + 1}/{len(configs)}] {cfg.key} ...")
-        row = run_isolated(cfg, timeout_s=timeout_s, device=device, dtype=dtype, reps=reps, warmup=warmup,
-                           small=small, out_dir=scratch, vs=vs, lock=lock)
+        env = None
+        if gpus:
+            with slot_lock:
+                env = free.pop()
+        try:
+            row = run_isolated(cfg, timeout_s=timeout_s, device=device, dtype=dtype, reps=reps, warmup=warmup,
+                               small=small, out_dir=scratch, vs=vs, lock=lock, env=env)
+        finally:
+            if env is not None:
+                with slot_lock:
+                    free.append(env)
         for variant, seconds in cold.get(cfg.key, {}).items():
             if row.setup_s.get(variant) is not None:
                 row.compile_warm_setup_s[variant] = row.setup_s[variant]
@@ -578,7 +609,7 @@ def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: in
 
     paths = _write_table(out, stem, header, [])  # (rewritten as each row lands)
     with tempfile.TemporaryDirectory() as scratch:
-        lock = str(Path(scratch) / "device.lock") if jobs > 1 else None
+        lock = str(Path(scratch) / "device.lock") if jobs > 1 and not gpus else None
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             for f in [pool.submit(one, i, cfg, scratch, lock) for i, cfg in enumerate(configs)]:
                 f.result()
@@ -603,7 +634,8 @@ def merge(paths: list[Path], out: Path) -> dict:
     if not runs:
         raise ValueError("no files")
     header = dict(runs[0]["header"], command="merged from: " + "; ".join(Path(p).name for p in paths),
-                  jobs=max(run["header"].get("jobs") or 1 for run in runs))
+                  jobs=max(run["header"].get("jobs") or 1 for run in runs),
+                  gpus=max(run["header"].get("gpus") or 0 for run in runs))
     rows = {r["config"]: Row(**r) for run in runs for r in run["rows"]}
     out.mkdir(parents=True, exist_ok=True)
     return _write_table(out, result_stem(header, "perf_sweep"), header, list(rows.values()))
@@ -624,6 +656,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per config")
     ap.add_argument("--jobs", type=int, default=1, help="configs run at once; their device work takes turns "
                                                         "but torch.compile's compilation overlaps (a screen)")
+    ap.add_argument("--gpus", type=int, default=0,
+                    help="run this many configs at once, each alone on a GPU of its own (CUDA_VISIBLE_DEVICES) and "
+                         "on its own share of the cores: rows timed as with --jobs 1, in 1/N of the time")
     ap.add_argument("--prewarm-jobs", type=int, default=0,
                     help="first compile every config cold with torch.compile, this many at once, nothing timed; "
                          "the timed runs (one at a time with --jobs 1) then compile from Inductor's caches")
@@ -664,6 +699,9 @@ def main(argv=None) -> int:
         Path(a.row).write_text(json.dumps(prewarm_one(configs[0], device=device, dtype=a.dtype, small=a.small, vs=vs)))
         return 0
     if a.one:
+        cores = os.environ.get(PREWARM_CORES_ENV)
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
         row = run_one(configs[0], device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
                       out_dir=Path(a.out), vs=vs)
         Path(a.row).write_text(json.dumps(asdict(row), default=str))
@@ -671,7 +709,7 @@ def main(argv=None) -> int:
     command = " ".join(["sweep.py perf"] + (sys.argv[1:] if argv is None else list(argv)))
     rows, paths = sweep(configs, device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
                         timeout_s=a.timeout, out=Path(a.out), command=command, vs=vs, jobs=max(1, a.jobs),
-                        prewarm_jobs=max(0, a.prewarm_jobs))
+                        prewarm_jobs=max(0, a.prewarm_jobs), gpus=max(0, a.gpus))
     print(to_markdown(rows, {**json.loads(Path(paths["json"]).read_text())["header"]}))
     print(f"wrote {paths['markdown']}")
     return 0

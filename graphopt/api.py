@@ -473,8 +473,11 @@ def optimize(model: nn.Module, example_inputs, **options) -> OptimizedModule:
 def _optimize_timed(model: nn.Module, example_inputs, opts: OptimizeOptions) -> OptimizedModule:
     timer = timing.PhaseTimer()
     peak = _SetupPeak(model)
-    with timer.active(), _collect_young_only(), peak:
-        opt = _optimize(model, example_inputs, opts)
+    try:
+        with timer.active(), _collect_young_only(), peak:
+            opt = _optimize(model, example_inputs, opts)
+    finally:
+        accuracy.release_host_memory()  # the guard's offloaded outputs are freed with it
     peak.record(opt.report)
     # the whole call, lowering (CUDA-graph planning) included; the phases sum to it
     opt.report.optimize_seconds = timer.total()
@@ -611,7 +614,8 @@ def _measured_guard(opt: "OptimizedModule", model: nn.Module, inputs: "CallInput
              "passes_ms": meter.current.median_s * 1e3 if meter.current else None,
              "timing_s": meter.timer.spent_s, "not_timed_passes": list(meter.skipped)}
     if meter.skipped:
-        report.notes.append(f"measured guard: the time budget ({meter.budget_s:.0f} s) was spent; "
+        report.notes.append(f"measured guard: the time budget ({meter.budget_s:.0f} s) had no room for another "
+                            "comparison; "
                             f"{', '.join(meter.skipped)} applied unmeasured")
     if inputs.mutated or not _plain(inputs.spec):
         speed.update(model_ms=None, returned="optimized",

@@ -372,6 +372,15 @@ def _stack_traces(keep: bool):
         config.do_not_emit_stack_traces = prev
 
 
+def _lazy_graph_modules():
+    """torch.fx's lazy GraphModules (code generated on first use) where this torch has them."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # pragma: no cover - torch releases graphopt supports all have it
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
+
+
 def _export(model, args, kwargs, shapes):
     """torch.export.export, non-strict. A failed trace makes torch print the graph traced so far
     to stderr before it raises; that text stays on the exception (``partial_fx_graph``, which
@@ -397,7 +406,9 @@ def _export(model, args, kwargs, shapes):
 def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False) -> fx.GraphModule:
     shapes = _dynamic_shapes(model, args, kwargs, dynamic)
     try:
-        with timing.phase("capture: torch.export"), _stack_traces(stack_traces):
+        # export builds and rebuilds intermediate GraphModules of the whole model; lazy ones generate
+        # their Python code only if something runs or reads it (the module handed back is a plain one)
+        with timing.phase("capture: torch.export"), _stack_traces(stack_traces), _lazy_graph_modules():
             ep = _export(model, args, kwargs, shapes)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):

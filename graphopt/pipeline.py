@@ -422,7 +422,8 @@ class PassInstrument:
     why the pass must be undone: the manager then restores the graph from before the pass and the
     instruments after it see it ``reverted``. Passes left out (status disabled/skipped) get the
     before/after calls too. ``needs_code``: the instrument runs or reads the graph's Python code
-    between passes (without one, it is generated once, at the end)."""
+    after the pass just applied (asked after each pass; while no instrument does, the code is
+    generated once, at the end or when one does again)."""
 
     needs_code = False
 
@@ -574,7 +575,7 @@ class PassManager:
         ctx.accuracy_check = self.accuracy_check
         ctx.scheduled = frozenset(p.name for p in self.passes if not getattr(p, "disabled", False))
         # with nothing to run the graph between passes, its Python code is generated once, at the end
-        self._code_each, self._stale = any(i.needs_code for i in inst), False
+        self._instruments, self._stale = inst, False
         for i in inst:
             i.enter(gm, ctx)
         self._snapshot, self._snapshot_fresh = None, False
@@ -673,11 +674,11 @@ class PassManager:
             ctx.observer = None
         if res.changed and res.status != "reverted":
             res.status = "applied"
-            if self._code_each:
+            self._stale = True
+            if any(i.needs_code for i in self._instruments):
                 with timing.phase("recompile"):
                     gm.recompile()
-            else:
-                self._stale = True
+                self._stale = False
         return res
 
     def _revert(self, gm, ctx: PassContext, res: PassResult, why, full: str | None = None) -> None:

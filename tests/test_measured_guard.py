@@ -161,6 +161,31 @@ def test_measure_off_and_where_it_cannot_apply(mlp, monkeypatch):
         graphopt.optimize(model, (x,), measure="sometimes")
 
 
+def test_a_pass_is_timed_only_while_the_budget_has_room_for_its_comparison():
+    """A comparison takes both graphs' warm-up and fewest rounds (here 2 x (2 + 6) calls): a pass is
+    timed only when that many calls of the last measured length fit in what is left of the budget,
+    so a model whose calls are long is not timed past the budget; the passes after are applied
+    unmeasured and named."""
+    from types import SimpleNamespace
+
+    from graphopt.runtime.measured import MeasuredTime
+
+    timer = Timer("cpu", warmup=2, settle_rounds=6, early=True)
+    meter = MeasuredTime(lambda g: (lambda: None), timer, budget_s=1.0)
+    assert not meter.needs_code  # nothing timed yet: no length to plan with
+    meter.current = Timing(0.05, [0.05])
+    assert meter.needs_code  # 16 calls of 50 ms: 0.8 s of the 1 s
+    timer.spent_s = 0.3
+    assert not meter.needs_code  # 0.3 + 0.8 > 1
+    res = SimpleNamespace(status="applied", details={})
+    ctx = SimpleNamespace(before_pass=object())
+    assert meter.run_after_pass(None, SimpleNamespace(name="fuse_x"), ctx, res) is None
+    assert meter.skipped == ["fuse_x"] and "measured_ms" not in res.details
+    timer.spent_s = 0.0
+    meter.current = Timing(0.07, [0.07])  # 16 x 70 ms = 1.12 s: one comparison alone is over the budget
+    assert not meter.affordable()
+
+
 def test_the_margin_and_the_interleaved_rounds():
     assert slower(Timing(1.03), Timing(1.0)) and not slower(Timing(1.01), Timing(1.0))
     # slow at the median only (the machine busy with other work): not a loss

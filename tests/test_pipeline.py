@@ -348,6 +348,40 @@ def test_code_is_generated_once_when_nothing_runs_the_graph_between_passes(monke
     assert guarded.report.accuracy["mode"] == "once, after all passes"
 
 
+def test_the_code_is_current_whenever_an_instrument_asks_for_it():
+    """An instrument whose ``needs_code`` is asked after each pass (a measured guard with room left in
+    its budget) sees code that is the graph's as it is then, also after passes applied while no
+    instrument wanted code; at the end the code is the final graph's."""
+
+    class Reader(PassInstrument):
+        def __init__(self, want):
+            self.want, self.seen, self.name = set(want), [], None
+
+        @property
+        def needs_code(self):
+            return self.name in self.want
+
+        def run_before_pass(self, gm, p, ctx):
+            self.name = p.name
+
+        def run_after_pass(self, gm, p, ctx, res):
+            if res.status == "applied" and p.name in self.want:
+                self.seen.append((p.name, gm.code == gm.graph.python_code("self").src))
+            return None
+
+    model, inputs = zoo.get("bert-tiny")
+    model.eval()
+    dry = graphopt.capture(model, inputs)
+    applied = [r.name for r in PassManager(assemble()).run(dry, _ctx(dry)) if r.status == "applied"]
+    assert len(applied) >= 4
+    gm = graphopt.capture(model, inputs)
+    reader = Reader(applied[2:])  # code wanted from the third applied pass on
+    out = PassManager(assemble(), instruments=[reader]).run(gm, _ctx(gm))
+    assert [r.name for r in out if r.status == "applied"] == applied
+    assert reader.seen == [(n, True) for n in applied[2:]]
+    assert gm.code == gm.graph.python_code("self").src
+
+
 def test_the_guard_checks_once_when_the_result_passes(monkeypatch):
     """The guard runs optimistically: all passes, then one check of the result, which is the one
     reported (no pass carries a check of its own). With no pass applied, the captured graph is

@@ -150,9 +150,9 @@ class MeasuredTime:
     callable). A pass measured slower than the graph before it by more than ``margin`` — both graphs
     timed in interleaved rounds — is undone; its result carries ``details["bisect"]``
     so the PassManager tries its first rewrites alone. Each applied pass's result carries its
-    ``measured_ms`` beside the prediction. Timing stops, with a note, once ``budget_s`` is spent."""
-
-    needs_code = True
+    ``measured_ms`` beside the prediction. A pass is timed only while ``budget_s`` has room for
+    its comparison (both graphs' warm-up and fewest rounds at the last measured call's length);
+    the passes after that are applied unmeasured, with a note."""
 
     def __init__(self, make, timer: Timer, budget_s: float, margin: float | None = None):
         self.make, self.timer, self.budget_s = make, timer, budget_s
@@ -172,6 +172,17 @@ class MeasuredTime:
     def exit(self, gm, ctx) -> None:
         pass
 
+    def affordable(self) -> bool:
+        """Room in the budget for one more comparison of two graphs, at the last measured length."""
+        if self.current is None:
+            return False
+        calls = 2 * (self.timer.warmup + self.timer.settle_rounds)
+        return self.timer.spent_s + calls * self.current.median_s <= self.budget_s
+
+    @property
+    def needs_code(self) -> bool:  # the graph after a pass runs only when that pass is timed
+        return self.affordable()
+
     def run_before_pass(self, gm, p, ctx) -> None:
         pass
 
@@ -181,7 +192,7 @@ class MeasuredTime:
     def run_after_pass(self, gm, p, ctx, res) -> str | None:
         if res.status != "applied" or self.current is None:
             return None
-        if self.timer.spent_s > self.budget_s or ctx.before_pass is None:
+        if not self.affordable() or ctx.before_pass is None:
             self.skipped.append(p.name)
             return None
         import torch.fx as fx

@@ -82,3 +82,34 @@ def test_a_decode_chain_replayed_with_pdl_equals_it_without(monkeypatch):
     for a, b in zip(with_pdl[0] + list(with_pdl[1:]), without[0] + list(without[1:])):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(with_pdl[0][0], with_pdl[0][-1])  # the steps moved on
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_launch_flag_reaches_the_compiled_kernels(monkeypatch, switch):
+    """The kernels' own record: each Triton kernel of a GEMV + residual + norm call was compiled and
+    launched with ``launch_pdl`` on a Hopper GPU, and without it when switched off (the chain test
+    above would pass either way: kernels launched without PDL run one after another)."""
+    import triton
+
+    from graphopt.cuda_ext import gemv_triton
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs a Hopper or newer GPU")
+    monkeypatch.setenv("GRAPHOPT_PDL", switch)
+    seen = []
+    run = triton.runtime.JITFunction.run
+
+    def recording(self, *args, **kwargs):
+        kernel = run(self, *args, **kwargs)
+        seen.append((self.fn.__name__, bool(kernel.metadata.launch_pdl)))
+        return kernel
+
+    monkeypatch.setattr(triton.runtime.JITFunction, "run", recording)
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    res, nw = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16), torch.rand(512, device="cuda", dtype=torch.bfloat16)
+    gemv_triton.gemv_add_rms_norm_triton(x, w, None, res, nw, 1e-6)
+    torch.cuda.synchronize()
+    assert [name for name, _ in seen] == ["gemv_split_kernel", "gemv_norm_kernel"]
+    assert all(flag == (switch == "1") for _, flag in seen)

@@ -28,20 +28,23 @@ NORM_ONE_BLOCK = 1 << 15  # partial sums (splits x row) gemv_add_rms_norm's seco
 def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None, block_k: int | None = None,
          splits: int | None = None, stages: int | None = None) -> dict:
     """The launch of one call: BLOCK_N, BLOCK_K, the K splits (each a whole number of BLOCK_K
-    blocks), num_stages and num_warps. Default: 64 output columns and 128-deep K blocks per
-    program, and enough splits for about two programs per SM (at most 32, each slice at least
-    four K blocks deep)."""
+    blocks), num_stages and num_warps. Default: 64 output columns per program; where those alone
+    give every SM two programs or more (a wide projection: a merged gate/up), no split and 256-deep
+    K blocks; else 128-deep K blocks and enough splits for about two programs per SM (at most 32,
+    each slice at least four K blocks deep). Three stages in flight. The fastest choices per
+    decode projection on the H200 (benchmarks/diag/diag_gemv_waves.py)."""
     bn = block_n or 64
-    bk = block_k or 128
     tiles = -(-N // bn)
+    wide = tiles >= 2 * sms
+    bk = block_k or (256 if wide and splits in (None, 1) else 128)
     blocks = -(-K // bk)
     if splits is None:
-        splits = max(1, min(-(-2 * sms // tiles), blocks // 4, 32))
+        splits = 1 if wide else max(1, min(-(-2 * sms // tiles), blocks // 4, 32))
     splits = max(1, min(int(splits), blocks))
     per = -(-blocks // splits) * bk  # K per split, whole blocks
     splits = -(-K // per)
     return {"BLOCK_N": bn, "BLOCK_K": bk, "splits": splits, "k_per_split": per,
-            "num_stages": stages or 4, "num_warps": 4, "programs": tiles * splits}
+            "num_stages": stages or 3, "num_warps": 4, "programs": tiles * splits}
 
 
 def _kernel():

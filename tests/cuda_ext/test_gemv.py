@@ -65,7 +65,9 @@ def test_plan_fills_the_sms_with_whole_k_blocks():
     # Llama-3-8B at bs1: the o projection (64 column blocks) splits K five ways, gate+up does not split
     p = gt.plan(1, 4096, 4096, 132)
     assert p["splits"] == 5 and p["k_per_split"] % p["BLOCK_K"] == 0 and p["splits"] * p["k_per_split"] >= 4096
-    assert gt.plan(1, 28672, 4096, 132)["splits"] == 1
+    wide = gt.plan(1, 28672, 4096, 132)  # 448 column blocks: two programs per SM without a split
+    assert wide["splits"] == 1 and wide["BLOCK_K"] == 256 and wide["num_stages"] == 3
+    assert gt.plan(1, 28672, 4096, 132, splits=2)["BLOCK_K"] == 128  # split by hand: the usual depth
     assert gt.plan(1, 40, 100, 132, splits=8)["splits"] == 1  # no more splits than K blocks
     for M, N, K, _, cfg in CASES:
         q = gt.plan(M, N, K, 132, **cfg)

@@ -157,10 +157,14 @@ def test_the_norm_stays_apart_when_the_projection_is_read_elsewhere():
 
 
 def test_a_plain_projection_within_the_fits_error_stays_on_cublas():
-    # Llama-3-8B's o projection at one token: the two fits price it within a few percent
-    model, x = nn.Linear(4096, 4096, bias=False).to(torch.bfloat16), torch.randn(1, 4096, dtype=torch.bfloat16)
+    # Llama-3-8B's merged gate/up projection at one token: the two fits price it within a few percent
+    # (both measure 56 us on the H200); its o projection is lowered (10.6 against cuBLAS's 12.5 us)
+    model, x = nn.Linear(4096, 28672, bias=False).to(torch.bfloat16), torch.randn(1, 4096, dtype=torch.bfloat16)
     gm, res = _run(model, x, _shipped())
     assert op_counts(gm)[GEMV] == 0 and all("not 5% faster" in r.reason for r in res.rejected), res.rejected
+    model = nn.Linear(4096, 4096, bias=False).to(torch.bfloat16)
+    gm, res = _run(model, x, _shipped())
+    assert op_counts(gm)[GEMV] == 1
 
 
 def test_unmeasured_gemv_keeps_the_norm_apart():

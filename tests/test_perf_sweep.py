@@ -185,6 +185,9 @@ def test_configs_on_gpus_of_their_own_never_share_a_gpu_or_cores(monkeypatch, tm
     header = json.loads(open(paths["json"]).read())["header"]
     assert header["gpus"] == 2 and header["jobs"] == 1
     assert "each alone on a GPU of its own" in open(paths["markdown"]).read()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the GPUs this process was given, not the first two
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in perf_sweep.gpu_slots(2, [0, 1])] == ["2", "3"]
+    assert perf_sweep.main(["--gpus", "4", "--device", "cpu", "--configs", "resnet18:1"]) == 2  # no such GPUs
 
 
 def test_the_device_lock_lets_one_holder_in_at_a_time(tmp_path):

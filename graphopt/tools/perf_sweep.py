@@ -542,7 +542,8 @@ def gpu_slots(gpus: int, cores: list[int] | None = None) -> list[dict]:
     if cores is None:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     share = len(cores) // gpus if cores else 0
-    return [{"CUDA_VISIBLE_DEVICES": str(g),
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return [{"CUDA_VISIBLE_DEVICES": visible[g] if g < len(visible) else str(g),
              **({PREWARM_CORES_ENV: ",".join(map(str, cores[g * share:(g + 1) * share]))} if share else {})}
             for g in range(gpus)]
 
@@ -698,6 +699,10 @@ def main(argv=None) -> int:
             os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
         Path(a.row).write_text(json.dumps(prewarm_one(configs[0], device=device, dtype=a.dtype, small=a.small, vs=vs)))
         return 0
+    if a.gpus and a.gpus > (torch.cuda.device_count() if device.startswith("cuda") else 0):
+        print(f"error: --gpus {a.gpus}: this machine has {torch.cuda.device_count()} GPU(s) for --device {device}",
+              file=sys.stderr)
+        return 2
     if a.one:
         cores = os.environ.get(PREWARM_CORES_ENV)
         if cores and hasattr(os, "sched_setaffinity"):

@@ -273,7 +273,7 @@ def test_full_pipeline_planned_for_a_gpu_keeps_the_checkpoints():
     assert res.status == "applied", res.notes
     assert regions(opt)
     model.train()
-    step_check(model, opt, args)
+    step_check(model, opt, args, layouts=opt.report.pass_result("convert_channels_last").status == "applied")
 
 
 def test_dynamic_batch_plan_runs_at_other_batch_sizes():

@@ -3,7 +3,8 @@ projections once its blocks and split count are chosen per shape (filling whole 
 and which choice wins? For GLM-4-9B's and Llama-3-8B's projections at M = 1, bf16, each call on its
 own copy of the weight (the copies outgrow L2, as a decode step's layers do), captured into a CUDA
 graph and replayed: µs per call for cuBLAS (F.linear) and for every (block_n, block_k, splits,
-stages) tried; writes diag_gemv_waves_<date>.{json,md} under --out."""
+stages) tried; writes diag_gemv_waves_<date>.{json,md} under --out. (The committed table was timed by
+an inline copy of ``_timing.graph_us_per_call``'s loop, the same method, before it called that helper.)"""
 from __future__ import annotations
 
 import argparse
@@ -11,13 +12,15 @@ import datetime as dt
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _timing import graph_us_per_call  # noqa: E402
 
 SHAPES = {  # name: (K, N)
     "glm qkv": (4096, 4608), "glm o": (4096, 4096), "glm gate_up": (4096, 27392), "glm down": (13696, 4096),
@@ -26,23 +29,8 @@ SHAPES = {  # name: (K, N)
 
 
 def per_call_us(fn_for, copies, reps=10) -> float:
-    x_calls = lambda: [fn_for(w) for w in copies]  # noqa: E731
-    x_calls()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x_calls()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(copies))
-    return statistics.median(times)
+    """µs per call of ``fn_for(w)`` over every weight copy, replayed from one CUDA graph."""
+    return graph_us_per_call(lambda: [fn_for(w) for w in copies], len(copies), replays=1, reps=reps)
 
 
 def main():

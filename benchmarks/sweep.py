@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", type=Path, default=None, help="write this run's rows here (default: benchmarks/results/sweep_latest.csv)")
     ap.add_argument("--update", action="store_true", help=f"merge this run into {sweep.EXPECTED_CSV.relative_to(ROOT)}")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per model (0: no limit, no worker process)")
+    ap.add_argument("--plan", default=None, metavar="TARGET",
+                    help="instead of optimize(): every pass but assign_precision in strict mode, priced for TARGET "
+                         "(e.g. h200), so a pass that breaks a graph fails the model (run on the CPU)")
     a = ap.parse_args(argv)
     if a.list:
         for s in sweep.all_specs():
@@ -56,7 +59,16 @@ def main(argv=None) -> int:
     except KeyError as e:
         print(e.args[0], file=sys.stderr)
         return 2
-    rows = sweep.sweep(specs, timeout_s=a.timeout or None, log=lambda s: print(s, flush=True))
+    if a.plan:
+        from graphopt.cost.profiles import get_profile
+        from graphopt.errors import GraphoptError
+
+        try:
+            get_profile(a.plan)
+        except (GraphoptError, KeyError, OSError) as e:
+            print(f"error: --plan {a.plan}: {e}", file=sys.stderr)
+            return 2
+    rows = sweep.sweep(specs, timeout_s=a.timeout or None, log=lambda s: print(s, flush=True), plan=a.plan)
     out = a.csv or ROOT / "benchmarks" / "results" / "sweep_latest.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep.write_csv(rows, out)
@@ -64,6 +76,9 @@ def main(argv=None) -> int:
     for (src, st), n in sorted(sweep.counts(rows).items()):
         print(f"  {src:12s} {st:14s} {n}")
     expected = sweep.read_csv() if sweep.EXPECTED_CSV.exists() else {}
+    if a.update and a.plan:
+        print("error: --update records optimize()'s statuses; not with --plan", file=sys.stderr)
+        return 2
     if a.update:
         merged = sweep.merge(expected, rows)
         import csv

@@ -33,6 +33,21 @@ def test_sweep_status_matches_expected(name, expected):
     assert msg is None, msg
 
 
+def test_a_strict_plan_row_fails_when_a_pass_breaks_the_graph(monkeypatch):
+    """--plan: a pass that breaks (here: raises) is not reverted; the model's row fails with why."""
+    from graphopt.pipeline import assemble
+
+    (spec,) = sweep.get_specs(["resnet18"])
+    assert sweep.run_one(spec, plan="h200").status == "pass"
+
+    def broken(self, gm, ctx):
+        raise RuntimeError("planted: the graph is broken")
+
+    monkeypatch.setattr(type(assemble(["fold_conv_bn"])[0]), "run", broken)
+    row = sweep.run_one(spec, plan="h200")
+    assert row.status == "fail_to_run" and "planted" in row.message, row
+
+
 def test_difference_names_regressions_and_improvements():
     exp = {"m": {"name": "m", "source": "hf", "status": "fail_accuracy", "seconds": "1", "message": "rmse 1"}}
     assert sweep.difference(sweep.Row("m", "hf", "fail_accuracy", 1.0, "rmse 2"), exp) is None
@@ -47,29 +62,20 @@ def _strict_gpu_plan(model, inputs):
     """Every pass but assign_precision, strict (a pass that breaks the graph raises), on the H200
     profile as optimize() plans it for CUDA-graph replay on a GPU; the result judged by the
     accuracy rule against fp64."""
-    import dataclasses
-
     import torch
 
-    from graphopt import accuracy, capture, ir
+    from graphopt import accuracy
     from graphopt.capture import split_inputs
-    from graphopt.cost.model import CostModel
-    from graphopt.cost.profiles import get_profile
-    from graphopt.pipeline import PassContext, PassManager, assemble, available
 
     args, kwargs = split_inputs(inputs)
     with torch.no_grad():
         eager = model(*args, **kwargs)
     ref = accuracy.fp64_reference(model, args, kwargs)
-    gm = capture(model, inputs)
-    prof = get_profile("h200")[0]
-    prof = dataclasses.replace(prof, launch_overhead_s=prof.launch_overhead_graph_s)
-    ctx = PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm), options={"strict": True})
-    results = PassManager(assemble([p for p in available() if p != "assign_precision"])).run(gm, ctx)
+    gm, applied = sweep.strict_plan(model, inputs, "h200")
     with torch.no_grad():
         res = accuracy.check(gm(*args, **kwargs), ref, eager)
     assert res.passed, res.reason
-    return [r.name for r in results if r.status == "applied"]
+    return applied
 
 
 @pytest.mark.parametrize("name", ["swin", "gpt2"])

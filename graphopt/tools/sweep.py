@@ -202,8 +202,31 @@ def get_specs(names: list[str] | None = None) -> list[Spec]:
     return [by[n] for n in names]
 
 
-def run_one(spec: Spec) -> Row:
-    """Build, optimize (CPU, fp32, default options) and judge one model, in this process."""
+def strict_plan(model, inputs, target: str):
+    """``model`` captured and run through every pass but assign_precision in strict mode (a pass that
+    raises or breaks an invariant raises instead of being reverted), priced with ``target``'s cost
+    profile as optimize() plans for CUDA-graph replay on that device: (the graph, the applied passes).
+    On the CPU this exercises the passes a GPU plan applies, kernels replaced by their references."""
+    import dataclasses
+
+    from graphopt import capture, ir
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, PassManager, assemble, available
+
+    gm = capture(model, inputs)
+    prof = get_profile(target)[0]
+    if prof.kind == "cuda":
+        prof = dataclasses.replace(prof, launch_overhead_s=prof.launch_overhead_graph_s)
+    ctx = PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm), strict=True)
+    results = PassManager(assemble([p for p in available() if p != "assign_precision"])).run(gm, ctx)
+    return gm, [r.name for r in results if r.status == "applied"]
+
+
+def run_one(spec: Spec, plan: str | None = None) -> Row:
+    """Build, optimize (CPU, fp32, default options) and judge one model, in this process. ``plan``:
+    instead of optimize(), the passes in strict mode priced for that target (:func:`strict_plan`); a
+    pass that breaks the graph is then a ``fail_to_run``."""
     import graphopt
     from graphopt import accuracy
     from graphopt.capture import split_inputs
@@ -221,7 +244,10 @@ def run_one(spec: Spec) -> Row:
     except Exception as e:
         return row("fail_to_run", f"building the model: {type(e).__name__}: {_one_line(e)}")
     try:
-        opt = graphopt.optimize(model, inputs)  # default options: CPU, fp32 model
+        if plan:
+            opt = strict_plan(model, inputs, plan)[0]
+        else:
+            opt = graphopt.optimize(model, inputs)  # default options: CPU, fp32 model
         args, kwargs = split_inputs(inputs)
         with torch.no_grad():
             eager = model(*args, **kwargs)
@@ -239,23 +265,23 @@ def run_one(spec: Spec) -> Row:
     return row("pass")
 
 
-def _child(spec: Spec, conn) -> None:
+def _child(spec: Spec, conn, plan: str | None = None) -> None:
     try:
-        r = run_one(spec)
+        r = run_one(spec, plan)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         r = Row(spec.name, spec.source, "fail_to_run", 0.0, f"{type(e).__name__}: {_one_line(e)}")
     conn.send(r)
     conn.close()
 
 
-def run_isolated(spec: Spec, timeout_s: float) -> Row:
+def run_isolated(spec: Spec, timeout_s: float, plan: str | None = None) -> Row:
     """run_one in a forked child with a time limit (a hung or huge model costs only its limit)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
     t0 = time.perf_counter()
-    p = ctx.Process(target=_child, args=(spec, send), daemon=True)
+    p = ctx.Process(target=_child, args=(spec, send, plan), daemon=True)
     p.start()
     send.close()
     result = None
@@ -276,10 +302,10 @@ def run_isolated(spec: Spec, timeout_s: float) -> Row:
     return result
 
 
-def sweep(specs: list[Spec], timeout_s: float | None = 300.0, log=None) -> list[Row]:
+def sweep(specs: list[Spec], timeout_s: float | None = 300.0, log=None, plan: str | None = None) -> list[Row]:
     rows = []
     for s in specs:
-        r = run_isolated(s, timeout_s) if timeout_s else run_one(s)
+        r = run_isolated(s, timeout_s, plan) if timeout_s else run_one(s, plan)
         if log:
             log(f"{r.source:12s} {r.name:24s} {r.status:14s} {r.seconds:7.1f}s  {r.message}")
         rows.append(r)

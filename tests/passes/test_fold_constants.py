@@ -255,7 +255,7 @@ def _plan(gm, names, target="h200"):
     from graphopt.pipeline import PassContext, PassManager, assemble
 
     prof = get_profile(target)[0]
-    ctx = PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm), options={"strict": True})
+    ctx = PassContext(profile=prof, cost=CostModel(prof), hints=ir.shape_hints(gm), strict=True)
     return PassManager(assemble(names)).run(gm, ctx)
 
 

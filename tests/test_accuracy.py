@@ -278,3 +278,21 @@ def test_comparison_chunks_stay_a_fraction_of_the_output(monkeypatch):
     with MemoryTrace(record_ops=False) as tr:
         accuracy.check(out, ref, out)
     assert tr.peak < ref.numel() * 8  # float64 temporaries of an eighth of the output at a time
+
+
+def test_page_locked_offloads_are_handed_back_once(monkeypatch):
+    """release_host_memory empties torch's page-locked host cache when the guard pinned an offloaded
+    output, and does nothing otherwise (a process's own pinned blocks are left to it)."""
+    import torch
+
+    from graphopt import accuracy
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append(1), raising=False)
+    monkeypatch.setattr(accuracy, "_pinned", False)
+    accuracy.release_host_memory()
+    assert calls == []
+    monkeypatch.setattr(accuracy, "_pinned", True)
+    accuracy.release_host_memory()
+    accuracy.release_host_memory()
+    assert calls == [1] and accuracy._pinned is False

@@ -291,3 +291,25 @@ def test_efficientnet_classifier_dropout_leaves_no_random_op():
     gm = capture(model, (x,))
     assert not [n.name for n in gm.graph.nodes if ir.is_random(n)]
     assert lower.decide(gm, [x], device_type="cpu").on
+
+
+def test_export_builds_lazy_graph_modules_and_hands_back_a_plain_one(monkeypatch):
+    """torch.export runs with torch.fx's lazy GraphModules (export's intermediate modules generate
+    their code only if used); the captured module is a plain one whose code is current."""
+    import importlib
+
+    import torch.fx._lazy_graph_module as lazy
+
+    cap = importlib.import_module("graphopt.capture")
+    seen = []
+    real = cap._export
+
+    def export(*a, **k):
+        seen.append(lazy._use_lazy_graph_module_flag)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cap, "_export", export)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    gm = graphopt.capture(model, (torch.randn(2, 4),))
+    assert seen == [True] and not lazy._use_lazy_graph_module_flag
+    assert not isinstance(gm, lazy._LazyGraphModule) and gm.code == gm.graph.python_code("self").src

@@ -197,7 +197,7 @@ def test_the_margin_and_the_interleaved_rounds():
     assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then interleaved rounds
     assert len(a.samples) == len(b.samples) == 3 and t.spent_s > 0
     calls.clear()
-    assert len(t.time(lambda: calls.append("c"), reps=2).samples) == 2 and len(calls) == 3  # a cap on the rounds
+    assert len(t.time(lambda: calls.append("c"), most=2).samples) == 2 and len(calls) == 3  # a cap on the rounds
 
 
 def test_explain_shows_the_measured_times(mlp, monkeypatch, capsys):

@@ -169,7 +169,7 @@ def test_configs_on_gpus_of_their_own_never_share_a_gpu_or_cores(monkeypatch, tm
             if gpu in held:
                 clashes.append(gpu)
             held.add(gpu)
-            seen.append((lock, gpu, env[perf_sweep.PREWARM_CORES_ENV]))
+            seen.append((lock, gpu, env[perf_sweep.CORES_ENV]))
         time.sleep(0.05)
         with guard:
             held.discard(gpu)

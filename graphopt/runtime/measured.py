@@ -105,22 +105,23 @@ class Timer:
             return self.max_reps
         return int(min(self.max_reps, max(self.min_reps, self.target_s // first_s)))
 
-    def time(self, fn, reps: int | None = None) -> Timing:
-        """``fn``'s median; ``reps``: at most this many timed calls."""
-        return self.compare(fn, reps=reps)[0]
+    def time(self, fn, most: int | None = None) -> Timing:
+        """``fn``'s median; ``most``: at most this many timed calls."""
+        return self.compare(fn, most=most)[0]
 
-    def compare(self, *fns, reps: int | None = None) -> list[Timing]:
+    def compare(self, *fns, most: int | None = None) -> list[Timing]:
         """Each callable's median over interleaved rounds (warm-up calls first, untimed). With
         ``early`` and two callables (baseline, candidate), the rounds stop once :func:`settled`.
-        ``reps``: at most this many rounds."""
-        cap = reps
+        ``most``: at most this many rounds."""
         t0 = time.perf_counter()
         with timing.phase("measured guard: timed calls"), torch.inference_mode():
             for fn in fns:
                 for _ in range(self.warmup):
                     fn()
             first = [self._once(fn) for fn in fns]
-            reps = self._reps(max(first)) if cap is None else max(1, min(cap, self._reps(max(first))))
+            reps = self._reps(max(first))
+            if most is not None:
+                reps = max(1, min(most, reps))
             if self.early and len(fns) == 1:  # one callable alone decides nothing: its median for the report
                 reps = min(reps, self.settle_rounds)
             samples = [[f] for f in first]
@@ -170,7 +171,7 @@ class MeasuredTime:
                 first = self.make(gm)
             # its length, for planning the comparisons within the budget, and the report's time of
             # the captured graph (the comparisons time it again against each pass)
-            self.first = self.timer.time(first, reps=3)
+            self.first = self.timer.time(first, most=3)
         if self.current is None:
             self.current = self.first
 

@@ -98,7 +98,7 @@ class PerfConfig:
 
 SMALL_BATCH = 4  # --small: the batch of the configs above 1
 SMALL_ENV = "GRAPHOPT_PERF_SWEEP_SMALL"  # "1": the factories build the small variants (the bench's child)
-PREWARM_CORES_ENV = "GRAPHOPT_PERF_SWEEP_CORES"  # the cores a child (prewarm, or timed with --gpus) runs on (comma list)
+CORES_ENV = "GRAPHOPT_PERF_SWEEP_CORES"  # the cores a child (prewarm, or timed with --gpus) runs on (comma list)
 # --small, a Hugging Face architecture the correctness sweep has no tiny config for: these widths,
 # where its config has the field
 SMALL_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -395,8 +395,7 @@ def prewarm(configs: list[PerfConfig], *, jobs: int, timeout_s: float, log=print
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    share = max(1, len(cores) // max(1, jobs)) if cores else 0
+    shares = core_shares(max(1, jobs))
     free = list(range(max(1, jobs)))  # slots: which share of the cores a child gets
     slot_lock = threading.Lock()
     done: dict = {}
@@ -408,9 +407,7 @@ def prewarm(configs: list[PerfConfig], *, jobs: int, timeout_s: float, log=print
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "setup.json"
                 cmd = _child("--prewarm-one", cfg, out, kw)
-                env = dict(os.environ)
-                if share:
-                    env[PREWARM_CORES_ENV] = ",".join(map(str, cores[slot * share:(slot + 1) * share]))
+                env = {**os.environ, **shares[slot]}
                 t0 = time.perf_counter()
                 try:
                     subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -536,16 +533,30 @@ def to_markdown(rows: list[Row], header: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gpu_slots(gpus: int, cores: list[int] | None = None) -> list[dict]:
-    """The environment of each of ``gpus`` children run at once, one per GPU: CUDA_VISIBLE_DEVICES
-    names its GPU alone and it runs on a share of this process's cores of its own."""
+def core_shares(n: int, cores: list[int] | None = None) -> list[dict]:
+    """For ``n`` children run at once, each one's environment entry naming a share of ``cores``
+    (default: this process's) of its own (``CORES_ENV``; none where the cores are unknown or spent)."""
     if cores is None:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    share = len(cores) // gpus if cores else 0
+    share = max(1, len(cores) // n) if cores else 0
+    return [{CORES_ENV: ",".join(map(str, part))} if (part := cores[i * share:(i + 1) * share]) else {}
+            for i in range(n)]
+
+
+def pin_to_given_cores() -> None:
+    """A child: run on the cores its parent gave it (``CORES_ENV``), if any."""
+    cores = os.environ.get(CORES_ENV)
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+
+
+def gpu_slots(gpus: int, cores: list[int] | None = None) -> list[dict]:
+    """The environment of each of ``gpus`` children run at once, one per GPU: CUDA_VISIBLE_DEVICES
+    names its GPU alone (the g-th of those this process was given) and it runs on a share of the
+    cores of its own (:func:`core_shares`)."""
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return [{"CUDA_VISIBLE_DEVICES": visible[g] if g < len(visible) else str(g),
-             **({PREWARM_CORES_ENV: ",".join(map(str, cores[g * share:(g + 1) * share]))} if share else {})}
-            for g in range(gpus)]
+    return [{"CUDA_VISIBLE_DEVICES": visible[g] if g < len(visible) else str(g), **share}
+            for g, share in enumerate(core_shares(gpus, cores))]
 
 
 def sweep(configs: list[PerfConfig], *, device: str, dtype: str | None, reps: int, warmup: int, small: bool,
@@ -694,9 +705,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.prewarm_one:
-        cores = os.environ.get(PREWARM_CORES_ENV)
-        if cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+        pin_to_given_cores()
         Path(a.row).write_text(json.dumps(prewarm_one(configs[0], device=device, dtype=a.dtype, small=a.small, vs=vs)))
         return 0
     if a.gpus and a.gpus > (torch.cuda.device_count() if device.startswith("cuda") else 0):
@@ -704,9 +713,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     if a.one:
-        cores = os.environ.get(PREWARM_CORES_ENV)
-        if cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+        pin_to_given_cores()
         row = run_one(configs[0], device=device, dtype=a.dtype, reps=a.reps, warmup=a.warmup, small=a.small,
                       out_dir=Path(a.out), vs=vs)
         Path(a.row).write_text(json.dumps(asdict(row), default=str))

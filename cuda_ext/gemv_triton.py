@@ -7,8 +7,11 @@ program here owns ``BLOCK_N`` output columns and one of ``splits`` slices of K; 
 loads Triton pipelines because they feed ``tl.dot``) and multiplies it with x padded to 16 rows
 (tensor cores; the padding costs no bandwidth). With one split it adds the bias and stores y;
 with several it stores fp32 partial sums ``[splits, M, N]`` and a second kernel adds them (and the
-bias) and rounds once. :func:`plan` picks the blocks and the split count from the shape and the
-SM count; the diagnostic ``benchmarks/diag/diag_decode_gemm.py`` times it against cuBLAS.
+bias) and rounds once. The swiglu form (``graphopt::gemv_swiglu``) streams a gate and an up
+weight in the same programs, half the rows from each, and applies ``silu(gate) * up`` where the
+result is rounded (in the reduce kernel when K is split). :func:`plan` picks the blocks and the
+split count from the shape and the SM count; the diagnostic ``benchmarks/diag/diag_decode_gemm.py``
+times it against cuBLAS.
 """
 from __future__ import annotations
 
@@ -57,9 +60,12 @@ def _build():
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def gemv_split_kernel(X, W, BIAS, Y, P, M, N, K, K_PER, sxm, sxk, swn, swk, sym, syn,
-                          HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    def gemv_split_kernel(X, W, WU, BIAS, Y, P, M, N, K, K_PER, sxm, sxk, swn, swk, sun, suk, sym, syn,
+                          HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+        # SWIGLU: BLOCK_N rows of W (the gate's) and the same rows of WU (the up's) per program, two
+        # accumulators; unsplit it stores silu(g) * u, split both partial sums ([splits, M, 2N]: the
+        # gate's N columns, then the up's)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -72,6 +78,7 @@ def _build():
         k_start = pid_k * K_PER
         k_end = tl.minimum(k_start + K_PER, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < k_end
@@ -79,17 +86,27 @@ def _build():
             w = tl.load(W + rn[:, None].to(tl.int64) * swn + rk[None, :] * swk, mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0)
             acc += tl.dot(x, tl.trans(w))
+            if SWIGLU:
+                wu = tl.load(WU + rn[:, None].to(tl.int64) * sun + rk[None, :] * suk,
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc_u += tl.dot(x, tl.trans(wu))
         out_ok = m_ok[:, None] & n_ok[None, :]
         if PARTIAL:
-            tl.store(P + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=out_ok)
+            width = 2 * N if SWIGLU else N
+            row = (pid_k * M + rm[:, None]).to(tl.int64) * width
+            tl.store(P + row + rn[None, :], acc, mask=out_ok)
+            if SWIGLU:
+                tl.store(P + row + N + rn[None, :], acc_u, mask=out_ok)
         else:
             if HAS_BIAS:
                 acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_u
             tl.store(Y + rm[:, None] * sym + rn[None, :] * syn, acc.to(Y.dtype.element_ty), mask=out_ok)
 
     @triton.jit
-    def gemv_reduce_kernel(P, BIAS, Y, M, N, SPLITS, sym, syn, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                           BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    def gemv_reduce_kernel(P, BIAS, Y, M, N, SPLITS, sym, syn, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                           BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -97,11 +114,14 @@ def _build():
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rs = tl.arange(0, BLOCK_S)
         n_ok = rn < N
-        part = tl.load(P + ((rs[:, None] * M + m).to(tl.int64) * N + rn[None, :]),
-                       mask=(rs < SPLITS)[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.sum(part, 0)
+        ok = (rs < SPLITS)[:, None] & n_ok[None, :]
+        row = (rs[:, None] * M + m).to(tl.int64) * (2 * N if SWIGLU else N)
+        acc = tl.sum(tl.load(P + row + rn[None, :], mask=ok, other=0.0), 0)
         if HAS_BIAS:
             acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if SWIGLU:
+            u = tl.sum(tl.load(P + row + N + rn[None, :], mask=ok, other=0.0), 0)
+            acc = acc / (1.0 + tl.exp(-acc)) * u
         tl.store(Y + m * sym + rn * syn, acc.to(Y.dtype.element_ty), mask=n_ok)
 
     @triton.jit
@@ -183,6 +203,42 @@ def _build():
     return gemv_split_kernel, gemv_reduce_kernel, gemv_norm_kernel
 
 
+def _sms(x: torch.Tensor) -> int:
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else SM_COUNT
+
+
+def _stream(x, weight, up_weight, bias, y, p, partial) -> None:
+    """The split kernel over ``weight`` (and ``up_weight``: the swiglu form) as ``p`` plans it, into
+    ``y`` or, given ``partial``, into fp32 partial sums; the caller holds the device."""
+    split = _kernel()[0]
+    u = up_weight if up_weight is not None else weight
+    N = weight.shape[0]
+    split[(-(-N // p["BLOCK_N"]), p["splits"])](
+        x, weight, u, bias if bias is not None else x, y, partial if partial is not None else y,
+        x.shape[0], N, x.shape[1], p["k_per_split"], x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1), u.stride(0), u.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, PARTIAL=partial is not None, SWIGLU=up_weight is not None, BLOCK_M=16,
+        BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], STAGES=p["num_stages"], num_warps=p["num_warps"],
+        **pdl_launch(x.device))
+
+
+def _stream_and_reduce(x, weight, up_weight, bias, y, p) -> torch.Tensor:
+    """:func:`_stream`, and with several splits the reduce kernel adding the partial sums (the bias,
+    the activation) into ``y``."""
+    s, (M, N) = p["splits"], y.shape
+    width = 2 * N if up_weight is not None else N
+    partial = torch.empty((s * M * width,), dtype=torch.float32, device=x.device) if s > 1 else None
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _stream(x, weight, up_weight, bias, y, p, partial)
+        if s > 1:
+            bn = 256
+            _kernel()[1][(M, -(-N // bn))](
+                partial, bias if bias is not None else x, y, M, N, s, y.stride(0), y.stride(1),
+                HAS_BIAS=bias is not None, SWIGLU=up_weight is not None, BLOCK_S=max(2, next_pow2(s)), BLOCK_N=bn,
+                num_warps=4, **pdl_launch(x.device))
+    return y
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **config) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]); ``config``: :func:`plan`'s overrides
     (block_n, block_k, splits, stages)."""
@@ -193,24 +249,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return y
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
-    cuda = x.device.type == "cuda"
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if cuda else SM_COUNT
-    p = plan(M, N, K, sms, **config)
-    split, reduce, _ = _kernel()
-    s = p["splits"]
-    partial = torch.empty((s * M * N,), dtype=torch.float32, device=x.device) if s > 1 else y
-    b = bias if bias is not None else x
-    with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
-        split[(-(-N // p["BLOCK_N"]), s)](
-            x, weight, b, y, partial, M, N, K, p["k_per_split"], x.stride(0), x.stride(1),
-            weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None, PARTIAL=s > 1, BLOCK_M=16, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-            STAGES=p["num_stages"], num_warps=p["num_warps"], **pdl_launch(x.device))
-        if s > 1:
-            bn = 256
-            reduce[(M, -(-N // bn))](partial, b, y, M, N, s, y.stride(0), y.stride(1), HAS_BIAS=bias is not None,
-                                     BLOCK_S=max(2, next_pow2(s)), BLOCK_N=bn, num_warps=4, **pdl_launch(x.device))
-    return y
+    return _stream_and_reduce(x, weight, None, bias, y, plan(M, N, K, _sms(x), **config))
 
 
 def gemv_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -229,20 +268,15 @@ def gemv_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     if M == 0 or N == 0:
         return out, h
     cuda = x.device.type == "cuda"
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if cuda else SM_COUNT
-    p = plan(M, N, max(K, 1), sms, **config)
-    split, _, norm = _kernel()
+    p = plan(M, N, max(K, 1), _sms(x), **config)
+    norm = _kernel()[2]
     s = p["splits"]
     partial = (torch.empty if K else torch.zeros)((s * M * N,), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else x
     r = residual if residual is not None else x
     with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
         if K:
-            split[(-(-N // p["BLOCK_N"]), s)](
-                x, weight, b, out, partial, M, N, K, p["k_per_split"], x.stride(0), x.stride(1),
-                weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                HAS_BIAS=False, PARTIAL=True, BLOCK_M=16, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-                STAGES=p["num_stages"], num_warps=p["num_warps"], **pdl_launch(x.device))
+            _stream(x, weight, None, None, out, p, partial)
         bs = max(2, next_pow2(s))
         one = bs * next_pow2(N) <= NORM_ONE_BLOCK  # the whole row's partial sums in one program's registers
         bn = next_pow2(N) if one else max(16, min(next_pow2(N), max(256, 16384 // bs)))
@@ -254,3 +288,28 @@ def gemv_add_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                    ONE_BLOCK=one, BLOCK_S=bs, BLOCK_N=bn,
                    num_warps=16 if one else 8, **pdl_launch(x.device))
     return out, h
+
+
+def plan_swiglu(M: int, N: int, K: int, sms: int = SM_COUNT, **config) -> dict:
+    """The launch of one :func:`gemv_swiglu_triton` call (N: the gate's and the up's columns each):
+    :func:`plan` for the ``[2N, K]`` pair, each program holding half its ``BLOCK_N`` weight rows from
+    the gate and half from the up weight, so a program streams as many weight bytes as a plain
+    GEMV's and the grid is the same."""
+    p = plan(M, 2 * N, K, sms, **config)  # block_n: gate and up rows together
+    p["BLOCK_N"] //= 2
+    p["programs"] = -(-N // p["BLOCK_N"]) * p["splits"]
+    return p
+
+
+def gemv_swiglu_triton(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, **config) -> torch.Tensor:
+    """``silu(x [M, K] @ w_gate [N, K].T) * (x @ w_up [N, K].T)`` [M, N], the products in fp32 and
+    rounded once after the activation; ``config``: :func:`plan`'s overrides (``block_n``: gate and
+    up rows together)."""
+    M, K = x.shape
+    N = w_gate.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    return _stream_and_reduce(x, w_gate, w_up, None, y, plan_swiglu(M, N, K, _sms(x), **config))

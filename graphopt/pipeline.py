@@ -346,6 +346,7 @@ PIPELINE: tuple[str, ...] = (
     # fusion
     "fold_conv_bn",
     "fuse_attention",
+    "fuse_gemv_swiglu",
     "merge_sibling_linears",
     "fuse_rms_norm",
     "fuse_layer_norm",

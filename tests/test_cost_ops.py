@@ -45,7 +45,8 @@ class AllOps(torch.nn.Module):
         qc = G.rotary_cache_write(q, k, v, q[..., :8].mean(1), q[..., :8].mean(1), kc, vc, start, False)
         gv = G.gemv(x[:4], w, None)
         gn, _ = G.gemv_add_rms_norm(x[:4], w, None, None, w[:, 0], 1e-6)
-        return sw, gs, sm, att, dec, pw[0], p, qc, kc, gv, gn
+        gg = G.gemv_swiglu(x[:4], wgu, None)
+        return sw, gs, sm, att, dec, pw[0], p, qc, kc, gv, gn, gg
 
 
 def _graph():

@@ -1,11 +1,13 @@
 """Answers: does a pass (or set of passes) make a decode step faster on the device, measured A/B in one
 process? Builds the model once and two generators from it, one with graphopt's default pipeline and
-one with ``--disable`` passes left out, and times their decode steps (one CUDA-graph replay each)
+one with ``--disable`` passes left out (or, with ``--env-b NAME=VALUE``, the same pipeline built, captured
+and warmed up with that environment variable set: a kernel's switch such as GRAPHOPT_PREFETCH=0), and times their decode steps (one CUDA-graph replay each)
 alternately, ``--rounds`` rounds of ``--steps`` steps: the two medians and their ratio come from the
 same machine, the same weights and the same minutes, so day-to-day differences between machines
 (the copy rate varies by a few percent) do not decide the verdict.
 
     python benchmarks/diag/diag_decode_ab.py --model glm4-9b --disable fuse_gemv_swiglu --out DIR
+    python benchmarks/diag/diag_decode_ab.py --model glm4-9b --env-b GRAPHOPT_PREFETCH=0 --out DIR
 
 Writes diag_decode_ab_<date>.{json,md} under --out.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import sys
 import time
@@ -56,7 +59,8 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--past", type=int, default=1024)
-    p.add_argument("--disable", required=True, help="comma-separated passes left out of variant B")
+    p.add_argument("--disable", default="", help="comma-separated passes left out of variant B")
+    p.add_argument("--env-b", default="", help="NAME=VALUE set while variant B is built, captured and warmed up")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", required=True)
@@ -69,12 +73,23 @@ def main(argv=None):
     fl = floors(model, args.batch, args.past, bw)
     room = args.rounds * (args.steps + 3) + 16
     off = [s for s in args.disable.split(",") if s]
+    env = dict([args.env_b.split("=", 1)]) if args.env_b else {}
+    if not off and not env:
+        raise SystemExit("--disable or --env-b: variant B must differ from the default")
+    b_name = " ".join((["without " + "+".join(off)] if off else []) + [f"{k}={v}" for k, v in env.items()])
     gens, notes = {}, {}
-    for name, opts in (("default", {}), ("without " + "+".join(off), {"disable": off})):
+    for name, opts, b_env in (("default", {}, {}), (b_name, {"disable": off} if off else {}, env)):
         t0 = time.perf_counter()
-        gen = graphopt.optimize_generation(model, max_batch_size=args.batch, max_length=args.past + room,
-                                           check_accuracy=False, **opts)
-        gens[name] = gen.decode_state(args.batch)
+        saved = {k: os.environ.get(k) for k in b_env}
+        os.environ.update(b_env)
+        try:
+            gen = graphopt.optimize_generation(model, max_batch_size=args.batch, max_length=args.past + room,
+                                               check_accuracy=False, **opts)
+            gens[name] = gen.decode_state(args.batch)
+            step_times_ms(gens[name], args.past, 2)  # captured and warmed up under b_env
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         notes[name] = f"optimized in {time.perf_counter() - t0:.1f} s"
         print(f"{name}: {notes[name]}", flush=True)
     times: dict = {k: [] for k in gens}
@@ -86,7 +101,8 @@ def main(argv=None):
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
     meta = {"model": "tiny-llama" if args.tiny else args.model, "batch": args.batch, "past": args.past,
             "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "copy_gbps": bw / 1e9,
-            "floor_ms": fl["floor_ms"], "rounds": args.rounds, "steps_per_round": args.steps, "disabled": off}
+            "floor_ms": fl["floor_ms"], "rounds": args.rounds, "steps_per_round": args.steps, "disabled": off,
+            "env_b": env}
     rows = [{"variant": k, "median_ms": med[k], "over_floor": med[k] / fl["floor_ms"], "note": notes[k],
              "min_ms": min(times[k]), "max_ms": max(times[k])} for k in gens]
     out = Path(args.out)
@@ -97,7 +113,7 @@ def main(argv=None):
              "| variant | median ms | × floor | min | max |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['variant']} | {r['median_ms']:.3f} | {r['over_floor']:.3f} | {r['min_ms']:.3f} | "
               f"{r['max_ms']:.3f} |" for r in rows]
-    lines += ["", f"default / without: **{a / b:.3f}**"]
+    lines += ["", f"default / ({b_name}): **{a / b:.3f}**"]
     (out / f"diag_decode_ab_{stamp}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 

@@ -16,7 +16,6 @@ times it against cuBLAS.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -27,18 +26,10 @@ DTYPES = (torch.float16, torch.bfloat16)
 MAX_M = 16        # rows of x one call takes (x is padded to 16 rows for tl.dot)
 SM_COUNT = 132    # the H200's, for planning without a device
 NORM_ONE_BLOCK = 1 << 15  # partial sums (splits x row) gemv_add_rms_norm's second kernel holds at once
-PREFETCH_BYTES = 16 << 20  # weight bytes one call asks into L2 before waiting on the kernel before it
-
-
-def prefetch_weights() -> bool:
-    """Whether the split kernel asks its first weight lines into L2 before its programmatic-
-    dependent-launch wait (``GRAPHOPT_PREFETCH`` not "0"; only where PDL is on: without it the
-    kernel starts after the one before has finished, and there is nothing to overlap)."""
-    return os.environ.get("GRAPHOPT_PREFETCH", "1") != "0"
 
 
 def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None, block_k: int | None = None,
-         splits: int | None = None, stages: int | None = None, prefetch: bool | None = None) -> dict:
+         splits: int | None = None, stages: int | None = None) -> dict:
     """The launch of one call: BLOCK_N, BLOCK_K, the K splits (each a whole number of BLOCK_K
     blocks), num_stages and num_warps. Default: 64 output columns per program; where those alone
     give every SM two programs or more (a wide projection: a merged gate/up), no split and 256-deep
@@ -55,13 +46,8 @@ def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None
     splits = max(1, min(int(splits), blocks))
     per = -(-blocks // splits) * bk  # K per split, whole blocks
     splits = -(-K // per)
-    programs = tiles * splits
-    # the weight bytes asked into L2 before the wait: PREFETCH_BYTES over the programs, a power of
-    # two of 64-element lines per row, at most the slice
-    lines = PREFETCH_BYTES // max(1, programs * bn * 2 * 64)
-    pf = 0 if prefetch is False or lines < 1 else min(1 << (lines.bit_length() - 1), next_pow2(-(-per // 64))) * 64
     return {"BLOCK_N": bn, "BLOCK_K": bk, "splits": splits, "k_per_split": per,
-            "num_stages": stages or 3, "num_warps": 4, "programs": programs, "prefetch": pf}
+            "num_stages": stages or 3, "num_warps": 4, "programs": tiles * splits}
 
 
 def _kernel():
@@ -76,11 +62,13 @@ def _build():
     @triton.jit
     def gemv_split_kernel(X, W, WU, BIAS, Y, P, M, N, K, K_PER, sxm, sxk, swn, swk, sun, suk, sym, syn,
                           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                          PREFETCH: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
         # SWIGLU: BLOCK_N rows of W (the gate's) and the same rows of WU (the up's) per program, two
         # accumulators; unsplit it stores silu(g) * u, split both partial sums ([splits, M, 2N]: the
         # gate's N columns, then the up's)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,22 +77,6 @@ def _build():
         m_ok = rm < M
         k_start = pid_k * K_PER
         k_end = tl.minimum(k_start + K_PER, K)
-        if PDL:
-            # the weights are constants no kernel before this one writes: the first PREFETCH of this
-            # program's K slice is asked into L2 while the kernel before still runs (one 128-byte
-            # line per 64 elements); x, its output, is read only after the wait
-            if PREFETCH > 0:
-                kp = k_start + tl.arange(0, PREFETCH // 64) * 64
-                ok = n_ok[:, None] & (kp < k_end)[None, :]
-                off = rn[:, None].to(tl.int64) * swn + kp[None, :] * swk
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [tl.where(ok, W + off, W)],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-                if SWIGLU:
-                    offu = rn[:, None].to(tl.int64) * sun + kp[None, :] * suk
-                    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l",
-                                              [tl.where(ok, WU + offu, WU)], dtype=tl.int32, is_pure=False, pack=1)
-            gdc_wait()
-            gdc_launch_dependents()
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
@@ -247,7 +219,7 @@ def _stream(x, weight, up_weight, bias, y, p, partial) -> None:
         weight.stride(0), weight.stride(1), u.stride(0), u.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial is not None, SWIGLU=up_weight is not None, BLOCK_M=16,
         BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], STAGES=p["num_stages"], num_warps=p["num_warps"],
-        PREFETCH=p["prefetch"] if prefetch_weights() else 0, **pdl_launch(x.device))
+        **pdl_launch(x.device))
 
 
 def _stream_and_reduce(x, weight, up_weight, bias, y, p) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """Answers: does a pass (or set of passes) make a decode step faster on the device, measured A/B in one
 process? Builds the model once and two generators from it, one with graphopt's default pipeline and
 one with ``--disable`` passes left out (or, with ``--env-b NAME=VALUE``, the same pipeline built, captured
-and warmed up with that environment variable set: a kernel's switch such as GRAPHOPT_PREFETCH=0), and times their decode steps (one CUDA-graph replay each)
+and warmed up with that environment variable set: a kernel switch such as GRAPHOPT_PDL=0), and times their decode steps (one CUDA-graph replay each)
 alternately, ``--rounds`` rounds of ``--steps`` steps: the two medians and their ratio come from the
 same machine, the same weights and the same minutes, so day-to-day differences between machines
 (the copy rate varies by a few percent) do not decide the verdict.
 
     python benchmarks/diag/diag_decode_ab.py --model glm4-9b --disable fuse_gemv_swiglu --out DIR
-    python benchmarks/diag/diag_decode_ab.py --model glm4-9b --env-b GRAPHOPT_PREFETCH=0 --out DIR
+    python benchmarks/diag/diag_decode_ab.py --model glm4-9b --env-b GRAPHOPT_PDL=0 --out DIR
 
 Writes diag_decode_ab_<date>.{json,md} under --out.
 """

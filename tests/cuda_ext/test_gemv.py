@@ -139,16 +139,3 @@ def test_replayed_from_a_cuda_graph():
 
     x, w, b = _inputs(1, 4096, 4096, True, torch.bfloat16, device="cuda")
     same_when_graphed(lambda: torch.ops.graphopt.gemv(x, w, b))
-
-
-def test_plan_prefetches_whole_lines_within_the_budget():
-    """The weight lines asked into L2 before the launch wait: a power of two of 64-element lines per
-    row, no more than the program's slice of K, all programs together within PREFETCH_BYTES."""
-    for M, N, K in [(1, 4608, 4096), (1, 4096, 4096), (1, 4096, 13696), (1, 27392, 4096), (1, 40, 100),
-                    (1, 151552, 4096)]:
-        p = gt.plan(M, N, K, 132)
-        pf = p["prefetch"]
-        assert pf % 64 == 0 and (pf == 0 or (pf // 64) & (pf // 64 - 1) == 0)
-        assert pf <= max(64, p["k_per_split"]) and p["programs"] * p["BLOCK_N"] * pf * 2 <= gt.PREFETCH_BYTES
-    assert gt.plan(1, 4096, 4096, 132)["prefetch"] >= 256  # an o projection: a quarter of its slice or more
-    assert gt.plan(1, 4096, 4096, 132, prefetch=False)["prefetch"] == 0

@@ -113,38 +113,3 @@ def test_the_launch_flag_reaches_the_compiled_kernels(monkeypatch, switch):
     torch.cuda.synchronize()
     assert [name for name, _ in seen] == ["gemv_split_kernel", "gemv_norm_kernel"]
     assert all(flag == (switch == "1") for _, flag in seen)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_the_weight_prefetch_is_compiled_in_before_the_wait(monkeypatch, switch):
-    """The GEMV's split kernel asks its first weight lines into L2 before griddepcontrol.wait (in
-    the PTX, the prefetches come first), and not when GRAPHOPT_PREFETCH is 0; the result is the
-    same either way."""
-    import triton
-
-    from graphopt.cuda_ext import gemv_triton
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs a Hopper or newer GPU")
-    monkeypatch.setenv("GRAPHOPT_PREFETCH", switch)
-    kernels = []
-    run = triton.runtime.JITFunction.run
-
-    def recording(self, *args, **kwargs):
-        kernel = run(self, *args, **kwargs)
-        kernels.append(kernel)
-        return kernel
-
-    monkeypatch.setattr(triton.runtime.JITFunction, "run", recording)
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    y = gemv_triton.gemv_triton(x, w, None)
-    torch.cuda.synchronize()
-    ptx = kernels[0].asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    if switch == "1":
-        assert "prefetch.global.L2" in ptx and ptx.index("prefetch.global.L2") < wait
-    else:
-        assert "prefetch.global.L2" not in ptx
-    torch.testing.assert_close(y.float(), (x.double() @ w.double().T).float(), rtol=2e-2, atol=2e-2)

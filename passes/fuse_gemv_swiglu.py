@@ -53,32 +53,33 @@ class FuseGemvSwiglu(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        found = [(m, f"{m['silu'].name} * {getattr(m['up'], 'name', m['up'])}") for m in find(gm, PATTERN)]
-        found = [(m, label) for m, label in found if self._operands(m) is not None]
-        res.consider(ctx, found, lambda m, label: self._candidate(ctx, m, label))
+        found = [((m, ops), f"{m['silu'].name} * {getattr(m['up'], 'name', m['up'])}")
+                 for m in find(gm, PATTERN) if (ops := self._operands(m)) is not None]
+        res.consider(ctx, found, lambda found, label: self._candidate(ctx, *found, label))
         return res
 
     @staticmethod
     def _operands(m):
-        """(x, weight, up_weight or None, the nodes replaced) when gate and up are projections of
-        one x (two linears, or two halves of one), else None: not this pass's pattern."""
+        """(x, weight, up_weight or None, the projections, the nodes between them and the silu/mul,
+        the gate's and the up's column ranges of a merged projection or None) when gate and up are
+        projections of one x (two linears, or two pieces of one), else None: not this pass's pattern."""
         g, u = _linear(m["gate"]), _linear(m["up"])
         if g is not None and u is not None:
             if g.args[0] is not u.args[0] or g is u:
                 return None
-            return g.args[0], g.args[1], u.args[1], [g, u], [g, u]
+            return g.args[0], g.args[1], u.args[1], [g, u], [g, u], None
         pg, pu = piece(m["gate"]), piece(m["up"])
         if isinstance(pg, str) or isinstance(pu, str) or pg[0] is not pu[0] or _linear(pg[0]) is None:
             return None
         base = pg[0]
-        inner = [p for p in (m["gate"], m["up"])]
+        inner = [m["gate"], m["up"]]
         inner += [p.args[0] for p in inner if isinstance(p.args[0], fx.Node) and p.args[0] is not base]
-        return base.args[0], base.args[1], None, [base], [base, *dict.fromkeys(inner)]
+        return base.args[0], base.args[1], None, [base], [base, *dict.fromkeys(inner)], (pg[1:], pu[1:])
 
-    def _candidate(self, ctx, m, label):
+    def _candidate(self, ctx, m, operands, label):
         from graphopt.cuda_ext.gemv_triton import DTYPES, MAX_M
 
-        x, w, uw, lins, between = self._operands(m)
+        x, w, uw, lins, between, ranges = operands
         silu, mul = m["silu"], m["mul"]
         if any(get_arg(n, 2, "bias") is not None for n in lins):
             return "a projection has a bias (the kernel adds none)", None
@@ -93,10 +94,10 @@ class FuseGemvSwiglu(Pass):
             return f"{M} rows of x: graphopt::gemv_swiglu takes at most {MAX_M} (a decode step's tokens)", None
         if len(wi.shape) != 2 or (ui is not None and tuple(ui.shape) != tuple(wi.shape)):
             return "gate and up weights are not two [n, K] matrices of one shape", None
-        if ui is None and (pieces := (piece(m["gate"]), piece(m["up"]))) and (
-                pieces[0][1:] != (0, wi.shape[0] // 2) or pieces[1][1:] != (wi.shape[0] // 2, wi.shape[0])):
-            return (f"gate is [{pieces[0][1]}, {pieces[0][2]}) and up [{pieces[1][1]}, {pieces[1][2]}) of "
-                    f"{wi.shape[0]} columns: the kernel needs the first and the second half"), None
+        if ranges is not None and ranges != ((0, wi.shape[0] // 2), (wi.shape[0] // 2, wi.shape[0])):
+            (g0, g1), (u0, u1) = ranges
+            return (f"gate is [{g0}, {g1}) and up [{u0}, {u1}) of {wi.shape[0]} columns: the kernel needs the "
+                    "first and the second half"), None
         dtypes = {i.dtype for i in (xi, wi, ui) if i is not None}
         if len(dtypes) != 1 or xi.dtype not in DTYPES:
             return f"dtypes {sorted(map(str, dtypes))}: fp16 or bf16, one dtype", None
@@ -122,7 +123,7 @@ class FuseGemvSwiglu(Pass):
         if new >= old * (1 - MIN_GAIN):
             return (f"predicted {new * 1e6:.1f} us against {old * 1e6:.1f} us for the projections and the "
                     f"activation, not {MIN_GAIN:.0%} faster (op_efficiency 'gemv', measured by "
-                    "benchmarks/diag/diag_decode_gemm.py, prices it; unmeasured it is priced as cuBLAS)"), None
+                    "benchmarks/diag/diag_decode_gemm.py, prices it)"), None
         form = "two weights" if ui is not None else "merged weight"
         return "", Candidate(f"gate/up {M}x{n}x{K} ({form}) + swiglu -> gemv_swiglu", [*inside, mul], old - new,
                              lambda: self._apply(m, x, w, uw, [*inside, mul]), label=label)

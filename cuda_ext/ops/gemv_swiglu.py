@@ -10,7 +10,7 @@ program as the plain GEMV) and stores the activation; the [M, 2n] product is nev
 projections are not rounded before the activation. Where the plan splits K (few output columns),
 the fp32 partial sums of both go to a second kernel that adds them and applies the activation.
 
-Written by ``lower_gemv_swiglu``. Priced as ``graphopt::gemv`` over both weights (its measured
+Written by ``fuse_gemv_swiglu``. Priced as ``graphopt::gemv`` over both weights (its measured
 ``op_efficiency["gemv"]``; unmeasured, as cuBLAS at the same M). fp16/bf16 on CUDA; other dtypes
 and more rows run the reference.
 """

@@ -280,19 +280,56 @@ def test_comparison_chunks_stay_a_fraction_of_the_output(monkeypatch):
     assert tr.peak < ref.numel() * 8  # float64 temporaries of an eighth of the output at a time
 
 
-def test_page_locked_offloads_are_handed_back_once(monkeypatch):
-    """release_host_memory empties torch's page-locked host cache when the guard pinned an offloaded
-    output, and does nothing otherwise (a process's own pinned blocks are left to it)."""
-    import torch
-
+def test_page_locked_offloads_are_unlocked_once(monkeypatch):
+    """The guard's host copies are page-locked in place (cudaHostRegister on zeroed pages) and kept
+    until release_host_memory unregisters each once; where registering fails they stay pageable and
+    nothing is unregistered."""
     from graphopt import accuracy
 
-    calls = []
-    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append(1), raising=False)
-    monkeypatch.setattr(accuracy, "_pinned", False)
+    class FakeCudart:
+        def __init__(self, err):
+            self.err, self.calls = err, []
+
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            self.calls.append(("register", ptr, nbytes))
+            return self.err
+
+        def cudaHostUnregister(self, ptr):
+            self.calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(accuracy, "_registered", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake = FakeCudart(0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    t = accuracy._page_locked_empty((3, 5), torch.float32)
+    assert t.device.type == "cpu" and torch.equal(t, torch.zeros(3, 5))
+    assert fake.calls == [("register", t.data_ptr(), 60)]
     accuracy.release_host_memory()
-    assert calls == []
-    monkeypatch.setattr(accuracy, "_pinned", True)
     accuracy.release_host_memory()
+    assert fake.calls[1:] == [("unregister", t.data_ptr())] and accuracy._registered == []
+    failing = FakeCudart(1)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: failing)
+    accuracy._page_locked_empty((4,), torch.bfloat16)
     accuracy.release_host_memory()
-    assert calls == [1] and accuracy._pinned is False
+    assert [c[0] for c in failing.calls] == ["register"]
+
+
+@pytest.mark.cuda
+def test_offloaded_reference_is_page_locked_and_compares_as_on_the_device():
+    """A GPU output moved to the host lands in registered (page-locked) memory; the rule's chunked
+    statistics from it equal those with both on the device; release_host_memory unlocks it."""
+    from graphopt import accuracy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ref = torch.randn(3_000_000, device="cuda", generator=g)
+    out = (ref + 1e-3 * torch.randn(ref.shape, device="cuda", generator=g)).bfloat16()
+    host = accuracy.offload([ref], 0)[0]
+    try:
+        assert host.device.type == "cpu" and host.is_pinned() and torch.equal(host, ref.cpu())
+        on_dev = [t.tolist() for t in accuracy._stats(out, ref, 1e-2)]
+        from_host = [t.tolist() for t in accuracy._stats(out, host, 1e-2)]
+        assert on_dev[1:] == from_host[1:] and abs(on_dev[0][0] - from_host[0][0]) <= 1e-9 * on_dev[0][0]
+    finally:
+        accuracy.release_host_memory()
+    assert accuracy._registered == [] and not host.is_pinned()

@@ -243,7 +243,10 @@ def test_a_comparison_stops_once_every_round_agrees():
     assert settled([1.0, 1.0, 1.03, 1.0, 1.005, 1.0], [1.0] * 6)  # noise around no change: no loss
     assert not settled([1.015] * 6, [1.0] * 6)  # within the margin, but not within half of it: more rounds
     assert not settled([1.03] * 5 + [1.0], [1.0] * 6)  # a 3% loss in most rounds is not settled as none
-    script = iter([1.0, 0.5] + [1.0, 0.5] * 24)  # first round, then baseline/candidate rounds
+    assert settled([0.5] * 3, [1.0] * 3) and settled([1.2, 1.3, 1.15], [1.0] * 3)  # clear: 10% or more each round
+    assert not settled([0.5, 0.5], [1.0] * 2)  # two rounds decide nothing
+    assert not settled([0.5, 0.5, 0.95], [1.0] * 3) and not settled([0.5, 1.2, 0.5], [1.0] * 3)
+    script = iter([1.0, 0.95] + [1.0, 0.95] * 24)  # first round, then baseline/candidate rounds
 
     class Scripted(Timer):
         def _once(self, fn):
@@ -254,6 +257,10 @@ def test_a_comparison_stops_once_every_round_agrees():
     t = Scripted("cpu", warmup=0, min_reps=25, max_reps=25, early=True)
     base, cand = t.compare(lambda: calls.append("a"), lambda: calls.append("b"))
     assert len(base.samples) == len(cand.samples) == 6 and not slower(cand, base)
+    script = iter([1.0, 0.5] + [1.0, 0.5] * 24)  # twice as fast: clear after three rounds
+    t = Scripted("cpu", warmup=0, min_reps=25, max_reps=25, early=True)
+    base, cand = t.compare(lambda: None, lambda: None)
+    assert len(base.samples) == len(cand.samples) == 3 and not slower(cand, base)
     script = iter([1.0, 1.1, 1.0, 0.9] * 13)  # the candidate behind in half the rounds, ahead in the others
     t = Scripted("cpu", warmup=0, min_reps=25, max_reps=25, early=True)
     assert len(t.compare(lambda: None, lambda: None)[0].samples) == 25

@@ -9,7 +9,8 @@ times two or more callables in interleaved rounds (a, b, a, b, ...), so a drift 
 :func:`slower` is the guard's rule: a candidate is slower than a baseline when its median exceeds
 the baseline's by more than ``margin`` (2%: the run-to-run spread of one call on an idle GPU).
 :func:`settled` lets a comparison stop before its full count of rounds once the rounds so far make
-the verdict clear: the verdict is still :func:`slower`'s, on the rounds taken.
+the verdict clear (three rounds for a difference of 10% or more every round, six otherwise): the
+verdict is still :func:`slower`'s, on the rounds taken.
 """
 
 from __future__ import annotations
@@ -54,17 +55,24 @@ def slower(candidate: Timing, baseline: Timing, margin: float | None = None) -> 
     return True
 
 
-def settled(candidate: list, baseline: list, margin: float | None = None, rounds: int = 6) -> bool:
-    """True once ``rounds`` or more interleaved rounds were taken and their verdict is clear: the
-    candidate beyond the baseline's call of its round by more than ``margin`` in every round (a
-    loss), or its median ratio to the baseline within half the margin with at most a third of the
+def settled(candidate: list, baseline: list, margin: float | None = None, rounds: int = 6,
+            clear_rounds: int = 3) -> bool:
+    """True once the interleaved rounds taken make the verdict clear: ``clear_rounds`` rounds with
+    the candidate more than five margins from its round's baseline call, every one on the same side
+    (a clear win or loss: a 9B model's call is worth 0.2-0.5 s a round); or ``rounds`` rounds or more
+    with the candidate beyond the baseline's call of its round by more than ``margin`` in every round
+    (a loss), or its median ratio to the baseline within half the margin with at most a third of the
     rounds beyond the margin (no loss; a pass that changes nothing measurable settles here instead of
     taking every round). Paired rounds, so a drift over the rounds lands on both calls of a round."""
     m = MARGIN if margin is None else margin
     n = min(len(candidate), len(baseline))
-    if n < rounds:
+    if n < min(rounds, clear_rounds):
         return False
     ratios = [c / b if b > 0 else float("inf") for c, b in zip(candidate[:n], baseline[:n])]
+    if n >= clear_rounds and (all(r > 1.0 + 5 * m for r in ratios) or all(r < 1.0 - 5 * m for r in ratios)):
+        return True
+    if n < rounds:
+        return False
     beyond = sum(r > 1.0 + m for r in ratios)
     return beyond == n or (statistics.median(ratios) <= 1.0 + m / 2 and 3 * beyond <= n)
 
@@ -73,7 +81,8 @@ class Timer:
     """Times calls on ``device``. ``reps`` adapts to the call's length: at least ``min_reps``,
     and as many more as fit in ``target_s`` per measurement, at most ``max_reps``. With
     ``early=True`` a comparison of two callables stops once :func:`settled` says its verdict is
-    clear (at least ``settle_rounds`` rounds), and one callable timed alone gets ``settle_rounds``."""
+    clear (three rounds for a difference of 10% every round, ``settle_rounds`` otherwise), and one
+    callable timed alone gets ``settle_rounds``."""
 
     def __init__(self, device: torch.device | str, *, warmup: int = 2, min_reps: int = 5, max_reps: int = 25,
                  target_s: float = 0.25, early: bool = False, settle_rounds: int = 6, margin: float | None = None):

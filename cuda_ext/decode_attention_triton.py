@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 
-from .norm_triton import cached_kernel, next_pow2, pdl_launch
+from .norm_triton import cached_kernel, fence, next_pow2, pdl_launch, split_counters
 
 _kernels: dict = {}
 DTYPES = (torch.bfloat16, torch.float16)
@@ -340,22 +339,6 @@ def _build():
     return decode_split_kernel, decode_combine_kernel
 
 
-_counter_cache: dict = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``n`` split counters for ``device``, kept for the process:
-    each call's last split puts its counter back to zero, so calls (and CUDA-graph replays) share it.
-    Calls on one device run in stream order; a call on a second stream concurrently with another
-    would share counters, which graphopt's graphs never do."""
-    key = (device.type, device.index)
-    buf = _counter_cache.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        _counter_cache[key] = buf
-    return buf
-
-
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                             kv_len: torch.Tensor | None, scale: float, splits: int | None = None,
                             num_warps: int = 4, num_stages: int | None = None,
@@ -400,7 +383,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     else:
         op = torch.empty((B * H * T * s * D,), dtype=torch.float32, device=q.device)
         ml = torch.empty((B * H * T * s * 2,), dtype=torch.float32, device=q.device)
-    cnt = _counters(q.device, B * Hkv) if fused else out
+    cnt = split_counters(q.device, B * Hkv) if fused else out
     comb_d = max(2, min(p["BLOCK_D"], next_pow2(max(1, COMBINE_ELEMENTS // (comb_m * block_s)) + 1) // 2))
     with torch.cuda.device(q.device) if cuda else contextlib.nullcontext():
         split_k[(s, B * Hkv)](
@@ -412,7 +395,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
             HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
             HAS_KVLEN=kv_len is not None, SINGLE=s == 1, FUSED=fused,
             BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_D=p["BLOCK_D"], COMB_M=comb_m, BLOCK_S=block_s,
-            COMB_D=comb_d, FENCE=os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=num_warps,
+            COMB_D=comb_d, FENCE=fence(), num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(q.device))
         if s > 1 and not fused:
             combine[(B * H * T,)](op, ml, out, *out.stride(), H, T, D, s,

@@ -49,6 +49,34 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+_counters: dict = {}
+_counters_kept: list = []
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` counters for ``device``, kept for the process, for
+    kernels whose last program of a group to finish combines the group's partial results (the
+    decode attention's key splits, the GEMV's K splits): that program puts its counter back to
+    zero, so calls (and CUDA-graph replays) share the buffer. Calls on one device run in stream
+    order (a PDL kernel touches counters only after its wait for the one before); a call on a second
+    stream concurrently with another would share counters, which graphopt's graphs never do. A
+    buffer outgrown stays allocated: a CUDA graph captured with it keeps its address."""
+    key = (device.type, device.index)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _counters_kept.append(buf)
+        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _counters[key] = buf
+    return buf
+
+
+def fence() -> bool:
+    """Whether a kernel's GPU-scope fence (inline PTX) is emitted: not under Triton's interpreter,
+    which runs programs one after another and has no PTX."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def cached_kernel(kernels: dict, build):
     """``build()`` (which defines a ``@triton.jit`` function) once per TRITON_INTERPRET setting:
     the interpreter must be chosen before a kernel is defined, and the tests switch it."""

@@ -6,22 +6,20 @@ program here owns ``BLOCK_N`` output columns and one of ``splits`` slices of K; 
 ``[BLOCK_N, K / splits]`` block of W through shared memory (``num_stages`` loads in flight, the
 loads Triton pipelines because they feed ``tl.dot``) and multiplies it with x padded to 16 rows
 (tensor cores; the padding costs no bandwidth). With one split it adds the bias and stores y;
-with several it stores fp32 partial sums ``[splits, M, N]``, and the last of a column block's
-programs to finish (a counter per block, :func:`norm_triton.split_counters`) adds them in split
-order (and the bias) and rounds once; with ``fixup`` off a second kernel does. The swiglu form
-(``graphopt::gemv_swiglu``) streams a gate and an up weight in the same programs, half the rows
-from each, and applies ``silu(gate) * up`` where the result is rounded. :func:`plan` picks the blocks and the
+with several it stores fp32 partial sums ``[splits, M, N]`` and a second kernel adds them (and the
+bias) and rounds once. The swiglu form (``graphopt::gemv_swiglu``) streams a gate and an up
+weight in the same programs, half the rows from each, and applies ``silu(gate) * up`` where the
+result is rounded (in the reduce kernel when K is split). :func:`plan` picks the blocks and the
 split count from the shape and the SM count; the diagnostic ``benchmarks/diag/diag_decode_gemm.py``
 times it against cuBLAS.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from .norm_triton import cached_kernel, fence, next_pow2, pdl_launch, split_counters
+from .norm_triton import cached_kernel, next_pow2, pdl_launch
 
 _kernels: dict = {}
 DTYPES = (torch.float16, torch.bfloat16)
@@ -30,21 +28,14 @@ SM_COUNT = 132    # the H200's, for planning without a device
 NORM_ONE_BLOCK = 1 << 15  # partial sums (splits x row) gemv_add_rms_norm's second kernel holds at once
 
 
-def fixup_default() -> bool:
-    """A split GEMV's partial sums are added by each column block's last program (else by a second
-    kernel); GRAPHOPT_GEMV_FIXUP=0 turns it off (an A/B switch for benchmarks/diag/diag_decode_ab.py)."""
-    return os.environ.get("GRAPHOPT_GEMV_FIXUP", "1") != "0"
-
-
 def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None, block_k: int | None = None,
-         splits: int | None = None, stages: int | None = None, fixup: bool | None = None) -> dict:
+         splits: int | None = None, stages: int | None = None) -> dict:
     """The launch of one call: BLOCK_N, BLOCK_K, the K splits (each a whole number of BLOCK_K
     blocks), num_stages and num_warps. Default: 64 output columns per program; where those alone
     give every SM two programs or more (a wide projection: a merged gate/up), no split and 256-deep
     K blocks; else 128-deep K blocks and enough splits for about two programs per SM (at most 32,
     each slice at least four K blocks deep). Three stages in flight. The fastest choices per
-    decode projection on the H200 (benchmarks/diag/diag_gemv_waves.py). ``fixup`` (split only;
-    default :func:`fixup_default`): each column block's last program adds the partial sums, no reduce kernel."""
+    decode projection on the H200 (benchmarks/diag/diag_gemv_waves.py)."""
     bn = block_n or 64
     tiles = -(-N // bn)
     wide = tiles >= 2 * sms
@@ -56,8 +47,7 @@ def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None
     per = -(-blocks // splits) * bk  # K per split, whole blocks
     splits = -(-K // per)
     return {"BLOCK_N": bn, "BLOCK_K": bk, "splits": splits, "k_per_split": per,
-            "num_stages": stages or 3, "num_warps": 4, "programs": tiles * splits,
-            "fixup": splits > 1 and (fixup_default() if fixup is None else bool(fixup))}
+            "num_stages": stages or 3, "num_warps": 4, "programs": tiles * splits}
 
 
 def _kernel():
@@ -70,15 +60,12 @@ def _build():
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def gemv_split_kernel(X, W, WU, BIAS, Y, P, CNT, M, N, K, K_PER, SPLITS, sxm, sxk, swn, swk, sun, suk, sym, syn,
-                          HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr, FIXUP: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                          FENCE: tl.constexpr, PDL: tl.constexpr):
+    def gemv_split_kernel(X, W, WU, BIAS, Y, P, M, N, K, K_PER, sxm, sxk, swn, swk, sun, suk, sym, syn,
+                          HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
         # SWIGLU: BLOCK_N rows of W (the gate's) and the same rows of WU (the up's) per program, two
         # accumulators; unsplit it stores silu(g) * u, split both partial sums ([splits, M, 2N]: the
-        # gate's N columns, then the up's). FIXUP (split): the last of a column block's SPLITS
-        # programs to finish adds the block's partial sums (in split order), the bias and the
-        # activation and stores y: no second kernel
+        # gate's N columns, then the up's)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -110,27 +97,6 @@ def _build():
             tl.store(P + row + rn[None, :], acc, mask=out_ok)
             if SWIGLU:
                 tl.store(P + row + N + rn[None, :], acc_u, mask=out_ok)
-            if FIXUP:
-                # every thread's stores visible at GPU scope before the block's count goes up
-                if FENCE:  # (the interpreter runs programs one after another and has no PTX)
-                    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [pid_n.to(tl.int32)],
-                                              dtype=tl.int32, is_pure=False, pack=1)
-                tl.debug_barrier()
-                done = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel", scope="gpu")
-                if done == SPLITS - 1:
-                    tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    tot_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    for s in range(0, SPLITS):
-                        srow = (s * M + rm[:, None]).to(tl.int64) * width
-                        tot += tl.load(P + srow + rn[None, :], mask=out_ok, other=0.0, cache_modifier=".cg")
-                        if SWIGLU:
-                            tot_u += tl.load(P + srow + N + rn[None, :], mask=out_ok, other=0.0, cache_modifier=".cg")
-                    if HAS_BIAS:
-                        tot += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                    if SWIGLU:
-                        tot = tot / (1.0 + tl.exp(-tot)) * tot_u
-                    tl.store(Y + rm[:, None] * sym + rn[None, :] * syn, tot.to(Y.dtype.element_ty), mask=out_ok)
-                    tl.store(CNT + pid_n, 0)  # ready for the next call (a replayed CUDA graph reuses it)
         else:
             if HAS_BIAS:
                 acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -241,33 +207,30 @@ def _sms(x: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else SM_COUNT
 
 
-def _stream(x, weight, up_weight, bias, y, p, partial, fixup: bool = False) -> None:
+def _stream(x, weight, up_weight, bias, y, p, partial) -> None:
     """The split kernel over ``weight`` (and ``up_weight``: the swiglu form) as ``p`` plans it, into
-    ``y`` or, given ``partial``, into fp32 partial sums (with ``fixup`` also added into ``y`` by
-    each column block's last program); the caller holds the device."""
+    ``y`` or, given ``partial``, into fp32 partial sums; the caller holds the device."""
     split = _kernel()[0]
     u = up_weight if up_weight is not None else weight
     N = weight.shape[0]
-    tiles = -(-N // p["BLOCK_N"])
-    cnt = split_counters(x.device, tiles) if fixup else y
-    split[(tiles, p["splits"])](
-        x, weight, u, bias if bias is not None else x, y, partial if partial is not None else y, cnt,
-        x.shape[0], N, x.shape[1], p["k_per_split"], p["splits"], x.stride(0), x.stride(1),
+    split[(-(-N // p["BLOCK_N"]), p["splits"])](
+        x, weight, u, bias if bias is not None else x, y, partial if partial is not None else y,
+        x.shape[0], N, x.shape[1], p["k_per_split"], x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), u.stride(0), u.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, PARTIAL=partial is not None, SWIGLU=up_weight is not None,
-        FIXUP=fixup and partial is not None, BLOCK_M=16, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-        STAGES=p["num_stages"], FENCE=fence(), num_warps=p["num_warps"], **pdl_launch(x.device))
+        HAS_BIAS=bias is not None, PARTIAL=partial is not None, SWIGLU=up_weight is not None, BLOCK_M=16,
+        BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], STAGES=p["num_stages"], num_warps=p["num_warps"],
+        **pdl_launch(x.device))
 
 
 def _stream_and_reduce(x, weight, up_weight, bias, y, p) -> torch.Tensor:
-    """:func:`_stream`, and with several splits the partial sums (the bias, the activation) added
-    into ``y``: by each column block's last program where ``p["fixup"]``, else by the reduce kernel."""
+    """:func:`_stream`, and with several splits the reduce kernel adding the partial sums (the bias,
+    the activation) into ``y``."""
     s, (M, N) = p["splits"], y.shape
     width = 2 * N if up_weight is not None else N
     partial = torch.empty((s * M * width,), dtype=torch.float32, device=x.device) if s > 1 else None
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _stream(x, weight, up_weight, bias, y, p, partial, fixup=p.get("fixup", False))
-        if s > 1 and not p.get("fixup", False):
+        _stream(x, weight, up_weight, bias, y, p, partial)
+        if s > 1:
             bn = 256
             _kernel()[1][(M, -(-N // bn))](
                 partial, bias if bias is not None else x, y, M, N, s, y.stride(0), y.stride(1),

@@ -58,31 +58,29 @@ def cuda_impl(x, weight, bias):
 def stream_cost(M, N, K, nbytes, profile, partial_columns=None, planner=gt.plan) -> OpCost:
     """A weight stream of ``nbytes`` (weights, x, y) for ``[M, K] x [K, N]`` products, plus the fp32
     partial sums (``partial_columns`` per row, N unless given) written and read back when
-    ``planner`` splits K (then a dependent pass adding them: a second launch, or none where each
-    column block's last program adds them); at the profile's "gemv" efficiency where it is
+    ``planner`` splits K (two launches then); at the profile's "gemv" efficiency where it is
     measured, else as cuBLAS at the same M (its "small_m_linear" entry, or any matmul's): an
     unmeasured GEMV is never predicted faster than cuBLAS."""
-    launches, tail = 1, 0
+    launches = 1
     try:
         p = planner(int(M), int(N), int(K), (profile.sm_count if profile is not None else None) or gt.SM_COUNT)
         if p["splits"] > 1:
             nbytes += 2 * p["splits"] * M * (partial_columns or N) * 4
-            tail = 1  # the partial sums added after the stream: a dependent pass
-            launches = 1 if p.get("fixup") else 2
+            launches = 2
     except TypeError:  # symbolic sizes: one pass
         pass
-    extra = tail * profile.kernel_fixed_s if profile is not None else 0.0
+    extra = (launches - 1) * profile.kernel_fixed_s if profile is not None else 0.0
     table = profile.op_efficiency if profile is not None else {}
     efficiency = next((k for k in (EFFICIENCY, CUBLAS_SMALL_M) if k in table), "matmul")
     return OpCost(2 * M * (partial_columns or N) * K, nbytes, launches=launches, kind="matmul", efficiency=efficiency,
                   extra_s=extra)
 
 
-def cost(call, profile, planner=gt.plan):
+def cost(call, profile):
     """The weight, x, y and the bias once, plus the partial sums when K is split (:func:`stream_cost`)."""
     x, w, b = call.info("x"), call.info("weight"), call.info("bias")
     nbytes = w.nbytes + x.nbytes + call.outputs[0].nbytes + (b.nbytes if b is not None else 0)
-    return stream_cost(rows(x), w.shape[0], w.shape[1], nbytes, profile, planner=planner)
+    return stream_cost(rows(x), w.shape[0], w.shape[1], nbytes, profile)
 
 
 def op_class(call):

@@ -68,7 +68,7 @@ def cost(call, profile):
     read and the row-norm floor; when K is not split the second kernel is added (its fixed time,
     the partial sums written and read back). A pre-norm adds its weight's read, a pass over y and
     a second row-norm floor."""
-    g = gv.cost(call, profile, planner=_split_plan)
+    g = gv.cost(call, profile)
     y = call.outputs[0]
     res = call.info("residual")
     pre = call.info("pre_weight")
@@ -81,11 +81,6 @@ def cost(call, profile):
         extra += 2 * gv.rows(call.info("x")) * y.shape[-1] * 4
         extra_s += profile.kernel_fixed_s if profile is not None else 0.0
     return OpCost(g.flops, g.bytes + extra, launches=2, kind=g.kind, efficiency=g.efficiency, extra_s=extra_s)
-
-
-def _split_plan(M, N, K, sms):
-    """The split kernel's plan here: its partial sums always go to the second kernel."""
-    return gt.plan(M, N, K, sms, fixup=False)
 
 
 def op_class(call):

@@ -246,3 +246,18 @@ def test_kernel_replayed_from_a_cuda_graph_follows_kv_len():
         g.replay()
         torch.cuda.synchronize()
         _check(out, q, k, v, mask, kv_len, 2e-2)
+
+
+def test_split_counters_outgrown_stay_allocated(monkeypatch):
+    """A counter buffer a larger call outgrows is kept (a CUDA graph captured with it holds its
+    address); calls that fit reuse the current one."""
+    from graphopt.cuda_ext import norm_triton
+
+    monkeypatch.setattr(norm_triton, "_counters", {})
+    monkeypatch.setattr(norm_triton, "_counters_kept", [])
+    dev = torch.device("cpu")
+    small = norm_triton.split_counters(dev, 10)
+    assert small.numel() == 256 and int(small.abs().sum()) == 0
+    assert norm_triton.split_counters(dev, 200) is small
+    big = norm_triton.split_counters(dev, 1000)
+    assert big.numel() == 1000 and norm_triton._counters_kept == [small]

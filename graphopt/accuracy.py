@@ -96,11 +96,12 @@ def _stats(out: torch.Tensor, ref: torch.Tensor, tol: float, device: torch.devic
     worst = torch.zeros((), dtype=torch.float64, device=dev)
     flags = torch.zeros(3, dtype=torch.bool, device=dev)  # not close, nan in out, nan in ref
     step = _chunk_elems(o.numel())
+    to_gpu = dev.type == "cuda"  # (a copy to the host must finish before the host reads it)
     for s in range(0, o.numel(), step):
         # a chunk on the host moves in its own dtype (asynchronously from page-locked memory) and is
         # widened on the device: widening first would make a pageable float64 copy on the host
-        oc = o[s:s + step].to(device=dev, non_blocking=True).to(torch.float64)
-        rc = r[s:s + step].to(device=dev, non_blocking=True).to(torch.float64)
+        oc = o[s:s + step].to(device=dev, non_blocking=to_gpu).to(torch.float64)
+        rc = r[s:s + step].to(device=dev, non_blocking=to_gpu).to(torch.float64)
         fin = torch.isfinite(rc)
         d = torch.where(fin, oc - rc, 0.0)
         acc += torch.stack([(d * d).sum(), fin.sum(dtype=torch.float64)])
@@ -207,16 +208,17 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
     """``x`` copied to page-locked host memory, where both this copy and the chunks the rule moves
     back run at the bus's rate (a pageable copy runs at a fraction of it); pageable memory where
     page-locked memory cannot be had. :func:`release_host_memory` unlocks it again."""
-    dst = _page_locked_empty(x.shape, x.dtype)
+    dst = _page_locked_empty(x.shape, x.dtype, x.device)
     return dst.copy_(x.detach())
 
 
-def _page_locked_empty(shape, dtype) -> torch.Tensor:
+def _page_locked_empty(shape, dtype, device: torch.device) -> torch.Tensor:
     """A host tensor page-locked in place: its pages are first touched by torch's CPU threads in
     parallel (``zero_``), then registered with CUDA (cudaHostRegister) - several times faster for a
     buffer of gigabytes than cudaHostAlloc, which touches every page from one thread. Registered
     tensors are kept until :func:`release_host_memory` unregisters them (a tensor must not be freed
-    while registered). Pageable where registering fails."""
+    while registered; ``device``: the GPU whose copies read it, waited for before then). Pageable
+    where registering fails."""
     dst = torch.empty(shape, dtype=dtype)
     nbytes = dst.numel() * dst.element_size()
     if nbytes == 0:
@@ -228,11 +230,11 @@ def _page_locked_empty(shape, dtype) -> torch.Tensor:
         return dst
     if int(err) != 0:
         return dst
-    _registered.append(dst)
+    _registered.append((dst, device))
     return dst
 
 
-_registered: list = []  # host tensors page-locked by _page_locked_empty
+_registered: list = []  # (host tensor page-locked by _page_locked_empty, the GPU reading it)
 
 
 def release_host_memory() -> None:
@@ -240,11 +242,12 @@ def release_host_memory() -> None:
     finished every copy from it); the tensors are then ordinary pageable ones, freed with the guard."""
     if not _registered:
         return
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    for device in {d for _, d in _registered}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     cudart = torch.cuda.cudart()
     while _registered:
-        cudart.cudaHostUnregister(_registered.pop().data_ptr())
+        cudart.cudaHostUnregister(_registered.pop()[0].data_ptr())
 
 
 # the tensor metadata a model may read from a weight without computing with it

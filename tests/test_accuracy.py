@@ -299,10 +299,9 @@ def test_page_locked_offloads_are_unlocked_once(monkeypatch):
             return 0
 
     monkeypatch.setattr(accuracy, "_registered", [])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     fake = FakeCudart(0)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    t = accuracy._page_locked_empty((3, 5), torch.float32)
+    t = accuracy._page_locked_empty((3, 5), torch.float32, torch.device("cpu"))
     assert t.device.type == "cpu" and torch.equal(t, torch.zeros(3, 5))
     assert fake.calls == [("register", t.data_ptr(), 60)]
     accuracy.release_host_memory()
@@ -310,7 +309,7 @@ def test_page_locked_offloads_are_unlocked_once(monkeypatch):
     assert fake.calls[1:] == [("unregister", t.data_ptr())] and accuracy._registered == []
     failing = FakeCudart(1)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: failing)
-    accuracy._page_locked_empty((4,), torch.bfloat16)
+    accuracy._page_locked_empty((4,), torch.bfloat16, torch.device("cpu"))
     accuracy.release_host_memory()
     assert [c[0] for c in failing.calls] == ["register"]
 

@@ -35,7 +35,7 @@ def host_copy(x, how: str):
     if how == "pageable":
         dst, alloc = timed(lambda: torch.empty(x.shape, dtype=x.dtype))
     elif how == "registered":
-        dst, alloc = timed(lambda: accuracy._page_locked_empty(x.shape, x.dtype))
+        dst, alloc = timed(lambda: accuracy._page_locked_empty(x.shape, x.dtype, x.device))
     else:
         dst, alloc = timed(lambda: torch.empty(x.shape, dtype=x.dtype, pin_memory=True))
     _, copy = timed(lambda: dst.copy_(x))

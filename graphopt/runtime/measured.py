@@ -59,7 +59,7 @@ def settled(candidate: list, baseline: list, margin: float | None = None, rounds
             clear_rounds: int = 3) -> bool:
     """True once the interleaved rounds taken make the verdict clear: ``clear_rounds`` rounds with
     the candidate more than five margins from its round's baseline call, every one on the same side
-    (a clear win or loss: a 9B model's call is worth 0.2-0.5 s a round); or ``rounds`` rounds or more
+    (a clear win or loss: the rounds a long call would take otherwise are spared); or ``rounds`` rounds or more
     with the candidate beyond the baseline's call of its round by more than ``margin`` in every round
     (a loss), or its median ratio to the baseline within half the margin with at most a third of the
     rounds beyond the margin (no loss; a pass that changes nothing measurable settles here instead of

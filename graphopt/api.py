@@ -714,7 +714,8 @@ def _plan_profile(opts: OptimizeOptions, model_dev: torch.device) -> _Planning:
 
 
 def _capture(model, args, kwargs, opts: OptimizeOptions) -> fx.GraphModule:
-    return capture(model, (args, kwargs), dynamic=opts.dynamic, stack_traces=opts.dump_dir is not None)
+    return capture(model, (args, kwargs), dynamic=opts.dynamic, stack_traces=opts.dump_dir is not None,
+                   inference=not opts.training)
 
 
 def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: OptimizeOptions):

@@ -248,7 +248,7 @@ def _advice(exc: BaseException) -> str:
 
 
 def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, strategy: str = "auto",
-            mha: str | None = None, stack_traces: bool = False) -> fx.GraphModule:
+            mha: str | None = None, stack_traces: bool = False, inference: bool = False) -> fx.GraphModule:
     """Capture ``model`` as a GraphModule whose outputs equal the model's.
 
     ``dynamic`` maps argument names to ``{dim: "name"}``, e.g. ``{"x": {0: "batch"}}``; dims that
@@ -261,6 +261,8 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     ``# File:`` comments of the generated code; graphopt itself never reads them). Recording and
     symbolizing them is a noticeable share of export's time, so they are off unless asked for
     (``optimize(dump_dir=...)`` asks).
+    ``inference``: the graph will only run without gradients (optimize() without ``training``):
+    export runs under ``torch.no_grad()`` and the model's switches to that same mode record nothing.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -275,7 +277,7 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     if strategy in ("auto", "export"):
         try:
             with batch_first_sdpa(model, mha_record):
-                gm = _capture_export(model, args, kwargs, dynamic, stack_traces)
+                gm = _capture_export(model, args, kwargs, dynamic, stack_traces, inference)
             info.method = "torch.export"
             info.mha = mha_record.as_dict()
             info.notes.extend(mha_record.notes())
@@ -372,6 +374,69 @@ def _stack_traces(keep: bool):
         config.do_not_emit_stack_traces = prev
 
 
+@contextlib.contextmanager
+def _inference_grad_mode(inference: bool):
+    """For an inference capture: export under ``torch.no_grad()``, the model's own switches to the
+    grad mode already in force skipped (transformers' decoders compute their rotary tables under
+    ``@torch.no_grad()``). Export records every switch as a graph node, and on torch 2.11 one such
+    node makes it split the whole graph and inline it back (replace_set_grad_with_hop_pass), a
+    fifth of a 40-layer decoder's export. A switch that changes the mode (an ``enable_grad``
+    region) is recorded as before; one that does not changes nothing, so skipping it is exact, in
+    this thread and any other while the methods are replaced."""
+    gm = torch.autograd.grad_mode
+    classes = [getattr(gm, n, None) for n in ("no_grad", "enable_grad", "set_grad_enabled")]
+    if not inference or any(c is None for c in classes):
+        with torch.no_grad() if inference else contextlib.nullcontext():
+            yield
+        return
+    no_grad, enable_grad, set_grad = classes
+
+    def switch(mode) -> None:
+        try:
+            same = bool(mode) == torch.is_grad_enabled()
+        except Exception:  # noqa: BLE001 - a mode that is not a plain bool: switch as torch would
+            same = False
+        if not same:
+            torch._C._set_grad_enabled(mode)
+
+    def disable_enter(self):
+        self.prev = torch.is_grad_enabled()
+        switch(False)
+
+    def enable_enter(self):
+        self.prev = torch.is_grad_enabled()
+        switch(True)
+
+    def restore(self, *exc):
+        switch(self.prev)
+
+    def set_init(self, mode):
+        self.prev = torch.is_grad_enabled()
+        self.mode = mode
+        switch(mode)
+
+    def set_enter(self):
+        switch(self.mode)
+
+    def set_call(self, orig_func):
+        switch(self.prev)
+        return super(set_grad, self).__call__(orig_func)
+
+    patches = [(no_grad, "__enter__", disable_enter), (no_grad, "__exit__", restore),
+               (enable_grad, "__enter__", enable_enter), (enable_grad, "__exit__", restore),
+               (set_grad, "__init__", set_init), (set_grad, "__enter__", set_enter), (set_grad, "__exit__", restore),
+               (set_grad, "__call__", set_call)]
+    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in patches]
+    with torch.no_grad():
+        try:
+            for cls, name, fn in patches:
+                setattr(cls, name, fn)
+            yield
+        finally:
+            for cls, name, fn in saved:
+                setattr(cls, name, fn)
+
+
 def _lazy_graph_modules():
     """torch.fx's lazy GraphModules (code generated on first use) where this torch has them."""
     try:
@@ -403,12 +468,14 @@ def _export(model, args, kwargs, shapes):
             sys.stderr.write(text)
 
 
-def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False) -> fx.GraphModule:
+def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False,
+                    inference: bool = False) -> fx.GraphModule:
     shapes = _dynamic_shapes(model, args, kwargs, dynamic)
     try:
         # export builds and rebuilds intermediate GraphModules of the whole model; lazy ones generate
         # their Python code only if something runs or reads it (the module handed back is a plain one)
-        with timing.phase("capture: torch.export"), _stack_traces(stack_traces), _lazy_graph_modules():
+        with timing.phase("capture: torch.export"), _stack_traces(stack_traces), _lazy_graph_modules(), \
+                _inference_grad_mode(inference):
             ep = _export(model, args, kwargs, shapes)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):

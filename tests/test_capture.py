@@ -313,3 +313,94 @@ def test_export_builds_lazy_graph_modules_and_hands_back_a_plain_one(monkeypatch
     gm = graphopt.capture(model, (torch.randn(2, 4),))
     assert seen == [True] and not lazy._use_lazy_graph_module_flag
     assert not isinstance(gm, lazy._LazyGraphModule) and gm.code == gm.graph.python_code("self").src
+
+
+class _GradRegions(nn.Module):
+    """A no_grad helper (as transformers' rotary embedding), an enable_grad region and
+    set_grad_enabled used as a function and as a context."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    @torch.no_grad()
+    def table(self, x):
+        return torch.cos(x) * 2
+
+    def forward(self, x):
+        y = self.lin(x) + self.table(x)
+        with torch.enable_grad():
+            y = y * 3
+        with torch.set_grad_enabled(False):
+            y = y - 1
+        return y
+
+
+def _grad_regions(gm):
+    return [n for n in gm.graph.nodes if "set_grad_enabled" in str(n.target)]
+
+
+def test_inference_capture_records_no_switch_to_the_mode_in_force():
+    """capture(inference=True) exports under no_grad: the model's no_grad regions record nothing
+    (torch 2.11 split and re-inlined the whole graph for each), an enable_grad region still
+    changes the mode; outputs equal the model's, and torch's grad-mode classes are restored."""
+    from torch.autograd import grad_mode
+
+    before = {c: dict(vars(getattr(grad_mode, c))) for c in ("no_grad", "enable_grad", "set_grad_enabled")}
+    model, x = _GradRegions().eval(), torch.randn(2, 8)
+    gm = capture(model, (x,), inference=True)
+    with torch.no_grad():
+        _outputs_equal(gm(x), model(x))
+    assert all(dict(vars(getattr(grad_mode, c))) == before[c] for c in before)
+    # only the enable_grad region is kept as a grad-mode region; captured with grad on, all three
+    assert len(_grad_regions(gm)) == 1 and len(_grad_regions(capture(model, (x,)))) == 3
+    assert torch.is_grad_enabled()
+
+
+def test_grad_switches_keep_their_meaning_while_redundant_ones_are_skipped():
+    """Inside the capture's context the grad-mode classes behave as torch's: each switch leaves
+    the mode torch's would, as a context, a decorator and set_grad_enabled called as a function."""
+    from graphopt.capture import _inference_grad_mode
+
+    seen = []
+
+    @torch.enable_grad()
+    def on():
+        seen.append(torch.is_grad_enabled())
+
+    with _inference_grad_mode(True):
+        assert not torch.is_grad_enabled()
+        with torch.no_grad():
+            seen.append(torch.is_grad_enabled())
+            with torch.enable_grad():
+                seen.append(torch.is_grad_enabled())
+            seen.append(torch.is_grad_enabled())
+        on()
+        seen.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(True)
+        seen.append(torch.is_grad_enabled())
+        with torch.set_grad_enabled(False):
+            seen.append(torch.is_grad_enabled())
+        seen.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)
+    assert seen == [False, True, False, True, False, True, False, True]
+    assert torch.is_grad_enabled()
+
+
+def test_optimize_captures_inference_without_grad(monkeypatch):
+    """optimize() asks for an inference capture unless it optimizes a training step."""
+    import importlib
+
+    api = importlib.import_module("graphopt.api")
+    calls = []
+    real = api.capture
+
+    def spy(*a, **k):
+        calls.append(k.get("inference"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(api, "capture", spy)
+    model, x = _GradRegions(), torch.randn(2, 8)
+    graphopt.optimize(model.eval(), (x,), check_accuracy=False)
+    graphopt.optimize(model.train(), (x,), training=True, check_accuracy=False)
+    assert calls == [True, False]

@@ -57,10 +57,10 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``n`` counters for ``device``, kept for the process, for
     kernels whose last program of a group to finish combines the group's partial results (the
     decode attention's key splits): that program puts its counter back to zero, so calls (and
-    CUDA-graph replays) share the buffer. Calls on one device run in stream
-    order (a PDL kernel touches counters only after its wait for the one before); a call on a second
-    stream concurrently with another would share counters, which graphopt's graphs never do. A
-    buffer outgrown stays allocated: a CUDA graph captured with it keeps its address."""
+    CUDA-graph replays) share the buffer. Calls on one device run in stream order (a PDL kernel
+    touches counters only after its wait for the one before); a call on a second stream concurrently
+    with another would share counters, which graphopt's graphs never do. A buffer outgrown stays
+    allocated: a CUDA graph captured with it keeps its address."""
     key = (device.type, device.index)
     buf = _counters.get(key)
     if buf is None or buf.numel() < n:

@@ -383,13 +383,9 @@ def _inference_grad_mode(inference: bool):
     fifth of a 40-layer decoder's export. A switch that changes the mode (an ``enable_grad``
     region) is recorded as before; one that does not changes nothing, so skipping it is exact, in
     this thread and any other while the methods are replaced."""
-    gm = torch.autograd.grad_mode
-    classes = [getattr(gm, n, None) for n in ("no_grad", "enable_grad", "set_grad_enabled")]
-    if not inference or any(c is None for c in classes):
-        with torch.no_grad() if inference else contextlib.nullcontext():
-            yield
-        return
-    no_grad, enable_grad, set_grad = classes
+    grad_mode = torch.autograd.grad_mode
+    no_grad, enable_grad, set_grad = (getattr(grad_mode, n, None)
+                                      for n in ("no_grad", "enable_grad", "set_grad_enabled"))
 
     def switch(mode) -> None:
         try:
@@ -399,13 +395,11 @@ def _inference_grad_mode(inference: bool):
         if not same:
             torch._C._set_grad_enabled(mode)
 
-    def disable_enter(self):
-        self.prev = torch.is_grad_enabled()
-        switch(False)
-
-    def enable_enter(self):
-        self.prev = torch.is_grad_enabled()
-        switch(True)
+    def entering(mode):
+        def enter(self):
+            self.prev = torch.is_grad_enabled()
+            switch(mode)
+        return enter
 
     def restore(self, *exc):
         switch(self.prev)
@@ -422,11 +416,16 @@ def _inference_grad_mode(inference: bool):
         switch(self.prev)
         return super(set_grad, self).__call__(orig_func)
 
-    patches = [(no_grad, "__enter__", disable_enter), (no_grad, "__exit__", restore),
-               (enable_grad, "__enter__", enable_enter), (enable_grad, "__exit__", restore),
+    patches = [(no_grad, "__enter__", entering(False)), (no_grad, "__exit__", restore),
+               (enable_grad, "__enter__", entering(True)), (enable_grad, "__exit__", restore),
                (set_grad, "__init__", set_init), (set_grad, "__enter__", set_enter), (set_grad, "__exit__", restore),
                (set_grad, "__call__", set_call)]
-    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in patches]
+    if not inference or any(cls is None or name not in vars(cls) for cls, name, _ in patches):
+        # (a torch whose classes are laid out otherwise keeps its own methods)
+        with torch.no_grad() if inference else contextlib.nullcontext():
+            yield
+        return
+    saved = [(cls, name, vars(cls)[name]) for cls, name, _ in patches]
     with torch.no_grad():
         try:
             for cls, name, fn in patches:

@@ -387,6 +387,20 @@ def test_grad_switches_keep_their_meaning_while_redundant_ones_are_skipped():
     assert torch.is_grad_enabled()
 
 
+def test_a_torch_without_the_expected_grad_classes_exports_under_plain_no_grad(monkeypatch):
+    """Where torch's grad-mode classes are not laid out as expected, nothing is replaced: the
+    capture still runs under no_grad."""
+    from torch.autograd import grad_mode
+
+    from graphopt.capture import _inference_grad_mode
+
+    monkeypatch.setattr(grad_mode, "enable_grad", None)
+    enter = vars(grad_mode.no_grad)["__enter__"]
+    with _inference_grad_mode(True):
+        assert not torch.is_grad_enabled() and vars(grad_mode.no_grad)["__enter__"] is enter
+    assert torch.is_grad_enabled()
+
+
 def test_optimize_captures_inference_without_grad(monkeypatch):
     """optimize() asks for an inference capture unless it optimizes a training step."""
     import importlib

@@ -16,30 +16,26 @@ times it against cuBLAS.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from .norm_triton import cached_kernel, fence, next_pow2, pdl_launch
+from .norm_triton import cached_kernel, next_pow2, pdl_launch
 
 _kernels: dict = {}
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_M = 16        # rows of x one call takes (x is padded to 16 rows for tl.dot)
 SM_COUNT = 132    # the H200's, for planning without a device
-PREFETCH_BLOCKS = 2  # K blocks of a constant weight prefetched into L2 before the PDL wait
 NORM_ONE_BLOCK = 1 << 15  # partial sums (splits x row) gemv_add_rms_norm's second kernel holds at once
 
 
 def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None, block_k: int | None = None,
-         splits: int | None = None, stages: int | None = None, prefetch: int = 0) -> dict:
+         splits: int | None = None, stages: int | None = None) -> dict:
     """The launch of one call: BLOCK_N, BLOCK_K, the K splits (each a whole number of BLOCK_K
     blocks), num_stages and num_warps. Default: 64 output columns per program; where those alone
     give every SM two programs or more (a wide projection: a merged gate/up), no split and 256-deep
     K blocks; else 128-deep K blocks and enough splits for about two programs per SM (at most 32,
     each slice at least four K blocks deep). Three stages in flight. The fastest choices per
-    decode projection on the H200 (benchmarks/diag/diag_gemv_waves.py). ``prefetch``: the K blocks
-    of the weight (0, 1, 2 or 4) each program prefetches into L2 before waiting for the kernel
-    before it (only for a weight no kernel of the call writes: :func:`prefetch_blocks`)."""
+    decode projection on the H200 (benchmarks/diag/diag_gemv_waves.py)."""
     bn = block_n or 64
     tiles = -(-N // bn)
     wide = tiles >= 2 * sms
@@ -51,18 +47,7 @@ def plan(M: int, N: int, K: int, sms: int = SM_COUNT, block_n: int | None = None
     per = -(-blocks // splits) * bk  # K per split, whole blocks
     splits = -(-K // per)
     return {"BLOCK_N": bn, "BLOCK_K": bk, "splits": splits, "k_per_split": per,
-            "num_stages": stages or 3, "num_warps": 4, "programs": tiles * splits,
-            "prefetch": {0: 0, 1: 1, 2: 2, 3: 2}.get(int(prefetch), 4) if int(prefetch) > 0 else 0}
-
-
-def prefetch_blocks(const_weight: bool) -> int:
-    """The K blocks of the weight a program requests before its PDL wait: PREFETCH_BLOCKS for a
-    weight the graph marks constant (``const_weight``: no kernel of the call writes it, so it may be
-    read while the kernel before still runs), else 0; ``GRAPHOPT_GEMV_PREFETCH`` sets the count for
-    constant weights (0 turns it off)."""
-    if not const_weight:
-        return 0
-    return int(os.environ.get("GRAPHOPT_GEMV_PREFETCH", PREFETCH_BLOCKS))
+            "num_stages": stages or 3, "num_warps": 4, "programs": tiles * splits}
 
 
 def _kernel():
@@ -77,11 +62,13 @@ def _build():
     @triton.jit
     def gemv_split_kernel(X, W, WU, BIAS, Y, P, M, N, K, K_PER, sxm, sxk, swn, swk, sun, suk, sym, syn,
                           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                          PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
         # SWIGLU: BLOCK_N rows of W (the gate's) and the same rows of WU (the up's) per program, two
         # accumulators; unsplit it stores silu(g) * u, split both partial sums ([splits, M, 2N]: the
         # gate's N columns, then the up's)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,23 +77,6 @@ def _build():
         m_ok = rm < M
         k_start = pid_k * K_PER
         k_end = tl.minimum(k_start + K_PER, K)
-        if PREFETCH:
-            # the program's first PREFETCH K blocks of W (and WU) requested into L2 before the wait,
-            # one prefetch per 128-byte line (2-byte elements): no registers held, and under PDL the
-            # weight stream starts while the kernel before this one finishes (only for a weight no
-            # kernel of the call writes: the caller's const_weight)
-            pk = k_start + tl.arange(0, PREFETCH * BLOCK_K // 64) * 64
-            p_ok = n_ok[:, None] & (pk < k_end)[None, :]
-            offs = tl.where(p_ok, rn[:, None].to(tl.int64) * swn + pk[None, :] * swk, 0)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [(W + offs).to(tl.int64)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-            if SWIGLU:
-                offs_u = tl.where(p_ok, rn[:, None].to(tl.int64) * sun + pk[None, :] * suk, 0)
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
-                                          [(WU + offs_u).to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
@@ -158,6 +128,9 @@ def _build():
     def gemv_norm_kernel(P, BIAS, R, NW, PW, OUT, H, M, N, SPLITS, eps, pre_eps, srm, srn, som, son, shm, shn,
                          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PRE: tl.constexpr, ONE_BLOCK: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # one program per row of y: the partial sums added (and the bias), rounded as the linear's
         # output; with PRE, y RMS-normalized times PW first (a sandwich norm's first norm); h = y +
         # residual rounded and stored; then the row's RMSNorm of h times the weight NW.
@@ -167,13 +140,10 @@ def _build():
         m = tl.program_id(0)
         rs = tl.arange(0, BLOCK_S)
         s_ok = rs < SPLITS
-        if ONE_BLOCK:  # the norm weights (no kernel of a step writes them) requested before the wait
+        if ONE_BLOCK:  # the norm weights' loads in flight with the partial sums'
             w = tl.load(NW + tl.arange(0, BLOCK_N), mask=tl.arange(0, BLOCK_N) < N, other=0.0).to(tl.float32)
             if PRE:
                 pw = tl.load(PW + tl.arange(0, BLOCK_N), mask=tl.arange(0, BLOCK_N) < N, other=0.0).to(tl.float32)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
         ss = tl.zeros([BLOCK_N], dtype=tl.float32)
         hf = tl.zeros([BLOCK_N], dtype=tl.float32)
         ssy = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -249,7 +219,7 @@ def _stream(x, weight, up_weight, bias, y, p, partial) -> None:
         weight.stride(0), weight.stride(1), u.stride(0), u.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial is not None, SWIGLU=up_weight is not None, BLOCK_M=16,
         BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], STAGES=p["num_stages"], num_warps=p["num_warps"],
-        PREFETCH=p["prefetch"] if fence() else 0, **pdl_launch(x.device))
+        **pdl_launch(x.device))
 
 
 def _stream_and_reduce(x, weight, up_weight, bias, y, p) -> torch.Tensor:

@@ -804,13 +804,6 @@ def input_mutations(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
-def unwritten_attrs(gm: fx.GraphModule) -> set[fx.Node]:
-    """The graph's get_attr nodes that no node of it writes, directly or through a view: tensors
-    that stay constant while the graph runs."""
-    written_roots = {root for _, root in input_mutations(gm)}
-    return {n for n in gm.graph.nodes if n.op == "get_attr" and n not in written_roots}
-
-
 def mutated_placeholder_indices(gm: fx.GraphModule) -> set[int]:
     """Positions (among the graph's placeholders, i.e. the flat inputs) of the inputs the graph
     writes in place."""

@@ -14,9 +14,6 @@ Legality: inference; no bias; x fp16/bf16 with at most ``MAX_M`` rows (static) a
 its dtype on its device; gate and up of one shape, the product neither broadcasting nor promoting;
 the projections, their pieces and the silu read by nothing else (the kernel produces none of them).
 
-Weights that stay constant while the graph runs are marked ``const_weight`` (as ``lower_gemv``
-does): the kernel requests their first K blocks before its PDL wait.
-
 Profitability: priced by the cost model (the op at the profile's ``op_efficiency["gemv"]``, the
 linears at ``["small_m_linear"]``, both measured by ``benchmarks/diag/diag_decode_gemm.py``) against
 the nodes it replaces; under ``lower_gemv.MIN_GAIN`` of their time it is not applied on that guess.
@@ -56,7 +53,6 @@ class FuseGemvSwiglu(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        self._consts = ir.unwritten_attrs(gm)
         found = [((m, ops), f"{m['silu'].name} * {getattr(m['up'], 'name', m['up'])}")
                  for m in find(gm, PATTERN) if (ops := self._operands(m)) is not None]
         res.consider(ctx, found, lambda found, label: self._candidate(ctx, *found, label))
@@ -130,17 +126,14 @@ class FuseGemvSwiglu(Pass):
                     "benchmarks/diag/diag_decode_gemm.py, prices it)"), None
         form = "two weights" if ui is not None else "merged weight"
         return "", Candidate(f"gate/up {M}x{n}x{K} ({form}) + swiglu -> gemv_swiglu", [*inside, mul], old - new,
-                             lambda: self._apply(m, x, w, uw, [*inside, mul],
-                                                 w in self._consts and (uw is None or uw in self._consts)),
-                             label=label)
+                             lambda: self._apply(m, x, w, uw, [*inside, mul]), label=label)
 
     @staticmethod
-    def _apply(m, x, w, uw, replaced, const=False):
+    def _apply(m, x, w, uw, replaced):
         mul = m["mul"]
         g = mul.graph
         with g.inserting_before(mul):
-            new = g.call_function(torch.ops.graphopt.gemv_swiglu.default, (x, w, uw),
-                                  {"const_weight": True} if const else {})
+            new = g.call_function(torch.ops.graphopt.gemv_swiglu.default, (x, w, uw))
         new.meta["val"] = mul.meta.get("val")
         mul.replace_all_uses_with(new)
         ir.erase_dead(mul.graph.owning_module, replaced)

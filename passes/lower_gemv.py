@@ -18,11 +18,6 @@ gone. A linear whose only user is ``graphopt::rms_norm_add_rms_norm`` as its nor
 sandwich norm, GLM-4's) folds the same way, the first norm passed as ``pre_weight``. Priced against the linear (cuBLAS) and the norm apart; where it does not pay, the linear
 alone is considered as above.
 
-A weight that stays constant while the graph runs (a get_attr no node writes, ``ir.unwritten_attrs``)
-is marked ``const_weight``: the kernel then requests its first K blocks before waiting for the
-kernel before it under programmatic dependent launch (``gemv_triton.prefetch_blocks``); a weight
-the graph computes or writes is not.
-
 The fits price within a few percent of the measurements they were fitted to (the profile's source
 says how well), so a rewrite whose predicted gain is under ``MIN_GAIN`` of the time it replaces is
 not applied on that guess (on the H200 a merged gate/up projection is such: cuBLAS and the GEMV
@@ -64,7 +59,6 @@ class LowerGemv(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        self._consts = ir.unwritten_attrs(gm)
         linears = [(n, n.name) for n in gm.graph.nodes
                    if n.op == "call_function" and n.target is aten.linear.default and _few_rows(n)]
         res.consider(ctx, linears, lambda n, label: self._candidate(gm, ctx, n))
@@ -98,8 +92,7 @@ class LowerGemv(Pass):
             return (f"{why_not_fused}predicted {new * 1e6:.1f} us against cuBLAS's {old * 1e6:.1f} us, not "
                     f"{MIN_GAIN:.0%} faster (op_efficiency 'gemv' measured by benchmarks/diag/diag_decode_gemm.py "
                     "prices it; unmeasured it is priced as cuBLAS plus its partial sums)"), None
-        return "", Candidate(f"linear {M}x{N}x{K} -> gemv", [n], old - new,
-                             lambda: self._apply(n, x, w, b, w in self._consts),
+        return "", Candidate(f"linear {M}x{N}x{K} -> gemv", [n], old - new, lambda: self._apply(n, x, w, b),
                              label=f"{n.name} ({M}x{N}x{K})")
 
     def _with_norm(self, ctx, n, x, w, b, dtype):
@@ -143,15 +136,14 @@ class LowerGemv(Pass):
         M = int(math.prod(yi.shape[:-1]))
         norm = ir.op_name(u)
         return "", Candidate(f"linear {M}x{N}x{K} + {norm} -> gemv_add_rms_norm", [n, u], old - new,
-                             lambda: self._apply_norm(n, u, x, w, b, residual, nw, eps, pre, w in self._consts),
+                             lambda: self._apply_norm(n, u, x, w, b, residual, nw, eps, pre),
                              label=f"{n.name} + {u.name} ({M}x{N}x{K})")
 
     @staticmethod
-    def _apply_norm(n, u, x, w, b, residual, nw, eps, pre=(), const=False):
+    def _apply_norm(n, u, x, w, b, residual, nw, eps, pre=()):
         g = n.graph
         with g.inserting_before(u):
-            new = g.call_function(torch.ops.graphopt.gemv_add_rms_norm.default, (x, w, b, residual, nw, eps, *pre),
-                                  {"const_weight": True} if const else {})
+            new = g.call_function(torch.ops.graphopt.gemv_add_rms_norm.default, (x, w, b, residual, nw, eps, *pre))
         new.meta["val"] = u.meta.get("val")
         u.replace_all_uses_with(new)
         g.erase_node(u)
@@ -159,10 +151,10 @@ class LowerGemv(Pass):
         return new
 
     @staticmethod
-    def _apply(n, x, w, b, const=False):
+    def _apply(n, x, w, b):
         g = n.graph
         with g.inserting_before(n):
-            new = g.call_function(torch.ops.graphopt.gemv.default, (x, w, b), {"const_weight": True} if const else {})
+            new = g.call_function(torch.ops.graphopt.gemv.default, (x, w, b))
         new.meta["val"] = n.meta.get("val")
         n.replace_all_uses_with(new)
         g.erase_node(n)

@@ -1,4 +1,4 @@
-"""Incremental fake propagation (ir.repropagate): kept values must never be stale; ir.unwritten_attrs."""
+"""Incremental fake propagation (ir.repropagate): kept values must never be stale."""
 import pytest
 import torch
 import torch.nn as nn
@@ -154,20 +154,3 @@ def test_seeding_changes_no_value(training):
     incremental = _signatures(plain)
     ir.repropagate(plain, incremental=False)
     assert incremental == _signatures(plain)
-
-
-def test_unwritten_attrs_leaves_out_an_attribute_written_through_a_view():
-    import torch.fx as fx
-
-    root = torch.nn.Module()
-    root.register_buffer("a", torch.zeros(2, 3))
-    root.register_buffer("b", torch.zeros(2, 3))
-    g = fx.Graph()
-    x = g.placeholder("x")
-    a, b = g.get_attr("a"), g.get_attr("b")
-    flat = g.call_function(torch.ops.aten.view.default, (b, [6]))
-    g.call_function(torch.ops.aten.add_.Scalar, (flat, 1.0))
-    out = g.call_function(torch.ops.aten.add.Tensor, (g.call_function(torch.ops.aten.add.Tensor, (x, a)), b))
-    g.output(out)
-    gm = fx.GraphModule(root, g)
-    assert ir.unwritten_attrs(gm) == {a}

@@ -25,19 +25,19 @@ from .. import gemv_triton as gt
 from ..common import check_floating, compute_dtype
 from ..registry import define_op
 
-SCHEMA = "gemv(Tensor x, Tensor weight, Tensor? bias, bool const_weight=False) -> Tensor"
+SCHEMA = "gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 EFFICIENCY = "gemv"  # the op_efficiency key it is priced with
 CUBLAS_SMALL_M = "small_m_linear"  # cuBLAS's at the same M (graphopt.cost.model.SMALL_M_LINEAR)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, const_weight: bool = False) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T + bias [N], computed in fp32 (fp64 stays fp64), rounded once."""
     ct = compute_dtype(x.dtype)
     y = F.linear(x.to(ct), weight.to(ct), None if bias is None else bias.to(ct))
     return y.to(x.dtype)
 
 
-def fake(x, weight, bias, const_weight=False):
+def fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -45,16 +45,14 @@ def rows(x) -> int:
     return math.prod(x.shape[:-1])
 
 
-def cuda_impl(x, weight, bias, const_weight=False):
-    """The Triton kernels for fp16/bf16 and at most gt.MAX_M rows, else the reference; a constant
-    weight is prefetched before the PDL wait (``gemv_triton.prefetch_blocks``)."""
+def cuda_impl(x, weight, bias):
+    """The Triton kernels for fp16/bf16 and at most gt.MAX_M rows, else the reference."""
     M = rows(x)
     if x.dtype not in gt.DTYPES or M > gt.MAX_M or M == 0:
         return reference(x, weight, bias)
     x2 = x.reshape(M, x.shape[-1])
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    return gt.gemv_triton(x2, w, bias, prefetch=gt.prefetch_blocks(const_weight and w is weight)).reshape(
-        *x.shape[:-1], weight.shape[0])
+    return gt.gemv_triton(x2, w, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def stream_cost(M, N, K, nbytes, profile, partial_columns=None, planner=gt.plan) -> OpCost:
@@ -91,10 +89,9 @@ def op_class(call):
     return gemm_tags(dtype_of(x), rows(x), w.shape[0], w.shape[1])
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         const_weight: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(x, weight, bias)`` for x ``[..., K]`` with at most ``MAX_M`` rows (the leading dims'
-    product), weight ``[N, K]``, bias ``[N]``. ``const_weight``: the weight is a constant of the graph (no kernel of the call writes it), so the kernel may start reading it before the kernel before it has finished (``gemv_triton.prefetch_blocks``); it changes no result."""
+    product), weight ``[N, K]``, bias ``[N]``."""
     check_floating("gemv", x=x, weight=weight, bias=bias)
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise KernelArgumentError(f"graphopt::gemv: weight must be [N, {x.shape[-1] if x.dim() else '?'}], got "
@@ -107,7 +104,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise KernelArgumentError(f"graphopt::gemv: x {x.dtype}, weight {weight.dtype} and bias must share one dtype")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
         raise KernelArgumentError("graphopt::gemv: x, weight and bias must be on one device")
-    return torch.ops.graphopt.gemv(x, weight, bias, bool(const_weight))
+    return torch.ops.graphopt.gemv(x, weight, bias)
 
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemv, cost=cost, kernel="gemv_triton.py",

@@ -30,10 +30,10 @@ from . import add_rms_norm as arn
 from . import gemv as gv
 
 SCHEMA = ("gemv_add_rms_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor norm_weight, "
-          "float eps, Tensor? pre_weight=None, float pre_eps=0., bool const_weight=False) -> (Tensor, Tensor)")
+          "float eps, Tensor? pre_weight=None, float pre_eps=0.) -> (Tensor, Tensor)")
 
 
-def reference(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_eps=0.0, const_weight=False):
+def reference(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_eps=0.0):
     """``gemv``'s reference (fp32 accumulation, rounded once), then ``add_rms_norm``'s (with
     ``pre_weight``: ``rms_norm_add_rms_norm``'s, the same roundings)."""
     y = gv.reference(x, weight, bias)
@@ -42,14 +42,13 @@ def reference(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_
     return arn.reference(y, residual, norm_weight, eps)
 
 
-def fake(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_eps=0.0, const_weight=False):
+def fake(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_eps=0.0):
     shape = (*x.shape[:-1], weight.shape[0])
     return x.new_empty(shape), x.new_empty(shape)
 
 
-def cuda_impl(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_eps=0.0, const_weight=False):
-    """The Triton kernels for fp16/bf16, at most gt.MAX_M rows and one dtype, else the reference; a
-    constant weight is prefetched before the PDL wait (``gemv_triton.prefetch_blocks``)."""
+def cuda_impl(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_eps=0.0):
+    """The Triton kernels for fp16/bf16, at most gt.MAX_M rows and one dtype, else the reference."""
     M, N = gv.rows(x), weight.shape[0]
     dtypes = {t.dtype for t in (x, weight, bias, residual, norm_weight, pre_weight) if t is not None}
     if x.dtype not in gt.DTYPES or M > gt.MAX_M or M == 0 or len(dtypes) != 1:
@@ -59,8 +58,7 @@ def cuda_impl(x, weight, bias, residual, norm_weight, eps, pre_weight=None, pre_
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     r = None if residual is None else residual.expand(shape).reshape(M, N)
     pw = pre_weight.reshape(-1).contiguous() if pre_weight is not None else None
-    out, h = gt.gemv_add_rms_norm_triton(x2, w, bias, r, norm_weight.reshape(-1).contiguous(), eps, pw, pre_eps,
-                                         prefetch=gt.prefetch_blocks(const_weight and w is weight))
+    out, h = gt.gemv_add_rms_norm_triton(x2, w, bias, r, norm_weight.reshape(-1).contiguous(), eps, pw, pre_eps)
     return out.reshape(shape), h.reshape(shape)
 
 
@@ -91,11 +89,10 @@ def op_class(call):
 
 def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                       norm_weight: torch.Tensor, eps: float = 1e-6, pre_weight: torch.Tensor | None = None,
-                      pre_eps: float = 1e-6, const_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      pre_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps)`` for x ``[..., K]`` of at
     most ``MAX_M`` rows: returns ``(rmsnorm(h) * norm_weight, h)`` with ``h = y + residual``; with
-    ``pre_weight``, ``y = rmsnorm(linear(...)) * pre_weight`` (eps ``pre_eps``) first.
-    ``const_weight``: the weight is a constant of the graph (no kernel of the call writes it), so the kernel may start reading it before the kernel before it has finished (``gemv_triton.prefetch_blocks``); it changes no result."""
+    ``pre_weight``, ``y = rmsnorm(linear(...)) * pre_weight`` (eps ``pre_eps``) first."""
     check_floating("gemv_add_rms_norm", x=x, weight=weight, bias=bias, residual=residual, norm_weight=norm_weight,
                    pre_weight=pre_weight)
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
@@ -115,8 +112,7 @@ def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     check_residual("gemv_add_rms_norm", torch.empty((*x.shape[:-1], N), device="meta"), residual)
     if len({t.device for t in (x, weight, bias, residual, norm_weight, pre_weight) if t is not None}) != 1:
         raise KernelArgumentError("graphopt::gemv_add_rms_norm: every tensor must be on one device")
-    return torch.ops.graphopt.gemv_add_rms_norm(x, weight, bias, residual, norm_weight, eps, pre_weight, pre_eps,
-                                                bool(const_weight))
+    return torch.ops.graphopt.gemv_add_rms_norm(x, weight, bias, residual, norm_weight, eps, pre_weight, pre_eps)
 
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemv_add_rms_norm, cost=cost, kernel="gemv_triton.py",

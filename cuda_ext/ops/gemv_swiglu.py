@@ -27,7 +27,7 @@ from ..common import check_floating, compute_dtype
 from ..registry import define_op
 from . import gemv as gv
 
-SCHEMA = "gemv_swiglu(Tensor x, Tensor weight, Tensor? up_weight, bool const_weight=False) -> Tensor"
+SCHEMA = "gemv_swiglu(Tensor x, Tensor weight, Tensor? up_weight) -> Tensor"
 
 
 def halves(weight: torch.Tensor, up_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,8 +39,7 @@ def halves(weight: torch.Tensor, up_weight: torch.Tensor | None) -> tuple[torch.
     return weight[:n], weight[n:]
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, up_weight: torch.Tensor | None,
-              const_weight: bool = False) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: torch.Tensor, up_weight: torch.Tensor | None) -> torch.Tensor:
     """``silu(x @ Wg.T) * (x @ Wu.T)`` computed in fp32 (fp64 stays fp64), rounded once."""
     ct = compute_dtype(x.dtype)
     wg, wu = halves(weight, up_weight)
@@ -48,22 +47,18 @@ def reference(x: torch.Tensor, weight: torch.Tensor, up_weight: torch.Tensor | N
     return (F.silu(F.linear(xc, wg.to(ct))) * F.linear(xc, wu.to(ct))).to(x.dtype)
 
 
-def fake(x, weight, up_weight, const_weight=False):
+def fake(x, weight, up_weight):
     n = weight.shape[0] if up_weight is not None else weight.shape[0] // 2
     return x.new_empty((*x.shape[:-1], n))
 
 
-def cuda_impl(x, weight, up_weight, const_weight=False):
-    """The Triton kernels for fp16/bf16 and at most gt.MAX_M rows, else the reference; constant
-    weights are prefetched before the PDL wait (``gemv_triton.prefetch_blocks``)."""
+def cuda_impl(x, weight, up_weight):
+    """The Triton kernels for fp16/bf16 and at most gt.MAX_M rows, else the reference."""
     M = gv.rows(x)
     if x.dtype not in gt.DTYPES or M > gt.MAX_M or M == 0:
         return reference(x, weight, up_weight)
-    given = halves(weight, up_weight)
-    wg, wu = (w if w.stride(-1) == 1 else w.contiguous() for w in given)
-    const = const_weight and wg is given[0] and wu is given[1]  # a copy made here is written by this call
-    return gt.gemv_swiglu_triton(x.reshape(M, x.shape[-1]), wg, wu, prefetch=gt.prefetch_blocks(const)).reshape(
-        *x.shape[:-1], wg.shape[0])
+    wg, wu = (w if w.stride(-1) == 1 else w.contiguous() for w in halves(weight, up_weight))
+    return gt.gemv_swiglu_triton(x.reshape(M, x.shape[-1]), wg, wu).reshape(*x.shape[:-1], wg.shape[0])
 
 
 def cost(call, profile):
@@ -81,11 +76,9 @@ def op_class(call):
     return gemm_tags(dtype_of(x), gv.rows(x), w.shape[0] * (2 if u is not None else 1), w.shape[1])
 
 
-def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, up_weight: torch.Tensor | None = None,
-                const_weight: bool = False) -> torch.Tensor:
+def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, up_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for x ``[..., K]`` with at most ``MAX_M`` rows; ``weight``
-    ``cat([Wg, Wu])`` [2n, K] with ``up_weight`` None, or Wg [n, K] with ``up_weight`` Wu [n, K].
-    ``const_weight``: the weights are a constant of the graph (no kernel of the call writes them), so the kernel may start reading them before the kernel before it has finished (``gemv_triton.prefetch_blocks``); it changes no result."""
+    ``cat([Wg, Wu])`` [2n, K] with ``up_weight`` None, or Wg [n, K] with ``up_weight`` Wu [n, K]."""
     check_floating("gemv_swiglu", x=x, weight=weight, up_weight=up_weight)
     K = x.shape[-1] if x.dim() else None
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != K:
@@ -104,7 +97,7 @@ def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, up_weight: torch.Tensor |
         raise KernelArgumentError(f"graphopt::gemv_swiglu: x {x.dtype} and the weights must share one dtype")
     if weight.device != x.device or (up_weight is not None and up_weight.device != x.device):
         raise KernelArgumentError("graphopt::gemv_swiglu: x and the weights must be on one device")
-    return torch.ops.graphopt.gemv_swiglu(x, weight, up_weight, bool(const_weight))
+    return torch.ops.graphopt.gemv_swiglu(x, weight, up_weight)
 
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemv_swiglu, cost=cost, kernel="gemv_triton.py",

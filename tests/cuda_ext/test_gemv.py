@@ -133,34 +133,6 @@ def test_kernel_on_gpu(M, N, K):
     assert (y.double() - ref).abs().max() <= 2 * (cublas.double() - ref).abs().max() + 1e-3
 
 
-def test_prefetch_is_for_constant_weights_and_switchable(monkeypatch):
-    monkeypatch.delenv("GRAPHOPT_GEMV_PREFETCH", raising=False)
-    assert gt.prefetch_blocks(False) == 0 and gt.prefetch_blocks(True) == gt.PREFETCH_BLOCKS
-    monkeypatch.setenv("GRAPHOPT_GEMV_PREFETCH", "0")
-    assert gt.prefetch_blocks(True) == 0
-    monkeypatch.setenv("GRAPHOPT_GEMV_PREFETCH", "2")
-    assert gt.prefetch_blocks(True) == 2 and gt.prefetch_blocks(False) == 0
-    assert [gt.plan(1, 4096, 4096, 132, prefetch=k)["prefetch"] for k in range(6)] == [0, 1, 2, 2, 4, 4]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("prefetch", ["0", "1", "2"])
-def test_a_weight_written_by_the_kernel_before_is_read_after_it(monkeypatch, prefetch):
-    """Under PDL a GEMV starts while the kernel before it runs. A weight that kernel writes (here
-    another GEMV's reduce kernel, itself PDL-launched) must be read after the wait: without
-    const_weight nothing is prefetched, whatever GRAPHOPT_GEMV_PREFETCH says. A constant weight is
-    prefetched into L2, which changes no bit of the result."""
-    monkeypatch.setenv("GRAPHOPT_GEMV_PREFETCH", prefetch)
-    x, w, _ = _inputs(1, 4096, 4096, False, torch.bfloat16, device="cuda")
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    for trial in range(4):
-        rows = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-        w2 = ops.gemv(rows, a, None)  # [16, 4096]: the next GEMV's weight, its last kernel the reduce
-        y = ops.gemv(x, w2, None)
-        _check(y, x, w2, None, 2e-2)
-        assert torch.equal(ops.gemv(x, w, None, const_weight=True), ops.gemv(x, w, None))
-
-
 @pytest.mark.cuda
 def test_replayed_from_a_cuda_graph():
     from tests.helpers import same_when_graphed

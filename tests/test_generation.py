@@ -236,9 +236,11 @@ def test_benchmark_dry_run_writes_its_tables(tmp_path):
             assert "error" not in r, r
     g = next(r for r in rows if r["kind"] == "decode" and r["variant"] == "graphopt")
     assert g["ms"] > 0 and g["floor_kv_ms"] >= g["floor_weights_ms"] > 0 and g["accuracy"] == "passed"
+    assert g["floor_all_ms"] > g["floor_weights_ms"]  # the input embedding table counted whole
     assert next(r for r in rows if r["kind"] == "e2e" and r["variant"] == "graphopt")["same_as_eager"] == "all"
     md = stem.with_suffix(".md").read_text()
     assert "## Decode step (ms)" in md and "## End to end" in md and data["meta"]["versions"]["torch"]
+    assert "step / floor (weights + KV) <= 1.15" in md and "step / (all weight bytes / copy rate) <= 1.15" in md
 
 
 def _greedy_margins(model, seq, plen):

@@ -789,9 +789,8 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
             final = first
         else:
             with timing.phase("recompile"):
-                gm.graph = snapshot
+                gm.graph = snapshot  # (the setter recompiles)
                 ir.remove_unused_attributes(gm)
-                gm.recompile()
             ir.repropagate(gm)
             ctx = context()
             if meter is not None:

@@ -754,9 +754,8 @@ def _one_line_record(res: PassResult, ctx: PassContext, i: int) -> None:
 def _restore(gm: fx.GraphModule, saved: fx.Graph) -> None:
     """Undo a pass: its graph back, the constants it added dropped, metadata re-propagated."""
     with timing.phase("recompile"):
-        gm.graph = saved
+        gm.graph = saved  # (the setter recompiles; dropping unused attributes changes no code)
         ir.remove_unused_attributes(gm)
-        gm.recompile()
     ir.repropagate(gm)
 
 

@@ -264,6 +264,40 @@ def _metadata_name(func) -> str | None:
     return name if name in _METADATA else None
 
 
+def _grouped_mm_plain(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """torch's grouped matrix multiply (a mixture of experts' per-expert products) as plain matmuls,
+    for a dtype its kernels lack (float64): 3-D x 3-D is a batched matmul; with ``offs`` (the groups'
+    cumulative ends) the 2-D operand's jagged dimension is cut into groups: mat_a's rows (2-D x 3-D,
+    a row after the last group is left 0), mat_b's columns (3-D x 2-D), or the K both share (2-D x
+    2-D, one product per group). ``bias`` [groups, N] is added to each group's rows; ``out_dtype``
+    does not narrow a float64 result."""
+    ends = [] if offs is None else [int(e) for e in offs.tolist()]
+    starts = [0, *ends[:-1]]
+    if mat_a.dim() == 3 and mat_b.dim() == 3:
+        out = torch.bmm(mat_a, mat_b)
+        return out if bias is None else out + bias.unsqueeze(1)
+    if offs is None:
+        raise ValueError(f"grouped_mm of {mat_a.dim()}-D by {mat_b.dim()}-D operands needs offs")
+    if mat_a.dim() == 2 and mat_b.dim() == 3:
+        out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[-1])
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[s:e] = mat_a[s:e] @ mat_b[g] + (0 if bias is None else bias[g])
+        return out
+    if mat_a.dim() == 3 and mat_b.dim() == 2:
+        out = mat_a.new_zeros(mat_a.shape[1], mat_b.shape[-1])
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[:, s:e] = mat_a[g] @ mat_b[:, s:e] + (0 if bias is None else bias[g, s:e])
+        return out
+    out = mat_a.new_zeros(len(ends), mat_a.shape[0], mat_b.shape[-1])
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        out[g] = mat_a[:, s:e] @ mat_b[s:e] + (0 if bias is None else bias[g])
+    return out
+
+
+# torch functions without a float64 kernel on some device, run as plain ops in the float64 reference
+_FLOAT64_PLAIN = {"grouped_mm": _grouped_mm_plain, "_grouped_mm": _grouped_mm_plain}
+
+
 class _Float64State(torch.overrides.TorchFunctionMode):
     """Run a model as ``model.to(dtype)`` would (float64 by default), without a converted copy of
     it: every torch function that reads one of the model's parameters or buffers gets a converted
@@ -359,6 +393,10 @@ class _Float64State(torch.overrides.TorchFunctionMode):
                 and kwargs.get("max_norm") is None and (len(args) < 4 or args[3] is None)):
             return args[1].detach()[self._swap(args[0])].to(self.dtype)
         args, kwargs = pytree.tree_map(self._swap, (args, kwargs))
+        plain = _FLOAT64_PLAIN.get(getattr(func, "__name__", ""))
+        if plain is not None and any(isinstance(t, torch.Tensor) and t.dtype == self.dtype
+                                     for t in pytree.tree_leaves((args, kwargs))):
+            return plain(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -332,3 +332,47 @@ def test_offloaded_reference_is_page_locked_and_compares_as_on_the_device():
     finally:
         accuracy.release_host_memory()
     assert accuracy._registered == [] and not host.is_pinned()
+
+
+def _grouped_cases():
+    g = torch.Generator().manual_seed(0)
+    ends = torch.tensor([3, 7, 12], dtype=torch.int32)
+    k_ends = torch.tensor([4, 8, 12], dtype=torch.int32)
+    return [
+        (torch.randn(12, 8, generator=g), torch.randn(3, 8, 8, generator=g), ends),      # rows cut into groups
+        (torch.randn(3, 4, 8, generator=g), torch.randn(3, 8, 8, generator=g), None),    # batched
+        (torch.randn(4, 12, generator=g), torch.randn(12, 8, generator=g), k_ends),      # a shared K cut
+        (torch.randn(3, 4, 8, generator=g), torch.randn(8, 12, generator=g), k_ends),    # columns cut
+    ]
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="this torch has no grouped_mm")
+def test_grouped_mm_as_plain_matmuls_equals_torchs():
+    from graphopt.accuracy import _grouped_mm_plain
+
+    for a, b, offs in _grouped_cases():
+        kw = {} if offs is None else {"offs": offs}
+        torch.testing.assert_close(_grouped_mm_plain(a, b, offs), torch.nn.functional.grouped_mm(a, b, **kw))
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="this torch has no grouped_mm")
+def test_fp64_reference_runs_a_mixture_of_experts_grouped_mm():
+    """grouped_mm has no float64 kernel (transformers' MoE layers call it): the reference runs it as
+    per-group float64 matmuls instead of failing the whole accuracy check."""
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 8, 8) / 3)
+
+        def forward(self, x, offs):
+            return torch.nn.functional.grouped_mm(x, self.w.transpose(-2, -1), offs=offs)
+
+    m = Experts()
+    x, offs = torch.randn(12, 8), torch.tensor([3, 7, 12], dtype=torch.int32)
+    with pytest.raises(RuntimeError):  # what the reference met before
+        torch.nn.functional.grouped_mm(x.double(), m.w.double().transpose(-2, -1), offs=offs)
+    ref = accuracy.fp64_reference(m, (x, offs), {})
+    w = m.w.detach().double().transpose(-2, -1)
+    want = torch.cat([x[:3].double() @ w[0], x[3:7].double() @ w[1], x[7:].double() @ w[2]])
+    assert ref.dtype == torch.float64 and m.w.dtype == torch.float32
+    torch.testing.assert_close(ref, want, rtol=1e-12, atol=1e-12)

@@ -228,6 +228,17 @@ class FuseAttention(Pass):
             hit = self._kinds[id(value)] = (value, kind)
         return hit[1]
 
+    def _mask_value(self, gm, mask, ctx):
+        """``mask``'s constant value (None: not a constant). In a training graph a mask computed from
+        a trainable parameter is not a constant, whatever its value now (BEiT's relative position
+        bias starts at zero): dropping it would drop that parameter's gradient."""
+        value = _const_value(gm, mask, memo=self._masks, consts=self._constants(gm))
+        if value is not None and ctx.training and any(
+                n.op == "get_attr" and getattr(ir.get_attr_value(gm, n.target), "requires_grad", False)
+                for n in self._constants(gm).closure(mask)):
+            return None
+        return value
+
     def _constants(self, gm) -> Constants:
         if self._consts is None:
             self._consts = Constants(gm)
@@ -258,9 +269,9 @@ class FuseAttention(Pass):
             if _kwarg(sd, 5, "is_causal", False) or not isinstance(m["mask"], fx.Node):
                 continue
             try:
-                value = _const_value(gm, m["mask"], memo=self._masks, consts=self._constants(gm))
+                value = self._mask_value(gm, m["mask"], ctx)
                 if value is None:
-                    raise Refuse("its mask is computed from the inputs; kept as attn_mask")
+                    raise Refuse("its mask is computed from the inputs or trained parameters; kept as attn_mask")
                 qs, ks, outs = _shape(m["q"]), _shape(m["k"]), _shape(sd)
                 if not _broadcastable(tuple(value.shape), tuple(outs[:-1]) + (ks[-2],)):
                     raise Refuse(f"its constant mask {tuple(value.shape)} does not broadcast to the scores; kept")
@@ -412,7 +423,7 @@ class FuseAttention(Pass):
                 raise Refuse(f"mask {mask.name} is {mi.dtype}, q is {qi.dtype} (the add would change precision)")
             if tuple(_shape(add)) != tuple(scores_shape) or not _broadcastable(mi.shape, scores_shape):
                 raise Refuse(f"mask {mask.name} of shape {mi.shape} does not broadcast to the scores {scores_shape}")
-            value = _const_value(gm, mask, memo=self._masks, consts=self._constants(gm))
+            value = self._mask_value(gm, mask, ctx)
             if value is not None:
                 kind = self._mask_kind(value)
                 if kind == "empty":

@@ -275,6 +275,41 @@ def test_explicit_attention_with_an_all_zero_additive_mask_gets_no_mask():
     assert reference_check(model, gm, args).passed
 
 
+class TrainedBias(PaddedAttention):
+    """An additive attention bias that is a parameter initialised to zero (BEiT's relative position
+    bias table): all zeros now, trained later."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(self.h, 8, 8))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t(x).view(b, s, self.h, self.d).transpose(1, 2) for t in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.d) + self.bias
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+
+
+def test_a_zero_bias_from_a_trained_parameter_stays_in_training():
+    """Inference may drop the all-zero bias (the parameter is a constant there); training keeps it
+    as SDPA's attn_mask, or the parameter would get no gradient (it did: BEiT's table got zeros)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32)
+    _, _, gm, _ = _run(TrainedBias(), (x,))
+    assert _sdpa_nodes(gm)[0].args[3] is None
+    model = TrainedBias().train()
+    opt = graphopt.optimize(model, (x,), training=True, passes=["fuse_attention"], check_accuracy=False)
+    (sd,) = _sdpa_nodes(opt.graph_module)
+    assert sd.args[3] is not None
+    g = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    (opt(x) * g).sum().backward()
+    ours = model.bias.grad.clone()
+    model.bias.grad = None
+    (model(x) * g).sum().backward()
+    assert ours.abs().sum() > 0
+    torch.testing.assert_close(ours, model.bias.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_hf_vit_without_padding_runs_sdpa_without_a_mask():
     """transformers' ViT passes no mask in eager but builds an all-True one under torch.export: the
     optimized graph's SDPA calls read none (the flash kernel can take them on a GPU)."""

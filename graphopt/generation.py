@@ -329,7 +329,11 @@ class Generator:
         for layer in slot.cache.layers:  # a fresh sequence: positions back to 0 (stale keys are masked)
             layer.cumulative_length.zero_()
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's positions under left padding
-        kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos if self._has_positions else None,
+        # the mask spans the whole static cache, as in the decode steps (positions after the prompt are
+        # causally masked): a model that reads the keys' count from it (BLOOM's ALiBi) sees the cache's
+        full = torch.ones(batch, self.max_length, dtype=torch.long, device=self.device)
+        full[:, :plen] = mask
+        kwargs = {"input_ids": ids, "attention_mask": full, "position_ids": pos if self._has_positions else None,
                   "cache": slot.cache}
         if self.prefill_mode == "eager":
             with self._eval():

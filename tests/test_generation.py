@@ -47,6 +47,26 @@ def test_greedy_tokens_equal_transformers_generate(family, attn):
     assert torch.equal(out, ref)
 
 
+def test_a_decoder_reading_the_key_count_from_the_mask_generates_as_hf():
+    """BLOOM's ALiBi is built from the 2-D attention mask, so its width must be the static cache's:
+    the prefill passes a mask that spans the cache, as the decode steps do (a prompt-wide one
+    failed with a shape error)."""
+    import transformers as tf
+
+    cfg = tf.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    model = tf.BloomForCausalLM(cfg).eval()
+    ids = _prompts()
+    try:
+        ref = _hf(model, ids, max_new_tokens=16, do_sample=False, eos_token_id=None, cache_implementation="static")
+    except Exception as e:  # noqa: BLE001 - an older transformers' BLOOM takes no static cache
+        pytest.skip(f"transformers' own static-cache generate fails on BLOOM here: {type(e).__name__}")
+    gen = graphopt.optimize_generation(model, max_batch_size=2, max_length=32, check_accuracy=False)
+    out = gen.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    assert torch.equal(out, ref)
+
+
 def _reference_sample(model, ids, steps, temperature, top_k, top_p, seed):
     """Sampling written out against the eager model's logits (DynamicCache, one token per step):
     temperature, then keep the top_k largest, then the smallest set of largest-probability tokens

@@ -269,28 +269,29 @@ def _grouped_mm_plain(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     for a dtype its kernels lack (float64): 3-D x 3-D is a batched matmul; with ``offs`` (the groups'
     cumulative ends) the 2-D operand's jagged dimension is cut into groups: mat_a's rows (2-D x 3-D,
     a row after the last group is left 0), mat_b's columns (3-D x 2-D), or the K both share (2-D x
-    2-D, one product per group). ``bias`` [groups, N] is added to each group's rows; ``out_dtype``
-    does not narrow a float64 result."""
+    2-D, one product per group). ``out_dtype`` does not narrow a float64 result; a ``bias`` (which
+    torch's own kernels refuse today) is refused."""
+    if bias is not None:
+        raise ValueError("grouped_mm with a bias: no float64 form in graphopt's reference")
     ends = [] if offs is None else [int(e) for e in offs.tolist()]
     starts = [0, *ends[:-1]]
     if mat_a.dim() == 3 and mat_b.dim() == 3:
-        out = torch.bmm(mat_a, mat_b)
-        return out if bias is None else out + bias.unsqueeze(1)
+        return torch.bmm(mat_a, mat_b)
     if offs is None:
         raise ValueError(f"grouped_mm of {mat_a.dim()}-D by {mat_b.dim()}-D operands needs offs")
     if mat_a.dim() == 2 and mat_b.dim() == 3:
         out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[-1])
         for g, (s, e) in enumerate(zip(starts, ends)):
-            out[s:e] = mat_a[s:e] @ mat_b[g] + (0 if bias is None else bias[g])
+            out[s:e] = mat_a[s:e] @ mat_b[g]
         return out
     if mat_a.dim() == 3 and mat_b.dim() == 2:
         out = mat_a.new_zeros(mat_a.shape[1], mat_b.shape[-1])
         for g, (s, e) in enumerate(zip(starts, ends)):
-            out[:, s:e] = mat_a[g] @ mat_b[:, s:e] + (0 if bias is None else bias[g, s:e])
+            out[:, s:e] = mat_a[g] @ mat_b[:, s:e]
         return out
     out = mat_a.new_zeros(len(ends), mat_a.shape[0], mat_b.shape[-1])
     for g, (s, e) in enumerate(zip(starts, ends)):
-        out[g] = mat_a[:, s:e] @ mat_b[s:e] + (0 if bias is None else bias[g])
+        out[g] = mat_a[:, s:e] @ mat_b[s:e]
     return out
 
 

@@ -20,7 +20,8 @@ What a :class:`Generator` holds and does:
   finished flags are updated on the device by a few small kernels.
 * **Prefill**: the prompt written into the cache by the model itself (``prefill="eager"``, the
   default) or by a graph optimized for that prompt shape (``"graphopt"``: an optimize() per new
-  prompt shape, 8 kept; for prompts of a few recurring shapes).
+  prompt shape, 8 kept; for prompts of a few recurring shapes); its ``attention_mask`` spans the
+  cache too ([B, max_length]: the prompt's mask, then ones).
 
 ``generate`` follows ``GenerationMixin.generate`` for decoder-only models: defaults from
 ``model.generation_config`` (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``,

@@ -187,8 +187,11 @@ class Generator:
             self.model.train(was)
 
     def _allocate_cache(self):
-        """StaticCache of max_batch_size x max_length: plain StaticLayers (a sliding-window layer
-        whose window covers max_length is one), sized by one dummy call of the model."""
+        """StaticCache of max_batch_size x max_length: plain StaticLayers, sized by one dummy call of
+        the model. A sliding-window layer gets one too, max_length long: the model masks the keys
+        outside its window itself (transformers' sliding-window causal mask, from the config), so the
+        tokens are those of its own generate(); the window's ring buffer is not kept (the layer's
+        cache takes max_length positions instead of the window's)."""
         try:
             from transformers.cache_utils import StaticCache, StaticLayer
         except ImportError as e:  # pragma: no cover
@@ -200,13 +203,11 @@ class Generator:
         for i, layer in enumerate(cache.layers):
             if type(layer) is StaticLayer:
                 continue
-            window = getattr(layer, "max_cache_len", None)
-            if getattr(layer, "is_sliding", False) and window is not None and window >= self.max_length:
+            if getattr(layer, "is_sliding", False):
                 cache.layers[i] = StaticLayer(max_cache_len=self.max_length)
                 continue
-            raise GenerationError(f"cache layer {i} is a {type(layer).__name__}"
-                                  + (f" (window {window} < max_length {self.max_length})" if window else "")
-                                  + "; only full-attention layers (StaticLayer) are supported")
+            raise GenerationError(f"cache layer {i} is a {type(layer).__name__}; only full-attention and "
+                                  "sliding-window layers are supported")
         ids = torch.zeros(self.max_batch_size, 1, dtype=torch.long, device=self.device)
         with self._eval():
             self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **{self._cache_arg: cache},

@@ -67,6 +67,28 @@ def test_a_decoder_reading_the_key_count_from_the_mask_generates_as_hf():
     assert torch.equal(out, ref)
 
 
+def test_a_sliding_window_shorter_than_the_cache_generates_as_hf():
+    """A sliding-window layer (Mistral's, Gemma's) whose window is shorter than max_length gets a full
+    static layer: the model's own sliding-window mask keeps the attention in the window, so the tokens
+    are transformers' (they differ from the same model without a window: the window is exercised)."""
+    import copy
+
+    import transformers as tf
+
+    cfg = tf.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=6,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(cfg).eval()
+    ids = _prompts()
+    ref = _hf(model, ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    wide = copy.deepcopy(model)
+    wide.config.sliding_window = None
+    assert not torch.equal(_hf(wide, ids, max_new_tokens=24, do_sample=False, eos_token_id=None), ref)
+    gen = graphopt.optimize_generation(model, max_batch_size=2, max_length=40, check_accuracy=False)
+    assert torch.equal(gen.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None), ref)
+
+
 def _reference_sample(model, ids, steps, temperature, top_k, top_p, seed):
     """Sampling written out against the eager model's logits (DynamicCache, one token per step):
     temperature, then keep the top_k largest, then the smallest set of largest-probability tokens

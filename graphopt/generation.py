@@ -325,8 +325,6 @@ class Generator:
             if tuple(attention_mask.shape) != (batch, plen):
                 raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, plen)}")
             mask = attention_mask.to(self.device, torch.long)
-        if not self._has_positions and not bool(mask.all()):
-            raise GenerationError(f"{type(self.model).__name__} takes no position_ids: padded prompts are not supported")
         slot = self.decode_state(batch)
         for layer in slot.cache.layers:  # a fresh sequence: positions back to 0 (stale keys are masked)
             layer.cumulative_length.zero_()

@@ -65,6 +65,11 @@ def test_a_decoder_reading_the_key_count_from_the_mask_generates_as_hf():
     gen = graphopt.optimize_generation(model, max_batch_size=2, max_length=32, check_accuracy=False)
     out = gen.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
     assert torch.equal(out, ref)
+    # left-padded prompts: BLOOM takes no position_ids (its ALiBi counts the mask), as HF runs it
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref = _hf(model, ids, mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None), ref)
 
 
 def test_a_sliding_window_shorter_than_the_cache_generates_as_hf():

@@ -141,6 +141,13 @@ class Constants:
             stack.extend(w for w in self.writes.get(self.storage[n], ()) if self.pos[w] < self.pos[node])
         return sorted(seen, key=self.pos.__getitem__)
 
+    def trainable_sources(self, node: fx.Node, closure: list | None = None) -> list[str]:
+        """The attributes that require grad (trainable parameters) among those constant ``node`` is
+        computed from (``closure``: its :meth:`closure`, when already made): in a training graph such a
+        value is not a constant."""
+        return [n.target for n in (closure if closure is not None else self.closure(node)) if n.op == "get_attr"
+                and getattr(ir.get_attr_value(self.gm, n.target), "requires_grad", False)]
+
     def value(self, node: fx.Node):
         """The value of constant ``node`` where the graph computes it."""
         order = self.closure(node)
@@ -252,7 +259,7 @@ class FoldConstants(Pass):
             sub = consts.closure(root)
             sources = [n for n in sub if n.op == "get_attr"]
             if ctx.training:
-                trainable = [s.target for s in sources if getattr(ir.get_attr_value(gm, s.target), "requires_grad", False)]
+                trainable = consts.trainable_sources(root, sub)
                 if trainable:
                     res.reject(f"{root.name}", f"reads trainable parameter {trainable[0]} in a training graph")
                     continue

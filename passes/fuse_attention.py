@@ -233,9 +233,7 @@ class FuseAttention(Pass):
         a trainable parameter is not a constant, whatever its value now (BEiT's relative position
         bias starts at zero): dropping it would drop that parameter's gradient."""
         value = _const_value(gm, mask, memo=self._masks, consts=self._constants(gm))
-        if value is not None and ctx.training and any(
-                n.op == "get_attr" and getattr(ir.get_attr_value(gm, n.target), "requires_grad", False)
-                for n in self._constants(gm).closure(mask)):
+        if value is not None and ctx.training and self._constants(gm).trainable_sources(mask):
             return None
         return value
 

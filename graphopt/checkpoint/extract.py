@@ -43,11 +43,14 @@ def mutated_args(n: fx.Node) -> list:
 
 
 def region_cost(ctx: PassContext, nodes: list, keep: set) -> dict:
-    total = {"flops": 0.0, "bytes": 0.0, "launches": 0, "time_s": 0.0, "recompute_s": 0.0}
+    total = {"flops": 0.0, "matmul_flops": 0.0, "matmul_floor_s": 0.0, "bytes": 0.0, "launches": 0, "time_s": 0.0, "recompute_s": 0.0}
     for n in nodes:
         c = ctx.cost.node_cost(n)
         f = lambda v: float(ir.concrete(v, ctx.hints))  # noqa: E731
         total["flops"] += f(c.flops)
+        if ctx.cost.flops_bytes(n)[3] == "matmul":  # the roofline floor prices these at the GEMM rate
+            total["matmul_flops"] += f(c.flops)
+            total["matmul_floor_s"] += ctx.cost.matmul_floor_s(n, f(c.flops))
         total["bytes"] += f(c.bytes)
         total["launches"] += int(c.launches)
         total["time_s"] += f(c.time_s)

@@ -857,6 +857,10 @@ class CostModel:
         serial sum of host and work per node. See the module docstring for the model."""
         return queue_cost(self.profile, self.queue_inputs(gm, hints, mode, reuse_outputs=reuse_outputs))
 
+    def matmul_floor_s(self, node: fx.Node, flops) -> float:
+        """Seconds of a matmul-like node's ``flops`` at the profile's peak rate for its operands' dtype."""
+        return flops / self.profile.matmul_rate(ir.operand_infos(node)[0].dtype)
+
     def _floor_compute(self, gm, nodes) -> tuple[float, float]:
         """(seconds of the matmul-like flops at the peak rate, seconds of the rest)."""
         mm = other = 0.0
@@ -866,8 +870,13 @@ class CostModel:
                 continue
             node = by_name.get(c.node)
             _, _, _, kind = self.flops_bytes(node)
-            if kind == "matmul":
-                mm += c.flops / self.profile.matmul_rate(ir.operand_infos(node)[0].dtype)
+            if kind == "region":  # a checkpoint region: its GEMMs' flops at the GEMM rate
+                cost = node.graph.owning_module.get_submodule(node.target).cost
+                mm_flops = min(float(cost.get("matmul_flops", 0.0)), float(c.flops))
+                mm += float(cost.get("matmul_floor_s", 0.0))
+                other += (c.flops - mm_flops) / self.profile.elementwise_flops
+            elif kind == "matmul":
+                mm += self.matmul_floor_s(node, c.flops)
             else:
                 other += c.flops / self.profile.elementwise_flops
         return mm, other

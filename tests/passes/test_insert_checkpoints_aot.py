@@ -351,6 +351,25 @@ def test_budget_below_one_level_with_dropout_nests_regions_and_replays_the_masks
         graphopt.optimize(model, args, training=True, memory_budget=0.05, checkpoint_backend="aot")
 
 
+def test_checkpointed_graph_keeps_the_roofline_floor_of_its_gemms():
+    """Regions (and outer segments) carry their GEMMs' flops apart, so the step's roofline floor prices
+    them at the GEMM rate as before the rewrite (it was priced at the elementwise rate: a floor above
+    the prediction)."""
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+
+    torch.manual_seed(0)
+    model, args = Stack(d=128, layers=6, p=0.3).to(torch.bfloat16), (torch.randn(256, 128, dtype=torch.bfloat16),)
+    cm = CostModel(get_profile("h200")[0])
+    plain = graphopt.optimize(model, args, training=True, check_accuracy=False, passes=[], target="h200")
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.4, check_accuracy=False,
+                            passes=["insert_checkpoints"], target="h200")
+    assert aot_modules(opt)
+    before, after = cm.graph_cost(plain.graph_module), cm.graph_cost(opt.graph_module)
+    assert after.flops == pytest.approx(before.flops)
+    assert after.roofline_floor_s == pytest.approx(before.roofline_floor_s, rel=1e-6)
+
+
 def test_budget_below_minimum_inference_and_bad_backend():
     # (a ResNet's minimum, through "auto", which searches the AOT plans first: test_insert_checkpoints)
     torch.manual_seed(0)

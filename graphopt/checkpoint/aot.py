@@ -569,18 +569,6 @@ def views_as_reshapes(gm: fx.GraphModule) -> int:
     return count
 
 
-def _trace_backends():
-    """What the trace may choose: attention without cuDNN's backend (the flash, memory-efficient
-    and math kernels the AOT graphs were first built and measured with)."""
-    import contextlib
-
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 def _signature(args) -> tuple:
     return tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad)
                  if isinstance(a, torch.Tensor) else ("v", repr(a)) for a in args)
@@ -660,12 +648,13 @@ class AotRecompute(nn.Module):
             # every tangent was then copied to that layout and BatchNorm's backward met mixed
             # layouts). Training BatchNorms were rewritten to the native op (functionalized with its
             # running statistics as outputs; batch_norm would pick cudnn_batch_norm, which updates
-            # them behind functionalization's back), and attention keeps the backends it had.
+            # them behind functionalization's back), and attention picks among the backends the
+            # caller has enabled, as eager does (cuDNN's on a Hopper GPU, where excluding it left
+            # masked attention to the slower memory-efficient kernel).
             # Buffer updates stay in the forward graph (copy_ nodes, as Inductor has them): no
             # copies back after each call, and cuDNN's BatchNorm may update the buffers directly.
-            with _trace_backends():
-                fn = aot(self.body, list(args), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                         partition_fn=self.partitioner, keep_inference_input_mutations=True)
+            fn = aot(self.body, list(args), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                     partition_fn=self.partitioner, keep_inference_input_mutations=True)
         except AotUnavailable:
             raise
         except Exception as e:

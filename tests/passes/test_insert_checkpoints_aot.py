@@ -4,6 +4,7 @@ gradients and BatchNorm statistics follow eager by the accuracy rule (fp64 refer
 is saved (never rerun), the model's Parameters train, and no per-op Python layer is added."""
 
 import collections
+import contextlib
 import copy
 import importlib
 
@@ -212,6 +213,34 @@ def test_dynamic_batch_compiles_again_for_a_new_size():
     model.train()
     step_check(model, opt, (torch.randn(24, 32),))
     assert all(len(m.partitions) == 2 for m in aot_modules(opt))
+
+
+def test_regions_trace_with_the_attention_backends_the_caller_enabled(monkeypatch):
+    """The regions' SDPA picks its kernel as eager does: the trace leaves the enabled backends as
+    they are (cuDNN's among them), under the caller's own restriction too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seen = []
+    real = aot._imports
+
+    def recording():
+        trace, extract, reorder = real()
+
+        def traced(*a, **kw):
+            seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+            return trace(*a, **kw)
+
+        return traced, extract, reorder
+
+    monkeypatch.setattr(aot, "_imports", recording)
+    torch.manual_seed(0)
+    model = Stack(d=32, layers=6)
+    for enabled, expect in ((None, (True, True)), ([SDPBackend.FLASH_ATTENTION], (False, True))):
+        with sdpa_kernel(enabled) if enabled else contextlib.nullcontext():
+            seen.clear()
+            opt = graphopt.optimize(model, (torch.randn(16, 32),), training=True, memory_budget=0.5,
+                                    check_accuracy=False, checkpoint_backend="aot")
+            assert aot_modules(opt) and seen and set(seen) == {expect}
 
 
 class AutocastOff(nn.Module):

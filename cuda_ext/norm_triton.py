@@ -279,3 +279,112 @@ def linear_add_layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: to
                                    HAS_W=vec[1] is not None, HAS_B=vec[2] is not None, STORE_H=True, ROWS=rows,
                                    BLOCK_H=bh, num_warps=warps)
     return out, h
+
+
+_bwd_kernels: dict = {}
+
+
+def _build_backward():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def norm_bwd_kernel(G, H, W, EXTRA, DH, WB, R, N, eps, iters, HAS_W: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                        WEIGHT_GRADS: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+        # dh = the gradient of layer_norm(h) * W (RMS: W * rms_norm(h)) (+ EXTRA) over rows of H for the
+        # output gradient G; the program's rows' sums of G * xhat (RMS: xhat rounded to h's dtype, as the
+        # model multiplies it) and of G go to WB[pid, 0, :] and WB[pid, 1, :] (fp32), summed over programs
+        # afterwards. Statistics recomputed from h in fp32; ``iters`` tiles of ROWS rows a program.
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_H)
+        cmask = cols < N
+        if HAS_W:
+            w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+        db = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for i in range(iters):
+            rows = (pid.to(tl.int64) * iters + i) * ROWS + tl.arange(0, ROWS)
+            mask = (rows < R)[:, None] & cmask[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+            if RMS:
+                d = h
+            else:
+                mean = tl.sum(h, axis=1) / N
+                d = tl.where(mask, h - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
+            xhat = d * rstd[:, None]
+            if HAS_W:
+                gw = g * w
+            else:
+                gw = g
+            c1 = tl.sum(xhat * gw, axis=1) / N
+            dx = gw - xhat * c1[:, None]
+            if not RMS:
+                dx -= (tl.sum(gw, axis=1) / N)[:, None]
+            dx = dx * rstd[:, None]
+            if HAS_EXTRA:
+                dx += tl.load(EXTRA + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DH + offs, dx.to(DH.dtype.element_ty), mask=mask)
+            if WEIGHT_GRADS:
+                if RMS:
+                    dw += tl.sum(g * xhat.to(DH.dtype.element_ty).to(tl.float32), axis=0)
+                else:
+                    dw += tl.sum(g * xhat, axis=0)
+                db += tl.sum(g, axis=0)
+        if WEIGHT_GRADS:
+            tl.store(WB + pid * 2 * N + cols, dw, mask=cmask)
+            tl.store(WB + pid * 2 * N + N + cols, db, mask=cmask)
+
+    return norm_bwd_kernel
+
+
+def norm_backward_plan(R: int, N: int, sms: int) -> tuple[int, int, int, int]:
+    """(rows a tile, tiles a program, programs, warps) of the norm backward over R rows N wide:
+    tiles of about 4K elements, at most four programs an SM (each writes one partial row of the
+    weight gradients, which are then summed)."""
+    import triton
+
+    bh = next_pow2(N)
+    rows = max(1, min(32, 4096 // bh))
+    tiles = triton.cdiv(R, rows)
+    programs = max(1, min(tiles, 4 * sms))
+    iters = triton.cdiv(tiles, programs)
+    programs = triton.cdiv(tiles, iters)
+    warps = 4 if bh * rows <= 2048 else (8 if bh * rows <= 8192 else 16)
+    return rows, iters, programs, warps
+
+
+def norm_backward_triton(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor | None, extra: torch.Tensor | None,
+                         eps: float, weight_grads: bool, rms: bool = False):
+    """(dh, wb) of ``layer_norm(h) * weight + bias`` (``rms``: ``weight * rms_norm(h)``, the normalized
+    value rounded to h's dtype before the weight) over the last dim (rows up to MAX_HIDDEN wide) for
+    the output gradient g: dh in h's dtype (plus ``extra``, a gradient h also gets), wb = [sum of
+    g * xhat, sum of g] over the rows in fp32 ([2, N]; empty without ``weight_grads``). One pass over
+    g and h; each program keeps its rows' weight-gradient sums in registers."""
+    import triton
+
+    N = h.shape[-1] if h.dim() else 1
+    if N > MAX_HIDDEN:
+        raise ValueError(f"graphopt::fused_norm_backward: hidden size {N} > {MAX_HIDDEN}")
+    hc, gc = h.contiguous(), g.to(h.dtype).contiguous()
+    ec = extra.to(h.dtype).expand(h.shape).contiguous() if extra is not None else None
+    dh = torch.empty_like(hc)
+    R = hc.numel() // N if N else 0
+    if R == 0 or N == 0:
+        wb = torch.zeros((2, N) if weight_grads else (0,), dtype=torch.float32, device=h.device)
+        if ec is not None:
+            dh.copy_(ec)
+        return dh, wb
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.device.type == "cuda" else 2
+    rows, iters, programs, warps = norm_backward_plan(R, N, sms)
+    parts = torch.empty((programs, 2, N) if weight_grads else (1,), dtype=torch.float32, device=h.device)
+    w = weight.to(h.device).contiguous() if weight is not None else None
+    k = cached_kernel(_bwd_kernels, _build_backward)
+    with torch.cuda.device(h.device) if h.device.type == "cuda" else contextlib.nullcontext():
+        k[(programs,)](gc, hc, w if w is not None else hc, ec if ec is not None else hc, dh, parts, R, N, float(eps),
+                       iters, HAS_W=w is not None, HAS_EXTRA=ec is not None, WEIGHT_GRADS=weight_grads, RMS=bool(rms),
+                       ROWS=rows, BLOCK_H=next_pow2(N), num_warps=warps)
+    wb = parts.sum(0) if weight_grads else torch.empty(0, dtype=torch.float32, device=h.device)
+    return dh, wb

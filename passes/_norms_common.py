@@ -90,10 +90,16 @@ def position(gm: fx.GraphModule) -> dict:
 NORMS = (aten.layer_norm.default, aten.rms_norm.default)
 
 
-def _norm_backward(r, g, h, weight, bias, eps: float, recompute: bool) -> None:
-    """A norm's backward on the builder ``r``: (the row statistics recomputed from h,) then one
-    backward kernel, priced as aten's LayerNorm kernels (RMSNorm's move the same bytes)."""
+def _norm_backward(r, g, h, weight, bias, eps: float, recompute: bool, fused: bool = False, rms: bool = False) -> None:
+    """A norm's backward on the builder ``r``: ``fused``, graphopt::fused_norm_backward (statistics, input
+    and weight gradients in one pass: the fused norms' backward on CUDA); else (the row statistics
+    recomputed from h,) then one backward kernel, priced as aten's LayerNorm kernels (RMSNorm's
+    move the same bytes)."""
     hs = [ir.info(h).shape[-1]]
+    if fused:
+        r.call(torch.ops.graphopt.fused_norm_backward.default, g, h, weight, None, eps,
+               weight is not None or bias is not None, rms)
+        return
     if recompute:
         stats = r.call(aten.native_layer_norm.default, h, hs, None, None, eps)
         mean, rstd = r.call(operator.getitem, stats, 1), r.call(operator.getitem, stats, 2)
@@ -125,5 +131,6 @@ def backward_gain(ctx, gone, grad: dict, out: fx.Node, h: fx.Node, weight, bias,
             if isinstance(a, fx.Node) and grad.get(a, False):
                 eager.call(aten.mul.Tensor, shaped, shaped)
     fused = ctx.replacement()
-    _norm_backward(fused, out, h, weight, bias, eps, recompute=True)
+    _norm_backward(fused, out, h, weight, bias, eps, recompute=True, fused=ctx.fused_kernels,
+                   rms=not any(n.target is aten.layer_norm.default for n in gone))
     return eager.time() - fused.time()

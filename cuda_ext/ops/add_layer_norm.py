@@ -16,7 +16,7 @@ from graphopt.cost.model import norm_rows_seconds
 from graphopt.cost.ops import fused_cost
 
 from ..common import check_floating, check_norm_params, check_residual, compute_dtype, fresh
-from ..norm_grad import layer_norm_backward, plus
+from ..norm_grad import layer_norm_backward
 from ..registry import define_op
 
 SCHEMA = "add_layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)"
@@ -60,10 +60,9 @@ def setup_context(ctx, inputs, output):
 def backward(ctx, g_out, g_h):
     h, weight, bias = ctx.saved_tensors
     need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]
-    dh = dw = db = None
+    dh, dw, db = g_h, None, None
     if g_out is not None:
-        dh, dw, db = layer_norm_backward(g_out, h, weight, bias, ctx.eps, (True, need_w, need_b))
-    dh = plus(dh, g_h)
+        dh, dw, db = layer_norm_backward(g_out, h, weight, bias, ctx.eps, (True, need_w, need_b), extra=g_h)
     dres = dh.to(ctx.res_dtype) if dh is not None and need_res and ctx.res_dtype is not None else None
     return (dh if need_x else None), dres, dw, db, None
 

@@ -16,7 +16,7 @@ from graphopt.cost.model import norm_rows_seconds
 from graphopt.cost.ops import fused_cost
 
 from ..common import check_floating, check_norm_params, check_residual, compute_dtype, fresh
-from ..norm_grad import plus, rms_norm_backward
+from ..norm_grad import rms_norm_backward
 from ..registry import define_op
 
 SCHEMA = "add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)"
@@ -63,10 +63,9 @@ def setup_context(ctx, inputs, output):
 def backward(ctx, g_out, g_h):
     h, weight = ctx.saved_tensors
     need_x, need_res, need_w = ctx.needs_input_grad[:3]
-    dh = dw = None
+    dh, dw = g_h, None
     if g_out is not None:
-        dh, dw = rms_norm_backward(g_out, h, weight, ctx.eps, need_w)
-    dh = plus(dh, g_h)
+        dh, dw = rms_norm_backward(g_out, h, weight, ctx.eps, need_w, extra=g_h)
     dres = dh.to(ctx.res_dtype) if dh is not None and need_res and ctx.res_dtype is not None else None
     return (dh if need_x else None), dres, dw, None
 

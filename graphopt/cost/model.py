@@ -654,6 +654,8 @@ class CostModel:
             memory = memory / p.narrow_copy_scale
         if ir.op_name(node) in POOL_OPS:
             memory = memory / p.efficiency("pool", "memory_scale", 1.0)
+        if ir.op_name(node) == "native_layer_norm_backward":  # its weight gradients' column reduction
+            memory = memory / p.efficiency("layer_norm_backward", "memory_scale", 1.0)
         if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
             dev = conv_device_s(p, node, compute, memory, bias=False)
             bias_dev = conv_bias_add_s(p, node)

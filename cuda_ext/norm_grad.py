@@ -11,11 +11,19 @@ is added to x's and the residual's.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .common import compute_dtype
 
 aten = torch.ops.aten
+
+
+def _fused_on() -> bool:
+    """graphopt::fused_norm_backward on CUDA unless ``GRAPHOPT_FUSED_NORM_BACKWARD=0`` (an A/B switch:
+    then aten's norm backward kernels after the statistics are recomputed)."""
+    return os.environ.get("GRAPHOPT_FUSED_NORM_BACKWARD", "1") != "0"
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -28,12 +36,16 @@ def layer_norm_backward(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor |
     gradient ``g``; ``needs`` flags which are wanted (None for the others); ``extra``, a gradient h
     receives besides (added to dh, which is then always made)."""
     hs = [h.shape[-1]]
-    if h.is_cuda and h.dtype != torch.float64:
+    if h.is_cuda and h.dtype != torch.float64 and _fused_on():
         need_wb = bool(needs[1] and weight is not None) or bool(needs[2] and bias is not None)
         dh, wb = torch.ops.graphopt.fused_norm_backward(g, h, weight, extra, eps, need_wb)
         dw = wb[0].to(weight.dtype) if needs[1] and weight is not None else None
         db = wb[1].to(bias.dtype) if needs[2] and bias is not None else None
         return (dh if needs[0] or extra is not None else None), dw, db
+    if h.is_cuda and h.dtype != torch.float64:  # aten's kernels after the statistics, as eager's backward
+        _, mean, rstd = aten.native_layer_norm(h, hs, None, None, eps)
+        dh, dw, db = aten.native_layer_norm_backward(g, h, hs, mean, rstd, weight, bias, list(needs))
+        return plus(dh, extra), dw, db
     ct = compute_dtype(h.dtype)
     hc = h.to(ct)
     _, mean, rstd = aten.native_layer_norm(hc, hs, None, None, eps)
@@ -48,9 +60,13 @@ def rms_norm_backward(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, ep
     """(dh, dweight or None) of ``weight * (h * rsqrt(mean(h^2) + eps))`` over the last dim (fp32
     statistics) for the output gradient ``g``; ``extra``, a gradient h receives besides (added)."""
     hs = [h.shape[-1]]
-    if h.is_cuda and h.dtype != torch.float64:
+    if h.is_cuda and h.dtype != torch.float64 and _fused_on():
         dh, wb = torch.ops.graphopt.fused_norm_backward(g, h, weight, extra, eps, need_weight, True)
         return dh, (wb[0].to(weight.dtype) if need_weight else None)
+    if h.is_cuda and h.dtype == weight.dtype and hasattr(aten, "_fused_rms_norm_backward"):  # torch.nn.RMSNorm's
+        _, rstd = aten._fused_rms_norm(h, hs, None, eps)
+        dh, dw = aten._fused_rms_norm_backward(g, h, hs, rstd, weight, [True, need_weight])
+        return plus(dh, extra), (dw if need_weight else None)
     ct = compute_dtype(h.dtype)
     hc, gc = h.to(ct), g.to(ct)
     rstd = torch.rsqrt(hc.pow(2).mean(-1, keepdim=True) + eps)

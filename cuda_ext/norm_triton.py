@@ -300,8 +300,8 @@ def _build_backward():
         cmask = cols < N
         if HAS_W:
             w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-        db = tl.zeros([BLOCK_H], dtype=tl.float32)
+        dw = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)  # summed over the rows once, after the loop
+        db = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
         for i in range(iters):
             rows = (pid.to(tl.int64) * iters + i) * ROWS + tl.arange(0, ROWS)
             mask = (rows < R)[:, None] & cmask[None, :]
@@ -329,13 +329,13 @@ def _build_backward():
             tl.store(DH + offs, dx.to(DH.dtype.element_ty), mask=mask)
             if WEIGHT_GRADS:
                 if RMS:
-                    dw += tl.sum(g * xhat.to(DH.dtype.element_ty).to(tl.float32), axis=0)
+                    dw += g * xhat.to(DH.dtype.element_ty).to(tl.float32)
                 else:
-                    dw += tl.sum(g * xhat, axis=0)
-                db += tl.sum(g, axis=0)
+                    dw += g * xhat
+                db += g
         if WEIGHT_GRADS:
-            tl.store(WB + pid * 2 * N + cols, dw, mask=cmask)
-            tl.store(WB + pid * 2 * N + N + cols, db, mask=cmask)
+            tl.store(WB + pid * 2 * N + cols, tl.sum(dw, axis=0), mask=cmask)
+            tl.store(WB + pid * 2 * N + N + cols, tl.sum(db, axis=0), mask=cmask)
 
     return norm_bwd_kernel
 

@@ -64,8 +64,16 @@ def cuda(g, h, weight, extra, eps, weight_grads, rms=False):
 
 
 def cost(call, profile):
-    """One pass: g, h (and extra) read, dh written; 12 FLOPs an element."""
-    return fused_cost(call, flops_per_element=12)
+    """One pass: g, h (and extra) read, dh written (12 FLOPs an element), then the sum of the
+    programs' partial rows: its bytes at the profile's measured rate for this kernel and at least
+    its per-row time (``op_efficiency["fused_norm_backward"]``: ``memory_scale``, ``row_s``)."""
+    h = call.inputs[1]
+    rows = h.numel / h.shape[-1] if h.shape and h.shape[-1] else 0
+    scale = profile.efficiency("fused_norm_backward", "memory_scale", 1.0) if profile is not None else 1.0
+    row_s = profile.efficiency("fused_norm_backward", "row_s", 0.0) if profile is not None else 0.0
+    c = fused_cost(call, flops_per_element=12, floor_s=rows * row_s or None)
+    c.slowdown, c.launches = 1.0 / scale, 2
+    return c
 
 
 def fused_norm_backward(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor | None = None,

@@ -315,10 +315,10 @@ def split_k_reduce_node_seconds(profile: DeviceProfile, node: fx.Node) -> float:
     return profile.gpu_seconds(0.0, (s * 4 + ir.infos(node)[0].dtype.itemsize) * M * N / profile.bandwidth)
 
 
-def norm_rows_seconds(profile: DeviceProfile, x: ir.TensorInfo):
+def norm_rows_seconds(profile: DeviceProfile, x: ir.TensorInfo, key: str = "row_norm"):
     """The block-scheduling floor of a one-block-per-row norm over x's last dim: rows * the
-    profile's ``op_efficiency["row_norm"]["row_s"]`` (0 where the profile has not measured it)."""
-    row_s = profile.efficiency("row_norm", "row_s", 0.0)
+    profile's ``op_efficiency[key]["row_s"]`` (0 where the profile has not measured it)."""
+    row_s = profile.efficiency(key, "row_s", 0.0)
     if not row_s or not x.shape:
         return 0.0
     return x.numel / x.shape[-1] * row_s
@@ -668,6 +668,8 @@ class CostModel:
             t = p.kernel_seconds(compute, memory, eff, launches)
             if f"{ir.op_namespace(node)}::{ir.op_name(node)}" in ROW_BLOCK_NORMS:
                 t = _smax(t, norm_rows_seconds(p, ir.operand_infos(node)[0]))
+            elif ir.op_name(node) == "native_layer_norm_backward":
+                t = _smax(t, norm_rows_seconds(p, ir.operand_infos(node)[1], "layer_norm_backward"))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
         if kind == "matmul" and eff != SMALL_M_LINEAR:  # (the small-M fit times whole calls, reduction included)
             red = split_k_reduce_node_seconds(p, node)

@@ -17,8 +17,8 @@ def _norm_grads64(g, h, w, eps, rms):
     g * that rounded value)."""
     n = h.shape[-1]
     h64 = h.double().requires_grad_()
-    w64 = (w.double() if w is not None else torch.ones(n, dtype=torch.float64)).requires_grad_()
-    b64 = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    w64 = (w.double() if w is not None else torch.ones(n, dtype=torch.float64, device=h.device)).requires_grad_()
+    b64 = torch.zeros(n, dtype=torch.float64, device=h.device, requires_grad=True)
     if rms:
         y = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps)
         y.backward(g.double() * w64.detach())

@@ -1,4 +1,4 @@
-# Answered: Where does a training step's time go, by kernel class? BERT-base bs32 seq512: eager 31.9 ms (GEMMs 12.2, attention 5.0, aten's LayerNorm backward 2.75 of which its weight-gradient kernel 1.99, bias-gradient sums 2.39), torch.compile 29.1, graphopt 32.2; graphopt @0.3 47.8 ms, its AOT regions on the memory-efficient attention (14.2 ms against cuDNN's 5.0) (results/diag_train_profile_bert_2026-12-03_122855.md, …llama_…122948.md).
+# Answered: Where does a training step's time go, by kernel class? BERT-base bs32 seq512: eager 31.9 ms (GEMMs 12.2, attention 5.0, aten's LayerNorm backward 2.75 of which its weight-gradient kernel 1.99, bias-gradient sums 2.39), torch.compile 29.1, graphopt 32.2; @0.3 47.8, its AOT regions on the memory-efficient attention (results/diag_train_profile_bert_2026-12-03_122855.md). GPT-2: fuse_layer_norm takes 1.1 ms of kernel time off (…gpt2_…132106.md; its step times, after 3 warm-up steps, were host-bound: use --warmup 6). GLM-4: fused_norm_backward 40.1/40.3 against aten's 41.2/41.7 ms (…glm4_…132557_fused.md … 132654_aten.md).
 """Training step breakdown by kernel class, one process, all variants on the same model and inputs.
 
     python benchmarks/diag/diag_train_profile.py --config bert --out /tmp/out [--layers N]
@@ -144,8 +144,10 @@ def main(argv=None) -> int:
         elif v == "compile":
             cm = torch.compile(model)
             r = run_variant(v, lambda: cm(**inputs), params, grads_out, args.reps, args.warmup)
-        elif v.startswith("graphopt"):  # graphopt, graphopt@0.3 (a memory budget)
+        elif v.startswith("graphopt"):  # graphopt, graphopt@0.3 (a memory budget), graphopt-no:PASS+PASS (disabled)
             budget = {"memory_budget": float(v.split("@")[1])} if "@" in v else {}
+            if "-no:" in v:
+                budget["disable"] = v.split("-no:")[1].split("@")[0].split("+")
             opt = graphopt.optimize(model, inputs, training=True, check_accuracy=False, **budget)
             model.train()
             applied = bench._graphopt_extra(opt)["applied"]

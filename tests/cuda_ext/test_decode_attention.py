@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from graphopt.cuda_ext import decode_attention_triton as dat
 from graphopt import cuda_ext as ops
 from graphopt.errors import KernelArgumentError
-from tests.helpers import run_in_triton_interpreter
+from tests.helpers import run_in_triton_interpreter, skip_old_interpreter
 
 # B, Hq, Hkv, Tq, L, D, mask kind, kv_len kind, splits
 CASES = [
@@ -137,11 +137,7 @@ def interpreter_cases():
 
 
 def test_kernel_in_interpreter():
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        # triton 3.6's interpreter fails inside its own __index__ on this kernel's loop bounds; the
-        # cuda-marked tests run the kernel itself on that version (the H200 image's)
-        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run this kernel's loops")
+    skip_old_interpreter()
     run_in_triton_interpreter("tests.cuda_ext.test_decode_attention:interpreter_cases")
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.cuda_ext import norm_triton, reference
-from tests.helpers import run_in_triton_interpreter, same_when_graphed
+from tests.helpers import run_in_triton_interpreter, same_when_graphed, skip_old_interpreter
 
 
 def _norm_grads64(g, h, w, eps, rms):
@@ -68,6 +68,7 @@ def interpreter_backward_cases():
 
 
 def test_norm_backward_in_interpreter():
+    skip_old_interpreter()
     run_in_triton_interpreter("tests.cuda_ext.test_fused_norm_backward:interpreter_backward_cases")
 
 

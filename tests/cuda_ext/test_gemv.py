@@ -10,7 +10,7 @@ from graphopt import cuda_ext as ops
 from graphopt.cuda_ext import gemv_triton as gt
 from graphopt.cuda_ext.ops import gemv as op
 from graphopt.errors import KernelArgumentError
-from tests.helpers import run_in_triton_interpreter
+from tests.helpers import run_in_triton_interpreter, skip_old_interpreter
 
 # M, N, K, bias, config
 CASES = [
@@ -46,14 +46,6 @@ def interpreter_cases():
         x, w, b = _inputs(M, N, K, bias, torch.float16)
         _check(gt.gemv_triton(x, w, b, **cfg), x, w, b, 5e-3)
     print("interpreter cases ok")
-
-
-def skip_old_interpreter():
-    """triton 3.6's interpreter fails inside its own __index__ on the split kernel's loop bounds; the
-    cuda-marked tests run the kernel itself on that version (the H200 image's)."""
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run this kernel's loops")
 
 
 def test_kernel_in_interpreter():

@@ -11,7 +11,7 @@ from graphopt import cuda_ext as ops
 from graphopt.cuda_ext import gemv_triton as gt
 from graphopt.cuda_ext.ops import gemv_add_rms_norm as op
 from graphopt.errors import KernelArgumentError
-from tests.helpers import run_in_triton_interpreter
+from tests.helpers import run_in_triton_interpreter, skip_old_interpreter
 
 # M, N, K, bias, residual, config
 CASES = [
@@ -90,8 +90,6 @@ def interpreter_cases():
 
 
 def test_kernel_in_interpreter():
-    from tests.cuda_ext.test_gemv import skip_old_interpreter
-
     skip_old_interpreter()
     run_in_triton_interpreter("tests.cuda_ext.test_gemv_add_rms_norm:interpreter_cases")
 

@@ -10,8 +10,7 @@ from graphopt import cuda_ext as ops
 from graphopt.cuda_ext import gemv_triton as gt
 from graphopt.cuda_ext.ops import gemv_swiglu as op
 from graphopt.errors import KernelArgumentError
-from tests.cuda_ext.test_gemv import skip_old_interpreter
-from tests.helpers import run_in_triton_interpreter
+from tests.helpers import run_in_triton_interpreter, skip_old_interpreter
 
 # M, n (columns of the gate and of the up each), K, merged weight, config
 CASES = [

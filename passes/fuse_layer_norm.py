@@ -14,9 +14,10 @@ dim alone, weight/bias not 1-D of the hidden size, an eps that is not a literal,
 broadcasts or promotes dtypes (the add is then left alone), and everything on a CPU profile
 (``NO_FUSED_KERNELS``).
 
-Training graphs too: both ops are differentiable (cuda_ext/norm_grad.py). Their backward
-recomputes the row statistics eager's LayerNorm saved, and a candidate's training gain counts that
-read against the forward's savings.
+Training graphs too: both ops are differentiable (cuda_ext/norm_grad.py). On CUDA their backward is
+``graphopt::fused_norm_backward``, one pass that recomputes the row statistics eager's LayerNorm saved
+and sums the weight gradients; a candidate's training gain prices it and aten's LayerNorm backward
+each at the rate the profile measured for it.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ than x's (a weight of another dtype promotes), and every candidate on a CPU prof
 (``NO_FUSED_KERNELS``: the kernel is a CUDA kernel).
 
 Training graphs too: ``add_rms_norm`` is differentiable (cuda_ext/norm_grad.py), and a candidate's
-gain there adds its backward's (eager's derivative kernels of the matched nodes against the
-fused backward's statistics recompute and one kernel). The sandwich merge has no backward and is
+gain there adds its backward's (eager's derivative kernels of the matched nodes against
+``graphopt::fused_norm_backward``, one pass that recomputes the statistics, at its measured rate). The sandwich merge has no backward and is
 refused in training with that reason.
 """
 

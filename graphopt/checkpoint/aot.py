@@ -42,7 +42,7 @@ from graphopt.cost.activations import ActivationModel, format_bytes
 from graphopt.errors import GraphoptError
 from graphopt.pipeline import PassContext, PassResult
 
-from .extract import REGION, extract_region, mutated_args, outer_region
+from .extract import REGION, extract_region, mutated_args, outer_region, region_cost
 from .planner import Plan
 from .sac import checkpoint_regions
 
@@ -975,21 +975,16 @@ def wrap_segments(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, pla
             else:
                 mutated.extend(mutated_args(n))
         secs = sum(am.seconds.get(n, 0.0) for r in plan.regions[a:b + 1] for n in r)
-        cost = {"flops": 0.0, "matmul_flops": 0.0, "matmul_floor_s": 0.0, "bytes": 0.0, "launches": 0, "time_s": 0.0, "recompute_s": secs}
-        for n in nodes:  # what the segment's calls and nodes cost, plus the forward rerun
-            inner = getattr(gm.get_submodule(n.target), "cost", None) if n.op == "call_module" else None
-            if isinstance(inner, dict) and "time_s" in inner:
+        # what the segment's calls and nodes cost (the plain nodes as a region that keeps them all),
+        # plus the forward rerun
+        inners = {n: getattr(gm.get_submodule(n.target), "cost", None) if n.op == "call_module" else None for n in nodes}
+        plain = [n for n in nodes if not (isinstance(inners[n], dict) and "time_s" in inners[n])]
+        cost = region_cost(ctx, plain, set(plain))
+        cost["recompute_s"] += secs
+        for n in nodes:
+            if n not in plain:
                 for key in cost:
-                    cost[key] += inner.get(key, 0.0)
-            else:
-                c = ctx.cost.node_cost(n)
-                for key, v in (("flops", c.flops), ("bytes", c.bytes), ("time_s", c.time_s)):
-                    cost[key] += float(ir.concrete(v, ctx.hints))
-                if ctx.cost.flops_bytes(n)[3] == "matmul":
-                    flops = float(ir.concrete(c.flops, ctx.hints))
-                    cost["matmul_flops"] += flops
-                    cost["matmul_floor_s"] += ctx.cost.matmul_floor_s(n, flops)
-                cost["launches"] += int(c.launches)
+                    cost[key] += inners[n].get(key, 0.0)
         call = outer_region(gm, nodes, mutated, f"ckpt_outer_{k}", cost)
         rows.append({"regions": [a, b], "forward_rerun_ms": secs * 1e3})
         res.record(f"outer checkpoint over regions {a}-{b} (their forward reruns once in backward; only the "

@@ -43,7 +43,11 @@ def mutated_args(n: fx.Node) -> list:
 
 
 def region_cost(ctx: PassContext, nodes: list, keep: set) -> dict:
-    total = {"flops": 0.0, "matmul_flops": 0.0, "matmul_floor_s": 0.0, "bytes": 0.0, "launches": 0, "time_s": 0.0, "recompute_s": 0.0}
+    """What a region of ``nodes`` costs the cost model: flops (its GEMMs' apart, with their seconds at
+    the peak GEMM rate, for the roofline floor), bytes, launches, time, and the time of the nodes not
+    in ``keep`` (recomputed in backward)."""
+    total = {"flops": 0.0, "matmul_flops": 0.0, "matmul_floor_s": 0.0, "bytes": 0.0, "launches": 0, "time_s": 0.0,
+             "recompute_s": 0.0}
     for n in nodes:
         c = ctx.cost.node_cost(n)
         f = lambda v: float(ir.concrete(v, ctx.hints))  # noqa: E731

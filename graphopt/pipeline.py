@@ -372,6 +372,7 @@ PIPELINE: tuple[str, ...] = (
     "lower_attention",
     "lower_decode_attention",
     "lower_split_k",
+    "lower_bias_grad",
     "lower_gemm_swiglu",
     "lower_gemv",
 )

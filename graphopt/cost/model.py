@@ -656,6 +656,8 @@ class CostModel:
             memory = memory / p.efficiency("pool", "memory_scale", 1.0)
         if ir.op_name(node) == "native_layer_norm_backward":  # its weight gradients' column reduction
             memory = memory / p.efficiency("layer_norm_backward", "memory_scale", 1.0)
+        if outer_sum(node):  # a bias gradient: aten's reduction over the leading dims
+            memory = memory / p.efficiency("bias_grad_sum", "memory_scale", 1.0)
         if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
             dev = conv_device_s(p, node, compute, memory, bias=False)
             bias_dev = conv_bias_add_s(p, node)
@@ -1065,6 +1067,19 @@ def is_channels_last(t: ir.TensorInfo | None) -> bool:
 
 
 COPY_OPS = {"clone", "contiguous", "_to_copy", "copy", "copy_", "constant_pad_nd"}
+
+
+def outer_sum(node: fx.Node) -> bool:
+    """A sum over leading dims only, the last kept (a linear layer's bias gradient, ``g.sum(0)``):
+    aten reduces it across rows, a kernel the profile measures apart (``bias_grad_sum``)."""
+    if node.op != "call_function" or ir.op_name(node) != "sum" or len(node.args) < 2:
+        return False
+    x = ir.info(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    dims = node.args[1]
+    if x is None or len(x.shape) < 2 or not isinstance(dims, (list, tuple)) or not dims:
+        return False
+    nd = len(x.shape)
+    return all(isinstance(d, int) for d in dims) and (nd - 1) not in {d % nd for d in dims}
 
 
 def narrow_copy(node: fx.Node) -> bool:

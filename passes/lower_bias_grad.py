@@ -1,0 +1,90 @@
+"""lower_bias_grad: in a training graph, a linear layer whose bias takes a gradient -> the same
+product as ``graphopt::biased_linear``, whose backward sums the output gradient over its rows with
+graphopt's column sum instead of aten's reduction.
+
+Matches ``linear(x, W, b)`` and ``addmm(b, x, W)`` (beta = alpha = 1: GPT-2's ``Conv1D``) with a
+1-D bias that requires grad and x, W, b of one floating dtype. The forward is unchanged (the same
+cuBLAS GEMM with the bias in its epilogue); the backward's two GEMMs are the products aten's addmm
+backward runs. What the cost model prices is the bias gradient: aten's sum of the output gradient
+over its leading dims against ``graphopt::column_sum`` of it, each at the rate the profile measured.
+Training graphs only (in inference there is no backward to change); on a CPU profile every
+candidate is refused (NO_FUSED_KERNELS).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+
+from ._fusion_meta import requires_grad
+
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@register
+class LowerBiasGrad(Pass):
+    name = "lower_bias_grad"
+    family = "lower"
+    description = "training: linear/addmm whose bias takes a gradient -> biased_linear (bias gradient by column_sum; cost-gated)"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        if not ctx.training:
+            return res
+        grad = requires_grad(gm)
+        matches = []
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            if n.target is aten.linear.default:
+                x, w = n.args[0], n.args[1]
+                b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+                weight_t = False
+            elif n.target is aten.addmm.default:
+                b, x, w = n.args[:3]
+                if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+                    continue
+                weight_t = True
+            else:
+                continue
+            if not isinstance(b, fx.Node) or not grad.get(b, False):
+                continue  # no bias, or one that takes no gradient: nothing in its backward to change
+            matches.append(((n, x, w, b, weight_t), f"{ir.op_name(n)} {n.name}"))
+        res.consider(ctx, matches, lambda m, label: self._candidate(ctx, m, label))
+        return res
+
+    def _candidate(self, ctx: PassContext, m, label: str):
+        n, x, w, b, weight_t = m
+        infos = [ir.info(a) if isinstance(a, fx.Node) else None for a in (x, w, b)]
+        out = ir.info(n)
+        if any(i is None for i in infos) or out is None:
+            return "an operand without a known shape", None
+        xi, wi, bi = infos
+        if not (xi.dtype == wi.dtype == bi.dtype and xi.dtype in FLOATS):
+            return f"operands of mixed or non-float dtypes ({xi.dtype}, {wi.dtype}, {bi.dtype})", None
+        if len(wi.shape) != 2 or len(bi.shape) != 1 or len(xi.shape) < 1 or (weight_t and len(xi.shape) != 2):
+            return "not a 2-D weight with a 1-D bias", None
+        lead = list(range(len(out.shape) - 1))
+        if not lead:
+            return "a 1-D output: its bias gradient is the output gradient itself", None
+        eager = ctx.replacement()
+        eager.call(aten.sum.dim_IntList, n, lead)
+        ours = ctx.replacement()
+        ours.call(torch.ops.graphopt.column_sum.default, n)
+        gain = eager.time() - ours.time()
+        return "", Candidate("linear bias gradient -> column_sum", [n], gain,
+                             lambda: self._apply(n, x, w, b, weight_t), label=label)
+
+    @staticmethod
+    def _apply(n, x, w, b, weight_t):
+        g = n.graph
+        with g.inserting_before(n):
+            new = g.call_function(torch.ops.graphopt.biased_linear.default, (x, w, b, weight_t))
+        new.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")})
+        n.replace_all_uses_with(new)
+        g.erase_node(n)
+        return new

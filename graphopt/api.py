@@ -86,7 +86,8 @@ class OptimizedModule(nn.Module):
             # the cost model ranks the lowering too: replaying saves launch overhead, but each
             # call then clones the outputs out of the graph's static memory
             if profile is not None:
-                saving = launch_savings_s(launches, profile)
+                # a training step replays its backward too: about twice the forward's kernels
+                saving = launch_savings_s(launches * (3 if decision.training else 1), profile)
                 out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
                 made_after = set(self._runner.tail.nodes) if self._runner.tail is not None else set()
                 # outputs that are inputs written in place (a KV cache) are handed back, not cloned

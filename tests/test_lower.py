@@ -161,15 +161,16 @@ def test_bind_inputs_reads_every_input_in_place():
     assert torch.equal(z, 9.0 * torch.ones(3)) and runner.stats["captures"] == 1
 
 
-def test_decide_dynamic_and_training_need_force():
+def test_decide_dynamic_needs_force_and_training_replays_both_passes():
     x = torch.randn(4, 8)
     gm = _gm(Small(), x, dynamic={"x": {0: "batch"}})
     d = decide(gm, [x], device_type="cpu")
     assert not d.on and "dynamic shapes" in d.why
     assert decide(gm, [x], cuda_graphs=True, device_type="cpu").on
     gm2 = _gm(Small(), x)
-    assert "training" in decide(gm2, [x], training=True, device_type="cpu").why
-    assert decide(gm2, [x], training=True, cuda_graphs=True, device_type="cpu").on
+    d = decide(gm2, [x], training=True, device_type="cpu")
+    assert d.on and d.training and "forward and backward" in d.why
+    assert not decide(gm2, [x], device_type="cpu").training
 
 
 def test_decide_off_for_mixed_devices():

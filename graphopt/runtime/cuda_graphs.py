@@ -97,6 +97,7 @@ class Decision:
     why: str
     mode: str = "auto"  # the requested mode: "auto" | "on" | "off"
     device: torch.device | None = None
+    training: bool = False  # grad-enabled calls replay a captured forward and backward (training_graphs)
 
     def note(self) -> str:
         return f"CUDA graph: {'on' if self.on else 'off'} ({self.why})"
@@ -153,8 +154,6 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
     device = next(iter(devices))
     if device_type == "cuda" and not torch.cuda.is_available():
         return Decision(False, "CUDA is not available", mode, device)
-    if training and mode == "auto":
-        return Decision(False, "training graph (autograd needs eager execution; cuda_graphs=True to force)", mode, device)
     if (dynamic or _has_symbolic_shapes(gm)) and mode == "auto":
         return Decision(False, "dynamic shapes: every new size would be a new capture (cuda_graphs=True "
                         "captures one graph per shape, LRU-bounded)", mode, device)
@@ -172,6 +171,19 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
     for name, t in _tensor_constants(gm):
         if t.device.type != device_type and t.dim() > 0:
             return Decision(False, f"constant {name} is on {t.device}", mode, device)
+    if training:
+        written = ir.input_mutations(gm)
+        if written:
+            return Decision(False, f"training graph that writes {written[0][1].name} in place ({written[0][0].name}; "
+                            "BatchNorm's running statistics): a warm-up and a capture would write it too", mode, device)
+        region = next((n for n in gm.graph.nodes if n.op == "call_module" and not str(n.target).startswith("_guards")),
+                      None)
+        if region is not None:
+            return Decision(False, f"training graph with checkpointed regions ({region.name}): their recomputation "
+                            "runs eagerly", mode, device)
+        why = (f"static shapes, training on {device}: forward and backward each replayed as one graph"
+               if mode == "auto" else f"forced, training on {device}")
+        return Decision(True, why, mode, device, training=True)
     why = f"static shapes, inference on {device}" if mode == "auto" else f"forced, on {device}"
     written = ir.mutated_placeholder_indices(gm)
     if written:
@@ -283,6 +295,11 @@ class _CudaBackend:
                 out = fn()
         return graph, out
 
+    def capture_step(self, forward, grads, pool, device, warmup: int):
+        from .training_graphs import capture_step_cuda
+
+        return capture_step_cuda(forward, grads, pool, device, warmup)
+
     def replay(self, graph, device) -> None:
         if device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
@@ -325,6 +342,11 @@ class _EmulatedBackend:
             fn()
         out = (probe or fn)()
         return _EmulatedGraph(fn, out), out
+
+    def capture_step(self, forward, grads, pool, device, warmup: int):
+        from .training_graphs import capture_step_emulated
+
+        return capture_step_emulated(forward, grads, pool, device, warmup)
 
     def replay(self, graph, device) -> None:
         graph.replay()
@@ -380,6 +402,7 @@ class Runner:
         self._graphs: OrderedDict = OrderedDict()
         self._pool = None
         self._disabled: str | None = None
+        self._train = None  # graphopt.runtime.training_graphs.TrainingGraphs, made on the first grad-enabled call
         self._warned: set[str] = set()
         self.stats = {"captures": 0, "replays": 0, "eager_calls": 0, "evictions": 0, "fallbacks": {}}
 
@@ -403,12 +426,14 @@ class Runner:
         self._graphs.clear()
         self._pool = None
         self._tail = False
+        self._train = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_graphs"] = OrderedDict()
         state["_pool"] = None
         state["_tail"] = False
+        state["_train"] = None
         return state
 
     def __deepcopy__(self, memo):
@@ -451,7 +476,9 @@ class Runner:
             self.stats["eager_calls"] += 1
             return self.gm(*args, **kwargs)
         if torch.is_grad_enabled() and self._needs_grad(leaves):
-            return self._eager(args, kwargs, "grad-enabled call: wrap inference in torch.no_grad() or torch.inference_mode()")
+            if not self.decision.training:
+                return self._eager(args, kwargs, "grad-enabled call: wrap inference in torch.no_grad() or torch.inference_mode()")
+            return self._train_call(leaves, structure, args, kwargs)
         device = self.decision.device
         key = [structure]
         bound, bind_all = self.bound_inputs, self.bind_all
@@ -479,6 +506,33 @@ class Runner:
         return self._replay(entry, leaves)
 
     last_key = None  # the graph key of the last call that could replay
+
+    def _train_call(self, leaves: list, structure, args: tuple, kwargs: dict):
+        """A grad-enabled call of a training graph: its captured forward replayed inside one autograd
+        node whose backward replays the captured backward (graphopt.runtime.training_graphs), or the
+        graph run eagerly where that cannot be done safely (the reason warned once)."""
+        from .training_graphs import TrainingGraphs
+
+        device = self.decision.device
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.device != device:
+                return self._eager(args, kwargs, f"an input is on {x.device}, graphs are on {device}")
+        if self._train is None:
+            self._train = TrainingGraphs(self.gm, self._backend, device, warmup=self.warmup)
+        why = self._train.eager_reason()
+        if why is None:
+            try:
+                key = self._train.key(leaves, structure)
+                hash(key)
+            except TypeError:
+                return self._eager(args, kwargs, "a non-tensor input is not hashable")
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            out = self._train.call(key, leaves, spec, args, kwargs)
+            if out is not None:
+                self.stats["replays"] += 1
+                return out
+            why = self._train.disabled
+        return self._eager(args, kwargs, why)
 
     @staticmethod
     def _copy_in(entry: _Entry, leaves: list) -> None:

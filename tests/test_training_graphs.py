@@ -1,0 +1,145 @@
+"""graphopt.runtime.training_graphs: a training step's forward and backward replayed as captured
+graphs. On the CPU against the emulated backend (a replay re-runs the captured function into the
+same static tensors): gradients and outputs equal to the graph run eagerly over several steps,
+with gradients zeroed in place, set to None or accumulated; the fallbacks (two forwards before a
+backward, autocast, a graph that writes a buffer, checkpointed regions); the real CUDA capture is
+marked cuda."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from graphopt.capture import capture
+from graphopt.runtime.cuda_graphs import decide, lower
+
+
+class TwoOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(2, 2)
+
+    def forward(self, x, y):
+        h = torch.relu(self.a(x))
+        return self.b(h) * y, h.sum(-1)
+
+
+def _step(fn, params, x, y, zero):
+    if zero == "in_place":
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+    elif zero == "none":
+        for p in params:
+            p.grad = None
+    o1, o2 = fn(x, y)
+    (o1.square().sum() + o2.sum()).backward()
+    return o1.detach().clone(), o2.detach().clone()
+
+
+def _pair():
+    torch.manual_seed(0)
+    m = TwoOut()
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    gm = capture(m, (x, y))
+    ref = copy.deepcopy(gm)
+    return gm, ref, lower(gm, [x, y], training=True, backend="emulate")
+
+
+@pytest.mark.parametrize("zero", ["in_place", "none", "accumulate"])
+def test_replayed_steps_match_eager(zero):
+    gm, ref, runner = _pair()
+    assert runner.decision.on and runner.decision.training
+    for it in range(4):
+        x, y = torch.randn(5, 8), torch.randn(5, 4)
+        how = "skip" if zero == "accumulate" and it % 2 else ("in_place" if zero == "accumulate" else zero)
+        ours = _step(runner, list(gm.parameters()), x, y, how)
+        theirs = _step(ref, list(ref.parameters()), x, y, how)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for (n, p), q in zip(gm.named_parameters(), ref.parameters()):
+            if q.grad is None:
+                assert p.grad is None, n
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-5)
+    t = runner._train
+    assert t.stats["captures"] == 1 and t.stats["replays"] == 8 and runner.stats["eager_calls"] == 0
+    # a gradient autograd accumulated is never the static buffer the next replay writes
+    static = {g.data_ptr() for g in t.steps[next(iter(t.steps))].static_grads if g is not None}
+    assert not any(p.grad is not None and p.grad.data_ptr() in static for p in gm.parameters())
+
+
+def test_input_that_requires_grad_gets_its_gradient():
+    gm, ref, runner = _pair()
+    for _ in range(2):
+        x, y = torch.randn(5, 8), torch.randn(5, 4)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        _step(runner, list(gm.parameters()), xa, y, "none")
+        _step(ref, list(ref.parameters()), xb, y, "none")
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=0, atol=1e-6)
+
+
+def test_two_forwards_before_a_backward_run_eagerly():
+    gm, ref, runner = _pair()
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    first = runner(x, y)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        second = runner(2 * x, y)
+    assert any("backward has not run" in str(m.message) for m in w)
+    (first[0].sum() + second[0].sum()).backward()
+    ref(x, y)[0].sum().backward()
+    ref(2 * x, y)[0].sum().backward()
+    for p, q in zip(gm.parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-5)
+    del first, second
+    out = runner(x, y)  # the forward's node freed without a backward: replays again
+    assert runner._train.stats["replays"] == 3 and out[0].requires_grad  # forward, its backward, forward
+
+
+def test_autocast_runs_eagerly():
+    gm, ref, runner = _pair()
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    with warnings.catch_warnings(record=True) as w, torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
+        runner(x, y)
+    assert any("autocast" in str(m.message) for m in w) and runner._train.stats["captures"] == 0
+
+
+def test_training_graphs_off_for_buffer_writes_and_checkpoint_regions():
+    bn = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).train()
+    x = torch.randn(4, 8)
+    d = decide(capture(bn, (x,)), [x], training=True, device_type="cpu")
+    assert not d.on and "in place" in d.why
+    import graphopt
+
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)]).train()
+    x = torch.randn(512, 256)
+    gm = graphopt.optimize(m, (x,), training=True, memory_budget=0.6, check_accuracy=False).graph_module
+    assert any(n.op == "call_module" for n in gm.graph.nodes)  # the plan checkpoints regions
+    d = decide(gm, [x], training=True, device_type="cpu")
+    assert not d.on and "checkpointed regions" in d.why
+
+
+@pytest.mark.cuda
+def test_cuda_training_graphs_match_eager_and_replay():
+    torch.manual_seed(0)
+    m = TwoOut().cuda()
+    x, y = torch.randn(64, 8, device="cuda"), torch.randn(64, 4, device="cuda")
+    gm = capture(m, (x, y))
+    ref = copy.deepcopy(gm)
+    runner = lower(gm, [x, y], training=True)
+    assert runner.decision.on and runner.decision.training
+    for it in range(4):
+        xs, ys = torch.randn(64, 8, device="cuda"), torch.randn(64, 4, device="cuda")
+        ours = _step(runner, list(gm.parameters()), xs, ys, "in_place" if it != 2 else "skip")
+        theirs = _step(ref, list(ref.parameters()), xs, ys, "in_place" if it != 2 else "skip")
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for p, q in zip(gm.parameters(), ref.parameters()):
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    assert runner._train.stats["captures"] == 1 and runner.stats["eager_calls"] == 0

@@ -287,8 +287,12 @@ def _timed_variant(fn, params, grads_out, args, eager: dict | None):
     None makes them (checkpoint_bench.Stepper's fixed random ones)."""
     stepper = Stepper(fn, (), params)
     stepper.grads_out = grads_out
+    cuda = torch.cuda.is_available() and any(p.is_cuda for p in params)
+    held = torch.cuda.memory_allocated() if cuda else None
     act, after, ms = measure(stepper, args.warmup, args.reps)
     out = {"ms": ms, "activation_gb": gb(act), "after_forward_gb": gb(after)}
+    if cuda:  # what stays allocated between steps: a replayed step's graph memory (its activations' pool)
+        out["held_gb"] = gb(torch.cuda.memory_allocated() - held)
     if eager is not None:
         out["speedup"] = eager["ms"] / ms
         if eager.get("activation_gb") and act is not None:
@@ -478,7 +482,9 @@ def markdown(result: dict) -> str:
              f"{s['dtype']}, Hugging Face base models with random weights, SDPA attention, dropout off. A step: gradients "
              "zeroed in place, forward, backward of sum_i <out_i, g_i> for fixed random g_i; no optimizer step. "
              f"ms/step: median of {s['reps']} steps after {s['warmup']} warm-up steps, each timed alone. Activations: "
-             "peak allocated during one step minus allocated before it. graphopt = optimize(model, inputs, "
+             "peak allocated during one step minus allocated before it (a step replayed from CUDA graphs keeps its "
+             "activations in the graphs' memory, allocated at its first call: the detail column gives what a "
+             "variant holds between steps). graphopt = optimize(model, inputs, "
              f"training=True{'' if s['guard'] else ', check_accuracy=False'}); @{s['budget']} adds memory_budget="
              f"{s['budget']}; HF ckpt = the model's own per-layer checkpointing (non-reentrant). Gradients: outputs "
              "and every parameter's gradient of one step by the accuracy rule against a float64 copy of the same "
@@ -514,6 +520,9 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {r['arch']} | {name} | | | | | | | {'FAILED: ' + v['error'] if 'error' in v else v['skipped']} |")
                 continue
             detail = []
+            if (v.get("held_gb") or 0) >= 0.01:
+                detail.append(f"{v['held_gb']:.3f} GB held between steps (the replayed step's graph memory: its "
+                              "activations live there, outside the act GB column)")
             if "applied" in v:
                 detail.append("passes: " + (", ".join(v["applied"]) or "none"))
                 cp = v.get("checkpoint") or {}

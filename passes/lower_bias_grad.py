@@ -7,8 +7,11 @@ Matches ``linear(x, W, b)`` and ``addmm(b, x, W)`` (beta = alpha = 1: GPT-2's ``
 cuBLAS GEMM with the bias in its epilogue); the backward's two GEMMs are the products aten's addmm
 backward runs. What the cost model prices is the bias gradient: aten's sum of the output gradient
 over its leading dims against ``graphopt::column_sum`` of it, each at the rate the profile measured.
-Training graphs only (in inference there is no backward to change); on a CPU profile every
-candidate is refused (NO_FUSED_KERNELS).
+Training graphs only (in inference there is no backward to change), and only where the step will be
+replayed from CUDA graphs (graphopt.runtime.training_graphs): run eagerly, the op's autograd in Python
+costs more host time a call than the reduction saves (BERT-base's step became host-bound), so a graph
+with checkpointed regions, a buffer written in place or dynamic shapes, or ``cuda_graphs=False``, keeps
+aten's linear. On a CPU profile every candidate is refused (NO_FUSED_KERNELS).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+from graphopt.replay import training_replay_refusal
 
 from ._fusion_meta import requires_grad
 
@@ -35,6 +39,7 @@ class LowerBiasGrad(Pass):
         res = self.result()
         if not ctx.training:
             return res
+        eager = training_replay_refusal(gm, cuda_graphs=ctx.options.cuda_graphs, dynamic=bool(ctx.options.dynamic))
         grad = requires_grad(gm)
         matches = []
         for n in gm.graph.nodes:
@@ -54,6 +59,11 @@ class LowerBiasGrad(Pass):
             if not isinstance(b, fx.Node) or not grad.get(b, False):
                 continue  # no bias, or one that takes no gradient: nothing in its backward to change
             matches.append(((n, x, w, b, weight_t), f"{ir.op_name(n)} {n.name}"))
+        if eager is not None and matches:
+            res.reject_all([label for _, label in matches],
+                           f"the step runs eagerly ({eager}): biased_linear's autograd in Python costs more host "
+                           "time a call than the faster reduction saves")
+            return res
         res.consider(ctx, matches, lambda m, label: self._candidate(ctx, m, label))
         return res
 

@@ -143,3 +143,38 @@ def test_cuda_training_graphs_match_eager_and_replay():
             if q.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
     assert runner._train.stats["captures"] == 1 and runner.stats["eager_calls"] == 0
+
+
+class Drop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4096,), 2.0))
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x * self.w, 0.5, training=True)
+
+
+def test_training_graph_with_dropout_is_replayed():
+    x = torch.randn(4096)
+    d = decide(capture(Drop().train(), (x,)), [x], training=True, device_type="cpu")
+    assert d.on and d.training
+
+
+@pytest.mark.cuda
+def test_cuda_dropout_draws_new_masks_and_its_backward_uses_them():
+    """Each replay draws a new mask; the gradient of sum(dropout(x * w)) is x * mask / (1 - p), which
+    times w is the output itself: the backward replay read the mask its forward drew."""
+    m = Drop().cuda()
+    x = torch.randn(4096, device="cuda")
+    gm = capture(m, (x,))
+    runner = lower(gm, [x], training=True)
+    assert runner.decision.on
+    outs = []
+    for _ in range(3):
+        gm.w.grad = None
+        y = runner(x)
+        y.sum().backward()
+        torch.testing.assert_close(gm.w.grad * 2.0, y, rtol=0, atol=0)
+        assert 0.4 < (y == 0).float().mean().item() < 0.6
+        outs.append(y)
+    assert not torch.equal(outs[1], outs[2]) and runner._train.stats["captures"] == 1

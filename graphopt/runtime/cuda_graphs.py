@@ -37,7 +37,9 @@ What happens on a call when CUDA graphs are on (``runner.decision.on``):
   ``bind_inputs=True`` binds every input this way (a caller that updates the same input
   tensors in place between calls, as graphopt.generation does).
 
-CUDA graphs stay off (``decision.why`` says why) for graphs with random ops (dropout, rand*),
+CUDA graphs stay off (``decision.why`` says why) for inference graphs with random ops (rand*; a
+training step's dropout draws new numbers at every replay from the generator state CUDA graphs
+register, its mask saved for the backward in the same pool),
 data-dependent ops that synchronize with the host (``.item()``, ``nonzero``), CPU tensors
 (inputs, parameters or intermediates), or when CUDA is absent. With
 ``cuda_graphs="auto"`` they are also off for dynamic-shape graphs (every new size would be a new
@@ -62,31 +64,15 @@ from torch.utils import _pytree as pytree
 
 from .. import ir
 from ..ir import TAIL_MIN_BYTES, flat_outputs as _flat_outputs, tail_nodes
+from ..replay import HOST_SYNC_OPS, has_symbolic_shapes as _has_symbolic_shapes, replay_mode as _mode
+from ..replay import static_repeat as _static_repeat, training_refusal as _training_refusal, training_replay_refusal
 
-__all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "tail_nodes", "RANDOM_OPS", "HOST_SYNC_OPS"]
+__all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "tail_nodes", "training_replay_refusal", "RANDOM_OPS",
+           "HOST_SYNC_OPS"]
 
 
 # op names (ATen schema names, without the namespace) that make a graph unfit for replay
-RANDOM_OPS = ir.RANDOM_OPS  # (re-exported; ir.is_random is the one definition)
-HOST_SYNC_OPS = frozenset({
-    "_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique", "_unique",
-    "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "histc",
-    "argwhere", "_nested_tensor_from_mask", "equal", "is_nonzero",
-})
-
-_TRUE = {True, "on", "true", "1", "yes", "force"}
-_FALSE = {False, None, "off", "false", "0", "no"}
-
-
-def _mode(cuda_graphs) -> str:
-    if isinstance(cuda_graphs, str) and cuda_graphs.lower() == "auto":
-        return "auto"
-    key = cuda_graphs.lower() if isinstance(cuda_graphs, str) else cuda_graphs
-    if key in _TRUE:
-        return "on"
-    if key in _FALSE:
-        return "off"
-    raise ValueError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
+RANDOM_OPS = ir.RANDOM_OPS  # (re-exported; ir.is_random is the one definition; HOST_SYNC_OPS is graphopt.replay's)
 
 
 @dataclass(frozen=True)
@@ -103,31 +89,10 @@ class Decision:
         return f"CUDA graph: {'on' if self.on else 'off'} ({self.why})"
 
 
-
-
 def _val_device(val) -> torch.device | None:
     if isinstance(val, torch.Tensor):
         return val.device
     return None
-
-
-def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        for v in pytree.tree_leaves(n.meta.get("val")):
-            if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
-                return True
-    return False
-
-
-def _static_repeat(node: fx.Node, name: str) -> bool:
-    """repeat_interleave with integer repeats (GLM's rotary tables) has a static output size;
-    only the Tensor-repeats overload needs the host to size its output."""
-    if name != "repeat_interleave":
-        return False
-    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
-    return isinstance(repeats, int)
 
 
 def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynamic: bool = False,
@@ -161,7 +126,7 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
         if n.op != "call_function":
             continue
         name = ir.op_name(n)
-        if ir.is_random(n):
+        if ir.is_random(n) and not training:
             return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
         if name in HOST_SYNC_OPS and not _static_repeat(n, name):
             return Decision(False, f"data-dependent op {name} ({n.name}) synchronizes with the host", mode, device)
@@ -172,15 +137,9 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
         if t.device.type != device_type and t.dim() > 0:
             return Decision(False, f"constant {name} is on {t.device}", mode, device)
     if training:
-        written = ir.input_mutations(gm)
-        if written:
-            return Decision(False, f"training graph that writes {written[0][1].name} in place ({written[0][0].name}; "
-                            "BatchNorm's running statistics): a warm-up and a capture would write it too", mode, device)
-        region = next((n for n in gm.graph.nodes if n.op == "call_module" and not str(n.target).startswith("_guards")),
-                      None)
-        if region is not None:
-            return Decision(False, f"training graph with checkpointed regions ({region.name}): their recomputation "
-                            "runs eagerly", mode, device)
+        why = _training_refusal(gm)
+        if why:
+            return Decision(False, why, mode, device)
         why = (f"static shapes, training on {device}: forward and backward each replayed as one graph"
                if mode == "auto" else f"forced, training on {device}")
         return Decision(True, why, mode, device, training=True)

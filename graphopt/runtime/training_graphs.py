@@ -20,6 +20,9 @@ training graph goes through :meth:`TrainingGraphs.call`:
   one backward: gradient accumulation over micro-batches) would overwrite them: such a call runs the
   graph eagerly. So do calls under autocast, and every call after a capture failed.
 
+Random ops (dropout) draw new numbers at every replay: CUDA graphs register the default generator's
+state and advance its offset per replay; the mask a forward draws is what its backward reads.
+
 The saved activations live in the pool between a forward and its backward, as eager's do; the
 pool, the static inputs and the gradient buffers stay allocated while graphs are kept.
 """

@@ -93,3 +93,24 @@ def test_not_in_inference_nor_for_frozen_bias_nor_on_cpu():
     gm = capture(m.train(), (x,))
     (res,) = run_passes(gm, ["lower_bias_grad"], target="cpu", training=True)
     assert op_counts(gm)[OURS] == 0 and res.rejected and all(r.reason == NO_FUSED_KERNELS for r in res.rejected)
+
+
+def test_refused_where_the_step_runs_eagerly():
+    """Without CUDA-graph replay (cuda_graphs=False; a graph writing a buffer) the op's Python autograd
+    would make the step host-bound: every candidate is refused, with the reason."""
+    import dataclasses
+
+    from graphopt.cost.model import CostModel
+    from graphopt.pipeline import PASS_DEFAULTS, PassContext, PassManager, assemble
+
+    m, x = Mlp(128).train(), torch.randn(8, 256, 128)
+    gm = capture(m, (x,))
+    ctx = PassContext(cost=CostModel(_profile(0.05)), training=True,
+                      options=dataclasses.replace(PASS_DEFAULTS, cuda_graphs=False))
+    (res,) = PassManager(assemble(["lower_bias_grad"])).run(gm, ctx)
+    assert op_counts(gm)[OURS] == 0 and len(res.rejected) == 2
+    assert all("runs eagerly (disabled (cuda_graphs=False))" in r.reason for r in res.rejected)
+    bn = nn.Sequential(nn.Linear(128, 128), nn.BatchNorm1d(128)).train()
+    gm = capture(bn, (torch.randn(512, 128),))
+    (res,) = run_passes(gm, ["lower_bias_grad"], target=_profile(0.05), training=True)
+    assert op_counts(gm)[OURS] == 0 and all("writes" in r.reason for r in res.rejected)

@@ -1,0 +1,79 @@
+"""Whether a graph's calls can be replayed from CUDA graphs, by inspection alone (no device): the
+rules graphopt.runtime.cuda_graphs decides with, where a pass can ask them too (a training rewrite
+that pays only when the step is replayed asks :func:`training_replay_refusal`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from . import ir
+
+# op names (ATen schema names, without the namespace) that synchronize with the host
+HOST_SYNC_OPS = frozenset({
+    "_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique", "_unique",
+    "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "histc",
+    "argwhere", "_nested_tensor_from_mask", "equal", "is_nonzero",
+})
+
+_TRUE = {True, "on", "true", "1", "yes", "force"}
+_FALSE = {False, None, "off", "false", "0", "no"}
+
+
+def replay_mode(cuda_graphs) -> str:
+    if isinstance(cuda_graphs, str) and cuda_graphs.lower() == "auto":
+        return "auto"
+    key = cuda_graphs.lower() if isinstance(cuda_graphs, str) else cuda_graphs
+    if key in _TRUE:
+        return "on"
+    if key in _FALSE:
+        return "off"
+    raise ValueError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
+
+
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        for v in pytree.tree_leaves(n.meta.get("val")):
+            if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
+                return True
+    return False
+
+
+def static_repeat(node: fx.Node, name: str) -> bool:
+    """repeat_interleave with integer repeats (GLM's rotary tables) has a static output size;
+    only the Tensor-repeats overload needs the host to size its output."""
+    if name != "repeat_interleave":
+        return False
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    return isinstance(repeats, int)
+
+
+def training_refusal(gm: fx.GraphModule) -> str | None:
+    """Why a training graph's steps are not replayed whatever the device (None: nothing here stops it)."""
+    written = ir.input_mutations(gm)
+    if written:
+        return (f"training graph that writes {written[0][1].name} in place ({written[0][0].name}; BatchNorm's "
+                "running statistics): a warm-up and a capture would write it too")
+    region = next((n for n in gm.graph.nodes if n.op == "call_module" and not str(n.target).startswith("_guards")), None)
+    if region is not None:
+        return f"training graph with checkpointed regions ({region.name}): their recomputation runs eagerly"
+    return None
+
+
+def training_replay_refusal(gm: fx.GraphModule, *, cuda_graphs="auto", dynamic: bool = False) -> str | None:
+    """Why the steps of training graph ``gm`` would run eagerly on a GPU rather than be replayed
+    (what graphopt.runtime.cuda_graphs.decide would say, devices aside), or None: a pass that makes a training step's
+    host work heavier asks this before it prices the rewrite as if replayed."""
+    if replay_mode(cuda_graphs) == "off":
+        return "disabled (cuda_graphs=False)"
+    if dynamic or has_symbolic_shapes(gm):
+        return "dynamic shapes"
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            name = ir.op_name(n)
+            if name in HOST_SYNC_OPS and not static_repeat(n, name):
+                return f"data-dependent op {name} ({n.name}) synchronizes with the host"
+    return training_refusal(gm)

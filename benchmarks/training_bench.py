@@ -288,11 +288,14 @@ def _timed_variant(fn, params, grads_out, args, eager: dict | None):
     stepper = Stepper(fn, (), params)
     stepper.grads_out = grads_out
     cuda = torch.cuda.is_available() and any(p.is_cuda for p in params)
-    held = torch.cuda.memory_allocated() if cuda else None
+    if cuda:
+        free()
+        held = torch.cuda.memory_reserved()
     act, after, ms = measure(stepper, args.warmup, args.reps)
     out = {"ms": ms, "activation_gb": gb(act), "after_forward_gb": gb(after)}
-    if cuda:  # what stays allocated between steps: a replayed step's graph memory (its activations' pool)
-        out["held_gb"] = gb(torch.cuda.memory_allocated() - held)
+    if cuda:  # what stays reserved between steps once the cache is emptied: a replayed step's graph pool
+        free()
+        out["held_gb"] = gb(torch.cuda.memory_reserved() - held)
     if eager is not None:
         out["speedup"] = eager["ms"] / ms
         if eager.get("activation_gb") and act is not None:
@@ -521,8 +524,8 @@ def markdown(result: dict) -> str:
                 continue
             detail = []
             if (v.get("held_gb") or 0) >= 0.01:
-                detail.append(f"{v['held_gb']:.3f} GB held between steps (the replayed step's graph memory: its "
-                              "activations live there, outside the act GB column)")
+                detail.append(f"{v['held_gb']:.3f} GB held between steps (reserved after emptying the cache: "
+                              "a replayed step's graph pool, where its activations live, outside the act GB column)")
             if "applied" in v:
                 detail.append("passes: " + (", ".join(v["applied"]) or "none"))
                 cp = v.get("checkpoint") or {}

@@ -1,4 +1,4 @@
-# Answered: Where does a training step's wall time go by phase, and what do CUDA graphs of its forward and backward take off? BERT-base bs32 s512: eager 32.4 ms (zero 1.4, forward 10.0, backward 21.0); graphopt without graphs 57.5 (its custom ops' Python autograd made the step host-bound), with its training graphs 28.2, torch.compile reduce-overhead 28.1; GPT-2 eager 40.1, graphopt 25.9, without graphs 60.8; torch's cudagraphs backend gave eager BERT nothing (34.8) and graphopt's module 59.8 (results/diag_train_graphs_bert_2026-12-03_164412.md, …165607.md, …gpt2_…165636.md).
+# Answered: Where does a training step's wall time go by phase, and what do CUDA graphs of its forward and backward take off? BERT-base bs32 s512: eager 32.4-36.0 ms, graphopt without graphs 57.5 (host-bound: its custom ops' Python autograd), with its training graphs 28.2-29.1, torch.compile reduce-overhead 28.1; dropout 0.1: 32.0 against 35.9; GPT-2 eager 40.1, graphopt 25.9, 60.8 without graphs (results/diag_train_graphs_bert_2026-12-03_164412.md, …165607.md, …171710.md, …171734.md, …gpt2_…165636.md).
 """Where a training step's wall time goes by phase (gradients zeroed, forward, backward), and what
 replaying the forward and the backward as CUDA graphs would take off it.
 
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--variants", default="eager,graphopt,graphopt-eager,compile-ro")
+    ap.add_argument("--dropout", type=float, default=None, help="every nn.Dropout's p (default: the bench's 0)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     import graphopt
@@ -79,12 +80,17 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     arch = ARCHS[args.config]
     model, inputs, cfg, batch, seq = build(arch, False, dev, torch.bfloat16, args.layers)
+    if args.dropout is not None:
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = args.dropout
     params = list(model.parameters())
     outs = _outs(model(**inputs))
     gen = torch.Generator(device=dev).manual_seed(1234)
     grads_out = [torch.randn(o.shape, dtype=o.dtype, device=dev, generator=gen) for o in outs]
     del outs
-    res = {"config": args.config, "shape": f"{arch.member}, {cfg.num_hidden_layers} layers, bs{batch} seq{seq}",
+    drop = f", dropout {args.dropout}" if args.dropout else ""
+    res = {"config": args.config, "shape": f"{arch.member}, {cfg.num_hidden_layers} layers, bs{batch} seq{seq}{drop}",
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
     opt = None
@@ -115,7 +121,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 (a variant that fails is reported)
             r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
         r["wall_s"] = time.perf_counter() - t0
-        res["variants"][v] = r
+        label = v if v not in res["variants"] else f"{v} #{sum(k.split(' #')[0] == v for k in res['variants']) + 1}"
+        res["variants"][label] = r
         print(v, {k: round(x, 3) if isinstance(x, float) else x for k, x in r.items()}, flush=True)
         torch._dynamo.reset()
         free()

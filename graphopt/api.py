@@ -111,9 +111,14 @@ class OptimizedModule(nn.Module):
             if tail is not None:
                 outs = (f"{len(tail.nodes)} made after the replay by their last op ({tail.nbytes / 1e6:.0f} MB, "
                         "no clone)" + ("" if len(tail.keep) == 0 else f", {len(tail.keep)} cloned") + ")")
-            note = note[:-1] + (f"; replays 1 graph instead of {launches} kernel launches, predicted "
-                                f"-{launch_savings_s(launches, profile) * 1e3:.3f} ms launch overhead; "
-                                "outputs " + outs)
+            if decision.training:  # a step: the forward's launches, and about twice as many in its backward
+                note = note[:-1] + (f"; a step replays 2 graphs instead of about {3 * launches} kernel launches, "
+                                    f"predicted -{launch_savings_s(3 * launches, profile) * 1e3:.3f} ms launch "
+                                    "overhead; outputs cloned)")
+            else:
+                note = note[:-1] + (f"; replays 1 graph instead of {launches} kernel launches, predicted "
+                                    f"-{launch_savings_s(launches, profile) * 1e3:.3f} ms launch overhead; "
+                                    "outputs " + outs)
         graphed = decision.on
         if not graphed and self.report.device == "meta" and any("planned for CUDA-graph replay" in n
                                                                 for n in self.report.notes):

@@ -178,3 +178,18 @@ def test_cuda_dropout_draws_new_masks_and_its_backward_uses_them():
         assert 0.4 < (y == 0).float().mean().item() < 0.6
         outs.append(y)
     assert not torch.equal(outs[1], outs[2]) and runner._train.stats["captures"] == 1
+
+
+def test_a_parameter_unfrozen_later_gets_its_gradient():
+    gm, ref, runner = _pair()
+    gm.a.weight.requires_grad_(False)
+    ref.a.weight.requires_grad_(False)
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    _step(runner, list(gm.parameters()), x, y, "none")
+    assert gm.a.weight.grad is None
+    gm.a.weight.requires_grad_(True)
+    ref.a.weight.requires_grad_(True)
+    _step(runner, list(gm.parameters()), x, y, "none")
+    _step(ref, list(ref.parameters()), x, y, "none")
+    torch.testing.assert_close(gm.a.weight.grad, ref.a.weight.grad, rtol=0, atol=1e-6)
+    assert runner._train.stats["captures"] == 2

@@ -5,8 +5,8 @@ captured once and replayed, inside one autograd node (the scheme of
 A grad-enabled call of a :class:`~graphopt.runtime.cuda_graphs.Runner` whose decision is on for a
 training graph goes through :meth:`TrainingGraphs.call`:
 
-* the first call of an input signature (shapes, dtypes, non-tensor inputs, which inputs require
-  grad) warms the step up on a side stream (forward and ``torch.autograd.grad``, the graph's own
+* the first call of an input signature (shapes, dtypes, non-tensor inputs, which inputs and
+  parameters require grad) warms the step up on a side stream (forward and ``torch.autograd.grad``, the graph's own
   kernels only: parameters' ``.grad`` are not touched), then captures the forward into one graph
   and the gradient of its outputs with respect to the parameters and grad-requiring inputs into
   another, both in one memory pool;
@@ -116,7 +116,9 @@ class TrainingGraphs:
         self.stats["replays"] += 1
 
     def key(self, leaves: list, structure):
-        key = [structure]
+        # which parameters take a gradient is part of what a capture computes (a layer frozen or
+        # unfrozen later captures another step)
+        key = [structure, tuple(p.requires_grad for p in self.gm.parameters())]
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 key.append((x.shape, x.dtype, x.requires_grad))

@@ -103,6 +103,7 @@ def test_the_summary_names_slow_set_ups_untimed_passes_and_reverts_by_kind():
     assert "- graphopt's set-up over a third of torch.compile's: 1 (a:1)" in md
 
 
+@pytest.mark.slow  # 14 s on two cores (a fresh interpreter); the sweep's other tests run its parts in this process
 def test_one_config_in_a_fresh_process_gives_its_row(tmp_path):
     """The child process builds the small config, runs eager and graphopt through the bench and
     hands back its row; the sweep writes the table and its JSON."""

@@ -47,6 +47,7 @@ def merged(opt):
 # --------------------------------------------------------------------------- graph + numerics
 
 
+@pytest.mark.slow  # 11 s on two cores; test_training_batchnorm_planned_for_a_gpu_takes_the_aot_rewrite is the fast one
 def test_resnet_aot_step_matches_eager_with_batchnorm_statistics_and_saves_the_kept_set(monkeypatch):
     # (an AOT region's backward holds its parameters' fresh gradients until it returns: at batch 32
     # they are most of a step's activation memory; a plan of one level fits 0.99 of the walked step.

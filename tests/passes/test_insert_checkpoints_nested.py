@@ -303,6 +303,7 @@ def test_buffer_increment_folds_into_one_in_place_add():
     assert b.tolist() == [1, 1, 1] and o.tolist() == [2, 2, 2] and res.tolist() == [2, 2, 2]
 
 
+@pytest.mark.slow  # 7 s on two cores; two levels are planned in test_resnet50_at_0_3_needs_two_levels_and_gets_them
 def test_two_level_plan_traces_as_predicted():
     """A budget no plan of one level meets (ResNet-18 at batch 16, 64 px: 0.65; one level needs more
     than 0.7): the two-level plan's step traces within 5% of its prediction, and the memory after its

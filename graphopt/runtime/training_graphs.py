@@ -99,7 +99,7 @@ class TrainingGraphs:
         self.pool = None
         self._pending: weakref.ref | None = None
         self.disabled: str | None = None
-        self.stats = {"captures": 0, "replays": 0, "eager_calls": 0}
+        self.stats = {"captures": 0, "replays": 0}
 
     def reset(self) -> None:
         self.steps.clear()

@@ -82,8 +82,6 @@ def column_sum_plan(R: int, N: int, sms: int) -> tuple[int, int, int, int, int]:
 
 def column_sum_triton(x: torch.Tensor) -> torch.Tensor:
     """The sum of ``x`` over every dim but the last, in x's dtype (fp32 sums, one rounding)."""
-    import triton
-
     N = x.shape[-1] if x.dim() else 1
     xc = x.contiguous()
     R = xc.numel() // N if N else 0
@@ -93,7 +91,7 @@ def column_sum_triton(x: torch.Tensor) -> torch.Tensor:
     block_n, rows, iters, bands, warps = column_sum_plan(R, N, sms)
     out = torch.empty(N, dtype=x.dtype, device=x.device)
     part = torch.empty((bands, N), dtype=torch.float32, device=x.device) if bands > 1 else out
-    col_blocks = triton.cdiv(N, block_n)
+    col_blocks = _cdiv(N, block_n)
     cnt = split_counters(x.device, col_blocks) if bands > 1 else out
     k = cached_kernel(_kernels, _build)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():

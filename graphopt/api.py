@@ -82,12 +82,13 @@ class OptimizedModule(nn.Module):
         decision = self._runner.decision
         note = decision.note()
         profile, launches = self._profile, self._kernel_launches
+        # the launches a replay stands for: a training step replays its backward too, about twice the forward's
+        replayed = launches * (3 if decision.training else 1)
         if decision.on and mode == "auto" and not reuse_outputs:
             # the cost model ranks the lowering too: replaying saves launch overhead, but each
             # call then clones the outputs out of the graph's static memory
             if profile is not None:
-                # a training step replays its backward too: about twice the forward's kernels
-                saving = launch_savings_s(launches * (3 if decision.training else 1), profile)
+                saving = launch_savings_s(replayed, profile)
                 out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
                 made_after = set(self._runner.tail.nodes) if self._runner.tail is not None else set()
                 # outputs that are inputs written in place (a KV cache) are handed back, not cloned
@@ -112,8 +113,8 @@ class OptimizedModule(nn.Module):
                 outs = (f"{len(tail.nodes)} made after the replay by their last op ({tail.nbytes / 1e6:.0f} MB, "
                         "no clone)" + ("" if len(tail.keep) == 0 else f", {len(tail.keep)} cloned") + ")")
             if decision.training:  # a step: the forward's launches, and about twice as many in its backward
-                note = note[:-1] + (f"; a step replays 2 graphs instead of about {3 * launches} kernel launches, "
-                                    f"predicted -{launch_savings_s(3 * launches, profile) * 1e3:.3f} ms launch "
+                note = note[:-1] + (f"; a step replays 2 graphs instead of about {replayed} kernel launches, "
+                                    f"predicted -{launch_savings_s(replayed, profile) * 1e3:.3f} ms launch "
                                     "overhead; outputs cloned)")
             else:
                 note = note[:-1] + (f"; replays 1 graph instead of {launches} kernel launches, predicted "

@@ -51,6 +51,12 @@ def static_repeat(node: fx.Node, name: str) -> bool:
     return isinstance(repeats, int)
 
 
+def host_sync(node: fx.Node) -> bool:
+    """A call the host must wait for (its output's size or value decides what runs next)."""
+    name = ir.op_name(node)
+    return name in HOST_SYNC_OPS and not static_repeat(node, name)
+
+
 def training_refusal(gm: fx.GraphModule) -> str | None:
     """Why a training graph's steps are not replayed whatever the device (None: nothing here stops it)."""
     written = ir.input_mutations(gm)
@@ -72,8 +78,6 @@ def training_replay_refusal(gm: fx.GraphModule, *, cuda_graphs="auto", dynamic: 
     if dynamic or has_symbolic_shapes(gm):
         return "dynamic shapes"
     for n in gm.graph.nodes:
-        if n.op == "call_function":
-            name = ir.op_name(n)
-            if name in HOST_SYNC_OPS and not static_repeat(n, name):
-                return f"data-dependent op {name} ({n.name}) synchronizes with the host"
+        if n.op == "call_function" and host_sync(n):
+            return f"data-dependent op {ir.op_name(n)} ({n.name}) synchronizes with the host"
     return training_refusal(gm)

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 from graphopt.replay import training_replay_refusal
 
@@ -27,6 +28,17 @@ from ._fusion_meta import requires_grad
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _node(v) -> bool:
+    return isinstance(v, fx.Node)
+
+
+PATTERN = Alt(
+    Op(aten.linear.default, Any("x"), Any("w"), Any("b", pred=_node), name="lin", single_use=False),
+    Op(aten.addmm.default, Any("b", pred=_node), Any("x"), Any("w"),
+       kwargs={"beta": Const(value=1), "alpha": Const(value=1)}, name="lin", single_use=False),
+)
 
 
 @register
@@ -41,24 +53,10 @@ class LowerBiasGrad(Pass):
             return res
         eager = training_replay_refusal(gm, cuda_graphs=ctx.options.cuda_graphs, dynamic=bool(ctx.options.dynamic))
         grad = requires_grad(gm)
-        matches = []
-        for n in gm.graph.nodes:
-            if n.op != "call_function":
-                continue
-            if n.target is aten.linear.default:
-                x, w = n.args[0], n.args[1]
-                b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-                weight_t = False
-            elif n.target is aten.addmm.default:
-                b, x, w = n.args[:3]
-                if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
-                    continue
-                weight_t = True
-            else:
-                continue
-            if not isinstance(b, fx.Node) or not grad.get(b, False):
-                continue  # no bias, or one that takes no gradient: nothing in its backward to change
-            matches.append(((n, x, w, b, weight_t), f"{ir.op_name(n)} {n.name}"))
+        # a bias that takes no gradient has nothing in its backward to change
+        matches = [((m["lin"], m["x"], m["w"], m["b"], m["lin"].target is aten.addmm.default),
+                    f"{ir.op_name(m['lin'])} {m['lin'].name}")
+                   for m in find(gm, PATTERN) if grad.get(m["b"], False)]
         if eager is not None and matches:
             res.reject_all([label for _, label in matches],
                            f"the step runs eagerly ({eager}): biased_linear's autograd in Python costs more host "

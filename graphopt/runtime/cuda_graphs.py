@@ -64,8 +64,8 @@ from torch.utils import _pytree as pytree
 
 from .. import ir
 from ..ir import TAIL_MIN_BYTES, flat_outputs as _flat_outputs, tail_nodes
-from ..replay import HOST_SYNC_OPS, has_symbolic_shapes as _has_symbolic_shapes, replay_mode as _mode
-from ..replay import static_repeat as _static_repeat, training_refusal as _training_refusal, training_replay_refusal
+from ..replay import HOST_SYNC_OPS, has_symbolic_shapes as _has_symbolic_shapes, host_sync, replay_mode as _mode
+from ..replay import training_refusal as _training_refusal, training_replay_refusal
 
 __all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "tail_nodes", "training_replay_refusal", "RANDOM_OPS",
            "HOST_SYNC_OPS"]
@@ -128,7 +128,7 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
         name = ir.op_name(n)
         if ir.is_random(n) and not training:
             return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
-        if name in HOST_SYNC_OPS and not _static_repeat(n, name):
+        if host_sync(n):
             return Decision(False, f"data-dependent op {name} ({n.name}) synchronizes with the host", mode, device)
         d = _val_device(n.meta.get("val"))
         if d is not None and d.type != device_type and n.meta["val"].dim() > 0:
@@ -485,8 +485,7 @@ class Runner:
                 hash(key)
             except TypeError:
                 return self._eager(args, kwargs, "a non-tensor input is not hashable")
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            out = self._train.call(key, leaves, spec, args, kwargs)
+            out = self._train.call(key, leaves, args, kwargs)
             if out is not None:
                 self.stats["replays"] += 1
                 return out

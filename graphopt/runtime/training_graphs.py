@@ -55,6 +55,7 @@ class _Step:
     out_leaves: list
     out_spec: object
     grad_out_index: list  # out_leaves index of each output that takes a gradient
+    tensor_index: list  # out_leaves index of each tensor output (the autograd node's outputs, in order)
     static_grad_outs: list
     static_grads: list  # per surface entry: its gradient buffer, or None (unused)
     returned: list = field(default_factory=list)  # the gradients last handed to autograd (kept referenced)
@@ -65,17 +66,15 @@ class _Graphed(torch.autograd.Function):
     def forward(ctx, runner, step, token, *surface):
         runner._replay(step.fwd)
         ctx.runner, ctx.step, ctx.token = runner, step, token
-        outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in step.out_leaves]
-        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor)
-                                      and i not in step.grad_out_index])
-        return tuple(o for o in outs if isinstance(o, torch.Tensor))
+        outs = [step.out_leaves[i].clone() for i in step.tensor_index]
+        ctx.mark_non_differentiable(*[o for i, o in zip(step.tensor_index, outs) if i not in step.grad_out_index])
+        return tuple(outs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         step = ctx.step
-        tensor_outs = [i for i, o in enumerate(step.out_leaves) if isinstance(o, torch.Tensor)]
-        by_leaf = dict(zip(tensor_outs, grads))
+        by_leaf = dict(zip(step.tensor_index, grads))
         for buf, i in zip(step.static_grad_outs, step.grad_out_index):
             g = by_leaf[i]
             if g is None:
@@ -137,10 +136,11 @@ class TrainingGraphs:
                     "its activations are still needed")
         return None
 
-    def call(self, key, leaves: list, spec, args: tuple, kwargs: dict):
+    def call(self, key, leaves: list, args: tuple, kwargs: dict):
+        """``leaves``: the call's flat inputs in pytree order (of ``(args, kwargs)``)."""
         step = self.steps.get(key)
         if step is None:
-            step = self._capture(key, leaves, spec)
+            step = self._capture(key, leaves, pytree.tree_flatten((args, kwargs))[1])
             if step is None:
                 return None
         with torch.no_grad():
@@ -194,7 +194,9 @@ class TrainingGraphs:
         # the static outputs without the capture's autograd graph: holding it would keep the parameters'
         # gradient accumulators made on the capture stream alive (each later backward then syncs with it)
         out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
-        step = _Step(fwd, bwd, static, surface, surface_index, out_leaves, out_spec, grad_index, grad_outs, list(gs))
+        tensor_index = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
+        step = _Step(fwd, bwd, static, surface, surface_index, out_leaves, out_spec, grad_index, tensor_index,
+                     grad_outs, list(gs))
         self.steps[key] = step
         self.stats["captures"] += 1
         return step

@@ -1,12 +1,13 @@
 """lower_bias_grad: in a training graph, a linear layer whose bias takes a gradient -> the same
-product as ``graphopt::biased_linear``, whose backward sums the output gradient over its rows with
-graphopt's column sum instead of aten's reduction.
+product as ``graphopt::biased_linear``, whose backward sums the output gradient over its rows as a
+product with a ones vector (cuBLAS's matrix-vector product) instead of aten's reduction.
 
 Matches ``linear(x, W, b)`` and ``addmm(b, x, W)`` (beta = alpha = 1: GPT-2's ``Conv1D``) with a
 1-D bias that requires grad and x, W, b of one floating dtype. The forward is unchanged (the same
 cuBLAS GEMM with the bias in its epilogue); the backward's two GEMMs are the products aten's addmm
 backward runs. What the cost model prices is the bias gradient: aten's sum of the output gradient
-over its leading dims against ``graphopt::column_sum`` of it, each at the rate the profile measured.
+over its leading dims against ``ones[1, R] @ g[R, N]``, a one-row matmul, each at the rate the profile
+measured.
 Training graphs only (in inference there is no backward to change), and only where the step will be
 replayed from CUDA graphs (graphopt.runtime.training_graphs): run eagerly, the op's autograd in Python
 costs more host time a call than the reduction saves (BERT-base's step became host-bound), so a graph
@@ -45,7 +46,7 @@ PATTERN = Alt(
 class LowerBiasGrad(Pass):
     name = "lower_bias_grad"
     family = "lower"
-    description = "training: linear/addmm whose bias takes a gradient -> biased_linear (bias gradient by column_sum; cost-gated)"
+    description = "training: linear/addmm whose bias takes a gradient -> biased_linear (bias gradient as ones @ grad; cost-gated)"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
@@ -82,9 +83,12 @@ class LowerBiasGrad(Pass):
         eager = ctx.replacement()
         eager.call(aten.sum.dim_IntList, n, lead)
         ours = ctx.replacement()
-        ours.call(torch.ops.graphopt.column_sum.default, n)
+        width = out.shape[-1]
+        rows = out.numel // width
+        ones = ours.tensor((1, rows), out.dtype, out.device)
+        ours.call(aten.mm.default, ones, ours.call(aten.view.default, n, [rows, width]))
         gain = eager.time() - ours.time()
-        return "", Candidate("linear bias gradient -> column_sum", [n], gain,
+        return "", Candidate("linear bias gradient -> ones @ grad", [n], gain,
                              lambda: self._apply(n, x, w, b, weight_t), label=label)
 
     @staticmethod

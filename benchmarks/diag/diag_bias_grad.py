@@ -1,7 +1,7 @@
-# Answered: How fast can a linear's bias gradient be computed? Device time at 16384 x 768: aten's reduction 29.1 us, graphopt::column_sum 16.6, cuBLAS's product with a ones vector 11.6, the fastest on every shape (results/diag_bias_grad_2026-12-03_171646.md; the first run, …164022.md, timed the host for column_sum's call).
+# Answered: How fast can a linear's bias gradient be computed? Device time at 16384 x 768: aten's reduction 29.1 us, graphopt::column_sum (a Triton kernel, since removed) 16.6, cuBLAS's product with a ones vector 11.6, the fastest on every shape: biased_linear's backward uses it (results/diag_bias_grad_2026-12-03_171646.md; the first run, …164022.md, timed the host for column_sum's call).
 """How fast can a linear layer's bias gradient (the output gradient summed over its rows) be computed,
-by shape: aten's reduction (what autograd runs), a cuBLAS product with a vector of ones, and
-graphopt's Triton column sum?
+by shape: aten's reduction (what autograd runs) or a cuBLAS product with a vector of ones (what
+graphopt::biased_linear's backward runs)?
 
     python benchmarks/diag/diag_bias_grad.py --out /tmp/out
 
@@ -57,8 +57,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    from graphopt.cuda_ext.column_sum_triton import column_sum_triton
-
     copy_rows = []
     rows = []
     for R, N, where in SHAPES:
@@ -70,7 +68,6 @@ def main(argv=None) -> int:
         methods = {
             "aten sum(0)": lambda x: x.sum(0),
             "ones @ g (cuBLAS)": lambda x: torch.mv(x.t(), ones),
-            "graphopt column_sum": column_sum_triton,
             "copy (rate reference)": lambda x: x.clone(),
         }
         row = {"rows": R, "width": N, "where": where, "MB": nbytes / 1e6}
@@ -87,13 +84,13 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y-%m-%d_%H%M%S", time.gmtime())
     lines = [f"# Bias gradients (a bf16 [R, N] gradient summed over its rows), {torch.cuda.get_device_name()}", "",
              f"{stamp} · torch {torch.__version__} · µs per call (TB/s of the gradient's bytes; copy: read + write)", "",
-             "| rows × width | where | aten sum(0) | ones @ g (cuBLAS) | graphopt column_sum | copy |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+             "| rows × width | where | aten sum(0) | ones @ g (cuBLAS) | copy |",
+             "| --- | --- | ---: | ---: | ---: |"]
     for r in rows:
         cell = lambda k: f"{r[k]['us']:.1f} ({r[k]['TB/s']:.2f})"  # noqa: E731
         lines.append(f"| {r['rows']} × {r['width']} | {r['where']} | {cell('aten sum(0)')} | {cell('ones @ g (cuBLAS)')} | "
-                     f"{cell('graphopt column_sum')} | {cell('copy (rate reference)')} |")
-    errs = {k: max(r[k]["rel_err"] for r in rows) for k in ("aten sum(0)", "ones @ g (cuBLAS)", "graphopt column_sum")}
+                     f"{cell('copy (rate reference)')} |")
+    errs = {k: max(r[k]["rel_err"] for r in rows) for k in ("aten sum(0)", "ones @ g (cuBLAS)")}
     lines += ["", "Largest error against a float64 sum, relative to the largest sum: " +
               ", ".join(f"{k} {v:.1e}" for k, v in errs.items())]
     base = Path(args.out) / f"diag_bias_grad_{stamp}"

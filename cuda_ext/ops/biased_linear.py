@@ -1,12 +1,13 @@
 """graphopt::biased_linear: ``x @ weight.T + bias`` (``weight_t``: ``x @ weight + bias``, a GPT-2
 ``Conv1D``'s ``addmm``), the forward aten's linear / addmm runs (one cuBLAS GEMM, the bias in its
-epilogue), with a backward whose bias gradient is ``graphopt::column_sum`` of the output gradient.
+epilogue), with a backward whose bias gradient is a product with a ones vector: ``g[R, N].T @ ones[R]``.
 
 Autograd differentiates aten's linear into two GEMMs and a reduction over the outer dim for the
 bias, a reduction the profile measures well below the copy rate on the GPU
 (``op_efficiency["bias_grad_sum"]``); here the two GEMMs are the same products and the bias
-gradient is the Triton column sum (``column_sum_triton.py``). For training graphs:
-``lower_bias_grad`` puts it where the cost model prices that backward faster.
+gradient is cuBLAS's matrix-vector product, which streams the gradient once (priced as a one-row
+matmul). No kernel of our own: every call is aten's. For training graphs: ``lower_bias_grad`` puts
+it where the cost model prices that backward faster.
 """
 from __future__ import annotations
 
@@ -58,6 +59,24 @@ def op_class(call):
     return gemm_tags(dtype_of(x), math.prod(x.shape[:-1]), n, k)
 
 
+_ONES: dict = {}
+
+
+def ones_like_rows(g2: torch.Tensor) -> torch.Tensor:
+    """A ones vector with one entry per row of ``g2`` (its dtype and device), kept for the next
+    call of that length, except one made while a CUDA graph is being captured (its fill would be
+    recorded, not run)."""
+    key = (g2.device, g2.dtype, g2.shape[0])
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = torch.ones(g2.shape[0], dtype=g2.dtype, device=g2.device)
+        if not (g2.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if len(_ONES) >= 32:
+                _ONES.clear()
+            _ONES[key] = ones
+    return ones
+
+
 def setup_context(ctx, inputs, output):
     x, weight, bias, weight_t = inputs
     ctx.weight_t = weight_t
@@ -65,7 +84,8 @@ def setup_context(ctx, inputs, output):
 
 
 def backward(ctx, g):
-    """The products aten's addmm backward runs for x and the weight; the bias's gradient by column_sum."""
+    """The products aten's addmm backward runs for x and the weight; the bias's gradient as
+    ``g.T @ ones`` (torch.mv) over g's rows."""
     x, weight = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     g2 = g.reshape(-1, g.shape[-1])
@@ -76,13 +96,13 @@ def backward(ctx, g):
     if need_w:
         dw = x2.t() @ g2 if ctx.weight_t else g2.t() @ x2
     if need_b:
-        db = torch.ops.graphopt.column_sum(g2)
+        db = torch.mv(g2.t(), ones_like_rows(g2))
     return dx, dw, db, None
 
 
 def biased_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, weight_t: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` (``weight_t``: ``x @ weight + bias``) as aten computes it, whose
-    bias gradient is ``graphopt::column_sum``."""
+    bias gradient is a ones-vector product over the output gradient's rows."""
     check_floating("biased_linear", x=x, weight=weight, bias=bias)
     check_at_least_1d("biased_linear", "x", x)
     k, n = (weight.shape[0], weight.shape[1]) if weight_t else (weight.shape[1], weight.shape[0])
@@ -99,4 +119,4 @@ def biased_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, wei
 
 
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=biased_linear, cost=cost,
-               kernel="column_sum_triton.py", cuda=reference, op_class=op_class, autograd=(backward, setup_context))
+               kernel="ops/biased_linear.py", cuda=reference, op_class=op_class, autograd=(backward, setup_context))

@@ -1,4 +1,4 @@
-"""graphopt::biased_linear (a linear layer whose bias gradient is graphopt::column_sum): its forward
+"""graphopt::biased_linear (a linear layer whose bias gradient is ones @ grad): its forward
 is aten's product, its gradients match torch's autograd of linear / addmm (float64: to rounding;
 gradcheck), the wrapper's refusals, the op's conformance checks, and on the GPU its bf16 gradients
 against float64 by the accuracy rule."""
@@ -75,3 +75,37 @@ def test_bf16_gradients_on_gpu(weight_t):
     gold = _grads(ref, *(t.double() for t in (x, w, b)))
     res = accuracy.check(ours, gold, eager, training=True)
     assert res.passed, res.reason
+
+
+def test_bias_gradient_rows_of_every_length():
+    """The ones vector is kept per row count: a longer, then a shorter gradient each sum all their rows."""
+    w, b = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, dtype=torch.float64, requires_grad=True)
+    for rows in (9, 4, 9):
+        b.grad = None
+        g = torch.randn(rows, 6, dtype=torch.float64)
+        torch.ops.graphopt.biased_linear(torch.randn(rows, 8, dtype=torch.float64), w, b, False).backward(g)
+        torch.testing.assert_close(b.grad, g.sum(0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.cuda
+def test_ones_made_during_capture_are_not_kept():
+    """A backward captured into a CUDA graph makes its ones vector there (the fill is recorded, not
+    run): a later eager backward of the same length must not read that vector."""
+    from graphopt.cuda_ext.ops import biased_linear as mod
+
+    mod._ONES.clear()
+    rows = 1237  # a length no other test uses
+    x = torch.randn(rows, 64, device="cuda", requires_grad=True)
+    w, b = torch.randn(32, 64, device="cuda"), torch.randn(32, device="cuda", requires_grad=True)
+    g = torch.randn(rows, 32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        db, = torch.autograd.grad(torch.ops.graphopt.biased_linear(x, w, b, False), b, g)
+    torch.cuda.current_stream().wait_stream(stream)
+    b2 = b.detach().clone().requires_grad_()
+    torch.ops.graphopt.biased_linear(x.detach(), w, b2, False).backward(g)
+    torch.testing.assert_close(b2.grad, g.sum(0), rtol=1e-4, atol=1e-3)
+    graph.replay()
+    torch.testing.assert_close(db, g.sum(0), rtol=1e-4, atol=1e-3)

@@ -63,10 +63,37 @@ def training_refusal(gm: fx.GraphModule) -> str | None:
     if written:
         return (f"training graph that writes {written[0][1].name} in place ({written[0][0].name}; BatchNorm's "
                 "running statistics): a warm-up and a capture would write it too")
-    region = next((n for n in gm.graph.nodes if n.op == "call_module" and not str(n.target).startswith("_guards")), None)
-    if region is not None:
-        return f"training graph with checkpointed regions ({region.name}): their recomputation runs eagerly"
+    for n in gm.graph.nodes:
+        if n.op != "call_module" or str(n.target).startswith("_guards"):
+            continue
+        if replayable_region(gm, n) is None:
+            return (f"training graph with checkpointed regions run by torch.utils.checkpoint ({n.name}): their "
+                    "recomputation runs eagerly")
     return None
+
+
+def replayable_region(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The graph a submodule call runs if a training step calling it can be captured (an AOT
+    checkpoint region: a compiled forward and a compiled backward that recomputes, no per-call Python
+    state a replay would skip; its module says so with ``graph_replay_safe``), else None."""
+    try:
+        mod = gm.get_submodule(str(node.target))
+    except AttributeError:
+        return None
+    body = getattr(mod, "body", None)
+    if getattr(mod, "graph_replay_safe", False) and isinstance(body, fx.GraphModule):
+        return body
+    return None
+
+
+def step_nodes(gm: fx.GraphModule):
+    """The call nodes a training step runs: ``gm``'s, and those of the replayable regions it calls."""
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            body = replayable_region(gm, n)
+            if body is not None:
+                yield from step_nodes(body)
+        yield n
 
 
 def training_replay_refusal(gm: fx.GraphModule, *, cuda_graphs="auto", dynamic: bool = False) -> str | None:
@@ -77,7 +104,7 @@ def training_replay_refusal(gm: fx.GraphModule, *, cuda_graphs="auto", dynamic: 
         return "disabled (cuda_graphs=False)"
     if dynamic or has_symbolic_shapes(gm):
         return "dynamic shapes"
-    for n in gm.graph.nodes:
+    for n in step_nodes(gm):
         if n.op == "call_function" and host_sync(n):
             return f"data-dependent op {ir.op_name(n)} ({n.name}) synchronizes with the host"
     return training_refusal(gm)

@@ -142,3 +142,32 @@ def test_a_budget_fraction_is_of_the_captured_graphs_activations():
                             cuda_graphs=False).report.pass_result("insert_checkpoints")
     assert res.details["captured_activation_bytes"] == pytest.approx(base)
     assert res.details["budget_bytes"] == pytest.approx(0.6 * base)
+
+
+_COPY_SCRIPT = """
+import copy, torch, torch.nn as nn
+import graphopt
+torch.manual_seed(0)
+m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)]).train()
+x = torch.randn(128, 64)
+opt = graphopt.optimize(m, (x,), training=True, memory_budget=0.6, check_accuracy=False,
+                        checkpoint_backend="aot", cuda_graphs=False)
+twin = copy.deepcopy(opt)
+for mod in (opt, twin):
+    mod(x).square().mean().backward()
+for a, b in zip(opt.parameters(), twin.parameters()):
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+print("ok")
+"""
+
+
+def test_a_checkpointed_module_deep_copies():
+    """AOT regions hold AOTAutograd's compiled functions and the last partition's joint graph (fake
+    tensors): a deep copy leaves those out and compiles again; copying them corrupted
+    the heap (the process died at exit), so the check runs in a process of its own."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _COPY_SCRIPT], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])

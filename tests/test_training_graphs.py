@@ -2,7 +2,8 @@
 graphs. On the CPU against the emulated backend (a replay re-runs the captured function into the
 same static tensors): gradients and outputs equal to the graph run eagerly over several steps,
 with gradients zeroed in place, set to None or accumulated; the fallbacks (two forwards before a
-backward, autocast, a graph that writes a buffer, checkpointed regions); the real CUDA capture is
+backward, autocast, a graph that writes a buffer, regions under torch.utils.checkpoint), AOT checkpoint
+regions replayed with the step; the real CUDA capture is
 marked cuda."""
 
 import copy
@@ -109,19 +110,47 @@ def test_autocast_runs_eagerly():
     assert any("autocast" in str(m.message) for m in w) and runner._train.stats["captures"] == 0
 
 
-def test_training_graphs_off_for_buffer_writes_and_checkpoint_regions():
+def _checkpointed(backend: str, budget: float = 0.6):
+    import graphopt
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)]).train()
+    x = torch.randn(512, 256)
+    gm = graphopt.optimize(m, (x,), training=True, memory_budget=budget, check_accuracy=False,
+                           checkpoint_backend=backend, cuda_graphs=False).graph_module
+    assert sum(n.op == "call_module" and not n.target.startswith("_guards") for n in gm.graph.nodes) >= 2
+    return gm, x
+
+
+def test_training_graphs_off_for_buffer_writes_and_torch_checkpoint_regions():
     bn = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).train()
     x = torch.randn(4, 8)
     d = decide(capture(bn, (x,)), [x], training=True, device_type="cpu")
     assert not d.on and "in place" in d.why
-    import graphopt
-
-    m = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)]).train()
-    x = torch.randn(512, 256)
-    gm = graphopt.optimize(m, (x,), training=True, memory_budget=0.6, check_accuracy=False).graph_module
-    assert any(n.op == "call_module" for n in gm.graph.nodes)  # the plan checkpoints regions
+    gm, x = _checkpointed("sac", 0.75)  # regions under torch.utils.checkpoint: recomputed from Python hooks
     d = decide(gm, [x], training=True, device_type="cpu")
-    assert not d.on and "checkpointed regions" in d.why
+    assert not d.on and "torch.utils.checkpoint" in d.why
+
+
+def test_aot_checkpoint_regions_are_replayed_and_match_eager():
+    """A step whose regions are AOT-compiled (a forward graph, a backward graph that recomputes) is
+    captured whole: outputs and gradients equal to the same graph run eagerly, step after step."""
+    gm, x = _checkpointed("aot")
+    ref = copy.deepcopy(gm)
+    runner = lower(gm, [x], training=True, backend="emulate")
+    assert runner.decision.on and runner.decision.training, runner.decision.why
+    for it in range(3):
+        xs = torch.randn(512, 256)
+        outs = []
+        for fn, params in ((runner, list(gm.parameters())), (ref, list(ref.parameters()))):
+            for p in params:
+                p.grad = None
+            out = fn(xs)
+            out.square().mean().backward()
+            outs.append([out.detach()] + [p.grad for p in params])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert runner._train.stats["captures"] == 1 and runner._train.stats["replays"] >= 5
 
 
 @pytest.mark.cuda
@@ -193,3 +222,57 @@ def test_a_parameter_unfrozen_later_gets_its_gradient():
     _step(ref, list(ref.parameters()), x, y, "none")
     torch.testing.assert_close(gm.a.weight.grad, ref.a.weight.grad, rtol=0, atol=1e-6)
     assert runner._train.stats["captures"] == 2
+
+
+@pytest.mark.cuda
+def test_cuda_failed_capture_leaves_the_generator_usable():
+    """A capture that fails mid-way (here a host sync inside it) must not leave the CUDA generator in
+    capture mode: random ops after it still run."""
+    from graphopt.runtime.training_graphs import capture_step_cuda
+
+    w = torch.randn(64, device="cuda", requires_grad=True)
+
+    def forward():
+        out = torch.nn.functional.dropout(w * 2.0, 0.5)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing
+        return out
+
+    def grads(outs, grad_outs):
+        return torch.autograd.grad(outs, (w,), grad_outs)
+
+    with pytest.raises(Exception):
+        capture_step_cuda(forward, grads, torch.cuda.graph_pool_handle(), torch.device("cuda"), 1)
+    assert torch.rand(4, device="cuda").shape == (4,)
+    assert torch.nn.functional.dropout(torch.ones(1024, device="cuda"), 0.5).eq(0).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_cuda_checkpointed_step_is_captured_and_matches_eager():
+    """A memory-budgeted step (AOT regions recomputing in the backward) captured as CUDA graphs:
+    outputs and gradients as the graph run eagerly, over steps with new inputs."""
+    import graphopt
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)]).cuda().train()
+    x = torch.randn(512, 256, device="cuda")
+    gm = graphopt.optimize(m, (x,), training=True, memory_budget=0.6, check_accuracy=False, measure=False,
+                           checkpoint_backend="aot", cuda_graphs=False).graph_module
+    assert any(n.op == "call_module" and n.target.startswith("ckpt_aot") for n in gm.graph.nodes)
+    ref = copy.deepcopy(gm)
+    runner = lower(gm, [x], training=True)
+    assert runner.decision.on and runner.decision.training, runner.decision.why
+    for _ in range(3):
+        xs = torch.randn(512, 256, device="cuda")
+        outs = []
+        for fn, params in ((runner, list(gm.parameters())), (ref, list(ref.parameters()))):
+            for p in params:
+                p.grad = None
+            out = fn(xs)
+            out.square().mean().backward()
+            outs.append([out.detach()] + [p.grad for p in params])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    train = runner._train
+    assert train.stats["captures"] == 1 and runner.stats["eager_calls"] == 0, (train.disabled, train.capture_traceback)

@@ -30,6 +30,8 @@ selective-checkpoint backend with a note saying why.
 
 from __future__ import annotations
 
+import copy
+
 import operator
 
 import torch
@@ -246,6 +248,13 @@ class Partitioner:
         self._mutated_primals: set = set()
         self._updates: set = set()
         self._ancestors: set = set()
+
+    def __getstate__(self):
+        """The plan (tags), without the last partition's joint-graph nodes: those hold fake tensors
+        that do not survive a copy (a deep copy of them corrupted the heap at exit)."""
+        state = dict(self.__dict__)
+        state.update(last=None, _mutated_primals=set(), _updates=set(), _ancestors=set())
+        return state
 
     def can_recompute(self, n: fx.Node, memo: dict) -> bool:
         if n in memo:
@@ -587,6 +596,11 @@ class AotRecompute(nn.Module):
     on every call, so they are the model's own tensors) and the model's inputs. One compilation
     per input signature (shapes, strides, dtypes, devices), the first made at optimization time."""
 
+    # a call runs a compiled forward graph and its backward a compiled backward graph (no Python state per
+    # call that a replay would skip): a training step calling it may be captured into CUDA graphs
+    # (graphopt.replay.replayable_region)
+    graph_replay_safe = True
+
     def __init__(self, body: fx.GraphModule, recompute: set, keep: set, mutated: tuple = (), max_compiled: int = 8):
         super().__init__()
         native_training_bn(body)
@@ -601,6 +615,19 @@ class AotRecompute(nn.Module):
         # pointwise fusion of insert_checkpoints' AOT backend), returns the groups fused
         self.fuse = None
         self.fuse_errors: list = []
+
+    def __getstate__(self):
+        """Without the compiled functions (AOTAutograd's runtime objects do not copy; a copy
+        compiles again at its first call of a signature)."""
+        state = dict(self.__dict__)
+        state["_compiled"] = {}
+        return state
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     def compile(self, args) -> dict:
         """Compile for these (real or fake) arguments; returns the partition's info."""

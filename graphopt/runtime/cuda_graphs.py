@@ -65,7 +65,7 @@ from torch.utils import _pytree as pytree
 from .. import ir
 from ..ir import TAIL_MIN_BYTES, flat_outputs as _flat_outputs, tail_nodes
 from ..replay import HOST_SYNC_OPS, has_symbolic_shapes as _has_symbolic_shapes, host_sync, replay_mode as _mode
-from ..replay import training_refusal as _training_refusal, training_replay_refusal
+from ..replay import step_nodes, training_refusal as _training_refusal, training_replay_refusal
 
 __all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "tail_nodes", "training_replay_refusal", "RANDOM_OPS",
            "HOST_SYNC_OPS"]
@@ -122,7 +122,7 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
     if (dynamic or _has_symbolic_shapes(gm)) and mode == "auto":
         return Decision(False, "dynamic shapes: every new size would be a new capture (cuda_graphs=True "
                         "captures one graph per shape, LRU-bounded)", mode, device)
-    for n in gm.graph.nodes:
+    for n in step_nodes(gm):  # (the bodies of replayable checkpoint regions included)
         if n.op != "call_function":
             continue
         name = ir.op_name(n)

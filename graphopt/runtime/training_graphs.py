@@ -29,6 +29,8 @@ pool, the static inputs and the gradient buffers stay allocated while graphs are
 
 from __future__ import annotations
 
+import contextlib
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -98,6 +100,7 @@ class TrainingGraphs:
         self.pool = None
         self._pending: weakref.ref | None = None
         self.disabled: str | None = None
+        self.capture_traceback: str | None = None  # of the capture that failed (the first line is in disabled)
         self.stats = {"captures": 0, "replays": 0}
 
     def reset(self) -> None:
@@ -182,6 +185,7 @@ class TrainingGraphs:
         except Exception as e:  # noqa: BLE001 - any capture failure means: stay eager, correctly
             self.disabled = (f"capture failed: {type(e).__name__}: "
                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}")
+            self.capture_traceback = traceback.format_exc()
             self.reset()
             if getattr(self.backend, "device_type", "") == "cuda":
                 try:
@@ -202,11 +206,26 @@ class TrainingGraphs:
         return step
 
 
+@contextlib.contextmanager
+def _generator_restored_on_failure():
+    """A capture that fails can leave the default CUDA generator in capture mode (torch ends the
+    capture with an error before the generator's epilogue): every random op after it then fails
+    ("Offset increment outside graph capture"). On failure the generator gets back a copy of its
+    state from before."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    before = gen.clone_state()
+    try:
+        yield
+    except BaseException:
+        gen.graphsafe_set_state(before)
+        raise
+
+
 def capture_step_cuda(forward, grads, pool, device, warmup: int):
     """Warm-up (forward and gradients) on a side stream, then the forward and the gradients each
     captured into a CUDA graph in ``pool``: (forward graph, backward graph, static outputs, static
     output-gradient buffers, static gradients)."""
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), _generator_restored_on_failure():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

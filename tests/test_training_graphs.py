@@ -132,15 +132,10 @@ def test_training_graphs_off_for_buffer_writes_and_torch_checkpoint_regions():
     assert not d.on and "torch.utils.checkpoint" in d.why
 
 
-def test_aot_checkpoint_regions_are_replayed_and_match_eager():
-    """A step whose regions are AOT-compiled (a forward graph, a backward graph that recomputes) is
-    captured whole: outputs and gradients equal to the same graph run eagerly, step after step."""
-    gm, x = _checkpointed("aot")
-    ref = copy.deepcopy(gm)
-    runner = lower(gm, [x], training=True, backend="emulate")
-    assert runner.decision.on and runner.decision.training, runner.decision.why
-    for it in range(3):
-        xs = torch.randn(512, 256)
+def _same_steps(runner, gm, ref, device: str, tol: float) -> None:
+    """Three steps on new inputs: the runner's outputs and gradients equal to ``ref``'s (the graph run eagerly)."""
+    for _ in range(3):
+        xs = torch.randn(512, 256, device=device)
         outs = []
         for fn, params in ((runner, list(gm.parameters())), (ref, list(ref.parameters()))):
             for p in params:
@@ -149,7 +144,17 @@ def test_aot_checkpoint_regions_are_replayed_and_match_eager():
             out.square().mean().backward()
             outs.append([out.detach()] + [p.grad for p in params])
         for a, b in zip(*outs):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_aot_checkpoint_regions_are_replayed_and_match_eager():
+    """A step whose regions are AOT-compiled (a forward graph, a backward graph that recomputes) is
+    captured whole: outputs and gradients equal to the same graph run eagerly, step after step."""
+    gm, x = _checkpointed("aot")
+    ref = copy.deepcopy(gm)
+    runner = lower(gm, [x], training=True, backend="emulate")
+    assert runner.decision.on and runner.decision.training, runner.decision.why
+    _same_steps(runner, gm, ref, "cpu", 1e-6)
     assert runner._train.stats["captures"] == 1 and runner._train.stats["replays"] >= 5
 
 
@@ -263,16 +268,6 @@ def test_cuda_checkpointed_step_is_captured_and_matches_eager():
     ref = copy.deepcopy(gm)
     runner = lower(gm, [x], training=True)
     assert runner.decision.on and runner.decision.training, runner.decision.why
-    for _ in range(3):
-        xs = torch.randn(512, 256, device="cuda")
-        outs = []
-        for fn, params in ((runner, list(gm.parameters())), (ref, list(ref.parameters()))):
-            for p in params:
-                p.grad = None
-            out = fn(xs)
-            out.square().mean().backward()
-            outs.append([out.detach()] + [p.grad for p in params])
-        for a, b in zip(*outs):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    _same_steps(runner, gm, ref, "cuda", 1e-5)
     train = runner._train
     assert train.stats["captures"] == 1 and runner.stats["eager_calls"] == 0, (train.disabled, train.capture_traceback)

@@ -57,18 +57,22 @@ def host_sync(node: fx.Node) -> bool:
     return name in HOST_SYNC_OPS and not static_repeat(node, name)
 
 
-def training_refusal(gm: fx.GraphModule) -> str | None:
-    """Why a training graph's steps are not replayed whatever the device (None: nothing here stops it)."""
+def training_refusal(gm: fx.GraphModule, mode: str = "auto") -> str | None:
+    """Why a training graph's steps are not replayed whatever the device (None: nothing here stops it).
+    ``mode``: :func:`replay_mode`'s; a checkpointed step (a memory budget) is replayed only when forced."""
     written = ir.input_mutations(gm)
     if written:
         return (f"training graph that writes {written[0][1].name} in place ({written[0][0].name}; BatchNorm's "
                 "running statistics): a warm-up and a capture would write it too")
-    for n in gm.graph.nodes:
-        if n.op != "call_module" or str(n.target).startswith("_guards"):
-            continue
+    regions = [n for n in gm.graph.nodes if n.op == "call_module" and not str(n.target).startswith("_guards")]
+    for n in regions:
         if replayable_region(gm, n) is None:
             return (f"training graph with checkpointed regions run by torch.utils.checkpoint ({n.name}): their "
                     "recomputation runs eagerly")
+    if regions and mode != "on":
+        return (f"training graph with checkpointed regions ({regions[0].name}): its memory budget comes first (a replay "
+                "keeps the step's activations and a second copy of the gradients in the graphs' pool, 2-3x the budget "
+                "measured); cuda_graphs=True replays it")
     return None
 
 
@@ -107,4 +111,4 @@ def training_replay_refusal(gm: fx.GraphModule, *, cuda_graphs="auto", dynamic: 
     for n in step_nodes(gm):
         if n.op == "call_function" and host_sync(n):
             return f"data-dependent op {ir.op_name(n)} ({n.name}) synchronizes with the host"
-    return training_refusal(gm)
+    return training_refusal(gm, replay_mode(cuda_graphs))

@@ -3,7 +3,7 @@ graphs. On the CPU against the emulated backend (a replay re-runs the captured f
 same static tensors): gradients and outputs equal to the graph run eagerly over several steps,
 with gradients zeroed in place, set to None or accumulated; the fallbacks (two forwards before a
 backward, autocast, a graph that writes a buffer, regions under torch.utils.checkpoint), AOT checkpoint
-regions replayed with the step; the real CUDA capture is
+regions replayed with the step when forced; the real CUDA capture is
 marked cuda."""
 
 import copy
@@ -147,12 +147,15 @@ def _same_steps(runner, gm, ref, device: str, tol: float) -> None:
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
-def test_aot_checkpoint_regions_are_replayed_and_match_eager():
-    """A step whose regions are AOT-compiled (a forward graph, a backward graph that recomputes) is
-    captured whole: outputs and gradients equal to the same graph run eagerly, step after step."""
+def test_aot_checkpoint_regions_are_replayed_when_forced_and_match_eager():
+    """A step whose regions are AOT-compiled (a forward graph, a backward graph that recomputes) runs
+    eagerly by default (its memory budget first); forced, it is captured whole: outputs and gradients
+    equal to the same graph run eagerly, step after step."""
     gm, x = _checkpointed("aot")
+    d = decide(gm, [x], training=True, device_type="cpu")  # by default the memory budget comes first
+    assert not d.on and "memory budget comes first" in d.why and "cuda_graphs=True" in d.why
     ref = copy.deepcopy(gm)
-    runner = lower(gm, [x], training=True, backend="emulate")
+    runner = lower(gm, [x], training=True, backend="emulate", cuda_graphs=True)
     assert runner.decision.on and runner.decision.training, runner.decision.why
     _same_steps(runner, gm, ref, "cpu", 1e-6)
     assert runner._train.stats["captures"] == 1 and runner._train.stats["replays"] >= 5
@@ -266,8 +269,26 @@ def test_cuda_checkpointed_step_is_captured_and_matches_eager():
                            checkpoint_backend="aot", cuda_graphs=False).graph_module
     assert any(n.op == "call_module" and n.target.startswith("ckpt_aot") for n in gm.graph.nodes)
     ref = copy.deepcopy(gm)
-    runner = lower(gm, [x], training=True)
+    runner = lower(gm, [x], training=True, cuda_graphs=True)
     assert runner.decision.on and runner.decision.training, runner.decision.why
     _same_steps(runner, gm, ref, "cuda", 1e-5)
     train = runner._train
     assert train.stats["captures"] == 1 and runner.stats["eager_calls"] == 0, (train.disabled, train.capture_traceback)
+
+
+@pytest.mark.cuda
+def test_cuda_capture_with_an_earlier_graph_kept_alive():
+    """A caller that keeps an eager call's output (its autograd graph holds the parameters' gradient
+    accumulators, made on the default stream) still gets its step captured: the captured backward
+    takes the gradients at views of the parameters and never reaches those accumulators."""
+    torch.manual_seed(0)
+    m = TwoOut().cuda()
+    x, y = torch.randn(64, 8, device="cuda"), torch.randn(64, 4, device="cuda")
+    gm = capture(m, (x, y))
+    kept = gm(x, y)  # eager, on the default stream, kept alive through the capture
+    runner = lower(gm, [x, y], training=True)
+    o1, o2 = runner(x, y)
+    (o1.square().sum() + o2.sum()).backward()
+    train = runner._train
+    assert train.stats["captures"] == 1 and runner.stats["eager_calls"] == 0, (train.disabled, train.capture_traceback)
+    assert kept[0].requires_grad

@@ -137,7 +137,7 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
         if t.device.type != device_type and t.dim() > 0:
             return Decision(False, f"constant {name} is on {t.device}", mode, device)
     if training:
-        why = _training_refusal(gm)
+        why = _training_refusal(gm, mode)
         if why:
             return Decision(False, why, mode, device)
         why = (f"static shapes, training on {device}: forward and backward each replayed as one graph"

@@ -160,7 +160,8 @@ class TrainingGraphs:
 
     def _capture(self, key, leaves: list, spec):
         gm = self.gm
-        params = tuple(p for p in gm.parameters() if p.requires_grad)
+        names = [name for name, p in gm.named_parameters() if p.requires_grad]
+        params = tuple(gm.get_parameter(name) for name in names)
         with torch.no_grad():
             static = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else None
                       for x in leaves]
@@ -169,11 +170,19 @@ class TrainingGraphs:
         surface_index = [i for i, s in enumerate(static) if s is not None and s.requires_grad]
         surface = tuple(static[i] for i in surface_index) + params
 
+        aliases: list = []
+
         def forward():
-            return gm(*s_args, **s_kwargs)
+            # the parameters enter as views made in this call and the gradients are taken at those, so
+            # the captured backward never reaches a parameter's gradient accumulator: one made on the
+            # default stream and kept alive by an earlier call's graph (a loss the caller kept) would make
+            # the backward wait on that stream, which ends the capture with an error
+            views = {name: p.view_as(p) for name, p in zip(names, params)}
+            aliases[:] = views.values()
+            return torch.func.functional_call(gm, views, s_args, s_kwargs)
 
         def grads(outs, grad_outs):
-            return torch.autograd.grad(outs, surface, grad_outs, allow_unused=True)
+            return torch.autograd.grad(outs, surface[:len(surface_index)] + tuple(aliases), grad_outs, allow_unused=True)
 
         try:
             if self.pool is None:

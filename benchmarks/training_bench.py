@@ -288,6 +288,9 @@ def _timed_variant(fn, params, grads_out, args, eager: dict | None):
     stepper = Stepper(fn, (), params)
     stepper.grads_out = grads_out
     cuda = torch.cuda.is_available() and any(p.is_cuda for p in params)
+    for p in params:  # gradients exist before any variant is measured (a training loop's steady state), so
+        if p.requires_grad and p.grad is None:  # the first variant's held memory is not their allocation
+            p.grad = torch.zeros_like(p)
     if cuda:
         free()
         held = torch.cuda.memory_reserved()
@@ -491,7 +494,8 @@ def markdown(result: dict) -> str:
              f"ms/step: median of {s['reps']} steps after {s['warmup']} warm-up steps, each timed alone. Activations: "
              "peak allocated during one step minus allocated before it (a step replayed from CUDA graphs keeps its "
              "activations in the graphs' memory, allocated at its first call: the detail column gives what a "
-             "variant holds between steps, reserved after emptying the cache). Step GB: the two together, what "
+             "variant holds between steps, reserved after emptying the cache; every parameter's .grad exists "
+             "before a variant is measured). Step GB: the two together, what "
              "the budget target compares. graphopt = optimize(model, inputs, "
              f"training=True{'' if s['guard'] else ', check_accuracy=False'}); @{s['budget']} adds memory_budget="
              f"{s['budget']}; HF ckpt = the model's own per-layer checkpointing (non-reentrant). Gradients: outputs "

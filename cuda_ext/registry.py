@@ -49,6 +49,8 @@ class OpDef:
     op_class: Callable | None = None
     # (backward, setup_context) for torch.library.register_autograd, or None: not differentiable
     autograd: tuple[Callable, Callable] | None = None
+    # () -> the arguments of a small fp32 call on the CPU: the cost tests call every op with its own
+    example: Callable | None = None
 
     @property
     def compiled(self) -> bool:
@@ -57,7 +59,7 @@ class OpDef:
 
 
 def define_op(schema: str, *, reference: Callable, fake: Callable, wrapper: Callable, cost: Callable, kernel: str,
-              cuda: Callable | None = None, op_class: Callable | None = None,
+              example: Callable, cuda: Callable | None = None, op_class: Callable | None = None,
               autograd: tuple[Callable, Callable] | None = None) -> OpDef:
     """Declare the op ``schema`` names (called once, at the end of its module in ``ops/``, which
     is named after the op). ``kernel``: where its CUDA kernel is, relative to cuda_ext/; a
@@ -67,7 +69,9 @@ def define_op(schema: str, *, reference: Callable, fake: Callable, wrapper: Call
     attention, the class of that ATen op for a call (graphopt.cost.ops.register_op_class), so
     the cost model's per-class corrections keep, say, grouped convolutions apart from dense ones.
     ``autograd``: ``(backward, setup_context)``, registered with ``torch.library.register_autograd``
-    (eager autograd and AOTAutograd's joint graphs then differentiate through the op)."""
+    (eager autograd and AOTAutograd's joint graphs then differentiate through the op). ``example``: a
+    function returning the arguments of a small fp32 call on the CPU (the cost tests call every op
+    with its own, so adding an op touches only its module, its kernel and its test)."""
     name = schema.split("(", 1)[0].strip()
     module = wrapper.__module__
     if module.rsplit(".", 1)[-1] != name:
@@ -77,7 +81,7 @@ def define_op(schema: str, *, reference: Callable, fake: Callable, wrapper: Call
                            f"kernel needs a Python cuda= dispatch (kernel={kernel!r})")
     if not (ROOT / kernel).is_file():
         raise RuntimeError(f"graphopt::{name}: kernel source {kernel} does not exist")
-    op = OpDef(name, schema, reference, fake, wrapper, cost, kernel, cuda, module, op_class, autograd)
+    op = OpDef(name, schema, reference, fake, wrapper, cost, kernel, cuda, module, op_class, autograd, example)
     _OPS[name] = op
     register_op_cost(name, cost)
     if op_class is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import graphopt.cuda_ext as ce
 from graphopt import capture
@@ -21,43 +22,29 @@ G = torch.ops.graphopt
 
 
 class AllOps(torch.nn.Module):
-    """One call of every op (fp32, small)."""
+    """One call of every registered op, each on the example arguments its module declares."""
 
-    def forward(self, x, r, w, q, k, v, img, cw, wgu, wl, xl, mask):
-        a = G.bias_act(x, w[0], "gelu_tanh", r, -1)
-        o1, h1 = G.add_rms_norm(a, r, w[1], 1e-6)
-        o2, h2 = G.add_layer_norm(o1, h1, w[2], w[3], 1e-5)
-        o3, _ = G.rms_norm_add_rms_norm(o2, h2, w[1], w[2], 1e-6, 1e-6)
-        o4 = G.layer_norm(o3, w[0], None, 1e-5)
-        o5, h5 = G.linear_add_layer_norm(xl, wl, w[0], r, w[1], w[2], 1e-5, 4)
-        sw = G.swiglu(torch.cat([o4, h5], -1))
-        gs = G.gemm_swiglu(x, wgu, 24, 16)
-        qr, kr = G.rotary(q, k, q[..., :8].mean(1), q[..., :8].mean(1), False)
-        sm = G.softmax_mask(qr[:, :2] @ kr.transpose(-1, -2), 0.125, mask)
-        att = G.short_attention(qr, kr, v, mask, 0.125, False)
-        dec = G.decode_attention(qr[:, :, :1], kr, v, mask[..., :1, :], None, 0.125)
-        pw = G.fused_pointwise("%0 = input 0; %1 = tanh %0; out %1 f32", [o5])
-        c = G.conv_bias_relu(img, cw, None, None, [1, 1], [1, 1], [1, 1], 1)
-        p = G.max_pool2d_nhwc(c.contiguous(memory_format=torch.channels_last), 3, 2, 1)
-        p = G.avg_pool2d_nhwc(p, 3, 1, 1, True)
-        kc, vc = torch.zeros(2, 2, 12, 16), torch.zeros(2, 2, 12, 16)
-        start = (x[0, 0] * 0).long() + 3
-        qc = G.rotary_cache_write(q, k, v, q[..., :8].mean(1), q[..., :8].mean(1), kc, vc, start, False)
-        gv = G.gemv(x[:4], w, None)
-        gn, _ = G.gemv_add_rms_norm(x[:4], w, None, None, w[:, 0], 1e-6)
-        gg = G.gemv_swiglu(x[:4], wgu, None)
-        nb, _ = G.fused_norm_backward(o4, o3, w[0], None, 1e-5, True, False)
-        bl = G.biased_linear(x, w, w[:, 0], False)
-        return sw, gs, sm, att, dec, pw[0], p, qc, kc, gv, gn, gg, nb, bl
+    def __init__(self, examples: dict):
+        super().__init__()
+        self.names = list(examples)
+        leaves, self.spec = tree_flatten([examples[n] for n in self.names])
+        self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def forward(self, *tensors):
+        leaves = list(self.leaves)
+        for i, t in zip(self.slots, tensors):
+            leaves[i] = t
+        calls = tree_unflatten(leaves, self.spec)
+        return tuple(getattr(G, name)(*args) for name, args in zip(self.names, calls))
 
 
 def _graph():
-    H, T = 32, 24
-    args = (torch.randn(T, H), torch.randn(T, H), torch.randn(4, H), torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16),
-            torch.randn(2, 2, 8, 16), torch.randn(2, 4, 9, 9).contiguous(memory_format=torch.channels_last),
-            torch.randn(8, 4, 3, 3), torch.randn(64, H), torch.randn(H, 64), torch.randn(T, 64),
-            torch.rand(2, 1, 1, 8) > 0.1)
-    return capture(AllOps().eval(), args)
+    torch.manual_seed(0)
+    examples = {name: op.example() for name, op in ce.registry.all_ops().items()}
+    m = AllOps(examples).eval()
+    leaves, _ = tree_flatten([examples[n] for n in m.names])
+    return capture(m, tuple(x for x in leaves if isinstance(x, torch.Tensor)))
 
 
 def _op_nodes(gm):
@@ -70,6 +57,7 @@ def test_every_op_has_its_modules_cost_function():
     for name, op in ops.items():
         assert op_costs.op_cost_fn(name) is op.cost
         assert op_costs.op_cost_fn(f"graphopt::{name}") is op.cost
+    assert all(callable(op.example) for op in ops.values())  # every module declares its example call
     gm = _graph()
     assert {str(n.target).split(".")[1] for n in _op_nodes(gm)} == set(ops)  # the graph calls every op
     p = get_profile("h200")[0]
@@ -100,7 +88,7 @@ def test_the_cost_model_prices_whatever_is_registered(monkeypatch):
 def test_op_cost_fields_reach_the_time(monkeypatch):
     """rate, slowdown, floor_s, time_s and an op_efficiency key each act on the node's time."""
     gm = _graph()
-    node = next(n for n in _op_nodes(gm) if "swiglu.default" in str(n.target) and "gemm" not in str(n.target))
+    node = next(n for n in _op_nodes(gm) if str(n.target) == "graphopt.swiglu.default")
     p = get_profile("h200")[0].with_efficiency("toy", {"scale": 0.5, "fixed_s": 1e-6})
     price = lambda **kw: CostModel(p).node_cost(node)  # noqa: E731
 
@@ -123,7 +111,7 @@ def test_an_op_without_a_cost_function_is_an_error(monkeypatch):
     from graphopt.errors import GraphoptError
 
     gm = _graph()
-    node = next(n for n in _op_nodes(gm) if "rotary" in str(n.target))
+    node = next(n for n in _op_nodes(gm) if str(n.target) == "graphopt.rotary.default")
     monkeypatch.delitem(op_costs._COSTS, "rotary")
     with pytest.raises(GraphoptError, match="graphopt::rotary has no cost function"):
         CostModel(get_profile("h200")[0]).node_cost(node)

@@ -70,5 +70,10 @@ def backward(ctx, g_out, g_h):
     return (dh if need_x else None), dres, dw, None
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 32), torch.randn(24, 32), torch.randn(32), 1e-6)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=add_rms_norm, cost=cost, kernel="csrc/norms.cu",
-               autograd=(backward, setup_context))
+               autograd=(backward, setup_context), example=example)

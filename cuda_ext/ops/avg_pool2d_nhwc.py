@@ -50,5 +50,10 @@ def avg_pool2d_nhwc(x: torch.Tensor, kernel: int, stride: int, padding: int = 0,
     return torch.ops.graphopt.avg_pool2d_nhwc(x, kernel, stride, padding, count_include_pad)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last), 3, 1, 1, True)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=avg_pool2d_nhwc, cost=fused_cost,
-               kernel="csrc/pool.cu")
+               kernel="csrc/pool.cu", example=example)

@@ -81,4 +81,10 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none
     return torch.ops.graphopt.bias_act(x, bias, act, residual, bias_dim)
 
 
-OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=bias_act, cost=fused_cost, kernel="csrc/bias_act.cu")
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 32), torch.randn(32), "gelu_tanh", torch.randn(24, 32), -1)
+
+
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=bias_act, cost=fused_cost,
+               kernel="csrc/bias_act.cu", example=example)

@@ -118,5 +118,11 @@ def biased_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, wei
     return torch.ops.graphopt.biased_linear(x, weight, bias, weight_t)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 32), torch.randn(48, 32), torch.randn(48), False)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=biased_linear, cost=cost,
-               kernel="ops/biased_linear.py", cuda=reference, op_class=op_class, autograd=(backward, setup_context))
+               kernel="ops/biased_linear.py", cuda=reference, op_class=op_class, autograd=(backward, setup_context),
+               example=example)

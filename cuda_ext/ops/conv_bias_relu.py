@@ -72,5 +72,11 @@ def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     return torch.ops.graphopt.conv_bias_relu(x, w, bias, z, list(stride), list(padding), list(dilation), groups)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(2, 4, 9, 9).contiguous(memory_format=torch.channels_last), torch.randn(8, 4, 3, 3),
+            None, None, [1, 1], [1, 1], [1, 1], 1)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=conv_bias_relu, cost=cost,
-               kernel="csrc/conv_bias_relu.cpp", op_class=op_class)
+               kernel="csrc/conv_bias_relu.cpp", op_class=op_class, example=example)

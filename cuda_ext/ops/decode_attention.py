@@ -61,5 +61,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                                                q.shape[3] ** -0.5 if scale is None else float(scale))
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16), torch.rand(2, 1, 1,
+            8) > 0.1, None, 0.125)
+
+
 OP = define_op(SCHEMA, reference=dat.reference, fake=dat.fake, wrapper=decode_attention, cost=cost,
-               kernel="decode_attention_triton.py", cuda=dat.cuda_impl, op_class=op_class)
+               kernel="decode_attention_triton.py", cuda=dat.cuda_impl, op_class=op_class, example=example)

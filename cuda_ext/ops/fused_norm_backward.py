@@ -91,5 +91,11 @@ def fused_norm_backward(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor |
     return torch.ops.graphopt.fused_norm_backward(g, h, weight, extra, eps, weight_grads, rms)
 
 
-OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=fused_norm_backward, cost=cost, kernel="norm_triton.py",
-               cuda=cuda)
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 32), torch.randn(24, 32), torch.randn(32), None, 1e-5, True, False)
+
+
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=fused_norm_backward, cost=cost,
+               kernel="norm_triton.py",
+               cuda=cuda, example=example)

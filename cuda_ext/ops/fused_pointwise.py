@@ -83,5 +83,10 @@ def backward(ctx, grads):
     return None, result
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return ("%0 = input 0; %1 = tanh %0; out %1 f32", [torch.randn(24, 32)])
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=fused_pointwise, cost=fused_cost,
-               kernel="pointwise_triton.py", cuda=cuda, autograd=(backward, setup_context))
+               kernel="pointwise_triton.py", cuda=cuda, autograd=(backward, setup_context), example=example)

@@ -142,5 +142,10 @@ def gemm_swiglu(x: torch.Tensor, weight: torch.Tensor, n: int, block: int = 128)
     return torch.ops.graphopt.gemm_swiglu(x, weight, n, block)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 32), torch.randn(64, 32), 24, 16)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemm_swiglu, cost=cost, kernel="gemm_triton.py",
-               cuda=cuda, op_class=op_class)
+               cuda=cuda, op_class=op_class, example=example)

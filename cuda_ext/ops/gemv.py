@@ -107,5 +107,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return torch.ops.graphopt.gemv(x, weight, bias)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(4, 32), torch.randn(48, 32), None)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemv, cost=cost, kernel="gemv_triton.py",
-               cuda=cuda_impl, op_class=op_class)
+               cuda=cuda_impl, op_class=op_class, example=example)

@@ -115,5 +115,11 @@ def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return torch.ops.graphopt.gemv_add_rms_norm(x, weight, bias, residual, norm_weight, eps, pre_weight, pre_eps)
 
 
-OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemv_add_rms_norm, cost=cost, kernel="gemv_triton.py",
-               cuda=cuda_impl, op_class=op_class)
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(4, 32), torch.randn(48, 32), None, None, torch.randn(48), 1e-6)
+
+
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemv_add_rms_norm, cost=cost,
+               kernel="gemv_triton.py",
+               cuda=cuda_impl, op_class=op_class, example=example)

@@ -100,5 +100,10 @@ def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, up_weight: torch.Tensor |
     return torch.ops.graphopt.gemv_swiglu(x, weight, up_weight)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(4, 32), torch.randn(64, 32), None)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=gemv_swiglu, cost=cost, kernel="gemv_triton.py",
-               cuda=cuda_impl, op_class=op_class)
+               cuda=cuda_impl, op_class=op_class, example=example)

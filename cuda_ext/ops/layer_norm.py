@@ -70,5 +70,10 @@ def backward(ctx, g):
     return dx, dw, db, None
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 32), torch.randn(32), None, 1e-5)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=layer_norm, cost=cost, kernel="norm_triton.py",
-               cuda=cuda, autograd=(backward, setup_context))
+               cuda=cuda, autograd=(backward, setup_context), example=example)

@@ -111,5 +111,11 @@ def linear_add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.ops.graphopt.linear_add_layer_norm(x, weight, bias, residual, ln_weight, ln_bias, eps, splits)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 64), torch.randn(32, 64), torch.randn(32), torch.randn(24, 32), torch.randn(32),
+            torch.randn(32), 1e-5, 4)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=linear_add_layer_norm, cost=cost,
-               kernel="norm_triton.py", cuda=cuda, op_class=op_class)
+               kernel="norm_triton.py", cuda=cuda, op_class=op_class, example=example)

@@ -44,5 +44,10 @@ def max_pool2d_nhwc(x: torch.Tensor, kernel: int, stride: int, padding: int = 0)
     return torch.ops.graphopt.max_pool2d_nhwc(x, kernel, stride, padding)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(2, 8, 9, 9).contiguous(memory_format=torch.channels_last), 3, 2, 1)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=max_pool2d_nhwc, cost=fused_cost,
-               kernel="csrc/pool.cu")
+               kernel="csrc/pool.cu", example=example)

@@ -52,5 +52,10 @@ def rms_norm_add_rms_norm(y: torch.Tensor, residual: torch.Tensor, weight_y: tor
     return torch.ops.graphopt.rms_norm_add_rms_norm(y, residual, weight_y, weight, eps_y, eps)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 32), torch.randn(24, 32), torch.randn(32), torch.randn(32), 1e-6, 1e-6)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=rms_norm_add_rms_norm, cost=fused_cost,
-               kernel="norm_triton.py", cuda=cuda)
+               kernel="norm_triton.py", cuda=cuda, example=example)

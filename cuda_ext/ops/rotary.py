@@ -99,4 +99,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return torch.ops.graphopt.rotary(q, k, cos, sin, interleaved)
 
 
-OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=rotary, cost=fused_cost, kernel="csrc/rotary.cu")
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 8, 8), torch.randn(2, 8, 8), False)
+
+
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=rotary, cost=fused_cost,
+               kernel="csrc/rotary.cu", example=example)

@@ -123,5 +123,11 @@ def rotary_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     return torch.ops.graphopt.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, pos, bool(interleaved))
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(2, 4, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 1, 8),
+            torch.randn(2, 1, 8), torch.zeros(2, 2, 12, 16), torch.zeros(2, 2, 12, 16), torch.tensor(3), False)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=rotary_cache_write, cost=cost,
-               kernel="rotary_cache_write_triton.py", cuda=cuda_impl)
+               kernel="rotary_cache_write_triton.py", cuda=cuda_impl, example=example)

@@ -123,5 +123,12 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 register_legacy_field("short_attention_scale", "short_attention", "scale", None)
 register_legacy_field("short_attention_fixed_s", "short_attention", "fixed_s", 0.0)
 
+
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16), torch.rand(2, 1, 1,
+            8) > 0.1, 0.125, False)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=short_attention, cost=cost,
-               kernel="attention_triton.py", cuda=cuda, op_class=op_class)
+               kernel="attention_triton.py", cuda=cuda, op_class=op_class, example=example)

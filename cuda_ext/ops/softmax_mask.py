@@ -45,5 +45,10 @@ def softmax_mask(scores: torch.Tensor, scale: float = 1.0, mask: torch.Tensor | 
     return torch.ops.graphopt.softmax_mask(scores, scale, mask)
 
 
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(2, 2, 8, 8), 0.125, torch.rand(2, 1, 1, 8) > 0.1)
+
+
 OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=softmax_mask, cost=fused_cost,
-               kernel="csrc/softmax.cu")
+               kernel="csrc/softmax.cu", example=example)

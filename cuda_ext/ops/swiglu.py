@@ -38,4 +38,10 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.graphopt.swiglu(gate_up)
 
 
-OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=swiglu, cost=fused_cost, kernel="csrc/swiglu.cu")
+def example() -> tuple:
+    """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
+    return (torch.randn(24, 64),)
+
+
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=swiglu, cost=fused_cost,
+               kernel="csrc/swiglu.cu", example=example)

@@ -30,6 +30,7 @@ class AllOps(torch.nn.Module):
         leaves, self.spec = tree_flatten([examples[n] for n in self.names])
         self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.inputs = tuple(leaves[i] for i in self.slots)  # the example tensors, in the order forward takes them
 
     def forward(self, *tensors):
         leaves = list(self.leaves)
@@ -41,10 +42,8 @@ class AllOps(torch.nn.Module):
 
 def _graph():
     torch.manual_seed(0)
-    examples = {name: op.example() for name, op in ce.registry.all_ops().items()}
-    m = AllOps(examples).eval()
-    leaves, _ = tree_flatten([examples[n] for n in m.names])
-    return capture(m, tuple(x for x in leaves if isinstance(x, torch.Tensor)))
+    m = AllOps({name: op.example() for name, op in ce.registry.all_ops().items()}).eval()
+    return capture(m, m.inputs)
 
 
 def _op_nodes(gm):

@@ -215,6 +215,19 @@ class TrainingGraphs:
         return step
 
 
+def _requiring_grad(out) -> list:
+    """The tensors among ``out``'s leaves that take a gradient (the outputs a step differentiates)."""
+    return [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _warm_up(forward, grads, times: int) -> None:
+    """Run the step (forward, then the gradients of its outputs) ``times`` times before a capture."""
+    for _ in range(times):
+        outs = _requiring_grad(forward())
+        if outs:
+            grads(outs, [torch.empty_like(o) for o in outs])
+
+
 @contextlib.contextmanager
 def _generator_restored_on_failure():
     """A capture that fails can leave the default CUDA generator in capture mode (torch ends the
@@ -238,17 +251,13 @@ def capture_step_cuda(forward, grads, pool, device, warmup: int):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
-                outs = [o for o in pytree.tree_leaves(forward()) if isinstance(o, torch.Tensor) and o.requires_grad]
-                if outs:
-                    grads(outs, [torch.empty_like(o) for o in outs])
-                del outs
+            _warm_up(forward, grads, warmup)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(device)
         fwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(fwd, pool=pool, stream=side):
             out = forward()
-        req = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        req = _requiring_grad(out)
         grad_outs = [torch.empty_like(o) for o in req]
         bwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(bwd, pool=pool, stream=side):
@@ -274,12 +283,9 @@ def capture_step_emulated(forward, grads, pool, device, warmup: int):
     """What :func:`capture_step_cuda` gives, on the CPU: the forward's replay runs it again (with
     autograd) and copies its outputs into the static ones; the backward's takes the gradient of that
     run's outputs with the static output gradients and copies it into the static gradients."""
-    for _ in range(warmup):
-        outs = [o for o in pytree.tree_leaves(forward()) if isinstance(o, torch.Tensor) and o.requires_grad]
-        if outs:
-            grads(outs, [torch.zeros_like(o) for o in outs])
+    _warm_up(forward, grads, warmup)
     out = forward()
-    req = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    req = _requiring_grad(out)
     grad_outs = [torch.zeros_like(o) for o in req]
     with torch.no_grad():
         gs = [g.detach().clone() if g is not None else None for g in grads(req, grad_outs)] if req else []
@@ -289,7 +295,7 @@ def capture_step_emulated(forward, grads, pool, device, warmup: int):
     def run_forward():
         with torch.enable_grad():  # (replayed from inside the autograd node's forward, where grad is off)
             new = pytree.tree_leaves(forward())
-        live["outs"] = [o for o in new if isinstance(o, torch.Tensor) and o.requires_grad]
+        live["outs"] = _requiring_grad(new)
         with torch.no_grad():
             for s, n in zip(static_out, new):
                 if isinstance(s, torch.Tensor):

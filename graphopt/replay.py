@@ -70,8 +70,8 @@ def training_refusal(gm: fx.GraphModule, mode: str = "auto") -> str | None:
             return (f"training graph with checkpointed regions run by torch.utils.checkpoint ({n.name}): their "
                     "recomputation runs eagerly")
     if regions and mode != "on":
-        return (f"training graph with checkpointed regions ({regions[0].name}): its memory budget comes first (a replay "
-                "keeps the step's activations and a second copy of the gradients in the graphs' pool, 2-3x the budget "
+        return (f"training graph with checkpointed regions ({regions[0].name}): its memory budget comes first (a replay's "
+                "pool keeps a copy of every parameter's gradient beside the step's working memory: 1.1-1.5x the budget "
                 "measured); cuda_graphs=True replays it")
     return None
 

@@ -306,6 +306,9 @@ class Pass:
     # ctx.untrainable(op) per candidate)
     inference_only: bool = False
     changes_dtypes: bool = False  # the invariant check then allows dtype changes
+    # every rewrite deletes nodes or reads an earlier node's identical value instead: the graph runs
+    # a subset of the ops it ran, so the measured guard does not time the pass against the graph before
+    removes_work_only: bool = False
     requires: tuple = ()  # pass names that must run earlier when both are enabled
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:  # pragma: no cover

@@ -227,7 +227,7 @@ class Report:
                 if timed:
                     d = p.details
                     row.append(f"{d['measured_ms'] - d['measured_before_ms']:+.3f}".replace("-", "−")
-                               if "measured_ms" in d else "")
+                               if "measured_ms" in d else "—" if "not_timed" in d else "")
                 row += [f"{p.peak_bytes_before / 1e6:.0f}→{p.peak_bytes_after / 1e6:.0f}", f"{p.seconds:.2f}s"]
                 table.add_row(*row)
             console.print(table)

@@ -63,6 +63,7 @@ class EliminateCommonSubexpressions(Pass):
     name = "eliminate_common_subexpressions"
     family = "cleanup"
     description = "compute once what several pure nodes compute from the same inputs"
+    removes_work_only = True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()

@@ -27,6 +27,7 @@ class EliminateDeadCode(Pass):
     name = "eliminate_dead_code"
     family = "cleanup"
     description = "remove pure nodes whose results are never used"
+    removes_work_only = True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()

@@ -267,3 +267,24 @@ def test_a_comparison_stops_once_every_round_agrees():
     script = iter([1.0] * 30)
     t = Scripted("cpu", warmup=0, min_reps=25, max_reps=25, early=True)
     assert len(t.time(lambda: None).samples) == 6  # one callable alone: only the report reads it
+
+
+def test_a_pass_that_only_removes_ops_is_not_timed(monkeypatch):
+    """Dead-code and common-subexpression elimination leave a subset of the graph's ops: the guard
+    does not spend a comparison on them (their report says so); the other applied passes are timed."""
+    from graphopt.pipeline import registry
+
+    monkeypatch.setenv("GRAPHOPT_MEASURE_BUDGET_S", "60")
+    assert {n for n, p in registry().items() if p.removes_work_only} == {
+        "eliminate_dead_code", "eliminate_common_subexpressions"}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    opt = graphopt.optimize(model, (x,), measure=True)
+    by = {r.name: r for r in opt.report.passes}
+    dce = by["eliminate_dead_code"]
+    assert dce.status == "applied" and "measured_ms" not in dce.details and dce.details["not_timed"]
+    # fold_conv_bn changed the graph and was timed (kept or, on a noisy machine, undone by its measurement)
+    timed = [r for r in opt.report.passes if r.status in ("applied", "reverted") and not r.details.get("not_timed")]
+    assert "fold_conv_bn" in {r.name for r in timed} and all(r.details["measured_ms"] > 0 for r in timed)
+    assert reference_check(model, opt.graph_module, (x,)).passed

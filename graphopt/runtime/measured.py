@@ -163,7 +163,8 @@ class MeasuredTime:
     callable). A pass measured slower than the graph before it by more than ``margin`` — both graphs
     timed in interleaved rounds — is undone; its result carries ``details["bisect"]``
     so the PassManager tries its first rewrites alone. Each applied pass's result carries its
-    ``measured_ms`` beside the prediction. A pass is timed only while ``budget_s`` has room for
+    ``measured_ms`` beside the prediction, except a pass that only removes work (``Pass.removes_work_only``:
+    dead code, common subexpressions), which is not timed. A pass is timed only while ``budget_s`` has room for
     its comparison (both graphs' warm-up and fewest rounds at the last measured call's length);
     the passes after that are applied unmeasured, with a note."""
 
@@ -206,6 +207,10 @@ class MeasuredTime:
 
     def run_after_pass(self, gm, p, ctx, res) -> str | None:
         if res.status != "applied" or self.current is None:
+            return None
+        if getattr(p, "removes_work_only", False):
+            # the graph runs a subset of the ops it ran (dead nodes gone, duplicates read once): not a loss
+            res.details["not_timed"] = "runs a subset of the graph's ops"
             return None
         if not self.affordable() or ctx.before_pass is None:
             self.skipped.append(p.name)

@@ -100,15 +100,40 @@ def step_nodes(gm: fx.GraphModule):
         yield n
 
 
+def shape_refusal(gm: fx.GraphModule, mode: str, dynamic: bool) -> str | None:
+    """Why ``gm``'s shapes stop a replay in ``mode`` (:func:`replay_mode`'s), or None: dynamic shapes
+    unless the replay is forced (then one graph per shape)."""
+    if (dynamic or has_symbolic_shapes(gm)) and mode == "auto":
+        return ("dynamic shapes: every new size would be a new capture (cuda_graphs=True captures one graph "
+                "per shape, LRU-bounded)")
+    return None
+
+
+def node_refusal(n: fx.Node, training: bool) -> str | None:
+    """Why node ``n`` stops a replay, devices aside (None: it does not): a random op outside
+    training (a replay would repeat its numbers) or a call the host must wait for."""
+    if n.op != "call_function":
+        return None
+    if ir.is_random(n) and not training:
+        return f"random op {ir.op_name(n)} ({n.name}): a replay would repeat or freeze its random numbers"
+    if host_sync(n):
+        return f"data-dependent op {ir.op_name(n)} ({n.name}) synchronizes with the host"
+    return None
+
+
 def training_replay_refusal(gm: fx.GraphModule, *, cuda_graphs="auto", dynamic: bool = False) -> str | None:
     """Why the steps of training graph ``gm`` would run eagerly on a GPU rather than be replayed
-    (what graphopt.runtime.cuda_graphs.decide would say, devices aside), or None: a pass that makes a training step's
-    host work heavier asks this before it prices the rewrite as if replayed."""
-    if replay_mode(cuda_graphs) == "off":
+    (what graphopt.runtime.cuda_graphs.decide says, devices aside: the same rules, in its order), or
+    None: a pass that makes a training step's host work heavier asks this before it prices the
+    rewrite as if replayed."""
+    mode = replay_mode(cuda_graphs)
+    if mode == "off":
         return "disabled (cuda_graphs=False)"
-    if dynamic or has_symbolic_shapes(gm):
-        return "dynamic shapes"
+    why = shape_refusal(gm, mode, dynamic)
+    if why:
+        return why
     for n in step_nodes(gm):
-        if n.op == "call_function" and host_sync(n):
-            return f"data-dependent op {ir.op_name(n)} ({n.name}) synchronizes with the host"
-    return training_refusal(gm, replay_mode(cuda_graphs))
+        why = node_refusal(n, training=True)
+        if why:
+            return why
+    return training_refusal(gm, mode)

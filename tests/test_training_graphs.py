@@ -292,3 +292,24 @@ def test_cuda_capture_with_an_earlier_graph_kept_alive():
     train = runner._train
     assert train.stats["captures"] == 1 and runner.stats["eager_calls"] == 0, (train.disabled, train.capture_traceback)
     assert kept[0].requires_grad
+
+
+@pytest.fixture(scope="module")
+def two_training_graphs():
+    """A plain training graph and one with AOT checkpoint regions, with example inputs."""
+    gm, x = _checkpointed("aot")
+    return [(_pair()[0], [torch.randn(5, 8), torch.randn(5, 4)]), (gm, [x])]
+
+
+@pytest.mark.parametrize("cuda_graphs", ["auto", True, False])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_passes_view_of_a_replay_is_decides(two_training_graphs, cuda_graphs, dynamic):
+    """graphopt.replay.training_replay_refusal (what a training pass asks before pricing a rewrite as
+    replayed) gives decide's verdict and reason, devices aside: forced replay of dynamic shapes is
+    replayed in both (one graph per shape); auto refuses it in both, with the same words."""
+    from graphopt.replay import training_replay_refusal
+
+    for gm, inputs in two_training_graphs:
+        d = decide(gm, inputs, training=True, device_type="cpu", cuda_graphs=cuda_graphs, dynamic=dynamic)
+        why = training_replay_refusal(gm, cuda_graphs=cuda_graphs, dynamic=dynamic)
+        assert (why is None) == d.on and (why is None or why == d.why), (why, d.why)

@@ -64,7 +64,7 @@ from torch.utils import _pytree as pytree
 
 from .. import ir
 from ..ir import TAIL_MIN_BYTES, flat_outputs as _flat_outputs, tail_nodes
-from ..replay import HOST_SYNC_OPS, has_symbolic_shapes as _has_symbolic_shapes, host_sync, replay_mode as _mode
+from ..replay import HOST_SYNC_OPS, node_refusal, replay_mode as _mode, shape_refusal
 from ..replay import step_nodes, training_refusal as _training_refusal, training_replay_refusal
 
 __all__ = ["Decision", "Runner", "decide", "lower", "launch_savings_s", "tail_nodes", "training_replay_refusal", "RANDOM_OPS",
@@ -119,20 +119,16 @@ def decide(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", dynam
     device = next(iter(devices))
     if device_type == "cuda" and not torch.cuda.is_available():
         return Decision(False, "CUDA is not available", mode, device)
-    if (dynamic or _has_symbolic_shapes(gm)) and mode == "auto":
-        return Decision(False, "dynamic shapes: every new size would be a new capture (cuda_graphs=True "
-                        "captures one graph per shape, LRU-bounded)", mode, device)
+    why = shape_refusal(gm, mode, dynamic)
+    if why:
+        return Decision(False, why, mode, device)
     for n in step_nodes(gm):  # (the bodies of replayable checkpoint regions included)
-        if n.op != "call_function":
-            continue
-        name = ir.op_name(n)
-        if ir.is_random(n) and not training:
-            return Decision(False, f"random op {name} ({n.name}): a replay would repeat or freeze its random numbers", mode, device)
-        if host_sync(n):
-            return Decision(False, f"data-dependent op {name} ({n.name}) synchronizes with the host", mode, device)
-        d = _val_device(n.meta.get("val"))
+        why = node_refusal(n, training)
+        if why:
+            return Decision(False, why, mode, device)
+        d = _val_device(n.meta.get("val")) if n.op == "call_function" else None
         if d is not None and d.type != device_type and n.meta["val"].dim() > 0:
-            return Decision(False, f"{n.name} ({name}) makes a tensor on {d}", mode, device)
+            return Decision(False, f"{n.name} ({ir.op_name(n)}) makes a tensor on {d}", mode, device)
     for name, t in _tensor_constants(gm):
         if t.device.type != device_type and t.dim() > 0:
             return Decision(False, f"constant {name} is on {t.device}", mode, device)

@@ -17,7 +17,7 @@ order from 0::
     out %7 f32
 
 Ops (arity): ``add sub mul div maximum minimum`` (2), ``neg abs exp log sqrt rsqrt tanh
-sigmoid relu gelu gelu_tanh silu hardswish erf`` (1), ``eq ne lt le gt ge`` (2, give bool),
+sigmoid relu gelu gelu_tanh silu hardswish erf cos sin`` (1), ``eq ne lt le gt ge`` (2, give bool),
 ``where c a b`` (3; ``c`` is bool or nonzero), ``pow x p``, ``clamp x lo hi``, ``cast x dtype``.
 Dtypes: ``f64 f32 f16 bf16 bool``. Outputs: ``out %v dtype`` (one or more, in order).
 
@@ -54,7 +54,7 @@ from typing import Sequence, Union
 import torch
 
 UNARY = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "gelu_tanh",
-         "silu", "hardswish", "erf")
+         "silu", "hardswish", "erf", "cos", "sin")
 BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
@@ -370,7 +370,7 @@ _UNARY_TORCH = {
     "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt,
     "rsqrt": torch.rsqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu,
     "gelu": torch.nn.functional.gelu, "gelu_tanh": _gelu_tanh, "silu": torch.nn.functional.silu,
-    "hardswish": torch.nn.functional.hardswish, "erf": torch.erf,
+    "hardswish": torch.nn.functional.hardswish, "erf": torch.erf, "cos": torch.cos, "sin": torch.sin,
 }
 _BINARY_TORCH = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
                  "maximum": torch.maximum, "minimum": torch.minimum, "eq": torch.eq, "ne": torch.ne,

@@ -167,6 +167,10 @@ def backward_program(program: str, in_dtypes: tuple[torch.dtype, ...], needs: tu
             acc(a[0], q.where(q.le(y, 0.0), 0.0, g))
         elif op == "erf":
             acc(a[0], g * (2.0 / math.sqrt(math.pi) * q.exp(-(x[0] * x[0]))))
+        elif op == "cos":
+            acc(a[0], -(g * q.sin(x[0])))
+        elif op == "sin":
+            acc(a[0], g * q.cos(x[0]))
         elif op == "gelu":  # ATen GeluBackward, approximate='none'
             cdf = 0.5 * (1.0 + q.erf(x[0] * math.sqrt(0.5)))
             pdf = q.exp(-0.5 * (x[0] * x[0])) * (0.5 * (2.0 / math.sqrt(math.pi)) * math.sqrt(0.5))

@@ -246,7 +246,7 @@ def _unary(op: str, x: str, CT: str) -> str:
         return f"(-{x})"
     if op == "abs":
         return f"tl.abs({x})"
-    if op in ("exp", "log", "sqrt"):
+    if op in ("exp", "log", "sqrt", "cos", "sin"):
         return f"tl.{op}({x})"
     if op == "rsqrt":
         return f"(1.0 / tl.sqrt({x}))"

@@ -4,13 +4,15 @@ cuda_ext.pointwise.Program; Triton on the GPU, its torch evaluation elsewhere).
 
 What joins a group: aten pointwise ops the program language can express — add/sub/rsub/mul/div
 (Tensor and Scalar forms, alpha), neg abs exp log sqrt rsqrt reciprocal tanh sigmoid relu
-gelu(both) silu hardswish, pow(x, literal), clamp/clamp_min/clamp_max with literal bounds,
+gelu(both) silu hardswish erf cos sin, pow(x, literal), clamp/clamp_min/clamp_max with literal bounds,
 maximum minimum, where (all forms), eq ne lt le gt ge, and dtype casts (``to``/``_to_copy``;
 kept in the program as ``cast`` so HF's deliberate fp32 round trips round where eager did).
 Every op of a group has the group's output shape (inputs may broadcast into it: a smaller
 input is read through stride 0; a smaller *intermediate* would be recomputed per output
 element, so it starts its own group). Values read outside the group become extra outputs
-(multiple consumers), the group's external tensors its inputs (at most MAX_INPUTS).
+(multiple consumers), the group's external tensors its inputs (at most MAX_INPUTS). Groups that
+read a common tensor, of one shape and with no path between them, merge into one (horizontal
+fusion: the cos and sin of a rotary angle table are one kernel reading the angles once).
 
 Never joined: reductions, GEMMs, views, graphopt ops (this pass runs last among the fusions
 and leaves the specific kernels alone), integer tensors, no-op casts (they are aliases). A
@@ -110,7 +112,8 @@ OPS = {
     aten.where.ScalarSelf: lambda p, n, a: p.where(a[0], a[1], a[2]),
     aten.where.Scalar: lambda p, n, a: p.where(a[0], a[1], a[2]),
 }
-for _u in ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "hardswish"):
+for _u in ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "hardswish", "erf", "cos",
+           "sin"):
     OPS[getattr(aten, _u).default] = (lambda name: lambda p, n, a: getattr(p, name)(a[0]))(_u)
 for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
     for _ov in ("Tensor", "Scalar"):
@@ -274,7 +277,7 @@ class FuseElementwise(Pass):
             if rest:
                 # the remainder may fall apart into several pieces: re-split by connectivity
                 pending.extend(ir.connected_components(rest, order))
-        return [g for g in out if g]
+        return _merge_siblings([g for g in out if g], order, joinable)
 
     # ------------------------------------------------------------------ rewrite
 
@@ -387,6 +390,38 @@ def _cut_cycles(group, order):
         if n in bad or any(a in rest for a in n.all_input_nodes):
             rest.add(n)
     return [n for n in group if n not in rest], [n for n in group if n in rest]
+
+
+def _merge_siblings(groups, order, joinable) -> list[list[fx.Node]]:
+    """Groups that read a common tensor from outside, of one shape and device, neither depending on
+    the other, merged into one (one kernel reads the shared tensor once and writes both groups'
+    outputs: the cos and sin of one rotary angle table), within the program's input and output limits."""
+    groups = [sorted(g, key=order.__getitem__) for g in groups]
+    while True:
+        readers: dict = {}
+        for i, g in enumerate(groups):
+            for a in _boundary(g)[0]:
+                readers.setdefault(a, []).append(i)
+        pair = None
+        for idx in readers.values():
+            for x in range(len(idx)):
+                for y in range(x + 1, len(idx)):
+                    a, b = groups[idx[x]], groups[idx[y]]
+                    if not joinable(a[0], b[0]):
+                        continue
+                    both = sorted(a + b, key=order.__getitem__)
+                    ins, outs = _boundary(both)
+                    if len(ins) <= MAX_INPUTS and len(outs) <= MAX_OUTPUTS and not _cut_cycles(both, order)[1]:
+                        pair = (idx[x], idx[y], both)
+                        break
+                if pair:
+                    break
+            if pair:
+                break
+        if pair is None:
+            return groups
+        i, j, both = pair
+        groups = [g for k, g in enumerate(groups) if k not in (i, j)] + [both]
 
 
 def _program(group, ins, outs):

@@ -32,7 +32,8 @@ def every_op_program():
             p.silu(x), p.hardswish(x), p.pow(x, 2), p.pow(p.abs(x), 0.75), p.pow(y, -1), p.maximum(x, y),
             p.minimum(x, y), p.where(m, x, y), p.where(p.lt(x, y), 1.0, -1.0), p.clamp(x, -0.5, 0.5),
             x - y, x / (p.abs(y) + 1), 3.0 - x, p.cast(p.eq(x, x), "f32") + p.cast(p.ne(x, y), "f32"),
-            p.cast(p.le(x, 0.0), "f32") + p.cast(p.ge(y, 0.0), "f32") + p.cast(p.gt(x, y), "f32")]
+            p.cast(p.le(x, 0.0), "f32") + p.cast(p.ge(y, 0.0), "f32") + p.cast(p.gt(x, y), "f32"),
+            p.cos(x * 3.0), p.sin(y * 3.0), p.erf(x)]
     acc = vals[0]
     for v in vals[1:]:
         acc = acc + v

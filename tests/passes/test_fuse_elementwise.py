@@ -259,3 +259,46 @@ def test_pointwise_group_kept_inside_a_channels_last_region():
         Spy(gm).run(x)
     assert seen == [True] * 4
     assert reference_check(m, gm, (x,)).passed
+
+
+class RotaryTable(nn.Module):
+    """Hugging Face's rotary embedding table: cos and sin of one angle table, each scaled and cast."""
+
+    def forward(self, pos, inv_freq):
+        ang = pos[:, :, None].float() * inv_freq[None, None, :]
+        emb = torch.cat((ang, ang), dim=-1)
+        return (emb.cos() * 1.0).to(torch.bfloat16), (emb.sin() * 1.0).to(torch.bfloat16)
+
+
+class Siblings(nn.Module):
+    """Three groups reading x: one depends on another through a reduction (never merged with it),
+    one has another shape (never merged)."""
+
+    def forward(self, x, z):
+        a = x.exp() * 2
+        b = (x + 1) * a.sum()
+        c = (x + z).sin() * 3  # x broadcast into z's [2, 4, 8]
+        return a, b, c
+
+
+def test_groups_reading_one_tensor_merge_into_one_kernel():
+    """cos and sin of the angle table: one kernel reading the angles once, two outputs."""
+    m = RotaryTable()
+    pos, inv = torch.arange(12).reshape(2, 6), 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    gm = capture(m, (pos, inv))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    (fp,) = _fp_nodes(gm)
+    assert len(parse(fp.args[0]).outputs) == 2 and c["aten.cos.default"] == 0 and c["aten.sin.default"] == 0
+    assert fp.args[1][0].target is torch.ops.aten.cat.default  # the shared angle table, read once
+    assert reference_check(m, gm, (pos, inv)).passed
+
+
+def test_siblings_with_a_path_between_them_or_another_shape_stay_apart():
+    m = Siblings()
+    x, z = torch.randn(4, 8), torch.randn(2, 4, 8)
+    gm = capture(m, (x, z))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    groups = sorted(sorted(name.rstrip("_0123456789") for name in r.matched) for r in res.rewrites)
+    assert groups == [["add", "mul"], ["add", "mul", "sin"], ["exp", "mul"]], groups
+    assert reference_check(m, gm, (x, z)).passed

@@ -43,6 +43,7 @@ from ._fusion_meta import requires_grad, set_meta
 aten = torch.ops.aten
 MAX_INPUTS = 8
 MAX_OUTPUTS = 4
+MERGE_SPAN = 128  # graph positions two sibling groups may be apart to be tried for one kernel
 
 
 def _dtypes():
@@ -395,33 +396,37 @@ def _cut_cycles(group, order):
 def _merge_siblings(groups, order, joinable) -> list[list[fx.Node]]:
     """Groups that read a common tensor from outside, of one shape and device, neither depending on
     the other, merged into one (one kernel reads the shared tensor once and writes both groups'
-    outputs: the cos and sin of one rotary angle table), within the program's input and output limits."""
+    outputs: the cos and sin of one rotary angle table), within the program's input and output limits.
+    Of the groups reading one tensor, only neighbours in graph order within MERGE_SPAN positions are
+    tried (the check for a path between two groups walks the nodes between them; siblings far apart,
+    one per layer, depend on each other), and a pair that failed is not tried again."""
     groups = [sorted(g, key=order.__getitem__) for g in groups]
+    failed: set = set()
     while True:
         readers: dict = {}
-        for i, g in enumerate(groups):
+        for g in sorted(groups, key=lambda g: order[g[0]]):
             for a in _boundary(g)[0]:
-                readers.setdefault(a, []).append(i)
+                readers.setdefault(a, []).append(g)
         pair = None
-        for idx in readers.values():
-            for x in range(len(idx)):
-                for y in range(x + 1, len(idx)):
-                    a, b = groups[idx[x]], groups[idx[y]]
-                    if not joinable(a[0], b[0]):
-                        continue
-                    both = sorted(a + b, key=order.__getitem__)
-                    ins, outs = _boundary(both)
-                    if len(ins) <= MAX_INPUTS and len(outs) <= MAX_OUTPUTS and not _cut_cycles(both, order)[1]:
-                        pair = (idx[x], idx[y], both)
-                        break
-                if pair:
+        for seq in readers.values():
+            for a, b in zip(seq, seq[1:]):
+                key = (tuple(a), tuple(b))
+                if key in failed:
+                    continue
+                failed.add(key)
+                if max(order[a[-1]], order[b[-1]]) - order[a[0]] > MERGE_SPAN or not joinable(a[0], b[0]):
+                    continue
+                both = sorted(a + b, key=order.__getitem__)
+                ins, outs = _boundary(both)
+                if len(ins) <= MAX_INPUTS and len(outs) <= MAX_OUTPUTS and not _cut_cycles(both, order)[1]:
+                    pair = (a, b, both)
                     break
             if pair:
                 break
         if pair is None:
             return groups
-        i, j, both = pair
-        groups = [g for k, g in enumerate(groups) if k not in (i, j)] + [both]
+        a, b, both = pair
+        groups = [g for g in groups if g is not a and g is not b] + [both]
 
 
 def _program(group, ins, outs):

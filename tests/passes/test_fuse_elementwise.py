@@ -302,3 +302,17 @@ def test_siblings_with_a_path_between_them_or_another_shape_stay_apart():
     groups = sorted(sorted(name.rstrip("_0123456789") for name in r.matched) for r in res.rewrites)
     assert groups == [["add", "mul"], ["add", "mul", "sin"], ["exp", "mul"]], groups
     assert reference_check(m, gm, (x, z)).passed
+
+
+def test_erf_cos_sin_join_a_group():
+    """aten erf, cos and sin are expressible: one chain of them is one kernel."""
+    class Trig(nn.Module):
+        def forward(self, x):
+            return (x.erf() * 2).cos().sin() + 1
+
+    m, x = Trig(), torch.randn(4, 32)
+    gm = capture(m, (x,))
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] == 1 and not any(k in c for k in ("aten.erf.default", "aten.cos.default", "aten.sin.default"))
+    assert reference_check(m, gm, (x,)).passed

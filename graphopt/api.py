@@ -781,13 +781,22 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
                            captured_activation_bytes=captured_act)
 
     snapshot = None
-    if check is not None:
+    if check is not None or meter is not None:
         with timing.phase("graph snapshots"):
             snapshot = copy.deepcopy(gm.graph)
     ctx = context()
     instruments = [meter] if meter is not None else []
+    if meter is not None:
+        meter.hold = True  # a measured loss is judged by the whole pipeline (_without_held)
     manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=False, instruments=instruments)
     results = manager.run(gm, ctx, before=before)
+    if meter is not None:
+        meter.hold = False
+        if meter.held:
+            results, ctx, manager = _without_held(gm, snapshot, meter, (results, ctx, manager),
+                                                  lambda: PassManager(assemble(opts.passes, opts.disable), check,
+                                                                      check_each=False, instruments=instruments),
+                                                  context, before)
     acc_mode, final = "once, after all passes", None
     if check is not None:
         with timing.phase("accuracy checks"):
@@ -823,6 +832,56 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
             accuracy_info["reason"] = final.reason
     plan = next((r.plan for r in results if isinstance(r, PartitionResult)), None)
     return _PipelineRun(results, before, manager.final_cost, execution, accuracy_info, constants, plan)
+
+
+def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, before) -> tuple:
+    """The passes measured slower in the first run were kept (``meter.held``): the passes after
+    them may have built on them. Run the pipeline again from the captured graph with each of them
+    judged alone (undone, or bisected over its rewrites, where it measures slower), time both
+    results against each other, and keep the first only where the second is slower. Returns the
+    kept run's (results, context, manager); ``gm`` holds its graph."""
+    from .runtime.measured import slower
+
+    held = list(meter.held)
+    with timing.phase("graph snapshots"):
+        kept = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the first result, with the constants it reads
+        gm.graph = copy.deepcopy(snapshot)  # (the setter recompiles)
+    ir.remove_unused_attributes(gm)
+    ir.repropagate(gm)
+    first_timing, first_skipped = meter.current, list(meter.skipped)
+    meter.current, meter.held, meter.skipped, meter.judge_again = meter.first, [], [], set(held)
+    try:
+        ctx = context()
+        manager = make_manager()
+        results = manager.run(gm, ctx, before=before)
+    finally:
+        meter.judge_again = set()
+    with timing.phase("measured guard: building the callables"):
+        fns = meter.make(kept), meter.make(gm)
+    with_held, without = meter.timer.compare(*fns)
+    del fns
+    names = ", ".join(held)
+    verdict = (f"the passes with {names} kept measured {with_held.median_s * 1e3:.3f} ms, run again with "
+               f"{'it' if len(held) == 1 else 'them'} judged alone {without.median_s * 1e3:.3f} ms")
+    if not slower(without, with_held, meter.margin):
+        meter.current = without
+        for r in results:
+            if r.name in held:
+                r.notes.append(verdict)
+        return results, ctx, manager
+    for name in {n.target for n in kept.graph.nodes if n.op == "get_attr"}:
+        if name.startswith("_graphopt_"):  # the constants the first run's passes added
+            gm.register_buffer(name, ir.get_attr_value(kept, name), persistent=True)
+    with timing.phase("recompile"):
+        gm.graph = kept.graph
+    ir.remove_unused_attributes(gm)
+    ir.repropagate(gm)
+    first[1].constants.recount(gm)
+    meter.current, meter.skipped = with_held, first_skipped
+    for r in first[0]:
+        if r.name in held:
+            r.notes.append(f"kept: {verdict}")
+    return first
 
 
 def _build_report(model, gm, planning: _Planning, run: _PipelineRun, acc_info: dict, model_dev,

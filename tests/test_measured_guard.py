@@ -111,6 +111,93 @@ def test_a_pass_measured_slower_is_undone_and_the_others_show_their_time(mlp, mo
     assert reference_check(model, opt.graph_module, (x,)).passed
 
 
+class HeavyMLP(MLP):
+    """Each layer ends in a no-op the model computes anyway: ``x + 0 * sum(x @ W)`` with a 256 x 2048
+    W. Only PlantedPayoff removes it, and only after PlantedEnabler marked the layer's ReLU."""
+
+    def __init__(self, d=256, layers=4):
+        super().__init__(d, layers)
+        self.register_buffer("w", torch.randn(d, 2048))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.relu(lin(x))
+            x = x + 0.0 * (x @ self.w).sum()
+        return x
+
+
+class PlantedEnabler(SlowRelu):
+    """SlowRelu that also marks each ReLU it rewrites: measured alone, a loss (a matmul per layer)."""
+
+    name = "planted_enabler"
+
+    def run(self, gm, ctx):
+        res = super().run(gm, ctx)
+        for n in gm.graph.nodes:
+            if n.target is aten.relu.default and n.args[0].target is aten.add.Tensor:
+                n.meta["planted_enabled"] = True
+        return res
+
+
+class PlantedPayoff(Pass):
+    """At a marked ReLU: drop the enabler's matmul and the model's own no-op after the ReLU (both
+    ``add(v, 0 * sum(v @ W))``), leaving the linear layers alone; the last layer's output is scaled
+    by a constant of ones the pass adds (so the kept result reads a constant of its own)."""
+
+    name = "planted_payoff"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        cands = []
+        for i, n in enumerate(n for n in gm.graph.nodes if n.meta.get("planted_enabled")):
+            def apply(n=n):
+                n.args = (n.args[0].args[0],)
+                for u in list(n.users):
+                    if u.target is aten.add.Tensor and u.args[0] is n:
+                        u.replace_all_uses_with(n)
+                return n
+            cands.append(Candidate("planted: payoff", [n], 1.0 - i * 1e-3, apply, label=f"relu #{i + 1}"))
+        res.apply_ranked(ctx, cands)
+        if res.changed:
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            last = out.args[0][0]
+            ones = ir.register_constant(gm, "planted_ones", torch.ones(last.meta["val"].shape[-1]))
+            with gm.graph.inserting_before(out):
+                scaled = gm.graph.call_function(aten.mul.Tensor, (last, gm.graph.get_attr(ones)))
+            out.args = ((scaled, *out.args[0][1:]),)
+            gm.graph.eliminate_dead_code()
+            ir.repropagate(gm)
+        return res
+
+
+def test_a_pass_measured_slower_alone_is_kept_where_the_passes_after_it_build_on_it(monkeypatch):
+    """The enabler alone measures slower; the payoff, which needs it, then removes every matmul. The
+    guard keeps the enabler after timing the pipeline with it against the pipeline with it judged
+    alone (undone, so the payoff finds nothing): the kept result runs no matmul and passes the
+    accuracy rule. A pass that is a loss whatever follows it is still undone (the first test)."""
+    monkeypatch.setenv("GRAPHOPT_MEASURE_BUDGET_S", "60")
+    torch.manual_seed(0)
+    model, x = HeavyMLP().eval(), torch.randn(256, 256)
+
+    def pipeline(passes=None, disable=None):
+        real = assemble(passes, disable)
+        return real[:1] + [PlantedEnabler()] + real[1:] + [PlantedPayoff()]
+
+    monkeypatch.setattr(api, "assemble", pipeline)
+    opt = graphopt.optimize(model, (x,), measure=True)
+    enabler, payoff = opt.report.pass_result("planted_enabler"), opt.report.pass_result("planted_payoff")
+    assert enabler.status == "applied" and enabler.details["measured_loss_held"], enabler.notes
+    assert any(n.startswith("kept: the passes with planted_enabler kept measured") for n in enabler.notes), enabler.notes
+    assert payoff.status == "applied" and len(payoff.rewrites) == 4
+    assert not any(n.target is aten.mm.default for n in opt.graph_module.graph.nodes)
+    # the enabler's W went with the matmuls; the payoff's constant, dropped by the second run, is back
+    assert [k for k, _ in opt.graph_module.named_buffers() if k.startswith("_graphopt_")] == ["_graphopt_planted_ones"]
+    assert opt.report.speed["passes_ms"] < opt.report.speed["captured_ms"]
+    assert opt.report.accuracy["passed"]
+    assert reference_check(model, opt.graph_module, (x,)).passed
+
+
 def test_within_a_pass_the_first_rewrites_that_are_not_slower_are_kept(mlp, monkeypatch):
     """The pass's three highest-gain rewrites add nothing, the other three a matmul each: the whole
     pass measures slower, the first half alone does not, so those are kept."""

@@ -166,7 +166,9 @@ class MeasuredTime:
     ``measured_ms`` beside the prediction, except a pass that only removes work (``Pass.removes_work_only``:
     dead code, common subexpressions), which is not timed. A pass is timed only while ``budget_s`` has room for
     its comparison (both graphs' warm-up and fewest rounds at the last measured call's length);
-    the passes after that are applied unmeasured, with a note."""
+    the passes after that are applied unmeasured, with a note. With ``hold`` set, a pass measured
+    slower is kept instead and named in ``held``: the caller judges it by the whole pipeline
+    (graphopt.api runs the passes again without it and keeps the faster of the two results)."""
 
     def __init__(self, make, timer: Timer, budget_s: float, margin: float | None = None):
         self.make, self.timer, self.budget_s = make, timer, budget_s
@@ -174,6 +176,13 @@ class MeasuredTime:
         self.first: Timing | None = None  # the graph as the pipeline got it (the captured graph)
         self.current: Timing | None = None
         self.skipped: list[str] = []  # passes applied after the budget was spent
+        # hold: a pass measured slower stays applied (its name in ``held``), because the passes after
+        # it may build on it (a folded batch norm lets a convolution take its bias and ReLU in one
+        # kernel); the caller then runs the passes again without it and keeps the faster result.
+        # judge_again: passes a second run must measure, or undo where the budget has no room.
+        self.hold = False
+        self.held: list[str] = []
+        self.judge_again: set[str] = set()
 
     def enter(self, gm, ctx) -> None:
         if self.first is None:
@@ -213,6 +222,9 @@ class MeasuredTime:
             res.details["not_timed"] = "runs a subset of the graph's ops"
             return None
         if not self.affordable() or ctx.before_pass is None:
+            if p.name in self.judge_again:
+                return ("measured slower than the graph before it in the first run of the passes; the guard's "
+                        "time budget had no room to measure it again")
             self.skipped.append(p.name)
             return None
         import torch.fx as fx
@@ -225,6 +237,13 @@ class MeasuredTime:
         res.details["measured_ms"] = after.median_s * 1e3
         res.details["measured_before_ms"] = before.median_s * 1e3
         if slower(after, before, self.margin):
+            if self.hold:
+                self.held.append(p.name)
+                res.details["measured_loss_held"] = True
+                res.notes.append(f"measured {after.median_s * 1e3:.3f} ms against {before.median_s * 1e3:.3f} ms before "
+                                 "it; kept while the passes after it run, then judged against the passes run without it")
+                self.current = after
+                return None
             res.details["bisect"] = True
             self.current = before
             return (f"measured {after.median_s * 1e3:.3f} ms against {before.median_s * 1e3:.3f} ms before it "

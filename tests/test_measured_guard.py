@@ -273,6 +273,44 @@ def test_a_pass_is_timed_only_while_the_budget_has_room_for_its_comparison():
     assert not meter.affordable()
 
 
+def test_on_a_steady_device_a_gain_is_timed_alone_and_a_loss_in_interleaved_rounds():
+    """On a GPU (``Timer.steady``) the graph after a pass is timed alone against the last graph
+    timed: a gain is settled with one graph built and timed; a graph that looks slower is built
+    beside the graph before the pass and both are timed in interleaved rounds, which decide."""
+    import time
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from graphopt.runtime.measured import MeasuredTime
+
+    gm = fx.symbolic_trace(nn.Identity())
+    built = []
+
+    def make(g, lengths):
+        built.append(g)
+        d = lengths[len(built) - 1]
+        return lambda: time.sleep(d)
+
+    timer = Timer("cpu", warmup=1, settle_rounds=4, early=True)
+    timer.steady = True
+    meter = MeasuredTime(lambda g: make(g, [0.004]), timer, budget_s=30.0)
+    meter.current = Timing(0.010, [0.010] * 4)
+    res = SimpleNamespace(status="applied", details={})
+    ctx = SimpleNamespace(before_pass=gm.graph)
+    assert meter.run_after_pass(gm, SimpleNamespace(name="fuse_x"), ctx, res) is None
+    assert len(built) == 1 and built[0] is gm and 3.5 < res.details["measured_ms"] < 8
+    assert meter.current.median_s < 0.008
+
+    built.clear()
+    meter.make = lambda g: make(g, [0.012, 0.004])  # after the pass 12 ms, the graph before it 4 ms
+    res = SimpleNamespace(status="applied", details={}, predicted_s_after=0.0, predicted_s_before=0.0)
+    why = meter.run_after_pass(gm, SimpleNamespace(name="slow_x"), ctx, res)
+    assert why and why.startswith("measured") and res.details["bisect"]
+    assert len(built) == 2 and built[0] is gm and built[1] is not gm  # the graph before, rebuilt beside it
+    assert 3.5 < meter.current.median_s * 1e3 < 8  # the graph before the pass stays the one to beat
+
+
 def test_the_margin_and_the_interleaved_rounds():
     assert slower(Timing(1.03), Timing(1.0)) and not slower(Timing(1.01), Timing(1.0))
     # slow at the median only (the machine busy with other work): not a loss

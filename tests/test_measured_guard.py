@@ -311,6 +311,26 @@ def test_on_a_steady_device_a_gain_is_timed_alone_and_a_loss_in_interleaved_roun
     assert 3.5 < meter.current.median_s * 1e3 < 8  # the graph before the pass stays the one to beat
 
 
+def test_off_a_steady_device_a_loss_is_taken_again_and_the_second_comparison_decides():
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from graphopt.runtime.measured import MeasuredTime
+
+    gm = fx.symbolic_trace(nn.Identity())
+    timer = Timer("cpu", early=True)
+    meter = MeasuredTime(lambda g: (lambda: None), timer, budget_s=30.0)
+    meter.current = Timing(0.010, [0.010] * 6)
+    base, lost, level = Timing(0.010, [0.010] * 6), Timing(0.013, [0.013] * 6), Timing(0.0101, [0.0101] * 6)
+    for second, loss in ((level, False), (lost, True)):
+        rounds = [(base, lost), (base, second)]
+        timer.compare = lambda *fns, most=None: rounds.pop(0)
+        res = SimpleNamespace(status="applied", details={}, predicted_s_after=0.0, predicted_s_before=0.0)
+        why = meter.run_after_pass(gm, SimpleNamespace(name="p"), SimpleNamespace(before_pass=gm.graph), res)
+        assert not rounds and bool(why) is loss and res.details["measured_ms"] == second.median_s * 1e3
+
+
 def test_the_margin_and_the_interleaved_rounds():
     assert slower(Timing(1.03), Timing(1.0)) and not slower(Timing(1.01), Timing(1.0))
     # slow at the median only (the machine busy with other work): not a loss

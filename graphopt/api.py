@@ -848,14 +848,19 @@ def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, befo
         gm.graph = copy.deepcopy(snapshot)  # (the setter recompiles)
     ir.remove_unused_attributes(gm)
     ir.repropagate(gm)
-    first_timing, first_skipped = meter.current, list(meter.skipped)
+    first_skipped = list(meter.skipped)
     meter.current, meter.held, meter.skipped, meter.judge_again = meter.first, [], [], set(held)
+    ctx = context()
+    # the first result's constants stay resident while the second run adds its own: the weight-copy
+    # limit covers both
+    ctx.constants.reserved = setup_memory.added_constant_bytes(kept)
+    ctx.constants.recount(gm)
     try:
-        ctx = context()
         manager = make_manager()
         results = manager.run(gm, ctx, before=before)
     finally:
         meter.judge_again = set()
+        ctx.constants.reserved = 0.0
     with timing.phase("measured guard: building the callables"):
         fns = meter.make(kept), meter.make(gm)
     with_held, without = meter.timer.compare(*fns)
@@ -864,6 +869,7 @@ def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, befo
     verdict = (f"the passes with {names} kept measured {with_held.median_s * 1e3:.3f} ms, run again with "
                f"{'it' if len(held) == 1 else 'them'} judged alone {without.median_s * 1e3:.3f} ms")
     if not slower(without, with_held, meter.margin):
+        ctx.constants.recount(gm)
         meter.current = without
         for r in results:
             if r.name in held:

@@ -52,6 +52,7 @@ class ConstantAccount:
     peak: float = 0.0  # the most ``used`` reached
     refused: int = 0  # rewrites refused for the limit
     refused_bytes: float = 0.0
+    reserved: float = 0.0  # constants held outside the graph meanwhile (a result kept aside), counted in ``used``
 
     def refusal(self, nbytes: float) -> str:
         """Why a rewrite adding ``nbytes`` of constants is refused ("" when it fits; it is then charged)."""
@@ -70,8 +71,9 @@ class ConstantAccount:
         self.peak = max(self.peak, self.used)
 
     def recount(self, gm: fx.GraphModule) -> None:
-        """``used`` from the graph itself: the bytes of graphopt's constants its get_attr nodes read."""
-        self.used = added_constant_bytes(gm)
+        """``used`` from the graph itself: the bytes of graphopt's constants its get_attr nodes read
+        (and ``reserved``)."""
+        self.used = self.reserved + added_constant_bytes(gm)
         self.peak = max(self.peak, self.used)
 
     def as_dict(self) -> dict:

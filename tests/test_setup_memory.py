@@ -127,6 +127,11 @@ def test_constants_shared_with_the_model_are_not_counted():
         for name in ("_graphopt_alias", "_graphopt_copy"):
             gm.graph.get_attr(name)
     assert setup_memory.added_constant_bytes(gm) == 64 * 64 * 4
+    # constants held aside meanwhile (a first result the measured guard keeps while the passes run
+    # again) count against the same limit
+    acc = setup_memory.ConstantAccount(5e4, "50KB", reserved=2e4)
+    acc.recount(gm)
+    assert acc.used == 2e4 + 64 * 64 * 4 and acc.refusal(2e4) and not acc.refusal(1e3)
 
 
 def test_precision_beyond_the_limit_casts_weights_in_the_graph():

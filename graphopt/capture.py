@@ -483,8 +483,8 @@ def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False,
                 "drop it from dynamic= or remove the code that fixes its size"
             ) from None
         raise
-    with timing.phase("capture: unlift (ep.module)"):
-        gm = ep.module()
+    with timing.phase("capture: unlift (ep.module)"), _lazy_graph_modules():
+        gm = ep.module()  # (its intermediate modules' code, generated four times, is left ungenerated)
     return gm
 
 

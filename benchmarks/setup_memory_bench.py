@@ -208,7 +208,8 @@ def main(argv=None) -> int:
             row.update(constants_added=mem.get("added_bytes"), refused=mem.get("refused"),
                        report_setup_peak=rep.setup_peak_bytes, memory=mem, phases=rep.optimize_phases,
                        guard="passed" if rep.accuracy.get("passed") else (rep.accuracy.get("reason") or "failed")[:80],
-                       applied=[q.name for q in rep.passes if q.status == "applied"])
+                       applied=[q.name for q in rep.passes if q.status == "applied"],
+                       held={q.name: q.details["held_verdict"] for q in rep.passes if "held_verdict" in q.details})
             print(f"[{variant}] optimize: peak {gb(row['optimize_peak'])} GB "
                   f"({row['optimize_peak'] / row['eager_peak']:.2f}x eager), {row['optimize_s']:.1f} s; "
                   f"{rep.memory_summary()}; guard {row['guard']}", flush=True)

@@ -874,6 +874,7 @@ def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, befo
         for r in results:
             if r.name in held:
                 r.notes.append(verdict)
+                r.details["held_verdict"] = f"judged alone: {verdict}"
         return results, ctx, manager
     for name in {n.target for n in kept.graph.nodes if n.op == "get_attr"}:
         if name.startswith("_graphopt_"):  # the constants the first run's passes added
@@ -887,6 +888,7 @@ def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, befo
     for r in first[0]:
         if r.name in held:
             r.notes.append(f"kept: {verdict}")
+            r.details["held_verdict"] = f"kept: {verdict}"
     return first
 
 

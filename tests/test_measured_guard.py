@@ -189,6 +189,7 @@ def test_a_pass_measured_slower_alone_is_kept_where_the_passes_after_it_build_on
     enabler, payoff = opt.report.pass_result("planted_enabler"), opt.report.pass_result("planted_payoff")
     assert enabler.status == "applied" and enabler.details["measured_loss_held"], enabler.notes
     assert any(n.startswith("kept: the passes with planted_enabler kept measured") for n in enabler.notes), enabler.notes
+    assert enabler.details["held_verdict"].startswith("kept: ")  # what the bench and the sweep record
     assert payoff.status == "applied" and len(payoff.rewrites) == 4
     assert not any(n.target is aten.mm.default for n in opt.graph_module.graph.nodes)
     # the enabler's W went with the matmuls; the payoff's constant, dropped by the second run, is back

@@ -906,6 +906,8 @@ def _graphopt_extra(opt) -> dict:
     # pass -> the one line of its revert (a measured loss, the accuracy rule, or a broken graph)
     extra["reverted"] = {p.name: (p.notes[-1] if p.notes else "") for p in rep.passes
                          if getattr(p, "status", "") == "reverted"}
+    # pass -> the measured guard's verdict on a pass measured slower alone and held while the others ran
+    extra["held"] = {p.name: p.details["held_verdict"] for p in rep.passes if "held_verdict" in p.details}
     if runner is not None:
         extra["cuda_graph"] = runner.decision.note()
         extra["runner_stats"] = {k: v for k, v in runner.stats.items()}

@@ -257,6 +257,7 @@ class Row:
     optimize_phases: dict = field(default_factory=dict)  # optimize()'s wall time per phase (graphopt.timing)
     pass_ms: dict = field(default_factory=dict)  # applied pass -> its measured ms (the guard's), None: not timed
     reverted: dict = field(default_factory=dict)  # reverted pass -> the one line of its revert
+    held: dict = field(default_factory=dict)  # pass measured slower alone and held -> the guard's verdict
     # torch.compile's set-up where a prewarm compiled the config first (sweep(prewarm_jobs=...)): the
     # cold compile's seconds stand in setup_s, the timed run's own (warm cache) ones here
     compile_warm_setup_s: dict = field(default_factory=dict)
@@ -319,6 +320,7 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
             row.optimize_phases = v.extra.get("optimize_phases") or {}
             row.pass_ms = v.extra.get("pass_ms") or {}
             row.reverted = v.extra.get("reverted") or {}
+            row.held = v.extra.get("held") or {}
             row.interleaved = v.extra.get("interleaved") or {}
     return row
 
@@ -461,6 +463,9 @@ def summary(rows: list[Row]) -> dict:
         "reverted": {kind: {r.config: [p for p, note in r.reverted.items() if revert_kind(note) == kind] for r in done
                             if any(revert_kind(note) == kind for note in r.reverted.values())}
                      for kind in ("broken graph", "measured slower", "accuracy rule")},
+        # passes measured slower alone, held while the others ran: kept (the passes after them built on
+        # them) or judged alone in a second run of the pipeline
+        "held": {r.config: {p: v.split(":", 1)[0] for p, v in r.held.items()} for r in done if r.held},
         "errors": {r.config: r.error for r in rows if r.status != "ok"},
     }
 
@@ -528,6 +533,9 @@ def to_markdown(rows: list[Row], header: dict) -> str:
     for kind, by_row in s["reverted"].items():
         lines.append(f"- passes reverted ({kind}): "
                      + ("; ".join(f"{c}: {', '.join(ps)}" for c, ps in by_row.items()) or "none"))
+    lines.append("- passes measured slower alone and held while the others ran: "
+                 + ("; ".join(f"{c}: " + ", ".join(f"{p} ({v})" for p, v in ps.items()) for c, ps in s["held"].items())
+                    or "none"))
     if s["errors"]:
         lines += [f"- not measured: {len(s['errors'])} ({', '.join(s['errors'])})"]
     return "\n".join(lines) + "\n"

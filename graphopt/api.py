@@ -786,17 +786,19 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
             snapshot = copy.deepcopy(gm.graph)
     ctx = context()
     instruments = [meter] if meter is not None else []
+
+    def manager_for(check_each: bool) -> PassManager:
+        return PassManager(assemble(opts.passes, opts.disable), check, check_each=check_each, instruments=instruments)
+
     if meter is not None:
         meter.hold = True  # a measured loss is judged by the whole pipeline (_without_held)
-    manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=False, instruments=instruments)
+    manager = manager_for(False)
     results = manager.run(gm, ctx, before=before)
     if meter is not None:
         meter.hold = False
         if meter.held:
             results, ctx, manager = _without_held(gm, snapshot, meter, (results, ctx, manager),
-                                                  lambda: PassManager(assemble(opts.passes, opts.disable), check,
-                                                                      check_each=False, instruments=instruments),
-                                                  context, before)
+                                                  lambda: manager_for(False), context, before)
     acc_mode, final = "once, after all passes", None
     if check is not None:
         with timing.phase("accuracy checks"):
@@ -804,14 +806,11 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
         if first.passed:
             final = first
         else:
-            with timing.phase("recompile"):
-                gm.graph = snapshot  # (the setter recompiles)
-                ir.remove_unused_attributes(gm)
-            ir.repropagate(gm)
+            _set_graph(gm, snapshot)
             ctx = context()
             if meter is not None:
                 meter.current = meter.first  # the captured graph again
-            manager = PassManager(assemble(opts.passes, opts.disable), check, check_each=True, instruments=instruments)
+            manager = manager_for(True)
             results = manager.run(gm, ctx, before=before)
             acc_mode = f"after each pass (the check after all passes failed: {first.reason})"
             last = manager.last_check
@@ -834,6 +833,15 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
     return _PipelineRun(results, before, manager.final_cost, execution, accuracy_info, constants, plan)
 
 
+def _set_graph(gm, graph) -> None:
+    """``gm`` runs ``graph`` (a snapshot taken earlier): its code regenerated, the constants no node
+    reads any more dropped, fake values propagated again."""
+    with timing.phase("recompile"):
+        gm.graph = graph  # (the setter recompiles)
+        ir.remove_unused_attributes(gm)
+    ir.repropagate(gm)
+
+
 def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, before) -> tuple:
     """The passes measured slower in the first run were kept (``meter.held``): the passes after
     them may have built on them. Run the pipeline again from the captured graph with each of them
@@ -845,9 +853,8 @@ def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, befo
     held = list(meter.held)
     with timing.phase("graph snapshots"):
         kept = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the first result, with the constants it reads
-        gm.graph = copy.deepcopy(snapshot)  # (the setter recompiles)
-    ir.remove_unused_attributes(gm)
-    ir.repropagate(gm)
+        captured = copy.deepcopy(snapshot)  # (the snapshot stays for the accuracy guard's second run)
+    _set_graph(gm, captured)
     first_skipped = list(meter.skipped)
     meter.current, meter.held, meter.skipped, meter.judge_again = meter.first, [], [], set(held)
     ctx = context()
@@ -879,10 +886,7 @@ def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, befo
     for name in {n.target for n in kept.graph.nodes if n.op == "get_attr"}:
         if name.startswith("_graphopt_"):  # the constants the first run's passes added
             gm.register_buffer(name, ir.get_attr_value(kept, name), persistent=True)
-    with timing.phase("recompile"):
-        gm.graph = kept.graph
-    ir.remove_unused_attributes(gm)
-    ir.repropagate(gm)
+    _set_graph(gm, kept.graph)
     first[1].constants.recount(gm)
     meter.current, meter.skipped = with_held, first_skipped
     for r in first[0]:

@@ -99,6 +99,8 @@ def test_a_pass_measured_slower_is_undone_and_the_others_show_their_time(mlp, mo
     by = {r.name: r for r in opt.report.passes}
     planted = by["slow_relu_planted"]
     assert planted.status == "reverted" and any("measured" in n and "ms before it" in n for n in planted.notes)
+    # held in the first run, undone in the second, which the last comparison chose
+    assert planted.details["held_verdict"].startswith("judged alone: the passes with slow_relu_planted kept")
     assert not any(n.target is aten.mm.default for n in opt.graph_module.graph.nodes)
     for r in opt.report.passes:
         if r.status == "applied":

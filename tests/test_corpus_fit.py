@@ -114,6 +114,31 @@ def test_a_class_whose_fit_does_not_generalize_across_configs_is_dropped():
     assert lookup(prof.op_class_fit, grouped, 1e-4)[0] != "conv/f32/grouped"
 
 
+def test_no_correction_prices_one_memory_layout_apart_from_the_other():
+    # NCHW convolutions measured alone at a third of their price, channels_last ones as priced: a
+    # fit per layout would make NCHW look cheap and move convert_channels_last's choice, which the
+    # nodes timed alone never compared (on an H200 such a fit refused channels_last on ResNet-50
+    # given in NCHW: 3.1x slower, benchmarks/results/diag_nchw_profiles_2026-12-04_064702.json)
+    nchw, cl = ("conv", "f32", "dense", "nchw", "mbig"), ("conv", "f32", "dense", "cl", "mbig")
+    bn_cl, bn_contig = ("norm", "batch_norm", "cl"), ("norm", "batch_norm", "contig")
+    corpus = _corpus({nchw: lambda x, c: -math.log(3.0), cl: lambda x, c: 0.0,
+                      bn_cl: lambda x, c: math.log(2.0), bn_contig: lambda x, c: 0.0}, configs=5, noise=0.01)
+    prof, fit = fit_profile(corpus)
+    for name in ("conv/f32/dense/nchw", "conv/f32/dense/nchw/mbig", "conv/f32/dense/cl", "norm/batch_norm/cl"):
+        d = fit.decisions[name]
+        assert not d["kept"] and d["reason"].startswith("one memory layout of "), (name, d["reason"])
+    assert "conv/f32/dense" in fit.decisions["conv/f32/dense/nchw"]["reason"]
+    # both layouts get the same correction (the class above the fork's, or none)
+    for t in (1e-5, 1e-4):
+        assert _factor(prof, nchw, t) == pytest.approx(_factor(prof, cl, t))
+        assert _factor(prof, bn_cl, t) == pytest.approx(_factor(prof, bn_contig, t))
+    # a class with no channels_last member is fitted per tag as before
+    corpus = _corpus({("softmax", "row64", "contig"): lambda x, c: math.log(2.0),
+                      ("softmax", "row64", "strided"): lambda x, c: 0.0}, configs=5, noise=0.01)
+    _, fit = fit_profile(corpus)
+    assert fit.decisions["softmax/row64/contig"]["kept"]
+
+
 def test_a_class_seen_in_one_config_cannot_be_checked_and_is_dropped():
     corpus = _corpus({("gemm", "f32"): lambda x, c: math.log(2.0)}, configs=3)
     corpus.runs[0].steps += [Step(len(corpus.shapes) + i, 0.0, 1e-5, 1, False, False, 4e-5) for i in range(10)]

@@ -18,7 +18,8 @@ correction is kept only where it lowers the class's error cross-validated by con
 fitted configs; each held-out config's error the time-weighted mean |ln(predicted / measured)| of
 its nodes of the class, predicted by the fit of the other folds) by ``MIN_GAIN`` of it and at least
 ``MIN_GAIN_ABS``; else the
-class falls back to its parent's, and the decision says why. The stream terms (whole call ~
+class falls back to its parent's, and the decision says why. No class below a memory-layout fork
+(:func:`_layout_forks`) is fitted. The stream terms (whole call ~
 factor * corrected nodes + seconds per corrected node: :func:`fit_stream`) are cross-validated the
 same way on whole calls and kept only where they lower that error. The replay rule
 (:func:`fit_replay_rule`; graphopt.cost.opclass.REPLAY_RULES) says what a correction does to a
@@ -609,6 +610,15 @@ def _own_curve(entry: dict | None, base):
     return lambda x: curve_log_factor(entry, x) if covers(entry, math.exp(x)) else base(x)
 
 
+def _layout_forks(paths) -> set:
+    """The class paths whose next tag is a memory layout the layout pass chooses between: those
+    with a channels_last child ("conv/bf16/dense" over its "cl" and "nchw" children). A correction
+    below such a fork would price one layout apart from the other from nodes timed alone in
+    different graphs; what choosing a layout costs and enables (the conversions, the fusions a
+    layout allows) is not in those timings, so corrections stop at the fork."""
+    return {p[:-1] for p in paths if len(p) > 1 and p[-1] == "cl"}
+
+
 def fit_op_classes(samples, *, min_samples: int = MIN_SAMPLES, per_knot: int = PER_KNOT,
                    max_knots: int = MAX_KNOTS, max_folds: int = MAX_FOLDS, configs=None) -> ClassFit:
     """The class fits of ``samples`` (see the module docstring): candidates are the class path
@@ -644,6 +654,7 @@ def fit_op_classes(samples, *, min_samples: int = MIN_SAMPLES, per_knot: int = P
     order = sorted({(p, "curve") for p, v in curves.items() if len(v) >= min_samples}
                    | {(p, "fixed") for p, v in zeros.items() if len(v) >= min_samples},
                    key=lambda pk: (len(pk[0]), class_name(pk[0]), pk[1]))
+    layout_forks = _layout_forks(set(curves) | set(zeros))
     for path, kind in order:
         name = class_name(path)
         group = curves[path] if kind == "curve" else zeros[path]
@@ -651,6 +662,12 @@ def fit_op_classes(samples, *, min_samples: int = MIN_SAMPLES, per_knot: int = P
         decision = {"kind": kind, "n": len(group), "configs": len(seen), "cv_without": None, "cv_with": None}
         decisions[name if kind == "curve" else f"{name} (fixed)"] = decision
         fallback = _fallback_name(kept, path, kind)
+        fork = next((path[:i] for i in range(1, len(path)) if path[:i] in layout_forks), None)
+        if fork is not None:
+            decision.update(kept=False, reason=f"one memory layout of {class_name(fork)}: a correction per layout "
+                                               f"would move the layout pass's choice, which nodes timed alone do not "
+                                               f"measure; uses {fallback}")
+            continue
         if len(seen) < 2 or not folds:
             decision.update(kept=False, reason=f"measured in {len(seen)} config{'s' if len(seen) != 1 else ''} "
                                                f"only: a fit cannot be checked across configs; uses {fallback}")

@@ -132,6 +132,12 @@ def test_no_correction_prices_one_memory_layout_apart_from_the_other():
     for t in (1e-5, 1e-4):
         assert _factor(prof, nchw, t) == pytest.approx(_factor(prof, cl, t))
         assert _factor(prof, bn_cl, t) == pytest.approx(_factor(prof, bn_contig, t))
+    # the split fit (a GPU corpus: device and host apart) stops at the fork on both sides
+    corpus = _split_corpus({nchw: -math.log(3.0), cl: 0.0}, {nchw: math.log(2.0), cl: 0.0}, configs=5)
+    _, fit = fit_profile(corpus)
+    for side in ("device", "host"):
+        d = fit.decisions[f"{side}: conv/f32/dense/nchw"]
+        assert not d["kept"] and d["reason"].startswith("one memory layout of "), (side, d["reason"])
     # a class with no channels_last member is fitted per tag as before
     corpus = _corpus({("softmax", "row64", "contig"): lambda x, c: math.log(2.0),
                       ("softmax", "row64", "strided"): lambda x, c: 0.0}, configs=5, noise=0.01)

@@ -3,24 +3,24 @@ nodes whose class path contains a tag (median, least, most), from a `graphopt ca
 samples file (split timing: steps with a measured device time). No device needed. Usage:
     python benchmarks/diag/diag_corpus_class_ratios.py SAMPLES.json.gz TAG [TAG ...]"""
 
-import gzip
-import json
 import statistics
 import sys
 from collections import defaultdict
 
+from graphopt.cost.opclass import class_name
+from graphopt.tools.corpus_fit import Corpus
+
 
 def ratios(path: str, tags: list[str]) -> dict:
-    d = json.load(gzip.open(path))
-    classes, shapes = d["classes"], d["shapes"]
+    corpus = Corpus.load(path)
     out = defaultdict(list)
-    for run in d["runs"]:
-        for step in run["steps"]:
-            if step[0] < 0 or len(step) != 8 or not step[7] or not step[2]:
+    for run in corpus.runs:
+        for step in run.steps:
+            if step.shape < 0 or not step.device_m or not step.device_s:
                 continue
-            cls = classes[shapes[step[0]][0]]
-            if all(t in cls.split("/") for t in tags):
-                out[(run["config"], run["source"], cls)].append(step[7] / step[2])
+            cls = corpus.shapes[step.shape].cls
+            if all(t in cls for t in tags):
+                out[(run.config, run.source, class_name(cls))].append(step.device_m / step.device_s)
     return out
 
 

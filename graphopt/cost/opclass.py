@@ -88,13 +88,17 @@ def row_bucket(n) -> str:
     return "rowbig"
 
 
+# the tag of a channels_last 4-D tensor in a class path (layout(), conv_tags())
+CHANNELS_LAST = "cl"
+
+
 def layout(t: ir.TensorInfo) -> str:
     """"contig" (row-major), "cl" (a channels_last 4-D tensor) or "strided"."""
     from .model import is_channels_last
 
     if ir.is_contiguous(t):
         return "contig"
-    return "cl" if is_channels_last(t) else "strided"
+    return CHANNELS_LAST if is_channels_last(t) else "strided"
 
 
 def _arg(node: fx.Node, name: str, index: int | None = None):
@@ -170,7 +174,7 @@ def conv_tags(dt: str, x: ir.TensorInfo | None, w: ir.TensorInfo | None, out: ir
         group = "depthwise"
     else:
         group = "grouped"
-    lay = "nd" if len(x.shape) != 4 else ("cl" if is_channels_last(x) else "nchw")
+    lay = "nd" if len(x.shape) != 4 else (CHANNELS_LAST if is_channels_last(x) else "nchw")
     cout = _int(out.shape[1]) if len(out.shape) > 1 else None
     numel = _int(out.numel)
     pixels = numel // cout if cout and numel is not None else None

@@ -45,8 +45,8 @@ from typing import NamedTuple
 import torch
 
 from ..cost.model import QueueInputs, QueueStep, queue_cost
-from ..cost.opclass import (REPLAY_RULES, SEP, class_correction, class_name, corrected_times, covers,
-                            curve_log_factor, host_path, is_split, lookup, replay_rule, split_correction,
+from ..cost.opclass import (CHANNELS_LAST, REPLAY_RULES, SEP, class_correction, class_name, corrected_times,
+                            covers, curve_log_factor, host_path, is_split, lookup, replay_rule, split_correction,
                             split_times)
 from ..cost.profiles import DeviceProfile
 from ..errors import CorpusFileError, GraphoptError
@@ -616,7 +616,7 @@ def _layout_forks(paths) -> set:
     below such a fork would price one layout apart from the other from nodes timed alone in
     different graphs; what choosing a layout costs and enables (the conversions, the fusions a
     layout allows) is not in those timings, so corrections stop at the fork."""
-    return {p[:-1] for p in paths if len(p) > 1 and p[-1] == "cl"}
+    return {p[:-1] for p in paths if len(p) > 1 and p[-1] == CHANNELS_LAST}
 
 
 def fit_op_classes(samples, *, min_samples: int = MIN_SAMPLES, per_knot: int = PER_KNOT,

@@ -281,3 +281,22 @@ def test_a_prewarm_compiles_each_config_cold_and_its_setup_stands_for_compile(tm
     assert any(line.startswith("    prewarm hf-gpt2:2: compile ") for line in logs), logs
     assert row.setup_s["compile"] > 0 and row.compile_warm_setup_s["compile"] > 0
     assert "compiled cold" in open(paths["markdown"]).read()
+
+
+def test_any_model_a_user_names_is_a_config_with_a_clear_error_for_what_is_not():
+    import torch
+
+    configs = perf_sweep.parse_configs("resnet101,hf-falcon,hf-xlm-roberta:2,hf-beit")
+    assert configs == [PerfConfig("resnet101", 64), PerfConfig("hf-falcon", 8), PerfConfig("hf-xlm-roberta", 2),
+                       PerfConfig("hf-beit", 64)]
+    assert perf_sweep._hf_auto_config("falcon").num_hidden_layers == 4  # a 7B-class width: cut as the listed decoders
+    for name, why in [("hf-t5", "encoder-decoder"), ("hf-clip", "composite"), ("hf-nope", "no model type 'nope'"),
+                      ("resnet5", "not a torchvision classification model")]:
+        with pytest.raises(ValueError, match=why):
+            perf_sweep.parse_configs(name)
+    for name, kind in [("hf-xlm-roberta", "attention_mask"), ("hf-falcon", "input_ids"), ("hf-beit", "pixel_values")]:
+        factory = getattr(perf_sweep, perf_sweep.factory_name(name))  # the bench's child resolves it by name
+        model, inputs = perf_sweep.build(name, 2, small=True)
+        assert kind in inputs and factory.__name__ == perf_sweep.factory_name(name)
+        with torch.no_grad():
+            assert model(**inputs)[0].shape[0] == 2

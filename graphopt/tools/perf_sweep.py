@@ -79,6 +79,10 @@ HF = {
     "hf-convnext": ("ConvNextConfig", "ConvNextModel", {}, "image", 64),
 }
 HF_BS1 = ("hf-bert", "hf-gpt2", "hf-vit")
+HF_TEXT_BATCH, IMAGE_BATCH = 8, 64  # a config outside the lists: a decoder's batch, any other's
+# a Hugging Face architecture outside the list at a 7B-class width (hidden size at least this) is cut
+# to _CUT's layers, as the listed decoders are
+WIDE = 2048
 TIMM = ("resnet50d", "efficientnet_b3", "convnext_small", "regnety_032", "deit_small_patch16_224")
 
 
@@ -117,7 +121,9 @@ def all_configs(timm_available: bool | None = None, small: bool = False) -> list
 
 
 def parse_configs(text: str | None, small: bool = False) -> list[PerfConfig]:
-    """'resnet50:64,hf-bert' -> configs (a name without a batch takes the sweep's batch for it)."""
+    """'resnet50:64,hf-bert:1' -> configs (a name without a batch takes the sweep's batch for it).
+    Besides the sweep's own configs, any model a user could name (:func:`other_model`): a torchvision
+    classification model, ``timm-<name>``, or ``hf-<model_type>`` built from transformers' defaults."""
     known: dict = {}
     for c in all_configs(timm_available=True, small=small):
         known.setdefault(c.name, c.batch)  # a name listed twice (bs64, then bs1): its first batch
@@ -126,12 +132,47 @@ def parse_configs(text: str | None, small: bool = False) -> list[PerfConfig]:
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         name, _, batch = item.partition(":")
-        if name not in known:
-            raise ValueError(f"unknown config '{name}'; --list shows them")
         if batch and not (batch.isdigit() and int(batch) > 0):
             raise ValueError(f"batch of '{item}' must be a positive integer")
-        out.append(PerfConfig(name, int(batch) if batch else known[name]))
+        if name not in known:
+            why = other_model(name)
+            if why:
+                raise ValueError(f"unknown config '{name}': {why}; --list shows the sweep's own")
+            known[name] = default_batch(name)
+        b = int(batch) if batch else known[name]
+        out.append(PerfConfig(name, min(b, SMALL_BATCH) if small else b))
     return out
+
+
+def other_model(name: str) -> str | None:
+    """Why ``name`` names no model outside the sweep's list (None: it does): ``timm-<name>`` where timm
+    has that model, ``hf-<model_type>`` where transformers has that architecture, or a torchvision
+    classification model."""
+    if name.startswith("timm-"):
+        if not _has("timm"):
+            return "timm is not installed"
+        import timm
+
+        return None if timm.is_model(name[5:]) else f"timm has no model '{name[5:]}'"
+    if name.startswith("hf-"):
+        from transformers import CONFIG_MAPPING
+
+        if name[3:] not in CONFIG_MAPPING:
+            return f"transformers has no model type '{name[3:]}'"
+        return _hf_kind(_hf_auto_config(name[3:]))[1] or None
+    import torchvision
+
+    if name in torchvision.models.list_models(module=torchvision.models):
+        return None
+    return "not a torchvision classification model, timm-<name> or hf-<model_type>"
+
+
+def default_batch(name: str) -> int:
+    """The batch of a config outside the sweep's list when none is given: a decoder's HF_TEXT_BATCH,
+    IMAGE_BATCH otherwise (the sweep's batches for its own decoders and the rest)."""
+    if name.startswith("hf-") and _hf_kind(_hf_auto_config(name[3:]))[0] == "text":
+        return HF_TEXT_BATCH
+    return IMAGE_BATCH
 
 
 def _has(module: str) -> bool:
@@ -180,6 +221,8 @@ def _build_hf(name: str, batch: int, small: bool, gen: torch.Generator):
 
     from . import sweep
 
+    if name not in HF:
+        return _build_hf_auto(name[3:], batch, small, gen)
     cfg_name, model_name, overrides, kind, _ = HF[name]
     tiny = sweep.HF_MODELS.get(name[3:])
     if small and tiny is not None:
@@ -207,31 +250,99 @@ def _build_hf(name: str, batch: int, small: bool, gen: torch.Generator):
     model = (model if model is not None else model_cls(cfg)).eval()
     if kind == "image":
         return model, {"pixel_values": torch.randn(batch, 3, image, image, generator=gen)}
+    return model, _hf_inputs(kind, batch, seq, vocab, image, 3, gen)
+
+
+def _hf_inputs(kind: str, batch: int, seq: int, vocab: int, image: int, channels: int, gen) -> dict:
+    if kind == "image":
+        return {"pixel_values": torch.randn(batch, channels, image, image, generator=gen)}
     ids = torch.randint(3, min(vocab, 30000), (batch, seq), generator=gen)
     if kind == "text":
-        return model, {"input_ids": ids}
+        return {"input_ids": ids}
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[:, seq - seq // 8:] = 0  # right padding: the mask matters
-    return model, {"input_ids": ids, "attention_mask": mask}
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _hf_auto_config(model_type: str, small: bool = False):
+    """transformers' default config of ``model_type``, at the sweep's sizes: a 7B-class width (hidden
+    size WIDE or more) cut to _CUT's layers, no cache; ``small``: two layers and SMALL_WIDTHS where
+    the config has those fields."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    if small:
+        fields = cfg.to_dict()
+        kw = {k: v for k, v in {**SMALL_WIDTHS, "num_hidden_layers": 2, "image_size": 64}.items() if k in fields}
+        kw.update({k: 0 for k in ("pad_token_id", "bos_token_id", "eos_token_id") if fields.get(k) is not None})
+        try:
+            cfg = AutoConfig.for_model(model_type, **kw)
+        except Exception:  # noqa: BLE001 - widths of another type or that depend on each other: the layers only
+            cfg = AutoConfig.for_model(model_type, **{k: v for k, v in kw.items() if k == "num_hidden_layers"})
+    if getattr(cfg, "hidden_size", 0) >= WIDE and getattr(cfg, "num_hidden_layers", 0) > _CUT["num_hidden_layers"]:
+        cfg.num_hidden_layers = _CUT["num_hidden_layers"]
+        for attr in ("layer_types", "mlp_only_layers"):  # per-layer lists some decoders keep in step with the count
+            v = getattr(cfg, attr, None)
+            if isinstance(v, list) and len(v) > cfg.num_hidden_layers:
+                setattr(cfg, attr, v[:cfg.num_hidden_layers])
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False
+    return cfg
+
+
+def _hf_kind(cfg) -> tuple[str, str]:
+    """(input kind, why not) of a transformers config: "text" for a decoder (a causal LM that is not
+    also a masked LM: input ids alone), "text_mask" for an encoder (ids and a padding mask), "image"
+    for a vision model (pixel values); ("", why) for what the sweep cannot feed (a composite of text
+    and vision, an encoder-decoder)."""
+    from transformers.models.auto import modeling_auto as ma
+
+    t = cfg.model_type
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "", f"'{t}' is an encoder-decoder (the sweep feeds one input: name its encoder's model type)"
+    if any(hasattr(cfg, f) for f in ("text_config", "vision_config")):
+        return "", f"'{t}' is a composite of sub-models (name one of them)"
+    if getattr(cfg, "image_size", None) and getattr(cfg, "num_channels", None):
+        return "image", ""  # (a vision model may have a vocabulary too: BEiT's masked image modelling)
+    if getattr(cfg, "vocab_size", None):
+        decoder = t in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and t not in ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        return ("text" if decoder else "text_mask"), ""
+    return "", f"'{t}' takes neither token ids nor images"
+
+
+def _build_hf_auto(model_type: str, batch: int, small: bool, gen: torch.Generator):
+    """A transformers architecture outside the sweep's list, from its default config (_hf_auto_config;
+    ``small``: SMALL_WIDTHS and two layers, as the listed ones without a tiny config)."""
+    from transformers import AutoModel
+
+    cfg = _hf_auto_config(model_type, small)
+    kind, why = _hf_kind(cfg)
+    if not kind:
+        raise ValueError(why)
+    image = getattr(cfg, "image_size", 224)
+    image = image if isinstance(image, int) else image[0]
+    model = AutoModel.from_config(cfg).eval()
+    return model, _hf_inputs(kind, batch, SEQ, getattr(cfg, "vocab_size", 0) or 1000, image,
+                             getattr(cfg, "num_channels", 3), gen)
 
 
 # the bench resolves "graphopt.tools.perf_sweep:<factory>": a factory per config, named after it
 def factory_name(name: str) -> str:
-    return "model_" + name.replace("-", "_")
+    """The factory's attribute name of a config: "-" spelled "__" (names use single underscores)."""
+    return "model_" + name.replace("-", "__")
 
 
 def __getattr__(attr: str):
     if attr.startswith("model_"):
-        want = attr[len("model_"):]
-        for n in (c.name for c in all_configs(timm_available=True)):
-            if n.replace("-", "_") == want:
-                small = os.environ.get(SMALL_ENV) == "1"
+        name = attr[len("model_"):].replace("__", "-")
+        if name in {c.name for c in all_configs(timm_available=True)} or not other_model(name):
+            small = os.environ.get(SMALL_ENV) == "1"
 
-                def make(batch: int | None = None, _n=n, _small=small):
-                    return build(_n, batch or 1, _small)
+            def make(batch: int | None = None, _n=name, _small=small):
+                return build(_n, batch or 1, _small)
 
-                make.__name__ = attr
-                return make
+            make.__name__ = attr
+            return make
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
@@ -663,7 +774,8 @@ def merge(paths: list[Path], out: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default=None, help="comma list of NAME[:BATCH] (default: every config)")
+    ap.add_argument("--configs", default=None, help="comma list of NAME[:BATCH] (default: every config); NAME: "
+                    "a config of --list, any torchvision classification model, timm-<name> or hf-<model_type>")
     ap.add_argument("--list", action="store_true", help="list the configs and exit")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
@@ -702,6 +814,7 @@ def main(argv=None) -> int:
     if a.list:
         for c in all_configs(small=a.small):
             print(f"{c.source:12s} {c.key}")
+        print("also: any torchvision classification model, timm-<name>, hf-<model_type> (transformers' defaults)")
         return 0
     try:
         configs = parse_configs(a.one or a.prewarm_one or a.configs, small=a.small)

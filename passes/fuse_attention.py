@@ -3,7 +3,8 @@
 Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
 
     scores = matmul(q, transpose(k, -2, -1))         # or permute swapping the last two dims
-    scores = scores * c | scores / c | scores         # scale: a literal, or a one-element constant
+    scores = scores * c | scores / c | scores         # scale: a literal, a one-element constant, or a
+                                                      # constant per score row (moved onto q)
     scores = scores + mask                            # optional additive mask (either operand order)
     p = softmax(scores, -1[, float32])                # softmax.int or _softmax, over the key dim only
     p = p.to(q.dtype)                                 # optional cast back (HF eager_attention_forward)
@@ -24,6 +25,9 @@ Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
 * A literal factor q or k is multiplied (or divided) by and that nothing else reads (MaxViT's
   ``k * feat_dim ** -0.5``) goes into SDPA's scale: (c q) k^T = c (q k^T).
 
+* A constant the scores are multiplied by that is one number per score row (last dim 1, e.g. Swin
+  V2's per-head logit scale of shape [H, 1, 1], in q's dtype) multiplies q instead, and the scale is
+  1: row i of (s q) k^T is s_i (q_i k^T).
 * ``repeat_kv`` written as ``reshape(expand(unsqueeze(kv, 2), [B, Hkv, n, S, D]), [B, Hkv*n, S, D])``
   on BOTH K and V is removed and SDPA gets ``enable_gqa=True`` with the un-repeated K/V (SDPA's GQA
   maps query head h to kv head h // n, the same as repeat_kv's expand over a new dim 2). The shapes
@@ -112,7 +116,13 @@ _SCALED = Alt(
 )
 _MASKED = Alt(Op(aten.add.Tensor, _SCALED, Any("mask"), name="mask_add", single_use=False, commutative=True),
               _SCALED)
-_SOFTMAX = Op(SOFTMAXES, _MASKED, Any("dim"), name="softmax", single_use=False)
+# shifted-window attention (Swin): the scores' batch dim split into [windows of an image, image]
+# for a mask per window position, then merged back
+_WINDOWED = Op(RESHAPES, Op(aten.add.Tensor, Op(RESHAPES, _MASKED, Any("win_shape"), name="win_split",
+                                                 single_use=False),
+                            Any("win_mask"), name="win_add", single_use=False, commutative=True),
+               Any(), name="win_merge", single_use=False)
+_SOFTMAX = Op(SOFTMAXES, Alt(_WINDOWED, _MASKED), Any("dim"), name="softmax", single_use=False)
 _PROBS = Alt(Op(CASTS, _SOFTMAX, name="cast", single_use=False), _SOFTMAX)
 _DROPPED = Alt(
     Op(aten.dropout.default, _PROBS, Any("p_drop"), Any("train"), name="dropout", single_use=False),
@@ -205,6 +215,14 @@ def _erase_unread(gm, node) -> None:
             ins = n.all_input_nodes
             gm.graph.erase_node(n)
             stack.extend(ins)
+
+
+def _row_scale(t: torch.Tensor, qs, scores_shape, dtype) -> bool:
+    """``t`` multiplies each score row by one number (its last dim 1, the rest broadcasting into the
+    scores' dims) and ``q * t`` has q's shape and dtype."""
+    shape = tuple(t.shape)
+    return (t.dtype == dtype and 1 <= len(shape) <= len(qs) and shape[-1] == 1
+            and _broadcastable(shape, tuple(scores_shape)) and _broadcastable(shape, tuple(qs)))
 
 
 def _broadcastable(mshape, target) -> bool:
@@ -398,7 +416,7 @@ class FuseAttention(Pass):
         if tuple(scores_shape) != tuple(qs[:-1]) + (ks[-2],) or tuple(_shape(pv)) != tuple(qs[:-1]) + (vs[-1],):
             raise Refuse(f"scores {scores_shape} / output {_shape(pv)} do not line up with q {qs}, k {ks}, v {vs}")
         # scale: on the scores, and a literal factor q or k was multiplied by just for this product
-        scale = self._scale(gm, m)
+        scale, q_scale = self._scale(gm, m, qs, scores_shape, qi.dtype)
         inside = set(m.nodes)
         q, q_factor, q_mul = _scaled_operand(q, inside, qi.dtype)
         k, k_factor, k_mul = _scaled_operand(k, inside, qi.dtype)
@@ -428,6 +446,9 @@ class FuseAttention(Pass):
                     mask, dropped = None, mask
                 elif kind == "causal" and qs[-2] == ks[-2] and value.shape[-1] == ks[-2] and value.shape[-2] == qs[-2]:
                     mask, causal, dropped = None, True, mask
+        window = self._window(gm, m, qs, scores_shape, mask, gqa) if m.get("win_add") is not None else None
+        if window is not None:
+            mask = None
         flat = self._flattening(qs, mask) if rank > 4 else None
         # nodes reading the scores / probabilities outside the pattern
         asserts = []
@@ -439,14 +460,50 @@ class FuseAttention(Pass):
                     asserts.append(u)
                     continue
                 what = "attention probabilities" if n in (sm, m.get("cast"), m.get("dropout"), m.get("dropout_item")) \
-                    else "attention scores" if n in (qk, m.get("scale_op"), m.get("mask_add")) \
+                    else "attention scores" if n in (qk, m.get("scale_op"), m.get("mask_add"), m.get("win_split"),
+                                                     m.get("win_add"), m.get("win_merge")) \
                     else "transposed K" if n is kt else "repeated K/V"
                 raise Refuse(f"the {what} {n.name} are also read by {u.name} (e.g. output_attentions); "
                              "SDPA does not produce them")
         removed = [n for n in m.nodes if unrepeated or n not in repeat_nodes] + asserts
         removed += [n for n in dict.fromkeys((q_mul, k_mul)) if n is not None]
         return {"kind": "explicit", "q": q, "k": k, "v": v, "mask": mask, "causal": causal, "scale": scale,
-                "gqa": gqa, "root": pv, "removed": removed, "dropped_mask": dropped, "rank": rank, "flat": flat}
+                "q_scale": q_scale, "window": window, "gqa": gqa, "root": pv, "removed": removed, "dropped_mask": dropped, "rank": rank, "flat": flat}
+
+    @staticmethod
+    def _window(gm, m: Match, qs, scores_shape, mask, gqa) -> dict:
+        """The shifted-window spelling: scores [B, H, S, S'] viewed as [B/W, W, H, S, S'], a mask per
+        window position added ([W, S, S'] broadcasting, the same for every image), viewed back. SDPA
+        runs it with the W windows of an image as heads: q, k, v [B, H, S, D] reshaped to
+        [B/W, W*H, S, D] (row b*W+w of the batch is window w of image b, so its heads are heads
+        w*H..w*H+H-1), and one mask [1, W*H, S, S'], the window mask plus the additive term before
+        the split (which must not vary over B), broadcast over the images."""
+        if len(qs) != 4 or gqa:
+            raise Refuse("a windowed mask on attention that is not [B, H, S, D] with as many K/V heads as q's")
+        split, add, merge = m["win_split"], m["win_add"], m["win_merge"]
+        b, h, sq, sk = (int(d) if isinstance(d, int) else None for d in scores_shape)
+        s5 = _shape(split)
+        if None in (b, h, sq, sk) or len(s5) != 5 or tuple(s5[2:]) != (h, sq, sk) or s5[0] * s5[1] != b:
+            raise Refuse(f"the scores {tuple(scores_shape)} are viewed as {tuple(s5)}, not their batch dim split "
+                         "in two")
+        if tuple(_shape(merge)) != tuple(scores_shape) or tuple(_shape(add)) != tuple(s5):
+            raise Refuse(f"the windowed scores are not viewed back to {tuple(scores_shape)}")
+        wm = m["win_mask"]
+        if not isinstance(wm, fx.Node) or ir.info(wm) is None or ir.info(wm).dtype != ir.info(m["q"]).dtype:
+            raise Refuse(f"the window mask {getattr(wm, 'name', wm)!r} is not a tensor of q's dtype")
+        ws = (1,) * (5 - len(ir.info(wm).shape)) + tuple(ir.info(wm).shape)
+        if len(ws) != 5 or ws[0] != 1 or not _broadcastable(ws, s5):
+            raise Refuse(f"the window mask {tuple(ir.info(wm).shape)} varies over the images or does not broadcast "
+                         f"to {tuple(s5)}")
+        inner = None
+        if mask is not None:
+            ms = (1,) * (4 - len(ir.info(mask).shape)) + tuple(ir.info(mask).shape)
+            if len(ms) != 4 or ms[0] != 1:
+                raise Refuse(f"the mask {mask.name} {tuple(ir.info(mask).shape)} before the window split varies "
+                             "over the batch")
+            inner = (mask, list(ms))
+        return {"windows": int(s5[1]), "images": int(s5[0]), "heads": h, "mask": wm, "mask5": list(ws),
+                "inner": inner, "scores": [b, h, sq, sk]}
 
     @staticmethod
     def _flattening(qs: tuple, mask) -> dict:
@@ -491,23 +548,31 @@ class FuseAttention(Pass):
         return n
 
     @staticmethod
-    def _scale(gm, m: Match) -> float:
+    def _scale(gm, m: Match, qs, scores_shape, dtype) -> tuple[float, fx.Node | None]:
+        """(SDPA's scale, a constant to multiply q by or None). A constant factor of the scores that
+        is the same along the key dim (last dim 1: Swin V2's per-head logit scale, [H, 1, 1]) scales
+        each score row, so it scales q's row instead: (s q) k^T = s (q k^T) row by row. It must be
+        q's dtype (a wider one would widen q) and broadcast into q without growing it."""
         if m.get("scale_mul") is not None:
-            return float(m["scale_mul"])
+            return float(m["scale_mul"]), None
         if m.get("scale_div") is not None:
-            return 1.0 / float(m["scale_div"])
+            return 1.0 / float(m["scale_div"]), None
         for key, inv in (("scale_mul_t", False), ("scale_div_t", True)):
             if m.get(key) is not None:
                 t = ir.get_attr_value(gm, m[key].target)
-                if not isinstance(t, torch.Tensor) or t.numel() != 1:
-                    raise Refuse(f"the scale {m[key].name} is not a one-element constant")
-                val = float(t.item())
-                if val == 0:
-                    raise Refuse("the scale is 0")
-                return 1.0 / val if inv else val
+                if isinstance(t, torch.Tensor) and t.numel() == 1:
+                    val = float(t.item())
+                    if val == 0:
+                        raise Refuse("the scale is 0")
+                    return (1.0 / val if inv else val), None
+                if isinstance(t, torch.Tensor) and not inv and _row_scale(t, qs, scores_shape, dtype):
+                    return 1.0, m[key]
+                raise Refuse(f"the scale {m[key].name} is not a one-element constant nor one per score row "
+                             f"of q's dtype (its shape {tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}, "
+                             f"the scores' {tuple(scores_shape)})")
         if m.get("scale_op") is not None:
             raise Refuse(f"the scale {m['scale_op'].name} cannot be read as a constant")
-        return 1.0
+        return 1.0, None
 
     def _diagnose(self, sm: fx.Node) -> str:
         dim = sm.args[1] if len(sm.args) > 1 else None
@@ -561,7 +626,7 @@ class FuseAttention(Pass):
         b = _Recorder(g)
         with g.inserting_before(root):
             new = _emit(b, plan)
-        if plan["flat"]:
+        if plan["flat"] or plan.get("q_scale") is not None or plan.get("window") is not None:
             set_meta(gm, b.nodes)
         else:
             new.meta["val"] = root.meta.get("val")
@@ -606,7 +671,12 @@ def _emit(b, plan) -> fx.Node:
     """The SDPA call (and, for more than one batch dim, the flattening around it) that replaces
     the matched attention, built by ``b.call`` (a Replacement to price it, a builder to make it)."""
     q, k, v, mask, flat = plan["q"], plan["k"], plan["v"], plan["mask"], plan["flat"]
+    if plan.get("q_scale") is not None:
+        q = b.call(aten.mul.Tensor, q, plan["q_scale"])
     kwargs = {"scale": plan["scale"]}
+    win = plan.get("window")
+    if win is not None:
+        return _emit_windowed(b, plan, q, k, v, win, kwargs)
     if plan["gqa"]:
         kwargs["enable_gqa"] = True
     if flat:
@@ -620,6 +690,23 @@ def _emit(b, plan) -> fx.Node:
     if flat:
         out = b.call(aten.unflatten.int, out, 0, flat["lead"])
     return out
+
+
+def _emit_windowed(b, plan, q, k, v, win, kwargs) -> fx.Node:
+    """SDPA over [B/W, W*H, S, D] with the windows of an image as heads (FuseAttention._window)."""
+    n_img, w, h = win["images"], win["windows"], win["heads"]
+    bsz, _, sq, sk = win["scores"]
+    mask = win["mask"]
+    if tuple(win["mask5"]) != tuple(ir.info(mask).shape):
+        mask = b.call(aten.view.default, mask, win["mask5"])
+    if win["inner"] is not None:  # [1, H, S, S'] -> [1, 1, H, S, S'], added to the window mask
+        inner, ms = win["inner"]
+        mask = b.call(aten.add.Tensor, mask, b.call(aten.view.default, inner, [1] + ms))
+    mask = b.call(aten.reshape.default, b.call(aten.expand.default, mask, [1, w, h, sq, sk]), [1, w * h, sq, sk])
+    q = b.call(aten.reshape.default, q, [n_img, w * h, sq, -1])
+    k, v = (b.call(aten.reshape.default, t, [n_img, w * h, sk, -1]) for t in (k, v))
+    out = b.call(SDPA, q, k, v, mask, 0.0, False, **kwargs)
+    return b.call(aten.reshape.default, out, list(_shape(plan["root"])), val=plan["root"].meta.get("val"))
 
 
 class _Recorder(GraphBuilder):

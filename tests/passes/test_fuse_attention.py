@@ -169,6 +169,46 @@ def test_cpu_profile_also_rewrites():
     assert reference_check(model, gm, args).passed
 
 
+class CosineAttention(nn.Module):
+    """Swin V2's attention: cosine similarity of normalized q and k times a per-head learned logit
+    scale ([H, 1, 1], clamped and exp'd: a constant once folded), plus a relative-position bias."""
+
+    def __init__(self, dim=32, heads=4, seq=8, scale_shape=None):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(scale_shape or (heads, 1, 1)) + 1))
+        self.bias = nn.Parameter(torch.randn(1, heads, seq, seq))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(self.logit_scale, max=math.log(100.0)).exp() + self.bias
+        return (attn.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scale_per_score_row_multiplies_q(dtype):
+    torch.manual_seed(0)
+    model, args, gm, res = _run(CosineAttention(), (torch.randn(2, 8, 32),), dtype)
+    assert res.status == "applied" and len(res.rewrites) == 1
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.kwargs["scale"] == 1.0 and sd.args[3] is not None  # the bias stays attn_mask
+    q = sd.args[0]
+    assert q.target is aten.mul.Tensor and tuple(q.meta["val"].shape) == (2, 4, 8, 8)
+    assert _attention_left(gm) == 0
+    assert reference_check(model, gm, args).passed
+
+
+def test_a_scale_that_varies_along_the_keys_is_refused():
+    torch.manual_seed(0)
+    model, args, gm, res = _run(CosineAttention(scale_shape=(4, 1, 8)), (torch.randn(2, 8, 32),))
+    assert not _sdpa_nodes(gm)
+    assert any("one per score row" in r.reason for r in res.rejected)
+    assert reference_check(model, gm, args).passed
+
+
 # ---------------------------------------------------------------- negative cases
 
 
@@ -486,3 +526,50 @@ def test_a_shared_causal_mask_is_inspected_once(monkeypatch):
     assert reference_check(model, gm, inputs).passed
     # a mask that is not causal is inspected (once) and refused: no is_causal
     assert not fa.is_causal_mask(torch.zeros(4, 4))
+
+
+class ShiftedWindowAttention(nn.Module):
+    """Swin's shifted-window attention: B = images * windows rows of window attention; a relative-
+    position bias [1, H, S, S] added, then a mask per window position added through a view that
+    splits the batch into [images, windows] (torchvision, timm and transformers spell it so).
+    ``mask_shape`` of 5 dims: a mask added as it is (one that may vary over the images)."""
+
+    def __init__(self, dim=32, heads=4, seq=8, windows=3, mask_shape=None):
+        super().__init__()
+        self.h, self.d, self.w = heads, dim // heads, windows
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.bias = nn.Parameter(torch.randn(1, heads, seq, seq))
+        m = torch.zeros(mask_shape or (windows, seq, seq))
+        m[..., 1:, :, seq // 2:] = -100.0
+        self.register_buffer("mask", m)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q * self.d ** -0.5) @ k.transpose(-2, -1) + self.bias
+        mask = self.mask if self.mask.dim() == 5 else self.mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(b // self.w, self.w, self.h, s, s) + mask
+        attn = attn.view(-1, self.h, s, s).softmax(dim=-1)
+        return (attn @ v).transpose(1, 2).reshape(b, s, -1)
+
+
+def test_shifted_window_attention_runs_the_windows_as_heads():
+    torch.manual_seed(0)
+    # bf16, at a size the H200 profile prices the rewrite a gain (in fp32 SDPA is priced slower than
+    # the matmuls it replaces)
+    model = ShiftedWindowAttention(dim=64, heads=2, seq=64, windows=4)
+    model, args, gm, res = _run(model, (torch.randn(32, 64, 64),), torch.bfloat16)
+    assert res.status == "applied" and len(res.rewrites) == 1
+    (sd,) = _sdpa_nodes(gm)
+    assert tuple(sd.args[0].meta["val"].shape) == (8, 8, 64, 32)  # 8 images, 4 windows x 2 heads
+    assert tuple(sd.args[3].meta["val"].shape) == (1, 8, 64, 64)  # one mask, broadcast over the images
+    assert _attention_left(gm) == 0
+    assert reference_check(model, gm, args).passed
+
+
+def test_a_window_mask_that_varies_over_the_images_is_refused():
+    torch.manual_seed(0)
+    model, args, gm, res = _run(ShiftedWindowAttention(mask_shape=(2, 3, 1, 8, 8)), (torch.randn(6, 8, 32),))
+    assert not _sdpa_nodes(gm)
+    assert any("varies over the images" in r.reason for r in res.rejected)
+    assert reference_check(model, gm, args).passed

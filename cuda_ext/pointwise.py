@@ -18,8 +18,11 @@ order from 0::
 
 Ops (arity): ``add sub mul div maximum minimum`` (2), ``neg abs exp log sqrt rsqrt tanh
 sigmoid relu gelu gelu_tanh silu hardswish erf cos sin`` (1), ``eq ne lt le gt ge`` (2, give bool),
-``where c a b`` (3; ``c`` is bool or nonzero), ``pow x p``, ``clamp x lo hi``, ``cast x dtype``.
-Dtypes: ``f64 f32 f16 bf16 bool``. Outputs: ``out %v dtype`` (one or more, in order).
+``where c a b`` (3; ``c`` is bool or nonzero), ``pow x p``, ``clamp x lo hi``, ``cast x dtype``,
+and the row reductions ``rsum x`` and ``rmax x`` (1): the sum or the maximum of ``x`` over the
+output's last dim (its *row*), one value per row, broadcast back along it (a softmax is
+``e = exp(x - rmax x); e / rsum e``). Dtypes: ``f64 f32 f16 bf16 bool``. Outputs: ``out %v dtype``
+(one or more, in order).
 
 Semantics: inputs broadcast against each other with numpy/torch rules and may have any
 strides; every output has the broadcast shape and is contiguous. Floating inputs are
@@ -56,6 +59,7 @@ import torch
 UNARY = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "gelu_tanh",
          "silu", "hardswish", "erf", "cos", "sin")
 BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
+REDUCE = ("rsum", "rmax")  # over the output's last dim, broadcast back along it
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "bool": torch.bool}
@@ -173,7 +177,7 @@ class Program:
         self.outputs.append((self._v(x).id, _dtype_name(dtype)))
 
     def __getattr__(self, name: str):
-        if name in UNARY:
+        if name in UNARY or name in REDUCE:
             return lambda x: self._emit(name, (self._v(x).id,))
         if name in BINARY or name in COMPARE:
             return lambda a, b: self._emit(name, (self._v(a).id, self._v(b).id))
@@ -204,6 +208,11 @@ class Program:
             lines.append(f"%{i} = {rhs}")
         lines += [f"out %{v} {d}" for v, d in self.outputs]
         return "\n".join(lines) + "\n"
+
+    @property
+    def reduces(self) -> bool:
+        """The program reduces over rows (``rsum``/``rmax``): it runs row by row."""
+        return any(s.op in REDUCE for s in self.stmts)
 
     def output_dtypes(self) -> list[torch.dtype]:
         return [DTYPES[d] for _, d in self.outputs]
@@ -294,7 +303,7 @@ def parse(text: str) -> Program:
         elif op == "where":
             need(3)
             p.stmts.append(Stmt("where", tuple(ref(a) for a in args)))
-        elif op in UNARY:
+        elif op in UNARY or op in REDUCE:
             need(1)
             p.stmts.append(Stmt(op, (ref(args[0]),)))
         elif op in BINARY or op in COMPARE:
@@ -332,10 +341,13 @@ def broadcast_shape(inputs: Sequence[torch.Tensor]) -> torch.Size:
     return torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
 
 
-def dense_order(inputs: Sequence[torch.Tensor], shape) -> list[int] | None:
+def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None" = None) -> list[int] | None:
     """The output layout rule of ``fused_pointwise``: when every input of the output's full shape
     has the same dense, non-contiguous strides (a channels_last activation and its residual), the
-    outputs take that layout too; returns the dims outermost first (None: contiguous outputs)."""
+    outputs take that layout too; returns the dims outermost first (None: contiguous outputs). A
+    program that reduces over rows writes contiguous outputs (it runs along the logical last dim)."""
+    if program is not None and program.reduces:
+        return None
     nd = len(shape)
     full = [t for t in inputs if t.dim() == nd and tuple(t.shape) == tuple(shape)]
     if nd < 2 or not full:
@@ -418,6 +430,10 @@ def evaluate(program: str | Program, inputs: Sequence[torch.Tensor],
                 v = torch.where(c, x, y)
             elif s.op in _UNARY_TORCH:
                 v = _UNARY_TORCH[s.op](a[0])
+            elif s.op == "rsum":
+                v = torch.broadcast_to(a[0], shape).sum(-1, keepdim=True)
+            elif s.op == "rmax":
+                v = torch.broadcast_to(a[0], shape).amax(-1, keepdim=True)
             else:
                 x, y = a
                 if s.op in COMPARE and (x.dtype == torch.bool) != (y.dtype == torch.bool):

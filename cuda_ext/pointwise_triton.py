@@ -29,6 +29,8 @@ from .norm_triton import next_pow2, pdl_launch
 from .pointwise import COMPARE, DTYPES, Program, compute_dtype_for, dense_order, parse, value_kinds
 
 BLOCK = 1024
+MAX_ROW = 8192  # the longest row a program with row reductions holds in one tile (registers)
+ROW_TILE = 2048  # elements of a reduction tile, rows x next_pow2(row), short rows
 _lock = threading.Lock()
 _kernels: dict[tuple, object] = {}
 
@@ -97,6 +99,8 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     dense = list(dense) if dense is not None else [False] * len(in_dtypes)
     if tile2d and ndim < 2:
         raise ValueError("tile2d needs a (coalesced) output of rank >= 2")
+    if p.reduces and not tile2d:
+        raise ValueError("a program with row reductions runs in [rows, row] tiles (tile2d)")
     ct = compute_dtype_for(in_dtypes)
     CT = _TL[ct]
     kinds = value_kinds(p, in_dtypes)
@@ -108,6 +112,7 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     consts = "BM: tl.constexpr, BN: tl.constexpr" if tile2d else "BLOCK: tl.constexpr"
     L = ["import triton", "import triton.language as tl",
          "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait", "", "",
+         *(_ROW_COMBINE if p.reduces else []),
          "@triton.jit", f"def pw_kernel({', '.join(params)}, {consts}, PDL: tl.constexpr):",
          "    if PDL:  # programmatic dependent launch (norm_triton.pdl)",
          "        gdc_wait()",
@@ -214,14 +219,27 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
                 L.append(f"    e{k} = tl.exp(-2.0 * tl.abs(u{k}))")
                 L.append(f"    t{k} = tl.where(u{k} < 0, -1.0, 1.0) * (1.0 - e{k}) / (1.0 + e{k})")
             e = f"t{k}" if s.op == "tanh" else f"(0.5 * {x} * (1.0 + t{k}))"
+        elif s.op in ("rsum", "rmax"):
+            # the row is the tile's whole last dim (BN >= its size: _make_plan); [BM, 1] per-row values
+            x = f"({f(a[0])} + tl.full({shape}, 0.0, {CT}))"
+            # tl.reduce with combine functions of this module (tl.sum / tl.max are jit functions of
+            # triton's own library, which the interpreter cannot call once triton was imported without it)
+            e = (f"tl.reduce(tl.where(m, {x}, 0.0), 1, _row_add)[:, None]" if s.op == "rsum"
+                 else f"tl.reduce(tl.where(m, {x}, float(\"-inf\")), 1, _row_max)[:, None]")
         else:
             e = _unary(s.op, f(a[0]), CT)
         L.append(f"    v{k} = {e}")
     for j, (vid, dname) in enumerate(p.outputs):
         d = DTYPES[dname]
         val = b(vid) if d == torch.bool else f"{f(vid)}.to({_TL[d]})"
+        if p.reduces:
+            val = f"tl.broadcast_to({val}, {shape})"
         L.append(f"    tl.store(out{j} + offs, {val}, mask=m)")
     return "\n".join(L) + "\n"
+
+
+_ROW_COMBINE = ["@triton.jit", "def _row_add(a, b):", "    return a + b", "", "",
+                "@triton.jit", "def _row_max(a, b):", "    return tl.maximum(a, b)", "", ""]
 
 
 def _pow(x: str, e: float, CT: str, shape: str = "[BLOCK]") -> str:
@@ -319,7 +337,7 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     shape = torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
     pl.shape, pl.out_dtypes = shape, list(p.output_dtypes())
     pl.numel = math.prod(shape)
-    pl.order = dense_order(inputs, shape)
+    pl.order = dense_order(inputs, shape, p)
     pl.sub = pl.kern = None
     if pl.order is not None:
         # a channels_last (or other dense) layout: run in its memory order, where the inputs are
@@ -331,7 +349,15 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
         return pl
     nd = len(shape)
     strides = [list(t.expand(shape).stride()) if nd else [] for t in inputs]
-    cshape, cstr = coalesce(list(shape), strides) if nd else ([1], [[0] for _ in inputs])
+    if p.reduces:  # the row (last dim) stays a dim of its own; the rows' dims coalesce
+        if not nd or shape[-1] > MAX_ROW:
+            raise ValueError(f"graphopt::fused_pointwise: row reductions over rows of 1..{MAX_ROW} elements, "
+                             f"got shape {tuple(shape)}")
+        cshape, cstr = coalesce(list(shape[:-1]), [st[:-1] for st in strides]) if nd > 1 else \
+            ([1], [[0] for _ in inputs])
+        cshape, cstr = cshape + [shape[-1]], [c + [st[-1]] for c, st in zip(cstr, strides)]
+    else:
+        cshape, cstr = coalesce(list(shape), strides) if nd else ([1], [[0] for _ in inputs])
     max_off = max([pl.numel] + [sum((s - 1) * abs(st) for s, st in zip(cshape, stv)) + 1 for stv in cstr])
     use_i64 = max_off >= 2**31 - BLOCK
     dts = tuple(t.dtype for t in inputs)
@@ -344,8 +370,8 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     # per-element div/mod); rank > 2 only where the last dim is long enough to amortize the
     # per-row div/mod and still vectorize. A broadcast that coalesces to rank 1 (a size-1 operand
     # over a dense one) takes the flat walk.
-    tile2d = (not all(dense) and len(cshape) >= 2 and (len(cshape) == 2 or cshape[-1] >= 64)
-              and triton_cdiv(cshape[-1], min(BLOCK, next_pow2(cshape[-1]))) <= 65535)
+    tile2d = p.reduces or (not all(dense) and len(cshape) >= 2 and (len(cshape) == 2 or cshape[-1] >= 64)
+                           and triton_cdiv(cshape[-1], min(BLOCK, next_pow2(cshape[-1]))) <= 65535)
     # the hardware tanh where every output is 16-bit (not under the interpreter: no inline asm)
     pl.fast = (os.environ.get("TRITON_INTERPRET", "0") != "1" and device is not None and device.type == "cuda"
                and all(d in (torch.float16, torch.bfloat16) for d in pl.out_dtypes)
@@ -353,7 +379,12 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     pl.spec = (program, dts, len(cshape), use_i64, dense, tile2d)
     pl.kern = get_kernel(*pl.spec, fast=pl.fast)
     pl.scalars = [pl.numel] + cshape + [s for stv in cstr for s in stv]
-    if tile2d:
+    if p.reduces:  # a whole row per tile row: [BM, BN >= row] tiles, one column block
+        bn = next_pow2(cshape[-1])
+        bm = max(1, min(64, ROW_TILE // bn))
+        pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), 1)
+        pl.meta = dict(BM=bm, BN=bn, num_warps=8 if bn >= 2048 else 4)
+    elif tile2d:
         bn = min(BLOCK, next_pow2(cshape[-1]))
         bm = max(1, BLOCK // bn)
         pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), triton_cdiv(cshape[-1], bn))

@@ -14,7 +14,15 @@ element, so it starts its own group). Values read outside the group become extra
 read a common tensor, of one shape and with no path between them, merge into one (horizontal
 fusion: the cos and sin of a rotary angle table are one kernel reading the angles once).
 
-Never joined: reductions, GEMMs, views, graphopt ops (this pass runs last among the fusions
+Row reductions join too, with their prologue and epilogue (inference graphs): a sum, mean, amax,
+2-norm (``linalg_vector_norm``, keepdim) or softmax over the last dim, of rows up to
+cuda_ext.pointwise_triton.MAX_ROW elements, becomes ``rsum``/``rmax`` in the program, and its per-row
+result (shape [..., 1]) joins the ops that broadcast it back along the row (through ``expand``/
+``expand_as``, no copy): F.normalize, a softmax with its scale and mask, a hand-written norm are one
+kernel that reads each row once. Such a group's outputs are full rows (a per-row value read outside
+the group keeps it unfused), written contiguous; it runs a row per tile row.
+
+Never joined: other reductions, GEMMs, other views, graphopt ops (this pass runs last among the fusions
 and leaves the specific kernels alone), integer tensors, no-op casts (they are aliases). A
 group that would depend on itself through an outside node (``a = exp(x); b = a / sum(a)``)
 is cut before the node that closes the loop. Groups of fewer than two kernels are not
@@ -124,13 +132,52 @@ CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.dev
 
 _WHERES = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
 _UNARY_ARGS = (aten.gelu.default, aten.clamp.default, aten.reciprocal.default)
+# over the last dim, keepdim: one value per row ([..., 1]); softmax keeps the row
+ROW_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.linalg_vector_norm.default)
+SOFTMAXES = (aten.softmax.int, aten._softmax.default)
+EXPANDS = (aten.expand.default, aten.expand_as.default)
+
+
+def _arg(node, i, name, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def row_reduction(node: fx.Node) -> str:
+    """'' when ``node`` reduces its input over the last dim the way a program's rsum/rmax can
+    (a row reduction, keepdim, or a softmax), else why not."""
+    from graphopt.cuda_ext.pointwise_triton import MAX_ROW
+
+    x = node.args[0] if node.args else None
+    xi = ir.info(x) if isinstance(x, fx.Node) else None
+    if xi is None or not xi.shape:
+        return "no input shape"
+    rank, row = len(xi.shape), xi.shape[-1]
+    if not isinstance(row, int) or not 1 <= row <= MAX_ROW:
+        return f"rows of {row} elements (a program holds rows of 1..{MAX_ROW})"
+    if node.target in SOFTMAXES:
+        dim = node.args[1]
+        if node.target is aten._softmax.default and node.args[2]:
+            return "a softmax from half to float"
+    else:
+        if node.target is aten.linalg_vector_norm.default:
+            if _arg(node, 1, "ord", 2) != 2:
+                return "a norm other than the 2-norm"
+            dims, keep = _arg(node, 2, "dim", None), _arg(node, 3, "keepdim", False)
+        else:
+            dims, keep = _arg(node, 1, "dim", None), _arg(node, 2, "keepdim", False)
+        if "dtype" in node.kwargs or not keep or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+            return "not one dim kept (keepdim=True, no dtype)"
+        dim = dims[0]
+    if not isinstance(dim, int) or dim % rank != rank - 1:
+        return "not over the last dim"
+    return ""
 
 
 def _operands(node: fx.Node) -> list:
     """The value operands of a pointwise node (tensor nodes or literals), in builder order."""
     t = node.target
-    if t in CASTS or t in _UNARY_ARGS:
-        return [node.args[0]]
+    if t in CASTS or t in _UNARY_ARGS or t in ROW_REDUCTIONS or t in SOFTMAXES or t in EXPANDS:
+        return [node.args[0]]  # (expand_as's second argument gives only the shape)
     if t in _WHERES:
         return list(node.args[:3])
     positional = [a for a in t._schema.arguments if not a.kwarg_only]
@@ -152,6 +199,13 @@ def fusible(node: fx.Node, dtypes) -> str:
         extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking", "copy"}
         if extra or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
             return "cast with a layout change"
+        return ""
+    if node.target in ROW_REDUCTIONS or node.target in SOFTMAXES:
+        return row_reduction(node)
+    if node.target in EXPANDS:
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or ir.info(src) is None or ir.info(src).dtype not in dtypes:
+            return "expands no floating tensor"
         return ""
     if node.target not in OPS:
         return "not a pointwise op the program language has"
@@ -203,7 +257,8 @@ class FuseElementwise(Pass):
         res = self.result()
         dtypes = _dtypes()
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        ok = {n for n in gm.graph.nodes if not fusible(n, dtypes) and not _is_free(ctx, n)}
+        ok = {n for n in gm.graph.nodes if not fusible(n, dtypes)
+              and (not _is_free(ctx, n) or n.target in EXPANDS)}  # (an expand joins a row reduction's group)
         if "fuse_conv_relu" in ctx.scheduled and ctx.fused_kernels and not ctx.training:
             # conv + bias (+ residual) + ReLU becomes one cuDNN call in the lowering step: a
             # pointwise kernel here would take its add/ReLU and leave the convolution two kernels
@@ -223,6 +278,10 @@ class FuseElementwise(Pass):
                 continue
             label = f"{len(group)} pointwise ops {group[0].name} .. {group[-1].name}"
             ins, outs = _boundary(group)
+            rows = _row_group(group, outs, ctx, grad)
+            if rows:
+                res.reject(label, rows)
+                continue
             if not outs:  # nothing reads the group (dead code): eliminate_dead_code's to remove
                 res.reject(label, "nothing reads its values (dead code)")
                 continue
@@ -243,6 +302,10 @@ class FuseElementwise(Pass):
                 res.reject(label, NO_FUSED_KERNELS)
                 continue
             full = {tuple(ir.info(a).shape) for a in ins if ir.info(a) is not None}
+            if has_conv2d and program.reduces and any(len(ir.info(a).shape) == 4 and _channels_last(a) for a in ins):
+                res.reject(label, "reduces rows of a channels_last tensor (its outputs would be NCHW inside the "
+                                  "channels_last region)")
+                continue
             if has_conv2d and any(len(ir.info(o).shape) == 4 and tuple(ir.info(o).shape) not in full for o in outs):
                 # the kernel's outputs take the layout of its full-size inputs (channels_last in,
                 # channels_last out); an output no input has the shape of is written contiguous,
@@ -254,7 +317,7 @@ class FuseElementwise(Pass):
                 continue
             gain = ctx.node_time(group) - ctx.price(torch.ops.graphopt.fused_pointwise.default, program.source, ins,
                                                     val=[o.meta.get("val") for o in outs])
-            if ctx.training:
+            if ctx.training and not program.reduces:  # (a reducing group takes no gradient: _row_group)
                 gain += _backward_gain(ctx, group, ins, outs, program, grad)
             candidates.append(Candidate("pointwise group", group, gain,
                                         lambda group=group: self._apply(gm, group), label=label))
@@ -265,9 +328,21 @@ class FuseElementwise(Pass):
 
     @staticmethod
     def _groups(gm, ok, order) -> list[list[fx.Node]]:
-        """Connected components of fusible same-shape nodes, cut so no group depends on itself."""
+        """Connected components of fusible same-shape nodes, cut so no group depends on itself. A row
+        reduction joins its input's group, and its per-row result (with the per-row ops after it) the
+        ops that broadcast it back along the row."""
+        per_row = _per_row(ok, order)
+
         def joinable(a, n):
-            return tuple(ir.info(a).shape) == tuple(ir.info(n).shape) and ir.info(a).device == ir.info(n).device
+            sa, sn = tuple(ir.info(a).shape), tuple(ir.info(n).shape)
+            if ir.info(a).device != ir.info(n).device:
+                return False
+            if sa == sn:
+                return True
+            if n.target in ROW_REDUCTIONS:  # a row into its reduction
+                return sn == sa[:-1] + (1,)
+            # a per-row value broadcast back along the row
+            return a in per_row and len(sa) == len(sn) and sa[:-1] == sn[:-1] and sa[-1] == 1
 
         out = []
         pending = ir.connected_components(list(ok), order, joinable)
@@ -360,11 +435,53 @@ def _is_free(ctx, n) -> bool:
     return ir.concrete(ctx.cost.node_cost(n).time_s, ctx.hints) == 0
 
 
+def _per_row(ok, order) -> set:
+    """The row reductions among ``ok`` and the fusible nodes of their result's shape downstream of them
+    (sqrt of a sum of squares, clamp_min): values computed once per row in a reducing program."""
+    out = set()
+    for n in sorted(ok, key=order.__getitem__):
+        if n.target in ROW_REDUCTIONS:
+            out.add(n)
+        elif any(a in out and tuple(ir.info(a).shape) == tuple(ir.info(n).shape) for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _channels_last(n) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and not v.is_contiguous() and v.is_contiguous(memory_format=torch.channels_last)
+
+
+def _row_group(group, outs, ctx, grad) -> str:
+    """'' when ``group`` has no row reduction, or its reductions can run as one program (one full
+    shape, reduced over its last dim; only full rows read outside; inference), else why not."""
+    reducing = [n for n in group if n.target in ROW_REDUCTIONS or n.target in SOFTMAXES]
+    if not reducing:
+        return ""
+    shape = tuple(ir.info(reducing[0].args[0]).shape)
+    row = shape[:-1] + (1,)
+    if any(tuple(ir.info(r.args[0]).shape) != shape for r in reducing):
+        return "row reductions of different shapes"
+    for n in group:
+        if tuple(ir.info(n).shape) not in (shape, row):
+            return f"{n.name} is neither a row {shape} nor a per-row value"
+    for o in outs:
+        if tuple(ir.info(o).shape) != shape:
+            return f"the per-row value {o.name} is read outside the group (a program's outputs are full rows)"
+        if o.target in EXPANDS:
+            return f"the broadcast view {o.name} is read outside the group (fusing would copy it)"
+    if ctx.training and any(grad.get(n) for n in group):
+        return "a row reduction with a gradient (the program's backward has no row reductions)"
+    return ""
+
+
 def _boundary(group):
     gs = set(group)
     ins = []
     for n in group:
-        for a in n.all_input_nodes:
+        for a in (_operands(n) if n.target is aten.expand_as.default else n.all_input_nodes):
+            if not isinstance(a, fx.Node):
+                continue
             if a not in gs and a not in ins:
                 ins.append(a)
     outs = [n for n in group if any(u not in gs for u in n.users)]
@@ -429,6 +546,18 @@ def _merge_siblings(groups, order, joinable) -> list[list[fx.Node]]:
         groups = [g for g in groups if g is not a and g is not b] + [both]
 
 
+def _reduce(p, n, x):
+    if n.target in SOFTMAXES:
+        e = p.exp(x - p.rmax(x))
+        return e / p.rsum(e)
+    if n.target is aten.amax.default:
+        return p.rmax(x)
+    if n.target is aten.linalg_vector_norm.default:
+        return p.sqrt(p.rsum(x * x))
+    s = p.rsum(x)
+    return s * (1.0 / ir.info(n.args[0]).shape[-1]) if n.target is aten.mean.dim else s
+
+
 def _program(group, ins, outs):
     from graphopt.cuda_ext.pointwise import Program
 
@@ -437,6 +566,12 @@ def _program(group, ins, outs):
     for n in group:
         if n.target in CASTS:
             vals[n] = p.cast(vals[n.args[0]], ir.info(n).dtype)
+            continue
+        if n.target in EXPANDS:  # broadcasting is the program's own
+            vals[n] = vals[n.args[0]]
+            continue
+        if n.target in ROW_REDUCTIONS or n.target in SOFTMAXES:
+            vals[n] = _reduce(p, n, vals[n.args[0]])
             continue
         operands = [vals[a] if isinstance(a, fx.Node) else a for a in _operands(n)]
         v = OPS[n.target](p, n, operands)

@@ -244,3 +244,63 @@ def test_size1_operand_over_a_transposed_input(triton_interpreter):
         s = torch.randn(1)
         (o,) = _run_triton(p.source, [x, s])
         torch.testing.assert_close(o, F.gelu(x + s, approximate="tanh"), rtol=1e-5, atol=1e-5)
+
+
+def _softmax_normalize_program(scale: float = 0.5):
+    """softmax(x * scale + bias) and the same scores L2-normalized over the row (F.normalize's
+    spelling: x / max(sqrt(sum(x^2)), eps)): the row reductions, prologue and epilogue."""
+    p = Program()
+    x, bias = p.input(), p.input()
+    s = x * scale + bias
+    e = p.exp(s - p.rmax(s))
+    p.output(e / p.rsum(e), "f32")
+    p.output(x / p.maximum(p.sqrt(p.rsum(x * x)), 1e-12), "f32")
+    return p
+
+
+def test_row_reductions_evaluate_as_torch():
+    p = _softmax_normalize_program()
+    x, bias = torch.randn(3, 5, 37, dtype=torch.float64), torch.randn(37, dtype=torch.float64)
+    soft, norm = evaluate(p, [x, bias])
+    assert torch.allclose(soft.double(), torch.softmax(x * 0.5 + bias, -1), atol=1e-6)  # (outputs stored as f32)
+    assert torch.allclose(norm.double(), torch.nn.functional.normalize(x, dim=-1), atol=1e-6)
+    assert p.reduces and parse(p.source).reduces and not every_op_program().reduces
+    with pytest.raises(ProgramError, match="rmax takes 1"):
+        parse("%0 = input 0\n%1 = rmax %0 %0\nout %1 f32\n")
+
+
+def _check_row_reductions(row: int, device: str, rows=(6,)):
+    p = _softmax_normalize_program()
+    x = torch.randn(*rows, 2 * row, dtype=torch.bfloat16, device=device)[..., ::2]  # strided along the row
+    bias = torch.randn(row, dtype=torch.bfloat16, device=device)
+    outs = _run_triton(p.source, [x, bias]) if device == "cpu" else ce.fused_pointwise(p, [x, bias])
+    x, bias = x.cpu(), bias.cpu()
+    ref64 = evaluate(p, [x.double(), bias.double()])
+    eager = evaluate(p, [x, bias])
+    for o, r, e in zip(outs, ref64, eager):
+        assert o.is_contiguous() and o.shape == (*rows, row)
+        check(o.cpu(), r, e, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("row", [1, 37, 64, 1000, 8192])
+def test_row_reductions_in_the_generated_kernel(triton_interpreter, row):
+    """Rows of any length up to MAX_ROW, broadcast and strided inputs, bf16 and fp32 outputs."""
+    _check_row_reductions(row, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("row", [1, 32, 37, 1000, 8192])
+def test_row_reductions_cuda(row):
+    poison_allocator("cuda")
+    _check_row_reductions(row, "cuda", rows=(3, 1000))
+
+
+def test_row_reductions_refuse_rows_over_the_limit_and_have_no_backward():
+    from graphopt.cuda_ext.pointwise_grad import backward_program
+
+    p = _softmax_normalize_program()
+    with pytest.raises(ValueError, match="rows of 1..8192"):
+        pwt._make_plan(p, p.source, [torch.randn(2, 8193), torch.randn(8193)])
+    with pytest.raises(ProgramError, match="no generated backward"):
+        backward_program(p.source, (torch.float32, torch.float32), (True, True), (True, True))

@@ -28,10 +28,30 @@ class TwoConsumers(nn.Module):
 
 
 class WithReduction(nn.Module):
+    def __init__(self, dim=-1):
+        super().__init__()
+        self.dim = dim
+
     def forward(self, x):
         a = (x * 1.5).exp()
-        s = a.sum(-1, keepdim=True)
-        return (a / s) * 2 + 1  # the group must not cross the sum (nor depend on itself through it)
+        s = a.sum(self.dim, keepdim=True)
+        return (a / s) * 2 + 1  # over the last dim: one program; over another, never one group around it
+
+
+class Normalize(nn.Module):
+    """Swin V2's cosine attention scores and a hand-written LayerNorm: row reductions (2-norm, mean)
+    with their prologue and epilogue, and a softmax with its scale and additive mask."""
+
+    def __init__(self, row=32):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(row))
+        self.mask = nn.Parameter(torch.randn(row))
+
+    def forward(self, x):
+        n = F.normalize(x, dim=-1)
+        mu = x.mean(-1, keepdim=True)
+        ln = (x - mu) * torch.rsqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5) * self.w
+        return n, ln, torch.softmax(x * 0.125 + self.mask, dim=-1)
 
 
 class Casts(nn.Module):
@@ -76,17 +96,67 @@ def test_multiple_consumers_become_outputs(dtype):
 
 
 def test_never_across_a_reduction():
-    m = WithReduction()
+    m = WithReduction(dim=0)
     x = torch.randn(4, 32)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
     c = op_counts(gm)
     assert c["aten.sum.dim_IntList"] == 1
-    # before the sum: mul+exp; after it: div+mul+add; never one group around the sum
+    # a sum over the first dim: before it mul+exp, after it div+mul+add; never one group around it
     assert c[FP] == 2 and len(res.rewrites) == 2
     sizes = sorted(len(r.matched) for r in res.rewrites)
     assert sizes == [2, 3]
     assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sum_over_the_last_dim_joins_its_prologue_and_epilogue(dtype):
+    m = WithReduction().to(dtype)
+    x = torch.randn(64, 512, dtype=dtype)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c["aten.sum.dim_IntList"] == 0 and c[FP] == 1 and len(res.rewrites) == 1
+    (fp,) = _fp_nodes(gm)
+    assert parse(fp.args[0]).reduces and fp.args[1] == [gm.graph.find_nodes(op="placeholder")[0]]  # x read once
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normalize_layer_norm_and_softmax_spellings_are_one_program_each(dtype):
+    m = Normalize().to(dtype)
+    x = torch.randn(8, 64, 32, dtype=dtype)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c["aten.linalg_vector_norm.default"] + c["aten.mean.dim"] + c["aten.softmax.int"] == 0
+    assert c[FP] >= 1 and all(parse(n.args[0]).reduces for n in _fp_nodes(gm))
+    assert reference_check(m, gm, (x,)).passed
+
+
+class RowOut(nn.Module):
+    def forward(self, x):
+        norm = x.norm(dim=-1, keepdim=True)
+        return x / norm.clamp_min(1e-6), norm  # the per-row norm is an output too
+
+
+def test_a_per_row_value_read_outside_keeps_its_group_unfused():
+    m = RowOut()
+    x = torch.randn(16, 128)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert op_counts(gm)[FP] == 0
+    assert any("per-row value" in r.reason for r in res.rejected)
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_row_reductions_stay_unfused_where_they_take_a_gradient():
+    m = Normalize().train()
+    x = torch.randn(8, 64, 32, requires_grad=True)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200", training=True)
+    assert all(not parse(n.args[0]).reduces for n in _fp_nodes(gm))
+    assert any("gradient" in r.reason for r in res.rejected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,7 +20,7 @@ from .api import OptimizedModule, explain, optimize  # noqa: E402
 from .capture import capture  # noqa: E402
 from .errors import (  # noqa: E402
     AccuracyError, ArtifactError, BudgetError, CaptureError, GenerationError, GraphoptError, GuardError, KernelBuildError,
-    ModelSpecError, PassConfigError, UnsupportedOpError)
+    ModelSpecError, PassConfigError, ReferenceRunError, UnsupportedOpError)
 from .export import export, load  # noqa: E402
 from .options import OptimizeOptions  # noqa: E402
 from .generation import Generator, optimize_generation  # noqa: E402
@@ -32,7 +32,7 @@ __all__ = [
     "optimize", "explain", "export", "load", "capture", "OptimizedModule", "OptimizeOptions", "Report",
     "optimize_generation", "Generator",
     "GraphoptError", "CaptureError", "UnsupportedOpError", "BudgetError", "ArtifactError", "ModelSpecError",
-    "PassConfigError", "KernelBuildError", "AccuracyError", "GuardError", "GenerationError",
+    "PassConfigError", "KernelBuildError", "AccuracyError", "ReferenceRunError", "GuardError", "GenerationError",
 ]
 
 # registers torch.ops.graphopt.* (CUDA kernels when built, reference implementations otherwise),

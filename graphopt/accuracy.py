@@ -8,6 +8,9 @@ passes. Integer and bool outputs must be equal.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -295,6 +298,100 @@ def _grouped_mm_plain(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return out
 
 
+# ------------------------------------------------------------- a model's Python-side state
+# the entries nn.Module keeps in every module's __dict__ (parameters, buffers, submodules, hooks,
+# training): not Python-side state; what a forward may store besides them is
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))
+# objects of these packages' classes are not walked into (a logger, a lock, torch's own objects)
+_NOT_WALKED = frozenset(sys.stdlib_module_names) | {"builtins", "torch"}
+_MISSING = object()
+
+
+def _walked_object(v) -> bool:
+    """An object whose attributes the walk follows: of a class of the model's or another library's (a
+    cache holder, a config), not a type, function, module or nn.Module, nor of Python's or torch's."""
+    if isinstance(v, (type, types.ModuleType, torch.nn.Module)) or callable(v):
+        return False
+    return isinstance(getattr(v, "__dict__", None), dict) and type(v).__module__.split(".")[0] not in _NOT_WALKED
+
+
+class ModuleState:
+    """The Python-side state of a module tree, taken when made: every module's ``__dict__`` entries
+    beside nn.Module's own (a cache a forward fills, ``self.cache[device] = f(weight)``), and what the
+    dicts, lists and sets and the plain objects' attributes reachable from them hold (a few levels
+    down). :meth:`restore` puts back in place what changed: the same objects under the same names,
+    each container holding what it held, the entries a run added removed. So a run of the model
+    (graphopt's float64 reference, an eager run of the guard, a capture that traces the forward with
+    fake tensors) neither leaves what it stored behind (a float64 tensor the caller's next bf16 call
+    would read) nor reads what another run stored.
+
+    ``tensors``: the tensors held in that state (by id; the state keeps them alive), which a run in
+    another dtype converts as it reads them (:class:`_Float64State`)."""
+
+    DEPTH = 6
+    MAX_ENTRIES = 1 << 16  # entries copied at most (the walk stops there)
+
+    def __init__(self, model: torch.nn.Module):
+        self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}) for m in model.modules()]
+        self.contents: dict = {}  # id -> (container, a shallow copy of what it held)
+        self.tensors: dict = {}  # id -> tensor
+        self._entries = 0
+        for _, attrs in self.attrs:
+            for v in attrs.values():
+                self._walk(v, 0)
+
+    def _walk(self, v, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            self.tensors.setdefault(id(v), v)
+            return
+        if depth >= self.DEPTH or self._entries > self.MAX_ENTRIES:
+            return
+        if _walked_object(v):
+            v = vars(v)  # its attributes: a dict, kept as one
+        if isinstance(v, tuple) and not isinstance(v, torch.Size):
+            items = v
+        elif isinstance(v, (dict, list, set)):
+            if id(v) in self.contents:
+                return
+            self.contents[id(v)] = (v, dict(v) if isinstance(v, dict) else list(v))
+            self._entries += len(v)
+            items = v.values() if isinstance(v, dict) else v
+        else:
+            return
+        for x in list(items):
+            self._walk(x, depth + 1)
+
+    def restore(self) -> None:
+        for obj, held in self.contents.values():
+            if isinstance(obj, dict):
+                if len(obj) != len(held) or any(obj.get(k, _MISSING) is not x for k, x in held.items()):
+                    obj.clear()
+                    obj.update(held)
+            elif isinstance(obj, list):
+                if len(obj) != len(held) or any(a is not b for a, b in zip(obj, held)):
+                    obj[:] = held
+            elif len(obj) != len(held) or any(x not in obj for x in held):
+                obj.clear()
+                obj.update(held)
+        for m, attrs in self.attrs:
+            d = vars(m)
+            for k in [k for k in d if k not in _MODULE_OWN and k not in attrs]:
+                del d[k]
+            for k, v in attrs.items():
+                if d.get(k, _MISSING) is not v:
+                    d[k] = v
+
+
+@contextlib.contextmanager
+def module_state_kept(model: torch.nn.Module):
+    """The model's Python-side state (:class:`ModuleState`) as it was on entry, again on exit."""
+    state = ModuleState(model)
+    try:
+        yield state
+    finally:
+        state.restore()
+
+
 # torch functions without a float64 kernel on some device, run as plain ops in the float64 reference
 _FLOAT64_PLAIN = {"grouped_mm": _grouped_mm_plain, "_grouped_mm": _grouped_mm_plain}
 
@@ -311,7 +408,11 @@ class _Float64State(torch.overrides.TorchFunctionMode):
     :func:`reference_dtype`): a projection over a large weight whose result has one of these shapes
     writes it, block by block, into a tensor of that dtype (never whole in float64); the model sees
     the float64 tensor it would have had (metadata included), and an op that reads it gets it back
-    in float64 (after which outputs of that shape are made in float64 again)."""
+    in float64 (after which outputs of that shape are made in float64 again).
+
+    The model's Python-side state (:class:`ModuleState`) is as a converted copy's would be: the
+    tensors it holds (a cache a forward filled in the model's dtype) are converted as they are
+    read, like buffers, and what the run stores there (float64 tensors) is undone on exit."""
 
     # converted bytes of a weight's block: at most CHUNK_BYTES, and at most a 32nd of the model's own
     # bytes (but not under MIN_CHUNK_BYTES), so what one op converts stays small beside the model
@@ -328,6 +429,21 @@ class _Float64State(torch.overrides.TorchFunctionMode):
         self.block_bytes = min(self.CHUNK_BYTES, max(self.MIN_CHUNK_BYTES, own // 32))
         self.narrow_outputs = dict(narrow_outputs or {})
         self.narrowed: dict = {}  # id -> [the narrow tensor, its float64 form once an op read it]
+        self.model = model
+        self.state: ModuleState | None = None  # taken on entry, restored on exit
+        self.held: dict = {}  # id -> a tensor the model's Python-side state held on entry (read as a buffer)
+
+    def __enter__(self):
+        self.state = ModuleState(self.model)
+        self.held = self.state.tensors
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.state.restore()
+            self.state, self.held = None, {}
 
     def _swap(self, x):
         if not isinstance(x, torch.Tensor):
@@ -341,7 +457,7 @@ class _Float64State(torch.overrides.TorchFunctionMode):
             return entry[1]
         if key in self.params:
             return x.detach().to(self.dtype) if x.is_floating_point() else x.detach()
-        if key in self.buffers:
+        if key in self.buffers or key in self.held:
             return x.detach().to(self.dtype, copy=True) if x.is_floating_point() else x.detach().clone()
         return x
 
@@ -355,7 +471,7 @@ class _Float64State(torch.overrides.TorchFunctionMode):
         if not isinstance(x, torch.Tensor):
             return NotImplemented
         key = id(x)
-        if key not in self.narrowed and key not in self.params and key not in self.buffers:
+        if key not in self.narrowed and key not in self.params and key not in self.buffers and key not in self.held:
             return NotImplemented
         if name in _DEVICE_METADATA:
             return func(*args, **kwargs)

@@ -18,7 +18,7 @@ from . import accuracy, ir, setup_memory, timing
 from .capture import _register_hf_pytrees, capture, flat_tensors, split_inputs
 from .cost.model import CostModel
 from .cost.profiles import DeviceProfile, get_profile
-from .errors import GraphoptError, GuardError
+from .errors import GraphoptError, GuardError, ReferenceRunError, one_line
 from .options import OptimizeOptions
 from .passes.partition_devices import PartitionResult
 from .pipeline import PassContext, PassManager, assemble
@@ -297,6 +297,30 @@ def _held(out):
     return accuracy.offload(out, REFERENCE_ON_DEVICE_BYTES)
 
 
+@contextlib.contextmanager
+def _reference_run(how: str):
+    """A run of the model the guard makes (as given, in float64) that fails raises ReferenceRunError."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError) as e:
+        raise ReferenceRunError(
+            f"the accuracy guard's run of the model {how} on the example inputs failed ({type(e).__name__}: "
+            f"{one_line(e, 200)}); optimize(..., check_accuracy=False) skips the guard", detail=repr(e)) from e
+
+
+def _real(out):
+    """``out``, when no tensor in it is a fake one (which a model's run returns when it read a fake
+    tensor the capture's trace stored where accuracy.ModuleState does not restore it)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if any(isinstance(t, torch.Tensor) and is_fake(t) for t in pytree.tree_leaves(out)):
+        raise RuntimeError("it returned a fake tensor: the model kept a tensor from the capture's trace in an object "
+                           "graphopt does not restore (keep such a cache in a module attribute, dict or list)")
+    return out
+
+
 class _AccuracyGuard:
     """The accuracy rule on the example inputs (and calibration batches): against an fp64
     reference, with the eager model's own error as the yardstick. A graph lowered to bf16/fp16
@@ -322,12 +346,14 @@ class _AccuracyGuard:
             self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for batch in self.batches:
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_buffers(model):
-                    self._eager.append(_held(_run(model, *batch.fresh(), training)))
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_state(model), \
+                        _reference_run("as given"):
+                    self._eager.append(_held(_real(_run(model, *batch.fresh(), training))))
                 # large outputs' references are kept in float32 for bf16/fp16 outputs, and wait on the
                 # host from the first check on (_ready): moving them now would wait for the run
-                self._ref64.append(accuracy.fp64_reference(model, *batch.fresh(), like=self._eager[-1],
-                                                           large_bytes=REFERENCE_ON_DEVICE_BYTES))
+                with _reference_run("in float64"):
+                    self._ref64.append(_real(accuracy.fp64_reference(model, *batch.fresh(), like=self._eager[-1],
+                                                                     large_bytes=REFERENCE_ON_DEVICE_BYTES)))
         self._low: dict = {}
         self._floor: dict = {}
         self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
@@ -377,34 +403,38 @@ class _AccuracyGuard:
             outs = []
             for b in self.batches:
                 with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                        self._keep_buffers(self.model):
+                        self._keep_state(self.model):
                     outs.append(_held(accuracy.matmul_floor(self.model, *b.fresh(), dtype, self.training)))
             self._floor[dtype] = outs
         return self._floor[dtype]
 
-    def _keep_buffers(self, gm):
-        """Running a training graph updates BatchNorm statistics; the guard's runs must not."""
-        import contextlib
+    def _keep_state(self, gm):
+        """Running a training graph updates BatchNorm statistics; the guard's runs must not. Nor may
+        a run of the model leave what its forward stores in its Python-side state (a cache of a
+        tensor derived from the weights, accuracy.ModuleState) to the next run: each starts from the
+        state the caller's model had."""
 
         @contextlib.contextmanager
         def keep():
-            if not self.training:
-                yield
-                return
-            bufs = {id(b): (b, b.detach().clone()) for m in (self.model, gm) for b in m.buffers()}
+            state = accuracy.ModuleState(self.model) if gm is self.model else None
+            bufs = {}
+            if self.training:
+                bufs = {id(b): (b, b.detach().clone()) for m in (self.model, gm) for b in m.buffers()}
             try:
                 yield
             finally:
                 with torch.no_grad():
                     for b, saved in bufs.values():
                         b.copy_(saved)
+                if state is not None:
+                    state.restore()
 
         return keep()
 
     def _results(self, gm, dtype, yardsticks):
         """The rule on each batch against ``yardsticks``, lazily (a caller may stop early)."""
         for b, ref, yard in zip(self.batches, self.ref64, yardsticks):
-            with self._keep_buffers(gm):
+            with self._keep_state(gm):
                 out = _run(gm, *b.fresh(), self.training)
             yield accuracy.check(out, ref, yard, training=self.training, dtype=dtype, cache=self._rmse_cache)
 
@@ -551,20 +581,24 @@ def _optimize(model: nn.Module, example_inputs, opts: OptimizeOptions) -> Optimi
     t_start = time.perf_counter()
     inputs, args, kwargs, flat, model_dev = _validate(model, example_inputs, opts)
     planning = _plan_profile(opts, model_dev)
-    was_training = model.training
-    model.train(opts.training)
-    try:
-        gm = _capture(model, args, kwargs, opts)
-        inputs.mutated = ir.mutated_flat_inputs(gm, flat)
-        check, acc_info = _build_guard(model, gm, inputs, flat, model_dev, opts)
-        constants = setup_memory.account(opts.weight_copies, model, model_dev)
-        meter, measure_note = _meter(opts, planning, model_dev, inputs)
-        run = _run_pipeline(gm, planning, check, model_dev, opts, constants, meter)
-    finally:
-        model.train(was_training)
-    report = _build_report(model, gm, planning, run, acc_info, model_dev, opts, t_start)
-    opt = _lower(gm, report, run, planning, model, inputs, args, kwargs, flat, opts)
-    _measured_guard(opt, model, inputs, meter, measure_note)
+    # what a forward stores in the model's Python-side state (a cache of a tensor derived from the
+    # weights), and what model.train() clears there, is the caller's as given again on return
+    with accuracy.module_state_kept(model):
+        was_training = model.training
+        model.train(opts.training)
+        try:
+            with accuracy.module_state_kept(model):  # (a trace may store proxies or fakes there)
+                gm = _capture(model, args, kwargs, opts)
+            inputs.mutated = ir.mutated_flat_inputs(gm, flat)
+            check, acc_info = _build_guard(model, gm, inputs, flat, model_dev, opts)
+            constants = setup_memory.account(opts.weight_copies, model, model_dev)
+            meter, measure_note = _meter(opts, planning, model_dev, inputs)
+            run = _run_pipeline(gm, planning, check, model_dev, opts, constants, meter)
+        finally:
+            model.train(was_training)
+        report = _build_report(model, gm, planning, run, acc_info, model_dev, opts, t_start)
+        opt = _lower(gm, report, run, planning, model, inputs, args, kwargs, flat, opts)
+        _measured_guard(opt, model, inputs, meter, measure_note)
     return opt
 
 

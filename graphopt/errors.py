@@ -83,6 +83,12 @@ class AccuracyError(GraphoptError):
     """An optimized module fails the accuracy rule and nothing could be reverted."""
 
 
+class ReferenceRunError(AccuracyError):
+    """The accuracy guard could not run the model as given or in float64 on the example inputs
+    (an op with a fixed dtype, a tensor kept where graphopt cannot convert it); the message names
+    the run and torch's error, and ``check_accuracy=False`` optimizes without the guard."""
+
+
 class GuardError(GraphoptError):
     """An optimized module was called with inputs it was not specialized for."""
 

@@ -219,9 +219,11 @@ def test_large_outputs_are_written_in_their_narrow_dtype_block_by_block(monkeypa
     with MemoryTrace(record_ops=False) as tr, torch.no_grad(), \
             accuracy._Float64State(model, narrow_outputs={(2, 5, 1000): torch.float32}):
         out = model(ids.clone())
+        seen = dict(model.seen)
     assert out.dtype == torch.float32 and torch.equal(out, want.float())
-    assert model.seen == {"weight_dtype": torch.float64, "weight_shape": (1000, 64), "out_dtype": torch.float64,
-                          "out_shape": (2, 5, 1000), "out_device": torch.device("cpu")}
+    assert seen == {"weight_dtype": torch.float64, "weight_shape": (1000, 64), "out_dtype": torch.float64,
+                    "out_shape": (2, 5, 1000), "out_device": torch.device("cpu")}
+    assert model.seen == {}  # what the run stored in the model's Python-side state is undone on exit
     assert tr.peak < 1000 * 64 * 8 and all(p.dtype == torch.float32 for p in model.parameters())
 
 

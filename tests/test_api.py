@@ -329,3 +329,69 @@ def test_a_model_on_meta_plans_without_an_accuracy_check():
     opt = graphopt.optimize(model, (torch.randn(4, 16, device="meta"),), target="h200")
     acc = opt.report.accuracy
     assert not acc["checked"] and "meta" in acc["reason"]
+
+
+class _CachedBias(nn.Module):
+    """A tensor derived from a parameter, cached in a Python dict keyed by device in eval mode (as
+    LeViT's attention biases are): not a parameter or buffer, so a float64 or bf16 run of the model
+    stores a tensor of its own dtype there. ``holder``: an object whose attributes hold the cache instead."""
+
+    def __init__(self, holder=None):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.table = nn.Parameter(torch.randn(4, 8))
+        self.register_buffer("idx", torch.tensor([0, 1, 2, 3, 3, 2, 1, 0]), persistent=False)
+        self.cache = {}
+        self.holder = holder
+
+    def bias(self, device):
+        if self.training:
+            return self.table[:, self.idx]
+        cache = self.holder.__dict__ if self.holder is not None else self.cache
+        if str(device) not in cache:
+            cache[str(device)] = self.table[:, self.idx]
+        return cache[str(device)]
+
+    def forward(self, x):
+        return torch.relu(self.proj(x)) @ self.bias(x.device).T  # (a float64 bias beside bf16: no kernel)
+
+
+@pytest.mark.parametrize("prefilled", [False, True], ids=["empty", "prefilled"])
+def test_a_cache_the_forward_fills_is_the_callers_as_given_after_optimize(prefilled):
+    """The guard's eager and float64 runs each start from the model's Python-side state as given and
+    leave nothing there (accuracy.ModuleState): the float64 run never reads the bf16 tensor an
+    eager run cached, no bf16 run reads a float64 one, and the caller's dict is the same object
+    holding the same tensors afterwards. fp64_reference alone leaves the cache as it found it."""
+    torch.manual_seed(0)
+    model = _CachedBias().eval().to(torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    if prefilled:
+        with torch.no_grad():
+            model(x)
+    cache, held = model.cache, dict(model.cache)
+    ref = accuracy.fp64_reference(model, (x,), {})
+    assert model.cache is cache and model.cache == held and ref.dtype == torch.float64
+    opt = graphopt.optimize(model, (x,))
+    assert model.cache is cache and list(cache) == list(held) and all(cache[k] is v for k, v in held.items())
+    assert opt.report.accuracy["checked"] and opt.report.accuracy["passed"]
+    with torch.no_grad():
+        eager = model(x)  # a bf16 call after optimize(): no float64 tensor was left in its cache
+        assert accuracy.check(opt(x), ref, eager).passed
+
+
+def test_a_cache_in_a_plain_object_is_restored_and_one_graphopt_does_not_walk_is_a_one_line_error():
+    """The attributes of a plain object the model holds are state as well (restored, converted); an
+    object of Python's own classes (SimpleNamespace) is not walked into, and the fake tensor the
+    capture's trace leaves there makes optimize() raise ReferenceRunError (one line) instead of a
+    raw torch error."""
+    import types
+
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    holder = type("Holder", (), {})()
+    model = _CachedBias(holder).eval().to(torch.bfloat16)
+    graphopt.optimize(model, (x,))
+    assert vars(holder) == {}
+    model = _CachedBias(types.SimpleNamespace()).eval().to(torch.bfloat16)
+    with pytest.raises(graphopt.ReferenceRunError, match="fake tensor.*check_accuracy=False") as err:
+        graphopt.optimize(model, (x,))
+    assert "\n" not in str(err.value) and isinstance(err.value, graphopt.GraphoptError)

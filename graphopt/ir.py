@@ -368,7 +368,9 @@ class _NodeSig(tuple):
 
 def _versions(val):
     if isinstance(val, torch.Tensor):
-        return val._version
+        # an inference tensor (made under torch.inference_mode) keeps no version counter: a fresh
+        # object every time, so a signature cached against it is never taken as current
+        return object() if val.is_inference() else val._version
     if isinstance(val, (tuple, list)):
         return tuple(_versions(v) for v in val)
     return None
@@ -403,7 +405,8 @@ class _IncrementalProp(FakeTensorProp):
         sig = sig or _node_signature
         if n.op == "get_attr" and "val" in n.meta:
             obj = get_attr_value(self.module, n.target)
-            if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
+            if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor) \
+                    and not obj.is_inference():  # (an inference tensor has no version to key on: re-run)
                 return ("get_attr", id(obj), obj._version, tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device)
             return None
         if n.op == "call_function" and n.target is operator.getitem and "val" in n.meta:

@@ -379,6 +379,37 @@ def test_a_cache_the_forward_fills_is_the_callers_as_given_after_optimize(prefil
         assert accuracy.check(opt(x), ref, eager).passed
 
 
+def test_a_cache_filled_under_inference_mode_is_a_constant_graphopt_can_propagate_again():
+    """A tensor the caller's own torch.inference_mode() call cached is an inference tensor, which keeps
+    no version counter: the capture lifts it as a constant, and propagating metadata again (after a
+    pass is reverted) must not key on its version (it raised on the H200 for timm's LeViT)."""
+    from graphopt import ir
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+            self.cache = {}
+
+        def forward(self, x):
+            if str(x.device) not in self.cache:
+                self.cache[str(x.device)] = self.w * 2
+            return torch.relu(x @ self.cache[str(x.device)])
+
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        model(x)
+    gm = graphopt.capture(model, (x,))
+    consts = [ir.get_attr_value(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    assert any(t.is_inference() for t in consts if isinstance(t, torch.Tensor))
+    ir.repropagate(gm)
+    ir.repropagate(gm, incremental=True)
+    opt = graphopt.optimize(model, (x,))
+    assert opt.report.accuracy["passed"]
+
+
 def test_a_cache_in_a_plain_object_is_restored_and_one_graphopt_does_not_walk_is_a_one_line_error():
     """The attributes of a plain object the model holds are state as well (restored, converted); an
     object of Python's own classes (SimpleNamespace) is not walked into, and the fake tensor the

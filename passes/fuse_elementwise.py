@@ -15,7 +15,7 @@ read a common tensor, of one shape and with no path between them, merge into one
 fusion: the cos and sin of a rotary angle table are one kernel reading the angles once).
 
 Row reductions join too, with their prologue and epilogue (inference graphs): a sum, mean, amax,
-2-norm (``linalg_vector_norm``, keepdim) or softmax over the last dim, of rows up to
+variance, 2-norm (``linalg_vector_norm``), keepdim, or a softmax or log-softmax over the last dim, of rows up to
 cuda_ext.pointwise_triton.MAX_ROW elements, becomes ``rsum``/``rmax`` in the program, and its per-row
 result (shape [..., 1]) joins the ops that broadcast it back along the row (through ``expand``/
 ``expand_as``, no copy): F.normalize, a softmax with its scale and mask, a hand-written norm are one
@@ -133,8 +133,10 @@ CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.dev
 _WHERES = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
 _UNARY_ARGS = (aten.gelu.default, aten.clamp.default, aten.reciprocal.default)
 # over the last dim, keepdim: one value per row ([..., 1]); softmax keeps the row
-ROW_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.linalg_vector_norm.default)
-SOFTMAXES = (aten.softmax.int, aten._softmax.default)
+ROW_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.linalg_vector_norm.default,
+                  aten.var.dim, aten.var.correction)
+SOFTMAXES = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+_LOG_SOFTMAXES = (aten.log_softmax.int, aten._log_softmax.default)
 EXPANDS = (aten.expand.default, aten.expand_as.default)
 
 
@@ -156,15 +158,21 @@ def row_reduction(node: fx.Node) -> str:
         return f"rows of {row} elements (a program holds rows of 1..{MAX_ROW})"
     if node.target in SOFTMAXES:
         dim = node.args[1]
-        if node.target is aten._softmax.default and node.args[2]:
+        if node.target in (aten._softmax.default, aten._log_softmax.default) and node.args[2]:
             return "a softmax from half to float"
     else:
         if node.target is aten.linalg_vector_norm.default:
             if _arg(node, 1, "ord", 2) != 2:
                 return "a norm other than the 2-norm"
             dims, keep = _arg(node, 2, "dim", None), _arg(node, 3, "keepdim", False)
+        elif node.target is aten.var.dim:
+            dims, keep = _arg(node, 1, "dim", None), _arg(node, 3, "keepdim", False)
+        elif node.target is aten.var.correction:
+            dims, keep = _arg(node, 1, "dim", None), node.kwargs.get("keepdim", False)
         else:
             dims, keep = _arg(node, 1, "dim", None), _arg(node, 2, "keepdim", False)
+        if node.target in (aten.var.dim, aten.var.correction) and row - _correction(node) <= 0:
+            return f"a variance of {row} values with correction {_correction(node)}"
         if "dtype" in node.kwargs or not keep or not isinstance(dims, (list, tuple)) or len(dims) != 1:
             return "not one dim kept (keepdim=True, no dtype)"
         dim = dims[0]
@@ -546,16 +554,31 @@ def _merge_siblings(groups, order, joinable) -> list[list[fx.Node]]:
         groups = [g for g in groups if g is not a and g is not b] + [both]
 
 
+def _correction(node) -> float:
+    """Bessel's correction of a var node (var.dim's ``unbiased``, var.correction's ``correction``)."""
+    if node.target is aten.var.dim:
+        return 1.0 if _arg(node, 2, "unbiased", True) else 0.0
+    c = node.kwargs.get("correction")
+    return 1.0 if c is None else float(c)
+
+
 def _reduce(p, n, x):
+    if n.target in _LOG_SOFTMAXES:
+        s = x - p.rmax(x)
+        return s - p.log(p.rsum(p.exp(s)))
     if n.target in SOFTMAXES:
         e = p.exp(x - p.rmax(x))
         return e / p.rsum(e)
+    row = ir.info(n.args[0]).shape[-1]
+    if n.target in (aten.var.dim, aten.var.correction):
+        d = x - p.rsum(x) * (1.0 / row)
+        return p.rsum(d * d) * (1.0 / (row - _correction(n)))
     if n.target is aten.amax.default:
         return p.rmax(x)
     if n.target is aten.linalg_vector_norm.default:
         return p.sqrt(p.rsum(x * x))
     s = p.rsum(x)
-    return s * (1.0 / ir.info(n.args[0]).shape[-1]) if n.target is aten.mean.dim else s
+    return s * (1.0 / row) if n.target is aten.mean.dim else s
 
 
 def _program(group, ins, outs):

@@ -39,8 +39,8 @@ class WithReduction(nn.Module):
 
 
 class Normalize(nn.Module):
-    """Swin V2's cosine attention scores and a hand-written LayerNorm: row reductions (2-norm, mean)
-    with their prologue and epilogue, and a softmax with its scale and additive mask."""
+    """Swin V2's cosine attention scores and hand-written LayerNorms (mean, and mean with var): row
+    reductions with their prologue and epilogue; a softmax with its scale and additive mask; a log-softmax."""
 
     def __init__(self, row=32):
         super().__init__()
@@ -51,7 +51,8 @@ class Normalize(nn.Module):
         n = F.normalize(x, dim=-1)
         mu = x.mean(-1, keepdim=True)
         ln = (x - mu) * torch.rsqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5) * self.w
-        return n, ln, torch.softmax(x * 0.125 + self.mask, dim=-1)
+        ln2 = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)
+        return n, ln, torch.softmax(x * 0.125 + self.mask, dim=-1), ln2, torch.log_softmax(x * 2.0, -1)
 
 
 class Casts(nn.Module):
@@ -129,7 +130,8 @@ def test_normalize_layer_norm_and_softmax_spellings_are_one_program_each(dtype):
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
     c = op_counts(gm)
-    assert c["aten.linalg_vector_norm.default"] + c["aten.mean.dim"] + c["aten.softmax.int"] == 0
+    assert c["aten.linalg_vector_norm.default"] + c["aten.mean.dim"] + c["aten.softmax.int"] + c["aten.var.dim"] \
+        + c["aten.var.correction"] + c["aten.log_softmax.int"] == 0
     assert c[FP] >= 1 and all(parse(n.args[0]).reduces for n in _fp_nodes(gm))
     assert reference_check(m, gm, (x,)).passed
 

@@ -12,7 +12,8 @@ input is read through stride 0; a smaller *intermediate* would be recomputed per
 element, so it starts its own group). Values read outside the group become extra outputs
 (multiple consumers), the group's external tensors its inputs (at most MAX_INPUTS). Groups that
 read a common tensor, of one shape and with no path between them, merge into one (horizontal
-fusion: the cos and sin of a rotary angle table are one kernel reading the angles once).
+fusion: the cos and sin of a rotary angle table are one kernel reading the angles once; inference
+graphs only).
 
 Row reductions join too, with their prologue and epilogue (inference graphs): a sum, mean, amax,
 variance, 2-norm (``linalg_vector_norm``), keepdim, or a softmax or log-softmax over the last dim, of rows up to
@@ -280,7 +281,7 @@ class FuseElementwise(Pass):
         grad = requires_grad(gm) if ctx.training else {}
         has_conv2d = ctx.fused_kernels and ctx.cost.conv_nchw_slowdown > 1.0 and any(
             n.op == "call_function" and n.target is torch.ops.aten.conv2d.default for n in gm.graph.nodes)
-        for group in self._groups(gm, ok, order):
+        for group in self._groups(gm, ok, order, merge=not ctx.training):
             real = [n for n in group if not _is_free(ctx, n)]
             if len(real) < 2:
                 continue
@@ -335,10 +336,12 @@ class FuseElementwise(Pass):
     # ------------------------------------------------------------------ grouping
 
     @staticmethod
-    def _groups(gm, ok, order) -> list[list[fx.Node]]:
+    def _groups(gm, ok, order, merge: bool = True) -> list[list[fx.Node]]:
         """Connected components of fusible same-shape nodes, cut so no group depends on itself. A row
         reduction joins its input's group, and its per-row result (with the per-row ops after it) the
-        ops that broadcast it back along the row."""
+        ops that broadcast it back along the row. ``merge``: siblings reading a common tensor become one
+        group (not in a training graph: one kernel fewer, but the merged node's backward holds both
+        groups' values at once, which raised the T5 encoder's checkpoint minimum from below 0.3 to 0.36)."""
         per_row = _per_row(ok, order)
 
         def joinable(a, n):
@@ -361,7 +364,8 @@ class FuseElementwise(Pass):
             if rest:
                 # the remainder may fall apart into several pieces: re-split by connectivity
                 pending.extend(ir.connected_components(rest, order))
-        return _merge_siblings([g for g in out if g], order, joinable)
+        out = [g for g in out if g]
+        return _merge_siblings(out, order, joinable) if merge else out
 
     # ------------------------------------------------------------------ rewrite
 

@@ -364,6 +364,10 @@ def test_groups_reading_one_tensor_merge_into_one_kernel():
     assert len(parse(fp.args[0]).outputs) == 2 and c["aten.cos.default"] == 0 and c["aten.sin.default"] == 0
     assert fp.args[1][0].target is torch.ops.aten.cat.default  # the shared angle table, read once
     assert reference_check(m, gm, (pos, inv)).passed
+    # in a training graph they stay two kernels (a merged node's backward holds both groups' values at once)
+    gm = capture(m, (pos, inv))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200", training=True)
+    assert len(_fp_nodes(gm)) == 2 and all(len(parse(n.args[0]).outputs) == 1 for n in _fp_nodes(gm))
 
 
 def test_siblings_with_a_path_between_them_or_another_shape_stay_apart():

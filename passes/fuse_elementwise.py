@@ -281,7 +281,18 @@ class FuseElementwise(Pass):
         grad = requires_grad(gm) if ctx.training else {}
         has_conv2d = ctx.fused_kernels and ctx.cost.conv_nchw_slowdown > 1.0 and any(
             n.op == "call_function" and n.target is torch.ops.aten.conv2d.default for n in gm.graph.nodes)
-        for group in self._groups(gm, ok, order, merge=not ctx.training):
+        groups = self._groups(gm, ok, order, merge=not ctx.training)
+
+        def refuse(group, label, why):
+            res.reject(label, why)
+            if any(n.target in ROW_REDUCTIONS or n.target in SOFTMAXES for n in group):
+                # without its row reductions (and the expands serving them): the pointwise groups it held
+                rest = {n for n in group if n.target not in ROW_REDUCTIONS and n.target not in SOFTMAXES
+                        and n.target not in EXPANDS}
+                groups.extend(self._groups(gm, rest, order, merge=False))
+
+        while groups:
+            group = groups.pop(0)
             real = [n for n in group if not _is_free(ctx, n)]
             if len(real) < 2:
                 continue
@@ -289,43 +300,47 @@ class FuseElementwise(Pass):
             ins, outs = _boundary(group)
             rows = _row_group(group, outs, ctx, grad)
             if rows:
-                res.reject(label, rows)
+                refuse(group, label, rows)
                 continue
             if not outs:  # nothing reads the group (dead code): eliminate_dead_code's to remove
-                res.reject(label, "nothing reads its values (dead code)")
+                refuse(group, label, "nothing reads its values (dead code)")
                 continue
             if len(ins) > MAX_INPUTS or len(outs) > MAX_OUTPUTS:
-                res.reject(label, f"{len(ins)} inputs / {len(outs)} outputs: over the program limit "
-                                  f"({MAX_INPUTS} / {MAX_OUTPUTS})")
+                refuse(group, label, f"{len(ins)} inputs / {len(outs)} outputs: over the program limit "
+                                     f"({MAX_INPUTS} / {MAX_OUTPUTS})")
                 continue
             try:
                 program = _program(group, ins, outs)  # expressible? (rebuilt at apply time from the live inputs)
             except _NotExpressible as e:
-                res.reject(label, f"not expressible as a pointwise program: {e}")
+                refuse(group, label, f"not expressible as a pointwise program: {e}")
                 continue
             if any(ir.info(n).dtype == torch.float64 for n in group) and \
                     not any(ir.info(a).dtype == torch.float64 for a in ins):
-                res.reject(label, "fp64 intermediates from lower-precision inputs (the program would compute them in fp32)")
+                refuse(group, label, "fp64 intermediates from lower-precision inputs (the program would compute them "
+                                     "in fp32)")
                 continue
             if not ctx.fused_kernels:
                 res.reject(label, NO_FUSED_KERNELS)
                 continue
             full = {tuple(ir.info(a).shape) for a in ins if ir.info(a) is not None}
             if has_conv2d and program.reduces and any(len(ir.info(a).shape) == 4 and _channels_last(a) for a in ins):
-                res.reject(label, "reduces rows of a channels_last tensor (its outputs would be NCHW inside the "
-                                  "channels_last region)")
+                refuse(group, label, "reduces rows of a channels_last tensor (its outputs would be NCHW inside the "
+                                     "channels_last region)")
                 continue
             if has_conv2d and any(len(ir.info(o).shape) == 4 and tuple(ir.info(o).shape) not in full for o in outs):
                 # the kernel's outputs take the layout of its full-size inputs (channels_last in,
                 # channels_last out); an output no input has the shape of is written contiguous,
                 # and inside the channels_last region convert_channels_last builds on this device
                 # the next convolution would get NCHW again, at the profile's NCHW slowdown
-                res.reject(label, "writes NCHW outputs and would break the channels_last region "
-                                  f"(NCHW convolutions measured {ctx.cost.conv_nchw_slowdown:g}x slower on "
-                                  f"{ctx.cost.device_name})")
+                refuse(group, label, "writes NCHW outputs and would break the channels_last region "
+                                     f"(NCHW convolutions measured {ctx.cost.conv_nchw_slowdown:g}x slower on "
+                                     f"{ctx.cost.device_name})")
                 continue
             gain = ctx.node_time(group) - ctx.price(torch.ops.graphopt.fused_pointwise.default, program.source, ins,
                                                     val=[o.meta.get("val") for o in outs])
+            if program.reduces and gain <= 0:  # (its pointwise parts alone may still pay)
+                refuse(group, label, f"predicted no gain ({gain * 1e6:+.2f} us)")
+                continue
             if ctx.training and not program.reduces:  # (a reducing group takes no gradient: _row_group)
                 gain += _backward_gain(ctx, group, ins, outs, program, grad)
             candidates.append(Candidate("pointwise group", group, gain,

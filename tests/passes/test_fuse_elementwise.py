@@ -152,6 +152,26 @@ def test_a_per_row_value_read_outside_keeps_its_group_unfused():
     assert reference_check(m, gm, (x,)).passed
 
 
+class RowOutAfterAChain(nn.Module):
+    def forward(self, x):
+        y = (x * 2 + 1).exp()
+        s = y.sum(-1, keepdim=True)
+        return y / s * 3, s  # the row sums are an output: the reduction stays, the chains around it fuse
+
+
+def test_a_refused_reducing_group_falls_back_to_its_pointwise_groups():
+    m = RowOutAfterAChain()
+    x = torch.randn(16, 128)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    # as without row reductions: the chain before the sum and the one after it, the sum between them
+    assert c["aten.sum.dim_IntList"] == 1 and c[FP] == 2 and not any(parse(n.args[0]).reduces for n in _fp_nodes(gm))
+    assert sorted(len(r.matched) for r in res.rewrites) == [2, 3]
+    assert any("per-row value" in r.reason for r in res.rejected)
+    assert reference_check(m, gm, (x,)).passed
+
+
 def test_row_reductions_stay_unfused_where_they_take_a_gradient():
     m = Normalize().train()
     x = torch.randn(8, 64, 32, requires_grad=True)

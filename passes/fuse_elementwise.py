@@ -45,6 +45,8 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt.cost.model import is_channels_last
+from graphopt.matcher import get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
 from ._fusion_meta import requires_grad, set_meta
@@ -141,10 +143,6 @@ _LOG_SOFTMAXES = (aten.log_softmax.int, aten._log_softmax.default)
 EXPANDS = (aten.expand.default, aten.expand_as.default)
 
 
-def _arg(node, i, name, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def row_reduction(node: fx.Node) -> str:
     """'' when ``node`` reduces its input over the last dim the way a program's rsum/rmax can
     (a row reduction, keepdim, or a softmax), else why not."""
@@ -163,15 +161,15 @@ def row_reduction(node: fx.Node) -> str:
             return "a softmax from half to float"
     else:
         if node.target is aten.linalg_vector_norm.default:
-            if _arg(node, 1, "ord", 2) != 2:
+            if get_arg(node, 1, "ord", 2) != 2:
                 return "a norm other than the 2-norm"
-            dims, keep = _arg(node, 2, "dim", None), _arg(node, 3, "keepdim", False)
+            dims, keep = get_arg(node, 2, "dim", None), get_arg(node, 3, "keepdim", False)
         elif node.target is aten.var.dim:
-            dims, keep = _arg(node, 1, "dim", None), _arg(node, 3, "keepdim", False)
+            dims, keep = get_arg(node, 1, "dim", None), get_arg(node, 3, "keepdim", False)
         elif node.target is aten.var.correction:
-            dims, keep = _arg(node, 1, "dim", None), node.kwargs.get("keepdim", False)
+            dims, keep = get_arg(node, 1, "dim", None), node.kwargs.get("keepdim", False)
         else:
-            dims, keep = _arg(node, 1, "dim", None), _arg(node, 2, "keepdim", False)
+            dims, keep = get_arg(node, 1, "dim", None), get_arg(node, 2, "keepdim", False)
         if node.target in (aten.var.dim, aten.var.correction) and row - _correction(node) <= 0:
             return f"a variance of {row} values with correction {_correction(node)}"
         if "dtype" in node.kwargs or not keep or not isinstance(dims, (list, tuple)) or len(dims) != 1:
@@ -323,7 +321,7 @@ class FuseElementwise(Pass):
                 res.reject(label, NO_FUSED_KERNELS)
                 continue
             full = {tuple(ir.info(a).shape) for a in ins if ir.info(a) is not None}
-            if has_conv2d and program.reduces and any(len(ir.info(a).shape) == 4 and _channels_last(a) for a in ins):
+            if has_conv2d and program.reduces and any(is_channels_last(ir.info(a)) for a in ins):
                 refuse(group, label, "reduces rows of a channels_last tensor (its outputs would be NCHW inside the "
                                      "channels_last region)")
                 continue
@@ -358,6 +356,8 @@ class FuseElementwise(Pass):
         group (not in a training graph: one kernel fewer, but the merged node's backward holds both
         groups' values at once, which raised the T5 encoder's checkpoint minimum from below 0.3 to 0.36)."""
         per_row = _per_row(ok, order)
+        # an expand joins only to broadcast a per-row value back along the row (elsewhere it stays a view)
+        ok = {n for n in ok if n.target not in EXPANDS or n.args[0] in per_row}
 
         def joinable(a, n):
             sa, sn = tuple(ir.info(a).shape), tuple(ir.info(n).shape)
@@ -474,11 +474,6 @@ def _per_row(ok, order) -> set:
     return out
 
 
-def _channels_last(n) -> bool:
-    v = n.meta.get("val")
-    return isinstance(v, torch.Tensor) and not v.is_contiguous() and v.is_contiguous(memory_format=torch.channels_last)
-
-
 def _row_group(group, outs, ctx, grad) -> str:
     """'' when ``group`` has no row reduction, or its reductions can run as one program (one full
     shape, reduced over its last dim; only full rows read outside; inference), else why not."""
@@ -576,7 +571,7 @@ def _merge_siblings(groups, order, joinable) -> list[list[fx.Node]]:
 def _correction(node) -> float:
     """Bessel's correction of a var node (var.dim's ``unbiased``, var.correction's ``correction``)."""
     if node.target is aten.var.dim:
-        return 1.0 if _arg(node, 2, "unbiased", True) else 0.0
+        return 1.0 if get_arg(node, 2, "unbiased", True) else 0.0
     c = node.kwargs.get("correction")
     return 1.0 if c is None else float(c)
 

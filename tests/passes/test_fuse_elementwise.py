@@ -172,6 +172,27 @@ def test_a_refused_reducing_group_falls_back_to_its_pointwise_groups():
     assert reference_check(m, gm, (x,)).passed
 
 
+class ExpandReadOutside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(1, 64))
+
+    def forward(self, x):
+        e = self.b.expand(x.shape[0], 64)
+        return torch.tanh(x + e) * 2, e  # the broadcast view is an output too
+
+
+def test_an_expand_that_serves_no_row_reduction_stays_a_view():
+    m = ExpandReadOutside()
+    x = torch.randn(256, 64)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert op_counts(gm)["aten.expand.default"] == 1
+    (fp,) = _fp_nodes(gm)
+    assert len(parse(fp.args[0]).outputs) == 1  # the view is not materialized as a kernel output
+    assert reference_check(m, gm, (x,)).passed
+
+
 def test_row_reductions_stay_unfused_where_they_take_a_gradient():
     m = Normalize().train()
     x = torch.randn(8, 64, 32, requires_grad=True)

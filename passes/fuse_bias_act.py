@@ -25,7 +25,10 @@ saves no kernel and is refused with that reason; a *convolution's* bias is a sep
 kernel in aten's cuDNN path (cudnn_convolution takes no bias). A conv2d + bias (+ residual) +
 ReLU epilogue is left to fuse_conv_relu when that pass runs later (one cuDNN call with the bias,
 residual and ReLU in its epilogue, where bias_act would leave two kernels), as fuse_elementwise
-leaves it. Refused on a CPU profile (bias_act is a CUDA kernel) except the aten ReLU path.
+leaves it. A convolution's bias alone (no activation, no residual) goes to bias_act too where
+the cost model prices aten's broadcast add above it. bias_act keeps a channels_last input's layout,
+so on a GPU where convert_channels_last runs the convolutions on NHWC tensors the epilogue stays
+inside that region. Refused on a CPU profile (bias_act is a CUDA kernel) except the aten ReLU path.
 """
 
 from __future__ import annotations
@@ -70,8 +73,10 @@ def _res(inner):
     return Op(aten.add.Tensor, inner, Any("res"), Const("alpha", 1), name="resadd", commutative=True)
 
 
-# most nodes first: act + residual, then act alone, then bias + residual (act "none")
-PATTERNS = (("act+residual", _res(_act(GEMM))), ("act", _act(GEMM)), ("residual", _res(GEMM)))
+# most nodes first: act + residual, then act alone, then bias + residual (act "none"), then a
+# convolution's bias alone (aten adds it in a broadcast kernel of its own; a GEMM's is free)
+PATTERNS = (("act+residual", _res(_act(GEMM))), ("act", _act(GEMM)), ("residual", _res(GEMM)),
+            ("bias", Op(CONVS, Any("x"), Any("w"), Any("b", pred=_not_none), name="gemm")))
 # GEMM + activation where the GEMM output is read elsewhere (to report why it does not fuse)
 # (one pattern per producer: the matcher's single_use=False is not seen through an Alt)
 LOOSE = tuple(Op(tuple(ACTS), Op(p.targets, *p.args, name=p.name, single_use=False, kwargs=p.kwargs,
@@ -124,8 +129,13 @@ class FuseBiasAct(Pass):
 
     def _candidate(self, gm, ctx, res, kind, m) -> Candidate | None:
         gemm, badd, act, radd = m["gemm"], m.get("badd"), m.get("act"), m.get("resadd")
-        top = radd or act
+        top = radd or act or gemm
         label = " + ".join(n.name for n in (gemm, badd, act, radd) if n is not None)
+        if kind == "bias" and (ctx.cost.device_kind != "cuda" or not gemm.users
+                               or any(u in self._reserved for u in gemm.users)):
+            # off CUDA the convolution applies its bias itself; fuse_conv_relu moves a residual
+            # convolution's bias into its fused call
+            return None
         a = act_name(act) if act is not None else "none"
         if a is None:
             res.reject(label, f"{act.name}: unsupported gelu approximation")
@@ -141,14 +151,6 @@ class FuseBiasAct(Pass):
             return None
         if gemm.target in CONVS and len(ir.info(gemm).shape) != len(ir.info(m["x"]).shape):
             res.reject(label, "unbatched convolution")
-            return None
-        if gemm.target is aten.conv2d.default and ctx.cost.conv_nchw_slowdown > 1.0 and ctx.fused_kernels:
-            # bias_act writes a contiguous (NCHW) tensor: inside the channels_last region that
-            # convert_channels_last builds on this device, every following convolution would get
-            # an NCHW input again, at the profile's measured NCHW slowdown
-            res.reject(label, "the epilogue kernel writes NCHW and would break the channels_last region "
-                              f"(NCHW convolutions measured {ctx.cost.conv_nchw_slowdown:g}x slower on "
-                              f"{ctx.cost.device_name})")
             return None
         if {act, radd} & self._reserved:
             res.reject(label, "left to fuse_conv_relu: one cuDNN call with the bias, residual and ReLU in its "
@@ -228,7 +230,7 @@ class FuseBiasAct(Pass):
     def _apply_bias_act(gm, m, a, bias_dim) -> fx.Node:
         g = gm.graph
         gemm, badd, act, radd = m["gemm"], m.get("badd"), m.get("act"), m.get("resadd")
-        top = radd or act
+        top = radd or act or gemm
         with g.inserting_before(top):
             made = _bias_act_nodes(GraphBuilder(g), m, a, bias_dim)
         set_meta(gm, made)
@@ -284,7 +286,7 @@ def _bias_act_nodes(b, m, a: str, bias_dim: int) -> list:
         y = b.call(gemm.target, *args, val=gemm.meta.get("val"), **kwargs)  # the same output, without the bias
         made.append(y)
     made.append(b.call(torch.ops.graphopt.bias_act.default, y, bias, a, res, bias_dim,
-                       val=(radd or act).meta.get("val")))
+                       val=(radd or act or gemm).meta.get("val")))
     return made
 
 

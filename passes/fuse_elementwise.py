@@ -27,7 +27,9 @@ Never joined: other reductions, GEMMs, other views, graphopt ops (this pass runs
 and leaves the specific kernels alone), integer tensors, no-op casts (they are aliases). A
 group that would depend on itself through an outside node (``a = exp(x); b = a / sum(a)``)
 is cut before the node that closes the loop. Groups of fewer than two kernels are not
-candidates; the cost model decides the rest (the group's nodes against the one fused_pointwise
+candidates, except a lone op aten runs in its strided unvectorized kernel (a broadcast into a
+channels_last tensor: squeeze-and-excitation's scale, ``cost.model.broadcast_channels_last``);
+the cost model decides the rest (the group's nodes against the one fused_pointwise
 node, which reads the inputs once and writes the outputs once). Refused on a CPU profile.
 
 Training graphs too: fused_pointwise is differentiable (its backward is one more fused_pointwise
@@ -45,7 +47,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import is_channels_last
+from graphopt.cost.model import broadcast_channels_last, is_channels_last
 from graphopt.matcher import get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
@@ -292,7 +294,8 @@ class FuseElementwise(Pass):
         while groups:
             group = groups.pop(0)
             real = [n for n in group if not _is_free(ctx, n)]
-            if len(real) < 2:
+            # a lone op is a candidate only where aten runs it in its slow strided kernel
+            if len(real) < 2 and not (len(group) == 1 and real and broadcast_channels_last(real[0])):
                 continue
             label = f"{len(group)} pointwise ops {group[0].name} .. {group[-1].name}"
             ins, outs = _boundary(group)

@@ -481,3 +481,27 @@ def test_a_cpu_profile_measured_under_load_is_measured_again(tmp_path, monkeypat
     again = profiles.cpu_profile()
     assert calls == [1] and again.peak_flops["float32"] > 5 * data["peak_flops"]["float32"]
     assert json.loads(path.read_text())["peak_flops"]["float32"] == again.peak_flops["float32"]
+
+
+class ChannelScale(torch.nn.Module):
+    def forward(self, x, s):
+        return x * s  # squeeze-and-excitation's per-channel scale
+
+
+def test_a_broadcast_into_a_channels_last_tensor_is_priced_at_the_bias_add_rate():
+    """aten runs a pointwise op that broadcasts an operand into a channels_last output in the strided
+    kernel a convolution's bias add runs in: its memory time over the profile's conv_bias_add_scale;
+    the same op in NCHW, or with operands of one shape, is a plain streaming kernel."""
+    from graphopt.cost.model import broadcast_channels_last
+
+    p = _h200()
+    x, s = torch.randn(8, 64, 28, 28), torch.randn(8, 64, 1, 1)
+    cl = capture(ChannelScale(), (x.contiguous(memory_format=torch.channels_last), s))
+    nchw = capture(ChannelScale(), (x, s))
+    same = capture(ChannelScale(), (x.contiguous(memory_format=torch.channels_last),
+                                    torch.randn(8, 64, 28, 28).contiguous(memory_format=torch.channels_last)))
+    a, b, c = (_node(g, "mul") for g in (cl, nchw, same))
+    assert broadcast_channels_last(a) and not broadcast_channels_last(b) and not broadcast_channels_last(c)
+    ma, mb = CostModel(p).node_cost(a).memory_s, CostModel(p).node_cost(b).memory_s
+    assert ma == pytest.approx(mb / p.conv_bias_add_scale)
+    assert CostModel(dataclasses.replace(p, conv_bias_add_scale=1.0)).node_cost(a).memory_s == pytest.approx(mb)

@@ -187,29 +187,46 @@ int act_code(const std::string& a) {
   return -1;
 }
 
+// channels_last (3d) where x is dense in it and not also contiguous, and the bias, if any, runs
+// along dim 1; else contiguous (the op's fake and reference follow the same rule)
+at::MemoryFormat out_format(const at::Tensor& x, bool has_bias, int64_t bias_dim) {
+  if (x.is_contiguous()) return at::MemoryFormat::Contiguous;
+  if (has_bias && c10::maybe_wrap_dim(bias_dim, x.dim()) != 1) return at::MemoryFormat::Contiguous;
+  if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::MemoryFormat::ChannelsLast;
+  if (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)) return at::MemoryFormat::ChannelsLast3d;
+  return at::MemoryFormat::Contiguous;
+}
+
 at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias, c10::string_view act,
                          const std::optional<at::Tensor>& residual, int64_t bias_dim) {
   c10::cuda::CUDAGuard guard(x.device());
   const int dt = dtype_code(x.scalar_type());
   const int a = act_code(std::string(act));
-  at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const bool has_bias = bias.has_value() && bias->defined();
+  // a channels_last x (bias along dim 1, or none) is read and written in its own layout: the
+  // channels are then the innermost memory dim, the bias one value per channel along it
+  const at::MemoryFormat fmt = out_format(x, has_bias, bias_dim);
+  const bool cl = fmt != at::MemoryFormat::Contiguous;
+  at::Tensor xc = x.contiguous(fmt);
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(fmt));
   int64_t channels = 1, inner = 1;
   at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
+  if (has_bias) {
     TORCH_CHECK(x.dim() > 0, "graphopt::bias_act: bias needs x with at least one dim");
     const int64_t d = c10::maybe_wrap_dim(bias_dim, x.dim());
     channels = x.size(d);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == channels, "graphopt::bias_act: bias must be 1-D of length ",
                 channels, " (x.size(", bias_dim, ")), got ", bias->sizes());
-    for (int64_t i = d + 1; i < x.dim(); ++i) inner *= x.size(i);
+    if (!cl) {
+      for (int64_t i = d + 1; i < x.dim(); ++i) inner *= x.size(i);
+    }
     b = bias->to(x.scalar_type()).contiguous();
   }
   at::Tensor r;
   if (residual.has_value() && residual->defined()) {
     r = residual->to(x.scalar_type());
     if (r.sizes() != x.sizes()) r = r.expand(x.sizes());
-    r = r.contiguous();
+    r = r.contiguous(fmt);
   }
   check(launch_bias_act(dt, a, xc.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
                         r.defined() ? r.data_ptr() : nullptr, y.data_ptr(), x.numel(), channels, inner,

@@ -3,7 +3,8 @@ convolution.
 
 ``bias`` is 1-D along ``x.size(bias_dim)`` (-1 for linear outputs, 1 for NCHW convolutions),
 ``act`` one of none, relu, gelu, gelu_tanh, silu, sigmoid, tanh, hardswish, ``residual`` broadcasts
-to x; fp32 math, one rounding. CUDA kernel: ``csrc/bias_act.cu``.
+to x; fp32 math, one rounding. A channels_last x with its bias along the channels gives a
+channels_last result (:func:`out_format`), so the epilogue keeps a conv net's NHWC layout. CUDA kernel: ``csrc/bias_act.cu``.
 """
 from __future__ import annotations
 
@@ -40,9 +41,22 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
     raise ValueError(f"graphopt::bias_act: unknown activation {act!r} (one of {', '.join(ACTIVATIONS)})")
 
 
+def out_format(x: torch.Tensor, bias: torch.Tensor | None, bias_dim: int) -> torch.memory_format:
+    """The output's layout: channels_last (3d) where ``x`` is dense in it and not also contiguous
+    and the bias, if any, runs along dim 1 (the kernel then walks memory with the channels
+    innermost); else contiguous. The CUDA kernel follows the same rule."""
+    if x.is_contiguous() or (bias is not None and bias_dim % x.dim() != 1):
+        return torch.contiguous_format
+    for dim, fmt in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+        if x.dim() == dim and x.is_contiguous(memory_format=fmt):
+            return fmt
+    return torch.contiguous_format
+
+
 def reference(x: torch.Tensor, bias: torch.Tensor | None, act: str, residual: torch.Tensor | None,
               bias_dim: int = -1) -> torch.Tensor:
-    """y = act(x + bias) + residual; bias is 1-D along ``x.size(bias_dim)``."""
+    """y = act(x + bias) + residual; bias is 1-D along ``x.size(bias_dim)``; laid out as
+    :func:`out_format` says."""
     ct = compute_dtype(x.dtype)
     y = x.to(ct)
     if bias is not None:
@@ -55,11 +69,11 @@ def reference(x: torch.Tensor, bias: torch.Tensor | None, act: str, residual: to
     y = activation(y, act)
     if residual is not None:
         y = y + residual.to(ct)
-    return fresh(y.to(x.dtype), x, bias, residual)
+    return fresh(y.to(x.dtype), x, bias, residual).contiguous(memory_format=out_format(x, bias, bias_dim))
 
 
 def fake(x, bias, act, residual, bias_dim=-1):
-    return x.new_empty(x.shape)
+    return x.new_empty(x.shape).contiguous(memory_format=out_format(x, bias, bias_dim))
 
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",

@@ -658,6 +658,8 @@ class CostModel:
             memory = memory / p.efficiency("layer_norm_backward", "memory_scale", 1.0)
         if outer_sum(node):  # a bias gradient: aten's reduction over the leading dims
             memory = memory / p.efficiency("bias_grad_sum", "memory_scale", 1.0)
+        if kind == "pointwise" and p.kind == "cuda" and p.conv_bias_add_scale < 1.0 and broadcast_channels_last(node):
+            memory = memory / p.conv_bias_add_scale  # aten's kernel for a convolution's bias add, the same case
         if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
             dev = conv_device_s(p, node, compute, memory, bias=False)
             bias_dev = conv_bias_add_s(p, node)
@@ -1207,6 +1209,23 @@ def conv_bias_add_s(profile: DeviceProfile, node: fx.Node):
     if bias is None or out is None:
         return 0.0
     return 2 * out.nbytes / (profile.bandwidth * profile.conv_bias_add_scale) + profile.kernel_fixed_s
+
+
+def broadcast_channels_last(node: fx.Node) -> bool:
+    """An aten pointwise op writing a channels_last 4-D tensor with an operand it broadcasts (a
+    per-channel scale, squeeze-and-excitation's [N, C, 1, 1]): aten runs it in the strided,
+    unvectorized kernel it runs a convolution's bias add in (the profile's ``conv_bias_add_scale``)."""
+    if node.op != "call_function" or ir.op_namespace(node) != "aten":
+        return False
+    out = ir.info(node)
+    if out is None or not is_channels_last(out) or ir.is_contiguous(out):
+        return False
+    try:
+        numel = out.numel
+        return any(isinstance(a, fx.Node) and ir.info(a) is not None and 1 < ir.info(a).numel < numel
+                   for a in node.args)
+    except TypeError:  # symbolic sizes
+        return False
 
 
 def conv_layout_penalized(x: ir.TensorInfo | None, profile: DeviceProfile) -> bool:

@@ -62,6 +62,30 @@ def test_bias_act_conv_and_strided(device, dtype):
     check(y, ref.bias_act(f64(flat), None, "relu", f64(flat)), eager.bias_act(flat, None, "relu", flat))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_act_channels_last(device, dtype):
+    # a channels_last x keeps its layout: channels a multiple of the vector width and not, a
+    # residual in either layout, no bias, a 5-D channels_last_3d input
+    cl = torch.channels_last
+    for shape, fmt_r in [((2, 16, 5, 7), cl), ((2, 24, 4, 4), None), ((3, 5, 6, 9), cl), ((1, 40, 3, 3), None)]:
+        x = rnd(*shape, dtype=dtype, device=device, scale=2).contiguous(memory_format=cl)
+        b = rnd(shape[1], dtype=dtype, device=device)
+        r = rnd(*shape, dtype=dtype, device=device)
+        r = r.contiguous(memory_format=fmt_r) if fmt_r is not None else r
+        poison_allocator(device)
+        for act, bias, res in (("silu", b, r), ("hardswish", b, None), ("relu", None, r)):
+            y = torch.ops.graphopt.bias_act(x, bias, act, res, 1)
+            assert y.is_contiguous(memory_format=cl), (shape, act)
+            check(y, ref.bias_act(f64(x), f64(bias), act, f64(res), 1), eager.bias_act(x, bias, act, res, 1),
+                  what=f"channels_last {act} {shape}")
+    x = rnd(2, 16, 3, 4, 5, dtype=dtype, device=device).contiguous(memory_format=torch.channels_last_3d)
+    b = rnd(16, dtype=dtype, device=device)
+    y = torch.ops.graphopt.bias_act(x, b, "gelu", None, 1)
+    assert y.is_contiguous(memory_format=torch.channels_last_3d)
+    check(y, ref.bias_act(f64(x), f64(b), "gelu", None, 1), eager.bias_act(x, b, "gelu", None, 1))
+
+
 def test_bias_act_bad_activation():
     with pytest.raises(Exception, match="unknown activation"):
         torch.ops.graphopt.bias_act(torch.randn(3), None, "swish2", None, -1)

@@ -104,13 +104,54 @@ def test_conv_bias_residual_no_activation():
     assert reference_check(m, gm, (x,)).passed
 
 
-def test_conv_epilogue_refused_where_channels_last_pays():
-    m = ConvAct(nn.ReLU()).eval().to(torch.bfloat16)
-    x = torch.randn(2, 8, 10, 10, dtype=torch.bfloat16)
+class ConvChain(nn.Module):
+    """conv + bias + SiLU, then a conv whose bias nothing follows, then a grouped conv + bias + SiLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(32, 64, 3, padding=1)
+        self.b = nn.Conv2d(64, 128, 1)
+        self.c = nn.Conv2d(128, 128, 3, padding=1, groups=128)
+
+    def forward(self, x):
+        y = self.b(F.silu(self.a(x)))
+        return F.silu(self.c(y)).mean((2, 3))
+
+
+def test_conv_epilogues_keep_the_channels_last_region():
+    """On a GPU that runs convolutions on NHWC tensors, bias_act's output keeps its input's layout:
+    the epilogues stay inside convert_channels_last's region, every convolution reads channels_last,
+    and a convolution's lone bias moves into bias_act too (aten adds it in a broadcast kernel)."""
+    torch.manual_seed(0)
+    m = ConvChain().eval().to(torch.bfloat16)
+    x = torch.randn(8, 32, 56, 56, dtype=torch.bfloat16)
     gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
-    assert op_counts(gm)[BIAS_ACT] == 0
-    assert any("channels_last" in r.reason for r in res.rejected)
+    res, layout = run_passes(gm, ["fuse_bias_act", "convert_channels_last"], target="h200")
+    assert layout.status == "applied", layout.rejected
+    acts = sorted(n.args[2] for n in gm.graph.nodes if str(n.target) == BIAS_ACT)
+    assert acts == ["none", "silu", "silu"], [(r.candidate, r.reason) for r in res.rejected]
+    convs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.conv2d.default]
+    assert len(convs) == 3 and all(len(c.args) < 3 or c.args[2] is None for c in convs)
+    for n in convs + [n for n in gm.graph.nodes if str(n.target) == BIAS_ACT]:
+        assert n.meta["val"].is_contiguous(memory_format=torch.channels_last), n.name
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_bias_act_keeps_a_channels_last_layout():
+    """The op's rule (its CPU reference and its fake, as the CUDA kernel): channels_last in, with
+    the bias along the channels or none, gives channels_last out; a bias along another dim, or
+    a contiguous input, gives a contiguous result."""
+    from graphopt.cuda_ext.ops.bias_act import fake, reference
+
+    x = torch.randn(2, 16, 5, 7).contiguous(memory_format=torch.channels_last)
+    b, r = torch.randn(16), torch.randn(2, 16, 5, 7)
+    want = F.silu(x + b.view(1, -1, 1, 1)) + r
+    for fn in (reference, fake):
+        assert fn(x, b, "silu", r, 1).is_contiguous(memory_format=torch.channels_last)
+        assert fn(x, None, "relu", None, -1).is_contiguous(memory_format=torch.channels_last)
+        assert fn(x, torch.randn(7), "relu", None, -1).is_contiguous()
+        assert fn(x.contiguous(), b, "silu", r, 1).is_contiguous()
+    torch.testing.assert_close(reference(x, b, "silu", r, 1), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -433,3 +433,27 @@ def test_erf_cos_sin_join_a_group():
     c = op_counts(gm)
     assert c[FP] == 1 and not any(k in c for k in ("aten.erf.default", "aten.cos.default", "aten.sin.default"))
     assert reference_check(m, gm, (x,)).passed
+
+
+class ChannelScale(nn.Module):
+    def forward(self, x, s):
+        return x * torch.sigmoid(s)  # squeeze-and-excitation: the sigmoid is per channel, the mul per element
+
+
+def test_a_lone_broadcast_into_channels_last_becomes_a_kernel():
+    """A lone op is a candidate where aten runs it in its strided kernel (a broadcast into a
+    channels_last tensor): the SE scale's mul becomes a fused_pointwise of its own, its output
+    channels_last; the same graph in NCHW keeps aten's mul."""
+    torch.manual_seed(0)
+    x, s = torch.randn(16, 96, 56, 56, dtype=torch.bfloat16), torch.randn(16, 96, 1, 1, dtype=torch.bfloat16)
+    xc = x.contiguous(memory_format=torch.channels_last)
+    gm = capture(ChannelScale(), (xc, s))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    fused = [n for n in gm.graph.nodes if str(n.target) == FP]
+    assert len(fused) == 1 and op_counts(gm)["aten.mul.Tensor"] == 0, [(r.candidate, r.reason) for r in res.rejected]
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert out.meta["val"].is_contiguous(memory_format=torch.channels_last)
+    assert reference_check(ChannelScale(), gm, (xc, s)).passed
+    gm = capture(ChannelScale(), (x, s))
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert op_counts(gm).get(FP, 0) == 0 and op_counts(gm)["aten.mul.Tensor"] == 1

@@ -372,6 +372,7 @@ PIPELINE: tuple[str, ...] = (
     "conv_space_to_depth",
     "fuse_conv_relu",
     "lower_pool",
+    "lower_group_norm",
     "lower_attention",
     "lower_decode_attention",
     "lower_split_k",

@@ -300,3 +300,22 @@ def test_any_model_a_user_names_is_a_config_with_a_clear_error_for_what_is_not()
         assert kind in inputs and factory.__name__ == perf_sweep.factory_name(name)
         with torch.no_grad():
             assert model(**inputs)[0].shape[0] == 2
+
+
+def test_a_pass_judged_alone_is_reported_by_its_revert_line():
+    """A pass the measured guard's second run undid carries the guard's verdict after its revert
+    line: the table classifies it by the revert line (a measured loss), not as a broken graph."""
+    from types import SimpleNamespace
+
+    from graphopt.pipeline import PassResult
+    from graphopt.tools.bench import _graphopt_extra
+    from graphopt.tools.perf_sweep import revert_kind
+
+    p = PassResult("convert_channels_last", status="reverted",
+                   notes=["reverted: measured 6.2 ms against 6.1 ms before it",
+                          "the passes with convert_channels_last kept measured 6.064 ms, run again with it judged "
+                          "alone 6.136 ms"])
+    rep = SimpleNamespace(predicted_s_after=0.0, predicted_s_before=0.0, optimize_seconds=1.0, accuracy=None,
+                          passes=[p])
+    note = _graphopt_extra(SimpleNamespace(report=rep))["reverted"]["convert_channels_last"]
+    assert note.startswith("reverted: measured") and revert_kind(note) == "measured slower"

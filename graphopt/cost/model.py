@@ -416,9 +416,9 @@ class CostModel:
 
     def measured(self, op: str) -> bool:
         """Whether the profile has a fitted efficiency for the op ``op`` (its ``op_efficiency``
-        entry's ``scale`` or ``memory_scale``): an op whose kernel was never timed on this device is
-        not planned onto it."""
-        return any(self.profile.efficiency(op, k) is not None for k in ("scale", "memory_scale"))
+        entry's ``scale``, ``memory_scale`` or ``block_bytes_per_s``): an op whose kernel was never timed
+        on this device is not planned onto it."""
+        return any(self.profile.efficiency(op, k) is not None for k in ("scale", "memory_scale", "block_bytes_per_s"))
 
     def fit_covers(self, op: str, nbytes) -> bool:
         """Whether ``nbytes`` is at least the smallest size the op's fit was measured over (its
@@ -660,7 +660,12 @@ class CostModel:
             memory = memory / p.efficiency("bias_grad_sum", "memory_scale", 1.0)
         if kind == "pointwise" and p.kind == "cuda" and p.conv_bias_add_scale < 1.0 and broadcast_channels_last(node):
             memory = memory / p.conv_bias_add_scale  # aten's kernel for a convolution's bias add, the same case
-        if eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
+        gn = aten_group_norm_s(p, node)
+        if gn is not None:  # aten's two kernels: statistics one block a row, then a strided apply
+            t = _smax(gn[0], p.launch_overhead_s) + _smax(gn[1], p.launch_overhead_s)
+            gpu = _num(gn[0] + gn[1])
+            launches = 2
+        elif eff == "conv" and p.kind == "cuda":  # cuDNN's slow paths, and aten's bias add: a kernel of its own
             dev = conv_device_s(p, node, compute, memory, bias=False)
             bias_dev = conv_bias_add_s(p, node)
             gpu = _num(dev + bias_dev)
@@ -1209,6 +1214,27 @@ def conv_bias_add_s(profile: DeviceProfile, node: fx.Node):
     if bias is None or out is None:
         return 0.0
     return 2 * out.nbytes / (profile.bandwidth * profile.conv_bias_add_scale) + profile.kernel_fixed_s
+
+
+def aten_group_norm_s(profile: DeviceProfile, node: fx.Node):
+    """(statistics, apply) device seconds of aten's GroupNorm on a CUDA profile that measured it
+    (``op_efficiency["group_norm"]``), else None: the statistics kernel gives each (sample, group)
+    row one block, which streams its row at ``block_bytes_per_s``, in waves of one block per SM;
+    the apply kernel moves x in and out at ``apply_memory_scale`` of the copy rate."""
+    block = profile.efficiency("group_norm", "block_bytes_per_s", 0.0)
+    if profile.kind != "cuda" or not block or ir.op_name(node) not in ("group_norm", "native_group_norm"):
+        return None
+    x = ir.info(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    groups = node.args[1] if len(node.args) > 1 else None
+    if ir.op_name(node) == "native_group_norm":
+        groups = node.args[6] if len(node.args) > 6 else None
+    if x is None or not isinstance(groups, int) or len(x.shape) < 2 or x.symbolic:
+        return None
+    rows = x.shape[0] * groups
+    waves = -(-rows // max(profile.sm_count or 1, 1))
+    stats = waves * (x.nbytes / rows) / block + profile.kernel_fixed_s
+    apply = 2 * x.nbytes / (profile.bandwidth * profile.efficiency("group_norm", "apply_memory_scale", 1.0))
+    return stats, apply + profile.kernel_fixed_s
 
 
 def broadcast_channels_last(node: fx.Node) -> bool:

@@ -903,9 +903,11 @@ def _graphopt_extra(opt) -> dict:
              "pass_ms": {p.name: p.details.get("measured_ms") for p in rep.passes
                          if getattr(p, "status", "") == "applied"}}
     extra["applied"] = list(extra["pass_ms"])
-    # pass -> the one line of its revert (a measured loss, the accuracy rule, or a broken graph)
-    extra["reverted"] = {p.name: (p.notes[-1] if p.notes else "") for p in rep.passes
-                         if getattr(p, "status", "") == "reverted"}
+    # pass -> the one line of its revert (a measured loss, the accuracy rule, or a broken graph): the
+    # revert's own line (the measured guard's verdict on a pass judged alone may follow it)
+    extra["reverted"] = {p.name: next((n for n in reversed(p.notes) if n.startswith("reverted:")),
+                                      p.notes[-1] if p.notes else "")
+                         for p in rep.passes if getattr(p, "status", "") == "reverted"}
     # pass -> the measured guard's verdict on a pass measured slower alone and held while the others ran
     extra["held"] = {p.name: p.details["held_verdict"] for p in rep.passes if "held_verdict" in p.details}
     if runner is not None:

@@ -371,8 +371,8 @@ PIPELINE: tuple[str, ...] = (
     # lower
     "conv_space_to_depth",
     "fuse_conv_relu",
+    "lower_group_norm",  # (before lower_pool: its output keeps a channels_last input's layout, aten's may not)
     "lower_pool",
-    "lower_group_norm",
     "lower_attention",
     "lower_decode_attention",
     "lower_split_k",

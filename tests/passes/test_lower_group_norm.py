@@ -23,8 +23,8 @@ class Block(nn.Module):
         return F.silu(self.n2(x))
 
 
-def _inputs(cl=False):
-    x = torch.randn(2, 64, 32, 32, dtype=torch.bfloat16)
+def _inputs(cl=False, n=2, size=32):
+    x = torch.randn(n, 64, size, size, dtype=torch.bfloat16)
     return (x.contiguous(memory_format=torch.channels_last) if cl else x,)
 
 
@@ -71,3 +71,14 @@ def test_aten_group_norm_priced_by_its_rows():
     t = [CostModel(p).node_cost(next(n for n in g.graph.nodes if n.op == "call_function"
                                      and "group_norm" in str(n.target))).time_s for g in (few, many)]
     assert t[0] > 4 * t[1]
+
+
+def test_a_pool_after_the_norm_runs_on_its_channels_last_output():
+    """lower_group_norm runs before lower_pool: its output keeps the channels_last layout (aten's
+    GroupNorm gives NCHW), so PoolFormer's pooling of the norm's output takes the NHWC kernel."""
+    m = Block().eval().to(torch.bfloat16)
+    inputs = _inputs(cl=True, n=8, size=56)
+    gm = capture(m, inputs)
+    run_passes(gm, ["lower_pool", "lower_group_norm"], target="h200")
+    assert op_counts(gm).get("graphopt.avg_pool2d_nhwc.default", 0) == 1
+    assert reference_check(m, gm, inputs).passed

@@ -143,3 +143,25 @@ def test_grammar_renders_grouped_query_attention_blocks_and_reduced_broadcasts()
     PassManager(assemble(["fuse_attention"])).run(gm, ctx)
     gqa = [n for n in gm.graph.nodes if n.op == "call_function" and n.kwargs.get("enable_gqa")]
     assert len(gqa) == 3  # the eager SDPA, and both repeat_kv attentions (the 4-head block's k/v have one head)
+
+
+def test_grammar_renders_group_norms_and_lower_group_norm_survives_them():
+    """GroupNorm in the grammar: one group and per-channel groups, with and without affine and an
+    activation, 3-D and as channels_last 4-D; every legal rewrite of lower_group_norm (planned for the
+    H200, run by the reference on the CPU) passes the accuracy rule."""
+    from graphopt import capture
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, registry
+    from tests.helpers import op_counts
+
+    p = fuzz.Program(2, 4, 8, ("f32",), (
+        ("group_norm", 0, 1, True, "silu", True), ("group_norm", 1, 4, False, "none", False),
+        ("group_norm", 2, 2, True, "gelu", True), ("binary", "add", 3, "value", 1)), (4,), seed=3)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs).shape == (2, 4, 8)
+    fuzz.check_program(p, ["lower_group_norm"], target="h200", ignore_cost=True)
+    gm = capture(model, inputs)
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints={}, strict=True, ignore_cost=True)
+    registry()["lower_group_norm"]().run(gm, ctx)
+    assert op_counts(gm)["graphopt.group_norm.default"] == 3

@@ -10,6 +10,8 @@ failure as a standalone test file.
 Op specs (value indices are absolute: inputs first, then one value per op):
   ("linear", src, out, bias)           ("matmul_w", src, n)           ("bmm", a, b)  a @ b^T
   ("conv", src, out_ch, k, bias, bn)   3-D src (B,C,L) viewed as (B,C,2,L/2), conv2d, flattened back
+  ("group_norm", src, groups, affine, act, four_d)  F.group_norm of a 3-D src (four_d: viewed as
+                                       (B,C,2,L/2), channels_last, flattened back), then act (or none)
   ("layer_norm", src, affine)          ("rms_norm", src)  HF style: pow/mean/rsqrt/mul weight
   ("act", src, kind)                   ("softmax", src)
   ("binary", op, a, kind, arg)         kind "value" (arg: index), "param" (arg: shape), "scalar" (arg: float)
@@ -149,6 +151,11 @@ class ProgramModule(nn.Module):
                     seq.append(b)
                 self.mods[key] = nn.Sequential(*seq)
                 out = (src[0], oc, src[2])
+            elif kind == "group_norm":
+                if op[3]:
+                    p(key + "_w", src[1], scale=0.5)
+                    p(key + "_b", src[1], scale=0.1)
+                out = src
             elif kind == "layer_norm":
                 if op[2]:
                     p(key + "_w", src[-1], scale=0.1, offset=1.0)
@@ -291,6 +298,12 @@ class ProgramModule(nn.Module):
             elif kind == "conv":
                 b, c, n = x.shape
                 y = self.mods[key](x.reshape(b, c, 2, n // 2)).flatten(2)
+            elif kind == "group_norm":
+                _, _, groups, affine, act, four_d = op
+                b, c, n = x.shape
+                h = x.reshape(b, c, 2, n // 2).contiguous(memory_format=torch.channels_last) if four_d else x
+                h = F.group_norm(h, groups, P[key + "_w"] if affine else None, P[key + "_b"] if affine else None, 1e-5)
+                y = (_act(h, act) if act != "none" else h).reshape(b, c, n)
             elif kind == "layer_norm":
                 w, bb = (P[key + "_w"], P[key + "_b"]) if op[2] else (None, None)
                 y = F.layer_norm(x, (x.shape[-1],), w, bb, 1e-5)
@@ -554,6 +567,7 @@ def programs(max_ops: int = 8):
         f32 = lambda s, d: d == "f32"  # noqa: E731
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
+                 "group_norm",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads", "repeat")
@@ -632,6 +646,14 @@ def programs(max_ops: int = 8):
                     k = draw(st.sampled_from((1, 3)))
                     sh = env[s][0]
                     op, out = ("conv", s, oc, k, draw(st.booleans()), draw(st.booleans())), ((sh[0], oc, sh[2]), "f32")
+            elif kind == "group_norm":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
+                if s is not None:
+                    c = env[s][0][1]
+                    groups = draw(st.sampled_from([g for g in (1, 2, c) if c % g == 0]))
+                    op = ("group_norm", s, groups, draw(st.booleans()), draw(st.sampled_from(("none", "relu", "silu", "gelu"))),
+                          draw(st.booleans()))
+                    out = env[s]
             elif kind == "layer_norm":
                 s = pick(f32)
                 if s is not None:

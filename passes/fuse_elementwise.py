@@ -265,7 +265,8 @@ class FuseElementwise(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         dtypes = _dtypes()
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        nodes = list(gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
         ok = {n for n in gm.graph.nodes if not fusible(n, dtypes)
               and (not _is_free(ctx, n) or n.target in EXPANDS)}  # (an expand joins a row reduction's group)
         if "fuse_conv_relu" in ctx.scheduled and ctx.fused_kernels and not ctx.training:
@@ -305,6 +306,10 @@ class FuseElementwise(Pass):
                 continue
             if not outs:  # nothing reads the group (dead code): eliminate_dead_code's to remove
                 refuse(group, label, "nothing reads its values (dead code)")
+                continue
+            hazard = _write_between(group, ins, outs, order, nodes)
+            if hazard:
+                refuse(group, label, hazard)
                 continue
             if len(ins) > MAX_INPUTS or len(outs) > MAX_OUTPUTS:
                 refuse(group, label, f"{len(ins)} inputs / {len(outs)} outputs: over the program limit "
@@ -511,6 +516,21 @@ def _boundary(group):
                 ins.append(a)
     outs = [n for n in group if any(u not in gs for u in n.users)]
     return ins, outs
+
+
+def _write_between(group, ins, outs, order, nodes) -> str:
+    """'' unless the fused node, placed after its last input, would follow a reader of one of its
+    values and an in-place write between the two: moving the reader's producers ahead of it
+    (toposort_stable) would move them across the write, which the graph's edges do not show (a
+    slice of a tensor filled in place, then the tensor read)."""
+    gs = set(group)
+    at = max([order[a] for a in ins] + [min(order[n] for n in group)])
+    early = [order[u] for o in outs for u in o.users if u not in gs and u.op != "output" and order[u] < at]
+    for n in nodes[min(early):at] if early else ():
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return (f"a reader of its values comes before {n.name}, an in-place write the fused kernel would have "
+                    "to be moved across")
+    return ""
 
 
 def _cut_cycles(group, order):

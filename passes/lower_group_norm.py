@@ -86,7 +86,8 @@ class LowerGroupNorm(Pass):
         args = (x, groups, w, b, float(eps), a)
         gain = ctx.node_time(matched) - ctx.price(torch.ops.graphopt.group_norm.default, *args,
                                                   val=matched[-1].meta.get("val"))
-        return Candidate(f"group_norm ({groups} groups){' + ' + a if act is not None else ''} -> graphopt::group_norm",
+        return Candidate(f"group_norm ({groups} group{'s' if groups != 1 else ''})"
+                         f"{' + ' + a if act is not None else ''} -> graphopt::group_norm",
                          matched, gain, lambda: self._apply(gm, matched, args), label=label)
 
     @staticmethod

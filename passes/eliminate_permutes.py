@@ -63,9 +63,16 @@ CLONE = Op(aten.clone.default, Any("x"), name="c")
 PAIR = Op(PERMUTES, Op(PERMUTES, Any("x"), name="p", single_use=False), name="q")
 
 
+# ops whose meta function gives a contiguous result where the eager kernel keeps a non-contiguous
+# input's memory format (GroupNorm over a channels_last tensor: strides (60, 1, 20, 4) on the CPU,
+# (60, 15, 5, 1) as recorded)
+META_LAYOUT_DIFFERS = {"group_norm", "native_group_norm"}
+
+
 def _layout_unstable(node) -> str:
     """Name of the producer if ``node``'s strides come from an op whose output layout depends on
-    the backend chosen at run time (SDPA variants, graphopt kernels), else ''."""
+    the backend chosen at run time (SDPA variants, graphopt kernels) or differs from the recorded
+    one (META_LAYOUT_DIFFERS over a non-contiguous input), else ''."""
     from graphopt.cost.model import ATTENTION_OPS
     while isinstance(node, fx.Node) and node.op == "call_function" and (
             node.target in PURE_VIEWS or node.target in SHAPE_OPS or node.target is aten.contiguous.default):
@@ -74,6 +81,9 @@ def _layout_unstable(node) -> str:
         if node.target is GETITEM:
             node = node.args[0]
         if ir.op_name(node) in ATTENTION_OPS or ir.op_namespace(node) == "graphopt":
+            return node.name
+        if ir.op_name(node) in META_LAYOUT_DIFFERS and node.args and isinstance(node.args[0], fx.Node) \
+                and not ir.is_contiguous(ir.info(node.args[0])):
             return node.name
     return ""
 

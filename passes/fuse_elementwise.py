@@ -527,7 +527,7 @@ def _write_between(group, ins, outs, order, nodes) -> str:
     at = max([order[a] for a in ins] + [min(order[n] for n in group)])
     early = [order[u] for o in outs for u in o.users if u not in gs and u.op != "output" and order[u] < at]
     for n in nodes[min(early):at] if early else ():
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+        if ir.written(n):
             return (f"a reader of its values comes before {n.name}, an in-place write the fused kernel would have "
                     "to be moved across")
     return ""

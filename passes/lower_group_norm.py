@@ -24,22 +24,21 @@ from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from ._fusion_meta import set_meta
+from .fuse_bias_act import ACTS, act_name
 
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ACTS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.gelu.default: "gelu"}
+KERNEL_ACTS = ("relu", "silu", "gelu")  # (bias_act's names; gelu is the exact one)
 
 
-def _activation(node: fx.Node) -> fx.Node | None:
-    """The activation the kernel can apply after ``node``: its only reader, a ReLU, SiLU or exact GELU."""
-    if len(node.users) != 1:
-        return None
-    (u,) = node.users
-    if u.op != "call_function" or u.target not in ACTS or u.args[0] is not node:
-        return None
-    if u.target is aten.gelu.default and get_arg(u, 1, "approximate", "none") != "none":
-        return None
-    return u
+def _activation(node: fx.Node) -> tuple[fx.Node | None, str]:
+    """(the activation the kernel can apply after ``node``: its only reader, a ReLU, SiLU or exact
+    GELU, and its name), or (None, "none")."""
+    if len(node.users) == 1:
+        (u,) = node.users
+        if u.op == "call_function" and u.target in ACTS and u.args[0] is node and act_name(u) in KERNEL_ACTS:
+            return u, act_name(u)
+    return None, "none"
 
 
 @register
@@ -80,8 +79,7 @@ class LowerGroupNorm(Pass):
         if any(a is not None and not isinstance(a, fx.Node) for a in (w, b)) or not isinstance(eps, (int, float)):
             res.reject(label, "a weight, bias or eps that is not a graph value")
             return None
-        act = _activation(node)
-        a = ACTS[act.target] if act is not None else "none"
+        act, a = _activation(node)
         matched = [node] + ([act] if act is not None else [])
         args = (x, groups, w, b, float(eps), a)
         gain = ctx.node_time(matched) - ctx.price(torch.ops.graphopt.group_norm.default, *args,

@@ -32,6 +32,11 @@ Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
   on BOTH K and V is removed and SDPA gets ``enable_gqa=True`` with the un-repeated K/V (SDPA's GQA
   maps query head h to kv head h // n, the same as repeat_kv's expand over a new dim 2). The shapes
   prove it: Hq == Hkv * n.
+* K and V of one head broadcast over q's Hq heads (multi-query attention: Falcon's SDPA call, or
+  the explicit spelling's matmul broadcasting k): SDPA gets ``enable_gqa=True`` (GQA with n = Hq maps
+  every query head to the one K/V head, the broadcast's meaning). CUDA's fused kernels take no
+  broadcast, so without it the call runs the math kernel (the cost model prices that:
+  ``graphopt.cost.model.sdpa_math_reason``). Existing calls get it under repeat_kv's mask rule below.
 * A constant mask (a get_attr buffer, e.g. the causal mask folded by fold_constants, or any subgraph
   of parameters, buffers and literals, e.g. the mask Hugging Face builds from ``arange`` in every
   call, evaluated here at optimization time for the captured shapes) whose VALUE is
@@ -331,6 +336,15 @@ class FuseAttention(Pass):
                     _MASKED_GQA_KERNEL or (ir.info(sd.args[0]) is not None and ir.info(sd.args[0]).shape[-2] == 1)):
                 continue
             k0, v0 = _unrepeated(sd.args[1]), _unrepeated(sd.args[2])
+            if (k0 is None or v0 is None) and _broadcast_heads(sd):
+                # K/V of one head broadcast over q's heads (multi-query attention): SDPA's GQA with
+                # n = Hq reads the same K/V for every query head, and a fused kernel takes it
+                new_args = tuple(sd.args)
+                kwargs = dict(_sdpa_kwargs(sd), enable_gqa=True)
+                gain = ctx.node_time([sd]) - self._time_of(ctx, sd, new_args, kwargs)
+                unrepeats.append(Candidate("sdpa K/V broadcast over heads->enable_gqa", [sd], gain,
+                                           lambda n=sd: self._apply_enable_gqa(gm, n), label=f"sdpa {sd.name}"))
+                continue
             if k0 is None or v0 is None or k0[1] != v0[1] or _shape(k0[0])[1] * k0[1] != _shape(sd.args[0])[1]:
                 continue
             plan = {"node": sd, "k": k0[0], "v": v0[0]}
@@ -407,6 +421,8 @@ class FuseAttention(Pass):
                          "take them equal)")
         if ks[-1] != qs[-1] or ks[-2] != vs[-2] or ks[-3] != vs[-3]:
             raise Refuse(f"shapes do not line up: q {qs}, k {ks}, v {vs}")
+        if not gqa and ks[-3] != qs[-3] and rank == 4 and ks[-3] == vs[-3] == 1:
+            gqa = True  # one K/V head broadcast over q's heads (multi-query): GQA with n = Hq
         if not gqa and ks[-3] != qs[-3]:
             raise Refuse(f"q has {qs[-3]} heads, k/v {ks[-3]} (not a repeat_kv spelling)")
         for t in (k, v):
@@ -653,6 +669,16 @@ class FuseAttention(Pass):
         return new
 
     @staticmethod
+    def _apply_enable_gqa(gm, sd) -> fx.Node:
+        g = gm.graph
+        with g.inserting_before(sd):
+            new = g.call_function(SDPA, tuple(sd.args), dict(sd.kwargs, enable_gqa=True))
+        new.meta["val"] = sd.meta.get("val")
+        ir.replace_with(sd, new)
+        g.erase_node(sd)
+        return new
+
+    @staticmethod
     def _apply_sdpa(gm, plan) -> fx.Node:
         g = gm.graph
         sd = plan["node"]
@@ -777,6 +803,15 @@ def _find_unchecked(gm, pattern: Op):
             m = Match(root=node)
             if pattern.match(node, m):
                 yield m
+
+
+def _broadcast_heads(sd) -> bool:
+    """Does this 4-D SDPA call broadcast K and V of one head over q's Hq > 1 heads (the same batch)?"""
+    infos = [ir.info(a) if isinstance(a, fx.Node) else None for a in sd.args[:3]]
+    if any(i is None or len(i.shape) != 4 or i.symbolic for i in infos):
+        return False
+    q, k, v = (i.shape for i in infos)
+    return q[1] > 1 and k[1] == 1 and v[1] == 1 and k[0] == v[0] == q[0]
 
 
 def _kwarg(node, index, name, default):

@@ -661,7 +661,13 @@ class CostModel:
         if kind == "pointwise" and p.kind == "cuda" and p.conv_bias_add_scale < 1.0 and broadcast_channels_last(node):
             memory = memory / p.conv_bias_add_scale  # aten's kernel for a convolution's bias add, the same case
         gn = aten_group_norm_s(p, node)
-        if gn is not None:  # aten's two kernels: statistics one block a row, then a strided apply
+        math = p.kind == "cuda" and kind == "matmul" and sdpa_math_reason(node) is not None
+        if math:  # SDPA's math fallback: its products, then the score matrix's memory passes
+            mm, mem, launches = sdpa_math_s(p, node)
+            gpu = _num(p.gpu_seconds(mm, 0.0, "matmul") + p.gpu_seconds(0.0, mem) + (launches - 2) * p.kernel_fixed_s)
+            t = _smax(gpu, launches * p.launch_overhead_s)
+            compute, memory = mm, mem
+        elif gn is not None:  # aten's two kernels: statistics one block a row, then a strided apply
             t = _smax(gn[0], p.launch_overhead_s) + _smax(gn[1], p.launch_overhead_s)
             gpu = _num(gn[0] + gn[1])
             launches = 2
@@ -1235,6 +1241,52 @@ def aten_group_norm_s(profile: DeviceProfile, node: fx.Node):
     stats = waves * (x.nbytes / rows) / block + profile.kernel_fixed_s
     apply = 2 * x.nbytes / (profile.bandwidth * profile.efficiency("group_norm", "apply_memory_scale", 1.0))
     return stats, apply + profile.kernel_fixed_s
+
+
+def sdpa_math_reason(node: fx.Node) -> str | None:
+    """Why torch's CUDA dispatch of this ``scaled_dot_product_attention`` finds no fused kernel and
+    runs the math fallback (bf16/fp16 upcast to fp32, the score matrix written out), else None.
+    The fused kernels (flash, memory-efficient, cuDNN) take q, k, v with the same batch and, unless
+    ``enable_gqa``, the same head count: k/v broadcast over q's heads (multi-query attention written
+    with one K/V head) or batch take the math kernel."""
+    if node.op != "call_function" or ir.op_name(node) != "scaled_dot_product_attention" or len(node.args) < 3:
+        return None
+    q, k, v = (ir.info(a) if isinstance(a, fx.Node) else None for a in node.args[:3])
+    if q is None or k is None or v is None or q.symbolic or k.symbolic or v.symbolic:
+        return None
+    if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+        return None
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        return f"k/v batch {k.shape[0]} broadcast over q's {q.shape[0]}: only the math kernel broadcasts"
+    gqa = bool(node.kwargs.get("enable_gqa", False))
+    if (k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]) and not gqa:
+        return (f"{q.shape[1]} query heads over {k.shape[1]} key heads without enable_gqa: only the math "
+                "kernel broadcasts")
+    return None
+
+
+def sdpa_math_s(profile: DeviceProfile, node: fx.Node) -> tuple[float, float, int]:
+    """(matmul seconds, memory seconds, kernels) of SDPA's math fallback on a GPU: q, k, v cast to
+    fp32, the two batched products at the fp32 rate (no TF32), the scores written, masked,
+    softmaxed and read back in fp32, the output cast back; the profile's ``op_efficiency["sdpa_math"]``
+    scales the products' rate and counts the passes over the scores where measured."""
+    q, k, v = (ir.info(a) for a in node.args[:3])
+    out = ir.info(node)
+    b, h, sq, d = q.shape
+    sk, dv = k.shape[2], v.shape[3]
+    flops = 2 * b * h * sq * sk * (d + dv)
+    scores = b * h * sq * sk * 4
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    mi = ir.info(mask) if isinstance(mask, fx.Node) else None
+    causal = bool(node.kwargs.get("is_causal", False) or _positional(node, "is_causal") is True)
+    casts = sum(t.numel * (t.dtype.itemsize + 8) for t in (q, k, v) if t.dtype != torch.float32)
+    # scores: written by the product, read and written by the mask and by the softmax, read by the
+    # product; more where the profile measured the kernel (op_efficiency "sdpa_math")
+    passes = profile.efficiency("sdpa_math", "score_passes", 4 + (2 if (mi is not None or causal) else 0))
+    nbytes = casts + passes * scores + (mi.nbytes if mi is not None else 0) + (out.numel * 10 if out is not None else 0)
+    kernels = 4 + (1 if (mi is not None or causal) else 0) + sum(1 for t in (q, k, v) if t.dtype != torch.float32)
+    rate = profile.matmul_rate(torch.float32, allow_tf32=False) * profile.efficiency("sdpa_math", "matmul_scale", 1.0)
+    return flops / rate, nbytes / profile.bandwidth, kernels
 
 
 def broadcast_channels_last(node: fx.Node) -> bool:

@@ -509,6 +509,66 @@ def test_sdpa_over_repeated_kv_for_one_query_row_reads_the_cache_unrepeated(monk
     assert reference_check(model, gm, args).passed
 
 
+class MultiQuery(nn.Module):
+    """Falcon-style multi-query attention: one K/V head broadcast over q's heads, by an SDPA call
+    or by the explicit matmul spelling."""
+
+    def __init__(self, dim=32, heads=4, explicit=False, masked=False):
+        super().__init__()
+        self.h, self.d, self.explicit, self.masked = heads, dim // heads, explicit, masked
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * self.d)
+
+    def forward(self, x, keep=None):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 1, self.d).permute(2, 0, 3, 1, 4).unbind(0)  # [B, 1, S, D]
+        mask = keep[:, None, None, :].bool() if self.masked else None
+        if not self.explicit:
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.d ** -0.5
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_kv_broadcast_over_heads_becomes_enable_gqa(explicit):
+    """One K/V head broadcast over q's heads: SDPA reads it with enable_gqa (a fused kernel takes
+    GQA, none takes the broadcast), and the cost model priced the broadcast as the math kernel."""
+    from graphopt.cost.model import CostModel, sdpa_math_reason
+    from graphopt.cost.profiles import get_profile
+
+    torch.manual_seed(0)
+    model, args, gm, res = _run(MultiQuery(explicit=explicit), (torch.randn(2, 8, 32),))
+    (sd,) = _sdpa_nodes(gm)
+    assert sd.kwargs.get("enable_gqa") is True
+    assert [tuple(a.meta["val"].shape)[1] for a in sd.args[:3]] == [4, 1, 1]
+    assert sdpa_math_reason(sd) is None
+    assert reference_check(model, gm, args).passed
+    if not explicit:  # the call as captured: the math kernel, priced above the GQA call
+        base = capture(model, args)
+        (before,) = _sdpa_nodes(base)
+        assert "without enable_gqa" in sdpa_math_reason(before)
+        cm = CostModel(get_profile("h200")[0])
+        assert cm.node_cost(before).time_s > cm.node_cost(sd).time_s
+        assert any(r.pattern == "sdpa K/V broadcast over heads->enable_gqa" and r.predicted_gain_s > 0 for r in res.rewrites)
+
+
+@pytest.mark.parametrize("masked_gqa_kernel", [False, True])
+def test_masked_kv_broadcast_takes_enable_gqa_where_a_kernel_takes_a_mask(monkeypatch, masked_gqa_kernel):
+    import graphopt.passes.fuse_attention as fa
+
+    monkeypatch.setattr(fa, "_MASKED_GQA_KERNEL", masked_gqa_kernel)
+    torch.manual_seed(0)
+    keep = torch.ones(2, 8, dtype=torch.long)
+    keep[1, 6:] = 0
+    model, args, gm, res = _run(MultiQuery(masked=True), (torch.randn(2, 8, 32), keep))
+    (sd,) = _sdpa_nodes(gm)
+    assert bool(sd.kwargs.get("enable_gqa")) is masked_gqa_kernel and sd.args[3] is not None
+    assert reference_check(model, gm, args).passed
+
+
 def test_a_shared_causal_mask_is_inspected_once(monkeypatch):
     """Every layer reads the same constant mask: it is proven causal once per pass run, and each
     layer's attention is still rewritten."""

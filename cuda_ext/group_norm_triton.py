@@ -10,8 +10,13 @@ over the same grid, merges a row's ``S`` partials, then normalizes its chunk wit
 weight and bias and the activation, one rounding at the store. Two reads of x, one write.
 
 NCHW-contiguous x: a row is contiguous, its channel ``g * C/G + j // (H*W)``. channels_last x: a
-row's element ``j`` sits at pixel ``j // (C/G)``, channel ``g * C/G + j % (C/G)``; the output keeps
-x's layout.
+row's element ``j`` sits at pixel ``j // (C/G)``, channel ``g * C/G + j % (C/G)``, so with narrow
+groups (under PIXEL_TILE_MAX_CG channels) a row reads short runs; where that width is a power of two
+they take kernels of their own: a program takes a sample's run of pixels in tiles [pixels, C] (each
+pixel's C channels one contiguous, vectorized run), every lane keeping a Welford count, mean and M2,
+merged per group once at the end (the tile's channels viewed [groups, C/G]); the apply kernel merges
+a sample's partials per group and spreads them over the channels the same way. The output keeps x's
+layout.
 """
 from __future__ import annotations
 
@@ -25,12 +30,27 @@ ACTS = {"none": 0, "relu": 1, "silu": 2, "gelu": 3}
 BLOCK = 2048
 TARGET_PROGRAMS = 4 * 132  # rows x chunks to aim at: a few programs per SM of an H100/H200
 MAX_SPLITS = 256
+# channels_last with groups narrower than this many channels takes the pixel-tile kernels (a row of
+# one group reads C/G channels of every pixel: runs of under 128 bytes in bf16)
+PIXEL_TILE_MAX_CG = 64
 _kernels: dict = {}
 
 
 def _build():
     import triton
     import triton.language as tl
+
+    global _gn_act  # a jitted helper is looked up in the kernels' module globals
+
+    @triton.jit
+    def _gn_act(y, ACT: tl.constexpr):
+        if ACT == 1:
+            y = tl.where(y > 0.0, y, tl.where(y != y, y, 0.0))
+        elif ACT == 2:
+            y = y / (1.0 + tl.exp(-y))
+        elif ACT == 3:
+            y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+        return y
 
     @triton.jit
     def gn_stats_kernel(X, PART, L, CG, C, G, CHUNK, S: tl.constexpr, CL: tl.constexpr, BLOCK: tl.constexpr):
@@ -103,15 +123,87 @@ def _build():
                     y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
                 if HAS_B:
                     y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
-            if ACT == 1:
-                y = tl.where(y > 0.0, y, tl.where(y != y, y, 0.0))
-            elif ACT == 2:
-                y = y / (1.0 + tl.exp(-y))
-            elif ACT == 3:
-                y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+            y = _gn_act(y, ACT)
             tl.store(OUT + addr, y.to(OUT.dtype.element_ty), mask=mask)
 
-    return gn_stats_kernel, gn_apply_kernel
+    @triton.jit
+    def gn_cl_stats_kernel(X, PART, P, C, G, CHUNK, S: tl.constexpr, BP: tl.constexpr, CP: tl.constexpr,
+                           GP: tl.constexpr, CG: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        pi = tl.arange(0, BP)[:, None]
+        c = tl.arange(0, CP)[None, :]
+        # every lane keeps its own count, mean and M2 (Welford, no reduction in the loop) ...
+        cnt = tl.zeros([BP, CP], tl.float32)
+        mean = tl.zeros([BP, CP], tl.float32)
+        m2 = tl.zeros([BP, CP], tl.float32)
+        start = s * CHUNK
+        for off in range(0, CHUNK, BP):
+            pix = start + off + pi
+            mask = (c < C) & (pix < P) & (off + pi < CHUNK)
+            x = tl.load(X + (n * P + pix) * C + c, mask=mask, other=0.0).to(tl.float32)
+            c1 = cnt + mask.to(tl.float32)
+            delta = x - mean
+            mean = mean + tl.where(mask, delta / tl.maximum(c1, 1.0), 0.0)
+            m2 = m2 + tl.where(mask, delta * (x - mean), 0.0)
+            cnt = c1
+        # ... merged per group once (Chan: M2 = sum M2_i + sum n_i (mean_i - mean)^2); channel
+        # g * CG + j is element [g, j] of the [GP, CG] view (CG a power of two)
+        cnt = tl.reshape(cnt, [BP, GP, CG])
+        mean = tl.reshape(mean, [BP, GP, CG])
+        m2 = tl.reshape(m2, [BP, GP, CG])
+        cnt_g = tl.sum(tl.sum(cnt, 2), 0)
+        mean_g = tl.sum(tl.sum(cnt * mean, 2), 0) / tl.maximum(cnt_g, 1.0)
+        dev = mean - mean_g[None, :, None]
+        m2_g = tl.sum(tl.sum(m2 + cnt * dev * dev, 2), 0)
+        g = tl.arange(0, GP)
+        base = ((n * S + s) * G + g) * 3
+        gm = g < G
+        tl.store(PART + base, cnt_g, mask=gm)
+        tl.store(PART + base + 1, mean_g, mask=gm)
+        tl.store(PART + base + 2, m2_g, mask=gm)
+
+    @triton.jit
+    def gn_cl_apply_kernel(X, PART, W, B, OUT, P, C, G, CHUNK, eps, S: tl.constexpr, SP: tl.constexpr,
+                           BP: tl.constexpr, CP: tl.constexpr, GP: tl.constexpr, CG: tl.constexpr,
+                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        sp = tl.arange(0, SP)[:, None]
+        g2 = tl.arange(0, GP)[None, :]
+        pm = (sp < S) & (g2 < G)
+        base = ((n * S + sp) * G + g2) * 3
+        cnts = tl.load(PART + base, mask=pm, other=0.0)
+        means = tl.load(PART + base + 1, mask=pm, other=0.0)
+        m2s = tl.load(PART + base + 2, mask=pm, other=0.0)
+        tot = tl.maximum(tl.sum(cnts, 0), 1.0)
+        mean_g = tl.sum(cnts * means, 0) / tot
+        dm = tl.where(pm, means - mean_g[None, :], 0.0)
+        rstd_g = 1.0 / tl.sqrt((tl.sum(m2s, 0) + tl.sum(cnts * dm * dm, 0)) / tot + eps)
+        # per channel: group g's value at channels g * CG .. g * CG + CG - 1
+        ones = tl.full([GP, CG], 1.0, tl.float32)
+        mean = tl.reshape(mean_g[:, None] * ones, [CP])[None, :]
+        rstd = tl.reshape(rstd_g[:, None] * ones, [CP])[None, :]
+        pi = tl.arange(0, BP)[:, None]
+        c = tl.arange(0, CP)[None, :]
+        if HAS_W:
+            wv = tl.load(W + c, mask=c < C, other=0.0).to(tl.float32)
+        if HAS_B:
+            bv = tl.load(B + c, mask=c < C, other=0.0).to(tl.float32)
+        start = s * CHUNK
+        for off in range(0, CHUNK, BP):
+            pix = start + off + pi
+            mask = (c < C) & (pix < P) & (off + pi < CHUNK)
+            addr = (n * P + pix) * C + c
+            y = (tl.load(X + addr, mask=mask, other=0.0).to(tl.float32) - mean) * rstd
+            if HAS_W:
+                y = y * wv
+            if HAS_B:
+                y = y + bv
+            y = _gn_act(y, ACT)
+            tl.store(OUT + addr, y.to(OUT.dtype.element_ty), mask=mask)
+
+    return gn_stats_kernel, gn_apply_kernel, gn_cl_stats_kernel, gn_cl_apply_kernel
 
 
 def plan(rows: int, L: int) -> tuple[int, int]:
@@ -122,6 +214,24 @@ def plan(rows: int, L: int) -> tuple[int, int]:
     chunk = -(-tiles // splits) * BLOCK
     splits = -(-L // chunk)
     return splits, chunk
+
+
+def pixel_tiles(c: int, groups: int) -> bool:
+    """Does a channels_last input take the pixel-tile kernels: groups narrower than
+    PIXEL_TILE_MAX_CG channels, a power of two wide (a tile's channels reshaped [groups, width])?"""
+    cg = c // groups
+    return cg < PIXEL_TILE_MAX_CG and cg & (cg - 1) == 0
+
+
+def plan_channels_last(n: int, pixels: int, c: int) -> tuple[int, int, int, int]:
+    """(splits per sample, pixels per split, pixels per tile, padded channels) of the channels_last
+    kernels: a tile is BP whole pixels, every channel of each."""
+    cp = next_pow2(c)
+    bp = max(1, BLOCK // cp)
+    tiles = max(1, -(-pixels // bp))
+    splits = max(1, min(MAX_SPLITS, tiles, -(-TARGET_PROGRAMS // max(n, 1))))
+    chunk = -(-tiles // splits) * bp
+    return -(-pixels // chunk), chunk, bp, cp
 
 
 def group_norm_triton(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -136,11 +246,21 @@ def group_norm_triton(x: torch.Tensor, groups: int, weight: torch.Tensor | None,
     out = torch.empty_like(xc)
     if rows == 0 or L == 0:
         return out
-    splits, chunk = plan(rows, L)
-    part = torch.empty((rows, splits, 3), device=x.device, dtype=torch.float32)
-    stats, apply = cached_kernel(_kernels, _build)
+    stats, apply, cl_stats, cl_apply = cached_kernel(_kernels, _build)
     w = weight.contiguous() if weight is not None else xc
     b = bias.contiguous() if bias is not None else xc
+    if cl and pixel_tiles(C, groups):  # tiles of whole pixels: each load reads a pixel's C channels at once
+        splits, chunk, bp, cp = plan_channels_last(N, HW, C)
+        part = torch.empty((N, splits, groups, 3), device=x.device, dtype=torch.float32)
+        shape = dict(BP=bp, CP=cp, GP=cp // CG, CG=CG, num_warps=8 if bp * cp >= 1024 else 4)
+        with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+            cl_stats[(N, splits)](xc, part, HW, C, groups, chunk, S=splits, **shape)
+            cl_apply[(N, splits)](xc, part, w, b, out, HW, C, groups, chunk, float(eps), S=splits,
+                                  SP=max(2, next_pow2(splits)), HAS_W=weight is not None, HAS_B=bias is not None,
+                                  ACT=ACTS[act], **shape)
+        return out
+    splits, chunk = plan(rows, L)
+    part = torch.empty((rows, splits, 3), device=x.device, dtype=torch.float32)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         stats[(rows, splits)](xc, part, L, CG, C, groups, chunk, S=splits, CL=cl, BLOCK=BLOCK, num_warps=8)
         apply[(rows, splits)](xc, part, w, b, out, L, CG, C, groups, HW, chunk, float(eps), S=splits,

@@ -373,6 +373,7 @@ PIPELINE: tuple[str, ...] = (
     "fuse_conv_relu",
     "lower_group_norm",  # (before lower_pool: its output keeps a channels_last input's layout, aten's may not)
     "lower_pool",
+    "fuse_channels_last_broadcasts",
     "lower_attention",
     "lower_decode_attention",
     "lower_split_k",

@@ -267,8 +267,8 @@ class FuseElementwise(Pass):
         dtypes = _dtypes()
         nodes = list(gm.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
-        ok = {n for n in gm.graph.nodes if not fusible(n, dtypes)
-              and (not _is_free(ctx, n) or n.target in EXPANDS)}  # (an expand joins a row reduction's group)
+        ok = self._eligible({n for n in gm.graph.nodes if not fusible(n, dtypes)
+                             and (not _is_free(ctx, n) or n.target in EXPANDS)})  # (an expand joins a row reduction's group)
         if "fuse_conv_relu" in ctx.scheduled and ctx.fused_kernels and not ctx.training:
             # conv + bias (+ residual) + ReLU becomes one cuDNN call in the lowering step: a
             # pointwise kernel here would take its add/ReLU and leave the convolution two kernels
@@ -354,6 +354,11 @@ class FuseElementwise(Pass):
         res.apply_ranked(ctx, candidates)
         return res
 
+    @staticmethod
+    def _eligible(ok: set) -> set:
+        """The nodes this pass may group (all fusible ones)."""
+        return ok
+
     # ------------------------------------------------------------------ grouping
 
     @staticmethod
@@ -430,6 +435,24 @@ class FuseElementwise(Pass):
 _requires_grad = requires_grad  # (the tests' name)
 
 _PASS_THROUGH = {aten.add.Tensor, aten.add.Scalar}  # autograd hands the gradient on without a kernel
+
+
+@register
+class FuseChannelsLastBroadcasts(FuseElementwise):
+    """fuse_elementwise again after the layout pass, for the ops it made slow: an aten pointwise op
+    broadcasting an operand into a tensor convert_channels_last made channels_last (squeeze-and-
+    excitation's scale in a model given NCHW was NCHW when fuse_elementwise ran) runs in aten's
+    strided kernel (``cost.model.broadcast_channels_last``); each becomes a one-op fused_pointwise
+    that keeps the layout, where the cost model predicts a gain."""
+
+    name = "fuse_channels_last_broadcasts"
+    family = "lower"
+    description = "aten pointwise ops broadcasting into a channels_last tensor -> graphopt.fused_pointwise"
+    requires = ("convert_channels_last",)
+
+    @staticmethod
+    def _eligible(ok: set) -> set:
+        return {n for n in ok if broadcast_channels_last(n)}
 
 
 def _backward_gain(ctx, group, ins, outs, program, grad) -> float:

@@ -37,6 +37,8 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   (attention or sdpa, q, k, v, mask, n)  grouped-query: k/v [.., Hq/n, S, D]; attention repeats them
                                        to q's heads as HF's repeat_kv does (unsqueeze, expand, reshape),
                                        sdpa passes enable_gqa=True
+  (attention or sdpa, q, k, v, mask, n, "broadcast")  multi-query: k/v of one head broadcast over q's
+                                       heads (matmul's and SDPA's own broadcast; no repeat, no enable_gqa)
   ("norm", src, kind)                  LayerNorm / RMSNorm spellings: ln_module, ln_manual, ln_var, rms_plain,
                                        rms_gemma (1 + w), rms_torch (F.rms_norm)
   ("inplace", src, kind)               on a fresh copy: add_, mul_, relu_, masked_fill_, slice_fill
@@ -333,7 +335,8 @@ class ProgramModule(nn.Module):
                 y = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
             elif kind in ("attention", "sdpa"):
                 q, k, v, mask = op[1:5]
-                y = self._attend(key, env[q], env[k], env[v], mask, _n_rep(op), kind == "sdpa")
+                y = self._attend(key, env[q], env[k], env[v], mask, _n_rep(op), kind == "sdpa",
+                                 broadcast=len(op) > 6 and op[6] == "broadcast")
             elif kind == "attn_block":
                 _, _, hq, hkv, mask, spelling = op
                 b, n, d = x.shape
@@ -395,19 +398,21 @@ class ProgramModule(nn.Module):
         return outs[0] if len(outs) == 1 else outs
 
 
-    def _attend(self, key, q, k, v, mask, n_rep: int, sdpa: bool):
+    def _attend(self, key, q, k, v, mask, n_rep: int, sdpa: bool, broadcast: bool = False):
         """attention of q [.., Hq, S, D] over k/v [.., Hq / n_rep, S, D] under ``mask`` (the op's spec):
         matmul/softmax after repeat_kv, or F.scaled_dot_product_attention (fp32 or bf16; its .to calls
-        are no-ops in the model, while in the fp64 reference a bf16 input is fp64 and a cast's bf16 stays)"""
+        are no-ops in the model, while in the fp64 reference a bf16 input is fp64 and a cast's bf16 stays);
+        ``broadcast``: k/v of one head broadcast by matmul or SDPA themselves"""
         if sdpa:
             k, v = k.to(q.dtype), v.to(q.dtype)
-            gqa = {"enable_gqa": True} if n_rep > 1 else {}
+            gqa = {"enable_gqa": True} if n_rep > 1 and not broadcast else {}
             if mask is None or mask == "causal":
                 return F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal", **gqa)
             m = self._mask_tensor(key)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m.to(q.dtype) if m.is_floating_point() else m,
                                                   **gqa)
-        k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+        if not broadcast:
+            k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
         if mask is True:
             s = s.masked_fill(getattr(self, key + "_mask"), float("-inf"))
@@ -692,7 +697,10 @@ def programs(max_ops: int = 8):
                         mask = draw_mask(sc, (False, True, "bias", "pad", "window", "bool"))
                     else:
                         mask = draw_mask(sc, (None, "causal", "bias", "pad", "window", "bool"))
-                    op, out = (kind, q, k, v, mask) + ((n_rep,) if n_rep > 1 else ()), env[q]
+                    op = (kind, q, k, v, mask) + ((n_rep,) if n_rep > 1 else ())
+                    if n_rep > 1 and env[k][0][-3] == 1 and draw(st.booleans()):
+                        op = op + ("broadcast",)  # multi-query: the one k/v head broadcast, not repeated
+                    out = env[q]
             elif kind == "attn_block":
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
                 if s is not None:

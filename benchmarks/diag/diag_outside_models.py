@@ -43,6 +43,8 @@ MODELS = {
     "mixtral": ("MixtralConfig", "MixtralModel", dict(D, num_local_experts=4, num_experts_per_tok=2), "text"),
     "falcon": ("FalconConfig", "FalconModel",
                dict(_TEXT, num_kv_heads=2, new_decoder_architecture=True, use_cache=False, **_TOKENS), "text"),
+    "falcon-mq": ("FalconConfig", "FalconModel",  # multi-query: one K/V head broadcast over the query heads
+                  dict(_TEXT, multi_query=True, new_decoder_architecture=False, use_cache=False, **_TOKENS), "text"),
     "stablelm": ("StableLmConfig", "StableLmModel", D, "text"),
     "starcoder2": ("Starcoder2Config", "Starcoder2Model", dict(D, sliding_window=None), "text"),
     "olmo2": ("Olmo2Config", "Olmo2Model", D, "text"),
@@ -202,6 +204,7 @@ def main(argv=None):
         lines.append(f"| {name} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
         print(f"{name}: {' · '.join(cells)} ({time.perf_counter() - t0:.1f} s)", flush=True)
     out = Path(args.out) / f"outside_models_{stamp:%Y-%m-%d_%H%M%S}_cpu.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(out)
 

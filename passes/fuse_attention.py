@@ -94,6 +94,13 @@ RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 _MASKED_GQA_KERNEL = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 
 
+def _masked_gqa_kernel(ctx) -> bool:
+    """Does a fused SDPA kernel take GQA with a mask where the graph runs: torch >= 2.14's memory-
+    efficient kernel, or on sm_90 and newer cuDNN's attention, which torch 2.11 picks there
+    (benchmarks/diag/diag_sdpa_broadcast.py: 0.032 ms against the math kernel's 0.342)."""
+    return _MASKED_GQA_KERNEL or (ctx.cost.device_kind == "cuda" and ctx.cost.compute_capability >= (9, 0))
+
+
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -325,15 +332,16 @@ class FuseAttention(Pass):
         # reads the un-repeated K/V with enable_gqa=True instead (as eager's SDPA call does): the
         # repeat's copies go, and the backward neither saves them nor reduces their gradients.
         # Mask-free SDPAs (the flash kernel's GQA path); masked ones where a fused kernel takes
-        # GQA with a mask (memory-efficient attention, torch >= 2.14) or for one query row (a
+        # GQA with a mask (memory-efficient attention, torch >= 2.14; cuDNN's on sm_90) or for one query row (a
         # decode step against a KV cache: the math kernel's own K/V repeat is what repeat_kv's
         # copies cost, and the graph keeps q [B, H, 1, D] against the cache itself)
         unrepeats = []
+        masked_gqa = _masked_gqa_kernel(ctx)
         for sd in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]:
             if sd.kwargs.get("enable_gqa", False):
                 continue
             if _kwarg(sd, 3, "attn_mask", None) is not None and not (
-                    _MASKED_GQA_KERNEL or (ir.info(sd.args[0]) is not None and ir.info(sd.args[0]).shape[-2] == 1)):
+                    masked_gqa or (ir.info(sd.args[0]) is not None and ir.info(sd.args[0]).shape[-2] == 1)):
                 continue
             k0, v0 = _unrepeated(sd.args[1]), _unrepeated(sd.args[2])
             if (k0 is None or v0 is None) and _broadcast_heads(sd):

@@ -462,17 +462,18 @@ def test_sdpa_over_repeated_kv_reads_them_unrepeated_with_enable_gqa():
     assert r.status == "applied" and any(sd.kwargs.get("enable_gqa") for sd in _sdpa_nodes(opt.graph_module))
 
 
-@pytest.mark.parametrize("masked_gqa_kernel", [False, True])
-def test_sdpa_over_repeated_kv_with_a_non_causal_mask(monkeypatch, masked_gqa_kernel):
+@pytest.mark.parametrize("masked_gqa_kernel, target", [(False, "a100"), (True, "a100"), (False, "h200")])
+def test_sdpa_over_repeated_kv_with_a_non_causal_mask(monkeypatch, masked_gqa_kernel, target):
     """With a mask, the repeat goes only where a fused kernel takes GQA with a mask (torch >=
-    2.14's memory-efficient attention); the mask stays either way."""
+    2.14's memory-efficient attention, or cuDNN's on an sm_90 profile); the mask stays either way."""
     import graphopt.passes.fuse_attention as fa
 
     monkeypatch.setattr(fa, "_MASKED_GQA_KERNEL", masked_gqa_kernel)
+    masked_gqa_kernel = masked_gqa_kernel or target == "h200"
     torch.manual_seed(0)
     mask = torch.rand(8, 8) > 0.3
     mask[:, 0] = True
-    model, args, gm, res = _run(RepeatKvSdpa(mask=mask), (torch.randn(2, 8, 32),))
+    model, args, gm, res = _run(RepeatKvSdpa(mask=mask), (torch.randn(2, 8, 32),), target=target)
     (sd,) = _sdpa_nodes(gm)
     assert sd.args[3] is not None
     assert bool(sd.kwargs.get("enable_gqa")) is masked_gqa_kernel
@@ -555,15 +556,16 @@ def test_kv_broadcast_over_heads_becomes_enable_gqa(explicit):
         assert any(r.pattern == "sdpa K/V broadcast over heads->enable_gqa" and r.predicted_gain_s > 0 for r in res.rewrites)
 
 
-@pytest.mark.parametrize("masked_gqa_kernel", [False, True])
-def test_masked_kv_broadcast_takes_enable_gqa_where_a_kernel_takes_a_mask(monkeypatch, masked_gqa_kernel):
+@pytest.mark.parametrize("masked_gqa_kernel, target", [(False, "a100"), (True, "a100"), (False, "h200")])
+def test_masked_kv_broadcast_takes_enable_gqa_where_a_kernel_takes_a_mask(monkeypatch, masked_gqa_kernel, target):
     import graphopt.passes.fuse_attention as fa
 
     monkeypatch.setattr(fa, "_MASKED_GQA_KERNEL", masked_gqa_kernel)
+    masked_gqa_kernel = masked_gqa_kernel or target == "h200"  # (cuDNN's attention on sm_90)
     torch.manual_seed(0)
     keep = torch.ones(2, 8, dtype=torch.long)
     keep[1, 6:] = 0
-    model, args, gm, res = _run(MultiQuery(masked=True), (torch.randn(2, 8, 32), keep))
+    model, args, gm, res = _run(MultiQuery(masked=True), (torch.randn(2, 8, 32), keep), target=target)
     (sd,) = _sdpa_nodes(gm)
     assert bool(sd.kwargs.get("enable_gqa")) is masked_gqa_kernel and sd.args[3] is not None
     assert reference_check(model, gm, args).passed

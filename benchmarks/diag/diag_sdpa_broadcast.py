@@ -1,4 +1,4 @@
-# Answered: How slow is SDPA when K/V of one head broadcast over q's heads (Falcon's multi-query call), and what takes it instead? The math kernel, 0.33-1.99 ms on three shapes against 0.017-0.055 for the same call with enable_gqa (cuDNN's flash kernel); with a bool mask enable_gqa or an expanded view also take cuDNN on torch 2.11 (0.032-0.138 ms): fuse_attention's broadcast rule and the cost model's sdpa_math entry (results/diag_sdpa_broadcast_2026-12-04_185607.md).
+# Answered: How slow is SDPA when K/V of one head broadcast over q's heads (Falcon's multi-query call), and what takes it instead? The math kernel, 0.33-1.99 ms on three shapes against 0.017-0.055 for the same call with enable_gqa (cuDNN's flash kernel); with a bool mask enable_gqa or an expanded view also take cuDNN on torch 2.11 (0.032-0.138 ms): fuse_attention's broadcast rule, masked GQA on sm_90 profiles and the cost model's sdpa_math entry (results/diag_sdpa_broadcast_2026-12-04_185607.md).
 """SDPA with K/V broadcast over q's heads runs torch's math kernel on CUDA (fp32 products, the score
 matrix written out); enable_gqa, or K/V expanded to q's heads, lets a fused kernel take it.
 

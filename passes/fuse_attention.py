@@ -342,6 +342,10 @@ class FuseAttention(Pass):
                 continue
             if _kwarg(sd, 3, "attn_mask", None) is not None and not (
                     masked_gqa or (ir.info(sd.args[0]) is not None and ir.info(sd.args[0]).shape[-2] == 1)):
+                if _broadcast_heads(sd):  # (a repeat_kv'd call still runs a fused kernel: nothing to say)
+                    res.reject(f"sdpa {sd.name}", "K/V of one head broadcast over q's heads with a mask: no fused "
+                                                  f"kernel takes masked GQA on {ctx.cost.device_name} before torch "
+                                                  "2.14, so SDPA's math kernel runs it")
                 continue
             k0, v0 = _unrepeated(sd.args[1]), _unrepeated(sd.args[2])
             if (k0 is None or v0 is None) and _broadcast_heads(sd):

@@ -568,6 +568,7 @@ def test_masked_kv_broadcast_takes_enable_gqa_where_a_kernel_takes_a_mask(monkey
     model, args, gm, res = _run(MultiQuery(masked=True), (torch.randn(2, 8, 32), keep), target=target)
     (sd,) = _sdpa_nodes(gm)
     assert bool(sd.kwargs.get("enable_gqa")) is masked_gqa_kernel and sd.args[3] is not None
+    assert any("math kernel" in r.reason for r in res.rejected) is not masked_gqa_kernel
     assert reference_check(model, gm, args).passed
 
 

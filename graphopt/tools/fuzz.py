@@ -10,6 +10,9 @@ failure as a standalone test file.
 Op specs (value indices are absolute: inputs first, then one value per op):
   ("linear", src, out, bias)           ("matmul_w", src, n)           ("bmm", a, b)  a @ b^T
   ("conv", src, out_ch, k, bias, bn)   3-D src (B,C,L) viewed as (B,C,2,L/2), conv2d, flattened back
+  ("se", src, gate)                    3-D src (B,C,L) viewed as (B,C,2,L/2): conv2d, squeeze-and-excitation's
+                                       per-channel scale (mean over the pixels, sigmoid | hardsigmoid,
+                                       a broadcast mul), conv2d, flattened back
   ("group_norm", src, groups, affine, act, four_d)  F.group_norm of a 3-D src (four_d: viewed as
                                        (B,C,2,L/2), channels_last, flattened back), then act (or none)
   ("layer_norm", src, affine)          ("rms_norm", src)  HF style: pow/mean/rsqrt/mul weight
@@ -153,6 +156,14 @@ class ProgramModule(nn.Module):
                     seq.append(b)
                 self.mods[key] = nn.Sequential(*seq)
                 out = (src[0], oc, src[2])
+            elif kind == "se":
+                for part in ("a", "b"):
+                    conv = nn.Conv2d(src[1], src[1], 3, padding=1)
+                    with torch.no_grad():
+                        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) / math.sqrt(src[1] * 9))
+                        conv.bias.copy_(torch.randn(src[1], generator=g) * 0.1)
+                    self.mods[f"{key}_{part}"] = conv
+                out = src
             elif kind == "group_norm":
                 if op[3]:
                     p(key + "_w", src[1], scale=0.5)
@@ -300,6 +311,12 @@ class ProgramModule(nn.Module):
             elif kind == "conv":
                 b, c, n = x.shape
                 y = self.mods[key](x.reshape(b, c, 2, n // 2)).flatten(2)
+            elif kind == "se":
+                b, c, n = x.shape
+                h = self.mods[key + "_a"](x.reshape(b, c, 2, n // 2))
+                gate = h.mean((2, 3), keepdim=True)
+                gate = torch.sigmoid(gate) if op[2] == "sigmoid" else F.hardsigmoid(gate)
+                y = self.mods[key + "_b"](h * gate).flatten(2)
             elif kind == "group_norm":
                 _, _, groups, affine, act, four_d = op
                 b, c, n = x.shape
@@ -572,7 +589,7 @@ def programs(max_ops: int = 8):
         f32 = lambda s, d: d == "f32"  # noqa: E731
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
-                 "group_norm",
+                 "group_norm", "se",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads", "repeat")
@@ -651,6 +668,10 @@ def programs(max_ops: int = 8):
                     k = draw(st.sampled_from((1, 3)))
                     sh = env[s][0]
                     op, out = ("conv", s, oc, k, draw(st.booleans()), draw(st.booleans())), ((sh[0], oc, sh[2]), "f32")
+            elif kind == "se":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
+                if s is not None:
+                    op, out = ("se", s, draw(st.sampled_from(("sigmoid", "hardsigmoid")))), env[s]
             elif kind == "group_norm":
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
                 if s is not None:

@@ -661,8 +661,8 @@ class CostModel:
         if kind == "pointwise" and p.kind == "cuda" and p.conv_bias_add_scale < 1.0 and broadcast_channels_last(node):
             memory = memory / p.conv_bias_add_scale  # aten's kernel for a convolution's bias add, the same case
         gn = aten_group_norm_s(p, node)
-        math = p.kind == "cuda" and kind == "matmul" and sdpa_math_reason(node) is not None
-        if math:  # SDPA's math fallback: its products, then the score matrix's memory passes
+        math_path = p.kind == "cuda" and kind == "matmul" and sdpa_math_reason(node) is not None
+        if math_path:  # SDPA's math fallback: its products, then the score matrix's memory passes
             mm, mem, launches = sdpa_math_s(p, node)
             gpu = _num(p.gpu_seconds(mm, 0.0, "matmul") + p.gpu_seconds(0.0, mem) + (launches - 2) * p.kernel_fixed_s)
             t = _smax(gpu, launches * p.launch_overhead_s)

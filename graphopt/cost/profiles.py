@@ -132,6 +132,10 @@ class DeviceProfile:
     #       are priced as any matmul
     #   "gemv": memory_scale, fixed_s: graphopt::gemv (the split-K Triton GEMV); absent,
     #       passes/lower_gemv.py leaves cuBLAS be (both fitted by benchmarks/diag/diag_decode_gemm.py)
+    #   "group_norm": block_bytes_per_s, apply_memory_scale: aten's GroupNorm (cost.model.aten_group_norm_s);
+    #       absent, passes/lower_group_norm.py leaves it be
+    #   "group_norm_kernel": memory_scale: graphopt::group_norm
+    #   "sdpa_math": matmul_scale, score_passes: SDPA's math kernel (cost.model.sdpa_math_s)
     op_efficiency: dict = field(default_factory=dict)
     # corrections per op class fitted by `graphopt calibrate --corpus` on op shapes of the performance
     # sweep's models timed alone on this device (graphopt.cost.opclass: the class of a node, the form

@@ -437,24 +437,6 @@ _requires_grad = requires_grad  # (the tests' name)
 _PASS_THROUGH = {aten.add.Tensor, aten.add.Scalar}  # autograd hands the gradient on without a kernel
 
 
-@register
-class FuseChannelsLastBroadcasts(FuseElementwise):
-    """fuse_elementwise again after the layout pass, for the ops it made slow: an aten pointwise op
-    broadcasting an operand into a tensor convert_channels_last made channels_last (squeeze-and-
-    excitation's scale in a model given NCHW was NCHW when fuse_elementwise ran) runs in aten's
-    strided kernel (``cost.model.broadcast_channels_last``); each becomes a one-op fused_pointwise
-    that keeps the layout, where the cost model predicts a gain."""
-
-    name = "fuse_channels_last_broadcasts"
-    family = "lower"
-    description = "aten pointwise ops broadcasting into a channels_last tensor -> graphopt.fused_pointwise"
-    requires = ("convert_channels_last",)
-
-    @staticmethod
-    def _eligible(ok: set) -> set:
-        return {n for n in ok if broadcast_channels_last(n)}
-
-
 def _backward_gain(ctx, group, ins, outs, program, grad) -> float:
     """Predicted seconds the fused backward saves: eager's derivative kernels of ``group`` (priced
     as an elementwise kernel of each node's shape per operand taking a gradient, plus an add per

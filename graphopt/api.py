@@ -74,7 +74,7 @@ class OptimizedModule(nn.Module):
         from .runtime.cuda_graphs import launch_savings_s, lower
 
         if example_flat is None:  # the signature stands in for the example inputs
-            example_flat = [torch.empty(0, dtype=s[1], device=s[2]) if s is not None else None
+            example_flat = [torch.empty(0, dtype=s[1], device=s[2]) if isinstance(s, tuple) else None
                             for s in self._signature]
         self._runner = lower(self.graph_module, example_flat, cuda_graphs=mode, max_graphs=max_graphs,
                              reuse_outputs=reuse_outputs, dynamic=bool(self._dynamic_dims), training=self._training,
@@ -161,6 +161,11 @@ class OptimizedModule(nn.Module):
                              "call graphopt.optimize again for this calling convention")
         for i, (x, sig) in enumerate(zip(flat, self._signature)):
             if sig is None:
+                continue
+            if type(sig) is Specialized:
+                if not sig.matches(x):
+                    raise GuardError(f"input {i} was {sig.value!r} when optimized, got {x!r}: the captured graph "
+                                     "holds it as a constant - optimize again for this value")
                 continue
             if not isinstance(x, torch.Tensor):
                 raise GuardError(f"input {i} was a tensor when optimized, got {type(x).__name__}")
@@ -966,7 +971,8 @@ def _build_report(model, gm, planning: _Planning, run: _PipelineRun, acc_info: d
 def _lower(gm, report: Report, run: _PipelineRun, planning: _Planning, model, inputs: "CallInputs", args, kwargs,
            flat, opts: OptimizeOptions) -> OptimizedModule:
     """The OptimizedModule: CUDA graphs where they pay, placed across devices where planned."""
-    signature, dyn = _signature(flat, args, kwargs, model, opts.dynamic)
+    signature, dyn = _signature(flat, args, kwargs, model, opts.dynamic,
+                                constants=report.capture.get("method") == "torch.export")
     with timing.phase("lowering"):
         opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=opts.training,
                               cuda_graphs=opts.cuda_graphs, profile=planning.run_profile,
@@ -1015,8 +1021,26 @@ def _calling_convention(model, args, kwargs):
         return None
 
 
-def _signature(flat, args, kwargs, model, dynamic):
-    sig = [(tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in flat]
+@dataclasses.dataclass(frozen=True)
+class Specialized:
+    """A non-tensor input (a Python scalar, string, dtype...) torch.export captured as a constant:
+    a call must pass the same value, of the same type, or the graph computes with the old one."""
+
+    value: object
+
+    TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+    def matches(self, x) -> bool:
+        if type(x) is not type(self.value):
+            return False
+        return x == self.value or (isinstance(x, float) and x != x and self.value != self.value)
+
+
+def _signature(flat, args, kwargs, model, dynamic, constants: bool = True):
+    """Per flat input: (shape, dtype, device) of a tensor; with ``constants`` (a torch.export
+    capture, which specializes them), :class:`Specialized` for a scalar-like value; else None."""
+    sig = [(tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor)
+           else Specialized(x) if constants and type(x) in Specialized.TYPES else None for x in flat]
     dyn: dict[int, set] = {}
     if dynamic:
         import inspect
@@ -1028,7 +1052,7 @@ def _signature(flat, args, kwargs, model, dynamic):
             order.extend((name, j) for j in range(len(leaves)))
         for i, (name, j) in enumerate(order):
             if name in dynamic and j == 0:
-                dyn[i] = {a % len(sig[i][0]) for a in dynamic[name]} if sig[i] else set()
+                dyn[i] = {a % len(sig[i][0]) for a in dynamic[name]} if isinstance(sig[i], tuple) else set()
     return sig, dyn
 
 

@@ -120,7 +120,7 @@ def _inputs_meta(signature: list, dyn: dict) -> list:
     """The input signature the module was optimized for, as JSON (None for non-tensor inputs)."""
     out = []
     for i, sig in enumerate(signature):
-        if sig is None:
+        if not isinstance(sig, tuple):
             out.append(None)
             continue
         shape, dtype, device = sig

@@ -289,6 +289,39 @@ def test_on_new_shape_reoptimize_specializes_and_stays_correct():
         graphopt.optimize(model, (x,), on_new_shape="sometimes")
 
 
+class _ScaledGate(nn.Module):
+    """Python scalars as arguments: torch.export holds ``k`` and ``flag`` as constants of the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, k: int = 2, flag: bool = True):
+        y = self.lin(x) * k
+        return y.relu() if flag else y
+
+
+@pytest.mark.parametrize("other", [(5, True), (3, False), (3.0, True)], ids=["value", "bool", "type"])
+def test_a_changed_scalar_argument_is_a_guard_error_and_reoptimize_takes_it(other):
+    """A scalar argument the graph captured as a constant, called with another value (or an equal one
+    of another type), is a one-line GuardError (torch's own guard raised an AssertionError, and
+    without it the graph would compute with the old value); on_new_shape="reoptimize" optimizes
+    again for it and matches the model (measure=False: the module must run the graph, not the model)."""
+    torch.manual_seed(0)
+    model, x = _ScaledGate().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x, 3, True), precision="fp32", measure=False)
+    with torch.no_grad():
+        assert torch.equal(opt(x, 3, True), model(x, 3, True))
+        with pytest.raises(graphopt.GuardError, match="when optimized") as ei:
+            opt(x, *other)
+    assert "\n" not in str(ei.value)
+    again = graphopt.optimize(model, (x, 3, True), precision="fp32", measure=False, on_new_shape="reoptimize")
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="re-optimizing"):
+        out = again(x, *other)
+    res = accuracy.check(out, accuracy.fp64_reference(model, (x, *other), {}), model(x, *other))
+    assert res.passed, res.reason
+
+
 def test_optimize_hands_the_process_objects_back_to_the_collector(unfrozen):
     """optimize() freezes the process's existing objects for its duration so its collections scan
     only what it creates (api._collect_young_only); afterwards nothing stays frozen, the collector

@@ -124,7 +124,8 @@ class _PlainFloat64(torch.overrides.TorchFunctionMode):
         return (accuracy._FLOAT64_PLAIN.get(getattr(func, "__name__", "")) or func)(*args, **(kwargs or {}))
 
 
-def train(name, budget):
+def train(name, budget, make=None):
+    """The two training cells of ``name`` (``make()``: its (model, inputs); default :func:`build`)."""
     import graphopt
     from graphopt import accuracy
     from graphopt.capture import split_inputs
@@ -132,7 +133,7 @@ def train(name, budget):
     out = []
     for opts in ({}, {"memory_budget": budget}):
         try:
-            model, inputs = build(name)
+            model, inputs = (make or (lambda: build(name)))()
             model.train()
             for mod in model.modules():  # no randomness: dropout and stochastic depth off
                 if isinstance(mod, torch.nn.Dropout):
@@ -198,12 +199,23 @@ def main(argv=None):
              "| model | plan (h200) | optimize | train | train + budget | gen |", "| --- | --- | --- | --- | --- | --- |"]
     for name in names:
         t0 = time.perf_counter()
-        rows = [sweep.run_one(Spec(name, "outside", lambda n=name: build(n)), plan=plan) for plan in ("h200", None)]
-        cells = [r.status + (f": {r.message[:120]}" if r.message else "") for r in rows]
-        cells += train(name, args.budget) + [gen(name)]
-        lines.append(f"| {name} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-        print(f"{name}: {' · '.join(cells)} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    out = Path(args.out) / f"outside_models_{stamp:%Y-%m-%d_%H%M%S}_cpu.md"
+        cells = plan_cells(name, "outside", lambda n=name: build(n)) + train(name, args.budget) + [gen(name)]
+        add_row(lines, name, cells, t0)
+    write_table(lines, Path(args.out) / f"outside_models_{stamp:%Y-%m-%d_%H%M%S}_cpu.md")
+
+
+def plan_cells(name, source, make):
+    """The plan (h200, strict) and optimize cells of one model (``make()``: its (model, inputs))."""
+    rows = [sweep.run_one(Spec(name, source, make), plan=plan) for plan in ("h200", None)]
+    return [r.status + (f": {r.message[:120]}" if r.message else "") for r in rows]
+
+
+def add_row(lines, name, cells, t0):
+    lines.append(f"| {name} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    print(f"{name}: {' · '.join(cells)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def write_table(lines, out: Path):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(out)

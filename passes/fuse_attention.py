@@ -380,14 +380,19 @@ class FuseAttention(Pass):
         qi = ir.info(q)
         if not qi.dtype.is_floating_point:
             raise Refuse(f"q has dtype {qi.dtype}")
-        # the K transpose swaps exactly the last two dims
-        kt = m["kt"]
+        # the K transpose swaps exactly the last two dims, or is a permute of K's source: K [.., S, D]
+        # is then that source permuted by the same order with its last two entries swapped (a view),
+        # e.g. heads split from [B, S, H, D] and permuted straight to [B, H, D, S] (LeViT)
+        kt, k_perm = m["kt"], None
         if kt.target is aten.transpose.int:
             dims = sorted(d % rank for d in (m["kt_d0"], m["kt_d1"]))
             if dims != [rank - 2, rank - 1]:
                 raise Refuse(f"{kt.name} transposes dims {dims}, not the last two")
         elif list(d % rank for d in m["kt_perm"]) != list(range(rank - 2)) + [rank - 1, rank - 2]:
-            raise Refuse(f"{kt.name} permutes {list(m['kt_perm'])}, not a swap of the last two dims")
+            perm = [d % rank for d in m["kt_perm"]]
+            if m.get("k_rep") is not None or len(perm) != rank:
+                raise Refuse(f"{kt.name} permutes {list(m['kt_perm'])}, not a swap of the last two dims")
+            k_perm = perm[:-2] + [perm[-1], perm[-2]]
         # softmax over the key dim, in q's dtype or fp32
         dim = m["dim"]
         if not isinstance(dim, int) or dim % rank != rank - 1:
@@ -425,6 +430,8 @@ class FuseAttention(Pass):
             k = k_rep if k_rep is not None else m["k"]
             v = v_rep if v_rep is not None else m["v"]
         ks, vs = _shape(k), _shape(v)
+        if k_perm is not None:
+            ks = [ks[d] for d in k_perm]
         if len(ks) != rank or len(vs) != rank:
             raise Refuse(f"q is {rank}-D, k {len(ks)}-D, v {len(vs)}-D")
         lead = tuple(qs[:-3])
@@ -495,7 +502,7 @@ class FuseAttention(Pass):
                              "SDPA does not produce them")
         removed = [n for n in m.nodes if unrepeated or n not in repeat_nodes] + asserts
         removed += [n for n in dict.fromkeys((q_mul, k_mul)) if n is not None]
-        return {"kind": "explicit", "q": q, "k": k, "v": v, "mask": mask, "causal": causal, "scale": scale,
+        return {"kind": "explicit", "q": q, "k": k, "k_perm": k_perm, "v": v, "mask": mask, "causal": causal, "scale": scale,
                 "q_scale": q_scale, "window": window, "gqa": gqa, "root": pv, "removed": removed, "dropped_mask": dropped, "rank": rank, "flat": flat}
 
     @staticmethod
@@ -709,6 +716,8 @@ def _emit(b, plan) -> fx.Node:
     """The SDPA call (and, for more than one batch dim, the flattening around it) that replaces
     the matched attention, built by ``b.call`` (a Replacement to price it, a builder to make it)."""
     q, k, v, mask, flat = plan["q"], plan["k"], plan["v"], plan["mask"], plan["flat"]
+    if plan.get("k_perm") is not None:
+        k = b.call(aten.permute.default, k, plan["k_perm"])
     if plan.get("q_scale") is not None:
         q = b.call(aten.mul.Tensor, q, plan["q_scale"])
     kwargs = {"scale": plan["scale"]}

@@ -209,6 +209,43 @@ def test_a_scale_that_varies_along_the_keys_is_refused():
     assert reference_check(model, gm, args).passed
 
 
+class PermutedKeys(nn.Module):
+    """K split into heads and permuted straight to [B, H, D, S] (no transpose of a [B, H, S, D] K),
+    with a learned additive bias per head: LeViT's spelling. ``order``: the permute of the
+    [B, S, H, D] keys; the scores are q @ that (any order: K is then that permute with its last two
+    entries swapped)."""
+
+    def __init__(self, dim=32, heads=4, seq=8, order=(0, 2, 3, 1)):
+        super().__init__()
+        self.h, self.d, self.order = heads, dim // heads, order
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.bias = nn.Parameter(torch.randn(heads, seq, seq))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.d).permute(0, 2, 1, 3)
+        k = self.k(x).view(b, s, self.h, self.d).permute(*self.order)
+        v = self.v(x).view(b, s, self.h, self.d).permute(0, 2, 1, 3)
+        attn = (q @ k) * self.d ** -0.5 + self.bias
+        return (attn.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_permuted_straight_to_heads_by_keys_become_sdpa(dtype):
+    """fuse_attention: a K^T that is a permute of K's source, not a swap of a [B, H, S, D] K's last two
+    dims, reads K as that source permuted with the last two entries swapped (a view); the bias stays
+    attn_mask."""
+    torch.manual_seed(0)
+    model, args, gm, res = _run(PermutedKeys(), (torch.randn(2, 8, 32),), dtype)
+    assert res.status == "applied" and len(res.rewrites) == 1, [(r.candidate, r.reason) for r in res.rejected]
+    (sd,) = _sdpa_nodes(gm)
+    k = sd.args[1]
+    assert k.target is aten.permute.default and list(k.args[1]) == [0, 2, 1, 3]
+    assert tuple(k.meta["val"].shape) == (2, 4, 8, 8) and sd.args[3] is not None
+    assert _attention_left(gm) == 0
+    assert reference_check(model, gm, args).passed
+
+
 # ---------------------------------------------------------------- negative cases
 
 

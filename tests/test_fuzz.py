@@ -119,8 +119,8 @@ def test_long_programs_draw_1500(program):
 
 
 def test_grammar_renders_grouped_query_attention_blocks_and_reduced_broadcasts():
-    """attention/sdpa over fewer k/v heads (repeat_kv; enable_gqa), the Llama-style attn_block with masks,
-    and a binary op against a reduction of its operand (another rank); fuse_attention takes the
+    """attention/sdpa over fewer k/v heads (repeat_kv; enable_gqa), the Llama-style attn_block with masks
+    (and K^T permuted straight from the projection, keys_last), and a binary op against a reduction of its operand (another rank); fuse_attention takes the
     generator's repeat_kv spelling as GQA"""
     from graphopt import ir
     from graphopt.capture import capture
@@ -132,10 +132,11 @@ def test_grammar_renders_grouped_query_attention_blocks_and_reduced_broadcasts()
         ("linear", 0, 16, False), ("heads", 1, 4), ("linear", 0, 8, False), ("heads", 3, 2),
         ("attention", 2, 4, 4, False, 2), ("sdpa", 2, 4, 4, None, 2),
         ("attn_block", 0, 4, 1, ("pad", (2, 1, 1, 4)), "manual"), ("attn_block", 7, 2, 2, "causal", "sdpa"),
-        ("reduce", 8, "amax", 0, False), ("binary", "sub", 8, "value", 9)), (10, 5, 6), seed=2)
+        ("reduce", 8, "amax", 0, False), ("binary", "sub", 8, "value", 9),
+        ("attn_block", 0, 2, 2, ("bias", (1, 2, 4, 4)), "keys_last")), (10, 5, 6, 11), seed=2)
     model, inputs = fuzz.build(p)
     outs = model(*inputs)
-    assert [tuple(o.shape) for o in outs] == [(2, 4, 16), (2, 4, 4, 4), (2, 4, 4, 4)]
+    assert [tuple(o.shape) for o in outs] == [(2, 4, 16), (2, 4, 4, 4), (2, 4, 4, 4), (2, 4, 16)]
     torch.testing.assert_close(outs[1], outs[2])  # repeat_kv then attention == SDPA's enable_gqa
     fuzz.check_program(p, ["fuse_attention", "lower_attention"], "h200", "passes", ignore_cost=True)
     gm = capture(model, inputs)
@@ -143,6 +144,10 @@ def test_grammar_renders_grouped_query_attention_blocks_and_reduced_broadcasts()
     PassManager(assemble(["fuse_attention"])).run(gm, ctx)
     gqa = [n for n in gm.graph.nodes if n.op == "call_function" and n.kwargs.get("enable_gqa")]
     assert len(gqa) == 3  # the eager SDPA, and both repeat_kv attentions (the 4-head block's k/v have one head)
+    # the keys_last block's K^T, one permute of the projection, is read as K through a view
+    sdpa = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert any(n.args[1].target is torch.ops.aten.permute.default and list(n.args[1].args[1]) == [0, 2, 1, 3]
+               for n in sdpa)
 
 
 def test_grammar_renders_group_norms_and_lower_group_norm_survives_them():

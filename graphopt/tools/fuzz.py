@@ -25,7 +25,9 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("attn_block", src, hq, hkv, mask, spelling)  a Llama-style block on [B, S, D]: q/k/v projections (k/v
                                        to hkv heads), heads split, attention ("manual": repeat_kv then
                                        matmul/softmax, mask as attention's; "sdpa": enable_gqa, mask as
-                                       sdpa's), heads merged, out projection
+                                       sdpa's; "keys_last": as manual with hkv = hq, K^T made straight from
+                                       the projection by one permute to [B, H, D, S], LeViT's), heads
+                                       merged, out projection
   ("cast", src, "bf16" | "f32")
   ("reduce", src, kind, dim, keepdim)  kind sum | mean | amax | var, over any dim
   ("softmax_dim", src, kind, dim, keepdim)  kind softmax | log_softmax | logsumexp (keepdim: logsumexp's)
@@ -361,8 +363,11 @@ class ProgramModule(nn.Module):
                 def heads(nm, h):
                     return F.linear(x, P[f"{key}_{nm}w"]).view(b, n, h, d // hq).transpose(1, 2)
 
-                a = self._attend(key, heads("q", hq), heads("k", hkv), heads("v", hkv), mask, hq // hkv,
-                                 spelling == "sdpa")
+                kt = None
+                if spelling == "keys_last":  # [B, S, H, Dh] permuted straight to [B, H, Dh, S]
+                    kt = F.linear(x, P[f"{key}_kw"]).view(b, n, hkv, d // hq).permute(0, 2, 3, 1)
+                a = self._attend(key, heads("q", hq), None if kt is not None else heads("k", hkv), heads("v", hkv),
+                                 mask, hq // hkv, spelling == "sdpa", kt=kt)
                 y = F.linear(a.transpose(1, 2).reshape(b, n, d), P[key + "_ow"])
             elif kind == "reduce":
                 _, _, rk, dim, keep = op
@@ -415,11 +420,11 @@ class ProgramModule(nn.Module):
         return outs[0] if len(outs) == 1 else outs
 
 
-    def _attend(self, key, q, k, v, mask, n_rep: int, sdpa: bool, broadcast: bool = False):
+    def _attend(self, key, q, k, v, mask, n_rep: int, sdpa: bool, broadcast: bool = False, kt=None):
         """attention of q [.., Hq, S, D] over k/v [.., Hq / n_rep, S, D] under ``mask`` (the op's spec):
         matmul/softmax after repeat_kv, or F.scaled_dot_product_attention (fp32 or bf16; its .to calls
         are no-ops in the model, while in the fp64 reference a bf16 input is fp64 and a cast's bf16 stays);
-        ``broadcast``: k/v of one head broadcast by matmul or SDPA themselves"""
+        ``broadcast``: k/v of one head broadcast by matmul or SDPA themselves; ``kt``: K^T as given (k unused)"""
         if sdpa:
             k, v = k.to(q.dtype), v.to(q.dtype)
             gqa = {"enable_gqa": True} if n_rep > 1 and not broadcast else {}
@@ -429,8 +434,8 @@ class ProgramModule(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m.to(q.dtype) if m.is_floating_point() else m,
                                                   **gqa)
         if not broadcast:
-            k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
-        s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+            k, v = (_repeat_kv(k, n_rep) if k is not None else None), _repeat_kv(v, n_rep)
+        s = q @ (kt if kt is not None else k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
         if mask is True:
             s = s.masked_fill(getattr(self, key + "_mask"), float("-inf"))
         elif isinstance(mask, tuple) and mask[0] == "bool":
@@ -728,9 +733,10 @@ def programs(max_ops: int = 8):
                     sh = env[s][0]
                     hq = draw(st.sampled_from(tuple(h for h in (2, 4) if sh[-1] % h == 0)))
                     hkv = draw(st.sampled_from(tuple(h for h in (1, 2, hq) if hq % h == 0)))
-                    spelling = draw(st.sampled_from(("manual", "sdpa")))
+                    spelling = draw(st.sampled_from(("manual", "sdpa", "keys_last")))
+                    hkv = hq if spelling == "keys_last" else hkv
                     sc = (sh[0], hq, sh[1], sh[1])
-                    mask = draw_mask(sc, (False, True, "bias", "pad", "window", "bool") if spelling == "manual"
+                    mask = draw_mask(sc, (False, True, "bias", "pad", "window", "bool") if spelling != "sdpa"
                                      else (None, "causal", "bias", "pad", "window", "bool"))
                     op, out = ("attn_block", s, hq, hkv, mask, spelling), env[s]
             elif kind in ("reduce", "softmax_dim"):

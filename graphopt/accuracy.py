@@ -395,9 +395,33 @@ def module_state_kept(model: torch.nn.Module):
 # torch functions without a float64 kernel on some device, run as plain ops in the float64 reference
 _FLOAT64_PLAIN = {"grouped_mm": _grouped_mm_plain, "_grouped_mm": _grouped_mm_plain}
 
+# factories whose result takes the default dtype when no dtype is given (and, for these, always a float one)
+_FLOAT_FACTORIES = {"zeros", "ones", "empty", "empty_strided", "rand", "randn", "eye", "linspace", "logspace"}
+
+
+def _makes_default_float(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether torch.<name>(*args, **kwargs), given no dtype, makes a tensor of the default (float) dtype:
+    the float factories, ``full`` of a Python float, ``arange`` over a float bound or step, ``tensor``
+    and ``scalar_tensor`` of Python floats."""
+    if kwargs.get("dtype") is not None:
+        return False
+    if name in _FLOAT_FACTORIES:
+        return True
+    if name == "full":
+        fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
+        return isinstance(fill, float)
+    if name == "arange":
+        return any(isinstance(a, float) for a in (*args, kwargs.get("start"), kwargs.get("end"), kwargs.get("step")))
+    if name in ("tensor", "scalar_tensor"):
+        data = args[0] if args else kwargs.get("data", kwargs.get("s"))
+        leaves = pytree.tree_leaves(data) if isinstance(data, (list, tuple)) else [data]
+        return any(isinstance(x, float) for x in leaves) and not any(isinstance(x, torch.Tensor) for x in leaves)
+    return False
+
 
 class _Float64State(torch.overrides.TorchFunctionMode):
-    """Run a model as ``model.to(dtype)`` would (float64 by default), without a converted copy of
+    """Run a model as ``model.to(dtype)`` would (float64 by default) with ``dtype`` the default dtype
+    (a float tensor the forward makes without a dtype is made in it), without a converted copy of
     it: every torch function that reads one of the model's parameters or buffers gets a converted
     copy of that tensor made for the call (a buffer is always copied, so in-place updates —
     BatchNorm's statistics and its step counter — land on the copy, never on the model); reading a
@@ -501,6 +525,11 @@ class _Float64State(torch.overrides.TorchFunctionMode):
             got = self._metadata(name, func, args, kwargs)
             if got is not NotImplemented:
                 return got
+        # a tensor the model makes in the default dtype is made in this one, as when float64 is the
+        # default (a float64 run's torch.finfo(x.dtype).min does not fit the float32 default)
+        if getattr(torch, getattr(func, "__name__", ""), None) is func \
+                and _makes_default_float(func.__name__, args, kwargs):
+            kwargs = dict(kwargs, dtype=self.dtype)
         # a large weight is never converted whole: a projection runs over blocks of its rows, an
         # embedding gathers its rows first (the same values as converting the whole weight)
         if func is torch.nn.functional.linear and len(args) >= 2 and self._big(args[1]):

@@ -378,3 +378,33 @@ def test_fp64_reference_runs_a_mixture_of_experts_grouped_mm():
     want = torch.cat([x[:3].double() @ w[0], x[3:7].double() @ w[1], x[7:].double() @ w[2]])
     assert ref.dtype == torch.float64 and m.w.dtype == torch.float32
     torch.testing.assert_close(ref, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fp64_reference_makes_the_forwards_default_dtype_tensors_in_float64():
+    """A float tensor the forward makes without a dtype is made in float64 in the reference, as when
+    float64 is the default: XGLM clamps its scores with torch.full((), torch.finfo(scores.dtype).min),
+    which does not fit the float32 default in a float64 run (the reference, and so optimize(), failed);
+    factories of integers stay integers."""
+    class Clamped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            s = self.lin(x) + torch.tensor([0.0, 0.5, -0.5, 1.0])
+            s = torch.max(s, torch.full((), torch.finfo(s.dtype).min))
+            return s * torch.arange(0, 4.0) + torch.arange(4) + torch.ones(4), torch.zeros(2, dtype=torch.int32)
+
+    torch.manual_seed(0)
+    m, x = Clamped(), torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="overflow"):  # what a plain float64 copy meets
+        m.double()(x.double())
+    m.float()
+    ref, ints = accuracy.fp64_reference(m, (x,), {})
+    assert ref.dtype == torch.float64 and ints.dtype == torch.int32
+    want = m(x)[0].double()
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+    import graphopt
+
+    opt = graphopt.optimize(m, (x,), measure=False)
+    assert opt.report.accuracy["checked"] and opt.report.accuracy["passed"]

@@ -734,6 +734,12 @@ class AotRecompute(nn.Module):
         output depends on it; eager leaves such a parameter's ``.grad`` None (an optimizer then
         skips it). Parameters whose ``.grad`` is None and that reach only outputs the backward
         never reached get None back at the end of the backward."""
+        if torch._C._current_graph_task_id() != -1:
+            # run inside a backward: a checkpoint's rerun of this forward (two-level recomputation).
+            # The first run watches the parameters; a second watch, set while their gradients are
+            # being computed, put them back to None (every gradient a region under an outer
+            # checkpoint computed was lost: Mamba's mixer with a memory budget)
+            return
         reach = self._influence()
         used = sum(1 << j for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
         watch = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf

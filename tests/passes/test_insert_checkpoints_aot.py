@@ -459,3 +459,23 @@ def test_regions_are_priced_with_the_gradients_their_backward_holds():
         trace_step(opt, args, params=params)
         traced = trace_step(opt, args, params=params)
         assert abs(traced["peak"] / d["predicted_activation_bytes"] - 1) < 0.03, budget
+
+
+def test_regions_under_an_outer_checkpoint_keep_their_parameters_gradients():
+    """Two-level recomputation reruns an outer checkpoint's AOT regions inside the backward; their
+    parameters' gradients must survive it (the rerun's watch for unreached gradients put every one
+    of them back to None: Mamba's mixer lost A_log, conv1d, x_proj and dt_proj). Mamba's recurrent
+    scan (the CPU path) under a budget that nests regions: loss and every gradient by the rule."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8, use_cache=False,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.MambaModel(cfg).train()
+    args = (torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(0)),)
+    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, check_accuracy=False,
+                            passes=["insert_checkpoints"], target="h200")
+    d = opt.report.pass_result("insert_checkpoints").details
+    res = opt.report.pass_result("insert_checkpoints")
+    assert d.get("backend") == "aot" and d.get("segments"), (res.status, res.notes)
+    step_check(model, opt, args, loss=lambda out: out.last_hidden_state.double().square().mean())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())

@@ -173,8 +173,46 @@ class Generator:
         self._states: dict[int, DecodeState] = {}
         self.stats = {"prefills": 0, "decode_steps": 0, "optimized": 0}
         self._cache = self._allocate_cache()
+        if not getattr(type(model), "_can_compile_fullgraph", False):
+            self._check_static_cache()
 
     # ------------------------------------------------------------------ the cache
+
+    # relative RMS difference of the logits with and without the static cache above which a model is
+    # taken not to support it (a full-precision run differs by rounding; bf16/fp16 by a few percent)
+    STATIC_CACHE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+    STATIC_CACHE_TOLERANCE_LOW = 0.1
+
+    def _check_static_cache(self):
+        """For a model transformers does not declare static-cache ready (``_can_compile_fullgraph``):
+        a few tokens prefilled into the static cache and one decoded, as generate() runs them, must
+        give the logits one call on all of them gives without a cache (GPT-Neo's local attention
+        slices its mask by the cache's full length, so its outputs change): else GenerationError."""
+        n = min(8, self.max_length - 1)
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
+        if n < 2 or vocab < 1:
+            return
+        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.device)
+        slot = self._state(1)
+        step = self._step_module()
+        full = torch.ones(1, self.max_length, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)[None]
+        with self._eval():
+            ref = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -2:].float()
+            for layer in slot.cache.layers:
+                layer.cumulative_length.zero_()
+            a = step(ids[:, :-1], full, pos[:, :-1] if self._has_positions else None, slot.cache)
+            b = step(ids[:, -1:], full, pos[:, -1:] if self._has_positions else None, slot.cache)
+            for layer in slot.cache.layers:
+                layer.cumulative_length.zero_()
+        got = torch.cat([a[:, -1:], b[:, -1:]], dim=1).float()
+        rel = float((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
+        tol = self.STATIC_CACHE_TOLERANCE.get(self.dtype, self.STATIC_CACHE_TOLERANCE_LOW)
+        if not rel <= tol:
+            raise GenerationError(
+                f"{type(self.model).__name__} computes other logits with transformers' StaticCache than without a "
+                f"cache (relative RMS difference {rel:.3g} over {n} tokens); optimize_generation needs a model that "
+                "supports the static cache (transformers marks it _can_compile_fullgraph)")
 
     @contextlib.contextmanager
     def _eval(self):

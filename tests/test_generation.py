@@ -72,6 +72,30 @@ def test_a_decoder_reading_the_key_count_from_the_mask_generates_as_hf():
     assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None), ref)
 
 
+def test_a_model_that_computes_otherwise_with_a_static_cache_is_refused():
+    """GPT-Neo's local attention slices its mask by the cache's full length, so with transformers'
+    StaticCache its logits change (the generated tokens differed from its generate()'s from the first
+    one): a model transformers does not mark static-cache ready is checked, and this one refused with a
+    one-line GenerationError; MPT, also unmarked, computes the same and generates HF's tokens."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    neo = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(
+        vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        window_size=8, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    assert not getattr(type(neo), "_can_compile_fullgraph", False)
+    with pytest.raises(GenerationError, match="StaticCache") as ei:
+        graphopt.optimize_generation(neo, max_batch_size=2, max_length=32, check_accuracy=False)
+    assert "\n" not in str(ei.value)
+    mpt = tf.MptForCausalLM(tf.MptConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    assert not getattr(type(mpt), "_can_compile_fullgraph", False)
+    ids = _prompts()
+    gen = graphopt.optimize_generation(mpt, max_batch_size=2, max_length=32, check_accuracy=False)
+    assert torch.equal(gen.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None),
+                       _hf(mpt, ids, max_new_tokens=8, do_sample=False, eos_token_id=None))
+
+
 def test_a_sliding_window_shorter_than_the_cache_generates_as_hf():
     """A sliding-window layer (Mistral's, Gemma's) whose window is shorter than max_length gets a full
     static layer: the model's own sliding-window mask keeps the attention in the window, so the tokens

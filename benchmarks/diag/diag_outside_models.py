@@ -77,6 +77,57 @@ MODELS = {
                   dict(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1]), "image"),
     "clip-vision": ("CLIPVisionConfig", "CLIPVisionModel", _VISION, "image"),
     "siglip-vision": ("SiglipVisionConfig", "SiglipVisionModel", _VISION, "image"),
+    # added 12-04 (evening)
+    "opt": ("OPTConfig", "OPTModel", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                                          num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64,
+                                          use_cache=False, **_TOKENS), "text"),
+    "gpt-bigcode": ("GPTBigCodeConfig", "GPTBigCodeModel", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                                                n_positions=64, multi_query=True, use_cache=False,
+                                                                **_TOKENS), "text"),
+    "mpt": ("MptConfig", "MptModel", dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
+                                          use_cache=False, **_TOKENS), "text"),
+    "gpt-neo": ("GPTNeoConfig", "GPTNeoModel", dict(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                                                    attention_types=[[["global", "local"], 1]], window_size=8,
+                                                    max_position_embeddings=64, use_cache=False, **_TOKENS), "text"),
+    "xglm": ("XGLMConfig", "XGLMModel", dict(vocab_size=VOCAB, d_model=64, num_layers=2, attention_heads=4,
+                                             ffn_dim=128, max_position_embeddings=64, use_cache=False, **_TOKENS), "text"),
+    "biogpt": ("BioGptConfig", "BioGptModel", dict(_TEXT, use_cache=False, **_TOKENS), "text"),
+    "persimmon": ("PersimmonConfig", "PersimmonModel", dict(_TEXT, use_cache=False, **_TOKENS), "text"),
+    "nemotron": ("NemotronConfig", "NemotronModel", D, "text"),
+    "olmo": ("OlmoConfig", "OlmoModel", D, "text"),
+    "exaone4": ("Exaone4Config", "Exaone4Model", D, "text"),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5Model", D, "text"),
+    "seed-oss": ("SeedOssConfig", "SeedOssModel", D, "text"),
+    "apertus": ("ApertusConfig", "ApertusModel", D, "text"),
+    "cohere2": ("Cohere2Config", "Cohere2Model", dict(D, sliding_window=8), "text"),
+    "gpt-oss": ("GptOssConfig", "GptOssModel", dict(D, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+                "text"),
+    "glm4-moe": ("Glm4MoeConfig", "Glm4MoeModel", dict(D, n_routed_experts=4, num_experts_per_tok=2,
+                                                       moe_intermediate_size=32, first_k_dense_replace=1,
+                                                       n_shared_experts=1, n_group=1, topk_group=1), "text"),
+    "lfm2": ("Lfm2Config", "Lfm2Model", dict(D, full_attn_idxs=[1]), "text"),
+    "mamba": ("MambaConfig", "MambaModel", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8,
+                                                use_cache=False, **_TOKENS), "text"),
+    "roformer": ("RoFormerConfig", "RoFormerModel", _TEXT, "text_mask"),
+    "funnel": ("FunnelConfig", "FunnelBaseModel", dict(vocab_size=VOCAB, d_model=64, n_head=4, d_head=16, d_inner=128,
+                                                       block_sizes=[1, 1]), "text_mask"),
+    "mobilebert": ("MobileBertConfig", "MobileBertModel", dict(_TEXT, embedding_size=32, intra_bottleneck_size=32,
+                                                               true_hidden_size=32, num_feedforward_networks=2), "text_mask"),
+    "squeezebert": ("SqueezeBertConfig", "SqueezeBertModel", dict(_TEXT, embedding_size=64), "text_mask"),
+    "megatron-bert": ("MegatronBertConfig", "MegatronBertModel", _TEXT, "text_mask"),
+    "modernbert": ("ModernBertConfig", "ModernBertModel", dict(_TEXT, local_attention=8, global_attn_every_n_layers=2,
+                                                               **_TOKENS), "text_mask"),
+    "convnextv2": ("ConvNextV2Config", "ConvNextV2Model", dict(num_channels=3, hidden_sizes=[16, 32, 48, 64],
+                                                               depths=[1, 1, 1, 1]), "image"),
+    "swinv2": ("Swinv2Config", "Swinv2Model", dict(image_size=32, patch_size=2, embed_dim=16, depths=[1, 1],
+                                                   num_heads=[1, 2], window_size=4), "image"),
+    "regnet": ("RegNetConfig", "RegNetModel", dict(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1],
+                                                   groups_width=8), "image"),
+    "bit": ("BitConfig", "BitModel", dict(embedding_size=32, hidden_sizes=[32, 64, 96, 128], depths=[1, 1, 1, 1],
+                                          num_groups=8), "image"),
+    "focalnet": ("FocalNetConfig", "FocalNetModel", dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                                                         focal_levels=[2, 2], focal_windows=[3, 3]), "image"),
+    "mobilenet-v2": ("MobileNetV2Config", "MobileNetV2Model", dict(image_size=32, depth_multiplier=0.35), "image"),
 }
 
 
@@ -116,12 +167,16 @@ def _step(m, args, kwargs, g=None):
 
 
 class _PlainFloat64(torch.overrides.TorchFunctionMode):
-    """grouped_mm as graphopt's float64 reference runs it (no float64 kernel)."""
+    """grouped_mm as graphopt's float64 reference runs it (no float64 kernel), and float64 the default
+    dtype of the tensors the forward makes, as there."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         from graphopt import accuracy
 
-        return (accuracy._FLOAT64_PLAIN.get(getattr(func, "__name__", "")) or func)(*args, **(kwargs or {}))
+        name, kwargs = getattr(func, "__name__", ""), kwargs or {}
+        if getattr(torch, name, None) is func and accuracy._makes_default_float(name, args, kwargs):
+            kwargs = dict(kwargs, dtype=torch.float64)
+        return (accuracy._FLOAT64_PLAIN.get(name) or func)(*args, **kwargs)
 
 
 def train(name, budget, make=None):

@@ -375,6 +375,34 @@ def _stack_traces(keep: bool):
 
 
 @contextlib.contextmanager
+def _module_conversions_that_change_nothing_skipped():
+    """``Module.to(...)`` called by a forward while it is traced (Switch Transformers' router casts its
+    classifier to the router dtype on every call) converts the module's parameters, which torch.export
+    refuses ("Couldn't swap"); a call whose every parameter and buffer already has the dtype and device
+    asked for changes nothing, so it returns the module as it is (what eager's conversion amounts to).
+    Any other call converts as before."""
+    nn_to = nn.Module.to
+
+    def to(self, *args, **kwargs):
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - arguments torch itself will reject: its own error
+            return nn_to(self, *args, **kwargs)
+        if memory_format is None and all(
+                (device is None or t.device == torch.device(device))
+                and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+                for t in (*self.parameters(), *self.buffers())):
+            return self
+        return nn_to(self, *args, **kwargs)
+
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = nn_to
+
+
+@contextlib.contextmanager
 def _inference_grad_mode(inference: bool):
     """For an inference capture: export under ``torch.no_grad()``, the model's own switches to the
     grad mode already in force skipped (transformers' decoders compute their rotary tables under
@@ -474,7 +502,7 @@ def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False,
         # export builds and rebuilds intermediate GraphModules of the whole model; lazy ones generate
         # their Python code only if something runs or reads it (the module handed back is a plain one)
         with timing.phase("capture: torch.export"), _stack_traces(stack_traces), _lazy_graph_modules(), \
-                _inference_grad_mode(inference):
+                _inference_grad_mode(inference), _module_conversions_that_change_nothing_skipped():
             ep = _export(model, args, kwargs, shapes)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):

@@ -418,3 +418,32 @@ def test_optimize_captures_inference_without_grad(monkeypatch):
     graphopt.optimize(model.eval(), (x,), check_accuracy=False)
     graphopt.optimize(model.train(), (x,), training=True, check_accuracy=False)
     assert calls == [True, False]
+
+
+class _CastsItsRouter(nn.Module):
+    """A forward that converts a submodule to a dtype (Switch Transformers' router: its classifier
+    cast to the router dtype on every call); ``dtype``: the one asked for."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.router, self.proj, self.dtype = nn.Linear(8, 4), nn.Linear(8, 8), dtype
+
+    def forward(self, x):
+        self.router = self.router.to(self.dtype)
+        return self.proj(x) * torch.softmax(self.router(x), -1).amax(-1, keepdim=True)
+
+
+def test_a_module_conversion_in_the_forward_that_changes_nothing_is_captured():
+    """torch.export refuses Module.to inside a forward ("Couldn't swap"); one that changes nothing is
+    skipped while capturing, so the model captures and optimizes by the rule; one that converts
+    still reaches export (and fails as before, in one line), and Module.to is torch's own after."""
+    torch.manual_seed(0)
+    model, x = _CastsItsRouter().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x,), measure=False)
+    assert opt.report.capture["method"] == "torch.export" and opt.report.accuracy["passed"]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    converting = _CastsItsRouter(torch.float64).eval()
+    with pytest.raises(CaptureError):
+        capture(converting, (x,), strategy="export")
+    assert nn.Module.to.__qualname__ == "Module.to"

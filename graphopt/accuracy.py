@@ -397,6 +397,9 @@ _FLOAT64_PLAIN = {"grouped_mm": _grouped_mm_plain, "_grouped_mm": _grouped_mm_pl
 
 # factories whose result takes the default dtype when no dtype is given (and, for these, always a float one)
 _FLOAT_FACTORIES = {"zeros", "ones", "empty", "empty_strided", "rand", "randn", "eye", "linspace", "logspace"}
+# random ones among them draw in the default dtype, as the model does, and are widened after: the
+# same numbers (a float64 draw takes other bits from the generator)
+_RANDOM_FACTORIES = {"rand", "randn"}
 
 
 def _makes_default_float(name: str, args: tuple, kwargs: dict) -> bool:
@@ -529,6 +532,8 @@ class _Float64State(torch.overrides.TorchFunctionMode):
         # default (a float64 run's torch.finfo(x.dtype).min does not fit the float32 default)
         if getattr(torch, getattr(func, "__name__", ""), None) is func \
                 and _makes_default_float(func.__name__, args, kwargs):
+            if func.__name__ in _RANDOM_FACTORIES:
+                return func(*args, **kwargs).to(self.dtype)
             kwargs = dict(kwargs, dtype=self.dtype)
         # a large weight is never converted whole: a projection runs over blocks of its rows, an
         # embedding gathers its rows first (the same values as converting the whole weight)

@@ -336,6 +336,8 @@ class _AccuracyGuard:
 
     def __init__(self, model, args, kwargs, training, device, calibration_data=None, mutated=()):
         self.model, self.training, self.device = model, training, device
+        # the RNG state every run starts from (_same_draws)
+        self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         # every run (eager, fp64, each check of the graph) gets its own copy of what it writes
         self.batches = [CallInputs(args, kwargs, mutated)] + [
             CallInputs(*split_inputs(b), mutated) for b in (calibration_data or [])]
@@ -351,17 +353,28 @@ class _AccuracyGuard:
             self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for batch in self.batches:
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._keep_state(model), \
-                        _reference_run("as given"):
+                with self._same_draws(), self._keep_state(model), _reference_run("as given"):
                     self._eager.append(_held(_real(_run(model, *batch.fresh(), training))))
                 # large outputs' references are kept in float32 for bf16/fp16 outputs, and wait on the
                 # host from the first check on (_ready): moving them now would wait for the run
-                with _reference_run("in float64"):
+                with self._same_draws(), _reference_run("in float64"):
                     self._ref64.append(_real(accuracy.fp64_reference(model, *batch.fresh(), like=self._eager[-1],
                                                                      large_bytes=REFERENCE_ON_DEVICE_BYTES)))
         self._low: dict = {}
         self._floor: dict = {}
         self._rmse_cache: dict = {}  # yardstick rmse per output (the yardsticks live as long as the guard)
+
+    @contextlib.contextmanager
+    def _same_draws(self):
+        """A run of the guard from the RNG state the first one started from, the caller's state left
+        as it was: a model that draws random numbers at inference (ViT-MAE's masking noise) draws the
+        same ones in the eager, float64 and optimized runs, so they are compared like for like."""
+        cuda = self.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+            torch.set_rng_state(self._rng[0])
+            if cuda:
+                torch.cuda.set_rng_state(self._rng[1], self.device)
+            yield
 
     def _ready(self) -> None:
         """Join the side stream the reference runs were queued on, and move references larger than
@@ -396,8 +409,7 @@ class _AccuracyGuard:
             cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
             outs = []
             for b in self.batches:
-                with accuracy._Float64State(self.model, dtype), torch.random.fork_rng(
-                        devices=[self.device] if self.device.type == "cuda" else []):
+                with accuracy._Float64State(self.model, dtype), self._same_draws():
                     outs.append(_held(_run(self.model, *pytree.tree_map(cast, b.fresh()), self.training)))
             self._low[dtype] = outs
         return self._low[dtype]
@@ -407,8 +419,7 @@ class _AccuracyGuard:
         if dtype not in self._floor:
             outs = []
             for b in self.batches:
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                        self._keep_state(self.model):
+                with self._same_draws(), self._keep_state(self.model):
                     outs.append(_held(accuracy.matmul_floor(self.model, *b.fresh(), dtype, self.training)))
             self._floor[dtype] = outs
         return self._floor[dtype]
@@ -439,7 +450,7 @@ class _AccuracyGuard:
     def _results(self, gm, dtype, yardsticks):
         """The rule on each batch against ``yardsticks``, lazily (a caller may stop early)."""
         for b, ref, yard in zip(self.batches, self.ref64, yardsticks):
-            with self._keep_state(gm):
+            with self._same_draws(), self._keep_state(gm):
                 out = _run(gm, *b.fresh(), self.training)
             yield accuracy.check(out, ref, yard, training=self.training, dtype=dtype, cache=self._rmse_cache)
 

@@ -459,3 +459,36 @@ def test_a_cache_in_a_plain_object_is_restored_and_one_graphopt_does_not_walk_is
     with pytest.raises(graphopt.ReferenceRunError, match="fake tensor.*check_accuracy=False") as err:
         graphopt.optimize(model, (x,))
     assert "\n" not in str(err.value) and isinstance(err.value, graphopt.GraphoptError)
+
+
+class _RandomlyMasked(nn.Module):
+    """ViT-MAE's masking at inference: noise from torch.rand ranks the tokens, which are gathered in
+    that order; the order is an (integer) output too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        ids = torch.rand(x.shape[0], x.shape[1]).argsort(-1)
+        return torch.gather(self.lin(x), 1, ids.unsqueeze(-1).expand(-1, -1, x.shape[-1])), ids
+
+
+def test_the_accuracy_guard_runs_a_model_that_draws_at_inference_from_one_rng_state():
+    """Every run of the accuracy guard (eager, float64, each graph checked) starts from the same RNG
+    state, so a model that draws random numbers in eval mode is compared like for like (its integer
+    output differed run to run, and the guard failed it); the float64 reference draws as the model does
+    (in the default dtype), and the caller's RNG state is as it was."""
+    torch.manual_seed(0)
+    model, x = _RandomlyMasked().eval(), torch.randn(2, 16, 8)
+    state = torch.get_rng_state()
+    opt = graphopt.optimize(model, (x,), measure=False)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert opt.report.accuracy["checked"] and opt.report.accuracy["passed"], opt.report.accuracy.get("reason")
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        ref = accuracy.fp64_reference(model, (x,), {})
+        torch.manual_seed(3)
+        with torch.no_grad():
+            eager = model(x)
+    assert torch.equal(ref[1], eager[1]) and ref[0].dtype == torch.float64

@@ -223,6 +223,13 @@ def strict_plan(model, inputs, target: str):
     return gm, [r.name for r in results if r.status == "applied"]
 
 
+def _seeded(fn, args, kwargs, seed: int = 0):
+    """``fn(*args, **kwargs)`` from the RNG state of ``seed``, the global state left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return fn(*args, **kwargs)
+
+
 def run_one(spec: Spec, plan: str | None = None) -> Row:
     """Build, optimize (CPU, fp32, default options) and judge one model, in this process. ``plan``:
     instead of optimize(), the passes in strict mode priced for that target (:func:`strict_plan`); a
@@ -249,10 +256,10 @@ def run_one(spec: Spec, plan: str | None = None) -> Row:
         else:
             opt = graphopt.optimize(model, inputs)  # default options: CPU, fp32 model
         args, kwargs = split_inputs(inputs)
-        with torch.no_grad():
-            eager = model(*args, **kwargs)
-            out = opt(*args, **kwargs)
-        ref = accuracy.fp64_reference(model, args, kwargs)
+        with torch.no_grad():  # each run from one RNG state: a model drawing at inference draws the same
+            eager = _seeded(model, args, kwargs)
+            out = _seeded(opt, args, kwargs)
+        ref = _seeded(lambda *a, **k: accuracy.fp64_reference(model, a, k), args, kwargs)
         res = accuracy.check(out, ref, eager)
     except CaptureError as e:
         return row("capture_error", str(e))

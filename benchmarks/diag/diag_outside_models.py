@@ -128,7 +128,51 @@ MODELS = {
     "focalnet": ("FocalNetConfig", "FocalNetModel", dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
                                                          focal_levels=[2, 2], focal_windows=[3, 3]), "image"),
     "mobilenet-v2": ("MobileNetV2Config", "MobileNetV2Model", dict(image_size=32, depth_multiplier=0.35), "image"),
+    # speech, sequence-to-sequence and masked vision (12-04 night)
+    "whisper-encoder": ("WhisperConfig", "models.whisper.modeling_whisper.WhisperEncoder", dict(num_mel_bins=8, d_model=64, encoder_layers=2,
+                                                               encoder_attention_heads=4, encoder_ffn_dim=128,
+                                                               max_source_positions=16, **_TOKENS), "mel"),
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2Model", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                         intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 2),
+                                                         conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                                         num_conv_pos_embedding_groups=4, mask_time_prob=0.0), "audio"),
+    "hubert": ("HubertConfig", "HubertModel", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                   intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 2),
+                                                   conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                                   num_conv_pos_embedding_groups=4, mask_time_prob=0.0), "audio"),
+    "ast": ("ASTConfig", "ASTModel", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=128, num_mel_bins=16, max_length=32, patch_size=8,
+                                          frequency_stride=8, time_stride=8), "spectrogram"),
+    "pegasus": ("PegasusConfig", "PegasusModel", dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                                      encoder_attention_heads=4, decoder_attention_heads=4,
+                                                      encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                                      max_position_embeddings=64, use_cache=False, **_TOKENS), "seq2seq"),
+    "mbart": ("MBartConfig", "MBartModel", dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                                decoder_ffn_dim=128, max_position_embeddings=64, use_cache=False,
+                                                **_TOKENS), "seq2seq"),
+    "longt5": ("LongT5Config", "LongT5Model", dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                   num_heads=4, local_radius=4, use_cache=False, decoder_start_token_id=0,
+                                                   **_TOKENS), "seq2seq"),
+    "switch-transformers": ("SwitchTransformersConfig", "SwitchTransformersModel",
+                            dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                                 num_heads=4, num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1,
+                                 use_cache=False, decoder_start_token_id=0, **_TOKENS), "seq2seq"),
+    "vit-mae": ("ViTMAEConfig", "ViTMAEModel", dict(_VISION, mask_ratio=0.5), "image"),
+    "yolos": ("YolosConfig", "YolosModel", dict(_VISION, image_size=[32, 32], num_detection_tokens=4), "image"),
 }
+
+
+def _inputs(kind):
+    """The example inputs of a ``kind`` (the sweep's, and speech: log-mel frames, raw audio, a spectrogram)."""
+    gen = torch.Generator().manual_seed(0)
+    if kind == "mel":  # [B, mel bins, 2 * max_source_positions]
+        return {"input_features": torch.randn(1, 8, 32, generator=gen)}
+    if kind == "audio":
+        return {"input_values": torch.randn(1, 400, generator=gen)}
+    if kind == "spectrogram":  # [B, time (max_length), mel bins]
+        return {"input_values": torch.randn(1, 32, 16, generator=gen)}
+    return sweep._hf_inputs(kind, gen)
 
 
 def _config(name, causal=False):
@@ -151,7 +195,10 @@ def build(name):
 
     cfg, model_name, kind = _config(name)
     torch.manual_seed(0)
-    return getattr(transformers, model_name)(cfg).eval(), sweep._hf_inputs(kind, torch.Generator().manual_seed(0))
+    cls = transformers
+    for part in model_name.split("."):  # a class transformers does not export: its module path
+        cls = getattr(cls, part)
+    return cls(cfg).eval(), _inputs(kind)
 
 
 def _step(m, args, kwargs, g=None):
@@ -175,6 +222,8 @@ class _PlainFloat64(torch.overrides.TorchFunctionMode):
 
         name, kwargs = getattr(func, "__name__", ""), kwargs or {}
         if getattr(torch, name, None) is func and accuracy._makes_default_float(name, args, kwargs):
+            if name in accuracy._RANDOM_FACTORIES:
+                return func(*args, **kwargs).to(torch.float64)
             kwargs = dict(kwargs, dtype=torch.float64)
         return (accuracy._FLOAT64_PLAIN.get(name) or func)(*args, **kwargs)
 

@@ -423,8 +423,8 @@ def _makes_default_float(name: str, args: tuple, kwargs: dict) -> bool:
 
 
 class _Float64State(torch.overrides.TorchFunctionMode):
-    """Run a model as ``model.to(dtype)`` would (float64 by default) with ``dtype`` the default dtype
-    (a float tensor the forward makes without a dtype is made in it), without a converted copy of
+    """Run a model as ``model.to(dtype)`` would (float64 by default; for float64, with it the default
+    dtype: a float tensor the forward makes without a dtype is made in it), without a converted copy of
     it: every torch function that reads one of the model's parameters or buffers gets a converted
     copy of that tensor made for the call (a buffer is always copied, so in-place updates —
     BatchNorm's statistics and its step counter — land on the copy, never on the model); reading a
@@ -528,9 +528,10 @@ class _Float64State(torch.overrides.TorchFunctionMode):
             got = self._metadata(name, func, args, kwargs)
             if got is not NotImplemented:
                 return got
-        # a tensor the model makes in the default dtype is made in this one, as when float64 is the
-        # default (a float64 run's torch.finfo(x.dtype).min does not fit the float32 default)
-        if getattr(torch, getattr(func, "__name__", ""), None) is func \
+        # in a float64 run, a tensor the model makes in the default dtype is made in float64, as when
+        # it is the default (a float64 run's torch.finfo(x.dtype).min does not fit the float32 default);
+        # a run in a low dtype is what model.to(dtype) computes, whose factories keep the default
+        if self.dtype == torch.float64 and getattr(torch, getattr(func, "__name__", ""), None) is func \
                 and _makes_default_float(func.__name__, args, kwargs):
             if func.__name__ in _RANDOM_FACTORIES:
                 return func(*args, **kwargs).to(self.dtype)

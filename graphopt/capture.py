@@ -350,6 +350,10 @@ def _dynamic_shapes(model, args, kwargs, dynamic):
         for axis, dname in axes.items():
             if not isinstance(axis, int) or not -val.dim() <= axis < val.dim():
                 raise CaptureError(f"dynamic axis {axis} of '{argname}' is outside its {val.dim()} dims")
+            if val.shape[axis] < 2:
+                raise CaptureError(f"dynamic axis {axis} ('{dname}') of '{argname}' has size {val.shape[axis]} in the "
+                                   "example; torch.export specializes sizes 0 and 1 - give an example with 2 or more "
+                                   "there")
             if dname not in dims:
                 dims[dname] = torch.export.Dim(dname)
             entry[axis % val.dim()] = dims[dname]

@@ -130,6 +130,9 @@ def test_bad_inputs_give_capture_errors():
         capture(model, inputs, dynamic={"nope": {0: "b"}})
     with pytest.raises(CaptureError, match="outside"):
         capture(model, inputs, dynamic={"x": {7: "b"}})
+    # an example of size 1 in a dynamic dim: export would specialize it (it said the model had)
+    with pytest.raises(CaptureError, match="has size 1 in the example"):
+        capture(model, (inputs[0][:1],), dynamic={"x": {0: "batch"}})
 
 
 def test_kwargs_inputs():

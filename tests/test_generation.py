@@ -76,7 +76,7 @@ def test_a_model_that_computes_otherwise_with_a_static_cache_is_refused():
     """GPT-Neo's local attention slices its mask by the cache's full length, so with transformers'
     StaticCache its logits change (the generated tokens differed from its generate()'s from the first
     one): a model transformers does not mark static-cache ready is checked, and this one refused with a
-    one-line GenerationError; MPT, also unmarked, computes the same and generates HF's tokens."""
+    one-line GenerationError; a Llama unmarked the same way computes the same and generates HF's tokens."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -87,13 +87,19 @@ def test_a_model_that_computes_otherwise_with_a_static_cache_is_refused():
     with pytest.raises(GenerationError, match="StaticCache") as ei:
         graphopt.optimize_generation(neo, max_batch_size=2, max_length=32, check_accuracy=False)
     assert "\n" not in str(ei.value)
-    mpt = tf.MptForCausalLM(tf.MptConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
-                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
-    assert not getattr(type(mpt), "_can_compile_fullgraph", False)
+    unmarked = type("UnmarkedLlama", (tf.LlamaForCausalLM,), {"_can_compile_fullgraph": False})
+    llama = unmarked(tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    checked = []
+    real = graphopt.generation.Generator._check_static_cache
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphopt.generation.Generator, "_check_static_cache", lambda self: checked.append(real(self)))
+        gen = graphopt.optimize_generation(llama, max_batch_size=2, max_length=32, check_accuracy=False)
+    assert checked == [None]
     ids = _prompts()
-    gen = graphopt.optimize_generation(mpt, max_batch_size=2, max_length=32, check_accuracy=False)
     assert torch.equal(gen.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None),
-                       _hf(mpt, ids, max_new_tokens=8, do_sample=False, eos_token_id=None))
+                       _hf(llama, ids, max_new_tokens=8, do_sample=False, eos_token_id=None))
 
 
 def test_a_sliding_window_shorter_than_the_cache_generates_as_hf():

@@ -578,6 +578,31 @@ def views_as_reshapes(gm: fx.GraphModule) -> int:
     return count
 
 
+def _functorch_level() -> int:
+    top = torch._C._functorch.peek_interpreter_stack()
+    return top.level() if top is not None else 0
+
+
+def _pop_functorch_levels_above(level: int) -> int:
+    """Pop the functorch transform levels above ``level`` a failed trace left pushed (torch 2.11: a
+    vmap level after AOTAutograd's "Cannot access storage of BatchedTensorImpl"; every autograd.Function
+    applied after it, a checkpoint's included, then believed it ran under vmap and failed). Returns
+    how many were popped."""
+    functorch = torch._C._functorch
+    pop = {functorch.TransformType.Vmap: functorch._vmap_decrement_nesting,
+           functorch.TransformType.Grad: functorch._grad_decrement_nesting,
+           functorch.TransformType.Jvp: functorch._jvp_decrement_nesting,
+           functorch.TransformType.Functionalize: functorch._func_decrement_nesting}
+    popped = 0
+    while (top := functorch.peek_interpreter_stack()) is not None and top.level() > level:
+        undo = pop.get(top.key())
+        if undo is None:
+            break
+        undo()
+        popped += 1
+    return popped
+
+
 def _signature(args) -> tuple:
     return tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad)
                  if isinstance(a, torch.Tensor) else ("v", repr(a)) for a in args)
@@ -669,6 +694,7 @@ class AotRecompute(nn.Module):
             self.frees_inputs = self.frees_inputs and run.frees_inputs
             return run
 
+        level = _functorch_level()
         try:
             # cuDNN stays on while tracing, so a convolution's traced output has the layout it will
             # have at call time (with cuDNN off, a channels_last convolution traces as contiguous:
@@ -683,8 +709,10 @@ class AotRecompute(nn.Module):
             fn = aot(self.body, list(args), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                      partition_fn=self.partitioner, keep_inference_input_mutations=True)
         except AotUnavailable:
+            _pop_functorch_levels_above(level)
             raise
         except Exception as e:
+            _pop_functorch_levels_above(level)
             raise AotUnavailable(f"AOTAutograd could not trace the graph: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
         if self.partitioner.last is None:

@@ -465,17 +465,37 @@ def test_regions_under_an_outer_checkpoint_keep_their_parameters_gradients():
     """Two-level recomputation reruns an outer checkpoint's AOT regions inside the backward; their
     parameters' gradients must survive it (the rerun's watch for unreached gradients put every one
     of them back to None: Mamba's mixer lost A_log, conv1d, x_proj and dt_proj). Mamba's recurrent
-    scan (the CPU path) under a budget that nests regions: loss and every gradient by the rule."""
+    scan (the CPU path) under the largest budget that nests regions: loss and every gradient by the rule."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8, use_cache=False,
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = transformers.MambaModel(cfg).train()
     args = (torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(0)),)
-    opt = graphopt.optimize(model, args, training=True, memory_budget=0.6, check_accuracy=False,
-                            passes=["insert_checkpoints"], target="h200")
-    d = opt.report.pass_result("insert_checkpoints").details
-    res = opt.report.pass_result("insert_checkpoints")
-    assert d.get("backend") == "aot" and d.get("segments"), (res.status, res.notes)
+    for budget in (0.6, 0.55, 0.5, 0.45):  # the first that nests regions (it moves with torch and transformers)
+        try:
+            opt = graphopt.optimize(model, args, training=True, memory_budget=budget, check_accuracy=False,
+                                    passes=["insert_checkpoints"], target="h200")
+        except BudgetError:
+            continue
+        d = opt.report.pass_result("insert_checkpoints").details
+        if d.get("segments"):
+            break
+    else:
+        pytest.fail("no budget between 0.6 and 0.45 planned two-level recomputation")
+    assert d.get("backend", "").startswith("aot")  # (with selective regions beside them on some versions)
     step_check(model, opt, args, loss=lambda out: out.last_hidden_state.double().square().mean())
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_a_failed_trace_leaves_no_functorch_level_behind():
+    """A region AOTAutograd fails to trace falls back to a selective checkpoint; on torch 2.11 the failure
+    (under a vmap it had entered) left that vmap level pushed, and every checkpoint applied after it
+    failed ("You tried to vmap over _NoopSaveInputs"). The levels a trace leaves are popped."""
+    functorch = torch._C._functorch
+    assert aot._functorch_level() == 0
+    functorch._vmap_increment_nesting(2, "error")  # what the failed trace left
+    functorch._grad_increment_nesting()
+    assert aot._functorch_level() == 2
+    assert aot._pop_functorch_levels_above(0) == 2
+    assert functorch.peek_interpreter_stack() is None

@@ -9,8 +9,19 @@ from graphopt import ir
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 
+def _enters_or_leaves_a_transform(node: fx.Node) -> bool:
+    """functorch's ``_vmap_increment_nesting`` / ``_vmap_decrement_nesting`` (and the other transforms'),
+    which torch.export records where a forward calls torch.vmap (transformers' mask functions): nothing
+    reads their results, but the batch-dim ops between them need the level they push."""
+    name = getattr(node.target, "__name__", "")
+    return node.op == "call_function" and name.endswith(("_increment_nesting", "_decrement_nesting")) \
+        and "functorch" in (getattr(node.target, "__module__", "") or "")
+
+
 def _removable(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method", "call_module", "get_attr") or node.users:
+        return False
+    if _enters_or_leaves_a_transform(node):
         return False
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         name = ir.op_name(node)

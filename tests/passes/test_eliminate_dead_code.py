@@ -76,3 +76,24 @@ def test_under_a_rewrite_limit_it_removes_that_many_and_stops():
     res = registry()["eliminate_dead_code"]().run(gm, ctx)
     assert len(res.rewrites) == 1 and any("beyond the first 1 rewrites" in r.reason for r in res.rejected)
     assert op_counts(gm)["aten.exp.default"] == 1  # the chain's first dead node (the last one) went, the rest stay
+
+
+class VmapInForward(nn.Module):
+    """torch.vmap inside a forward (transformers' mask functions on some versions): export records
+    functorch's nesting calls, whose results nothing reads, around the batch-dim ops."""
+
+    def forward(self, x):
+        keep = torch.vmap(lambda row: row.cumsum(0) > 0)(x)
+        return torch.where(keep, x, torch.zeros_like(x)) * 2
+
+
+def test_the_nesting_calls_of_a_vmap_stay():
+    """Removing _vmap_increment_nesting / _vmap_decrement_nesting (unread) broke the graph on torch 2.11
+    (Falcon with transformers 5.13: "your tensor may have escaped from inside a function being vmapped")."""
+    m, x = VmapInForward(), torch.randn(3, 5)
+    gm = capture(m, (x,))
+    nesting = [n for n in gm.graph.nodes if str(getattr(n.target, "__name__", "")).endswith("_nesting")]
+    (res,) = run_passes(gm, ["eliminate_dead_code"])
+    assert res.status != "reverted", res.notes
+    assert nesting and all(n in gm.graph.nodes for n in nesting)
+    assert torch.equal(gm(x), m(x))

@@ -586,6 +586,20 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
             raise InvariantError(f"graph mixes devices {sorted(devices)}{suffix}")
 
 
+def batched_nodes(gm: fx.GraphModule) -> set:
+    """Nodes computing on functorch's batched tensors: reached from an ``_add_batch_dim`` (torch.export's
+    record of a ``torch.vmap`` in the forward, transformers' mask functions on some versions) before the
+    ``_remove_batch_dim`` that ends it. They run under vmap, where graphopt's ops have no batching rule."""
+    out: set = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", "")
+        if name == "_add_batch_dim" or (name != "_remove_batch_dim" and any(a in out for a in n.all_input_nodes)):
+            out.add(n)
+    return out
+
+
 def graph_devices(gm: fx.GraphModule) -> set:
     """The device types the graph's computed tensors live on (constants read with get_attr aside)."""
     return {info(n).device.type for n in gm.graph.nodes if info(n) is not None and n.op != "get_attr"}

@@ -269,6 +269,11 @@ class FuseElementwise(Pass):
         order = {n: i for i, n in enumerate(nodes)}
         ok = self._eligible({n for n in gm.graph.nodes if not fusible(n, dtypes)
                              and (not _is_free(ctx, n) or n.target in EXPANDS)})  # (an expand joins a row reduction's group)
+        batched = ok & ir.batched_nodes(gm)
+        if batched:  # inside a torch.vmap: fused_pointwise has no batching rule
+            ok -= batched
+            res.notes.append(f"{len(batched)} pointwise nodes inside a torch.vmap left as they are (the fused kernel "
+                             "has no batching rule)")
         if "fuse_conv_relu" in ctx.scheduled and ctx.fused_kernels and not ctx.training:
             # conv + bias (+ residual) + ReLU becomes one cuDNN call in the lowering step: a
             # pointwise kernel here would take its add/ReLU and leave the convolution two kernels

@@ -458,3 +458,23 @@ def test_a_lone_broadcast_into_channels_last_becomes_a_kernel():
     run_passes(gm, ["fuse_elementwise"], target="h200")
     assert op_counts(gm).get(FP, 0) == 0 and op_counts(gm)["aten.mul.Tensor"] == 1
 
+
+
+class _PointwiseUnderVmap(nn.Module):
+    """A pointwise chain inside torch.vmap (export records it between _add_batch_dim and
+    _remove_batch_dim), and one after it."""
+
+    def forward(self, x):
+        y = torch.vmap(lambda row: torch.sigmoid(row) * 2 + 1)(x)
+        return torch.tanh(y) * 3 - 1
+
+
+def test_pointwise_ops_inside_a_vmap_are_left_alone():
+    """fused_pointwise has no batching rule: ops on vmap's batched tensors stay aten ops (with the
+    reason), the chain after the vmap is fused; the graph runs and matches eager."""
+    m, x = _PointwiseUnderVmap(), torch.randn(4, 8)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert any("inside a torch.vmap" in n for n in res.notes), res.notes
+    assert res.status == "applied" and op_counts(gm)["aten.sigmoid.default"] == 1
+    torch.testing.assert_close(gm(x), m(x))

@@ -422,6 +422,18 @@ def _makes_default_float(name: str, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def widened_factory(func, args: tuple, kwargs: dict, dtype: torch.dtype):
+    """A torch factory call that makes a tensor in the default dtype, made in ``dtype`` as when it is
+    the default (random ones drawn as the model draws them, then widened: the same numbers); None for
+    any other call."""
+    name = getattr(func, "__name__", "")
+    if getattr(torch, name, None) is not func or not _makes_default_float(name, args, kwargs):
+        return None
+    if name in _RANDOM_FACTORIES:
+        return func(*args, **kwargs).to(dtype)
+    return func(*args, **dict(kwargs, dtype=dtype))
+
+
 class _Float64State(torch.overrides.TorchFunctionMode):
     """Run a model as ``model.to(dtype)`` would (float64 by default; for float64, with it the default
     dtype: a float tensor the forward makes without a dtype is made in it), without a converted copy of
@@ -531,11 +543,10 @@ class _Float64State(torch.overrides.TorchFunctionMode):
         # in a float64 run, a tensor the model makes in the default dtype is made in float64, as when
         # it is the default (a float64 run's torch.finfo(x.dtype).min does not fit the float32 default);
         # a run in a low dtype is what model.to(dtype) computes, whose factories keep the default
-        if self.dtype == torch.float64 and getattr(torch, getattr(func, "__name__", ""), None) is func \
-                and _makes_default_float(func.__name__, args, kwargs):
-            if func.__name__ in _RANDOM_FACTORIES:
-                return func(*args, **kwargs).to(self.dtype)
-            kwargs = dict(kwargs, dtype=self.dtype)
+        if self.dtype == torch.float64:
+            made = widened_factory(func, args, kwargs, self.dtype)
+            if made is not None:
+                return made
         # a large weight is never converted whole: a projection runs over blocks of its rows, an
         # embedding gathers its rows first (the same values as converting the whole weight)
         if func is torch.nn.functional.linear and len(args) >= 2 and self._big(args[1]):

@@ -354,8 +354,9 @@ class FuseAttention(Pass):
                 new_args = tuple(sd.args)
                 kwargs = dict(_sdpa_kwargs(sd), enable_gqa=True)
                 gain = ctx.node_time([sd]) - self._time_of(ctx, sd, new_args, kwargs)
+                plan = {"node": sd, "k": sd.args[1], "v": sd.args[2]}
                 unrepeats.append(Candidate("sdpa K/V broadcast over heads->enable_gqa", [sd], gain,
-                                           lambda n=sd: self._apply_enable_gqa(gm, n), label=f"sdpa {sd.name}"))
+                                           lambda p=plan: self._apply_gqa(gm, p), label=f"sdpa {sd.name}"))
                 continue
             if k0 is None or v0 is None or k0[1] != v0[1] or _shape(k0[0])[1] * k0[1] != _shape(sd.args[0])[1]:
                 continue
@@ -674,7 +675,8 @@ class FuseAttention(Pass):
     def _apply_gqa(gm, plan) -> fx.Node:
         g = gm.graph
         sd = plan["node"]
-        reps = [sd.args[1], sd.args[2]]
+        # the repeat chains plan's K/V replace (none for K/V broadcast as they are)
+        reps = [r for r, kv in ((sd.args[1], plan["k"]), (sd.args[2], plan["v"])) if r is not kv]
         args = (sd.args[0], plan["k"], plan["v"]) + tuple(sd.args[3:])
         with g.inserting_before(sd):
             new = g.call_function(SDPA, args, dict(sd.kwargs, enable_gqa=True))
@@ -685,16 +687,6 @@ class FuseAttention(Pass):
             for n in (r, r.args[0], r.args[0].args[0]):
                 if not n.users:
                     g.erase_node(n)
-        return new
-
-    @staticmethod
-    def _apply_enable_gqa(gm, sd) -> fx.Node:
-        g = gm.graph
-        with g.inserting_before(sd):
-            new = g.call_function(SDPA, tuple(sd.args), dict(sd.kwargs, enable_gqa=True))
-        new.meta["val"] = sd.meta.get("val")
-        ir.replace_with(sd, new)
-        g.erase_node(sd)
         return new
 
     @staticmethod

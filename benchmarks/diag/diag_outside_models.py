@@ -220,12 +220,11 @@ class _PlainFloat64(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         from graphopt import accuracy
 
-        name, kwargs = getattr(func, "__name__", ""), kwargs or {}
-        if getattr(torch, name, None) is func and accuracy._makes_default_float(name, args, kwargs):
-            if name in accuracy._RANDOM_FACTORIES:
-                return func(*args, **kwargs).to(torch.float64)
-            kwargs = dict(kwargs, dtype=torch.float64)
-        return (accuracy._FLOAT64_PLAIN.get(name) or func)(*args, **kwargs)
+        kwargs = kwargs or {}
+        made = accuracy.widened_factory(func, args, kwargs, torch.float64)
+        if made is not None:
+            return made
+        return (accuracy._FLOAT64_PLAIN.get(getattr(func, "__name__", "")) or func)(*args, **kwargs)
 
 
 def train(name, budget, make=None):

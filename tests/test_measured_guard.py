@@ -417,6 +417,27 @@ def test_a_comparison_stops_once_every_round_agrees():
     assert len(t.time(lambda: None).samples) == 6  # one callable alone: only the report reads it
 
 
+def test_a_graph_timed_alone_stops_once_its_median_cannot_exceed_the_time_asked_about():
+    """``within``: once more than half of the planned calls took at most that long, the median of all
+    of them could not exceed it; the calls stop there, with the verdict the full count would give."""
+    def scripted(values):
+        script = iter(values)
+
+        class T(Timer):
+            def _once(self, fn):
+                return next(script)
+        return T("cpu", warmup=0, min_reps=25, max_reps=25, early=True, settle_rounds=6)
+
+    fast = scripted([0.9, 1.5, 0.9, 0.95, 1.0] + [9.0] * 10)
+    got = fast.time(lambda: None, within=1.02)
+    assert got.samples == [0.9, 1.5, 0.9, 0.95, 1.0] and not slower(got, Timing(1.0))  # 4 of 6 within
+    full = scripted([0.9, 1.5, 0.9, 0.95, 1.0, 9.0])
+    assert not slower(full.time(lambda: None), Timing(1.0))  # the same verdict from all six
+    slow = scripted([1.1, 0.9, 1.2, 1.3, 1.0, 1.4] + [0.5] * 10)
+    got = slow.time(lambda: None, within=1.02)
+    assert len(got.samples) == 6 and slower(got, Timing(1.0))  # never settled within: every call
+
+
 def test_a_pass_that_only_removes_ops_is_not_timed(monkeypatch):
     """Dead-code and common-subexpression elimination leave a subset of the graph's ops: the guard
     does not spend a comparison on them (their report says so); the other applied passes are timed."""

@@ -118,32 +118,42 @@ class Timer:
             return self.max_reps
         return int(min(self.max_reps, max(self.min_reps, self.target_s // first_s)))
 
-    def time(self, fn, most: int | None = None) -> Timing:
-        """``fn``'s median; ``most``: at most this many timed calls."""
-        return self.compare(fn, most=most)[0]
+    def time(self, fn, most: int | None = None, within: float | None = None) -> Timing:
+        """``fn``'s median; ``most``: at most this many timed calls. ``within``: a time the caller
+        only asks whether the median exceeds; the calls stop once more than half of those planned
+        took at most that long (the median of every planned call could not exceed it then)."""
+        return self.compare(fn, most=most, within=within)[0]
 
-    def compare(self, *fns, most: int | None = None) -> list[Timing]:
-        """Each callable's median over interleaved rounds (warm-up calls first, untimed). With
-        ``early`` and two callables (baseline, candidate), the rounds stop once :func:`settled`.
-        ``most``: at most this many rounds."""
+    def compare(self, *fns, most: int | None = None, within: float | None = None) -> list[Timing]:
+        """Each callable's median over interleaved rounds (warm-up calls first, untimed: they are
+        charged to "measured guard: first calls", where a new graph's CUDA-graph capture and its
+        kernels' compilation fall). With ``early`` and two callables (baseline, candidate), the
+        rounds stop once :func:`settled`. ``most``: at most this many rounds; ``within``: see :meth:`time`."""
         t0 = time.perf_counter()
-        with timing.phase("measured guard: timed calls"), torch.inference_mode():
-            for fn in fns:
-                for _ in range(self.warmup):
-                    fn()
-            first = [self._once(fn) for fn in fns]
-            reps = self._reps(max(first))
-            if most is not None:
-                reps = max(1, min(most, reps))
-            if self.early and len(fns) == 1:  # one callable alone decides nothing: its median for the report
-                reps = min(reps, self.settle_rounds)
-            samples = [[f] for f in first]
-            for _ in range(reps - 1):
-                if self.early and len(fns) == 2 and settled(samples[1], samples[0], self.margin, self.settle_rounds):
-                    break
-                for i, fn in enumerate(fns):
-                    samples[i].append(self._once(fn))
-        self._sync()
+        with torch.inference_mode():
+            with timing.phase("measured guard: first calls"):
+                for fn in fns:
+                    for _ in range(self.warmup):
+                        fn()
+                self._sync()
+            with timing.phase("measured guard: timed calls"):
+                first = [self._once(fn) for fn in fns]
+                reps = self._reps(max(first))
+                if most is not None:
+                    reps = max(1, min(most, reps))
+                if self.early and len(fns) == 1:  # one callable alone decides nothing: its median for the report
+                    reps = min(reps, self.settle_rounds)
+                samples = [[f] for f in first]
+                for _ in range(reps - 1):
+                    if self.early and len(fns) == 2 and settled(samples[1], samples[0], self.margin,
+                                                                self.settle_rounds):
+                        break
+                    if within is not None and len(fns) == 1 and \
+                            2 * sum(x <= within for x in samples[0]) > reps:
+                        break
+                    for i, fn in enumerate(fns):
+                        samples[i].append(self._once(fn))
+                self._sync()
         self.spent_s += time.perf_counter() - t0
         return [Timing(statistics.median(s), s) for s in samples]
 
@@ -242,7 +252,7 @@ class MeasuredTime:
             # that is the verdict (half the calls); where it looks slower, interleaved rounds decide
             with timing.phase("measured guard: building the callables"):
                 after_fn = self.make(gm)
-            after = self.timer.time(after_fn)
+            after = self.timer.time(after_fn, within=self.current.median_s * (1.0 + self.margin))
             if not slower(after, self.current, self.margin):
                 res.details["measured_ms"] = after.median_s * 1e3
                 res.details["measured_before_ms"] = self.current.median_s * 1e3

@@ -833,7 +833,7 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
     snapshot = None
     if check is not None or meter is not None:
         with timing.phase("graph snapshots"):
-            snapshot = copy.deepcopy(gm.graph)
+            snapshot = ir.GraphSnapshot(gm.graph)  # the captured graph, rebuilt where a second run starts from it
     ctx = context()
     instruments = [meter] if meter is not None else []
 
@@ -856,7 +856,7 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
         if first.passed:
             final = first
         else:
-            _set_graph(gm, snapshot)
+            _set_graph(gm, snapshot.graph())
             ctx = context()
             if meter is not None:
                 meter.current = meter.first  # the captured graph again
@@ -903,7 +903,7 @@ def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, befo
     held = list(meter.held)
     with timing.phase("graph snapshots"):
         kept = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the first result, with the constants it reads
-        captured = copy.deepcopy(snapshot)  # (the snapshot stays for the accuracy guard's second run)
+        captured = snapshot.graph()  # (the snapshot stays for the accuracy guard's second run)
     _set_graph(gm, captured)
     first_skipped = list(meter.skipped)
     meter.current, meter.held, meter.skipped, meter.judge_again = meter.first, [], [], set(held)

@@ -724,6 +724,32 @@ def register_constant(gm: fx.GraphModule, prefix: str, value: torch.Tensor) -> s
     return name
 
 
+class GraphSnapshot:
+    """A graph's nodes as they are now, to rebuild the graph from later (a pass undone, the graph
+    before a pass timed beside the one after it). Taking one reads each node's fields and copies
+    its meta dict (as ``copy.deepcopy(graph)`` does), without building a graph: a node's args are
+    tuples a rewrite replaces, never edits, so the ones kept still name the nodes they named then,
+    and the rebuild maps those to the new graph's nodes. Every pass takes one and few are rebuilt."""
+
+    def __init__(self, graph: fx.Graph):
+        self._source = graph
+        self._rows = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, dict(n.meta)) for n in graph.nodes]
+
+    def graph(self) -> fx.Graph:
+        """A new graph with the nodes as they were (names, meta, the source graph's code generator)."""
+        import copy
+
+        g = fx.Graph(tracer_cls=self._source._tracer_cls)
+        env: dict = {}
+        for old, op, target, args, kwargs, name, type_expr, meta in self._rows:
+            node = g.create_node(op, target, fx.node.map_arg(args, env.__getitem__),
+                                 fx.node.map_arg(kwargs, env.__getitem__), name, type_expr)
+            node.meta = dict(meta)
+            env[old] = node
+        g._codegen = copy.deepcopy(self._source._codegen)
+        return g
+
+
 def remove_unused_attributes(gm: fx.GraphModule) -> list[str]:
     """Drop buffers graphopt added that no get_attr node reads any more."""
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}

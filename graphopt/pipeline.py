@@ -11,7 +11,6 @@ reverts a pass that raises, breaks an invariant or fails the accuracy rule.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
@@ -239,9 +238,9 @@ class PassContext:
     # every rewrite a pass finds legal applies, whatever its predicted gain (the fuzzer: legality
     # tested apart from the cost model's choices)
     ignore_cost: bool = False
-    # the graph as it was before the pass now running (set by the PassManager): an instrument may
-    # run it beside the rewritten one (graphopt.runtime.measured compares their times)
-    before_pass: fx.Graph | None = None
+    # the graph as it was before the pass now running (set by the PassManager; ``.graph()`` builds
+    # it): an instrument may run it beside the rewritten one (graphopt.runtime.measured compares their times)
+    before_pass: ir.GraphSnapshot | None = None
     # accuracy_check(gm, low_dtype=None) -> AccuracyResult; set by the PassManager. low_dtype
     # judges against the model hand-converted to that dtype (the rule's bf16/fp16 tolerance).
     accuracy_check: Callable | None = None
@@ -663,7 +662,7 @@ class PassManager:
         that raises (a bug) is reverted, so it does not cost the user the other passes."""
         if not self._snapshot_fresh:
             with timing.phase("graph snapshots"):
-                self._snapshot = (copy.deepcopy(gm.graph), ctx.low_precision)
+                self._snapshot = (ir.GraphSnapshot(gm.graph), ctx.low_precision)
         ctx.before_pass = self._snapshot[0]
         ctx.observer = ir.ProvenanceObserver(gm, p.name)
         try:
@@ -694,8 +693,8 @@ class PassManager:
         if isinstance(why, ir.InvariantError):
             why, full = str(why), why.detail or str(why)
         note = _revert_note(ctx, self._index, res.name, gm, str(why), full or str(why))
-        graph, low_precision = self._snapshot
-        _restore(gm, graph)
+        snapshot, low_precision = self._snapshot
+        _restore(gm, snapshot.graph())
         ctx.low_precision = low_precision
         ctx.constants.recount(gm)
         self._snapshot_fresh = False  # the snapshot is the graph now

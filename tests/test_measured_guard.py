@@ -300,7 +300,7 @@ def test_on_a_steady_device_a_gain_is_timed_alone_and_a_loss_in_interleaved_roun
     meter = MeasuredTime(lambda g: make(g, [0.004]), timer, budget_s=30.0)
     meter.current = Timing(0.010, [0.010] * 4)
     res = SimpleNamespace(status="applied", details={})
-    ctx = SimpleNamespace(before_pass=gm.graph)
+    ctx = SimpleNamespace(before_pass=ir.GraphSnapshot(gm.graph))
     assert meter.run_after_pass(gm, SimpleNamespace(name="fuse_x"), ctx, res) is None
     assert len(built) == 1 and built[0] is gm and 3.5 < res.details["measured_ms"] < 8
     assert meter.current.median_s < 0.008
@@ -330,7 +330,7 @@ def test_off_a_steady_device_a_loss_is_taken_again_and_the_second_comparison_dec
         rounds = [(base, lost), (base, second)]
         timer.compare = lambda *fns, most=None: rounds.pop(0)
         res = SimpleNamespace(status="applied", details={}, predicted_s_after=0.0, predicted_s_before=0.0)
-        why = meter.run_after_pass(gm, SimpleNamespace(name="p"), SimpleNamespace(before_pass=gm.graph), res)
+        why = meter.run_after_pass(gm, SimpleNamespace(name="p"), SimpleNamespace(before_pass=ir.GraphSnapshot(gm.graph)), res)
         assert not rounds and bool(why) is loss and res.details["measured_ms"] == second.median_s * 1e3
 
 

@@ -102,6 +102,31 @@ def test_accuracy_guard_reverts_a_wrong_pass():
         torch.testing.assert_close(gm(*inputs), eager)
 
 
+def test_a_snapshot_rebuilds_the_graph_as_it_was_after_the_graph_is_rewritten():
+    """ir.GraphSnapshot keeps a graph's nodes without copying the graph; edits made after it (args
+    replaced, nodes erased, meta written) leave what it rebuilds as the graph was."""
+    model, inputs, gm = _mlp_gm()
+    before_code, before_meta = gm.code, {n.name: dict(n.meta) for n in gm.graph.nodes}
+    snap = ir.GraphSnapshot(gm.graph)
+    for n in list(gm.graph.nodes):
+        if n.target is aten.relu.default:
+            with gm.graph.inserting_after(n):
+                new = gm.graph.call_function(aten.sigmoid.default, (n.args[0],))
+            n.replace_all_uses_with(new)
+            gm.graph.erase_node(n)
+            new.meta["val"] = None
+        elif n.op == "call_function":
+            n.meta["planted"] = True
+    gm.recompile()
+    assert gm.code != before_code
+    rebuilt = fx.GraphModule(gm, snap.graph())
+    assert rebuilt.code == before_code
+    assert {n.name: n.meta for n in rebuilt.graph.nodes} == before_meta
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(*inputs), model(*inputs))
+    assert snap.graph() is not snap.graph()  # each rebuild is a new graph
+
+
 def test_invariant_check_names_the_node():
     model, inputs, gm = _mlp_gm()
     ctx = _ctx(gm)
@@ -437,8 +462,8 @@ def test_a_pass_that_changed_nothing_leaves_the_graph_copy_for_the_next(monkeypa
     fails is still undone."""
     model, inputs, gm = _mlp_gm()  # captured first: torch.export copies graphs of its own
     copies = []
-    real = fx.Graph.__deepcopy__
-    monkeypatch.setattr(fx.Graph, "__deepcopy__", lambda g, memo=None: copies.append(1) or real(g, memo))
+    real = ir.GraphSnapshot.__init__
+    monkeypatch.setattr(ir.GraphSnapshot, "__init__", lambda s, g: copies.append(1) or real(s, g))
     before = [n.target for n in gm.graph.nodes]
     results = PassManager([NoMatch(), NoMatch(), Raises(), NoMatch(), ScaleOutputs()]).run(gm, _ctx(gm))
     assert [r.status for r in results] == ["unchanged", "unchanged", "reverted", "unchanged", "applied"]

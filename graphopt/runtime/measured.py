@@ -261,7 +261,7 @@ class MeasuredTime:
         # the graph before the pass (on gm's constants, still all there) and after it, in interleaved
         # rounds: a drift of the machine while they run lands on both alike
         with timing.phase("measured guard: building the callables"):
-            fns = self.make(fx.GraphModule(gm, ctx.before_pass)), after_fn or self.make(gm)
+            fns = self.make(fx.GraphModule(gm, ctx.before_pass.graph())), after_fn or self.make(gm)
         before, after = self.timer.compare(*fns)
         if slower(after, before, self.margin) and not self.timer.steady:
             # a loss is the verdict of two measurements (on a steady device the graph timed alone was

@@ -580,6 +580,10 @@ def check_invariants(gm: fx.GraphModule, where: str = "", allow_dtype_change: bo
                     f"node {n.name} ({target_name(n)}) changed metadata{suffix}: "
                     f"{old.dtype}/{old.device}/{old.shape} -> {new.dtype}/{new.device}/{new.shape}"
                 )
+    batched = batched_graphopt_op(gm)
+    if batched is not None:
+        raise InvariantError(f"node {batched.name} ({target_name(batched)}) runs on torch.vmap's batched tensors"
+                             f"{suffix}: graphopt's ops have no batching rule")
     devices = graph_devices(gm)
     if len(devices) > 1 and not getattr(gm, "_graphopt_multi_device", False):
         if devices_before is None or devices - devices_before:
@@ -598,6 +602,17 @@ def batched_nodes(gm: fx.GraphModule) -> set:
         if name == "_add_batch_dim" or (name != "_remove_batch_dim" and any(a in out for a in n.all_input_nodes)):
             out.add(n)
     return out
+
+
+def batched_graphopt_op(gm: fx.GraphModule) -> fx.Node | None:
+    """The first graphopt op that computes on batched tensors (:func:`batched_nodes`), if any: a
+    rewrite must leave the body of a ``torch.vmap`` in ATen ops, which carry batching rules."""
+    if not any(n.op == "call_function" and getattr(n.target, "__name__", "") == "_add_batch_dim"
+               for n in gm.graph.nodes):
+        return None
+    batched = batched_nodes(gm)
+    return next((n for n in gm.graph.nodes if n in batched and isinstance(n.target, torch._ops.OpOverload)
+                 and n.target.namespace == "graphopt"), None)
 
 
 def graph_devices(gm: fx.GraphModule) -> set:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from graphopt import capture
 from graphopt.cuda_ext.pointwise import parse
 from graphopt.examples import zoo
-from graphopt.pipeline import NO_FUSED_KERNELS, run_passes
+from graphopt.pipeline import NO_FUSED_KERNELS, Pass, run_passes
 from tests.helpers import op_counts, reference_check
 
 FP = "graphopt.fused_pointwise.default"
@@ -477,4 +477,42 @@ def test_pointwise_ops_inside_a_vmap_are_left_alone():
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
     assert any("inside a torch.vmap" in n for n in res.notes), res.notes
     assert res.status == "applied" and op_counts(gm)["aten.sigmoid.default"] == 1
+    torch.testing.assert_close(gm(x), m(x))
+
+
+class _PlantedBatchedSwiglu(Pass):
+    """Rewrites every sigmoid, the one inside the vmap included, into graphopt::swiglu of its input
+    doubled along the last dim (silu(x) * x): a graphopt op on vmap's batched tensors."""
+
+    name = "batched_swiglu_planted"
+    family = "fusion"
+
+    def run(self, gm, ctx):
+        res = self.result()
+        for n in list(gm.graph.nodes):
+            if n.target is torch.ops.aten.sigmoid.default:
+                with gm.graph.inserting_before(n):
+                    cat = gm.graph.call_function(torch.ops.aten.cat.default, ([n.args[0], n.args[0]], -1))
+                    new = gm.graph.call_function(torch.ops.graphopt.swiglu.default, (cat,))
+                n.replace_all_uses_with(new)
+                gm.graph.erase_node(n)
+                res.changed = True
+        return res
+
+
+def test_a_pass_that_puts_a_graphopt_op_inside_a_vmap_is_undone_with_one_line():
+    """The pipeline's invariant: the body of a torch.vmap stays in ATen ops (graphopt's ops have no
+    batching rule); a pass that breaks it, whatever pass it is, is undone and the report says why."""
+    from graphopt.pipeline import PassContext, PassManager
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt import ir
+
+    m, x = _PointwiseUnderVmap(), torch.randn(4, 8)
+    gm = capture(m, (x,))
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm))
+    (res,) = PassManager([_PlantedBatchedSwiglu()]).run(gm, ctx)
+    assert res.status == "reverted" and len(res.notes) == 1, res.notes
+    assert "runs on torch.vmap's batched tensors" in res.notes[0] and "\n" not in res.notes[0]
+    assert ir.batched_graphopt_op(gm) is None and op_counts(gm)["aten.sigmoid.default"] == 1
     torch.testing.assert_close(gm(x), m(x))

@@ -516,8 +516,34 @@ def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False,
             ) from None
         raise
     with timing.phase("capture: unlift (ep.module)"), _lazy_graph_modules():
-        gm = ep.module()  # (its intermediate modules' code, generated four times, is left ungenerated)
+        # (its intermediate modules' code, generated three or four times, is left ungenerated).
+        # With static shapes no _guards_fn node: see _drop_call_checks
+        gm = ep.module(check_guards=shapes is not None)
+    if shapes is None:
+        _drop_call_checks(gm)
     return gm
+
+
+def _drop_call_checks(gm: fx.GraphModule) -> None:
+    """ep.module()'s per-call input checks, on a graph with static shapes (captured without its
+    ``_guards_fn`` node): forward pre-hooks matching each call's inputs against the example's
+    structure and sizes. An optimized module's own guard (graphopt.api: the flat inputs' count,
+    shapes, dtypes and devices, the values of non-tensor inputs) runs before any call reaches the
+    graph, and the hooks alone cost tens of microseconds a call. Left in place where the module
+    holds hooks other than export's (two pre-hooks, one forward hook) or takes a module as input."""
+    from torch.export import _unlift
+
+    pre, post = list(gm._forward_pre_hooks.values()), list(gm._forward_hooks.values())
+    if len(pre) != 2 or len(post) != 1 or _unlift._check_input_constraints_pre_hook not in pre \
+            or gm._backward_hooks or gm._backward_pre_hooks:
+        return
+    if any(isinstance(n.meta.get("val"), nn.Module) for n in gm.graph.find_nodes(op="placeholder")):
+        return
+    gm._forward_pre_hooks.clear()
+    gm._forward_pre_hooks_with_kwargs.clear()
+    gm._forward_hooks.clear()
+    gm._forward_hooks_with_kwargs.clear()
+    gm._forward_hooks_always_called.clear()
 
 
 # --------------------------------------------------------------------------- symbolic_trace fallback

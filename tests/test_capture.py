@@ -318,6 +318,25 @@ def test_export_builds_lazy_graph_modules_and_hands_back_a_plain_one(monkeypatch
     assert not isinstance(gm, lazy._LazyGraphModule) and gm.code == gm.graph.python_code("self").src
 
 
+def test_a_static_capture_carries_no_per_call_checks_of_exports_and_a_dynamic_one_keeps_them():
+    """With static shapes the optimized module's own guard checks every call, so the captured module
+    has neither export's forward hooks nor its _guards_fn node (tens of µs a call); with dynamic dims
+    export's checks stay."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    x = torch.randn(2, 4)
+    gm = graphopt.capture(model, (x,))
+    assert not gm._forward_pre_hooks and not gm._forward_hooks
+    assert not gm.graph.find_nodes(op="call_module", target="_guards_fn")
+    torch.testing.assert_close(gm(x), model(x))
+    opt = graphopt.optimize(model, (x,), measure=False)
+    with pytest.raises(graphopt.GuardError, match="shape"):
+        opt(torch.randn(3, 4))
+    dyn = graphopt.capture(model, (torch.randn(4, 4),), dynamic={"input": {0: "batch"}})
+    assert dyn._forward_pre_hooks and dyn.graph.find_nodes(op="call_module", target="_guards_fn")
+    with pytest.raises(Exception):
+        dyn(torch.randn(3, 5))  # a static dim changed: export's checks refuse it
+
+
 class _GradRegions(nn.Module):
     """A no_grad helper (as transformers' rotary embedding), an enable_grad region and
     set_grad_enabled used as a function and as a context."""

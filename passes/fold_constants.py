@@ -161,7 +161,8 @@ class Constants:
             if n.op == "get_attr":
                 env[n] = ir.get_attr_value(self.gm, n.target)
                 continue
-            load = lambda a: env[a]  # noqa: E731
+            # a constant an earlier fold stored (a get_attr the analysis never saw): its value
+            load = lambda a: env[a] if a in env or a.op != "get_attr" else ir.get_attr_value(self.gm, a.target)  # noqa: E731
             if shape_only(n) and n.args[0] not in env:
                 load = lambda a, src=n.args[0]: _metadata_stand_in(a) if a is src else env[a]  # noqa: E731
             with torch.no_grad():
@@ -281,7 +282,9 @@ class FoldConstants(Pass):
             work = [n for n in sub if n.op == "call_function" and all(u in const for u in n.users) or n is root]
             gain = ctx.node_time(work)
 
-            def apply(root=root, sub=sub, to_device=to_device):
+            def apply(root=root, to_device=to_device):
+                # the closure as the graph is now: an earlier fold may have stored part of it (erased)
+                sub = consts.closure(root)
                 v = consts.value(root)
                 v = v.detach().clone() if v._base is not None else v.detach()
                 new = _store(gm, root, v if to_device is None else v.to(to_device))

@@ -90,6 +90,30 @@ def test_two_folds_leave_no_dead_nodes():
     assert reference_check(m, gm, (x,)).passed
 
 
+class ConstantReadTwice(nn.Module):
+    """A constant read by the input's ops directly and through another constant op (RAFT's
+    coordinate grid: ``coords1 - coords0`` of two copies): two roots, one inside the other's closure."""
+
+    def forward(self, x):
+        g = torch.arange(16.0).reshape(4, 4) * 2
+        return x + g, x * g.t()
+
+
+def test_a_root_inside_another_roots_closure_folds_without_erasing_twice():
+    import warnings
+
+    m = ConstantReadTwice().eval()
+    x = torch.randn(4, 4)
+    gm = capture(m, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch.fx warns erasing an erased node
+        (res,) = run_passes(gm, ["fold_constants"])
+    assert res.status == "applied" and len(res.rewrites) == 2
+    counts = op_counts(gm)
+    assert counts["aten.arange.default"] == counts["aten.mul.Tensor"] - 1 == counts["aten.t.default"] == 0
+    assert reference_check(m, gm, (x,)).passed
+
+
 class EmptyPast(nn.Module):
     """A KV-cache-like append to an empty past, of a computed tensor or of the input itself."""
 

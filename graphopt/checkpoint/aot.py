@@ -741,6 +741,11 @@ class AotRecompute(nn.Module):
         """For each body input, a bitmask of the outputs it reaches (computed once)."""
         if getattr(self, "_reach", None) is None:
             reach: dict = {}
+            # what in-place writes put into a storage (attn[:, 1:] += bias: the bias reaches every
+            # later reader of attn's storage, though no edge leads from the add_ to them)
+            storage, _ = ir.storages(self.body)
+            written: dict = {}
+            into = lambda a: reach.get(a, 0) | written.get(storage.get(a, a), 0)  # noqa: E731
             inputs = 0
             for n in self.body.graph.nodes:
                 if n.op == "placeholder":
@@ -749,11 +754,13 @@ class AotRecompute(nn.Module):
                 else:
                     m = 0
                     for a in n.all_input_nodes:
-                        m |= reach.get(a, 0)
+                        m |= into(a)
                     reach[n] = m
+                    for w in ir.written(n):
+                        written[storage.get(w, w)] = written.get(storage.get(w, w), 0) | m
             out_node = next(n for n in reversed(self.body.graph.nodes) if n.op == "output")
             outs = list(pytree.tree_leaves(out_node.args))
-            self._reach = [sum(1 << j for j, o in enumerate(outs) if isinstance(o, fx.Node) and reach[o] >> i & 1)
+            self._reach = [sum(1 << j for j, o in enumerate(outs) if isinstance(o, fx.Node) and into(o) >> i & 1)
                            for i in range(inputs)]
         return self._reach
 

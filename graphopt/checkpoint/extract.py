@@ -131,9 +131,20 @@ def extract_region(gm: fx.GraphModule, nodes: list, keep: set, name: str, ctx: P
     if any(u in inside for n in closure for u in n.users):
         return None
     movers = [n for n in order[lo:hi] if n in closure]
-    mutated = set()
+    mutated, written_kept = set(), set()
     for n in nodes:
-        mutated.update(a for a in mutated_args(n) if a not in inside)
+        for a in mutated_args(n):
+            # a write through a view (x[:, 1:] += y: slice, add_, copy_) writes the tensor it views
+            chain = [a]
+            while chain[-1] in inside and ir.alias_source(chain[-1]) is not None:
+                chain.append(ir.alias_source(chain[-1]))
+            if chain[-1] not in inside:  # an input: checkpoint would save it and find it modified
+                mutated.add(chain[-1])
+            written_kept.update(c for c in chain if c in keep and c is not n)
+    if make_module is None and written_kept:
+        # a kept (cached) value the region then writes in place: the rerun would get the cached,
+        # already written tensor and write it again; rerun its op instead
+        keep = set(keep) - written_kept
     if make_module is not None:
         # submodules (a higher-order op's body, e.g. export's wrap_with_autocast) are not
         # arguments AOTAutograd can take: the body reads them as attributes of its own

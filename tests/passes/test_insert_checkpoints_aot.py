@@ -499,3 +499,12 @@ def test_a_failed_trace_leaves_no_functorch_level_behind():
     assert aot._functorch_level() == 2
     assert aot._pop_functorch_levels_above(0) == 2
     assert functorch.peek_interpreter_stack() is None
+
+
+@pytest.mark.parametrize("budget", [0.9, 0.7])
+def test_a_parameter_written_in_place_into_a_regions_value_keeps_its_gradient(budget):
+    # the AOT region's reach (which outputs each input reaches) did not follow in-place writes: the
+    # bias added into the scores' slice reached nothing, and its computed gradient was set back to None
+    from tests.passes.test_insert_checkpoints import scores_bias_grads_match_eager
+
+    scores_bias_grads_match_eager("auto", budget)

@@ -434,9 +434,30 @@ def widened_factory(func, args: tuple, kwargs: dict, dtype: torch.dtype):
     return func(*args, **dict(kwargs, dtype=dtype))
 
 
+def widened_cast(func, args: tuple, kwargs: dict, dtype: torch.dtype):
+    """A cast to the default float dtype (``x.float()``, ``x.to(torch.float32)``, ``x.to(other)`` of that
+    dtype), made to ``dtype`` instead: in a float64 run, what a forward casts to float32 on purpose (an
+    integer grid it computes with, a norm's statistics in float32) stays exact; None for any other call."""
+    if func is torch.Tensor.float and len(args) == 1 and set(kwargs) <= {"memory_format"}:
+        return args[0].to(dtype, memory_format=kwargs.get("memory_format", torch.preserve_format))
+    if func is not torch.Tensor.to or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    rest = dict(kwargs)
+    copy = rest.pop("copy", False)
+    try:
+        device, want, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **rest)
+    except (TypeError, RuntimeError):
+        return None
+    if want != torch.get_default_dtype() or want == dtype:
+        return None
+    return args[0].to(device=device, dtype=dtype, non_blocking=non_blocking, copy=copy,
+                      memory_format=memory_format if memory_format is not None else torch.preserve_format)
+
+
 class _Float64State(torch.overrides.TorchFunctionMode):
     """Run a model as ``model.to(dtype)`` would (float64 by default; for float64, with it the default
-    dtype: a float tensor the forward makes without a dtype is made in it), without a converted copy of
+    dtype: a float tensor the forward makes without a dtype is made in it, and a cast to the default
+    dtype casts to it), without a converted copy of
     it: every torch function that reads one of the model's parameters or buffers gets a converted
     copy of that tensor made for the call (a buffer is always copied, so in-place updates —
     BatchNorm's statistics and its step counter — land on the copy, never on the model); reading a
@@ -556,6 +577,10 @@ class _Float64State(torch.overrides.TorchFunctionMode):
                 and kwargs.get("max_norm") is None and (len(args) < 4 or args[3] is None)):
             return args[1].detach()[self._swap(args[0])].to(self.dtype)
         args, kwargs = pytree.tree_map(self._swap, (args, kwargs))
+        if self.dtype == torch.float64:
+            cast = widened_cast(func, args, kwargs, self.dtype)
+            if cast is not None:
+                return cast
         plain = _FLOAT64_PLAIN.get(getattr(func, "__name__", ""))
         if plain is not None and any(isinstance(t, torch.Tensor) and t.dtype == self.dtype
                                      for t in pytree.tree_leaves((args, kwargs))):

@@ -119,8 +119,16 @@ def test_eager_rmse_cached_across_checks(monkeypatch):
     assert len(calls) == 1 and calls[0] is out  # the output's pass only; the eager rmse came from the cache
 
 
+class _WidenedCasts(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        made = accuracy.widened_cast(func, args, kwargs, torch.float64)
+        return made if made is not None else func(*args, **kwargs)
+
+
 def _deepcopy_reference(model, args, kwargs):
-    """What fp64_reference computed before it stopped copying the model."""
+    """What fp64_reference computed before it stopped copying the model: a float64 copy, whose casts
+    to the default dtype (a norm's float32 statistics) are to float64."""
     import copy
 
     from torch.utils import _pytree as pytree
@@ -128,7 +136,7 @@ def _deepcopy_reference(model, args, kwargs):
     ref = copy.deepcopy(model).double()
     a, k = pytree.tree_map(lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
                            (args, kwargs))
-    with torch.no_grad():
+    with torch.no_grad(), _WidenedCasts():
         return ref(*a, **k)
 
 
@@ -404,6 +412,40 @@ def test_fp64_reference_makes_the_forwards_default_dtype_tensors_in_float64():
     assert ref.dtype == torch.float64 and ints.dtype == torch.int32
     want = m(x)[0].double()
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+    import graphopt
+
+    opt = graphopt.optimize(m, (x,), measure=False)
+    assert opt.report.accuracy["checked"] and opt.report.accuracy["passed"]
+
+
+def test_fp64_reference_casts_to_the_default_dtype_in_float64():
+    """A forward's casts to float32 (an integer grid made a float, RAFT's coordinates; a norm's
+    statistics computed in float32, as transformers' RMSNorm does) cast to float64 in the reference:
+    a plain float64 copy fails on the first (a float32 input to a float64 convolution) and rounds the
+    second to float32; casts to other dtypes stay."""
+    class Grid(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 3, 1)
+
+        def forward(self, x):
+            ys, xs = torch.meshgrid(torch.arange(4), torch.arange(5), indexing="ij")
+            grid = torch.stack([ys, xs]).float()[None].expand(x.shape[0], -1, -1, -1)
+            h = self.conv(x) + self.conv(grid)
+            var = h.to(torch.float32).pow(2).mean(1, keepdim=True)
+            return (h * torch.rsqrt(var + 1e-6)).to(h.dtype), h.to(torch.int64), h.to(dtype=torch.float16)
+
+    torch.manual_seed(0)
+    m, x = Grid(), torch.randn(2, 2, 4, 5)
+    with pytest.raises(RuntimeError, match="type"):  # what a plain float64 copy meets
+        Grid().double()(x.double())
+    ref, ints, half = accuracy.fp64_reference(m, (x,), {})
+    assert ref.dtype == torch.float64 and ints.dtype == torch.int64 and half.dtype == torch.float16
+    ys, xs = torch.meshgrid(torch.arange(4), torch.arange(5), indexing="ij")
+    w, b = m.conv.weight.double(), m.conv.bias.double()
+    grid = torch.stack([ys, xs]).double()[None].expand(2, -1, -1, -1)
+    h = torch.nn.functional.conv2d(x.double(), w, b) + torch.nn.functional.conv2d(grid, w, b)
+    torch.testing.assert_close(ref, h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + 1e-6), rtol=1e-12, atol=1e-12)
     import graphopt
 
     opt = graphopt.optimize(m, (x,), measure=False)

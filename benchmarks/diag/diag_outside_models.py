@@ -205,7 +205,10 @@ def _step(m, args, kwargs, g=None):
     for p in m.parameters():
         p.grad = None
     out = m(*args, **kwargs)
-    t = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if isinstance(out, dict) and not hasattr(out, "to_tuple"):  # a plain dict (torchvision segmentation): all of it
+        t = torch.cat([v.reshape(-1) for v in out.values() if torch.is_tensor(v)])
+    else:
+        t = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if g is None:
         g = torch.randn(t.shape, generator=torch.Generator().manual_seed(1))
     (t * g.to(t.dtype)).sum().backward()
@@ -215,13 +218,15 @@ def _step(m, args, kwargs, g=None):
 
 class _PlainFloat64(torch.overrides.TorchFunctionMode):
     """grouped_mm as graphopt's float64 reference runs it (no float64 kernel), and float64 the default
-    dtype of the tensors the forward makes, as there."""
+    dtype of the tensors the forward makes and of its casts to the default dtype, as there."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         from graphopt import accuracy
 
         kwargs = kwargs or {}
         made = accuracy.widened_factory(func, args, kwargs, torch.float64)
+        if made is None:
+            made = accuracy.widened_cast(func, args, kwargs, torch.float64)
         if made is not None:
             return made
         return (accuracy._FLOAT64_PLAIN.get(getattr(func, "__name__", "")) or func)(*args, **kwargs)
@@ -243,6 +248,8 @@ def train(name, budget, make=None):
                     mod.p = 0.0
                 if hasattr(mod, "drop_prob"):
                     mod.drop_prob = 0.0
+                if type(mod).__name__ == "StochasticDepth":  # torchvision's
+                    mod.p = 0.0
             args, kwargs = split_inputs(inputs)
             if "pixel_values" in kwargs:  # two images: BatchNorm in training needs more than one value per channel
                 kwargs["pixel_values"] = torch.cat([kwargs["pixel_values"]] * 2)

@@ -49,6 +49,10 @@ class ConvertChannelsLast(Pass):
         res = self.result()
         convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.conv2d.default
                  and ir.info(n.args[0]) is not None and len(ir.info(n.args[0]).shape) == 4]
+        volumetric = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CONV_3D]
+        if volumetric:
+            res.reject(f"{len(volumetric)} 3-D convolution(s)", "this pass converts 2-D convolutions only; the "
+                                                              "profiles hold no measured NDHWC penalty to price them")
         if not convs:
             return res
         if ctx.training and ctx.cost.device_kind == "cpu":
@@ -155,6 +159,9 @@ class ConvertChannelsLast(Pass):
             output.replace_input_with(o, back)
         self._applied.append(info)
         return True
+
+
+_CONV_3D = (aten.conv3d.default, getattr(aten.conv3d, "padding", aten.conv3d.default))
 
 
 def _regions(gm: fx.GraphModule, convs: list) -> list[set]:

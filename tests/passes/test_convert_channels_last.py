@@ -155,3 +155,14 @@ def test_each_connected_region_is_decided_on_its_own():
     clones = [n for n in gm.graph.nodes if n.target is aten.clone.default]
     assert [n.kwargs["memory_format"] for n in clones] == [torch.channels_last]
     assert reference_check(m, gm, (x,)).passed
+
+
+def test_3d_convolutions_are_named_as_refused():
+    """A video network's Conv3d: left NCHW-style (NCDHW) with a one-line reason, not passed over silently."""
+    m = nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv3d(8, 8, 3, padding=1)).eval()
+    x = torch.randn(1, 3, 4, 16, 16)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    assert res.status == "unchanged"
+    assert any("3-D convolution" in r.candidate and "2-D convolutions only" in r.reason for r in res.rejected), res.rejected
+    assert reference_check(m, gm, (x,)).passed

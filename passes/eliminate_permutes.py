@@ -69,15 +69,24 @@ PAIR = Op(PERMUTES, Op(PERMUTES, Any("x"), name="p", single_use=False), name="q"
 META_LAYOUT_DIFFERS = {"group_norm", "native_group_norm"}
 
 
-def _layout_unstable(node) -> str:
+def _layout_unstable(node, limit: int = 256) -> str:
     """Name of the producer if ``node``'s strides come from an op whose output layout depends on
     the backend chosen at run time (SDPA variants, graphopt kernels) or differs from the recorded
-    one (META_LAYOUT_DIFFERS over a non-contiguous input), else ''."""
+    one (META_LAYOUT_DIFFERS over a non-contiguous input), else ''. The layout is followed back
+    through views and shape ops, and through pointwise ops (torch's ``pointwise`` tag: their output
+    takes their inputs' layout) to each of their inputs; past ``limit`` nodes it counts as unstable."""
     from graphopt.cost.model import ATTENTION_OPS
-    while isinstance(node, fx.Node) and node.op == "call_function" and (
-            node.target in PURE_VIEWS or node.target in SHAPE_OPS or node.target is aten.contiguous.default):
-        node = node.args[0]
-    if isinstance(node, fx.Node) and node.op == "call_function":
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        while isinstance(node, fx.Node) and node.op == "call_function" and (
+                node.target in PURE_VIEWS or node.target in SHAPE_OPS or node.target is aten.contiguous.default):
+            node = node.args[0]
+        if not isinstance(node, fx.Node) or node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        if len(seen) > limit:
+            return node.name
         if node.target is GETITEM:
             node = node.args[0]
         if ir.op_name(node) in ATTENTION_OPS or ir.op_namespace(node) == "graphopt":
@@ -85,6 +94,8 @@ def _layout_unstable(node) -> str:
         if ir.op_name(node) in META_LAYOUT_DIFFERS and node.args and isinstance(node.args[0], fx.Node) \
                 and not ir.is_contiguous(ir.info(node.args[0])):
             return node.name
+        if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            stack.extend(a for a in node.all_input_nodes if ir.info(a) is not None)
     return ""
 
 

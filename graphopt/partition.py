@@ -823,6 +823,7 @@ def _dp_one_per_device(an, cand, S, stage_terms, devices, reserve, overflow=Fals
 
 
 INTERLEAVED_WORK = 4e7  # (cut tuples) × (last two cuts' grid) the exhaustive interleaved search may visit
+PAIR_WINDOW = 4  # candidates either side of two neighbouring cuts the refinement moves together
 
 
 def _search_interleaved(an, cand, S, v, M, stage_terms, devices, reserve, overflow=False):
@@ -940,8 +941,14 @@ def _search_interleaved(an, cand, S, v, M, stage_terms, devices, reserve, overfl
             if got is None or [int(zoom[x]) for x in got] == idx:
                 break
             idx = [int(zoom[x]) for x in got]
-        # … then move one cut at a time while it helps
+        # … then move one cut at a time while it helps, and two neighbouring cuts together (within a
+        # few candidates of where they are) where no single move does: an interleaved plan's devices
+        # sum several stages, so a better split can need two cuts to move at once
         cur = evaluate(idx)
+
+        def better(got, cur):
+            return got[0] < cur[0] - abs(cur[0]) * 1e-12 or (got[0] <= cur[0] and got[1] < cur[1])
+
         for _ in range(50):
             moved = False
             for t in range(1, K):
@@ -950,8 +957,19 @@ def _search_interleaved(an, cand, S, v, M, stage_terms, devices, reserve, overfl
                         continue
                     trial = idx[:t] + [c] + idx[t + 1:]
                     got = evaluate(trial)
-                    if got[0] < cur[0] - abs(cur[0]) * 1e-12 or (got[0] <= cur[0] and got[1] < cur[1]):
+                    if better(got, cur):
                         idx, cur, moved = trial, got, True
+            if not moved:
+                w = PAIR_WINDOW
+                for t in range(1, K - 1):
+                    for a in range(max(idx[t - 1] + 1, idx[t] - w), min(idx[t + 2] - 1, idx[t] + w + 1)):
+                        for b in range(max(a + 1, idx[t + 1] - w), min(idx[t + 2], idx[t + 1] + w + 1)):
+                            trial = idx[:t] + [a, b] + idx[t + 2:]
+                            if trial == idx:
+                                continue
+                            got = evaluate(trial)
+                            if better(got, cur):
+                                idx, cur, moved = trial, got, True
             if not moved:
                 break
         if not np.isfinite(cur[0]) and not overflow:

@@ -431,7 +431,7 @@ def test_interleaved_search_on_a_subset_then_refined_matches_the_exhaustive_one(
     full = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
     monkeypatch.setattr(partition, "INTERLEAVED_WORK", 2e3)  # forces an even subset + the cut-by-cut refinement
     coarse = partition.plan_stages(gm, devs, schedule="interleaved1f1b", microbatches=4, training=True)
-    assert coarse.predicted_step_s <= full.predicted_step_s * 1.02
+    assert coarse.predicted_step_s <= full.predicted_step_s * 1.005  # (single-cut moves alone: 1.02 here)
     assert [s.device for s in coarse.stages] == [s.device for s in full.stages]
 
 

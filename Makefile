@@ -15,13 +15,19 @@ PYTEST_ARGS ?= -q -m "not slow" -n auto
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
+# An editable install of this layout (passes/ and cuda_ext/ mapped into the graphopt package) makes
+# setuptools print an InformationOnly notice ("Editable installation. Please be careful with folders
+# in your working directory..."), general advice rather than a problem with the package; it is the one
+# warning filtered here. A wheel build (pip wheel .) warns about nothing.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
+
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[zoo]"
+	$(EDITABLE) $(PIP) install -q -e ".[zoo]"
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
-	$(PIP) install -q -e ".[dev]"
+	$(EDITABLE) $(PIP) install -q -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed

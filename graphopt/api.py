@@ -680,6 +680,7 @@ def _measured_guard(opt: "OptimizedModule", model: nn.Module, inputs: "CallInput
         report.speed = speed
         return
     args, kwargs = inputs.fresh()
+    timing.progress("measured guard: timing the optimized module against the model as given")
     was = model.training
     model.train(False)
     try:
@@ -791,6 +792,7 @@ def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: Optimiz
         acc_info["reason"] = short
     else:
         args, kwargs = inputs.fresh()
+        timing.progress("accuracy guard: running the model and its float64 reference")
         with timing.phase("accuracy: eager + fp64 reference runs"):
             return _AccuracyGuard(model, args, kwargs, opts.training, model_dev, opts.calibration_data,
                                   mutated=inputs.mutated), acc_info
@@ -851,6 +853,7 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
                                                   lambda: manager_for(False), context, before)
     acc_mode, final = "once, after all passes", None
     if check is not None:
+        timing.progress("accuracy guard: checking the optimized graph")
         with timing.phase("accuracy checks"):
             first = check(gm, ctx.low_precision)
         if first.passed:
@@ -861,6 +864,8 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
             if meter is not None:
                 meter.current = meter.first  # the captured graph again
             manager = manager_for(True)
+            timing.progress("accuracy guard: the optimized graph failed (%s); running the passes again, "
+                            "checking after each", first.reason)
             results = manager.run(gm, ctx, before=before)
             acc_mode = f"after each pass (the check after all passes failed: {first.reason})"
             last = manager.last_check
@@ -912,6 +917,7 @@ def _without_held(gm, snapshot, meter, first: tuple, make_manager, context, befo
     # limit covers both
     ctx.constants.reserved = setup_memory.added_constant_bytes(kept)
     ctx.constants.recount(gm)
+    timing.progress("running the passes again with %s judged alone (measured slower)", ", ".join(held))
     try:
         manager = make_manager()
         results = manager.run(gm, ctx, before=before)
@@ -984,6 +990,7 @@ def _lower(gm, report: Report, run: _PipelineRun, planning: _Planning, model, in
     """The OptimizedModule: CUDA graphs where they pay, placed across devices where planned."""
     signature, dyn = _signature(flat, args, kwargs, model, opts.dynamic,
                                 constants=report.capture.get("method") == "torch.export")
+    timing.progress("lowering")
     with timing.phase("lowering"):
         opt = OptimizedModule(gm, report, signature, dyn, example_flat=flat, training=opts.training,
                               cuda_graphs=opts.cuda_graphs, profile=planning.run_profile,

@@ -275,6 +275,7 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
     export_exc = None
     gm = None
     if strategy in ("auto", "export"):
+        timing.progress("capturing the graph with torch.export")
         try:
             with batch_first_sdpa(model, mha_record):
                 gm = _capture_export(model, args, kwargs, dynamic, stack_traces, inference)
@@ -295,6 +296,8 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
         if dynamic:
             raise _capture_error(model, export_exc, None, extra="dynamic shapes need torch.export")
         try:
+            timing.progress("capturing the graph with torch.fx.symbolic_trace (torch.export failed: %s)",
+                            info.export_error or "not tried")
             with timing.phase("capture: symbolic_trace"):
                 gm = _capture_symbolic(model, args, kwargs)
             info.method = "symbolic_trace"

@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from . import timing
 from .errors import GenerationError
 
 __all__ = ["Generator", "DecodeState", "LogitsStep", "optimize_generation", "warp_logits"]
@@ -287,6 +288,7 @@ class Generator:
         from .api import optimize
 
         options = {"model_name": f"{type(self.model).__name__} {name}", **self.optimize_options}
+        timing.progress("generation: optimizing the %s", name)
         with self._eval():
             opt = optimize(self._step_module(), inputs, cuda_graphs=cuda_graphs, **options)
         self.stats["optimized"] += 1

@@ -611,6 +611,7 @@ class PassManager:
             i.run_before_pass(gm, p, ctx)
         skip = next((s for s in (i.should_run(p, ctx) for i in inst) if s is not None), None)
         if skip is None:
+            timing.progress("pass %d/%d: %s", self._index, len(self.passes), p.name)
             res = self._execute(gm, p, ctx)
         else:
             res = p.result()

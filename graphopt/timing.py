@@ -6,14 +6,21 @@ pass bodies, accuracy checks, lowering...).
 benchmark calling ``ir.repropagate`` directly). Phases nest and are *exclusive*: a phase's time
 excludes the phases opened inside it, so the phases sum to the total and nothing is counted twice
 (a pass body that re-propagates shapes is charged "passes" only for its own work).
+
+:func:`progress` names each step as optimize() starts it (capture, the accuracy guard's reference
+runs, pass i of n, a measurement on the device, lowering) on the ``graphopt.progress`` logger at
+INFO: silent unless a handler is configured; the CLI shows it as a status line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import time
 from typing import Iterator
+
+PROGRESS = logging.getLogger("graphopt.progress")
 
 _ACTIVE: contextvars.ContextVar["PhaseTimer | None"] = contextvars.ContextVar("graphopt_phase_timer", default=None)
 
@@ -65,6 +72,11 @@ def phase(name: str) -> Iterator[None]:
         return
     with timer.phase(name):
         yield
+
+
+def progress(message: str, *args) -> None:
+    """Announce the step starting now (``message % args``, formatted only if a handler takes it)."""
+    PROGRESS.info(message, *args)
 
 
 def format_phases(phases: dict[str, float], limit: int = 8) -> str:

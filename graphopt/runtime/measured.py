@@ -203,6 +203,7 @@ class MeasuredTime:
 
     def enter(self, gm, ctx) -> None:
         if self.first is None:
+            timing.progress("measured guard: timing the captured graph")
             with timing.phase("measured guard: building the callables"):
                 first = self.make(gm)
             # its length, for planning the comparisons within the budget, and the report's time of
@@ -246,6 +247,7 @@ class MeasuredTime:
             return None
         import torch.fx as fx
 
+        timing.progress("measured guard: timing the graph after %s", p.name)
         after_fn = None
         if self.timer.steady and self.current.samples:
             # the graph after the pass alone, against the last graph timed: where it is not slower,

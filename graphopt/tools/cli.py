@@ -19,8 +19,10 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
+from .. import timing
 from ..errors import CaptureError, GraphoptError, traceback_requested
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -222,18 +224,21 @@ def cmd_explain(args) -> int:
         from .bisect import bisect
 
         model, inputs, name, _ = _load(args)
-        result = bisect(model, inputs, target=args.target, passes=_csv(args.passes), disable=_csv(args.disable) or (),
-                        precision=args.precision)
+        with _progress_line():
+            result = bisect(model, inputs, target=args.target, passes=_csv(args.passes),
+                            disable=_csv(args.disable) or (), precision=args.precision)
         console = _console()
         for pass_name, status in result.checked:
             console.print(f"  {pass_name}: {status}")
         console.print(f"[bold]{name}[/bold]: {result.summary()}")
         return 1 if result.pass_name else 0
-    opt, inputs = _optimize(args)
-    if getattr(args, "measure", False):
-        from .measure import measure_report
+    with _progress_line():
+        opt, inputs = _optimize(args)
+        if getattr(args, "measure", False):
+            from .measure import measure_report
 
-        measure_report(opt, args._model, inputs, profile=args.target)
+            timing.progress("explain --measure: timing the graphs whole and node by node")
+            measure_report(opt, args._model, inputs, profile=args.target)
     opt.report.render(_console(), verbose=args.verbose)
     if args.json:
         try:
@@ -247,8 +252,10 @@ def cmd_explain(args) -> int:
 def cmd_export(args) -> int:
     from ..export import export
 
-    opt, inputs = _optimize(args)
-    path = export(opt, args.output, format=args.format, example_inputs=inputs)
+    with _progress_line():
+        opt, inputs = _optimize(args)
+        timing.progress("writing %s", args.output)
+        path = export(opt, args.output, format=args.format, example_inputs=inputs)
     _console().print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); load with graphopt.load('{path}')")
     return 0
 
@@ -300,6 +307,53 @@ def _quiet_torch_logs():
     finally:
         for lg, level in saved:
             lg.setLevel(level)
+
+
+class _StatusLine(logging.Handler):
+    """``graphopt.progress`` records (graphopt.timing.progress) shown as a status line: the step
+    under way and the seconds since the command started, counted as the line is redrawn."""
+
+    def __init__(self, status):
+        super().__init__(logging.INFO)
+        self.status, self.t0, self.step = status, time.perf_counter(), "starting"
+        status.update(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.step = record.getMessage()
+            self.status.update(self)
+        except Exception:  # a display failure never stops the command
+            self.handleError(record)
+
+    def __rich__(self):
+        from rich.text import Text
+
+        return Text(f"graphopt: {self.step}  [{time.perf_counter() - self.t0:.0f} s]")
+
+
+@contextlib.contextmanager
+def _progress_line():
+    """While a command optimizes a model: the step under way as a transient status line on stderr,
+    where stderr is a terminal (nothing in a pipe or a log, nothing left on screen afterwards)."""
+    from rich.console import Console
+
+    PROGRESS = timing.PROGRESS
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        yield
+        return
+    saved = PROGRESS.level, PROGRESS.propagate
+    with err.status("graphopt: starting") as status:
+        handler = _StatusLine(status)
+        PROGRESS.addHandler(handler)
+        PROGRESS.setLevel(logging.INFO)
+        PROGRESS.propagate = False  # (shown here, not again by a root handler)
+        try:
+            yield
+        finally:
+            PROGRESS.removeHandler(handler)
+            PROGRESS.setLevel(saved[0])
+            PROGRESS.propagate = saved[1]
 
 
 def cmd_bench(args) -> int:

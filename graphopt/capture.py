@@ -220,7 +220,8 @@ def _user_frame(exc: BaseException) -> str | None:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         for fr in traceback.extract_tb(e.__traceback__):
-            if not any(s in fr.filename for s in skip):
+            # (code generated at run time, "<string>" or "<eval_with_key>.3", is nobody's source)
+            if not fr.filename.startswith("<") and not any(s in fr.filename for s in skip):
                 best = fr
         e = e.__cause__ or e.__context__
     if best is None:
@@ -241,7 +242,16 @@ def _advice(exc: BaseException) -> str:
                 "or use torch.cond / torch.where so both paths are traceable")
     if "not a known type" in text or "pytree" in text:
         return "an input or output type is not a tensor container torch.export understands; return tensors, tuples, dicts or register it with torch.utils._pytree"
+    if any(s in text for s in _SHAPE_ERRORS):
+        return ("an op rejected the shapes it was given: check that example_inputs are inputs the model runs on "
+                "(their shapes, channels and lengths)")
     return "make the forward traceable by torch.export (the error is in parentheses)"
+
+
+# what aten's and torch.nn's shape checks say when an op's operands do not fit each other
+_SHAPE_ERRORS = ("shapes cannot be multiplied", "same reduction dim", "must match the size of tensor",
+                 "Sizes of tensors must match", "size mismatch", "Given groups=", "is invalid for input of size",
+                 "Expected input batch_size", "to have the same number of dimensions")
 
 
 # --------------------------------------------------------------------------- capture

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import sympy
 import pytest
 import torch
@@ -133,6 +135,26 @@ def test_bad_inputs_give_capture_errors():
     # an example of size 1 in a dynamic dim: export would specialize it (it said the model had)
     with pytest.raises(CaptureError, match="has size 1 in the example"):
         capture(model, (inputs[0][:1],), dynamic={"x": {0: "batch"}})
+
+
+class _ViewsTo5Rows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        return self.conv(x).view(5, -1)
+
+
+@pytest.mark.parametrize("shape,said", [((2, 4, 16, 16), "to have 3 channels"),  # the conv's check
+                                        ((2, 3, 16, 16), "is invalid for input of size")])  # the view's
+def test_example_inputs_that_do_not_fit_the_model_are_named_as_such(shape, said):
+    with pytest.raises(CaptureError) as e:
+        capture(_ViewsTo5Rows(), (torch.randn(*shape),))
+    msg = str(e.value)
+    assert "\n" not in msg and said in msg
+    assert "fix: an op rejected the shapes it was given: check that example_inputs" in msg
+    assert f"{Path(__file__).name}:" in msg  # the forward's line, not generated code's "<string>"
 
 
 def test_kwargs_inputs():

@@ -22,7 +22,8 @@ class OptimizeOptions:
 
     device: where the model runs (default: where its parameters are); it must match the model.
     target: a cost profile to plan for ("h200", "a100", "cpu", a .json); default: ``device``'s.
-    passes / disable: pass ids to run / to leave out (``graphopt.pipeline.PIPELINE`` lists them).
+    passes / disable: pass ids to run / to leave out (``graphopt.pipeline.PIPELINE`` lists them), a list
+      or one comma-separated string.
     training: capture and optimize a graph for training (inference-only passes are skipped;
       parameters stay the model's own objects so optimizers built on ``model.parameters()`` work).
     dynamic: ``{"arg": {axis: "name"}}`` dims left symbolic (the cost model keeps sympy formulas).
@@ -104,8 +105,14 @@ class OptimizeOptions:
         if self.on_new_shape not in ON_NEW_SHAPE:
             raise GraphoptError(f"on_new_shape must be 'error' or 'reoptimize', got {self.on_new_shape!r}")
         if self.passes is not None:
-            set_("passes", tuple(self.passes))
-        set_("disable", tuple(self.disable or ()))
+            set_("passes", _pass_names("passes", self.passes))
+        set_("disable", _pass_names("disable", self.disable or ()))
+        from .replay import replay_mode
+
+        replay_mode(self.cuda_graphs)  # (raises for a value it does not know)
+        if self.calibration_data is not None and not isinstance(self.calibration_data, (list, tuple)):
+            raise GraphoptError(f"calibration_data must be a list of example inputs (each like example_inputs), "
+                                f"got {type(self.calibration_data).__name__}")
         if self.dump_dir is not None:
             set_("dump_dir", Path(self.dump_dir))
         if self.memory_budget is not None:
@@ -145,3 +152,14 @@ class OptimizeOptions:
             raise GraphoptError(f"optimize() has no option {', '.join(map(repr, unknown))}; its options: "
                                 f"{', '.join(known)}")
         return cls(**options)
+
+
+def _pass_names(option: str, value) -> tuple:
+    """Pass ids as a tuple: from a list or tuple of names, or one string of comma-separated names
+    (as the CLI takes them)."""
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise GraphoptError(f"{option} must be pass ids (a list of names or 'a,b'), got {value!r}")
+    return tuple(value)
+

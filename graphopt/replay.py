@@ -9,6 +9,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from . import ir
+from .errors import GraphoptError
 
 # op names (ATen schema names, without the namespace) that synchronize with the host
 HOST_SYNC_OPS = frozenset({
@@ -29,7 +30,7 @@ def replay_mode(cuda_graphs) -> str:
         return "on"
     if key in _FALSE:
         return "off"
-    raise ValueError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
+    raise GraphoptError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
 
 
 def has_symbolic_shapes(gm: fx.GraphModule) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import graphopt
-from graphopt import accuracy
+from graphopt import GraphoptError, accuracy
 from graphopt.capture import capture
 from graphopt.cost.profiles import get_profile
 from graphopt.examples import zoo
@@ -191,7 +191,7 @@ def test_decide_without_cuda():
 def test_bad_mode_and_backend():
     x = torch.randn(2, 8)
     gm = _gm(Small(), x)
-    with pytest.raises(ValueError):
+    with pytest.raises(GraphoptError, match="cuda_graphs must be"):  # (set_cuda_graphs's too: one line)
         lower(gm, [x], cuda_graphs="sometimes")
     with pytest.raises(ValueError):
         lower(gm, [x], backend="tpu")

@@ -32,6 +32,10 @@ class NeverRun(nn.Module):
     ({"devices": ["cpu", "cpu"], "microbatches": 0}, "microbatches must be a positive integer"),
     ({"devices": ["cpu", "tpu:0"]}, "device"),
     ({"passes": ["fuse_everything"]}, "unknown pass fuse_everything"),
+    ({"disable": "fold_conv_bn, nope"}, "unknown pass nope;"),  # a string is names by commas, not letters
+    ({"disable": 3}, "disable must be pass ids"),
+    ({"cuda_graphs": "maybe"}, "cuda_graphs must be 'auto', True or False"),
+    ({"calibration_data": 5}, "calibration_data must be a list of example inputs"),
     ({"fast": True}, "optimize\\(\\) has no option 'fast'"),
 ])
 def test_a_bad_option_is_refused_before_the_model_runs(options, match):
@@ -43,6 +47,9 @@ def test_options_are_held_checked_and_normalized():
     opts = OptimizeOptions(training=True, memory_budget="512MB", passes=["fold_constants"], dump_dir="out")
     assert opts.memory_budget == parse_memory_budget("512MB") and isinstance(opts.memory_budget, int)
     assert opts.passes == ("fold_constants",) and opts.disable == () and str(opts.dump_dir) == "out"
+    assert OptimizeOptions(passes="fold_constants, fuse_attention", disable="fold_conv_bn").passes == (
+        "fold_constants", "fuse_attention")
+    assert OptimizeOptions(disable="fold_conv_bn,").disable == ("fold_conv_bn",)
     planned = OptimizeOptions(devices=["cpu", "cpu"], microbatches=2)
     assert [d.name for d in planned.partition_devices] == ["cpu", "cpu"]
     with pytest.raises(AttributeError):

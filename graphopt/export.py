@@ -91,6 +91,8 @@ def export(module, path: str | Path, *, format: str | None = None, example_input
     meta = {"format": "graphopt", "version": FORMAT_VERSION, "artifact": format, "torch": torch.__version__,
             "num_inputs": len(example), "inputs": _inputs_meta(signature, dyn), **_specs(gm)}
     report = module.report.to_json()
+    if path.is_dir():  # (checked before the trace, whose time it would waste)
+        raise GraphoptError(f"cannot write {path}: it is a directory")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -270,6 +270,9 @@ def test_export_refuses_what_it_cannot_write(mlp, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(graphopt.GraphoptError, match="cannot write"):
         graphopt.export(opt, tmp_path / "file" / "x.pt")  # parent is a file
+    (tmp_path / "d.pt2").mkdir()
+    with pytest.raises(graphopt.GraphoptError, match="cannot write .*d.pt2: it is a directory$"):
+        graphopt.export(opt, tmp_path / "d.pt2")
 
 
 def test_artifact_from_a_newer_graphopt(mlp, tmp_path, monkeypatch):

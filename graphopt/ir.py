@@ -239,7 +239,8 @@ RANDOM_OPS = frozenset({
 
 def is_random(node: fx.Node) -> bool:
     """Does the node draw random numbers? (ops tagged nondeterministic_seeded, or a known random
-    op; a dropout of any spelling with train=False, or p=0, does not draw and does not count). The one definition the
+    op; a dropout of any spelling with train=False, or p=0, does not draw and does not count, nor a
+    recurrent layer's dropout between layers). The one definition the
     passes, the guard and the CUDA-graph lowering share."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
@@ -253,6 +254,11 @@ def is_random(node: fx.Node) -> bool:
         # dropout, feature_dropout, alpha_dropout (and in place) return their input at p == 0;
         # native_dropout still draws its mask
         return not (p == 0 and t._schema.name.split("::")[-1] != "native_dropout")
+    if "dropout" in names and "train" in names:  # the recurrent layers (lstm, gru, rnn_*): dropout between layers
+        i, j = names.index("dropout"), names.index("train")
+        p = node.args[i] if len(node.args) > i else node.kwargs.get("dropout", 0.0)
+        train = node.args[j] if len(node.args) > j else node.kwargs.get("train", True)
+        return train is not False and not (isinstance(p, (int, float)) and p == 0)
     if "dropout_p" in names:  # attention: seeded only for its dropout (tagged either way)
         i = names.index("dropout_p")
         p = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", 0.0)

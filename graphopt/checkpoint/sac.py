@@ -50,11 +50,80 @@ def split_at_kept_gemms(nodes: list, keep: set) -> list:
     return result
 
 
+def writes_below_the_graph(n: fx.Node) -> bool:
+    """Does the op of ``n``, a composite that dispatch decomposes (CompositeImplicitAutograd: nn.GRU's
+    ``aten.gru``), both take views and write tensors in place among the ops it runs, with gradients
+    recorded as in a training step (GRU's gates: sigmoid_ and tanh_ on chunks of one GEMM's output;
+    CPU dropout's bernoulli_ into a fresh tensor takes no view)? Found by running it on the node's
+    fake inputs under a recording mode (once per op and input signature). False for ops that dispatch
+    as themselves and where it cannot tell (a region where that is wrong fails loudly in backward:
+    torch's selective checkpoint checks the ops it reruns)."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload) or not torch._C._dispatch_has_kernel_for_dispatch_key(
+            t.name(), "CompositeImplicitAutograd"):
+        return False
+    from torch._guards import detect_fake_mode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vals = [a.meta.get("val") for a in n.all_input_nodes]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return False
+    key = (t, ir._signature(fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))))
+    if key in _WRITES_BELOW:
+        return _WRITES_BELOW[key]
+
+    class Record(TorchDispatchMode):
+        wrote = viewed = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Record.wrote |= func._schema.is_mutable
+            Record.viewed |= bool(getattr(func, "is_view", False))
+            return func(*args, **(kwargs or {}))
+
+    def grad_leaf(v):  # the training step's fakes: what required grad still does
+        return v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+
+    try:
+        with mode, torch.enable_grad():
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: grad_leaf(a.meta.get("val")))
+            with Record():
+                t(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - not runnable on its fakes: treated as dispatching as itself
+        return False
+    _WRITES_BELOW[key] = Record.wrote and Record.viewed
+    return _WRITES_BELOW[key]
+
+
+_WRITES_BELOW: dict = {}
+
+
+def split_at_uncachable(nodes: list, keep: set) -> list:
+    """``nodes`` without the kept nodes a selective policy cannot cache (:func:`writes_below_the_graph`:
+    torch's selective checkpoint, caching the ops nn.GRU decomposes into, hands the rerun tensors
+    whose strides differ from the forward's, and the rerun takes another path and fails). Such a node
+    is kept by running outside any region, where autograd saves what it needs: the runs of nodes
+    between them are the regions."""
+    out, run = [], []
+    for n in nodes:
+        if n in keep and writes_below_the_graph(n):
+            if run:
+                out.append(run)
+            run = []
+            continue
+        run.append(n)
+    if run:
+        out.append(run)
+    return out
+
+
 def checkpoint_regions(gm: fx.GraphModule, ctx: PassContext, am: ActivationModel, plan: Plan, res: PassResult,
                        details: dict, regions: list, prefix: str = "ckpt_region_") -> None:
-    """Each of ``regions`` (split after kept GEMMs, :func:`split_at_kept_gemms`) that recomputes
-    something becomes one CheckpointRegion call, selective where it keeps nodes inside."""
-    subregions = [sub for nodes in regions for sub in split_at_kept_gemms(nodes, plan.keep)]
+    """Each of ``regions`` (kept nodes a policy cannot cache left outside, :func:`split_at_uncachable`;
+    split after kept GEMMs, :func:`split_at_kept_gemms`) that recomputes something becomes one
+    CheckpointRegion call, selective where it keeps nodes inside."""
+    subregions = [sub for nodes in regions for part in split_at_uncachable(nodes, plan.keep)
+                  for sub in split_at_kept_gemms(part, plan.keep)]
     for i, (nodes, selective) in enumerate(subregions):
         recomputed = [n for n in nodes if n not in plan.keep]
         if not recomputed:

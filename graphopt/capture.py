@@ -420,6 +420,28 @@ def _module_conversions_that_change_nothing_skipped():
 
 
 @contextlib.contextmanager
+def _causal_mask_hints_left_unset():
+    """nn.TransformerEncoder / nn.TransformerDecoder, given a mask and no ``is_causal`` hint, compare
+    the mask with a causal one to set the hint (``torch.nn.modules.transformer._detect_is_causal_mask``):
+    a branch on tensor values, which torch.export cannot trace. The hint only lets attention use a
+    causal kernel instead of the mask; while a graph is captured it is left unset (False, the mask
+    applied as given: the same values), unless the caller passed it. fuse_attention recognizes a
+    constant causal mask in the graph by itself."""
+    from torch.nn.modules import transformer
+
+    detect = transformer._detect_is_causal_mask
+
+    def hint_as_given(mask, is_causal=None, size=None):
+        return is_causal is True
+
+    transformer._detect_is_causal_mask = hint_as_given
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
+
+
+@contextlib.contextmanager
 def _inference_grad_mode(inference: bool):
     """For an inference capture: export under ``torch.no_grad()``, the model's own switches to the
     grad mode already in force skipped (transformers' decoders compute their rotary tables under
@@ -519,7 +541,8 @@ def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False,
         # export builds and rebuilds intermediate GraphModules of the whole model; lazy ones generate
         # their Python code only if something runs or reads it (the module handed back is a plain one)
         with timing.phase("capture: torch.export"), _stack_traces(stack_traces), _lazy_graph_modules(), \
-                _inference_grad_mode(inference), _module_conversions_that_change_nothing_skipped():
+                _inference_grad_mode(inference), _module_conversions_that_change_nothing_skipped(), \
+                _causal_mask_hints_left_unset():
             ep = _export(model, args, kwargs, shapes)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):

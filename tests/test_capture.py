@@ -491,3 +491,31 @@ def test_a_module_conversion_in_the_forward_that_changes_nothing_is_captured():
     with pytest.raises(CaptureError):
         capture(converting, (x,), strategy="export")
     assert nn.Module.to.__qualname__ == "Module.to"
+
+
+class _CausalDecoder(nn.Module):
+    def __init__(self, hint=None):
+        super().__init__()
+        layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.dec, self.hint = nn.TransformerDecoder(layer, 2), hint
+
+    def forward(self, x, memory):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        return self.dec(x, memory, tgt_mask=mask, tgt_is_causal=self.hint)
+
+
+@pytest.mark.parametrize("hint", [None, True])
+def test_torch_transformer_layers_with_a_mask_and_no_causal_hint_are_captured(hint):
+    # without a hint, nn.TransformerDecoder compares the mask with a causal one (a branch on tensor
+    # values export refused); captured with the mask applied as given, a hint given is kept
+    from torch.nn.modules import transformer
+
+    torch.manual_seed(0)
+    model, x, memory = _CausalDecoder(hint).eval(), torch.randn(2, 7, 16), torch.randn(2, 5, 16)
+    detect = transformer._detect_is_causal_mask
+    gm = capture(model, (x, memory))
+    assert transformer._detect_is_causal_mask is detect
+    with torch.no_grad():
+        out, eager = gm(x, memory), model(x, memory)
+    res = graphopt.accuracy.check(out, graphopt.accuracy.fp64_reference(model, (x, memory), {}), eager)
+    assert res.passed, res.reason

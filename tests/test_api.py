@@ -492,3 +492,35 @@ def test_the_accuracy_guard_runs_a_model_that_draws_at_inference_from_one_rng_st
         with torch.no_grad():
             eager = model(x)
     assert torch.equal(ref[1], eager[1]) and ref[0].dtype == torch.float64
+
+
+class _Counted(nn.Module):
+    """Buffers a training forward updates: a running mean in place, a step counter by ``+=`` (which
+    rebinds the attribute to what ``__iadd__`` returns)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("avg", torch.zeros(8))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.avg.mul_(0.9).add_(0.1 * y.mean(0))
+                self.steps += 1
+        return y - self.avg
+
+
+def test_the_guards_runs_leave_the_callers_buffers_as_given_even_when_the_forward_rebinds_them():
+    # the float64 run's ``self.steps += 1`` bound the model's buffer to its converted copy (steps 1
+    # after optimize(), and a float64 running mean beside float32 weights in the next step)
+    torch.manual_seed(0)
+    model, x = _Counted().train(), torch.randn(4, 8)
+    steps, avg = model.steps, model.avg
+    opt = graphopt.optimize(model, (x,), training=True)
+    assert opt.report.accuracy["checked"]
+    assert model.steps is steps and model.avg is avg and int(steps) == 0 and not avg.any()
+    step_check(model, opt, (x,))  # (its buffers after one step, the counter exactly, by the rule)
+    assert int(model.steps) == 1

@@ -122,7 +122,11 @@ def plan_checkpoints(gm: fx.GraphModule, ctx: PassContext, budget, backend: str 
             # checkpoint's upper-bound accounting and one-level plans usually need more)
             if e_sac.minimum is not None and e.minimum is not None and e_sac.minimum < e.minimum:
                 raise
-            raise e from None
+            if e_sac.minimum is None:
+                raise e from None
+            # the AOT minimum holds where the AOT rewrite can trace the graph (apply_plan finds out)
+            raise BudgetError(f"{e}; where the AOT rewrite cannot trace the graph, the selective checkpoint "
+                              f"needs at least {format_bytes(e_sac.minimum)}", minimum=e.minimum) from None
         use_aot = False
         if any(ir.is_random(n) for n in am.body):
             why_not_aot = f"the budget needs recomputing random ops, which the AOT rewrite never does ({e})"
@@ -148,7 +152,11 @@ def apply_plan(gm: fx.GraphModule, ctx: PassContext, cp: CheckpointPlan, res: Pa
     if cp.backend == "aot":
         snapshot = gm.graph.python_code("self").src
         try:
-            aot.rewrite_aot(gm, ctx, cp.am, cp.plan, res, details, strict=backend == "aot", fuser=fuser)
+            # a plan that fits by recomputing nothing fits by the AOT graphs' own saved tensors (their
+            # partition saves less than eager autograd): its regions are compiled all the same
+            recomputes = any(n not in cp.plan.keep for nodes in cp.plan.regions for n in nodes)
+            aot.rewrite_aot(gm, ctx, cp.am, cp.plan, res, details, strict=backend == "aot", fuser=fuser,
+                            every_region=not recomputes)
             details["backend"] = "aot" if not details.get("aot_fallbacks") else "aot+sac"
             res.notes.append("backend aot: recomputation is a graph rewrite (AOTAutograd joint graph of each "
                              "region cut by graphopt's partition); forward and backward run as plain ATen graphs"
@@ -161,8 +169,13 @@ def apply_plan(gm: fx.GraphModule, ctx: PassContext, cp: CheckpointPlan, res: Pa
                 raise GraphoptError(f"checkpoint_backend 'aot' cannot run: {e}") from e
             why_not_aot = str(e)
             # the plan kept random ops for AOT; the selective backend replays RNG instead
-            cp.plan, cp.backend, cp.why_not_aot = planner._Selector(cp.am, ctx.hints).select(
-                cp.budget, cp.caps, cp.offset, cp.headroom), "sac", why_not_aot
+            try:
+                sac_plan = planner._Selector(cp.am, ctx.hints).select(cp.budget, cp.caps, cp.offset, cp.headroom)
+            except BudgetError as e_sac:
+                raise BudgetError(f"an AOT plan fits memory budget {format_bytes(cp.budget)}, but the AOT rewrite "
+                                  f"cannot run on this graph ({why_not_aot}); and {e_sac}",
+                                  minimum=e_sac.minimum) from None
+            cp.plan, cp.backend, cp.why_not_aot = sac_plan, "sac", why_not_aot
             details.update(planner.plan_details(cp.am, cp.plan))
     details["backend"] = "sac"
     why = ("asked for (checkpoint_backend='sac')" if backend == "sac"

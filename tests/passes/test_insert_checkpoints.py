@@ -483,3 +483,28 @@ def test_training_a_model_that_casts_to_float32_itself_is_judged_in_float64():
     model = Timesteps().train()
     args = (torch.randn(2, 4), torch.tensor([3, 250]))
     step_check(model, graphopt.optimize(model, args, training=True), args)
+
+
+class WeightNormed(nn.Module):
+    """Weight-normalized layers (torch.nn.utils.parametrizations.weight_norm): a model this small fits
+    a budget only by the AOT graphs' own saved tensors, recomputing nothing."""
+
+    def __init__(self):
+        super().__init__()
+        wn = torch.nn.utils.parametrizations.weight_norm
+        self.conv, self.lin = wn(nn.Conv1d(4, 8, 3, padding=1)), wn(nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.lin(torch.relu(self.conv(x)).mean(-1))
+
+
+def test_the_minimum_a_budget_error_names_is_a_budget_that_trains():
+    # the AOT plan at the minimum recomputed nothing; the rewrite refused it ("no region recomputes
+    # anything") and the selective checkpoint's own minimum, higher, came back as a second error
+    torch.manual_seed(0)
+    model, x = WeightNormed().train(), torch.randn(2, 4, 10)
+    with pytest.raises(BudgetError) as e:
+        graphopt.optimize(model, (x,), training=True, memory_budget=0.3)
+    assert e.value.minimum and "raise memory_budget to at least" in str(e.value)
+    opt = graphopt.optimize(model, (x,), training=True, memory_budget=int(e.value.minimum * 1.02))
+    step_check(model, opt, (x,))

@@ -97,7 +97,7 @@ def export(module, path: str | Path, *, format: str | None = None, example_input
         raise GraphoptError(f"cannot write {path}: {e.strerror or e}") from None
     with _quiet_jit():
         if format == "torchscript":
-            scripted, how = _to_torchscript(flat_gm, example)
+            scripted, how = _to_torchscript(flat_gm, example, dyn)
             meta["torchscript"] = how
             save = lambda: torch.jit.save(scripted, str(path), _extra_files={META: json.dumps(meta), REPORT: report})  # noqa: E731
         else:
@@ -148,14 +148,80 @@ def _quiet_jit():
         yield
 
 
-def _to_torchscript(flat_gm: fx.GraphModule, example: list):
-    try:
-        return torch.jit.script(flat_gm), "script"
-    except Exception:
-        pass
+def _scriptable(flat_gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the flat graph torch.jit.script compiles: it resolves an aten op by its packet
+    (``torch.ops.aten.view``), not by an overload (``.default``), and a dim's size as ``x.size(d)``.
+    Scripted, the artifact computes sizes at run time, so dynamic dims stay dynamic (a trace
+    records them as the example's)."""
+    graph = fx.Graph()
+    env: dict = {}
+    for n in flat_gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.sym_size.int:
+            env[n] = graph.call_method("size", fx.map_arg(n.args, env.__getitem__))
+        else:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+                env[n].target = n.target.overloadpacket
+    gm = fx.GraphModule(flat_gm, graph, class_name="GraphoptScript")
+    gm.recompile()
+    return gm
+
+
+def _same_outputs(a, b, inputs: list) -> bool:
+    """Whether modules a and b give the same outputs on ``inputs`` (the same graph run two ways:
+    any difference beyond reassociation is a wrong artifact); False where b raises."""
+    with torch.no_grad():
+        want = pytree.tree_leaves(a(*inputs))
+        try:
+            got = pytree.tree_leaves(b(*inputs))
+        except Exception:
+            return False
+    return len(got) == len(want) and all(
+        not isinstance(w, torch.Tensor) or (isinstance(g, torch.Tensor) and g.shape == w.shape and g.dtype == w.dtype
+                                            and torch.allclose(g, w, rtol=1e-3, atol=1e-3, equal_nan=True))
+        for g, w in zip(got, want))
+
+
+def _to_torchscript(flat_gm: fx.GraphModule, example: list, dyn: dict | None = None):
+    for make in (lambda: flat_gm, lambda: _scriptable(flat_gm)):
+        try:
+            scripted = torch.jit.script(make())
+        except Exception:
+            continue
+        if _same_outputs(flat_gm, scripted, example):
+            return scripted, "script"
     with torch.no_grad():
         traced = torch.jit.trace(flat_gm, tuple(example), check_trace=False, strict=False)
+    if dyn:
+        _check_trace_dynamic(flat_gm, traced, example, dyn)
     return traced, "trace"
+
+
+def _grown(example: list, dyn: dict) -> list:
+    """The example with every dynamic dim one longer (its first slice repeated: index inputs keep
+    values the model accepts, and dims that share a symbol stay equal)."""
+    out = []
+    for i, x in enumerate(example):
+        for d in sorted(dyn.get(i, ())) if isinstance(x, torch.Tensor) else ():
+            x = torch.cat([x, x.narrow(d, 0, 1)], d)
+        out.append(x)
+    return out
+
+
+def _check_trace_dynamic(flat_gm: fx.GraphModule, traced, example: list, dyn: dict) -> None:
+    """A trace records the example's sizes as constants wherever the graph computes with a size
+    (a view to [batch, ...]): run it with the dynamic dims grown against the graph, and refuse an
+    artifact that would fail or compute something else at other sizes."""
+    grown = _grown(example, dyn)
+    with torch.no_grad():
+        try:
+            flat_gm(*grown)
+        except Exception:  # the graph itself does not take this size: nothing to compare
+            return
+    if not _same_outputs(flat_gm, traced, grown):
+        raise GraphoptError("TorchScript cannot keep this graph's dynamic dims (torch.jit.script refuses it and "
+                            "a trace fixes the sizes it computes with); export it as .pt2 (format='pt2'), or "
+                            "optimize without dynamic=")
 
 
 class LoadedModule(nn.Module):

@@ -248,6 +248,48 @@ def test_dynamic_batch_survives_export(tmp_path, fmt):
         loaded(torch.randn(3, inputs[0].shape[1] + 1))
 
 
+class _Shuffle(torch.nn.Module):
+    """A channel shuffle: its views compute with the batch size (a symbolic size in the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        b = x.shape[0]
+        y = self.lin(x).view(b, 2, 4).transpose(1, 2).reshape(b, 8)
+        return torch.relu(y) * x
+
+
+def test_dynamic_size_arithmetic_survives_torchscript(tmp_path):
+    """A graph that computes with a dynamic dim's size (aten.sym_size feeding a view) exports as
+    TorchScript that computes it at run time: scripted, not traced with the example's batch baked in
+    (which failed inside the TorchScript interpreter on any other batch)."""
+    torch.manual_seed(0)
+    model, x = _Shuffle().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x,), dynamic={"x": {0: "batch"}}, check_accuracy=False)
+    assert any(n.target is torch.ops.aten.sym_size.int for n in opt.graph_module.graph.nodes)
+    loaded = graphopt.load(graphopt.export(opt, tmp_path / "dyn.pt"))
+    assert loaded.meta["torchscript"] == "script"
+    for batch in (2, 5):
+        xb = torch.randn(batch, 8)
+        with torch.no_grad():
+            _assert_matches(loaded(xb), opt(xb))
+
+
+def test_traced_artifact_refuses_dynamic_dims_it_baked():
+    """Where only a trace works, one that fixed a dynamic dim's size is refused in one line."""
+    torch.manual_seed(0)
+    model, x = _Shuffle().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x,), dynamic={"x": {0: "batch"}}, check_accuracy=False)
+    flat = export_mod._flat_graph_module(opt.graph_module)
+    with torch.no_grad():
+        traced = torch.jit.trace(flat, (x,), check_trace=False, strict=False)
+    with pytest.raises(graphopt.GraphoptError, match="dynamic dims") as ei:
+        export_mod._check_trace_dynamic(flat, traced, [x], {0: {0}})
+    assert "\n" not in str(ei.value)
+
+
 def test_low_precision_graph_round_trip(tmp_path):
     """A graph assign_precision lowered to bf16 (casts and bf16 constants inside) exports and
     reloads with the same outputs, in the model's output dtype."""

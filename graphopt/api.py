@@ -1056,9 +1056,11 @@ def _signature(flat, args, kwargs, model, dynamic, constants: bool = True):
     if dynamic:
         import inspect
 
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+        # the flat inputs are the call's leaves in pytree order: the positional arguments, then the
+        # keyword arguments in the order the call gave them (not the forward's parameter order)
+        positional = inspect.signature(model.forward).bind_partial(*args).arguments
         order = []
-        for name, val in bound.arguments.items():
+        for name, val in [*positional.items(), *kwargs.items()]:
             leaves = pytree.tree_leaves(val)
             order.extend((name, j) for j in range(len(leaves)))
         for i, (name, j) in enumerate(order):

@@ -144,6 +144,34 @@ def test_dynamic_batch(mlp_dynamic):
         opt(torch.randn(3, inputs[0].shape[1] + 1))
 
 
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(50, 8), nn.Linear(8, 8)
+
+    def forward(self, ids, mask=None, scale=None):
+        return self.lin(self.emb(ids)) * mask[..., None] * scale.sum()
+
+
+def test_dynamic_dims_follow_keyword_order():
+    """Keyword inputs given in another order than the forward's parameters: the dynamic dims
+    are those of the named inputs (they were given by parameter order to the flat inputs, so a
+    legal call raised GuardError and the guard let another input's size vary)."""
+    torch.manual_seed(0)
+    model = _Masked().eval()
+    scale = torch.rand(3)
+    example = {"scale": scale, "mask": torch.ones(2, 6), "ids": torch.randint(0, 50, (2, 6))}
+    opt = graphopt.optimize(model, example, dynamic={"ids": {0: "b", 1: "s"}, "mask": {0: "b", 1: "s"}},
+                            check_accuracy=False)
+    call = {"ids": torch.randint(0, 50, (3, 7)), "mask": torch.rand(3, 7), "scale": scale}
+    with torch.no_grad():
+        out, eager = opt(**call), model(**call)
+    res = accuracy.check(out, accuracy.fp64_reference(model, (), call), eager)
+    assert res.passed, res.reason
+    with pytest.raises(graphopt.GuardError):  # scale is not dynamic
+        opt(**dict(call, scale=torch.rand(4)))
+
+
 # ----------------------------------------------------------------------------- training
 
 

@@ -440,6 +440,45 @@ def test_a_cache_the_forward_fills_is_the_callers_as_given_after_optimize(prefil
         assert accuracy.check(opt(x), ref, eager).passed
 
 
+class _Stateful(nn.Module):
+    """Buffers its forward writes: a step counter reassigned (``+=`` sets the attribute), a running
+    mean written in place and an average reassigned out of place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("total", torch.zeros(4))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.steps += 1
+        self.total.add_(x.mean(0))
+        self.ema = 0.5 * self.ema + x.mean(0)
+        return self.lin(x) + self.ema
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_optimize_leaves_the_buffers_a_forward_writes_as_given(training):
+    """optimize() runs the model (the guard's eager and float64 runs, timing) and the graph: none of
+    those runs leaves its writes in the caller's buffers, and the float64 run's reassignments (a float64
+    ``ema``) are undone (accuracy.ModuleState). A call of the optimized module then writes the model's
+    own buffers as an eager call does."""
+    torch.manual_seed(0)
+    model, x = _Stateful().train(training), torch.randn(3, 4)
+    before = {k: (b, b.clone()) for k, b in model.named_buffers()}
+    opt = graphopt.optimize(model, (x,), training=training)
+    for k, b in model.named_buffers():
+        assert b is before[k][0] and b.dtype == before[k][1].dtype and torch.equal(b, before[k][1]), k
+    ref, ref64 = copy.deepcopy(model), accuracy.fp64_reference(model, (x,), {})
+    with torch.set_grad_enabled(training):
+        out, eager = opt(x), ref(x)
+    res = accuracy.check(out, ref64, eager, training=training)
+    assert res.passed, res.reason
+    for (k, b), r in zip(model.named_buffers(), ref.buffers()):
+        assert b.dtype == r.dtype and torch.allclose(b, r), k
+
+
 def test_a_cache_filled_under_inference_mode_is_a_constant_graphopt_can_propagate_again():
     """A tensor the caller's own torch.inference_mode() call cached is an inference tensor, which keeps
     no version counter: the capture lifts it as a constant, and propagating metadata again (after a

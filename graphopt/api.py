@@ -219,6 +219,12 @@ class OptimizedModule(nn.Module):
         key = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
         cache = self.__dict__.setdefault("_specializations", {})
         if key not in cache:
+            for spec in cache.values():  # one optimized with dims dynamic= that takes this call too
+                try:
+                    spec._guard_flat(flat)
+                except GuardError:
+                    continue
+                return spec
             if len(cache) >= limit:
                 raise GuardError(f"{error} (and {limit} re-optimized specializations are cached already: "
                                  "declare the varying dims dynamic=)") from None

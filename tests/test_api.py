@@ -4,6 +4,7 @@ its inputs, honours dynamic dims, and in training mode shares the model's parame
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -315,6 +316,27 @@ def test_on_new_shape_reoptimize_specializes_and_stays_correct():
     assert any("specialization" in n for n in opt.report.notes)
     with pytest.raises(graphopt.GraphoptError, match="on_new_shape"):
         graphopt.optimize(model, (x,), on_new_shape="sometimes")
+
+
+def test_reoptimize_reuses_a_specialization_whose_dynamic_dims_take_the_call():
+    """dynamic= batch with on_new_shape="reoptimize": a new sequence length is optimized again, and
+    the specialization (dynamic in the batch too) serves that length at every batch size (it was
+    keyed by exact shapes: one re-optimization per batch size, then GuardError at the limit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    opt = graphopt.optimize(model, (torch.randn(2, 4, 8),), dynamic={"input": {0: "batch"}},
+                            on_new_shape="reoptimize", check_accuracy=False, measure=False)
+    with pytest.warns(RuntimeWarning, match="re-optimizing"):
+        opt(torch.randn(3, 5, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for batch in (2, 4, 7):
+            x = torch.randn(batch, 5, 8)
+            with torch.no_grad():
+                out, eager = opt(x), model(x)
+            res = accuracy.check(out, accuracy.fp64_reference(model, (x,), {}), eager)
+            assert res.passed, res.reason
+    assert len(opt._specializations) == 1
 
 
 class _ScaledGate(nn.Module):

@@ -12,6 +12,7 @@ and the loaded module refuses other inputs with ``GuardError`` as the optimized 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import json
 import sys
@@ -27,6 +28,7 @@ from torch.utils import _pytree as pytree
 from .errors import ArtifactError, GraphoptError, GuardError
 
 FORMAT_VERSION = 1
+_MISSING = object()
 META = "graphopt_meta.json"
 REPORT = "graphopt_report.json"
 
@@ -97,6 +99,12 @@ def export(module, path: str | Path, *, format: str | None = None, example_input
         raise GraphoptError(f"cannot write {path}: {e.strerror or e}") from None
     with _quiet_jit():
         if format == "torchscript":
+            # TorchScript takes tensors: the non-tensor inputs the graph holds as constants are not its inputs
+            constants = {i for i, m in enumerate(meta["inputs"]) if m is not None and "type" in m}
+            if constants and len(meta["inputs"]) == len(example):
+                flat_gm = _without_inputs(flat_gm, constants)
+                example = [x for i, x in enumerate(example) if i not in constants]
+                meta["constant_inputs"] = sorted(constants)
             scripted, how = _to_torchscript(flat_gm, example, dyn)
             meta["torchscript"] = how
             save = lambda: torch.jit.save(scripted, str(path), _extra_files={META: json.dumps(meta), REPORT: report})  # noqa: E731
@@ -121,7 +129,13 @@ def _inputs_meta(signature: list, dyn: dict) -> list:
     out = []
     for i, sig in enumerate(signature):
         if not isinstance(sig, tuple):
-            out.append(None)
+            value = getattr(sig, "value", _MISSING)  # api.Specialized: a constant of the graph
+            if value is _MISSING:
+                out.append(None)
+            elif value is None or type(value) in (bool, int, float, str):
+                out.append({"value": value, "type": type(value).__name__})
+            else:  # a dtype, device, memory format or layout
+                out.append({"repr": repr(value), "type": type(value).__name__})
             continue
         shape, dtype, device = sig
         out.append({"shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "device": torch.device(device).type,
@@ -146,6 +160,21 @@ def _quiet_jit():
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         warnings.filterwarnings("ignore", message=r".*TorchScript type system")
         yield
+
+
+def _without_inputs(flat_gm: fx.GraphModule, drop: set) -> fx.GraphModule:
+    """The flat graph without the placeholders at ``drop`` (inputs torch.export made constants of the
+    graph: nothing reads them)."""
+    places = [n for n in flat_gm.graph.nodes if n.op == "placeholder"]
+    gm = fx.GraphModule(flat_gm, copy.deepcopy(flat_gm.graph), class_name="GraphoptFlat")
+    for i, n in enumerate([n for n in gm.graph.nodes if n.op == "placeholder"]):
+        if i in drop and i < len(places):
+            if n.users:
+                raise GraphoptError(f"input {i} of the graph is not a tensor and the graph reads it; TorchScript "
+                                    "takes tensors only: export it as .pt2 (format='pt2')")
+            gm.graph.erase_node(n)
+    gm.recompile()
+    return gm
 
 
 def _scriptable(flat_gm: fx.GraphModule) -> fx.GraphModule:
@@ -190,8 +219,13 @@ def _to_torchscript(flat_gm: fx.GraphModule, example: list, dyn: dict | None = N
             continue
         if _same_outputs(flat_gm, scripted, example):
             return scripted, "script"
-    with torch.no_grad():
-        traced = torch.jit.trace(flat_gm, tuple(example), check_trace=False, strict=False)
+    try:
+        with torch.no_grad():
+            traced = torch.jit.trace(flat_gm, tuple(example), check_trace=False, strict=False)
+    except Exception as e:
+        raise GraphoptError(f"TorchScript can neither script nor trace this graph ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:160] if str(e) else ''}); export it as .pt2 (format='pt2')",
+                            detail=repr(e)) from None
     if dyn:
         _check_trace_dynamic(flat_gm, traced, example, dyn)
     return traced, "trace"
@@ -255,6 +289,15 @@ class LoadedModule(nn.Module):
         if len(flat) != want:
             raise GuardError(f"artifact takes {want} input tensors, got {len(flat)}")
         for i, (x, sig) in enumerate(zip(flat, self.meta.get("inputs") or [])):
+            if sig is not None and "type" in sig:  # a non-tensor input the graph holds as a constant
+                same = type(x).__name__ == sig["type"] and (
+                    repr(x) == sig["repr"] if "repr" in sig
+                    else x == sig["value"] or (isinstance(x, float) and x != x and sig["value"] != sig["value"]))
+                if not same:
+                    was = sig["repr"] if "repr" in sig else repr(sig["value"])
+                    raise GuardError(f"input {i} was {was} when optimized, got {x!r}: the artifact holds it as a "
+                                     "constant - optimize and export again for this value")
+                continue
             if sig is None or not isinstance(x, torch.Tensor):
                 continue
             dtype = str(x.dtype).replace("torch.", "")
@@ -269,7 +312,8 @@ class LoadedModule(nn.Module):
     def forward(self, *args, **kwargs):
         flat = pytree.tree_leaves((args, kwargs))
         self._guard(flat)
-        out = self.inner(*flat)
+        constants = set(self.meta.get("constant_inputs", ()))
+        out = self.inner(*[x for i, x in enumerate(flat) if i not in constants])
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         if self._out_spec is not None:
             return pytree.tree_unflatten(out, self._out_spec)

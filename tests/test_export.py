@@ -290,6 +290,32 @@ def test_traced_artifact_refuses_dynamic_dims_it_baked():
     assert "\n" not in str(ei.value)
 
 
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, k: int = 2, flag: bool = True):
+        y = self.lin(x) * k
+        return y.relu() if flag else y
+
+
+def test_scalar_inputs_are_guarded_constants_of_the_artifact(tmp_path):
+    """Python scalars torch.export made constants of the graph: TorchScript exports (it could not
+    trace a tuple holding ints), and either artifact refuses another value with GuardError, as the
+    optimized module does (the .pt2 raised torch's AssertionError)."""
+    torch.manual_seed(0)
+    model, x = _Scaled().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x, 3, True), check_accuracy=False, measure=False)
+    for fmt in ("pt", "pt2"):
+        loaded = graphopt.load(graphopt.export(opt, tmp_path / f"scaled.{fmt}"))
+        with torch.no_grad():
+            _assert_matches(loaded(x, 3, True), opt(x, 3, True))
+        for k, flag in ((5, True), (3, False), (3.0, True)):
+            with pytest.raises(graphopt.GuardError, match="constant"):
+                loaded(x, k, flag)
+
+
 def test_low_precision_graph_round_trip(tmp_path):
     """A graph assign_precision lowered to bf16 (casts and bf16 constants inside) exports and
     reloads with the same outputs, in the model's output dtype."""

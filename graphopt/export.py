@@ -309,7 +309,24 @@ class LoadedModule(nn.Module):
                 raise GuardError(f"input {i} has shape {tuple(x.shape)}; the artifact was optimized for "
                                  f"{tuple(shape)} (dynamic dims: {sorted(dyn) or 'none'})")
 
+    def _keyword_order(self, kwargs: dict) -> dict:
+        """The keyword inputs in the order the artifact's flat inputs take them (a call may name them
+        in any order, as the model's does)."""
+        spec = self._in_spec
+        try:
+            if spec.type is not tuple or spec.num_children != 2:
+                return kwargs
+            child = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
+            keys = list(child.context) if child.type is dict else None
+        except (AttributeError, TypeError, IndexError):
+            keys = None
+        if not keys or list(kwargs) == keys or set(kwargs) != set(keys):
+            return kwargs
+        return {k: kwargs[k] for k in keys}
+
     def forward(self, *args, **kwargs):
+        if kwargs and self._in_spec is not None:
+            kwargs = self._keyword_order(kwargs)
         flat = pytree.tree_leaves((args, kwargs))
         self._guard(flat)
         constants = set(self.meta.get("constant_inputs", ()))

@@ -316,6 +316,28 @@ def test_scalar_inputs_are_guarded_constants_of_the_artifact(tmp_path):
                 loaded(x, k, flag)
 
 
+class _TwoIndexInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, ids=None, positions=None):
+        return self.emb(ids) + 2 * self.emb(positions)
+
+
+def test_loaded_module_takes_keyword_inputs_in_any_order(tmp_path):
+    """Keyword inputs named in another order than the example's reach the artifact's flat inputs by
+    name (two int64 inputs of one shape were swapped silently: the guard saw nothing wrong)."""
+    torch.manual_seed(0)
+    model = _TwoIndexInputs().eval()
+    ids, pos = torch.randint(0, 16, (2, 5)), torch.arange(5).expand(2, 5).contiguous()
+    opt = graphopt.optimize(model, {"ids": ids, "positions": pos}, check_accuracy=False, measure=False)
+    for fmt in ("pt", "pt2"):
+        loaded = graphopt.load(graphopt.export(opt, tmp_path / f"kw.{fmt}"))
+        with torch.no_grad():
+            _assert_matches(loaded(positions=pos, ids=ids), model(ids=ids, positions=pos))
+
+
 def test_low_precision_graph_round_trip(tmp_path):
     """A graph assign_precision lowered to bf16 (casts and bf16 constants inside) exports and
     reloads with the same outputs, in the model's output dtype."""

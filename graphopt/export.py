@@ -198,11 +198,13 @@ def _scriptable(flat_gm: fx.GraphModule) -> fx.GraphModule:
 
 def _same_outputs(a, b, inputs: list) -> bool:
     """Whether modules a and b give the same outputs on ``inputs`` (the same graph run two ways:
-    any difference beyond reassociation is a wrong artifact); False where b raises."""
+    any difference beyond reassociation is a wrong artifact); False where b raises. Each run gets
+    its own copy of the inputs (a graph may write one in place)."""
+    fresh = lambda: [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]  # noqa: E731
     with torch.no_grad():
-        want = pytree.tree_leaves(a(*inputs))
+        want = pytree.tree_leaves(a(*fresh()))
         try:
-            got = pytree.tree_leaves(b(*inputs))
+            got = pytree.tree_leaves(b(*fresh()))
         except Exception:
             return False
     return len(got) == len(want) and all(
@@ -212,6 +214,18 @@ def _same_outputs(a, b, inputs: list) -> bool:
 
 
 def _to_torchscript(flat_gm: fx.GraphModule, example: list, dyn: dict | None = None):
+    """(the TorchScript module, "script" or "trace"). The runs that check it (and a trace's) leave the
+    buffers the graph writes (the model's own: a step counter) as they were."""
+    saved = [(b, b.detach().clone()) for b in flat_gm.buffers()]
+    try:
+        return _scripted_or_traced(flat_gm, example, dyn)
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def _scripted_or_traced(flat_gm: fx.GraphModule, example: list, dyn: dict | None):
     for make in (lambda: flat_gm, lambda: _scriptable(flat_gm)):
         try:
             scripted = torch.jit.script(make())
@@ -221,7 +235,8 @@ def _to_torchscript(flat_gm: fx.GraphModule, example: list, dyn: dict | None = N
             return scripted, "script"
     try:
         with torch.no_grad():
-            traced = torch.jit.trace(flat_gm, tuple(example), check_trace=False, strict=False)
+            traced = torch.jit.trace(flat_gm, tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example),
+                                     check_trace=False, strict=False)
     except Exception as e:
         raise GraphoptError(f"TorchScript can neither script nor trace this graph ({type(e).__name__}: "
                             f"{str(e).splitlines()[0][:160] if str(e) else ''}); export it as .pt2 (format='pt2')",
@@ -249,7 +264,7 @@ def _check_trace_dynamic(flat_gm: fx.GraphModule, traced, example: list, dyn: di
     grown = _grown(example, dyn)
     with torch.no_grad():
         try:
-            flat_gm(*grown)
+            flat_gm(*[x.clone() if isinstance(x, torch.Tensor) else x for x in grown])
         except Exception:  # the graph itself does not take this size: nothing to compare
             return
     if not _same_outputs(flat_gm, traced, grown):

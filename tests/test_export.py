@@ -277,6 +277,36 @@ def test_dynamic_size_arithmetic_survives_torchscript(tmp_path):
             _assert_matches(loaded(xb), opt(xb))
 
 
+class _Counting(_Shuffle):
+    """The shuffle, counting its calls in a buffer and scaling its input in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        x.mul_(2)
+        return super().forward(x)
+
+
+def test_exporting_leaves_the_models_buffers_and_the_example_as_they_were(tmp_path):
+    """The runs that check a TorchScript artifact (scripted against the graph) each get their own
+    inputs and leave the buffers the graph writes as they were: the graph writing its input in place
+    does not make the two runs differ (which refused the script), and the model's counter is not
+    advanced by export."""
+    torch.manual_seed(0)
+    model, x = _Counting().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x.clone(),), dynamic={"x": {0: "batch"}}, check_accuracy=False, measure=False)
+    example = [t.clone() for t in opt._example_flat]
+    loaded = graphopt.load(graphopt.export(opt, tmp_path / "counting.pt"))
+    assert loaded.meta["torchscript"] == "script"
+    assert int(model.calls) == 0 and torch.equal(opt._example_flat[0], example[0])
+    xb = torch.randn(3, 8)
+    with torch.no_grad():
+        _assert_matches(loaded(xb.clone()), opt(xb.clone()))
+
+
 def test_traced_artifact_refuses_dynamic_dims_it_baked():
     """Where only a trace works, one that fixed a dynamic dim's size is refused in one line."""
     torch.manual_seed(0)

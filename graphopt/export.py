@@ -5,8 +5,10 @@ Artifacts take and return flat tensors (the model's inputs and outputs flattened
 torch.utils._pytree); ``graphopt.load`` restores the nesting from the stored tree specs (for
 Hugging Face ``ModelOutput``/``DynamicCache`` it imports the transformers modules the spec
 names), and returns the flat tuple, saying so in ``.notes``, when they cannot be restored.
-The input signature the module was optimized for (shapes, dtypes, dynamic dims) is stored too,
-and the loaded module refuses other inputs with ``GuardError`` as the optimized one does.
+The input signature the module was optimized for (shapes, dtypes, dynamic dims, the values of
+non-tensor inputs) is stored too, and the loaded module refuses other inputs with ``GuardError`` as
+the optimized one does; it re-spells a call as the optimized one (positional arguments by the
+forward's parameter names, keywords in any order).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import inspect
 import json
 import sys
 import warnings
@@ -91,7 +94,8 @@ def export(module, path: str | Path, *, format: str | None = None, example_input
     signature = getattr(module, "_signature", None) or []
     dyn = getattr(module, "_dynamic_dims", {}) or {}
     meta = {"format": "graphopt", "version": FORMAT_VERSION, "artifact": format, "torch": torch.__version__,
-            "num_inputs": len(example), "inputs": _inputs_meta(signature, dyn), **_specs(gm)}
+            "num_inputs": len(example), "inputs": _inputs_meta(signature, dyn), **_specs(gm),
+            **_convention_meta(getattr(module, "_convention", None))}
     report = module.report.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +126,18 @@ def export(module, path: str | Path, *, format: str | None = None, example_input
                 raise GraphoptError(f"cannot write {path}: {str(e).splitlines()[0][:200]}") from None
             raise
     return path
+
+
+def _convention_meta(convention) -> dict:
+    """How the model was called when optimized (api._calling_convention): the forward's parameters
+    that take a positional argument, and which were given by position and which by keyword; a
+    loaded artifact re-spells a call as that one (keywords in any order, positionals by name)."""
+    if convention is None:
+        return {}
+    sig, pos_names, kw_names = convention
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {"call": {"parameters": [p.name for p in sig.parameters.values() if p.kind in kinds],
+                     "positional": list(pos_names), "keywords": list(kw_names)}}
 
 
 def _inputs_meta(signature: list, dyn: dict) -> list:
@@ -339,9 +355,31 @@ class LoadedModule(nn.Module):
             return kwargs
         return {k: kwargs[k] for k in keys}
 
+    def _as_captured(self, args: tuple, kwargs: dict):
+        """The call spelled as the one the artifact was optimized with: positional arguments by the
+        forward's parameter names, keywords in the optimized call's order."""
+        call = self.meta.get("call")
+        if not call:
+            return args, (self._keyword_order(kwargs) if kwargs and self._in_spec is not None else kwargs)
+        pos, kws = call["positional"], call["keywords"]
+        if len(args) == len(pos) and list(kwargs) == kws:
+            return args, kwargs
+        params = call["parameters"]
+        if len(args) > len(params):
+            raise GuardError(f"the artifact takes at most {len(params)} positional arguments, got {len(args)}")
+        named = dict(zip(params, args))
+        twice = [k for k in kwargs if k in named]
+        if twice:
+            raise GuardError(f"argument(s) {', '.join(twice)} given by position and by keyword")
+        named.update(kwargs)
+        want = list(pos) + list(kws)
+        if set(named) != set(want):
+            raise GuardError(f"the artifact was optimized with arguments {', '.join(want)}; got "
+                             f"{', '.join(named) or 'none'} - optimize and export again for this call")
+        return tuple(named[k] for k in pos), {k: named[k] for k in kws}
+
     def forward(self, *args, **kwargs):
-        if kwargs and self._in_spec is not None:
-            kwargs = self._keyword_order(kwargs)
+        args, kwargs = self._as_captured(args, kwargs)
         flat = pytree.tree_leaves((args, kwargs))
         self._guard(flat)
         constants = set(self.meta.get("constant_inputs", ()))

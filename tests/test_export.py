@@ -356,16 +356,22 @@ class _TwoIndexInputs(torch.nn.Module):
 
 
 def test_loaded_module_takes_keyword_inputs_in_any_order(tmp_path):
-    """Keyword inputs named in another order than the example's reach the artifact's flat inputs by
-    name (two int64 inputs of one shape were swapped silently: the guard saw nothing wrong)."""
+    """Keyword inputs named in another order than the example's, or passed by position, reach the
+    artifact's flat inputs by name (two int64 inputs of one shape were swapped silently: the guard
+    saw nothing wrong)."""
     torch.manual_seed(0)
     model = _TwoIndexInputs().eval()
     ids, pos = torch.randint(0, 16, (2, 5)), torch.arange(5).expand(2, 5).contiguous()
-    opt = graphopt.optimize(model, {"ids": ids, "positions": pos}, check_accuracy=False, measure=False)
+    opt = graphopt.optimize(model, {"positions": pos, "ids": ids}, check_accuracy=False, measure=False)
+    with torch.no_grad():
+        want = model(ids=ids, positions=pos)
     for fmt in ("pt", "pt2"):
         loaded = graphopt.load(graphopt.export(opt, tmp_path / f"kw.{fmt}"))
         with torch.no_grad():
-            _assert_matches(loaded(positions=pos, ids=ids), model(ids=ids, positions=pos))
+            for args, kwargs in (((), {"ids": ids, "positions": pos}), ((ids, pos), {}), ((ids,), {"positions": pos})):
+                _assert_matches(loaded(*args, **kwargs), want)
+        with pytest.raises(graphopt.GuardError):
+            loaded(ids)
 
 
 def test_low_precision_graph_round_trip(tmp_path):

@@ -1,4 +1,4 @@
-"""Do export/load, dynamic=, on_new_shape, training steps and the caller's state hold on CPU models outside the sweep? After 6 fixes on hunt-a (a .pt baked a dynamic batch, keyword order, buffers written by optimize(), reoptimize per batch size, scalar inputs of artifacts, a budget minimum above the baseline) every cell passes on shufflenet, mpnet, deberta-v2 and opt (no result file).
+"""Do export/load, dynamic=, on_new_shape, training steps and the caller's state hold on CPU models outside the sweep? After the fixes on branch hunt-a (a .pt baked a dynamic batch, dynamic dims and artifacts' inputs by keyword/positional order, buffers written by optimize() and export, reoptimize per batch size, scalar inputs of artifacts, a budget minimum above the baseline) every cell passes on shufflenet, mpnet, deberta-v2 and opt (no result file).
 
 Cells, each judged by the accuracy rule against float64 (eager fp32 the yardstick):
 

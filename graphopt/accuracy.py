@@ -319,8 +319,8 @@ class ModuleState:
     """The Python-side state of a module tree, taken when made: every module's ``__dict__`` entries
     beside nn.Module's own (a cache a forward fills, ``self.cache[device] = f(weight)``), and what the
     dicts, lists and sets and the plain objects' attributes reachable from them hold (a few levels
-    down). :meth:`restore` puts back in place what changed: the same objects under the same names,
-    each container holding what it held, the entries a run added removed. So a run of the model
+    down). :meth:`restore` puts back in place what changed: the same objects under the same names (the
+    parameters' and buffers' too), each container holding what it held, the entries a run added removed. So a run of the model
     (graphopt's float64 reference, an eager run of the guard, a capture that traces the forward with
     fake tensors) neither leaves what it stored behind (a float64 tensor the caller's next bf16 call
     would read) nor reads what another run stored.
@@ -333,6 +333,10 @@ class ModuleState:
 
     def __init__(self, model: torch.nn.Module):
         self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}) for m in model.modules()]
+        # which tensor each parameter and buffer name holds: a forward that assigns one
+        # (``self.steps += 1``, ``self.ema = 0.9 * self.ema + ...``) puts its result there, and in the
+        # float64 run that result is a float64 copy
+        self.members = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
         self.contents: dict = {}  # id -> (container, a shallow copy of what it held)
         self.tensors: dict = {}  # id -> tensor
         self._entries = 0
@@ -362,6 +366,11 @@ class ModuleState:
             self._walk(x, depth + 1)
 
     def restore(self) -> None:
+        for m, params, buffers in self.members:
+            for now, held in ((m._parameters, params), (m._buffers, buffers)):
+                if len(now) != len(held) or any(now.get(k, _MISSING) is not v for k, v in held.items()):
+                    now.clear()
+                    now.update(held)
         for obj, held in self.contents.values():
             if isinstance(obj, dict):
                 if len(obj) != len(held) or any(obj.get(k, _MISSING) is not x for k, x in held.items()):

@@ -219,6 +219,12 @@ class OptimizedModule(nn.Module):
         key = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
         cache = self.__dict__.setdefault("_specializations", {})
         if key not in cache:
+            for spec in cache.values():  # one optimized with dims dynamic= that takes this call too
+                try:
+                    spec._guard_flat(flat)
+                except GuardError:
+                    continue
+                return spec
             if len(cache) >= limit:
                 raise GuardError(f"{error} (and {limit} re-optimized specializations are cached already: "
                                  "declare the varying dims dynamic=)") from None
@@ -334,8 +340,9 @@ class _AccuracyGuard:
     the error running GEMMs in low precision cannot avoid. The model hand-converted to that dtype,
     and the strict bar (the fp32 model as the yardstick), are reported beside it."""
 
-    def __init__(self, model, args, kwargs, training, device, calibration_data=None, mutated=()):
+    def __init__(self, model, args, kwargs, training, device, calibration_data=None, mutated=(), written=()):
         self.model, self.training, self.device = model, training, device
+        self.written = list(written)  # the model's tensors the graph writes in place (_keep_state)
         # the RNG state every run starts from (_same_draws)
         self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         # every run (eager, fp64, each check of the graph) gets its own copy of what it writes
@@ -425,7 +432,8 @@ class _AccuracyGuard:
         return self._floor[dtype]
 
     def _keep_state(self, gm):
-        """Running a training graph updates BatchNorm statistics; the guard's runs must not. Nor may
+        """Running a training graph updates BatchNorm statistics, and a graph may write other
+        buffers in place (a step counter, a running sum); the guard's runs must not. Nor may
         a run of the model leave what its forward stores in its Python-side state (a cache of a
         tensor derived from the weights, accuracy.ModuleState) to the next run: each starts from the
         state the caller's model had."""
@@ -433,9 +441,9 @@ class _AccuracyGuard:
         @contextlib.contextmanager
         def keep():
             state = accuracy.ModuleState(self.model) if gm is self.model else None
-            bufs = {}
+            bufs = {id(b): (b, b.detach().clone()) for b in self.written}
             if self.training:
-                bufs = {id(b): (b, b.detach().clone()) for m in (self.model, gm) for b in m.buffers()}
+                bufs.update({id(b): (b, b.detach().clone()) for m in (self.model, gm) for b in m.buffers()})
             try:
                 yield
             finally:
@@ -602,20 +610,44 @@ def _optimize(model: nn.Module, example_inputs, opts: OptimizeOptions) -> Optimi
     with accuracy.module_state_kept(model):
         was_training = model.training
         model.train(opts.training)
+        saved: list = []  # the model's tensors the graph writes, as the caller had them
         try:
-            with accuracy.module_state_kept(model):  # (a trace may store proxies or fakes there)
-                gm = _capture(model, args, kwargs, opts)
-            inputs.mutated = ir.mutated_flat_inputs(gm, flat)
-            check, acc_info = _build_guard(model, gm, inputs, flat, model_dev, opts)
-            constants = setup_memory.account(opts.weight_copies, model, model_dev)
-            meter, measure_note = _meter(opts, planning, model_dev, inputs)
-            run = _run_pipeline(gm, planning, check, model_dev, opts, constants, meter)
-        finally:
-            model.train(was_training)
-        report = _build_report(model, gm, planning, run, acc_info, model_dev, opts, t_start)
-        opt = _lower(gm, report, run, planning, model, inputs, args, kwargs, flat, opts)
-        _measured_guard(opt, model, inputs, meter, measure_note)
+            try:
+                with accuracy.module_state_kept(model):  # (a trace may store proxies or fakes there)
+                    gm = _capture(model, args, kwargs, opts)
+                inputs.mutated = ir.mutated_flat_inputs(gm, flat)
+                written = _written_state(gm, model)
+                saved = [(t, t.detach().clone()) for t in written]
+                check, acc_info = _build_guard(model, gm, inputs, flat, model_dev, opts, written)
+                constants = setup_memory.account(opts.weight_copies, model, model_dev)
+                meter, measure_note = _meter(opts, planning, model_dev, inputs)
+                run = _run_pipeline(gm, planning, check, model_dev, opts, constants, meter)
+            finally:
+                model.train(was_training)
+            report = _build_report(model, gm, planning, run, acc_info, model_dev, opts, t_start)
+            opt = _lower(gm, report, run, planning, model, inputs, args, kwargs, flat, opts)
+            _measured_guard(opt, model, inputs, meter, measure_note)
+        finally:  # what the guard's, the passes' and the timing's runs wrote there, undone
+            with torch.no_grad():
+                for t, value in saved:
+                    t.copy_(value)
     return opt
+
+
+def _written_state(gm: fx.GraphModule, model: nn.Module) -> list:
+    """The model's parameters and buffers the captured graph writes in place (a step counter, a
+    running statistic): every run of the model or the graph during optimize() writes them."""
+    own = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    out: dict = {}
+    for _, root in ir.input_mutations(gm):
+        if root.op != "get_attr":
+            continue
+        t = gm
+        for part in str(root.target).split("."):
+            t = getattr(t, part, None)
+        if isinstance(t, torch.Tensor) and id(t) in own:
+            out[id(t)] = t
+    return list(out.values())
 
 
 def _plain(spec) -> bool:
@@ -776,9 +808,10 @@ def _capture(model, args, kwargs, opts: OptimizeOptions) -> fx.GraphModule:
                    inference=not opts.training)
 
 
-def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: OptimizeOptions):
+def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: OptimizeOptions, written=()):
     """(the accuracy guard or None, the report's accuracy entry when there is none). The guard's
-    runs get their own copies of what the graph writes (``inputs.fresh()``)."""
+    runs get their own copies of what the graph writes (``inputs.fresh()``; ``written``: the
+    model's tensors it writes, as they were before each run)."""
     acc_info: dict = {"checked": False}
     if not opts.check_accuracy:
         return None, acc_info
@@ -795,7 +828,7 @@ def _build_guard(model, gm, inputs: "CallInputs", flat, model_dev, opts: Optimiz
         timing.progress("accuracy guard: running the model and its float64 reference")
         with timing.phase("accuracy: eager + fp64 reference runs"):
             return _AccuracyGuard(model, args, kwargs, opts.training, model_dev, opts.calibration_data,
-                                  mutated=inputs.mutated), acc_info
+                                  mutated=inputs.mutated, written=written), acc_info
     return None, acc_info
 
 
@@ -1063,9 +1096,11 @@ def _signature(flat, args, kwargs, model, dynamic, constants: bool = True):
     if dynamic:
         import inspect
 
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+        # the flat inputs are the call's leaves in pytree order: the positional arguments, then the
+        # keyword arguments in the order the call gave them (not the forward's parameter order)
+        positional = inspect.signature(model.forward).bind_partial(*args).arguments
         order = []
-        for name, val in bound.arguments.items():
+        for name, val in [*positional.items(), *kwargs.items()]:
             leaves = pytree.tree_leaves(val)
             order.extend((name, j) for j in range(len(leaves)))
         for i, (name, j) in enumerate(order):

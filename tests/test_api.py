@@ -4,6 +4,7 @@ its inputs, honours dynamic dims, and in training mode shares the model's parame
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -142,6 +143,34 @@ def test_dynamic_batch(mlp_dynamic):
         assert res.passed, (batch, res.reason)
     with pytest.raises(graphopt.GuardError):  # only the batch dim is dynamic
         opt(torch.randn(3, inputs[0].shape[1] + 1))
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(50, 8), nn.Linear(8, 8)
+
+    def forward(self, ids, mask=None, scale=None):
+        return self.lin(self.emb(ids)) * mask[..., None] * scale.sum()
+
+
+def test_dynamic_dims_follow_keyword_order():
+    """Keyword inputs given in another order than the forward's parameters: the dynamic dims
+    are those of the named inputs (they were given by parameter order to the flat inputs, so a
+    legal call raised GuardError and the guard let another input's size vary)."""
+    torch.manual_seed(0)
+    model = _Masked().eval()
+    scale = torch.rand(3)
+    example = {"scale": scale, "mask": torch.ones(2, 6), "ids": torch.randint(0, 50, (2, 6))}
+    opt = graphopt.optimize(model, example, dynamic={"ids": {0: "b", 1: "s"}, "mask": {0: "b", 1: "s"}},
+                            check_accuracy=False)
+    call = {"ids": torch.randint(0, 50, (3, 7)), "mask": torch.rand(3, 7), "scale": scale}
+    with torch.no_grad():
+        out, eager = opt(**call), model(**call)
+    res = accuracy.check(out, accuracy.fp64_reference(model, (), call), eager)
+    assert res.passed, res.reason
+    with pytest.raises(graphopt.GuardError):  # scale is not dynamic
+        opt(**dict(call, scale=torch.rand(4)))
 
 
 # ----------------------------------------------------------------------------- training
@@ -289,6 +318,27 @@ def test_on_new_shape_reoptimize_specializes_and_stays_correct():
         graphopt.optimize(model, (x,), on_new_shape="sometimes")
 
 
+def test_reoptimize_reuses_a_specialization_whose_dynamic_dims_take_the_call():
+    """dynamic= batch with on_new_shape="reoptimize": a new sequence length is optimized again, and
+    the specialization (dynamic in the batch too) serves that length at every batch size (it was
+    keyed by exact shapes: one re-optimization per batch size, then GuardError at the limit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    opt = graphopt.optimize(model, (torch.randn(2, 4, 8),), dynamic={"input": {0: "batch"}},
+                            on_new_shape="reoptimize", check_accuracy=False, measure=False)
+    with pytest.warns(RuntimeWarning, match="re-optimizing"):
+        opt(torch.randn(3, 5, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for batch in (2, 4, 7):
+            x = torch.randn(batch, 5, 8)
+            with torch.no_grad():
+                out, eager = opt(x), model(x)
+            res = accuracy.check(out, accuracy.fp64_reference(model, (x,), {}), eager)
+            assert res.passed, res.reason
+    assert len(opt._specializations) == 1
+
+
 class _ScaledGate(nn.Module):
     """Python scalars as arguments: torch.export holds ``k`` and ``flag`` as constants of the graph."""
 
@@ -410,6 +460,45 @@ def test_a_cache_the_forward_fills_is_the_callers_as_given_after_optimize(prefil
     with torch.no_grad():
         eager = model(x)  # a bf16 call after optimize(): no float64 tensor was left in its cache
         assert accuracy.check(opt(x), ref, eager).passed
+
+
+class _Stateful(nn.Module):
+    """Buffers its forward writes: a step counter reassigned (``+=`` sets the attribute), a running
+    mean written in place and an average reassigned out of place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("total", torch.zeros(4))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.steps += 1
+        self.total.add_(x.mean(0))
+        self.ema = 0.5 * self.ema + x.mean(0)
+        return self.lin(x) + self.ema
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_optimize_leaves_the_buffers_a_forward_writes_as_given(training):
+    """optimize() runs the model (the guard's eager and float64 runs, timing) and the graph: none of
+    those runs leaves its writes in the caller's buffers, and the float64 run's reassignments (a float64
+    ``ema``) are undone (accuracy.ModuleState). A call of the optimized module then writes the model's
+    own buffers as an eager call does."""
+    torch.manual_seed(0)
+    model, x = _Stateful().train(training), torch.randn(3, 4)
+    before = {k: (b, b.clone()) for k, b in model.named_buffers()}
+    opt = graphopt.optimize(model, (x,), training=training)
+    for k, b in model.named_buffers():
+        assert b is before[k][0] and b.dtype == before[k][1].dtype and torch.equal(b, before[k][1]), k
+    ref, ref64 = copy.deepcopy(model), accuracy.fp64_reference(model, (x,), {})
+    with torch.set_grad_enabled(training):
+        out, eager = opt(x), ref(x)
+    res = accuracy.check(out, ref64, eager, training=training)
+    assert res.passed, res.reason
+    for (k, b), r in zip(model.named_buffers(), ref.buffers()):
+        assert b.dtype == r.dtype and torch.allclose(b, r), k
 
 
 def test_a_cache_filled_under_inference_mode_is_a_constant_graphopt_can_propagate_again():

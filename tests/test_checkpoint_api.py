@@ -171,3 +171,19 @@ def test_a_checkpointed_module_deep_copies():
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", _COPY_SCRIPT], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])
+
+
+def test_the_stated_minimum_is_never_above_the_baseline_that_recomputing_nothing_meets():
+    """A small graph whose plans' upper-bound accounting never fits under its walked baseline: the
+    BudgetError's minimum was 1.18x the baseline (a budget of the baseline itself is met, nothing
+    recomputed); it is at most the baseline, and that budget is met."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).train()
+    x = torch.randn(5, 4)
+    with pytest.raises(graphopt.BudgetError) as ei:
+        graphopt.optimize(model, (x,), training=True, memory_budget=0.9, check_accuracy=False)
+    err = ei.value
+    assert "of the baseline" in str(err) and err.minimum is not None
+    base = float(str(err).split("of the baseline activation memory ")[1].split(" B")[0])
+    assert err.minimum <= base
+    graphopt.optimize(model, (x,), training=True, memory_budget=int(err.minimum), check_accuracy=False)

@@ -248,6 +248,132 @@ def test_dynamic_batch_survives_export(tmp_path, fmt):
         loaded(torch.randn(3, inputs[0].shape[1] + 1))
 
 
+class _Shuffle(torch.nn.Module):
+    """A channel shuffle: its views compute with the batch size (a symbolic size in the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        b = x.shape[0]
+        y = self.lin(x).view(b, 2, 4).transpose(1, 2).reshape(b, 8)
+        return torch.relu(y) * x
+
+
+def test_dynamic_size_arithmetic_survives_torchscript(tmp_path):
+    """A graph that computes with a dynamic dim's size (aten.sym_size feeding a view) exports as
+    TorchScript that computes it at run time: scripted, not traced with the example's batch baked in
+    (which failed inside the TorchScript interpreter on any other batch)."""
+    torch.manual_seed(0)
+    model, x = _Shuffle().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x,), dynamic={"x": {0: "batch"}}, check_accuracy=False)
+    assert any(n.target is torch.ops.aten.sym_size.int for n in opt.graph_module.graph.nodes)
+    loaded = graphopt.load(graphopt.export(opt, tmp_path / "dyn.pt"))
+    assert loaded.meta["torchscript"] == "script"
+    for batch in (2, 5):
+        xb = torch.randn(batch, 8)
+        with torch.no_grad():
+            _assert_matches(loaded(xb), opt(xb))
+
+
+class _Counting(_Shuffle):
+    """The shuffle, counting its calls in a buffer and scaling its input in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        x.mul_(2)
+        return super().forward(x)
+
+
+def test_exporting_leaves_the_models_buffers_and_the_example_as_they_were(tmp_path):
+    """The runs that check a TorchScript artifact (scripted against the graph) each get their own
+    inputs and leave the buffers the graph writes as they were: the graph writing its input in place
+    does not make the two runs differ (which refused the script), and the model's counter is not
+    advanced by export."""
+    torch.manual_seed(0)
+    model, x = _Counting().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x.clone(),), dynamic={"x": {0: "batch"}}, check_accuracy=False, measure=False)
+    example = [t.clone() for t in opt._example_flat]
+    loaded = graphopt.load(graphopt.export(opt, tmp_path / "counting.pt"))
+    assert loaded.meta["torchscript"] == "script"
+    assert int(model.calls) == 0 and torch.equal(opt._example_flat[0], example[0])
+    xb = torch.randn(3, 8)
+    with torch.no_grad():
+        _assert_matches(loaded(xb.clone()), opt(xb.clone()))
+
+
+def test_traced_artifact_refuses_dynamic_dims_it_baked():
+    """Where only a trace works, one that fixed a dynamic dim's size is refused in one line."""
+    torch.manual_seed(0)
+    model, x = _Shuffle().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x,), dynamic={"x": {0: "batch"}}, check_accuracy=False)
+    flat = export_mod._flat_graph_module(opt.graph_module)
+    with torch.no_grad():
+        traced = torch.jit.trace(flat, (x,), check_trace=False, strict=False)
+    with pytest.raises(graphopt.GraphoptError, match="dynamic dims") as ei:
+        export_mod._check_trace_dynamic(flat, traced, [x], {0: {0}})
+    assert "\n" not in str(ei.value)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, k: int = 2, flag: bool = True):
+        y = self.lin(x) * k
+        return y.relu() if flag else y
+
+
+def test_scalar_inputs_are_guarded_constants_of_the_artifact(tmp_path):
+    """Python scalars torch.export made constants of the graph: TorchScript exports (it could not
+    trace a tuple holding ints), and either artifact refuses another value with GuardError, as the
+    optimized module does (the .pt2 raised torch's AssertionError)."""
+    torch.manual_seed(0)
+    model, x = _Scaled().eval(), torch.randn(2, 8)
+    opt = graphopt.optimize(model, (x, 3, True), check_accuracy=False, measure=False)
+    for fmt in ("pt", "pt2"):
+        loaded = graphopt.load(graphopt.export(opt, tmp_path / f"scaled.{fmt}"))
+        with torch.no_grad():
+            _assert_matches(loaded(x, 3, True), opt(x, 3, True))
+        for k, flag in ((5, True), (3, False), (3.0, True)):
+            with pytest.raises(graphopt.GuardError, match="constant"):
+                loaded(x, k, flag)
+
+
+class _TwoIndexInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, ids=None, positions=None):
+        return self.emb(ids) + 2 * self.emb(positions)
+
+
+def test_loaded_module_takes_keyword_inputs_in_any_order(tmp_path):
+    """Keyword inputs named in another order than the example's, or passed by position, reach the
+    artifact's flat inputs by name (two int64 inputs of one shape were swapped silently: the guard
+    saw nothing wrong)."""
+    torch.manual_seed(0)
+    model = _TwoIndexInputs().eval()
+    ids, pos = torch.randint(0, 16, (2, 5)), torch.arange(5).expand(2, 5).contiguous()
+    opt = graphopt.optimize(model, {"positions": pos, "ids": ids}, check_accuracy=False, measure=False)
+    with torch.no_grad():
+        want = model(ids=ids, positions=pos)
+    for fmt in ("pt", "pt2"):
+        loaded = graphopt.load(graphopt.export(opt, tmp_path / f"kw.{fmt}"))
+        with torch.no_grad():
+            for args, kwargs in (((), {"ids": ids, "positions": pos}), ((ids, pos), {}), ((ids,), {"positions": pos})):
+                _assert_matches(loaded(*args, **kwargs), want)
+        with pytest.raises(graphopt.GuardError):
+            loaded(ids)
+
+
 def test_low_precision_graph_round_trip(tmp_path):
     """A graph assign_precision lowered to bf16 (casts and bf16 constants inside) exports and
     reloads with the same outputs, in the model's output dtype."""

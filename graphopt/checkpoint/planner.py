@@ -677,6 +677,9 @@ class _Selector:
                         lo_b = mid
                 low = min(low, hi_b + offset)
             low = low / (1.0 - headroom)
+            # the plans' accounting is an upper bound (the working set with everything saved still held),
+            # the baseline's is walked: recomputing nothing meets the baseline, whatever the plans say
+            low = min(low, base)
             raise BudgetError(
                 f"memory budget {format_bytes(asked)} is below the achievable minimum "
                 f"{format_bytes(low)} ({low / base:.3f} of the baseline activation memory {format_bytes(base)}: "

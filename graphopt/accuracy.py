@@ -505,10 +505,6 @@ class _Float64State(torch.overrides.TorchFunctionMode):
     def __enter__(self):
         self.state = ModuleState(self.model)
         self.held = self.state.tensors
-        # which tensor each registered buffer and parameter is: ``self.n += 1`` on a buffer rebinds the
-        # attribute to what ``__iadd__`` returned, here the converted copy, which must not stay the model's
-        self.bound = [(m, table, name, t) for m in self.model.modules() for table in (m._buffers, m._parameters)
-                      for name, t in table.items()]
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -516,10 +512,7 @@ class _Float64State(torch.overrides.TorchFunctionMode):
             return super().__exit__(*exc)
         finally:
             self.state.restore()
-            for m, table, name, t in self.bound:
-                if table.get(name) is not t:
-                    table[name] = t
-            self.state, self.held, self.bound = None, {}, []
+            self.state, self.held = None, {}
 
     def _swap(self, x):
         if not isinstance(x, torch.Tensor):

@@ -125,7 +125,8 @@ def test_parse_memory_budget(value, expected):
     assert parse_memory_budget(value) == expected
 
 
-@pytest.mark.parametrize("value", ["abc", "-1", 0, -0.5, "GB", "0.5XB", True, float("nan"), None, [1]])
+@pytest.mark.parametrize("value", ["abc", "-1", 0, -0.5, "GB", "0.5XB", True, float("nan"), None, [1],
+                                   2.0, "1.5", 10, 1e4 + 0.5])  # (a mistyped fraction, not a few bytes)
 def test_bad_memory_budget_is_a_one_line_error(value):
     with pytest.raises(GraphoptError) as e:
         parse_memory_budget(value)

@@ -419,8 +419,9 @@ _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mi
 
 def parse_memory_budget(value):
     """A memory budget as given by a user: a fraction 0 < f <= 1 of the baseline activation
-    memory, a byte count (> 1), or a string ("0.4", "8GB", "512MB", "2GiB", "1e9").
-    Returns a float fraction (<= 1) or an int byte count; bad values raise GraphoptError."""
+    memory, a whole number of bytes (at least 64), or a string ("0.4", "8GB", "512MB", "2GiB", "1e9").
+    Returns a float fraction (<= 1) or an int byte count; bad values raise GraphoptError (among them
+    2.0 or 1.5, which read as a fraction mistyped more likely than as bytes)."""
     from ..errors import GraphoptError
 
     orig = value
@@ -445,6 +446,9 @@ def parse_memory_budget(value):
         raise GraphoptError(f"memory_budget must be positive, got {orig!r}")
     if value <= 1:
         return float(value)
+    if value < 64 or (isinstance(value, float) and not value.is_integer()):
+        raise GraphoptError(f"memory_budget {orig!r} is neither a fraction in (0, 1] of the activations nor a whole "
+                            "number of bytes (at least 64); pass e.g. 0.5 or a size like '8GB'")
     return int(value)
 
 

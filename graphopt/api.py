@@ -625,6 +625,10 @@ def _optimize(model: nn.Module, example_inputs, opts: OptimizeOptions) -> Optimi
             finally:
                 model.train(was_training)
             report = _build_report(model, gm, planning, run, acc_info, model_dev, opts, t_start)
+            if was_training and not opts.training:
+                report.notes.append("the model was in train mode: optimized for inference, which runs it as in "
+                                    "eval mode (BatchNorm's running statistics, no dropout); training=True optimizes "
+                                    "the training step")
             opt = _lower(gm, report, run, planning, model, inputs, args, kwargs, flat, opts)
             _measured_guard(opt, model, inputs, meter, measure_note)
         finally:  # what the guard's, the passes' and the timing's runs wrote there, undone

@@ -613,3 +613,14 @@ def test_the_guards_runs_leave_the_callers_buffers_as_given_even_when_the_forwar
     assert model.steps is steps and model.avg is avg and int(steps) == 0 and not avg.any()
     step_check(model, opt, (x,))  # (its buffers after one step, the counter exactly, by the rule)
     assert int(model.steps) == 1
+
+
+def test_a_model_in_train_mode_optimized_for_inference_is_told_it_runs_as_in_eval_mode():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    x = torch.randn(2, 3, 8, 8)
+    opt = graphopt.optimize(model, (x,), measure=False)
+    assert model.training  # handed back as given
+    assert any("train mode: optimized for inference" in n for n in opt.report.notes)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model.eval()(x))
+    assert not any("train mode" in n for n in graphopt.optimize(model.eval(), (x,), measure=False).report.notes)

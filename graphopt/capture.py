@@ -304,7 +304,10 @@ def capture(model: nn.Module, example_inputs, dynamic: dict | None = None, *, st
                 raise _capture_error(model, e, None) from None
     if gm is None:
         if dynamic:
-            raise _capture_error(model, export_exc, None, extra="dynamic shapes need torch.export")
+            raise _capture_error(model, export_exc, None,
+                                 extra="torch.export failed with these dims dynamic, and its fallback "
+                                       "(symbolic_trace) fixes every size: declare fewer dims dynamic "
+                                       "(the batch alone), or none")
         try:
             timing.progress("capturing the graph with torch.fx.symbolic_trace (torch.export failed: %s)",
                             info.export_error or "not tried")

@@ -519,3 +519,16 @@ def test_torch_transformer_layers_with_a_mask_and_no_causal_hint_are_captured(hi
         out, eager = gm(x, memory), model(x, memory)
     res = graphopt.accuracy.check(out, graphopt.accuracy.fp64_reference(model, (x, memory), {}), eager)
     assert res.passed, res.reason
+
+
+class _BranchOnValues(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x - 1
+
+
+def test_a_dynamic_capture_that_export_refuses_says_the_fallback_cannot_keep_dims_dynamic():
+    with pytest.raises(CaptureError) as e:
+        capture(_BranchOnValues(), (torch.randn(4, 3),), dynamic={"x": {0: "batch"}})
+    msg = str(e.value)
+    assert "\n" not in msg and "its fallback (symbolic_trace) fixes every size" in msg
+    assert "declare fewer dims dynamic" in msg

@@ -2,8 +2,8 @@
 GRU), transposed convolutions (a DCGAN generator), 1-D convolutions (an audio front end), a diffusion-style
 U-Net (GroupNorm, SiLU, a time embedding, nearest upsampling, skip concatenation, a self-attention block),
 PixelShuffle super-resolution, nn.TransformerDecoder with a causal mask and cross-attention,
-nn.TransformerEncoder with a causal and a key padding mask, and an
-EmbeddingBag recommender (DLRM-like). Answered: do capture, the passes a GPU plan applies, the defaults and
+nn.TransformerEncoder with a causal and a key padding mask, an EmbeddingBag recommender (DLRM-like), weight
+and spectral norm parametrizations, module hooks, tied weights, and buffers a forward updates itself. Answered: do capture, the passes a GPU plan applies, the defaults and
 training (with a memory budget) hold the accuracy rule on such models? The cells are
 diag_outside_seq2seq.cells'.
 
@@ -187,6 +187,85 @@ class DLRMish(nn.Module):
         return torch.sigmoid(self.top(torch.cat([feats[0], inter[:, iu[0], iu[1]]], 1)))
 
 
+class HiFiGANish(nn.Module):
+    """A HiFi-GAN generator stage: weight-normalized (torch.nn.utils.parametrizations.weight_norm) transposed
+    and dilated 1-D convolutions with leaky ReLU and a residual sum."""
+
+    def __init__(self):
+        super().__init__()
+        wn = torch.nn.utils.parametrizations.weight_norm
+        self.pre = wn(nn.Conv1d(8, 16, 7, padding=3))
+        self.up = wn(nn.ConvTranspose1d(16, 8, 4, stride=2, padding=1))
+        self.res = nn.ModuleList(wn(nn.Conv1d(8, 8, 3, dilation=d, padding=d)) for d in (1, 3))
+        self.post = wn(nn.Conv1d(8, 1, 7, padding=3))
+
+    def forward(self, mel):
+        x = self.up(F.leaky_relu(self.pre(mel), 0.1))
+        for conv in self.res:
+            x = x + conv(F.leaky_relu(x, 0.1))
+        return torch.tanh(self.post(F.leaky_relu(x, 0.1)))
+
+
+class SpectralNormed(nn.Module):
+    """parametrizations.spectral_norm (a GAN discriminator): a power iteration updating buffers in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.spectral_norm(nn.Conv2d(3, 8, 3, padding=1))
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.lin(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+class Hooked(nn.Module):
+    """A forward hook that rescales an output and a pre-hook that shifts an input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.a.register_forward_hook(lambda m, i, o: o * 0.5)
+        self.b.register_forward_pre_hook(lambda m, i: (i[0] + 1.0,))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class TiedLM(nn.Module):
+    """An output projection sharing the embedding's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(50, 16), nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.norm(self.emb(ids)))
+
+
+class RunningStat(nn.Module):
+    """Buffers a training forward updates itself, as a custom normalization does: a running variance
+    reassigned (``self.var = ...``), a step counter advanced in place; eval reads the running value."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = nn.Linear(8, 12), nn.Linear(12, 3)
+        self.register_buffer("var", torch.ones(12))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = self.proj(x)
+        if self.training:
+            v = h.var(0, unbiased=False)
+            with torch.no_grad():
+                self.var = 0.95 * self.var + 0.05 * v
+                self.seen.add_(x.shape[0])
+        else:
+            v = self.var
+        return self.out(h * torch.rsqrt(v + 1e-5))
+
+
 def _inputs(name):
     g = torch.Generator().manual_seed(1)
     if name == "lstm":
@@ -207,6 +286,14 @@ def _inputs(name):
         pad = torch.zeros(2, 9, dtype=torch.bool)
         pad[1, 6:] = True
         return torch.randint(0, 100, (2, 9), generator=g), pad
+    if name == "weight_norm":
+        return (torch.randn(2, 8, 12, generator=g),)
+    if name == "spectral_norm":
+        return (torch.randn(2, 3, 8, 8, generator=g),)
+    if name in ("hooks", "running_stat"):
+        return (torch.randn(4, 8, generator=g),)
+    if name == "tied":
+        return (torch.randint(0, 50, (2, 5), generator=g),)
     if name == "dlrm":
         return (torch.randn(4, 8, generator=g), torch.randint(0, 50, (3, 10), generator=g), torch.tensor([0, 2, 5, 7]))
     raise KeyError(name)
@@ -214,7 +301,8 @@ def _inputs(name):
 
 MODELS = {"lstm": LSTMClassifier, "gru": GRUTagger, "dcgan": DCGANGenerator, "audio": AudioFrontEnd,
           "unet": TinyUNet, "superres": SuperResolution, "decoder": CausalDecoder, "encoder": PaddedEncoder,
-          "dlrm": DLRMish}
+          "dlrm": DLRMish, "weight_norm": HiFiGANish, "spectral_norm": SpectralNormed, "hooks": Hooked,
+          "tied": TiedLM, "running_stat": RunningStat}
 
 
 def build(name):

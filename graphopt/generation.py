@@ -509,10 +509,14 @@ class Generator:
             else:
                 state.position_ids.copy_(state.cache.layers[0].cumulative_length)
             mask = kwargs.get("attention_mask")
-            if mask is not None and mask.dim() == 4:  # HF's mask for a static cache: [B, 1, 1, max_length]
+            if isinstance(mask, dict):  # a model with config.layer_types: one 4-D mask per layer type
+                # the full-attention layers' mask row is the padding (a sliding one also drops the keys
+                # outside its window); with no full-attention layer each layer masks its window itself
+                mask = mask.get("full_attention") if "full_attention" in mask else next(iter(mask.values()), None)
+            if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # HF's mask for a static cache: [B, 1, 1, max_length]
                 row = mask[:, 0, -1, :]
                 state.attention_mask.copy_(row == 0 if row.is_floating_point() else row)  # additive: 0 = attend
-            elif mask is not None:  # 2D, one column per token so far
+            elif isinstance(mask, torch.Tensor):  # 2D, one column per token so far
                 state.attention_mask[:, :mask.shape[1]].copy_(mask)
             return CausalLMOutputWithPast(logits=state.step(), **{cache_arg: state.cache})
 

@@ -388,3 +388,16 @@ def test_hf_generate_drives_the_replayed_step():
     assert runner.stats["replays"] - before >= 10 and "forward" not in vars(model)
     with pytest.raises(GenerationError, match="generator's to choose"):
         gen.hf_generate(ids, cache_implementation="static")
+
+
+def test_hf_generate_on_a_model_with_layer_types():
+    """A config with ``layer_types`` (Qwen2's, Gemma2's) makes transformers' generate() pass the one-token
+    calls a dict of 4-D masks, one per layer type: the padding is read from the full-attention one (it
+    failed with "'dict' object has no attribute 'dim'")."""
+    model, gen = _setup("qwen2")
+    assert hasattr(model.config, "layer_types")
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    opts = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(gen.hf_generate(ids, mask, **opts), _hf(model, ids, mask, **opts))

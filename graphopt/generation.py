@@ -490,7 +490,15 @@ class Generator:
         for bad in (self._cache_arg, "past_key_values", "cache_implementation"):
             if bad in generate_kwargs:
                 raise GenerationError(f"{bad!r} is the generator's to choose")
-        state = self.decode_state(input_ids.shape[0])
+        # transformers expands each prompt to max(num_beams, num_return_sequences) rows before the prefill:
+        # the cache and the decode step are those of the expanded batch
+        gc = generate_kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        expand = max(int(generate_kwargs.get(k, getattr(gc, k, None)) or 1) for k in ("num_beams", "num_return_sequences"))
+        rows = input_ids.shape[0] * expand
+        if expand > 1 and rows > self.max_batch_size:
+            raise GenerationError(f"{input_ids.shape[0]} prompts x {expand} (num_beams / num_return_sequences) = {rows} "
+                                  f"rows but max_batch_size={self.max_batch_size}")
+        state = self.decode_state(rows)
         for layer in state.cache.layers:
             layer.cumulative_length.zero_()
         state.attention_mask.fill_(1)

@@ -401,3 +401,18 @@ def test_hf_generate_on_a_model_with_layer_types():
     mask[0, :3] = 0
     opts = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(gen.hf_generate(ids, mask, **opts), _hf(model, ids, mask, **opts))
+
+
+def test_hf_generate_expands_the_batch_for_beams_and_return_sequences():
+    """transformers expands each prompt to max(num_beams, num_return_sequences) rows: the generator's cache
+    and decode step are those of the expanded batch (the prompt's batch size failed in index_copy_), and
+    more rows than max_batch_size is a GenerationError."""
+    model, gen = _setup("llama")
+    ids = _prompts(1)
+    opts = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0, do_sample=True, top_k=20, num_return_sequences=2)
+    torch.manual_seed(4)
+    out = gen.hf_generate(ids, **opts)
+    torch.manual_seed(4)
+    assert out.shape[0] == 2 and torch.equal(out, _hf(model, ids, **opts))
+    with pytest.raises(GenerationError, match="2 prompts x 2 .* max_batch_size=2"):
+        gen.hf_generate(_prompts(2), **opts)

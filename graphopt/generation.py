@@ -504,12 +504,21 @@ class Generator:
         state.attention_mask.fill_(1)
         model, cache_arg = self.model, self._cache_arg
         original = model.forward
+        # the tensors the decode step is bound to (beam search's reorder_cache gives a layer new ones)
+        bound = [(layer, layer.keys, layer.values) for layer in state.cache.layers]
 
         @functools.wraps(original)
         def forward(*args, **kwargs):
             ids = kwargs.get("input_ids")
             if args or kwargs.get(cache_arg) is not state.cache or ids is None or ids.shape[1] != 1:
                 return original(*args, **kwargs)
+            for layer, keys, values in bound:  # a replaced tensor copied back into the bound memory
+                if layer.keys is not keys:
+                    keys.copy_(layer.keys)
+                    layer.keys = keys
+                if layer.values is not values:
+                    values.copy_(layer.values)
+                    layer.values = values
             state.input_ids.copy_(ids)
             pos = kwargs.get("position_ids")
             if pos is not None:
@@ -534,6 +543,8 @@ class Generator:
                                   disable_compile=True, **generate_kwargs)
         finally:
             del model.forward
+            for layer, keys, values in bound:
+                layer.keys, layer.values = keys, values
 
 
 def optimize_generation(model: nn.Module, *, max_batch_size: int, max_length: int, dtype=None, device=None,

@@ -416,3 +416,13 @@ def test_hf_generate_expands_the_batch_for_beams_and_return_sequences():
     assert out.shape[0] == 2 and torch.equal(out, _hf(model, ids, **opts))
     with pytest.raises(GenerationError, match="2 prompts x 2 .* max_batch_size=2"):
         gen.hf_generate(_prompts(2), **opts)
+
+
+def test_hf_generate_beam_search_on_the_bound_replayed_step():
+    """Beam search's reorder_cache replaces each layer's key/value tensors; the replayed step is bound to
+    the generator's own, so the reordered cache is copied back into them before the step (the replay
+    ignored the reorder and the beams differed from transformers')."""
+    model, gen = _setup("mistral", cuda_graphs=True, graph_backend="emulate", prefill="graphopt")
+    ids = _prompts(1, seed=3)
+    opts = dict(max_new_tokens=10, eos_token_id=None, pad_token_id=0, num_beams=2)
+    assert torch.equal(gen.hf_generate(ids, **opts), _hf(model, ids, **opts))

@@ -510,6 +510,13 @@ class Generator:
         @functools.wraps(original)
         def forward(*args, **kwargs):
             ids = kwargs.get("input_ids")
+            if not args and kwargs.get(cache_arg) is state.cache and ids is not None:
+                # a write past the cache's end fails in index_copy_ (on a GPU, a device-side fault): refused first.
+                # The cache's own position (assisted decoding crops it back), read where HF's loop syncs anyway
+                if int(state.cache.layers[0].cumulative_length) + ids.shape[1] > self.max_length:
+                    raise GenerationError(f"hf_generate needs more than max_length={self.max_length} cache positions "
+                                          f"(the prompt and the new tokens); ask for fewer new tokens or build the "
+                                          "generator with a larger max_length")
             if args or kwargs.get(cache_arg) is not state.cache or ids is None or ids.shape[1] != 1:
                 return original(*args, **kwargs)
             for layer, keys, values in bound:  # a replaced tensor copied back into the bound memory

@@ -426,3 +426,16 @@ def test_hf_generate_beam_search_on_the_bound_replayed_step():
     ids = _prompts(1, seed=3)
     opts = dict(max_new_tokens=10, eos_token_id=None, pad_token_id=0, num_beams=2)
     assert torch.equal(gen.hf_generate(ids, **opts), _hf(model, ids, **opts))
+
+
+def test_hf_generate_past_the_cache_raises_a_generation_error():
+    """transformers' generate() on the generator's cache asking for more positions than max_length: a
+    one-line GenerationError before the write past the cache's end (it failed inside the step's
+    index_copy_, on a GPU a device-side fault)."""
+    model, gen = _setup("llama")
+    for plen, new in ((74, 12), (81, 2)):  # the decode steps run out; the prompt alone is too long
+        with pytest.raises(GenerationError, match="max_length=80") as ei:
+            gen.hf_generate(_prompts(2, plen), max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+        assert "\n" not in str(ei.value)
+    out = gen.hf_generate(_prompts(2, 74), max_new_tokens=7, eos_token_id=None, pad_token_id=0)  # 80 positions
+    assert out.shape == (2, 81)

@@ -414,7 +414,15 @@ class Generator:
         self._check_batch(batch)
         max_new_tokens = default(max_new_tokens, "max_new_tokens")
         if max_new_tokens is None:
-            max_new_tokens = default(_UNSET, "max_length", 20) - plen
+            total = default(_UNSET, "max_length")
+            if total is None:  # transformers' default: 20 new tokens, at most max_position_embeddings in all
+                total = plen + 20
+                limit = getattr(self.model.config, "max_position_embeddings", None)
+                total = min(total, limit) if isinstance(limit, int) else total
+            if total <= plen:
+                raise GenerationError(f"prompt length {plen} leaves no new token within max_length={total} (the model's "
+                                      "generation_config or max_position_embeddings); pass max_new_tokens")
+            max_new_tokens = total - plen
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if plen + max_new_tokens > self.max_length:

@@ -439,3 +439,14 @@ def test_hf_generate_past_the_cache_raises_a_generation_error():
         assert "\n" not in str(ei.value)
     out = gen.hf_generate(_prompts(2, 74), max_new_tokens=7, eos_token_id=None, pad_token_id=0)  # 80 positions
     assert out.shape == (2, 81)
+
+
+def test_default_length_is_twenty_new_tokens_as_transformers():
+    """No max_new_tokens and no max_length in the generation config: 20 new tokens, as transformers'
+    generate() (the generator took 20 as the total length, so 13 new tokens after a 7-token prompt and
+    an error after a 25-token one)."""
+    model, gen = _setup("llama")
+    assert model.generation_config.max_length is None and model.generation_config.max_new_tokens is None
+    for ids in (_prompts(), _prompts(2, 25)):
+        out = gen.generate(ids, eos_token_id=None)
+        assert out.shape == (2, ids.shape[1] + 20) and torch.equal(out, _hf(model, ids, eos_token_id=None))

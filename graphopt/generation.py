@@ -440,10 +440,10 @@ class Generator:
                 raise GenerationError(f"model.generation_config sets {', '.join(unsupported)}, which the generator "
                                       "does not apply; clear them or use model.generate")
         eos = default(eos_token_id, "eos_token_id")
-        eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        # an int, a list or a tensor of ids (as transformers takes them)
+        eos = [] if eos is None else [int(e) for e in torch.as_tensor(eos).flatten().tolist()]
         pad = default(pad_token_id, "pad_token_id")
-        if pad is None and eos:
-            pad = eos[0]
+        pad = int(pad) if pad is not None else (eos[0] if eos else None)
 
         dev = self.device
         if attention_mask is None and pad is not None and pad not in eos and bool((input_ids == pad).any()):

@@ -450,3 +450,16 @@ def test_default_length_is_twenty_new_tokens_as_transformers():
     for ids in (_prompts(), _prompts(2, 25)):
         out = gen.generate(ids, eos_token_id=None)
         assert out.shape == (2, ids.shape[1] + 20) and torch.equal(out, _hf(model, ids, eos_token_id=None))
+
+
+def test_token_ids_given_as_tensors():
+    """eos_token_id / pad_token_id given as tensors, as transformers' generate() takes them: the same ids as
+    ints (a 0-d tensor failed with "iteration over a 0-d tensor")."""
+    model, gen = _setup("llama")
+    ids = _prompts()
+    free = gen.generate(ids, max_new_tokens=6, eos_token_id=None)
+    eos = int(free[0, 7 + 1])
+    for e in (eos, [eos, 255]):
+        want = gen.generate(ids, max_new_tokens=6, eos_token_id=e, pad_token_id=0)
+        got = gen.generate(ids, max_new_tokens=6, eos_token_id=torch.tensor(e), pad_token_id=torch.tensor(0))
+        assert torch.equal(got, want)

@@ -416,7 +416,15 @@ class Generator:
         self._check_batch(batch)
         max_new_tokens = default(max_new_tokens, "max_new_tokens")
         if max_new_tokens is None:
-            max_new_tokens = default(_UNSET, "max_length", 20) - plen
+            total = default(_UNSET, "max_length")
+            if total is None:  # transformers' default: 20 new tokens, at most max_position_embeddings in all
+                total = plen + 20
+                limit = getattr(self.model.config, "max_position_embeddings", None)
+                total = min(total, limit) if isinstance(limit, int) else total
+            if total <= plen:
+                raise GenerationError(f"prompt length {plen} leaves no new token within max_length={total} (the model's "
+                                      "generation_config or max_position_embeddings); pass max_new_tokens")
+            max_new_tokens = total - plen
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if plen + max_new_tokens > self.max_length:
@@ -434,10 +442,10 @@ class Generator:
                 raise GenerationError(f"model.generation_config sets {', '.join(unsupported)}, which the generator "
                                       "does not apply; clear them or use model.generate")
         eos = default(eos_token_id, "eos_token_id")
-        eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        # an int, a list or a tensor of ids (as transformers takes them)
+        eos = [] if eos is None else [int(e) for e in torch.as_tensor(eos).flatten().tolist()]
         pad = default(pad_token_id, "pad_token_id")
-        if pad is None and eos:
-            pad = eos[0]
+        pad = int(pad) if pad is not None else (eos[0] if eos else None)
 
         dev = self.device
         if attention_mask is None and pad is not None and pad not in eos and bool((input_ids == pad).any()):
@@ -492,18 +500,42 @@ class Generator:
         for bad in (self._cache_arg, "past_key_values", "cache_implementation"):
             if bad in generate_kwargs:
                 raise GenerationError(f"{bad!r} is the generator's to choose")
-        state = self.decode_state(input_ids.shape[0])
+        # transformers expands each prompt to max(num_beams, num_return_sequences) rows before the prefill:
+        # the cache and the decode step are those of the expanded batch
+        gc = generate_kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        expand = max(int(generate_kwargs.get(k, getattr(gc, k, None)) or 1) for k in ("num_beams", "num_return_sequences"))
+        rows = input_ids.shape[0] * expand
+        if expand > 1 and rows > self.max_batch_size:
+            raise GenerationError(f"{input_ids.shape[0]} prompts x {expand} (num_beams / num_return_sequences) = {rows} "
+                                  f"rows but max_batch_size={self.max_batch_size}")
+        state = self.decode_state(rows)
         for layer in state.cache.layers:
             layer.cumulative_length.zero_()
         state.attention_mask.fill_(1)
         model, cache_arg = self.model, self._cache_arg
         original = model.forward
+        # the tensors the decode step is bound to (beam search's reorder_cache gives a layer new ones)
+        bound = [(layer, layer.keys, layer.values) for layer in state.cache.layers]
 
         @functools.wraps(original)
         def forward(*args, **kwargs):
             ids = kwargs.get("input_ids")
+            if not args and kwargs.get(cache_arg) is state.cache and ids is not None:
+                # a write past the cache's end fails in index_copy_ (on a GPU, a device-side fault): refused first.
+                # The cache's own position (assisted decoding crops it back), read where HF's loop syncs anyway
+                if int(state.cache.layers[0].cumulative_length) + ids.shape[1] > self.max_length:
+                    raise GenerationError(f"hf_generate needs more than max_length={self.max_length} cache positions "
+                                          f"(the prompt and the new tokens); ask for fewer new tokens or build the "
+                                          "generator with a larger max_length")
             if args or kwargs.get(cache_arg) is not state.cache or ids is None or ids.shape[1] != 1:
                 return original(*args, **kwargs)
+            for layer, keys, values in bound:  # a replaced tensor copied back into the bound memory
+                if layer.keys is not keys:
+                    keys.copy_(layer.keys)
+                    layer.keys = keys
+                if layer.values is not values:
+                    values.copy_(layer.values)
+                    layer.values = values
             state.input_ids.copy_(ids)
             pos = kwargs.get("position_ids")
             if pos is not None:
@@ -511,10 +543,14 @@ class Generator:
             else:
                 state.position_ids.copy_(state.cache.layers[0].cumulative_length)
             mask = kwargs.get("attention_mask")
-            if mask is not None and mask.dim() == 4:  # HF's mask for a static cache: [B, 1, 1, max_length]
+            if isinstance(mask, dict):  # a model with config.layer_types: one 4-D mask per layer type
+                # the full-attention layers' mask row is the padding (a sliding one also drops the keys
+                # outside its window); with no full-attention layer each layer masks its window itself
+                mask = mask.get("full_attention") if "full_attention" in mask else next(iter(mask.values()), None)
+            if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # HF's mask for a static cache: [B, 1, 1, max_length]
                 row = mask[:, 0, -1, :]
                 state.attention_mask.copy_(row == 0 if row.is_floating_point() else row)  # additive: 0 = attend
-            elif mask is not None:  # 2D, one column per token so far
+            elif isinstance(mask, torch.Tensor):  # 2D, one column per token so far
                 state.attention_mask[:, :mask.shape[1]].copy_(mask)
             return CausalLMOutputWithPast(logits=state.step(), **{cache_arg: state.cache})
 
@@ -524,6 +560,8 @@ class Generator:
                                   disable_compile=True, **generate_kwargs)
         finally:
             del model.forward
+            for layer, keys, values in bound:
+                layer.keys, layer.values = keys, values
 
 
 def optimize_generation(model: nn.Module, *, max_batch_size: int, max_length: int, dtype=None, device=None,

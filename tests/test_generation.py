@@ -388,3 +388,78 @@ def test_hf_generate_drives_the_replayed_step():
     assert runner.stats["replays"] - before >= 10 and "forward" not in vars(model)
     with pytest.raises(GenerationError, match="generator's to choose"):
         gen.hf_generate(ids, cache_implementation="static")
+
+
+def test_hf_generate_on_a_model_with_layer_types():
+    """A config with ``layer_types`` (Qwen2's, Gemma2's) makes transformers' generate() pass the one-token
+    calls a dict of 4-D masks, one per layer type: the padding is read from the full-attention one (it
+    failed with "'dict' object has no attribute 'dim'")."""
+    model, gen = _setup("qwen2")
+    assert hasattr(model.config, "layer_types")
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    opts = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(gen.hf_generate(ids, mask, **opts), _hf(model, ids, mask, **opts))
+
+
+def test_hf_generate_expands_the_batch_for_beams_and_return_sequences():
+    """transformers expands each prompt to max(num_beams, num_return_sequences) rows: the generator's cache
+    and decode step are those of the expanded batch (the prompt's batch size failed in index_copy_), and
+    more rows than max_batch_size is a GenerationError."""
+    model, gen = _setup("llama")
+    ids = _prompts(1)
+    opts = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0, do_sample=True, top_k=20, num_return_sequences=2)
+    torch.manual_seed(4)
+    out = gen.hf_generate(ids, **opts)
+    torch.manual_seed(4)
+    assert out.shape[0] == 2 and torch.equal(out, _hf(model, ids, **opts))
+    with pytest.raises(GenerationError, match="2 prompts x 2 .* max_batch_size=2"):
+        gen.hf_generate(_prompts(2), **opts)
+
+
+def test_hf_generate_beam_search_on_the_bound_replayed_step():
+    """Beam search's reorder_cache replaces each layer's key/value tensors; the replayed step is bound to
+    the generator's own, so the reordered cache is copied back into them before the step (the replay
+    ignored the reorder and the beams differed from transformers')."""
+    model, gen = _setup("mistral", cuda_graphs=True, graph_backend="emulate", prefill="graphopt")
+    ids = _prompts(1, seed=3)
+    opts = dict(max_new_tokens=10, eos_token_id=None, pad_token_id=0, num_beams=2)
+    assert torch.equal(gen.hf_generate(ids, **opts), _hf(model, ids, **opts))
+
+
+def test_hf_generate_past_the_cache_raises_a_generation_error():
+    """transformers' generate() on the generator's cache asking for more positions than max_length: a
+    one-line GenerationError before the write past the cache's end (it failed inside the step's
+    index_copy_, on a GPU a device-side fault)."""
+    model, gen = _setup("llama")
+    for plen, new in ((74, 12), (81, 2)):  # the decode steps run out; the prompt alone is too long
+        with pytest.raises(GenerationError, match="max_length=80") as ei:
+            gen.hf_generate(_prompts(2, plen), max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+        assert "\n" not in str(ei.value)
+    out = gen.hf_generate(_prompts(2, 74), max_new_tokens=7, eos_token_id=None, pad_token_id=0)  # 80 positions
+    assert out.shape == (2, 81)
+
+
+def test_default_length_is_twenty_new_tokens_as_transformers():
+    """No max_new_tokens and no max_length in the generation config: 20 new tokens, as transformers'
+    generate() (the generator took 20 as the total length, so 13 new tokens after a 7-token prompt and
+    an error after a 25-token one)."""
+    model, gen = _setup("llama")
+    assert model.generation_config.max_length is None and model.generation_config.max_new_tokens is None
+    for ids in (_prompts(), _prompts(2, 25)):
+        out = gen.generate(ids, eos_token_id=None)
+        assert out.shape == (2, ids.shape[1] + 20) and torch.equal(out, _hf(model, ids, eos_token_id=None))
+
+
+def test_token_ids_given_as_tensors():
+    """eos_token_id / pad_token_id given as tensors, as transformers' generate() takes them: the same ids as
+    ints (a 0-d tensor failed with "iteration over a 0-d tensor")."""
+    model, gen = _setup("llama")
+    ids = _prompts()
+    free = gen.generate(ids, max_new_tokens=6, eos_token_id=None)
+    eos = int(free[0, 7 + 1])
+    for e in (eos, [eos, 255]):
+        want = gen.generate(ids, max_new_tokens=6, eos_token_id=e, pad_token_id=0)
+        got = gen.generate(ids, max_new_tokens=6, eos_token_id=torch.tensor(e), pad_token_id=torch.tensor(0))
+        assert torch.equal(got, want)

@@ -254,6 +254,11 @@ class FoldConstants(Pass):
         for root in roots:
             if not isinstance(root.meta.get("val"), torch.Tensor):
                 continue
+            if any(u.op == "output" for u in root.users):
+                # a stored constant returned would be the same tensor every call: a caller writing
+                # into one call's output would change the next call's
+                res.reject(root.name, "the graph returns it; a stored constant would be one tensor shared by every call")
+                continue
             if consts.written_after(root):
                 res.reject(root.name, "its storage is written in place after it is read; the value is not final")
                 continue

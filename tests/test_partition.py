@@ -15,6 +15,7 @@ from torch import nn
 
 import graphopt
 from graphopt import accuracy, partition
+from tests.helpers import reference_check
 from graphopt.capture import capture
 from graphopt.errors import BudgetError, GraphoptError
 from graphopt.examples import zoo
@@ -503,3 +504,22 @@ def test_training_stages_wait_on_the_host_where_it_is_slower():
             d.compute_s for d in device_only.stages)
     # a CPU profile's compute is host time already: no second host term
     assert partition._host_train_prefix(an, gm, dataclasses.replace(prof, kind="cpu"), {}) is None
+
+
+class _ConstOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.d = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.a(x))), self.a.weight.sum()
+
+
+def test_placement_returns_a_folded_constant_output():
+    # weight.sum() folds to a buffer read only by the output: split_module dropped its get_attr (KeyError)
+    torch.manual_seed(0)
+    model, x = _ConstOut().eval(), torch.randn(5, 16)
+    opt = graphopt.optimize(model, (x,), devices=["cpu", "cpu"], measure=False)
+    assert opt.placed is not None
+    res = reference_check(model, opt, (x,))
+    assert res.passed, res.reason

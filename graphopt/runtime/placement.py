@@ -138,7 +138,22 @@ class PlacedModule(nn.Module):
         self.plan = plan
         self._in_spec, self._out_spec = _flat_io(gm)
         self._pytree = pytree
-        stage_of = plan.stage_of
+        stage_of = dict(plan.stage_of)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        if any(a.op == "get_attr" for a in out.all_input_nodes):
+            # split_module drops a get_attr node that only the output reads (a constant the
+            # optimizer folded, e.g. ``weight.sum()``): the last stage returns a copy of it
+            import copy as _copy
+
+            gm = fx.GraphModule(gm, _copy.deepcopy(gm.graph))
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            last = plan.stages[-1].index
+            for a in [a for a in out.all_input_nodes if a.op == "get_attr"]:
+                with gm.graph.inserting_before(out):
+                    c = gm.graph.call_method("clone", (a,))
+                stage_of[c.name] = last
+                out.replace_input_with(a, c)
+            gm.recompile()
         split = split_module(gm, gm, lambda n: stage_of[n.name], keep_original_order=True)
         devices = {f"submod_{s.index}": s.device for s in plan.stages}
         seen: dict = {}

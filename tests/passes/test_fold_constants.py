@@ -363,3 +363,24 @@ def test_shape_only_factories_of_a_dynamic_shape_are_not_folded():
         x2 = torch.randn(*shape)
         with torch.no_grad():
             torch.testing.assert_close(gm(x2), m(x2), rtol=0, atol=0)
+
+
+class _ReturnsConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x), self.lin.weight.sum()
+
+
+def test_a_returned_constant_is_not_stored():
+    # a stored constant returned is one tensor shared by every call: writing into one call's output
+    # changed the next call's
+    torch.manual_seed(0)
+    model, x = _ReturnsConstant().eval(), torch.randn(2, 8)
+    gm = capture(model, (x,))
+    run_passes(gm, ["fold_constants"])
+    first = gm(x)[1]
+    first.add_(100.0)
+    assert torch.equal(gm(x)[1], model(x)[1].detach())

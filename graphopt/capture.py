@@ -515,6 +515,24 @@ def _lazy_graph_modules():
     return _use_lazy_graph_module(True)
 
 
+@contextlib.contextmanager
+def _shape_solver_quiet():
+    """torch's symbolic-shape solver logs its own failures at WARNING while export runs ("Failed to reduce
+    inequalities" with a traceback, "Unable to find user code corresponding to u0"): on a capture with
+    dynamic dims that fails, ~200 lines before graphopt's one-line error. Raised to ERROR while graphopt
+    exports; GRAPHOPT_TRACEBACK=1 or TORCH_LOGS leave it alone."""
+    if traceback_requested() or os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    solver = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = solver.level
+    solver.setLevel(max(logging.ERROR, level))
+    try:
+        yield
+    finally:
+        solver.setLevel(level)
+
+
 def _export(model, args, kwargs, shapes):
     """torch.export.export, non-strict. A failed trace makes torch print the graph traced so far
     to stderr before it raises; that text stays on the exception (``partial_fx_graph``, which
@@ -545,7 +563,7 @@ def _capture_export(model, args, kwargs, dynamic, stack_traces: bool = False,
         # their Python code only if something runs or reads it (the module handed back is a plain one)
         with timing.phase("capture: torch.export"), _stack_traces(stack_traces), _lazy_graph_modules(), \
                 _inference_grad_mode(inference), _module_conversions_that_change_nothing_skipped(), \
-                _causal_mask_hints_left_unset():
+                _causal_mask_hints_left_unset(), _shape_solver_quiet():
             ep = _export(model, args, kwargs, shapes)
     except Exception as e:
         if shapes and "Constraints violated" in str(e):

@@ -532,3 +532,25 @@ def test_a_dynamic_capture_that_export_refuses_says_the_fallback_cannot_keep_dim
     msg = str(e.value)
     assert "\n" not in msg and "its fallback (symbolic_trace) fixes every size" in msg
     assert "declare fewer dims dynamic" in msg
+
+
+def test_the_shape_solvers_own_warnings_are_quiet_while_graphopt_exports(monkeypatch, capfd):
+    # a failed dynamic capture printed ~200 lines of torch's solver warnings before the one-line error
+    import logging
+
+    solver = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    before = solver.level
+    seen = []
+
+    def export(*args, **kwargs):
+        seen.append(solver.getEffectiveLevel())
+        solver.warning("Failed to reduce inequalities")
+        raise RuntimeError("no")
+
+    monkeypatch.delenv("GRAPHOPT_TRACEBACK", raising=False)
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    monkeypatch.setattr(torch.export, "export", export)
+    with pytest.raises(CaptureError):
+        capture(_BranchOnValues(), (torch.randn(4, 3),), dynamic={"x": {0: "batch"}})
+    assert seen == [logging.ERROR] and solver.level == before
+    assert "Failed to reduce" not in capfd.readouterr().err

@@ -646,9 +646,7 @@ def _written_state(gm: fx.GraphModule, model: nn.Module) -> list:
     for _, root in ir.input_mutations(gm):
         if root.op != "get_attr":
             continue
-        t = gm
-        for part in str(root.target).split("."):
-            t = getattr(t, part, None)
+        t = ir.get_attr_value(gm, root.target)
         if isinstance(t, torch.Tensor) and id(t) in own:
             out[id(t)] = t
     return list(out.values())

@@ -11,6 +11,8 @@ multi-process pipeline (:func:`stage_modules`, used by graphopt.runtime.distribu
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -141,11 +143,9 @@ class PlacedModule(nn.Module):
         stage_of = dict(plan.stage_of)
         out = next(n for n in gm.graph.nodes if n.op == "output")
         if any(a.op == "get_attr" for a in out.all_input_nodes):
-            # split_module drops a get_attr node that only the output reads (a constant the
-            # optimizer folded, e.g. ``weight.sum()``): the last stage returns a copy of it
-            import copy as _copy
-
-            gm = fx.GraphModule(gm, _copy.deepcopy(gm.graph))
+            # split_module drops a get_attr node that only the output reads (a buffer the model
+            # returns as it is): the last stage returns a copy of it
+            gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
             out = next(n for n in gm.graph.nodes if n.op == "output")
             last = plan.stages[-1].index
             for a in [a for a in out.all_input_nodes if a.op == "get_attr"]:
@@ -169,11 +169,11 @@ class PlacedModule(nn.Module):
                                             "would need its gradients summed across devices, which graphopt refuses")
                     *path, leaf = pname.split(".")
                     owner = sub.get_submodule(".".join(path)) if path else sub
-                    copy = p.detach().to(dev)
+                    moved = p.detach().to(dev)
                     if isinstance(p, nn.Parameter):
-                        owner.register_parameter(leaf, nn.Parameter(copy, requires_grad=False))
+                        owner.register_parameter(leaf, nn.Parameter(moved, requires_grad=False))
                     else:
-                        owner.register_buffer(leaf, copy)
+                        owner.register_buffer(leaf, moved)
             sub.to(dev)
         g = split.graph
         for n in list(g.nodes):

@@ -41,6 +41,16 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s14a)
+  # every cuda-marked test at the code of the CPU sessions since 12-04, then the bs1 decode step of Llama-3-8B and
+  # GLM-4-9B (past 1024, graphopt only: the anchors' rows are the 12-02/12-03 runs)
+  timeout 240 python3 -m pytest -m cuda tests -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda.log"
+  tail -30 "$OUT/pytest_cuda.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -12; echo "### tests ${SECONDS}s"
+  for m in llama3-8b glm4-9b; do
+    left=$((585 - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/generation_bench.py --model $m --batches 1 \
+      --pasts 1024 --variants graphopt --no-e2e --no-prefill --out "$OUT" 2>&1 | quiet | grep "^|\|^- \|rror" | tail -6
+    echo "### $m ${SECONDS}s"
+  done ;;
 s13e)
   # explain on the real GLM shapes: bs8 measured (the fused GEMM's predicted and measured node time), bs1's refusal
   timeout 380 graphopt explain glm4-9b-4l --batch 8 --seq-len 1024 --dtype bf16 --no-accuracy --measure \

@@ -41,6 +41,15 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s14b)
+  # the cuda-marked tests s14a's 240 s did not reach (its files from test_calibrate_corpus on, with the slowest named),
+  # then a screen of 16 configs outside every list, chosen before any ran (4 at once)
+  timeout 200 python3 -m pytest -m cuda tests/test_calibrate_corpus.py tests/test_generation.py tests/test_lower.py \
+    tests/test_measure.py tests/test_planted_fault.py tests/test_setup_memory.py tests/test_training_graphs.py -q \
+    -p no:cacheprovider -W ignore --tb=short -rf --durations=8 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_rest.log"
+  tail -40 "$OUT/pytest_cuda_rest.log" | grep -E "passed|failed|Error|assert|FAILED|^[0-9.]+s call" | tail -14; echo "### tests ${SECONDS}s"
+  timeout $((590 - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 4 --timeout 330 --reps 20 --warmup 3 \
+    --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -40 ;;
 s14a)
   # every cuda-marked test at the code of the CPU sessions since 12-04, then the bs1 decode step of Llama-3-8B and
   # GLM-4-9B (past 1024, graphopt only: the anchors' rows are the 12-02/12-03 runs)

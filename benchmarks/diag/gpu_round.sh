@@ -44,7 +44,7 @@ case "$1" in
 s14b)
   # the cuda-marked tests s14a's 240 s did not reach (its files from test_calibrate_corpus on, with the slowest named),
   # then a screen of 16 configs outside every list, chosen before any ran (4 at once)
-  timeout 200 python3 -m pytest -m cuda tests/test_calibrate_corpus.py tests/test_generation.py tests/test_lower.py \
+  timeout 140 python3 -m pytest -m cuda tests/test_calibrate_corpus.py tests/test_generation.py tests/test_lower.py \
     tests/test_measure.py tests/test_planted_fault.py tests/test_setup_memory.py tests/test_training_graphs.py -q \
     -p no:cacheprovider -W ignore --tb=short -rf --durations=8 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_rest.log"
   tail -40 "$OUT/pytest_cuda_rest.log" | grep -E "passed|failed|Error|assert|FAILED|^[0-9.]+s call" | tail -14; echo "### tests ${SECONDS}s"

@@ -194,18 +194,22 @@ def build(name: str, batch: int, small: bool = False):
         import timm
 
         model = timm.create_model(name[5:], pretrained=False).eval()
-        size = 64 if small else model.default_cfg.get("input_size", (3, 224, 224))[-1]
-        return model, (torch.randn(batch, 3, size, size, generator=gen),)
-    import torchvision
+        default = model.default_cfg.get("input_size", (3, 224, 224))[-1]
+        if not small:
+            return model, (torch.randn(batch, 3, default, default, generator=gen),)
+        sizes = [64, default]  # a model built for one image size (a fixed patch grid) takes only that
+    else:
+        import torchvision
 
-    kw = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
-    model = torchvision.models.get_model(name, weights=None, **kw).eval()
-    if not small:
-        size = IMAGE.get(name, 224)
-        return model, (torch.randn(batch, 3, size, size, generator=gen),)
-    from .sweep import IMAGE_SIZES
+        kw = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
+        model = torchvision.models.get_model(name, weights=None, **kw).eval()
+        if not small:
+            size = IMAGE.get(name, 224)
+            return model, (torch.randn(batch, 3, size, size, generator=gen),)
+        from .sweep import IMAGE_SIZES
 
-    for size in IMAGE_SIZES:  # the smallest image the model takes
+        sizes = IMAGE_SIZES
+    for size in sizes:  # the smallest image the model takes
         x = torch.randn(batch, 3, size, size, generator=gen)
         try:
             with torch.no_grad():
@@ -213,7 +217,7 @@ def build(name: str, batch: int, small: bool = False):
             return model, (x,)
         except Exception:  # noqa: BLE001 - too small for this model: the next size
             continue
-    raise RuntimeError(f"{name}: no image size in {IMAGE_SIZES} runs")
+    raise RuntimeError(f"{name}: no image size in {tuple(sizes)} runs")
 
 
 def _build_hf(name: str, batch: int, small: bool, gen: torch.Generator):

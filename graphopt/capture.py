@@ -724,10 +724,12 @@ def _functional_variant(op: torch._ops.OpOverload):
 
 def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
     """In-place ops on intermediates -> functional ops; dropout that is the identity as called
-    (every spelling, :func:`remove_eval_dropout`) and export's dtype assertions on intermediates
+    (every spelling, :func:`remove_eval_dropout`), arithmetic with its unit (``x * 1.0``, ``x + 0``:
+    :func:`remove_identity_arithmetic`) and export's dtype assertions on intermediates
     removed; einsums that are batched matrix products in matmul form (graphopt.capture_einsum)."""
     g = gm.graph
     changed = remove_eval_dropout(gm) > 0
+    changed = remove_identity_arithmetic(gm) > 0 or changed
     _einsums_as_matmul(gm, info)
     roots: dict = {}
     kept: dict = {}  # input name -> the in-place ops writing into it
@@ -879,6 +881,60 @@ def remove_eval_dropout(gm: fx.GraphModule) -> int:
                 g.erase_node(u)
             g.erase_node(node)
             removed += 1
+    return removed
+
+
+# arithmetic whose result is its tensor operand when the other operand is the unit: (unit, commutes)
+_UNIT_ARITHMETIC = {
+    aten.mul.Tensor: (1, True), aten.mul.Scalar: (1, True), aten.div.Tensor: (1, False),
+    aten.div.Scalar: (1, False), aten.add.Tensor: (0, True), aten.add.Scalar: (0, True),
+    aten.sub.Tensor: (0, False), aten.sub.Scalar: (0, False)}
+
+
+def _is_unit(v, unit) -> bool:
+    return type(v) in (int, float) and v == unit
+
+
+def identity_arithmetic_input(node: fx.Node):
+    """The tensor operand of ``node`` when ``node`` multiplies or divides it by one, or adds or
+    subtracts zero (a disabled layer scale ``gamma = 1.0``, an accumulator started at ``0``), and
+    the result has the operand's dtype, shape and strides (no promotion, no broadcast, no new
+    layout); else None. The values are the operand's (``-0.0 + 0`` aside, which reads equal)."""
+    if node.op != "call_function" or node.target not in _UNIT_ARITHMETIC:
+        return None
+    unit, commutes = _UNIT_ARITHMETIC[node.target]
+    if len(node.args) != 2 or set(node.kwargs) - {"alpha"} or isinstance(node.kwargs.get("alpha"), fx.Node):
+        return None
+    a, b = node.args
+    if isinstance(a, fx.Node) and _is_unit(b, unit):
+        x = a
+    elif commutes and isinstance(b, fx.Node) and _is_unit(a, unit):
+        x = b
+    else:
+        return None
+    v, xv = node.meta.get("val"), x.meta.get("val")
+    if not isinstance(v, torch.Tensor) or not isinstance(xv, torch.Tensor) or v.dtype != xv.dtype:
+        return None
+    same = [list(map(str, t.shape)) + list(map(str, t.stride())) for t in (v, xv)]
+    return x if same[0] == same[1] else None
+
+
+def remove_identity_arithmetic(gm: fx.GraphModule) -> int:
+    """Replace each :func:`identity_arithmetic_input` node by its operand where neither is written
+    in place and the result is not a graph output (the caller would get the operand itself, an
+    input or a parameter perhaps). Returns the number of nodes removed."""
+    aliasing = None
+    removed = 0
+    for node in list(gm.graph.nodes):
+        x = identity_arithmetic_input(node)
+        if x is None or any(u.op == "output" for u in node.users):
+            continue
+        aliasing = aliasing or ir.storages(gm)
+        if _written(node, aliasing) or _written(x, aliasing):
+            continue
+        node.replace_all_uses_with(x)
+        gm.graph.erase_node(node)
+        removed += 1
     return removed
 
 

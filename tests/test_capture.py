@@ -274,6 +274,47 @@ def test_eval_dropout_of_every_spelling_is_removed(strategy):
     assert "random op" not in lower.decide(gm, [x], device_type="cpu").why
 
 
+class _Units(nn.Module):
+    """A disabled layer scale (gamma = 1.0), an accumulator started at 0, a subtract of 0 and a
+    divide by 1: removed. An int tensor times 1.0 (promotes), a strided slice times 1 (the product
+    is dense: a new layout), a product written in place and one returned as it is: kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gamma = 1.0
+
+    def forward(self, x, n):
+        h = self.fc(x)
+        acc = 0
+        for k in range(2):
+            acc = acc + h * (k + 2)
+        y = x + self.gamma * h
+        y = (y - 0) / 1
+        y = 1.0 * y + acc
+        w = y * 1
+        w.add_(1.0)
+        return y + (n * 1.0).sum() + (h[:, ::2] * 1).sum(), h * 1, w
+
+
+def _unit_ops(gm):
+    unit = {aten.mul.Tensor: 1, aten.div.Tensor: 1, aten.add.Tensor: 0, aten.sub.Tensor: 0}
+    return [nd for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in unit
+            and any(type(a) in (int, float) and a == unit[nd.target] for a in nd.args)]
+
+
+def test_arithmetic_with_its_unit_is_removed():
+    model, x, n = _Units().eval(), torch.randn(2, 4, 8), torch.arange(8)
+    gm = capture(model, (x, n))
+    left = _unit_ops(gm)
+    assert [str(nd.target) for nd in left] == ["aten.mul.Tensor"] * 4, [(nd.name, nd.args) for nd in left]
+    operands = {nd.args[0].op if nd.args[0].op == "placeholder" else str(nd.args[0].target) for nd in left}
+    assert {"placeholder", "aten.slice.Tensor"} <= operands
+    with torch.no_grad():
+        got, want = gm(x, n), model(x, n)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_training_dropout_stays_random():
     model, x = _Dropouts().train(), torch.randn(2, 4, 8)
     gm = capture(nn.Sequential(model.fc, model.d), (x,))

@@ -912,11 +912,8 @@ def identity_arithmetic_input(node: fx.Node):
         x = b
     else:
         return None
-    v, xv = node.meta.get("val"), x.meta.get("val")
-    if not isinstance(v, torch.Tensor) or not isinstance(xv, torch.Tensor) or v.dtype != xv.dtype:
-        return None
-    same = [list(map(str, t.shape)) + list(map(str, t.stride())) for t in (v, xv)]
-    return x if same[0] == same[1] else None
+    out = ir.info(node)
+    return x if out is not None and out == ir.info(x) else None  # dtype, shape, strides, device
 
 
 def remove_identity_arithmetic(gm: fx.GraphModule) -> int:

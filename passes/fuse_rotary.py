@@ -18,6 +18,13 @@ op's broadcast is the model's; the result keeps x's dtype and shape (a cos of a 
 would promote). Refused with the reason recorded: any of those failing, a rotation with no
 partner sharing its cos/sin (only q's or only k's found), a pair with no valid place in the
 graph, and everything on a CPU profile (``NO_FUSED_KERNELS``).
+
+Casts around a float32 rotation are absorbed: where q and k are half/bfloat16 activations cast to
+float32 for it (``x.float()``, ModernBERT's spelling), cos/sin are float32 or of x's dtype, and every
+reader of both results casts them back to x's dtype, the op takes x itself and its results replace
+those casts. The op reads float32 tables as float32 and computes in float32, so each result is the
+float32 rotation rounded once to x's dtype, as the casts made it; the casts' reads and writes of
+float32 copies are gone.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from graphopt import ir
 from graphopt.matcher import Alt, Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._norms_common import Seq, position
+from ._norms_common import CASTS, Seq, is_noop_cast, position
 
 aten = torch.ops.aten
 SLICE = aten.slice.Tensor
@@ -149,6 +156,43 @@ def _check(r: _Rot) -> str:
     return ""
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _cast_of(n, dtype=None):
+    """The tensor ``n`` casts to another dtype on its device (one of ``CASTS``, no layout asked for; to
+    ``dtype`` if given), else None."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in CASTS and 1 <= len(n.args) <= 2
+            and isinstance(n.args[0], fx.Node)) or is_noop_cast(n):
+        return None
+    ni, si = ir.info(n), ir.info(n.args[0])
+    if ni is None or si is None or si.device != ni.device \
+            or n.kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return None
+    return n.args[0] if dtype is None or ni.dtype == dtype else None
+
+
+def _absorbed_casts(a: _Rot, b: _Rot):
+    """((x_q, x_k), (cast_q, cast_k)) when the pair rotates float32 casts of half x_q and x_k and every
+    reader of each result casts it back to x's dtype (then the op takes x and its results replace the
+    casts back: one rounding, as before; the pipeline re-propagates their layout); else None."""
+    xs = [_cast_of(r.q) for r in (a, b)]
+    if any(x is None for x in xs) or ir.info(a.q).dtype != torch.float32:
+        return None
+    dt = ir.info(xs[0]).dtype
+    if dt not in HALF or ir.info(xs[1]).dtype != dt:
+        return None
+    if any(ir.info(t).dtype not in (torch.float32, dt) for t in (a.cos, a.sin)):
+        return None
+    downs = []
+    for r in (a, b):
+        users = list(r.root.users)
+        if len(users) != 1 or _cast_of(users[0], dt) is not r.root:
+            return None  # a reader of the float32 result (or two casts): the float32 rotation stays
+        downs.append(users[0])
+    return (xs[0], xs[1]), (downs[0], downs[1])
+
+
 @register
 class FuseRotary(Pass):
     name = "fuse_rotary"
@@ -199,22 +243,33 @@ class FuseRotary(Pass):
     @staticmethod
     def _candidate(gm, ctx, a: _Rot, b: _Rot) -> Candidate:
         gone = list(dict.fromkeys(a.nodes + b.nodes))
+        casts = _absorbed_casts(a, b)
+        if casts is None:
+            ins, outs = (a.q, b.q), (a.root, b.root)
+        else:
+            ins, outs = casts
+            # the up-casts go too where nothing else reads them
+            gone += list(outs) + [
+                c for c in (a.q, b.q) if all(u in gone or u in (a.root, b.root) for u in c.users)]
+            gone = list(dict.fromkeys(gone))
         # (the kernel reads the tables through views of cos and sin: the same bytes)
-        new_t = ctx.price(torch.ops.graphopt.rotary.default, a.q, b.q, a.cos, a.sin, a.interleaved,
-                          val=(a.root.meta.get("val"), b.root.meta.get("val")))
+        new_t = ctx.price(torch.ops.graphopt.rotary.default, ins[0], ins[1], a.cos, a.sin, a.interleaved,
+                          val=(outs[0].meta.get("val"), outs[1].meta.get("val")))
         gain = ctx.node_time(gone) - new_t
         form = "interleaved" if a.interleaved else "rotate_half"
         kind = "partial" if a.partial else "full"
-        label = f"rotary {a.root.name} + {b.root.name} ({form}, {kind}, R={a.R})"
-        return Candidate(f"rotary q+k ({form})", gone, gain, lambda: FuseRotary._apply(gm, a, b), label=label,
+        cast = ", casts absorbed" if casts else ""
+        label = f"rotary {a.root.name} + {b.root.name} ({form}, {kind}, R={a.R}{cast})"
+        return Candidate(f"rotary q+k ({form}{cast})", gone, gain, lambda: FuseRotary._apply(gm, a, b, casts), label=label,
                          refusal="no point in the graph follows both inputs and precedes both outputs' readers")
 
     @staticmethod
-    def _apply(gm: fx.GraphModule, a: _Rot, b: _Rot):
+    def _apply(gm: fx.GraphModule, a: _Rot, b: _Rot, casts=None):
         g = gm.graph
         pos = position(gm)
-        after = max((a.q, b.q, a.cos, a.sin), key=lambda n: pos[n])
-        first_use = min((pos[u] for r in (a, b) for u in r.root.users), default=len(pos))
+        (qa, qb), (oa_old, ob_old) = casts if casts else ((a.q, b.q), (a.root, b.root))
+        after = max((qa, qb, a.cos, a.sin), key=lambda n: pos[n])
+        first_use = min((pos[u] for r in (oa_old, ob_old) for u in r.users), default=len(pos))
         if pos[after] >= first_use:
             return None
         ci = ir.info(a.cos)
@@ -233,14 +288,16 @@ class FuseRotary(Pass):
         anchor = max([after] + [t for t in tabs if t not in (a.cos, a.sin)], key=lambda n: position(gm)[n])
         with g.inserting_after(anchor):
             fused = g.call_function(torch.ops.graphopt.rotary.default,
-                                    (a.q, b.q, tabs[0], tabs[1], a.interleaved))
+                                    (qa, qb, tabs[0], tabs[1], a.interleaved))
         with g.inserting_after(fused):
             oa = g.call_function(operator.getitem, (fused, 0))
         with g.inserting_after(oa):
             ob = g.call_function(operator.getitem, (fused, 1))
-        oa.meta["val"], ob.meta["val"] = a.root.meta.get("val"), b.root.meta.get("val")
+        oa.meta["val"], ob.meta["val"] = oa_old.meta.get("val"), ob_old.meta.get("val")
         fused.meta["val"] = (oa.meta["val"], ob.meta["val"])
-        a.root.replace_all_uses_with(oa)
-        b.root.replace_all_uses_with(ob)
-        ir.erase_dead(gm, a.nodes + b.nodes)
+        # the results (or, casts absorbed, the casts back) are read from the op now; the up-casts go
+        # where nothing else reads them
+        oa_old.replace_all_uses_with(oa)
+        ob_old.replace_all_uses_with(ob)
+        ir.erase_dead(gm, [oa_old, ob_old] + a.nodes + b.nodes + ([a.q, b.q] if casts else []))
         return fused

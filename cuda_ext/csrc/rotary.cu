@@ -11,7 +11,7 @@
 namespace graphopt {
 
 // Rotary embedding on one 4-D tensor x[B, H, S, D] (any strides, in elements) into a contiguous out.
-// cos/sin are [Bc, S, R] with strides (cs_b may be 0 to broadcast), same dtype as x.
+// cos/sin are [Bc, S, R] with strides (cs_b may be 0 to broadcast), of x's dtype or float32 (TC below).
 struct RotaryArgs {
   const void* x; void* out;
   int64_t B, H, S, D, R;
@@ -25,7 +25,7 @@ struct RotaryArgs {
 namespace {
 
 // blockDim = (32, 8): threadIdx.x walks the pairs of one row, threadIdx.y picks the row.
-template <typename T>
+template <typename T, typename TC>
 __global__ void __launch_bounds__(256) rotary_kernel(RotaryArgs q, RotaryArgs k, int64_t q_rows, int64_t total_rows) {
   const int64_t grow = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (grow >= total_rows) return;
@@ -40,8 +40,8 @@ __global__ void __launch_bounds__(256) rotary_kernel(RotaryArgs q, RotaryArgs k,
   const T* x = static_cast<const T*>(a.x) + b * a.sb + h * a.sh + s * a.ss;
   T* o = static_cast<T*>(a.out) + b * a.osb + h * a.osh + s * a.oss;
   const int64_t cbase = b * a.cb + s * a.cs;
-  const T* c = static_cast<const T*>(a.cos) + cbase;
-  const T* sn = static_cast<const T*>(a.sin) + cbase;
+  const TC* c = static_cast<const TC*>(a.cos) + cbase;
+  const TC* sn = static_cast<const TC*>(a.sin) + cbase;
   const int64_t half = a.R / 2;
   for (int64_t p = threadIdx.x; p < half; p += blockDim.x) {
     const int64_t ia = a.interleaved ? 2 * p : p;
@@ -127,7 +127,23 @@ __device__ __forceinline__ void rotary_heads(const RotaryArgs& a, uint32_t b, ui
   }
 }
 
-template <typename T, bool INTERLEAVED, int U>
+// One chunk of cos/sin (Vec<T>::N values) as floats: one 16-byte load of x's dtype, or N/4 of float32.
+template <typename T, typename TC>
+__device__ __forceinline__ void load_table(const TC* p, float (&out)[Vec<T>::N]) {
+  if constexpr (sizeof(TC) == sizeof(T)) {
+    load_vec(p, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < Vec<T>::N; i += 4) {
+      float part[4];
+      load_vec(p + i, part);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[i + j] = part[j];
+    }
+  }
+}
+
+template <typename T, typename TC, bool INTERLEAVED, int U>
 __global__ void __launch_bounds__(256) rotary_vec_kernel(RotaryArgs q, RotaryArgs k, uint32_t items) {
   constexpr int N = Vec<T>::N;
   const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
@@ -151,13 +167,13 @@ __global__ void __launch_bounds__(256) rotary_vec_kernel(RotaryArgs q, RotaryArg
   for (int j = 0; j < N; ++j) ca[j] = sa[j] = cb[j] = sb[j] = 0.f;
   if (rot) {  // this token's cos/sin chunk(s): read once, used for every head of q and k
     const int64_t cbase = int64_t(b) * q.cb + int64_t(s) * q.cs;
-    const T* cp = static_cast<const T*>(q.cos) + cbase;
-    const T* sp = static_cast<const T*>(q.sin) + cbase;
-    load_vec(cp + ea, ca);
-    load_vec(sp + ea, sa);
+    const TC* cp = static_cast<const TC*>(q.cos) + cbase;
+    const TC* sp = static_cast<const TC*>(q.sin) + cbase;
+    load_table<T>(cp + ea, ca);
+    load_table<T>(sp + ea, sa);
     if (!INTERLEAVED) {
-      load_vec(cp + eb, cb);
-      load_vec(sp + eb, sb);
+      load_table<T>(cp + eb, cb);
+      load_table<T>(sp + eb, sb);
     }
   }
   rotary_heads<T, INTERLEAVED, U>(q, b, s, rot, ea, eb, ca, sa, cb, sb);
@@ -181,41 +197,49 @@ int64_t vec_items_per_token(const RotaryArgs& a) {
 
 }  // namespace
 
-cudaError_t launch_rotary(int dtype, const RotaryArgs& q, const RotaryArgs& k, cudaStream_t stream) {
+template <typename T, typename TC>
+cudaError_t launch_rotary_typed(const RotaryArgs& q, const RotaryArgs& k, cudaStream_t stream) {
   const int64_t q_rows = q.B * q.H * q.S, k_rows = k.B * k.H * k.S;
   const int64_t total = q_rows + k_rows;
   if (total == 0) return cudaSuccess;
   const dim3 block(32, 8);
   const int64_t blocks = (total + 7) / 8;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  GRAPHOPT_DISPATCH_FLOAT(dtype, T, {
-    if (q.interleaved == k.interleaved && q.R == k.R && q.B == k.B && q.S == k.S && q.D == k.D &&
-        q.cb == k.cb && q.cs == k.cs && vec_ok<T>(q) && vec_ok<T>(k)) {
-      const int64_t items = q.B * q.S * vec_items_per_token<T>(q);
-      // 32-bit item/token counters; all element offsets are 64-bit
-      if (items < (int64_t(1) << 31) && q.S < (int64_t(1) << 31)) {
-        const unsigned vblocks = static_cast<unsigned>((items + 255) / 256);
-        // few tokens: split the heads over blockIdx.y until ~8 CTAs per SM exist
-        const int64_t hmax = q.H > k.H ? q.H : k.H;
-        int64_t split = (int64_t(num_sms()) * 8 + vblocks - 1) / vblocks;
-        if (split > hmax) split = hmax;
-        if (split > 65535) split = 65535;
-        if (split < 1) split = 1;
-        const dim3 grid(vblocks, static_cast<unsigned>(split));
-        // variant 0: 4 heads in flight per thread; variant 1: 8
-        const bool deep = variant(VAR_ROTARY) == 1;
-        if (q.interleaved) {
-          if (deep) rotary_vec_kernel<T, true, 8><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
-          else rotary_vec_kernel<T, true, 4><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
-        } else {
-          if (deep) rotary_vec_kernel<T, false, 8><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
-          else rotary_vec_kernel<T, false, 4><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
-        }
-        return cudaGetLastError();
+  if (q.interleaved == k.interleaved && q.R == k.R && q.B == k.B && q.S == k.S && q.D == k.D &&
+      q.cb == k.cb && q.cs == k.cs && vec_ok<T>(q) && vec_ok<T>(k)) {
+    const int64_t items = q.B * q.S * vec_items_per_token<T>(q);
+    // 32-bit item/token counters; all element offsets are 64-bit
+    if (items < (int64_t(1) << 31) && q.S < (int64_t(1) << 31)) {
+      const unsigned vblocks = static_cast<unsigned>((items + 255) / 256);
+      // few tokens: split the heads over blockIdx.y until ~8 CTAs per SM exist
+      const int64_t hmax = q.H > k.H ? q.H : k.H;
+      int64_t split = (int64_t(num_sms()) * 8 + vblocks - 1) / vblocks;
+      if (split > hmax) split = hmax;
+      if (split > 65535) split = 65535;
+      if (split < 1) split = 1;
+      const dim3 grid(vblocks, static_cast<unsigned>(split));
+      // variant 0: 4 heads in flight per thread; variant 1: 8
+      const bool deep = variant(VAR_ROTARY) == 1;
+      if (q.interleaved) {
+        if (deep) rotary_vec_kernel<T, TC, true, 8><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
+        else rotary_vec_kernel<T, TC, true, 4><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
+      } else {
+        if (deep) rotary_vec_kernel<T, TC, false, 8><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
+        else rotary_vec_kernel<T, TC, false, 4><<<grid, 256, 0, stream>>>(q, k, uint32_t(items));
       }
+      return cudaGetLastError();
     }
-    rotary_kernel<T><<<static_cast<unsigned>(blocks), block, 0, stream>>>(q, k, q_rows, total);
-    return cudaGetLastError();
+  }
+  rotary_kernel<T, TC><<<static_cast<unsigned>(blocks), block, 0, stream>>>(q, k, q_rows, total);
+  return cudaGetLastError();
+}
+
+// table_f32: cos/sin are float32 while q/k are half or bfloat16 (a model that rotates in float32
+// between casts of its activations: the casts are absorbed, the tables keep their precision)
+cudaError_t launch_rotary(int dtype, bool table_f32, const RotaryArgs& q, const RotaryArgs& k, cudaStream_t stream) {
+  GRAPHOPT_DISPATCH_FLOAT(dtype, T, {
+    if (table_f32 && sizeof(T) != sizeof(float)) return launch_rotary_typed<T, float>(q, k, stream);
+    return launch_rotary_typed<T, T>(q, k, stream);
   });
   return cudaErrorInvalidValue;
 }
@@ -271,7 +295,10 @@ at::Tensor rotary_table(const at::Tensor& t, const at::Tensor& q) {
   }
   if (c.dim() == 2) c = c.unsqueeze(0);
   TORCH_CHECK(c.dim() == 3, "graphopt::rotary: cos/sin must be [B or 1, S, R], got ", t.sizes());
-  return c.to(q.device(), q.scalar_type()).contiguous();
+  // float32 tables beside half/bfloat16 q stay float32 (the kernel reads them as such)
+  const bool keep_f32 = c.scalar_type() == at::kFloat && q.scalar_type() != at::kFloat &&
+                        q.scalar_type() != at::kDouble;
+  return c.to(q.device(), keep_f32 ? at::kFloat : q.scalar_type()).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
@@ -287,7 +314,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Te
   RotaryArgs ka = rotary_args(k, ko, c, s, R, interleaved, "k");
   TORCH_CHECK(qa.B == ka.B && qa.S == ka.S && qa.D == ka.D, "graphopt::rotary: q ", q.sizes(), " and k ", k.sizes(),
               " must agree in B, S and D");
-  check(launch_rotary(dt, qa, ka, stream_of(q)), "rotary");
+  TORCH_CHECK(c.scalar_type() == s.scalar_type(), "graphopt::rotary: cos and sin dtypes differ");
+  const bool table_f32 = c.scalar_type() == at::kFloat && q.scalar_type() != at::kFloat;
+  check(launch_rotary(dt, table_f32, qa, ka, stream_of(q)), "rotary");
   return {qo, ko};
 }
 

@@ -6,6 +6,8 @@ Outputs follow :func:`layout`: a q/k whose heads are closer in memory than its p
 projection viewed as heads and transposed, or a slice of a merged QKV projection) gets its output
 in that [B, S, H, D] order, so attention over it writes its output in that order and the heads
 merge back without a copy. CUDA kernel: ``csrc/rotary.cu`` (reads q/k through their strides).
+cos/sin are read in q's dtype, or in float32 when they are float32 and q is half or bfloat16
+(fuse_rotary hands a model's float32 rotation between casts of its activations over that way).
 """
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ def _table(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         t = t.unsqueeze(0)
     if t.dim() != 3:
         raise ValueError(f"graphopt::rotary: cos/sin must be [B or 1, S, R], got {tuple(t.shape)}")
-    return t.to(like.dtype)  # the model casts cos/sin to the activation dtype
+    if t.dtype == torch.float32 and like.dtype in (torch.float16, torch.bfloat16):
+        return t  # float32 tables beside half q stay float32 (see the module's docstring)
+    return t.to(like.dtype)  # else the activation dtype, as the model casts them
 
 
 def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

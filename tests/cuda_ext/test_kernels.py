@@ -248,6 +248,31 @@ def test_rotary(device, dtype, interleaved, partial):
         check(ko, rk, ek, what=f"k {B, Hk, S, D, R}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_reads_float32_tables_as_float32(device, dtype, interleaved):
+    # half q and k with float32 cos/sin: the float32 rotation of their float32 copies, rounded once
+    # (fuse_rotary absorbs a model's casts around a float32 rotation this way); both kernel paths:
+    # vectorized (D = 64, aligned) and per-row (D = 10)
+    for B, Hq, Hk, S, D, R in [(2, 12, 12, 33, 64, 64), (2, 4, 2, 7, 64, 32), (1, 3, 1, 5, 10, 6)]:
+        q = rnd(B, S, Hq, D, dtype=dtype, device=device).transpose(1, 2)
+        k = rnd(B, S, Hk, D, dtype=dtype, device=device).transpose(1, 2)
+        cos, sin = _cos_sin(1, S, R, device, torch.float32, interleaved)
+        poison_allocator(device)
+        qo, ko = torch.ops.graphopt.rotary(q, k, cos, sin, interleaved)
+        assert qo.dtype == dtype and ko.dtype == dtype
+        wq, wk = torch.ops.graphopt.rotary(q.float(), k.float(), cos, sin, interleaved)
+        # the same float32 arithmetic (an FMA contracted differently may move a result by one step)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(qo, wq.to(dtype), rtol=eps, atol=1e-6)
+        torch.testing.assert_close(ko, wk.to(dtype), rtol=eps, atol=1e-6)
+        # against float32 tables rounded to q's dtype first, the float32 ones are closer to float64
+        rq, _ = ref.rotary(f64(q), f64(k), f64(cos), f64(sin), interleaved)
+        bq, _ = torch.ops.graphopt.rotary(q, k, cos.to(dtype), sin.to(dtype), interleaved)
+        assert (qo.double() - rq).abs().sum() <= (bq.double() - rq).abs().sum()
+
+
 def test_rotary_matches_glm_formula():
     # GLM: x[..., :R] rotated with stack((-x2, x1), -1).flatten(-2) on x[..., 0::2], x[..., 1::2]
     q = torch.randn(1, 2, 3, 8, dtype=torch.float64)

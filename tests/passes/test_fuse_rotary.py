@@ -23,11 +23,15 @@ class Attn(nn.Module):
     """q/k projections + rotary (Llama full, partial rotate_half, or GLM partial interleaved) + SDPA.
     cos/sin are computed in the graph from position ids (Llama) or are buffers (GLM-like)."""
 
-    def __init__(self, form="llama", heads=4, kv_heads=2, d=16, rot=None, rotate_k=True, cos_over_heads=False):
+    def __init__(self, form="llama", heads=4, kv_heads=2, d=16, rot=None, rotate_k=True, cos_over_heads=False,
+                 upcast=False):
         super().__init__()
         self.form, self.heads, self.kv, self.d = form, heads, kv_heads, d
         self.rot = rot or d
         self.rotate_k, self.cos_over_heads = rotate_k, cos_over_heads
+        # upcast: rotate float32 copies of q and k with float32 tables and cast back (ModernBERT's spelling);
+        # "keep": the float32 k is read again after the cast back
+        self.upcast = upcast
         self.q = nn.Linear(64, heads * d)
         self.k = nn.Linear(64, kv_heads * d)
         self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, self.rot, 2).float() / self.rot)))
@@ -38,7 +42,9 @@ class Attn(nn.Module):
         pos = torch.arange(S, dtype=torch.float32)
         f = pos[:, None] * self.inv_freq[None, :]
         emb = f.repeat_interleave(2, dim=-1) if self.form == "glm" else torch.cat((f, f), dim=-1)
-        cos, sin = emb.cos()[None, None].to(x.dtype), emb.sin()[None, None].to(x.dtype)  # [1, 1, S, R]
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]  # [1, 1, S, R]
+        if not self.upcast:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if self.cos_over_heads:
             cos = cos * self.head_scale.to(x.dtype)  # [1, H, S, R]: not a per-position table
         return cos, sin
@@ -56,9 +62,15 @@ class Attn(nn.Module):
         q = self.q(x).view(B, S, self.heads, self.d).transpose(1, 2)
         k = self.k(x).view(B, S, self.kv, self.d).transpose(1, 2)
         cos, sin = self.tables(x)
-        q = self.apply(q, cos, sin)
-        if self.rotate_k:
-            k = self.apply(k, cos, sin)
+        if self.upcast:
+            qf, kf = self.apply(q.float(), cos, sin), self.apply(k.float(), cos, sin)
+            q, k = qf.to(x.dtype), kf.to(x.dtype)
+            if self.upcast == "keep":
+                q = q + kf.sum(-1, keepdim=True).mean(1, keepdim=True).to(x.dtype)
+        else:
+            q = self.apply(q, cos, sin)
+            if self.rotate_k:
+                k = self.apply(k, cos, sin)
         k = k.repeat_interleave(self.heads // self.kv, dim=1)
         return q @ k.transpose(-1, -2)
 
@@ -77,6 +89,37 @@ def test_fuses_q_and_k(form, rot, interleaved, dtype):
     assert node.args[4] is interleaved
     # the op gets [B or 1, S, R] tables
     assert tuple(node.args[2].meta["val"].shape) == (1, 12, rot or 16)
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("form,rot", [("llama", None), ("glm", 8)])
+def test_absorbs_the_casts_of_a_float32_rotation(form, rot):
+    m, x = Attn(form, rot=rot, upcast=True).eval().to(torch.bfloat16), torch.randn(2, 12, 64, dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    assert op_counts(gm)["aten.to.dtype"] == 4
+    *_, res = run_passes(gm, ["eliminate_dead_code", "fold_constants", "fuse_rotary"], target="h200")
+    c = op_counts(gm)
+    assert c[FUSED] == 1 and c["aten.to.dtype"] == 0, c
+    (node,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
+    # bfloat16 q and k in, float32 tables
+    assert [a.meta["val"].dtype for a in node.args[:4]] == [torch.bfloat16] * 2 + [torch.float32] * 2
+    assert "casts absorbed" in res.rewrites[0].pattern
+    assert reference_check(m, gm, (x,)).passed
+    # the op's result is the float32 rotation rounded once, as the casts made it
+    fq = m.q(x).view(2, 12, 4, 16).transpose(1, 2)
+    fk = m.k(x).view(2, 12, 2, 16).transpose(1, 2)
+    cos, sin = m.tables(x)
+    want = m.apply(fq.float(), cos, sin).to(torch.bfloat16)
+    got, _ = torch.ops.graphopt.rotary(fq, fk, cos.squeeze(1), sin.squeeze(1), form == "glm")
+    assert torch.equal(got, want)
+
+
+def test_keeps_the_casts_when_the_float32_result_is_read():
+    m, x = Attn("llama", upcast="keep").eval().to(torch.bfloat16), torch.randn(2, 12, 64, dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    *_, res = run_passes(gm, ["eliminate_dead_code", "fold_constants", "fuse_rotary"], target="h200")
+    (node,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
+    assert node.args[0].meta["val"].dtype == torch.float32 and "absorbed" not in res.rewrites[0].pattern
     assert reference_check(m, gm, (x,)).passed
 
 

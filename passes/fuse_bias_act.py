@@ -6,7 +6,7 @@ RELU_BIAS epilogue on CUDA: one kernel instead of two, and addmm + in-place relu
 Producers: ``linear(x, W, b)`` (bias_dim -1), ``conv1d/2d/3d(x, W, b)`` (NC.. layout, bias_dim 1),
 ``addmm(b, x, W)`` (beta = alpha = 1), and an explicit ``matmul/mm/bmm(x, W) + b`` with a 1-D
 bias along the last dim. Activations: relu, gelu (exact and tanh), silu, sigmoid, tanh,
-hardswish, or none when a residual follows. Residual: ``act(..) + r`` / ``r + act(..)`` with
+hardswish, leaky_relu with any numeric slope (``leaky_relu:<slope>``), or none when a residual follows. Residual: ``act(..) + r`` / ``r + act(..)`` with
 r of the output's exact shape and dtype.
 
 ``_addmm_activation`` for GELU only in bf16 on a CUDA profile: its GELU is the tanh
@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt.cuda_ext.ops.bias_act import leaky_act
 from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
@@ -48,6 +49,7 @@ MATMULS = (aten.matmul.default, aten.mm.default, aten.bmm.default)
 ACTS = {
     aten.relu.default: "relu", aten.gelu.default: "gelu", aten.silu.default: "silu",
     aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh", aten.hardswish.default: "hardswish",
+    aten.leaky_relu.default: "leaky_relu",
 }
 
 
@@ -84,10 +86,15 @@ LOOSE = tuple(Op(tuple(ACTS), Op(p.targets, *p.args, name=p.name, single_use=Fal
 
 
 def act_name(node: fx.Node) -> str | None:
+    """bias_act's name for the activation ``node`` applies (``leaky_relu:<slope>`` with its slope);
+    None where it has none (another gelu approximation, a slope that is not a number)."""
     a = ACTS.get(node.target)
     if a == "gelu":
         approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
+    if a == "leaky_relu":
+        slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
+        return leaky_act(slope) if type(slope) in (int, float) else None
     return a
 
 
@@ -138,7 +145,7 @@ class FuseBiasAct(Pass):
             return None
         a = act_name(act) if act is not None else "none"
         if a is None:
-            res.reject(label, f"{act.name}: unsupported gelu approximation")
+            res.reject(label, f"{act.name}: unsupported gelu approximation or a leaky_relu slope that is no number")
             return None
         bias, y = m["b"], badd or gemm
         yi, bi, ti = ir.info(y), ir.info(bias) if isinstance(bias, fx.Node) else None, ir.info(top)

@@ -13,6 +13,7 @@
     case ::graphopt::ACT_SIGMOID: { constexpr int A = ::graphopt::ACT_SIGMOID; __VA_ARGS__; break; } \
     case ::graphopt::ACT_TANH: { constexpr int A = ::graphopt::ACT_TANH; __VA_ARGS__; break; } \
     case ::graphopt::ACT_HARDSWISH: { constexpr int A = ::graphopt::ACT_HARDSWISH; __VA_ARGS__; break; } \
+    case ::graphopt::ACT_LEAKY_RELU: { constexpr int A = ::graphopt::ACT_LEAKY_RELU; __VA_ARGS__; break; } \
     default: return cudaErrorInvalidValue;                               \
   }
 
@@ -20,11 +21,12 @@ namespace graphopt {
 
 enum Act : int {
   ACT_NONE = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3,
-  ACT_SILU = 4, ACT_SIGMOID = 5, ACT_TANH = 6, ACT_HARDSWISH = 7
+  ACT_SILU = 4, ACT_SIGMOID = 5, ACT_TANH = 6, ACT_HARDSWISH = 7, ACT_LEAKY_RELU = 8
 };
 
-// fp32 in, fp32 out; FAST: the hardware approximations (exact enough for 16-bit outputs)
-template <int ACT, bool FAST> __device__ __forceinline__ float apply_act(float x) {
+// fp32 in, fp32 out; FAST: the hardware approximations (exact enough for 16-bit outputs);
+// alpha: leaky_relu's negative slope (unused by the others)
+template <int ACT, bool FAST> __device__ __forceinline__ float apply_act(float x, float alpha) {
   if constexpr (ACT == ACT_NONE) {
     return x;
   } else if constexpr (ACT == ACT_RELU) {
@@ -40,6 +42,8 @@ template <int ACT, bool FAST> __device__ __forceinline__ float apply_act(float x
     return sigmoid_f<FAST>(x);
   } else if constexpr (ACT == ACT_TANH) {
     return tanh_f<FAST>(x);
+  } else if constexpr (ACT == ACT_LEAKY_RELU) {
+    return x > 0.f ? x : x * alpha;  // as torch's kernel (NaN stays NaN)
   } else {  // ACT_HARDSWISH
     return x * fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f);
   }
@@ -55,7 +59,8 @@ constexpr int kUnroll = 2;
 template <typename T, int ACT, int BMODE, bool RES>
 __global__ void __launch_bounds__(kThreads) bias_act_vec_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                                                 const T* __restrict__ res, T* __restrict__ y,
-                                                                int64_t nvec, int64_t C, int64_t inner) {
+                                                                int64_t nvec, int64_t C, int64_t inner,
+                                                                float alpha) {
   constexpr int N = Vec<T>::N;
   constexpr bool FAST = !std::is_same<T, float>::value;
   const int64_t base = int64_t(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
@@ -91,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) bias_act_vec_kernel(const T* __restr
     float o[N];
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      o[j] = apply_act<ACT, FAST>(xv[u][j] + b[j]);
+      o[j] = apply_act<ACT, FAST>(xv[u][j] + b[j], alpha);
       if (RES) o[j] += rv[u][j];
     }
     store_vec_stream(y + i0, o);
@@ -100,13 +105,14 @@ __global__ void __launch_bounds__(kThreads) bias_act_vec_kernel(const T* __restr
 
 template <typename T, int ACT>
 __global__ void bias_act_scalar_kernel(const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ res,
-                                       T* __restrict__ y, int64_t start, int64_t numel, int64_t C, int64_t inner) {
+                                       T* __restrict__ y, int64_t start, int64_t numel, int64_t C, int64_t inner,
+                                       float alpha) {
   constexpr bool FAST = !std::is_same<T, float>::value;
   for (int64_t i = start + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
        i += int64_t(gridDim.x) * blockDim.x) {
     float v = to_f(x[i]);
     if (bias) v += to_f(bias[(i / inner) % C]);
-    v = apply_act<ACT, FAST>(v);
+    v = apply_act<ACT, FAST>(v, alpha);
     if (res) v += to_f(res[i]);
     y[i] = from_f<T>(v);
   }
@@ -114,7 +120,7 @@ __global__ void bias_act_scalar_kernel(const T* __restrict__ x, const T* __restr
 
 template <typename T, int ACT>
 cudaError_t run(const T* x, const T* bias, const T* res, T* y, int64_t numel, int64_t C, int64_t inner,
-                cudaStream_t stream) {
+                float alpha, cudaStream_t stream) {
   constexpr int N = Vec<T>::N;
   const bool vec_ok = aligned16(x) && aligned16(y) && (res == nullptr || aligned16(res));
   int64_t nvec = vec_ok ? numel / N : 0;
@@ -128,8 +134,8 @@ cudaError_t run(const T* x, const T* bias, const T* res, T* y, int64_t numel, in
     const int64_t blocks = (nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
     const dim3 grid(static_cast<unsigned>(blocks));
 #define GO_LAUNCH(BM)                                                                                   \
-  if (res) bias_act_vec_kernel<T, ACT, BM, true><<<grid, kThreads, 0, stream>>>(x, bias, res, y, nvec, C, inner); \
-  else bias_act_vec_kernel<T, ACT, BM, false><<<grid, kThreads, 0, stream>>>(x, bias, res, y, nvec, C, inner);
+  if (res) bias_act_vec_kernel<T, ACT, BM, true><<<grid, kThreads, 0, stream>>>(x, bias, res, y, nvec, C, inner, alpha); \
+  else bias_act_vec_kernel<T, ACT, BM, false><<<grid, kThreads, 0, stream>>>(x, bias, res, y, nvec, C, inner, alpha);
     switch (bmode) {
       case 0: GO_LAUNCH(0); break;
       case 1: GO_LAUNCH(1); break;
@@ -145,21 +151,21 @@ cudaError_t run(const T* x, const T* bias, const T* res, T* y, int64_t numel, in
     const int64_t cap = int64_t(num_sms()) * 8;
     if (blocks > cap) blocks = cap;
     bias_act_scalar_kernel<T, ACT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, bias, res, y, start,
-                                                                                          numel, C, inner);
+                                                                                          numel, C, inner, alpha);
   }
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_bias_act(int dtype, int act, const void* x, const void* bias, const void* residual, void* y,
-                            int64_t numel, int64_t channels, int64_t inner, cudaStream_t stream) {
+cudaError_t launch_bias_act(int dtype, int act, float alpha, const void* x, const void* bias, const void* residual,
+                            void* y, int64_t numel, int64_t channels, int64_t inner, cudaStream_t stream) {
   if (numel == 0) return cudaSuccess;
   if (channels <= 0) channels = 1;
   if (inner <= 0) inner = 1;
   GRAPHOPT_DISPATCH_FLOAT(dtype, T, GRAPHOPT_DISPATCH_ACT(act, A, {
     return run<T, A>(static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<const T*>(residual),
-                     static_cast<T*>(y), numel, channels, inner, stream);
+                     static_cast<T*>(y), numel, channels, inner, alpha, stream);
   }));
   return cudaErrorInvalidValue;
 }
@@ -173,7 +179,21 @@ cudaError_t launch_bias_act(int dtype, int act, const void* x, const void* bias,
 namespace graphopt {
 namespace {
 
-int act_code(const std::string& a) {
+// "leaky_relu:<slope>" (the slope as Python's repr writes it) sets alpha
+int act_code(const std::string& a, float& alpha) {
+  alpha = 0.f;
+  if (a.rfind("leaky_relu:", 0) == 0) {
+    size_t used = 0;
+    double slope = 0.0;
+    try {
+      slope = std::stod(a.substr(11), &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TORCH_CHECK(used > 0 && used == a.size() - 11, "graphopt::bias_act: bad leaky_relu slope in '", a, "'");
+    alpha = static_cast<float>(slope);
+    return ACT_LEAKY_RELU;
+  }
   if (a == "none") return ACT_NONE;
   if (a == "relu") return ACT_RELU;
   if (a == "gelu") return ACT_GELU;
@@ -183,7 +203,7 @@ int act_code(const std::string& a) {
   if (a == "tanh") return ACT_TANH;
   if (a == "hardswish") return ACT_HARDSWISH;
   TORCH_CHECK(false, "graphopt::bias_act: unknown activation '", a,
-              "' (none, relu, gelu, gelu_tanh, silu, sigmoid, tanh, hardswish)");
+              "' (none, relu, gelu, gelu_tanh, silu, sigmoid, tanh, hardswish, leaky_relu:<slope>)");
   return -1;
 }
 
@@ -201,7 +221,8 @@ at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& b
                          const std::optional<at::Tensor>& residual, int64_t bias_dim) {
   c10::cuda::CUDAGuard guard(x.device());
   const int dt = dtype_code(x.scalar_type());
-  const int a = act_code(std::string(act));
+  float alpha = 0.f;
+  const int a = act_code(std::string(act), alpha);
   const bool has_bias = bias.has_value() && bias->defined();
   // a channels_last x (bias along dim 1, or none) is read and written in its own layout: the
   // channels are then the innermost memory dim, the bias one value per channel along it
@@ -228,7 +249,7 @@ at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& b
     if (r.sizes() != x.sizes()) r = r.expand(x.sizes());
     r = r.contiguous(fmt);
   }
-  check(launch_bias_act(dt, a, xc.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
+  check(launch_bias_act(dt, a, alpha, xc.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
                         r.defined() ? r.data_ptr() : nullptr, y.data_ptr(), x.numel(), channels, inner,
                         stream_of(x)),
         "bias_act");

@@ -2,7 +2,8 @@
 convolution.
 
 ``bias`` is 1-D along ``x.size(bias_dim)`` (-1 for linear outputs, 1 for NCHW convolutions),
-``act`` one of none, relu, gelu, gelu_tanh, silu, sigmoid, tanh, hardswish, ``residual`` broadcasts
+``act`` one of none, relu, gelu, gelu_tanh, silu, sigmoid, tanh, hardswish, or ``leaky_relu:<slope>``
+(the negative slope as Python's ``repr`` writes the float), ``residual`` broadcasts
 to x; fp32 math, one rounding. A channels_last x with its bias along the channels gives a
 channels_last result (:func:`out_format`), so the epilogue keeps a conv net's NHWC layout. CUDA kernel: ``csrc/bias_act.cu``.
 """
@@ -19,6 +20,26 @@ from ..registry import define_op
 
 SCHEMA = "bias_act(Tensor x, Tensor? bias, str act, Tensor? residual, int bias_dim=-1) -> Tensor"
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish")
+LEAKY = "leaky_relu:"
+
+
+def leaky_act(slope: float) -> str:
+    """bias_act's name of leaky_relu with ``slope``: ``leaky_relu:<repr of the float>``."""
+    return f"{LEAKY}{float(slope)!r}"
+
+
+def leaky_slope(act: str) -> float | None:
+    """The negative slope of ``leaky_relu:<slope>``; None for another name or a slope that is no float."""
+    if not act.startswith(LEAKY):
+        return None
+    try:
+        return float(act[len(LEAKY):])
+    except ValueError:
+        return None
+
+
+def known(act: str) -> bool:
+    return act in ACTIVATIONS or leaky_slope(act) is not None
 
 
 def activation(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -38,6 +59,9 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
         return torch.tanh(x)
     if act == "hardswish":
         return F.hardswish(x)
+    slope = leaky_slope(act)
+    if slope is not None:
+        return F.leaky_relu(x, slope)
     raise ValueError(f"graphopt::bias_act: unknown activation {act!r} (one of {', '.join(ACTIVATIONS)})")
 
 
@@ -80,9 +104,11 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none
              residual: torch.Tensor | None = None, bias_dim: int = -1) -> torch.Tensor:
     """``act(x + bias) + residual`` in one pass. ``bias`` is 1-D along ``x.size(bias_dim)``
     (-1 for linear outputs, 1 for NCHW convolutions); ``act`` is one of none, relu, gelu,
-    gelu_tanh, silu, sigmoid, tanh, hardswish; ``residual`` has x's shape. fp32 math."""
-    if act not in ACTIVATIONS:
-        raise KernelArgumentError(f"graphopt::bias_act: unknown activation {act!r} ({', '.join(ACTIVATIONS)})")
+    gelu_tanh, silu, sigmoid, tanh, hardswish or ``leaky_relu:<slope>``; ``residual`` has x's shape.
+    fp32 math."""
+    if not known(act):
+        raise KernelArgumentError(f"graphopt::bias_act: unknown activation {act!r} ({', '.join(ACTIVATIONS)}, "
+                                  f"{LEAKY}<slope>)")
     check_floating("bias_act", x=x)
     if bias is not None:
         check_at_least_1d("bias_act", "x", x)

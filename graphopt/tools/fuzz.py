@@ -65,7 +65,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ACTS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish")
+ACTS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish", "leaky_relu:0.2")
 BINOPS = ("add", "mul", "sub", "div")
 # assign_precision lowers to bf16 by design; its numerics are guarded by the accuracy rule at
 # bf16 tolerance, so it is fuzzed end to end through graphopt.optimize (with the guard) only

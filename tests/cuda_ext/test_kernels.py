@@ -15,7 +15,7 @@ from kx_accuracy import check
 from conftest import DEVICES, poison_allocator
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ACTS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish"]
+ACTS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish", "leaky_relu:0.01", "leaky_relu:-1.5"]
 
 
 def rnd(*shape, dtype=torch.float32, device="cpu", scale=1.0):
@@ -74,7 +74,7 @@ def test_bias_act_channels_last(device, dtype):
         r = rnd(*shape, dtype=dtype, device=device)
         r = r.contiguous(memory_format=fmt_r) if fmt_r is not None else r
         poison_allocator(device)
-        for act, bias, res in (("silu", b, r), ("hardswish", b, None), ("relu", None, r)):
+        for act, bias, res in (("silu", b, r), ("hardswish", b, None), ("relu", None, r), ("leaky_relu:0.1", b, None)):
             y = torch.ops.graphopt.bias_act(x, bias, act, res, 1)
             assert y.is_contiguous(memory_format=cl), (shape, act)
             check(y, ref.bias_act(f64(x), f64(bias), act, f64(res), 1), eager.bias_act(x, bias, act, res, 1),
@@ -89,6 +89,8 @@ def test_bias_act_channels_last(device, dtype):
 def test_bias_act_bad_activation():
     with pytest.raises(Exception, match="unknown activation"):
         torch.ops.graphopt.bias_act(torch.randn(3), None, "swish2", None, -1)
+    with pytest.raises(Exception, match="unknown activation"):
+        ce.bias_act(torch.randn(3), None, "leaky_relu:x", None, -1)
 
 
 # ---------------------------------------------------------------------------- norms

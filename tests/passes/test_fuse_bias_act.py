@@ -74,11 +74,12 @@ class ActTwice(nn.Module):
 
 
 ACTS = {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU("tanh"), "silu": nn.SiLU(),
-        "sigmoid": nn.Sigmoid(), "tanh": nn.Tanh(), "hardswish": nn.Hardswish()}
+        "sigmoid": nn.Sigmoid(), "tanh": nn.Tanh(), "hardswish": nn.Hardswish(),
+        "leaky_relu:0.01": nn.LeakyReLU(), "leaky_relu:0.2": nn.LeakyReLU(0.2, inplace=True)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", ["relu", "gelu", "hardswish"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "hardswish", "leaky_relu:0.01", "leaky_relu:0.2"])
 def test_conv_bias_act(act, dtype):
     torch.manual_seed(0)
     m = ConvAct(ACTS[act]).eval().to(dtype)

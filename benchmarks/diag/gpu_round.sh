@@ -42,13 +42,14 @@ rn() {
 }
 case "$1" in
 s15)
-  # the rotary float32-table and leaky_relu kernel paths and their passes on the GPU, then the screen's rows those
-  # changes aim at (ModernBERT, CSPResNet-50, FocalNet) with TinyNet-E bs1, 4 at once
-  timeout 45 python3 -m pytest -m cuda tests/cuda_ext/test_kernels.py -k "rotary or bias_act" -q -p no:cacheprovider \
-    -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s15.log"
+  # the rotary float32-table and leaky_relu kernel paths, every cuda_ext test and the two passes' cuda tests, then the
+  # screen's rows those changes aim at (ModernBERT, CSPResNet-50, FocalNet), TinyNet-E bs1 and Llama bs8 (rotary):
+  # compiled 4 at once cold, then each timed alone
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext tests/passes/test_fuse_bias_act.py tests/passes/test_fuse_rotary.py \
+    -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s15.log"
   tail -20 "$OUT/pytest_cuda_s15.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
-  timeout $((270 - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 4 --timeout 200 --reps 20 --warmup 3 \
-    --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -30 ;;
+  timeout $((590 - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --prewarm-jobs 4 --jobs 1 --timeout 150 \
+    --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -30 ;;
 s14b)
   # the cuda-marked tests s14a's 240 s did not reach (its files from test_calibrate_corpus on, with the slowest named),
   # then a screen of 16 configs outside every list, chosen before any ran (4 at once)

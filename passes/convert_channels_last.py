@@ -7,7 +7,11 @@ reads once, at its boundary, and its 4-D convolution weights once at optimizatio
 (inference; in training graphs the weights stay the model's parameters and cuDNN converts
 them). Pointwise ops, batch norm, pooling, residual adds and concatenations propagate the
 layout on their own (PyTorch's memory-format propagation), so no conversion is inserted inside
-the region; 4-D outputs are converted back to the contiguous layout the caller expects. Grouped
+the region; 4-D outputs are converted back to the contiguous layout the caller expects. A copy to
+the contiguous layout inside the region of a tensor whose channels are already innermost
+(``x.permute(0, 3, 1, 2).contiguous()`` of an NHWC activation) is dropped with the region, so the
+region stays channels_last there too, unless a reader downstream depends on the strides (a
+``view``) or something writes either tensor in place. Grouped
 and depthwise convolutions are included. The cost model decides per region: the convolutions'
 time saved (each priced again on a channels_last input) against its boundary conversions (the
 clones it adds, priced as nodes); on a profile with no measured NCHW penalty (CPUs, unmeasured
@@ -71,6 +75,7 @@ class ConvertChannelsLast(Pass):
                                                          f"{ctx.cost.device_name}; the layout stays NCHW")
             return res
         output = next(n for n in gm.graph.nodes if n.op == "output")
+        storage, writes = ir.storages(gm)
         candidates = []
         for i, region in enumerate(_regions(gm, convs)):
             rconvs = [c for c in convs if c in region]
@@ -78,14 +83,24 @@ class ConvertChannelsLast(Pass):
             # the region's inputs: 4-D float graph inputs its nodes read; its outputs: 4-D values
             # it returns to the caller (readers outside it that are not 4-D, flatten or a
             # reduction, take either layout)
+            # (a linear or a copy makes its own layout: an input only they read, and an output they
+            # make, need no conversion)
             inputs = list(dict.fromkeys(
-                a for n in region for a in n.all_input_nodes
+                a for n in region if not _own_layout(n) for a in n.all_input_nodes
                 if a.op == "placeholder" and ir.info(a) is not None and len(ir.info(a).shape) == 4
                 and ir.info(a).dtype.is_floating_point and not is_channels_last(ir.info(a))))
-            outs = [a for a in output.all_input_nodes if a in region]
-            saved = ctx.node_time(rslow) - self._channels_last_time(ctx, rslow)
+            outs = [a for a in output.all_input_nodes if a in region and not _own_layout(a)]
+            copies = []
+            for n in region:
+                why = _nhwc_copy(n, outs, storage, writes)
+                if why is None:
+                    copies.append(n)
+                elif why:
+                    res.reject(f"{n.name} (copy of the channels-innermost {n.args[0].name})", why)
+            saved = ctx.node_time(rslow) - self._channels_last_time(ctx, rslow) + ctx.node_time(copies)
             cost = self._conversion_time(ctx, inputs, outs)
             info = {"convolutions": len(rconvs), "input_conversions": len(inputs), "output_conversions": len(outs),
+                    "copies_dropped": len(copies),
                     "predicted_conv_saving_ms": saved * 1e3, "predicted_conversion_ms": cost * 1e3}
             # the NHWC weights stored at optimization time (inference): copies of the model's weights
             weights = {} if ctx.training else {
@@ -95,8 +110,8 @@ class ConvertChannelsLast(Pass):
             copied = sum(nbytes(ir.info(w), ctx.hints) for w in weights.values())
             candidates.append(Candidate(
                 "channels_last region", rconvs, saved - cost,
-                lambda region=region, rconvs=rconvs, inputs=inputs, outs=outs, info=info:
-                    self._apply(gm, ctx, region, rconvs, inputs, outs, info, output),
+                lambda region=region, rconvs=rconvs, inputs=inputs, outs=outs, info=info, copies=copies:
+                    self._apply(gm, ctx, region, rconvs, inputs, outs, info, output, copies),
                 label=f"region {i + 1}: {len(rconvs)} convolutions ({len(rslow)} on NCHW), {len(inputs)} input and "
                       f"{len(outs)} output conversions", constant_bytes=copied))
         self._applied: list = []
@@ -108,7 +123,9 @@ class ConvertChannelsLast(Pass):
                 "weights converted by cuDNN per call (training: they stay the model's parameters)"
             res.notes.append(f"{len(self._applied)} channels_last region(s) of {len(candidates)}: "
                              f"{res.details['convolutions']} convolutions, {res.details['input_conversions']} input and "
-                             f"{res.details['output_conversions']} output conversions; {where}")
+                             f"{res.details['output_conversions']} output conversions"
+                             + (f", {res.details['copies_dropped']} copies to NCHW dropped" if res.details["copies_dropped"]
+                                else "") + f"; {where}")
         return res
 
     @staticmethod
@@ -130,7 +147,7 @@ class ConvertChannelsLast(Pass):
             r.call(aten.clone.default, r.like(o, memory_format=torch.channels_last), memory_format=torch.contiguous_format)
         return r.time()
 
-    def _apply(self, gm, ctx, region, rconvs, inputs, outs, info, output):
+    def _apply(self, gm, ctx, region, rconvs, inputs, outs, info, output, copies=()):
         g = gm.graph
         if not ctx.training:
             converted = {}
@@ -157,8 +174,73 @@ class ConvertChannelsLast(Pass):
             with g.inserting_before(output):
                 back = g.call_function(aten.clone.default, (o,), {"memory_format": torch.contiguous_format})
             output.replace_input_with(o, back)
+        for c in copies:
+            c.replace_all_uses_with(c.args[0])
+        ir.erase_dead(gm, list(copies))
         self._applied.append(info)
         return True
+
+
+# readers whose result does not take its input's layout: the layout change a dropped copy makes ends there
+_LAYOUT_ENDS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default,
+                aten.contiguous.default}
+# readers that depend on their input's strides, not only its values
+_STRIDE_READERS = {aten.view.default, aten._unsafe_view.default, aten.as_strided.default, aten.view_as.default}
+
+
+def _own_layout(n: fx.Node) -> bool:
+    """``n``'s result has a layout of its own, whatever its input's (a GEMM's output, a copy to the
+    contiguous layout)."""
+    if n.op != "call_function":
+        return False
+    if n.target is aten.clone.default:
+        return n.kwargs.get("memory_format") is torch.contiguous_format
+    if n.target is aten.contiguous.default:
+        return n.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format
+    return n.target in _LAYOUT_ENDS
+
+
+def _nhwc_copy(n: fx.Node, outs, storage, writes, limit: int = 4096) -> str | None:
+    """None if ``n`` is a copy to the contiguous layout of a 4-D tensor whose channels are innermost
+    in memory, and the region can read that tensor instead; else why it must stay ('' when ``n``
+    is no such copy)."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        return ""
+    if n.target is aten.contiguous.default:
+        if n.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
+            return ""
+    elif n.target is aten.clone.default:
+        if n.kwargs.get("memory_format") is not torch.contiguous_format:
+            return ""
+    else:
+        return ""
+    x = n.args[0]
+    xi, ni = ir.info(x), ir.info(n)
+    if xi is None or ni is None or len(xi.shape) != 4 or not is_channels_last(xi) or is_channels_last(ni) \
+            or xi.dtype != ni.dtype or xi.device != ni.device:
+        return ""
+    if n in outs:
+        return "kept: returned to the caller, who gets the contiguous layout"
+    for node, what in ((n, "the copy"), (x, "its source")):
+        w = writes.get(storage.get(node, node))
+        if w:
+            return f"kept: {w[0].name} writes {what} in place"
+    # the layout change follows the readers until an op that makes its own layout
+    seen, stack = {n}, [n]
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if u in seen or u.op != "call_function":
+                continue
+            if u.target in _STRIDE_READERS:
+                return f"kept: {u.name} ({ir.target_name(u)}) reads the strides of a tensor whose layout would change"
+            if _own_layout(u):
+                continue
+            seen.add(u)
+            if len(seen) > limit:
+                return f"kept: more than {limit} readers downstream to check"
+            stack.append(u)
+    return None
 
 
 _CONV_3D = (aten.conv3d.default, getattr(aten.conv3d, "padding", aten.conv3d.default))

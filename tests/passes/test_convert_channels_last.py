@@ -166,3 +166,54 @@ def test_3d_convolutions_are_named_as_refused():
     assert res.status == "unchanged"
     assert any("3-D convolution" in r.candidate and "2-D convolutions only" in r.reason for r in res.rejected), res.rejected
     assert reference_check(m, gm, (x,)).passed
+
+
+class Modulation(nn.Module):
+    """A block that computes on NHWC rows (a linear) and on NCHW maps (depthwise convolutions),
+    moving between them with permute + contiguous, as focal modulation does."""
+
+    def __init__(self, c=32, view_back=False):
+        super().__init__()
+        self.inp = nn.Linear(c, 2 * c + 1)
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.h = nn.Conv2d(c, c, 1)
+        self.out = nn.Linear(c, c)
+        self.c, self.view_back = c, view_back
+
+    def forward(self, x):  # x: [B, H, W, C]
+        q, ctx, gate = self.inp(x).permute(0, 3, 1, 2).contiguous().split([self.c, self.c, 1], 1)
+        ctx = torch.nn.functional.gelu(self.dw(ctx)) * gate
+        y = q * self.h(ctx)
+        if self.view_back:  # reads the strides of the copy's layout
+            b, c, hh, ww = y.shape
+            return self.out(y.view(b, c, hh * ww).transpose(1, 2))
+        return self.out(y.permute(0, 2, 3, 1).contiguous())
+
+
+def _copies_to_nchw(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.contiguous.default]
+
+
+def test_copies_to_nchw_inside_a_region_are_dropped():
+    m = Modulation().eval()
+    x = torch.randn(16, 28, 28, 32)
+    gm = capture(m, (x,))
+    assert len(_copies_to_nchw(gm)) == 2
+    res, res2 = run_passes(gm, ["convert_channels_last", "eliminate_permutes"], target="h200")
+    assert res.status == "applied" and res.details["copies_dropped"] == 1, (res.status, res.rejected)
+    # the region stays channels_last past the convolutions, so the copy back to NHWC is a no-op
+    assert any(r.pattern == "drop_noop_contiguous" for r in res2.rewrites)
+    assert not _copies_to_nchw(gm)
+    assert all(ir.info(c.args[0]).stride[1] == 1 for c in _convs(gm))
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_a_copy_whose_layout_a_view_reads_is_kept():
+    m = Modulation(view_back=True).eval()
+    x = torch.randn(16, 28, 28, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    assert any(r.candidate.startswith("contiguous") and "reads the strides" in r.reason for r in res.rejected), \
+        res.rejected
+    assert len(_copies_to_nchw(gm)) == 1
+    assert reference_check(m, gm, (x,)).passed

@@ -194,27 +194,46 @@ def rms_norm_add_rms_norm_triton(y: torch.Tensor, residual: torch.Tensor, weight
 def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                       eps: float) -> torch.Tensor:
     """layer_norm over the last dim of x (made contiguous explicitly), fp32 statistics."""
+    return _rows(x, None, weight, bias, eps, "layer_norm", store_h=False)[0]
+
+
+def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                          bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (one rounding to x's dtype), ``(layer_norm(h), h)`` over the last dim:
+    the many-rows kernel with x as its one fp32-summed operand and the residual as its second
+    (inputs made contiguous explicitly; a residual that broadcasts is expanded)."""
+    return _rows(x, residual, weight, bias, eps, "add_layer_norm_rows", store_h=True)
+
+
+def _rows(x, residual, weight, bias, eps: float, op: str, store_h: bool):
+    """The many-rows kernel over x's last dim: (out, h) with h stored where ``store_h`` (a plain
+    LayerNorm reads x as its one operand and stores no h: S = 0, X = x)."""
     import triton
 
     H = x.shape[-1] if x.dim() else 1
     if H > MAX_HIDDEN:
-        raise ValueError(f"graphopt::layer_norm: hidden size {H} > {MAX_HIDDEN} (use add_layer_norm)")
+        raise ValueError(f"graphopt::{op}: hidden size {H} > {MAX_HIDDEN} (use add_layer_norm)")
     xc = x.contiguous()
-    y = torch.empty_like(xc)
+    out = torch.empty_like(xc)
+    h = torch.empty_like(xc) if store_h else out
     R = xc.numel() // H if H else 0
     if R == 0 or H == 0:
-        return y
+        return out, h
+    res = residual.to(x.dtype).expand(x.shape).contiguous() if residual is not None else None
     w = weight.to(x.device).contiguous() if weight is not None else None
     b = bias.to(x.device).contiguous() if bias is not None else None
     bh = next_pow2(H)
     rows = max(1, min(128, 8192 // bh))
     warps = 4 if bh * rows <= 4096 else 8
+    # with store_h, x is the summed operand (S = 1) and the residual the second; else x is X
+    S, X = (1, res) if store_h else (0, xc)
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        k[(triton.cdiv(R, rows),)](xc, 0, xc, xc, w if w is not None else xc, b if b is not None else xc, y, y, R, H,
-                                   float(eps), S=0, HAS_BIAS=False, HAS_X=True, HAS_W=w is not None,
-                                   HAS_B=b is not None, STORE_H=False, ROWS=rows, BLOCK_H=bh, num_warps=warps)
-    return y
+        k[(triton.cdiv(R, rows),)](xc, 0, xc, X if X is not None else xc, w if w is not None else xc,
+                                   b if b is not None else xc, out, h, R, H, float(eps), S=S, HAS_BIAS=False,
+                                   HAS_X=X is not None, HAS_W=w is not None, HAS_B=b is not None, STORE_H=store_h,
+                                   ROWS=rows, BLOCK_H=bh, num_warps=warps)
+    return out, h
 
 
 SPLIT_K_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -3,7 +3,14 @@
 Matches ``aten.layer_norm(x, [H], weight?, bias?, eps)`` where H is x's last dim. When x is
 ``residual + y`` (same shapes and dtypes) the add is absorbed and the kernel's second output
 ``h = y + residual`` replaces the add for its other readers: pre-norm stacks (ViT) keep it as the
-residual stream; in post-norm stacks (BERT) nothing else reads it and it is dropped.
+residual stream; in post-norm stacks (BERT) nothing else reads it and it is dropped. The fused op
+is ``add_layer_norm`` (one block per row) or, where the cost model prices it lower (narrow rows,
+whose one-block-per-row floor the profile measures), ``add_layer_norm_rows`` (many rows per
+program, the many-rows layer_norm's kernel with the residual summed in). Where the
+norm reads the sum through a permute (a conv net's channels-first residual stream normalized over
+its channels: ``layer_norm((a + b).permute(0, 2, 3, 1), [C])``), the kernel reads the permuted
+operands, and the add's other readers get its sum permuted back; only where both permuted operands
+are rows already in memory (no copy for the kernel to make).
 
 A LayerNorm without a residual add becomes ``graphopt::layer_norm``, a Triton kernel that
 normalizes many rows per program, where the cost model predicts a gain: aten's kernel (and
@@ -66,6 +73,30 @@ def _check(m) -> str:
     return ""
 
 
+def _permuted_add(x) -> tuple[fx.Node | None, str]:
+    """(the add, "") if ``x`` is a permute of a residual add whose permuted operands are rows in
+    memory (the kernel reads them without a copy), else (None, why) (why is "" when x is no
+    permute of an add)."""
+    if not isinstance(x, fx.Node) or x.target is not aten.permute.default:
+        return None, ""
+    add, why = residual_add(x.args[0])
+    if add is None:
+        return None, why
+    perm = x.args[1]
+    for t in add.args[:2]:
+        v = t.meta.get("val")
+        if not isinstance(v, torch.Tensor) or not v.permute(perm).is_contiguous():
+            return None, f"{t.name} permuted as {x.name} is not rows in memory (the kernel would copy it)"
+    return add, ""
+
+
+def _view(g, target, args):
+    n = g.call_function(target, args)
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
+    n.meta["val"] = target(*vals)
+    return n
+
+
 @register
 class FuseLayerNorm(Pass):
     name = "fuse_layer_norm"
@@ -82,6 +113,8 @@ class FuseLayerNorm(Pass):
                 res.reject(f"layer_norm {m['ln'].name}", f"not fused: {why}")
                 continue
             add, why = residual_add(m["x"])
+            if add is None and not why:
+                add, why = _permuted_add(m["x"])
             if why:
                 res.reject(f"residual add {m['x'].name} into layer_norm {m['ln'].name}", f"add not absorbed: {why}")
             c = self._candidate(gm, ctx, m, add, res, grad)
@@ -106,11 +139,26 @@ class FuseLayerNorm(Pass):
             return None
         # training: the fused backward recomputes the statistics eager's saved
         bw = backward_gain(ctx, gone, grad, ln, x, m["weight"], m["bias"], eps) if ctx.training else 0.0
-        if add is not None:  # add_layer_norm: one block per row, like aten's
-            new = ctx.price(torch.ops.graphopt.add_layer_norm.default, y, residual, m["weight"], m["bias"], eps,
-                            val=(ln.meta.get("val"), x.meta.get("val")))
-            return Candidate("residual add + layer_norm", gone, ctx.node_time(gone) - new + bw,
-                             lambda: FuseLayerNorm._apply(gm, m, add, eps), label=label, refusal=refusal)
+        if add is not None:
+            # add_layer_norm (one block per row, like aten's) or, where it prices lower (narrow rows),
+            # add_layer_norm_rows (many rows per program); through a permute, the kernel reads permuted views
+            permuted = add is not x
+            if permuted:
+                gone.append(x)
+            prices = {}
+            for fused_op in (torch.ops.graphopt.add_layer_norm.default, torch.ops.graphopt.add_layer_norm_rows.default):
+                if fused_op is torch.ops.graphopt.add_layer_norm_rows.default and (
+                        ir.concrete(xi.shape[-1], ctx.hints) > MAX_HIDDEN or ctx.untrainable(fused_op)):
+                    continue
+                r = ctx.replacement()
+                a, b = (r.call(aten.permute.default, t, x.args[1]) for t in (y, residual)) if permuted else (y, residual)
+                r.call(fused_op, a, b, m["weight"], m["bias"], eps, val=(ln.meta.get("val"), x.meta.get("val")))
+                prices[fused_op] = r.time()
+            fused_op = min(prices, key=lambda o: (prices[o], o is not torch.ops.graphopt.add_layer_norm.default))
+            pattern = "residual add + " + ("permute + " if permuted else "") + (
+                "layer_norm" if fused_op is torch.ops.graphopt.add_layer_norm.default else "layer_norm -> many-rows add_layer_norm")
+            return Candidate(pattern, gone, ctx.node_time(gone) - prices[fused_op] + bw,
+                             lambda: FuseLayerNorm._apply(gm, m, add, eps, fused_op), label=label, refusal=refusal)
         if ir.concrete(xi.shape[-1], ctx.hints) > MAX_HIDDEN:
             res.reject(label, f"rows wider than {MAX_HIDDEN} (the many-rows kernel's limit)")
             return None
@@ -134,11 +182,13 @@ class FuseLayerNorm(Pass):
         return new
 
     @staticmethod
-    def _apply(gm: fx.GraphModule, m, add, eps):
+    def _apply(gm: fx.GraphModule, m, add, eps, fused_op=torch.ops.graphopt.add_layer_norm.default):
         g = gm.graph
         ln = m["ln"]
         pos = position(gm)
         weight, bias = get_arg(ln, 2, "weight"), get_arg(ln, 3, "bias")  # as they are now
+        x = m["x"]
+        perm = x.args[1] if add is not None and add is not x else None
         if add is not None:
             y, residual = residual_operands(add)
             anchor = add.next
@@ -156,14 +206,30 @@ class FuseLayerNorm(Pass):
                     params.append(q)
                 else:
                     params.append(p)
-            fused = g.call_function(torch.ops.graphopt.add_layer_norm.default, (y, residual, params[0], params[1], eps))
+            if perm is not None:
+                y, residual = (_view(g, aten.permute.default, (t, perm)) for t in (y, residual))
+            fused = g.call_function(fused_op, (y, residual, params[0], params[1], eps))
             out = g.call_function(operator.getitem, (fused, 0))
         xv = m["x"].meta.get("val")
         out.meta["val"] = ln.meta.get("val")
         fused.meta["val"] = (out.meta["val"], xv)
         ln.replace_all_uses_with(out)
         g.erase_node(ln)
-        if add is not None:
+        if perm is not None:  # the permuted sum is the kernel's h; the add's other readers get it permuted back
+            with g.inserting_after(out):
+                h = g.call_function(operator.getitem, (fused, 1))
+            h.meta["val"] = xv
+            x.replace_all_uses_with(h)
+            g.erase_node(x)
+            if add.users:
+                inverse = [0] * len(perm)
+                for i, d in enumerate(perm):
+                    inverse[d % len(perm)] = i
+                with g.inserting_after(h):
+                    back = _view(g, aten.permute.default, (h, inverse))
+                add.replace_all_uses_with(back)
+            g.erase_node(add)
+        elif add is not None:
             if add.users:  # pre-norm: the sum is the residual stream -> the kernel's h output
                 with g.inserting_after(out):
                     h = g.call_function(operator.getitem, (fused, 1))

@@ -170,3 +170,69 @@ def test_linear_add_layer_norm_op_on_gpu(dtype, shape):
     args = _linear_ln_case(M, N, K, dtype, device="cuda")
     _check_linear_ln(args, splits, dtype)
     same_when_graphed(lambda: torch.ops.graphopt.linear_add_layer_norm(*args, 1e-12, splits))
+
+
+def _check_add(x, r, w, b, eps, dtype):
+    out, h = norm_triton.add_layer_norm_triton(x, r, w, b, eps)
+    ref_out, ref_h = reference.add_layer_norm(*(t.double() if t is not None else None for t in (x, r, w, b)), eps)
+    assert out.dtype == h.dtype == dtype and out.shape == h.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(h.double(), ref_h, rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=2 * tol)
+    if x.is_cuda:  # h is rounded once, as eager's add of the two (the interpreter's fp32 -> 16-bit rounding differs)
+        assert torch.equal(h, (x + r.to(dtype)) if r is not None else x.contiguous())
+
+
+def interpreter_add_cases():
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden in (1, 7, 96, 200):
+            torch.manual_seed(hidden)
+            x, r = (torch.randn(37, hidden) * 3 + 1).to(dtype), torch.randn(37, hidden).to(dtype)
+            _check_add(x, r, torch.randn(hidden), torch.randn(hidden), 1e-6, dtype)
+            _check_add(x, None, None, None, 1e-5, dtype)
+            _check_add(x, r, None, torch.randn(hidden), 1e-5, dtype)
+    x = torch.randn(4, 96, 5).transpose(1, 2)  # permuted views, as a conv net's channels-first stream reads
+    _check_add(x, torch.randn(4, 96, 5).transpose(1, 2), None, None, 1e-6, torch.float32)
+    _check_add(torch.randn(3, 5, 64), torch.randn(1, 5, 64), torch.randn(64), None, 1e-6, torch.float32)  # broadcast
+    print("interpreter cases ok")
+
+
+def test_add_layer_norm_rows_in_interpreter():
+    run_in_triton_interpreter("tests.cuda_ext.test_norm_triton:interpreter_add_cases")
+
+
+def test_add_layer_norm_rows_refuses_too_wide_rows():
+    from graphopt.errors import KernelArgumentError
+
+    from graphopt.cuda_ext.ops.add_layer_norm_rows import add_layer_norm_rows
+
+    with pytest.raises(KernelArgumentError, match="wider than"):
+        add_layer_norm_rows(torch.zeros(1, norm_triton.MAX_HIDDEN + 1), None, None, None, 1e-5)
+
+
+def test_add_layer_norm_rows_op_on_the_cpu():
+    from kx_conformance import check_op
+
+    x, r = torch.randn(4, 9, 96, dtype=torch.bfloat16), torch.randn(4, 9, 96, dtype=torch.bfloat16)
+    w = torch.randn(96)
+    out, h = torch.ops.graphopt.add_layer_norm_rows(x, r, w, None, 1e-6)
+    ref_out, ref_h = torch.ops.graphopt.add_layer_norm(x, r, w, None, 1e-6)
+    assert torch.equal(out, ref_out) and torch.equal(h, ref_h)  # the same reference on the CPU
+    check_op("add_layer_norm_rows", (x, r, w, None, 1e-6))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 96, 195, 768, 4096])
+def test_add_layer_norm_rows_op_on_gpu(dtype, hidden):
+    from kx_conformance import check_op
+
+    torch.manual_seed(0)
+    x, r = torch.randn(3, 57, hidden, device="cuda").to(dtype), torch.randn(3, 57, hidden, device="cuda").to(dtype)
+    w, b = torch.randn(hidden, device="cuda").to(dtype), torch.randn(hidden, device="cuda").to(dtype)
+    _check_add(x, r, w, b, 1e-6, dtype)
+    out, h = torch.ops.graphopt.add_layer_norm_rows(x, r, w, b, 1e-6)
+    out2, h2 = torch.ops.graphopt.add_layer_norm(x, r, w, b, 1e-6)
+    assert torch.equal(h, h2)  # both round h once
+    same_when_graphed(lambda: torch.ops.graphopt.add_layer_norm_rows(x, r, w, b, 1e-6))
+    check_op("add_layer_norm_rows", (x, r, w, b, 1e-6))

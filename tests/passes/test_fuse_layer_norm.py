@@ -241,3 +241,57 @@ def test_training_cpu_profile_refuses():
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_layer_norm"], target="cpu", training=True)
     assert not res.rewrites and res.rejected and all(r.reason == NO_FUSED_KERNELS for r in res.rejected)
+
+
+ROWS = "graphopt.add_layer_norm_rows.default"
+
+
+def test_narrow_rows_take_the_many_rows_add_layer_norm():
+    """96-wide rows, 16K of them: add_layer_norm's one block per row is priced by the H200 profile's
+    row_norm floor, the many-rows kernel with the residual summed in is not; on a profile without that
+    measurement the two price the same and add_layer_norm stays."""
+    m = _randomize(PreNorm(96)).eval()
+    x = torch.randn(4, 4096, 96)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    c = op_counts(gm)
+    assert c[ROWS] == 2 and c[FUSED] == 0 and c[LN] == 0, c
+    assert all(r.pattern == "residual add + layer_norm -> many-rows add_layer_norm" for r in res.rewrites)
+    assert reference_check(m, gm, (x,)).passed
+    gm = capture(m, (x,))
+    run_passes(gm, ["fuse_layer_norm"], target="a100")
+    assert op_counts(gm)[FUSED] == 2 and op_counts(gm)[ROWS] == 0
+
+
+class ChannelsFirstStream(nn.Module):
+    """A conv net's residual stream kept channels-first and normalized over its channels through a
+    permute (MetaFormer / ConvNeXt-style blocks)."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(c, c, 1), nn.Conv2d(c, c, 1)
+        self.n1, self.n2 = nn.LayerNorm(c), nn.LayerNorm(c)
+
+    def forward(self, x):  # x: [B, C, H, W], channels_last in memory
+        s = x + self.conv1(x)
+        y = self.n1(s.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        s = s + self.conv2(y)
+        return self.n2(s.permute(0, 2, 3, 1)), s
+
+
+def test_a_residual_add_read_through_a_permute_is_absorbed():
+    m = _randomize(ChannelsFirstStream()).eval()
+    x = torch.randn(4, 64, 32, 32).contiguous(memory_format=torch.channels_last)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    c = op_counts(gm)
+    assert c[ROWS] + c[FUSED] == 2 and c[LN] == 0 and c["aten.add.Tensor"] == 0, c
+    assert all(r.pattern.startswith("residual add + permute + layer_norm") for r in res.rewrites)
+    assert reference_check(m, gm, (x,)).passed
+    # the same block on an NCHW input: the permuted operands are not rows in memory, the adds stay
+    x = torch.randn(4, 64, 32, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_layer_norm"], target="h200")
+    assert op_counts(gm)["aten.add.Tensor"] == 2
+    assert any("not rows in memory" in r.reason for r in res.rejected), res.rejected
+    assert reference_check(m, gm, (x,)).passed

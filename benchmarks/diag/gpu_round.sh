@@ -41,6 +41,17 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s16)
+  # the many-rows add_layer_norm kernel and the layout passes' cuda tests, FocalNet's kernel profile (graphopt and
+  # torch.compile), then the rows the new rewrites change: FocalNet, CAFormer-S18, ConvNeXt-T (zoo), each timed alone
+  timeout 120 python3 -m pytest -m cuda tests/cuda_ext/test_norm_triton.py tests/passes/test_fuse_layer_norm.py \
+    tests/passes/test_convert_channels_last.py tests/passes/test_eliminate_permutes.py -q -p no:cacheprovider -W ignore \
+    --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s16.log"
+  tail -20 "$OUT/pytest_cuda_s16.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  timeout 130 python3 benchmarks/diag/profile_model.py hf-focalnet --sweep --batch 64 --compile --top 18 --out "$OUT" \
+    2>&1 | quiet | grep "^##\|^| [0-9]" | head -70; echo "### profile ${SECONDS}s"
+  timeout $((590 - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --prewarm-jobs 4 --jobs 1 --timeout 150 \
+    --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -30 ;;
 s15)
   # the rotary float32-table and leaky_relu kernel paths, every cuda_ext test and the two passes' cuda tests, then the
   # screen's rows those changes aim at (ModernBERT, CSPResNet-50, FocalNet), TinyNet-E bs1 and Llama bs8 (rotary):

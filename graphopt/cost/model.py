@@ -640,6 +640,8 @@ class CostModel:
             eff = _efficiency_kind(node)
             if eff == "matmul" and SMALL_M_LINEAR in p.op_efficiency and small_m(node):
                 eff = SMALL_M_LINEAR  # a decode step's weight stream, at the rate measured for it
+            elif eff == "matmul" and GEMM_ALIGN1 in p.op_efficiency and gemm_align1(node):
+                rate = rate * p.efficiency(GEMM_ALIGN1, "scale", 1.0)  # cuBLAS's unaligned fallback kernel
             if eff == "conv":
                 rate = conv_rate(p, node)
                 if p.kind == "cuda":  # aten's convolution, not cuDNN's fused one the conv fit measures
@@ -1023,6 +1025,26 @@ def small_m(node: fx.Node) -> bool:
         return False
     mnk = _gemm_mnk(node)
     return mnk is not None and isinstance(mnk[0], int) and 0 < mnk[0] <= SMALL_M_ROWS
+
+
+# op_efficiency key of cuBLAS's 16-bit projections with an odd N or K: no operand is 16-byte aligned,
+# so cuBLAS runs an align1 fallback kernel at a fraction of the tensor-core rate ({"scale"}: the rate
+# multiplier measured for it); absent, they are priced as any matmul
+GEMM_ALIGN1 = "gemm_align1"
+
+
+def gemm_align1(node: fx.Node) -> bool:
+    """A 16-bit linear/mm/addmm of more than SMALL_M_ROWS rows whose N or K is odd (static sizes)."""
+    if ir.op_name(node) not in ("linear", "mm", "addmm"):
+        return False
+    ins = ir.operand_infos(node)
+    if not ins or ins[0].dtype not in (torch.float16, torch.bfloat16):
+        return False
+    mnk = _gemm_mnk(node)
+    if mnk is None or not all(isinstance(v, int) for v in mnk):
+        return False
+    m, n, k = mnk
+    return m > SMALL_M_ROWS and (n % 2 == 1 or k % 2 == 1)
 
 
 def _efficiency_kind(node: fx.Node) -> str:

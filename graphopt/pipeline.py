@@ -379,6 +379,7 @@ PIPELINE: tuple[str, ...] = (
     "lower_bias_grad",
     "lower_gemm_swiglu",
     "lower_gemv",
+    "align_gemm",
 )
 
 

@@ -77,7 +77,14 @@ class AlignGemm(Pass):
         lins = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.linear.default
                 and gemm_align1(n)]
         output = next(n for n in gm.graph.nodes if n.op == "output")
-        res.consider(ctx, [(n, f"linear {n.name}") for n in lins], lambda n, label: self._candidate(gm, ctx, n, output))
+        candidates = []
+        for n in lins:  # (aten's linear on a padded weight: no kernel of ours, so any device may take it)
+            why, c = self._candidate(gm, ctx, n, output)
+            if why:
+                res.reject(f"linear {n.name}", why)
+            else:
+                candidates.append(c)
+        res.apply_ranked(ctx, candidates)
         return res
 
     def _candidate(self, gm, ctx, lin, output):

@@ -295,3 +295,34 @@ def test_a_residual_add_read_through_a_permute_is_absorbed():
     assert op_counts(gm)["aten.add.Tensor"] == 2
     assert any("not rows in memory" in r.reason for r in res.rejected), res.rejected
     assert reference_check(m, gm, (x,)).passed
+
+
+class ChannelsFirstStreamOut(ChannelsFirstStream):
+    def forward(self, x):
+        y, s = super().forward(x)
+        return y.permute(0, 3, 1, 2) * s
+
+
+@pytest.mark.parametrize("cls,shape,fused", [
+    (lambda: PreNorm(96), (8, 4096, 96), {ROWS: 2}),  # narrow rows: the many-rows kernel
+    (ChannelsFirstStreamOut, (2, 64, 16, 16), None),  # through permutes (either kernel, by price)
+])
+def test_training_many_rows_and_permuted_forms_gradients(cls, shape, fused):
+    """add_layer_norm_rows and the permuted residual form in a training graph: the output and every
+    parameter's gradient by the accuracy rule against the model's own fp64 step."""
+    import copy
+
+    from graphopt import accuracy
+
+    x = torch.randn(*shape)
+    if len(shape) == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    m = _randomize(cls()).train()
+    gm = _forced(m, x)
+    c = op_counts(gm)
+    assert c[LN] == 0 and (fused is None or all(c[k] == v for k, v in fused.items())), c
+    assert c[ROWS] + c[FUSED] == 2
+    m64 = copy.deepcopy(m).double()
+    ours, eager, gold = _grads(gm, gm, x), _grads(m, m, x), _grads(m64, m64, x.double())
+    res = accuracy.check(ours, gold, eager, training=True)
+    assert res.passed, res.reason

@@ -92,7 +92,7 @@ class ConvertChannelsLast(Pass):
             outs = [a for a in output.all_input_nodes if a in region and not _own_layout(a)]
             copies = []
             for n in region:
-                why = _nhwc_copy(n, outs, storage, writes)
+                why = _nhwc_copy(n, output, outs, storage, writes)
                 if why is None:
                     copies.append(n)
                 elif why:
@@ -200,10 +200,10 @@ def _own_layout(n: fx.Node) -> bool:
     return n.target in _LAYOUT_ENDS
 
 
-def _nhwc_copy(n: fx.Node, outs, storage, writes, limit: int = 4096) -> str | None:
+def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, limit: int = 4096) -> str | None:
     """None if ``n`` is a copy to the contiguous layout of a 4-D tensor whose channels are innermost
     in memory, and the region can read that tensor instead; else why it must stay ('' when ``n``
-    is no such copy)."""
+    is no such copy). ``outs``: the region's outputs, which the rewrite converts back for the caller."""
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
         return ""
     if n.target is aten.contiguous.default:
@@ -219,7 +219,7 @@ def _nhwc_copy(n: fx.Node, outs, storage, writes, limit: int = 4096) -> str | No
     if xi is None or ni is None or len(xi.shape) != 4 or not is_channels_last(xi) or is_channels_last(ni) \
             or xi.dtype != ni.dtype or xi.device != ni.device:
         return ""
-    if n in outs:
+    if n in output.all_input_nodes:
         return "kept: returned to the caller, who gets the contiguous layout"
     for node, what in ((n, "the copy"), (x, "its source")):
         w = writes.get(storage.get(node, node))
@@ -230,6 +230,8 @@ def _nhwc_copy(n: fx.Node, outs, storage, writes, limit: int = 4096) -> str | No
     while stack:
         cur = stack.pop()
         for u in cur.users:
+            if u.op == "output" and cur not in outs:  # (the region's outputs are converted back)
+                return f"kept: {cur.name}, whose layout would change, is returned to the caller"
             if u in seen or u.op != "call_function":
                 continue
             if u.target in _STRIDE_READERS:

@@ -217,3 +217,26 @@ def test_a_copy_whose_layout_a_view_reads_is_kept():
         res.rejected
     assert len(_copies_to_nchw(gm)) == 1
     assert reference_check(m, gm, (x,)).passed
+
+
+class ModulationReturned(Modulation):
+    """The copy to NCHW itself returned beside the result, and a flattened map read after the copy
+    returned too: the caller gets both in the layout the model gave them."""
+
+    def forward(self, x):
+        y = self.inp(x).permute(0, 3, 1, 2).contiguous()
+        q, ctx, gate = y.split([self.c, self.c, 1], 1)
+        z = q * self.h(torch.nn.functional.gelu(self.dw(ctx)) * gate)
+        return self.out(z.permute(0, 2, 3, 1).contiguous()), y, z.flatten(2)
+
+
+def test_copies_returned_to_the_caller_are_kept():
+    m = ModulationReturned().eval()
+    x = torch.randn(16, 28, 28, 32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    reasons = [r.reason for r in res.rejected if r.candidate.startswith("contiguous")]
+    assert any("returned to the caller" in r for r in reasons), res.rejected
+    out = gm(x)
+    assert out[1].is_contiguous() and out[2].is_contiguous()
+    assert reference_check(m, gm, (x,)).passed

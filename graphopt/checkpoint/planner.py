@@ -13,6 +13,7 @@ outer checkpoint (:meth:`_Selector.nest`); if that fails too, ``BudgetError`` st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -679,7 +680,7 @@ class _Selector:
             low = low / (1.0 - headroom)
             # the plans' accounting is an upper bound (the working set with everything saved still held),
             # the baseline's is walked: recomputing nothing meets the baseline, whatever the plans say
-            low = min(low, base)
+            low = float(math.ceil(min(low, base)))  # whole bytes: the minimum can be passed back as a budget
             raise BudgetError(
                 f"memory budget {format_bytes(asked)} is below the achievable minimum "
                 f"{format_bytes(low)} ({low / base:.3f} of the baseline activation memory {format_bytes(base)}: "

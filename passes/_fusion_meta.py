@@ -14,6 +14,12 @@ from torch._guards import detect_fake_mode
 from graphopt import ir
 
 
+# readers whose result depends on their input's strides, not only its values: a rewrite that changes
+# a tensor's layout must not reach one
+STRIDE_READERS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.as_strided.default,
+                  torch.ops.aten.view_as.default}
+
+
 def fake_mode(gm: fx.GraphModule):
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])

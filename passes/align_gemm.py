@@ -27,6 +27,8 @@ from graphopt.cost.model import gemm_align1
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
+from ._fusion_meta import STRIDE_READERS, set_meta
+
 aten = torch.ops.aten
 
 # ops whose result is a view of their first argument, followed to the readers that compute
@@ -34,8 +36,6 @@ _VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.slice.T
           aten.split_with_sizes.default, aten.split.Tensor, operator.getitem, aten.unsqueeze.default,
           aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unflatten.int, aten.alias.default,
           aten.expand.default, aten.narrow.default}
-# readers that depend on the strides of what they read, not only its values
-_STRIDE_READERS = {aten.view.default, aten._unsafe_view.default, aten.as_strided.default, aten.view_as.default}
 # readers that take any strides without a copy (besides torch's pointwise ops)
 _STRIDED_OK = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 
@@ -46,7 +46,7 @@ def _readers(lin: fx.Node, limit: int = 512):
     while stack:
         n = stack.pop()
         for u in n.users:
-            if u.op == "call_function" and u.target in _STRIDE_READERS:
+            if u.op == "call_function" and u.target in STRIDE_READERS:
                 return [], f"{u.name} ({ir.target_name(u)}) reads the strides of the result"
             if u.op == "call_function" and u.target in _VIEWS and u.args and u.args[0] is n:
                 if u not in seen:
@@ -138,12 +138,14 @@ class AlignGemm(Pass):
             bn = g.get_attr(names[1]) if names[1] is not None else None
             new = g.call_function(aten.linear.default, (x, wn, bn))
             sl = g.call_function(aten.slice.Tensor, (new, len(ir.info(lin).shape) - 1, 0, N))
+        set_meta(gm, [wn] + ([bn] if bn is not None else []) + [new, sl])
         lin.replace_all_uses_with(sl)
         g.erase_node(lin)
         for v in dict.fromkeys(returned):  # the caller gets the contiguous layout the projection gave it
             with g.inserting_before(output):
                 c = g.call_function(aten.clone.default, (v if v is not lin else sl,),
                                     {"memory_format": torch.contiguous_format})
+            set_meta(gm, [c])
             output.replace_input_with(v if v is not lin else sl, c)
         ir.erase_dead(gm, [t for t in (w, b) if t is not None and not t.users])
         return True

@@ -27,7 +27,7 @@ from graphopt import ir
 from graphopt.cost.model import is_channels_last
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import nbytes
+from ._fusion_meta import STRIDE_READERS, nbytes
 
 aten = torch.ops.aten
 
@@ -184,8 +184,6 @@ class ConvertChannelsLast(Pass):
 # readers whose result does not take its input's layout: the layout change a dropped copy makes ends there
 _LAYOUT_ENDS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default,
                 aten.contiguous.default}
-# readers that depend on their input's strides, not only its values
-_STRIDE_READERS = {aten.view.default, aten._unsafe_view.default, aten.as_strided.default, aten.view_as.default}
 
 
 def _own_layout(n: fx.Node) -> bool:
@@ -204,15 +202,8 @@ def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, limit: int = 
     """None if ``n`` is a copy to the contiguous layout of a 4-D tensor whose channels are innermost
     in memory, and the region can read that tensor instead; else why it must stay ('' when ``n``
     is no such copy). ``outs``: the region's outputs, which the rewrite converts back for the caller."""
-    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
-        return ""
-    if n.target is aten.contiguous.default:
-        if n.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
-            return ""
-    elif n.target is aten.clone.default:
-        if n.kwargs.get("memory_format") is not torch.contiguous_format:
-            return ""
-    else:
+    if n.target not in (aten.contiguous.default, aten.clone.default) or not _own_layout(n) \
+            or not isinstance(n.args[0], fx.Node):
         return ""
     x = n.args[0]
     xi, ni = ir.info(x), ir.info(n)
@@ -234,7 +225,7 @@ def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, limit: int = 
                 return f"kept: {cur.name}, whose layout would change, is returned to the caller"
             if u in seen or u.op != "call_function":
                 continue
-            if u.target in _STRIDE_READERS:
+            if u.target in STRIDE_READERS:
                 return f"kept: {u.name} ({ir.target_name(u)}) reads the strides of a tensor whose layout would change"
             if _own_layout(u):
                 continue

@@ -40,7 +40,7 @@ from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from graphopt.cuda_ext.norm_triton import MAX_HIDDEN
 
-from ._fusion_meta import requires_grad
+from ._fusion_meta import requires_grad, set_meta
 from ._norms_common import backward_gain, position, residual_add, residual_operands
 
 aten = torch.ops.aten
@@ -88,13 +88,6 @@ def _permuted_add(x) -> tuple[fx.Node | None, str]:
         if not isinstance(v, torch.Tensor) or not v.permute(perm).is_contiguous():
             return None, f"{t.name} permuted as {x.name} is not rows in memory (the kernel would copy it)"
     return add, ""
-
-
-def _view(g, target, args):
-    n = g.call_function(target, args)
-    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
-    n.meta["val"] = target(*vals)
-    return n
 
 
 @register
@@ -207,7 +200,8 @@ class FuseLayerNorm(Pass):
                 else:
                     params.append(p)
             if perm is not None:
-                y, residual = (_view(g, aten.permute.default, (t, perm)) for t in (y, residual))
+                y, residual = (g.call_function(aten.permute.default, (t, perm)) for t in (y, residual))
+                set_meta(gm, [y, residual])
             fused = g.call_function(fused_op, (y, residual, params[0], params[1], eps))
             out = g.call_function(operator.getitem, (fused, 0))
         xv = m["x"].meta.get("val")
@@ -226,7 +220,8 @@ class FuseLayerNorm(Pass):
                 for i, d in enumerate(perm):
                     inverse[d % len(perm)] = i
                 with g.inserting_after(h):
-                    back = _view(g, aten.permute.default, (h, inverse))
+                    back = g.call_function(aten.permute.default, (h, inverse))
+                set_meta(gm, [back])
                 add.replace_all_uses_with(back)
             g.erase_node(add)
         elif add is not None:

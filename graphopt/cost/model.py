@@ -1016,12 +1016,13 @@ def _gemm_mnk(node: fx.Node):
 # {"memory_scale", "fixed_s"} fitted by benchmarks/diag/diag_decode_gemm.py; absent, they are priced
 # as any matmul
 SMALL_M_LINEAR = "small_m_linear"
+PROJECTIONS = ("linear", "mm", "addmm")  # the 2-D projections _gemm_mnk sizes
 SMALL_M_ROWS = 16
 
 
 def small_m(node: fx.Node) -> bool:
     """A linear/mm/addmm of at most SMALL_M_ROWS rows (static)."""
-    if ir.op_name(node) not in ("linear", "mm", "addmm"):
+    if ir.op_name(node) not in PROJECTIONS:
         return False
     mnk = _gemm_mnk(node)
     return mnk is not None and isinstance(mnk[0], int) and 0 < mnk[0] <= SMALL_M_ROWS
@@ -1035,7 +1036,7 @@ GEMM_ALIGN1 = "gemm_align1"
 
 def gemm_align1(node: fx.Node) -> bool:
     """A 16-bit linear/mm/addmm of more than SMALL_M_ROWS rows whose N or K is odd (static sizes)."""
-    if ir.op_name(node) not in ("linear", "mm", "addmm"):
+    if ir.op_name(node) not in PROJECTIONS:
         return False
     ins = ir.operand_infos(node)
     if not ins or ins[0].dtype not in (torch.float16, torch.bfloat16):

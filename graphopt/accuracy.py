@@ -305,6 +305,7 @@ _MODULE_OWN = frozenset(vars(torch.nn.Module()))
 # objects of these packages' classes are not walked into (a logger, a lock, torch's own objects)
 _NOT_WALKED = frozenset(sys.stdlib_module_names) | {"builtins", "torch"}
 _MISSING = object()
+_SCALARS = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
 def _walked_object(v) -> bool:
@@ -329,7 +330,11 @@ class ModuleState:
     another dtype converts as it reads them (:class:`_Float64State`)."""
 
     DEPTH = 6
-    MAX_ENTRIES = 1 << 16  # entries copied at most (the walk stops there)
+    # entries the walk looks into at most: past it the containers it meets are still recorded (a
+    # module's own dicts and lists always are), their contents not followed. Scalars do not count (a
+    # list of 38416 index ints in each of LeViT's attention blocks once used up the budget before the
+    # walk reached the cache dicts after them)
+    MAX_ENTRIES = 1 << 16
 
     def __init__(self, model: torch.nn.Module):
         self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}) for m in model.modules()]
@@ -348,7 +353,7 @@ class ModuleState:
         if isinstance(v, torch.Tensor):
             self.tensors.setdefault(id(v), v)
             return
-        if depth >= self.DEPTH or self._entries > self.MAX_ENTRIES:
+        if depth >= self.DEPTH:
             return
         if _walked_object(v):
             v = vars(v)  # its attributes: a dict, kept as one
@@ -358,11 +363,15 @@ class ModuleState:
             if id(v) in self.contents:
                 return
             self.contents[id(v)] = (v, dict(v) if isinstance(v, dict) else list(v))
-            self._entries += len(v)
             items = v.values() if isinstance(v, dict) else v
         else:
             return
         for x in list(items):
+            if x is None or isinstance(x, _SCALARS):
+                continue
+            if self._entries > self.MAX_ENTRIES:
+                return
+            self._entries += 1
             self._walk(x, depth + 1)
 
     def restore(self) -> None:

@@ -462,6 +462,41 @@ def test_a_cache_the_forward_fills_is_the_callers_as_given_after_optimize(prefil
         assert accuracy.check(opt(x), ref, eager).passed
 
 
+class _IndexedBlock(nn.Module):
+    """LeViT's attention block in small: a long Python list of ints kept beside a dict its eval forward
+    fills with a tensor derived from the weights."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.indices = list(range(n))
+        self.cache = {}
+
+    def forward(self, x):
+        if str(x.device) not in self.cache:
+            self.cache[str(x.device)] = self.lin.weight * 0.5
+        return x + torch.relu(x @ self.cache[str(x.device)].T)
+
+
+def test_long_lists_of_scalars_do_not_hide_a_cache_from_the_state_kept():
+    """The walk of the model's Python-side state records every module's dicts however many scalars
+    the lists before them hold (accuracy.ModuleState.MAX_ENTRIES): the capture's trace leaves no fake
+    tensor in a cache after them, and optimize() leaves every cache as the caller had it (empty)."""
+    from graphopt import accuracy
+
+    torch.manual_seed(0)
+    n = accuracy.ModuleState.MAX_ENTRIES + 10
+    model = nn.Sequential(_IndexedBlock(n), _IndexedBlock(n), _IndexedBlock(4)).eval()
+    x = torch.randn(3, 8)
+    opt = graphopt.optimize(model, (x,))
+    assert all(b.cache == {} for b in model)
+    assert opt.report.accuracy["checked"] and opt.report.accuracy["passed"]
+    ref = accuracy.fp64_reference(model, (x,), {})
+    with torch.no_grad():
+        eager = model(x)
+    assert accuracy.check(opt(x), ref, eager).passed
+
+
 class _Stateful(nn.Module):
     """Buffers its forward writes: a step counter reassigned (``+=`` sets the attribute), a running
     mean written in place and an average reassigned out of place."""

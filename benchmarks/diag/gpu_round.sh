@@ -41,6 +41,11 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s18)
+  # a screen (4 at once, ${LIMIT:-590} s in all) of $2: configs no session had run on a GPU, named before
+  # any ran (MoE and partial-rotary decoders, LeViT, MetaFormer and hybrid vision models)
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 4 --timeout 170 --reps 20 \
+    --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -40 ;;
 s17)
   # align_gemm's cuda test, then a screen (4 at once, ${LIMIT:-590} s in all) of $2: FocalNet
   # (align_gemm pads its odd-N projections) and configs kept aside since 12-05 (named before this session's changes)

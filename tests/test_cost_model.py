@@ -55,6 +55,30 @@ def test_linear_flops_and_bytes():
     assert relu.time_s == pytest.approx(max(gpu, p.launch_overhead_s))
 
 
+class _Experts(nn.Module):
+    """A mixture of experts' two grouped GEMMs: rows routed to 4 experts (2-D x 3-D), and the
+    per-expert weight gradient form (2-D x 2-D, the groups splitting the shared dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 32, 48, dtype=torch.bfloat16))
+        self.register_buffer("offs", torch.tensor([16, 32, 48, 64], dtype=torch.int32))
+
+    def forward(self, x, g):
+        return torch._grouped_mm(x, self.w, offs=self.offs), torch._grouped_mm(x.t(), g, offs=self.offs)
+
+
+def test_grouped_gemms_priced_by_their_multiply_adds():
+    """torch._grouped_mm is priced as a GEMM: 2 x rows x K x N over the groups (not a pointwise op's
+    one flop per element), and where both operands are 2-D each group sums over its share of K."""
+    x, g = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(64, 24, dtype=torch.bfloat16)
+    gm = capture(_Experts().eval(), (x, g))
+    routed, wgrad = [n for n in gm.graph.nodes if n.op == "call_function" and "_grouped_mm" in str(n.target)]
+    cm = CostModel(_h200())
+    assert cm.flops_bytes(routed)[0] == 2 * 64 * 32 * 48 and cm.flops_bytes(routed)[3] == "matmul"
+    assert cm.flops_bytes(wgrad)[0] == 2 * 32 * 24 * 64
+
+
 def test_calibrated_efficiencies_and_cpu_dispatch():
     """A fitted GEMM efficiency slows GEMMs, a convolution gets its own, a memory-bound kernel its
     fixed time; on the CPU an op's dispatch adds to its work instead of overlapping it."""

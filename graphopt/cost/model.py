@@ -66,6 +66,7 @@ VIEW_OPS = {
 MAYBE_VIEW_OPS = {"reshape", "flatten", "contiguous", "to", "_to_copy", "type_as"}
 MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "_addmm_activation"}
 ADD_FIRST = {"addmm", "_addmm_activation", "baddbmm", "addbmm"}
+GROUPED_MM_OPS = {"_grouped_mm", "_scaled_grouped_mm"}  # a mixture of experts' GEMMs, one per group of rows
 CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "cudnn_convolution"}
 ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -506,6 +507,8 @@ class CostModel:
             out = outs[0]
             flops = 2 * out.numel * k
             return flops, in_bytes + out_bytes, 1, "matmul"
+        if name in GROUPED_MM_OPS and len(ins) >= 2:
+            return grouped_mm_flops(ins[0], ins[1], outs[0]), in_bytes + out_bytes, 1, "matmul"
         if name in CONV_OPS:
             flops, nbytes = conv_flops_bytes(ins, outs)
             return flops, nbytes, 1, "matmul"
@@ -1046,6 +1049,17 @@ def gemm_align1(node: fx.Node) -> bool:
         return False
     m, n, k = mnk
     return m > SMALL_M_ROWS and (n % 2 == 1 or k % 2 == 1)
+
+
+def grouped_mm_flops(a, b, out) -> object:
+    """Multiply-adds x 2 of torch._grouped_mm(a, b, offs): each output element is a dot product of
+    a's last dim (the rows a 2-D a holds belong to one group each, a 3-D b holds every group's
+    matrix), except where both are 2-D: the groups split that shared dim, the output stacks one
+    matrix per group and each element sums over its group's share of it."""
+    k = a.shape[-1]
+    if len(a.shape) == 2 and len(b.shape) == 2 and len(out.shape) == 3:
+        return 2 * (out.numel // out.shape[0]) * k
+    return 2 * out.numel * k
 
 
 def _efficiency_kind(node: fx.Node) -> str:

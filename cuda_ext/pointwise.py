@@ -343,26 +343,38 @@ def broadcast_shape(inputs: Sequence[torch.Tensor]) -> torch.Size:
 
 def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None" = None) -> list[int] | None:
     """The output layout rule of ``fused_pointwise``: when every input of the output's full shape
-    has the same dense, non-contiguous strides (a channels_last activation and its residual), the
-    outputs take that layout too; returns the dims outermost first (None: contiguous outputs). A
-    program that reduces over rows writes contiguous outputs (it runs along the logical last dim)."""
+    orders its dims the same way by stride, and not the contiguous way (a channels_last activation
+    and its residual; the slices of one along a split channel dim, which are not dense), the outputs
+    are dense in that order, as aten's elementwise kernels lay theirs out; returns the dims outermost
+    first (None: contiguous outputs). A program that reduces over rows writes contiguous outputs (it
+    runs along the logical last dim)."""
     if program is not None and program.reduces:
         return None
     nd = len(shape)
     full = [t for t in inputs if t.dim() == nd and tuple(t.shape) == tuple(shape)]
     if nd < 2 or not full:
         return None
-    ref = full[0]
-    strides = ref.stride()
-    if not all(isinstance(v, int) for v in tuple(strides) + tuple(ref.shape)) or ref.is_contiguous() \
-            or any(t.stride() != strides for t in full[1:]):
+    order = _stride_order(full[0])
+    if order is None or order == list(range(nd)) or any(_stride_order(t) != order for t in full[1:]):
         return None
-    order = sorted(range(nd), key=lambda d: (-strides[d], d))
-    expect = 1  # dense and non-overlapping: innermost first, each stride the product of the sizes inside
-    for d in reversed(order):
-        if ref.shape[d] != 1 and strides[d] != expect:
-            return None
-        expect *= ref.shape[d]
+    return order
+
+
+def _stride_order(t: torch.Tensor) -> list[int] | None:
+    """``t``'s dims outermost first by stride, or None where that says nothing definite (symbolic
+    sizes, a broadcast dim, two dims of one stride); dims of size 1 sit where a dense tensor of that
+    order would put them (after the dim outside them)."""
+    sizes, strides = tuple(t.shape), tuple(t.stride())
+    if not all(isinstance(v, int) for v in sizes + strides):
+        return None
+    big = [d for d in range(len(sizes)) if sizes[d] != 1]
+    if any(strides[d] <= 0 for d in big) or len({strides[d] for d in big}) != len(big):
+        return None
+    order = sorted(big, key=lambda d: -strides[d])
+    for d in range(len(sizes)):  # each size-1 dim right after the nearest dim before it in logical order
+        if sizes[d] == 1:
+            before = [i for i, o in enumerate(order) if o < d]
+            order.insert(before[-1] + 1 if before else 0, d)
     return order
 
 

@@ -10,7 +10,7 @@ max_pool2d is exact (a max is a max: the values are compared in float and stored
 padding is left out of the window as aten's -inf padding is; a NaN in a window gives NaN as in
 aten). avg_pool2d sums in fp32 and rounds once, as aten's kernels do, with aten's divisor
 (count_include_pad or not). Applies to a square kernel, stride and padding, dilation 1, floor
-mode (and no divisor override) over a dense channels_last 4-D input in fp32/bf16/fp16, on a CUDA
+mode or a ceil mode that adds no window (and no divisor override) over a dense channels_last 4-D input in fp32/bf16/fp16, on a CUDA
 profile, in inference graphs (the ops have no backward); cost-gated like every rewrite.
 """
 
@@ -52,6 +52,14 @@ def dense_channels_last(t: ir.TensorInfo) -> bool:
 POOLS = (aten.max_pool2d.default, aten.avg_pool2d.default)
 
 
+def _floor_mode_shape(node: fx.Node, k, s, p) -> bool:
+    """Does the pooling's output have floor mode's height and width (static sizes, square window)?"""
+    xi, oi = ir.info(node.args[0]), ir.info(node)
+    if xi is None or oi is None or len(xi.shape) != 4 or len(oi.shape) != 4 or None in (k, s, p) or xi.symbolic:
+        return False
+    return all(isinstance(i, int) and o == (i + 2 * p - k) // s + 1 for i, o in zip(xi.shape[2:], oi.shape[2:]))
+
+
 @register
 class LowerPool(Pass):
     name = "lower_pool"
@@ -89,6 +97,8 @@ class LowerPool(Pass):
         else:
             ceil = get_arg(node, 5, "ceil_mode") or False
         label = node.name
+        if ceil and _floor_mode_shape(node, k, s, p):
+            ceil = False  # every window starts inside the input: ceil mode adds none (ResNet-D's 2x2/2 on even sizes)
         if k is None or s is None or p is None or d != 1 or ceil:
             res.reject(label, "not a square, undilated, floor-mode window (the kernel's case)")
             return None

@@ -41,6 +41,16 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s19)
+  # unroll_small_reductions, fused_pointwise's layout rule for strided slices and lower_pool's ceil mode: their
+  # cuda tests, then $2 timed alone: ResNeSt-14d (the 12-06 screen's widest loss), SKNet-18 (a sum over
+  # branches no session had run on a GPU), ResNet-50d (ceil-mode shortcut pools)
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py \
+    tests/passes/test_unroll_small_reductions.py tests/passes/test_fuse_elementwise.py -q -p no:cacheprovider -W ignore \
+    --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s19.log"
+  tail -20 "$OUT/pytest_cuda_s19.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --prewarm-jobs 3 --jobs 1 \
+    --timeout 150 --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -30 ;;
 s18)
   # a screen (4 at once, ${LIMIT:-590} s in all) of $2: configs no session had run on a GPU, named before
   # any ran (MoE and partial-rotary decoders, LeViT, MetaFormer and hybrid vision models)

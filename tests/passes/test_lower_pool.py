@@ -121,3 +121,19 @@ def test_avg_pools_the_kernel_does_not_cover_are_refused():
         gm = capture(m, (x,))
         (res,) = run_passes(gm, ["lower_pool"], target="h200")
         assert not res.rewrites and why in res.rejected[0].reason, res.rejected
+
+
+def test_ceil_mode_that_adds_no_window_is_lowered():
+    """ResNet-D's shortcut pool (2x2, stride 2, ceil mode, padding not counted) on even sizes: ceil mode
+    adds no window there, so it is floor mode's pool and is lowered, matching aten's by the accuracy
+    rule; on an odd size it adds a partial window and stays aten's."""
+    pool = nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)
+    m = _model(pool)
+    x = _x(hw=(112, 110))
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["lower_pool"], target="h200")
+    assert len(res.rewrites) == 1 and AVG in op_counts(gm), res.rejected
+    assert reference_check(m, gm, (x,)).passed
+    gm = capture(m, (_x(hw=(113, 110)),))
+    (res,) = run_passes(gm, ["lower_pool"], target="h200")
+    assert not res.rewrites and "floor-mode" in res.rejected[0].reason

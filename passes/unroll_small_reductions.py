@@ -1,0 +1,260 @@
+"""unroll_small_reductions: a sum or mean over one dim of at most UNROLL elements -> the adds of its
+slices, so that fuse_elementwise joins them with the pointwise ops around them into one kernel.
+
+Split attention (ResNeSt), selective kernels (SKNet) and a mixture's weighted sum over its top-k
+experts reduce over a dim of 2..8 branches, after a pointwise op that weighs them. aten runs the
+product and the reduction as two kernels, and its reduction writes a contiguous tensor: inside a
+channels_last network everything after it turned NCHW. Unrolled, ``(x * w).sum(1)`` is
+``x[:, 0] * w[:, 0] + x[:, 1] * w[:, 1]``: one pointwise kernel over strided slices of ``x`` and
+``w`` (views, no copy), writing its result in its inputs' memory order. Inductor unrolls small
+reductions the same way (``unroll_reductions_threshold``).
+
+The pointwise ops (fuse_elementwise.OPS) that make the reduced tensor and that nothing else reads
+move into the terms: each operand is sliced instead (one of extent 1 there is read once, one
+without that dim as is), so no slice of an intermediate is materialized. 16-bit values are summed
+in float32 and rounded once, as aten's reduction accumulates; a mean divides by the count before
+that rounding.
+
+Legality: aten.sum.dim_IntList or aten.mean.dim over one dim of static extent 2..UNROLL of a
+floating tensor, no dtype argument other than a floating one; inference graphs; CUDA profiles
+(fuse_elementwise fuses only there: unfused, the adds are more kernels than the reduction).
+Profitability: the reduction and the ops moved into its terms against one kernel that reads the
+terms' inputs once and writes the result (what fuse_elementwise makes of them), plus, where aten's
+reduction writes a contiguous result of a tensor laid out otherwise (channels_last), the copy that
+would take it back to its input's layout; terms that would
+read more than fuse_elementwise.MAX_INPUTS tensors are refused, since it could not fuse them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.matcher import get_arg
+from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
+
+from ._fusion_meta import set_meta
+from .fuse_elementwise import MAX_INPUTS, OPS, _operands
+
+aten = torch.ops.aten
+UNROLL = 8
+REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim)
+MAX_DEPTH = 3  # pointwise ops moved into the terms along one operand path
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class _Leaf:
+    """An operand of the terms: ``node`` sliced at ``dim`` per term (``dim`` None: read as is, the
+    same tensor in every term; ``index0``: its extent 1 there, read through select(dim, 0))."""
+
+    def __init__(self, node: fx.Node, dim: int | None, index0: bool = False):
+        self.node, self.dim, self.index0 = node, dim, index0
+
+    def per_term(self) -> bool:
+        return self.dim is not None and not self.index0
+
+
+class _Op:
+    """A pointwise node moved into the terms, its operands as _Leaf/_Op or literals."""
+
+    def __init__(self, node: fx.Node, operands: list):
+        self.node, self.operands = node, operands
+
+
+@register
+class UnrollSmallReductions(Pass):
+    name = "unroll_small_reductions"
+    family = "fusion"
+    description = (f"a sum/mean over one dim of 2..{UNROLL} elements -> adds of its slices, with the pointwise "
+                   "ops before it moved into them (fuse_elementwise makes one kernel of them)")
+    inference_only = True
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        candidates = []
+        for n in list(gm.graph.nodes):
+            if n.op != "call_function" or n.target not in REDUCTIONS:
+                continue
+            why, spec = _legal(n)
+            if why:
+                res.reject(n.name, why)
+                continue
+            if not ctx.fused_kernels:
+                res.reject(n.name, NO_FUSED_KERNELS)
+                continue
+            x, d, r, keep, out_dtype = spec
+            tree, moved = _expr(x, d, r, 0)
+            leaves = _leaves(tree)
+            if _inputs(leaves, r) > MAX_INPUTS:  # the slices of x itself, nothing moved
+                tree, moved = _Leaf(x, d), []
+                leaves = [tree]
+            scratch = ctx.replacement()
+            ins = [scratch.call(aten.select.int, lf.node, lf.dim, i) for lf in leaves if lf.per_term() for i in range(r)]
+            ins += [scratch.call(aten.select.int, lf.node, lf.dim, 0) for lf in leaves if lf.index0]
+            ins += [lf.node for lf in leaves if lf.dim is None]
+            fused = scratch.call(torch.ops.graphopt.fused_pointwise.default, _sum_program(len(ins), out_dtype), ins,
+                                 val=[_unrolled_val(n, keep, d)])
+            gain = ctx.node_time([n] + moved) - ctx.cost.time_of([fused], ctx.hints)
+            if _reorders(n, ins, keep, d):  # aten's result is contiguous where its input was not: a copy back
+                gain += ctx.price(aten.clone.default, n)
+            label = f"{n.name} ({ir.op_name(n)} over {r} along dim {d}" + (
+                f", with {', '.join(m.name for m in moved)})" if moved else ")")
+            candidates.append(Candidate("small reduction -> adds of its slices", [n] + moved, gain,
+                                        lambda n=n, tree=tree, moved=moved, spec=spec: _apply(gm, n, tree, moved, spec),
+                                        label=label))
+        res.apply_ranked(ctx, candidates)
+        return res
+
+
+def _legal(n: fx.Node):
+    x = n.args[0] if n.args else None
+    xi = ir.info(x) if isinstance(x, fx.Node) else None
+    oi = ir.info(n)
+    if xi is None or oi is None or not xi.shape:
+        return "no tensor metadata", None
+    if xi.dtype not in _FLOATS or oi.dtype not in _FLOATS:
+        return f"not a floating tensor ({xi.dtype})", None
+    if xi.symbolic:
+        return "symbolic shapes", None
+    dims = get_arg(n, 1, "dim", None)
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
+        return "not over exactly one dim", None
+    rank = len(xi.shape)
+    d = dims[0] % rank
+    r = xi.shape[d]
+    if not isinstance(r, int) or not 2 <= r <= UNROLL:
+        return f"over {r} elements (unrolled: 2..{UNROLL})", None
+    keep = bool(get_arg(n, 2, "keepdim", False))
+    dtype = n.kwargs.get("dtype")
+    if dtype is not None and dtype not in _FLOATS:
+        return f"sums into {dtype}", None
+    return "", (x, d, r, keep, oi.dtype)
+
+
+def _expr(v, dv: int, r: int, depth: int):
+    """The terms' expression for value ``v`` whose dim ``dv`` is the reduced one (extent r), and the
+    nodes moved into it."""
+    if not isinstance(v, fx.Node):
+        return v, []
+    vi = ir.info(v)
+    if (depth >= MAX_DEPTH or v.op != "call_function" or v.target not in OPS or len(v.users) != 1
+            or vi is None or vi.dtype not in _FLOATS or len(vi.shape) <= dv or vi.shape[dv] != r):
+        return _Leaf(v, dv), []
+    operands, moved = [], [v]
+    for a in _operands(v):
+        if not isinstance(a, fx.Node):
+            operands.append(a)
+            continue
+        ai = ir.info(a)
+        if ai is None or ai.symbolic:
+            return _Leaf(v, dv), []
+        da = dv - (len(vi.shape) - len(ai.shape))  # right-aligned broadcasting
+        if da < 0:
+            operands.append(_Leaf(a, None))
+        elif ai.shape[da] == 1:
+            operands.append(_Leaf(a, da, index0=True))
+        else:
+            sub, more = _expr(a, da, r, depth + 1)
+            operands.append(sub)
+            moved += more
+    return _Op(v, operands), moved
+
+
+def _leaves(tree) -> list:
+    if isinstance(tree, _Leaf):
+        return [tree]
+    if isinstance(tree, _Op):
+        return [lf for o in tree.operands for lf in _leaves(o)]
+    return []
+
+
+def _inputs(leaves, r: int) -> int:
+    """Tensors the fused kernel would read: r slices of each per-term leaf, one of each other."""
+    return sum(r if lf.per_term() else 1 for lf in leaves)
+
+
+def _sum_program(n_inputs: int, dtype) -> str:
+    """A program of n inputs' sum (its price is one kernel's reads and write, whatever it computes)."""
+    from graphopt.cuda_ext.pointwise import Program
+
+    p = Program()
+    acc = p.input(0)
+    for i in range(1, n_inputs):
+        acc = acc + p.input(i)
+    p.output(acc, dtype)
+    return p.source
+
+
+def _reorders(n: fx.Node, ins, keep: bool, d: int) -> bool:
+    """Is the reduction's result contiguous (aten's reductions write it so) where the unrolled one
+    would keep its input's non-contiguous memory order (fused_pointwise's layout rule)?"""
+    from graphopt.cuda_ext.pointwise import dense_order
+
+    val = n.meta.get("val")
+    vals = [i.meta.get("val") for i in ins]
+    if not isinstance(val, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in vals):
+        return False
+    shape = tuple(val.squeeze(d).shape) if keep else tuple(val.shape)
+    return val.is_contiguous() and dense_order(vals, shape) is not None
+
+
+def _unrolled_val(n: fx.Node, keep: bool, d: int):
+    """The fused kernel's output value: the reduction's, without the kept dim."""
+    val = n.meta.get("val")
+    return val.squeeze(d) if keep else val
+
+
+def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
+    x, d, r, keep, out_dtype = spec
+    g = gm.graph
+    acc_dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+    made: list[fx.Node] = []
+
+    def call(target, *args, **kwargs):
+        node = g.call_function(target, args, kwargs)
+        made.append(node)
+        return node
+
+    once: dict = {}  # a leaf read the same in every term: one select
+
+    def build(e, i):
+        if isinstance(e, _Leaf):
+            if e.dim is None:
+                return e.node
+            if e.index0:
+                if id(e) not in once:
+                    once[id(e)] = call(aten.select.int, e.node, e.dim, 0)
+                return once[id(e)]
+            return call(aten.select.int, e.node, e.dim, i)
+        if isinstance(e, _Op):
+            args = [build(o, i) for o in e.operands]
+            rest = list(e.node.args[len(args):])
+            return call(e.node.target, *args, *rest, **e.node.kwargs)
+        return e
+
+    with g.inserting_before(n):
+        terms = []
+        for i in range(r):
+            t = build(tree, i)
+            if ir.info(t) is None:
+                set_meta(gm, [m for m in made if "val" not in m.meta])
+            if ir.info(t).dtype != acc_dtype:
+                t = call(aten._to_copy.default, t, dtype=acc_dtype)
+                set_meta(gm, [t])
+            terms.append(t)
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = call(aten.add.Tensor, acc, t)
+        if n.target is aten.mean.dim:
+            acc = call(aten.div.Tensor, acc, float(r))
+        set_meta(gm, [m for m in made if "val" not in m.meta])
+        if ir.info(acc).dtype != out_dtype:
+            acc = call(aten._to_copy.default, acc, dtype=out_dtype)
+        if keep:
+            acc = call(aten.unsqueeze.default, acc, d)
+        set_meta(gm, [m for m in made if "val" not in m.meta])
+    n.replace_all_uses_with(acc)
+    g.erase_node(n)
+    for m in moved:  # each had one user: the next one out, now gone
+        g.erase_node(m)
+    return acc

@@ -1,0 +1,134 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt import capture
+from graphopt.pipeline import NO_FUSED_KERNELS, run_passes
+from tests.helpers import op_counts, reference_check
+
+CL = torch.channels_last
+FP = "graphopt.fused_pointwise.default"
+SUM = "aten.sum.dim_IntList"
+
+
+class SplitAttention(nn.Module):
+    """ResNeSt's split attention in small: a grouped convolution makes `radix` branches, their sum is
+    pooled into weights, and the output is the branches' sum weighted by a softmax over them."""
+
+    def __init__(self, c=16, radix=2):
+        super().__init__()
+        self.radix, self.c = radix, c
+        self.conv = nn.Conv2d(c, c * radix, 3, padding=1, groups=radix)
+        self.fc = nn.Conv2d(c, c * radix, 1)
+
+    def forward(self, x):
+        b = x.shape[0]
+        y = torch.relu(self.conv(x)).reshape(b, self.radix, self.c, *x.shape[2:])
+        gap = y.sum(dim=1).mean((2, 3), keepdim=True)
+        attn = torch.softmax(self.fc(gap).view(b, self.radix, self.c, 1, 1), dim=1)
+        return (y * attn).sum(dim=1)
+
+
+def _split(radix=2, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    m = SplitAttention(radix=radix).eval().to(dtype).to(memory_format=CL)
+    x = torch.randn(8, 16, 40, 40, dtype=dtype).to(memory_format=CL)
+    return m, x
+
+
+@pytest.mark.parametrize("radix", [2, 4])
+def test_split_attention_sums_become_one_kernel_each(radix):
+    """Both sums over the branches are unrolled (the weighted one with its product moved into the
+    terms), fuse_elementwise makes one kernel of each, and the result passes the accuracy rule."""
+    m, x = _split(radix)
+    gm = capture(m, (x,))
+    res = run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
+    assert len(res[0].rewrites) == 2, res[0].rejected
+    weighted = [r for r in res[0].rewrites if any(m.startswith("mul") for m in r.matched)]
+    assert len(weighted) == 1
+    counts = op_counts(gm)
+    assert SUM not in counts and "aten.mul.Tensor" not in counts and counts[FP] == 2
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_the_unrolled_sum_keeps_a_channels_last_layout():
+    """The slices of a channels_last tensor along its split channels are not dense, but their sum is
+    written channels_last (fused_pointwise's layout rule, as aten's elementwise kernels do), where
+    aten's reduction wrote a contiguous one."""
+    m, x = _split()
+    gm = capture(m, (x,))
+    run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    assert out.meta["val"].is_contiguous(memory_format=CL)
+    with torch.no_grad():
+        assert gm(x).is_contiguous(memory_format=CL)
+
+
+class Means(nn.Module):
+    def forward(self, x, w):
+        return (x * w + 1.0).mean(1, keepdim=True), x.sum(-1), x.sum(2)
+
+
+def test_mean_keepdim_last_dim_and_what_is_refused():
+    """A mean over 3 with keepdim (the product and add moved in) is unrolled; a sum over 9 elements
+    is refused, and so is a lone sum over a last dim of 4 (nothing to fuse, the same layout: no gain)."""
+    torch.manual_seed(0)
+    m = Means()
+    x, w = torch.randn(5, 3, 9, 4), torch.randn(3, 1, 1)
+    gm = capture(m, (x, w))
+    (res,) = run_passes(gm, ["unroll_small_reductions"], target="h200")
+    assert [r.matched[0] for r in res.rewrites] == ["mean"], res.rejected
+    reasons = {r.candidate.split(" ")[0]: r.reason for r in res.rejected}
+    assert "over 9 elements" in reasons["sum_2"] and "no gain" in reasons["sum_1"]
+    assert reference_check(m, gm, (x, w)).passed
+
+
+def test_cpu_profiles_and_training_keep_the_reduction():
+    m, x = _split(dtype=torch.float32)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["unroll_small_reductions"], target="cpu")
+    assert not res.rewrites and NO_FUSED_KERNELS in res.rejected[0].reason
+    gm = capture(m.train(), (x,))
+    (res,) = run_passes(gm, ["unroll_small_reductions"], target="h200", training=True)
+    assert res.status == "skipped" and SUM in op_counts(gm)
+
+
+def test_whole_pipeline_on_split_attention_unrolls_the_weighted_sum():
+    """optimize() planned for the H200: the weighted sum over the branches is one fused kernel with
+    its product, and the optimized module passes the accuracy rule."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = SplitAttention()
+            self.after = nn.Conv2d(16, 16, 3, padding=1)
+
+        def forward(self, x):
+            return self.after(self.block(x))
+
+    torch.manual_seed(0)
+    m = Net().eval().to(torch.bfloat16)
+    x = torch.randn(8, 16, 40, 40, dtype=torch.bfloat16)
+    opt = graphopt.optimize(m, (x,), target="h200", cuda_graphs=False)
+    (unroll,) = [p for p in opt.report.passes if p.name == "unroll_small_reductions"]
+    assert any(m.startswith("mul") for r in unroll.rewrites for m in r.matched), unroll.rejected
+    assert "aten.mul.Tensor" not in op_counts(opt.graph_module)
+    assert opt.report.accuracy["passed"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("radix", [2, 4])
+def test_unrolled_sums_run_the_generated_kernel_on_strided_slices(radix):
+    """On the GPU the fused kernels read the slices of the channels_last branches through their
+    strides and write channels_last; the module passes the accuracy rule against fp64."""
+    m, x = _split(radix)
+    m, x = m.cuda(), x.cuda()
+    gm = capture(m, (x,))
+    run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
+    assert SUM not in op_counts(gm) and op_counts(gm)[FP] == 2
+    with torch.no_grad():
+        out = gm(x)
+    assert out.is_contiguous(memory_format=CL)
+    assert reference_check(m, gm, (x,)).passed

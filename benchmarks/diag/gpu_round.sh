@@ -41,6 +41,18 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s20)
+  # s19's tests and $2 timed alone (until ${SPLIT:-330} s), then a screen (4 at once) of $3 to ${LIMIT:-590} s: the
+  # configs kept aside since 12-05, measured last, after this session's changes
+  timeout 150 python3 -m pytest -m cuda tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py \
+    tests/passes/test_unroll_small_reductions.py tests/passes/test_fuse_elementwise.py -q -p no:cacheprovider -W ignore \
+    --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s20.log"
+  tail -20 "$OUT/pytest_cuda_s20.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  mkdir -p "$OUT/alone" "$OUT/kept"
+  timeout $((${SPLIT:-330} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --prewarm-jobs 3 --jobs 1 \
+    --timeout 120 --reps 20 --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|rror" | tail -8; echo "### alone ${SECONDS}s"
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$3" --jobs 4 --timeout 170 --reps 20 \
+    --warmup 3 --out "$OUT/kept" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -30 ;;
 s19)
   # unroll_small_reductions, fused_pointwise's layout rule for strided slices and lower_pool's ceil mode: their
   # cuda tests, then $2 timed alone: ResNeSt-14d (the 12-06 screen's widest loss), SKNet-18 (a sum over

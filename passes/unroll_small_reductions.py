@@ -11,7 +11,9 @@ reductions the same way (``unroll_reductions_threshold``).
 
 The pointwise ops (fuse_elementwise.OPS) that make the reduced tensor and that nothing else reads
 move into the terms: each operand is sliced instead (one of extent 1 there is read once, one
-without that dim as is), so no slice of an intermediate is materialized. 16-bit values are summed
+without that dim as is), so no slice of an intermediate is materialized. A slice of a ``stack``
+along the reduced dim is the stacked tensor itself (SKNet stacks its branches to sum them): the
+terms read those, and a stack left unread is removed. 16-bit values are summed
 in float32 and rounded once, as aten's reduction accumulates; a mean divides by the count before
 that rounding.
 
@@ -225,6 +227,9 @@ def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
                 if id(e) not in once:
                     once[id(e)] = call(aten.select.int, e.node, e.dim, 0)
                 return once[id(e)]
+            parts = _stacked(e.node, e.dim)
+            if parts is not None:  # select(stack(xs, d), d, i) is xs[i]: the stack is not read
+                return parts[i]
             return call(aten.select.int, e.node, e.dim, i)
         if isinstance(e, _Op):
             args = [build(o, i) for o in e.operands]
@@ -257,4 +262,19 @@ def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
     g.erase_node(n)
     for m in moved:  # each had one user: the next one out, now gone
         g.erase_node(m)
+    for lf in _leaves(tree):  # a stack every term read past and nothing else reads
+        if lf.node.graph is g and not lf.node.users and _stacked(lf.node, lf.dim) is not None:
+            g.erase_node(lf.node)
     return acc
+
+
+def _stacked(node: fx.Node, dim) -> list | None:
+    """The tensors ``node`` stacks along ``dim`` (aten.stack, each of one shape), or None."""
+    if dim is None or node.op != "call_function" or node.target is not aten.stack.default:
+        return None
+    parts = node.args[0]
+    d = get_arg(node, 1, "dim", 0)
+    rank = len(ir.info(node).shape) if ir.info(node) is not None else 0
+    if not rank or not isinstance(d, int) or d % rank != dim or not all(isinstance(t, fx.Node) for t in parts):
+        return None
+    return list(parts)

@@ -132,3 +132,30 @@ def test_unrolled_sums_run_the_generated_kernel_on_strided_slices(radix):
         out = gm(x)
     assert out.is_contiguous(memory_format=CL)
     assert reference_check(m, gm, (x,)).passed
+
+
+class Selective(nn.Module):
+    """SKNet's selective kernel in small: two branches stacked, their sum pooled into weights, the
+    weighted sum of the stacked branches."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=2, dilation=2)
+        self.fc = nn.Conv2d(c, 2 * c, 1)
+
+    def forward(self, x):
+        y = torch.stack([torch.relu(self.a(x)), torch.relu(self.b(x))], dim=1)
+        w = torch.softmax(self.fc(y.sum(1).mean((2, 3), keepdim=True)).view(x.shape[0], 2, -1, 1, 1), dim=1)
+        return (y * w).sum(1)
+
+
+def test_sums_over_a_stack_read_the_stacked_tensors():
+    """Both sums over SKNet's stacked branches read the branches themselves: the stack is gone."""
+    torch.manual_seed(0)
+    m = Selective().eval().to(torch.bfloat16).to(memory_format=CL)
+    x = torch.randn(8, 16, 40, 40, dtype=torch.bfloat16).to(memory_format=CL)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["unroll_small_reductions"], target="h200")
+    counts = op_counts(gm)
+    assert SUM not in counts and "aten.stack.default" not in counts, (counts, res.rejected)
+    assert reference_check(m, gm, (x,)).passed

@@ -301,6 +301,28 @@ def test_cpu_profile_is_measured_and_cached(tmp_path, monkeypatch):
     assert p2.bandwidth == p1.bandwidth  # read back from the cache
 
 
+def test_a_gpu_without_a_profile_is_planned_with_h200s_scaled_to_it():
+    """An H100 SXM (HBM3 at 2619 MHz on a 5120-bit bus, 132 SMs at 1980 MHz) as CUDA reports it: the
+    h200 profile's copy rate scaled by 3.35 / 4.8 TB/s, its arithmetic unchanged, its fixed costs kept;
+    a device that reports no memory clock is left unscaled, with the reason."""
+    from types import SimpleNamespace
+
+    from graphopt.cost.profiles import scaled_to_device
+
+    h200 = _h200()
+    h100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", memory_clock_rate=2_619_000, memory_bus_width=5120,
+                           multi_processor_count=132, clock_rate=1_980_000, total_memory=80 * 2**30)
+    prof, how = scaled_to_device(h200, h100)
+    assert prof.bandwidth == pytest.approx(h200.bandwidth * 3.352e12 / 4.8e12, rel=1e-3)
+    assert prof.peak_flops == h200.peak_flops and prof.launch_overhead_s == h200.launch_overhead_s
+    assert prof.op_efficiency == h200.op_efficiency and "x0.698" in how and "H100" in prof.name
+    gm = capture(Lin(4096, 4096).eval(), (torch.randn(8, 4096),))  # a weight stream: memory-bound
+    assert CostModel(prof).graph_cost(gm).total_s > 1.2 * CostModel(h200).graph_cost(gm).total_s
+    none, why = scaled_to_device(h200, SimpleNamespace(name="x", memory_clock_rate=0, memory_bus_width=0,
+                                                       multi_processor_count=0, clock_rate=0, total_memory=0))
+    assert none is None and "reports no memory clock" in why
+
+
 def test_custom_profile_object():
     prof = DeviceProfile(name="toy", kind="cuda", peak_flops={"float32": 1e12}, elementwise_flops=1e11,
                          bandwidth=1e11, launch_overhead_s=1e-5, memory_bytes=1e9)

@@ -454,6 +454,34 @@ def cpu_profile() -> DeviceProfile:
     return prof
 
 
+# the datasheet figures of the H200 SXM the shipped h200 profile was measured on: its rates scale by a
+# GPU's own to plan for one without a profile (the copy rate by the memory's peak rate, the arithmetic
+# by SMs x clock)
+H200_PEAK_BANDWIDTH = 4.8e12
+H200_SM_CLOCK_KHZ = 132 * 1_980_000
+
+
+def scaled_to_device(prof: DeviceProfile, props) -> tuple[DeviceProfile | None, str]:
+    """``prof`` (the h200 profile) with its copy rate scaled by the device's peak memory rate
+    (``2 x memory clock x bus width``, as CUDA reports them) against H200_PEAK_BANDWIDTH and its
+    FLOP rates by SMs x clock against H200_SM_CLOCK_KHZ; fixed costs (launches, per-kernel times)
+    and op efficiencies as they are. (None, why) where the device reports none of that."""
+    mem_khz = getattr(props, "memory_clock_rate", 0) or 0
+    bus = getattr(props, "memory_bus_width", 0) or 0
+    sms, clock = getattr(props, "multi_processor_count", 0) or 0, getattr(props, "clock_rate", 0) or 0
+    if not (mem_khz and bus and sms and clock):
+        return None, "the device reports no memory clock, bus width, SM count or clock to scale by"
+    peak = 2 * mem_khz * 1e3 * bus / 8
+    mem, comp = peak / H200_PEAK_BANDWIDTH, sms * clock / H200_SM_CLOCK_KHZ
+    out = replace(prof, name=f"h200 scaled to {props.name}", bandwidth=prof.bandwidth * mem,
+                  peak_flops={k: v * comp for k, v in prof.peak_flops.items()},
+                  elementwise_flops=prof.elementwise_flops * comp, memory_bytes=float(props.total_memory),
+                  sm_count=sms, description=f"{prof.description} Scaled to {props.name}: copy rate x{mem:.3f} "
+                  f"(peak memory rate {peak / 1e12:.2f} TB/s), arithmetic x{comp:.3f} ({sms} SMs at "
+                  f"{clock / 1e3:.0f} MHz); `graphopt calibrate` measures a profile of its own.")
+    return out, f"copy rate x{mem:.3f}, arithmetic x{comp:.3f}"
+
+
 def profile_names() -> list[str]:
     return sorted(list(shipped()) + ["cpu"])
 
@@ -490,5 +518,8 @@ def get_profile(target: "str | torch.device | DeviceProfile | None" = None) -> t
             if key in name:
                 return _load_json(shipped()[key]), ""
         prof = _load_json(shipped()["h200"])
-        return prof, f"no profile for '{name}'; planning with h200's numbers"
+        scaled, how = scaled_to_device(prof, torch.cuda.get_device_properties(dev))
+        if scaled is None:
+            return prof, f"no profile for '{name}'; planning with h200's numbers ({how})"
+        return scaled, f"no profile for '{name}'; planning with h200's numbers scaled to it ({how})"
     raise GraphoptError(f"unsupported device type '{dev.type}'")

@@ -41,6 +41,17 @@ rn() {
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
 case "$1" in
+s21)
+  # s19 lean (the session's device time nearly spent): the new passes' and layout rule's cuda tests, then $2
+  # timed one at a time without a prewarm, to ${LIMIT:-590} s
+  python3 -c "import torch; from graphopt.cost.profiles import get_profile as g; p = torch.cuda.get_device_properties(0); \
+print(p.name, p.memory_clock_rate, p.memory_bus_width, p.multi_processor_count, p.clock_rate, g(torch.device('cuda'))[1])"
+  timeout 90 python3 -m pytest -m cuda tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py \
+    tests/passes/test_unroll_small_reductions.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 \
+    | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s21.log"
+  tail -20 "$OUT/pytest_cuda_s21.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 100 --reps 20 \
+    --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20 ;;
 s20)
   # s19's tests and $2 timed alone (until ${SPLIT:-330} s), then a screen (4 at once) of $3 to ${LIMIT:-590} s: the
   # configs kept aside since 12-05, measured last, after this session's changes

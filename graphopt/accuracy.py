@@ -333,8 +333,10 @@ class ModuleState:
     # entries the walk looks into at most: past it the containers it meets are still recorded (a
     # module's own dicts and lists always are), their contents not followed. Scalars do not count (a
     # list of 38416 index ints in each of LeViT's attention blocks once used up the budget before the
-    # walk reached the cache dicts after them)
+    # walk reached the cache dicts after them); they count against MAX_SCANNED, which bounds the
+    # walk's time over huge lists of them the same way
     MAX_ENTRIES = 1 << 16
+    MAX_SCANNED = 1 << 21
 
     def __init__(self, model: torch.nn.Module):
         self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}) for m in model.modules()]
@@ -344,7 +346,7 @@ class ModuleState:
         self.members = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
         self.contents: dict = {}  # id -> (container, a shallow copy of what it held)
         self.tensors: dict = {}  # id -> tensor
-        self._entries = 0
+        self._entries = self._scanned = 0
         for _, attrs in self.attrs:
             for v in attrs.values():
                 self._walk(v, 0)
@@ -367,6 +369,9 @@ class ModuleState:
         else:
             return
         for x in list(items):
+            self._scanned += 1
+            if self._scanned > self.MAX_SCANNED:
+                return
             if x is None or isinstance(x, _SCALARS):
                 continue
             if self._entries > self.MAX_ENTRIES:

@@ -495,6 +495,13 @@ def test_long_lists_of_scalars_do_not_hide_a_cache_from_the_state_kept():
     with torch.no_grad():
         eager = model(x)
     assert accuracy.check(opt(x), ref, eager).passed
+    huge = nn.Sequential(_IndexedBlock(4), _IndexedBlock(4))
+    huge[0].indices = list(range(accuracy.ModuleState.MAX_SCANNED + 5))  # past the scan budget: still recorded
+    state = accuracy.ModuleState(huge)
+    huge[0].indices.append(-1)
+    huge[1].cache["cpu"] = torch.zeros(1)
+    state.restore()
+    assert len(huge[0].indices) == accuracy.ModuleState.MAX_SCANNED + 5 and huge[1].cache == {}
 
 
 class _Stateful(nn.Module):

@@ -123,9 +123,8 @@ def test_whole_pipeline_on_split_attention_unrolls_the_weighted_sum():
 def test_unrolled_sums_run_the_generated_kernel_on_strided_slices(radix):
     """On the GPU the fused kernel reads the slices of the channels_last branches through their
     strides and writes channels_last; the module passes the accuracy rule against fp64. (Captured on
-    the GPU, as on the meta device, the branches are NCHW in the graph's metadata before the layout
-    pass, so unrolling the lone sum saves no layout change there and it stays aten's; the weighted
-    one is unrolled with its product.)"""
+    an H100, the lone sum over the branches stayed aten's, the pass predicting no gain from unrolling
+    it alone, as on the meta device; the weighted one is unrolled with its product.)"""
     m, x = _split(radix)
     m, x = m.cuda(), x.cuda()
     gm = capture(m, (x,))

@@ -9,8 +9,8 @@ channels_last network everything after it turned NCHW. Unrolled, ``(x * w).sum(1
 ``w`` (views, no copy), writing its result in its inputs' memory order. Inductor unrolls small
 reductions the same way (``unroll_reductions_threshold``).
 
-The pointwise ops (fuse_elementwise.OPS) that make the reduced tensor and that nothing else reads
-move into the terms: each operand is sliced instead (one of extent 1 there is read once, one
+The pointwise ops (fuse_elementwise.OPS) that make the reduced tensor, that nothing else reads and
+whose operands nothing writes in place before the reduction, move into the terms: each operand is sliced instead (one of extent 1 there is read once, one
 without that dim as is), so no slice of an intermediate is materialized. A slice of a ``stack``
 along the reduced dim is the stacked tensor itself (SKNet stacks its branches to sum them): the
 terms read those, and a stack left unread is removed. 16-bit values are summed
@@ -74,6 +74,8 @@ class UnrollSmallReductions(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         candidates = []
+        order = {m: i for i, m in enumerate(gm.graph.nodes)}
+        writes = [order[m] for m in gm.graph.nodes if ir.written_args(m)]  # in-place ops, in graph order
         for n in list(gm.graph.nodes):
             if n.op != "call_function" or n.target not in REDUCTIONS:
                 continue
@@ -85,7 +87,9 @@ class UnrollSmallReductions(Pass):
                 res.reject(n.name, NO_FUSED_KERNELS)
                 continue
             x, d, r, keep, out_dtype = spec
-            tree, moved = _expr(x, d, r, 0)
+            # an op moved down to n reads its operands there: none may be written in between
+            movable = lambda v, at=order[n]: not any(order[v] < w < at for w in writes)  # noqa: E731
+            tree, moved = _expr(x, d, r, 0, movable)
             leaves = _leaves(tree)
             if _inputs(leaves, r) > MAX_INPUTS:  # the slices of x itself, nothing moved
                 tree, moved = _Leaf(x, d), []
@@ -133,14 +137,15 @@ def _legal(n: fx.Node):
     return "", (x, d, r, keep, oi.dtype)
 
 
-def _expr(v, dv: int, r: int, depth: int):
+def _expr(v, dv: int, r: int, depth: int, movable):
     """The terms' expression for value ``v`` whose dim ``dv`` is the reduced one (extent r), and the
-    nodes moved into it."""
+    nodes moved into it (``movable(node)``: no in-place write between it and the reduction)."""
     if not isinstance(v, fx.Node):
         return v, []
     vi = ir.info(v)
     if (depth >= MAX_DEPTH or v.op != "call_function" or v.target not in OPS or len(v.users) != 1
-            or vi is None or vi.dtype not in _FLOATS or len(vi.shape) <= dv or vi.shape[dv] != r):
+            or vi is None or vi.dtype not in _FLOATS or len(vi.shape) <= dv or vi.shape[dv] != r
+            or not movable(v)):
         return _Leaf(v, dv), []
     operands, moved = [], [v]
     for a in _operands(v):
@@ -156,7 +161,7 @@ def _expr(v, dv: int, r: int, depth: int):
         elif ai.shape[da] == 1:
             operands.append(_Leaf(a, da, index0=True))
         else:
-            sub, more = _expr(a, da, r, depth + 1)
+            sub, more = _expr(a, da, r, depth + 1, movable)
             operands.append(sub)
             moved += more
     return _Op(v, operands), moved

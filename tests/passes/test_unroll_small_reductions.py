@@ -161,3 +161,26 @@ def test_sums_over_a_stack_read_the_stacked_tensors():
     counts = op_counts(gm)
     assert SUM not in counts and "aten.stack.default" not in counts, (counts, res.rejected)
     assert reference_check(m, gm, (x,)).passed
+
+
+def test_an_op_whose_operand_is_written_before_the_sum_is_not_moved():
+    """A product whose operand a buffer write changes before the sum reads the product is computed
+    where it was (the sum reads its slices); moved down, it would read the written values."""
+
+    class Written(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.randn(4, 3, 1))
+
+        def forward(self, x):
+            y = x * self.w
+            self.w.mul_(2.0)
+            return y.sum(1)
+
+    torch.manual_seed(0)
+    m = Written().eval()
+    x = torch.randn(4, 3, 64)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["unroll_small_reductions"], target="h200")
+    assert all(not any(mm.startswith("mul") for mm in r.matched) for r in res.rewrites)
+    assert "aten.mul.Tensor" in op_counts(gm)

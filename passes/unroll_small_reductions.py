@@ -98,10 +98,11 @@ class UnrollSmallReductions(Pass):
             ins = [scratch.call(aten.select.int, lf.node, lf.dim, i) for lf in leaves if lf.per_term() for i in range(r)]
             ins += [scratch.call(aten.select.int, lf.node, lf.dim, 0) for lf in leaves if lf.index0]
             ins += [lf.node for lf in leaves if lf.dim is None]
+            out = _unrolled_val(n, keep, d)
             fused = scratch.call(torch.ops.graphopt.fused_pointwise.default, _sum_program(len(ins), out_dtype), ins,
-                                 val=[_unrolled_val(n, keep, d)])
+                                 val=[out])
             gain = ctx.node_time([n] + moved) - ctx.cost.time_of([fused], ctx.hints)
-            if _reorders(n, ins, keep, d):  # aten's result is contiguous where its input was not: a copy back
+            if _reorders(n, ins, out):  # aten's result is contiguous where its input was not: a copy back
                 gain += ctx.price(aten.clone.default, n)
             label = f"{n.name} ({ir.op_name(n)} over {r} along dim {d}" + (
                 f", with {', '.join(m.name for m in moved)})" if moved else ")")
@@ -192,17 +193,17 @@ def _sum_program(n_inputs: int, dtype) -> str:
     return p.source
 
 
-def _reorders(n: fx.Node, ins, keep: bool, d: int) -> bool:
+def _reorders(n: fx.Node, ins, out) -> bool:
     """Is the reduction's result contiguous (aten's reductions write it so) where the unrolled one
-    would keep its input's non-contiguous memory order (fused_pointwise's layout rule)?"""
+    (``out``, without a kept dim) would keep its input's non-contiguous memory order
+    (fused_pointwise's layout rule)?"""
     from graphopt.cuda_ext.pointwise import dense_order
 
     val = n.meta.get("val")
     vals = [i.meta.get("val") for i in ins]
     if not isinstance(val, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in vals):
         return False
-    shape = tuple(val.squeeze(d).shape) if keep else tuple(val.shape)
-    return val.is_contiguous() and dense_order(vals, shape) is not None
+    return val.is_contiguous() and dense_order(vals, tuple(out.shape)) is not None
 
 
 def _unrolled_val(n: fx.Node, keep: bool, d: int):
@@ -215,11 +216,10 @@ def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
     x, d, r, keep, out_dtype = spec
     g = gm.graph
     acc_dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
-    made: list[fx.Node] = []
 
     def call(target, *args, **kwargs):
         node = g.call_function(target, args, kwargs)
-        made.append(node)
+        set_meta(gm, [node])  # (the next node's dtype checks read it)
         return node
 
     once: dict = {}  # a leaf read the same in every term: one select
@@ -246,23 +246,18 @@ def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
         terms = []
         for i in range(r):
             t = build(tree, i)
-            if ir.info(t) is None:
-                set_meta(gm, [m for m in made if "val" not in m.meta])
             if ir.info(t).dtype != acc_dtype:
                 t = call(aten._to_copy.default, t, dtype=acc_dtype)
-                set_meta(gm, [t])
             terms.append(t)
         acc = terms[0]
         for t in terms[1:]:
             acc = call(aten.add.Tensor, acc, t)
         if n.target is aten.mean.dim:
             acc = call(aten.div.Tensor, acc, float(r))
-        set_meta(gm, [m for m in made if "val" not in m.meta])
         if ir.info(acc).dtype != out_dtype:
             acc = call(aten._to_copy.default, acc, dtype=out_dtype)
         if keep:
             acc = call(aten.unsqueeze.default, acc, d)
-        set_meta(gm, [m for m in made if "val" not in m.meta])
     n.replace_all_uses_with(acc)
     g.erase_node(n)
     for m in moved:  # each had one user: the next one out, now gone

@@ -40,25 +40,25 @@ rn() {
     --passes convert_channels_last,eliminate_permutes,fuse_elementwise,insert_checkpoints "${@:3}" 2>&1 | quiet \
     | grep "^| resnet50 | \|rror" | head -4; echo "### $1 ${SECONDS}s"
 }
+# the cuda-marked tests of the files given, into $OUT/pytest_cuda_NAME.log: ctests NAME TIMEOUT FILE...
+ctests() {
+  timeout $2 python3 -m pytest -m cuda "${@:3}" -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 \
+    | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_$1.log"
+  tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+}
 case "$1" in
 s21)
   # s19 lean (the session's device time nearly spent): the new passes' and layout rule's cuda tests, then $2
   # timed one at a time without a prewarm, to ${LIMIT:-590} s
   python3 -c "import torch; from graphopt.cost.profiles import get_profile as g; p = torch.cuda.get_device_properties(0); \
 print(p.name, p.memory_clock_rate, p.memory_bus_width, p.multi_processor_count, p.clock_rate, g(torch.device('cuda'))[1])"
-  timeout 90 python3 -m pytest -m cuda tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py \
-    tests/passes/test_unroll_small_reductions.py -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 \
-    | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s21.log"
-  tail -20 "$OUT/pytest_cuda_s21.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  ctests s21 90 tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py tests/passes/test_unroll_small_reductions.py
   timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 100 --reps 20 \
     --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20 ;;
 s20)
   # s19's tests and $2 timed alone (until ${SPLIT:-330} s), then a screen (4 at once) of $3 to ${LIMIT:-590} s: the
   # configs kept aside since 12-05, measured last, after this session's changes
-  timeout 150 python3 -m pytest -m cuda tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py \
-    tests/passes/test_unroll_small_reductions.py tests/passes/test_fuse_elementwise.py -q -p no:cacheprovider -W ignore \
-    --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s20.log"
-  tail -20 "$OUT/pytest_cuda_s20.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  ctests s20 150 tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py tests/passes/test_unroll_small_reductions.py tests/passes/test_fuse_elementwise.py
   mkdir -p "$OUT/alone" "$OUT/kept"
   timeout $((${SPLIT:-330} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --prewarm-jobs 3 --jobs 1 \
     --timeout 120 --reps 20 --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|rror" | tail -8; echo "### alone ${SECONDS}s"
@@ -68,10 +68,7 @@ s19)
   # unroll_small_reductions, fused_pointwise's layout rule for strided slices and lower_pool's ceil mode: their
   # cuda tests, then $2 timed alone: ResNeSt-14d (the 12-06 screen's widest loss), SKNet-18 (a sum over
   # branches no session had run on a GPU), ResNet-50d (ceil-mode shortcut pools)
-  timeout 150 python3 -m pytest -m cuda tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py \
-    tests/passes/test_unroll_small_reductions.py tests/passes/test_fuse_elementwise.py -q -p no:cacheprovider -W ignore \
-    --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s19.log"
-  tail -20 "$OUT/pytest_cuda_s19.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  ctests s19 150 tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py tests/passes/test_unroll_small_reductions.py tests/passes/test_fuse_elementwise.py
   timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --prewarm-jobs 3 --jobs 1 \
     --timeout 150 --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -30 ;;
 s18)
@@ -82,18 +79,13 @@ s18)
 s17)
   # align_gemm's cuda test, then a screen (4 at once, ${LIMIT:-590} s in all) of $2: FocalNet
   # (align_gemm pads its odd-N projections) and configs kept aside since 12-05 (named before this session's changes)
-  timeout 60 python3 -m pytest -m cuda tests/passes/test_align_gemm.py -q -p no:cacheprovider -W ignore --tb=short -rf \
-    2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s17.log"
-  tail -20 "$OUT/pytest_cuda_s17.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  ctests s17 60 tests/passes/test_align_gemm.py
   timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 4 --timeout 160 --reps 20 \
     --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -40 ;;
 s16)
   # the many-rows add_layer_norm kernel and the layout passes' cuda tests, FocalNet's kernel profile (graphopt and
   # torch.compile), then the rows the new rewrites change: FocalNet, CAFormer-S18, ConvNeXt-T (zoo), each timed alone
-  timeout 120 python3 -m pytest -m cuda tests/cuda_ext/test_norm_triton.py tests/passes/test_fuse_layer_norm.py \
-    tests/passes/test_convert_channels_last.py tests/passes/test_eliminate_permutes.py -q -p no:cacheprovider -W ignore \
-    --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s16.log"
-  tail -20 "$OUT/pytest_cuda_s16.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  ctests s16 120 tests/cuda_ext/test_norm_triton.py tests/passes/test_fuse_layer_norm.py tests/passes/test_convert_channels_last.py tests/passes/test_eliminate_permutes.py
   timeout 130 python3 benchmarks/diag/profile_model.py hf-focalnet --sweep --batch 64 --compile --top 18 --out "$OUT" \
     2>&1 | quiet | grep "^##\|^| [0-9]" | head -70; echo "### profile ${SECONDS}s"
   timeout $((590 - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --prewarm-jobs 4 --jobs 1 --timeout 150 \
@@ -102,9 +94,7 @@ s15)
   # the rotary float32-table and leaky_relu kernel paths, every cuda_ext test and the two passes' cuda tests, then the
   # screen's rows those changes aim at (ModernBERT, CSPResNet-50, FocalNet), TinyNet-E bs1 and Llama bs8 (rotary):
   # compiled 4 at once cold, then each timed alone
-  timeout 150 python3 -m pytest -m cuda tests/cuda_ext tests/passes/test_fuse_bias_act.py tests/passes/test_fuse_rotary.py \
-    -q -p no:cacheprovider -W ignore --tb=short -rf 2>&1 | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_s15.log"
-  tail -20 "$OUT/pytest_cuda_s15.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
+  ctests s15 150 tests/cuda_ext tests/passes/test_fuse_bias_act.py tests/passes/test_fuse_rotary.py
   timeout $((590 - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --prewarm-jobs 4 --jobs 1 --timeout 150 \
     --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -30 ;;
 s14b)

@@ -10,8 +10,9 @@ max_pool2d is exact (a max is a max: the values are compared in float and stored
 padding is left out of the window as aten's -inf padding is; a NaN in a window gives NaN as in
 aten). avg_pool2d sums in fp32 and rounds once, as aten's kernels do, with aten's divisor
 (count_include_pad or not). Applies to a square kernel, stride and padding, dilation 1, floor
-mode or a ceil mode that adds no window (and no divisor override) over a dense channels_last 4-D input in fp32/bf16/fp16, on a CUDA
-profile, in inference graphs (the ops have no backward); cost-gated like every rewrite.
+mode or a ceil mode that adds no window (and no divisor override) over a dense channels_last 4-D
+input in fp32/bf16/fp16, on a CUDA profile, in inference graphs (the ops have no backward);
+cost-gated like every rewrite.
 """
 
 from __future__ import annotations

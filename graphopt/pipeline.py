@@ -306,7 +306,7 @@ class Pass:
     inference_only: bool = False
     changes_dtypes: bool = False  # the invariant check then allows dtype changes
     # every rewrite deletes nodes or reads an earlier node's identical value instead: the graph runs
-    # a subset of the ops it ran, so the measured guard does not time the pass against the graph before
+    # a subset of the ops it ran, so the measured guard times it alone, never against the graph before
     removes_work_only: bool = False
     requires: tuple = ()  # pass names that must run earlier when both are enabled
 

@@ -438,22 +438,42 @@ def test_a_graph_timed_alone_stops_once_its_median_cannot_exceed_the_time_asked_
     assert len(got.samples) == 6 and slower(got, Timing(1.0))  # never settled within: every call
 
 
-def test_a_pass_that_only_removes_ops_is_not_timed(monkeypatch):
+def test_a_pass_that_only_removes_ops_is_timed_alone(monkeypatch):
     """Dead-code and common-subexpression elimination leave a subset of the graph's ops: the guard
-    does not spend a comparison on them (their report says so); the other applied passes are timed."""
+    times the graph after them alone, for the report (no comparison, never undone); every applied
+    pass shows a measured time."""
     from graphopt.pipeline import registry
+    from graphopt.runtime import measured
 
     monkeypatch.setenv("GRAPHOPT_MEASURE_BUDGET_S", "60")
     assert {n for n, p in registry().items() if p.removes_work_only} == {
         "eliminate_dead_code", "eliminate_common_subexpressions"}
+    compared, in_pass = [], []  # the callables of each comparison the guard makes while judging a pass
+    real_compare, real_after = measured.Timer.compare, measured.MeasuredTime.run_after_pass
+
+    def compare(self, *fns, **kw):
+        if in_pass:
+            compared.append(len(fns))
+        return real_compare(self, *fns, **kw)
+
+    def after(self, *a, **kw):
+        in_pass.append(1)
+        try:
+            return real_after(self, *a, **kw)
+        finally:
+            in_pass.pop()
+
+    monkeypatch.setattr(measured.Timer, "compare", compare)
+    monkeypatch.setattr(measured.MeasuredTime, "run_after_pass", after)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
     x = torch.randn(2, 3, 32, 32)
+    opt = graphopt.optimize(model, (x,), measure=True, passes=["eliminate_dead_code"])
+    dce = {r.name: r for r in opt.report.passes}["eliminate_dead_code"]
+    assert dce.status == "applied" and dce.details["measured_ms"] > 0 and "not_timed" not in dce.details
+    assert compared == [1]  # timed alone, never against the graph before it
     opt = graphopt.optimize(model, (x,), measure=True)
-    by = {r.name: r for r in opt.report.passes}
-    dce = by["eliminate_dead_code"]
-    assert dce.status == "applied" and "measured_ms" not in dce.details and dce.details["not_timed"]
     # fold_conv_bn changed the graph and was timed (kept or, on a noisy machine, undone by its measurement)
-    timed = [r for r in opt.report.passes if r.status in ("applied", "reverted") and not r.details.get("not_timed")]
-    assert "fold_conv_bn" in {r.name for r in timed} and all(r.details["measured_ms"] > 0 for r in timed)
+    applied = [r for r in opt.report.passes if r.status in ("applied", "reverted")]
+    assert "fold_conv_bn" in {r.name for r in applied} and all(r.details["measured_ms"] > 0 for r in applied)
     assert reference_check(model, opt.graph_module, (x,)).passed

@@ -177,8 +177,8 @@ class MeasuredTime:
     callable). A pass measured slower than the graph before it by more than ``margin`` — both graphs
     timed in interleaved rounds — is undone; its result carries ``details["bisect"]``
     so the PassManager tries its first rewrites alone. Each applied pass's result carries its
-    ``measured_ms`` beside the prediction, except a pass that only removes work (``Pass.removes_work_only``:
-    dead code, common subexpressions), which is not timed. A pass is timed only while ``budget_s`` has room for
+    ``measured_ms`` beside the prediction; a pass that only removes work (``Pass.removes_work_only``:
+    dead code, common subexpressions) is timed alone, never compared nor undone. A pass is timed only while ``budget_s`` has room for
     its comparison (both graphs' warm-up and fewest rounds at the last measured call's length);
     the passes after that are applied unmeasured, with a note. On a steady device (``Timer.steady``:
     a GPU) the graph after a pass is first timed alone against the last graph timed, and only a
@@ -236,8 +236,18 @@ class MeasuredTime:
         if res.status != "applied" or self.current is None:
             return None
         if getattr(p, "removes_work_only", False):
-            # the graph runs a subset of the ops it ran (dead nodes gone, duplicates read once): not a loss
-            res.details["not_timed"] = "runs a subset of the graph's ops"
+            # the graph runs a subset of the ops it ran (dead nodes gone, duplicates read once): not a
+            # loss, so never compared nor undone; timed alone for the report and the next pass's baseline
+            if not self.affordable():
+                res.details["not_timed"] = "runs a subset of the graph's ops; no room left in the guard's time budget"
+                return None
+            timing.progress("measured guard: timing the graph after %s", p.name)
+            with timing.phase("measured guard: building the callables"):
+                after_fn = self.make(gm)
+            after = self.timer.time(after_fn, most=self.timer.settle_rounds)
+            res.details["measured_ms"] = after.median_s * 1e3
+            res.details["measured_before_ms"] = self.current.median_s * 1e3
+            self.current = after
             return None
         if not self.affordable() or ctx.before_pass is None:
             if p.name in self.judge_again:

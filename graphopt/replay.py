@@ -52,10 +52,23 @@ def static_repeat(node: fx.Node, name: str) -> bool:
     return isinstance(repeats, int)
 
 
+def ranged_histc(node: fx.Node, name: str) -> bool:
+    """histc with a range given (min < max): its output is ``bins`` counts and the device bins
+    without the host; only an empty range (min == max, the default) makes torch read the data's
+    min and max back to the host first. MoE routers count their tokens per expert this way."""
+    if name != "histc":
+        return False
+    lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
+    hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
+    return isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi
+
+
 def host_sync(node: fx.Node) -> bool:
     """A call the host must wait for (its output's size or value decides what runs next)."""
+    if node.op != "call_function":
+        return False
     name = ir.op_name(node)
-    return name in HOST_SYNC_OPS and not static_repeat(node, name)
+    return name in HOST_SYNC_OPS and not static_repeat(node, name) and not ranged_histc(node, name)
 
 
 def training_refusal(gm: fx.GraphModule, mode: str = "auto") -> str | None:

@@ -114,6 +114,22 @@ def test_repeat_interleave_with_int_repeats_is_static():
     assert not d.on and "repeat_interleave" in d.why
 
 
+def test_histc_with_a_range_is_replayed():
+    # an MoE router's tokens per expert: histc(ids, bins, min, max) bins on the device; with no
+    # range (min == max, the default) torch reads the data's min and max back to the host first
+    def histc_graph(*args):
+        g = fx.Graph()
+        xn = g.placeholder("x")
+        g.output(g.call_function(torch.ops.aten.histc.default, (xn, *args)))
+        return fx.GraphModule(nn.Module(), g)
+
+    x = torch.tensor([0.0, 3.0, 3.0, 7.0])
+    assert decide(histc_graph(8, 0, 7), [x], device_type="cpu").on
+    for args in [(8,), (8, 0, 0), (8, 2.0, 2.0)]:
+        d = decide(histc_graph(*args), [x], device_type="cpu")
+        assert not d.on and "histc" in d.why, args
+
+
 def _writes_input():
     """x -> x.add_(1) (returned) and x * 2 (read after the write): a graph that writes its input."""
     g = fx.Graph()
@@ -494,6 +510,29 @@ def test_cuda_graphs_off_when_cloning_outputs_costs_more_than_launches_save():
     assert any("to clone" in n for n in opt.report.notes)
     opt.set_cuda_graphs(True, reuse_outputs=True)
     assert opt.runner.decision.on
+
+
+@pytest.mark.cuda
+def test_ranged_histc_replays_on_the_device():
+    """An MoE router's histc(ids, bins, min, max) captures in a CUDA graph (no host read-back) and
+    each replay counts the tokens of its own call's input."""
+
+    class Router(nn.Module):
+        def forward(self, logits):
+            ids = logits.topk(2, dim=-1).indices.reshape(-1).sort().values
+            counts = torch.histc(ids.float(), bins=8, min=0, max=7)
+            return counts.cumsum(0, dtype=torch.int32), ids
+
+    x = torch.randn(64, 8, device="cuda")
+    gm = capture(Router(), (x,))
+    runner = lower(gm, [x], cuda_graphs=True)
+    assert runner.decision.on, runner.decision.why
+    for seed in range(4):
+        y = torch.randn(64, 8, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        offs, ids = runner(y)
+        want = torch.bincount(ids.cpu(), minlength=8).cumsum(0).to(torch.int32)
+        assert torch.equal(offs.cpu(), want) and torch.equal(ids, Router()(y)[1])
+    assert runner.stats["replays"] >= 2
 
 
 def test_sdpa_without_dropout_is_not_random():

@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from .. import ir, timing
+from ..replay import host_sync
 from ..errors import GraphoptError
 from . import ops as op_costs
 from .opclass import is_split, split_times
@@ -230,14 +231,6 @@ def queue_cost(profile: DeviceProfile, q: QueueInputs) -> ExecutionCost:
         t_host += h
         t_dev = max(t_host, t_dev) + d
     return ExecutionCost("graphed", max(t_host, t_dev), sum(h for h, _ in items), sum(d for _, d in items), len(items))
-
-
-# ops that make the host wait for the device (their output size or value is data-dependent)
-HOST_SYNC_OPS = frozenset({
-    "_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
-    "unique_consecutive", "unique_dim", "bincount", "histc", "argwhere", "_nested_tensor_from_mask",
-    "equal", "is_nonzero",
-})
 
 
 def _smax(a, b):
@@ -845,7 +838,7 @@ class CostModel:
                 continue
             host, dev = self.node_times(n, replayed=replayed is not None and n in replayed)
             launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
-            yield n, c(host), c(dev), launches, ir.op_name(n) in HOST_SYNC_OPS and n.op == "call_function"
+            yield n, c(host), c(dev), launches, host_sync(n)
 
     def queue_inputs(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
                      reuse_outputs: bool = False) -> "QueueInputs":

@@ -47,6 +47,16 @@ ctests() {
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
 case "$1" in
+s22)
+  # the cuda tests of histc replay, the guard and unroll_small_reductions; kernel profiles (graphopt, eager,
+  # compile) of the screen's rows behind compile: $2 (CONFIG:BATCH,...); then $3 timed alone to ${LIMIT:-590} s
+  ctests s22 150 tests/test_lower.py tests/test_measured_guard.py tests/passes/test_unroll_small_reductions.py
+  for cb in ${2//,/ }; do
+    timeout 150 python3 benchmarks/diag/profile_model.py ${cb%%:*} --sweep --batch ${cb##*:} --compile --gaps --top 22 \
+      --out "$OUT" 2>&1 | quiet | grep "^##\|^- \|rror" | head -12; echo "### profile $cb ${SECONDS}s"
+  done
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$3" --jobs 1 --timeout 120 --reps 20 \
+    --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20 ;;
 s21)
   # s19 lean (the session's device time nearly spent): the new passes' and layout rule's cuda tests, then $2
   # timed one at a time without a prewarm, to ${LIMIT:-590} s

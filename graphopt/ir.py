@@ -230,6 +230,42 @@ def reshape_is_view(ti: TensorInfo | None, new_shape) -> bool:
     return view_d == -1
 
 
+# op names (ATen schema names, without the namespace) that synchronize with the host
+HOST_SYNC_OPS = frozenset({
+    "_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique", "_unique",
+    "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "histc",
+    "argwhere", "_nested_tensor_from_mask", "equal", "is_nonzero",
+})
+
+
+def static_repeat(node: fx.Node, name: str) -> bool:
+    """repeat_interleave with integer repeats (GLM's rotary tables) has a static output size;
+    only the Tensor-repeats overload needs the host to size its output."""
+    if name != "repeat_interleave":
+        return False
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    return isinstance(repeats, int)
+
+
+def ranged_histc(node: fx.Node, name: str) -> bool:
+    """histc with a range given (min < max): its output is ``bins`` counts and the device bins
+    without the host; only an empty range (min == max, the default) makes torch read the data's
+    min and max back to the host first. MoE routers count their tokens per expert this way."""
+    if name != "histc":
+        return False
+    lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
+    hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
+    return isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi
+
+
+def host_sync(node: fx.Node) -> bool:
+    """A call the host must wait for (its output's size or value decides what runs next)."""
+    if node.op != "call_function":
+        return False
+    name = op_name(node)
+    return name in HOST_SYNC_OPS and not static_repeat(node, name) and not ranged_histc(node, name)
+
+
 RANDOM_OPS = frozenset({
     "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand", "randn",
     "rand_like", "randn_like", "randint", "randint_like", "randperm", "normal", "uniform",

@@ -10,13 +10,7 @@ from torch.utils import _pytree as pytree
 
 from . import ir
 from .errors import GraphoptError
-
-# op names (ATen schema names, without the namespace) that synchronize with the host
-HOST_SYNC_OPS = frozenset({
-    "_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique", "_unique",
-    "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "histc",
-    "argwhere", "_nested_tensor_from_mask", "equal", "is_nonzero",
-})
+from .ir import HOST_SYNC_OPS, host_sync, ranged_histc, static_repeat  # noqa: F401 (the rule lives in ir)
 
 _TRUE = {True, "on", "true", "1", "yes", "force"}
 _FALSE = {False, None, "off", "false", "0", "no"}
@@ -41,34 +35,6 @@ def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
             if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
                 return True
     return False
-
-
-def static_repeat(node: fx.Node, name: str) -> bool:
-    """repeat_interleave with integer repeats (GLM's rotary tables) has a static output size;
-    only the Tensor-repeats overload needs the host to size its output."""
-    if name != "repeat_interleave":
-        return False
-    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
-    return isinstance(repeats, int)
-
-
-def ranged_histc(node: fx.Node, name: str) -> bool:
-    """histc with a range given (min < max): its output is ``bins`` counts and the device bins
-    without the host; only an empty range (min == max, the default) makes torch read the data's
-    min and max back to the host first. MoE routers count their tokens per expert this way."""
-    if name != "histc":
-        return False
-    lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
-    hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
-    return isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi
-
-
-def host_sync(node: fx.Node) -> bool:
-    """A call the host must wait for (its output's size or value decides what runs next)."""
-    if node.op != "call_function":
-        return False
-    name = ir.op_name(node)
-    return name in HOST_SYNC_OPS and not static_repeat(node, name) and not ranged_histc(node, name)
 
 
 def training_refusal(gm: fx.GraphModule, mode: str = "auto") -> str | None:

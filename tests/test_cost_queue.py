@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt import capture
-from graphopt import replay
+from graphopt import ir
 from graphopt.cost import model as cost_model
 from graphopt.cost.model import CostModel
 from graphopt.cost.profiles import DeviceProfile, get_profile
@@ -146,7 +146,7 @@ def test_host_sync_makes_the_host_wait(monkeypatch):
     assert free == pytest.approx(lead + d_mm + d_add)  # the add is issued during the matmul
     # pretend the transpose synchronized (as .item() or nonzero do): the add's launch now
     # starts only after the matmul has finished
-    monkeypatch.setattr(replay, "HOST_SYNC_OPS", replay.HOST_SYNC_OPS | {"t"})
+    monkeypatch.setattr(ir, "HOST_SYNC_OPS", ir.HOST_SYNC_OPS | {"t"})
     synced = cm.execution_cost(gm, mode="eager").total_s
     assert synced == pytest.approx(lead + d_mm + h_add + d_add)
 

@@ -46,7 +46,6 @@ import torch
 import torch.fx as fx
 
 from .. import ir, timing
-from ..replay import host_sync
 from ..errors import GraphoptError
 from . import ops as op_costs
 from .opclass import is_split, split_times
@@ -838,7 +837,7 @@ class CostModel:
                 continue
             host, dev = self.node_times(n, replayed=replayed is not None and n in replayed)
             launches = self.flops_bytes(n)[2] if n.op in ("call_function", "call_module") else 0
-            yield n, c(host), c(dev), launches, host_sync(n)
+            yield n, c(host), c(dev), launches, ir.host_sync(n)
 
     def queue_inputs(self, gm: fx.GraphModule, hints: dict | None = None, mode: str = "eager", *,
                      reuse_outputs: bool = False) -> "QueueInputs":

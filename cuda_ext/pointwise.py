@@ -19,13 +19,14 @@ order from 0::
 Ops (arity): ``add sub mul div maximum minimum`` (2), ``neg abs exp log sqrt rsqrt tanh
 sigmoid relu gelu gelu_tanh silu hardswish erf cos sin`` (1), ``eq ne lt le gt ge`` (2, give bool),
 ``where c a b`` (3; ``c`` is bool or nonzero), ``pow x p``, ``clamp x lo hi``, ``cast x dtype``,
-and the row reductions ``rsum x`` and ``rmax x`` (1): the sum or the maximum of ``x`` over the
+``catin d i j ...`` (the inputs ``i j ...`` concatenated along their dim ``d``: a
+concatenation read in place, never written; each of those inputs is read only there), and the row reductions ``rsum x`` and ``rmax x`` (1): the sum or the maximum of ``x`` over the
 output's last dim (its *row*), one value per row, broadcast back along it (a softmax is
 ``e = exp(x - rmax x); e / rsum e``). Dtypes: ``f64 f32 f16 bf16 bool``. Outputs: ``out %v dtype``
 (one or more, in order).
 
-Semantics: inputs broadcast against each other with numpy/torch rules and may have any
-strides; every output has the broadcast shape and is contiguous. Floating inputs are
+Semantics: inputs broadcast against each other with numpy/torch rules (a ``catin``'s inputs as
+their concatenation) and may have any strides; every output has the broadcast shape and is contiguous. Floating inputs are
 computed in fp32 (fp64 when any input is fp64); bool inputs are bool values (1.0/0.0 when
 used in arithmetic); integer inputs are converted to the compute type. Constants are weak
 (they never change the compute type). Rounding happens only at ``cast`` and at the output
@@ -72,7 +73,7 @@ class ProgramError(ValueError):
 
 @dataclass(frozen=True)
 class Stmt:
-    op: str                       # input const cast pow clamp where <unary> <binary> <compare>
+    op: str                       # input catin const cast pow clamp where <unary> <binary> <compare>
     args: tuple[int, ...] = ()    # value ids
     attrs: tuple = ()             # input index / literal / dtype name / (lo, hi)
 
@@ -156,6 +157,10 @@ class Program:
             index = self.num_inputs
         return self._emit("input", (), (int(index),))
 
+    def catin(self, dim: int, indices: Sequence[int]) -> Value:
+        """The tensors ``inputs[i]`` for i in ``indices`` concatenated along their dim ``dim``."""
+        return self._emit("catin", (), (int(dim), tuple(int(i) for i in indices)))
+
     def const(self, value: float) -> Value:
         return self._emit("const", (), (float(value),))
 
@@ -186,8 +191,22 @@ class Program:
     # -- inspecting ----------------------------------------------------------------------
     @property
     def num_inputs(self) -> int:
-        idx = [s.attrs[0] for s in self.stmts if s.op == "input"]
+        idx = self._input_reads()
         return max(idx) + 1 if idx else 0
+
+    def _input_reads(self) -> list[int]:
+        """Every input index read, once per read (``input`` and each ``catin`` piece)."""
+        out: list[int] = []
+        for s in self.stmts:
+            if s.op == "input":
+                out.append(s.attrs[0])
+            elif s.op == "catin":
+                out.extend(s.attrs[1])
+        return out
+
+    def cat_inputs(self) -> dict[int, tuple[int, int]]:
+        """input index -> (the catin's dim, its position among the catin's inputs)."""
+        return {i: (s.attrs[0], k) for s in self.stmts if s.op == "catin" for k, i in enumerate(s.attrs[1])}
 
     @property
     def source(self) -> str:
@@ -195,6 +214,8 @@ class Program:
         for i, s in enumerate(self.stmts):
             if s.op == "input":
                 rhs = f"input {s.attrs[0]}"
+            elif s.op == "catin":
+                rhs = f"catin {s.attrs[0]} " + " ".join(str(i) for i in s.attrs[1])
             elif s.op == "const":
                 rhs = f"const {_fmt_num(s.attrs[0])}"
             elif s.op == "cast":
@@ -214,16 +235,29 @@ class Program:
         """The program reduces over rows (``rsum``/``rmax``): it runs row by row."""
         return any(s.op in REDUCE for s in self.stmts)
 
+    @property
+    def concatenates(self) -> bool:
+        """The program reads a concatenation in place (``catin``)."""
+        return any(s.op == "catin" for s in self.stmts)
+
     def output_dtypes(self) -> list[torch.dtype]:
         return [DTYPES[d] for _, d in self.outputs]
 
     def validate(self) -> "Program":
         if not self.outputs:
             raise ProgramError("the program has no `out` statement")
-        used = {s.attrs[0] for s in self.stmts if s.op == "input"}
-        missing = sorted(set(range(self.num_inputs)) - used)
+        reads = self._input_reads()
+        missing = sorted(set(range(self.num_inputs)) - set(reads))
         if missing:
             raise ProgramError(f"inputs {missing} are never read (inputs are numbered 0..n-1)")
+        pieces = [i for s in self.stmts if s.op == "catin" for i in s.attrs[1]]
+        twice = sorted({i for i in pieces if reads.count(i) > 1})
+        if twice:
+            raise ProgramError(f"inputs {twice} of a catin are read elsewhere too (a catin's inputs are read only there)")
+        if any(s.op == "catin" and (not s.attrs[1] or s.attrs[0] < 0) for s in self.stmts):
+            raise ProgramError("a catin needs a dim >= 0 and at least one input")
+        if self.reduces and self.concatenates:
+            raise ProgramError("a program cannot both reduce rows and read a catin")
         return self
 
     def __str__(self) -> str:
@@ -282,6 +316,10 @@ def parse(text: str) -> Program:
             if not args[0].isdigit():
                 raise ProgramError(f"{where}: input index must be a non-negative integer")
             p.stmts.append(Stmt("input", (), (int(args[0]),)))
+        elif op == "catin":
+            if len(args) < 2 or not all(a.isdigit() for a in args):
+                raise ProgramError(f"{where}: expected `catin dim input input ...` (non-negative integers)")
+            p.stmts.append(Stmt("catin", (), (int(args[0]), tuple(int(a) for a in args[1:]))))
         elif op == "const":
             need(1)
             v = _parse_num(args[0], where)
@@ -326,6 +364,8 @@ def value_kinds(p: Program, input_dtypes: Sequence[torch.dtype]) -> list[str]:
     for s in p.stmts:
         if s.op == "input":
             kinds.append("b" if input_dtypes[s.attrs[0]] == torch.bool else "f")
+        elif s.op == "catin":  # (its pieces are read as the compute type)
+            kinds.append("f")
         elif s.op in COMPARE or (s.op == "cast" and s.attrs[0] == "bool"):
             kinds.append("b")
         else:
@@ -337,8 +377,62 @@ def compute_dtype_for(input_dtypes: Sequence[torch.dtype]) -> torch.dtype:
     return torch.float64 if torch.float64 in input_dtypes else torch.float32
 
 
-def broadcast_shape(inputs: Sequence[torch.Tensor]) -> torch.Size:
-    return torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
+def broadcast_shape(inputs: Sequence[torch.Tensor], program: "Program | None" = None) -> torch.Size:
+    """The outputs' shape: the inputs broadcast together, a ``catin``'s inputs as their concatenation."""
+    if not inputs:
+        return torch.Size([])
+    cats = [s for s in program.stmts if s.op == "catin"] if program is not None else []
+    if not cats:
+        return torch.broadcast_shapes(*[t.shape for t in inputs])
+    pieces = {i for s in cats for i in s.attrs[1]}
+    shapes = [cat_shape([inputs[i] for i in s.attrs[1]], s.attrs[0]) for s in cats]
+    return torch.broadcast_shapes(*shapes, *[t.shape for i, t in enumerate(inputs) if i not in pieces])
+
+
+def cat_shape(pieces: Sequence[torch.Tensor], dim: int) -> torch.Size:
+    """The shape of ``torch.cat(pieces, dim)``; a ProgramError where they do not concatenate."""
+    first = tuple(pieces[0].shape)
+    if dim >= len(first):
+        raise ProgramError(f"catin along dim {dim} of tensors of rank {len(first)}")
+    for t in pieces[1:]:
+        sh = tuple(t.shape)
+        if len(sh) != len(first) or any(a != b for d, (a, b) in enumerate(zip(sh, first)) if d != dim):
+            raise ProgramError(f"catin along dim {dim}: shapes {first} and {sh} differ off that dim")
+    return torch.Size(first[:dim] + (sum(t.shape[dim] for t in pieces),) + first[dim + 1:])
+
+
+def full_views(p: "Program", inputs: Sequence[torch.Tensor], shape) -> list[torch.Tensor]:
+    """Each input expanded to the output's rank and shape; a ``catin``'s input to that shape but
+    its own size along the concatenated dim (its offset there: :func:`cat_offsets`)."""
+    cats = p.cat_inputs()
+    out = []
+    for i, t in enumerate(inputs):
+        if i in cats:
+            d = cats[i][0] + len(shape) - t.dim()
+            out.append(t.expand(tuple(shape[:d]) + (t.shape[cats[i][0]],) + tuple(shape[d + 1:])))
+        else:
+            out.append(t.expand(shape))
+    return out
+
+
+def cat_offsets(p: "Program", inputs: Sequence[torch.Tensor], ndim: int) -> dict[int, tuple[int, int, int]]:
+    """input index -> (the output dim it is concatenated along, its first index there, one past its last)."""
+    out = {}
+    for s in p.stmts:
+        if s.op == "catin":
+            start = 0
+            for i in s.attrs[1]:
+                t = inputs[i]
+                out[i] = (s.attrs[0] + ndim - t.dim(), start, start + t.shape[s.attrs[0]])
+                start += t.shape[s.attrs[0]]
+    return out
+
+
+def with_cat_dims(p: "Program", dims: Sequence[int]) -> "Program":
+    """``p`` with its catins' dims replaced by ``dims`` (one per catin, in order: a permuted layout's)."""
+    it = iter(dims)
+    return Program([Stmt("catin", (), (next(it), s.attrs[1])) if s.op == "catin" else s for s in p.stmts],
+                   list(p.outputs))
 
 
 def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None" = None) -> list[int] | None:
@@ -351,7 +445,8 @@ def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None"
     if program is not None and program.reduces:
         return None
     nd = len(shape)
-    full = [t for t in inputs if t.dim() == nd and tuple(t.shape) == tuple(shape)]
+    pieces = program.cat_inputs() if program is not None else {}
+    full = [t for i, t in enumerate(inputs) if t.dim() == nd and (i in pieces or tuple(t.shape) == tuple(shape))]
     if nd < 2 or not full:
         return None
     order = _stride_order(full[0])
@@ -411,13 +506,15 @@ def evaluate(program: str | Program, inputs: Sequence[torch.Tensor],
         raise ProgramError(f"the program reads {p.num_inputs} inputs, {len(inputs)} given")
     dts = [t.dtype for t in inputs]
     ct = compute_dtype or compute_dtype_for(dts)
-    shape = broadcast_shape(inputs)
+    shape = broadcast_shape(inputs, p)
     device = inputs[0].device if inputs else torch.device("cpu")
     vals: list[torch.Tensor] = []
     for s in p.stmts:
         if s.op == "input":
             t = inputs[s.attrs[0]]
             v = t if t.dtype == torch.bool else t.to(ct)
+        elif s.op == "catin":
+            v = torch.cat([inputs[i].to(ct) for i in s.attrs[1]], s.attrs[0])
         elif s.op == "const":
             v = torch.tensor(s.attrs[0], dtype=ct, device=device)
         else:

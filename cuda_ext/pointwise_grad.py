@@ -104,8 +104,8 @@ def backward_program(program: str, in_dtypes: tuple[torch.dtype, ...], needs: tu
     ``needs`` (non-floating ones are skipped) given gradients for the outputs flagged in ``grads``
     (bool outputs have none)."""
     p = parse(program)
-    if p.reduces:
-        raise ProgramError("a program with row reductions (rsum, rmax) has no generated backward")
+    if p.reduces or p.concatenates:
+        raise ProgramError("a program with row reductions (rsum, rmax) or a catin has no generated backward")
     n = len(in_dtypes)
     ct = compute_dtype_for(in_dtypes)
     kinds = value_kinds(p, in_dtypes)

@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 
 from .norm_triton import next_pow2, pdl_launch
-from .pointwise import COMPARE, DTYPES, Program, compute_dtype_for, dense_order, parse, value_kinds
+from .pointwise import (COMPARE, DTYPES, Program, broadcast_shape, cat_offsets, compute_dtype_for, dense_order,
+                        full_views, parse, value_kinds, with_cat_dims)
 
 BLOCK = 1024
 MAX_ROW = 8192  # the longest row a program with row reductions holds in one tile (registers)
@@ -49,21 +50,32 @@ def available() -> bool:
 
 def coalesce(shape: Sequence[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
     """Drop size-1 dims and merge adjacent dims that are contiguous for every operand."""
-    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    return coalesce_keeping(shape, strides)[:2]
+
+
+def coalesce_keeping(shape: Sequence[int], strides: list[list[int]], keep: int | None = None):
+    """:func:`coalesce`, with dim ``keep`` (a concatenated dim) kept a dim of its own; returns
+    (shape, strides, the index of ``keep`` in them or None)."""
+    dims = [d for d in range(len(shape)) if shape[d] != 1 or d == keep]
     out_shape: list[int] = []
     out_str: list[list[int]] = [[] for _ in strides]
+    kept, last = None, None
     for d in dims:
-        if out_shape and all(s[-1] == st[d] * shape[d] for s, st in zip(out_str, strides)):
+        if out_shape and keep not in (d, last) and all(s[-1] == st[d] * shape[d] for s, st in zip(out_str, strides)):
             out_shape[-1] *= shape[d]
             for s, st in zip(out_str, strides):
                 s[-1] = st[d]
+            last = d
             continue
         out_shape.append(shape[d])
         for s, st in zip(out_str, strides):
             s.append(st[d])
+        if d == keep:
+            kept = len(out_shape) - 1
+        last = d
     if not out_shape:  # a single element
         out_shape, out_str = [1], [[0] for _ in strides]
-    return out_shape, out_str
+    return out_shape, out_str, kept
 
 
 def _num(v: float) -> str:
@@ -74,11 +86,13 @@ def _num(v: float) -> str:
     return repr(float(v))
 
 
-def _walk_dims(L: list, dims, walk: list) -> None:
+def _walk_dims(L: list, dims, walk: list, keep: int | None = None) -> None:
     """Emit the div/mod walk of ``rem`` over ``dims`` (innermost first), adding each strided
-    input's offset ``o{i}`` per dim."""
+    input's offset ``o{i}`` per dim; the index along dim ``keep`` is kept as ``idxc``."""
     for d in reversed(dims):
         L.append(f"    idx = rem % size{d}")
+        if d == keep:
+            L.append("    idxc = idx")
         if d:
             L.append(f"    rem = rem // size{d}")
         for i in walk:
@@ -86,7 +100,8 @@ def _walk_dims(L: list, dims, walk: list) -> None:
 
 
 def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: bool,
-             dense: Sequence[bool] | None = None, tile2d: bool = False, fast: bool = False) -> str:
+             dense: Sequence[bool] | None = None, tile2d: bool = False, fast: bool = False,
+             cat_dim: int | None = None) -> str:
     """Triton source of one kernel ``pw_kernel`` for this program, input dtypes and rank.
     ``dense[i]``: input i is laid out exactly like the (contiguous) output, so it is read at the
     flat index (vectorizable) instead of through the div/mod stride walk. ``tile2d`` (rank >= 2):
@@ -95,8 +110,14 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     rank 2, a div/mod per tile row (not per element) above.
     ``fast``: tanh (and GELU-tanh) through the hardware ``tanh.approx.f32`` (one MUFU instruction,
     ~2^-11 relative error: used only when every output is 16-bit, as bias_act does; not
-    available under the Triton interpreter)."""
+    available under the Triton interpreter).
+    ``cat_dim``: the (coalesced) output dim the program's catin inputs are concatenated along; each
+    such input i is read through its own strides where ``cs{i} <= index < ce{i}`` along that dim
+    (the flat walk only)."""
     dense = list(dense) if dense is not None else [False] * len(in_dtypes)
+    pieces = sorted(p.cat_inputs())
+    if pieces and (tile2d or cat_dim is None or any(dense[i] for i in pieces)):
+        raise ValueError("a program with a catin runs the flat walk, its inputs strided, along a kept dim")
     if tile2d and ndim < 2:
         raise ValueError("tile2d needs a (coalesced) output of rank >= 2")
     if p.reduces and not tile2d:
@@ -108,6 +129,7 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     params = [f"in{i}" for i in range(n_in)] + [f"out{j}" for j in range(n_out)] + ["numel"]
     params += [f"size{d}" for d in range(ndim)]
     params += [f"st{i}_{d}" for i in range(n_in) for d in range(ndim)]
+    params += [f"c{e}{i}" for i in pieces for e in "se"]
     shape = "[BM, BN]" if tile2d else "[BLOCK]"
     consts = "BM: tl.constexpr, BN: tl.constexpr" if tile2d else "BLOCK: tl.constexpr"
     L = ["import triton", "import triton.language as tl",
@@ -155,11 +177,13 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         if ndim == 1:
             for i in walk:
                 L.append(f"    o{i} = offs * st{i}_0")
+            if pieces:
+                L.append("    idxc = offs")
         elif walk:
             L.append("    rem = offs")
             for i in walk:
                 L.append(f"    o{i} = offs * 0")
-            _walk_dims(L, range(ndim), walk)
+            _walk_dims(L, range(ndim), walk, keep=cat_dim if pieces else None)
 
     def f(v: int) -> str:  # value as the compute type
         return f"v{v}" if kinds[v] == "f" else f"v{v}.to({CT})"
@@ -175,6 +199,15 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
             hint = ', eviction_policy="evict_first"' if dense[i] else ""
             ld = f"tl.load(in{i} + o{i}, mask=m, other=0{hint})"
             e = f"{ld} != 0" if in_dtypes[i] == torch.bool else f"{ld}.to({CT})"
+        elif s.op == "catin":
+            # each input where the output's index along the kept dim falls in its range, read at
+            # that index less its start; one of the masked loads touches memory per element
+            e = None
+            for i in s.attrs[1]:
+                L.append(f"    cm{i} = m & (idxc >= cs{i}) & (idxc < ce{i})")
+                ld = f"tl.load(in{i} + (o{i} - cs{i} * st{i}_{cat_dim}), mask=cm{i}, other=0)"
+                L.append(f"    p{i} = " + (f"({ld} != 0).to({CT})" if in_dtypes[i] == torch.bool else f"{ld}.to({CT})"))
+                e = f"p{i}" if e is None else f"tl.where(cm{i}, p{i}, {e})"
         elif s.op == "const":
             e = f"tl.full({shape}, {_num(s.attrs[0])}, {CT})"
         elif s.op == "cast":
@@ -292,16 +325,16 @@ def _cache_dir() -> Path:
 
 
 def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool, dense: tuple = (), tile2d: bool = False,
-               fast: bool = False):
+               fast: bool = False, cat_dim: int | None = None):
     dense = dense or (False,) * len(in_dtypes)
-    key = (text, in_dtypes, ndim, use_i64, dense, tile2d, fast, os.environ.get("TRITON_INTERPRET", "0"))
+    key = (text, in_dtypes, ndim, use_i64, dense, tile2d, fast, cat_dim, os.environ.get("TRITON_INTERPRET", "0"))
     k = _kernels.get(key)
     if k is not None:
         return k
     with _lock:
         k = _kernels.get(key)
         if k is None:
-            src = generate(parse(text), in_dtypes, ndim, use_i64, dense, tile2d, fast)
+            src = generate(parse(text), in_dtypes, ndim, use_i64, dense, tile2d, fast, cat_dim)
             h = hashlib.sha256(src.encode()).hexdigest()[:24]
             path = _cache_dir() / f"pw_{h}.py"
             if not path.exists():
@@ -326,7 +359,7 @@ class _Plan:
     of a 100 µs kernel)."""
 
     __slots__ = ("device", "shape", "out_dtypes", "numel", "order", "inv", "sub", "kern", "grid", "scalars",
-                 "meta", "spec", "fast")
+                 "meta", "spec", "fast", "prog", "cat_dim")
 
 
 def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
@@ -334,21 +367,33 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     device = next((t.device for t in inputs if t.device.type != "cpu"), inputs[0].device if inputs else None)
     pl.device = device
     inputs = [t.to(device) if t.device != device else t for t in inputs]
-    shape = torch.broadcast_shapes(*[t.shape for t in inputs]) if inputs else torch.Size([])
-    pl.shape, pl.out_dtypes = shape, list(p.output_dtypes())
+    shape = broadcast_shape(inputs, p)
+    pl.shape, pl.out_dtypes, pl.prog = shape, list(p.output_dtypes()), p
     pl.numel = math.prod(shape)
     pl.order = dense_order(inputs, shape, p)
     pl.sub = pl.kern = None
+    nd = len(shape)
+    cats = cat_offsets(p, inputs, nd)
     if pl.order is not None:
         # a channels_last (or other dense) layout: run in its memory order, where the inputs are
         # contiguous, and hand the outputs back as views in the caller's dim order
         pl.inv = sorted(range(len(pl.order)), key=lambda i: pl.order[i])
-        pl.sub = _make_plan(p, program, [t.expand(shape).permute(pl.order) for t in inputs])
+        sub = p
+        if cats:  # the catins' dims as the permuted views number them
+            firsts = [s.attrs[1][0] for s in p.stmts if s.op == "catin"]
+            sub = with_cat_dims(p, [pl.order.index(cats[i][0]) for i in firsts])
+        pl.sub = _make_plan(sub, sub.source, [t.permute(pl.order) for t in full_views(p, inputs, shape)])
         return pl
     if pl.numel == 0:
         return pl
-    nd = len(shape)
-    strides = [list(t.expand(shape).stride()) if nd else [] for t in inputs]
+    views = full_views(p, inputs, shape)
+    strides = [list(t.stride()) if nd else [] for t in views]
+    keep = None
+    if cats:
+        dims = {d for d, _, _ in cats.values()}
+        if len(dims) > 1:
+            raise ValueError("graphopt::fused_pointwise: catins along more than one dim")
+        keep = dims.pop()
     if p.reduces:  # the row (last dim) stays a dim of its own; the rows' dims coalesce
         if not nd or shape[-1] > MAX_ROW:
             raise ValueError(f"graphopt::fused_pointwise: row reductions over rows of 1..{MAX_ROW} elements, "
@@ -357,28 +402,30 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
             ([1], [[0] for _ in inputs])
         cshape, cstr = cshape + [shape[-1]], [c + [st[-1]] for c, st in zip(cstr, strides)]
     else:
-        cshape, cstr = coalesce(list(shape), strides) if nd else ([1], [[0] for _ in inputs])
+        cshape, cstr, keep = coalesce_keeping(list(shape), strides, keep) if nd else ([1], [[0] for _ in inputs], None)
     max_off = max([pl.numel] + [sum((s - 1) * abs(st) for s, st in zip(cshape, stv)) + 1 for stv in cstr])
     use_i64 = max_off >= 2**31 - BLOCK
     dts = tuple(t.dtype for t in inputs)
     contig = [1] * len(cshape)
     for d in range(len(cshape) - 2, -1, -1):
         contig[d] = contig[d + 1] * cshape[d + 1]
-    dense = tuple(stv == contig for stv in cstr)
+    dense = tuple(stv == contig and i not in cats for i, stv in enumerate(cstr))
     # a broadcast input: walk [BM, BN] tiles of (leading dims flattened, last dim), so dense
     # inputs stream at the flat index and a broadcast one is indexed per row and column (no
     # per-element div/mod); rank > 2 only where the last dim is long enough to amortize the
     # per-row div/mod and still vectorize. A broadcast that coalesces to rank 1 (a size-1 operand
     # over a dense one) takes the flat walk.
-    tile2d = p.reduces or (not all(dense) and len(cshape) >= 2 and (len(cshape) == 2 or cshape[-1] >= 64)
+    tile2d = p.reduces or (not cats and not all(dense) and len(cshape) >= 2 and (len(cshape) == 2 or cshape[-1] >= 64)
                            and triton_cdiv(cshape[-1], min(BLOCK, next_pow2(cshape[-1]))) <= 65535)
     # the hardware tanh where every output is 16-bit (not under the interpreter: no inline asm)
     pl.fast = (os.environ.get("TRITON_INTERPRET", "0") != "1" and device is not None and device.type == "cuda"
                and all(d in (torch.float16, torch.bfloat16) for d in pl.out_dtypes)
                and any(s.op in ("tanh", "gelu_tanh") for s in p.stmts))
     pl.spec = (program, dts, len(cshape), use_i64, dense, tile2d)
-    pl.kern = get_kernel(*pl.spec, fast=pl.fast)
+    pl.cat_dim = keep
+    pl.kern = get_kernel(*pl.spec, fast=pl.fast, cat_dim=keep)
     pl.scalars = [pl.numel] + cshape + [s for stv in cstr for s in stv]
+    pl.scalars += [v for i in sorted(cats) for v in cats[i][1:]]
     if p.reduces:  # a whole row per tile row: [BM, BN >= row] tiles, one column block
         bn = next_pow2(cshape[-1])
         bm = max(1, min(64, ROW_TILE // bn))
@@ -399,7 +446,7 @@ def _run_plan(pl: _Plan, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     dev = pl.device
     inputs = [t.to(dev) if t.device != dev else t for t in inputs]
     if pl.sub is not None:
-        outs = _run_plan(pl.sub, [t.expand(pl.shape).permute(pl.order) for t in inputs])
+        outs = _run_plan(pl.sub, [t.permute(pl.order) for t in full_views(pl.prog, inputs, pl.shape)])
         return [o.permute(pl.inv) for o in outs]
     outs = [torch.empty(pl.shape, dtype=d, device=dev) for d in pl.out_dtypes]
     if pl.kern is None:
@@ -412,7 +459,7 @@ def _run_plan(pl: _Plan, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
                 raise
             # this Triton cannot compile the inline-asm tanh: use the portable formula from now on
             pl.fast = False
-            pl.kern = get_kernel(*pl.spec, fast=False)
+            pl.kern = get_kernel(*pl.spec, fast=False, cat_dim=pl.cat_dim)
             pl.kern[pl.grid](*inputs, *outs, *pl.scalars, **pl.meta, **pdl_launch(dev))
     return outs
 

@@ -23,6 +23,11 @@ result (shape [..., 1]) joins the ops that broadcast it back along the row (thro
 kernel that reads each row once. Such a group's outputs are full rows (a per-row value read outside
 the group keeps it unfused), written contiguous; it runs a row per tile row.
 
+A concatenation joins the pointwise ops that read it (inference graphs): ``torch.cat`` of two or more
+tensors becomes a ``catin`` of the program, which reads each piece where the output's index along the
+dim falls in its range; the concatenated tensor is never written (MetaFormer-style gates reading a split
+and a convolved part, a concatenation before a normalization's affine).
+
 Never joined: other reductions, GEMMs, other views, graphopt ops (this pass runs last among the fusions
 and leaves the specific kernels alone), integer tensors, no-op casts (they are aliases). A
 group that would depend on itself through an outside node (``a = exp(x); b = a / sum(a)``)
@@ -182,9 +187,30 @@ def row_reduction(node: fx.Node) -> str:
     return ""
 
 
+def cat_reason(node: fx.Node, dtypes) -> str:
+    """'' when ``node`` is a concatenation a program can read in place (``catin``): two or more
+    distinct floating tensors of its dtype, nonempty along the dim, on its device; else why not."""
+    pieces, dim = node.args[0], get_arg(node, 1, "dim", 0)
+    ti = ir.info(node)
+    if not isinstance(pieces, (list, tuple)) or len(pieces) < 2 or not isinstance(dim, int):
+        return "not a concatenation of two or more tensors along a literal dim"
+    if len(set(pieces)) != len(pieces) or not all(isinstance(a, fx.Node) for a in pieces):
+        return "a tensor concatenated twice"
+    infos = [ir.info(a) for a in pieces]
+    if any(i is None or i.dtype != ti.dtype or i.dtype == torch.bool or i.device != ti.device
+           or len(i.shape) != len(ti.shape) for i in infos):
+        return "pieces of another dtype, rank or device"
+    d = dim % len(ti.shape)
+    if not all(isinstance(i.shape[d], int) and i.shape[d] > 0 for i in infos):
+        return "a piece empty (or symbolic) along the dim"
+    return ""
+
+
 def _operands(node: fx.Node) -> list:
     """The value operands of a pointwise node (tensor nodes or literals), in builder order."""
     t = node.target
+    if t is aten.cat.default:
+        return list(node.args[0])
     if t in CASTS or t in _UNARY_ARGS or t in ROW_REDUCTIONS or t in SOFTMAXES or t in EXPANDS:
         return [node.args[0]]  # (expand_as's second argument gives only the shape)
     if t in _WHERES:
@@ -216,6 +242,8 @@ def fusible(node: fx.Node, dtypes) -> str:
         if not isinstance(src, fx.Node) or ir.info(src) is None or ir.info(src).dtype not in dtypes:
             return "expands no floating tensor"
         return ""
+    if node.target is aten.cat.default:
+        return cat_reason(node, dtypes)
     if node.target not in OPS:
         return "not a pointwise op the program language has"
     for a in _operands(node):
@@ -269,6 +297,8 @@ class FuseElementwise(Pass):
         order = {n: i for i, n in enumerate(nodes)}
         ok = self._eligible({n for n in gm.graph.nodes if not fusible(n, dtypes)
                              and (not _is_free(ctx, n) or n.target in EXPANDS)})  # (an expand joins a row reduction's group)
+        if ctx.training:  # a program reading a concatenation in place has no generated backward
+            ok = {n for n in ok if n.target is not aten.cat.default}
         batched = ok & ir.batched_nodes(gm)
         if batched:  # inside a torch.vmap: fused_pointwise has no batching rule
             ok -= batched
@@ -334,6 +364,12 @@ class FuseElementwise(Pass):
                 res.reject(label, NO_FUSED_KERNELS)
                 continue
             full = {tuple(ir.info(a).shape) for a in ins if ir.info(a) is not None}
+            if program.concatenates:  # the outputs take the layout the pieces agree on, if any
+                from graphopt.cuda_ext.pointwise import dense_order
+
+                shape = tuple(ir.info(outs[0]).shape)
+                if dense_order([a.meta.get("val") for a in ins], shape, program) is not None:
+                    full.add(shape)
             if has_conv2d and program.reduces and any(is_channels_last(ir.info(a)) for a in ins):
                 refuse(group, label, "reduces rows of a channels_last tensor (its outputs would be NCHW inside the "
                                      "channels_last region)")
@@ -632,8 +668,20 @@ def _program(group, ins, outs):
     from graphopt.cuda_ext.pointwise import Program
 
     p = Program()
-    vals = {a: p.input(i) for i, a in enumerate(ins)}
+    cats = [n for n in group if n.target is aten.cat.default]
+    pieces = {a for n in cats for a in n.args[0]}
+    if pieces:
+        if len({get_arg(n, 1, "dim", 0) % len(ir.info(n).shape) for n in cats}) > 1:
+            raise _NotExpressible("concatenations along different dims")
+        gs = set(group)
+        if any(a in gs for a in pieces) or any(u in gs and u.target is not aten.cat.default
+                                               for a in pieces for u in a.users):
+            raise _NotExpressible("a concatenated tensor is also read by another op of the group")
+    vals = {a: p.input(i) for i, a in enumerate(ins) if a not in pieces}
     for n in group:
+        if n.target is aten.cat.default:
+            vals[n] = p.catin(get_arg(n, 1, "dim", 0) % len(ir.info(n).shape), [ins.index(a) for a in n.args[0]])
+            continue
         if n.target in CASTS:
             vals[n] = p.cast(vals[n.args[0]], ir.info(n).dtype)
             continue

@@ -1,5 +1,5 @@
 """graphopt::fused_pointwise: any chain of elementwise ops with broadcasting, and row reductions over the
-last dim (sum, max: softmaxes, norms) with their prologue and epilogue, written as a program in
+last dim (sum, max: softmaxes, norms) with their prologue and epilogue, or concatenations read in place, written as a program in
 the small SSA language of ``pointwise.py`` (build one with ``Program``, read one with ``parse``);
 returns the program's outputs, dense in the broadcast shape (in the inputs' memory order where
 they agree on one).
@@ -30,7 +30,8 @@ SCHEMA = "fused_pointwise(str program, Tensor[] inputs) -> Tensor[]"
 def reference(program: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Evaluate a pointwise program with torch ops."""
     outs = [fresh(o, *inputs) for o in evaluate(program, inputs)]
-    order = dense_order(inputs, broadcast_shape(inputs), parse(program)) if inputs else None
+    p = parse(program)
+    order = dense_order(inputs, broadcast_shape(inputs, p), p) if inputs else None
     if order is None:
         return outs
     return [empty_in_order(o.shape, order, o.dtype, o.device).copy_(o) for o in outs]
@@ -38,7 +39,7 @@ def reference(program: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def fake(program, inputs):
     p = parse(program)
-    shape = broadcast_shape(inputs)
+    shape = broadcast_shape(inputs, p)
     device = next((t.device for t in inputs if t.device.type != "cpu"), inputs[0].device if inputs else None)
     order = dense_order(inputs, shape, p)
     return [empty_in_order(shape, order, d, device) for d in p.output_dtypes()]
@@ -62,8 +63,8 @@ def setup_context(ctx, inputs, output):
     program, tensors = inputs
     ctx.set_materialize_grads(False)  # an unused output's gradient is left out of the backward program
     ctx.program = program
-    if parse(program).reduces:  # no generated backward: an error if one is asked for (graphopt fuses
-        ctx.saved_index = ()    # row reductions only where nothing takes a gradient)
+    if parse(program).reduces or parse(program).concatenates:  # no generated backward: an error if one is
+        ctx.saved_index = ()  # asked for (graphopt fuses these only where nothing takes a gradient)
         return
     ctx.in_dtypes = tuple(t.dtype for t in tensors)
     ctx.shapes = [t.shape for t in tensors]
@@ -74,8 +75,9 @@ def setup_context(ctx, inputs, output):
 
 
 def backward(ctx, grads):
-    if parse(ctx.program).reduces:
-        raise ProgramError("graphopt::fused_pointwise: a program with row reductions has no generated backward")
+    if parse(ctx.program).reduces or parse(ctx.program).concatenates:
+        raise ProgramError("graphopt::fused_pointwise: a program with row reductions or a catin has no generated "
+                           "backward")
     needs = tuple(ctx.needs_input_grad[1])
     bw = backward_program(ctx.program, ctx.in_dtypes, needs, tuple(g is not None for g in grads))
     result: list = [None] * len(ctx.in_dtypes)

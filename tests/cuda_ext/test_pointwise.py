@@ -304,3 +304,71 @@ def test_row_reductions_refuse_rows_over_the_limit_and_have_no_backward():
         pwt._make_plan(p, p.source, [torch.randn(2, 8193), torch.randn(8193)])
     with pytest.raises(ProgramError, match="no generated backward"):
         backward_program(p.source, (torch.float32, torch.float32), (True, True), (True, True))
+
+
+# ---------------------------------------------------------------------------------- concatenations read in place
+
+
+def _cat_cases(device: str, dtype=torch.bfloat16):
+    """(program, inputs, expected in fp64): a gate times a concatenation along the last dim of a split
+    (strided) and a permuted tensor; a channels_last concatenation along C under a per-channel affine."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    x = r(2, 5, 6, 24)
+    gate, i = x[..., :8], x[..., 8:12]
+    c = r(2, 4, 5, 6).permute(0, 2, 3, 1)
+    p1 = Program()
+    v = p1.gelu(p1.input(0)) * p1.catin(3, [1, 2])
+    p1.output(v, dtype)
+    a = r(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    b = r(2, 6, 4, 5).to(memory_format=torch.channels_last)
+    s = r(9, 1, 1)
+    p2 = Program()
+    cat = p2.catin(1, [0, 1])
+    p2.output(cat * p2.input(2) + 1.0, dtype)
+    p2.output(p2.relu(cat), "f32")
+    d = lambda t: t.double()  # noqa: E731
+    want1 = [F.gelu(d(gate)) * torch.cat([d(i), d(c)], -1)]
+    want2 = [torch.cat([d(a), d(b)], 1) * d(s) + 1.0, torch.relu(torch.cat([d(a), d(b)], 1))]
+    mv = lambda ts: [t.to(device) for t in ts]  # noqa: E731
+    return [(p1, mv([gate, i, c]), want1, [gate, i, c]), (p2, mv([a, b, s]), want2, [a, b, s])]
+
+
+def test_catin_parses_evaluates_and_validates():
+    p, ins, want, _ = _cat_cases("cpu", torch.float64)[1]
+    assert parse(p.source).source == p.source and "catin 1 0 1" in p.source and p.concatenates
+    for o, w in zip(evaluate(p, ins), want):
+        torch.testing.assert_close(o.double(), w)
+    with pytest.raises(ProgramError, match="read elsewhere"):
+        parse("%0 = catin 0 0 1\n%1 = input 1\n%2 = add %0 %1\nout %2 f32\n")
+    with pytest.raises(ProgramError, match="differ off that dim"):
+        evaluate("%0 = catin 1 0 1\nout %0 f32\n", [torch.randn(2, 3), torch.randn(3, 3)])
+    with pytest.raises(ProgramError, match="no generated backward"):
+        from graphopt.cuda_ext.pointwise_grad import backward_program
+
+        backward_program(p.source, (torch.float32,) * 3, (True,) * 3, (True, True))
+
+
+def _check_cat(device: str):
+    for p, ins, want, eager_ins in _cat_cases(device):
+        outs = _run_triton(p.source, ins) if device == "cpu" else ce.fused_pointwise(p, ins)
+        eager = evaluate(p, eager_ins)
+        ref_outs = reference.fused_pointwise(p.source, [t.cpu() for t in ins])
+        for o, w, e, ro in zip(outs, want, eager, ref_outs):
+            assert o.shape == w.shape and o.stride() == ro.stride()  # the pieces' layout (channels_last in, out)
+            check(o.cpu(), w, e, dtype=torch.bfloat16)
+
+
+def test_catin_in_the_generated_kernel(triton_interpreter):
+    """Each piece read through its own strides in its range of the concatenated dim, which stays a
+    dim of its own while the others coalesce; a channels_last concatenation runs in its memory order."""
+    _check_cat("cpu")
+    _, strides, kept = pwt.coalesce_keeping([2, 5, 6, 8], [[240, 48, 8, 1]], keep=3)
+    assert kept == 1 and strides == [[8, 1]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_catin_cuda():
+    poison_allocator("cuda")
+    _check_cat("cuda")

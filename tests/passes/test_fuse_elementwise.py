@@ -516,3 +516,59 @@ def test_a_pass_that_puts_a_graphopt_op_inside_a_vmap_is_undone_with_one_line():
     assert "runs on torch.vmap's batched tensors" in res.notes[0] and "\n" not in res.notes[0]
     assert ir.batched_graphopt_op(gm) is None and op_counts(gm)["aten.sigmoid.default"] == 1
     torch.testing.assert_close(gm(x), m(x))
+
+
+class GatedConv(nn.Module):
+    """MambaOut's gated CNN block: a split of fc1's output, part of it convolved, concatenated back and
+    gated; ``shared`` also reads a piece outside the group (a row sum of it)."""
+
+    def __init__(self, shared=False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 40), nn.Linear(16, 16)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.shared = shared
+
+    def forward(self, x):
+        g, i, c = torch.split(self.fc1(x), [16, 8, 16], -1)
+        c = self.conv(c[..., :8].permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        y = F.gelu(g) * torch.cat((i, c), -1)
+        return self.fc2(y + i.sum(-1, keepdim=True) if self.shared else y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_concatenation_is_read_in_place_by_its_pointwise_readers(dtype):
+    torch.manual_seed(0)
+    m = GatedConv().eval().to(dtype)
+    x = torch.randn(2, 5, 5, 16, dtype=dtype)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c["aten.cat.default"] == 0 and c[FP] == 1 and len(res.rewrites) == 1
+    (fp,) = _fp_nodes(gm)
+    prog = parse(fp.args[0])
+    assert prog.concatenates and len(fp.args[1]) == 3  # the gate and both pieces, no concatenated copy
+    assert reference_check(m, gm, (x,)).passed
+
+
+class CatPieceBroadcast(nn.Module):
+    def forward(self, x):  # the first piece is also broadcast into the group's product
+        a = x[..., :1] * 2.0
+        return torch.relu(torch.cat((a, x[..., 1:]), -1) * a)
+
+
+def test_a_concatenation_stays_where_its_pieces_are_read_in_the_group_or_it_takes_a_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 5, 16)
+    m = GatedConv(shared=True).eval()  # a piece read outside the group: still read in place
+    gm = capture(m, (x,))
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert op_counts(gm)["aten.cat.default"] == 0 and reference_check(m, gm, (x,)).passed
+    m = CatPieceBroadcast()
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert op_counts(gm)["aten.cat.default"] == 1 and reference_check(m, gm, (x,)).passed
+    assert any("also read by another op" in r.reason for r in res.rejected)
+    m = GatedConv().train()
+    gm = capture(m, (x,))
+    run_passes(gm, ["fuse_elementwise"], target="h200", training=True)
+    assert op_counts(gm)["aten.cat.default"] == 1

@@ -19,6 +19,7 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("act", src, kind)                   ("softmax", src)
   ("binary", op, a, kind, arg)         kind "value" (arg: index), "param" (arg: shape), "scalar" (arg: float)
   ("transpose", src) ("permute", src, perm) ("contiguous", src) ("merge", src) ("split", src)
+  ("roll", src, dim, h): torch.cat of the slices [h:] and [:h] along dim (a concatenation of strided pieces)
   ("attention", q, k, v, causal)       q @ k^T * scale [masked_fill causal] -> softmax -> @ v
   ("mha", src, heads, causal)          q/k/v projections, heads split, attention, out projection
   ("swiglu", src, hidden)              down(silu(gate(x)) * up(x))
@@ -202,6 +203,8 @@ class ProgramModule(nn.Module):
                 out = src[:-2] + (src[-2] * src[-1],)
             elif kind == "split":
                 out = src[:-1] + (2, src[-1] // 2)
+            elif kind == "roll":
+                out = src
             elif kind == "attention":
                 q, k, v, mask = op[1:5]
                 self._make_mask(key, shapes[q][-2], mask, g)
@@ -352,6 +355,9 @@ class ProgramModule(nn.Module):
                 y = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
             elif kind == "split":
                 y = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+            elif kind == "roll":  # a concatenation of two strided slices: the tail along a dim, then the head
+                _, _, dim, h = op
+                y = torch.cat((x.narrow(dim, h, x.shape[dim] - h), x.narrow(dim, 0, h)), dim)
             elif kind in ("attention", "sdpa"):
                 q, k, v, mask = op[1:5]
                 y = self._attend(key, env[q], env[k], env[v], mask, _n_rep(op), kind == "sdpa",
@@ -567,7 +573,7 @@ def build(program: Program):
 
 
 # op kinds without parameters of their own: the same op on the same operand computes the same value
-REPEATABLE = frozenset({"act", "softmax", "transpose", "permute", "contiguous", "merge", "split", "bmm", "reduce",
+REPEATABLE = frozenset({"act", "softmax", "transpose", "permute", "contiguous", "merge", "split", "roll", "bmm", "reduce",
                         "softmax_dim", "unsqueeze", "heads", "merge_heads", "cast"})
 
 
@@ -597,7 +603,7 @@ def programs(max_ops: int = 8):
                  "group_norm", "se",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
-                 "heads", "merge_heads", "repeat")
+                 "heads", "merge_heads", "repeat", "roll")
 
         def mask_shape(sc, kind):
             """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
@@ -815,6 +821,12 @@ def programs(max_ops: int = 8):
                 if s is not None:
                     sh = env[s][0]
                     op, out = ("split", s), (sh[:-1] + (2, sh[-1] // 2), env[s][1])
+            elif kind == "roll":
+                s = pick(lambda s, d: any(n >= 2 for n in s))
+                if s is not None:
+                    sh = env[s][0]
+                    dim = draw(st.sampled_from([d for d, n in enumerate(sh) if n >= 2]))
+                    op, out = ("roll", s, dim, draw(st.integers(1, sh[dim] - 1))), env[s]
             elif kind == "cast":
                 s = pick(lambda s, d: True)
                 to = "f32" if env[s][1] == "bf16" else "bf16"

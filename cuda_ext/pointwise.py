@@ -204,9 +204,9 @@ class Program:
                 out.extend(s.attrs[1])
         return out
 
-    def cat_inputs(self) -> dict[int, tuple[int, int]]:
-        """input index -> (the catin's dim, its position among the catin's inputs)."""
-        return {i: (s.attrs[0], k) for s in self.stmts if s.op == "catin" for k, i in enumerate(s.attrs[1])}
+    def cat_inputs(self) -> dict[int, int]:
+        """input index -> the dim its catin concatenates along."""
+        return {i: s.attrs[0] for s in self.stmts if s.op == "catin" for i in s.attrs[1]}
 
     @property
     def source(self) -> str:
@@ -239,6 +239,11 @@ class Program:
     def concatenates(self) -> bool:
         """The program reads a concatenation in place (``catin``)."""
         return any(s.op == "catin" for s in self.stmts)
+
+    @property
+    def differentiable(self) -> bool:
+        """pointwise_grad generates its backward (none for row reductions or a catin)."""
+        return not (self.reduces or self.concatenates)
 
     def output_dtypes(self) -> list[torch.dtype]:
         return [DTYPES[d] for _, d in self.outputs]
@@ -408,8 +413,8 @@ def full_views(p: "Program", inputs: Sequence[torch.Tensor], shape) -> list[torc
     out = []
     for i, t in enumerate(inputs):
         if i in cats:
-            d = cats[i][0] + len(shape) - t.dim()
-            out.append(t.expand(tuple(shape[:d]) + (t.shape[cats[i][0]],) + tuple(shape[d + 1:])))
+            d = cats[i] + len(shape) - t.dim()
+            out.append(t.expand(tuple(shape[:d]) + (t.shape[cats[i]],) + tuple(shape[d + 1:])))
         else:
             out.append(t.expand(shape))
     return out

@@ -104,7 +104,7 @@ def backward_program(program: str, in_dtypes: tuple[torch.dtype, ...], needs: tu
     ``needs`` (non-floating ones are skipped) given gradients for the outputs flagged in ``grads``
     (bool outputs have none)."""
     p = parse(program)
-    if p.reduces or p.concatenates:
+    if not p.differentiable:
         raise ProgramError("a program with row reductions (rsum, rmax) or a catin has no generated backward")
     n = len(in_dtypes)
     ct = compute_dtype_for(in_dtypes)

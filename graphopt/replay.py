@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 from . import ir
 from .errors import GraphoptError
-from .ir import HOST_SYNC_OPS, host_sync, ranged_histc, static_repeat  # noqa: F401 (the rule lives in ir)
+from .ir import HOST_SYNC_OPS, host_sync  # noqa: F401 (the rule lives in ir; HOST_SYNC_OPS re-exported)
 
 _TRUE = {True, "on", "true", "1", "yes", "force"}
 _FALSE = {False, None, "off", "false", "0", "no"}

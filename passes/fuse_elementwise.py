@@ -669,13 +669,14 @@ def _program(group, ins, outs):
 
     p = Program()
     cats = [n for n in group if n.target is aten.cat.default]
-    pieces = {a for n in cats for a in n.args[0]}
+    listed = [a for n in cats for a in n.args[0]]
+    pieces = set(listed)
     if pieces:
         if len({get_arg(n, 1, "dim", 0) % len(ir.info(n).shape) for n in cats}) > 1:
             raise _NotExpressible("concatenations along different dims")
         gs = set(group)
-        if any(a in gs for a in pieces) or any(u in gs and u.target is not aten.cat.default
-                                               for a in pieces for u in a.users):
+        if len(pieces) < len(listed) or any(a in gs for a in pieces) or \
+                any(u in gs and u.target is not aten.cat.default for a in pieces for u in a.users):
             raise _NotExpressible("a concatenated tensor is also read by another op of the group")
     vals = {a: p.input(i) for i, a in enumerate(ins) if a not in pieces}
     for n in group:

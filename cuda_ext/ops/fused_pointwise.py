@@ -63,8 +63,8 @@ def setup_context(ctx, inputs, output):
     program, tensors = inputs
     ctx.set_materialize_grads(False)  # an unused output's gradient is left out of the backward program
     ctx.program = program
-    if parse(program).reduces or parse(program).concatenates:  # no generated backward: an error if one is
-        ctx.saved_index = ()  # asked for (graphopt fuses these only where nothing takes a gradient)
+    if not parse(program).differentiable:  # no generated backward: an error if one is asked for
+        ctx.saved_index = ()  # (graphopt fuses these only where nothing takes a gradient)
         return
     ctx.in_dtypes = tuple(t.dtype for t in tensors)
     ctx.shapes = [t.shape for t in tensors]
@@ -75,7 +75,7 @@ def setup_context(ctx, inputs, output):
 
 
 def backward(ctx, grads):
-    if parse(ctx.program).reduces or parse(ctx.program).concatenates:
+    if not parse(ctx.program).differentiable:
         raise ProgramError("graphopt::fused_pointwise: a program with row reductions or a catin has no generated "
                            "backward")
     needs = tuple(ctx.needs_input_grad[1])

@@ -232,6 +232,12 @@ class MeasuredTime:
     def should_run(self, p, ctx):
         return None
 
+    def _record(self, res, after: Timing, before: Timing) -> None:
+        """The pass's times in its result; the graph after it is the baseline of the next."""
+        res.details["measured_ms"] = after.median_s * 1e3
+        res.details["measured_before_ms"] = before.median_s * 1e3
+        self.current = after
+
     def run_after_pass(self, gm, p, ctx, res) -> str | None:
         if res.status != "applied" or self.current is None:
             return None
@@ -244,10 +250,7 @@ class MeasuredTime:
             timing.progress("measured guard: timing the graph after %s", p.name)
             with timing.phase("measured guard: building the callables"):
                 after_fn = self.make(gm)
-            after = self.timer.time(after_fn, most=self.timer.settle_rounds)
-            res.details["measured_ms"] = after.median_s * 1e3
-            res.details["measured_before_ms"] = self.current.median_s * 1e3
-            self.current = after
+            self._record(res, self.timer.time(after_fn, most=self.timer.settle_rounds), self.current)
             return None
         if not self.affordable() or ctx.before_pass is None:
             if p.name in self.judge_again:
@@ -266,9 +269,7 @@ class MeasuredTime:
                 after_fn = self.make(gm)
             after = self.timer.time(after_fn, within=self.current.median_s * (1.0 + self.margin))
             if not slower(after, self.current, self.margin):
-                res.details["measured_ms"] = after.median_s * 1e3
-                res.details["measured_before_ms"] = self.current.median_s * 1e3
-                self.current = after
+                self._record(res, after, self.current)
                 return None
         # the graph before the pass (on gm's constants, still all there) and after it, in interleaved
         # rounds: a drift of the machine while they run lands on both alike

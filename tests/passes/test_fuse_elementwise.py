@@ -556,6 +556,11 @@ class CatPieceBroadcast(nn.Module):
         return torch.relu(torch.cat((a, x[..., 1:]), -1) * a)
 
 
+class CatsSharingAPiece(nn.Module):
+    def forward(self, a, b, c):  # two concatenations of one group read the same piece
+        return torch.relu(torch.cat((a, b), -1) * torch.cat((a, c), -1))
+
+
 def test_a_concatenation_stays_where_its_pieces_are_read_in_the_group_or_it_takes_a_gradient():
     torch.manual_seed(0)
     x = torch.randn(2, 5, 5, 16)
@@ -567,6 +572,11 @@ def test_a_concatenation_stays_where_its_pieces_are_read_in_the_group_or_it_take
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
     assert op_counts(gm)["aten.cat.default"] == 1 and reference_check(m, gm, (x,)).passed
+    assert any("also read by another op" in r.reason for r in res.rejected)
+    m, ys = CatsSharingAPiece(), (torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 4))
+    gm = capture(m, ys)
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert res.status != "reverted" and op_counts(gm)["aten.cat.default"] == 2 and reference_check(m, gm, ys).passed
     assert any("also read by another op" in r.reason for r in res.rejected)
     m = GatedConv().train()
     gm = capture(m, (x,))

@@ -454,13 +454,13 @@ def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None"
     full = [t for i, t in enumerate(inputs) if t.dim() == nd and (i in pieces or tuple(t.shape) == tuple(shape))]
     if nd < 2 or not full:
         return None
-    order = _stride_order(full[0])
-    if order is None or order == list(range(nd)) or any(_stride_order(t) != order for t in full[1:]):
+    order = stride_order(full[0])
+    if order is None or order == list(range(nd)) or any(stride_order(t) != order for t in full[1:]):
         return None
     return order
 
 
-def _stride_order(t: torch.Tensor) -> list[int] | None:
+def stride_order(t: torch.Tensor) -> list[int] | None:
     """``t``'s dims outermost first by stride, or None where that says nothing definite (symbolic
     sizes, a broadcast dim, two dims of one stride); dims of size 1 sit where a dense tensor of that
     order would put them (after the dim outside them)."""

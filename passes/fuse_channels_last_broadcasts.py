@@ -26,6 +26,7 @@ class FuseChannelsLastBroadcasts(FuseElementwise):
     family = "lower"
     description = "aten pointwise ops broadcasting into a channels_last tensor -> graphopt.fused_pointwise"
     requires = ("convert_channels_last",)
+    affine_batch_norms = False  # (one op broadcasting into a channels_last tensor: no BatchNorm is)
 
     @staticmethod
     def _eligible(ok: set) -> set:

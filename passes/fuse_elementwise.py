@@ -23,6 +23,11 @@ result (shape [..., 1]) joins the ops that broadcast it back along the row (thro
 kernel that reads each row once. Such a group's outputs are full rows (a per-row value read outside
 the group keeps it unfused), written contiguous; it runs a row per tile row.
 
+An inference BatchNorm (constant statistics and affine; fold_conv_bn folded those after a convolution)
+joins as the per-channel affine ``x * s + t``, ``s`` and ``t`` computed once in float64 and stored in
+float32 (as aten's kernel computes): a BatchNorm after a concatenation, an add or an activation is no
+kernel of its own. Its constants are made before the groups are and dropped again where it stays unfused.
+
 A concatenation joins the pointwise ops that read it (inference graphs): ``torch.cat`` of two or more
 tensors becomes a ``catin`` of the program, which reads each piece where the output's index along the
 dim falls in its range; the concatenated tensor is never written (MetaFormer-style gates reading a split
@@ -206,11 +211,58 @@ def cat_reason(node: fx.Node, dtypes) -> str:
     return ""
 
 
+BN_AFFINE = "graphopt_bn_affine"  # node.meta key: a BatchNorm's (scale, shift) get_attr nodes while the pass runs
+
+
+def _affine_batch_norms(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """Give each inference BatchNorm with constant statistics and affine its per-channel (scale, shift)
+    constants, shaped to broadcast over its input's channel dim 1 (``node.meta[BN_AFFINE]``); returns
+    (BatchNorm, the get_attr nodes it reads) pairs (an erased node's arguments are cleared)."""
+    out = []
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.batch_norm.default or get_arg(n, 5, "training", True):
+            continue
+        x, eps = n.args[0], get_arg(n, 7, "eps", None)
+        xi = ir.info(x) if isinstance(x, fx.Node) else None
+        params = [get_arg(n, i, k, None) for i, k in ((1, "weight"), (2, "bias"), (3, "running_mean"), (4, "running_var"))]
+        if (xi is None or len(xi.shape) < 2 or not isinstance(eps, float) or params[2] is None or params[3] is None
+                or any(a is not None and (not isinstance(a, fx.Node) or a.op != "get_attr") for a in params)):
+            continue
+        gamma, beta, mean, var = (None if a is None else ir.get_attr_value(gm, a.target) for a in params)
+        with torch.no_grad():
+            scale = torch.rsqrt(var.double() + eps) * (gamma.double() if gamma is not None else 1.0)
+            shift = (beta.double() if beta is not None else 0.0) - mean.double() * scale
+        dtype = torch.float64 if xi.dtype == torch.float64 else torch.float32
+        shape = [-1] + [1] * (len(xi.shape) - 2)
+        nodes = []
+        with gm.graph.inserting_before(n):
+            for what, v in (("scale", scale), ("shift", shift)):
+                a = gm.graph.get_attr(ir.register_constant(gm, f"{n.name}_{what}", v.to(dtype).reshape(shape)))
+                a.meta["val"] = ir.get_attr_value(gm, a.target)
+                nodes.append(a)
+        n.meta[BN_AFFINE] = tuple(nodes)
+        out.append((n, [a for a in params if a is not None]))
+    return out
+
+
+def _drop_affines(gm: fx.GraphModule, bns: list[tuple[fx.Node, list[fx.Node]]]) -> None:
+    """The constants of the BatchNorms left unfused go again; a fused one's statistics too."""
+    alive = set(gm.graph.nodes)
+    for n, stats in bns:
+        for a in list(n.meta.pop(BN_AFFINE)) + stats:
+            if not a.users and a in alive:
+                gm.graph.erase_node(a)
+                alive.discard(a)
+    ir.remove_unused_attributes(gm)
+
+
 def _operands(node: fx.Node) -> list:
     """The value operands of a pointwise node (tensor nodes or literals), in builder order."""
     t = node.target
     if t is aten.cat.default:
         return list(node.args[0])
+    if t is aten.batch_norm.default:
+        return [node.args[0], *node.meta[BN_AFFINE]]
     if t in CASTS or t in _UNARY_ARGS or t in ROW_REDUCTIONS or t in SOFTMAXES or t in EXPANDS:
         return [node.args[0]]  # (expand_as's second argument gives only the shape)
     if t in _WHERES:
@@ -244,6 +296,8 @@ def fusible(node: fx.Node, dtypes) -> str:
         return ""
     if node.target is aten.cat.default:
         return cat_reason(node, dtypes)
+    if node.target is aten.batch_norm.default:
+        return "" if BN_AFFINE in node.meta else "a BatchNorm in training mode or with statistics not constant"
     if node.target not in OPS:
         return "not a pointwise op the program language has"
     for a in _operands(node):
@@ -289,8 +343,16 @@ class FuseElementwise(Pass):
     family = "fusion"
     description = "connected groups of pointwise ops -> one generated kernel (graphopt.fused_pointwise)"
     requires = ("fuse_swiglu", "fuse_bias_act")
+    affine_batch_norms = True  # inference BatchNorms join groups as per-channel affines
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        bns = _affine_batch_norms(gm) if self.affine_batch_norms and not ctx.training and ctx.fused_kernels else []
+        try:
+            return self._run(gm, ctx)
+        finally:
+            _drop_affines(gm, bns)
+
+    def _run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         dtypes = _dtypes()
         nodes = list(gm.graph.nodes)
@@ -325,6 +387,10 @@ class FuseElementwise(Pass):
                 # without its row reductions (and the expands serving them): the pointwise groups it held
                 rest = {n for n in group if n.target not in ROW_REDUCTIONS and n.target not in SOFTMAXES
                         and n.target not in EXPANDS}
+                groups.extend(self._groups(gm, rest, order, merge=False))
+            elif any(n.target is aten.cat.default for n in group):
+                # without its concatenations (DenseNet's of more pieces than a program reads): the rest
+                rest = {n for n in group if n.target is not aten.cat.default}
                 groups.extend(self._groups(gm, rest, order, merge=False))
 
         while groups:
@@ -364,12 +430,13 @@ class FuseElementwise(Pass):
                 res.reject(label, NO_FUSED_KERNELS)
                 continue
             full = {tuple(ir.info(a).shape) for a in ins if ir.info(a) is not None}
-            if program.concatenates:  # the outputs take the layout the pieces agree on, if any
-                from graphopt.cuda_ext.pointwise import dense_order
+            if program.concatenates:  # the outputs take the layout the pieces agree on (contiguous ones: none)
+                from graphopt.cuda_ext.pointwise import stride_order
 
-                shape = tuple(ir.info(outs[0]).shape)
-                if dense_order([a.meta.get("val") for a in ins], shape, program) is not None:
-                    full.add(shape)
+                pieces = [a for a in ins if any(u.target is aten.cat.default and u in group for u in a.users)]
+                orders = [stride_order(a.meta["val"]) for a in pieces]
+                if None not in orders and all(o == orders[0] for o in orders):
+                    full.add(tuple(ir.info(outs[0]).shape))
             if has_conv2d and program.reduces and any(is_channels_last(ir.info(a)) for a in ins):
                 refuse(group, label, "reduces rows of a channels_last tensor (its outputs would be NCHW inside the "
                                      "channels_last region)")
@@ -555,7 +622,7 @@ def _boundary(group):
     gs = set(group)
     ins = []
     for n in group:
-        for a in (_operands(n) if n.target is aten.expand_as.default else n.all_input_nodes):
+        for a in (_operands(n) if n.target in (aten.expand_as.default, aten.batch_norm.default) else n.all_input_nodes):
             if not isinstance(a, fx.Node):
                 continue
             if a not in gs and a not in ins:
@@ -680,6 +747,10 @@ def _program(group, ins, outs):
             raise _NotExpressible("a concatenated tensor is also read by another op of the group")
     vals = {a: p.input(i) for i, a in enumerate(ins) if a not in pieces}
     for n in group:
+        if n.target is aten.batch_norm.default:
+            x, scale, shift = (vals[a] for a in _operands(n))
+            vals[n] = x * scale + shift
+            continue
         if n.target is aten.cat.default:
             vals[n] = p.catin(get_arg(n, 1, "dim", 0) % len(ir.info(n).shape), [ins.index(a) for a in n.args[0]])
             continue

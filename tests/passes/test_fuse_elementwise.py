@@ -582,3 +582,78 @@ def test_a_concatenation_stays_where_its_pieces_are_read_in_the_group_or_it_take
     gm = capture(m, (x,))
     run_passes(gm, ["fuse_elementwise"], target="h200", training=True)
     assert op_counts(gm)["aten.cat.default"] == 1
+
+
+class CatBatchNorm(nn.Module):
+    """InceptionNeXt's token mixer: an identity part and a convolved part concatenated, then an
+    inference BatchNorm (no convolution right before it to fold into) and an activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.bn = nn.BatchNorm2d(8)
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+            self.bn.weight.normal_()
+            self.bn.bias.normal_()
+
+    def forward(self, x):
+        return torch.relu(self.bn(torch.cat((x[:, :4], self.conv(x[:, 4:])), 1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_inference_batch_norm_joins_as_a_per_channel_affine(dtype):
+    torch.manual_seed(0)
+    m = CatBatchNorm().eval().to(dtype)
+    x = torch.randn(2, 8, 6, 6, dtype=dtype)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c["aten.batch_norm.default"] == 0 and c["aten.cat.default"] == 0 and c[FP] == 1
+    (fp,) = _fp_nodes(gm)
+    assert len(fp.args[1]) == 4  # the two pieces, the scale and the shift
+    assert sorted(b for b in gm._buffers if b.startswith("_graphopt_")) == ["_graphopt_batch_norm_scale",
+                                                                          "_graphopt_batch_norm_shift"]
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and n.users == {} and "running" in str(n.target)]
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_a_batch_norm_left_alone_keeps_no_constants():
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Identity(), nn.BatchNorm2d(8)).eval()
+    m[2].running_var.fill_(2.0)
+    x = torch.randn(2, 3, 8, 8)
+    gm = capture(m, (x,))
+    gm2 = capture(CatBatchNorm().train(), (torch.randn(2, 8, 6, 6),))
+    for g, training in ((gm, False), (gm2, True)):
+        run_passes(g, ["fuse_elementwise"], target="h200", training=training)
+        assert op_counts(g)["aten.batch_norm.default"] == 1
+        assert not [b for b in g._buffers if b.startswith("_graphopt_")]
+        assert all("graphopt_bn_affine" not in n.meta for n in g.graph.nodes)
+
+
+class DenseLayer(nn.Module):
+    """DenseNet's layer input: every earlier feature map concatenated (more than a program reads),
+    then BatchNorm and ReLU."""
+
+    def __init__(self, pieces=10):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(2 * pieces)
+        self.pieces = pieces
+
+    def forward(self, x):
+        return torch.relu(self.bn(torch.cat([x * (i + 1) for i in range(self.pieces)], 1)))
+
+
+def test_a_group_refused_for_its_concatenation_fuses_without_it():
+    from graphopt.passes.fuse_elementwise import MAX_INPUTS
+
+    m = DenseLayer().eval()
+    assert m.pieces > MAX_INPUTS
+    x = torch.randn(2, 2, 5, 5)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c["aten.cat.default"] == 1 and c["aten.batch_norm.default"] == 0 and c["aten.relu.default"] == 0
+    assert any("over the program limit" in r.reason for r in res.rejected)
+    assert reference_check(m, gm, (x,)).passed

@@ -535,16 +535,22 @@ class GatedConv(nn.Module):
         return self.fc2(y + i.sum(-1, keepdim=True) if self.shared else y)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_concatenation_is_read_in_place_by_its_pointwise_readers(dtype):
-    torch.manual_seed(0)
-    m = GatedConv().eval().to(dtype)
-    x = torch.randn(2, 5, 5, 16, dtype=dtype)
+def _fused_once(m, x):
+    """``m`` captured on ``x`` and fused: the graph, the pass's result, its op counts and its one fused node."""
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
     c = op_counts(gm)
-    assert c["aten.cat.default"] == 0 and c[FP] == 1 and len(res.rewrites) == 1
     (fp,) = _fp_nodes(gm)
+    assert c[FP] == 1
+    return gm, res, c, fp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_concatenation_is_read_in_place_by_its_pointwise_readers(dtype):
+    torch.manual_seed(0)
+    m, x = GatedConv().eval().to(dtype), torch.randn(2, 5, 5, 16, dtype=dtype)
+    gm, res, c, fp = _fused_once(m, x)
+    assert c["aten.cat.default"] == 0 and len(res.rewrites) == 1
     prog = parse(fp.args[0])
     assert prog.concatenates and len(fp.args[1]) == 3  # the gate and both pieces, no concatenated copy
     assert reference_check(m, gm, (x,)).passed
@@ -605,13 +611,9 @@ class CatBatchNorm(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_inference_batch_norm_joins_as_a_per_channel_affine(dtype):
     torch.manual_seed(0)
-    m = CatBatchNorm().eval().to(dtype)
-    x = torch.randn(2, 8, 6, 6, dtype=dtype)
-    gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
-    c = op_counts(gm)
-    assert c["aten.batch_norm.default"] == 0 and c["aten.cat.default"] == 0 and c[FP] == 1
-    (fp,) = _fp_nodes(gm)
+    m, x = CatBatchNorm().eval().to(dtype), torch.randn(2, 8, 6, 6, dtype=dtype)
+    gm, res, c, fp = _fused_once(m, x)
+    assert c["aten.batch_norm.default"] == 0 and c["aten.cat.default"] == 0
     assert len(fp.args[1]) == 4  # the two pieces, the scale and the shift
     assert sorted(b for b in gm._buffers if b.startswith("_graphopt_")) == ["_graphopt_batch_norm_scale",
                                                                           "_graphopt_batch_norm_shift"]

@@ -20,6 +20,9 @@ Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
   must copy as a copy). The mask, padded to the scores' rank, is flattened over L alike when it
   broadcasts over all of L or none of it (a view), and expanded over L first (a copy, priced) when it
   broadcasts over part of it. At most one dim of L may be symbolic (unflatten takes one -1).
+* An SDPA call itself over more than one batch dim (NesT's [B, H, T, N, D] blocks), which CUDA runs
+  in the math kernel (the fused ones take 4-D q, k, v only), is flattened the same way where q, k, v
+  share their leading dims and the cost model predicts a gain.
 * Attention written with einsum is matched through capture, which spells a batched-matrix-product
   einsum (``"bghid,bghjd->bghij"``, ``"...id,...jd->...ij"``) as ``matmul`` (graphopt.capture_einsum).
 * A literal factor q or k is multiplied (or divided) by and that nothing else reads (MaxViT's
@@ -335,6 +338,10 @@ class FuseAttention(Pass):
         # GQA with a mask (memory-efficient attention, torch >= 2.14; cuDNN's on sm_90) or for one query row (a
         # decode step against a KV cache: the math kernel's own K/V repeat is what repeat_kv's
         # copies cost, and the graph keeps q [B, H, 1, D] against the cache itself)
+        # an SDPA call over more than one batch dim ([*L, H, S, D], NesT's blocks): the fused kernels
+        # take 4-D q, k, v only, so CUDA runs it in the math kernel; flattened over L it is the 4-D call
+        # the spellings above become
+        res.apply_ranked(ctx, self._flatten_sdpa_candidates(gm, ctx, res))
         unrepeats = []
         masked_gqa = _masked_gqa_kernel(ctx)
         for sd in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]:
@@ -368,6 +375,32 @@ class FuseAttention(Pass):
                                        lambda p=plan: self._apply_gqa(gm, p), label=f"sdpa {sd.name}"))
         res.apply_ranked(ctx, unrepeats, allow_zero_gain=True)
         return res
+
+    def _flatten_sdpa_candidates(self, gm, ctx, res) -> list[Candidate]:
+        out = []
+        for sd in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]:
+            q, k, v = sd.args[:3]
+            infos = [ir.info(t) if isinstance(t, fx.Node) else None for t in (q, k, v)]
+            if any(i is None for i in infos) or len(infos[0].shape) <= 4:  # (a call this pass made is 4-D)
+                continue
+            shapes = [i.shape for i in infos]
+            try:
+                if any(len(sh) != len(shapes[0]) or tuple(sh[:-3]) != tuple(shapes[0][:-3]) for sh in shapes[1:]):
+                    raise Refuse(f"q, k, v of leading dims {[tuple(sh[:-3]) for sh in shapes]}: not one batch to flatten")
+                if _kwarg(sd, 4, "dropout_p", 0.0) != 0.0:
+                    raise Refuse("dropout draws random numbers")
+                mask = _kwarg(sd, 3, "attn_mask", None)
+                plan = {"q": q, "k": k, "v": v, "mask": mask, "causal": bool(_kwarg(sd, 5, "is_causal", False)),
+                        "scale": sd.kwargs.get("scale"), "gqa": bool(sd.kwargs.get("enable_gqa", False)),
+                        "flat": self._flattening(tuple(shapes[0]), mask), "root": sd, "removed": [sd],
+                        "dropped_mask": None}
+            except Refuse as e:
+                res.reject(f"sdpa {sd.name}", f"{len(shapes[0])}-D, not flattened: {e}")
+                continue
+            gain = ctx.node_time([sd]) - self._replacement_time(ctx, plan)
+            out.append(Candidate(f"{len(shapes[0])}-D sdpa->4-D sdpa over the batch dims flattened", [sd], gain,
+                                 lambda p=plan: self._apply(gm, p), label=f"sdpa {sd.name}"))
+        return out
 
     # ------------------------------------------------------------------ analysis
 

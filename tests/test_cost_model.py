@@ -584,3 +584,9 @@ def test_sdpa_no_fused_kernel_takes_is_priced_as_the_math_kernel():
         assert name == "gqa" or ("without enable_gqa" if name == "broadcast" else "batch") in why
     # measured on the H200 (op_efficiency sdpa_math): 1.895 ms broadcast, 0.055 ms with enable_gqa
     assert 1.3e-3 < times["broadcast"] < 2.5e-3 and times["gqa"] < 0.1e-3
+    # q, k, v of five dims (NesT's [B, H, blocks, S, D]): no fused kernel takes them either
+    q5 = torch.randn(2, 4, 32, 512, 128, dtype=torch.bfloat16, device="meta")
+    node5 = _node(capture(Sdpa(False), (q5, q5, q5)), "scaled_dot_product_attention")
+    node4 = _node(capture(Sdpa(False), (q5[0], q5[0], q5[0])), "scaled_dot_product_attention")
+    assert "4-D" in sdpa_math_reason(node5) and sdpa_math_reason(node4) is None
+    assert cm.node_cost(node5).time_s > 5 * 2 * cm.node_cost(node4).time_s

@@ -1277,13 +1277,16 @@ def sdpa_math_reason(node: fx.Node) -> str | None:
     runs the math fallback (bf16/fp16 upcast to fp32, the score matrix written out), else None.
     The fused kernels (flash, memory-efficient, cuDNN) take q, k, v with the same batch and, unless
     ``enable_gqa``, the same head count: k/v broadcast over q's heads (multi-query attention written
-    with one K/V head) or batch take the math kernel."""
+    with one K/V head) or batch take the math kernel; so do q, k, v that are not 4-D (NesT's
+    [B, H, T, N, D] blocks: the fused kernels take [B, H, S, D] only)."""
     if node.op != "call_function" or ir.op_name(node) != "scaled_dot_product_attention" or len(node.args) < 3:
         return None
     q, k, v = (ir.info(a) if isinstance(a, fx.Node) else None for a in node.args[:3])
     if q is None or k is None or v is None or q.symbolic or k.symbolic or v.symbolic:
         return None
     if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+        if len(q.shape) >= 2 and len(k.shape) >= 2 and len(v.shape) >= 2:
+            return f"q, k, v of {len(q.shape)}, {len(k.shape)}, {len(v.shape)} dims: the fused kernels take 4-D ones"
         return None
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         return f"k/v batch {k.shape[0]} broadcast over q's {q.shape[0]}: only the math kernel broadcasts"
@@ -1301,10 +1304,12 @@ def sdpa_math_s(profile: DeviceProfile, node: fx.Node) -> tuple[float, float, in
     scales the products' rate and counts the passes over the scores where measured."""
     q, k, v = (ir.info(a) for a in node.args[:3])
     out = ir.info(node)
-    b, h, sq, d = q.shape
-    sk, dv = k.shape[2], v.shape[3]
-    flops = 2 * b * h * sq * sk * (d + dv)
-    scores = b * h * sq * sk * 4
+    sq, d, sk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    bh = 1
+    for n in (out.shape if out is not None else q.shape)[:-2]:  # batch, heads, NesT's blocks: each a product
+        bh *= n
+    flops = 2 * bh * sq * sk * (d + dv)
+    scores = bh * sq * sk * 4
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     mi = ir.info(mask) if isinstance(mask, fx.Node) else None
     causal = bool(node.kwargs.get("is_causal", False) or _positional(node, "is_causal") is True)

@@ -235,3 +235,46 @@ def test_training_step_through_the_flattened_sdpa():
     opt = graphopt.optimize(model, args, training=True, passes=["fold_constants", "fuse_attention"])
     assert opt.report.pass_result("fuse_attention").status == "applied" and _sdpas(opt.graph_module)
     step_check(model, opt, args)
+
+
+class NestBlocks(nn.Module):
+    """NesT's attention: an SDPA call on q, k, v of [B, H, T, N, D] (T image blocks, 3 heads of 32);
+    ``mask``: a boolean causal mask [N, N]; ``share_k``: k of the first image for all (broadcast over B)."""
+
+    def __init__(self, mask=False, share_k=False):
+        super().__init__()
+        self.qkv = nn.Linear(96, 288)
+        self.mask, self.share_k = mask, share_k
+
+    def forward(self, x):  # [B, T, N, C]
+        b, t, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, n, 3, 3, 32).permute(3, 0, 4, 1, 2, 5).unbind(0)
+        if self.share_k:
+            k = k[:1]
+        m = torch.ones(n, n, dtype=torch.bool).tril() if self.mask else None
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return o.permute(0, 2, 3, 4, 1).reshape(b, t, n, 96)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_an_sdpa_call_over_more_batch_dims_is_flattened_to_4d(mask):
+    """CUDA's fused kernels take 4-D q, k, v only (the cost model prices a 5-D call as the math
+    kernel); flattened over its leading dims the call is 4-D, its output unflattened back."""
+    torch.manual_seed(0)
+    m = NestBlocks(mask=mask).eval()
+    x = torch.randn(2, 16, 196, 96)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_attention"], target="h200")
+    (sd,) = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert sd.args[0].meta["val"].dim() == 4 and any("4-D sdpa" in r.pattern for r in res.rewrites)
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_an_sdpa_call_whose_k_broadcasts_over_a_batch_dim_stays():
+    m = NestBlocks(share_k=True).eval()
+    x = torch.randn(2, 16, 196, 96)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_attention"], target="h200")
+    (sd,) = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert sd.args[0].meta["val"].dim() == 5 and any("not one batch to flatten" in r.reason for r in res.rejected)
+    assert reference_check(m, gm, (x,)).passed

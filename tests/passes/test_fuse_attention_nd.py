@@ -256,25 +256,26 @@ class NestBlocks(nn.Module):
         return o.permute(0, 2, 3, 4, 1).reshape(b, t, n, 96)
 
 
+def _nest_sdpa(m):
+    """fuse_attention on ``m`` (NesT-sized input), checked against fp64: its result and the rank of
+    the one SDPA call's q."""
+    torch.manual_seed(0)
+    m, x = m.eval(), torch.randn(2, 16, 196, 96)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_attention"], target="h200")
+    (sd,) = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert reference_check(m, gm, (x,)).passed
+    return res, sd.args[0].meta["val"].dim()
+
+
 @pytest.mark.parametrize("mask", [False, True])
 def test_an_sdpa_call_over_more_batch_dims_is_flattened_to_4d(mask):
     """CUDA's fused kernels take 4-D q, k, v only (the cost model prices a 5-D call as the math
     kernel); flattened over its leading dims the call is 4-D, its output unflattened back."""
-    torch.manual_seed(0)
-    m = NestBlocks(mask=mask).eval()
-    x = torch.randn(2, 16, 196, 96)
-    gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["fuse_attention"], target="h200")
-    (sd,) = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
-    assert sd.args[0].meta["val"].dim() == 4 and any("4-D sdpa" in r.pattern for r in res.rewrites)
-    assert reference_check(m, gm, (x,)).passed
+    res, q_rank = _nest_sdpa(NestBlocks(mask=mask))
+    assert q_rank == 4 and any("4-D sdpa" in r.pattern for r in res.rewrites)
 
 
 def test_an_sdpa_call_whose_k_broadcasts_over_a_batch_dim_stays():
-    m = NestBlocks(share_k=True).eval()
-    x = torch.randn(2, 16, 196, 96)
-    gm = capture(m, (x,))
-    (res,) = run_passes(gm, ["fuse_attention"], target="h200")
-    (sd,) = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
-    assert sd.args[0].meta["val"].dim() == 5 and any("not one batch to flatten" in r.reason for r in res.rejected)
-    assert reference_check(m, gm, (x,)).passed
+    res, q_rank = _nest_sdpa(NestBlocks(share_k=True))
+    assert q_rank == 5 and any("not one batch to flatten" in r.reason for r in res.rejected)

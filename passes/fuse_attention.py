@@ -22,7 +22,9 @@ Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
   broadcasts over part of it. At most one dim of L may be symbolic (unflatten takes one -1).
 * An SDPA call itself over more than one batch dim (NesT's [B, H, T, N, D] blocks), which CUDA runs
   in the math kernel (the fused ones take 4-D q, k, v only), is flattened the same way where q, k, v
-  share their leading dims and the cost model predicts a gain.
+  share their leading dims and the cost model predicts a gain; where the mask broadcasts over every
+  leading dim, one of them is moved to the heads' place first so that flattening the others is a view
+  for all three (NesT's [B, H, T, N, D] from one projection: [B, T, H, N, D], B and T merging).
 * Attention written with einsum is matched through capture, which spells a batched-matrix-product
   einsum (``"bghid,bghjd->bghij"``, ``"...id,...jd->...ij"``) as ``matmul`` (graphopt.capture_einsum).
 * A literal factor q or k is multiplied (or divided) by and that nothing else reads (MaxViT's
@@ -394,6 +396,10 @@ class FuseAttention(Pass):
                         "scale": sd.kwargs.get("scale"), "gqa": bool(sd.kwargs.get("enable_gqa", False)),
                         "flat": self._flattening(tuple(shapes[0]), mask), "root": sd, "removed": [sd],
                         "dropped_mask": None}
+                perm = _view_flattening(infos) if mask is None or len(_shape(mask)) <= 2 else None
+                if perm is not None:  # one leading dim as the heads, the rest flattened as a view
+                    plan["flat"] = dict(plan["flat"], perm=perm,
+                                        lead=[shapes[0][d] for d in perm[:len(shapes[0]) - 3]])
             except Refuse as e:
                 res.reject(f"sdpa {sd.name}", f"{len(shapes[0])}-D, not flattened: {e}")
                 continue
@@ -751,6 +757,9 @@ def _emit(b, plan) -> fx.Node:
         return _emit_windowed(b, plan, q, k, v, win, kwargs)
     if plan["gqa"]:
         kwargs["enable_gqa"] = True
+    perm = flat.get("perm") if flat else None
+    if perm is not None:
+        q, k, v = (b.call(aten.permute.default, t, perm) for t in (q, k, v))
     if flat:
         q, k, v = (b.call(aten.flatten.using_ints, t, 0, flat["end"]) for t in (q, k, v))
         if mask is not None and flat["mask_expand"] is not None:
@@ -761,7 +770,27 @@ def _emit(b, plan) -> fx.Node:
                  val=None if flat else plan["root"].meta.get("val"), **kwargs)
     if flat:
         out = b.call(aten.unflatten.int, out, 0, flat["lead"])
+    if perm is not None:
+        out = b.call(aten.permute.default, out, sorted(range(len(perm)), key=perm.__getitem__))
     return out
+
+
+def _view_flattening(infos) -> list[int] | None:
+    """A permutation of [*L, H, S, D] tensors' dims that keeps S, D last and makes flattening the
+    first len(L) of them a view for every one of ``infos`` (q, k, v): one leading dim moved to the
+    heads' place, the others in stride order (NesT's [B, H, T, N, D] from one qkv projection:
+    [B, T, H, N, D], B and T merging), or None where no choice is a view."""
+    rank = len(infos[0].shape)
+    if any(i.symbolic or i.stride is None or len(i.shape) != rank for i in infos):
+        return None
+    lead = list(range(rank - 2))
+    for h in reversed(lead):  # the heads' own dim first: the identity where flattening is a view already
+        rest = sorted((d for d in lead if d != h), key=lambda d: -infos[0].stride[d])
+        if all(all(i.stride[a] == i.stride[b] * i.shape[b] or i.shape[a] == 1 for a, b in zip(rest, rest[1:]))
+               for i in infos):
+            perm = rest + [h, rank - 2, rank - 1]
+            return None if perm == list(range(rank)) else perm
+    return None
 
 
 def _emit_windowed(b, plan, q, k, v, win, kwargs) -> fx.Node:

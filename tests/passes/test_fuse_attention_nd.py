@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 
 from graphopt import capture
+from graphopt.cost.model import CostModel
+from graphopt.cost.profiles import get_profile
 from graphopt.pipeline import run_passes
 from tests.helpers import op_counts, reference_check
 
@@ -265,6 +267,10 @@ def _nest_sdpa(m):
     (res,) = run_passes(gm, ["fuse_attention"], target="h200")
     (sd,) = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
     assert reference_check(m, gm, (x,)).passed
+    if sd.args[0].meta["val"].dim() == 4:  # q, k, v from one projection: flattened as views (the blocks
+        cm = CostModel(get_profile("h200")[0])  # dim beside the batch, the heads' dim as the heads)
+        flats = [n for n in gm.graph.nodes if n.target is aten.flatten.using_ints]
+        assert len(flats) == 3 and all(cm.node_cost(n).time_s == 0 for n in flats)
     return res, sd.args[0].meta["val"].dim()
 
 

@@ -202,7 +202,7 @@ def test_narrow_copies_and_strided_conv_bytes():
     copies = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).split(".")[-2]
               in ("clone", "contiguous")]
     assert [narrow_copy(n) for n in copies] == [True, False, False]
-    fast = dataclasses.replace(_h200(), narrow_copy_scale=1.0)
+    fast = dataclasses.replace(_h200(), narrow_copy_scale=1.0, conv_bias_add_scale=1.0)  # (no strided rate either)
     slow = dataclasses.replace(fast, narrow_copy_scale=0.25)
     assert CostModel(slow).node_cost(copies[0]).memory_s == pytest.approx(4 * CostModel(fast).node_cost(copies[0]).memory_s)
     assert CostModel(slow).node_cost(copies[1]).memory_s == pytest.approx(CostModel(fast).node_cost(copies[1]).memory_s)
@@ -539,11 +539,13 @@ class ChannelScale(torch.nn.Module):
         return x * s  # squeeze-and-excitation's per-channel scale
 
 
-def test_a_broadcast_into_a_channels_last_tensor_is_priced_at_the_bias_add_rate():
-    """aten runs a pointwise op that broadcasts an operand into a channels_last output in the strided
-    kernel a convolution's bias add runs in: its memory time over the profile's conv_bias_add_scale;
-    the same op in NCHW, or with operands of one shape, is a plain streaming kernel."""
-    from graphopt.cost.model import broadcast_channels_last
+def test_a_broadcast_is_priced_at_the_strided_kernels_rate():
+    """aten vectorizes a pointwise op only where every operand is laid out as its output is: one that
+    broadcasts an operand (into a channels_last or an NCHW output) runs in the strided kernel a
+    convolution's bias add runs in, its memory time over the profile's conv_bias_add_scale; with
+    operands of one shape and layout it is a plain streaming kernel. broadcast_channels_last (the
+    case fuse_channels_last_broadcasts takes) names the channels_last one only."""
+    from graphopt.cost.model import broadcast_channels_last, strided_elementwise
 
     p = _h200()
     x, s = torch.randn(8, 64, 28, 28), torch.randn(8, 64, 1, 1)
@@ -553,9 +555,71 @@ def test_a_broadcast_into_a_channels_last_tensor_is_priced_at_the_bias_add_rate(
                                     torch.randn(8, 64, 28, 28).contiguous(memory_format=torch.channels_last)))
     a, b, c = (_node(g, "mul") for g in (cl, nchw, same))
     assert broadcast_channels_last(a) and not broadcast_channels_last(b) and not broadcast_channels_last(c)
-    ma, mb = CostModel(p).node_cost(a).memory_s, CostModel(p).node_cost(b).memory_s
-    assert ma == pytest.approx(mb / p.conv_bias_add_scale)
-    assert CostModel(dataclasses.replace(p, conv_bias_add_scale=1.0)).node_cost(a).memory_s == pytest.approx(mb)
+    assert [strided_elementwise(n, "pointwise") for n in (a, b, c)] == [True, True, False]
+    flat = dataclasses.replace(p, conv_bias_add_scale=1.0)
+    for n in (a, b):
+        assert CostModel(p).node_cost(n).memory_s == pytest.approx(
+            CostModel(flat).node_cost(n).memory_s / p.conv_bias_add_scale)
+    assert CostModel(p).node_cost(c).memory_s == pytest.approx(CostModel(flat).node_cost(c).memory_s)
+
+
+class FactorAttention(nn.Module):
+    """CoaT's factorized attention, its softmax over the tokens of k ([B, H, N, D] read from the qkv
+    projection's [B, N, 3, H, D]), and a product of two differently strided operands."""
+
+    def forward(self, qkv):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        ks = k.softmax(dim=2)
+        return q * v.transpose(-1, -2).contiguous().transpose(-1, -2), ks, v.softmax(dim=-1), q.contiguous()
+
+
+def test_spatial_softmax_implicit_copies_and_strided_reads_are_priced():
+    """CoaT's softmax over a dim with elements after it runs aten's spatial kernel (at the profile's
+    spatial_softmax rate) after a copy of its non-contiguous input (a kernel of its own at the strided
+    rate); the product of two operands strided unlike each other and the contiguous() of a permuted
+    view run the strided kernel; a softmax over the last dim takes no spatial rate (but still copies
+    its strided input). On the CPU none of this applies."""
+    from graphopt.cost.model import implicit_copy_bytes, spatial_softmax, strided_elementwise
+
+    p = _h200()
+    qkv = torch.randn(2, 50, 3, 4, 8, dtype=torch.bfloat16)
+    gm = capture(FactorAttention(), (qkv,))
+    sm = [n for n in gm.graph.nodes if n.op == "call_function" and "softmax" in str(n.target)]
+    assert [spatial_softmax(n) for n in sm] == [True, False]
+    nbytes = 2 * 50 * 4 * 8 * 2  # k read and written by the copy
+    assert [implicit_copy_bytes(n) for n in sm] == [2 * nbytes, 2 * nbytes]
+    k_cost, flat = CostModel(p).node_cost(sm[0]), dataclasses.replace(
+        p, op_efficiency={k: v for k, v in p.op_efficiency.items() if k != "spatial_softmax"})
+    plain = CostModel(flat).node_cost(sm[0])
+    assert k_cost.memory_s == pytest.approx(plain.memory_s / p.efficiency("spatial_softmax", "memory_scale"))
+    assert k_cost.launches == 2  # the input copy, a kernel of its own
+    mul = _node(gm, "aten.mul")
+    assert strided_elementwise(mul, "pointwise")
+    copies = [n for n in gm.graph.nodes if n.op == "call_function" and ("clone" in str(n.target)
+                                                                         or "contiguous" in str(n.target))]
+    assert copies and all(strided_elementwise(n, CostModel(p).flops_bytes(n)[3]) for n in copies)
+    cpu = get_profile("cpu")[0]
+    assert CostModel(cpu).node_cost(sm[0]).launches == 1
+
+
+class SliceConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+
+    def forward(self, x):
+        return self.conv(x[:, :8]), self.conv(x[:, 8:16].contiguous(memory_format=torch.channels_last))
+
+
+def test_a_convolution_of_a_channel_slice_pays_the_copy_aten_makes():
+    """A channel slice of a channels_last tensor is dense in no memory format: aten copies it before
+    cuDNN's convolution (CoaT's split of its value heads into three depthwise convolutions)."""
+    from graphopt.cost.model import implicit_copy_bytes
+
+    x = torch.randn(2, 24, 6, 6).contiguous(memory_format=torch.channels_last)
+    gm = capture(SliceConv().eval(), (x,))
+    convs = [n for n in gm.graph.nodes if n.op == "call_function" and "conv" in str(n.target)]
+    assert [implicit_copy_bytes(n) for n in convs] == [2 * 2 * 8 * 6 * 6 * 4, 0.0]
 
 
 def test_sdpa_no_fused_kernel_takes_is_priced_as_the_math_kernel():
@@ -590,3 +654,19 @@ def test_sdpa_no_fused_kernel_takes_is_priced_as_the_math_kernel():
     node4 = _node(capture(Sdpa(False), (q5[0], q5[0], q5[0])), "scaled_dot_product_attention")
     assert "4-D" in sdpa_math_reason(node5) and sdpa_math_reason(node4) is None
     assert cm.node_cost(node5).time_s > 5 * 2 * cm.node_cost(node4).time_s
+
+
+class ReshapeAs(nn.Module):
+    def forward(self, x, like):
+        return x.reshape_as(like), x.t().reshape_as(like)
+
+
+def test_reshape_as_is_a_view_where_reshape_is_one():
+    """reshape_as prices as reshape does: free where the input's layout lets it be a view (LeViT's
+    batch norms read back as [B, N, C]; before, every one was priced as a copy), a strided copy where
+    it is not."""
+    gm = capture(ReshapeAs(), (torch.randn(24, 16, dtype=torch.bfloat16), torch.randn(2, 12, 16)))
+    view, copy = [n for n in gm.graph.nodes if n.op == "call_function" and "reshape" in str(n.target)]
+    cm = CostModel(_h200())
+    assert cm.node_cost(view).time_s == 0 and cm.flops_bytes(view)[3] == "free"
+    assert cm.node_cost(copy).time_s > 0 and cm.flops_bytes(copy)[3] == "copy"

@@ -39,6 +39,7 @@ the profile, so they are reproducible and testable on the CPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy
@@ -63,7 +64,7 @@ VIEW_OPS = {
     "numpy_T", "view_as_real", "view_as_complex", "_reshape_alias", "dropout", "feature_dropout",
 }
 # ops that may or may not copy: a view when their input is contiguous / already matches
-MAYBE_VIEW_OPS = {"reshape", "flatten", "contiguous", "to", "_to_copy", "type_as"}
+MAYBE_VIEW_OPS = {"reshape", "reshape_as", "flatten", "contiguous", "to", "_to_copy", "type_as"}
 MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "_addmm_activation"}
 ADD_FIRST = {"addmm", "_addmm_activation", "baddbmm", "addbmm"}
 GROUPED_MM_OPS = {"_grouped_mm", "_scaled_grouped_mm"}  # a mixture of experts' GEMMs, one per group of rows
@@ -489,7 +490,7 @@ class CostModel:
         if name in MAYBE_VIEW_OPS:
             src = ins[0] if ins else None
             same = src is not None and outs[0].dtype == src.dtype and outs[0].device == src.device
-            if same and (name not in ("contiguous", "reshape", "flatten") or ir.is_contiguous(src)
+            if same and (name not in ("contiguous", "reshape", "reshape_as", "flatten") or ir.is_contiguous(src)
                          or (name != "contiguous" and ir.reshape_is_view(src, outs[0].shape))):
                 return 0, 0, 0, "free"
             return 0, (src.nbytes if src else 0) + out_bytes, 1, "copy"
@@ -649,14 +650,19 @@ class CostModel:
         memory = nbytes / p.bandwidth
         if p.narrow_copy_scale < 1.0 and ir.op_name(node) in COPY_OPS and narrow_copy(node):
             memory = memory / p.narrow_copy_scale
+        elif p.kind == "cuda" and p.conv_bias_add_scale < 1.0 and strided_elementwise(node, kind):
+            memory = memory / p.conv_bias_add_scale  # aten's strided kernel, measured on a convolution's bias add
         if ir.op_name(node) in POOL_OPS:
             memory = memory / p.efficiency("pool", "memory_scale", 1.0)
         if ir.op_name(node) == "native_layer_norm_backward":  # its weight gradients' column reduction
             memory = memory / p.efficiency("layer_norm_backward", "memory_scale", 1.0)
         if outer_sum(node):  # a bias gradient: aten's reduction over the leading dims
             memory = memory / p.efficiency("bias_grad_sum", "memory_scale", 1.0)
-        if kind == "pointwise" and p.kind == "cuda" and p.conv_bias_add_scale < 1.0 and broadcast_channels_last(node):
-            memory = memory / p.conv_bias_add_scale  # aten's kernel for a convolution's bias add, the same case
+        copy_s = 0.0  # the input copy aten makes first (implicit_copy_bytes), a strided kernel of its own
+        if p.kind == "cuda" and ir.op_namespace(node) == "aten":
+            if spatial_softmax(node):  # aten's softmax over a dim other than the innermost
+                memory = memory / p.efficiency("spatial_softmax", "memory_scale", 1.0)
+            copy_s = implicit_copy_bytes(node) / (p.bandwidth * min(1.0, p.conv_bias_add_scale))
         gn = aten_group_norm_s(p, node)
         math_path = p.kind == "cuda" and kind == "matmul" and sdpa_math_reason(node) is not None
         if math_path:  # SDPA's math fallback: its products, then the score matrix's memory passes
@@ -683,6 +689,10 @@ class CostModel:
             elif ir.op_name(node) == "native_layer_norm_backward":
                 t = _smax(t, norm_rows_seconds(p, ir.operand_infos(node)[1], "layer_norm_backward"))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
+        if copy_s:
+            t = t + p.kernel_seconds(0.0, copy_s)
+            gpu = gpu + _num(p.gpu_seconds(0.0, copy_s))
+            launches += 1
         if kind == "matmul" and eff != SMALL_M_LINEAR:  # (the small-M fit times whole calls, reduction included)
             red = split_k_reduce_node_seconds(p, node)
             if red:  # cuBLASLt's reduction kernel after the GEMM
@@ -1338,6 +1348,95 @@ def broadcast_channels_last(node: fx.Node) -> bool:
                    for a in node.args)
     except TypeError:  # symbolic sizes
         return False
+
+
+def _dense_order(t: ir.TensorInfo) -> bool:
+    """Non-overlapping and dense: some order of the dims lays it out contiguously."""
+    dims = sorted((d for d in range(len(t.shape)) if int(t.shape[d]) > 1), key=lambda d: int(t.stride[d]))
+    step = 1
+    for d in dims:
+        if int(t.stride[d]) != step:
+            return False
+        step *= int(t.shape[d])
+    return True
+
+
+def strided_elementwise(node: fx.Node, kind: str) -> bool:
+    """An aten pointwise op or copy that CUDA runs in its strided, unvectorized kernel: aten's
+    TensorIterator vectorizes only where every operand is laid out as the output is and the output
+    is dense, so a broadcast operand, a transposed or sliced read (a reshape's copy, a strided
+    product) or a channel pad take the kernel that computes each element's offsets, priced at the
+    profile's ``conv_bias_add_scale`` (measured on a convolution's bias add, that kernel's broadcast
+    case). Single-element operands (scalars) do not count; concatenations have a kernel of their own."""
+    if node.op != "call_function" or ir.op_namespace(node) != "aten" or kind not in ("pointwise", "copy") \
+            or ir.op_name(node) in ("cat", "stack", "concat"):
+        return False
+    out = ir.info(node)
+    if out is None or out.stride is None:
+        return False
+    try:
+        if not _dense_order(out):
+            return True
+        big = [d for d in range(len(out.shape)) if int(out.shape[d]) > 1]
+        for a in node.all_input_nodes:
+            i = ir.info(a)
+            if i is None or int(i.numel) <= 1:
+                continue
+            if i.device != out.device:
+                return False  # a transfer between devices: the copy engine's rate
+            if i.stride is None or tuple(i.shape) != tuple(out.shape) or \
+                    any(int(i.stride[d]) != int(out.stride[d]) for d in big):
+                return True
+        return False
+    except TypeError:  # symbolic sizes
+        return False
+
+
+def _reduced_dim(node: fx.Node) -> int | None:
+    x = ir.operand_infos(node)[0] if ir.operand_infos(node) else None
+    dim = _positional(node, "dim")
+    if x is None or not isinstance(dim, int) or not x.shape:
+        return None
+    return dim % len(x.shape)
+
+
+def spatial_softmax(node: fx.Node) -> bool:
+    """aten's softmax or log-softmax over a dim with more than one element after it (a softmax over
+    the tokens of [B, H, N, D], CoaT's factorized attention): CUDA runs its spatial kernel, at the
+    profile's ``op_efficiency["spatial_softmax"]["memory_scale"]`` of the copy rate."""
+    if node.op != "call_function" or ir.op_name(node) not in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+        return False
+    d = _reduced_dim(node)
+    if d is None:
+        return False
+    try:
+        return math.prod(int(s) for s in ir.operand_infos(node)[0].shape[d + 1:]) > 1
+    except TypeError:
+        return False
+
+
+def implicit_copy_bytes(node: fx.Node) -> float:
+    """Bytes of the copy an aten op makes of an input its kernel cannot read as laid out (read and
+    written): softmax and layer norm take a contiguous input, a convolution one dense in its memory
+    format (contiguous or channels_last; a channel slice of a channels_last tensor is neither)."""
+    if node.op != "call_function" or ir.op_namespace(node) != "aten":
+        return 0.0
+    name = ir.op_name(node)
+    ins = ir.operand_infos(node)
+    if not ins or ins[0].stride is None:
+        return 0.0
+    x = ins[0]
+    try:
+        if name in ("softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm"):
+            return 0.0 if ir.is_contiguous(x) else 2.0 * float(x.nbytes)
+        if name in CONV_OPS and len(x.shape) == 4:
+            n, c, h, w = (int(s) for s in x.shape)
+            cl = (h * w * c, 1, w * c, c)
+            fits = ir.is_contiguous(x) or all(int(x.stride[d]) == cl[d] for d in range(4) if int(x.shape[d]) > 1)
+            return 0.0 if fits else 2.0 * float(x.nbytes)
+    except TypeError:  # symbolic sizes
+        return 0.0
+    return 0.0
 
 
 def conv_layout_penalized(x: ir.TensorInfo | None, profile: DeviceProfile) -> bool:

@@ -579,7 +579,7 @@ def test_spatial_softmax_implicit_copies_and_strided_reads_are_priced():
     rate); the product of two operands strided unlike each other and the contiguous() of a permuted
     view run the strided kernel; a softmax over the last dim takes no spatial rate (but still copies
     its strided input). On the CPU none of this applies."""
-    from graphopt.cost.model import implicit_copy_bytes, spatial_softmax, strided_elementwise
+    from graphopt.cost.model import implicit_copy_bytes, input_copy_s, spatial_softmax, strided_elementwise
 
     p = _h200()
     qkv = torch.randn(2, 50, 3, 4, 8, dtype=torch.bfloat16)
@@ -593,6 +593,9 @@ def test_spatial_softmax_implicit_copies_and_strided_reads_are_priced():
     plain = CostModel(flat).node_cost(sm[0])
     assert k_cost.memory_s == pytest.approx(plain.memory_s / p.efficiency("spatial_softmax", "memory_scale"))
     assert k_cost.launches == 2  # the input copy, a kernel of its own
+    host, dev = CostModel(p).node_times(sm[0])  # (the queue model's times carry the copy too)
+    copy_dev = p.gpu_seconds(0.0, input_copy_s(p, implicit_copy_bytes(sm[0])))
+    assert copy_dev > 0 and dev == pytest.approx(p.gpu_seconds(k_cost.compute_s, k_cost.memory_s) + copy_dev)
     mul = _node(gm, "aten.mul")
     assert strided_elementwise(mul, "pointwise")
     copies = [n for n in gm.graph.nodes if n.op == "call_function" and ("clone" in str(n.target)
@@ -613,13 +616,30 @@ class SliceConv(nn.Module):
 
 def test_a_convolution_of_a_channel_slice_pays_the_copy_aten_makes():
     """A channel slice of a channels_last tensor is dense in no memory format: aten copies it before
-    cuDNN's convolution (CoaT's split of its value heads into three depthwise convolutions)."""
+    cuDNN's convolution (CoaT's split of its value heads into three depthwise convolutions), and so
+    does graphopt::conv_bias_relu's cuDNN call (its price declares the copy: OpCost.copy_bytes)."""
     from graphopt.cost.model import implicit_copy_bytes
 
     x = torch.randn(2, 24, 6, 6).contiguous(memory_format=torch.channels_last)
     gm = capture(SliceConv().eval(), (x,))
     convs = [n for n in gm.graph.nodes if n.op == "call_function" and "conv" in str(n.target)]
     assert [implicit_copy_bytes(n) for n in convs] == [2 * 2 * 8 * 6 * 6 * 4, 0.0]
+    big = torch.randn(64, 24, 112, 112).contiguous(memory_format=torch.channels_last)  # (past the launch time)
+    fused = capture(FusedSliceConv(), (big,))  # graphopt::conv_bias_relu calls cuDNN through aten alike
+    (conv,) = [n for n in fused.graph.nodes if n.op == "call_function" and "conv_bias_relu" in str(n.target)]
+    assert implicit_copy_bytes(conv) == 0.0  # (aten's rule; our op declares its copy in its own price)
+    assert CostModel(_h200()).op_cost(conv).copy_bytes == 2 * 64 * 8 * 112 * 112 * 4
+    cm, flat = CostModel(_h200()), CostModel(dataclasses.replace(_h200(), conv_bias_add_scale=1e9))
+    assert cm.node_cost(conv).launches == 2 and cm.node_cost(conv).time_s > flat.node_cost(conv).time_s
+
+
+class FusedSliceConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(8, 1, 3, 3)), nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return torch.ops.graphopt.conv_bias_relu(x[:, :8], self.w, self.b, None, [1, 1], [1, 1], [1, 1], 8)
 
 
 def test_sdpa_no_fused_kernel_takes_is_priced_as_the_math_kernel():
@@ -670,3 +690,37 @@ def test_reshape_as_is_a_view_where_reshape_is_one():
     cm = CostModel(_h200())
     assert cm.node_cost(view).time_s == 0 and cm.flops_bytes(view)[3] == "free"
     assert cm.node_cost(copy).time_s > 0 and cm.flops_bytes(copy)[3] == "copy"
+
+
+class Depthwise(nn.Module):
+    def __init__(self, k=(7, 7), groups=64):
+        super().__init__()
+        self.conv = nn.Conv2d(64, 64, k, padding=(k[0] // 2, k[1] // 2), groups=groups, bias=False)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_depthwise_convolutions_compute_at_the_depthwise_rate():
+    """A depthwise convolution over a channels_last input runs cuDNN's depthwise kernel on CUDA
+    cores: its device time is at least its FLOPs at op_efficiency["depthwise_conv"]'s scale of the
+    elementwise rate (nonsquare_scale for a band kernel); an NCHW one (aten's own kernel) and a
+    grouped one of 2 channels a group keep the conv fit."""
+    from graphopt.cost.model import conv_device_s, depthwise_conv_s
+
+    p = _h200()
+    cl = torch.randn(64, 64, 56, 56).contiguous(memory_format=torch.channels_last)
+    dw = capture(Depthwise().eval(), (cl,))
+    band = capture(Depthwise((1, 11)).eval(), (cl,))
+    nchw = capture(Depthwise().eval(), (torch.randn(64, 64, 56, 56),))
+    grouped = capture(Depthwise(groups=32).eval(), (cl,))
+    a, b, c, d = (_node(g, "conv") for g in (dw, band, nchw, grouped))
+    flops = 2 * 64 * 64 * 56 * 56 * 49
+    e = p.op_efficiency["depthwise_conv"]
+    assert depthwise_conv_s(p, a) == pytest.approx(flops / (p.elementwise_flops * e["scale"]) + p.kernel_fixed_s)
+    assert depthwise_conv_s(p, b) == pytest.approx(
+        2 * 64 * 64 * 56 * 56 * 11 / (p.elementwise_flops * e["nonsquare_scale"]) + p.kernel_fixed_s)
+    assert depthwise_conv_s(p, c) is None and depthwise_conv_s(p, d) is None
+    cost = CostModel(p).node_cost(a)
+    assert conv_device_s(p, a, cost.compute_s, cost.memory_s, bias=False) == pytest.approx(depthwise_conv_s(p, a))
+    assert depthwise_conv_s(get_profile("cpu")[0], a) is None

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from graphopt.cost.model import conv_flops_bytes, conv_rate
+from graphopt.cost.model import conv_flops_bytes, conv_input_copy_bytes, conv_rate
 from graphopt.cost.opclass import conv_tags, dtype_of
 from graphopt.cost.ops import OpCost
 from graphopt.errors import KernelArgumentError
@@ -50,9 +50,11 @@ def fake(x, w, bias, z, stride, padding, dilation, groups):
 
 def cost(call, profile):
     """A convolution at the profile's conv fit, which measures this fused form (bias and ReLU in
-    cuDNN: no bias kernel after it, no unfused slowdown)."""
+    cuDNN: no bias kernel after it, no unfused slowdown), and the copy cuDNN's call makes of an
+    input dense in no memory format."""
     flops, nbytes = conv_flops_bytes(call.inputs, call.outputs)
-    return OpCost(flops, nbytes, kind="matmul", efficiency="conv", rate=conv_rate(profile, call.node))
+    return OpCost(flops, nbytes, kind="matmul", efficiency="conv", rate=conv_rate(profile, call.node),
+                  copy_bytes=conv_input_copy_bytes(call.info("x")))
 
 
 def op_class(call):

@@ -658,11 +658,9 @@ class CostModel:
             memory = memory / p.efficiency("layer_norm_backward", "memory_scale", 1.0)
         if outer_sum(node):  # a bias gradient: aten's reduction over the leading dims
             memory = memory / p.efficiency("bias_grad_sum", "memory_scale", 1.0)
-        copy_s = 0.0  # the input copy aten makes first (implicit_copy_bytes), a strided kernel of its own
-        if p.kind == "cuda" and ir.op_namespace(node) == "aten":
-            if spatial_softmax(node):  # aten's softmax over a dim other than the innermost
-                memory = memory / p.efficiency("spatial_softmax", "memory_scale", 1.0)
-            copy_s = implicit_copy_bytes(node) / (p.bandwidth * min(1.0, p.conv_bias_add_scale))
+        copy_s = input_copy_s(p, implicit_copy_bytes(node))  # the input copy aten makes first, a kernel of its own
+        if p.kind == "cuda" and spatial_softmax(node):  # aten's softmax over a dim other than the innermost
+            memory = memory / p.efficiency("spatial_softmax", "memory_scale", 1.0)
         gn = aten_group_norm_s(p, node)
         math_path = p.kind == "cuda" and kind == "matmul" and sdpa_math_reason(node) is not None
         if math_path:  # SDPA's math fallback: its products, then the score matrix's memory passes
@@ -737,6 +735,11 @@ class CostModel:
             if c.floor_s is not None:
                 t = _smax(t, c.floor_s)
             gpu = _num(p.gpu_seconds(compute, memory, c.efficiency))
+        copy_s = input_copy_s(p, c.copy_bytes)
+        if copy_s:  # the op's library call copies an input it cannot read as laid out
+            t = t + p.kernel_seconds(0.0, copy_s)
+            gpu = gpu + _num(p.gpu_seconds(0.0, copy_s))
+            launches += 1
         if launch >= gpu:
             bound = "launch"
         elif _num(compute) >= _num(memory):
@@ -819,9 +822,12 @@ class CostModel:
             eff = self.op_cost(node).efficiency
         else:
             eff = _efficiency_kind(node) if kind == "matmul" else "memory"
+        copy_s = input_copy_s(p, self.op_cost(node).copy_bytes if ir.op_namespace(node) == op_costs.NAMESPACE
+                              else implicit_copy_bytes(node))
+        copy = (p.launch_overhead_s, p.gpu_seconds(0.0, copy_s)) if copy_s else (0.0, 0.0)
         if eff == "conv" and p.kind == "cuda":
-            return host, conv_device_s(p, node, c.compute_s, c.memory_s)
-        return host, p.gpu_seconds(c.compute_s, c.memory_s, eff)
+            return host + copy[0], conv_device_s(p, node, c.compute_s, c.memory_s) + copy[1]
+        return host + copy[0], p.gpu_seconds(c.compute_s, c.memory_s, eff) + copy[1]
 
     def node_loop_s(self, node: fx.Node, hints=None) -> float:
         """Predicted seconds per run of one node run many times back to back (how
@@ -1161,7 +1167,33 @@ def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s, bi
     t = profile.gpu_seconds(compute_s, memory_s, "conv")
     if profile.conv_narrow_input_slowdown > 1.0 and narrow_conv_input(node):
         t = t * profile.conv_narrow_input_slowdown
+    dw = depthwise_conv_s(profile, node)
+    if dw is not None:  # cuDNN's depthwise kernels compute on CUDA cores, not tensor cores
+        t = _smax(t, dw)
     return t + conv_bias_add_s(profile, node) if bias else t
+
+
+def depthwise_conv_s(profile: DeviceProfile, node: fx.Node):
+    """Device time of a depthwise convolution (one input channel per group, as many groups as
+    channels) over a channels_last input at the rate cuDNN's depthwise kernels compute at:
+    ``op_efficiency["depthwise_conv"]``'s ``scale`` of the profile's elementwise FLOP rate, its
+    ``nonsquare_scale`` for a kernel that is not square (InceptionNeXt's 1 x 11 bands run a slower
+    grouped kernel), plus the fixed time of a kernel. None where the profile has no such entry or
+    the node is no such convolution."""
+    e = profile.op_efficiency.get("depthwise_conv") if profile.kind == "cuda" else None
+    ins = ir.operand_infos(node)
+    if not e or len(ins) < 2 or len(ins[0].shape) != 4 or len(ins[1].shape) != 4:
+        return None
+    x, w = ins[0], ins[1]
+    try:
+        if int(w.shape[1]) != 1 or int(w.shape[0]) != int(x.shape[1]) or not is_channels_last(x):
+            return None
+        square = int(w.shape[2]) == int(w.shape[3])
+    except TypeError:  # symbolic channels
+        return None
+    scale = e.get("scale", 1.0) if square else e.get("nonsquare_scale", e.get("scale", 1.0))
+    flops = conv_flops_bytes(ins, ir.infos(node))[0]
+    return flops / (profile.elementwise_flops * scale) + profile.kernel_fixed_s
 
 
 def conv_flops_bytes(ins: list, outs: list) -> tuple[object, object]:
@@ -1418,7 +1450,7 @@ def spatial_softmax(node: fx.Node) -> bool:
 def implicit_copy_bytes(node: fx.Node) -> float:
     """Bytes of the copy an aten op makes of an input its kernel cannot read as laid out (read and
     written): softmax and layer norm take a contiguous input, a convolution one dense in its memory
-    format (contiguous or channels_last; a channel slice of a channels_last tensor is neither)."""
+    format (conv_input_copy_bytes)."""
     if node.op != "call_function" or ir.op_namespace(node) != "aten":
         return 0.0
     name = ir.op_name(node)
@@ -1429,14 +1461,32 @@ def implicit_copy_bytes(node: fx.Node) -> float:
     try:
         if name in ("softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm"):
             return 0.0 if ir.is_contiguous(x) else 2.0 * float(x.nbytes)
-        if name in CONV_OPS and len(x.shape) == 4:
-            n, c, h, w = (int(s) for s in x.shape)
-            cl = (h * w * c, 1, w * c, c)
-            fits = ir.is_contiguous(x) or all(int(x.stride[d]) == cl[d] for d in range(4) if int(x.shape[d]) > 1)
-            return 0.0 if fits else 2.0 * float(x.nbytes)
     except TypeError:  # symbolic sizes
         return 0.0
-    return 0.0
+    return conv_input_copy_bytes(x) if name in CONV_OPS else 0.0
+
+
+def conv_input_copy_bytes(x: ir.TensorInfo | None) -> float:
+    """Bytes (read and written) of the copy cuDNN's convolution call makes of a 4-D input that is
+    dense in neither memory format (a channel slice of a channels_last tensor: Res2Net's, CoaT's);
+    aten's call and our fused convolution's alike."""
+    if x is None or x.stride is None or len(x.shape) != 4:
+        return 0.0
+    try:
+        n, c, h, w = (int(s) for s in x.shape)
+        cl = (h * w * c, 1, w * c, c)
+        fits = ir.is_contiguous(x) or all(int(x.stride[d]) == cl[d] for d in range(4) if int(x.shape[d]) > 1)
+        return 0.0 if fits else 2.0 * float(x.nbytes)
+    except TypeError:  # symbolic sizes
+        return 0.0
+
+
+def input_copy_s(profile: DeviceProfile, nbytes) -> float:
+    """Memory seconds of an input copy an op's kernel call makes first (implicit_copy_bytes; an op of
+    ours declares its own, OpCost.copy_bytes), at the strided kernel's rate; 0 off CUDA."""
+    if profile.kind != "cuda" or not nbytes:
+        return 0.0
+    return nbytes / (profile.bandwidth * min(1.0, profile.conv_bias_add_scale))
 
 
 def conv_layout_penalized(x: ir.TensorInfo | None, profile: DeviceProfile) -> bool:

@@ -88,6 +88,9 @@ class OpCost:
     time_s: object = None
     # device seconds beyond the roofline, added to the memory time (another kernel's fixed time)
     extra_s: float = 0.0
+    # bytes (read and written) of the copy its library call makes first of an input it cannot read
+    # as laid out (cuDNN's of a channel slice): a strided copy kernel of its own (cost.model.input_copy_s)
+    copy_bytes: object = 0.0
 
 
 CostFn = Callable[[OpCall, "object"], OpCost]

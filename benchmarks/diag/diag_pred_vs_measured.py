@@ -1,4 +1,4 @@
-# Answered: how far the cost model's predictions are from the committed H100 rows of 2026-12-06, before and after pricing aten's strided kernels (results/pred_vs_measured_h100_2026-12-06_cpu.md: 27 -> 30 of 39 within +-20%).
+# Answered: how far the cost model's predictions are from the committed H100 rows of 2026-12-06, before and after pricing aten's strided kernels and cuDNN's depthwise convolutions (results/pred_vs_measured_h100_2026-12-06_cpu.md: 28 -> 35 of 40 within +-20%).
 """Committed GPU sweep rows against the cost model's prediction, re-planned on the CPU: each row's
 config optimized for the profile the GPU planned with (the h200 profile scaled to the row's GPU, as
 graphopt.cost.profiles.scaled_to_device does there) and predicted as a replayed CUDA graph, beside the

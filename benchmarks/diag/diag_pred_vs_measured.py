@@ -46,6 +46,7 @@ def main(argv=None) -> None:
     p.add_argument("results", nargs="+")
     p.add_argument("--only", default="", help="comma-separated configs")
     p.add_argument("--skip", default="", help="comma-separated configs left out (too big for this machine)")
+    p.add_argument("--plans", action="store_true", help="print each row's applied passes and graphopt ops")
     p.add_argument("--classes", action="store_true", help="print each row's predicted ms by op class")
     a = p.parse_args(argv)
     seen, rows = set(), []
@@ -81,6 +82,10 @@ def main(argv=None) -> None:
         within += abs(pred / meas - 1) <= 0.2
         print(f"{r['config']:36s} measured {meas:7.3f}  committed pred {r.get('predicted_ms') or 0:7.3f}  "
               f"pred {pred:7.3f}  pred/meas {pred / meas:5.2f}", flush=True)
+        if a.plans:  # the plan: each applied pass and how many nodes of each graphopt op the graph has
+            ops = collections.Counter(ir.op_name(n) for n in gm.graph.nodes
+                                      if n.op == "call_function" and ir.op_namespace(n) == "graphopt")
+            print(f"    plan {[x.name for x in om.report.passes if x.status == 'applied']} {sorted(ops.items())}")
         if a.classes:
             by = collections.defaultdict(float)
             for n in gm.graph.nodes:

@@ -49,7 +49,7 @@ import torch.fx as fx
 from .. import ir, timing
 from ..errors import GraphoptError
 from . import ops as op_costs
-from .opclass import is_split, split_times
+from .opclass import SOFTMAX_OPS, is_split, split_times
 from .profiles import DeviceProfile
 from .replacement import Replacement, is_scratch
 
@@ -688,9 +688,7 @@ class CostModel:
                 t = _smax(t, norm_rows_seconds(p, ir.operand_infos(node)[1], "layer_norm_backward"))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
         if copy_s:
-            t = t + p.kernel_seconds(0.0, copy_s)
-            gpu = gpu + _num(p.gpu_seconds(0.0, copy_s))
-            launches += 1
+            t, gpu, launches = _with_copy(p, copy_s, t, gpu, launches)
         if kind == "matmul" and eff != SMALL_M_LINEAR:  # (the small-M fit times whole calls, reduction included)
             red = split_k_reduce_node_seconds(p, node)
             if red:  # cuBLASLt's reduction kernel after the GEMM
@@ -737,9 +735,7 @@ class CostModel:
             gpu = _num(p.gpu_seconds(compute, memory, c.efficiency))
         copy_s = input_copy_s(p, c.copy_bytes)
         if copy_s:  # the op's library call copies an input it cannot read as laid out
-            t = t + p.kernel_seconds(0.0, copy_s)
-            gpu = gpu + _num(p.gpu_seconds(0.0, copy_s))
-            launches += 1
+            t, gpu, launches = _with_copy(p, copy_s, t, gpu, launches)
         if launch >= gpu:
             bound = "launch"
         elif _num(compute) >= _num(memory):
@@ -1439,7 +1435,7 @@ def spatial_softmax(node: fx.Node) -> bool:
     """aten's softmax or log-softmax over a dim with more than one element after it (a softmax over
     the tokens of [B, H, N, D], CoaT's factorized attention): CUDA runs its spatial kernel, at the
     profile's ``op_efficiency["spatial_softmax"]["memory_scale"]`` of the copy rate."""
-    if node.op != "call_function" or ir.op_name(node) not in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+    if node.op != "call_function" or ir.op_name(node) not in SOFTMAX_OPS:
         return False
     d = _reduced_dim(node)
     if d is None:
@@ -1462,7 +1458,7 @@ def implicit_copy_bytes(node: fx.Node) -> float:
         return 0.0
     x = ins[0]
     try:
-        if name in ("softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm"):
+        if name in SOFTMAX_OPS or name in ("layer_norm", "native_layer_norm"):
             return 0.0 if ir.is_contiguous(x) else 2.0 * float(x.nbytes)
     except TypeError:  # symbolic sizes
         return 0.0
@@ -1482,6 +1478,12 @@ def conv_input_copy_bytes(x: ir.TensorInfo | None) -> float:
         return 0.0 if fits else 2.0 * float(x.nbytes)
     except TypeError:  # symbolic sizes
         return 0.0
+
+
+def _with_copy(profile: DeviceProfile, copy_s, t, gpu, launches) -> tuple:
+    """(eager time, device time, launches) of a node with its input copy (``copy_s`` memory
+    seconds, input_copy_s) as a kernel of its own before it."""
+    return t + profile.kernel_seconds(0.0, copy_s), gpu + _num(profile.gpu_seconds(0.0, copy_s)), launches + 1
 
 
 def input_copy_s(profile: DeviceProfile, nbytes) -> float:

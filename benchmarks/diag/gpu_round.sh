@@ -18,6 +18,11 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s27      per-node Spearman of $2 (node rows kept)
+#   s26      kernel profiles of $2
+#   s25      $2 timed, 4 at once, then the per-node Spearman of $3
+#   s24      diag_copy_patterns.py, kernel profiles of $2
+#   s23      cuda tests, kernel profiles of $2, then $3 timed alone
 #   final    the cuda tests of this round's kernels and passes, ConvNeXt bs64, checkpoint_bench.py
 #   bash benchmarks/diag/gpu_round.sh core
 set -u
@@ -47,6 +52,42 @@ ctests() {
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
 case "$1" in
+s27)
+  # per-node predicted against measured (Spearman, and each node's shapes and times for fits) of $2
+  timeout $((${LIMIT:-590} + 5 - SECONDS)) python3 benchmarks/diag/diag_node_spearman.py --out "$OUT" \
+    --configs "$2" --budget-s $((${LIMIT:-590} - 60 - SECONDS)) 2>&1 | quiet | grep "^{" | cut -c1-300 ;;
+s26)
+  # graphopt and eager kernel profiles of $2 (CONFIG:BATCH,...): the models no session had run whose predictions missed
+  for cb in ${2//,/ }; do
+    timeout 110 python3 benchmarks/diag/profile_model.py ${cb%%:*} --sweep --batch ${cb##*:} --gaps --top 30 \
+      --out "$OUT" 2>&1 | quiet | grep "^##\|rror" | head -6; echo "### profile $cb ${SECONDS}s"
+  done ;;
+s25)
+  # $2 (CONFIG:BATCH,...) timed, 4 configs at once (their device work takes turns), to ${SPLIT:-590} s: the rows whose
+  # plans the concatenation and channel-padding prices changed, and models no session had run, measured last
+  timeout $((${SPLIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 4 --timeout 200 --reps 20 \
+    --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -30; echo "### timed ${SECONDS}s"
+  # then per-node predicted against measured (Spearman) of $3 with the time left
+  [ -n "${3:-}" ] && timeout $((${LIMIT:-590} + 5 - SECONDS)) python3 benchmarks/diag/diag_node_spearman.py --out "$OUT" \
+    --configs "$3" --budget-s $((${LIMIT:-590} - 60 - SECONDS)) 2>&1 | quiet | grep "^{" | cut -c1-300 ;;
+s24)
+  # copies by stride pattern, misaligned convolutions and strided pointwise kernels measured (diag_copy_patterns.py),
+  # then graphopt and eager kernel profiles of $2 (CONFIG:BATCH,...)
+  timeout 240 python3 benchmarks/diag/diag_copy_patterns.py --out "$OUT" 2>&1 | quiet | tail -60; echo "### copies ${SECONDS}s"
+  for cb in ${2//,/ }; do
+    timeout 110 python3 benchmarks/diag/profile_model.py ${cb%%:*} --sweep --batch ${cb##*:} --gaps --top 30 \
+      --out "$OUT" 2>&1 | quiet | grep "^##\|rror" | head -6; echo "### profile $cb ${SECONDS}s"
+  done ;;
+s23)
+  # the cuda tests of the lowering, the guard and the pointwise and conv kernels; graphopt and eager kernel profiles
+  # of $2 (CONFIG:BATCH,... the rows the cost model is furthest from); then $3 timed alone to ${LIMIT:-590} s
+  ctests s23 150 tests/test_lower.py tests/test_measure.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_conv_relu.py
+  for cb in ${2//,/ }; do
+    timeout 120 python3 benchmarks/diag/profile_model.py ${cb%%:*} --sweep --batch ${cb##*:} --gaps --top 30 \
+      --out "$OUT" 2>&1 | quiet | grep "^##\|rror" | head -6; echo "### profile $cb ${SECONDS}s"
+  done
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$3" --jobs 1 --timeout 120 --reps 20 \
+    --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20 ;;
 s22)
   # the cuda tests of histc replay, the guard and unroll_small_reductions; kernel profiles (graphopt, eager,
   # compile) of the screen's rows behind compile: $2 (CONFIG:BATCH,...); then $3 timed alone to ${LIMIT:-590} s

@@ -725,3 +725,110 @@ def test_depthwise_convolutions_compute_at_the_depthwise_rate():
     cost = CostModel(p).node_cost(a)
     assert conv_device_s(p, a, cost.compute_s, cost.memory_s, bias=False) == pytest.approx(depthwise_conv_s(p, a))
     assert depthwise_conv_s(get_profile("cpu")[0], a) is None
+
+
+class Concat(nn.Module):
+    def forward(self, *xs):
+        return torch.cat(xs, 1)
+
+
+class ConcatSlice(nn.Module):
+    def forward(self, wide, a, b):
+        return torch.cat([a, b, wide[:, 8:]], 1)  # the last piece a channel slice (Res2Net's last split)
+
+
+def test_concatenations_are_priced_by_the_runs_they_write():
+    """aten's concatenation writes each piece in runs of the piece's extent along the dim and every
+    dim inside it in memory: a channel concatenation of channels_last pieces writes runs of C_piece
+    elements (priced at the profile's cat_runs share for narrow, 32-byte and wide runs), an NCHW one
+    runs of C_piece * H * W (long). A piece not dense in the output's format makes aten copy piece by
+    piece: one kernel each, at no more than the strided rate. Without the entry (the CPU) the
+    concatenation is a plain copy."""
+    from graphopt.cost.model import aten_cat_s, cat_pieces, cat_run_scale
+
+    p = _h200()
+    e = p.op_efficiency["cat_runs"]
+    cl = lambda c: torch.randn(2, c, 6, 6, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)  # noqa: E731
+    narrow = _node(capture(Concat(), (cl(14), cl(14))), "cat")
+    wide = _node(capture(Concat(), (cl(32), cl(64))), "cat")
+    nchw = _node(capture(Concat(), (torch.randn(2, 14, 40, 40, dtype=torch.bfloat16),) * 2), "cat")
+    assert [r for _, r, _ in cat_pieces(narrow)] == [28, 28]
+    assert [r for _, r, _ in cat_pieces(wide)] == [64, 128]
+    assert [r for _, r, _ in cat_pieces(nchw)] == [14 * 40 * 40 * 2] * 2
+    assert [cat_run_scale(e, r) for r in (16, 28, 32, 48, 64, 112, 4096)] == \
+        [e["narrow"], e["narrow"], e["32"], e["narrow"], e["wide"], e["wide"], e["long"]]
+    nbytes = 2 * 14 * 36 * 2
+    assert aten_cat_s(p, narrow) == (pytest.approx(2 * 2 * nbytes / (p.bandwidth * e["narrow"])), 1)
+    assert CostModel(p).node_cost(narrow).memory_s == pytest.approx(aten_cat_s(p, narrow)[0])
+
+    sliced = _node(capture(ConcatSlice(), (cl(24), cl(14), cl(14))), "cat")
+    assert [d for _, _, d in cat_pieces(sliced)] == [True, True, False]
+    s, k = aten_cat_s(p, sliced)
+    assert k == 3 and CostModel(p).node_cost(sliced).launches == 3
+    each = [(2 * 14 * 36 * 2, e["narrow"]), (2 * 14 * 36 * 2, e["narrow"]), (2 * 16 * 36 * 2, e["32"])]
+    assert s == pytest.approx(sum(2 * b / (p.bandwidth * min(r, p.conv_bias_add_scale)) for b, r in each)
+                              + 2 * p.kernel_fixed_s)
+    cpu = get_profile("cpu")[0] if "cpu" in profile_names() else dataclasses.replace(p, kind="cpu")
+    assert aten_cat_s(cpu, narrow) is None
+
+
+def test_convolutions_over_channels_not_a_multiple_of_8_pay_cudnns_padding():
+    """cuDNN pads a 16-bit channels_last convolution whose channels are not a multiple of 8 into
+    aligned buffers: graphopt's fused call copies its input in and its output out, aten's its input
+    alone, each copy at the strided rate and each buffer zeroed, plus their kernels' fixed time.
+    Aligned channels, few-channel stems, 1x1, grouped and fp32 convolutions pay none."""
+    from graphopt.cost.model import conv_channel_pad_s
+
+    p = _h200()
+    e = p.op_efficiency["conv_channel_pad"]
+    cl = lambda c: torch.randn(2, c, 6, 6, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)  # noqa: E731
+
+    class Ours(nn.Module):
+        def forward(self, x, w, b):
+            return torch.ops.graphopt.conv_bias_relu(x, w, b, None, [1, 1], [1, 1], [1, 1], 1)
+
+    def conv(c, groups=1, dtype=torch.bfloat16, k=3):
+        m = nn.Conv2d(c, c, k, padding=k // 2, groups=groups).to(dtype).to(memory_format=torch.channels_last)
+        return _node(capture(m, (cl(c).to(dtype),)), "conv")
+
+    x = 2 * 14 * 36 * 2  # bytes of the 14-channel input (and output)
+    xp = x * 16 / 14
+    aten = conv(14)
+    assert conv_channel_pad_s(p, aten) == pytest.approx(
+        (x + xp) / (p.bandwidth * p.conv_bias_add_scale) + xp / p.bandwidth + e["aten"] * p.kernel_fixed_s)
+    ours = _node(capture(Ours(), (cl(14), torch.randn(14, 14, 3, 3, dtype=torch.bfloat16),
+                                  torch.randn(14, dtype=torch.bfloat16))), "conv_bias_relu")
+    assert conv_channel_pad_s(p, ours) == pytest.approx(
+        2 * (x + xp) / (p.bandwidth * p.conv_bias_add_scale) + 2 * xp / p.bandwidth + e["ours"] * p.kernel_fixed_s)
+    flat = dataclasses.replace(p, op_efficiency={k: v for k, v in p.op_efficiency.items() if k != "conv_channel_pad"})
+    assert CostModel(p).node_cost(ours).time_s > CostModel(flat).node_cost(ours).time_s
+    assert [conv_channel_pad_s(p, n) for n in (conv(16), conv(14, groups=14), conv(14, dtype=torch.float32),
+                                                conv(14, k=1))] == [0, 0, 0, 0]
+    assert conv_channel_pad_s(flat, aten) == 0
+
+
+def test_grouped_convolutions_of_widths_cudnn_has_no_kernel_for_take_the_transform_path():
+    """A channels_last 16-bit grouped convolution (three groups or more, not depthwise) whose group
+    width is not a power of two (RegNet's 24) runs cuDNN's transform path: at least its input and
+    output moved at op_efficiency["grouped_conv_transform"]'s share of the copy rate. Powers of two,
+    two groups, depthwise, NCHW and fp32 convolutions keep the conv fit."""
+    from graphopt.cost.model import grouped_conv_transform_s
+
+    p = _h200()
+    scale = p.op_efficiency["grouped_conv_transform"]["memory_scale"]
+
+    def conv(c, groups, fmt=torch.channels_last, dtype=torch.bfloat16):
+        m = nn.Conv2d(c, c, 3, padding=1, groups=groups, bias=False).to(dtype).to(memory_format=fmt)
+        x = torch.randn(2, c, 8, 8, dtype=dtype).contiguous(memory_format=fmt)
+        return _node(capture(m, (x,)), "conv")
+
+    rg = conv(120, 5)  # 24 channels a group
+    nbytes = 2 * (2 * 120 * 8 * 8 * 2)
+    assert grouped_conv_transform_s(p, rg) == pytest.approx(nbytes / (p.bandwidth * scale) + p.kernel_fixed_s)
+    flat = dataclasses.replace(p, op_efficiency={k: v for k, v in p.op_efficiency.items()
+                                                 if k != "grouped_conv_transform"})
+    assert CostModel(p).node_times(rg)[1] > CostModel(flat).node_times(rg)[1]  # (its device time)
+    others = [conv(128, 4), conv(48, 2), conv(24, 24), conv(120, 5, fmt=torch.contiguous_format),
+              conv(120, 5, dtype=torch.float32)]
+    assert [grouped_conv_transform_s(p, n) for n in others] == [None] * 5
+    assert grouped_conv_transform_s(flat, rg) is None

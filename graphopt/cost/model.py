@@ -652,6 +652,9 @@ class CostModel:
             memory = memory / p.narrow_copy_scale
         elif p.kind == "cuda" and p.conv_bias_add_scale < 1.0 and strided_elementwise(node, kind):
             memory = memory / p.conv_bias_add_scale  # aten's strided kernel, measured on a convolution's bias add
+        cat = aten_cat_s(p, node) if p.kind == "cuda" else None
+        if cat is not None:  # aten's concatenation kernel, by the runs it writes (or a copy per piece)
+            memory, launches = cat
         if ir.op_name(node) in POOL_OPS:
             memory = memory / p.efficiency("pool", "memory_scale", 1.0)
         if ir.op_name(node) == "native_layer_norm_backward":  # its weight gradients' column reduction
@@ -1163,6 +1166,10 @@ def conv_device_s(profile: DeviceProfile, node: fx.Node, compute_s, memory_s, bi
     t = profile.gpu_seconds(compute_s, memory_s, "conv")
     if profile.conv_narrow_input_slowdown > 1.0 and narrow_conv_input(node):
         t = t * profile.conv_narrow_input_slowdown
+    t = t + conv_channel_pad_s(profile, node)
+    gt = grouped_conv_transform_s(profile, node)
+    if gt is not None:  # cuDNN's transform path for group widths its grouped kernels do not take
+        t = _smax(t, gt)
     dw = depthwise_conv_s(profile, node)
     if dw is not None:  # cuDNN's depthwise kernels compute on CUDA cores, not tensor cores
         t = _smax(t, dw)
@@ -1275,6 +1282,67 @@ def narrow_conv_input(node: fx.Node) -> bool:
         return int(x.shape[1]) % 8 != 0
     except TypeError:  # a symbolic channel count
         return False
+
+
+def grouped_conv_transform_s(profile: DeviceProfile, node: fx.Node):
+    """Device time of a grouped 16-bit convolution over a channels_last input (three groups or more,
+    not depthwise) whose group width is not a power of two (RegNet's 24 channels a group): cuDNN has
+    no grouped kernel for it and runs a transform path (three tensorTransformGeneric kernels and
+    memsets around the convolution) that moves its input and output at
+    ``op_efficiency["grouped_conv_transform"]["memory_scale"]`` of the copy rate. None on other
+    profiles and for other convolutions (two groups: cuDNN splits some into two convolutions, and
+    measured from 0.03 to 0.16 of the copy rate)."""
+    e = profile.op_efficiency.get("grouped_conv_transform") if profile.kind == "cuda" else None
+    ins, outs = ir.operand_infos(node), ir.infos(node)
+    if not e or len(ins) < 2 or not outs or len(ins[0].shape) != 4 or len(ins[1].shape) != 4:
+        return None
+    x, w, out = ins[0], ins[1], outs[0]
+    if x.dtype.itemsize != 2 or not is_channels_last(x):
+        return None
+    try:
+        cin, gw_in, cout = int(x.shape[1]), int(w.shape[1]), int(w.shape[0])
+        groups = cin // gw_in if gw_in else 0
+        if groups < 3 or gw_in < 2 or cout % groups:
+            return None
+        pow2 = lambda v: v & (v - 1) == 0  # noqa: E731
+        if pow2(gw_in) and pow2(cout // groups):
+            return None
+        nbytes = float(x.nbytes) + float(out.nbytes)
+    except TypeError:  # symbolic sizes
+        return None
+    return nbytes / (profile.bandwidth * e["memory_scale"]) + profile.kernel_fixed_s
+
+
+def conv_channel_pad_s(profile: DeviceProfile, node: fx.Node):
+    """Device time of the padding cuDNN does around an ungrouped 16-bit convolution over a
+    channels_last input of at least 8 channels where the input or output channels are not a
+    multiple of 8 (Res2Net's 14- and 28-channel splits): it copies the input into a zeroed buffer
+    of whole 8-channel groups (and, in graphopt's fused call, the output back out of one), each copy
+    a strided kernel at the profile's ``conv_bias_add_scale`` and each buffer a memset, plus the
+    fixed time of ``op_efficiency["conv_channel_pad"]``'s kernel counts (``ours`` / ``aten``). 0 on
+    other profiles and for other convolutions: few-channel stems run kernels of their own, and 1x1
+    ones (squeeze-and-excitation's over one pixel included) were not measured to pad."""
+    e = profile.op_efficiency.get("conv_channel_pad") if profile.kind == "cuda" else None
+    ins, outs = ir.operand_infos(node), ir.infos(node)
+    if not e or len(ins) < 2 or not outs or len(ins[0].shape) != 4 or len(ins[1].shape) != 4:
+        return 0.0
+    x, w, out = ins[0], ins[1], outs[0]
+    if x.dtype.itemsize != 2 or not is_channels_last(x):
+        return 0.0
+    try:
+        cin, cout = int(x.shape[1]), int(w.shape[0])
+        if int(w.shape[1]) != cin or cin < 8 or (cin % 8 == 0 and cout % 8 == 0) \
+                or int(w.shape[2]) * int(w.shape[3]) == 1:
+            return 0.0
+        pad = lambda t, c: float(t.nbytes) * (-(-c // 8) * 8) / c  # noqa: E731
+        ours = ir.op_namespace(node) == op_costs.NAMESPACE
+        copied = float(x.nbytes) + pad(x, cin) + ((float(out.nbytes) + pad(out, cout)) if ours else 0.0)
+        zeroed = pad(x, cin) + (pad(out, cout) if ours else 0.0)
+    except TypeError:  # symbolic sizes
+        return 0.0
+    kernels = e.get("ours" if ours else "aten", 0)
+    return copied / (profile.bandwidth * profile.conv_bias_add_scale) + zeroed / profile.bandwidth \
+        + kernels * profile.kernel_fixed_s
 
 
 def conv_bias_add_s(profile: DeviceProfile, node: fx.Node):
@@ -1390,6 +1458,81 @@ def _dense_order(t: ir.TensorInfo) -> bool:
             return False
         step *= int(t.shape[d])
     return True
+
+
+def cat_pieces(node: fx.Node) -> list[tuple[float, int, bool]] | None:
+    """(bytes, run bytes, dense) of each non-empty piece of an aten concatenation: the run is how
+    many contiguous bytes of the output one piece fills before the next piece's (the piece's extent
+    along the dim and every dim inside it in the output's memory order: a channel concatenation of
+    channels_last tensors writes runs of C_piece elements, an NCHW one runs of C_piece * H * W);
+    dense: the piece is laid out as the output's memory order would lay it out. None for anything
+    else (stack, symbolic sizes, unknown strides)."""
+    if node.op != "call_function" or ir.op_namespace(node) != "aten" or ir.op_name(node) not in ("cat", "concat") \
+            or not node.args or not isinstance(node.args[0], (list, tuple)):
+        return None
+    out = ir.info(node)
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if out is None or out.stride is None or not isinstance(dim, int) or not out.shape:
+        return None
+    try:
+        nd = len(out.shape)
+        d = dim % nd
+        order = sorted(range(nd), key=lambda e: (int(out.stride[e]), -e))  # innermost first
+        inner = order[:order.index(d)]
+        pieces = []
+        for a in node.args[0]:
+            i = ir.info(a) if isinstance(a, fx.Node) else None
+            if i is None or i.stride is None or len(i.shape) != nd:
+                return None
+            if int(i.numel) == 0:
+                continue
+            step, dense = 1, True
+            for e in order:
+                if int(i.shape[e]) > 1 and int(i.stride[e]) != step:
+                    dense = False
+                step *= int(i.shape[e])
+            outer = any(int(out.shape[e]) > 1 for e in order[order.index(d) + 1:])
+            run = (math.prod(int(i.shape[e]) for e in inner) * int(i.shape[d]) if outer else int(i.numel)) \
+                * i.dtype.itemsize
+            pieces.append((float(i.nbytes), run, dense))
+        return pieces
+    except TypeError:  # symbolic sizes
+        return None
+
+
+def cat_run_scale(e: dict, run: int) -> float:
+    """The share of the copy rate aten's concatenation kernel writes runs of ``run`` bytes at
+    (``op_efficiency["cat_runs"]``): ``long`` from ``long_bytes`` up, ``wide`` for runs of at least
+    64 bytes in whole 16-byte vectors, ``32`` for 32-byte runs, ``narrow`` for the rest."""
+    if run >= e.get("long_bytes", 4096):
+        return e.get("long", 1.0)
+    if run >= 64 and run % 16 == 0:
+        return e.get("wide", 1.0)
+    if run % 32 == 0:
+        return e.get("32", 1.0)
+    return e.get("narrow", 1.0)
+
+
+def aten_cat_s(profile: DeviceProfile, node: fx.Node) -> tuple[float, int] | None:
+    """(memory seconds, kernels) of an aten concatenation on a CUDA profile with a ``cat_runs``
+    entry: one batched kernel that reads each piece and writes it at the rate of its runs
+    (cat_run_scale); where a piece is not dense in the output's memory format (a channel slice:
+    Res2Net's last split) aten copies piece by piece instead, a strided copy kernel each at no more
+    than the profile's ``conv_bias_add_scale``. None where neither applies."""
+    e = profile.op_efficiency.get("cat_runs")
+    pieces = cat_pieces(node) if e else None
+    if not pieces:
+        return None
+    each = not all(dense for _, _, dense in pieces)
+    s = 0.0
+    for nbytes, run, _ in pieces:
+        scale = cat_run_scale(e, run)
+        if each:
+            scale = min(scale, profile.conv_bias_add_scale)
+        s += 2 * nbytes / (profile.bandwidth * scale)
+    if each:
+        return s + (len(pieces) - 1) * profile.kernel_fixed_s, len(pieces)
+    return s, 1
 
 
 def strided_elementwise(node: fx.Node, kind: str) -> bool:

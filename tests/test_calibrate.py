@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from graphopt.tools.calibrate import calibrate
+from graphopt.tools.calibrate import _shipped_for, calibrate, keep_shipped_prices
 from graphopt.tools.cli import main
 from graphopt.cost.profiles import DeviceProfile, get_profile
 
@@ -65,11 +65,27 @@ def test_calibrate_cuda_quick(tmp_path):
     assert 0 < prof.attention_scale <= 1 and prof.attention_fixed_s >= 0
     sa = prof.op_efficiency["short_attention"]  # lower_attention's fit
     assert 0 < sa["scale"] <= 1 and sa["fixed_s"] >= 0
-    assert 0 < prof.op_efficiency["pool"]["memory_scale"] <= 1 and "row_norm" in prof.op_efficiency
+    assert 0 < prof.op_efficiency["pool"]["memory_scale"] <= 1
+    base = _shipped_for(torch.cuda.get_device_name())
+    if base is not None:  # every price of the shipped profile this run does not measure is kept
+        assert set(base.op_efficiency) <= set(prof.op_efficiency)
+        assert prof.op_efficiency["row_norm"] == base.op_efficiency["row_norm"]
     assert 0.3 < prof.matmul_sustained_fraction <= 1  # the GEMM rate under back-to-back load
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof.to_dict()))
     assert get_profile(str(path))[0].to_dict() == prof.to_dict()
+
+
+def test_a_calibrated_profile_keeps_the_shipped_prices_it_does_not_measure():
+    """calibrate measures some op_efficiency entries (pool, short_attention); every other entry of
+    the shipped profile for the GPU (depthwise convolutions, concatenations, ...) is kept as it was,
+    with its source saying so; a measured one is not overwritten."""
+    base = get_profile("h200")[0]
+    op_eff, source = {"pool": {"memory_scale": 0.5}}, {}
+    keep_shipped_prices(op_eff, source, base)
+    assert set(op_eff) == set(base.op_efficiency) | {"pool"} and op_eff["pool"] == {"memory_scale": 0.5}
+    assert op_eff["cat_runs"] == base.op_efficiency["cat_runs"] and op_eff["cat_runs"] is not base.op_efficiency["cat_runs"]
+    assert "kept from the shipped h200 profile" in source["depthwise_conv"] and "pool" not in source
 
 
 def test_efficiency_fit_recovers_a_known_line():

@@ -563,6 +563,16 @@ def _shipped_for(name: str) -> DeviceProfile | None:
     return None
 
 
+def keep_shipped_prices(op_eff: dict, source: dict, base: DeviceProfile) -> None:
+    """Add to ``op_eff`` (a calibrated profile's op_efficiency) every entry of the shipped profile
+    ``base`` this run did not measure (row_norm, depthwise_conv, cat_runs, ...), so a calibrated
+    profile loses none of the prices measured for its GPU; ``source`` says where each came from."""
+    for key, entry in base.op_efficiency.items():
+        if key not in op_eff:
+            op_eff[key] = dict(entry)
+            source[key] = f"kept from the shipped {base.name} profile (not measured by calibrate)"
+
+
 def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
     """Measure ``device`` (default: cuda if present, else cpu) and return its DeviceProfile.
     ``progress(description)`` is called before each measurement."""
@@ -717,9 +727,7 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
     if base is not None:
         extra["conv_nchw_slowdown"] = base.conv_nchw_slowdown
         source["conv_nchw_slowdown"] = f"kept from the shipped {base.name} profile"
-        if "row_norm" in base.op_efficiency:
-            op_eff["row_norm"] = dict(base.op_efficiency["row_norm"])
-            source["row_norm"] = f"kept from the shipped {base.name} profile"
+        keep_shipped_prices(op_eff, source, base)
     name = base.name if base is not None else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     return DeviceProfile(
         name=name,

@@ -22,6 +22,23 @@ def cuda_median_ms(fn, reps: int = 10, warmup: int = 3, sleep_cycles: int = 0) -
     return sorted(times)[len(times) // 2]
 
 
+def kernel_counts(fn, width: int = 40, top: int = 6) -> str:
+    """The kernels one eager call of ``fn`` launches (after a warm-up call), from torch.profiler:
+    "name x count", the ``top`` most frequent, names cut to ``width`` characters."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    c = collections.Counter(e.name.replace("void ", "").replace("at::native::", "")[:width]
+                            for e in prof.events() if e.device_type.name == "CUDA")
+    return "; ".join(f"{k} x{v}" for k, v in c.most_common(top))
+
+
 def copy_bandwidth() -> float:
     """Bytes per second a 1 GiB device-to-device copy moves (read + write): eager copies timed by
     CUDA events, as the generation benchmark measures it. Not replayed from a CUDA graph: captured,

@@ -14,7 +14,6 @@ of a channel slice or a transposed operand, aten against graphopt::fused_pointwi
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime as dt
 import json
 import sys
@@ -27,7 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _timing import copy_bandwidth, graph_us_per_call  # noqa: E402
+from _timing import copy_bandwidth, graph_us_per_call, kernel_counts  # noqa: E402
 
 CL = torch.channels_last
 BF = torch.bfloat16
@@ -35,22 +34,6 @@ BF = torch.bfloat16
 
 def cl(*shape):
     return torch.randn(*shape, device="cuda", dtype=BF).contiguous(memory_format=CL)
-
-
-def kernels(fn) -> str:
-    """The kernels one eager call launches: name (first 40 characters) x count."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    c = collections.Counter()
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            c[e.name.replace("void ", "").replace("at::native::", "")[:40]] += 1
-    return "; ".join(f"{k} x{v}" for k, v in c.most_common(6))
 
 
 def cases():
@@ -122,7 +105,7 @@ def main(argv=None):
     for name, fn, nbytes in cases():
         try:
             us = graph_us_per_call(fn, 1)
-            ks = kernels(fn)
+            ks = kernel_counts(fn)
         except Exception as e:  # noqa: BLE001 (a diagnostic: one case's failure is printed, the rest run)
             rows.append({"case": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             print(name, rows[-1]["error"], flush=True)

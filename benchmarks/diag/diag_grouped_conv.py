@@ -21,8 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _timing import graph_us_per_call  # noqa: E402
-from diag_copy_patterns import kernels  # noqa: E402
+from _timing import graph_us_per_call, kernel_counts  # noqa: E402
 
 
 def main(argv=None):
@@ -42,7 +41,7 @@ def main(argv=None):
                     fn = lambda x=x, w=w, s=stride, g=groups: F.conv2d(x, w, None, s, 1, 1, g)  # noqa: E731
                     try:
                         us = graph_us_per_call(fn, 1)
-                        ks = kernels(fn)
+                        ks = kernel_counts(fn)
                     except Exception as e:  # noqa: BLE001 (a diagnostic: one case's failure is printed, the rest run)
                         rows.append({"gw": gw, "groups": groups, "stride": stride, "fmt": fmt, "error": str(e)[:120]})
                         continue

@@ -1284,6 +1284,18 @@ def narrow_conv_input(node: fx.Node) -> bool:
         return False
 
 
+def _cl16_conv(profile: DeviceProfile, node: fx.Node, key: str):
+    """(the profile's ``op_efficiency[key]``, x, w, out) of a 2-D convolution over a 16-bit
+    channels_last input on a CUDA profile with that entry; None otherwise."""
+    e = profile.op_efficiency.get(key) if profile.kind == "cuda" else None
+    ins, outs = ir.operand_infos(node), ir.infos(node)
+    if not e or len(ins) < 2 or not outs or len(ins[0].shape) != 4 or len(ins[1].shape) != 4:
+        return None
+    if ins[0].dtype.itemsize != 2 or not is_channels_last(ins[0]):
+        return None
+    return e, ins[0], ins[1], outs[0]
+
+
 def grouped_conv_transform_s(profile: DeviceProfile, node: fx.Node):
     """Device time of a grouped 16-bit convolution over a channels_last input (three groups or more,
     not depthwise) whose group width is not a power of two (RegNet's 24 channels a group): cuDNN has
@@ -1292,13 +1304,10 @@ def grouped_conv_transform_s(profile: DeviceProfile, node: fx.Node):
     ``op_efficiency["grouped_conv_transform"]["memory_scale"]`` of the copy rate. None on other
     profiles and for other convolutions (two groups: cuDNN splits some into two convolutions, and
     measured from 0.03 to 0.16 of the copy rate)."""
-    e = profile.op_efficiency.get("grouped_conv_transform") if profile.kind == "cuda" else None
-    ins, outs = ir.operand_infos(node), ir.infos(node)
-    if not e or len(ins) < 2 or not outs or len(ins[0].shape) != 4 or len(ins[1].shape) != 4:
+    found = _cl16_conv(profile, node, "grouped_conv_transform")
+    if found is None:
         return None
-    x, w, out = ins[0], ins[1], outs[0]
-    if x.dtype.itemsize != 2 or not is_channels_last(x):
-        return None
+    e, x, w, out = found
     try:
         cin, gw_in, cout = int(x.shape[1]), int(w.shape[1]), int(w.shape[0])
         groups = cin // gw_in if gw_in else 0
@@ -1322,13 +1331,10 @@ def conv_channel_pad_s(profile: DeviceProfile, node: fx.Node):
     fixed time of ``op_efficiency["conv_channel_pad"]``'s kernel counts (``ours`` / ``aten``). 0 on
     other profiles and for other convolutions: few-channel stems run kernels of their own, and 1x1
     ones (squeeze-and-excitation's over one pixel included) were not measured to pad."""
-    e = profile.op_efficiency.get("conv_channel_pad") if profile.kind == "cuda" else None
-    ins, outs = ir.operand_infos(node), ir.infos(node)
-    if not e or len(ins) < 2 or not outs or len(ins[0].shape) != 4 or len(ins[1].shape) != 4:
+    found = _cl16_conv(profile, node, "conv_channel_pad")
+    if found is None:
         return 0.0
-    x, w, out = ins[0], ins[1], outs[0]
-    if x.dtype.itemsize != 2 or not is_channels_last(x):
-        return 0.0
+    e, x, w, out = found
     try:
         cin, cout = int(x.shape[1]), int(w.shape[0])
         if int(w.shape[1]) != cin or cin < 8 or (cin % 8 == 0 and cout % 8 == 0) \
@@ -1479,6 +1485,7 @@ def cat_pieces(node: fx.Node) -> list[tuple[float, int, bool]] | None:
         d = dim % nd
         order = sorted(range(nd), key=lambda e: (int(out.stride[e]), -e))  # innermost first
         inner = order[:order.index(d)]
+        outer = any(int(out.shape[e]) > 1 for e in order[order.index(d) + 1:])  # a dim outside d: runs end
         pieces = []
         for a in node.args[0]:
             i = ir.info(a) if isinstance(a, fx.Node) else None
@@ -1491,7 +1498,6 @@ def cat_pieces(node: fx.Node) -> list[tuple[float, int, bool]] | None:
                 if int(i.shape[e]) > 1 and int(i.stride[e]) != step:
                     dense = False
                 step *= int(i.shape[e])
-            outer = any(int(out.shape[e]) > 1 for e in order[order.index(d) + 1:])
             run = (math.prod(int(i.shape[e]) for e in inner) * int(i.shape[d]) if outer else int(i.numel)) \
                 * i.dtype.itemsize
             pieces.append((float(i.nbytes), run, dense))

@@ -26,7 +26,9 @@ output's last dim (its *row*), one value per row, broadcast back along it (a sof
 (one or more, in order).
 
 Semantics: inputs broadcast against each other with numpy/torch rules (a ``catin``'s inputs as
-their concatenation) and may have any strides; every output has the broadcast shape and is contiguous. Floating inputs are
+their concatenation) and may have any strides; every output has the broadcast shape, dense in the memory order its
+full-size inputs agree on (``dense_order``), else row-major; a line ``layout row_major`` makes
+the outputs row-major whatever the inputs (a program that writes what a copy after it would). Floating inputs are
 computed in fp32 (fp64 when any input is fp64); bool inputs are bool values (1.0/0.0 when
 used in arithmetic); integer inputs are converted to the compute type. Constants are weak
 (they never change the compute type). Rounding happens only at ``cast`` and at the output
@@ -133,6 +135,7 @@ class Program:
 
     stmts: list[Stmt] = field(default_factory=list)
     outputs: list[tuple[int, str]] = field(default_factory=list)   # (value id, dtype name)
+    row_major: bool = False  # `layout row_major`: outputs row-major whatever the inputs' layout
 
     # -- building ------------------------------------------------------------------------
     def _emit(self, op: str, args: tuple[int, ...] = (), attrs: tuple = ()) -> Value:
@@ -228,6 +231,8 @@ class Program:
                 rhs = s.op + "".join(f" %{a}" for a in s.args)
             lines.append(f"%{i} = {rhs}")
         lines += [f"out %{v} {d}" for v, d in self.outputs]
+        if self.row_major:
+            lines.append("layout row_major")
         return "\n".join(lines) + "\n"
 
     @property
@@ -301,6 +306,9 @@ def parse(text: str) -> Program:
                 raise ProgramError(f"{where}: %{v} is used before it is defined")
             return v
 
+        if toks == ["layout", "row_major"]:
+            p.row_major = True
+            continue
         if toks[0] == "out":
             if len(toks) != 3:
                 raise ProgramError(f"{where}: expected `out %v dtype`")
@@ -447,7 +455,7 @@ def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None"
     are dense in that order, as aten's elementwise kernels lay theirs out; returns the dims outermost
     first (None: contiguous outputs). A program that reduces over rows writes contiguous outputs (it
     runs along the logical last dim)."""
-    if program is not None and program.reduces:
+    if program is not None and (program.reduces or program.row_major):
         return None
     nd = len(shape)
     pieces = program.cat_inputs() if program is not None else {}

@@ -33,6 +33,15 @@ tensors becomes a ``catin`` of the program, which reads each piece where the out
 dim falls in its range; the concatenated tensor is never written (MetaFormer-style gates reading a split
 and a convolved part, a concatenation before a normalization's affine).
 
+A copy after the group joins it (inference graphs): where the group's one value is read only
+through views (permute, transpose, view, a reshape that is a view; each read once) ending in a copy
+that makes it row-major (``clone``, ``contiguous``, a ``reshape`` its input cannot be viewed as),
+the group runs in the index space that copy writes: each input is broadcast to the group's shape and
+seen through the same views, the program is marked ``layout row_major``, and the copy's readers read
+the fused result (a view of it where the copy was a reshape). CoaT's factorized attention output
+``(scale * f + crpe).transpose(1, 2).reshape(B, N, C)`` is one kernel. Where a view would need a copy
+of an input, or the cost model predicts less than the group alone, the group fuses without it.
+
 Never joined: other reductions, GEMMs, other views, graphopt ops (this pass runs last among the fusions
 and leaves the specific kernels alone), integer tensors, no-op casts (they are aliases). A
 group that would depend on itself through an outside node (``a = exp(x); b = a / sum(a)``)
@@ -58,10 +67,11 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.cost.model import broadcast_channels_last, is_channels_last
+from graphopt.cost.replacement import Replacement
 from graphopt.matcher import get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import requires_grad, set_meta
+from ._fusion_meta import GraphBuilder, requires_grad, set_meta
 
 aten = torch.ops.aten
 MAX_INPUTS = 8
@@ -457,6 +467,16 @@ class FuseElementwise(Pass):
                 continue
             if ctx.training and not program.reduces:  # (a reducing group takes no gradient: _row_group)
                 gain += _backward_gain(ctx, group, ins, outs, program, grad)
+            after = None if ctx.training or program.reduces or program.concatenates else copy_after(group, outs)
+            if after is not None:  # run in the index space of the copy after it, which then goes
+                g_after = _gain_writing_copy(ctx, group, ins, outs, program, *after)
+                if g_after is not None and g_after > gain:
+                    chain, copy = after
+                    candidates.append(Candidate(
+                        "pointwise group", [*group, *chain, copy], g_after,
+                        lambda group=group, after=after: self._apply(gm, group, after),
+                        label=f"{label}, writing the copy {copy.name} after it"))
+                    continue
             candidates.append(Candidate("pointwise group", group, gain,
                                         lambda group=group: self._apply(gm, group), label=label))
         res.apply_ranked(ctx, candidates)
@@ -505,12 +525,15 @@ class FuseElementwise(Pass):
 
     # ------------------------------------------------------------------ rewrite
 
-    def _apply(self, gm, group) -> fx.Node:
+    def _apply(self, gm, group, after=None) -> fx.Node:
         g = gm.graph
         order = {n: i for i, n in enumerate(g.nodes)}
         # inputs are outside the group: earlier rewrites may have replaced them, so read them now
         live_ins, outs = _boundary(group)
         program = _program(group, live_ins, outs)
+        if after is not None and _through_copy(Replacement(None), ir.info(outs[0]).shape, live_ins, program,
+                                               after[0]) is None:
+            after = None  # (an input an earlier rewrite replaced cannot be seen through the views)
         anchor = max(live_ins, key=order.__getitem__, default=None)
         first = min(group, key=order.__getitem__)
         if anchor is not None and order[anchor] > order[first]:
@@ -518,7 +541,16 @@ class FuseElementwise(Pass):
         else:
             ctx_mgr = g.inserting_before(first)
         with ctx_mgr:
-            fused = g.call_function(torch.ops.graphopt.fused_pointwise.default, (program.source, live_ins))
+            made = []
+            if after is not None:
+                b = GraphBuilder(g)
+                shape = ir.info(outs[0]).shape
+                args = [view_through(b, a, shape, after[0]) for a in live_ins]
+                made = [n for n in g.nodes if n not in order]
+            else:
+                args = live_ins
+            src = row_major(program).source if after is not None else program.source
+            fused = g.call_function(torch.ops.graphopt.fused_pointwise.default, (src, args))
         with g.inserting_after(fused):
             items = []
             prev = fused
@@ -526,7 +558,16 @@ class FuseElementwise(Pass):
                 with g.inserting_after(prev):
                     prev = g.call_function(operator.getitem, (fused, i))
                 items.append(prev)
-        set_meta(gm, [fused] + items)
+        set_meta(gm, made + [fused] + items)
+        if after is not None:
+            chain, copy = after
+            res = items[0]
+            if tuple(ir.info(copy).shape) != tuple(ir.info(res).shape):  # a reshape: a view of the row-major result
+                with g.inserting_after(res):
+                    res = g.call_function(aten.view.default, (res, list(ir.info(copy).shape)))
+                set_meta(gm, [res])
+            copy.replace_all_uses_with(res)
+            ir.erase_dead(gm, [copy, *reversed(chain)])
         pos = {n: i for i, n in enumerate(g.nodes)}
         # a reader of an early output can come before the fused node (which follows the group's last
         # input): the group has no path back into itself (_cut_cycles), so a topological order exists
@@ -772,3 +813,103 @@ def _program(group, ins, outs):
         p.output(vals[o], ir.info(o).dtype)
     return p.validate()
 
+
+
+# ---------------------------------------------------------------------- a copy after the group
+
+# views a group's value may reach a copy through; each is replayed on the group's inputs
+_PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints)
+_COPIES = (aten.clone.default, aten.contiguous.default, aten.reshape.default)
+_MAX_CHAIN = 6
+
+
+def _static(ti) -> bool:
+    return ti is not None and ti.stride is not None and all(type(d) is int for d in (*ti.shape, *ti.stride))
+
+
+def _makes_contiguous_copy(n: fx.Node) -> bool:
+    """``n`` copies a tensor that is not laid out row-major into a row-major one of the same dtype
+    (``clone``, ``contiguous``, or a ``reshape`` its input cannot be viewed as)."""
+    if n.target not in _COPIES or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    xi, ni = ir.info(n.args[0]), ir.info(n)
+    if not (_static(xi) and _static(ni)) or xi.dtype != ni.dtype or xi.device != ni.device:
+        return False
+    if ir.is_contiguous(xi) or not ir.is_contiguous(ni):
+        return False
+    if n.target is aten.reshape.default:
+        return not ir.reshape_is_view(xi, ni.shape)
+    extra = set(n.kwargs) - {"memory_format"}
+    return not extra and tuple(ni.shape) == tuple(xi.shape)
+
+
+def copy_after(group, outs) -> tuple[list[fx.Node], fx.Node] | None:
+    """(views, copy) when the group's one output is read, outside the group, only through a chain of
+    views (each read once) ending in a copy that makes it row-major (a ``transpose(1, 2).reshape(B, N, C)``
+    after the pointwise ops of an attention's output): the group can run in the index space the copy
+    writes instead, its inputs seen through the same views, and the copy goes."""
+    if len(outs) != 1:
+        return None
+    gs = set(group)
+    readers = [u for u in outs[0].users if u not in gs]
+    if len(readers) != 1:
+        return None
+    chain, n = [], readers[0]
+    while len(chain) <= _MAX_CHAIN:
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        if _makes_contiguous_copy(n):
+            return chain, n
+        if n.target not in _PERMUTES + _RESHAPES or len(n.users) != 1 or not _static(ir.info(n)):
+            return None
+        if n.target is aten.reshape.default and not ir.reshape_is_view(ir.info(n.args[0]), ir.info(n).shape):
+            return None
+        chain.append(n)
+        n = next(iter(n.users))
+    return None
+
+
+def view_through(b, a: fx.Node, shape, chain: list[fx.Node]) -> fx.Node:
+    """``a`` broadcast to the group's ``shape`` and taken through ``chain``'s views, built with ``b``
+    (a Replacement to price it, a GraphBuilder to make it); a view that would need a copy raises
+    (RuntimeError from the fake tensors)."""
+    x = a
+    if tuple(ir.info(a).shape) != tuple(shape):
+        x = b.call(aten.expand.default, x, list(shape))
+    for v in chain:
+        if v.target in _PERMUTES:
+            x = b.call(v.target, x, *v.args[1:])
+        else:
+            x = b.call(aten.view.default, x, list(ir.info(v).shape))
+    return x
+
+
+
+def row_major(program):
+    """``program`` writing row-major outputs whatever its inputs' layout."""
+    from graphopt.cuda_ext.pointwise import Program
+
+    return Program(list(program.stmts), list(program.outputs), row_major=True)
+
+
+def _through_copy(r, shape, ins, program, chain):
+    """The fused node, built on the scratch graph ``r`` (a Replacement) with ``ins`` seen through
+    ``chain``, or None where a view would need a copy or the kernel would not write row-major."""
+    try:
+        args = [view_through(r, a, shape, chain) for a in ins]
+        fused = r.call(torch.ops.graphopt.fused_pointwise.default, row_major(program).source, args)
+    except (RuntimeError, ValueError):
+        return None
+    val = fused.meta.get("val")
+    return fused if val and val[0].is_contiguous() else None
+
+
+def _gain_writing_copy(ctx, group, ins, outs, program, chain, copy) -> float | None:
+    """Predicted seconds saved by the group run in the index space of ``copy`` (with it and its views
+    gone), or None where it cannot."""
+    r = ctx.replacement()
+    if _through_copy(r, ir.info(outs[0]).shape, ins, program, chain) is None:
+        return None
+    return ctx.node_time([*group, *chain, copy]) - r.time()

@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s28      cuda tests of the pointwise kernel and fuse_elementwise, $2 timed alone, then $3 timed 4 at once
 #   s27      per-node Spearman of $2 (node rows kept)
 #   s26      kernel profiles of $2
 #   s25      $2 timed, 4 at once, then the per-node Spearman of $3
@@ -52,6 +53,15 @@ ctests() {
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
 case "$1" in
+s28)
+  # a group writing the copy after it (fuse_elementwise, `layout row_major`): its cuda tests, then $2 (CONFIG:BATCH,...)
+  # timed alone to ${SPLIT:-400} s, then $3 timed 4 at once to ${LIMIT:-590} s
+  ctests s28 200 tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py tests/test_lower.py
+  mkdir -p "$OUT/alone" "$OUT/screen"
+  timeout $((${SPLIT:-400} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 150 --reps 20 \
+    --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"
+  [ -n "${3:-}" ] && timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$3" --jobs 4 \
+    --timeout 170 --reps 20 --warmup 3 --out "$OUT/screen" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20 ;;
 s27)
   # per-node predicted against measured (Spearman, and each node's shapes and times for fits) of $2
   timeout $((${LIMIT:-590} + 5 - SECONDS)) python3 benchmarks/diag/diag_node_spearman.py --out "$OUT" \

@@ -372,3 +372,45 @@ def test_catin_in_the_generated_kernel(triton_interpreter):
 def test_catin_cuda():
     poison_allocator("cuda")
     _check_cat("cuda")
+
+
+def _row_major_case(device):
+    """Inputs that agree on a permuted dense order (the factors of an attention output, transposed
+    heads-first): by default the output takes their order; with ``layout row_major`` it is row-major."""
+    p = Program()
+    a, b, c = p.input(), p.input(), p.input()
+    p.output(a * 0.3 + c * b, "f32")
+    a_, b_ = (torch.randn(2, 4, 10, 8, device=device).transpose(1, 2) for _ in range(2))
+    return p, [a_, b_, torch.randn(8, device=device)]
+
+
+def _check_row_major(run, device):
+    p, ins = _row_major_case(device)
+    want = ins[0] * 0.3 + ins[2] * ins[1]
+    (default,) = run(p.source, ins)
+    assert not default.is_contiguous()  # the inputs' order
+    rm = parse(p.source + "layout row_major\n")
+    assert rm.row_major and parse(rm.source).row_major and not p.row_major
+    (out,) = run(rm.source, ins)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, want)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        (fake,) = torch.ops.graphopt.fused_pointwise(rm.source, [mode.from_tensor(t) for t in ins])
+    assert fake.stride() == out.stride()
+
+
+def test_row_major_layout_line():
+    _check_row_major(reference.fused_pointwise, "cpu")
+
+
+def test_row_major_layout_in_the_triton_kernel(triton_interpreter):
+    _check_row_major(_run_triton, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_row_major_layout_cuda():
+    poison_allocator("cuda")
+    _check_row_major(lambda s, ins: torch.ops.graphopt.fused_pointwise(s, ins), "cuda")

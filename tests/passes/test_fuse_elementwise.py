@@ -659,3 +659,54 @@ def test_a_group_refused_for_its_concatenation_fuses_without_it():
     assert c["aten.cat.default"] == 1 and c["aten.batch_norm.default"] == 0 and c["aten.relu.default"] == 0
     assert any("over the program limit" in r.reason for r in res.rejected)
     assert reference_check(m, gm, (x,)).passed
+
+
+class HeadsMerged(nn.Module):
+    """CoaT's factorized attention output: pointwise ops over [B, heads, N, d], then
+    ``transpose(1, 2).reshape(B, N, C)`` (a copy) into the projection; ``contiguous=True`` spells the
+    copy as ``.contiguous()`` on a permute."""
+
+    def __init__(self, contiguous=False):
+        super().__init__()
+        self.proj, self.contiguous = nn.Linear(32, 32), contiguous
+        self.b = nn.Parameter(torch.randn(8))
+
+    def forward(self, q, a, f):
+        x = 0.3 * f + q * a + self.b
+        if self.contiguous:
+            return self.proj(x.permute(0, 2, 1, 3).contiguous().flatten(2))
+        B, h, N, d = x.shape
+        return self.proj(x.transpose(1, 2).reshape(B, N, h * d))
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_a_group_writes_the_copy_after_it(contiguous):
+    torch.manual_seed(0)
+    m = HeadsMerged(contiguous).eval()
+    qkv = torch.randn(2, 10, 3, 4, 8).permute(2, 0, 3, 1, 4)  # q strided, as a qkv projection's
+    xs = (qkv[0], torch.randn(2, 4, 10, 8), torch.randn(2, 4, 10, 8))
+    gm = capture(m, xs)
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] == 1 and c["aten.clone.default"] == 0 and c["aten.contiguous.default"] == 0
+    assert c["aten.reshape.default"] == 0  # (the merge of heads is a view of the fused result)
+    (fp,) = _fp_nodes(gm)
+    assert all(a.target is not None and tuple(a.meta["val"].shape) == (2, 10, 4, 8) for a in fp.args[1])
+    assert ("contiguous" if contiguous else "reshape") in res.rewrites[0].matched  # the copy went with the group
+    assert reference_check(m, gm, xs).passed
+
+
+class CopyNotReplayable(nn.Module):
+    def forward(self, x, c):  # c broadcasts along a dim the view merges: the copy stays, the group fuses
+        y = torch.tanh(x * c + 1.0)
+        return y.view(y.shape[0], -1).t().contiguous()
+
+
+def test_a_copy_whose_views_cannot_take_an_input_stays():
+    x, c = torch.randn(3, 4, 6), torch.randn(3, 4, 1)
+    m = CopyNotReplayable()
+    gm = capture(m, (x, c))
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    c_ = op_counts(gm)
+    assert c_[FP] == 1 and c_["aten.clone.default"] + c_["aten.contiguous.default"] == 1
+    assert reference_check(m, gm, (x, c)).passed

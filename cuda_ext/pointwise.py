@@ -445,7 +445,7 @@ def with_cat_dims(p: "Program", dims: Sequence[int]) -> "Program":
     """``p`` with its catins' dims replaced by ``dims`` (one per catin, in order: a permuted layout's)."""
     it = iter(dims)
     return Program([Stmt("catin", (), (next(it), s.attrs[1])) if s.op == "catin" else s for s in p.stmts],
-                   list(p.outputs))
+                   list(p.outputs), row_major=p.row_major)
 
 
 def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None" = None) -> list[int] | None:
@@ -459,13 +459,19 @@ def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None"
         return None
     nd = len(shape)
     pieces = program.cat_inputs() if program is not None else {}
-    full = [t for i, t in enumerate(inputs) if t.dim() == nd and (i in pieces or tuple(t.shape) == tuple(shape))]
+    full = [t for i, t in enumerate(inputs) if t.dim() == nd and (i in pieces or tuple(t.shape) == tuple(shape))
+            and not everywhere_broadcast(t)]  # (a constant piece, one value expanded, has no layout)
     if nd < 2 or not full:
         return None
     order = stride_order(full[0])
     if order is None or order == list(range(nd)) or any(stride_order(t) != order for t in full[1:]):
         return None
     return order
+
+
+def everywhere_broadcast(t: torch.Tensor) -> bool:
+    """Every dim of ``t`` but those of size 1 has stride 0 (one value expanded)."""
+    return all(st == 0 for sz, st in zip(t.shape, t.stride()) if sz != 1)
 
 
 def stride_order(t: torch.Tensor) -> list[int] | None:

@@ -42,6 +42,14 @@ the fused result (a view of it where the copy was a reshape). CoaT's factorized 
 ``(scale * f + crpe).transpose(1, 2).reshape(B, N, C)`` is one kernel. Where a view would need a copy
 of an input, or the cost model predicts less than the group alone, the group fuses without it.
 
+A constant pad of one dim joins the group of its operand (inference graphs): ``pad(f(x, ...), v)`` is
+``where(mask, f(catin(0, x, 0), ...), v)``: each input the operand is computed from, where it varies
+along the padded dim, is read through a ``catin`` between zero pieces (a 0-d constant expanded, no
+memory), so the operand's values land at their padded index, and a boolean constant along the
+padded dim says where they are (CoaT's ``F.pad(q * conv(v), (0, 0, 1, 0))``). One pad a group, not
+with a row reduction or a concatenation; the pad's operand and what it is computed from must be
+read only through the pad; pads of more than one dim stay.
+
 Never joined: other reductions, GEMMs, other views, graphopt ops (this pass runs last among the fusions
 and leaves the specific kernels alone), integer tensors, no-op casts (they are aliases). A
 group that would depend on itself through an outside node (``a = exp(x); b = a / sum(a)``)
@@ -221,6 +229,43 @@ def cat_reason(node: fx.Node, dtypes) -> str:
     return ""
 
 
+PADS = (aten.constant_pad_nd.default, aten.pad.default)
+
+
+def pad_args(node: fx.Node):
+    """(dim, before, after, fill value) of a constant pad of one dim, or a str saying why it is not one."""
+    x = node.args[0] if node.args else None
+    xi = ir.info(x) if isinstance(x, fx.Node) else None
+    pad = get_arg(node, 1, "pad", None)
+    if node.target is aten.pad.default:
+        if get_arg(node, 2, "mode", "constant") != "constant":
+            return "a pad other than a constant one"
+        value = get_arg(node, 3, "value", None)
+    else:
+        value = get_arg(node, 2, "value", 0)
+    value = 0.0 if value is None else value
+    if xi is None or not xi.shape or not all(type(d) is int for d in xi.shape):
+        return "no static input shape"
+    if not isinstance(pad, (list, tuple)) or len(pad) % 2 or not all(type(v) is int for v in pad):
+        return "pad widths not literal"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "a fill value that is not a literal number"
+    widths = [(len(xi.shape) - 1 - i, pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]
+    if any(lo < 0 or hi < 0 for _, lo, hi in widths):
+        return "a negative pad (a crop)"
+    padded = [(d, lo, hi) for d, lo, hi in widths if lo or hi]
+    if len(padded) != 1:
+        return "pads more than one dim" if padded else "pads nothing"
+    return (*padded[0], float(value))
+
+
+def pad_reason(node: fx.Node) -> str:
+    """'' when ``node`` is a constant pad of one dim a program can compute (its operand's values read
+    through a ``catin`` of zero pieces around them, the pad's fill where the mask says so)."""
+    a = pad_args(node)
+    return a if isinstance(a, str) else ""
+
+
 BN_AFFINE = "graphopt_bn_affine"  # node.meta key: a BatchNorm's (scale, shift) get_attr nodes while the pass runs
 
 
@@ -271,6 +316,8 @@ def _operands(node: fx.Node) -> list:
     t = node.target
     if t is aten.cat.default:
         return list(node.args[0])
+    if t in PADS:
+        return [node.args[0]]
     if t is aten.batch_norm.default:
         return [node.args[0], *node.meta[BN_AFFINE]]
     if t in CASTS or t in _UNARY_ARGS or t in ROW_REDUCTIONS or t in SOFTMAXES or t in EXPANDS:
@@ -306,6 +353,8 @@ def fusible(node: fx.Node, dtypes) -> str:
         return ""
     if node.target is aten.cat.default:
         return cat_reason(node, dtypes)
+    if node.target in PADS:
+        return pad_reason(node)
     if node.target is aten.batch_norm.default:
         return "" if BN_AFFINE in node.meta else "a BatchNorm in training mode or with statistics not constant"
     if node.target not in OPS:
@@ -370,7 +419,7 @@ class FuseElementwise(Pass):
         ok = self._eligible({n for n in gm.graph.nodes if not fusible(n, dtypes)
                              and (not _is_free(ctx, n) or n.target in EXPANDS)})  # (an expand joins a row reduction's group)
         if ctx.training:  # a program reading a concatenation in place has no generated backward
-            ok = {n for n in ok if n.target is not aten.cat.default}
+            ok = {n for n in ok if n.target is not aten.cat.default and n.target not in PADS}
         batched = ok & ir.batched_nodes(gm)
         if batched:  # inside a torch.vmap: fused_pointwise has no batching rule
             ok -= batched
@@ -398,6 +447,10 @@ class FuseElementwise(Pass):
                 rest = {n for n in group if n.target not in ROW_REDUCTIONS and n.target not in SOFTMAXES
                         and n.target not in EXPANDS}
                 groups.extend(self._groups(gm, rest, order, merge=False))
+            elif any(n.target in PADS for n in group):
+                # without its pads: the pointwise groups on either side
+                rest = {n for n in group if n.target not in PADS}
+                groups.extend(self._groups(gm, rest, order, merge=False))
             elif any(n.target is aten.cat.default for n in group):
                 # without its concatenations (DenseNet's of more pieces than a program reads): the rest
                 rest = {n for n in group if n.target is not aten.cat.default}
@@ -422,14 +475,16 @@ class FuseElementwise(Pass):
             if hazard:
                 refuse(group, label, hazard)
                 continue
-            if len(ins) > MAX_INPUTS or len(outs) > MAX_OUTPUTS:
-                refuse(group, label, f"{len(ins)} inputs / {len(outs)} outputs: over the program limit "
-                                     f"({MAX_INPUTS} / {MAX_OUTPUTS})")
-                continue
+            r = ctx.replacement()  # the fused node as the rewrite would make it (rebuilt at apply time)
             try:
-                program = _program(group, ins, outs)  # expressible? (rebuilt at apply time from the live inputs)
+                args, pad = _fused_inputs(r, group, ins, lambda t: r.constant(t.shape, t.dtype, ir.info(outs[0]).device))
+                program = _program(group, ins, outs, pad)  # expressible?
             except _NotExpressible as e:
                 refuse(group, label, f"not expressible as a pointwise program: {e}")
+                continue
+            if len(args) > MAX_INPUTS or len(outs) > MAX_OUTPUTS:
+                refuse(group, label, f"{len(args)} inputs / {len(outs)} outputs: over the program limit "
+                                     f"({MAX_INPUTS} / {MAX_OUTPUTS})")
                 continue
             if any(ir.info(n).dtype == torch.float64 for n in group) and \
                     not any(ir.info(a).dtype == torch.float64 for a in ins):
@@ -441,10 +496,10 @@ class FuseElementwise(Pass):
                 continue
             full = {tuple(ir.info(a).shape) for a in ins if ir.info(a) is not None}
             if program.concatenates:  # the outputs take the layout the pieces agree on (contiguous ones: none)
-                from graphopt.cuda_ext.pointwise import stride_order
+                from graphopt.cuda_ext.pointwise import everywhere_broadcast, stride_order
 
-                pieces = [a for a in ins if any(u.target is aten.cat.default and u in group for u in a.users)]
-                orders = [stride_order(a.meta["val"]) for a in pieces]
+                pieces = [args[i].meta["val"] for i in program.cat_inputs()]
+                orders = [stride_order(t) for t in pieces if not everywhere_broadcast(t)]
                 if None not in orders and all(o == orders[0] for o in orders):
                     full.add(tuple(ir.info(outs[0]).shape))
             if has_conv2d and program.reduces and any(is_channels_last(ir.info(a)) for a in ins):
@@ -460,16 +515,16 @@ class FuseElementwise(Pass):
                                      f"(NCHW convolutions measured {ctx.cost.conv_nchw_slowdown:g}x slower on "
                                      f"{ctx.cost.device_name})")
                 continue
-            gain = ctx.node_time(group) - ctx.price(torch.ops.graphopt.fused_pointwise.default, program.source, ins,
-                                                    val=[o.meta.get("val") for o in outs])
+            r.call(torch.ops.graphopt.fused_pointwise.default, program.source, args, val=[o.meta.get("val") for o in outs])
+            gain = ctx.node_time(group) - r.time()
             if program.reduces and gain <= 0:  # (its pointwise parts alone may still pay)
                 refuse(group, label, f"predicted no gain ({gain * 1e6:+.2f} us)")
                 continue
             if ctx.training and not program.reduces:  # (a reducing group takes no gradient: _row_group)
                 gain += _backward_gain(ctx, group, ins, outs, program, grad)
-            after = None if ctx.training or program.reduces or program.concatenates else copy_after(group, outs)
+            after = None if ctx.training or program.reduces else copy_after(group, outs)
             if after is not None:  # run in the index space of the copy after it, which then goes
-                g_after = _gain_writing_copy(ctx, group, ins, outs, program, *after)
+                g_after = _gain_writing_copy(ctx, group, ins, outs, *after)
                 if g_after is not None and g_after > gain:
                     chain, copy = after
                     candidates.append(Candidate(
@@ -506,6 +561,8 @@ class FuseElementwise(Pass):
                 return False
             if sa == sn:
                 return True
+            if n.target in PADS:  # its operand's values, padded
+                return n.args[0] is a
             if n.target in ROW_REDUCTIONS:  # a row into its reduction
                 return sn == sa[:-1] + (1,)
             # a per-row value broadcast back along the row
@@ -530,27 +587,31 @@ class FuseElementwise(Pass):
         order = {n: i for i, n in enumerate(g.nodes)}
         # inputs are outside the group: earlier rewrites may have replaced them, so read them now
         live_ins, outs = _boundary(group)
-        program = _program(group, live_ins, outs)
-        if after is not None and _through_copy(Replacement(None), ir.info(outs[0]).shape, live_ins, program,
-                                               after[0]) is None:
-            after = None  # (an input an earlier rewrite replaced cannot be seen through the views)
         anchor = max(live_ins, key=order.__getitem__, default=None)
         first = min(group, key=order.__getitem__)
         if anchor is not None and order[anchor] > order[first]:
             ctx_mgr = g.inserting_after(anchor)
         else:
             ctx_mgr = g.inserting_before(first)
+        device = ir.info(outs[0]).device
+
+        def const(t):
+            a = g.get_attr(ir.register_constant(gm, f"{first.name}_pad", t.to(device)))
+            a.meta["val"] = ir.get_attr_value(gm, a.target)
+            return a
+
         with ctx_mgr:
-            made = []
+            b = GraphBuilder(g)
+            args, pad = _fused_inputs(b, group, live_ins, const)
+            set_meta(gm, [n for n in g.nodes if n not in order])
+            program = _program(group, live_ins, outs, pad)
+            if after is not None and _through_copy(Replacement(None), ir.info(outs[0]).shape, args, program,
+                                                   after[0]) is None:
+                after = None  # (an input an earlier rewrite replaced cannot be seen through the views)
             if after is not None:
-                b = GraphBuilder(g)
-                shape = ir.info(outs[0]).shape
-                args = [view_through(b, a, shape, after[0]) for a in live_ins]
-                made = [n for n in g.nodes if n not in order]
-            else:
-                args = live_ins
-            src = row_major(program).source if after is not None else program.source
-            fused = g.call_function(torch.ops.graphopt.fused_pointwise.default, (src, args))
+                args, program = copy_space(b, ir.info(outs[0]).shape, args, program, after[0])
+            made = [n for n in g.nodes if n not in order and "val" not in n.meta]
+            fused = g.call_function(torch.ops.graphopt.fused_pointwise.default, (program.source, args))
         with g.inserting_after(fused):
             items = []
             prev = fused
@@ -772,7 +833,10 @@ def _reduce(p, n, x):
     return s * (1.0 / row) if n.target is aten.mean.dim else s
 
 
-def _program(group, ins, outs):
+def _program(group, ins, outs, pad=None):
+    """The group as a pointwise program over ``ins`` (then the pad's zero pieces and mask, where
+    ``pad`` is _fused_inputs' plan: (the pad node, {input position: (its zero pieces' positions)},
+    the mask's position))."""
     from graphopt.cuda_ext.pointwise import Program
 
     p = Program()
@@ -786,8 +850,18 @@ def _program(group, ins, outs):
         if len(pieces) < len(listed) or any(a in gs for a in pieces) or \
                 any(u in gs and u.target is not aten.cat.default for a in pieces for u in a.users):
             raise _NotExpressible("a concatenated tensor is also read by another op of the group")
-    vals = {a: p.input(i) for i, a in enumerate(ins) if a not in pieces}
+    padded = pad[1] if pad is not None else {}
+    vals = {a: p.input(i) for i, a in enumerate(ins) if a not in pieces and i not in padded}
+    if pad is not None:
+        pad_node, padded, mask_at = pad
+        dim = pad_args(pad_node)[0]
+        for i, ends in padded.items():  # read at its padded index, zero around it
+            vals[ins[i]] = p.catin(dim, [j for j in (ends[0], i, ends[1]) if j is not None])
+        mask = p.input(mask_at)
     for n in group:
+        if n.target in PADS:
+            vals[n] = p.where(mask, vals[n.args[0]], pad_args(n)[3])
+            continue
         if n.target is aten.batch_norm.default:
             x, scale, shift = (vals[a] for a in _operands(n))
             vals[n] = x * scale + shift
@@ -871,12 +945,12 @@ def copy_after(group, outs) -> tuple[list[fx.Node], fx.Node] | None:
     return None
 
 
-def view_through(b, a: fx.Node, shape, chain: list[fx.Node]) -> fx.Node:
-    """``a`` broadcast to the group's ``shape`` and taken through ``chain``'s views, built with ``b``
-    (a Replacement to price it, a GraphBuilder to make it); a view that would need a copy raises
-    (RuntimeError from the fake tensors)."""
+def view_through(b, a: fx.Node, shape, chain: list[fx.Node], expand: bool = True) -> fx.Node:
+    """``a`` broadcast to the group's ``shape`` (unless ``expand`` is False: a catin's piece, full rank
+    already) and taken through ``chain``'s views, built with ``b`` (a Replacement to price it, a
+    GraphBuilder to make it); a view that would need a copy raises (RuntimeError from the fake tensors)."""
     x = a
-    if tuple(ir.info(a).shape) != tuple(shape):
+    if expand and tuple(ir.info(a).shape) != tuple(shape):
         x = b.call(aten.expand.default, x, list(shape))
     for v in chain:
         if v.target in _PERMUTES:
@@ -886,30 +960,130 @@ def view_through(b, a: fx.Node, shape, chain: list[fx.Node]) -> fx.Node:
     return x
 
 
+def _permutation(chain: list[fx.Node], rank: int) -> list[int] | None:
+    """The dims of the group's shape in the order ``chain`` (permutes only) leaves them, or None."""
+    perm = list(range(rank))
+    for v in chain:
+        if v.target is aten.permute.default:
+            perm = [perm[d % rank] for d in v.args[1]]
+        elif v.target is aten.transpose.int:
+            i, j = v.args[1] % rank, v.args[2] % rank
+            perm[i], perm[j] = perm[j], perm[i]
+        elif v.target is aten.t.default and rank == 2:
+            perm = perm[::-1]
+        else:
+            return None
+    return perm
 
-def row_major(program):
-    """``program`` writing row-major outputs whatever its inputs' layout."""
-    from graphopt.cuda_ext.pointwise import Program
 
-    return Program(list(program.stmts), list(program.outputs), row_major=True)
+def copy_space(b, shape, args, program, chain):
+    """(the fused node's inputs seen through ``chain``, the program that writes row-major there): a
+    catin's pieces keep their own size along its dim, which the views may only permute."""
+    from graphopt.cuda_ext.pointwise import Program, with_cat_dims
+
+    cats = program.cat_inputs()
+    if cats:
+        perm = _permutation(chain, len(shape))
+        if perm is None:
+            raise _NotExpressible("a concatenated dim seen through a view that is not a permute")
+        dims = [perm.index(s.attrs[0] + len(shape) - len(ir.info(args[s.attrs[1][0]]).shape))
+                for s in program.stmts if s.op == "catin"]
+        program = with_cat_dims(program, dims)
+    viewed = [view_through(b, a, shape, chain, expand=i not in cats) for i, a in enumerate(args)]
+    return viewed, Program(list(program.stmts), list(program.outputs), row_major=True)
 
 
-def _through_copy(r, shape, ins, program, chain):
-    """The fused node, built on the scratch graph ``r`` (a Replacement) with ``ins`` seen through
+def _through_copy(r, shape, args, program, chain):
+    """The fused node, built on the scratch graph ``r`` (a Replacement) with ``args`` seen through
     ``chain``, or None where a view would need a copy or the kernel would not write row-major."""
     try:
-        args = [view_through(r, a, shape, chain) for a in ins]
-        fused = r.call(torch.ops.graphopt.fused_pointwise.default, row_major(program).source, args)
-    except (RuntimeError, ValueError):
+        viewed, prog = copy_space(r, shape, args, program, chain)
+        fused = r.call(torch.ops.graphopt.fused_pointwise.default, prog.source, viewed)
+    except (RuntimeError, ValueError, _NotExpressible):
         return None
     val = fused.meta.get("val")
     return fused if val and val[0].is_contiguous() else None
 
 
-def _gain_writing_copy(ctx, group, ins, outs, program, chain, copy) -> float | None:
+def _gain_writing_copy(ctx, group, ins, outs, chain, copy) -> float | None:
     """Predicted seconds saved by the group run in the index space of ``copy`` (with it and its views
     gone), or None where it cannot."""
     r = ctx.replacement()
-    if _through_copy(r, ir.info(outs[0]).shape, ins, program, chain) is None:
+    args, pad = _fused_inputs(r, group, ins, lambda t: r.constant(t.shape, t.dtype, ir.info(outs[0]).device))
+    program = _program(group, ins, outs, pad)
+    if _through_copy(r, ir.info(outs[0]).shape, args, program, chain) is None:
         return None
     return ctx.node_time([*group, *chain, copy]) - r.time()
+
+
+# ---------------------------------------------------------------------- a pad in the group
+
+def _pad_plan(group):
+    """None for a group without a pad; else (pad, the group's nodes it reads through): those are
+    computed at its operand's shape and read only by each other and the pad; every other node has the
+    pad's shape."""
+    pads = [n for n in group if n.target in PADS]
+    if not pads:
+        return None
+    if len(pads) > 1:
+        raise _NotExpressible("more than one pad")
+    if any(n.target in ROW_REDUCTIONS or n.target in SOFTMAXES or n.target is aten.cat.default for n in group):
+        raise _NotExpressible("a pad with a row reduction or a concatenation")
+    pad = pads[0]
+    gs, under, stack = set(group), set(), [pad.args[0]]
+    while stack:
+        n = stack.pop()
+        if n in gs and n not in under:
+            under.add(n)
+            stack.extend(n.all_input_nodes)
+    small, big = tuple(ir.info(pad.args[0]).shape), tuple(ir.info(pad).shape)
+    for n in group:
+        if n in under:
+            if tuple(ir.info(n).shape) != small or any(u not in under and u is not pad for u in n.users):
+                raise _NotExpressible(f"{n.name} is read beside the pad")
+        elif n is not pad and tuple(ir.info(n).shape) != big:
+            raise _NotExpressible(f"{n.name} has neither the pad's shape nor its operand's")
+    return pad, under
+
+
+def _fused_inputs(b, group, ins, const):
+    """(the fused node's inputs, the pad's reading plan for _program or None). Without a pad: ``ins``.
+    With one, pad(f(x, ...)) = where(mask, f(catin(0, x, 0), ...), fill): each input the pad's operand
+    is computed from, where it varies along the padded dim, is read through a ``catin`` between zero
+    pieces (a 0-d constant expanded: no memory), so the operand's values land at their padded index;
+    ``mask`` (a boolean constant along the padded dim) says where they are. Built with ``b`` (a
+    Replacement or a GraphBuilder); ``const(tensor)`` makes a constant node."""
+    plan = _pad_plan(group)
+    if plan is None:
+        return list(ins), None
+    pad, under = plan
+    d, lo, hi, _ = pad_args(pad)
+    gs = set(group)
+    small, big = list(ir.info(pad.args[0]).shape), list(ir.info(pad).shape)
+    rank = len(small)
+    args, extra, pieces = list(ins), [], {}
+    for i, a in enumerate(ins):
+        readers = [u for u in a.users if u in gs]
+        if not any(u in under for u in readers):
+            continue
+        if any(u not in under for u in readers):
+            raise _NotExpressible(f"{a.name} is read both through the pad and beside it")
+        ai = ir.info(a)
+        k = len(ai.shape) - (rank - d)
+        if k < 0 or ai.shape[k] == 1:
+            continue  # (broadcast along the padded dim: the same value at every index)
+        if list(ai.shape) != small:
+            args[i] = b.call(aten.expand.default, a, small)
+        zero = const(torch.zeros((), dtype=ai.dtype))
+        ends = []
+        for w in (lo, hi):
+            if w:
+                extra.append(b.call(aten.expand.default, zero, small[:d] + [w] + small[d + 1:]))
+                ends.append(len(ins) + len(extra) - 1)
+            else:
+                ends.append(None)
+        pieces[i] = tuple(ends)
+    mask = torch.zeros([big[d]] + [1] * (rank - 1 - d), dtype=torch.bool)
+    mask[lo:lo + small[d]] = True
+    extra.append(const(mask))
+    return args + extra, (pad, pieces, len(ins) + len(extra) - 1)

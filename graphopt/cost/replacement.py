@@ -50,6 +50,13 @@ class Replacement:
         self._pending[ph] = (tuple(shape), dtype, torch.device(device), None if stride is None else tuple(stride))
         return ph
 
+    def constant(self, shape, dtype: torch.dtype, device) -> fx.Node:
+        """A small constant the rewrite would store (a mask, a 0-d fill): :meth:`tensor` with its fake
+        value made now, so the rewrite's builder can read its shape."""
+        ph = self.tensor(shape, dtype, device)
+        self._value(ph)
+        return ph
+
     def like(self, node: fx.Node, *, memory_format=torch.preserve_format, dtype: torch.dtype | None = None) -> fx.Node:
         """A value the rewrite would have where ``node``'s is, in another memory format or dtype
         (a convolution's input once the layout pass has made its region channels_last): a

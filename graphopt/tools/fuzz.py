@@ -20,6 +20,7 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("binary", op, a, kind, arg)         kind "value" (arg: index), "param" (arg: shape), "scalar" (arg: float)
   ("transpose", src) ("permute", src, perm) ("contiguous", src) ("merge", src) ("split", src)
   ("roll", src, dim, h): torch.cat of the slices [h:] and [:h] along dim (a concatenation of strided pieces)
+  ("pad", src, dim, lo, hi, value)     F.pad of src along dim (lo before, hi after) with a constant
   ("attention", q, k, v, causal)       q @ k^T * scale [masked_fill causal] -> softmax -> @ v
   ("mha", src, heads, causal)          q/k/v projections, heads split, attention, out projection
   ("swiglu", src, hidden)              down(silu(gate(x)) * up(x))
@@ -195,6 +196,9 @@ class ProgramModule(nn.Module):
                     out = tuple(torch.broadcast_shapes(sa, shapes[arg]))
                 else:
                     out = sa
+            elif kind == "pad":
+                _, _, dim, lo, hi, _ = op
+                out = src[:dim] + (src[dim] + lo + hi,) + src[dim + 1:]
             elif kind == "transpose":
                 out = src[:-2] + (src[-1], src[-2])
             elif kind == "permute":
@@ -355,6 +359,9 @@ class ProgramModule(nn.Module):
                 y = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
             elif kind == "split":
                 y = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+            elif kind == "pad":
+                _, _, dim, lo, hi, value = op
+                y = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [lo, hi], value=value)
             elif kind == "roll":  # a concatenation of two strided slices: the tail along a dim, then the head
                 _, _, dim, h = op
                 y = torch.cat((x.narrow(dim, h, x.shape[dim] - h), x.narrow(dim, 0, h)), dim)
@@ -573,7 +580,7 @@ def build(program: Program):
 
 
 # op kinds without parameters of their own: the same op on the same operand computes the same value
-REPEATABLE = frozenset({"act", "softmax", "transpose", "permute", "contiguous", "merge", "split", "roll", "bmm", "reduce",
+REPEATABLE = frozenset({"act", "softmax", "pad", "transpose", "permute", "contiguous", "merge", "split", "roll", "bmm", "reduce",
                         "softmax_dim", "unsqueeze", "heads", "merge_heads", "cast"})
 
 
@@ -603,7 +610,7 @@ def programs(max_ops: int = 8):
                  "group_norm", "se",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
-                 "heads", "merge_heads", "repeat", "roll")
+                 "heads", "merge_heads", "repeat", "roll", "pad")
 
         def mask_shape(sc, kind):
             """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
@@ -821,6 +828,14 @@ def programs(max_ops: int = 8):
                 if s is not None:
                     sh = env[s][0]
                     op, out = ("split", s), (sh[:-1] + (2, sh[-1] // 2), env[s][1])
+            elif kind == "pad":
+                s = pick(lambda s, d: len(s) >= 1)
+                if s is not None:
+                    sh = env[s][0]
+                    dim = draw(st.integers(0, len(sh) - 1))
+                    lo, hi = draw(st.sampled_from(((1, 0), (0, 2), (1, 1), (2, 1))))
+                    out = (sh[:dim] + (sh[dim] + lo + hi,) + sh[dim + 1:], env[s][1])
+                    op = ("pad", s, dim, lo, hi, draw(st.sampled_from((0.0, -1.0, 0.5))))
             elif kind == "roll":
                 s = pick(lambda s, d: any(n >= 2 for n in s))
                 if s is not None:

@@ -710,3 +710,66 @@ def test_a_copy_whose_views_cannot_take_an_input_stays():
     c_ = op_counts(gm)
     assert c_[FP] == 1 and c_["aten.clone.default"] + c_["aten.contiguous.default"] == 1
     assert reference_check(m, gm, (x, c)).passed
+
+
+class PaddedProduct(nn.Module):
+    """CoaT's convolutional relative position encoding: q times a convolved v, a zero token in front
+    (F.pad of the product), then ``scale * factor + it`` and the heads merged (a copy)."""
+
+    def forward(self, q, cv, f):
+        ev = F.pad(q[:, :, 1:, :] * cv, (0, 0, 1, 0, 0, 0))
+        x = 0.3 * f + ev
+        B, h, N, d = x.shape
+        return x.transpose(1, 2).reshape(B, N, h * d)
+
+
+class PadFill(nn.Module):
+    def forward(self, x, y):  # a fill other than 0 along the last dim, a broadcast operand under the pad
+        return torch.relu(F.pad(torch.tanh(x) * y, (2, 1), value=-0.5) + 1.0)
+
+
+def test_a_pad_joins_its_operands_group_and_the_copy_after():
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 10, 3, 4, 8).permute(2, 0, 3, 1, 4)
+    xs = (qkv[0], torch.randn(2, 4, 9, 8), torch.randn(2, 4, 10, 8))
+    m = PaddedProduct()
+    gm = capture(m, xs)
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] == 1 and c["aten.pad.default"] + c["aten.constant_pad_nd.default"] == 0
+    assert c["aten.reshape.default"] == 0 and len(res.rewrites) == 1
+    (fp,) = _fp_nodes(gm)
+    prog = parse(fp.args[0])
+    assert prog.concatenates and prog.row_major
+    assert reference_check(m, gm, xs).passed
+
+
+def test_a_pad_with_a_fill_and_a_broadcast_operand():
+    torch.manual_seed(0)
+    xs = (torch.randn(3, 5, 6), torch.randn(6))
+    m = PadFill()
+    gm = capture(m, xs)
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] == 1 and c["aten.pad.default"] + c["aten.constant_pad_nd.default"] == 0
+    (fp,) = _fp_nodes(gm)
+    assert reference_check(m, gm, xs).passed
+    out = gm(*xs)
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, m(*xs))
+
+
+class PadReadBeside(nn.Module):
+    def forward(self, x):  # the padded value is also read unpadded; and a pad of two dims
+        a = torch.tanh(x) * 2.0
+        return F.pad(a, (1, 1)) + 1.0, a.exp() + 1.0, F.pad(torch.sigmoid(x), (1, 1, 1, 1)) * 3.0
+
+
+def test_a_pad_whose_operand_is_read_beside_it_or_of_two_dims_stays():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6)
+    m = PadReadBeside()
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c["aten.pad.default"] + c["aten.constant_pad_nd.default"] == 2
+    assert reference_check(m, gm, (x,)).passed

@@ -4,7 +4,9 @@ optimization time, and store the result as a buffer.
 Never folds random or uninitialised-memory ops, never in training mode across a trainable
 parameter (its gradient would be lost), never on meta (a constant there holds no values), and
 refuses to store a large constant that is much bigger than what it is computed from (an
-``expand`` turned into memory).
+``expand`` turned into memory), unless the value repeats along the dims that make it large (an
+``expand`` carried through the ops after it: ConViT's position scores, computed from relative
+indices expanded over the batch): then one slice along each is stored and expanded where it is read.
 
 Also removes ``cat`` of an empty constant and one other operand (Hugging Face's KV cache appending
 the new keys and values to an empty past), where the result is exactly that operand.
@@ -236,6 +238,44 @@ def _store(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> fx.Node:
     return new
 
 
+def repeated_dims(v: torch.Tensor) -> list[int]:
+    """The dims of ``v`` (of size over 1) along which every slice equals the first."""
+    return [d for d in range(v.dim()) if v.shape[d] > 1 and torch.equal(v, v.narrow(d, 0, 1).expand_as(v))]
+
+
+def _repeated_value(consts, root: fx.Node, limit: float) -> tuple[str, torch.Tensor | None]:
+    """('', the value of ``root`` with one slice along each dim it repeats along) when that fits in
+    ``limit`` bytes and every reader reads values (no view of its memory), else (why not, None)."""
+    from ._fusion_meta import STRIDE_READERS
+
+    if any(u.op != "call_function" or u.target in STRIDE_READERS for u in root.users):
+        return " (a reader views its memory)", None
+    v = consts.value(root)
+    if not isinstance(v, torch.Tensor):
+        return "", None
+    dims = repeated_dims(v)
+    small = v
+    for d in dims:
+        small = small.narrow(d, 0, 1)
+    if not dims or small.numel() * small.element_size() > limit:
+        return " (not repeated along a dim)" if not dims else f" ({small.numel() * small.element_size() / 2**20:.1f} MiB " \
+            "without the dims it repeats along)", None
+    return "", small.detach().contiguous()
+
+
+def _store_expanded(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> fx.Node:
+    """Replace ``node`` with ``value`` (stored as a constant) expanded to ``node``'s shape."""
+    from ._fusion_meta import set_meta
+
+    name = ir.register_constant(gm, node.name, value)
+    with gm.graph.inserting_before(node):
+        const = gm.graph.get_attr(name)
+        new = gm.graph.call_function(aten.expand.default, (const, list(ir.info(node).shape)))
+    set_meta(gm, [const, new])
+    ir.replace_with(new=new, old=node)
+    return new
+
+
 @register
 class FoldConstants(Pass):
     name = "fold_constants"
@@ -279,20 +319,29 @@ class FoldConstants(Pass):
                 continue
             src_bytes = sum(ir.concrete(ir.info(s).nbytes) for s in sources if ir.info(s) is not None)
             out_bytes = ir.concrete(out_info.nbytes, ctx.hints)
+            repeated = None
             if out_bytes > LARGE_BYTES and out_bytes > 2 * src_bytes and not host:
-                res.reject(root.name, f"would store a {out_bytes / 2**20:.1f} MiB constant computed from "
-                                      f"{src_bytes / 2**20:.1f} MiB")
-                continue
+                # the value of an expand carried through the ops after it repeats along the expanded
+                # dims: stored once along them, expanded again where it is read
+                why, repeated = _repeated_value(consts, root, max(LARGE_BYTES, 2 * src_bytes))
+                if repeated is None:
+                    res.reject(root.name, f"would store a {out_bytes / 2**20:.1f} MiB constant computed from "
+                                          f"{src_bytes / 2**20:.1f} MiB{why}")
+                    continue
+                out_bytes = repeated.numel() * repeated.element_size()
             # the gain: the ops that no longer run (only those feeding nothing but constants)
             work = [n for n in sub if n.op == "call_function" and all(u in const for u in n.users) or n is root]
             gain = ctx.node_time(work)
 
-            def apply(root=root, to_device=to_device):
+            def apply(root=root, to_device=to_device, repeated=repeated):
                 # the closure as the graph is now: an earlier fold may have stored part of it (erased)
                 sub = consts.closure(root)
-                v = consts.value(root)
-                v = v.detach().clone() if v._base is not None else v.detach()
-                new = _store(gm, root, v if to_device is None else v.to(to_device))
+                if repeated is not None:
+                    new = _store_expanded(gm, root, repeated)
+                else:
+                    v = consts.value(root)
+                    v = v.detach().clone() if v._base is not None else v.detach()
+                    new = _store(gm, root, v if to_device is None else v.to(to_device))
                 ir.erase_dead(gm, [root] + [n for n in sub if n.op == "call_function"])
                 return new
 

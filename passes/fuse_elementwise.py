@@ -16,7 +16,8 @@ fusion: the cos and sin of a rotary angle table are one kernel reading the angle
 graphs only).
 
 Row reductions join too, with their prologue and epilogue (inference graphs): a sum, mean, amax,
-variance, 2-norm (``linalg_vector_norm``), keepdim, or a softmax or log-softmax over the last dim, of rows up to
+variance, 2-norm (``linalg_vector_norm``), keepdim (or without it, where the result is read only through an
+``unsqueeze`` of the last dim: ConViT's ``attn / attn.sum(-1).unsqueeze(-1)``), or a softmax or log-softmax over the last dim, of rows up to
 cuda_ext.pointwise_triton.MAX_ROW elements, becomes ``rsum``/``rmax`` in the program, and its per-row
 result (shape [..., 1]) joins the ops that broadcast it back along the row (through ``expand``/
 ``expand_as``, no copy): F.normalize, a softmax with its scale and mask, a hand-written norm are one
@@ -171,6 +172,8 @@ ROW_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.l
 SOFTMAXES = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
 _LOG_SOFTMAXES = (aten.log_softmax.int, aten._log_softmax.default)
 EXPANDS = (aten.expand.default, aten.expand_as.default)
+# the row's dim put back after a reduction without keepdim (``x / x.sum(-1).unsqueeze(-1)``)
+ROW_UNSQUEEZE = aten.unsqueeze.default
 
 
 def row_reduction(node: fx.Node) -> str:
@@ -202,12 +205,28 @@ def row_reduction(node: fx.Node) -> str:
             dims, keep = get_arg(node, 1, "dim", None), get_arg(node, 2, "keepdim", False)
         if node.target in (aten.var.dim, aten.var.correction) and row - _correction(node) <= 0:
             return f"a variance of {row} values with correction {_correction(node)}"
-        if "dtype" in node.kwargs or not keep or not isinstance(dims, (list, tuple)) or len(dims) != 1:
-            return "not one dim kept (keepdim=True, no dtype)"
+        if "dtype" in node.kwargs or not isinstance(dims, (list, tuple)) or len(dims) != 1 or \
+                not (keep or (node.users and all(_unsqueezes_last(u, rank) for u in node.users))):
+            return "not one dim kept (keepdim=True, or the reduced value read only unsqueezed there; no dtype)"
         dim = dims[0]
     if not isinstance(dim, int) or dim % rank != rank - 1:
         return "not over the last dim"
     return ""
+
+
+def _keepdim(node: fx.Node) -> bool:
+    """A reduction's keepdim argument."""
+    if node.target in (aten.linalg_vector_norm.default, aten.var.dim):
+        return bool(get_arg(node, 3, "keepdim", False))
+    if node.target is aten.var.correction:
+        return bool(node.kwargs.get("keepdim", False))
+    return bool(get_arg(node, 2, "keepdim", False))
+
+
+def _unsqueezes_last(u: fx.Node, rank: int) -> bool:
+    """``u`` puts a size-1 dim back as the last of ``rank`` dims."""
+    return (u.op == "call_function" and u.target is ROW_UNSQUEEZE and isinstance(get_arg(u, 1, "dim", None), int)
+            and get_arg(u, 1, "dim", None) % rank == rank - 1)
 
 
 def cat_reason(node: fx.Node, dtypes) -> str:
@@ -320,7 +339,7 @@ def _operands(node: fx.Node) -> list:
         return [node.args[0]]
     if t is aten.batch_norm.default:
         return [node.args[0], *node.meta[BN_AFFINE]]
-    if t in CASTS or t in _UNARY_ARGS or t in ROW_REDUCTIONS or t in SOFTMAXES or t in EXPANDS:
+    if t in CASTS or t in _UNARY_ARGS or t in ROW_REDUCTIONS or t in SOFTMAXES or t in EXPANDS or t is ROW_UNSQUEEZE:
         return [node.args[0]]  # (expand_as's second argument gives only the shape)
     if t in _WHERES:
         return list(node.args[:3])
@@ -351,6 +370,12 @@ def fusible(node: fx.Node, dtypes) -> str:
         if not isinstance(src, fx.Node) or ir.info(src) is None or ir.info(src).dtype not in dtypes:
             return "expands no floating tensor"
         return ""
+    if node.target is ROW_UNSQUEEZE:
+        src = node.args[0]
+        if isinstance(src, fx.Node) and src.op == "call_function" and src.target in ROW_REDUCTIONS \
+                and not _keepdim(src) and _unsqueezes_last(node, len(ir.info(node).shape)) and row_reduction(src) == "":
+            return ""
+        return "an unsqueeze other than of a row reduction's result"
     if node.target is aten.cat.default:
         return cat_reason(node, dtypes)
     if node.target in PADS:
@@ -417,7 +442,8 @@ class FuseElementwise(Pass):
         nodes = list(gm.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
         ok = self._eligible({n for n in gm.graph.nodes if not fusible(n, dtypes)
-                             and (not _is_free(ctx, n) or n.target in EXPANDS)})  # (an expand joins a row reduction's group)
+                             and (not _is_free(ctx, n) or n.target in EXPANDS or n.target is ROW_UNSQUEEZE)})
+        # (an expand, or an unsqueeze after a reduction, joins a row reduction's group)
         if ctx.training:  # a program reading a concatenation in place has no generated backward
             ok = {n for n in ok if n.target is not aten.cat.default and n.target not in PADS}
         batched = ok & ir.batched_nodes(gm)
@@ -445,7 +471,7 @@ class FuseElementwise(Pass):
             if any(n.target in ROW_REDUCTIONS or n.target in SOFTMAXES for n in group):
                 # without its row reductions (and the expands serving them): the pointwise groups it held
                 rest = {n for n in group if n.target not in ROW_REDUCTIONS and n.target not in SOFTMAXES
-                        and n.target not in EXPANDS}
+                        and n.target not in EXPANDS and n.target is not ROW_UNSQUEEZE}
                 groups.extend(self._groups(gm, rest, order, merge=False))
             elif any(n.target in PADS for n in group):
                 # without its pads: the pointwise groups on either side
@@ -502,7 +528,9 @@ class FuseElementwise(Pass):
                 orders = [stride_order(t) for t in pieces if not everywhere_broadcast(t)]
                 if None not in orders and all(o == orders[0] for o in orders):
                     full.add(tuple(ir.info(outs[0]).shape))
-            if has_conv2d and program.reduces and any(is_channels_last(ir.info(a)) for a in ins):
+            if has_conv2d and program.reduces and any(
+                    is_channels_last(ir.info(a)) and tuple(ir.info(a).shape) == tuple(ir.info(outs[0]).shape)
+                    for a in ins):  # (a full-size input: a [1, C, 1, 1] one is either layout)
                 refuse(group, label, "reduces rows of a channels_last tensor (its outputs would be NCHW inside the "
                                      "channels_last region)")
                 continue
@@ -563,8 +591,10 @@ class FuseElementwise(Pass):
                 return True
             if n.target in PADS:  # its operand's values, padded
                 return n.args[0] is a
-            if n.target in ROW_REDUCTIONS:  # a row into its reduction
-                return sn == sa[:-1] + (1,)
+            if n.target in ROW_REDUCTIONS:  # a row into its reduction (kept dim or not)
+                return sn in (sa[:-1] + (1,), sa[:-1])
+            if n.target is ROW_UNSQUEEZE:  # the reduced dim put back
+                return a.target in ROW_REDUCTIONS and sn == sa + (1,)
             # a per-row value broadcast back along the row
             return a in per_row and len(sa) == len(sn) and sa[:-1] == sn[:-1] and sa[-1] == 1
 
@@ -690,7 +720,7 @@ def _per_row(ok, order) -> set:
     (sqrt of a sum of squares, clamp_min): values computed once per row in a reducing program."""
     out = set()
     for n in sorted(ok, key=order.__getitem__):
-        if n.target in ROW_REDUCTIONS:
+        if n.target in ROW_REDUCTIONS or (n.target is ROW_UNSQUEEZE and n.args[0] in out):
             out.add(n)
         elif any(a in out and tuple(ir.info(a).shape) == tuple(ir.info(n).shape) for a in n.all_input_nodes):
             out.add(n)
@@ -708,7 +738,7 @@ def _row_group(group, outs, ctx, grad) -> str:
     if any(tuple(ir.info(r.args[0]).shape) != shape for r in reducing):
         return "row reductions of different shapes"
     for n in group:
-        if tuple(ir.info(n).shape) not in (shape, row):
+        if tuple(ir.info(n).shape) not in (shape, row, shape[:-1]):
             return f"{n.name} is neither a row {shape} nor a per-row value"
     for o in outs:
         if tuple(ir.info(o).shape) != shape:
@@ -872,7 +902,7 @@ def _program(group, ins, outs, pad=None):
         if n.target in CASTS:
             vals[n] = p.cast(vals[n.args[0]], ir.info(n).dtype)
             continue
-        if n.target in EXPANDS:  # broadcasting is the program's own
+        if n.target in EXPANDS or n.target is ROW_UNSQUEEZE:  # broadcasting is the program's own
             vals[n] = vals[n.args[0]]
             continue
         if n.target in ROW_REDUCTIONS or n.target in SOFTMAXES:

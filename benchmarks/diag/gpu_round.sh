@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s29      kernel profiles (graphopt, eager, compile) of $2
 #   s28      cuda tests of the pointwise kernel and fuse_elementwise, $2 timed alone, then $3 timed 4 at once
 #   s27      per-node Spearman of $2 (node rows kept)
 #   s26      kernel profiles of $2
@@ -53,6 +54,12 @@ ctests() {
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
 case "$1" in
+s29)
+  # graphopt, eager and torch.compile kernel profiles of $2 (CONFIG:BATCH,...): the rows still behind compile
+  for cb in ${2//,/ }; do
+    timeout 170 python3 benchmarks/diag/profile_model.py ${cb%%:*} --sweep --batch ${cb##*:} --compile --gaps --top 30 \
+      --out "$OUT" 2>&1 | quiet | grep "^##\|^- \|rror" | head -12; echo "### profile $cb ${SECONDS}s"
+  done ;;
 s28)
   # a group writing the copy after it (fuse_elementwise, `layout row_major`): its cuda tests, then $2 (CONFIG:BATCH,...)
   # timed alone to ${SPLIT:-400} s, then $3 timed 4 at once to ${LIMIT:-590} s

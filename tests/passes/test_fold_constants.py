@@ -42,13 +42,33 @@ def test_folds_parameter_only_subgraph():
     assert reference_check(m, gm, (x,)).passed
 
 
+class Varying(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("v", torch.randn(1, 1024))
+
+    def forward(self, x):  # 8 MiB from 4 KiB that differs along every dim
+        big = self.v.expand(2048, 1024) * torch.arange(2048, dtype=torch.float32).unsqueeze(1)
+        return x + big
+
+
 def test_refuses_to_materialize_large_constants():
+    m = Varying()
+    x = torch.randn(2048, 1024)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fold_constants"])
+    assert any("MiB constant" in r.reason and "not repeated" in r.reason for r in res.rejected)
+    assert op_counts(gm)["aten.expand.default"] == 1
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_a_large_constant_made_by_an_expand_is_stored_unexpanded():
     m = Expanding()
     x = torch.randn(2048, 1024)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fold_constants"])
-    assert any("MiB constant" in r.reason for r in res.rejected)
-    assert op_counts(gm)["aten.expand.default"] == 1
+    assert res.status == "applied" and op_counts(gm)["aten.expand.default"] == 1
+    assert all(getattr(gm, n.target).numel() <= 1024 for n in gm.graph.nodes if n.op == "get_attr")
     assert reference_check(m, gm, (x,)).passed
 
 
@@ -384,3 +404,31 @@ def test_a_returned_constant_is_not_stored():
     first = gm(x)[1]
     first.add_(100.0)
     assert torch.equal(gm(x)[1], model(x)[1].detach())
+
+
+class ExpandedPositions(nn.Module):
+    """ConViT's position scores: relative indices (a buffer) expanded over the batch, projected and
+    softmaxed in every call: a constant that repeats along the batch."""
+
+    def __init__(self, n=48):
+        super().__init__()
+        self.register_buffer("rel", torch.randn(1, n, n, 3))
+        self.proj = nn.Linear(3, 4)
+
+    def forward(self, x):
+        pos = self.proj(self.rel.expand(x.shape[0], -1, -1, -1)).permute(0, 3, 1, 2).softmax(-1)
+        return x * pos
+
+
+def test_a_large_constant_that_repeats_along_the_batch_is_stored_once_and_expanded():
+    torch.manual_seed(0)
+    m = ExpandedPositions().eval()
+    x = torch.randn(256, 4, 48, 48)  # the folded value: 9 MiB, 36 KiB without the batch
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fold_constants"], target="h200")
+    assert res.status == "applied" and len(res.rewrites) == 1
+    c = op_counts(gm)
+    assert c.get("aten.linear.default", 0) == 0 and c.get("aten.softmax.int", 0) == 0
+    (stored,) = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert tuple(getattr(gm, stored.target).shape) == (1, 4, 48, 48)
+    torch.testing.assert_close(gm(x)[0] if isinstance(gm(x), (tuple, list)) else gm(x), m(x))

@@ -773,3 +773,32 @@ def test_a_pad_whose_operand_is_read_beside_it_or_of_two_dims_stays():
     c = op_counts(gm)
     assert c["aten.pad.default"] + c["aten.constant_pad_nd.default"] == 2
     assert reference_check(m, gm, (x,)).passed
+
+
+class GatedScores(nn.Module):
+    """ConViT's gated positional attention: two softmaxes mixed by a per-head gate ([1, H, 1, 1]), then
+    renormalized by a sum without keepdim put back by ``unsqueeze(-1)``; a mean without keepdim read
+    as it is stays out."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(4))
+
+    def forward(self, s, p):
+        g = torch.sigmoid(self.gate.view(1, -1, 1, 1))
+        attn = (1.0 - g) * (s * 0.2).softmax(-1) + g * p.softmax(-1)
+        attn = attn / attn.sum(-1).unsqueeze(-1)
+        return attn, s.mean(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sum_without_keepdim_unsqueezed_joins_the_row_program(dtype):
+    torch.manual_seed(0)
+    m = GatedScores().to(dtype)
+    xs = (torch.randn(2, 4, 9, 9, dtype=dtype), torch.randn(2, 4, 9, 9, dtype=dtype))
+    gm = capture(m, xs)
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c["aten.sum.dim_IntList"] == 0 and c["aten.softmax.int"] == 0 and c["aten.unsqueeze.default"] == 0
+    assert c["aten.mean.dim"] == 1  # (read without its dim: not a row program's output)
+    assert c[FP] >= 1 and reference_check(m, gm, xs).passed

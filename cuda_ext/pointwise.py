@@ -460,7 +460,7 @@ def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None"
     nd = len(shape)
     pieces = program.cat_inputs() if program is not None else {}
     full = [t for i, t in enumerate(inputs) if t.dim() == nd and (i in pieces or tuple(t.shape) == tuple(shape))
-            and not everywhere_broadcast(t)]  # (a constant piece, one value expanded, has no layout)
+            and not broadcast_somewhere(t)]  # (an expanded view has no layout, as a smaller operand has none)
     if nd < 2 or not full:
         return None
     order = stride_order(full[0])
@@ -469,9 +469,9 @@ def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None"
     return order
 
 
-def everywhere_broadcast(t: torch.Tensor) -> bool:
-    """Every dim of ``t`` but those of size 1 has stride 0 (one value expanded)."""
-    return all(st == 0 for sz, st in zip(t.shape, t.stride()) if sz != 1)
+def broadcast_somewhere(t: torch.Tensor) -> bool:
+    """Some dim of ``t`` of size over 1 has stride 0 (an expanded view)."""
+    return any(st == 0 for sz, st in zip(t.shape, t.stride()) if sz != 1)
 
 
 def stride_order(t: torch.Tensor) -> list[int] | None:

@@ -43,6 +43,11 @@ the fused result (a view of it where the copy was a reshape). CoaT's factorized 
 ``(scale * f + crpe).transpose(1, 2).reshape(B, N, C)`` is one kernel. Where a view would need a copy
 of an input, or the cost model predicts less than the group alone, the group fuses without it.
 
+Views between two pointwise ops (inference graphs): ``y = f(x, ...); g(views(y), ...)`` with y read only by
+the views (each read once) becomes ``g(f(views(x), ...), ...)``, each operand of f broadcast to y's
+shape and seen through the same views (``sink_views``), so f and g are one group; not where a view of
+an operand would need a copy.
+
 A constant pad of one dim joins the group of its operand (inference graphs): ``pad(f(x, ...), v)`` is
 ``where(mask, f(catin(0, x, 0), ...), v)``: each input the operand is computed from, where it varies
 along the padded dim, is read through a ``catin`` between zero pieces (a 0-d constant expanded, no
@@ -439,6 +444,11 @@ class FuseElementwise(Pass):
     def _run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
         dtypes = _dtypes()
+        if not ctx.training and ctx.fused_kernels:
+            moved = sink_views(gm, dtypes)
+            if moved:
+                res.notes.append(f"{moved} pointwise ops moved after the views between them and the pointwise ops "
+                                 "reading them (their operands seen through those views), so one kernel can hold both")
         nodes = list(gm.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
         ok = self._eligible({n for n in gm.graph.nodes if not fusible(n, dtypes)
@@ -522,10 +532,10 @@ class FuseElementwise(Pass):
                 continue
             full = {tuple(ir.info(a).shape) for a in ins if ir.info(a) is not None}
             if program.concatenates:  # the outputs take the layout the pieces agree on (contiguous ones: none)
-                from graphopt.cuda_ext.pointwise import everywhere_broadcast, stride_order
+                from graphopt.cuda_ext.pointwise import broadcast_somewhere, stride_order
 
                 pieces = [args[i].meta["val"] for i in program.cat_inputs()]
-                orders = [stride_order(t) for t in pieces if not everywhere_broadcast(t)]
+                orders = [stride_order(t) for t in pieces if not broadcast_somewhere(t)]
                 if None not in orders and all(o == orders[0] for o in orders):
                     full.add(tuple(ir.info(outs[0]).shape))
             if has_conv2d and program.reduces and any(
@@ -1117,3 +1127,62 @@ def _fused_inputs(b, group, ins, const):
     mask[lo:lo + small[d]] = True
     extra.append(const(mask))
     return args + extra, (pad, pieces, len(ins) + len(extra) - 1)
+
+
+# ---------------------------------------------------------------------- views between two groups
+
+def sink_views(gm: fx.GraphModule, dtypes, max_rounds: int = 8) -> int:
+    """``y = f(x, ...); z = views(y); g(z, ...)`` with f and g pointwise, y read only by the views and each
+    view read once: f is computed after the views instead, ``f(views(x), ...)`` with each operand broadcast
+    to y's shape and seen through the same views (a layer scale over NHWC values, permuted back to NCHW,
+    then the residual add: one group). Not where a view of an operand would need a copy. Returns how many
+    ops moved."""
+    moved = 0
+    for _ in range(max_rounds):
+        done = 0
+        for n in list(gm.graph.nodes):
+            if n.op != "call_function" or getattr(n, "_erased", False) or fusible(n, dtypes) or _is_view_like(n):
+                continue
+            for a in list(n.all_input_nodes):
+                done += _sink_into(gm, a, dtypes)
+        moved += done
+        if not done:
+            break
+    return moved
+
+
+def _is_view_like(n: fx.Node) -> bool:
+    return n.target in _PERMUTES + _RESHAPES or n.target in EXPANDS
+
+
+def _sink_into(gm: fx.GraphModule, a: fx.Node, dtypes) -> int:
+    """Move the pointwise op at the far end of the view chain ending in ``a`` past it (1), or 0."""
+    chain, x = [], a
+    while x.op == "call_function" and x.target in _PERMUTES + _RESHAPES and len(x.users) == 1 \
+            and _static(ir.info(x)) and isinstance(x.args[0], fx.Node):
+        chain.append(x)
+        x = x.args[0]
+    if not chain or x.op != "call_function" or len(x.users) != 1 or (x.target not in OPS and x.target not in CASTS) \
+            or fusible(x, dtypes) or not _static(ir.info(x)):
+        return 0
+    chain.reverse()  # from x outward
+    shape = ir.info(x).shape
+    tensors = [t for t in _operands(x) if isinstance(t, fx.Node)]
+    r = Replacement(None)
+    try:  # every operand seen through the views without a copy
+        for t in tensors:
+            view_through(r, t, shape, chain)
+    except (RuntimeError, ValueError):
+        return 0
+    g = gm.graph
+    with g.inserting_before(chain[-1]):
+        b = GraphBuilder(g)
+        before = set(g.nodes)
+        seen = {t: view_through(b, t, shape, chain) for t in tensors}
+        args = tuple(seen.get(v, v) if isinstance(v, fx.Node) else v for v in x.args)
+        new = g.call_function(x.target, args, dict(x.kwargs))
+        made = [m for m in g.nodes if m not in before]
+    set_meta(gm, made)
+    chain[-1].replace_all_uses_with(new)
+    ir.erase_dead(gm, [*reversed(chain), x])
+    return 1

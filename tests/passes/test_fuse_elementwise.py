@@ -831,3 +831,27 @@ def test_copy_pad_and_unsqueezed_row_programs_on_cuda(case, dtype):
     run_passes(gm, ["fuse_elementwise"], target="h200")
     assert op_counts(gm)[FP] >= 1
     assert reference_check(m, gm, xs).passed
+
+
+class ScaleThenPermute(nn.Module):
+    """HF ConvNeXt's layer end: a layer scale over NHWC values, permuted back to NCHW, then the
+    residual add (channels_last in a CNN): two pointwise ops with a permute between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(16))
+
+    def forward(self, y, res):
+        return res + torch.tanh(y * 0.5 * self.gamma).permute(0, 3, 1, 2)
+
+
+def test_pointwise_ops_across_a_permute_are_one_group():
+    torch.manual_seed(0)
+    m = ScaleThenPermute()
+    xs = (torch.randn(2, 5, 6, 16), torch.randn(2, 16, 5, 6).contiguous(memory_format=torch.channels_last))
+    gm = capture(m, xs)
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] == 1 and sum(v for k, v in c.items() if k in ("aten.mul.Tensor", "aten.add.Tensor", "aten.tanh.default")) == 0
+    assert any("moved after the views" in n for n in res.notes)
+    assert reference_check(m, gm, xs).passed

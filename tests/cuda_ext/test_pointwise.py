@@ -414,3 +414,22 @@ def test_row_major_layout_in_the_triton_kernel(triton_interpreter):
 def test_row_major_layout_cuda():
     poison_allocator("cuda")
     _check_row_major(lambda s, ins: torch.ops.graphopt.fused_pointwise(s, ins), "cuda")
+
+
+def test_an_expanded_operand_has_no_say_in_the_output_layout():
+    """A layer scale expanded to the full shape (stride 0 but along channels) beside channels_last
+    operands: the output stays channels_last, as with the unexpanded [C, 1, 1] scale."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p = Program()
+    g, y, r = p.input(), p.input(), p.input()
+    p.output(r + g * y, "f32")
+    y_ = torch.randn(2, 5, 6, 16).permute(0, 3, 1, 2)  # NHWC values seen as NCHW: channels_last strides
+    r_ = torch.randn(2, 16, 5, 6).contiguous(memory_format=torch.channels_last)
+    g_ = torch.randn(16)[None, :, None, None].expand(2, 16, 5, 6)
+    (out,) = reference.fused_pointwise(p.source, [g_, y_, r_])
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, r_ + g_ * y_)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        (fake,) = torch.ops.graphopt.fused_pointwise(p.source, [mode.from_tensor(t) for t in (g_, y_, r_)])
+    assert fake.stride() == out.stride()

@@ -855,3 +855,36 @@ def test_pointwise_ops_across_a_permute_are_one_group():
     assert c[FP] == 1 and sum(v for k, v in c.items() if k in ("aten.mul.Tensor", "aten.add.Tensor", "aten.tanh.default")) == 0
     assert any("moved after the views" in n for n in res.notes)
     assert reference_check(m, gm, xs).passed
+
+
+@pytest.mark.parametrize("case", ["heads", "pad", "fill", "gated", "sink"])
+def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(case, monkeypatch):
+    """Every program these rewrites make, run by the generated Triton kernel under Triton's interpreter
+    (on the CPU) on the values the graph gives it: the reference's values and memory layout."""
+    pytest.importorskip("triton")
+    from graphopt.cuda_ext import pointwise_triton as pwt
+
+    if case == "sink":
+        torch.manual_seed(0)
+        m = ScaleThenPermute()
+        xs = (torch.randn(2, 5, 6, 16), torch.randn(2, 16, 5, 6).contiguous(memory_format=torch.channels_last))
+    else:
+        m, xs = _new_program_case(case, "cpu", torch.float32)
+    gm = capture(m, xs)
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    ran = []
+
+    class Check(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            out = super().call_function(target, args, kwargs)
+            if target is torch.ops.graphopt.fused_pointwise.default:
+                monkeypatch.setenv("TRITON_INTERPRET", "1")
+                got = pwt.fused_pointwise_triton(*args)
+                for g, want in zip(got, out):
+                    torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+                    assert g.stride() == want.stride()
+                ran.append(args[0])
+            return out
+
+    Check(gm).run(*xs)
+    assert ran

@@ -857,7 +857,12 @@ def test_pointwise_ops_across_a_permute_are_one_group():
     assert reference_check(m, gm, xs).passed
 
 
-@pytest.mark.parametrize("case", ["heads", "pad", "fill", "gated", "sink"])
+class PadChannelsLast(nn.Module):
+    def forward(self, x, r):  # a one-dim pad of a channels_last value, then the residual: stays channels_last
+        return F.pad(torch.relu(x * 2.0), (0, 0, 1, 0)) + r
+
+
+@pytest.mark.parametrize("case", ["heads", "pad", "fill", "gated", "sink", "pad_cl"])
 def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(case, monkeypatch):
     """Every program these rewrites make, run by the generated Triton kernel under Triton's interpreter
     (on the CPU) on the values the graph gives it: the reference's values and memory layout."""
@@ -868,6 +873,10 @@ def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(cas
         torch.manual_seed(0)
         m = ScaleThenPermute()
         xs = (torch.randn(2, 5, 6, 16), torch.randn(2, 16, 5, 6).contiguous(memory_format=torch.channels_last))
+    elif case == "pad_cl":
+        torch.manual_seed(0)
+        m = PadChannelsLast()
+        xs = tuple(torch.randn(2, 8, h, 6).contiguous(memory_format=torch.channels_last) for h in (5, 6))
     else:
         m, xs = _new_program_case(case, "cpu", torch.float32)
     gm = capture(m, xs)
@@ -886,5 +895,9 @@ def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(cas
                 ran.append(args[0])
             return out
 
-    Check(gm).run(*xs)
+    out = Check(gm).run(*xs)
     assert ran
+    if case == "pad_cl":
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        assert op_counts(gm)["aten.pad.default"] == 0 and out.is_contiguous(memory_format=torch.channels_last)
+        assert reference_check(m, gm, xs).passed

@@ -79,10 +79,13 @@ class GraphBuilder:
 
     def __init__(self, g: fx.Graph):
         self.g = g
+        self.made: list[fx.Node] = []  # the nodes made, in order (for the rewrite's set_meta)
 
     def call(self, target, *args, val=None, **kwargs) -> fx.Node:
         """A node at the insertion point (``val`` is for scratch nodes: a rewrite's set_meta computes these)."""
-        return self.g.call_function(target, args, kwargs)
+        n = self.g.call_function(target, args, kwargs)
+        self.made.append(n)
+        return n
 
 
 def conv_pair(v, default):

@@ -122,11 +122,11 @@ def _written_copy(c, x, storage, writes) -> str:
     return ""
 
 
-def _concrete(ti) -> bool:
+def concrete_layout(ti) -> bool:
     return ti is not None and not ti.symbolic and ti.stride is not None and all(isinstance(s, int) for s in ti.stride)
 
 
-def _perm_of(node: fx.Node, rank: int) -> list[int] | None:
+def perm_of(node: fx.Node, rank: int) -> list[int] | None:
     """The dims permutation a permute/transpose/t node applies (output dim i = input dim perm[i])."""
     if node.target is aten.permute.default:
         return [d % rank for d in node.args[1]]
@@ -340,7 +340,7 @@ class EliminatePermutes(Pass):
             if xi is None:
                 continue
             rank = len(xi.shape)
-            pp, qq = _perm_of(p, rank), _perm_of(q, rank)
+            pp, qq = perm_of(p, rank), perm_of(q, rank)
             if [pp[i] for i in qq] != list(range(rank)):
                 continue
             qi = ir.info(q)
@@ -402,7 +402,7 @@ class EliminatePermutes(Pass):
         return cands
 
     def _plan(self, c, x, xi):
-        if not _concrete(xi) or not _concrete(ir.info(c)):
+        if not concrete_layout(xi) or not concrete_layout(ir.info(c)):
             return None, "symbolic shapes or strides"
         views, leaves = self._closure(c)
         if not leaves:
@@ -411,7 +411,7 @@ class EliminatePermutes(Pass):
         plan = []
         for leaf, consumer in leaves:
             li = ir.info(leaf)
-            if not _concrete(li):
+            if not concrete_layout(li):
                 return None, f"{leaf.name} has symbolic shape"
             if consumer.op == "output":
                 return None, f"{leaf.name} is a graph output (callers may expect it contiguous)"
@@ -490,14 +490,14 @@ class EliminatePermutes(Pass):
             if lin.op != "call_function" or lin.target is not aten.linear.default:
                 continue
             li = ir.info(lin)
-            if li is None or not _concrete(li):
+            if li is None or not concrete_layout(li):
                 continue
             t = lin.args[0]
             # sink: linear(transpose(x, i, j)), the last dim untouched
             if isinstance(t, fx.Node) and t.target is aten.transpose.int and len(t.users) == 1:
                 x, ti = t.args[0], ir.info(t)
                 xi = ir.info(x) if isinstance(x, fx.Node) else None
-                if xi is not None and ti is not None and len(xi.shape) >= 3 and _concrete(xi):
+                if xi is not None and ti is not None and len(xi.shape) >= 3 and concrete_layout(xi):
                     r = len(xi.shape)
                     i, j = (d % r for d in t.args[1:3])
                     if r - 1 not in (i, j) and ir.is_contiguous(xi) and not ir.is_contiguous(ti):
@@ -520,7 +520,7 @@ class EliminatePermutes(Pass):
                 continue
             X = t.args[0]
             Xi, vi, tri = ir.info(X) if isinstance(X, fx.Node) else None, ir.info(v), ir.info(tr)
-            if Xi is None or vi is None or tri is None or not _concrete(Xi) or len(vi.shape) != 3 \
+            if Xi is None or vi is None or tri is None or not concrete_layout(Xi) or len(vi.shape) != 3 \
                     or len(Xi.shape) < 3 or len(li.shape) != 2:
                 continue
             L, B = vi.shape[0], vi.shape[1]
@@ -624,7 +624,7 @@ class EliminatePermutes(Pass):
             xi, ni = ir.info(x) if isinstance(x, fx.Node) else None, ir.info(n)
             if xi is None or ni is None:
                 continue
-            if not (_concrete(xi) and _concrete(ni)):
+            if not (concrete_layout(xi) and concrete_layout(ni)):
                 res.reject(n.name, "view chain not merged: symbolic shapes")
                 continue
             shape = list(ni.shape)

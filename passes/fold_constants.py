@@ -220,18 +220,22 @@ def _copies_across_devices(nodes) -> bool:
     return False
 
 
-def _store(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> fx.Node:
+def _store(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor, expand: bool = False) -> fx.Node:
     """Replace ``node`` with a get_attr of ``value`` stored as a constant (its metadata made from
-    the value, on the value's device)."""
+    the value, on the value's device); ``expand``: the value is expanded to ``node``'s shape there."""
     from ._fusion_meta import set_meta
 
     name = ir.register_constant(gm, node.name, value)
     with gm.graph.inserting_before(node):
         new = gm.graph.get_attr(name)
-    if ir.info(node) is not None and ir.info(node).device == value.device:
+        made = [new]
+        if expand:
+            new = gm.graph.call_function(aten.expand.default, (new, list(ir.info(node).shape)))
+            made.append(new)
+    if not expand and ir.info(node) is not None and ir.info(node).device == value.device:
         new.meta["val"] = node.meta["val"]
     else:
-        set_meta(gm, [new])
+        set_meta(gm, made)
     ir.replace_with(new=new, old=node)
     if node.op == "get_attr" and not node.users:
         gm.graph.erase_node(node)
@@ -261,19 +265,6 @@ def _repeated_value(consts, root: fx.Node, limit: float) -> tuple[str, torch.Ten
         return " (not repeated along a dim)" if not dims else f" ({small.numel() * small.element_size() / 2**20:.1f} MiB " \
             "without the dims it repeats along)", None
     return "", small.detach().contiguous()
-
-
-def _store_expanded(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> fx.Node:
-    """Replace ``node`` with ``value`` (stored as a constant) expanded to ``node``'s shape."""
-    from ._fusion_meta import set_meta
-
-    name = ir.register_constant(gm, node.name, value)
-    with gm.graph.inserting_before(node):
-        const = gm.graph.get_attr(name)
-        new = gm.graph.call_function(aten.expand.default, (const, list(ir.info(node).shape)))
-    set_meta(gm, [const, new])
-    ir.replace_with(new=new, old=node)
-    return new
 
 
 @register
@@ -337,7 +328,7 @@ class FoldConstants(Pass):
                 # the closure as the graph is now: an earlier fold may have stored part of it (erased)
                 sub = consts.closure(root)
                 if repeated is not None:
-                    new = _store_expanded(gm, root, repeated)
+                    new = _store(gm, root, repeated, expand=True)
                 else:
                     v = consts.value(root)
                     v = v.detach().clone() if v._base is not None else v.detach()

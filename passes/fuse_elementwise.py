@@ -86,6 +86,7 @@ from graphopt.matcher import get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
 from ._fusion_meta import GraphBuilder, requires_grad, set_meta
+from .eliminate_permutes import concrete_layout, perm_of
 
 aten = torch.ops.aten
 MAX_INPUTS = 8
@@ -198,16 +199,9 @@ def row_reduction(node: fx.Node) -> str:
         if node.target in (aten._softmax.default, aten._log_softmax.default) and node.args[2]:
             return "a softmax from half to float"
     else:
-        if node.target is aten.linalg_vector_norm.default:
-            if get_arg(node, 1, "ord", 2) != 2:
-                return "a norm other than the 2-norm"
-            dims, keep = get_arg(node, 2, "dim", None), get_arg(node, 3, "keepdim", False)
-        elif node.target is aten.var.dim:
-            dims, keep = get_arg(node, 1, "dim", None), get_arg(node, 3, "keepdim", False)
-        elif node.target is aten.var.correction:
-            dims, keep = get_arg(node, 1, "dim", None), node.kwargs.get("keepdim", False)
-        else:
-            dims, keep = get_arg(node, 1, "dim", None), get_arg(node, 2, "keepdim", False)
+        if node.target is aten.linalg_vector_norm.default and get_arg(node, 1, "ord", 2) != 2:
+            return "a norm other than the 2-norm"
+        dims, keep = _dims_keep(node)
         if node.target in (aten.var.dim, aten.var.correction) and row - _correction(node) <= 0:
             return f"a variance of {row} values with correction {_correction(node)}"
         if "dtype" in node.kwargs or not isinstance(dims, (list, tuple)) or len(dims) != 1 or \
@@ -219,13 +213,15 @@ def row_reduction(node: fx.Node) -> str:
     return ""
 
 
-def _keepdim(node: fx.Node) -> bool:
-    """A reduction's keepdim argument."""
-    if node.target in (aten.linalg_vector_norm.default, aten.var.dim):
-        return bool(get_arg(node, 3, "keepdim", False))
+def _dims_keep(node: fx.Node) -> tuple:
+    """A reduction's (dim argument, keepdim), wherever its overload puts them."""
+    if node.target is aten.linalg_vector_norm.default:
+        return get_arg(node, 2, "dim", None), get_arg(node, 3, "keepdim", False)
+    if node.target is aten.var.dim:
+        return get_arg(node, 1, "dim", None), get_arg(node, 3, "keepdim", False)
     if node.target is aten.var.correction:
-        return bool(node.kwargs.get("keepdim", False))
-    return bool(get_arg(node, 2, "keepdim", False))
+        return get_arg(node, 1, "dim", None), node.kwargs.get("keepdim", False)
+    return get_arg(node, 1, "dim", None), get_arg(node, 2, "keepdim", False)
 
 
 def _unsqueezes_last(u: fx.Node, rank: int) -> bool:
@@ -378,7 +374,7 @@ def fusible(node: fx.Node, dtypes) -> str:
     if node.target is ROW_UNSQUEEZE:
         src = node.args[0]
         if isinstance(src, fx.Node) and src.op == "call_function" and src.target in ROW_REDUCTIONS \
-                and not _keepdim(src) and _unsqueezes_last(node, len(ir.info(node).shape)) and row_reduction(src) == "":
+                and not _dims_keep(src)[1] and _unsqueezes_last(node, len(ir.info(node).shape)) and row_reduction(src) == "":
             return ""
         return "an unsqueeze other than of a row reduction's result"
     if node.target is aten.cat.default:
@@ -562,7 +558,7 @@ class FuseElementwise(Pass):
                 gain += _backward_gain(ctx, group, ins, outs, program, grad)
             after = None if ctx.training or program.reduces else copy_after(group, outs)
             if after is not None:  # run in the index space of the copy after it, which then goes
-                g_after = _gain_writing_copy(ctx, group, ins, outs, *after)
+                g_after = _gain_writing_copy(ctx, group, args, outs, program, *after)
                 if g_after is not None and g_after > gain:
                     chain, copy = after
                     candidates.append(Candidate(
@@ -643,14 +639,15 @@ class FuseElementwise(Pass):
         with ctx_mgr:
             b = GraphBuilder(g)
             args, pad = _fused_inputs(b, group, live_ins, const)
-            set_meta(gm, [n for n in g.nodes if n not in order])
+            set_meta(gm, b.made)
             program = _program(group, live_ins, outs, pad)
+            made_before = len(b.made)
             if after is not None and _through_copy(Replacement(None), ir.info(outs[0]).shape, args, program,
                                                    after[0]) is None:
                 after = None  # (an input an earlier rewrite replaced cannot be seen through the views)
             if after is not None:
                 args, program = copy_space(b, ir.info(outs[0]).shape, args, program, after[0])
-            made = [n for n in g.nodes if n not in order and "val" not in n.meta]
+            made = b.made[made_before:]  # (the views of the copy's index space)
             fused = g.call_function(torch.ops.graphopt.fused_pointwise.default, (program.source, args))
         with g.inserting_after(fused):
             items = []
@@ -939,17 +936,13 @@ _COPIES = (aten.clone.default, aten.contiguous.default, aten.reshape.default)
 _MAX_CHAIN = 6
 
 
-def _static(ti) -> bool:
-    return ti is not None and ti.stride is not None and all(type(d) is int for d in (*ti.shape, *ti.stride))
-
-
 def _makes_contiguous_copy(n: fx.Node) -> bool:
     """``n`` copies a tensor that is not laid out row-major into a row-major one of the same dtype
     (``clone``, ``contiguous``, or a ``reshape`` its input cannot be viewed as)."""
     if n.target not in _COPIES or not n.args or not isinstance(n.args[0], fx.Node):
         return False
     xi, ni = ir.info(n.args[0]), ir.info(n)
-    if not (_static(xi) and _static(ni)) or xi.dtype != ni.dtype or xi.device != ni.device:
+    if not (concrete_layout(xi) and concrete_layout(ni)) or xi.dtype != ni.dtype or xi.device != ni.device:
         return False
     if ir.is_contiguous(xi) or not ir.is_contiguous(ni):
         return False
@@ -976,7 +969,7 @@ def copy_after(group, outs) -> tuple[list[fx.Node], fx.Node] | None:
             return None
         if _makes_contiguous_copy(n):
             return chain, n
-        if n.target not in _PERMUTES + _RESHAPES or len(n.users) != 1 or not _static(ir.info(n)):
+        if n.target not in _PERMUTES + _RESHAPES or len(n.users) != 1 or not concrete_layout(ir.info(n)):
             return None
         if n.target is aten.reshape.default and not ir.reshape_is_view(ir.info(n.args[0]), ir.info(n).shape):
             return None
@@ -1004,15 +997,9 @@ def _permutation(chain: list[fx.Node], rank: int) -> list[int] | None:
     """The dims of the group's shape in the order ``chain`` (permutes only) leaves them, or None."""
     perm = list(range(rank))
     for v in chain:
-        if v.target is aten.permute.default:
-            perm = [perm[d % rank] for d in v.args[1]]
-        elif v.target is aten.transpose.int:
-            i, j = v.args[1] % rank, v.args[2] % rank
-            perm[i], perm[j] = perm[j], perm[i]
-        elif v.target is aten.t.default and rank == 2:
-            perm = perm[::-1]
-        else:
+        if v.target not in _PERMUTES:
             return None
+        perm = [perm[d] for d in perm_of(v, rank)]
     return perm
 
 
@@ -1045,12 +1032,10 @@ def _through_copy(r, shape, args, program, chain):
     return fused if val and val[0].is_contiguous() else None
 
 
-def _gain_writing_copy(ctx, group, ins, outs, chain, copy) -> float | None:
-    """Predicted seconds saved by the group run in the index space of ``copy`` (with it and its views
-    gone), or None where it cannot."""
+def _gain_writing_copy(ctx, group, args, outs, program, chain, copy) -> float | None:
+    """Predicted seconds saved by the group (its fused node's inputs ``args``, priced on another scratch
+    graph) run in the index space of ``copy`` (with it and its views gone), or None where it cannot."""
     r = ctx.replacement()
-    args, pad = _fused_inputs(r, group, ins, lambda t: r.constant(t.shape, t.dtype, ir.info(outs[0]).device))
-    program = _program(group, ins, outs, pad)
     if _through_copy(r, ir.info(outs[0]).shape, args, program, chain) is None:
         return None
     return ctx.node_time([*group, *chain, copy]) - r.time()
@@ -1159,11 +1144,11 @@ def _sink_into(gm: fx.GraphModule, a: fx.Node, dtypes) -> int:
     """Move the pointwise op at the far end of the view chain ending in ``a`` past it (1), or 0."""
     chain, x = [], a
     while x.op == "call_function" and x.target in _PERMUTES + _RESHAPES and len(x.users) == 1 \
-            and _static(ir.info(x)) and isinstance(x.args[0], fx.Node):
+            and concrete_layout(ir.info(x)) and isinstance(x.args[0], fx.Node):
         chain.append(x)
         x = x.args[0]
     if not chain or x.op != "call_function" or len(x.users) != 1 or (x.target not in OPS and x.target not in CASTS) \
-            or fusible(x, dtypes) or not _static(ir.info(x)):
+            or fusible(x, dtypes) or not concrete_layout(ir.info(x)):
         return 0
     chain.reverse()  # from x outward
     shape = ir.info(x).shape
@@ -1177,12 +1162,10 @@ def _sink_into(gm: fx.GraphModule, a: fx.Node, dtypes) -> int:
     g = gm.graph
     with g.inserting_before(chain[-1]):
         b = GraphBuilder(g)
-        before = set(g.nodes)
         seen = {t: view_through(b, t, shape, chain) for t in tensors}
         args = tuple(seen.get(v, v) if isinstance(v, fx.Node) else v for v in x.args)
-        new = g.call_function(x.target, args, dict(x.kwargs))
-        made = [m for m in g.nodes if m not in before]
-    set_meta(gm, made)
+        new = b.call(x.target, *args, **x.kwargs)
+    set_meta(gm, b.made)
     chain[-1].replace_all_uses_with(new)
     ir.erase_dead(gm, [*reversed(chain), x])
     return 1

@@ -804,7 +804,7 @@ def test_a_sum_without_keepdim_unsqueezed_joins_the_row_program(dtype):
     assert c[FP] >= 1 and reference_check(m, gm, xs).passed
 
 
-def _new_program_case(case, device, dtype):
+def _new_program_case(case):
     torch.manual_seed(0)
     if case == "heads":
         qkv = torch.randn(2, 10, 3, 4, 8).permute(2, 0, 3, 1, 4)
@@ -824,7 +824,7 @@ def _new_program_case(case, device, dtype):
 def test_copy_pad_and_unsqueezed_row_programs_on_cuda(case, dtype):
     """The programs these rewrites make (row-major outputs through views, zero pieces around padded
     inputs, a row sum put back by unsqueeze) as generated Triton kernels, within the accuracy rule."""
-    m, xs = _new_program_case(case, "cuda", dtype)
+    m, xs = _new_program_case(case)
     m = m.to("cuda", dtype).eval()
     xs = tuple(x.to("cuda", dtype) for x in xs)
     gm = capture(m, xs)
@@ -878,7 +878,7 @@ def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(cas
         m = PadChannelsLast()
         xs = tuple(torch.randn(2, 8, h, 6).contiguous(memory_format=torch.channels_last) for h in (5, 6))
     else:
-        m, xs = _new_program_case(case, "cpu", torch.float32)
+        m, xs = _new_program_case(case)
     gm = capture(m, xs)
     run_passes(gm, ["fuse_elementwise"], target="h200")
     ran = []

@@ -22,7 +22,9 @@ sigmoid relu gelu gelu_tanh silu hardswish erf cos sin`` (1), ``eq ne lt le gt g
 ``catin d i j ...`` (the inputs ``i j ...`` concatenated along their dim ``d``: a
 concatenation read in place, never written; each of those inputs is read only there), and the row reductions ``rsum x`` and ``rmax x`` (1): the sum or the maximum of ``x`` over the
 output's last dim (its *row*), one value per row, broadcast back along it (a softmax is
-``e = exp(x - rmax x); e / rsum e``). Dtypes: ``f64 f32 f16 bf16 bool``. Outputs: ``out %v dtype``
+``e = exp(x - rmax x); e / rsum e``). A line ``reduce D`` makes the row the output's dim ``D``
+instead (a softmax over the tokens of ``[B, heads, tokens, dim]``, a mean over the channels of
+an NCHW or channels_last tensor). Dtypes: ``f64 f32 f16 bf16 bool``. Outputs: ``out %v dtype``
 (one or more, in order).
 
 Semantics: inputs broadcast against each other with numpy/torch rules (a ``catin``'s inputs as
@@ -136,6 +138,7 @@ class Program:
     stmts: list[Stmt] = field(default_factory=list)
     outputs: list[tuple[int, str]] = field(default_factory=list)   # (value id, dtype name)
     row_major: bool = False  # `layout row_major`: outputs row-major whatever the inputs' layout
+    reduce_dim: int | None = None  # `reduce D`: rsum/rmax over the output's dim D (None: the last)
 
     # -- building ------------------------------------------------------------------------
     def _emit(self, op: str, args: tuple[int, ...] = (), attrs: tuple = ()) -> Value:
@@ -233,7 +236,13 @@ class Program:
         lines += [f"out %{v} {d}" for v, d in self.outputs]
         if self.row_major:
             lines.append("layout row_major")
+        if self.reduce_dim is not None:
+            lines.append(f"reduce {self.reduce_dim}")
         return "\n".join(lines) + "\n"
+
+    def row_dim(self, ndim: int) -> int:
+        """The output dim the row reductions run along, for an output of ``ndim`` dims."""
+        return ndim - 1 if self.reduce_dim is None else self.reduce_dim
 
     @property
     def reduces(self) -> bool:
@@ -268,6 +277,8 @@ class Program:
             raise ProgramError("a catin needs a dim >= 0 and at least one input")
         if self.reduces and self.concatenates:
             raise ProgramError("a program cannot both reduce rows and read a catin")
+        if self.reduce_dim is not None and (self.reduce_dim < 0 or not self.reduces):
+            raise ProgramError("`reduce D` needs D >= 0 and rsum/rmax in the program")
         return self
 
     def __str__(self) -> str:
@@ -308,6 +319,11 @@ def parse(text: str) -> Program:
 
         if toks == ["layout", "row_major"]:
             p.row_major = True
+            continue
+        if toks[0] == "reduce":
+            if len(toks) != 2 or not toks[1].isdigit():
+                raise ProgramError(f"{where}: expected `reduce D` (a non-negative integer dim)")
+            p.reduce_dim = int(toks[1])
             continue
         if toks[0] == "out":
             if len(toks) != 3:
@@ -445,7 +461,16 @@ def with_cat_dims(p: "Program", dims: Sequence[int]) -> "Program":
     """``p`` with its catins' dims replaced by ``dims`` (one per catin, in order: a permuted layout's)."""
     it = iter(dims)
     return Program([Stmt("catin", (), (next(it), s.attrs[1])) if s.op == "catin" else s for s in p.stmts],
-                   list(p.outputs), row_major=p.row_major)
+                   list(p.outputs), row_major=p.row_major, reduce_dim=p.reduce_dim)
+
+
+def with_row_dim(p: "Program", order: Sequence[int], ndim: int) -> "Program":
+    """``p`` run on its inputs permuted by ``order`` (outermost first): its row's dim as the
+    permuted views number it."""
+    if not p.reduces:
+        return p
+    return Program(list(p.stmts), list(p.outputs), row_major=p.row_major,
+                   reduce_dim=list(order).index(p.row_dim(ndim)))
 
 
 def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None" = None) -> list[int] | None:
@@ -453,9 +478,9 @@ def dense_order(inputs: Sequence[torch.Tensor], shape, program: "Program | None"
     orders its dims the same way by stride, and not the contiguous way (a channels_last activation
     and its residual; the slices of one along a split channel dim, which are not dense), the outputs
     are dense in that order, as aten's elementwise kernels lay theirs out; returns the dims outermost
-    first (None: contiguous outputs). A program that reduces over rows writes contiguous outputs (it
-    runs along the logical last dim)."""
-    if program is not None and (program.reduces or program.row_major):
+    first (None: contiguous outputs). A program that reduces along the last dim (no ``reduce D``
+    line) writes contiguous outputs, as one marked ``layout row_major`` does."""
+    if program is not None and ((program.reduces and program.reduce_dim is None) or program.row_major):
         return None
     nd = len(shape)
     pieces = program.cat_inputs() if program is not None else {}
@@ -559,9 +584,9 @@ def evaluate(program: str | Program, inputs: Sequence[torch.Tensor],
             elif s.op in _UNARY_TORCH:
                 v = _UNARY_TORCH[s.op](a[0])
             elif s.op == "rsum":
-                v = torch.broadcast_to(a[0], shape).sum(-1, keepdim=True)
+                v = torch.broadcast_to(a[0], shape).sum(p.row_dim(len(shape)), keepdim=True)
             elif s.op == "rmax":
-                v = torch.broadcast_to(a[0], shape).amax(-1, keepdim=True)
+                v = torch.broadcast_to(a[0], shape).amax(p.row_dim(len(shape)), keepdim=True)
             else:
                 x, y = a
                 if s.op in COMPARE and (x.dtype == torch.bool) != (y.dtype == torch.bool):

@@ -9,6 +9,10 @@ first, so the common all-contiguous case is rank 1 and loads/stores vectorize to
 Inputs laid out like the output are read at the flat index. With a broadcast input the kernel
 walks [BM, BN] tiles (rows = the leading dims flattened, BN along the last dim), so full-size
 inputs stream with 16-byte vectors and the broadcast one takes its own row/column index.
+A reducing program whose row is its last dim (at most MAX_ROW long) runs a row per tile row; one
+whose row is another dim (``reduce D``), or longer, runs ``generate_rows``' kernel: the row dim
+moved last in every input's and output's strides, BM rows per program (adjacent ones, where the row
+is strided in memory), looped over in BN chunks where it does not fit one tile.
 Everything about a call that depends only on the layout (coalescing, kernel choice, grid) is
 computed once per (program, shapes, strides, dtypes, devices) and cached (``_plans``).
 """
@@ -27,7 +31,7 @@ import torch
 
 from .norm_triton import next_pow2, pdl_launch
 from .pointwise import (COMPARE, DTYPES, Program, broadcast_shape, cat_offsets, compute_dtype_for, dense_order,
-                        full_views, parse, value_kinds, with_cat_dims)
+                        REDUCE, full_views, parse, value_kinds, with_cat_dims, with_row_dim)
 
 BLOCK = 1024
 MAX_ROW = 8192  # the longest row a program with row reductions holds in one tile (registers)
@@ -185,14 +189,36 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
                 L.append(f"    o{i} = offs * 0")
             _walk_dims(L, range(ndim), walk, keep=cat_dim if pieces else None)
 
+    f, b = _emit_stmts(L, p, range(len(p.stmts)), kinds, CT, in_dtypes, dense, shape, fast, cat_dim)
+    for j, (vid, dname) in enumerate(p.outputs):
+        d = DTYPES[dname]
+        val = b(vid) if d == torch.bool else f"{f(vid)}.to({_TL[d]})"
+        if p.reduces:
+            val = f"tl.broadcast_to({val}, {shape})"
+        L.append(f"    tl.store(out{j} + offs, {val}, mask=m)")
+    return "\n".join(L) + "\n"
+
+
+def _emit_stmts(L: list, p: Program, ks, kinds, CT: str, in_dtypes, dense, shape: str, fast: bool,
+                cat_dim: int | None, reduced: dict | None = None, indent: str = "    "):
+    """Append the lines computing statements ``ks`` (indices in program order) as ``v{k}``; a row
+    reduction in ``reduced`` (k -> the name of its per-row value, a looped kernel's earlier pass)
+    is that value. Returns the helpers (f, b): a value as the compute type, as a boolean."""
+    out = L
+    L = []
+
     def f(v: int) -> str:  # value as the compute type
         return f"v{v}" if kinds[v] == "f" else f"v{v}.to({CT})"
 
     def b(v: int) -> str:  # value as a boolean
         return f"v{v}" if kinds[v] == "b" else f"(v{v} != 0)"
 
-    for k, s in enumerate(p.stmts):
+    for k in ks:
+        s = p.stmts[k]
         a = s.args
+        if reduced is not None and k in reduced:
+            L.append(f"    v{k} = {reduced[k]}")
+            continue
         if s.op == "input":
             i = s.attrs[0]
             # full-size inputs are read exactly once: evict first, so the L2 keeps the broadcast ones
@@ -262,12 +288,103 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         else:
             e = _unary(s.op, f(a[0]), CT)
         L.append(f"    v{k} = {e}")
-    for j, (vid, dname) in enumerate(p.outputs):
-        d = DTYPES[dname]
-        val = b(vid) if d == torch.bool else f"{f(vid)}.to({_TL[d]})"
-        if p.reduces:
-            val = f"tl.broadcast_to({val}, {shape})"
-        L.append(f"    tl.store(out{j} + offs, {val}, mask=m)")
+    out.extend(indent + line[4:] for line in L)
+    return f, b
+
+
+def _cone(p: Program, roots, stop) -> list[int]:
+    """The statements ``roots`` are computed from, in program order, not looking past ``stop``
+    (values already at hand: earlier passes' reductions)."""
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        k = todo.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        if k not in stop:
+            todo.extend(p.stmts[k].args)
+    return sorted(seen)
+
+
+def generate_rows(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: bool, looped: bool) -> str:
+    """Triton source of ``pw_kernel`` for a reducing program over a (coalesced) output of ``ndim``
+    dims whose last is the row: each program takes BM rows, every input read and every output
+    written through its own strides (the row dim need not be the innermost in memory: a softmax
+    over tokens reads BM adjacent columns at once). ``looped``: the row is longer than the tile;
+    each reduction is one pass over the row in BN chunks (recomputing its operand from the inputs,
+    the earlier reductions' per-row values at hand), then a last pass computes and stores the
+    outputs."""
+    ct = compute_dtype_for(in_dtypes)
+    CT = _TL[ct]
+    kinds = value_kinds(p, in_dtypes)
+    n_in, n_out = len(in_dtypes), len(p.outputs)
+    last = ndim - 1
+    params = [f"in{i}" for i in range(n_in)] + [f"out{j}" for j in range(n_out)] + ["numel"]
+    params += [f"size{d}" for d in range(ndim)]
+    params += [f"st{i}_{d}" for i in range(n_in) for d in range(ndim)]
+    params += [f"ost{j}_{d}" for j in range(n_out) for d in range(ndim)]
+    ity = ".to(tl.int64)" if use_i64 else ""
+    L = ["import triton", "import triton.language as tl",
+         "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait", "", "", *_ROW_COMBINE,
+         "@triton.jit", f"def pw_kernel({', '.join(params)}, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):",
+         "    if PDL:  # programmatic dependent launch (norm_triton.pdl)",
+         "        gdc_wait()",
+         "        gdc_launch_dependents()",
+         f"    r = (tl.program_id(0){ity} * BM + tl.arange(0, BM){ity})[:, None]",
+         f"    rm = r < numel // size{last}",
+         "    cc = tl.arange(0, BN)[None, :]"]
+    # each row's start in every input and output: a div/mod walk over the row dims, once per row
+    for i in range(n_in):
+        L.append(f"    b{i} = r * 0")
+    for j in range(n_out):
+        L.append(f"    q{j} = r * 0")
+    if last:
+        L.append("    rem = r")
+        for d in reversed(range(last)):
+            L.append(f"    idx = rem % size{d}")
+            if d:
+                L.append(f"    rem = rem // size{d}")
+            L += [f"    b{i} += idx * st{i}_{d}" for i in range(n_in)]
+            L += [f"    q{j} += idx * ost{j}_{d}" for j in range(n_out)]
+    shape = "[BM, BN]"
+
+    def chunk(ind: str, c: str) -> None:  # the masks and input offsets of one [BM, BN] chunk
+        L.append(f"{ind}c = {c}")
+        L.append(f"{ind}m = rm & (c < size{last})")
+        L.extend(f"{ind}o{i} = b{i} + c * st{i}_{last}" for i in range(n_in))
+
+    def stores(ind: str, f, b) -> None:
+        for j, (vid, dname) in enumerate(p.outputs):
+            d = DTYPES[dname]
+            val = b(vid) if d == torch.bool else f"{f(vid)}.to({_TL[d]})"
+            L.append(f"{ind}tl.store(out{j} + q{j} + c * ost{j}_{last}, tl.broadcast_to({val}, {shape}), mask=m)")
+
+    no_dense = [False] * n_in
+    if not looped:
+        chunk("    ", "cc")
+        f, b = _emit_stmts(L, p, range(len(p.stmts)), kinds, CT, in_dtypes, no_dense, shape, False, None)
+        stores("    ", f, b)
+        return "\n".join(L) + "\n"
+    reds = [k for k, st in enumerate(p.stmts) if st.op in REDUCE]
+    done: dict[int, str] = {}
+    for k in reds:
+        op, x = p.stmts[k].op, p.stmts[k].args[0]
+        init, fill = ("0.0", "0.0") if op == "rsum" else ('float("-inf")', 'float("-inf")')
+        L.append(f"    acc{k} = tl.full({shape}, {init}, {CT})")
+        L.append(f"    for start in range(0, size{last}, BN):")
+        chunk("        ", "start + cc")
+        f, _ = _emit_stmts(L, p, _cone(p, [x], set(done)), kinds, CT, in_dtypes, no_dense, shape, False, None,
+                           reduced=done, indent="        ")
+        xv = f"tl.where(m, {f(x)} + tl.full({shape}, 0.0, {CT}), {fill})"
+        L.append(f"        acc{k} = " + (f"acc{k} + {xv}" if op == "rsum" else f"tl.maximum(acc{k}, {xv})"))
+        L.append(f"    red{k} = tl.reduce(acc{k}, 1, {'_row_add' if op == 'rsum' else '_row_max'})[:, None]")
+        done[k] = f"red{k}"
+    L.append(f"    for start in range(0, size{last}, BN):")
+    chunk("        ", "start + cc")
+    f, b = _emit_stmts(L, p, _cone(p, [v for v, _ in p.outputs], set(done)), kinds, CT, in_dtypes, no_dense,
+                       shape, False, None, reduced=done, indent="        ")
+    stores("        ", f, b)
     return "\n".join(L) + "\n"
 
 
@@ -325,16 +442,18 @@ def _cache_dir() -> Path:
 
 
 def get_kernel(text: str, in_dtypes: tuple, ndim: int, use_i64: bool, dense: tuple = (), tile2d: bool = False,
-               fast: bool = False, cat_dim: int | None = None):
+               fast: bool = False, cat_dim: int | None = None, rows: str = ""):
+    """The compiled kernel; ``rows`` ("one" or "looped"): :func:`generate_rows`' strided row kernel."""
     dense = dense or (False,) * len(in_dtypes)
-    key = (text, in_dtypes, ndim, use_i64, dense, tile2d, fast, cat_dim, os.environ.get("TRITON_INTERPRET", "0"))
+    key = (text, in_dtypes, ndim, use_i64, dense, tile2d, fast, cat_dim, rows, os.environ.get("TRITON_INTERPRET", "0"))
     k = _kernels.get(key)
     if k is not None:
         return k
     with _lock:
         k = _kernels.get(key)
         if k is None:
-            src = generate(parse(text), in_dtypes, ndim, use_i64, dense, tile2d, fast, cat_dim)
+            src = (generate_rows(parse(text), in_dtypes, ndim, use_i64, rows == "looped") if rows else
+                   generate(parse(text), in_dtypes, ndim, use_i64, dense, tile2d, fast, cat_dim))
             h = hashlib.sha256(src.encode()).hexdigest()[:24]
             path = _cache_dir() / f"pw_{h}.py"
             if not path.exists():
@@ -359,7 +478,7 @@ class _Plan:
     of a 100 µs kernel)."""
 
     __slots__ = ("device", "shape", "out_dtypes", "numel", "order", "inv", "sub", "kern", "grid", "scalars",
-                 "meta", "spec", "fast", "prog", "cat_dim")
+                 "meta", "spec", "fast", "prog", "cat_dim", "rows")
 
 
 def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
@@ -378,7 +497,7 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
         # a channels_last (or other dense) layout: run in its memory order, where the inputs are
         # contiguous, and hand the outputs back as views in the caller's dim order
         pl.inv = sorted(range(len(pl.order)), key=lambda i: pl.order[i])
-        sub = p
+        sub = with_row_dim(p, pl.order, nd)
         if cats:  # the catins' dims as the permuted views number them
             firsts = [s.attrs[1][0] for s in p.stmts if s.op == "catin"]
             sub = with_cat_dims(p, [pl.order.index(cats[i][0]) for i in firsts])
@@ -386,6 +505,9 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
         return pl
     if pl.numel == 0:
         return pl
+    pl.rows = ""
+    if p.reduces and (p.row_dim(nd) != nd - 1 or shape[-1] > MAX_ROW):
+        return _rows_plan(pl, p, program, inputs)
     views = full_views(p, inputs, shape)
     strides = [list(t.stride()) if nd else [] for t in views]
     keep = None
@@ -442,6 +564,88 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     return pl
 
 
+COLUMN_SECTOR = 32  # bytes: a column kernel reads this many adjacent rows' elements at once, at least
+
+
+def row_tile(row: int, nrows: int, along: bool, esz: int) -> tuple[int, int]:
+    """(BM, BN) of the strided row kernel: rows of ``row`` elements, ``nrows`` of them, contiguous
+    along the row (``along``) or not (then adjacent rows are, as in a softmax over tokens: BM
+    covers COLUMN_SECTOR bytes of them, elements of ``esz`` bytes). The row is looped over where
+    it is longer than BN."""
+    if along:
+        bn = min(next_pow2(row), MAX_ROW)
+        return max(1, min(64, ROW_TILE // bn)), bn
+    bm = min(max(1, COLUMN_SECTOR // esz), next_pow2(nrows))
+    return bm, min(next_pow2(row), max(1, 2 * ROW_TILE // bm))
+
+
+def row_passes(p: Program, inputs: Sequence, shape: Sequence[int]) -> int:
+    """How many times a reducing program's kernel reads its inputs: once where a row fits one tile,
+    else once per reduction and once more to write (``inputs``: anything with ``shape``,
+    ``stride()`` or ``stride`` and ``dtype``)."""
+    if not p.reduces or not shape:
+        return 1
+    nd = len(shape)
+    dim = p.row_dim(nd)
+    if not 0 <= dim < nd or not all(isinstance(v, int) for v in shape):
+        return 1
+    row = shape[dim]
+
+    def st(t):
+        v = t.stride() if callable(getattr(t, "stride", None)) else t.stride
+        return tuple(v) if v is not None else None
+
+    full = [t for t in inputs if tuple(t.shape) == tuple(shape) and st(t) is not None]
+    along = all(st(t)[dim] == 1 for t in full)
+    if row <= MAX_ROW and (along or (dim == nd - 1 and (p.reduce_dim is None or p.row_major))):
+        return 1  # (the row kernel of generate, or one tile of generate_rows)
+    _, bn = row_tile(row, math.prod(shape) // max(row, 1), along, min([t.dtype.itemsize for t in full] or [4]))
+    return sum(s.op in REDUCE for s in p.stmts) + 1 if next_pow2(row) > bn else 1
+
+
+def _rows_plan(pl: _Plan, p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
+    """A reducing program whose row is not the outputs' innermost dim, or longer than MAX_ROW: the
+    row dim moved last in every input's and output's strides (the outputs stay contiguous in the
+    caller's dims), the other dims coalesced; BM rows per program, the row in one [BM, BN] tile or
+    looped over in BN chunks. Where the row is strided in memory and the rows adjacent (a softmax
+    over tokens), BM covers at least COLUMN_SECTOR bytes of adjacent rows."""
+    shape, nd = pl.shape, len(pl.shape)
+    dim = p.row_dim(nd)
+    if not 0 <= dim < nd:
+        raise ValueError(f"graphopt::fused_pointwise: `reduce {dim}` of an output of {nd} dims")
+    perm = [d for d in range(nd) if d != dim] + [dim]
+    views = [t.permute(perm) for t in full_views(p, inputs, shape)]
+    contig = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        contig[d] = contig[d + 1] * shape[d + 1]
+    ostr = [contig[d] for d in perm]
+    strides = [list(t.stride()) for t in views] + [ostr] * len(pl.out_dtypes)
+    row = shape[dim]
+    if nd > 1:
+        cshape, cstr = coalesce([shape[d] for d in perm[:-1]], [st[:-1] for st in strides])
+    else:
+        cshape, cstr = [1], [[0] for _ in strides]
+    cshape, cstr = cshape + [row], [c + [st[-1]] for c, st in zip(cstr, strides)]
+    n_in = len(inputs)
+    max_off = max([pl.numel] + [sum((sz - 1) * abs(st) for sz, st in zip(cshape, stv)) + 1 for stv in cstr])
+    use_i64 = max_off >= 2**31 - ROW_TILE
+    nrows = pl.numel // row
+    full = [i for i, t in enumerate(views) if tuple(t.shape) == tuple(views[0].shape) and not any(
+        st == 0 for st in t.stride())] or list(range(n_in))
+    along = all(cstr[i][-1] == 1 for i in full)  # the row is contiguous in the full-size inputs
+    bm, bn = row_tile(row, nrows, along, min([views[i].element_size() for i in full] or [4]))
+    pl.rows = "looped" if next_pow2(row) > bn else "one"
+    dts = tuple(t.dtype for t in inputs)
+    pl.fast = False
+    pl.cat_dim = None
+    pl.spec = (program, dts, len(cshape), use_i64, (), False)
+    pl.kern = get_kernel(*pl.spec, rows=pl.rows)
+    pl.scalars = [pl.numel] + cshape + [v for stv in cstr for v in stv]
+    pl.grid = (triton_cdiv(nrows, bm),)
+    pl.meta = dict(BM=bm, BN=bn, num_warps=8 if bm * bn >= 2048 else 4)
+    return pl
+
+
 def _run_plan(pl: _Plan, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     dev = pl.device
     inputs = [t.to(dev) if t.device != dev else t for t in inputs]
@@ -459,7 +663,7 @@ def _run_plan(pl: _Plan, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
                 raise
             # this Triton cannot compile the inline-asm tanh: use the portable formula from now on
             pl.fast = False
-            pl.kern = get_kernel(*pl.spec, fast=False, cat_dim=pl.cat_dim)
+            pl.kern = get_kernel(*pl.spec, fast=False, cat_dim=pl.cat_dim, rows=pl.rows)
             pl.kern[pl.grid](*inputs, *outs, *pl.scalars, **pl.meta, **pdl_launch(dev))
     return outs
 

@@ -16,13 +16,17 @@ fusion: the cos and sin of a rotary angle table are one kernel reading the angle
 graphs only).
 
 Row reductions join too, with their prologue and epilogue (inference graphs): a sum, mean, amax,
-variance, 2-norm (``linalg_vector_norm``), keepdim (or without it, where the result is read only through an
-``unsqueeze`` of the last dim: ConViT's ``attn / attn.sum(-1).unsqueeze(-1)``), or a softmax or log-softmax over the last dim, of rows up to
-cuda_ext.pointwise_triton.MAX_ROW elements, becomes ``rsum``/``rmax`` in the program, and its per-row
-result (shape [..., 1]) joins the ops that broadcast it back along the row (through ``expand``/
-``expand_as``, no copy): F.normalize, a softmax with its scale and mask, a hand-written norm are one
-kernel that reads each row once. Such a group's outputs are full rows (a per-row value read outside
-the group keeps it unfused), written contiguous; it runs a row per tile row.
+variance, 2-norm (``linalg_vector_norm``) over one dim, keepdim (or without it, where the result is read
+only through an ``unsqueeze`` at that dim: ConViT's ``attn / attn.sum(-1).unsqueeze(-1)``), or a softmax
+or log-softmax, becomes ``rsum``/``rmax`` in the program, and its per-row result (the dim kept as 1) joins
+the ops that broadcast it back along the row (through ``expand``/``expand_as``, no copy): F.normalize, a
+softmax with its scale and mask, a hand-written norm are one kernel that reads each row once. The row
+may be any one dim (the program's ``reduce D``: CoaT's softmax over tokens, a LayerNorm over the channels
+of an NCHW or channels_last tensor); every reduction of a group runs along the same dim. Such a group's
+outputs are full rows (a per-row value read outside the group keeps it unfused), laid out as eager
+laid them out (where the program cannot write that layout the group stays unfused); a row longer than
+cuda_ext.pointwise_triton.MAX_ROW, or strided, is looped over (one pass per reduction, then one that
+writes).
 
 An inference BatchNorm (constant statistics and affine; fold_conv_bn folded those after a convolution)
 joins as the per-channel affine ``x * s + t``, ``s`` and ``t`` computed once in float64 and stored in
@@ -80,7 +84,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import broadcast_channels_last, is_channels_last
+from graphopt.cost.model import broadcast_channels_last
 from graphopt.cost.replacement import Replacement
 from graphopt.matcher import get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
@@ -183,34 +187,47 @@ ROW_UNSQUEEZE = aten.unsqueeze.default
 
 
 def row_reduction(node: fx.Node) -> str:
-    """'' when ``node`` reduces its input over the last dim the way a program's rsum/rmax can
-    (a row reduction, keepdim, or a softmax), else why not."""
-    from graphopt.cuda_ext.pointwise_triton import MAX_ROW
-
+    """'' when ``node`` reduces its input over one dim (its *row*: :func:`row_dim`) the way a
+    program's rsum/rmax can (a row reduction, keepdim, or a softmax), else why not."""
     x = node.args[0] if node.args else None
     xi = ir.info(x) if isinstance(x, fx.Node) else None
     if xi is None or not xi.shape:
         return "no input shape"
-    rank, row = len(xi.shape), xi.shape[-1]
-    if not isinstance(row, int) or not 1 <= row <= MAX_ROW:
-        return f"rows of {row} elements (a program holds rows of 1..{MAX_ROW})"
+    rank = len(xi.shape)
+    dim = row_dim(node)
+    if dim is None:
+        return "not over one literal dim"
+    row = xi.shape[dim]
+    if not isinstance(row, int) or row < 1:
+        return f"rows of {row} elements"
     if node.target in SOFTMAXES:
-        dim = node.args[1]
         if node.target in (aten._softmax.default, aten._log_softmax.default) and node.args[2]:
             return "a softmax from half to float"
     else:
         if node.target is aten.linalg_vector_norm.default and get_arg(node, 1, "ord", 2) != 2:
             return "a norm other than the 2-norm"
-        dims, keep = _dims_keep(node)
+        keep = _dims_keep(node)[1]
         if node.target in (aten.var.dim, aten.var.correction) and row - _correction(node) <= 0:
             return f"a variance of {row} values with correction {_correction(node)}"
-        if "dtype" in node.kwargs or not isinstance(dims, (list, tuple)) or len(dims) != 1 or \
-                not (keep or (node.users and all(_unsqueezes_last(u, rank) for u in node.users))):
+        if "dtype" in node.kwargs or \
+                not (keep or (node.users and all(_unsqueezes_at(u, dim, rank) for u in node.users))):
             return "not one dim kept (keepdim=True, or the reduced value read only unsqueezed there; no dtype)"
-        dim = dims[0]
-    if not isinstance(dim, int) or dim % rank != rank - 1:
-        return "not over the last dim"
     return ""
+
+
+def row_dim(node: fx.Node) -> int | None:
+    """The dim (>= 0) a row reduction or softmax ``node`` reduces its input over, or None where that is
+    not one literal dim."""
+    x = node.args[0] if node.args else None
+    xi = ir.info(x) if isinstance(x, fx.Node) else None
+    if xi is None or not xi.shape:
+        return None
+    if node.target in SOFTMAXES:
+        dim = node.args[1] if len(node.args) > 1 else None
+    else:
+        dims = _dims_keep(node)[0]
+        dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else None
+    return dim % len(xi.shape) if isinstance(dim, int) else None
 
 
 def _dims_keep(node: fx.Node) -> tuple:
@@ -224,10 +241,10 @@ def _dims_keep(node: fx.Node) -> tuple:
     return get_arg(node, 1, "dim", None), get_arg(node, 2, "keepdim", False)
 
 
-def _unsqueezes_last(u: fx.Node, rank: int) -> bool:
-    """``u`` puts a size-1 dim back as the last of ``rank`` dims."""
+def _unsqueezes_at(u: fx.Node, dim: int, rank: int) -> bool:
+    """``u`` puts a size-1 dim back as dim ``dim`` of ``rank`` dims."""
     return (u.op == "call_function" and u.target is ROW_UNSQUEEZE and isinstance(get_arg(u, 1, "dim", None), int)
-            and get_arg(u, 1, "dim", None) % rank == rank - 1)
+            and get_arg(u, 1, "dim", None) % rank == dim)
 
 
 def cat_reason(node: fx.Node, dtypes) -> str:
@@ -374,7 +391,8 @@ def fusible(node: fx.Node, dtypes) -> str:
     if node.target is ROW_UNSQUEEZE:
         src = node.args[0]
         if isinstance(src, fx.Node) and src.op == "call_function" and src.target in ROW_REDUCTIONS \
-                and not _dims_keep(src)[1] and _unsqueezes_last(node, len(ir.info(node).shape)) and row_reduction(src) == "":
+                and not _dims_keep(src)[1] and row_reduction(src) == "" \
+                and _unsqueezes_at(node, row_dim(src), len(ir.info(node).shape)):
             return ""
         return "an unsqueeze other than of a row reduction's result"
     if node.target is aten.cat.default:
@@ -474,7 +492,15 @@ class FuseElementwise(Pass):
 
         def refuse(group, label, why):
             res.reject(label, why)
-            if any(n.target in ROW_REDUCTIONS or n.target in SOFTMAXES for n in group):
+            if why == ROWS_ALONG_DIMS:
+                # the reductions along the dim of the last one stay; the others (and the views serving them) leave
+                reducing = [n for n in group if n.target in ROW_REDUCTIONS or n.target in SOFTMAXES]
+                keep = row_dim(reducing[-1])
+                drop = {n for n in reducing if row_dim(n) != keep}
+                drop |= {n for n in group if (n.target in EXPANDS or n.target is ROW_UNSQUEEZE)
+                         and any(a in drop for a in n.all_input_nodes)}
+                groups.extend(self._groups(gm, set(group) - drop, order, merge=False))
+            elif any(n.target in ROW_REDUCTIONS or n.target in SOFTMAXES for n in group):
                 # without its row reductions (and the expands serving them): the pointwise groups it held
                 rest = {n for n in group if n.target not in ROW_REDUCTIONS and n.target not in SOFTMAXES
                         and n.target not in EXPANDS and n.target is not ROW_UNSQUEEZE}
@@ -491,8 +517,9 @@ class FuseElementwise(Pass):
         while groups:
             group = groups.pop(0)
             real = [n for n in group if not _is_free(ctx, n)]
-            # a lone op is a candidate only where aten runs it in its slow strided kernel
-            if len(real) < 2 and not (len(group) == 1 and real and broadcast_channels_last(real[0])):
+            # a lone op is a candidate only where aten runs it in its slow strided kernel (or copies first)
+            if len(real) < 2 and not (len(group) == 1 and real and (broadcast_channels_last(real[0])
+                                                                    or _strided_row(real[0]))):
                 continue
             label = f"{len(group)} pointwise ops {group[0].name} .. {group[-1].name}"
             ins, outs = _boundary(group)
@@ -534,12 +561,12 @@ class FuseElementwise(Pass):
                 orders = [stride_order(t) for t in pieces if not broadcast_somewhere(t)]
                 if None not in orders and all(o == orders[0] for o in orders):
                     full.add(tuple(ir.info(outs[0]).shape))
-            if has_conv2d and program.reduces and any(
-                    is_channels_last(ir.info(a)) and tuple(ir.info(a).shape) == tuple(ir.info(outs[0]).shape)
-                    for a in ins):  # (a full-size input: a [1, C, 1, 1] one is either layout)
-                refuse(group, label, "reduces rows of a channels_last tensor (its outputs would be NCHW inside the "
-                                     "channels_last region)")
-                continue
+            if program.reduces:  # the layout eager wrote, where one of the program's spellings writes it
+                program = _eager_layout(program, args, outs)
+                if program is None:
+                    refuse(group, label, "its outputs' layout (eager's strides "
+                                         f"{tuple(ir.info(outs[0]).stride or ())}) is none a reducing program writes")
+                    continue
             if has_conv2d and any(len(ir.info(o).shape) == 4 and tuple(ir.info(o).shape) not in full for o in outs):
                 # the kernel's outputs take the layout of its full-size inputs (channels_last in,
                 # channels_last out); an output no input has the shape of is written contiguous,
@@ -598,11 +625,14 @@ class FuseElementwise(Pass):
             if n.target in PADS:  # its operand's values, padded
                 return n.args[0] is a
             if n.target in ROW_REDUCTIONS:  # a row into its reduction (kept dim or not)
-                return sn in (sa[:-1] + (1,), sa[:-1])
+                d = row_dim(n)
+                return d is not None and sn in (sa[:d] + (1,) + sa[d + 1:], sa[:d] + sa[d + 1:])
             if n.target is ROW_UNSQUEEZE:  # the reduced dim put back
-                return a.target in ROW_REDUCTIONS and sn == sa + (1,)
-            # a per-row value broadcast back along the row
-            return a in per_row and len(sa) == len(sn) and sa[:-1] == sn[:-1] and sa[-1] == 1
+                return a.target in ROW_REDUCTIONS and len(sn) == len(sa) + 1 and \
+                    sn == sa[:row_dim(a)] + (1,) + sa[row_dim(a):]
+            # a per-row value broadcast back along the row (one dim of size 1 in it)
+            return a in per_row and len(sa) == len(sn) and \
+                sum(x != y for x, y in zip(sa, sn)) == 1 and all(x == y or x == 1 for x, y in zip(sa, sn))
 
         out = []
         pending = ir.connected_components(list(ok), order, joinable)
@@ -641,6 +671,11 @@ class FuseElementwise(Pass):
             args, pad = _fused_inputs(b, group, live_ins, const)
             set_meta(gm, b.made)
             program = _program(group, live_ins, outs, pad)
+            if program.reduces:
+                program = _eager_layout(program, args, outs)
+                if program is None:  # (an input an earlier rewrite replaced is laid out otherwise)
+                    ir.erase_dead(gm, list(reversed(b.made)))
+                    return None
             made_before = len(b.made)
             if after is not None and _through_copy(Replacement(None), ir.info(outs[0]).shape, args, program,
                                                    after[0]) is None:
@@ -736,16 +771,19 @@ def _per_row(ok, order) -> set:
 
 def _row_group(group, outs, ctx, grad) -> str:
     """'' when ``group`` has no row reduction, or its reductions can run as one program (one full
-    shape, reduced over its last dim; only full rows read outside; inference), else why not."""
+    shape, reduced over one dim; only full rows read outside; inference), else why not."""
     reducing = [n for n in group if n.target in ROW_REDUCTIONS or n.target in SOFTMAXES]
     if not reducing:
         return ""
     shape = tuple(ir.info(reducing[0].args[0]).shape)
-    row = shape[:-1] + (1,)
     if any(tuple(ir.info(r.args[0]).shape) != shape for r in reducing):
         return "row reductions of different shapes"
+    if len({row_dim(r) for r in reducing}) > 1:
+        return ROWS_ALONG_DIMS
+    d = row_dim(reducing[0])
+    row = shape[:d] + (1,) + shape[d + 1:]
     for n in group:
-        if tuple(ir.info(n).shape) not in (shape, row, shape[:-1]):
+        if tuple(ir.info(n).shape) not in (shape, row, shape[:d] + shape[d + 1:]):
             return f"{n.name} is neither a row {shape} nor a per-row value"
     for o in outs:
         if tuple(ir.info(o).shape) != shape:
@@ -755,6 +793,33 @@ def _row_group(group, outs, ctx, grad) -> str:
     if ctx.training and any(grad.get(n) for n in group):
         return "a row reduction with a gradient (the program's backward has no row reductions)"
     return ""
+
+
+def _eager_layout(program, args, outs):
+    """``program``, or the spelling of it (the row dim named, making the outputs follow the inputs'
+    layout; or ``layout row_major``) whose outputs have the strides eager's ``outs`` have; None where
+    none does."""
+    from graphopt.cuda_ext.pointwise import Program, dense_order, empty_in_order
+
+    vals = [a.meta.get("val") for a in args]
+    eager = [o.meta.get("val") for o in outs]
+    if any(not isinstance(v, torch.Tensor) for v in vals + eager):
+        return None
+    shape = tuple(eager[0].shape)
+    nd = len(shape)
+    dim = program.row_dim(nd)
+    for p in (program, Program(list(program.stmts), list(program.outputs), reduce_dim=dim),
+              Program(list(program.stmts), list(program.outputs), reduce_dim=dim, row_major=True)):
+        order = dense_order(vals, shape, p)
+        written = empty_in_order(shape, order, torch.float32, "meta").stride()
+        if all(_same_strides(shape, written, e.stride()) for e in eager):
+            return p.validate()
+    return None
+
+
+def _same_strides(shape, a, b) -> bool:
+    """Strides ``a`` and ``b`` lay out a tensor of ``shape`` alike (size-1 dims ignored)."""
+    return all(x == y for n, x, y in zip(shape, a, b) if n != 1)
 
 
 def _boundary(group):
@@ -843,6 +908,18 @@ def _merge_siblings(groups, order, joinable) -> list[list[fx.Node]]:
         groups = [g for g in groups if g is not a and g is not b] + [both]
 
 
+ROWS_ALONG_DIMS = "row reductions along different dims"
+
+
+def _strided_row(n: fx.Node) -> bool:
+    """A row reduction or softmax whose row is not contiguous in its input (aten copies the input
+    first, or reduces in its strided kernel)."""
+    if n.target not in ROW_REDUCTIONS and n.target not in SOFTMAXES:
+        return False
+    xi, d = ir.info(n.args[0]), row_dim(n)
+    return d is not None and xi is not None and xi.stride is not None and xi.shape[d] != 1 and xi.stride[d] != 1
+
+
 def _correction(node) -> float:
     """Bessel's correction of a var node (var.dim's ``unbiased``, var.correction's ``correction``)."""
     if node.target is aten.var.dim:
@@ -858,7 +935,7 @@ def _reduce(p, n, x):
     if n.target in SOFTMAXES:
         e = p.exp(x - p.rmax(x))
         return e / p.rsum(e)
-    row = ir.info(n.args[0]).shape[-1]
+    row = ir.info(n.args[0]).shape[row_dim(n)]
     if n.target in (aten.var.dim, aten.var.correction):
         d = x - p.rsum(x) * (1.0 / row)
         return p.rsum(d * d) * (1.0 / (row - _correction(n)))
@@ -876,7 +953,9 @@ def _program(group, ins, outs, pad=None):
     the mask's position))."""
     from graphopt.cuda_ext.pointwise import Program
 
-    p = Program()
+    reducing = [n for n in group if n.target in ROW_REDUCTIONS or n.target in SOFTMAXES]
+    d = row_dim(reducing[0]) if reducing else None
+    p = Program(reduce_dim=None if d is None or d == len(ir.info(reducing[0].args[0]).shape) - 1 else d)
     cats = [n for n in group if n.target is aten.cat.default]
     listed = [a for n in cats for a in n.args[0]]
     pieces = set(listed)

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from graphopt.cost.ops import fused_cost
+from graphopt.cost.ops import OpCost, fused_cost
 
 from ..common import fresh
 from ..pointwise import Program, ProgramError, broadcast_shape, dense_order, empty_in_order, evaluate, parse
@@ -91,10 +91,26 @@ def backward(ctx, grads):
     return None, result
 
 
+def cost(call, profile=None) -> OpCost:
+    """One memory-bound kernel: its inputs read once, or once per pass where a reducing program
+    loops over rows longer than its tile (``pointwise_triton.row_passes``), its outputs written once."""
+    c = fused_cost(call, profile)
+    program = call.arg("program")
+    if not isinstance(program, str):
+        return c
+    p = parse(program)
+    if not p.reduces or not call.outputs:
+        return c
+    from ..pointwise_triton import row_passes
+
+    passes = row_passes(p, call.inputs, call.outputs[0].shape)
+    return c if passes == 1 else OpCost(c.flops * passes, call.in_bytes * passes + call.out_bytes)
+
+
 def example() -> tuple:
     """The arguments of a small fp32 call on the CPU (the cost tests' graph calls every op with its own)."""
     return ("%0 = input 0; %1 = tanh %0; out %1 f32", [torch.randn(24, 32)])
 
 
-OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=fused_pointwise, cost=fused_cost,
+OP = define_op(SCHEMA, reference=reference, fake=fake, wrapper=fused_pointwise, cost=cost,
                kernel="pointwise_triton.py", cuda=cuda, autograd=(backward, setup_context), example=example)

@@ -10,6 +10,7 @@ import graphopt.cuda_ext as ce
 from graphopt.cuda_ext import pointwise_triton as pwt
 from graphopt.cuda_ext import reference
 from graphopt.cuda_ext.pointwise import Program, ProgramError, evaluate, parse
+from graphopt.cuda_ext import pointwise as pw
 
 from kx_accuracy import check
 from conftest import DEVICES, HAS_CUDA, poison_allocator
@@ -296,12 +297,12 @@ def test_row_reductions_cuda(row):
     _check_row_reductions(row, "cuda", rows=(3, 1000))
 
 
-def test_row_reductions_refuse_rows_over_the_limit_and_have_no_backward():
+def test_row_reductions_loop_over_rows_over_the_limit_and_have_no_backward():
     from graphopt.cuda_ext.pointwise_grad import backward_program
 
     p = _softmax_normalize_program()
-    with pytest.raises(ValueError, match="rows of 1..8192"):
-        pwt._make_plan(p, p.source, [torch.randn(2, 8193), torch.randn(8193)])
+    assert pwt._make_plan(p, p.source, [torch.randn(2, 8193), torch.randn(8193)]).rows == "looped"
+    assert pwt._make_plan(p, p.source, [torch.randn(2, 8192), torch.randn(8192)]).rows == ""
     with pytest.raises(ProgramError, match="no generated backward"):
         backward_program(p.source, (torch.float32, torch.float32), (True, True), (True, True))
 
@@ -433,3 +434,77 @@ def test_an_expanded_operand_has_no_say_in_the_output_layout():
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         (fake,) = torch.ops.graphopt.fused_pointwise(p.source, [mode.from_tensor(t) for t in (g_, y_, r_)])
     assert fake.stride() == out.stride()
+
+
+# ---------------------------------------------------------------------------------- rows along any dim
+
+
+def _reduce_dim_cases(device: str):
+    """(program, inputs): a softmax over the tokens of [B, heads, tokens, dim] read through the
+    permute of a qkv projection (the row strided, adjacent rows contiguous: looped, and short enough for
+    one tile); a channel mean and variance of an NCHW and a channels_last tensor with a per-channel
+    affine after it; a row longer than MAX_ROW."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
+    cases = []
+    for tokens in (300, 37):
+        qkv = r(2, tokens, 3, 4, 8).permute(2, 0, 3, 1, 4)  # [3, B, heads, tokens, dim]
+        p = Program(reduce_dim=2)
+        k = p.input(0) * 1.5
+        e = p.exp(k - p.rmax(k))
+        p.output(e / p.rsum(e), torch.bfloat16)
+        cases.append((p, [qkv[1]]))
+    for cl in (False, True):
+        x = r(2, 24, 5, 7)
+        x = x.to(memory_format=torch.channels_last) if cl else x
+        w = r(24, 1, 1)
+        p = Program(reduce_dim=1)
+        v = p.input(0)
+        d = v - p.rsum(v) * (1 / 24)
+        var = p.rsum(d * d) * (1 / 24)
+        p.output(d * p.rsqrt(var + 1e-6) * p.input(1), torch.bfloat16)
+        cases.append((p, [x, w]))
+    p = Program()
+    v = p.input(0)
+    p.output(p.exp(v - p.rmax(v)) / p.rsum(p.exp(v - p.rmax(v))), torch.float32)
+    cases.append((p, [r(3, 9000)]))
+    return cases
+
+
+def _check_reduce_dim(device: str):
+    for p, ins in _reduce_dim_cases(device):
+        p = parse(p.source)  # (the `reduce D` line round-trips)
+        outs = _run_triton(p.source, ins) if device == "cpu" else ce.fused_pointwise(p, ins)
+        cpu = [t.cpu() for t in ins]
+        ref64 = evaluate(p, [t.double() for t in cpu])
+        eager = evaluate(p, cpu)
+        for o, rf, e in zip(outs, ref64, eager):
+            order = pw.dense_order(cpu, rf.shape, p)
+            assert o.shape == rf.shape and (order is None) == o.is_contiguous(), (p.source, o.stride())
+            check(o.cpu(), rf, e, dtype=torch.bfloat16)
+
+
+def test_reduce_dim_evaluates_as_torch():
+    x = torch.randn(2, 3, 11, 5, dtype=torch.float64)
+    p = Program(reduce_dim=2)
+    v = p.input(0)
+    e = p.exp(v - p.rmax(v))
+    p.output(e / p.rsum(e), "f64")
+    assert torch.allclose(evaluate(parse(p.source), [x])[0], torch.softmax(x, 2))
+    with pytest.raises(ProgramError, match="reduce D"):
+        parse("%0 = input 0\n%1 = exp %0\nout %1 f32\nreduce 1\n")
+    with pytest.raises(ValueError, match="`reduce 4` of an output of 2 dims"):
+        pwt._make_plan(parse(p.source.replace("reduce 2", "reduce 4")), "", [torch.randn(3, 4)])
+
+
+def test_reduce_dim_in_the_generated_kernel(triton_interpreter):
+    """Rows along a dim other than the last (strided and looped, and channels in either memory
+    format) and a row over MAX_ROW, in the generated kernel; outputs laid out as the inputs are."""
+    _check_reduce_dim("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_reduce_dim_cuda():
+    poison_allocator("cuda")
+    _check_reduce_dim("cuda")

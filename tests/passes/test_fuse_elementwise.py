@@ -96,17 +96,16 @@ def test_multiple_consumers_become_outputs(dtype):
     assert reference_check(m, gm, (x, y)).passed
 
 
-def test_never_across_a_reduction():
+def test_a_sum_over_another_dim_joins_as_a_row_along_it():
     m = WithReduction(dim=0)
     x = torch.randn(4, 32)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
     c = op_counts(gm)
-    assert c["aten.sum.dim_IntList"] == 1
-    # a sum over the first dim: before it mul+exp, after it div+mul+add; never one group around it
-    assert c[FP] == 2 and len(res.rewrites) == 2
-    sizes = sorted(len(r.matched) for r in res.rewrites)
-    assert sizes == [2, 3]
+    # a sum over the first dim: the program's row is dim 0 (`reduce 0`), prologue and epilogue in it
+    assert c["aten.sum.dim_IntList"] == 0 and c[FP] == 1 and len(res.rewrites) == 1
+    (fp,) = _fp_nodes(gm)
+    assert "reduce 0" in fp.args[0].splitlines()
     assert reference_check(m, gm, (x,)).passed
 
 
@@ -804,8 +803,42 @@ def test_a_sum_without_keepdim_unsqueezed_joins_the_row_program(dtype):
     assert c[FP] >= 1 and reference_check(m, gm, xs).passed
 
 
+class TokenSoftmax(nn.Module):
+    """CoaT's factorized attention: a softmax over the tokens (dim 2) of keys read through the permute of
+    a qkv projection, then K^T V."""
+
+    def forward(self, k, v):
+        return k.softmax(dim=2).transpose(-1, -2) @ v
+
+
+class ChannelNorm(nn.Module):
+    """A LayerNorm over the channels of an image tensor written out (ConvNeXt's, SAM's LayerNorm2d)."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(c)), nn.Parameter(torch.randn(c))
+
+    def forward(self, x):
+        u = x.mean(1, keepdim=True)
+        v = (x - u).pow(2).mean(1, keepdim=True)
+        return self.w[:, None, None] * ((x - u) / torch.sqrt(v + 1e-6)) + self.b[:, None, None]
+
+
+class TwoRowDims(nn.Module):
+    def forward(self, x):  # a softmax over the last dim, then normalized over dim 1: rows along two dims
+        a = (x * 2.0).softmax(-1)
+        return a / a.sum(1, keepdim=True) + 1.0
+
+
 def _new_program_case(case):
     torch.manual_seed(0)
+    if case == "tokens":  # 300 tokens: longer than one tile of the column kernel (looped)
+        qkv = torch.randn(2, 300, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return TokenSoftmax(), (qkv[1], qkv[2])
+    if case == "channels":
+        return ChannelNorm(), (torch.randn(2, 16, 5, 7).contiguous(memory_format=torch.channels_last),)
+    if case == "channels_nchw":
+        return ChannelNorm(), (torch.randn(2, 16, 5, 7),)
     if case == "heads":
         qkv = torch.randn(2, 10, 3, 4, 8).permute(2, 0, 3, 1, 4)
         return HeadsMerged(), (qkv[0], torch.randn(2, 4, 10, 8), torch.randn(2, 4, 10, 8))
@@ -819,7 +852,7 @@ def _new_program_case(case):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", ["heads", "pad", "fill", "gated"])
+@pytest.mark.parametrize("case", ["heads", "pad", "fill", "gated", "tokens", "channels", "channels_nchw"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copy_pad_and_unsqueezed_row_programs_on_cuda(case, dtype):
     """The programs these rewrites make (row-major outputs through views, zero pieces around padded
@@ -862,7 +895,8 @@ class PadChannelsLast(nn.Module):
         return F.pad(torch.relu(x * 2.0), (0, 0, 1, 0)) + r
 
 
-@pytest.mark.parametrize("case", ["heads", "pad", "fill", "gated", "sink", "pad_cl"])
+@pytest.mark.parametrize("case", ["heads", "pad", "fill", "gated", "sink", "pad_cl", "tokens", "channels",
+                                  "channels_nchw"])
 def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(case, monkeypatch):
     """Every program these rewrites make, run by the generated Triton kernel under Triton's interpreter
     (on the CPU) on the values the graph gives it: the reference's values and memory layout."""
@@ -901,3 +935,34 @@ def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(cas
         out = out[0] if isinstance(out, (tuple, list)) else out
         assert op_counts(gm)["aten.pad.default"] == 0 and out.is_contiguous(memory_format=torch.channels_last)
         assert reference_check(m, gm, xs).passed
+
+
+def test_rows_along_any_dim_keep_eager_layout():
+    """A softmax over tokens (its input permuted) writes the layout eager's meta gives its output; a LayerNorm over the channels of a channels_last tensor writes channels_last
+    (the program's `reduce 1`); reductions along two dims in one connected group: one program along one
+    of them, the report saying why not both."""
+    m, xs = _new_program_case("tokens")
+    gm = capture(m, xs)
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    (fp,) = _fp_nodes(gm)
+    assert "reduce 2" in fp.args[0].splitlines()
+    (got,) = torch.ops.graphopt.fused_pointwise(fp.args[0], list(xs[:1]))
+    assert got.stride() == torch.softmax(xs[0], 2).stride()
+    assert op_counts(gm)["aten._softmax.default"] + op_counts(gm)["aten.softmax.int"] == 0
+    assert reference_check(m, gm, xs).passed
+    for case in ("channels", "channels_nchw"):
+        m, xs = _new_program_case(case)
+        gm = capture(m, xs)
+        run_passes(gm, ["fuse_elementwise"], target="h200")
+        (fp,) = _fp_nodes(gm)
+        lines = fp.args[0].splitlines()
+        assert "reduce 1" in lines and "layout row_major" not in lines
+        out = gm(*xs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        assert out.stride() == m(*xs).stride()
+        assert reference_check(m, gm, xs).passed
+    m, x = TwoRowDims(), torch.randn(2, 6, 5, 9)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert any("row reductions along different dims" in r.reason for r in res.rejected)
+    assert op_counts(gm)[FP] >= 1 and reference_check(m, gm, (x,)).passed

@@ -492,7 +492,10 @@ class FuseElementwise(Pass):
 
         def refuse(group, label, why):
             res.reject(label, why)
-            if why == ROWS_ALONG_DIMS:
+            if why.endswith(ROWS_AND_CAT):  # the row program without the concatenations
+                groups.extend(self._groups(gm, {n for n in group if n.target is not aten.cat.default}, order,
+                                           merge=False))
+            elif why == ROWS_ALONG_DIMS:
                 # the reductions along the dim of the last one stay; the others (and the views serving them) leave
                 reducing = [n for n in group if n.target in ROW_REDUCTIONS or n.target in SOFTMAXES]
                 keep = row_dim(reducing[-1])
@@ -909,6 +912,7 @@ def _merge_siblings(groups, order, joinable) -> list[list[fx.Node]]:
 
 
 ROWS_ALONG_DIMS = "row reductions along different dims"
+ROWS_AND_CAT = "a row reduction and a concatenation (a program reads a catin or reduces rows, not both)"
 
 
 def _strided_row(n: fx.Node) -> bool:
@@ -957,6 +961,8 @@ def _program(group, ins, outs, pad=None):
     d = row_dim(reducing[0]) if reducing else None
     p = Program(reduce_dim=None if d is None or d == len(ir.info(reducing[0].args[0]).shape) - 1 else d)
     cats = [n for n in group if n.target is aten.cat.default]
+    if cats and reducing:
+        raise _NotExpressible(ROWS_AND_CAT)
     listed = [a for n in cats for a in n.args[0]]
     pieces = set(listed)
     if pieces:

@@ -916,12 +916,14 @@ ROWS_AND_CAT = "a row reduction and a concatenation (a program reads a catin or 
 
 
 def _strided_row(n: fx.Node) -> bool:
-    """A row reduction or softmax whose row is not contiguous in its input (aten copies the input
-    first, or reduces in its strided kernel)."""
+    """A row reduction or softmax over a dim other than the last whose row is not contiguous in its
+    input (aten copies the input first, or reduces in its strided kernel; the program's kernel reads
+    adjacent rows together). A strided last dim is not one: the row kernel would read it strided."""
     if n.target not in ROW_REDUCTIONS and n.target not in SOFTMAXES:
         return False
     xi, d = ir.info(n.args[0]), row_dim(n)
-    return d is not None and xi is not None and xi.stride is not None and xi.shape[d] != 1 and xi.stride[d] != 1
+    return (d is not None and xi is not None and xi.stride is not None and d != len(xi.shape) - 1
+            and xi.shape[d] != 1 and xi.stride[d] != 1)
 
 
 def _correction(node) -> float:

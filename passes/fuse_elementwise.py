@@ -93,7 +93,7 @@ from ._fusion_meta import GraphBuilder, requires_grad, set_meta
 from .eliminate_permutes import concrete_layout, perm_of
 
 aten = torch.ops.aten
-MAX_INPUTS = 8
+MAX_INPUTS = 24
 MAX_OUTPUTS = 4
 MERGE_SPAN = 128  # graph positions two sibling groups may be apart to be tried for one kernel
 
@@ -659,7 +659,7 @@ class FuseElementwise(Pass):
         anchor = max(live_ins, key=order.__getitem__, default=None)
         first = min(group, key=order.__getitem__)
         if anchor is not None and order[anchor] > order[first]:
-            ctx_mgr = g.inserting_after(anchor)
+            ctx_mgr = g.inserting_before(anchor.next)  # (in order: inserting_after puts each new node first)
         else:
             ctx_mgr = g.inserting_before(first)
         device = ir.info(outs[0]).device

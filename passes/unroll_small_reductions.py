@@ -17,6 +17,14 @@ terms read those, and a stack left unread is removed. 16-bit values are summed
 in float32 and rounded once, as aten's reduction accumulates; a mean divides by the count before
 that rounding.
 
+A matmul (``matmul``, ``bmm``) whose contraction has 2..UNROLL elements is such a sum too: ``A @ B`` is
+the sum over k of ``A[..., :, k, None] * B[..., None, k, :]``, outer products of strided slices (views):
+one pointwise kernel that reads each operand once through its strides, where aten copies an operand
+whose batch dims do not fold (CoaT's ``q @ (k_softmax^T v)`` with q a permute of the qkv projection,
+8 channels per head) and runs a memory-bound GEMM; the ops after it (a scale, a residual, the copy
+that merges the heads) join that kernel in fuse_elementwise. Products summed in float32, rounded
+once, as cuBLAS accumulates.
+
 Legality: aten.sum.dim_IntList or aten.mean.dim over one dim of static extent 2..UNROLL of a
 floating tensor, no dtype argument other than a floating one; inference graphs; CUDA profiles
 (fuse_elementwise fuses only there: unfused, the adds are more kernels than the reduction).
@@ -41,6 +49,7 @@ from .fuse_elementwise import MAX_INPUTS, OPS, _operands
 aten = torch.ops.aten
 UNROLL = 8
 REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim)
+MATMULS = (aten.matmul.default, aten.bmm.default)
 MAX_DEPTH = 3  # pointwise ops moved into the terms along one operand path
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -68,7 +77,8 @@ class UnrollSmallReductions(Pass):
     name = "unroll_small_reductions"
     family = "fusion"
     description = (f"a sum/mean over one dim of 2..{UNROLL} elements -> adds of its slices, with the pointwise "
-                   "ops before it moved into them (fuse_elementwise makes one kernel of them)")
+                   f"ops before it moved into them, and a matmul contracting 2..{UNROLL} -> its outer products "
+                   "(fuse_elementwise makes one kernel of them)")
     inference_only = True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -109,8 +119,75 @@ class UnrollSmallReductions(Pass):
             candidates.append(Candidate("small reduction -> adds of its slices", [n] + moved, gain,
                                         lambda n=n, tree=tree, moved=moved, spec=spec: _apply(gm, n, tree, moved, spec),
                                         label=label))
+        for n in list(gm.graph.nodes):
+            if n.op != "call_function" or n.target not in MATMULS:
+                continue
+            why, spec = _legal_matmul(n)
+            if why:
+                res.reject(n.name, why)
+                continue
+            if not ctx.fused_kernels:
+                res.reject(n.name, NO_FUSED_KERNELS)
+                continue
+            a, b, k, out_dtype = spec
+            scratch = ctx.replacement()
+            ins = [scratch.call(aten.select.int, a, -1, i) for i in range(k)]
+            ins += [scratch.call(aten.select.int, b, -2, i) for i in range(k)]
+            fused = scratch.call(torch.ops.graphopt.fused_pointwise.default, _sum_program(len(ins), out_dtype), ins,
+                                 val=[n.meta.get("val")])
+            gain = ctx.node_time([n]) - ctx.cost.time_of([fused], ctx.hints)
+            candidates.append(Candidate("small matmul -> sum of outer products", [n], gain,
+                                        lambda n=n, spec=spec: _apply_matmul(gm, n, spec),
+                                        label=f"{n.name} ({ir.op_name(n)}, a contraction over {k})"))
         res.apply_ranked(ctx, candidates)
         return res
+
+
+def _legal_matmul(n: fx.Node):
+    a, b = (n.args[:2] if len(n.args) >= 2 else (None, None))
+    ai = ir.info(a) if isinstance(a, fx.Node) else None
+    bi = ir.info(b) if isinstance(b, fx.Node) else None
+    oi = ir.info(n)
+    if ai is None or bi is None or oi is None or n.kwargs:
+        return "no tensor metadata", None
+    if ai.dtype not in _FLOATS or bi.dtype != ai.dtype or oi.dtype != ai.dtype:
+        return f"not floating tensors of one dtype ({ai.dtype}, {bi.dtype})", None
+    if ai.symbolic or bi.symbolic:
+        return "symbolic shapes", None
+    if len(ai.shape) < 2 or len(bi.shape) < 2:
+        return "a vector operand", None
+    k = ai.shape[-1]
+    if k != bi.shape[-2] or not 2 <= k <= UNROLL:
+        return f"a contraction over {k} (unrolled: 2..{UNROLL})", None
+    if 2 * k > MAX_INPUTS:
+        return f"{2 * k} slices: over fuse_elementwise's {MAX_INPUTS} inputs", None
+    return "", (a, b, k, oi.dtype)
+
+
+def _apply_matmul(gm: fx.GraphModule, n: fx.Node, spec):
+    a, b, k, out_dtype = spec
+    g = gm.graph
+    acc_dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+
+    def call(target, *args, **kwargs):
+        node = g.call_function(target, args, kwargs)
+        set_meta(gm, [node])
+        return node
+
+    with g.inserting_before(n):
+        acc = None
+        for i in range(k):
+            col = call(aten.unsqueeze.default, call(aten.select.int, a, -1, i), -1)  # [.., M, 1]
+            row = call(aten.unsqueeze.default, call(aten.select.int, b, -2, i), -2)  # [.., 1, N]
+            t = call(aten.mul.Tensor, col, row)
+            if out_dtype != acc_dtype:
+                t = call(aten._to_copy.default, t, dtype=acc_dtype)
+            acc = t if acc is None else call(aten.add.Tensor, acc, t)
+        if out_dtype != acc_dtype:
+            acc = call(aten._to_copy.default, acc, dtype=out_dtype)
+    n.replace_all_uses_with(acc)
+    g.erase_node(n)
+    return acc
 
 
 def _legal(n: fx.Node):

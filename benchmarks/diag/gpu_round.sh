@@ -63,7 +63,8 @@ s29)
 s28)
   # a group writing the copy after it (fuse_elementwise, `layout row_major`): its cuda tests, then $2 (CONFIG:BATCH,...)
   # timed alone to ${SPLIT:-400} s, then $3 timed 4 at once to ${LIMIT:-590} s
-  ctests s28 200 tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py tests/test_lower.py
+  ctests s28 200 tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py tests/test_lower.py \
+    tests/passes/test_unroll_small_reductions.py
   mkdir -p "$OUT/alone" "$OUT/screen"
   timeout $((${SPLIT:-400} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 150 --reps 20 \
     --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"

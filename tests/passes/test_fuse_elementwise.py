@@ -649,7 +649,7 @@ class DenseLayer(nn.Module):
 def test_a_group_refused_for_its_concatenation_fuses_without_it():
     from graphopt.passes.fuse_elementwise import MAX_INPUTS
 
-    m = DenseLayer().eval()
+    m = DenseLayer(pieces=MAX_INPUTS + 2).eval()
     assert m.pieces > MAX_INPUTS
     x = torch.randn(2, 2, 5, 5)
     gm = capture(m, (x,))

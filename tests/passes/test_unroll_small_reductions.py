@@ -184,3 +184,63 @@ def test_an_op_whose_operand_is_written_before_the_sum_is_not_moved():
     (res,) = run_passes(gm, ["unroll_small_reductions"], target="h200")
     assert all(not any(mm.startswith("mul") for mm in r.matched) for r in res.rewrites)
     assert "aten.mul.Tensor" in op_counts(gm)
+
+
+class FactorizedAttention(nn.Module):
+    """CoaT's factorized attention in small: K^T V over the tokens (a contraction over them: stays a
+    GEMM), then q times that 8x8 matrix per head (a contraction over 8 channels), scaled, plus a
+    residual term, heads merged."""
+
+    def forward(self, q, k, v, res):
+        b, h, n, c = q.shape
+        kv = k.softmax(dim=2).transpose(-1, -2) @ v
+        x = 0.3 * (q @ kv) + res
+        return x.transpose(1, 2).reshape(b, n, h * c)
+
+
+def _factor(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 50, 3, 4, 8, dtype=dtype, device=device).permute(2, 0, 3, 1, 4)  # q, k, v permuted views
+    return FactorizedAttention(), (qkv[0], qkv[1], qkv[2], torch.randn(2, 4, 50, 8, dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matmul_contracting_a_few_channels_becomes_one_kernel_with_its_epilogue(dtype):
+    """q @ kv (8 channels, q read through the qkv projection's permute: aten would copy it) is the sum
+    of 8 outer products of q's and kv's slices; fuse_elementwise makes one kernel of them, the scale and
+    the residual. K^T V (a contraction over 50 tokens) stays a matmul."""
+    m, xs = _factor(dtype)
+    gm = capture(m, xs)
+    unroll, _ = run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
+    assert [r.pattern for r in unroll.rewrites] == ["small matmul -> sum of outer products"]
+    assert any("contraction over 50" in r.reason for r in unroll.rejected)
+    c = op_counts(gm)
+    assert c["aten.matmul.default"] == 1 and c["aten.mul.Tensor"] == 0 and c["aten.add.Tensor"] == 0 and c[FP] >= 1
+    assert reference_check(m, gm, xs).passed
+
+
+def test_matmul_operand_copies_are_priced():
+    """aten's matmul copies an operand whose batch dims do not fold (the permuted q); the cost model
+    adds that copy, and not for contiguous or foldable operands (a transposed K^T is read as is)."""
+    from graphopt.cost.model import matmul_copy_bytes
+
+    m, xs = _factor()
+    gm = capture(m, xs)
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.matmul.default]
+    kv, out = mms
+    q = xs[0]
+    assert matmul_copy_bytes(out) == 2 * q.numel() * q.element_size()  # q; kv is contiguous
+    assert matmul_copy_bytes(kv) == 2 * q.numel() * q.element_size()  # v (the transposed softmax folds)
+    gm2 = capture(FactorizedAttention(), tuple(t.contiguous() for t in xs))
+    assert all(matmul_copy_bytes(n) == 0 for n in gm2.graph.nodes if n.target is torch.ops.aten.matmul.default)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unrolled_matmul_runs_the_generated_kernel(dtype):
+    m, xs = _factor(dtype, "cuda")
+    gm = capture(m, xs)
+    run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
+    assert op_counts(gm)["aten.matmul.default"] == 1 and op_counts(gm)[FP] >= 1
+    assert reference_check(m, gm, xs).passed

@@ -128,6 +128,30 @@ def run_in_triton_interpreter(function: str, timeout: float = 300) -> None:
     assert res["ok"], res["out"]
 
 
+def fused_programs_in_triton_interpreter(gm, xs, monkeypatch) -> tuple:
+    """Run ``gm`` on ``xs``; each graphopt.fused_pointwise call is run again by the generated Triton
+    kernel under Triton's interpreter (CPU) and must give the reference's values and strides.
+    Returns (the graph's outputs, the programs' (text, inputs) in call order)."""
+    from graphopt.cuda_ext import pointwise_triton as pwt
+
+    ran = []
+
+    class Check(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            out = super().call_function(target, args, kwargs)
+            if target is torch.ops.graphopt.fused_pointwise.default:
+                monkeypatch.setenv("TRITON_INTERPRET", "1")
+                got = pwt.fused_pointwise_triton(*args)
+                monkeypatch.delenv("TRITON_INTERPRET")
+                for g, want in zip(got, out):
+                    torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+                    assert g.stride() == want.stride()
+                ran.append(args)
+            return out
+
+    return Check(gm).run(*xs), ran
+
+
 def same_when_graphed(call):
     """``call()`` (an op returning a tensor or tensors) gives bit-identical results eagerly and
     replayed from a CUDA graph it was captured into (warmed up on a side stream first, as capture

@@ -7,7 +7,7 @@ from graphopt import capture
 from graphopt.cuda_ext.pointwise import parse
 from graphopt.examples import zoo
 from graphopt.pipeline import NO_FUSED_KERNELS, Pass, run_passes
-from tests.helpers import op_counts, reference_check
+from tests.helpers import fused_programs_in_triton_interpreter, op_counts, reference_check
 
 FP = "graphopt.fused_pointwise.default"
 
@@ -901,7 +901,6 @@ def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(cas
     """Every program these rewrites make, run by the generated Triton kernel under Triton's interpreter
     (on the CPU) on the values the graph gives it: the reference's values and memory layout."""
     pytest.importorskip("triton")
-    from graphopt.cuda_ext import pointwise_triton as pwt
 
     if case == "sink":
         torch.manual_seed(0)
@@ -915,21 +914,7 @@ def test_copy_pad_unsqueezed_row_and_sunk_programs_in_the_triton_interpreter(cas
         m, xs = _new_program_case(case)
     gm = capture(m, xs)
     run_passes(gm, ["fuse_elementwise"], target="h200")
-    ran = []
-
-    class Check(torch.fx.Interpreter):
-        def call_function(self, target, args, kwargs):
-            out = super().call_function(target, args, kwargs)
-            if target is torch.ops.graphopt.fused_pointwise.default:
-                monkeypatch.setenv("TRITON_INTERPRET", "1")
-                got = pwt.fused_pointwise_triton(*args)
-                for g, want in zip(got, out):
-                    torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
-                    assert g.stride() == want.stride()
-                ran.append(args[0])
-            return out
-
-    out = Check(gm).run(*xs)
+    out, ran = fused_programs_in_triton_interpreter(gm, xs, monkeypatch)
     assert ran
     if case == "pad_cl":
         out = out[0] if isinstance(out, (tuple, list)) else out

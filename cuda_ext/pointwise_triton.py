@@ -491,6 +491,7 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     pl.numel = math.prod(shape)
     pl.order = dense_order(inputs, shape, p)
     pl.sub = pl.kern = None
+    pl.rows = ""
     nd = len(shape)
     cats = cat_offsets(p, inputs, nd)
     if pl.order is not None:
@@ -505,7 +506,6 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
         return pl
     if pl.numel == 0:
         return pl
-    pl.rows = ""
     if p.reduces and (p.row_dim(nd) != nd - 1 or shape[-1] > MAX_ROW):
         return _rows_plan(pl, p, program, inputs)
     views = full_views(p, inputs, shape)

@@ -87,14 +87,24 @@ class UnrollSmallReductions(Pass):
         order = {m: i for i, m in enumerate(gm.graph.nodes)}
         writes = [order[m] for m in gm.graph.nodes if ir.written_args(m)]  # in-place ops, in graph order
         for n in list(gm.graph.nodes):
-            if n.op != "call_function" or n.target not in REDUCTIONS:
+            if n.op != "call_function" or (n.target not in REDUCTIONS and n.target not in MATMULS):
                 continue
-            why, spec = _legal(n)
+            why, spec = (_legal if n.target in REDUCTIONS else _legal_matmul)(n)
             if why:
                 res.reject(n.name, why)
                 continue
             if not ctx.fused_kernels:
                 res.reject(n.name, NO_FUSED_KERNELS)
+                continue
+            if n.target in MATMULS:
+                a, b, k, out_dtype = spec
+                scratch = ctx.replacement()
+                ins = [scratch.call(aten.select.int, a, -1, i) for i in range(k)]
+                ins += [scratch.call(aten.select.int, b, -2, i) for i in range(k)]
+                gain = ctx.node_time([n]) - _fused_s(ctx, scratch, ins, out_dtype, n.meta.get("val"))
+                candidates.append(Candidate("small matmul -> sum of outer products", [n], gain,
+                                            lambda n=n, spec=spec: _apply_matmul(gm, n, spec),
+                                            label=f"{n.name} ({ir.op_name(n)}, a contraction over {k})"))
                 continue
             x, d, r, keep, out_dtype = spec
             # an op moved down to n reads its operands there: none may be written in between
@@ -109,9 +119,7 @@ class UnrollSmallReductions(Pass):
             ins += [scratch.call(aten.select.int, lf.node, lf.dim, 0) for lf in leaves if lf.index0]
             ins += [lf.node for lf in leaves if lf.dim is None]
             out = _unrolled_val(n, keep, d)
-            fused = scratch.call(torch.ops.graphopt.fused_pointwise.default, _sum_program(len(ins), out_dtype), ins,
-                                 val=[out])
-            gain = ctx.node_time([n] + moved) - ctx.cost.time_of([fused], ctx.hints)
+            gain = ctx.node_time([n] + moved) - _fused_s(ctx, scratch, ins, out_dtype, out)
             if _reorders(n, ins, out):  # aten's result is contiguous where its input was not: a copy back
                 gain += ctx.price(aten.clone.default, n)
             label = f"{n.name} ({ir.op_name(n)} over {r} along dim {d}" + (
@@ -119,28 +127,27 @@ class UnrollSmallReductions(Pass):
             candidates.append(Candidate("small reduction -> adds of its slices", [n] + moved, gain,
                                         lambda n=n, tree=tree, moved=moved, spec=spec: _apply(gm, n, tree, moved, spec),
                                         label=label))
-        for n in list(gm.graph.nodes):
-            if n.op != "call_function" or n.target not in MATMULS:
-                continue
-            why, spec = _legal_matmul(n)
-            if why:
-                res.reject(n.name, why)
-                continue
-            if not ctx.fused_kernels:
-                res.reject(n.name, NO_FUSED_KERNELS)
-                continue
-            a, b, k, out_dtype = spec
-            scratch = ctx.replacement()
-            ins = [scratch.call(aten.select.int, a, -1, i) for i in range(k)]
-            ins += [scratch.call(aten.select.int, b, -2, i) for i in range(k)]
-            fused = scratch.call(torch.ops.graphopt.fused_pointwise.default, _sum_program(len(ins), out_dtype), ins,
-                                 val=[n.meta.get("val")])
-            gain = ctx.node_time([n]) - ctx.cost.time_of([fused], ctx.hints)
-            candidates.append(Candidate("small matmul -> sum of outer products", [n], gain,
-                                        lambda n=n, spec=spec: _apply_matmul(gm, n, spec),
-                                        label=f"{n.name} ({ir.op_name(n)}, a contraction over {k})"))
         res.apply_ranked(ctx, candidates)
         return res
+
+
+def _fused_s(ctx, scratch, ins, out_dtype, out) -> float:
+    """Predicted seconds of the one kernel fuse_elementwise makes of the terms: it reads ``ins`` (built
+    on ``scratch``) and writes ``out``."""
+    fused = scratch.call(torch.ops.graphopt.fused_pointwise.default, _sum_program(len(ins), out_dtype), ins, val=[out])
+    return ctx.cost.time_of([fused], ctx.hints)
+
+
+def _accumulate(call, terms, out_dtype):
+    """The terms' sum, each converted to the accumulation dtype (float32 for 16-bit values, as aten's
+    reductions and cuBLAS accumulate) and added in order; the sum in that dtype."""
+    acc_dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+    acc = None
+    for t in terms:
+        if ir.info(t).dtype != acc_dtype:
+            t = call(aten._to_copy.default, t, dtype=acc_dtype)
+        acc = t if acc is None else call(aten.add.Tensor, acc, t)
+    return acc
 
 
 def _legal_matmul(n: fx.Node):
@@ -167,23 +174,16 @@ def _legal_matmul(n: fx.Node):
 def _apply_matmul(gm: fx.GraphModule, n: fx.Node, spec):
     a, b, k, out_dtype = spec
     g = gm.graph
-    acc_dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+    call = _builder(gm)
 
-    def call(target, *args, **kwargs):
-        node = g.call_function(target, args, kwargs)
-        set_meta(gm, [node])
-        return node
+    def term(i):
+        col = call(aten.unsqueeze.default, call(aten.select.int, a, -1, i), -1)  # [.., M, 1]
+        row = call(aten.unsqueeze.default, call(aten.select.int, b, -2, i), -2)  # [.., 1, N]
+        return call(aten.mul.Tensor, col, row)
 
     with g.inserting_before(n):
-        acc = None
-        for i in range(k):
-            col = call(aten.unsqueeze.default, call(aten.select.int, a, -1, i), -1)  # [.., M, 1]
-            row = call(aten.unsqueeze.default, call(aten.select.int, b, -2, i), -2)  # [.., 1, N]
-            t = call(aten.mul.Tensor, col, row)
-            if out_dtype != acc_dtype:
-                t = call(aten._to_copy.default, t, dtype=acc_dtype)
-            acc = t if acc is None else call(aten.add.Tensor, acc, t)
-        if out_dtype != acc_dtype:
+        acc = _accumulate(call, [term(i) for i in range(k)], out_dtype)
+        if ir.info(acc).dtype != out_dtype:
             acc = call(aten._to_copy.default, acc, dtype=out_dtype)
     n.replace_all_uses_with(acc)
     g.erase_node(n)
@@ -292,12 +292,7 @@ def _unrolled_val(n: fx.Node, keep: bool, d: int):
 def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
     x, d, r, keep, out_dtype = spec
     g = gm.graph
-    acc_dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
-
-    def call(target, *args, **kwargs):
-        node = g.call_function(target, args, kwargs)
-        set_meta(gm, [node])  # (the next node's dtype checks read it)
-        return node
+    call = _builder(gm)
 
     once: dict = {}  # a leaf read the same in every term: one select
 
@@ -320,15 +315,7 @@ def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
         return e
 
     with g.inserting_before(n):
-        terms = []
-        for i in range(r):
-            t = build(tree, i)
-            if ir.info(t).dtype != acc_dtype:
-                t = call(aten._to_copy.default, t, dtype=acc_dtype)
-            terms.append(t)
-        acc = terms[0]
-        for t in terms[1:]:
-            acc = call(aten.add.Tensor, acc, t)
+        acc = _accumulate(call, [build(tree, i) for i in range(r)], out_dtype)
         if n.target is aten.mean.dim:
             acc = call(aten.div.Tensor, acc, float(r))
         if ir.info(acc).dtype != out_dtype:
@@ -343,6 +330,16 @@ def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
         if lf.node.graph is g and not lf.node.users and _stacked(lf.node, lf.dim) is not None:
             g.erase_node(lf.node)
     return acc
+
+
+def _builder(gm: fx.GraphModule):
+    """``call(target, *args, **kwargs)``: a node at the graph's insertion point, its metadata set
+    (the next node's dtype checks read it)."""
+    def call(target, *args, **kwargs):
+        node = gm.graph.call_function(target, args, kwargs)
+        set_meta(gm, [node])
+        return node
+    return call
 
 
 def _stacked(node: fx.Node, dim) -> list | None:

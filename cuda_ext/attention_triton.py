@@ -104,8 +104,8 @@ def shape_problem(q_shape, k_shape) -> str | None:
         return "q, k and v must be [batch, heads, sequence, head_dim]"
     if k_shape[2] > MAX_KEYS:
         return f"{k_shape[2]} keys > {MAX_KEYS} (at most {MAX_KEYS} keys: one tile holds every key of a head)"
-    if q_shape[3] > MAX_HEAD_DIM or q_shape[3] < 16 or q_shape[3] % 8:
-        return f"head dim {q_shape[3]} (16-{MAX_HEAD_DIM}, a multiple of 8)"
+    if not 1 <= q_shape[3] <= MAX_HEAD_DIM:
+        return f"head dim {q_shape[3]} (1-{MAX_HEAD_DIM})"
     if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
         return f"{q_shape[1]} query heads over {k_shape[1]} key heads (q's heads must be a multiple of k's)"
     return None
@@ -124,10 +124,10 @@ def mask_problem(mask_shape, mask_dtype, target) -> str | None:
 
 
 def blocks(B: int, H: int, SQ: int, SK: int, D: int, sms: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps): the query tile shrinks (64 -> 32 -> 16) until the grid fills
-    the device, and a score tile of more than 64x128 gets 8 warps."""
+    """(BLOCK_M, BLOCK_N, warps): the query tile covers the queries, at most 64, and shrinks (-> 32
+    -> 16) until the grid fills the device; a score tile of more than 64x128 gets 8 warps."""
     bn = max(16, next_pow2(SK))
-    bm = 64
+    bm = min(64, max(16, next_pow2(SQ)))
     while bm > 16 and -(-SQ // bm) * B * H < sms:
         bm //= 2
     warps = 8 if bm * bn > 64 * 128 or bm * max(16, next_pow2(D)) > 64 * 128 else 4
@@ -136,9 +136,9 @@ def blocks(B: int, H: int, SQ: int, SK: int, D: int, sms: int = 132) -> tuple[in
 
 def padded_flops(B: int, H: int, SQ: int, SK: int, D: int, sms: int = 132) -> int:
     """The kernel's work: both products over whole tiles (queries up to BLOCK_M, keys up to
-    BLOCK_N, the head dim up to 16), causal or not (the one tile is computed whole)."""
+    BLOCK_N, the head dim up to BLOCK_D), causal or not (the one tile is computed whole)."""
     bm, bn, _ = blocks(B, H, SQ, SK, D, sms)
-    return 4 * B * H * (-(-SQ // bm) * bm) * bn * max(16, D)
+    return 4 * B * H * (-(-SQ // bm) * bm) * bn * max(16, next_pow2(D))
 
 
 def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

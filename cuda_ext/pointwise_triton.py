@@ -36,6 +36,7 @@ from .pointwise import (COMPARE, DTYPES, Program, broadcast_shape, cat_offsets, 
 BLOCK = 1024
 MAX_ROW = 8192  # the longest row a program with row reductions holds in one tile (registers)
 ROW_TILE = 2048  # elements of a reduction tile, rows x next_pow2(row), short rows
+TILE2D_MIN_LAST = 64  # a broadcast at rank > 2 walks [rows, last dim] tiles where the last dim has this many elements
 _lock = threading.Lock()
 _kernels: dict[tuple, object] = {}
 
@@ -537,7 +538,7 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
     # per-element div/mod); rank > 2 only where the last dim is long enough to amortize the
     # per-row div/mod and still vectorize. A broadcast that coalesces to rank 1 (a size-1 operand
     # over a dense one) takes the flat walk.
-    tile2d = p.reduces or (not cats and not all(dense) and len(cshape) >= 2 and (len(cshape) == 2 or cshape[-1] >= 64)
+    tile2d = p.reduces or (not cats and not all(dense) and len(cshape) >= 2 and (len(cshape) == 2 or cshape[-1] >= TILE2D_MIN_LAST)
                            and triton_cdiv(cshape[-1], min(BLOCK, next_pow2(cshape[-1]))) <= 65535)
     # the hardware tanh where every output is 16-bit (not under the interpreter: no inline asm)
     pl.fast = (os.environ.get("TRITON_INTERPRET", "0") != "1" and device is not None and device.type == "cuda"

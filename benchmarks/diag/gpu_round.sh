@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s30      diag_small_contractions.py, short_attention/pointwise cuda tests, kernel profiles (with compile) of $2
 #   s29      kernel profiles (graphopt, eager, compile) of $2
 #   s28      cuda tests of the pointwise kernel and fuse_elementwise, $2 timed alone, then $3 timed 4 at once
 #   s27      per-node Spearman of $2 (node rows kept)
@@ -54,6 +55,17 @@ ctests() {
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
 case "$1" in
+s30)
+  # small contractions and tiny-head attention (diag_small_contractions.py), the short_attention and pointwise
+  # cuda tests, then kernel profiles (graphopt, eager, compile) of $2
+  timeout 150 python3 benchmarks/diag/diag_small_contractions.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | head -40
+  echo "### diag ${SECONDS}s"
+  ctests s30 150 tests/cuda_ext/test_short_attention.py tests/cuda_ext/test_pointwise.py
+  for cb in ${2//,/ }; do
+    left=$((585 - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py ${cb%%:*} --sweep \
+      --batch ${cb##*:} --compile --gaps --top 30 --out "$OUT" 2>&1 | quiet | grep "^##\|^- \|rror" | head -12
+    echo "### profile $cb ${SECONDS}s"
+  done ;;
 s29)
   # graphopt, eager and torch.compile kernel profiles of $2 (CONFIG:BATCH,...): the rows still behind compile
   for cb in ${2//,/ }; do

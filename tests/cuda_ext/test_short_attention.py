@@ -19,6 +19,8 @@ CASES = [
     (1, 2, 2, 70, 70, 128, None, True),      # causal, the widest head
     (1, 3, 1, 5, 200, 40, "float", False),   # few queries over many keys, head dim not a power of 2
     (3, 2, 2, 16, 256, 16, "float", True),   # the most keys one tile holds, fewer queries than keys
+    (5, 4, 4, 16, 16, 6, None, False),       # a head dim under 16 and not a multiple of 8 (TNT's pixels)
+    (2, 2, 2, 49, 49, 12, "bool", False),    # a head dim of 12 (padded to 16 in registers)
 ]
 
 
@@ -93,6 +95,7 @@ def test_blocks_fill_the_device():
     assert attention_triton.blocks(8, 12, 128, 128, 64) == (64, 128, 4)   # 192 programs of 64 rows
     assert attention_triton.blocks(1, 12, 197, 197, 64) == (16, 256, 4)   # ViT: a 256-key tile
     assert attention_triton.blocks(8, 12, 197, 197, 64) == (64, 256, 8)   # a 64x256 score tile: 8 warps
+    assert attention_triton.blocks(12544, 4, 16, 16, 6) == (16, 16, 4)   # 16 queries: a 16-row tile, not 64
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -103,14 +103,14 @@ def test_large_batches_keep_sdpa():
 
 @pytest.mark.parametrize("what,why", [
     ("fp32", "dtype torch.float32"),
-    ("head dim", "head dim 12"),
+    ("head dim", "head dim 160"),
     ("cpu", "for CUDA"),
     ("unmeasured", "no measurement"),
     ("dropout", "dropout 0.1"),
 ])
 def test_refusals(what, why):
     dtype = torch.float32 if what == "fp32" else torch.bfloat16
-    q, k, v = _qkv(d=12 if what == "head dim" else 64, dtype=dtype)
+    q, k, v = _qkv(d=160 if what == "head dim" else 64, dtype=dtype)
     target = graphed_h200()
     if what == "cpu":
         target = "cpu"

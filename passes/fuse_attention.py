@@ -683,9 +683,21 @@ class FuseAttention(Pass):
     # ------------------------------------------------------------------ cost
 
     def _replacement_time(self, ctx, plan) -> float:
+        """The rewrite's predicted time; its SDPA call at lower_attention's price where that pass is
+        scheduled and would take it (TNT's 16-pixel heads: SDPA's programs cost far more than the
+        one-tile kernel's)."""
         r = ctx.replacement()
         _emit(r, plan)
-        return r.time()
+        t = r.time()
+        if "lower_attention" in ctx.scheduled:
+            from .lower_attention import lowered_time
+
+            for n in r.nodes:
+                if n.target is SDPA:
+                    lowered = lowered_time(ctx, n)
+                    if lowered is not None:
+                        t = t - ctx.node_time([n]) + lowered
+        return t
 
     @staticmethod
     def _time_of(ctx, like: fx.Node, args, kwargs) -> float:

@@ -69,57 +69,19 @@ class LowerAttention(Pass):
         return res
 
     def _candidate(self, gm, ctx, res, node) -> Candidate | None:
-        from graphopt.cuda_ext.attention_triton import mask_problem, supported
-
-        q, k, v = node.args[0], node.args[1], node.args[2]
-        mask = get_arg(node, 3, "attn_mask")
-        dropout = get_arg(node, 4, "dropout_p")
-        causal = bool(get_arg(node, 5, "is_causal"))
-        scale = get_arg(node, 6, "scale")
-        gqa = bool(get_arg(node, 7, "enable_gqa"))
         label = node.name
-        qi, ki, vi = ir.info(q), ir.info(k), ir.info(v)
-        if qi is None or ki is None or vi is None:
-            res.reject(label, "q, k or v has no tensor metadata")
-            return None
-        qs, ks, vs = _static(qi.shape), _static(ki.shape), _static(vi.shape)
-        if qs is None or ks is None or vs is None:
-            res.reject(label, "symbolic shapes: the kernel's one tile needs the key count known")
-            return None
-        why = supported(qs, ks, qi.dtype)
-        if why is not None:
+        why, args = legal(node)
+        if why:
             res.reject(label, why)
             return None
-        if ki.dtype != qi.dtype or vi.dtype != qi.dtype or ks != vs or ks[0] != qs[0] or ks[3] != qs[3]:
-            res.reject(label, f"q, k, v do not line up ({qs} {qi.dtype}, {ks} {ki.dtype}, {vs} {vi.dtype})")
-            return None
-        if ks[1] != qs[1] and not gqa:
-            res.reject(label, f"{qs[1]} query heads over {ks[1]} key heads without enable_gqa")
-            return None
-        if dropout not in (None, 0, 0.0):
-            res.reject(label, f"dropout {dropout} (the kernel draws no random numbers)")
-            return None
-        if isinstance(scale, fx.Node):
-            res.reject(label, "the scale is a tensor, not a number")
-            return None
-        if mask is not None:
-            mi = ir.info(mask) if isinstance(mask, fx.Node) else None
-            ms = _static(mi.shape) if mi is not None else None
-            if mi is None or ms is None:
-                res.reject(label, "the mask is not a tensor of static shape")
-                return None
-            why = mask_problem(ms, mi.dtype, (*qs[:3], ks[2]))
-            if why is not None:
-                res.reject(label, why)
-                return None
-        scale = float(qs[3] ** -0.5 if scale is None else scale)
-        args = (q, k, v, mask, scale, causal)
         old = ctx.node_time([node])
         new = self._time_of(ctx, node, args)
         if new > MARGIN * old and not ctx.ignore_cost:
             res.reject(label, f"predicted {new * 1e6:.1f} us against SDPA's {old * 1e6:.1f} us "
                               f"(applied below {MARGIN:.0%} of SDPA's: the SDPA fit's error)")
             return None
+        qs, ks = _static(ir.info(args[0]).shape), _static(ir.info(args[1]).shape)
+        causal = args[5]
         desc = f"SDPA {qs[0]}x{qs[1]}x{qs[2]}x{ks[2]}x{qs[3]}{' causal' if causal else ''} -> short_attention"
         return Candidate(desc, [node], old - new, lambda: self._apply(gm, node, args), label=label)
 
@@ -141,3 +103,56 @@ class LowerAttention(Pass):
         node.replace_all_uses_with(new)
         g.erase_node(node)
         return new
+
+
+def legal(node: fx.Node):
+    """(why not, args): the short_attention arguments (q, k, v, mask, scale, is_causal) of an SDPA
+    node the kernel takes, or the reason it does not ("" and the arguments when it does)."""
+    from graphopt.cuda_ext.attention_triton import mask_problem, supported
+
+    q, k, v = node.args[0], node.args[1], node.args[2]
+    mask = get_arg(node, 3, "attn_mask")
+    dropout = get_arg(node, 4, "dropout_p")
+    causal = bool(get_arg(node, 5, "is_causal"))
+    scale = get_arg(node, 6, "scale")
+    gqa = bool(get_arg(node, 7, "enable_gqa"))
+    qi, ki, vi = ir.info(q), ir.info(k), ir.info(v)
+    if qi is None or ki is None or vi is None:
+        return "q, k or v has no tensor metadata", None
+    qs, ks, vs = _static(qi.shape), _static(ki.shape), _static(vi.shape)
+    if qs is None or ks is None or vs is None:
+        return "symbolic shapes: the kernel's one tile needs the key count known", None
+    why = supported(qs, ks, qi.dtype)
+    if why is not None:
+        return why, None
+    if ki.dtype != qi.dtype or vi.dtype != qi.dtype or ks != vs or ks[0] != qs[0] or ks[3] != qs[3]:
+        return f"q, k, v do not line up ({qs} {qi.dtype}, {ks} {ki.dtype}, {vs} {vi.dtype})", None
+    if ks[1] != qs[1] and not gqa:
+        return f"{qs[1]} query heads over {ks[1]} key heads without enable_gqa", None
+    if dropout not in (None, 0, 0.0):
+        return f"dropout {dropout} (the kernel draws no random numbers)", None
+    if isinstance(scale, fx.Node):
+        return "the scale is a tensor, not a number", None
+    if mask is not None:
+        mi = ir.info(mask) if isinstance(mask, fx.Node) else None
+        ms = _static(mi.shape) if mi is not None else None
+        if mi is None or ms is None:
+            return "the mask is not a tensor of static shape", None
+        why = mask_problem(ms, mi.dtype, (*qs[:3], ks[2]))
+        if why is not None:
+            return why, None
+    scale = float(qs[3] ** -0.5 if scale is None else scale)
+    return "", (q, k, v, mask, scale, causal)
+
+
+def lowered_time(ctx: PassContext, node: fx.Node) -> float | None:
+    """The predicted time of the short_attention call this pass would make of SDPA ``node`` (a node
+    of the graph or of a Replacement), or None where it would not: a pass that makes SDPA prices
+    what runs after this pass (fuse_attention)."""
+    if ctx.training or ctx.cost.device_kind != "cuda" or not ctx.cost.measured("short_attention"):
+        return None
+    why, args = legal(node)
+    if why:
+        return None
+    new = LowerAttention._time_of(ctx, node, args)
+    return new if new <= MARGIN * ctx.node_time([node]) else None

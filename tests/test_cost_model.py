@@ -676,6 +676,31 @@ def test_sdpa_no_fused_kernel_takes_is_priced_as_the_math_kernel():
     assert cm.node_cost(node5).time_s > 5 * 2 * cm.node_cost(node4).time_s
 
 
+def test_attention_over_many_tiny_heads_takes_at_least_its_waves_of_programs():
+    """SDPA runs a program per batch x head x 128 queries, one per SM at a time: 50176 heads of 16
+    positions (TNT's pixels) take 380 waves (964 us measured on an H100), whatever their few flops;
+    the one-tile kernel holds 16 programs of 4 warps per SM (91 us measured). Without the profile's
+    wave times the floors are gone."""
+    from graphopt.cuda_ext.ops.short_attention import layout
+
+    class Sdpa(nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    prof = _h200()
+    q = torch.randn(12544, 4, 16, 6, dtype=torch.bfloat16, device="meta")
+    node = _node(capture(Sdpa(), (q, q, q)), "scaled_dot_product_attention")
+    sdpa = CostModel(prof).node_cost(node).time_s
+    assert sdpa == pytest.approx(380 * prof.attention_wave_s, rel=0.05)
+    assert CostModel(dataclasses.replace(prof, attention_wave_s=0.0)).node_cost(node).time_s < sdpa / 5
+    args = list(node.args[:3]) + [None, 6 ** -0.5, False]
+    short = CostModel(prof).price(torch.ops.graphopt.short_attention.default, *args, val=layout(q))
+    assert short == pytest.approx(24 * prof.efficiency("short_attention", "wave_s"), rel=0.05)
+    bare = prof.with_efficiency("short_attention", {k: v for k, v in prof.op_efficiency["short_attention"].items()
+                                                    if k != "wave_s"})
+    assert CostModel(bare).price(torch.ops.graphopt.short_attention.default, *args, val=layout(q)) < short / 2
+
+
 class ReshapeAs(nn.Module):
     def forward(self, x, like):
         return x.reshape_as(like), x.t().reshape_as(like)

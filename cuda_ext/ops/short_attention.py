@@ -20,7 +20,7 @@ from graphopt.cost.ops import OpCost
 from graphopt.cost.profiles import register_legacy_field
 from graphopt.errors import KernelArgumentError
 
-from ..attention_triton import mask_problem, padded_flops, shape_problem
+from ..attention_triton import blocks, mask_problem, padded_flops, shape_problem
 from ..common import check_floating, compute_dtype
 from ..registry import define_op
 
@@ -80,18 +80,25 @@ def cuda(q, k, v, mask, scale, is_causal):
 
 def cost(call, profile):
     """Both products over the kernel's whole padded tiles, causal or not (the unpadded work for
-    symbolic sizes)."""
+    symbolic sizes); at least the waves of its programs (``wave_s`` each: one program per query
+    tile of a head, ``64 // warps`` resident per SM) where the profile measured that."""
     q, k = call.info("q"), call.info("k")
+    measured = profile.efficiency("short_attention", "scale") is not None
+    wave = profile.efficiency("short_attention", "wave_s")
+    floor = None
     try:
         B, H, sq, d = (int(x) for x in q.shape)
         sk = int(k.shape[-2])
     except TypeError:
         flops = 4 * math.prod(q.shape) * k.shape[-2]
     else:
-        flops = padded_flops(B, H, sq, sk, d, profile.sm_count or 132)
-    measured = profile.efficiency("short_attention", "scale") is not None
+        sms = profile.sm_count or 132
+        flops = padded_flops(B, H, sq, sk, d, sms)
+        if wave:
+            bm, _, warps = blocks(B, H, sq, sk, d, sms)
+            floor = -(-(B * H * -(-sq // bm)) // (sms * (64 // warps))) * wave
     return OpCost(flops, call.in_bytes + call.out_bytes, kind="matmul",
-                  efficiency="short_attention" if measured else "attention")
+                  efficiency="short_attention" if measured else "attention", floor_s=floor)
 
 
 def op_class(call):

@@ -61,7 +61,7 @@ VIEW_OPS = {
     "slice", "split", "split_with_sizes", "chunk", "unbind", "alias", "detach", "as_strided",
     "unflatten", "narrow", "diagonal", "view_as", "expand_as", "_assert_tensor_metadata",
     "sym_size", "sym_stride", "sym_numel", "lift_fresh", "_assert_scalar", "sym_constrain_range_for_size",
-    "numpy_T", "view_as_real", "view_as_complex", "_reshape_alias", "dropout", "feature_dropout",
+    "numpy_T", "view_as_real", "view_as_complex", "_reshape_alias", "dropout", "feature_dropout", "unfold",
 }
 # ops that may or may not copy: a view when their input is contiguous / already matches
 MAYBE_VIEW_OPS = {"reshape", "reshape_as", "flatten", "contiguous", "to", "_to_copy", "type_as"}
@@ -657,6 +657,8 @@ class CostModel:
             memory, launches = cat
         if ir.op_name(node) in POOL_OPS:
             memory = memory / p.efficiency("pool", "memory_scale", 1.0)
+        elif ir.op_name(node) == "col2im":  # aten's kernel: a thread per output pixel gathers its windows' taps
+            memory = memory / p.efficiency("col2im", "memory_scale", 1.0)
         if ir.op_name(node) == "native_layer_norm_backward":  # its weight gradients' column reduction
             memory = memory / p.efficiency("layer_norm_backward", "memory_scale", 1.0)
         if outer_sum(node):  # a bias gradient: aten's reduction over the leading dims
@@ -690,6 +692,14 @@ class CostModel:
             elif ir.op_name(node) == "native_layer_norm_backward":
                 t = _smax(t, norm_rows_seconds(p, ir.operand_infos(node)[1], "layer_norm_backward"))
             gpu = _num(p.gpu_seconds(compute, memory, eff))
+            per_sample = im2col_samples(node) if p.kind == "cuda" else 0
+            if per_sample > 1:  # aten's CUDA im2col: a kernel per sample, each at least the fixed kernel time
+                launches = per_sample
+                gpu = gpu + (per_sample - 1) * p.kernel_fixed_s
+                t = _smax(gpu, launches * p.launch_overhead_s)
+            if eff == "attention" and p.attention_wave_s:
+                waves = attention_waves(node, p)
+                t, gpu = _smax(t, waves * p.attention_wave_s), max(gpu, waves * p.attention_wave_s)
         if copy_s:
             t, gpu, launches = _with_copy(p, copy_s, t, gpu, launches)
         if kind == "matmul" and eff != SMALL_M_LINEAR:  # (the small-M fit times whole calls, reduction included)
@@ -1232,6 +1242,35 @@ def conv_rate(profile: DeviceProfile, node: fx.Node):
     return rate
 
 
+def im2col_samples(node: fx.Node) -> int:
+    """The kernels aten's CUDA im2col launches: one per sample of a batched (4-D) input; 0 for any
+    other node or a symbolic batch."""
+    if node.op != "call_function" or ir.op_namespace(node) != "aten" or ir.op_name(node) != "im2col":
+        return 0
+    ins = ir.operand_infos(node)
+    if not ins or len(ins[0].shape) != 4:
+        return 0
+    try:
+        return int(ins[0].shape[0])
+    except TypeError:
+        return 0
+
+
+def attention_waves(node: fx.Node, p: DeviceProfile) -> int:
+    """Waves of an SDPA kernel's programs, one per batch x head x ``attention_tile`` queries and one
+    resident per SM (0 for symbolic or unknown shapes)."""
+    infos = ir.operand_infos(node)
+    if not infos or len(infos[0].shape) < 2 or not p.sm_count:
+        return 0
+    try:
+        q = [int(x) for x in infos[0].shape]
+    except TypeError:
+        return 0
+    tile = p.attention_tile or 128
+    programs = _prod(q[:-2]) * -(-q[-2] // tile)
+    return -(-programs // p.sm_count)
+
+
 def attention_tile_waste(node: fx.Node, tile: int) -> float:
     """The work an SDPA kernel does over sequences padded up to whole tiles of ``tile`` positions,
     per unit of the work the call asks for: (ceil(Sq / tile) * tile / Sq) * (same for Sk); ViT's
@@ -1607,7 +1646,7 @@ def implicit_copy_bytes(node: fx.Node) -> float:
         return 0.0
     x = ins[0]
     try:
-        if name in SOFTMAX_OPS or name in ("layer_norm", "native_layer_norm"):
+        if name in SOFTMAX_OPS or name in ("layer_norm", "native_layer_norm", "im2col", "col2im"):
             return 0.0 if ir.is_contiguous(x) else 2.0 * float(x.nbytes)
     except TypeError:  # symbolic sizes
         return 0.0

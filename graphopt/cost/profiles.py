@@ -82,6 +82,10 @@ class DeviceProfile:
     attention_fixed_s: float | None = None
     attention_memory_scale: float | None = None
     attention_tile: int = 0
+    # device seconds of one wave of an SDPA kernel's programs (one program per batch x head x
+    # attention_tile queries, one resident per SM): the least time of a call with many tiny heads,
+    # whatever its flops (TNT's 50176 heads of 16 positions). 0: no such floor
+    attention_wave_s: float = 0.0
     # host (CPU) time to run one fx node that launches no kernel (an ATen view or metadata op,
     # dispatched from the GraphModule's generated code); a kernel node's host time is its
     # launch_overhead_s. Used by the host/device queue model of eager execution

@@ -357,6 +357,7 @@ PIPELINE: tuple[str, ...] = (
     "merge_increments",
     "fuse_swiglu",
     "fuse_bias_act",
+    "decompose_im2col",
     "unroll_small_reductions",
     "fuse_elementwise",
     # layout

@@ -76,7 +76,8 @@ s28)
   # a group writing the copy after it (fuse_elementwise, `layout row_major`): its cuda tests, then $2 (CONFIG:BATCH,...)
   # timed alone to ${SPLIT:-400} s, then $3 timed 4 at once to ${LIMIT:-590} s
   ctests s28 200 tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py tests/test_lower.py \
-    tests/passes/test_unroll_small_reductions.py
+    tests/passes/test_unroll_small_reductions.py tests/cuda_ext/test_short_attention.py tests/passes/test_lower_attention.py \
+    tests/passes/test_decompose_im2col.py
   mkdir -p "$OUT/alone" "$OUT/screen"
   timeout $((${SPLIT:-400} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 150 --reps 20 \
     --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"
@@ -121,7 +122,8 @@ s23)
 s22)
   # the cuda tests of histc replay, the guard and unroll_small_reductions; kernel profiles (graphopt, eager,
   # compile) of the screen's rows behind compile: $2 (CONFIG:BATCH,...); then $3 timed alone to ${LIMIT:-590} s
-  ctests s22 150 tests/test_lower.py tests/test_measured_guard.py tests/passes/test_unroll_small_reductions.py
+  ctests s22 150 tests/test_lower.py tests/test_measured_guard.py tests/passes/test_unroll_small_reductions.py tests/cuda_ext/test_short_attention.py tests/passes/test_lower_attention.py \
+    tests/passes/test_decompose_im2col.py
   for cb in ${2//,/ }; do
     timeout 150 python3 benchmarks/diag/profile_model.py ${cb%%:*} --sweep --batch ${cb##*:} --compile --gaps --top 22 \
       --out "$OUT" 2>&1 | quiet | grep "^##\|^- \|rror" | head -12; echo "### profile $cb ${SECONDS}s"
@@ -133,7 +135,8 @@ s21)
   # timed one at a time without a prewarm, to ${LIMIT:-590} s
   python3 -c "import torch; from graphopt.cost.profiles import get_profile as g; p = torch.cuda.get_device_properties(0); \
 print(p.name, p.memory_clock_rate, p.memory_bus_width, p.multi_processor_count, p.clock_rate, g(torch.device('cuda'))[1])"
-  ctests s21 90 tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py tests/passes/test_unroll_small_reductions.py
+  ctests s21 90 tests/cuda_ext/test_pointwise.py tests/passes/test_lower_pool.py tests/passes/test_unroll_small_reductions.py tests/cuda_ext/test_short_attention.py tests/passes/test_lower_attention.py \
+    tests/passes/test_decompose_im2col.py
   timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 100 --reps 20 \
     --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20 ;;
 s20)

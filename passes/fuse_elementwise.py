@@ -488,6 +488,7 @@ class FuseElementwise(Pass):
         grad = requires_grad(gm) if ctx.training else {}
         has_conv2d = ctx.fused_kernels and ctx.cost.conv_nchw_slowdown > 1.0 and any(
             n.op == "call_function" and n.target is torch.ops.aten.conv2d.default for n in gm.graph.nodes)
+        feeds_conv = _feeding_convolutions(gm) if has_conv2d else set()
         groups = self._groups(gm, ok, order, merge=not ctx.training)
 
         def refuse(group, label, why):
@@ -570,11 +571,13 @@ class FuseElementwise(Pass):
                     refuse(group, label, "its outputs' layout (eager's strides "
                                          f"{tuple(ir.info(outs[0]).stride or ())}) is none a reducing program writes")
                     continue
-            if has_conv2d and any(len(ir.info(o).shape) == 4 and tuple(ir.info(o).shape) not in full for o in outs):
+            if has_conv2d and any(len(ir.info(o).shape) == 4 and tuple(ir.info(o).shape) not in full
+                                  and o in feeds_conv for o in outs):
                 # the kernel's outputs take the layout of its full-size inputs (channels_last in,
                 # channels_last out); an output no input has the shape of is written contiguous,
                 # and inside the channels_last region convert_channels_last builds on this device
-                # the next convolution would get NCHW again, at the profile's NCHW slowdown
+                # the next convolution would get NCHW again, at the profile's NCHW slowdown (a 4-D
+                # tensor no convolution reads through 4-D values, CaiT's attention scores, is outside it)
                 refuse(group, label, "writes NCHW outputs and would break the channels_last region "
                                      f"(NCHW convolutions measured {ctx.cost.conv_nchw_slowdown:g}x slower on "
                                      f"{ctx.cost.device_name})")
@@ -797,6 +800,21 @@ def _row_group(group, outs, ctx, grad) -> str:
         return "a row reduction with a gradient (the program's backward has no row reductions)"
     return ""
 
+
+def _feeding_convolutions(gm: fx.GraphModule) -> set:
+    """The nodes a conv2d reads through 4-D values only (the activations of a channels_last region:
+    a 4-D tensor that reaches a convolution only through a 3-D view is not one)."""
+    seen: set = set()
+    stack = [a for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.conv2d.default
+             for a in n.args[:1] if isinstance(a, fx.Node)]
+    while stack:
+        n = stack.pop()
+        info = ir.info(n)
+        if n in seen or info is None or len(info.shape) != 4:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
 
 def _eager_layout(program, args, outs):
     """``program``, or the spelling of it (the row dim named, making the outputs follow the inputs'

@@ -17,13 +17,15 @@ terms read those, and a stack left unread is removed. 16-bit values are summed
 in float32 and rounded once, as aten's reduction accumulates; a mean divides by the count before
 that rounding.
 
-A matmul (``matmul``, ``bmm``) whose contraction has 2..UNROLL elements is such a sum too: ``A @ B`` is
+A matmul (``matmul``, ``bmm``, ``linear``) whose contraction has 2..UNROLL elements is such a sum too: ``A @ B`` is
 the sum over k of ``A[..., :, k, None] * B[..., None, k, :]``, outer products of strided slices (views):
 one pointwise kernel that reads each operand once through its strides, where aten copies an operand
 whose batch dims do not fold (CoaT's ``q @ (k_softmax^T v)`` with q a permute of the qkv projection,
 8 channels per head) and runs a memory-bound GEMM; the ops after it (a scale, a residual, the copy
-that merges the heads) join that kernel in fuse_elementwise. Products summed in float32, rounded
-once, as cuBLAS accumulates.
+that merges the heads) join that kernel in fuse_elementwise. A linear over K inputs is the sum of
+its input's columns times its weight's columns, plus its bias (CaiT's talking heads mix 4 heads of a
+permuted score tensor, which aten copies first). Products summed in float32, bias included,
+rounded once, as cuBLAS accumulates.
 
 Legality: aten.sum.dim_IntList or aten.mean.dim over one dim of static extent 2..UNROLL of a
 floating tensor, no dtype argument other than a floating one; inference graphs; CUDA profiles
@@ -49,7 +51,8 @@ from .fuse_elementwise import MAX_INPUTS, OPS, _operands
 aten = torch.ops.aten
 UNROLL = 8
 REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim)
-MATMULS = (aten.matmul.default, aten.bmm.default)
+LINEAR = aten.linear.default
+MATMULS = (aten.matmul.default, aten.bmm.default, LINEAR)
 MAX_DEPTH = 3  # pointwise ops moved into the terms along one operand path
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -97,10 +100,10 @@ class UnrollSmallReductions(Pass):
                 res.reject(n.name, NO_FUSED_KERNELS)
                 continue
             if n.target in MATMULS:
-                a, b, k, out_dtype = spec
+                a, b, k, out_dtype, bias = spec
                 scratch = ctx.replacement()
-                ins = [scratch.call(aten.select.int, a, -1, i) for i in range(k)]
-                ins += [scratch.call(aten.select.int, b, -2, i) for i in range(k)]
+                cols, rows = _matmul_slices(scratch.call, a, b, k, n.target is LINEAR)
+                ins = cols + rows + ([bias] if bias is not None else [])
                 gain = ctx.node_time([n]) - _fused_s(ctx, scratch, ins, out_dtype, n.meta.get("val"))
                 candidates.append(Candidate("small matmul -> sum of outer products", [n], gain,
                                             lambda n=n, spec=spec: _apply_matmul(gm, n, spec),
@@ -151,38 +154,49 @@ def _accumulate(call, terms, out_dtype):
 
 
 def _legal_matmul(n: fx.Node):
+    """(why not, (a, b, k, out dtype, bias)) of a matmul/bmm, or of a linear (b its [N, K] weight,
+    read one column per term, and its bias)."""
+    linear = n.target is LINEAR
     a, b = (n.args[:2] if len(n.args) >= 2 else (None, None))
+    bias = n.args[2] if linear and len(n.args) > 2 else None
     ai = ir.info(a) if isinstance(a, fx.Node) else None
     bi = ir.info(b) if isinstance(b, fx.Node) else None
+    ci = ir.info(bias) if isinstance(bias, fx.Node) else None
     oi = ir.info(n)
-    if ai is None or bi is None or oi is None or n.kwargs:
+    if ai is None or bi is None or oi is None or n.kwargs or (bias is not None and ci is None):
         return "no tensor metadata", None
-    if ai.dtype not in _FLOATS or bi.dtype != ai.dtype or oi.dtype != ai.dtype:
+    if ai.dtype not in _FLOATS or bi.dtype != ai.dtype or oi.dtype != ai.dtype or (ci is not None and ci.dtype != ai.dtype):
         return f"not floating tensors of one dtype ({ai.dtype}, {bi.dtype})", None
     if ai.symbolic or bi.symbolic:
         return "symbolic shapes", None
-    if len(ai.shape) < 2 or len(bi.shape) < 2:
+    if len(ai.shape) < (1 if linear else 2) or len(bi.shape) < 2 or (linear and len(bi.shape) != 2):
         return "a vector operand", None
     k = ai.shape[-1]
-    if k != bi.shape[-2] or not 2 <= k <= UNROLL:
+    if k != bi.shape[-1 if linear else -2] or not 2 <= k <= UNROLL:
         return f"a contraction over {k} (unrolled: 2..{UNROLL})", None
-    if 2 * k > MAX_INPUTS:
+    if 2 * k + (bias is not None) > MAX_INPUTS:
         return f"{2 * k} slices: over fuse_elementwise's {MAX_INPUTS} inputs", None
-    return "", (a, b, k, oi.dtype)
+    return "", (a, b, k, oi.dtype, bias)
+
+
+def _matmul_slices(call, a, b, k, linear: bool):
+    """Per term i: a's column i as [.., M, 1] and b's row i as [.., 1, N] (a linear's weight column
+    i as [N])."""
+    cols = [call(aten.unsqueeze.default, call(aten.select.int, a, -1, i), -1) for i in range(k)]
+    if linear:
+        return cols, [call(aten.select.int, b, 1, i) for i in range(k)]
+    return cols, [call(aten.unsqueeze.default, call(aten.select.int, b, -2, i), -2) for i in range(k)]
 
 
 def _apply_matmul(gm: fx.GraphModule, n: fx.Node, spec):
-    a, b, k, out_dtype = spec
+    a, b, k, out_dtype, bias = spec
     g = gm.graph
     call = _builder(gm)
-
-    def term(i):
-        col = call(aten.unsqueeze.default, call(aten.select.int, a, -1, i), -1)  # [.., M, 1]
-        row = call(aten.unsqueeze.default, call(aten.select.int, b, -2, i), -2)  # [.., 1, N]
-        return call(aten.mul.Tensor, col, row)
-
     with g.inserting_before(n):
-        acc = _accumulate(call, [term(i) for i in range(k)], out_dtype)
+        cols, rows = _matmul_slices(call, a, b, k, n.target is LINEAR)
+        acc = _accumulate(call, [call(aten.mul.Tensor, c, r) for c, r in zip(cols, rows)], out_dtype)
+        if bias is not None:  # added to the float32 sum as it is (type promotion: no cast node of a constant)
+            acc = call(aten.add.Tensor, acc, bias)
         if ir.info(acc).dtype != out_dtype:
             acc = call(aten._to_copy.default, acc, dtype=out_dtype)
     n.replace_all_uses_with(acc)

@@ -1650,17 +1650,18 @@ def implicit_copy_bytes(node: fx.Node) -> float:
             return 0.0 if ir.is_contiguous(x) else 2.0 * float(x.nbytes)
     except TypeError:  # symbolic sizes
         return 0.0
-    if name in ("matmul", "bmm"):
+    if name in ("matmul", "bmm", "linear"):
         return matmul_copy_bytes(node)
     return conv_input_copy_bytes(x) if name in CONV_OPS else 0.0
 
 
 def matmul_copy_bytes(node: fx.Node) -> float:
-    """Bytes (read and written) of the copies aten's matmul/bmm makes of operands cuBLAS cannot read
-    as laid out: a batched operand whose batch dims do not fold into one stride (``matmul`` folds them
-    with a reshape: a permuted q of ``[B, heads, tokens, dim]`` read through a qkv projection's
-    layout is copied), a left operand whose rows do not fold over a 2-D right one, or a matrix with
-    no unit stride in its last two dims."""
+    """Bytes (read and written) of the copies aten's matmul/bmm/linear makes of operands cuBLAS cannot
+    read as laid out: a batched operand whose batch dims do not fold into one stride (``matmul`` folds
+    them with a reshape: a permuted q of ``[B, heads, tokens, dim]`` read through a qkv projection's
+    layout is copied), a left operand whose rows do not fold over a 2-D right one (a linear's weight:
+    CaiT's talking-heads projection over a permuted score tensor), or a matrix with no unit stride in
+    its last two dims."""
     name = ir.op_name(node)
     mats = ir.operand_infos(node)[:2]
     if len(mats) != 2 or any(m is None or m.stride is None or len(m.shape) < 2 for m in mats):
@@ -1672,7 +1673,7 @@ def matmul_copy_bytes(node: fx.Node) -> float:
         return 0.0
     total = 0.0
     for i, (shape, st) in enumerate(zip(shapes, strides)):
-        if name == "matmul" and i == 0 and len(shapes[1]) == 2 and len(shape) > 2:
+        if name in ("matmul", "linear") and i == 0 and len(shapes[1]) == 2 and len(shape) > 2:
             folds = _folds(shape[:-1], st[:-1])  # [.., M, K] read as [rows, K]
         else:
             folds = name == "bmm" or _folds(shape[:-2], st[:-2])

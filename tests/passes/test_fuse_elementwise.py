@@ -951,3 +951,37 @@ def test_rows_along_any_dim_keep_eager_layout():
     (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
     assert any("row reductions along different dims" in r.reason for r in res.rejected)
     assert op_counts(gm)[FP] >= 1 and reference_check(m, gm, (x,)).passed
+
+
+class CoordinateGate(nn.Module):
+    """The sigmoid of an [B, C, H, 1] by [B, C, 1, W] product (an output no input has the shape of: the
+    kernel writes it contiguous), read by a convolution, or only as tokens by a linear."""
+
+    def __init__(self, to_conv: bool):
+        super().__init__()
+        self.to_conv = to_conv
+        self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.c, self.lin = nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h, w = x.shape[2:]
+        z = torch.sigmoid(F.adaptive_avg_pool2d(self.a(x), (h, 1)) * F.adaptive_avg_pool2d(self.b(x), (1, w)))
+        if self.to_conv:
+            return self.c(z)
+        return self.lin(z.flatten(2).transpose(1, 2))
+
+
+@pytest.mark.parametrize("to_conv", [True, False])
+def test_a_contiguous_4d_output_is_refused_only_where_a_convolution_reads_it(to_conv):
+    """Inside a network with convolutions a group whose 4-D output would be written NCHW is refused when
+    a convolution reads it through 4-D values (it would break the channels_last region); a 4-D tensor
+    read only as tokens (CaiT's attention scores beside its patch convolution) fuses."""
+    torch.manual_seed(0)
+    m = CoordinateGate(to_conv).eval()
+    xs = (torch.randn(2, 8, 12, 12),)
+    gm = capture(m, xs)
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    refused = [r for r in res.rejected if "channels_last region" in r.reason]
+    assert bool(refused) == to_conv, res.rejected
+    assert ("graphopt.fused_pointwise.default" in op_counts(gm)) == (not to_conv)
+    assert reference_check(m, gm, xs).passed

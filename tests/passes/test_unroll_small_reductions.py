@@ -255,3 +255,61 @@ def test_unrolled_matmul_program_in_the_triton_interpreter(monkeypatch):
     run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
     _, ran = fused_programs_in_triton_interpreter(gm, xs, monkeypatch)
     assert max(len(inputs) for _, inputs in ran) >= 16
+
+
+class TalkingHeads(nn.Module):
+    """CaiT's talking heads in small: linears over the heads dim of the permuted score tensor, before
+    and after the softmax over the keys."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.proj_l, self.proj_w = nn.Linear(heads, heads), nn.Linear(heads, heads)
+
+    def forward(self, q, k):
+        attn = q @ k.transpose(-2, -1)
+        attn = self.proj_l(attn.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.proj_w(attn.softmax(dim=-1).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _talking(dtype=torch.float32):
+    torch.manual_seed(0)
+    m = TalkingHeads().eval().to(dtype)
+    return m, (torch.randn(2, 4, 40, 16, dtype=dtype), torch.randn(2, 4, 40, 16, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_over_a_few_inputs_becomes_the_sum_of_its_columns_with_the_bias(dtype):
+    """A linear over the 4 heads of a permuted score tensor (aten copies it to read it as rows) is its
+    input's 4 columns times the weight's, plus the bias, in float32; fuse_elementwise makes kernels of
+    them; the accuracy rule holds."""
+    from graphopt.cost.model import matmul_copy_bytes
+
+    m, xs = _talking(dtype)
+    gm = capture(m, xs)
+    lins = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert len(lins) == 2 and all(matmul_copy_bytes(n) > 0 for n in lins)  # the permuted input is copied
+    unroll, _ = run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
+    assert sum(r.pattern == "small matmul -> sum of outer products" for r in unroll.rewrites) == 2
+    c = op_counts(gm)
+    assert "aten.linear.default" not in c and c[FP] >= 1
+    assert reference_check(m, gm, xs).passed
+
+
+def test_unrolled_linear_program_in_the_triton_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    m, xs = _talking()
+    gm = capture(m, xs)
+    run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
+    _, ran = fused_programs_in_triton_interpreter(gm, xs, monkeypatch)
+    assert max(len(inputs) for _, inputs in ran) >= 9  # 4 columns, 4 weight columns, the bias
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_unrolled_linear_runs_the_generated_kernel():
+    m, xs = _talking(torch.bfloat16)
+    m, xs = m.cuda(), tuple(x.cuda() for x in xs)
+    gm = capture(m, xs)
+    run_passes(gm, ["unroll_small_reductions", "fuse_elementwise"], target="h200")
+    assert "aten.linear.default" not in op_counts(gm)
+    assert reference_check(m, gm, xs).passed

@@ -43,6 +43,15 @@ def test_grammar_renders_every_op():
     assert [tuple(s) for s in model.shapes][-1] == (2, 4, 4)
 
 
+def test_grammar_renders_unfold_and_its_decomposition_keeps_the_numbers():
+    """F.unfold of a value viewed as [B, C, 2, L/2] (3x3 windows, padding 1, stride 2): [2, 36, 2], the same
+    through decompose_im2col (applied whatever its price) and fuse_elementwise."""
+    p = fuzz.Program(2, 4, 8, ("f32",), (("unfold", 0, 3, 1, 2), ("act", 1, "gelu_tanh")), (2, 1), seed=1)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs)[0].shape == (2, 36, 2)
+    fuzz.check_program(p, ["decompose_im2col", "fuse_elementwise"], "h200", "passes", ignore_cost=True)
+
+
 def test_grammar_renders_reductions_broadcasts_masks_norms_inplace_dropout_host_constants():
     p = fuzz.Program(2, 4, 8, ("f32",), (
         ("split", 0), ("permute", 1, (0, 2, 1, 3)),

@@ -21,6 +21,7 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("transpose", src) ("permute", src, perm) ("contiguous", src) ("merge", src) ("split", src)
   ("roll", src, dim, h): torch.cat of the slices [h:] and [:h] along dim (a concatenation of strided pieces)
   ("pad", src, dim, lo, hi, value)     F.pad of src along dim (lo before, hi after) with a constant
+  ("unfold", src, k, padding, stride)  F.unfold (im2col) of a 3-D src (B,C,L) viewed as (B,C,2,L/2): [B, C*k*k, windows]
   ("attention", q, k, v, causal)       q @ k^T * scale [masked_fill causal] -> softmax -> @ v
   ("mha", src, heads, causal)          q/k/v projections, heads split, attention, out projection
   ("swiglu", src, hidden)              down(silu(gate(x)) * up(x))
@@ -199,6 +200,10 @@ class ProgramModule(nn.Module):
             elif kind == "pad":
                 _, _, dim, lo, hi, _ = op
                 out = src[:dim] + (src[dim] + lo + hi,) + src[dim + 1:]
+            elif kind == "unfold":
+                _, _, k, pad, stride = op
+                oh, ow = (2 + 2 * pad - k) // stride + 1, (src[2] // 2 + 2 * pad - k) // stride + 1
+                out = (src[0], src[1] * k * k, oh * ow)
             elif kind == "transpose":
                 out = src[:-2] + (src[-1], src[-2])
             elif kind == "permute":
@@ -320,6 +325,9 @@ class ProgramModule(nn.Module):
             elif kind == "conv":
                 b, c, n = x.shape
                 y = self.mods[key](x.reshape(b, c, 2, n // 2)).flatten(2)
+            elif kind == "unfold":
+                b, c, n = x.shape
+                y = F.unfold(x.reshape(b, c, 2, n // 2), op[2], padding=op[3], stride=op[4])
             elif kind == "se":
                 b, c, n = x.shape
                 h = self.mods[key + "_a"](x.reshape(b, c, 2, n // 2))
@@ -580,7 +588,7 @@ def build(program: Program):
 
 
 # op kinds without parameters of their own: the same op on the same operand computes the same value
-REPEATABLE = frozenset({"act", "softmax", "pad", "transpose", "permute", "contiguous", "merge", "split", "roll", "bmm", "reduce",
+REPEATABLE = frozenset({"act", "softmax", "pad", "unfold", "transpose", "permute", "contiguous", "merge", "split", "roll", "bmm", "reduce",
                         "softmax_dim", "unsqueeze", "heads", "merge_heads", "cast"})
 
 
@@ -610,7 +618,7 @@ def programs(max_ops: int = 8):
                  "group_norm", "se",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
-                 "heads", "merge_heads", "repeat", "roll", "pad")
+                 "heads", "merge_heads", "repeat", "roll", "pad", "unfold")
 
         def mask_shape(sc, kind):
             """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
@@ -686,6 +694,14 @@ def programs(max_ops: int = 8):
                     k = draw(st.sampled_from((1, 3)))
                     sh = env[s][0]
                     op, out = ("conv", s, oc, k, draw(st.booleans()), draw(st.booleans())), ((sh[0], oc, sh[2]), "f32")
+            elif kind == "unfold":
+                s = pick(lambda s, d: len(s) == 3 and s[-1] % 2 == 0)
+                if s is not None:
+                    sh = env[s][0]
+                    k, pad, stride = draw(st.sampled_from(((1, 0, 1), (2, 0, 1), (2, 1, 2), (3, 1, 1), (3, 1, 2), (2, 0, 2))))
+                    oh, ow = (2 + 2 * pad - k) // stride + 1, (sh[2] // 2 + 2 * pad - k) // stride + 1
+                    if oh >= 1 and ow >= 1:
+                        op, out = ("unfold", s, k, pad, stride), ((sh[0], sh[1] * k * k, oh * ow), env[s][1])
             elif kind == "se":
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
                 if s is not None:

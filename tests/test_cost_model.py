@@ -692,6 +692,8 @@ def test_attention_over_many_tiny_heads_takes_at_least_its_waves_of_programs():
     node = _node(capture(Sdpa(), (q, q, q)), "scaled_dot_product_attention")
     sdpa = CostModel(prof).node_cost(node).time_s
     assert sdpa == pytest.approx(380 * prof.attention_wave_s, rel=0.05)
+    _, replayed = CostModel(prof).node_times(node, replayed=True)  # a device floor: inside a CUDA graph too
+    assert replayed == pytest.approx(380 * prof.attention_wave_s, rel=0.05)
     assert CostModel(dataclasses.replace(prof, attention_wave_s=0.0)).node_cost(node).time_s < sdpa / 5
     args = list(node.args[:3]) + [None, 6 ** -0.5, False]
     short = CostModel(prof).price(torch.ops.graphopt.short_attention.default, *args, val=layout(q))

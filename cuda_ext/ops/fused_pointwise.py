@@ -91,10 +91,26 @@ def backward(ctx, grads):
     return None, result
 
 
+def gathered_inputs(call) -> int:
+    """Inputs the kernel reads element by element through their own strides (a broadcast or a layout
+    other than the output's), not as vectors at the output's flat index."""
+    if not call.outputs:
+        return 0
+    out = call.outputs[0]
+    return sum(1 for t in call.inputs if tuple(t.shape) != tuple(out.shape) or
+               (t.stride is not None and out.stride is not None and tuple(t.stride) != tuple(out.stride)))
+
+
 def cost(call, profile=None) -> OpCost:
     """One memory-bound kernel: its inputs read once, or once per pass where a reducing program
-    loops over rows longer than its tile (``pointwise_triton.row_passes``), its outputs written once."""
+    loops over rows longer than its tile (``pointwise_triton.row_passes``), its outputs written once;
+    at least an element load per output element and gathered input at the profile's
+    ``op_efficiency["fused_pointwise"]["gather_s"]`` (the unrolled contraction of 16 strided slices)."""
     c = fused_cost(call, profile)
+    gather = profile.efficiency("fused_pointwise", "gather_s") if profile is not None else None
+    if gather and call.outputs:
+        floor = call.outputs[0].numel * gathered_inputs(call) * gather
+        c = OpCost(c.flops, c.bytes, device_floor_s=floor or None)
     program = call.arg("program")
     if not isinstance(program, str):
         return c
@@ -104,7 +120,8 @@ def cost(call, profile=None) -> OpCost:
     from ..pointwise_triton import row_passes
 
     passes = row_passes(p, call.inputs, call.outputs[0].shape)
-    return c if passes == 1 else OpCost(c.flops * passes, call.in_bytes * passes + call.out_bytes)
+    return c if passes == 1 else OpCost(c.flops * passes, call.in_bytes * passes + call.out_bytes,
+                                         device_floor_s=c.device_floor_s)
 
 
 def example() -> tuple:

@@ -98,7 +98,7 @@ def cost(call, profile):
             bm, _, warps = blocks(B, H, sq, sk, d, sms)
             floor = -(-(B * H * -(-sq // bm)) // (sms * (64 // warps))) * wave
     return OpCost(flops, call.in_bytes + call.out_bytes, kind="matmul",
-                  efficiency="short_attention" if measured else "attention", floor_s=floor)
+                  efficiency="short_attention" if measured else "attention", device_floor_s=floor)
 
 
 def op_class(call):

@@ -99,12 +99,15 @@ class NodeCost:
     memory_s: object
     time_s: object  # includes launch overhead
     bound: str  # "compute" | "memory" | "launch" | "free"
+    # the least device time of its kernels, beyond the roofline of compute_s and memory_s (waves of
+    # tiny programs, a kernel per sample, element loads of gathered inputs): replayed too
+    device_floor_s: object = 0.0
 
     def evaluated(self, hints=None) -> "NodeCost":
         c = lambda v: ir.concrete(v, hints)  # noqa: E731
         compute, memory = c(self.compute_s), c(self.memory_s)
         return NodeCost(self.node, self.op, c(self.flops), c(self.bytes), self.launches, compute, memory,
-                        c(self.time_s), self.bound)
+                        c(self.time_s), self.bound, c(self.device_floor_s))
 
 
 @dataclass
@@ -556,7 +559,7 @@ class CostModel:
                 out = NodeCost(out.node, out.op, out.flops, out.bytes, out.launches, 0.0, 0.0, fixed, "launch")
             elif factor != 1.0 or add:  # (compute_s and memory_s stay the roofline's terms)
                 out = NodeCost(out.node, out.op, out.flops, out.bytes, out.launches, out.compute_s, out.memory_s,
-                               out.time_s * factor + add, out.bound)
+                               out.time_s * factor + add, out.bound, out.device_floor_s)
         if key is not None:
             self._memo[node] = (key, (self.flops_bytes(node), out))
         return out
@@ -575,7 +578,7 @@ class CostModel:
             return raw
         after = hc + dc if self.profile.kind == "cpu" else max(hc, dc)
         return NodeCost(raw.node, raw.op, raw.flops, raw.bytes, raw.launches, raw.compute_s, raw.memory_s,
-                        raw.time_s * (after / loop), raw.bound)
+                        raw.time_s * (after / loop), raw.bound, raw.device_floor_s)
 
     def _split_times(self, node: fx.Node, host, dev) -> tuple:
         """(host, device) seconds of a node under the profile's split fit
@@ -664,6 +667,7 @@ class CostModel:
         if outer_sum(node):  # a bias gradient: aten's reduction over the leading dims
             memory = memory / p.efficiency("bias_grad_sum", "memory_scale", 1.0)
         copy_s = input_copy_s(p, implicit_copy_bytes(node))  # the input copy aten makes first, a kernel of its own
+        dev_floor = 0.0
         if p.kind == "cuda" and spatial_softmax(node):  # aten's softmax over a dim other than the innermost
             memory = memory / p.efficiency("spatial_softmax", "memory_scale", 1.0)
         gn = aten_group_norm_s(p, node)
@@ -695,11 +699,11 @@ class CostModel:
             per_sample = im2col_samples(node) if p.kind == "cuda" else 0
             if per_sample > 1:  # aten's CUDA im2col: a kernel per sample, each at least the fixed kernel time
                 launches = per_sample
-                gpu = gpu + (per_sample - 1) * p.kernel_fixed_s
+                gpu = dev_floor = gpu + (per_sample - 1) * p.kernel_fixed_s
                 t = _smax(gpu, launches * p.launch_overhead_s)
             if eff == "attention" and p.attention_wave_s:
-                waves = attention_waves(node, p)
-                t, gpu = _smax(t, waves * p.attention_wave_s), max(gpu, waves * p.attention_wave_s)
+                dev_floor = attention_waves(node, p) * p.attention_wave_s
+                t, gpu = _smax(t, dev_floor), max(gpu, dev_floor)
         if copy_s:
             t, gpu, launches = _with_copy(p, copy_s, t, gpu, launches)
         if kind == "matmul" and eff != SMALL_M_LINEAR:  # (the small-M fit times whole calls, reduction included)
@@ -716,7 +720,7 @@ class CostModel:
             bound = "compute"
         else:
             bound = "memory"
-        return NodeCost(node.name, ir.op_name(node), flops, nbytes, launches, compute, memory, t, bound)
+        return NodeCost(node.name, ir.op_name(node), flops, nbytes, launches, compute, memory, t, bound, dev_floor)
 
     def _op_node_cost(self, node: fx.Node, c: op_costs.OpCost) -> NodeCost:
         """NodeCost of one of our ops from its OpCost (see graphopt.cost.ops)."""
@@ -746,6 +750,8 @@ class CostModel:
             if c.floor_s is not None:
                 t = _smax(t, c.floor_s)
             gpu = _num(p.gpu_seconds(compute, memory, c.efficiency))
+            if c.device_floor_s:
+                t, gpu = _smax(t, c.device_floor_s), max(gpu, _num(c.device_floor_s))
         copy_s = input_copy_s(p, c.copy_bytes)
         if copy_s:  # the op's library call copies an input it cannot read as laid out
             t, gpu, launches = _with_copy(p, copy_s, t, gpu, launches)
@@ -755,7 +761,8 @@ class CostModel:
             bound = "compute"
         else:
             bound = "memory"
-        return NodeCost(node.name, ir.op_name(node), c.flops, c.bytes, launches, compute, memory, t, bound)
+        return NodeCost(node.name, ir.op_name(node), c.flops, c.bytes, launches, compute, memory, t, bound,
+                        c.device_floor_s or 0.0)
 
     # ------------------------------------------------------------------ per graph
 
@@ -836,7 +843,10 @@ class CostModel:
         copy = (p.launch_overhead_s, p.gpu_seconds(0.0, copy_s)) if copy_s else (0.0, 0.0)
         if eff == "conv" and p.kind == "cuda":
             return host + copy[0], conv_device_s(p, node, c.compute_s, c.memory_s) + copy[1]
-        return host + copy[0], p.gpu_seconds(c.compute_s, c.memory_s, eff) + copy[1]
+        dev = p.gpu_seconds(c.compute_s, c.memory_s, eff)
+        if c.device_floor_s:  # (a kernel per sample, waves of tiny programs, gathered loads)
+            dev = _smax(dev, c.device_floor_s)
+        return host + copy[0], dev + copy[1]
 
     def node_loop_s(self, node: fx.Node, hints=None) -> float:
         """Predicted seconds per run of one node run many times back to back (how

@@ -84,6 +84,8 @@ class OpCost:
     slowdown: float = 1.0
     # the least eager time (block scheduling of a kernel that gives each row a block)
     floor_s: object = None
+    # the least device time, eager or replayed (waves of tiny programs, element loads of gathered inputs)
+    device_floor_s: object = None
     # the eager time of an op whose kernels are priced one by one (None: the roofline above)
     time_s: object = None
     # device seconds beyond the roofline, added to the memory time (another kernel's fixed time)

@@ -28,7 +28,9 @@ permuted score tensor, which aten copies first). Products summed in float32, bia
 rounded once, as cuBLAS accumulates.
 
 Legality: aten.sum.dim_IntList or aten.mean.dim over one dim of static extent 2..UNROLL of a
-floating tensor, no dtype argument other than a floating one; inference graphs; CUDA profiles
+floating tensor, no dtype argument other than a floating one; a matmul, bmm or linear (a 2-D weight,
+its bias of the same dtype) contracting 2..UNROLL elements of static shapes in one floating dtype;
+inference graphs; CUDA profiles
 (fuse_elementwise fuses only there: unfused, the adds are more kernels than the reduction).
 Profitability: the reduction and the ops moved into its terms against one kernel that reads the
 terms' inputs once and writes the result (what fuse_elementwise makes of them), plus, where aten's
@@ -80,7 +82,7 @@ class UnrollSmallReductions(Pass):
     name = "unroll_small_reductions"
     family = "fusion"
     description = (f"a sum/mean over one dim of 2..{UNROLL} elements -> adds of its slices, with the pointwise "
-                   f"ops before it moved into them, and a matmul contracting 2..{UNROLL} -> its outer products "
+                   f"ops before it moved into them, and a matmul or linear contracting 2..{UNROLL} -> its outer products "
                    "(fuse_elementwise makes one kernel of them)")
     inference_only = True
 

@@ -8,8 +8,8 @@ them).
 
 Applies to an SDPA call in an inference graph on a CUDA profile when:
 * q, k, v are 4-D bf16/fp16 with static shapes, at most ``MAX_KEYS`` (256) keys and a head dim of
-  16-128 (a multiple of 8); grouped-query attention (``enable_gqa``) when q's heads are a multiple
-  of k's;
+  at most 128 (one under 16 or not a multiple of 8 is padded in registers); grouped-query attention
+  (``enable_gqa``) when q's heads are a multiple of k's;
 * dropout is 0;
 * the mask is absent, boolean, or a float tensor (additive), broadcastable to [B, H, Sq, Sk];
 * the profile has measured the kernel (``op_efficiency["short_attention"]``), and it is predicted at most

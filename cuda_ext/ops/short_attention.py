@@ -1,5 +1,5 @@
 """graphopt::short_attention: ``scaled_dot_product_attention(q, k, v, mask, is_causal=..., scale=...)``
-in inference for at most 256 keys and a head dim of 16-128: grouped queries when q's heads are a
+in inference for at most 256 keys and a head dim of at most 128: grouped queries when q's heads are a
 multiple of k's, an additive float or bool mask broadcast through its strides, the top-left causal
 triangle; **a fully masked row gives zeros, as SDPA does**. The output is [B, H, S, D] laid out
 [B, S, H, D] (:func:`layout`: the head merge after it is a view).
@@ -109,7 +109,7 @@ def op_class(call):
 def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                     scale: float | None = None, is_causal: bool = False) -> torch.Tensor:
     """``scaled_dot_product_attention`` in inference for short key sequences (at most 256 keys,
-    head dim 16-128): q [B, H, Sq, D], k and v [B, Hk, Sk, D] with H a multiple of Hk (grouped
+    head dim up to 128): q [B, H, Sq, D], k and v [B, Hk, Sk, D] with H a multiple of Hk (grouped
     queries), an additive float or boolean mask broadcastable to [B, H, Sq, Sk]; ``scale``
     defaults to 1/sqrt(D). On CUDA one Triton program per query tile holds every key (bf16/fp16);
     the output is [B, H, Sq, D] laid out [B, Sq, H, D]."""

@@ -1192,11 +1192,12 @@ def _fused_inputs(b, group, ins, const):
     small, big = list(ir.info(pad.args[0]).shape), list(ir.info(pad).shape)
     rank = len(small)
     args, extra, pieces = list(ins), [], {}
+    through = under | {pad}  # (the pad itself reads an input that is its operand)
     for i, a in enumerate(ins):
         readers = [u for u in a.users if u in gs]
-        if not any(u in under for u in readers):
+        if not any(u in through for u in readers):
             continue
-        if any(u not in under for u in readers):
+        if any(u not in through for u in readers):
             raise _NotExpressible(f"{a.name} is read both through the pad and beside it")
         ai = ir.info(a)
         k = len(ai.shape) - (rank - d)

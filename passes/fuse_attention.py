@@ -121,8 +121,10 @@ def _repeat_kv(prefix: str):
 
 _K = Alt(_repeat_kv("k"), Any("k"))
 _V = Alt(_repeat_kv("v"), Any("v"))
-_KT = Alt(Op(aten.transpose.int, _K, Any("kt_d0"), Any("kt_d1"), name="kt", single_use=False),
-          Op(aten.permute.default, _K, Any("kt_perm"), name="kt", single_use=False))
+_KT_VIEW = Alt(Op(aten.transpose.int, _K, Any("kt_d0"), Any("kt_d1"), name="kt", single_use=False),
+               Op(aten.permute.default, _K, Any("kt_perm"), name="kt", single_use=False))
+# K^T made contiguous first (GC ViT's window attention): the same values, SDPA reads K as it is
+_KT = Alt(Op((aten.contiguous.default, aten.clone.default), _KT_VIEW, name="kt_copy", single_use=False), _KT_VIEW)
 _QK = Op(aten.matmul.default, Any("q"), _KT, name="qk", single_use=False)
 _SCALED = Alt(
     Op(aten.mul.Tensor, _QK, Const("scale_mul", pred=_number), name="scale_op", single_use=False),
@@ -537,7 +539,7 @@ class FuseAttention(Pass):
                 what = "attention probabilities" if n in (sm, m.get("cast"), m.get("dropout"), m.get("dropout_item")) \
                     else "attention scores" if n in (qk, m.get("scale_op"), m.get("mask_add"), m.get("win_split"),
                                                      m.get("win_add"), m.get("win_merge")) \
-                    else "transposed K" if n is kt else "repeated K/V"
+                    else "transposed K" if n in (kt, m.get("kt_copy")) else "repeated K/V"
                 raise Refuse(f"the {what} {n.name} are also read by {u.name} (e.g. output_attentions); "
                              "SDPA does not produce them")
         removed = [n for n in m.nodes if unrepeated or n not in repeat_nodes] + asserts

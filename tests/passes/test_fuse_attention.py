@@ -246,6 +246,32 @@ def test_keys_permuted_straight_to_heads_by_keys_become_sdpa(dtype):
     assert reference_check(model, gm, args).passed
 
 
+class ContiguousKeys(nn.Module):
+    """GC ViT's window attention: q scaled, ``k.transpose(-2, -1).contiguous()``, a relative position bias."""
+
+    def __init__(self, h=2, d=8, s=9):
+        super().__init__()
+        self.h, self.d = h, d
+        self.qkv = nn.Linear(h * d, 3 * h * d)
+        self.bias = nn.Parameter(torch.randn(1, h, s, s) * 0.1)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q * self.d ** -0.5) @ k.transpose(-2, -1).contiguous() + self.bias
+        return (attn.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_transposed_key_made_contiguous_becomes_sdpa(dtype):
+    """A copy of K^T (``.contiguous()``) holds K's values: SDPA reads K as it is, the copy goes."""
+    torch.manual_seed(0)
+    model, args, gm, res = _run(ContiguousKeys(), (torch.randn(3, 9, 16),), dtype)
+    assert res.status == "applied" and len(res.rewrites) == 1, [(r.candidate, r.reason) for r in res.rejected]
+    assert _attention_left(gm) == 0 and "aten.contiguous.default" not in op_counts(gm)
+    assert reference_check(model, gm, args).passed
+
+
 # ---------------------------------------------------------------- negative cases
 
 

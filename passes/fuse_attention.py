@@ -2,7 +2,8 @@
 
 Matched spelling (ATen graphs after eliminate_dead_code + fold_constants)::
 
-    scores = matmul(q, transpose(k, -2, -1))         # or permute swapping the last two dims
+    scores = matmul(q, transpose(k, -2, -1))         # or permute swapping the last two dims; either
+                                                      # made contiguous (or cloned) first
     scores = scores * c | scores / c | scores         # scale: a literal, a one-element constant, or a
                                                       # constant per score row (moved onto q)
     scores = scores + mask                            # optional additive mask (either operand order)

@@ -77,14 +77,17 @@ class GraphBuilder:
     graphopt.cost.replacement.Replacement has on a scratch one: one function that builds a
     rewrite's nodes serves both its price and the rewrite."""
 
-    def __init__(self, g: fx.Graph):
+    def __init__(self, g: fx.Graph, meta_of: fx.GraphModule | None = None):
         self.g = g
+        self.meta_of = meta_of  # set each node's metadata as it is made (a builder that reads its dtypes)
         self.made: list[fx.Node] = []  # the nodes made, in order (for the rewrite's set_meta)
 
     def call(self, target, *args, val=None, **kwargs) -> fx.Node:
         """A node at the insertion point (``val`` is for scratch nodes: a rewrite's set_meta computes these)."""
         n = self.g.call_function(target, args, kwargs)
         self.made.append(n)
+        if self.meta_of is not None:
+            set_meta(self.meta_of, [n])
         return n
 
 

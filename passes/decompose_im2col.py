@@ -20,25 +20,18 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import set_meta
+from ._fusion_meta import GraphBuilder, conv_pair, set_meta
 
 aten = torch.ops.aten
 IM2COL = aten.im2col.default
 
 
-def _pair(v) -> tuple[int, int] | None:
-    v = list(v) if isinstance(v, (list, tuple)) else [v]
-    if len(v) == 1:
-        v = v * 2
-    return tuple(v) if len(v) == 2 and all(isinstance(x, int) for x in v) else None
-
-
 def spec(node: fx.Node):
     """(why not, (kernel, dilation, padding, stride)): im2col's arguments as (h, w) pairs, or the
     reason the rewrite does not take the call."""
-    args = [_pair(get_arg(node, i, name)) for i, name in
+    args = [conv_pair(get_arg(node, i, name), None) for i, name in
             ((1, "kernel_size"), (2, "dilation"), (3, "padding"), (4, "stride"))]
-    if any(a is None for a in args):
+    if any(len(a) != 2 or not all(isinstance(x, int) for x in a) for a in args):
         return "kernel, dilation, padding or stride not two integers", None
     xi, oi = ir.info(node.args[0]), ir.info(node)
     if xi is None or oi is None:
@@ -99,14 +92,10 @@ class DecomposeIm2col(Pass):
     @staticmethod
     def _apply(gm, node, args, n, c):
         g = gm.graph
-
-        def call(target, *a, **kw):
-            new = g.call_function(target, a, kw)
-            set_meta(gm, [new])
-            return new
-
+        b = GraphBuilder(g)
         with g.inserting_before(node):
-            out = _build(call, node.args[0], args, n, c)
+            out = _build(b.call, node.args[0], args, n, c)
+        set_meta(gm, b.made)
         node.replace_all_uses_with(out)
         g.erase_node(node)
         return out

@@ -816,6 +816,7 @@ def _feeding_convolutions(gm: fx.GraphModule) -> set:
         stack.extend(n.all_input_nodes)
     return seen
 
+
 def _eager_layout(program, args, outs):
     """``program``, or the spelling of it (the row dim named, making the outputs follow the inputs'
     layout; or ``layout row_major``) whose outputs have the strides eager's ``outs`` have; None where

@@ -47,7 +47,7 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import set_meta
+from ._fusion_meta import GraphBuilder
 from .fuse_elementwise import MAX_INPUTS, OPS, _operands
 
 aten = torch.ops.aten
@@ -193,7 +193,7 @@ def _matmul_slices(call, a, b, k, linear: bool):
 def _apply_matmul(gm: fx.GraphModule, n: fx.Node, spec):
     a, b, k, out_dtype, bias = spec
     g = gm.graph
-    call = _builder(gm)
+    call = GraphBuilder(g, gm).call  # (metadata as made: the next node's dtype checks read it)
     with g.inserting_before(n):
         cols, rows = _matmul_slices(call, a, b, k, n.target is LINEAR)
         acc = _accumulate(call, [call(aten.mul.Tensor, c, r) for c, r in zip(cols, rows)], out_dtype)
@@ -308,7 +308,7 @@ def _unrolled_val(n: fx.Node, keep: bool, d: int):
 def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
     x, d, r, keep, out_dtype = spec
     g = gm.graph
-    call = _builder(gm)
+    call = GraphBuilder(g, gm).call  # (metadata as made: the next node's dtype checks read it)
 
     once: dict = {}  # a leaf read the same in every term: one select
 
@@ -346,16 +346,6 @@ def _apply(gm: fx.GraphModule, n: fx.Node, tree, moved, spec):
         if lf.node.graph is g and not lf.node.users and _stacked(lf.node, lf.dim) is not None:
             g.erase_node(lf.node)
     return acc
-
-
-def _builder(gm: fx.GraphModule):
-    """``call(target, *args, **kwargs)``: a node at the graph's insertion point, its metadata set
-    (the next node's dtype checks read it)."""
-    def call(target, *args, **kwargs):
-        node = gm.graph.call_function(target, args, kwargs)
-        set_meta(gm, [node])
-        return node
-    return call
 
 
 def _stacked(node: fx.Node, dim) -> list | None:

@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s31      precompile's cuda tests, then optimize()'s cold set-up with and without it on $2
 #   s30      diag_small_contractions.py, short_attention/pointwise cuda tests, kernel profiles (with compile) of $2
 #   s29      kernel profiles (graphopt, eager, compile) of $2
 #   s28      cuda tests of the pointwise kernel and fuse_elementwise, $2 timed alone, then $3 timed 4 at once
@@ -55,6 +56,12 @@ ctests() {
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
 case "$1" in
+s31)
+  # kernels compiled ahead on a thread pool (graphopt.runtime.precompile): its cuda tests and those of the lowering
+  # and the guard, then optimize()'s cold set-up with and without it on $2 (CONFIG:BATCH,...)
+  ctests s31 200 tests/test_precompile.py tests/cuda_ext/test_pointwise.py tests/test_lower.py tests/test_measured_guard.py
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/diag/diag_precompile.py --configs "$2" --timeout 150 \
+    --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | tail -30 ;;
 s30)
   # small contractions and tiny-head attention (diag_small_contractions.py), the short_attention and pointwise
   # cuda tests, then kernel profiles (graphopt, eager, compile) of $2

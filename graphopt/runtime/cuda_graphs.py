@@ -360,6 +360,7 @@ class Runner:
         self._train = None  # graphopt.runtime.training_graphs.TrainingGraphs, made on the first grad-enabled call
         self._warned: set[str] = set()
         self.stats = {"captures": 0, "replays": 0, "eager_calls": 0, "evictions": 0, "fallbacks": {}}
+        self.precompiled = None  # graphopt.runtime.precompile.Precompiled, where lower() compiled ahead
 
     # -------------------------------------------------------------- state
 
@@ -671,6 +672,12 @@ def lower(gm: fx.GraphModule, example_flat_inputs, *, cuda_graphs="auto", max_gr
     decision = decide(gm, list(example_flat_inputs), cuda_graphs=cuda_graphs, dynamic=dynamic,
                       training=training, device_type=_BACKENDS[backend].device_type)
     example_flat_inputs = list(example_flat_inputs)
-    return Runner(gm, decision, max_graphs=max_graphs, reuse_outputs=reuse_outputs, warmup=warmup,
-                  backend=backend, tail_min_bytes=tail_min_bytes,
-                  bound_inputs=ir.mutated_flat_inputs(gm, example_flat_inputs), bind_all=bind_inputs)
+    runner = Runner(gm, decision, max_graphs=max_graphs, reuse_outputs=reuse_outputs, warmup=warmup,
+                    backend=backend, tail_min_bytes=tail_min_bytes,
+                    bound_inputs=ir.mutated_flat_inputs(gm, example_flat_inputs), bind_all=bind_inputs)
+    if backend == "cuda":
+        # the Triton kernels its first call would compile one by one, compiled on a pool of threads first
+        from .precompile import precompile
+
+        runner.precompiled = precompile(gm)
+    return runner

@@ -59,9 +59,9 @@ case "$1" in
 s31)
   # kernels compiled ahead on a thread pool (graphopt.runtime.precompile): its cuda tests and those of the lowering
   # and the guard, then optimize()'s cold set-up with and without it on $2 (CONFIG:BATCH,...)
-  ctests s31 200 tests/test_precompile.py tests/cuda_ext/test_pointwise.py tests/test_lower.py tests/test_measured_guard.py
-  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/diag/diag_precompile.py --configs "$2" --timeout 150 \
-    --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | tail -30 ;;
+  ctests s31 120 tests/test_precompile.py tests/test_lower.py tests/test_measured_guard.py
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/diag/diag_precompile.py --configs "$2" --timeout 120 \
+    --profile-configs "${3:-}" --budget-s $((${LIMIT:-590} - 130 - SECONDS)) --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | tail -30 ;;
 s30)
   # small contractions and tiny-head attention (diag_small_contractions.py), the short_attention and pointwise
   # cuda tests, then kernel profiles (graphopt, eager, compile) of $2

@@ -60,14 +60,19 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     CUDA-graph replays) share the buffer. Calls on one device run in stream order (a PDL kernel
     touches counters only after its wait for the one before); a call on a second stream concurrently
     with another would share counters, which graphopt's graphs never do. A buffer outgrown stays
-    allocated: a CUDA graph captured with it keeps its address."""
+    allocated: a CUDA graph captured with it keeps its address. Under a fake tensor mode (graphopt's
+    kernel precompilation runs a dispatch on fake tensors) the buffer is a fake one, never kept."""
+    from torch._subclasses.fake_tensor import is_fake
+
     key = (device.type, device.index)
     buf = _counters.get(key)
     if buf is None or buf.numel() < n:
+        fresh = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        if is_fake(fresh):
+            return fresh
         if buf is not None:
             _counters_kept.append(buf)
-        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        _counters[key] = buf
+        buf = _counters[key] = fresh
     return buf
 
 

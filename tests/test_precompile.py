@@ -150,3 +150,18 @@ def test_the_first_call_after_precompile_compiles_nothing():
     # lower() precompiles what it is given (here: already compiled, so nothing to do)
     runner = lower(gms[0], [x, y], cuda_graphs=False)
     assert runner.precompiled is not None and runner.precompiled.kernels == 0
+
+
+def test_a_kernel_buffer_made_on_fake_tensors_is_not_kept(monkeypatch):
+    # the decode attention's split counters are kept for the process: one made while precompile runs a
+    # dispatch on fake tensors must not become the buffer later real calls get
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    from graphopt.cuda_ext import norm_triton
+
+    monkeypatch.setattr(norm_triton, "_counters", {})
+    with FakeTensorMode():
+        assert is_fake(norm_triton.split_counters(torch.device("cpu"), 8))
+    assert norm_triton._counters == {}
+    real = norm_triton.split_counters(torch.device("cpu"), 8)
+    assert not is_fake(real) and norm_triton.split_counters(torch.device("cpu"), 8) is real

@@ -50,6 +50,18 @@ def test_grammar_renders_unfold_and_its_decomposition_keeps_the_numbers():
     model, inputs = fuzz.build(p)
     assert model(*inputs)[0].shape == (2, 36, 2)
     fuzz.check_program(p, ["decompose_im2col", "fuse_elementwise"], "h200", "passes", ignore_cost=True)
+    # the decomposition did happen there: aten's im2col is gone from the graph
+    from graphopt import ir
+    from graphopt.capture import capture
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, PassManager, assemble
+
+    gm = capture(model, inputs)
+    assert any("im2col" in str(n.target) for n in gm.graph.nodes)
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), strict=True, ignore_cost=True)
+    (res,) = PassManager(assemble(["decompose_im2col"])).run(gm, ctx)
+    assert res.status == "applied" and not any("im2col" in str(n.target) for n in gm.graph.nodes)
 
 
 def test_grammar_renders_reductions_broadcasts_masks_norms_inplace_dropout_host_constants():

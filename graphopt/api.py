@@ -686,7 +686,8 @@ def _meter(opts: OptimizeOptions, planning: "_Planning", model_dev: torch.device
     args, kwargs = inputs.fresh()
     flat = flat_tensors(args, kwargs)
     budget = float(os.environ.get("GRAPHOPT_MEASURE_BUDGET_S", MEASURE_BUDGET_S))
-    timer = Timer(model_dev, early=True)
+    # one untimed call of each graph: its capture (or, eager, its lazy first use); the calls after it are alike
+    timer = Timer(model_dev, early=True, warmup=1)
     meter = MeasuredTime(lambda g: runnable(g, flat, args, kwargs, opts.cuda_graphs), timer, budget)
     return meter, ""
 

@@ -1,12 +1,15 @@
-"""optimize()'s set-up time with the Triton kernels compiled ahead on a thread pool (graphopt.runtime.precompile)
-against compiled one by one at each graph's first call (GRAPHOPT_COMPILE_THREADS=0), on sweep configs.
+"""optimize()'s cold set-up time as it was before 12-06's ninth round (each Triton kernel compiled at its graph's first
+call, the guard's graphs warmed up by three eager calls before capture and two timed-out calls), with the kernels
+compiled ahead on a thread pool (graphopt.runtime.precompile), and with that and one warm-up call, on sweep configs.
 
     python benchmarks/diag/diag_precompile.py --configs densenet121:64,timm-tnt_s_patch16_224:64 --out DIR
 
 Each run is a fresh process with an empty Triton cache (a cold first optimize() on this machine), bf16 on
-the GPU, optimize() as the sweep calls it (measured guard and accuracy check on); the two variants alternate
-per config, ``--rounds`` times. Per run: set-up seconds, the phases the kernels' compilation falls in, the
-returned module's time, and what the precompilation did. Writes diag_precompile_<date>.{json,md} under --out.
+the GPU, optimize() as the sweep calls it (measured guard and accuracy check on); per config the variants run
+one after the other (``--rounds`` times, the order reversed every other round). Per run: set-up seconds, the
+phases the kernels' compilation and the guard's first calls fall in, the returned module's time, and what the
+precompilation did. ``--profile-configs``: a run each with everything on and the guard's warm-up calls' op
+calls timed one by one (their first use against later uses, by op). Writes diag_precompile_<date>.{json,md}.
 """
 from __future__ import annotations
 
@@ -94,7 +97,26 @@ def _first_use_profile():
     return stats
 
 
-def one(cfg: str, profile: bool = False) -> dict:
+VARIANTS = {  # name: (GRAPHOPT_COMPILE_THREADS, the guard's warm-ups as before this round)
+    "before": ("0", True), "pool": ("", True), "pool + 1 warm-up": ("", False), "profiled": ("", False)}
+
+
+def _old_warmups() -> None:
+    """The guard as before this round: three eager calls before each graph's capture, two untimed calls."""
+    from graphopt.runtime import measured
+
+    real_runnable, real_timer = measured.runnable, measured.Timer
+
+    class Timer(real_timer):
+        def __init__(self, *args, **kwargs):
+            kwargs["warmup"] = 2
+            super().__init__(*args, **kwargs)
+
+    measured.runnable = lambda *a, **k: real_runnable(*a, **{**k, "warmup": 3})
+    measured.Timer = Timer
+
+
+def one(cfg: str, profile: bool = False, old_warmups: bool = False) -> dict:
     """The child: optimize ``cfg`` (CONFIG:BATCH) once, cold; its set-up and phases as JSON (with
     ``profile``: the first-use cost of the guard's warm-up calls by op, from :func:`_first_use_profile`)."""
     import torch
@@ -107,6 +129,8 @@ def one(cfg: str, profile: bool = False) -> dict:
     dev = torch.device("cuda")
     model = model.to(dev, torch.bfloat16).eval()
     inputs = tuple(x.to(dev, torch.bfloat16) if x.is_floating_point() else x.to(dev) for x in inputs)
+    if old_warmups:
+        _old_warmups()
     stats = _first_use_profile() if profile else None
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -140,75 +164,77 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help="start no run after this many seconds")
     p.add_argument("--profile-configs", default="",
                    help="configs also run once with the pool and the guard's warm-up calls profiled by op")
+    p.add_argument("--variants", default="before,pool,pool + 1 warm-up")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="/tmp/out")
     a = p.parse_args(argv)
     if a.one:
-        print("ROW " + json.dumps(one(a.one, a.profile)), flush=True)
+        old = VARIANTS[a.variant][1]
+        print("ROW " + json.dumps(one(a.one, a.variant == "profiled", old)), flush=True)
         return 0
     import torch
 
     rows = []
-    runs = [(cfg, threads) for cfg in a.configs.split(",") for r in range(a.rounds)
-            for threads in (("0", "") if r % 2 == 0 else ("", "0"))]
-    runs += [(cfg, "profile") for cfg in a.profile_configs.split(",") if cfg]
+    names = [v.strip() for v in a.variants.split(",") if v.strip()]
+    runs = [(cfg, v) for cfg in a.configs.split(",") for r in range(a.rounds)
+            for v in (names if r % 2 == 0 else names[::-1])]
+    runs += [(cfg, "profiled") for cfg in a.profile_configs.split(",") if cfg]
     t0 = time.perf_counter()
-    for cfg, threads in runs:
+    for cfg, variant in runs:
         if time.perf_counter() - t0 > a.budget_s:
-            rows.append({"config": cfg, "threads": threads or "pool", "error": "not run: the budget was spent"})
+            rows.append({"config": cfg, "variant": variant, "error": "not run: the budget was spent"})
             continue
         env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton-cold-"))
         env.pop("GRAPHOPT_COMPILE_THREADS", None)
-        if threads == "0":
-            env["GRAPHOPT_COMPILE_THREADS"] = threads
-        extra = ["--profile"] if threads == "profile" else []
+        if VARIANTS[variant][0]:
+            env["GRAPHOPT_COMPILE_THREADS"] = VARIANTS[variant][0]
         try:
-            res = subprocess.run([sys.executable, __file__, "--one", cfg, *extra], env=env, capture_output=True,
-                                 text=True, timeout=a.timeout)
+            res = subprocess.run([sys.executable, __file__, "--one", cfg, "--variant", variant], env=env,
+                                 capture_output=True, text=True, timeout=a.timeout)
             line = next((ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")), None)
             row = json.loads(line[4:]) if line else {"config": cfg, "error": res.stderr.strip()[-300:]}
         except subprocess.TimeoutExpired:
             row = {"config": cfg, "error": f"timed out after {a.timeout:.0f} s"}
-        row["threads"] = {"0": "0 (at first calls)", "profile": "pool, profiled"}.get(threads, "pool")
+        row["variant"] = variant
         rows.append(row)
         print(json.dumps(row), flush=True)
     from _timing import write_rows
 
-    lines = [f"# optimize() set-up with kernels compiled ahead on a thread pool, cold Triton cache "
+    lines = [f"# optimize()'s cold set-up: kernels compiled ahead on a thread pool, the guard's warm-up calls "
              f"({torch.cuda.get_device_name(0)}, torch {torch.__version__})", "",
-             "Each run a fresh process with an empty Triton cache, bf16; the variants alternate per config. "
-             f"Pool: {os.cpu_count()} host CPUs (GRAPHOPT_COMPILE_THREADS unset); 0: each kernel compiled at its "
-             "graph's first call.", "",
-             "| config | compile | set-up s | guard first calls s | building callables s | kernel compilation s "
-             "| graphopt ms | returned | accuracy |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "Each run a fresh process with an empty Triton cache, bf16. before: each Triton kernel compiled at "
+             "its graph's first call, the guard's graphs captured after 3 eager calls and timed after 2 untimed "
+             f"calls; pool: kernels compiled ahead on a pool ({os.cpu_count()} host CPUs); + 1 warm-up: the guard's "
+             "graphs captured after 1 eager call and timed after 1 untimed call.", "",
+             "| config | variant | set-up s | guard first calls s | building callables s | kernel compilation s "
+             "| guard timed calls s | graphopt ms | returned | accuracy |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['config']} | {row['threads']} | {row['error'][:150]} |  |  |  |  |  |  |")
+            lines.append(f"| {row['config']} | {row['variant']} | {row['error'][:150]} |  |  |  |  |  |  |  |")
             continue
         ph = row["phases"]
-        lines.append(f"| {row['config']} | {row['threads']} | {row['setup_s']:.2f} | {ph[PHASES[0]]:.2f} | "
-                     f"{ph[PHASES[1]]:.2f} | {ph[PHASES[2]]:.2f} | {row['optimized_ms'] or 0:.3f} | {row['returned']} "
+        lines.append(f"| {row['config']} | {row['variant']} | {row['setup_s']:.2f} | {ph[PHASES[0]]:.2f} | "
+                     f"{ph[PHASES[1]]:.2f} | {ph[PHASES[2]]:.2f} | {ph[PHASES[3]]:.2f} | {row['optimized_ms'] or 0:.3f} | {row['returned']} "
                      f"| {row['accuracy']} |")
     by = {}
     for row in rows:
-        if "error" not in row and row["threads"] != "pool, profiled":
-            by.setdefault(row["config"], {}).setdefault(row["threads"], []).append(row["setup_s"])
+        if "error" not in row and row["variant"] != "profiled":
+            by.setdefault(row["config"], {}).setdefault(row["variant"], []).append(row["setup_s"])
     prof = [r for r in rows if r.get("first_use_by_op")]
     if prof:
-        lines += ["", "First-use cost of the guard's warm-up calls by op (pool on; each op call synchronized, so the "
-                  "set-up of these runs is not comparable): the first call of each op and argument metadata "
-                  "less the fastest later one.", "", "| config | op | keys | first-use s |", "| --- | --- | ---: | ---: |"]
+        lines += ["", "First-use cost of the guard's warm-up calls by op (everything on; each op call synchronized, so "
+                  "these runs' set-up is not comparable): the first call of each op and argument metadata less the "
+                  "fastest later one.", "", "| config | op | keys | first-use s |", "| --- | --- | ---: | ---: |"]
         for r in prof:
             for op, v in r["first_use_by_op"].items():
                 lines.append(f"| {r['config']} | {op} | {v['keys']} | {v['first_use_s']:.3f} |")
-    lines += ["", "| config | set-up s, at first calls | set-up s, pool | ratio |", "| --- | ---: | ---: | ---: |"]
+    lines += ["", "| config | " + " | ".join(f"set-up s, {v}" for v in names) + " |",
+              "| --- | " + " | ".join("---:" for _ in names) + " |"]
     for cfg, v in by.items():
-        a0, a1 = v.get("0 (at first calls)"), v.get("pool")
-        if a0 and a1:
-            m0, m1 = statistics.median(a0), statistics.median(a1)
-            lines.append(f"| {cfg} | {m0:.2f} | {m1:.2f} | {m1 / m0:.2f} |")
+        lines.append(f"| {cfg} | " + " | ".join(f"{statistics.median(v[n]):.2f}" if v.get(n) else "" for n in names)
+                     + " |")
     write_rows(a.out, "diag_precompile", rows, lines)
     return 0
 

@@ -58,7 +58,8 @@ ctests() {
 case "$1" in
 s31)
   # kernels compiled ahead on a thread pool (graphopt.runtime.precompile): its cuda tests and those of the lowering
-  # and the guard, then optimize()'s cold set-up with and without it on $2 (CONFIG:BATCH,...)
+  # and the guard, then optimize()'s cold set-up before, with it, and with one guard warm-up, on $2 (CONFIG:BATCH,...),
+  # and the guard's warm-up calls profiled by op on $3
   ctests s31 120 tests/test_precompile.py tests/test_lower.py tests/test_measured_guard.py
   timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/diag/diag_precompile.py --configs "$2" --timeout 120 \
     --profile-configs "${3:-}" --budget-s $((${LIMIT:-590} - 130 - SECONDS)) --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | tail -30 ;;

@@ -161,12 +161,14 @@ class Timer:
 # ----------------------------------------------------------------------------- the guard
 
 
-def runnable(gm, flat_inputs: list, args: tuple, kwargs: dict, cuda_graphs):
+def runnable(gm, flat_inputs: list, args: tuple, kwargs: dict, cuda_graphs, warmup: int = 1):
     """A no-argument callable that runs ``gm`` the way optimize()'s module would (CUDA-graph replay
-    where graphopt.runtime.cuda_graphs' decision allows it, outputs not cloned), on these inputs."""
+    where graphopt.runtime.cuda_graphs' decision allows it, outputs not cloned), on these inputs.
+    ``warmup``: eager calls before a capture (one does the lazy work a capture must not record:
+    kernel loads, library handles and workspaces; the guard makes a graph per pass it times)."""
     from .cuda_graphs import lower
 
-    runner = lower(gm, flat_inputs, cuda_graphs=cuda_graphs, reuse_outputs=True)
+    runner = lower(gm, flat_inputs, cuda_graphs=cuda_graphs, reuse_outputs=True, warmup=warmup)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return lambda: runner.call_flat(leaves, spec, args, kwargs)
 

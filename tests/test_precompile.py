@@ -133,20 +133,22 @@ def test_the_first_call_after_precompile_compiles_nothing():
     gms = [_pointwise_graph(_program(s), a, b) for s, (a, b) in zip(scales, cases)]
     res = [pc.precompile(gm, pool=4) for gm in gms]
     assert [r.nodes for r in res] == [1, 1] and all(r.kernels == 1 for r in res) and not any(r.left for r in res)
-    compiled = []
+    compiled, loaded = [], []
 
     def hook(*args, **kwargs):
         compiled.append(kwargs.get("fn"))
         return False  # (and compile)
 
-    old = knobs.runtime.jit_cache_hook
+    old = knobs.runtime.jit_cache_hook, knobs.runtime.kernel_load_start_hook
     knobs.runtime.jit_cache_hook = hook
+    knobs.runtime.kernel_load_start_hook = lambda *args, **kwargs: loaded.append(args)
     try:
         for gm, s, (a, b) in zip(gms, scales, cases):
             torch.testing.assert_close(gm(a, b), torch.relu(a * s + b))
     finally:
-        knobs.runtime.jit_cache_hook = old
-    assert compiled == []
+        knobs.runtime.jit_cache_hook, knobs.runtime.kernel_load_start_hook = old
+    # neither compiled nor loaded (its launcher built) at the call: precompile did both
+    assert compiled == [] and loaded == []
     # lower() precompiles what it is given (here: already compiled, so nothing to do)
     runner = lower(gms[0], [x, y], cuda_graphs=False)
     assert runner.precompiled is not None and runner.precompiled.kernels == 0

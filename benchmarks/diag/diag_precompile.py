@@ -158,7 +158,7 @@ def one(cfg: str, profile: bool = False, old_warmups: bool = False) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", required=True)
+    p.add_argument("--configs", default="", help="CONFIG:BATCH,... (required)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--budget-s", type=float, default=1e9, help="start no run after this many seconds")
@@ -173,6 +173,8 @@ def main(argv=None) -> int:
         old = VARIANTS[a.variant][1]
         print("ROW " + json.dumps(one(a.one, a.variant == "profiled", old)), flush=True)
         return 0
+    if not a.configs:
+        p.error("--configs is required")
     import torch
 
     rows = []

@@ -8,8 +8,10 @@ implementation is Python (a Triton dispatch, ``OpDef.cuda``) runs that implement
 tensors with the node's shapes, strides, storage offsets, dtypes and device, with every Triton
 launch made a warm-up instead (``JITFunction.run(warmup=True)``: specialize and compile, launch
 nothing) under Triton's ``AsyncCompileMode``, so the compiles run on a thread pool (Triton releases
-the GIL while its MLIR passes, LLVM and ptxas run). The call after it finds each kernel in Triton's
-cache. Nothing is computed and no tensor is written.
+the GIL while its MLIR passes, LLVM and ptxas run); then each kernel's launcher (a C stub Triton builds
+with the host's compiler, once per argument signature) is built on the pool and the kernel loaded, work
+its first launch would do on the calling thread. The call after it finds each kernel in Triton's cache,
+ready. Nothing is computed and no tensor is written.
 
 Best effort: a node whose implementation cannot run on fake tensors (it reads a pointer or a value)
 or whose shapes are symbolic is left to compile at its first call, and :class:`Precompiled` names
@@ -246,6 +248,36 @@ def precompile(gm: fx.GraphModule, *, pool: int | None = None) -> Precompiled:
             compiles = AsyncCompileMode(ex, ignore_errors=True)
             with compiles, warm_launches():
                 run_on_fakes(todo, out)
-            out.kernels = len(compiles.future_kernels)
+            kernels = [k for k in (f.result(ignore_errors=True) for f in compiles.future_kernels.values())
+                       if k is not None]
+            out.kernels = len(kernels)
+            load(kernels, ex)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def load(kernels: list, pool) -> None:
+    """Make compiled kernels ready to launch: each one's launcher (a C stub Triton builds with the host's
+    compiler at a kernel's first launch, one per argument signature, cached on disk) built on ``pool``,
+    then each kernel loaded onto the current device on this thread (what its first launch would do; a
+    kernel that cannot load, out of shared memory say, raises at its launch as it would have)."""
+    from triton.runtime.driver import driver
+
+    stubs = {}
+    for k in kernels:
+        src = getattr(k, "src", None)
+        if src is None or not hasattr(k, "_init_handles"):
+            continue
+        key = (repr(sorted(getattr(src, "signature", {}).items(), key=repr)),
+               repr(sorted(getattr(src, "constants", {}).items(), key=repr)), repr(getattr(k.metadata, "tensordesc_meta", None)))
+        stubs.setdefault(key, k)
+    for f in [pool.submit(driver.active.launcher_cls, k.src, k.metadata) for k in stubs.values()]:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001 (the kernel's first launch builds it, or raises, as before)
+            pass
+    for k in kernels:
+        try:
+            k._init_handles()
+        except Exception:  # noqa: BLE001
+            pass

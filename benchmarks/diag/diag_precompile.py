@@ -1,3 +1,4 @@
+# Answered: how much of optimize()'s cold set-up do the Triton kernels compiled ahead on a thread pool save? DenseNet-121 bs64 54.1 -> 24.7 s on an H100 (guard's first calls 26.5 + accuracy checks 15.8 s -> kernel compilation 11.4 + first calls 2.0 s), 23.6 s with one guard warm-up; TNT-S 22.2 -> 21.6 s (first calls 9.6 -> 3.3 + 5.4 s compiling); before the launchers were built ahead (H200): DenseNet 38.9 -> 34.2 s, the first calls still 7.1 s in fused_pointwise (results/diag_precompile_2026-12-06_202539_h100.md, …201549_h200.md).
 """optimize()'s cold set-up time as it was before 12-06's ninth round (each Triton kernel compiled at its graph's first
 call, the guard's graphs warmed up by three eager calls before capture and two timed-out calls), with the kernels
 compiled ahead on a thread pool (graphopt.runtime.precompile), and with that and one warm-up call, on sweep configs.

@@ -1,3 +1,4 @@
+# Answered: does a graph's first call after precompile still compile or load Triton kernels? Compile: no (DenseNet-121 bs64: 21 kernels for 53 nodes ahead, none at the call; TNT-S 7 for 8), every node's real inputs as its metadata; load: each kernel's launcher was built at its first launch until precompile built them on the pool, none since (results/diag_precompile_misses_2026-12-06_201805_h100.md, …202151_h100.md).
 """Which Triton kernels does a graph's first call still compile after graphopt.runtime.precompile, and why?
 
     python benchmarks/diag/diag_precompile_misses.py --configs densenet121:64 --out DIR

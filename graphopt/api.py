@@ -457,6 +457,10 @@ class _AccuracyGuard:
 
     def _results(self, gm, dtype, yardsticks):
         """The rule on each batch against ``yardsticks``, lazily (a caller may stop early)."""
+        if self.device.type == "cuda" and isinstance(gm, fx.GraphModule):
+            from .runtime.precompile import precompile
+
+            precompile(gm)  # the Triton kernels its eager run would compile one by one, on a pool first
         for b, ref, yard in zip(self.batches, self.ref64, yardsticks):
             with self._same_draws(), self._keep_state(gm):
                 out = _run(gm, *b.fresh(), self.training)

@@ -521,12 +521,17 @@ class InvariantCheck(PassInstrument):
     """graphopt.ir.check_invariants after every pass that changed the graph (``ctx.verify``): a
     pass that breaks one is undone (raises with ``ctx.strict``)."""
 
+    devices = None  # the graph's device types, read again only after a pass that changed it
+
     def run_before_pass(self, gm, p, ctx):
-        self.devices_before = ir.graph_devices(gm) if ctx.verify else None
+        if ctx.verify and self.devices is None:
+            self.devices = ir.graph_devices(gm)
+        self.devices_before = self.devices if ctx.verify else None
 
     def run_after_pass(self, gm, p, ctx, res):
         if res.status != "applied" or not ctx.verify:
             return None
+        self.devices = None
         try:
             ir.check_invariants(gm, p.name, allow_dtype_change=p.changes_dtypes, devices_before=self.devices_before)
         except ir.InvariantError as e:

@@ -39,6 +39,7 @@ the profile, so they are reproducible and testable on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -331,6 +332,24 @@ class CostModel:
         self._memo: dict = {}
         self._op_memo: dict = {}  # graphopt node -> (the same key, its OpCost)
         self._class_memo: dict = {}  # node -> (the same key, its op class correction)
+        # while one graph is priced whole (graph_cost, execution_cost): the nodes whose memo entries were
+        # checked against their keys already (the graph does not change meanwhile); None outside
+        self._checked: set | None = None
+        self._op_checked: set | None = None
+        self._class_checked: set | None = None
+
+    @contextlib.contextmanager
+    def _pricing_whole_graph(self):
+        """While the graph is priced as it is, each node's memo entry is checked against its key once
+        (a graph_cost reads each node's price three times: its cost, its memory, its floor)."""
+        if self._checked is not None:
+            yield
+            return
+        self._checked, self._op_checked, self._class_checked = set(), set(), set()
+        try:
+            yield
+        finally:
+            self._checked = self._op_checked = self._class_checked = None
 
     def _memo_key(self, node: fx.Node):
         """Everything a call_function node's price reads: its target and arguments, its own and
@@ -343,13 +362,24 @@ class CostModel:
                 tuple(a.meta.get("val") for a in node.all_input_nodes), torch.backends.cudnn.allow_tf32)
 
     def _memoized(self, node: fx.Node):
+        checked = self._checked
+        if checked is not None and node in checked:
+            hit = self._memo[node]
+            return hit[0], hit[1]
         key = self._memo_key(node)
         if key is None:
             return None, None
         hit = self._memo.get(node)
         if hit is not None and _same(hit[0], key):
+            if checked is not None:
+                checked.add(node)
             return key, hit[1]
         return key, None
+
+    def _store(self, node: fx.Node, key, value) -> None:
+        self._memo[node] = (key, value)
+        if self._checked is not None:
+            self._checked.add(node)
 
     # ------------------------------------------------------------------ pricing rewrites (the passes' API)
 
@@ -441,14 +471,21 @@ class CostModel:
     def op_cost(self, node: fx.Node) -> op_costs.OpCost:
         """The OpCost of a node calling one of graphopt's ops (``torch.ops.graphopt.*``), from the
         cost function its module registered (graphopt.cost.ops)."""
+        checked = self._op_checked
+        if checked is not None and node in checked:
+            return self._op_memo[node][1]
         key = self._memo_key(node)
         hit = self._op_memo.get(node)
         if hit is not None and key is not None and _same(hit[0], key):
+            if checked is not None:
+                checked.add(node)
             return hit[1]
         fn = op_costs.op_cost_fn(ir.op_name(node))
         out = fn(op_costs.op_call(node), self.profile)
         if key is not None:
             self._op_memo[node] = (key, out)
+            if checked is not None:
+                checked.add(node)
         return out
 
     def flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
@@ -458,7 +495,7 @@ class CostModel:
             return hit[0]
         out = self._flops_bytes(node)
         if key is not None:
-            self._memo[node] = (key, (out, None))
+            self._store(node, key, (out, None))
         return out
 
     def _flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
@@ -561,7 +598,7 @@ class CostModel:
                 out = NodeCost(out.node, out.op, out.flops, out.bytes, out.launches, out.compute_s, out.memory_s,
                                out.time_s * factor + add, out.bound, out.device_floor_s)
         if key is not None:
-            self._memo[node] = (key, (self.flops_bytes(node), out))
+            self._store(node, key, (self.flops_bytes(node), out))
         return out
 
     def _split_node_cost(self, node: fx.Node, raw: NodeCost) -> NodeCost:
@@ -584,19 +621,34 @@ class CostModel:
         """(host, device) seconds of a node under the profile's split fit
         (graphopt.cost.opclass.split_correction: a device factor read at its uncorrected device
         time, a host correction read at its uncorrected host time)."""
-        key = self._memo_key(node)
-        hit = self._class_memo.get(node)
-        if hit is not None and key is not None and _same(hit[0], key):
-            corr = hit[1]
-        else:
+        key, corr, found = self._class_memoized(node)
+        if not found:
             from .opclass import op_class, split_correction
 
             path = op_class(node, self.flops_bytes(node)[3]) if node.op == "call_function" else None
             corr = (1.0, 1.0, 0.0) if path is None else split_correction(self.profile.op_class_fit, path, _num(host),
                                                                           _num(dev), ir.target_name(node))
-            if key is not None:
-                self._class_memo[node] = (key, corr)
+            self._class_store(node, key, corr)
         return split_times(corr, host, dev)
+
+    def _class_memoized(self, node: fx.Node):
+        """(key, the memoized class correction, found) of a node (see _memoized)."""
+        checked = self._class_checked
+        if checked is not None and node in checked:
+            return None, self._class_memo[node][1], True
+        key = self._memo_key(node)
+        hit = self._class_memo.get(node)
+        if hit is not None and key is not None and _same(hit[0], key):
+            if checked is not None:
+                checked.add(node)
+            return key, hit[1], True
+        return key, None, False
+
+    def _class_store(self, node: fx.Node, key, value) -> None:
+        if key is not None:
+            self._class_memo[node] = (key, value)
+            if self._class_checked is not None:
+                self._class_checked.add(node)
 
     def _class_correction(self, node: fx.Node, raw: NodeCost | None = None) -> tuple[float, float, float | None]:
         """(factor, added seconds, fixed seconds or None): the profile's corpus fit for the node's
@@ -605,10 +657,9 @@ class CostModel:
         node's time time * factor + added (for a node it prices at nothing: the fixed time),
         node_times multiplies its host and device time alike and adds the added seconds to the
         host's. (1.0, 0.0, None) without a fit for its class."""
-        key = self._memo_key(node)
-        hit = self._class_memo.get(node)
-        if hit is not None and key is not None and _same(hit[0], key):
-            return hit[1]
+        key, hit, found = self._class_memoized(node)
+        if found:
+            return hit
         from .opclass import class_correction, op_class
 
         path = op_class(node, self.flops_bytes(node)[3]) if node.op == "call_function" else None
@@ -617,8 +668,7 @@ class CostModel:
             if raw is None:
                 raw = self._node_cost(node)
             out = class_correction(self.profile.op_class_fit, path, _num(raw.time_s))
-        if key is not None:
-            self._class_memo[node] = (key, out)
+        self._class_store(node, key, out)
         return out
 
     def _node_cost(self, node: fx.Node) -> NodeCost:
@@ -768,6 +818,10 @@ class CostModel:
 
     @timing.timed("cost model")
     def graph_cost(self, gm: fx.GraphModule, hints: dict | None = None) -> GraphCost:
+        with self._pricing_whole_graph():
+            return self._graph_cost(gm, hints)
+
+    def _graph_cost(self, gm: fx.GraphModule, hints: dict | None) -> GraphCost:
         if hints is None:
             hints = ir.shape_hints(gm)
         raw = [self.node_cost(n) for n in gm.graph.nodes]
@@ -906,7 +960,8 @@ class CostModel:
         issuing kernels to the device's queue; "graphed": replayed as one CUDA graph, inputs
         copied in and outputs cloned unless ``reuse_outputs``). On a CPU profile both are the
         serial sum of host and work per node. See the module docstring for the model."""
-        return queue_cost(self.profile, self.queue_inputs(gm, hints, mode, reuse_outputs=reuse_outputs))
+        with self._pricing_whole_graph():
+            return queue_cost(self.profile, self.queue_inputs(gm, hints, mode, reuse_outputs=reuse_outputs))
 
     def matmul_floor_s(self, node: fx.Node, flops) -> float:
         """Seconds of a matmul-like node's ``flops`` at the profile's peak rate for its operands' dtype."""

@@ -167,3 +167,27 @@ def test_a_kernel_buffer_made_on_fake_tensors_is_not_kept(monkeypatch):
     assert norm_triton._counters == {}
     real = norm_triton.split_counters(torch.device("cpu"), 8)
     assert not is_fake(real) and norm_triton.split_counters(torch.device("cpu"), 8) is real
+
+
+def test_a_failure_around_the_dispatches_leaves_the_kernels_to_their_first_launches(monkeypatch):
+    triton_async = pytest.importorskip("triton.runtime._async_compile")
+    from triton.runtime.jit import JITFunction
+
+    class Held:  # the caller holds its own AsyncCompileMode open: Triton refuses a second
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("Another AsyncCompileMode is already active")
+
+        def __exit__(self, *exc):
+            return False
+
+    ran = []
+    monkeypatch.setattr(pc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pc, "plan", lambda gm, impls: ([("n", lambda *a: ran.append(a), (), {})], {}))
+    monkeypatch.setattr(triton_async, "AsyncCompileMode", Held)
+    run = JITFunction.run
+    out = pc.precompile(_pointwise_graph(_program(6.5), torch.empty(2, 2), torch.empty(2)), pool=2)
+    assert out.note == "not run: RuntimeError: Another AsyncCompileMode is already active"
+    assert ran == [] and out.nodes == 0 and JITFunction.run is run

@@ -7,8 +7,8 @@ specialization (dtypes, 16-byte alignment, integer arguments equal to 1 or divis
 implementation is Python (a Triton dispatch, ``OpDef.cuda``) runs that implementation on fake
 tensors with the node's shapes, strides, storage offsets, dtypes and device, with every Triton
 launch made a warm-up instead (``JITFunction.run(warmup=True)``: specialize and compile, launch
-nothing) under Triton's ``AsyncCompileMode``, so the compiles run on a thread pool (Triton releases
-the GIL while its MLIR passes, LLVM and ptxas run); then each kernel's launcher (a C stub Triton builds
+nothing) under Triton's ``AsyncCompileMode``, so the compiles run on a thread pool, overlapping
+where Triton leaves the GIL (its native passes, ptxas); then each kernel's launcher (a C stub Triton builds
 with the host's compiler, once per argument signature) is built on the pool and the kernel loaded, work
 its first launch would do on the calling thread. The call after it finds each kernel in Triton's cache,
 ready. Nothing is computed and no tensor is written.

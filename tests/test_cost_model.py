@@ -859,3 +859,31 @@ def test_grouped_convolutions_of_widths_cudnn_has_no_kernel_for_take_the_transfo
               conv(120, 5, dtype=torch.float32)]
     assert [grouped_conv_transform_s(p, n) for n in others] == [None] * 5
     assert grouped_conv_transform_s(flat, rg) is None
+
+
+def test_a_graph_priced_whole_checks_each_memo_entry_once_and_a_changed_node_is_priced_again():
+    """graph_cost reads each node's price several times (its cost, its memory, its floor): while it
+    runs, an entry checked against the node's key once is trusted; after it, a node a pass changed
+    is priced again."""
+    from graphopt import ir
+
+    gm = capture(Lin().eval(), (torch.randn(64, 256),))
+    cm = CostModel(_h200())
+    first = cm.graph_cost(gm).total_s
+    calls = []
+    key_of = cm._memo.key_of
+    cm._memo.key_of = lambda n: calls.append(n) or key_of(n)
+    again = cm.graph_cost(gm)
+    assert again.total_s == first and again.total_s == CostModel(_h200()).graph_cost(gm).total_s
+    ops = [n for n in calls if n.op == "call_function"]  # (the others have no key: never memoized)
+    assert len(ops) == len(set(ops)) == 2  # each op's key made once, not once per read
+    assert cm._memo.checked is None  # outside a whole-graph pricing, every read checks the key
+    lin = _node(gm, "linear")
+    before = cm.node_cost(lin).time_s
+    x = lin.args[0]
+    with gm.graph.inserting_before(lin):  # the linear now reads 4x the rows: its price must change
+        cat = gm.graph.call_function(torch.ops.aten.cat.default, ([x, x, x, x],))
+    lin.replace_input_with(x, cat)
+    ir.repropagate(gm)
+    cm.graph_cost(gm)
+    assert cm.node_cost(lin).time_s == CostModel(_h200()).node_cost(lin).time_s != before

@@ -101,6 +101,12 @@ def test_warm_launches_turn_a_launch_into_a_warm_up_on_this_thread_only(monkeypa
     with pc.warm_launches():
         JITFunction.run(None, aligned, grid=(1,), warmup=False)
     assert calls[-1][0][0].data_ptr() == 0
+    # another thread's context ending (here: a nested one) leaves this one's in place
+    with pc.warm_launches():
+        with pc.warm_launches():
+            pass
+        JITFunction.run(None, aligned, grid=(1,), warmup=False)
+        assert calls[-1][2] is True
     # outside the context: launches go through unchanged, and the class has its method back
     JITFunction.run(None, aligned, grid=(1,), warmup=False)
     assert calls[-1][2] is False and calls[-1][0][0] is aligned

@@ -329,27 +329,25 @@ class CostModel:
         self.profile = profile
         # node -> (what its price was computed from, (flops_bytes, NodeCost)): a pipeline prices
         # the whole graph after every pass that changes a few nodes (graph_cost, execution_cost)
-        self._memo: dict = {}
-        self._op_memo: dict = {}  # graphopt node -> (the same key, its OpCost)
-        self._class_memo: dict = {}  # node -> (the same key, its op class correction)
-        # while one graph is priced whole (graph_cost, execution_cost): the nodes whose memo entries were
-        # checked against their keys already (the graph does not change meanwhile); None outside
-        self._checked: set | None = None
-        self._op_checked: set | None = None
-        self._class_checked: set | None = None
+        self._memo = _Memo(self._memo_key)  # node -> (flops_bytes, NodeCost or None)
+        self._op_memo = _Memo(self._memo_key)  # graphopt node -> its OpCost
+        self._class_memo = _Memo(self._memo_key)  # node -> its op class correction
 
     @contextlib.contextmanager
     def _pricing_whole_graph(self):
-        """While the graph is priced as it is, each node's memo entry is checked against its key once
-        (a graph_cost reads each node's price three times: its cost, its memory, its floor)."""
-        if self._checked is not None:
+        """While the graph is priced as it is, each node's memo entries are checked against its key
+        once (a graph_cost reads each node's price three times: its cost, its memory, its floor)."""
+        memos = (self._memo, self._op_memo, self._class_memo)
+        if self._memo.checked is not None:
             yield
             return
-        self._checked, self._op_checked, self._class_checked = set(), set(), set()
+        for m in memos:
+            m.checked = set()
         try:
             yield
         finally:
-            self._checked = self._op_checked = self._class_checked = None
+            for m in memos:
+                m.checked = None
 
     def _memo_key(self, node: fx.Node):
         """Everything a call_function node's price reads: its target and arguments, its own and
@@ -360,26 +358,6 @@ class CostModel:
             return None
         return (node.target, node.args, node.kwargs, node.meta.get("val"),
                 tuple(a.meta.get("val") for a in node.all_input_nodes), torch.backends.cudnn.allow_tf32)
-
-    def _memoized(self, node: fx.Node):
-        checked = self._checked
-        if checked is not None and node in checked:
-            hit = self._memo[node]
-            return hit[0], hit[1]
-        key = self._memo_key(node)
-        if key is None:
-            return None, None
-        hit = self._memo.get(node)
-        if hit is not None and _same(hit[0], key):
-            if checked is not None:
-                checked.add(node)
-            return key, hit[1]
-        return key, None
-
-    def _store(self, node: fx.Node, key, value) -> None:
-        self._memo[node] = (key, value)
-        if self._checked is not None:
-            self._checked.add(node)
 
     # ------------------------------------------------------------------ pricing rewrites (the passes' API)
 
@@ -471,31 +449,21 @@ class CostModel:
     def op_cost(self, node: fx.Node) -> op_costs.OpCost:
         """The OpCost of a node calling one of graphopt's ops (``torch.ops.graphopt.*``), from the
         cost function its module registered (graphopt.cost.ops)."""
-        checked = self._op_checked
-        if checked is not None and node in checked:
-            return self._op_memo[node][1]
-        key = self._memo_key(node)
-        hit = self._op_memo.get(node)
-        if hit is not None and key is not None and _same(hit[0], key):
-            if checked is not None:
-                checked.add(node)
-            return hit[1]
+        key, hit, found = self._op_memo.get(node)
+        if found:
+            return hit
         fn = op_costs.op_cost_fn(ir.op_name(node))
         out = fn(op_costs.op_call(node), self.profile)
-        if key is not None:
-            self._op_memo[node] = (key, out)
-            if checked is not None:
-                checked.add(node)
+        self._op_memo.put(node, key, out)
         return out
 
     def flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
         """(flops, bytes, kernel launches, kind) of one node; kind in matmul/pointwise/free/..."""
-        key, hit = self._memoized(node)
-        if hit is not None:
+        key, hit, found = self._memo.get(node)
+        if found:
             return hit[0]
         out = self._flops_bytes(node)
-        if key is not None:
-            self._store(node, key, (out, None))
+        self._memo.put(node, key, (out, None))
         return out
 
     def _flops_bytes(self, node: fx.Node) -> tuple[object, object, int, str]:
@@ -584,8 +552,8 @@ class CostModel:
         return numel * weight, in_bytes + out_bytes, 1, kind
 
     def node_cost(self, node: fx.Node) -> NodeCost:
-        key, hit = self._memoized(node)
-        if hit is not None and hit[1] is not None:
+        key, hit, found = self._memo.get(node)
+        if found and hit[1] is not None:
             return hit[1]
         out = self._node_cost(node)
         if self.profile.op_class_fit and is_split(self.profile.op_class_fit):
@@ -597,8 +565,7 @@ class CostModel:
             elif factor != 1.0 or add:  # (compute_s and memory_s stay the roofline's terms)
                 out = NodeCost(out.node, out.op, out.flops, out.bytes, out.launches, out.compute_s, out.memory_s,
                                out.time_s * factor + add, out.bound, out.device_floor_s)
-        if key is not None:
-            self._store(node, key, (self.flops_bytes(node), out))
+        self._memo.put(node, key, (self.flops_bytes(node), out))
         return out
 
     def _split_node_cost(self, node: fx.Node, raw: NodeCost) -> NodeCost:
@@ -621,34 +588,15 @@ class CostModel:
         """(host, device) seconds of a node under the profile's split fit
         (graphopt.cost.opclass.split_correction: a device factor read at its uncorrected device
         time, a host correction read at its uncorrected host time)."""
-        key, corr, found = self._class_memoized(node)
+        key, corr, found = self._class_memo.get(node)
         if not found:
             from .opclass import op_class, split_correction
 
             path = op_class(node, self.flops_bytes(node)[3]) if node.op == "call_function" else None
             corr = (1.0, 1.0, 0.0) if path is None else split_correction(self.profile.op_class_fit, path, _num(host),
                                                                           _num(dev), ir.target_name(node))
-            self._class_store(node, key, corr)
+            self._class_memo.put(node, key, corr)
         return split_times(corr, host, dev)
-
-    def _class_memoized(self, node: fx.Node):
-        """(key, the memoized class correction, found) of a node (see _memoized)."""
-        checked = self._class_checked
-        if checked is not None and node in checked:
-            return None, self._class_memo[node][1], True
-        key = self._memo_key(node)
-        hit = self._class_memo.get(node)
-        if hit is not None and key is not None and _same(hit[0], key):
-            if checked is not None:
-                checked.add(node)
-            return key, hit[1], True
-        return key, None, False
-
-    def _class_store(self, node: fx.Node, key, value) -> None:
-        if key is not None:
-            self._class_memo[node] = (key, value)
-            if self._class_checked is not None:
-                self._class_checked.add(node)
 
     def _class_correction(self, node: fx.Node, raw: NodeCost | None = None) -> tuple[float, float, float | None]:
         """(factor, added seconds, fixed seconds or None): the profile's corpus fit for the node's
@@ -657,7 +605,7 @@ class CostModel:
         node's time time * factor + added (for a node it prices at nothing: the fixed time),
         node_times multiplies its host and device time alike and adds the added seconds to the
         host's. (1.0, 0.0, None) without a fit for its class."""
-        key, hit, found = self._class_memoized(node)
+        key, hit, found = self._class_memo.get(node)
         if found:
             return hit
         from .opclass import class_correction, op_class
@@ -668,7 +616,7 @@ class CostModel:
             if raw is None:
                 raw = self._node_cost(node)
             out = class_correction(self.profile.op_class_fit, path, _num(raw.time_s))
-        self._class_store(node, key, out)
+        self._class_memo.put(node, key, out)
         return out
 
     def _node_cost(self, node: fx.Node) -> NodeCost:
@@ -1059,6 +1007,40 @@ def bytes_read(node: fx.Node, nbytes: float, hints=None) -> float:
             return nbytes
         rows += sum(float(ir.concrete(t.nbytes, hints)) for t in ir.infos(u))
     return min(rows, nbytes)
+
+
+class _Memo:
+    """node -> (key, value): an entry holds while the node's key (``key_of``: CostModel._memo_key) is
+    the same; a node with no key (None) is never memoized. With ``checked`` a set (a graph priced
+    whole, unchanged meanwhile), an entry checked against its key once is trusted for the rest."""
+
+    def __init__(self, key_of):
+        self.key_of = key_of
+        self.entries: dict = {}
+        self.checked: set | None = None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, node: fx.Node):
+        """(the node's key, its value, found)."""
+        if self.checked is not None and node in self.checked:
+            key, value = self.entries[node]
+            return key, value, True
+        key = self.key_of(node)
+        hit = self.entries.get(node) if key is not None else None
+        if hit is not None and _same(hit[0], key):
+            if self.checked is not None:
+                self.checked.add(node)
+            return key, hit[1], True
+        return key, None, False
+
+    def put(self, node: fx.Node, key, value) -> None:
+        if key is None:
+            return
+        self.entries[node] = (key, value)
+        if self.checked is not None:
+            self.checked.add(node)
 
 
 def _same(a: tuple, b: tuple) -> bool:

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .. import timing
+from .. import ir, timing
 
 THREADS_ENV = "GRAPHOPT_COMPILE_THREADS"
 MAX_THREADS = 16
@@ -42,6 +42,7 @@ _WARMING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphopt_precom
 _done: set = set()  # node signatures whose kernels this process compiled or tried to
 _done_lock = threading.Lock()
 _patch_lock = threading.Lock()
+_patch: dict = {"users": 0}  # the threads inside warm_launches, and JITFunction.run as it was before them
 
 
 @dataclass
@@ -81,13 +82,6 @@ def triton_ops() -> dict:
     return {name: op.cuda for name, op in all_ops().items() if op.cuda is not None}
 
 
-def _op_name(node: fx.Node) -> str | None:
-    t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != "graphopt":
-        return None
-    return t._opname
-
-
 def _concrete(v) -> bool:
     return all(isinstance(x, int) for x in (*v.shape, *v.stride(), v.storage_offset()))
 
@@ -106,11 +100,16 @@ def _arg_vals(node: fx.Node):
     return args, kwargs, missing
 
 
+def _misalignment(t: torch.Tensor) -> int:
+    """Bytes past a 16-byte boundary where ``t`` starts in its storage (its base taken as aligned, as the
+    allocator makes it): the pointer alignment Triton specializes a kernel on."""
+    return t.storage_offset() * t.element_size() % 16
+
+
 def _signature(name: str, args, kwargs):
     def key(v):
         if isinstance(v, torch.Tensor):
-            return ("T", tuple(v.shape), tuple(v.stride()), v.storage_offset() * v.element_size() % 16, v.dtype,
-                    str(v.device))
+            return ("T", tuple(v.shape), tuple(v.stride()), _misalignment(v), v.dtype, str(v.device))
         return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v)
 
     return (name, tuple(key(v) for v in pytree.tree_leaves((args, kwargs))))
@@ -131,7 +130,7 @@ def _pointer(t: torch.Tensor):
     from triton.runtime.jit import MockTensor
 
     m = MockTensor(t.dtype, list(t.shape))
-    off = t.storage_offset() * t.element_size() % 16
+    off = _misalignment(t)
     if off:
         m.data_ptr = lambda: off
     return m
@@ -141,30 +140,32 @@ def _pointer(t: torch.Tensor):
 def warm_launches():
     """While active on this thread, a Triton kernel launch (``kernel[grid](...)``) specializes and
     compiles the kernel (under an active ``AsyncCompileMode``: submits its compile) and launches
-    nothing; its tensor arguments are read for their dtype and alignment only."""
+    nothing; its tensor arguments are read for their dtype and alignment only. Other threads'
+    launches go through unchanged; ``JITFunction.run`` is wrapped while any thread is inside."""
     from triton.runtime.jit import JITFunction
 
     with _patch_lock:
-        real = JITFunction.run
-        if getattr(real, "_graphopt_warm", False):  # (nested: already patched)
-            real = real._graphopt_real
+        if not _patch["users"]:
+            real = _patch["real"] = JITFunction.run
 
-        def run(self, *args, grid, warmup, **kwargs):
-            if not _WARMING.get():
-                return real(self, *args, grid=grid, warmup=warmup, **kwargs)
-            wrap = lambda a: _pointer(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
-            return real(self, *[wrap(a) for a in args], grid=grid, warmup=True,
-                        **{k: wrap(v) for k, v in kwargs.items()})
+            def run(self, *args, grid, warmup, **kwargs):
+                if not _WARMING.get():
+                    return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+                wrap = lambda a: _pointer(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+                return real(self, *[wrap(a) for a in args], grid=grid, warmup=True,
+                            **{k: wrap(v) for k, v in kwargs.items()})
 
-        run._graphopt_warm, run._graphopt_real = True, real
-        JITFunction.run = run
+            JITFunction.run = run
+        _patch["users"] += 1
     token = _WARMING.set(True)
     try:
         yield
     finally:
         _WARMING.reset(token)
         with _patch_lock:
-            JITFunction.run = real
+            _patch["users"] -= 1
+            if not _patch["users"]:
+                JITFunction.run = _patch.pop("real")
 
 
 def _graphs(gm: fx.GraphModule):
@@ -183,7 +184,7 @@ def plan(gm: fx.GraphModule, impls: dict, device_type: str = "cuda") -> tuple[li
     todo, left = [], {}
     for graph in _graphs(gm):
         for node in graph.nodes:
-            name = _op_name(node)
+            name = ir.op_name(node) if ir.op_namespace(node) == "graphopt" else None
             if name not in impls:
                 continue
             args, kwargs, missing = _arg_vals(node)

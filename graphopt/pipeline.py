@@ -358,6 +358,7 @@ PIPELINE: tuple[str, ...] = (
     "fuse_swiglu",
     "fuse_bias_act",
     "decompose_im2col",
+    "lower_col2im",
     "unroll_small_reductions",
     "fuse_elementwise",
     # layout

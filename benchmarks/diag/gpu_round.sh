@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s32      col2im's cuda tests, diag_col2im.py, then $2 timed alone and kernel profiles of $3
 #   s31      precompile's cuda tests, then optimize()'s cold set-up with and without it on $2
 #   s30      diag_small_contractions.py, short_attention/pointwise cuda tests, kernel profiles (with compile) of $2
 #   s29      kernel profiles (graphopt, eager, compile) of $2
@@ -56,6 +57,19 @@ ctests() {
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
 case "$1" in
+s32)
+  # graphopt::col2im (lower_col2im): its cuda tests and precompile's, the fold diagnostic (aten, graphopt, compile,
+  # predicted), then $2 (CONFIG:BATCH,...) timed alone to ${SPLIT:-480} s, then kernel profiles of $3
+  ctests s32 200 tests/cuda_ext/test_col2im.py tests/passes/test_lower_col2im.py tests/test_precompile.py
+  timeout 200 python3 benchmarks/diag/diag_col2im.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | head -20
+  echo "### diag ${SECONDS}s"
+  timeout $((${SPLIT:-480} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 200 --reps 20 \
+    --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"
+  for cb in ${3//,/ }; do
+    left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
+      ${cb%%:*} --sweep --batch ${cb##*:} --gaps --top 30 --out "$OUT" 2>&1 | quiet | grep "^##\|rror" | head -6
+    echo "### profile $cb ${SECONDS}s"
+  done ;;
 s31)
   # kernels compiled ahead on a thread pool (graphopt.runtime.precompile): its cuda tests and those of the lowering
   # and the guard, then optimize()'s cold set-up before, with it, and with one guard warm-up, on $2 (CONFIG:BATCH,...),

@@ -60,8 +60,12 @@ def cuda(x, output_size, kernel_size, dilation, padding, stride, channels_last):
 
 def cost(call, profile):
     """One memory-bound kernel: each window element lands on one output element (or in the
-    padding), so the input is read once and the output written once; a FLOP a tap."""
-    return fused_cost(call, flops_per_element=call.arg("kernel_size")[0] * call.arg("kernel_size")[1])
+    padding), so the input is read once and the output written once; a FLOP a tap an output
+    element visits (``col2im_triton.taps``)."""
+    from ..col2im_triton import taps
+
+    k, d, s = call.arg("kernel_size"), call.arg("dilation"), call.arg("stride")
+    return fused_cost(call, flops_per_element=taps(k[0], d[0], s[0])[0] * taps(k[1], d[1], s[1])[0])
 
 
 def problem(x: torch.Tensor, output_size, kernel_size, dilation, padding, stride) -> str | None:

@@ -21,6 +21,7 @@ CASES = [
     (1, 2, 3, (10, 12), (2, 3), (2, 1), (1, 0), (1, 2), True, False),    # dilated, unequal, permuted
     (3, 4, 2, (8, 8), (2, 2), (1, 1), (0, 0), (2, 2), False, True),      # non-overlapping patches
     (1, 3, 2, (13, 9), (3, 2), (1, 1), (2, 1), (3, 3), True, True),      # stride above the kernel: gaps
+    (2, 4, 1, (15, 17), (7, 7), (1, 1), (3, 3), (4, 4), False, True),    # overlapping patches: 2 of 7 taps a dim
 ]
 
 
@@ -71,6 +72,12 @@ def test_kernel_in_interpreter():
     run_in_triton_interpreter("tests.cuda_ext.test_col2im:interpreter_cases")
 
 
+@pytest.mark.parametrize("k,d,s,visited", [(3, 1, 2, (2, True)), (16, 1, 16, (1, True)), (7, 1, 4, (2, True)),
+                                           (3, 1, 1, (3, False)), (3, 2, 2, (3, False))])
+def test_an_element_visits_only_the_taps_that_can_land_on_it(k, d, s, visited):
+    assert kt.taps(k, d, s) == visited
+
+
 def test_gradient_is_unfold():
     x, size, k, d, p, s, cl = _inputs(*CASES[2], torch.float64)
     x = x.detach().requires_grad_()
@@ -90,6 +97,7 @@ def test_cost_reads_the_windows_and_writes_the_output_once():
     call.meta["val"] = op.reference(x, size, k, d, p, s, cl)
     c = op.cost(op_call(call), None)
     assert c.bytes == 2 * (x.numel() + call.meta["val"].numel()) and c.launches == 1
+    assert c.flops == 4 * call.meta["val"].numel()  # 2 x 2 of the 3 x 3 taps visited at stride 2
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -115,7 +123,8 @@ def test_conformance():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES + [(64, 6, 32, (28, 28), (3, 3), (1, 1), (1, 1), (2, 2), True, True),
-                                          (8, 64, 1, (32, 32), (3, 3), (1, 1), (1, 1), (1, 1), False, False)])
+                                          (8, 64, 1, (32, 32), (3, 3), (1, 1), (1, 1), (1, 1), False, False),
+                                          (64, 3, 1, (224, 224), (16, 16), (1, 1), (0, 0), (16, 16), False, False)])
 def test_kernel_on_gpu(case):
     args = _inputs(*case, torch.bfloat16, device="cuda")
     _check(ops.col2im(*args), args, 2e-2)

@@ -65,7 +65,7 @@ s32)
   echo "### diag ${SECONDS}s"
   timeout $((${SPLIT:-480} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 200 --reps 20 \
     --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"
-  for cb in ${3//,/ }; do
+  for cb in $(echo "${3:-}" | tr , " "); do
     left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
       ${cb%%:*} --sweep --batch ${cb##*:} --gaps --top 30 --out "$OUT" 2>&1 | quiet | grep "^##\|rror" | head -6
     echo "### profile $cb ${SECONDS}s"

@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s33      kernel profiles of $2 with the kernels each node of graphopt's graph launches (--nodes)
 #   s32      col2im's cuda tests, diag_col2im.py, then $2 timed alone and kernel profiles of $3
 #   s31      precompile's cuda tests, then optimize()'s cold set-up with and without it on $2
 #   s30      diag_small_contractions.py, short_attention/pointwise cuda tests, kernel profiles (with compile) of $2
@@ -57,6 +58,13 @@ ctests() {
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
 case "$1" in
+s33)
+  # which ops of graphopt's graph launch copies inside aten (profile_model.py --nodes) on $2 (CONFIG:BATCH,...)
+  for cb in ${2//,/ }; do
+    left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
+      ${cb%%:*} --sweep --batch ${cb##*:} --nodes --top 30 --out "$OUT" 2>&1 | quiet | grep "^##\|^| [0-9]\|rror" | head -24
+    echo "### profile $cb ${SECONDS}s"
+  done ;;
 s32)
   # graphopt::col2im (lower_col2im): its cuda tests and precompile's, the fold diagnostic (aten, graphopt, compile,
   # predicted), then $2 (CONFIG:BATCH,...) timed alone to ${SPLIT:-480} s, then kernel profiles of $3

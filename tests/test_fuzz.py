@@ -64,6 +64,26 @@ def test_grammar_renders_unfold_and_its_decomposition_keeps_the_numbers():
     assert res.status == "applied" and not any("im2col" in str(n.target) for n in gm.graph.nodes)
 
 
+def test_grammar_renders_fold_and_lower_col2im_keeps_the_numbers():
+    """F.fold of a transposed value [2, 8, 4] (2x2 windows, stride 1: an image of 2 x 5): [2, 2, 10], the
+    same through lower_col2im (applied whatever its price: the kernel reads the transpose in place)."""
+    p = fuzz.Program(2, 4, 8, ("f32",), (("transpose", 0), ("fold", 1, 2, 0, 1), ("act", 2, "gelu_tanh")), (3, 2),
+                     seed=1)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs)[0].shape == (2, 2, 10)
+    fuzz.check_program(p, ["lower_col2im", "fuse_elementwise"], "h200", "passes", ignore_cost=True)
+    from graphopt import ir
+    from graphopt.capture import capture
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, PassManager, assemble
+
+    gm = capture(model, inputs)
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), strict=True, ignore_cost=True)
+    (res,) = PassManager(assemble(["lower_col2im"])).run(gm, ctx)
+    assert res.status == "applied" and any("graphopt.col2im" in str(n.target) for n in gm.graph.nodes)
+
+
 def test_grammar_renders_reductions_broadcasts_masks_norms_inplace_dropout_host_constants():
     p = fuzz.Program(2, 4, 8, ("f32",), (
         ("split", 0), ("permute", 1, (0, 2, 1, 3)),

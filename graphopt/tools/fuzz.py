@@ -22,6 +22,8 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("roll", src, dim, h): torch.cat of the slices [h:] and [:h] along dim (a concatenation of strided pieces)
   ("pad", src, dim, lo, hi, value)     F.pad of src along dim (lo before, hi after) with a constant
   ("unfold", src, k, padding, stride)  F.unfold (im2col) of a 3-D src (B,C,L) viewed as (B,C,2,L/2): [B, C*k*k, windows]
+  ("fold", src, k, padding, stride)    F.fold (col2im) of a 3-D src (B,C*k*k,L) as L windows in one row of the
+                                       smallest image they tile, [B, C, H, W] flattened back to [B, C, H*W]
   ("attention", q, k, v, causal)       q @ k^T * scale [masked_fill causal] -> softmax -> @ v
   ("mha", src, heads, causal)          q/k/v projections, heads split, attention, out projection
   ("swiglu", src, hidden)              down(silu(gate(x)) * up(x))
@@ -204,6 +206,10 @@ class ProgramModule(nn.Module):
                 _, _, k, pad, stride = op
                 oh, ow = (2 + 2 * pad - k) // stride + 1, (src[2] // 2 + 2 * pad - k) // stride + 1
                 out = (src[0], src[1] * k * k, oh * ow)
+            elif kind == "fold":
+                _, _, k, pad, stride = op
+                h, w = _fold_size(src[2], k, pad, stride)
+                out = (src[0], src[1] // (k * k), h * w)
             elif kind == "transpose":
                 out = src[:-2] + (src[-1], src[-2])
             elif kind == "permute":
@@ -328,6 +334,8 @@ class ProgramModule(nn.Module):
             elif kind == "unfold":
                 b, c, n = x.shape
                 y = F.unfold(x.reshape(b, c, 2, n // 2), op[2], padding=op[3], stride=op[4])
+            elif kind == "fold":
+                y = F.fold(x, _fold_size(x.shape[2], op[2], op[3], op[4]), op[2], padding=op[3], stride=op[4]).flatten(2)
             elif kind == "se":
                 b, c, n = x.shape
                 h = self.mods[key + "_a"](x.reshape(b, c, 2, n // 2))
@@ -504,6 +512,11 @@ class ProgramModule(nn.Module):
         raise ValueError(f"unknown dropout spelling {spelling!r}")
 
 
+def _fold_size(windows: int, k: int, pad: int, stride: int) -> tuple[int, int]:
+    """(H, W) of the smallest image whose k x k windows (padding, stride) are one row of ``windows``."""
+    return k - 2 * pad, (windows - 1) * stride + k - 2 * pad
+
+
 def _broadcast(a: tuple, b: tuple):
     """torch.broadcast_shapes(a, b), or None when they do not broadcast."""
     try:
@@ -588,7 +601,7 @@ def build(program: Program):
 
 
 # op kinds without parameters of their own: the same op on the same operand computes the same value
-REPEATABLE = frozenset({"act", "softmax", "pad", "unfold", "transpose", "permute", "contiguous", "merge", "split", "roll", "bmm", "reduce",
+REPEATABLE = frozenset({"act", "softmax", "pad", "unfold", "fold", "transpose", "permute", "contiguous", "merge", "split", "roll", "bmm", "reduce",
                         "softmax_dim", "unsqueeze", "heads", "merge_heads", "cast"})
 
 
@@ -618,7 +631,7 @@ def programs(max_ops: int = 8):
                  "group_norm", "se",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
-                 "heads", "merge_heads", "repeat", "roll", "pad", "unfold")
+                 "heads", "merge_heads", "repeat", "roll", "pad", "unfold", "fold")
 
         def mask_shape(sc, kind):
             """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
@@ -702,6 +715,14 @@ def programs(max_ops: int = 8):
                     oh, ow = (2 + 2 * pad - k) // stride + 1, (sh[2] // 2 + 2 * pad - k) // stride + 1
                     if oh >= 1 and ow >= 1:
                         op, out = ("unfold", s, k, pad, stride), ((sh[0], sh[1] * k * k, oh * ow), env[s][1])
+            elif kind == "fold":
+                s = pick(lambda s, d: len(s) == 3)  # (the program's input is one)
+                if s is not None:
+                    sh = env[s][0]
+                    k, pad, stride = draw(st.sampled_from([a for a in ((1, 0, 1), (2, 0, 1), (2, 0, 2), (3, 1, 1), (3, 1, 2))
+                                                           if sh[1] % (a[0] * a[0]) == 0]))
+                    h, w = _fold_size(sh[2], k, pad, stride)
+                    op, out = ("fold", s, k, pad, stride), ((sh[0], sh[1] // (k * k), h * w), env[s][1])
             elif kind == "se":
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
                 if s is not None:

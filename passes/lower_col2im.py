@@ -6,7 +6,8 @@ preceded by a copy (``reshape``/``clone`` of the permute: VOLO's outlooker folds
 ``(attn @ v).permute(...).reshape(...)``), and writes NCHW, which a reader that permutes to
 channels-last and multiplies (``proj(x.permute(0, 2, 3, 1))``) copies again. The rewrite follows
 the fold's input back through the copies and views that keep its elements' order (``reshape``,
-``view``, ``_unsafe_view``, ``clone``) to the earliest tensor that is a strided 7-D view
+``view``, ``_unsafe_view``, ``clone``; not past a tensor something writes in place) to the earliest
+tensor that is a strided 7-D view
 [N, C1, C2, kh, kw, lh, lw] of the same elements (channels as two dims where a permute split
 them; torch's own view rule on a meta tensor decides), and hands that view to one Triton kernel;
 the copies it no longer needs are dead. The output is channels_last where every reader of the
@@ -76,9 +77,12 @@ def _seven_d(info: ir.TensorInfo, n: int, c: int, k: tuple, lgrid: tuple) -> int
     return None
 
 
-def source(node: fx.Node, args) -> tuple[fx.Node, int, list[fx.Node]]:
+def source(node: fx.Node, args, storages=None) -> tuple[fx.Node, int, list[fx.Node]]:
     """(the earliest tensor the fold can read as a 7-D view, its C2, the copies and views between
-    it and the fold that are read by nothing else)."""
+    it and the fold that are read by nothing else). ``storages``: ``ir.storages`` of the graph; the
+    walk stops before a tensor whose storage something writes in place (read later, at the fold, it
+    could hold other values than the copy took)."""
+    storage, writes = storages if storages is not None else ({}, {})
     (H, W), (kh, kw), (dh, dw), (ph, pw), (sh, sw) = args
     from graphopt.cuda_ext.ops.col2im import windows
 
@@ -90,7 +94,8 @@ def source(node: fx.Node, args) -> tuple[fx.Node, int, list[fx.Node]]:
     cur = x
     while (isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target in _ORDER_KEEPING
            and isinstance(cur.args[0], fx.Node) and ir.info(cur.args[0]) is not None
-           and ir.info(cur.args[0]).numel == ir.info(cur).numel):
+           and ir.info(cur.args[0]).numel == ir.info(cur).numel
+           and not writes.get(storage.get(cur.args[0], cur.args[0]))):
         cur = cur.args[0]
         chain.append(cur)
     for i in range(len(chain) - 1, -1, -1):
@@ -134,12 +139,13 @@ class LowerCol2im(Pass):
 
         res = self.result()
         cands = []
+        storages = ir.storages(gm)
         for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is COL2IM]:
             why, args = spec(node)
             if why:
                 res.reject(node.name, why)
                 continue
-            src, c2, dead = source(node, args)
+            src, c2, dead = source(node, args, storages)
             (H, W), (kh, kw), dil, pad, stride = args
             n, ckk, L = ir.info(node.args[0]).shape
             from graphopt.cuda_ext.ops.col2im import windows

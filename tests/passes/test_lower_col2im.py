@@ -109,6 +109,27 @@ def test_a_copy_read_elsewhere_stays():
     assert op_counts(gm)["aten.reshape.default"] == 1
 
 
+def test_a_source_written_in_place_after_the_copy_is_not_read():
+    """The fold's input is a copy of a permuted graph input that the forward then writes in place: the
+    kernel reads the copy (as the fold did), not the input after the write."""
+
+    class WrittenAfter(nn.Module):
+        def forward(self, t):  # t [N, C1, L, kk, C2]
+            cols = t.permute(0, 1, 4, 3, 2).reshape(8, 128 * 9, 49)
+            t.mul_(-3.0)
+            return F.fold(cols, (15, 15), 3, stride=2)
+
+    x = torch.randn(8, 4, 49, 9, 32)
+    want = WrittenAfter()(x.clone())
+    gm = capture(WrittenAfter(), (x.clone(),))
+    assert any(n.target is torch.ops.aten.mul_.Tensor for n in gm.graph.nodes)
+    assert run_passes(gm, ["lower_col2im"], target="h200")[0].status == "applied"
+    (node,) = _ours(gm)
+    assert str(node.args[0].args[0].target) != "aten.permute.default"  # the copy is read, not the input
+    out = gm(x.clone())
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_gradients_flow_through_the_kernel():
     """The input's gradient through the rewritten graph (the op's backward is F.unfold) passes the
     accuracy rule against the float64 model's."""

@@ -156,8 +156,8 @@ class LowerCol2im(Pass):
             r = ctx.cost.replacement(ctx.hints)
             _build(r.call, src, c2, args, shape, cl)
             old, new = ctx.node_time([node, *dead]), r.time()
-            what = (f"fold {kh}x{kw}/{stride[0]}x{stride[1]} of {n}x{shape[1]} channels"
-                    f"{f' read through {len(dead)} copies and views' if dead else ''}"
+            gone = f", {len(dead)} copy or view node{'s' if len(dead) > 1 else ''} before it gone" if dead else ""
+            what = (f"fold {kh}x{kw}/{stride[0]}x{stride[1]} of {n}x{shape[1]} channels{gone}"
                     f"{', channels_last out' if cl else ''}")
             cands.append(Candidate(what, [node, *dead], old - new,
                                    lambda node=node, src=src, c2=c2, args=args, shape=shape, cl=cl, dead=dead:

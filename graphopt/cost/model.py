@@ -1633,9 +1633,10 @@ def strided_elementwise(node: fx.Node, kind: str) -> bool:
     is dense, so a broadcast operand, a transposed or sliced read (a reshape's copy, a strided
     product) or a channel pad take the kernel that computes each element's offsets, priced at the
     profile's ``conv_bias_add_scale`` (measured on a convolution's bias add, that kernel's broadcast
-    case). Single-element operands (scalars) do not count; concatenations have a kernel of their own."""
+    case). Single-element operands (scalars) do not count; concatenations have a kernel of their own, and
+    col2im its own measured rate (``op_efficiency["col2im"]``, which already holds its strided reads)."""
     if node.op != "call_function" or ir.op_namespace(node) != "aten" or kind not in ("pointwise", "copy") \
-            or ir.op_name(node) in ("cat", "stack", "concat"):
+            or ir.op_name(node) in ("cat", "stack", "concat", "col2im"):
         return False
     out = ir.info(node)
     if out is None or out.stride is None:

@@ -185,3 +185,18 @@ def test_outlook_fold_runs_the_kernel_on_gpu(dtype):
     applied = [p.name for p in opt.report.passes if p.status == "applied"]
     assert "lower_col2im" in applied, [(p.name, p.status, p.rejected[:1]) for p in opt.report.passes]
     assert reference_check(m, opt, (x,)).passed
+
+
+def test_aten_col2im_is_priced_at_its_measured_rate_once():
+    """aten's col2im moves its bytes at op_efficiency["col2im"] of the copy rate (measured on VOLO's folds, strided
+    reads included); the strided-elementwise slowdown is not applied on top (it was: 2.7x the measured time)."""
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+
+    prof = get_profile("h200")[0]
+    gm = capture(Fold((28, 28), kernel_size=3, padding=1, stride=2),
+                 (torch.randn(64, 1728, 196, dtype=torch.bfloat16), torch.randn(64, 192, 28, 28, dtype=torch.bfloat16)))
+    node = next(n for n in gm.graph.nodes if str(n.target) == COL2IM)
+    c = CostModel(prof).node_cost(node)
+    rate = prof.bandwidth * prof.efficiency("col2im", "memory_scale", 1.0)
+    assert c.memory_s == pytest.approx(c.bytes / rate, rel=1e-6)

@@ -10,8 +10,9 @@ the fold's input back through the copies and views that keep its elements' order
 tensor that is a strided 7-D view
 [N, C1, C2, kh, kw, lh, lw] of the same elements (channels as two dims where a permute split
 them; torch's own view rule on a meta tensor decides), and hands that view to one Triton kernel;
-the copies it no longer needs are dead. The output is channels_last where every reader of the
-fold is ``permute(0, 2, 3, 1)`` (that permute is then a contiguous tensor), contiguous otherwise.
+the copies it no longer needs are dead. The output is channels_last where a reader of the fold
+reads it through views that end in a row-major tensor only then (``permute(0, 2, 3, 1)``, or
+``flatten(2).transpose(1, 2)`` into tokens) and none reads the NCHW tensor as it is; contiguous otherwise.
 
 Sums in fp32 where aten sums in its accumulation type: values within the accuracy rule, not
 bitwise. Differentiable (the op's gradient is ``F.unfold``). Applies to a batched (3-D) input of
@@ -113,10 +114,54 @@ def source(node: fx.Node, args, storages=None) -> tuple[fx.Node, int, list[fx.No
     raise AssertionError("a contiguous [N, C*kh*kw, L] input is always viewable")  # chain[0] at worst
 
 
+_VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.view.default, aten._unsafe_view.default,
+          aten.reshape.default, aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.squeeze.dims, aten.squeeze.default}
+
+
+def _reader_chains(node: fx.Node) -> list[list[fx.Node]]:
+    """Each way the fold's value is read: the views it passes through (possibly none) before the first
+    node that is not a view."""
+    chains, stack = [], [(node, [])]
+    while stack:
+        n, chain = stack.pop()
+        views = [u for u in n.users if u.op == "call_function" and u.target in _VIEWS]
+        if len(views) != len(n.users) or not n.users:
+            chains.append(chain)  # (a non-view reader, or a view read by nothing: its chain ends here)
+        stack.extend((u, chain + [u]) for u in views)
+    return chains
+
+
+def _contiguous_after(t: torch.Tensor, chain: list[fx.Node]) -> bool:
+    """Whether ``chain``'s views, replayed on ``t``, end in a row-major tensor (False where a view
+    would need a copy)."""
+    try:
+        for v in chain:
+            if v.target is aten.permute.default:
+                t = t.permute(list(v.args[1]))
+            elif v.target is aten.transpose.int:
+                t = t.transpose(v.args[1], v.args[2])
+            elif v.target is aten.t.default:
+                t = t.t()
+            else:
+                t = t.view(tuple(ir.info(v).shape))
+    except (RuntimeError, TypeError):
+        return False
+    return t.is_contiguous()
+
+
 def _channels_last_readers(node: fx.Node) -> bool:
-    return bool(node.users) and all(
-        u.op == "call_function" and u.target is aten.permute.default and list(get_arg(u, 1, "dims")) == [0, 2, 3, 1]
-        for u in node.users)
+    """channels_last where some reader's views end in a row-major tensor only if the fold is written
+    channels_last (VOLO's ``proj(y.permute(0, 2, 3, 1))``, tokens read as ``y.flatten(2).transpose(1, 2)``)
+    and none only if it is written NCHW (a reader of the NCHW tensor itself)."""
+    oi = ir.info(node)
+    if oi is None or oi.symbolic:
+        return False
+    shape = tuple(oi.shape)
+    nchw = torch.empty(shape, device="meta")
+    nhwc = torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last)
+    wants = [(_contiguous_after(nchw, c), _contiguous_after(nhwc, c)) for c in _reader_chains(node)]
+    return any(cl and not ct for ct, cl in wants) and not any(ct and not cl for ct, cl in wants)
 
 
 def _build(call, src, c2, args, shape, channels_last):

@@ -94,6 +94,34 @@ def test_a_plain_fold_keeps_its_layout_and_passes_the_rule(kw):
     assert reference_check(m, gm, inputs).passed
 
 
+class Readers(nn.Module):
+    """A fold read as tokens (``flatten(2).transpose(1, 2)`` then a linear) and, with ``nchw``, also as the
+    NCHW tensor itself (a residual add)."""
+
+    def __init__(self, nchw: bool):
+        super().__init__()
+        self.nchw, self.proj = nchw, nn.Linear(64, 64)
+
+    def forward(self, cols, r):
+        y = F.fold(cols, (32, 32), 2, stride=2)
+        out = self.proj(y.flatten(2).transpose(1, 2))
+        return (out, y + r) if self.nchw else out
+
+
+@pytest.mark.parametrize("nchw", [False, True])
+def test_the_layout_is_the_one_the_readers_views_read_in_order(nchw):
+    """Read as tokens only, the fold is written channels_last (the tokens are then a contiguous tensor for
+    the linear); read as the NCHW tensor too, it stays NCHW. Both pass the accuracy rule."""
+    m = Readers(nchw)
+    inputs = (torch.randn(16, 64 * 4, 256), torch.randn(16, 64, 32, 32))
+    gm = capture(m, inputs)
+    assert run_passes(gm, ["lower_col2im"], target="h200")[0].status == "applied"
+    (node,) = _ours(gm)
+    assert node.args[-1] is (not nchw)
+    assert node.meta["val"].is_contiguous(memory_format=torch.contiguous_format if nchw else torch.channels_last)
+    assert reference_check(m, gm, inputs).passed
+
+
 def test_a_copy_read_elsewhere_stays():
     """The reshape copy before the fold is read by another node too: the fold reads the permute
     in place, the copy stays for its other reader, and only the fold is counted as replaced."""

@@ -85,6 +85,19 @@ def graph_us_per_call(fn, calls: int, replays: int = 5, reps: int = 20) -> float
     return sorted(ts)[len(ts) // 2]
 
 
+def replayed_us(fn) -> float:
+    """µs per call of ``fn`` (one call, run once first: lazy work outside the capture), replayed from a
+    CUDA graph (:func:`graph_us_per_call`)."""
+    fn()
+    torch.cuda.synchronize()
+    return graph_us_per_call(fn, 1)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest error of ``out`` against ``ref`` (float64) over the largest reference value."""
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
 def out_dir(doc: str, argv=None) -> str:
     """The ``--out`` directory of a diagnostic that takes nothing else (``doc``: its module
     docstring, whose first paragraph is the help text)."""

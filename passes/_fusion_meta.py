@@ -102,6 +102,17 @@ def conv_pair(v, default):
     return v * 2 if len(v) == 1 else v
 
 
+def int_pairs(node: fx.Node, names) -> list | None:
+    """The node's arguments ``names`` (((position, name), ...)) as [h, w] integer pairs (:func:`conv_pair`),
+    or None where one is not two integers (a window op's kernel, dilation, padding and stride)."""
+    from graphopt.matcher import get_arg
+
+    args = [conv_pair(get_arg(node, i, name), None) for i, name in names]
+    if any(len(a) != 2 or not all(isinstance(x, int) for x in a) for a in args):
+        return None
+    return args
+
+
 def nbytes(ti: ir.TensorInfo, hints) -> float:
     """Bytes of a tensor at the example sizes (what a rewrite that copies it stores)."""
     return ir.concrete(ti.nbytes, hints)

@@ -17,10 +17,9 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import GraphBuilder, conv_pair, set_meta
+from ._fusion_meta import GraphBuilder, int_pairs, set_meta
 
 aten = torch.ops.aten
 IM2COL = aten.im2col.default
@@ -29,9 +28,8 @@ IM2COL = aten.im2col.default
 def spec(node: fx.Node):
     """(why not, (kernel, dilation, padding, stride)): im2col's arguments as (h, w) pairs, or the
     reason the rewrite does not take the call."""
-    args = [conv_pair(get_arg(node, i, name), None) for i, name in
-            ((1, "kernel_size"), (2, "dilation"), (3, "padding"), (4, "stride"))]
-    if any(len(a) != 2 or not all(isinstance(x, int) for x in a) for a in args):
+    args = int_pairs(node, ((1, "kernel_size"), (2, "dilation"), (3, "padding"), (4, "stride")))
+    if args is None:
         return "kernel, dilation, padding or stride not two integers", None
     xi, oi = ir.info(node.args[0]), ir.info(node)
     if xi is None or oi is None:

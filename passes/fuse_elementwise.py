@@ -1038,6 +1038,8 @@ def _program(group, ins, outs, pad=None):
 _PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints)
+# the views view_through replays (other passes follow a value's readers through the same ones)
+VIEW_OPS = _PERMUTES + _RESHAPES
 _COPIES = (aten.clone.default, aten.contiguous.default, aten.reshape.default)
 _MAX_CHAIN = 6
 

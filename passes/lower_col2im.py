@@ -25,10 +25,11 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.matcher import get_arg
+from graphopt.cuda_ext.ops.col2im import windows
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import GraphBuilder, conv_pair, set_meta
+from ._fusion_meta import GraphBuilder, int_pairs, set_meta
+from .fuse_elementwise import VIEW_OPS, view_through
 
 aten = torch.ops.aten
 COL2IM = aten.col2im.default
@@ -39,60 +40,52 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def spec(node: fx.Node):
-    """(why not, (output_size, kernel, dilation, padding, stride)) for an aten.col2im node."""
-    args = [conv_pair(get_arg(node, i, name), None) for i, name in
-            ((1, "output_size"), (2, "kernel_size"), (3, "dilation"), (4, "padding"), (5, "stride"))]
-    if any(len(a) != 2 or not all(isinstance(x, int) for x in a) for a in args):
-        return "output size, kernel, dilation, padding or stride not two integers", None
+    """(why not, (output_size, kernel, dilation, padding, stride), (N, C, lh, lw): the batch, the channels
+    and the grid of windows) for an aten.col2im node."""
+    args = int_pairs(node, ((1, "output_size"), (2, "kernel_size"), (3, "dilation"), (4, "padding"), (5, "stride")))
+    if args is None:
+        return "output size, kernel, dilation, padding or stride not two integers", None, None
     xi, oi = ir.info(node.args[0]), ir.info(node)
     if xi is None or oi is None:
-        return "no tensor metadata", None
+        return "no tensor metadata", None, None
     if xi.symbolic:
-        return "symbolic shapes", None
+        return "symbolic shapes", None, None
     if len(xi.shape) != 3:
-        return f"a {len(xi.shape)}-D input (an unbatched fold is left to aten)", None
+        return f"a {len(xi.shape)}-D input (an unbatched fold is left to aten)", None, None
     if xi.dtype not in _FLOATS:
-        return f"{xi.dtype} (the kernel takes fp32, fp16 and bf16)", None
-    from graphopt.cuda_ext.ops.col2im import windows
-
-    (H, W), (kh, kw), (dh, dw), (ph, pw), (sh, sw) = args
+        return f"{xi.dtype} (the kernel takes fp32, fp16 and bf16)", None, None
+    out_size, (kh, kw), dil, pad, stride = args
     n, ckk, L = xi.shape
-    lh, lw = windows(H, kh, dh, ph, sh), windows(W, kw, dw, pw, sw)
+    lh, lw = (windows(out_size[i], (kh, kw)[i], dil[i], pad[i], stride[i]) for i in range(2))
     if ckk % (kh * kw) or L != lh * lw or lh < 1 or lw < 1:
-        return f"input {tuple(xi.shape)} is not a fold's [N, C*{kh * kw}, {lh * lw}]", None
-    return "", tuple(args)
+        return f"input {tuple(xi.shape)} is not a fold's [N, C*{kh * kw}, {lh * lw}]", None, None
+    return "", tuple(args), (n, ckk // (kh * kw), lh, lw)
 
 
-def _seven_d(info: ir.TensorInfo, n: int, c: int, k: tuple, lgrid: tuple) -> int | None:
+def _seven_d(info: ir.TensorInfo, shape: tuple, k: list) -> int | None:
     """The least C2 for which a tensor with ``info``'s shape and strides is viewable as
-    [n, c // C2, C2, kh, kw, lh, lw] (None: for none)."""
+    [N, C // C2, C2, kh, kw, lh, lw] (None: for none)."""
     if info is None or info.symbolic or info.stride is None:
         return None
+    n, c, lh, lw = shape
     t = torch.empty_strided(tuple(info.shape), tuple(info.stride), device="meta")
     for c2 in [d for d in range(1, c + 1) if c % d == 0]:
         try:
-            t.view(n, c // c2, c2, *k, *lgrid)
+            t.view(n, c // c2, c2, *k, lh, lw)
         except RuntimeError:
             continue
         return c2
     return None
 
 
-def source(node: fx.Node, args, storages=None) -> tuple[fx.Node, int, list[fx.Node]]:
+def source(node: fx.Node, k: list, shape: tuple, storages=None) -> tuple[fx.Node, int, list[fx.Node]]:
     """(the earliest tensor the fold can read as a 7-D view, its C2, the copies and views between
-    it and the fold that are read by nothing else). ``storages``: ``ir.storages`` of the graph; the
-    walk stops before a tensor whose storage something writes in place (read later, at the fold, it
-    could hold other values than the copy took)."""
+    it and the fold that are read by nothing else) for kernel ``k`` and ``shape`` (:func:`spec`'s).
+    ``storages``: ``ir.storages`` of the graph; the walk stops before a tensor whose storage
+    something writes in place (read later, at the fold, it could hold other values than the copy took)."""
     storage, writes = storages if storages is not None else ({}, {})
-    (H, W), (kh, kw), (dh, dw), (ph, pw), (sh, sw) = args
-    from graphopt.cuda_ext.ops.col2im import windows
-
-    lgrid = (windows(H, kh, dh, ph, sh), windows(W, kw, dw, pw, sw))
-    x = node.args[0]
-    n, ckk, _ = ir.info(x).shape
-    c = ckk // (kh * kw)
-    chain = [x]
-    cur = x
+    chain = [node.args[0]]
+    cur = chain[0]
     while (isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target in _ORDER_KEEPING
            and isinstance(cur.args[0], fx.Node) and ir.info(cur.args[0]) is not None
            and ir.info(cur.args[0]).numel == ir.info(cur).numel
@@ -100,7 +93,7 @@ def source(node: fx.Node, args, storages=None) -> tuple[fx.Node, int, list[fx.No
         cur = cur.args[0]
         chain.append(cur)
     for i in range(len(chain) - 1, -1, -1):
-        c2 = _seven_d(ir.info(chain[i]), n, c, (kh, kw), lgrid)
+        c2 = _seven_d(ir.info(chain[i]), shape, k)
         if c2 is None:
             continue
         dead, readers = [], {node}
@@ -114,52 +107,42 @@ def source(node: fx.Node, args, storages=None) -> tuple[fx.Node, int, list[fx.No
     raise AssertionError("a contiguous [N, C*kh*kw, L] input is always viewable")  # chain[0] at worst
 
 
-_VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
-          aten.squeeze.dims, aten.squeeze.default}
-
-
 def _reader_chains(node: fx.Node) -> list[list[fx.Node]]:
     """Each way the fold's value is read: the views it passes through (possibly none) before the first
     node that is not a view."""
     chains, stack = [], [(node, [])]
     while stack:
         n, chain = stack.pop()
-        views = [u for u in n.users if u.op == "call_function" and u.target in _VIEWS]
+        views = [u for u in n.users if u.op == "call_function" and u.target in VIEW_OPS]
         if len(views) != len(n.users) or not n.users:
             chains.append(chain)  # (a non-view reader, or a view read by nothing: its chain ends here)
         stack.extend((u, chain + [u]) for u in views)
     return chains
 
 
+class _OnTensors:
+    """A builder for fuse_elementwise.view_through that runs each view on a tensor."""
+
+    @staticmethod
+    def call(target, *args, **kwargs):
+        return target(*args, **kwargs)
+
+
 def _contiguous_after(t: torch.Tensor, chain: list[fx.Node]) -> bool:
     """Whether ``chain``'s views, replayed on ``t``, end in a row-major tensor (False where a view
     would need a copy)."""
     try:
-        for v in chain:
-            if v.target is aten.permute.default:
-                t = t.permute(list(v.args[1]))
-            elif v.target is aten.transpose.int:
-                t = t.transpose(v.args[1], v.args[2])
-            elif v.target is aten.t.default:
-                t = t.t()
-            else:
-                t = t.view(tuple(ir.info(v).shape))
+        return view_through(_OnTensors, t, None, chain, expand=False).is_contiguous()
     except (RuntimeError, TypeError):
         return False
-    return t.is_contiguous()
 
 
-def _channels_last_readers(node: fx.Node) -> bool:
+def _channels_last_readers(node: fx.Node, shape: tuple) -> bool:
     """channels_last where some reader's views end in a row-major tensor only if the fold is written
     channels_last (VOLO's ``proj(y.permute(0, 2, 3, 1))``, tokens read as ``y.flatten(2).transpose(1, 2)``)
     and none only if it is written NCHW (a reader of the NCHW tensor itself)."""
-    oi = ir.info(node)
-    if oi is None or oi.symbolic:
-        return False
-    shape = tuple(oi.shape)
     nchw = torch.empty(shape, device="meta")
-    nhwc = torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last)
+    nhwc = nchw.contiguous(memory_format=torch.channels_last)
     wants = [(_contiguous_after(nchw, c), _contiguous_after(nhwc, c)) for c in _reader_chains(node)]
     return any(cl and not ct for ct, cl in wants) and not any(ct and not cl for ct, cl in wants)
 
@@ -180,24 +163,19 @@ class LowerCol2im(Pass):
                    "first) and writing channels_last where the readers permute to it")
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        import graphopt.cuda_ext  # noqa: F401  (registers torch.ops.graphopt.col2im)
-
         res = self.result()
         cands = []
-        storages = ir.storages(gm)
-        for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is COL2IM]:
-            why, args = spec(node)
+        folds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is COL2IM]
+        storages = ir.storages(gm) if folds else None  # (a walk of the graph: only where there is a fold)
+        for node in folds:
+            why, args, shape = spec(node)
             if why:
                 res.reject(node.name, why)
                 continue
-            src, c2, dead = source(node, args, storages)
             (H, W), (kh, kw), dil, pad, stride = args
-            n, ckk, L = ir.info(node.args[0]).shape
-            from graphopt.cuda_ext.ops.col2im import windows
-
-            shape = (n, ckk // (kh * kw), windows(H, kh, dil[0], pad[0], stride[0]),
-                     windows(W, kw, dil[1], pad[1], stride[1]))
-            cl = _channels_last_readers(node)
+            src, c2, dead = source(node, [kh, kw], shape, storages)
+            n = shape[0]
+            cl = _channels_last_readers(node, (n, shape[1], H, W))
             r = ctx.cost.replacement(ctx.hints)
             _build(r.call, src, c2, args, shape, cl)
             old, new = ctx.node_time([node, *dead]), r.time()

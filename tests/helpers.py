@@ -152,14 +152,9 @@ def fused_programs_in_triton_interpreter(gm, xs, monkeypatch) -> tuple:
     return Check(gm).run(*xs), ran
 
 
-def same_when_graphed(call):
-    """``call()`` (an op returning a tensor or tensors) gives bit-identical results eagerly and
-    replayed from a CUDA graph it was captured into (warmed up on a side stream first, as capture
-    requires)."""
-    def tensors(v):
-        return v if isinstance(v, (tuple, list)) else (v,)
-
-    eager = tensors(call())
+def cuda_graph_of(call):
+    """(a CUDA graph ``call()`` was captured into, the outputs of the captured call), warmed up on a
+    side stream first, as capture requires."""
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -167,7 +162,19 @@ def same_when_graphed(call):
         call()
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
-        graphed = tensors(call())
+        out = call()
+    return g, out
+
+
+def same_when_graphed(call):
+    """``call()`` (an op returning a tensor or tensors) gives bit-identical results eagerly and
+    replayed from a CUDA graph it was captured into (:func:`cuda_graph_of`)."""
+    def tensors(v):
+        return v if isinstance(v, (tuple, list)) else (v,)
+
+    eager = tensors(call())
+    g, out = cuda_graph_of(call)
+    graphed = tensors(out)
     g.replay()
     torch.cuda.synchronize()
     for a, b in zip(eager, graphed):

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _timing import graph_us_per_call, out_dir, table_lines, write_rows  # noqa: E402
+from _timing import rel_err, replayed_us, out_dir, table_lines, write_rows  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -81,16 +81,6 @@ CASES = [("VOLO-D1 outlooker fold (k3 s2 p1)", lambda: _volo(64, 28, 3, 1, 2, 6,
          ("dilated (k3 d2 p2)", lambda: _plain(16, 32, 64, 3, 2, 1, 2))]
 
 
-def _err(out, ref):
-    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def _time(fn):
-    fn()
-    torch.cuda.synchronize()
-    return graph_us_per_call(fn, 1)
-
-
 def row_for(name, make, dev, compile_too):
     import graphopt
     from graphopt.cost.model import CostModel
@@ -105,8 +95,8 @@ def row_for(name, make, dev, compile_too):
     prof = get_profile(dev)[0]
     row = {"case": name, "shape": " ".join(str(tuple(x.shape)) for x in xs)}
     with torch.no_grad():
-        row["eager_us"] = _time(lambda: model(*xs))
-        row["eager_err"] = _err(model(*xs), ref.to(dev))
+        row["eager_us"] = replayed_us(lambda: model(*xs))
+        row["eager_err"] = rel_err(model(*xs), ref.to(dev))
         gm = graphopt.capture(model, xs)
         cm = CostModel(prof)
         row["pred_eager_us"] = float(cm.execution_cost(gm, mode="graphed", reuse_outputs=True).total_s) * 1e6
@@ -114,14 +104,14 @@ def row_for(name, make, dev, compile_too):
         row["applied"] = res.status
         row["pred_ours_us"] = float(cm.execution_cost(gm, mode="graphed", reuse_outputs=True).total_s) * 1e6
         run = lambda: gm(*xs)  # noqa: E731
-        row["ours_us"] = _time(run)
+        row["ours_us"] = replayed_us(run)
         out = run()
-        row["ours_err"] = _err(out[0] if isinstance(out, (tuple, list)) else out, ref.to(dev))
+        row["ours_err"] = rel_err(out[0] if isinstance(out, (tuple, list)) else out, ref.to(dev))
         if compile_too:
             torch._dynamo.reset()
             cm_ = torch.compile(model)
             cm_(*xs)
-            row["compile_us"] = _time(lambda: cm_(*xs))
+            row["compile_us"] = replayed_us(lambda: cm_(*xs))
     return row
 
 

@@ -34,7 +34,7 @@ from graphopt.cuda_ext.attention_triton import attention_triton  # noqa: E402
 from graphopt.cuda_ext.pointwise import Program  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _timing import graph_us_per_call, measure_row, out_dir, table_lines, write_rows  # noqa: E402
+from _timing import rel_err, replayed_us, measure_row, out_dir, table_lines, write_rows  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -84,27 +84,17 @@ def _walk(min_last):
     pointwise_triton._plans.clear()
 
 
-def _err(out, ref):
-    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def _time(fn):
-    fn()
-    torch.cuda.synchronize()
-    return graph_us_per_call(fn, 1)
-
-
 def contract_row(name, make, kw, dev):
     a, b = make(dev, **kw)
     ref = a.double() @ b.double()
     row = {"group": "contract", "case": name, "shape": f"{tuple(a.shape)}@{tuple(b.shape)}",
-           "aten_us": _time(lambda: torch.matmul(a, b)), "aten_err": _err(torch.matmul(a, b), ref)}
+           "aten_us": replayed_us(lambda: torch.matmul(a, b)), "aten_err": rel_err(torch.matmul(a, b), ref)}
     src, ins = _unrolled(a, b)
     run = pointwise_triton.fused_pointwise_triton
     for label, thr in (("flat", 1 << 30), ("tile", 1)):
         _walk(thr)
-        row[f"{label}_us"] = _time(lambda: run(src, ins))
-        row[f"{label}_err"] = _err(run(src, ins)[0], ref)
+        row[f"{label}_us"] = replayed_us(lambda: run(src, ins))
+        row[f"{label}_err"] = rel_err(run(src, ins)[0], ref)
     _walk(64)
     return row
 
@@ -122,11 +112,11 @@ def broadcast_row(xs, ys, dev):
     ref = x.double() * y.double() + 1.0
     run = pointwise_triton.fused_pointwise_triton
     row = {"group": "broadcast", "case": f"{xs} * {ys}", "shape": str(xs),
-           "aten_us": _time(lambda: x * y + 1.0)}
+           "aten_us": replayed_us(lambda: x * y + 1.0)}
     for label, thr in (("flat", 1 << 30), ("tile", 1)):
         _walk(thr)
-        row[f"{label}_us"] = _time(lambda: run(src, [x, y]))
-        row[f"{label}_err"] = _err(run(src, [x, y])[0], ref)
+        row[f"{label}_us"] = replayed_us(lambda: run(src, [x, y]))
+        row[f"{label}_err"] = rel_err(run(src, [x, y])[0], ref)
     _walk(64)
     return row
 
@@ -144,17 +134,17 @@ def attention_row(name, B, H, S, D, dev):
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
     row = {"group": "attention", "case": name, "shape": f"{(B, H, S, D)}"}
-    row["sdpa_us"] = _time(lambda: F.scaled_dot_product_attention(q, k, v))
+    row["sdpa_us"] = replayed_us(lambda: F.scaled_dot_product_attention(q, k, v))
     for label, be in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
                       ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
         try:
             with sdpa_kernel([be]):
-                row[f"{label}_us"] = _time(lambda: F.scaled_dot_product_attention(q, k, v))
+                row[f"{label}_us"] = replayed_us(lambda: F.scaled_dot_product_attention(q, k, v))
         except Exception as e:  # noqa: BLE001 - a backend that does not take the shape
             row[f"{label}_us"] = f"({type(e).__name__})"
     scale = D ** -0.5
-    row["short_us"] = _time(lambda: attention_triton(q, k, v, None, scale, False))
-    row["short_err"] = _err(attention_triton(q, k, v, None, scale, False), ref)
+    row["short_us"] = replayed_us(lambda: attention_triton(q, k, v, None, scale, False))
+    row["short_err"] = rel_err(attention_triton(q, k, v, None, scale, False), ref)
     return row
 
 

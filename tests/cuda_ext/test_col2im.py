@@ -12,7 +12,7 @@ from graphopt import cuda_ext as ops
 from graphopt.cuda_ext import col2im_triton as kt
 from graphopt.cuda_ext.ops import col2im as op
 from graphopt.errors import KernelArgumentError
-from tests.helpers import run_in_triton_interpreter
+from tests.helpers import cuda_graph_of, run_in_triton_interpreter
 
 # N, C1, C2, (H, W), kernel, dilation, padding, stride, permuted (the windows a permute of a product), channels_last
 CASES = [
@@ -133,15 +133,7 @@ def test_kernel_on_gpu(case):
 @pytest.mark.cuda
 def test_replayed_from_a_cuda_graph():
     x, size, k, d, p, s, cl = _inputs(*CASES[0], torch.bfloat16, device="cuda")
-    f = lambda: torch.ops.graphopt.col2im(x, size, k, d, p, s, cl)  # noqa: E731
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        f()
-    torch.cuda.current_stream().wait_stream(st)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = f()
+    graph, out = cuda_graph_of(lambda: torch.ops.graphopt.col2im(x, size, k, d, p, s, cl))
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         graph.replay()

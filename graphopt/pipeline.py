@@ -345,6 +345,7 @@ PIPELINE: tuple[str, ...] = (
     "eliminate_dead_code",
     "eliminate_common_subexpressions",
     "fold_constants",
+    "eliminate_cat_slices",
     # fusion
     "fold_conv_bn",
     "fuse_attention",

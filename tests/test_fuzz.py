@@ -84,6 +84,28 @@ def test_grammar_renders_fold_and_lower_col2im_keeps_the_numbers():
     assert res.status == "applied" and any("graphopt.col2im" in str(n.target) for n in gm.graph.nodes)
 
 
+def test_grammar_renders_catslice_and_eliminate_cat_slices_keeps_the_numbers():
+    """A head joined to a value and read back by slices, split items and selects (each inside one piece:
+    the concatenations go), and by a range across both pieces (kept), the same through the pass."""
+    ops = (("catslice", 0, 1, 2, "slice"), ("catslice", 1, 2, 1, "split"), ("catslice", 2, 0, 3, "select"),
+           ("catslice", 3, 1, 2, "span"), ("act", 4, "gelu_tanh"))
+    p = fuzz.Program(2, 4, 8, ("f32",), ops, (5, 2), seed=1)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs)[0].shape == (2, 4, 8)
+    fuzz.check_program(p, ["eliminate_cat_slices", "fuse_elementwise"], "h200", "passes")
+    from graphopt import ir
+    from graphopt.capture import capture
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, PassManager, assemble
+
+    gm = capture(model, inputs)
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), strict=True)
+    (res,) = PassManager(assemble(["eliminate_cat_slices"])).run(gm, ctx)
+    assert res.status == "applied" and len(res.rewrites) == 3
+    assert sum(str(n.target) == "aten.cat.default" for n in gm.graph.nodes) == 1
+
+
 def test_grammar_renders_reductions_broadcasts_masks_norms_inplace_dropout_host_constants():
     p = fuzz.Program(2, 4, 8, ("f32",), (
         ("split", 0), ("permute", 1, (0, 2, 1, 3)),

@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s34      $2 timed alone (to ${SPLIT:-420} s), then kernel profiles of $3 with each node's kernels (--nodes)
 #   s33      kernel profiles of $2 with the kernels each node of graphopt's graph launches (--nodes)
 #   s32      col2im's cuda tests, diag_col2im.py, then $2 timed alone and kernel profiles of $3
 #   s31      precompile's cuda tests, then optimize()'s cold set-up with and without it on $2
@@ -57,14 +58,23 @@ ctests() {
     | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_$1.log"
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
-case "$1" in
-s33)
-  # which ops of graphopt's graph launch copies inside aten (profile_model.py --nodes) on $2 (CONFIG:BATCH,...)
-  for cb in ${2//,/ }; do
+# kernel profiles with the kernels each node of graphopt's graph launches: node_profiles CONFIG:BATCH,...
+node_profiles() {
+  for cb in $(echo "$1" | tr , " "); do
     left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
       ${cb%%:*} --sweep --batch ${cb##*:} --nodes --top 30 --out "$OUT" 2>&1 | quiet | grep "^##\|^| [0-9]\|rror" | head -24
     echo "### profile $cb ${SECONDS}s"
-  done ;;
+  done
+}
+case "$1" in
+s34)
+  # eliminate_cat_slices: $2 (CONFIG:BATCH,...) timed alone, then the kernels each node of $3 launches
+  timeout $((${SPLIT:-420} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 200 --reps 20 \
+    --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"
+  node_profiles "${3:-}" ;;
+s33)
+  # which ops of graphopt's graph launch copies inside aten (profile_model.py --nodes) on $2 (CONFIG:BATCH,...)
+  node_profiles "$2" ;;
 s32)
   # graphopt::col2im (lower_col2im): its cuda tests and precompile's, the fold diagnostic (aten, graphopt, compile,
   # predicted), then $2 (CONFIG:BATCH,...) timed alone to ${SPLIT:-480} s, then kernel profiles of $3

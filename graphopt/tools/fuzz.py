@@ -20,6 +20,10 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("binary", op, a, kind, arg)         kind "value" (arg: index), "param" (arg: shape), "scalar" (arg: float)
   ("transpose", src) ("permute", src, perm) ("contiguous", src) ("merge", src) ("split", src)
   ("roll", src, dim, h): torch.cat of the slices [h:] and [:h] along dim (a concatenation of strided pieces)
+  ("catslice", src, dim, k, mode)      y = cat((head, x), dim), head x's first slice along dim halved and expanded
+                                       to k; read back by mode: "slice" (x's range plus head's first), "split"
+                                       (torch.split into [k, n]), "select" (x's range minus head's last),
+                                       "span" (a range across both pieces); x's shape
   ("pad", src, dim, lo, hi, value)     F.pad of src along dim (lo before, hi after) with a constant
   ("unfold", src, k, padding, stride)  F.unfold (im2col) of a 3-D src (B,C,L) viewed as (B,C,2,L/2): [B, C*k*k, windows]
   ("fold", src, k, padding, stride)    F.fold (col2im) of a 3-D src (B,C*k*k,L) as L windows in one row of the
@@ -218,7 +222,7 @@ class ProgramModule(nn.Module):
                 out = src[:-2] + (src[-2] * src[-1],)
             elif kind == "split":
                 out = src[:-1] + (2, src[-1] // 2)
-            elif kind == "roll":
+            elif kind in ("roll", "catslice"):
                 out = src
             elif kind == "attention":
                 q, k, v, mask = op[1:5]
@@ -381,6 +385,20 @@ class ProgramModule(nn.Module):
             elif kind == "roll":  # a concatenation of two strided slices: the tail along a dim, then the head
                 _, _, dim, h = op
                 y = torch.cat((x.narrow(dim, h, x.shape[dim] - h), x.narrow(dim, 0, h)), dim)
+            elif kind == "catslice":  # a head joined to x and read back as slices, selects or split items
+                _, _, dim, k, mode = op
+                n = x.shape[dim]
+                head = (x.narrow(dim, 0, 1) * 0.5).expand(*x.shape[:dim], k, *x.shape[dim + 1:])
+                cat = torch.cat((head, x), dim)
+                if mode == "slice":
+                    y = cat.narrow(dim, k, n) + cat.narrow(dim, 0, 1)
+                elif mode == "split":
+                    a, b = torch.split(cat, [k, n], dim)
+                    y = b * 2 + a.sum(dim, keepdim=True)
+                elif mode == "select":
+                    y = cat.narrow(dim, k, n) - cat.select(dim, k - 1).unsqueeze(dim)
+                else:
+                    y = cat.narrow(dim, k - 1, n)
             elif kind in ("attention", "sdpa"):
                 q, k, v, mask = op[1:5]
                 y = self._attend(key, env[q], env[k], env[v], mask, _n_rep(op), kind == "sdpa",
@@ -601,7 +619,7 @@ def build(program: Program):
 
 
 # op kinds without parameters of their own: the same op on the same operand computes the same value
-REPEATABLE = frozenset({"act", "softmax", "pad", "unfold", "fold", "transpose", "permute", "contiguous", "merge", "split", "roll", "bmm", "reduce",
+REPEATABLE = frozenset({"act", "softmax", "pad", "unfold", "fold", "transpose", "permute", "contiguous", "merge", "split", "roll", "catslice", "bmm", "reduce",
                         "softmax_dim", "unsqueeze", "heads", "merge_heads", "cast"})
 
 
@@ -631,7 +649,7 @@ def programs(max_ops: int = 8):
                  "group_norm", "se",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
-                 "heads", "merge_heads", "repeat", "roll", "pad", "unfold", "fold")
+                 "heads", "merge_heads", "repeat", "roll", "catslice", "pad", "unfold", "fold")
 
         def mask_shape(sc, kind):
             """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
@@ -879,6 +897,11 @@ def programs(max_ops: int = 8):
                     sh = env[s][0]
                     dim = draw(st.sampled_from([d for d, n in enumerate(sh) if n >= 2]))
                     op, out = ("roll", s, dim, draw(st.integers(1, sh[dim] - 1))), env[s]
+            elif kind == "catslice":
+                s = pick(lambda s, d: True)
+                dim = draw(st.integers(0, len(env[s][0]) - 1))
+                mode = draw(st.sampled_from(("slice", "split", "select", "span")))
+                op, out = ("catslice", s, dim, draw(st.integers(1, 3)), mode), env[s]
             elif kind == "cast":
                 s = pick(lambda s, d: True)
                 to = "f32" if env[s][1] == "bf16" else "bf16"

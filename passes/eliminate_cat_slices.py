@@ -1,0 +1,276 @@
+"""eliminate_cat_slices: a slice, select or split piece of a concatenation that lies inside one of
+the concatenated tensors reads that tensor instead; a concatenation whose every reader is such a
+piece is then dead.
+
+``x = torch.cat((cls, tokens), 1)`` followed by ``x[:, :1]`` and ``x[:, 1:]`` (a class token split
+off again, as vision transformers with a class token do around each convolutional position
+encoding) copies both pieces into a new tensor only to read them back as they were: the slices
+are ``cls`` and ``tokens`` themselves. Read from the pieces, the concatenation goes, and the
+readers see the pieces' own layout: a depthwise convolution over ``x[:, 1:]`` reshaped to an
+image reads a dense channels_last tensor, where the slice of the concatenation (a batch stride
+one token longer) made cuDNN's caller copy it first.
+
+Legality, per reader of ``cat(pieces, d)``:
+* ``slice(x, d, start, end, 1)``, ``narrow``, ``select(x, d, i)`` or an item of ``split``/``split_with_sizes``
+  along ``d``, whose range (static sizes) lies inside one piece; it becomes that piece (the whole
+  piece) or the same slice/select of the piece at the piece's offset.
+* Every piece has the concatenation's dtype (``cat`` promotes) and rank.
+* Nothing writes the concatenation's memory or the piece's in place (the slice is a view of the
+  concatenation's own copy: a write to either would reach the other once they are one).
+* The views reading the slice are still views on the piece's strides (replayed on fake tensors),
+  and none of them is returned by the graph (the caller would get an alias of the piece).
+
+Profitability: the concatenation's time when it dies, plus the difference in the readers' predicted
+times with the piece's strides instead of the slice's (a convolution or GEMM that no longer copies
+its input, or one that now would).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
+
+aten = torch.ops.aten
+
+CAT = aten.cat.default
+SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+# ops whose output is a view of their first argument, through which a reader's strides follow the slice
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.select.int, aten.transpose.int,
+         aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+         aten.squeeze.default, aten.unflatten.int, aten.t.default, aten.alias.default,
+         aten.slice.Tensor, aten.narrow.default, aten.expand.default, aten.as_strided.default, aten.diagonal.default}
+
+
+def _static(shape) -> bool:
+    return all(isinstance(d, int) for d in shape)
+
+
+def _clamp(v, size: int, default: int) -> int:
+    if v is None:
+        return default
+    v = v + size if v < 0 else v
+    return max(0, min(size, v))
+
+
+def _arg(node: fx.Node, i: int, name: str, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _reads(cat: fx.Node, dim: int, size: int) -> tuple[list, list]:
+    """(readers, refused): each reader of ``cat`` as (node to replace, kind, start, stop) with kind
+    "slice" or "select" (stop = start + 1), a split's items as slices; refused as (node, reason)."""
+    out, refused = [], []
+    for u in cat.users:
+        if u.op != "call_function":
+            refused.append((u, "read by something other than a slice, select or split"))
+            continue
+        if u.target is aten.slice.Tensor and u.args[0] is cat:
+            d, start, end, step = (_arg(u, 1, "dim", 0), _arg(u, 2, "start", None),
+                                   _arg(u, 3, "end", None), _arg(u, 4, "step", 1))
+            if not all(isinstance(v, int) or v is None for v in (d, start, end, step)):
+                refused.append((u, "a slice with symbolic bounds"))
+            elif d % len(ir.info(cat).shape) != dim:
+                refused.append((u, "a slice along another dim than the concatenation's"))
+            elif step != 1:
+                refused.append((u, f"a slice with step {step}"))
+            else:
+                out.append((u, "slice", _clamp(start, size, 0), _clamp(end, size, size)))
+        elif u.target is aten.narrow.default and u.args[0] is cat:
+            d, start, length = u.args[1], u.args[2], u.args[3]
+            if not all(isinstance(v, int) for v in (d, start, length)):
+                refused.append((u, "a narrow with symbolic bounds"))
+            elif d % len(ir.info(cat).shape) != dim:
+                refused.append((u, "a narrow along another dim than the concatenation's"))
+            else:
+                start = start + size if start < 0 else start
+                out.append((u, "slice", start, start + length))
+        elif u.target is aten.select.int and u.args[0] is cat:
+            d, i = u.args[1], u.args[2]
+            if not isinstance(d, int) or not isinstance(i, int):
+                refused.append((u, "a select with a symbolic index"))
+            elif d % len(ir.info(cat).shape) != dim:
+                refused.append((u, "a select along another dim than the concatenation's"))
+            else:
+                i = i + size if i < 0 else i
+                out.append((u, "select", i, i + 1))
+        elif u.target in SPLITS and u.args[0] is cat:
+            d = _arg(u, 2, "dim", 0)
+            sizes = u.args[1]
+            if not isinstance(d, int) or d % len(ir.info(cat).shape) != dim:
+                refused.append((u, "a split along another dim than the concatenation's"))
+                continue
+            if isinstance(sizes, int):
+                sizes = [min(sizes, size - s) for s in range(0, size, sizes)] if sizes > 0 else None
+            if sizes is None or not all(isinstance(s, int) for s in sizes):
+                refused.append((u, "a split with symbolic sizes"))
+                continue
+            bounds = [0]
+            for s in sizes:
+                bounds.append(bounds[-1] + s)
+            for item in list(u.users):
+                if item.target is not operator.getitem or not isinstance(item.args[1], int):
+                    refused.append((item, "a split's result read whole"))
+                    continue
+                k = item.args[1]
+                out.append((item, "slice", bounds[k], bounds[k + 1]))
+        else:
+            refused.append((u, f"read by {ir.op_name(u)}"))
+    return out, refused
+
+
+def _closure(node: fx.Node) -> tuple[list, list]:
+    """(views, consumers): the views reading ``node`` transitively (graph order) and the other
+    nodes reading node or one of them."""
+    views, consumers, todo, seen = [], [], [node], {node}
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.op == "call_function" and u.target in VIEWS and u.args[0] is n:
+                views.append(u)
+                todo.append(u)
+            else:
+                consumers.append(u)
+    return views, consumers
+
+
+@register
+class EliminateCatSlices(Pass):
+    name = "eliminate_cat_slices"
+    family = "cleanup"
+    description = "a slice, select or split item of a concatenation inside one of its pieces reads that piece"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        res = self.result()
+        storage, writes = ir.storages(gm)
+        candidates = []
+        for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is CAT]:
+            why, plan = self._plan(cat, storage, writes)
+            if why:
+                res.reject(cat.name, why)
+                continue
+            dim, size, pieces, offsets = plan
+            reads, refused = _reads(cat, dim, size)
+            if not reads:  # no slice, select or split reads it: nothing to consider
+                continue
+            for u, reason in refused:
+                res.reject(f"{cat.name} -> {u.name}", reason)
+            rewrites = []
+            for node, kind, start, stop in reads:
+                why, rw = self._read(ctx, node, kind, start, stop, dim, pieces, offsets, storage, writes)
+                if why:
+                    res.reject(f"{cat.name} -> {node.name}", why)
+                else:
+                    rewrites.append(rw)
+            if not rewrites:
+                continue
+            dies = not refused and len(rewrites) == len(reads)
+            gain = sum(rw["gain"] for rw in rewrites) + (ctx.node_time([cat]) if dies else 0.0)
+            matched = [cat] + [rw["node"] for rw in rewrites]
+            candidates.append(Candidate(
+                "slice of a concatenation -> its piece", matched, gain,
+                lambda gm=gm, cat=cat, rewrites=rewrites: self._apply(gm, cat, rewrites),
+                label=f"{cat.name}: {', '.join(rw['node'].name for rw in rewrites)}"
+                      + (" (the concatenation dies)" if dies else "")))
+        res.apply_ranked(ctx, candidates)
+        return res
+
+    @staticmethod
+    def _plan(cat, storage, writes):
+        ci = ir.info(cat)
+        pieces = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+        dim = _arg(cat, 1, "dim", 0)
+        if ci is None or not isinstance(pieces, (list, tuple)) or not isinstance(dim, int):
+            return "no static metadata", None
+        if not _static(ci.shape):
+            return "symbolic shapes", None
+        dim %= len(ci.shape)
+        infos = [ir.info(p) if isinstance(p, fx.Node) else None for p in pieces]
+        if any(i is None or len(i.shape) != len(ci.shape) for i in infos):
+            return "a piece of another rank (or not a tensor node)", None
+        if any(i.dtype != ci.dtype for i in infos):
+            return "the concatenation promotes a piece's dtype", None
+        if writes.get(storage.get(cat, cat)):
+            return f"{writes[storage.get(cat, cat)][0].name} writes the concatenation in place", None
+        offsets = [0]
+        for i in infos:
+            offsets.append(offsets[-1] + i.shape[dim])
+        return "", (dim, ci.shape[dim], list(pieces), offsets)
+
+    @staticmethod
+    def _read(ctx, node, kind, start, stop, dim, pieces, offsets, storage, writes):
+        """Why ``node`` (a read of [start, stop) along ``dim``) cannot read a piece, or ("", the
+        rewrite: the piece, its local bounds, the views' new values and the gain)."""
+        if stop <= start:
+            return "an empty range", None
+        k = next((k for k in range(len(pieces)) if offsets[k] <= start and stop <= offsets[k + 1]), None)
+        if k is None:
+            return f"[{start}, {stop}) spans more than one piece", None
+        piece = pieces[k]
+        w = writes.get(storage.get(piece, piece))
+        if w:
+            return f"{w[0].name} writes the piece {piece.name} in place", None
+        lo, hi = start - offsets[k], stop - offsets[k]
+        whole = kind == "slice" and lo == 0 and hi == offsets[k + 1] - offsets[k]
+        views, consumers = _closure(node)
+        if any(c.op == "output" for c in consumers):
+            return "the graph returns it (the caller would get an alias of the piece)", None
+        r = ctx.replacement()
+        try:
+            if whole:
+                new = r.input(piece)
+            elif kind == "select":
+                new = r.call(aten.select.int, piece, dim, lo)
+            else:
+                new = r.call(aten.slice.Tensor, piece, dim, lo, hi)
+            mapped = {node: new}
+            for v in views:
+                mapped[v] = r.call(v.target, *fx.node.map_arg(v.args, lambda a: mapped.get(a, a)),
+                                   **fx.node.map_arg(v.kwargs, lambda a: mapped.get(a, a)))
+            shown = dict(mapped)
+            for c in consumers:
+                if c.op != "call_function":
+                    continue
+                r.call(c.target, *fx.node.map_arg(c.args, lambda a: shown.get(a, a)),
+                       **fx.node.map_arg(c.kwargs, lambda a: shown.get(a, a)))
+        except Exception as e:  # noqa: BLE001 - a view the piece's strides do not allow
+            return f"a reader does not take the piece's strides ({type(e).__name__})", None
+        before = ctx.node_time([node] + views + [c for c in consumers if c.op == "call_function"])
+        gain = before - r.time()
+        vals = {v: mapped[v].meta["val"] for v in views}
+        return "", {"node": node, "kind": kind, "piece": piece, "dim": dim, "lo": lo, "hi": hi,
+                    "whole": whole, "vals": vals, "gain": gain}
+
+    @staticmethod
+    def _apply(gm, cat, rewrites):
+        g = gm.graph
+        made, dead = [], [cat]
+        for rw in rewrites:
+            node, piece = rw["node"], rw["piece"]
+            if rw["whole"]:
+                new = piece
+            else:
+                with g.inserting_before(node):
+                    if rw["kind"] == "select":
+                        new = g.call_function(aten.select.int, (piece, rw["dim"], rw["lo"]))
+                    else:
+                        new = g.call_function(aten.slice.Tensor, (piece, rw["dim"], rw["lo"], rw["hi"]))
+                pv = piece.meta["val"]
+                new.meta["val"] = pv.select(rw["dim"], rw["lo"]) if rw["kind"] == "select" \
+                    else pv.narrow(rw["dim"], rw["lo"], rw["hi"] - rw["lo"])
+                made.append(new)
+            node.replace_all_uses_with(new)
+            for v, val in rw["vals"].items():
+                v.meta["val"] = val
+            dead.append(node)
+            if node.target is operator.getitem:
+                dead.append(node.args[0])
+        ir.erase_dead(gm, dead)
+        return made or True

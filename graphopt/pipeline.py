@@ -379,6 +379,7 @@ PIPELINE: tuple[str, ...] = (
     "fuse_channels_last_broadcasts",
     "lower_attention",
     "lower_decode_attention",
+    "lower_strided_bmm",
     "lower_split_k",
     "lower_bias_grad",
     "lower_gemm_swiglu",

@@ -35,15 +35,12 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
+from ._reprice import closure, reprice
+
 aten = torch.ops.aten
 
 CAT = aten.cat.default
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
-# ops whose output is a view of their first argument, through which a reader's strides follow the slice
-VIEWS = {aten.view.default, aten._unsafe_view.default, aten.select.int, aten.transpose.int,
-         aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-         aten.squeeze.default, aten.unflatten.int, aten.t.default, aten.alias.default,
-         aten.slice.Tensor, aten.narrow.default, aten.expand.default, aten.as_strided.default, aten.diagonal.default}
 
 
 def _static(shape) -> bool:
@@ -121,24 +118,6 @@ def _reads(cat: fx.Node, dim: int, size: int) -> tuple[list, list]:
         else:
             refused.append((u, f"read by {ir.op_name(u)}"))
     return out, refused
-
-
-def _closure(node: fx.Node) -> tuple[list, list]:
-    """(views, consumers): the views reading ``node`` transitively (graph order) and the other
-    nodes reading node or one of them."""
-    views, consumers, todo, seen = [], [], [node], {node}
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u in seen:
-                continue
-            seen.add(u)
-            if u.op == "call_function" and u.target in VIEWS and u.args[0] is n:
-                views.append(u)
-                todo.append(u)
-            else:
-                consumers.append(u)
-    return views, consumers
 
 
 @register
@@ -219,7 +198,7 @@ class EliminateCatSlices(Pass):
             return f"{w[0].name} writes the piece {piece.name} in place", None
         lo, hi = start - offsets[k], stop - offsets[k]
         whole = kind == "slice" and lo == 0 and hi == offsets[k + 1] - offsets[k]
-        views, consumers = _closure(node)
+        views, consumers = closure(node)
         if any(c.op == "output" for c in consumers):
             return "the graph returns it (the caller would get an alias of the piece)", None
         r = ctx.replacement()
@@ -230,21 +209,10 @@ class EliminateCatSlices(Pass):
                 new = r.call(aten.select.int, piece, dim, lo)
             else:
                 new = r.call(aten.slice.Tensor, piece, dim, lo, hi)
-            mapped = {node: new}
-            for v in views:
-                mapped[v] = r.call(v.target, *fx.node.map_arg(v.args, lambda a: mapped.get(a, a)),
-                                   **fx.node.map_arg(v.kwargs, lambda a: mapped.get(a, a)))
-            shown = dict(mapped)
-            for c in consumers:
-                if c.op != "call_function":
-                    continue
-                r.call(c.target, *fx.node.map_arg(c.args, lambda a: shown.get(a, a)),
-                       **fx.node.map_arg(c.kwargs, lambda a: shown.get(a, a)))
+            before, vals = reprice(ctx, r, node, new, views, consumers)
         except Exception as e:  # noqa: BLE001 - a view the piece's strides do not allow
             return f"a reader does not take the piece's strides ({type(e).__name__})", None
-        before = ctx.node_time([node] + views + [c for c in consumers if c.op == "call_function"])
-        gain = before - r.time()
-        vals = {v: mapped[v].meta["val"] for v in views}
+        gain = ctx.node_time([node]) + before - r.time()
         return "", {"node": node, "kind": kind, "piece": piece, "dim": dim, "lo": lo, "hi": hi,
                     "whole": whole, "vals": vals, "gain": gain}
 

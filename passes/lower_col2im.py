@@ -29,7 +29,7 @@ from graphopt.cuda_ext.ops.col2im import windows
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from ._fusion_meta import GraphBuilder, int_pairs, set_meta
-from .fuse_elementwise import VIEW_OPS, view_through
+from ._reprice import reader_chains, row_major_after
 
 aten = torch.ops.aten
 COL2IM = aten.col2im.default
@@ -107,43 +107,13 @@ def source(node: fx.Node, k: list, shape: tuple, storages=None) -> tuple[fx.Node
     raise AssertionError("a contiguous [N, C*kh*kw, L] input is always viewable")  # chain[0] at worst
 
 
-def _reader_chains(node: fx.Node) -> list[list[fx.Node]]:
-    """Each way the fold's value is read: the views it passes through (possibly none) before the first
-    node that is not a view."""
-    chains, stack = [], [(node, [])]
-    while stack:
-        n, chain = stack.pop()
-        views = [u for u in n.users if u.op == "call_function" and u.target in VIEW_OPS]
-        if len(views) != len(n.users) or not n.users:
-            chains.append(chain)  # (a non-view reader, or a view read by nothing: its chain ends here)
-        stack.extend((u, chain + [u]) for u in views)
-    return chains
-
-
-class _OnTensors:
-    """A builder for fuse_elementwise.view_through that runs each view on a tensor."""
-
-    @staticmethod
-    def call(target, *args, **kwargs):
-        return target(*args, **kwargs)
-
-
-def _contiguous_after(t: torch.Tensor, chain: list[fx.Node]) -> bool:
-    """Whether ``chain``'s views, replayed on ``t``, end in a row-major tensor (False where a view
-    would need a copy)."""
-    try:
-        return view_through(_OnTensors, t, None, chain, expand=False).is_contiguous()
-    except (RuntimeError, TypeError):
-        return False
-
-
 def _channels_last_readers(node: fx.Node, shape: tuple) -> bool:
     """channels_last where some reader's views end in a row-major tensor only if the fold is written
     channels_last (VOLO's ``proj(y.permute(0, 2, 3, 1))``, tokens read as ``y.flatten(2).transpose(1, 2)``)
     and none only if it is written NCHW (a reader of the NCHW tensor itself)."""
     nchw = torch.empty(shape, device="meta")
     nhwc = nchw.contiguous(memory_format=torch.channels_last)
-    wants = [(_contiguous_after(nchw, c), _contiguous_after(nhwc, c)) for c in _reader_chains(node)]
+    wants = [(row_major_after(nchw, c), row_major_after(nhwc, c)) for c in reader_chains(node)]
     return any(cl and not ct for ct, cl in wants) and not any(ct and not cl for ct, cl in wants)
 
 

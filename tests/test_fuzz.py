@@ -43,6 +43,23 @@ def test_grammar_renders_every_op():
     assert [tuple(s) for s in model.shapes][-1] == (2, 4, 4)
 
 
+def _one_pass(model, inputs, name, ignore_cost=False, before=None):
+    """The captured program after the pass ``name`` alone, planned for the H200 profile (strict:
+    a pass bug raises), and its result; ``before(gm)`` is asserted on the captured graph first."""
+    from graphopt import ir
+    from graphopt.capture import capture
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt.pipeline import PassContext, PassManager, assemble
+
+    gm = capture(model, inputs)
+    assert before is None or before(gm)
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), strict=True,
+                      ignore_cost=ignore_cost)
+    (res,) = PassManager(assemble([name])).run(gm, ctx)
+    return gm, res
+
+
 def test_grammar_renders_unfold_and_its_decomposition_keeps_the_numbers():
     """F.unfold of a value viewed as [B, C, 2, L/2] (3x3 windows, padding 1, stride 2): [2, 36, 2], the same
     through decompose_im2col (applied whatever its price) and fuse_elementwise."""
@@ -51,16 +68,8 @@ def test_grammar_renders_unfold_and_its_decomposition_keeps_the_numbers():
     assert model(*inputs)[0].shape == (2, 36, 2)
     fuzz.check_program(p, ["decompose_im2col", "fuse_elementwise"], "h200", "passes", ignore_cost=True)
     # the decomposition did happen there: aten's im2col is gone from the graph
-    from graphopt import ir
-    from graphopt.capture import capture
-    from graphopt.cost.model import CostModel
-    from graphopt.cost.profiles import get_profile
-    from graphopt.pipeline import PassContext, PassManager, assemble
-
-    gm = capture(model, inputs)
-    assert any("im2col" in str(n.target) for n in gm.graph.nodes)
-    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), strict=True, ignore_cost=True)
-    (res,) = PassManager(assemble(["decompose_im2col"])).run(gm, ctx)
+    gm, res = _one_pass(model, inputs, "decompose_im2col", ignore_cost=True,
+                        before=lambda gm: any("im2col" in str(n.target) for n in gm.graph.nodes))
     assert res.status == "applied" and not any("im2col" in str(n.target) for n in gm.graph.nodes)
 
 
@@ -72,15 +81,7 @@ def test_grammar_renders_fold_and_lower_col2im_keeps_the_numbers():
     model, inputs = fuzz.build(p)
     assert model(*inputs)[0].shape == (2, 2, 10)
     fuzz.check_program(p, ["lower_col2im", "fuse_elementwise"], "h200", "passes", ignore_cost=True)
-    from graphopt import ir
-    from graphopt.capture import capture
-    from graphopt.cost.model import CostModel
-    from graphopt.cost.profiles import get_profile
-    from graphopt.pipeline import PassContext, PassManager, assemble
-
-    gm = capture(model, inputs)
-    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), strict=True, ignore_cost=True)
-    (res,) = PassManager(assemble(["lower_col2im"])).run(gm, ctx)
+    gm, res = _one_pass(model, inputs, "lower_col2im", ignore_cost=True)
     assert res.status == "applied" and any("graphopt.col2im" in str(n.target) for n in gm.graph.nodes)
 
 
@@ -93,17 +94,20 @@ def test_grammar_renders_catslice_and_eliminate_cat_slices_keeps_the_numbers():
     model, inputs = fuzz.build(p)
     assert model(*inputs)[0].shape == (2, 4, 8)
     fuzz.check_program(p, ["eliminate_cat_slices", "fuse_elementwise"], "h200", "passes")
-    from graphopt import ir
-    from graphopt.capture import capture
-    from graphopt.cost.model import CostModel
-    from graphopt.cost.profiles import get_profile
-    from graphopt.pipeline import PassContext, PassManager, assemble
-
-    gm = capture(model, inputs)
-    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), strict=True)
-    (res,) = PassManager(assemble(["eliminate_cat_slices"])).run(gm, ctx)
+    gm, res = _one_pass(model, inputs, "eliminate_cat_slices")
     assert res.status == "applied" and len(res.rewrites) == 3
     assert sum(str(n.target) == "aten.cat.default" for n in gm.graph.nodes) == 1
+
+
+def test_grammar_renders_headprod_and_lower_strided_bmm_keeps_the_numbers():
+    """Per-head products of a split projection (q, k, v with batch strides that do not fold), the heads
+    merged back: both products become graphopt::strided_bmm (its reference on the CPU), the same numbers."""
+    p = fuzz.Program(2, 8, 8, ("f32",), (("headprod", 0, 2), ("act", 1, "gelu_tanh")), (2, 1), seed=1)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs)[0].shape == (2, 8, 8)
+    fuzz.check_program(p, ["lower_strided_bmm", "fuse_elementwise"], "h200", "passes")
+    gm, res = _one_pass(model, inputs, "lower_strided_bmm")
+    assert res.status == "applied" and len(res.rewrites) == 2
 
 
 def test_grammar_renders_reductions_broadcasts_masks_norms_inplace_dropout_host_constants():

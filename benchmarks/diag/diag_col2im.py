@@ -81,7 +81,7 @@ CASES = [("VOLO-D1 outlooker fold (k3 s2 p1)", lambda: _volo(64, 28, 3, 1, 2, 6,
          ("dilated (k3 d2 p2)", lambda: _plain(16, 32, 64, 3, 2, 1, 2))]
 
 
-def row_for(name, make, dev, compile_too):
+def row_for(name, make, dev, compile_too, passes=("lower_col2im",)):
     import graphopt
     from graphopt.cost.model import CostModel
     from graphopt.cost.profiles import get_profile
@@ -100,8 +100,8 @@ def row_for(name, make, dev, compile_too):
         gm = graphopt.capture(model, xs)
         cm = CostModel(prof)
         row["pred_eager_us"] = float(cm.execution_cost(gm, mode="graphed", reuse_outputs=True).total_s) * 1e6
-        res = run_passes(gm, ["lower_col2im"], target=prof)[0]
-        row["applied"] = res.status
+        res = run_passes(gm, list(passes), target=prof)
+        row["applied"] = ",".join(r.status for r in res)
         row["pred_ours_us"] = float(cm.execution_cost(gm, mode="graphed", reuse_outputs=True).total_s) * 1e6
         run = lambda: gm(*xs)  # noqa: E731
         row["ours_us"] = replayed_us(run)
@@ -120,16 +120,17 @@ def _f(key):
                       else f"{r[key]:.1e}" if isinstance(r.get(key), float) else str(r.get(key, "—")))
 
 
-def main(argv=None) -> int:
+def run_cases(doc, argv, cases, passes, stem, title) -> int:
+    """Time each case (eager, graphopt after ``passes`` alone, compile), price it, write DIR/stem_<date>.md."""
     compile_too = not (argv or sys.argv[1:]).count("--no-compile")
     args = [a for a in (argv or sys.argv[1:]) if a != "--no-compile"]
-    out = out_dir(__doc__, args)
+    out = out_dir(doc, args)
     dev = torch.device("cuda")
     rows: list = []
-    for name, make in CASES:
+    for name, make in cases:
         row = {"case": name}
         try:  # not under inference mode: the capture exports the module
-            row.update(row_for(name, make, dev, compile_too))
+            row.update(row_for(name, make, dev, compile_too, passes))
         except Exception as e:  # noqa: BLE001 - a diagnostic keeps the other cases
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
         rows.append(row)
@@ -141,9 +142,14 @@ def main(argv=None) -> int:
             ("note", lambda r: "", False)]
     props = torch.cuda.get_device_properties(dev)
     head = (f"{props.name}, torch {torch.__version__}, bf16; µs per call replayed from a CUDA graph (median); "
-            "graphopt = the captured graph after lower_col2im alone.")
-    write_rows(out, "diag_col2im", rows, table_lines("# Folds: aten, graphopt::col2im, torch.compile", head, cols, rows))
+            f"graphopt = the captured graph after {', '.join(passes)} alone.")
+    write_rows(out, stem, rows, table_lines(title, head, cols, rows))
     return 0
+
+
+def main(argv=None) -> int:
+    return run_cases(__doc__, argv, CASES, ("lower_col2im",), "diag_col2im",
+                     "# Folds: aten, graphopt::col2im, torch.compile")
 
 
 if __name__ == "__main__":

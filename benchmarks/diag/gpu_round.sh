@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s35      strided_bmm's cuda tests, diag_strided_bmm.py, $2 timed alone (to ${SPLIT:-460} s), node profiles of $3
 #   s34      $2 timed alone (to ${SPLIT:-420} s), then kernel profiles of $3 with each node's kernels (--nodes)
 #   s33      kernel profiles of $2 with the kernels each node of graphopt's graph launches (--nodes)
 #   s32      col2im's cuda tests, diag_col2im.py, then $2 timed alone and kernel profiles of $3
@@ -58,6 +59,11 @@ ctests() {
     | grep -v "^DEBUG\|^INFO" > "$OUT/pytest_cuda_$1.log"
   tail -20 "$OUT/pytest_cuda_$1.log" | grep -E "passed|failed|Error|assert|FAILED" | tail -8; echo "### tests ${SECONDS}s"
 }
+# CONFIG:BATCH,... timed alone by the perf sweep, to ${SPLIT:-DEFAULT} s into the call: alone CONFIGS DEFAULT
+alone() {
+  timeout $((${SPLIT:-$2} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$1" --jobs 1 --timeout 200 --reps 20 \
+    --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"
+}
 # kernel profiles with the kernels each node of graphopt's graph launches: node_profiles CONFIG:BATCH,...
 node_profiles() {
   for cb in $(echo "$1" | tr , " "); do
@@ -67,10 +73,17 @@ node_profiles() {
   done
 }
 case "$1" in
+s35)
+  # graphopt::strided_bmm (lower_strided_bmm): its cuda tests, the per-head product diagnostic (aten, graphopt,
+  # compile, predicted), then $2 (CONFIG:BATCH,...) timed alone, then the kernels each node of $3 launches
+  ctests s35 150 tests/cuda_ext/test_strided_bmm.py tests/passes/test_lower_strided_bmm.py
+  timeout 200 python3 benchmarks/diag/diag_strided_bmm.py --out "$OUT" ${DIAG_ARGS:-} 2>&1 | quiet | grep "^|\|rror" | head -20
+  echo "### diag ${SECONDS}s"
+  alone "$2" 460
+  node_profiles "${3:-}" ;;
 s34)
   # eliminate_cat_slices: $2 (CONFIG:BATCH,...) timed alone, then the kernels each node of $3 launches
-  timeout $((${SPLIT:-420} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 200 --reps 20 \
-    --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"
+  alone "$2" 420
   node_profiles "${3:-}" ;;
 s33)
   # which ops of graphopt's graph launch copies inside aten (profile_model.py --nodes) on $2 (CONFIG:BATCH,...)
@@ -81,8 +94,7 @@ s32)
   ctests s32 200 tests/cuda_ext/test_col2im.py tests/passes/test_lower_col2im.py tests/test_precompile.py
   timeout 200 python3 benchmarks/diag/diag_col2im.py --out "$OUT" 2>&1 | quiet | grep "^|\|rror" | head -20
   echo "### diag ${SECONDS}s"
-  timeout $((${SPLIT:-480} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 1 --timeout 200 --reps 20 \
-    --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -20; echo "### alone ${SECONDS}s"
+  alone "$2" 480
   for cb in $(echo "${3:-}" | tr , " "); do
     left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
       ${cb%%:*} --sweep --batch ${cb##*:} --gaps --top 30 --out "$OUT" 2>&1 | quiet | grep "^##\|rror" | head -6

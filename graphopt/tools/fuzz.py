@@ -20,6 +20,9 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("binary", op, a, kind, arg)         kind "value" (arg: index), "param" (arg: shape), "scalar" (arg: float)
   ("transpose", src) ("permute", src, perm) ("contiguous", src) ("merge", src) ("split", src)
   ("roll", src, dim, h): torch.cat of the slices [h:] and [:h] along dim (a concatenation of strided pieces)
+  ("headprod", src, h)                 3-D src [B, S, D]: q, k, v as h heads split out of cat((x, x/2, -x), -1) (batch
+                                       strides that do not fold), k's softmax over S, k^T v, q @ that, heads
+                                       merged back to [B, S, D] (CoaT's factorized attention)
   ("catslice", src, dim, k, mode)      y = cat((head, x), dim), head x's first slice along dim halved and expanded
                                        to k; read back by mode: "slice" (x's range plus head's first), "split"
                                        (torch.split into [k, n]), "select" (x's range minus head's last),
@@ -222,7 +225,7 @@ class ProgramModule(nn.Module):
                 out = src[:-2] + (src[-2] * src[-1],)
             elif kind == "split":
                 out = src[:-1] + (2, src[-1] // 2)
-            elif kind in ("roll", "catslice"):
+            elif kind in ("roll", "catslice", "headprod"):
                 out = src
             elif kind == "attention":
                 q, k, v, mask = op[1:5]
@@ -385,6 +388,11 @@ class ProgramModule(nn.Module):
             elif kind == "roll":  # a concatenation of two strided slices: the tail along a dim, then the head
                 _, _, dim, h = op
                 y = torch.cat((x.narrow(dim, h, x.shape[dim] - h), x.narrow(dim, 0, h)), dim)
+            elif kind == "headprod":  # per-head products of a split projection, heads merged back
+                b, n, d = x.shape
+                h = op[2]
+                q, k, v = torch.cat((x, x * 0.5, -x), -1).reshape(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+                y = (q @ (k.softmax(dim=2).transpose(-1, -2) @ v)).transpose(1, 2).reshape(b, n, d)
             elif kind == "catslice":  # a head joined to x and read back as slices, selects or split items
                 _, _, dim, k, mode = op
                 n = x.shape[dim]
@@ -619,7 +627,7 @@ def build(program: Program):
 
 
 # op kinds without parameters of their own: the same op on the same operand computes the same value
-REPEATABLE = frozenset({"act", "softmax", "pad", "unfold", "fold", "transpose", "permute", "contiguous", "merge", "split", "roll", "catslice", "bmm", "reduce",
+REPEATABLE = frozenset({"act", "softmax", "pad", "unfold", "fold", "transpose", "permute", "contiguous", "merge", "split", "roll", "catslice", "headprod", "bmm", "reduce",
                         "softmax_dim", "unsqueeze", "heads", "merge_heads", "cast"})
 
 
@@ -649,7 +657,7 @@ def programs(max_ops: int = 8):
                  "group_norm", "se",
                  "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
-                 "heads", "merge_heads", "repeat", "roll", "catslice", "pad", "unfold", "fold")
+                 "heads", "merge_heads", "repeat", "roll", "catslice", "headprod", "pad", "unfold", "fold")
 
         def mask_shape(sc, kind):
             """a shape broadcasting to the scores ``sc`` for a mask of ``kind``"""
@@ -897,6 +905,11 @@ def programs(max_ops: int = 8):
                     sh = env[s][0]
                     dim = draw(st.sampled_from([d for d, n in enumerate(sh) if n >= 2]))
                     op, out = ("roll", s, dim, draw(st.integers(1, sh[dim] - 1))), env[s]
+            elif kind == "headprod":
+                s = pick(lambda s, d: len(s) == 3 and s[-1] % 2 == 0)
+                if s is not None:
+                    hs = [h for h in (1, 2, 4) if env[s][0][-1] % h == 0]
+                    op, out = ("headprod", s, draw(st.sampled_from(hs))), env[s]
             elif kind == "catslice":
                 s = pick(lambda s, d: True)
                 dim = draw(st.integers(0, len(env[s][0]) - 1))

@@ -79,18 +79,10 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return p
 
 
-def blocks(M: int, N: int, K: int, batch: int = 1, sms: int = 0) -> tuple[int, int, int]:
-    """The tile (BM, BN, BK) for ``batch`` products of [M, K] x [K, N]: each the next power of two of
-    its size, at least 16 (``tl.dot``'s least), at most 128, 128 and 64; with ``sms`` given, the larger
-    of BM and BN halved (not below 16) while the programs would not fill two per SM (eight heads of
-    64 x 64 at batch 8 are 64 programs of one tile each: 256 in 32 x 32 tiles)."""
-    bm, bn, bk = _pow2(M, 16, 128), _pow2(N, 16, 128), _pow2(K, 16, 64)
-    while sms and batch * -(-M // bm) * -(-N // bn) < 2 * sms and max(bm, bn) > 16:
-        if bm >= bn:
-            bm //= 2
-        else:
-            bn //= 2
-    return bm, bn, bk
+def blocks(M: int, N: int, K: int) -> tuple[int, int, int]:
+    """The tile (BM, BN, BK) for [M, K] x [K, N] matrices: each the next power of two of its size,
+    at least 16 (``tl.dot``'s least), at most 128, 128 and 64."""
+    return _pow2(M, 16, 128), _pow2(N, 16, 128), _pow2(K, 16, 64)
 
 
 def _span(t: torch.Tensor) -> int:
@@ -116,8 +108,7 @@ def bmm_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Ten
     if K == 0:
         return out.zero_()
     wide = max(_span(a), _span(b), _span(out)) >= 2 ** 31
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.device.type == "cuda" else 0
-    BM, BN, BK = blocks(M, N, K, D0 * D1 * D2, sms)
+    BM, BN, BK = blocks(M, N, K)
     grid = (D0 * D1 * D2, triton_cdiv(M, BM) * triton_cdiv(N, BN))
     with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
         _kernel()[grid](a5, b5, c5, M, N, K, *a5.stride(), *b5.stride(), *c5.stride(), D1=D1, D2=D2,

@@ -74,7 +74,7 @@ def cost(call, profile):
     try:
         *batch, M, K = (int(x) for x in a.shape)
         N = int(b.shape[-1])
-        bm, bn, bk = blocks(M, N, K, math.prod(batch), profile.sm_count or 0)
+        bm, bn, bk = blocks(M, N, K)
         flops = 2 * math.prod(batch) * (-(-M // bm) * bm) * (-(-N // bn) * bn) * (-(-K // bk) * bk)
         moved = sum(sector_bytes(tuple(int(x) for x in t.shape), tuple(int(x) for x in t.stride), t.dtype.itemsize)
                     for t in (a, b, out) if t is not None and t.stride is not None)

@@ -887,3 +887,29 @@ def test_a_graph_priced_whole_checks_each_memo_entry_once_and_a_changed_node_is_
     ir.repropagate(gm)
     cm.graph_cost(gm)
     assert cm.node_cost(lin).time_s == CostModel(_h200()).node_cost(lin).time_s != before
+
+
+def test_bilinear_upsampling_over_channels_innermost_is_priced_at_its_measured_rate():
+    """aten's NHWC bilinear kernel moves its bytes at op_efficiency["upsample_bilinear2d_nhwc"] of the copy rate
+    (measured on CoaT-Tiny's 36 calls), not at the strided pointwise rate on top; an NCHW input keeps that rate."""
+    import torch.nn.functional as F
+
+    from graphopt import capture
+    from graphopt.cost.model import CostModel, nhwc_upsample
+    from graphopt.cost.profiles import get_profile
+
+    class Up(torch.nn.Module):
+        def forward(self, tokens, img):  # tokens past a class token, read as a channels-innermost image
+            x = tokens[:, 1:].transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], 14, 14)
+            return F.interpolate(x, size=(28, 28), mode="bilinear"), F.interpolate(img, size=(28, 28), mode="bilinear")
+
+    prof = get_profile("h200")[0]
+    gm = capture(Up(), (torch.randn(4, 197, 16, dtype=torch.bfloat16), torch.randn(4, 16, 14, 14, dtype=torch.bfloat16)))
+    cl, nchw = [n for n in gm.graph.nodes if "upsample" in str(n.target)]
+    assert nhwc_upsample(cl) and not nhwc_upsample(nchw)
+    cm = CostModel(prof)
+    c = cm.node_cost(cl)
+    assert c.memory_s == pytest.approx(c.bytes / (prof.bandwidth * prof.efficiency("upsample_bilinear2d_nhwc", "memory_scale")),
+                                       rel=1e-6)
+    n = cm.node_cost(nchw)
+    assert n.memory_s == pytest.approx(n.bytes / (prof.bandwidth * prof.conv_bias_add_scale), rel=1e-6)

@@ -649,8 +649,11 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
+        nhwc_up = p.efficiency("upsample_bilinear2d_nhwc", "memory_scale") if p.kind == "cuda" else None
         if p.narrow_copy_scale < 1.0 and ir.op_name(node) in COPY_OPS and narrow_copy(node):
             memory = memory / p.narrow_copy_scale
+        elif nhwc_up is not None and nhwc_upsample(node):  # aten's NHWC kernel, at its own measured rate
+            memory = memory / nhwc_up
         elif p.kind == "cuda" and p.conv_bias_add_scale < 1.0 and strided_elementwise(node, kind):
             memory = memory / p.conv_bias_add_scale  # aten's strided kernel, measured on a convolution's bias add
         cat = aten_cat_s(p, node) if p.kind == "cuda" else None
@@ -1625,6 +1628,16 @@ def aten_cat_s(profile: DeviceProfile, node: fx.Node) -> tuple[float, int] | Non
     if each:
         return s + (len(pieces) - 1) * profile.kernel_fixed_s, len(pieces)
     return s, 1
+
+
+def nhwc_upsample(node: fx.Node) -> bool:
+    """aten's bilinear upsampling of a 4-D input whose channels are innermost (stride 1): CUDA runs
+    its NHWC kernel (``upsample_bilinear2d_nhwc_out_frame``), priced at ``op_efficiency
+    ["upsample_bilinear2d_nhwc"]`` where the profile measured it."""
+    if node.op != "call_function" or ir.op_namespace(node) != "aten" or ir.op_name(node) != "upsample_bilinear2d":
+        return False
+    x = ir.info(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    return x is not None and x.stride is not None and len(x.shape) == 4 and x.stride[1] == 1 and x.shape[1] > 1
 
 
 def strided_elementwise(node: fx.Node, kind: str) -> bool:

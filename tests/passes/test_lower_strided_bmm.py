@@ -91,3 +91,20 @@ def test_a_two_dim_operand_is_broadcast_by_a_view():
     (node,) = _ours(gm)
     assert str(node.args[1].target) == "aten.expand.default"
     assert reference_check(Broadcast(), gm, (x, w)).passed
+
+
+def test_a_training_step_through_the_op_passes_the_rule():
+    """In a training graph the op's backward (g @ b^T, a^T @ g) carries the gradients: the projection's
+    weight and bias gradients and the loss after optimize(training=True) with the pass alone pass the
+    accuracy rule against float64."""
+    import graphopt
+    from tests.helpers import step_check
+
+    torch.manual_seed(0)
+    m = FactorAttention()
+    x = torch.randn(2, 37, 24)
+    opt = graphopt.optimize(m, (x,), training=True, check_accuracy=False, target="h200",
+                            passes=["lower_strided_bmm"])
+    m.train()
+    assert len(_ours(opt.graph_module)) == 2
+    step_check(m, opt, (x,))

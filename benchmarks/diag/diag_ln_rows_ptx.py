@@ -1,0 +1,73 @@
+# Answered: Why does graphopt's many-rows LayerNorm kernel (ln_rows_kernel) move CoaT-Tiny's rows of 152 at about a quarter of the copy rate? Its loads and stores compile to 2-byte accesses where the row width is not a multiple of 16 (Triton's divisibility hint), 128-bit ones where it is (results/diag_ln_rows_ptx_<date>.md).
+"""The global loads and stores ``ln_rows_kernel`` compiles to for sm_90, per row width, without a GPU.
+
+    python benchmarks/diag/diag_ln_rows_ptx.py --out DIR
+
+Triton specializes an integer argument on whether it is divisible by 16; the kernel's row offsets
+are ``rows * H`` with H a runtime argument, so for a width that is not a multiple of 16 the compiler
+cannot prove a row starts 16-byte aligned and emits one 2-byte access per element. The kernel is
+compiled here (ASTSource, GPUTarget cuda 90) as ``_rows`` launches it for a plain LayerNorm in bf16
+(32 rows of a 256-wide block for widths up to 256, as `_rows` picks) and the PTX's accesses counted.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from _timing import out_dir, table_lines, write_rows  # noqa: E402
+
+WIDTHS = [(152, "CoaT-Tiny"), (160, "a multiple of 16 next to it"), (192, "DeiT-Tiny"), (200, "—"),
+          (216, "—"), (320, "CoaT-Lite Small"), (384, "DeiT-Small"), (440, "—")]
+
+
+def accesses(H: int) -> tuple[Counter, Counter]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from graphopt.cuda_ext import norm_triton as nt
+    from graphopt.cuda_ext.norm_triton import next_pow2
+
+    names = ["P", "PS", "BIAS", "X", "W", "B", "OUT", "HOUT", "R", "H", "eps", "S", "HAS_BIAS", "HAS_X", "HAS_W",
+             "HAS_B", "STORE_H", "ROWS", "BLOCK_H"]
+    types = ["*bf16", "i32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "i32", "i32", "fp32"] + \
+        ["constexpr"] * 8
+    bh = next_pow2(H)
+    consts = {"S": 0, "HAS_BIAS": False, "HAS_X": True, "HAS_W": True, "HAS_B": True, "STORE_H": False,
+              "ROWS": max(1, min(128, 8192 // bh)), "BLOCK_H": bh}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("P", "BIAS", "X", "W", "B", "OUT", "HOUT")}
+    if H % 16 == 0:  # as Triton's launcher specializes an int argument
+        attrs[(names.index("H"),)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=nt._build(), signature=dict(zip(names, types)),
+                                    constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return Counter(re.findall(r"ld\.global[^ \t]*", ptx)), Counter(re.findall(r"st\.global[^ \t]*", ptx))
+
+
+def main(argv=None) -> int:
+    import torch
+    import triton
+
+    out = out_dir(__doc__, argv or sys.argv[1:])
+    rows = []
+    for H, where in WIDTHS:
+        ld, st = accesses(H)
+        rows.append({"H": H, "where": where, "loads": ", ".join(f"{k} x{v}" for k, v in ld.most_common()),
+                     "stores": ", ".join(f"{k} x{v}" for k, v in st.most_common()),
+                     "vectorized": any(".v" in k for k in ld)})
+        print(rows[-1], flush=True)
+    cols = [("row width H", lambda r: str(r["H"]), True), ("model", lambda r: r["where"], False),
+            ("global loads", lambda r: r["loads"], False), ("global stores", lambda r: r["stores"], False),
+            ("128-bit", lambda r: "yes" if r["vectorized"] else "**no**", False)]
+    head = (f"PTX for sm_90 from triton {triton.__version__} (torch {torch.__version__}), compiled on the CPU; "
+            "ln_rows_kernel as _rows launches a bf16 LayerNorm.")
+    write_rows(out, "diag_ln_rows_ptx", rows, table_lines("# ln_rows_kernel's global accesses by row width", head,
+                                                          cols, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -202,6 +202,24 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
     return _rows(x, None, weight, bias, eps, "layer_norm", store_h=False)[0]
 
 
+def rows_cost(cost, width, profile):
+    """``cost`` (one pass over the bytes) of the many-rows kernel over rows ``width`` wide, slowed where
+    its accesses are 2-byte ones: Triton marks an integer argument divisible by 16 as such and nothing
+    else, so for another width the kernel cannot prove a row 16-byte aligned (its offsets are
+    ``rows * H``; benchmarks/diag/diag_ln_rows_ptx.py), priced at the profile's measured
+    ``op_efficiency["ln_rows_unaligned"]["memory_scale"]`` of the copy rate."""
+    import dataclasses
+
+    scale = profile.efficiency("ln_rows_unaligned", "memory_scale")
+    try:
+        aligned = int(width) % 16 == 0
+    except TypeError:  # a symbolic width
+        return cost
+    if aligned or scale is None or profile.kind != "cuda":
+        return cost
+    return dataclasses.replace(cost, slowdown=cost.slowdown / scale)
+
+
 def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                           bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (one rounding to x's dtype), ``(layer_norm(h), h)`` over the last dim:

@@ -1,5 +1,6 @@
-# Answered: Why does graphopt's many-rows LayerNorm kernel (ln_rows_kernel) move CoaT-Tiny's rows of 152 at about a quarter of the copy rate? Its loads and stores compile to 2-byte accesses where the row width is not a multiple of 16 (Triton's divisibility hint), 128-bit ones where it is (results/diag_ln_rows_ptx_<date>.md).
-"""The global loads and stores ``ln_rows_kernel`` compiles to for sm_90, per row width, without a GPU.
+# Answered: Why do graphopt's row kernels (the many-rows LayerNorm, the generated pointwise row tiles) move CoaT-Tiny's rows of 152 at about a quarter of the copy rate? Their loads and stores compile to 2-byte accesses where the row width is not a multiple of 16 (Triton's divisibility hint), 128-bit ones where it is (results/diag_ln_rows_ptx_<date>.md).
+"""The global loads and stores ``ln_rows_kernel`` (and the generated pointwise kernel's row tiles) compile
+to for sm_90, per row width, without a GPU.
 
     python benchmarks/diag/diag_ln_rows_ptx.py --out DIR
 
@@ -47,24 +48,59 @@ def accesses(H: int) -> tuple[Counter, Counter]:
     return Counter(re.findall(r"ld\.global[^ \t]*", ptx)), Counter(re.findall(r"st\.global[^ \t]*", ptx))
 
 
+SOFTMAX = "%0 = input 0\n%1 = rmax %0\n%2 = sub %0 %1\n%3 = exp %2\n%4 = rsum %3\n%5 = div %3 %4\nout %5 bf16"
+
+
+def pointwise_accesses(H: int) -> tuple[Counter, Counter]:
+    """The same count for the generated pointwise kernel's row tiles (``pointwise_triton.generate``,
+    tile2d): a bf16 softmax over rows of H of a dense [1024, H] input, as fused_pointwise launches it
+    (sizes and strides runtime arguments, a unit stride specialized to 1)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from graphopt.cuda_ext import pointwise_triton as pt
+
+    fn = pt.get_kernel(SOFTMAX, (torch.bfloat16,), 2, False, (True,), True)
+    names = [p.name for p in fn.params]
+    types, consts, attrs = {}, {}, {}
+    runtime = {"numel": 1024 * H, "size0": 1024, "size1": H, "st0_0": H}
+    for i, n in enumerate(names):
+        if n.startswith(("in", "out")):
+            types[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+        elif n in runtime:
+            types[n] = "i32"
+            if runtime[n] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            types[n] = "constexpr"
+            consts[(i,)] = {"st0_1": 1, "BM": 8, "BN": 256, "PDL": False}[n]
+    src = triton.compiler.ASTSource(fn=fn, signature=types, constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return Counter(re.findall(r"ld\.global[^ \t]*", ptx)), Counter(re.findall(r"st\.global[^ \t]*", ptx))
+
+
 def main(argv=None) -> int:
     import torch
     import triton
 
     out = out_dir(__doc__, argv or sys.argv[1:])
     rows = []
-    for H, where in WIDTHS:
-        ld, st = accesses(H)
-        rows.append({"H": H, "where": where, "loads": ", ".join(f"{k} x{v}" for k, v in ld.most_common()),
-                     "stores": ", ".join(f"{k} x{v}" for k, v in st.most_common()),
-                     "vectorized": any(".v" in k for k in ld)})
-        print(rows[-1], flush=True)
-    cols = [("row width H", lambda r: str(r["H"]), True), ("model", lambda r: r["where"], False),
+    for kernel, count in (("ln_rows_kernel", accesses), ("pw_kernel (row tiles, softmax)", pointwise_accesses)):
+        for H, where in WIDTHS:
+            ld, st = count(H)
+            rows.append({"kernel": kernel, "H": H, "where": where,
+                         "loads": ", ".join(f"{k} x{v}" for k, v in ld.most_common()),
+                         "stores": ", ".join(f"{k} x{v}" for k, v in st.most_common()),
+                         "vectorized": any(".v" in k for k in ld)})
+            print(rows[-1], flush=True)
+    cols = [("kernel", lambda r: r["kernel"], False), ("row width H", lambda r: str(r["H"]), True), ("model", lambda r: r["where"], False),
             ("global loads", lambda r: r["loads"], False), ("global stores", lambda r: r["stores"], False),
             ("128-bit", lambda r: "yes" if r["vectorized"] else "**no**", False)]
     head = (f"PTX for sm_90 from triton {triton.__version__} (torch {torch.__version__}), compiled on the CPU; "
-            "ln_rows_kernel as _rows launches a bf16 LayerNorm.")
-    write_rows(out, "diag_ln_rows_ptx", rows, table_lines("# ln_rows_kernel's global accesses by row width", head,
+            "ln_rows_kernel as _rows launches a bf16 LayerNorm, pw_kernel as fused_pointwise launches a bf16 softmax "
+            "over rows (row tiles).")
+    write_rows(out, "diag_ln_rows_ptx", rows, table_lines("# Row kernels' global accesses by row width", head,
                                                           cols, rows))
     return 0
 

@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from .col2im_triton import _span
 from .norm_triton import cached_kernel
 
 _kernels: dict = {}
@@ -85,11 +86,6 @@ def blocks(M: int, N: int, K: int) -> tuple[int, int, int]:
     return _pow2(M, 16, 128), _pow2(N, 16, 128), _pow2(K, 16, 64)
 
 
-def _span(t: torch.Tensor) -> int:
-    """Elements from a tensor's first to its last element, plus one."""
-    return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
-
-
 def _five_d(t: torch.Tensor) -> torch.Tensor:
     """t [*batch, r, c] with its batch dims padded in front to three (size-1 views)."""
     while t.dim() < MAX_BATCH_DIMS + 2:
@@ -100,6 +96,8 @@ def _five_d(t: torch.Tensor) -> torch.Tensor:
 def bmm_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` [*batch, M, N] (empty, laid out as it will be returned) gets ``a @ b`` for a
     [*batch, M, K] and b [*batch, K, N] of the same batch shape (at most three dims, any strides)."""
+    import triton
+
     a5, b5, c5 = _five_d(a), _five_d(b), _five_d(out)
     D0, D1, D2, M, K = a5.shape
     N = b5.shape[-1]
@@ -109,12 +107,9 @@ def bmm_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Ten
         return out.zero_()
     wide = max(_span(a), _span(b), _span(out)) >= 2 ** 31
     BM, BN, BK = blocks(M, N, K)
-    grid = (D0 * D1 * D2, triton_cdiv(M, BM) * triton_cdiv(N, BN))
+    grid = (D0 * D1 * D2, triton.cdiv(M, BM) * triton.cdiv(N, BN))
     with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
         _kernel()[grid](a5, b5, c5, M, N, K, *a5.stride(), *b5.stride(), *c5.stride(), D1=D1, D2=D2,
                         BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, WIDE=wide, num_warps=4)
     return out
 
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

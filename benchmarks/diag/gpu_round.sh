@@ -18,6 +18,8 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s36      norm and pointwise cuda tests, then $2 timed against eager with the patch $AB applied (B) and reversed (A),
+#            then $3 timed alone (compile too)
 #   s35      strided_bmm's cuda tests, diag_strided_bmm.py, $2 timed alone (to ${SPLIT:-460} s), node profiles of $3
 #   s34      $2 timed alone (to ${SPLIT:-420} s), then kernel profiles of $3 with each node's kernels (--nodes)
 #   s33      kernel profiles of $2 with the kernels each node of graphopt's graph launches (--nodes)
@@ -73,6 +75,18 @@ node_profiles() {
   done
 }
 case "$1" in
+s36)
+  # the row width a compile-time constant (ln_rows_kernel, the generated pointwise kernel's row tiles): their cuda
+  # tests, then $2 (CONFIG:BATCH,...) timed against eager with the change (B, the tree as sent) and without it (A: the
+  # patch $AB, `git diff main HEAD -- cuda_ext graphopt/cost`, reversed), each with its own plan cache; then $3 alone
+  ctests s36 150 tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py
+  for v in B A; do
+    lim=270; [ $v = A ] && { lim=400; patch -s -R -p1 < "$AB" || break; }
+    GRAPHOPT_CACHE_DIR=/tmp/graphopt-cache-$v timeout $((lim - SECONDS)) python3 benchmarks/sweep.py \
+      perf --configs "$2" --vs eager --jobs 1 --timeout 150 --reps 20 --warmup 3 --out "$OUT/ab_$v" 2>&1 | quiet \
+      | grep "^| \|rror" | tail -6; echo "### $v ${SECONDS}s"
+  done
+  patch -s -p1 < "$AB" && alone "$3" 590 ;;
 s35)
   # graphopt::strided_bmm (lower_strided_bmm): its cuda tests, the per-head product diagnostic (aten, graphopt,
   # compile, predicted), then $2 (CONFIG:BATCH,...) timed alone, then the kernels each node of $3 launches

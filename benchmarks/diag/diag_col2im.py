@@ -81,7 +81,35 @@ CASES = [("VOLO-D1 outlooker fold (k3 s2 p1)", lambda: _volo(64, 28, 3, 1, 2, 6,
          ("dilated (k3 d2 p2)", lambda: _plain(16, 32, 64, 3, 2, 1, 2))]
 
 
-def row_for(name, make, dev, compile_too, passes=("lower_col2im",)):
+def node_times(gm, xs, cm) -> list:
+    """[(node, op, kernel µs, predicted µs)] for each node of ``gm`` that launches kernels: the graph
+    run node by node (no CUDA graph) under the profiler, the second run's kernels kept."""
+    import torch.fx as fx
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+
+    class Run(fx.Interpreter):
+        def run_node(self, n):
+            if n.op != "call_function":
+                return super().run_node(n)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = super().run_node(n)
+                torch.cuda.synchronize()
+            us = sum((getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0))
+                     for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+            if us:
+                rows.append((n.name, str(n.target), us, float(cm.node_cost(n).time_s) * 1e6))
+            return out
+
+    Run(gm).run(*xs)
+    rows.clear()
+    Run(gm).run(*xs)
+    return rows
+
+
+def row_for(name, make, dev, compile_too, passes=("lower_col2im",), nodes=False):
     import graphopt
     from graphopt.cost.model import CostModel
     from graphopt.cost.profiles import get_profile
@@ -100,9 +128,13 @@ def row_for(name, make, dev, compile_too, passes=("lower_col2im",)):
         gm = graphopt.capture(model, xs)
         cm = CostModel(prof)
         row["pred_eager_us"] = float(cm.execution_cost(gm, mode="graphed", reuse_outputs=True).total_s) * 1e6
+        if nodes:
+            row["eager_nodes"] = node_times(gm, xs, cm)
         res = run_passes(gm, list(passes), target=prof)
         row["applied"] = ",".join(r.status for r in res)
         row["pred_ours_us"] = float(cm.execution_cost(gm, mode="graphed", reuse_outputs=True).total_s) * 1e6
+        if nodes:
+            row["ours_nodes"] = node_times(gm, xs, cm)
         run = lambda: gm(*xs)  # noqa: E731
         row["ours_us"] = replayed_us(run)
         out = run()
@@ -121,16 +153,19 @@ def _f(key):
 
 
 def run_cases(doc, argv, cases, passes, stem, title) -> int:
-    """Time each case (eager, graphopt after ``passes`` alone, compile), price it, write DIR/stem_<date>.md."""
-    compile_too = not (argv or sys.argv[1:]).count("--no-compile")
-    args = [a for a in (argv or sys.argv[1:]) if a != "--no-compile"]
+    """Time each case (eager, graphopt after ``passes`` alone, compile), price it, write DIR/stem_<date>.md;
+    with ``--nodes`` also each node's kernel time beside its price, in both graphs."""
+    argv = list(argv or sys.argv[1:])
+    compile_too = "--no-compile" not in argv
+    nodes = "--nodes" in argv
+    args = [a for a in argv if a not in ("--no-compile", "--nodes")]
     out = out_dir(doc, args)
     dev = torch.device("cuda")
     rows: list = []
     for name, make in cases:
         row = {"case": name}
         try:  # not under inference mode: the capture exports the module
-            row.update(row_for(name, make, dev, compile_too, passes))
+            row.update(row_for(name, make, dev, compile_too, passes, nodes))
         except Exception as e:  # noqa: BLE001 - a diagnostic keeps the other cases
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
         rows.append(row)
@@ -143,7 +178,15 @@ def run_cases(doc, argv, cases, passes, stem, title) -> int:
     props = torch.cuda.get_device_properties(dev)
     head = (f"{props.name}, torch {torch.__version__}, bf16; µs per call replayed from a CUDA graph (median); "
             f"graphopt = the captured graph after {', '.join(passes)} alone.")
-    write_rows(out, stem, rows, table_lines(title, head, cols, rows))
+    lines = table_lines(title, head, cols, rows)
+    if nodes:
+        lines += ["", "## Each node alone (run node by node, kernel µs under the profiler) against its price", "",
+                  "| case | graph | node | op | kernel µs | predicted µs |", "| --- | --- | --- | --- | ---: | ---: |"]
+        for r in rows:
+            for g in ("eager", "ours"):
+                for node, op, us, pred in r.get(f"{g}_nodes", []):
+                    lines.append(f"| {r['case'][:40]} | {g} | {node} | `{op}` | {us:.1f} | {pred:.1f} |")
+    write_rows(out, stem, rows, lines)
     return 0
 
 

@@ -1,13 +1,14 @@
 # Answered: Is graphopt::strided_bmm (lower_strided_bmm) faster than aten's batched matmul with its copies, and than Inductor's, on per-head products of split projections, and is it priced right? (results/diag_strided_bmm_<date>.md)
 """Per-head products as models write them, each way of running them, and the cost model's price.
 
-    python benchmarks/diag/diag_strided_bmm.py --out DIR [--no-compile]
+    python benchmarks/diag/diag_strided_bmm.py --out DIR [--no-compile] [--nodes]
 
 Each case is a small module: q, k, v split out of one projection (batch strides that do not fold),
 then products over the heads, then the heads merged and projected. Timed replayed from a CUDA
 graph (µs per call, median), bf16: eager (aten's copies of the operands, cuBLAS, the merge's copy),
 graphopt after ``lower_strided_bmm`` alone, torch.compile (default mode), and the cost model's
-prediction of both graphs on this device's profile; every result checked against float64.
+prediction of both graphs on this device's profile; every result checked against float64. ``--nodes``:
+each node's kernel time beside its price, in both graphs.
 """
 from __future__ import annotations
 
@@ -61,7 +62,11 @@ CASES = [("CoaT-Lite Tiny stage 1 (bs64, 3137 tokens, 8 heads of 8)", _case(Fact
          ("CoaT-Tiny stage 2 (bs64, 785 tokens)", _case(FactorAttention, 64, 785, 152, 8)),
          ("CoaT-Lite Small stage 3 (bs64, 197 tokens, 8 heads of 40)", _case(FactorAttention, 64, 197, 320, 8)),
          ("factorized, bs8, 8 heads of 64", _case(FactorAttention, 8, 1024, 512, 8)),
-         ("linear attention over 64 tokens, 4 heads of 32", _case(ScoresTimesV, 256, 64, 128, 4))]
+         ("linear attention over 64 tokens, 4 heads of 32", _case(ScoresTimesV, 256, 64, 128, 4)),
+         ("factorized, bs64, 50 tokens, 8 heads of 64", _case(FactorAttention, 64, 50, 512, 8)),
+         ("factorized, bs1, 3137 tokens, 8 heads of 19", _case(FactorAttention, 1, 3137, 152, 8)),
+         ("factorized, bs32, 785 tokens, 8 heads of 32", _case(FactorAttention, 32, 785, 256, 8)),
+         ("linear attention, bs64, 196 tokens, 6 heads of 64", _case(ScoresTimesV, 64, 196, 384, 6))]
 
 
 def main(argv=None) -> int:

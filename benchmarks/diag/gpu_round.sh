@@ -18,6 +18,8 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s37      diag_strided_bmm with each node's kernel time against its price, then kernel profiles of $2 with
+#            lower_strided_bmm ablated
 #   s36      norm and pointwise cuda tests, then $2 timed against eager with the patch $AB applied (B) and reversed (A),
 #            then $3 timed alone (compile too)
 #   s35      strided_bmm's cuda tests, diag_strided_bmm.py, $2 timed alone (to ${SPLIT:-460} s), node profiles of $3
@@ -75,6 +77,18 @@ node_profiles() {
   done
 }
 case "$1" in
+s37)
+  # is graphopt::strided_bmm priced right node by node (diag_strided_bmm --nodes), and what does lower_strided_bmm
+  # gain on models it was not written for: $2 (CONFIG:BATCH,...) profiled with and without it (--ablate)
+  timeout 260 python3 benchmarks/diag/diag_strided_bmm.py --out "$OUT" --no-compile --nodes 2>&1 | quiet \
+    | grep "^| [^|]*| (\|rror" | head -12
+  echo "### diag ${SECONDS}s"
+  for cb in $(echo "$2" | tr , " "); do
+    left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
+      ${cb%%:*} --sweep --batch ${cb##*:} --ablate lower_strided_bmm --nodes --top 30 --out "$OUT" 2>&1 | quiet \
+      | grep "^##\|^| lower\|^| (none\|rror" | head -12
+    echo "### profile $cb ${SECONDS}s"
+  done ;;
 s36)
   # the row width a compile-time constant (ln_rows_kernel, the generated pointwise kernel's row tiles): their cuda
   # tests, then $2 (CONFIG:BATCH,...) timed against eager with the change (B, the tree as sent) and without it (A: the

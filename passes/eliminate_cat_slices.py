@@ -58,47 +58,48 @@ def _arg(node: fx.Node, i: int, name: str, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
+def _range(u: fx.Node, size: int):
+    """(what, kind, dim, start, stop) a slice, narrow or select ``u`` reads along ``dim`` of a
+    tensor ``size`` long there, with ``start`` and ``stop`` None where symbolic or stepped."""
+    if u.target is aten.slice.Tensor:
+        d, start, end, step = (_arg(u, 1, "dim", 0), _arg(u, 2, "start", None), _arg(u, 3, "end", None),
+                               _arg(u, 4, "step", 1))
+        if not all(isinstance(v, int) or v is None for v in (start, end, step)) or step != 1:
+            return "slice", "slice", d, None, None
+        return "slice", "slice", d, _clamp(start, size, 0), _clamp(end, size, size)
+    if u.target is aten.narrow.default:
+        d, start, length = u.args[1], u.args[2], u.args[3]
+        if not isinstance(start, int) or not isinstance(length, int):
+            return "narrow", "slice", d, None, None
+        start = start + size if start < 0 else start
+        return "narrow", "slice", d, start, start + length
+    d, i = u.args[1], u.args[2]
+    if not isinstance(i, int):
+        return "select", "select", d, None, None
+    i = i + size if i < 0 else i
+    return "select", "select", d, i, i + 1
+
+
 def _reads(cat: fx.Node, dim: int, size: int) -> tuple[list, list]:
     """(readers, refused): each reader of ``cat`` as (node to replace, kind, start, stop) with kind
     "slice" or "select" (stop = start + 1), a split's items as slices; refused as (node, reason)."""
     out, refused = [], []
+    rank = len(ir.info(cat).shape)
     for u in cat.users:
         if u.op != "call_function":
             refused.append((u, "read by something other than a slice, select or split"))
-            continue
-        if u.target is aten.slice.Tensor and u.args[0] is cat:
-            d, start, end, step = (_arg(u, 1, "dim", 0), _arg(u, 2, "start", None),
-                                   _arg(u, 3, "end", None), _arg(u, 4, "step", 1))
-            if not all(isinstance(v, int) or v is None for v in (d, start, end, step)):
-                refused.append((u, "a slice with symbolic bounds"))
-            elif d % len(ir.info(cat).shape) != dim:
-                refused.append((u, "a slice along another dim than the concatenation's"))
-            elif step != 1:
-                refused.append((u, f"a slice with step {step}"))
+        elif u.target in (aten.slice.Tensor, aten.narrow.default, aten.select.int) and u.args[0] is cat:
+            what, kind, d, start, stop = _range(u, size)
+            if not isinstance(d, int) or d % rank != dim:
+                refused.append((u, f"a {what} along another dim than the concatenation's"))
+            elif start is None:
+                refused.append((u, f"a {what} with symbolic bounds or a step"))
             else:
-                out.append((u, "slice", _clamp(start, size, 0), _clamp(end, size, size)))
-        elif u.target is aten.narrow.default and u.args[0] is cat:
-            d, start, length = u.args[1], u.args[2], u.args[3]
-            if not all(isinstance(v, int) for v in (d, start, length)):
-                refused.append((u, "a narrow with symbolic bounds"))
-            elif d % len(ir.info(cat).shape) != dim:
-                refused.append((u, "a narrow along another dim than the concatenation's"))
-            else:
-                start = start + size if start < 0 else start
-                out.append((u, "slice", start, start + length))
-        elif u.target is aten.select.int and u.args[0] is cat:
-            d, i = u.args[1], u.args[2]
-            if not isinstance(d, int) or not isinstance(i, int):
-                refused.append((u, "a select with a symbolic index"))
-            elif d % len(ir.info(cat).shape) != dim:
-                refused.append((u, "a select along another dim than the concatenation's"))
-            else:
-                i = i + size if i < 0 else i
-                out.append((u, "select", i, i + 1))
+                out.append((u, kind, start, stop))
         elif u.target in SPLITS and u.args[0] is cat:
             d = _arg(u, 2, "dim", 0)
             sizes = u.args[1]
-            if not isinstance(d, int) or d % len(ir.info(cat).shape) != dim:
+            if not isinstance(d, int) or d % rank != dim:
                 refused.append((u, "a split along another dim than the concatenation's"))
                 continue
             if isinstance(sizes, int):

@@ -347,6 +347,7 @@ PIPELINE: tuple[str, ...] = (
     "fold_constants",
     "eliminate_cat_slices",
     # fusion
+    "merge_split_convs",  # (before fold_conv_bn: a BatchNorm after the concatenation folds into the merged one)
     "fold_conv_bn",
     "fuse_attention",
     "fuse_gemv_swiglu",

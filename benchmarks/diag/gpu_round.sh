@@ -18,6 +18,8 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s38      cuda tests of the row-width change and merge_split_convs, diag_pass_ab.py on $2 (CONFIG:BATCH:PASS,...),
+#            then $3 timed alone (compile too), then diag_strided_bmm --nodes
 #   s37      diag_strided_bmm with each node's kernel time against its price, then kernel profiles of $2 with
 #            lower_strided_bmm ablated
 #   s36      norm and pointwise cuda tests, then $2 timed against eager with the patch $AB applied (B) and reversed (A),
@@ -77,6 +79,17 @@ node_profiles() {
   done
 }
 case "$1" in
+s38)
+  # the row width a compile-time constant and merge_split_convs: their cuda tests, then one pass on and off on whole
+  # models ($2: CONFIG:BATCH:PASS,...), then $3 (CONFIG:BATCH,...) timed alone, then strided_bmm node by node
+  ctests s38 150 tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py \
+    tests/passes/test_merge_split_convs.py
+  timeout $((${SPLIT:-400} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
+    2>&1 | quiet | grep "^| \|rror" | tail -8
+  echo "### ab ${SECONDS}s"
+  alone "$3" 540
+  timeout $((590 - SECONDS)) python3 benchmarks/diag/diag_strided_bmm.py --out "$OUT" --no-compile --nodes 2>&1 | quiet \
+    | grep "^| [^|]*| (\|rror" | head -12 ;;
 s37)
   # is graphopt::strided_bmm priced right node by node (diag_strided_bmm --nodes), and what does lower_strided_bmm
   # gain on models it was not written for: $2 (CONFIG:BATCH,...) profiled with and without it (--ablate)

@@ -163,3 +163,18 @@ def test_training_graphs_are_left_alone():
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["merge_split_convs"], target="h200", training=True)
     assert not res.rewrites
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model, x", [(MixedDepthwise(stride=2), (8, 32, 28, 28)), (SplitPointwise(), (8, 16, 14, 14))])
+def test_optimized_on_the_gpu_in_bf16_channels_last(model, x):
+    import graphopt
+
+    torch.manual_seed(0)
+    m = model.eval().cuda().to(torch.bfloat16)
+    xs = (torch.randn(*x, device="cuda", dtype=torch.bfloat16),)
+    om = graphopt.optimize(m, xs)
+    res = next(p for p in om.report.passes if p.name == "merge_split_convs")
+    assert res.status == "applied", [r.reason for r in res.rejected]
+    assert om.report.accuracy["checked"] and om.report.accuracy["passed"]  # the fp64 rule, on the device

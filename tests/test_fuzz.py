@@ -237,3 +237,16 @@ def test_grammar_renders_group_norms_and_lower_group_norm_survives_them():
     ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints={}, strict=True, ignore_cost=True)
     registry()["lower_group_norm"]().run(gm, ctx)
     assert op_counts(gm)["graphopt.group_norm.default"] == 3
+
+
+def test_grammar_renders_mixconv_and_merge_split_convs_keeps_the_numbers():
+    """Convolutions of a split's pieces concatenated back (MixNet's mixed depthwise, split 1x1): one
+    grouped convolution each after merge_split_convs, the same numbers."""
+    p = fuzz.Program(2, 4, 8, ("f32",), (("mixconv", 0, "depthwise"), ("mixconv", 1, "pointwise"),
+                                          ("act", 2, "gelu_tanh")), (3, 2), seed=1)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs)[0].shape == (2, 4, 8)
+    fuzz.check_program(p, ["merge_split_convs", "fuse_elementwise"], "h200", "passes")
+    gm, res = _one_pass(model, inputs, "merge_split_convs")
+    assert res.status == "applied" and len(res.rewrites) == 2
+    assert sum(str(n.target) == "aten.conv2d.default" for n in gm.graph.nodes) == 2

@@ -10,6 +10,9 @@ failure as a standalone test file.
 Op specs (value indices are absolute: inputs first, then one value per op):
   ("linear", src, out, bias)           ("matmul_w", src, n)           ("bmm", a, b)  a @ b^T
   ("conv", src, out_ch, k, bias, bn)   3-D src (B,C,L) viewed as (B,C,2,L/2), conv2d, flattened back
+  ("mixconv", src, mode)               3-D src (B,C,L) viewed as (B,C,2,L/2), split along channels, a convolution of each
+                                       piece, concatenated back (MixNet's): mode "depthwise" (kernels 3 and 5, same
+                                       padding, groups = channels) or "pointwise" (two 1x1 over the halves), flattened back
   ("se", src, gate)                    3-D src (B,C,L) viewed as (B,C,2,L/2): conv2d, squeeze-and-excitation's
                                        per-channel scale (mean over the pixels, sigmoid | hardsigmoid,
                                        a broadcast mul), conv2d, flattened back
@@ -170,6 +173,18 @@ class ProgramModule(nn.Module):
                     seq.append(b)
                 self.mods[key] = nn.Sequential(*seq)
                 out = (src[0], oc, src[2])
+            elif kind == "mixconv":
+                c, h = src[1], src[1] // 2
+                pieces = [(h, 3), (c - h, 5)] if op[2] == "depthwise" else [(h, 1), (c - h, 1)]
+                convs = []
+                for ci, k in pieces:
+                    conv = nn.Conv2d(ci, ci, k, padding=k // 2, groups=ci if op[2] == "depthwise" else 1)
+                    with torch.no_grad():
+                        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) / math.sqrt(conv.weight[0].numel()))
+                        conv.bias.copy_(torch.randn(ci, generator=g) * 0.1)
+                    convs.append(conv)
+                self.mods[key] = nn.ModuleList(convs)
+                out = src
             elif kind == "se":
                 for part in ("a", "b"):
                     conv = nn.Conv2d(src[1], src[1], 3, padding=1)
@@ -338,6 +353,10 @@ class ProgramModule(nn.Module):
             elif kind == "conv":
                 b, c, n = x.shape
                 y = self.mods[key](x.reshape(b, c, 2, n // 2)).flatten(2)
+            elif kind == "mixconv":
+                b, c, n = x.shape
+                parts = torch.split(x.reshape(b, c, 2, n // 2), [m.in_channels for m in self.mods[key]], 1)
+                y = torch.cat([m(t) for m, t in zip(self.mods[key], parts)], 1).flatten(2)
             elif kind == "unfold":
                 b, c, n = x.shape
                 y = F.unfold(x.reshape(b, c, 2, n // 2), op[2], padding=op[3], stride=op[4])
@@ -655,7 +674,7 @@ def programs(max_ops: int = 8):
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
                  "group_norm", "se",
-                 "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
+                 "mixconv", "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads", "repeat", "roll", "catslice", "headprod", "pad", "unfold", "fold")
 
@@ -733,6 +752,10 @@ def programs(max_ops: int = 8):
                     k = draw(st.sampled_from((1, 3)))
                     sh = env[s][0]
                     op, out = ("conv", s, oc, k, draw(st.booleans()), draw(st.booleans())), ((sh[0], oc, sh[2]), "f32")
+            elif kind == "mixconv":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0 and s[1] % 2 == 0)
+                if s is not None:
+                    op, out = ("mixconv", s, draw(st.sampled_from(("depthwise", "pointwise")))), env[s]
             elif kind == "unfold":
                 s = pick(lambda s, d: len(s) == 3 and s[-1] % 2 == 0)
                 if s is not None:
@@ -930,6 +953,9 @@ def programs(max_ops: int = 8):
             if op is not None:
                 ops.append(op)
                 env.append(out)
+        if not ops:  # every drawn kind found no operand: a copy, so a program always has an op
+            ops.append(("contiguous", 0))
+            env.append(env[0])
         last = len(env) - 1
         extra = draw(st.lists(st.integers(len(inputs), last), max_size=1))
         outputs = (last,) + tuple(e for e in extra if e != last)

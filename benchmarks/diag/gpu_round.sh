@@ -82,14 +82,14 @@ case "$1" in
 s38)
   # the row width a compile-time constant and merge_split_convs: their cuda tests, then one pass on and off on whole
   # models ($2: CONFIG:BATCH:PASS,...), then $3 (CONFIG:BATCH,...) timed alone, then strided_bmm node by node
-  ctests s38 150 tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py \
+  ctests s38 ${CT:-150} tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py \
     tests/passes/test_merge_split_convs.py
   timeout $((${SPLIT:-400} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
     2>&1 | quiet | grep "^| \|rror" | tail -8
   echo "### ab ${SECONDS}s"
-  alone "$3" 540
-  timeout $((590 - SECONDS)) python3 benchmarks/diag/diag_strided_bmm.py --out "$OUT" --no-compile --nodes 2>&1 | quiet \
-    | grep "^| [^|]*| (\|rror" | head -12 ;;
+  alone "$3" ${ALONE_END:-540}
+  left=$((${END:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/diag_strided_bmm.py \
+    --out "$OUT" --no-compile --nodes 2>&1 | quiet | grep "^| [^|]*| (\|rror" | head -12 ;;
 s37)
   # is graphopt::strided_bmm priced right node by node (diag_strided_bmm --nodes), and what does lower_strided_bmm
   # gain on models it was not written for: $2 (CONFIG:BATCH,...) profiled with and without it (--ablate)

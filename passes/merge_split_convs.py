@@ -11,7 +11,9 @@ groups of one call when every piece has the same input and output channels per g
 pieces always do). A smaller kernel becomes the larger one with zero taps around it, placed so
 that it reads the same input positions: piece i with padding p_i sits at offset
 (P - p_i) / dilation inside the merged kernel of padding P = max p_i. The result is the same sums
-with zero terms added (exact for finite inputs). MixNet's mixed depthwise convolutions, CoaT's
+with zero terms added (exact for finite inputs). A zero pad written before a piece's convolution
+(TF's ``same`` padding, more after than before) counts as that piece's padding; where the merged
+padding is not symmetric, one zero pad of the whole input comes before the merged call. MixNet's mixed depthwise convolutions, CoaT's
 convolutional position encodings over head groups, and grouped 1x1 convolutions written as a split.
 
 What it saves: each slice of a channels_last (or a batch > 1 NCHW) tensor is copied before cuDNN
@@ -89,6 +91,26 @@ def _channel_range(node: fx.Node) -> tuple | None:
     return None
 
 
+PADS = (aten.pad.default, aten.constant_pad_nd.default)
+
+
+def _zero_pad(node: fx.Node, nd: int) -> tuple | None:
+    """(input, [(before, after) per spatial dim]) where ``node`` pads only the last ``nd`` dims of
+    its input with zeros (TF's ``same`` padding written before a convolution), else None."""
+    if node.op != "call_function" or node.target not in PADS:
+        return None
+    pads = node.args[1]
+    if node.target is aten.pad.default:
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
+    else:
+        mode, value = "constant", node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if mode != "constant" or value not in (None, 0, 0.0) or not isinstance(pads, (list, tuple)) or len(pads) != 2 * nd \
+            or not all(isinstance(v, int) and v >= 0 for v in pads):
+        return None
+    return node.args[0], [(pads[2 * (nd - 1 - d)], pads[2 * (nd - 1 - d) + 1]) for d in range(nd)]
+
+
 def _conv_args(conv: fx.Node) -> tuple:
     """(x, w, b, stride, padding, dilation, groups) of an aten.convNd.default node."""
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -118,6 +140,13 @@ def _plan(gm: fx.GraphModule, cat: fx.Node) -> tuple:
         if len(c.users) != 1 or len(pieces) != len(set(pieces)):
             return None, f"{c.name} is read by more than the concatenation"
         x, w, b, stride, padding, dilation, groups = _conv_args(c)
+        padded = _zero_pad(x, nd) if isinstance(x, fx.Node) else None
+        if padded is not None:
+            if len(x.users) != 1:
+                return None, f"{c.name}'s padded input is read by more than the convolution"
+            x, extra = padded
+        else:
+            extra = [(0, 0)] * nd
         rng = _channel_range(x) if isinstance(x, fx.Node) else None
         if rng is None:
             return None, f"{c.name} does not read a channel slice of a tensor"
@@ -134,7 +163,9 @@ def _plan(gm: fx.GraphModule, cat: fx.Node) -> tuple:
         wi = ir.info(w)
         if wi is None or not all(isinstance(s, int) for s in wi.shape):
             return None, f"{c.name}: a weight of symbolic shape"
-        parts.append(dict(conv=c, w=w, b=b, stride=stride, padding=padding, dilation=dilation, groups=groups,
+        parts.append(dict(conv=c, w=w, b=b, stride=stride, dilation=dilation, groups=groups,
+                          before=[padding[d] + extra[d][0] for d in range(nd)],
+                          after=[padding[d] + extra[d][1] for d in range(nd)],
                           out=wi.shape[0], cin_g=wi.shape[1], k=list(wi.shape[2:]), dtype=wi.dtype, device=wi.device))
     bi = ir.info(base)
     if bi is None or at != bi.shape[1]:
@@ -145,21 +176,23 @@ def _plan(gm: fx.GraphModule, cat: fx.Node) -> tuple:
             return None, f"the convolutions differ in {key.replace('cin_g', 'input channels per group')}"
     if any(p["out"] % p["groups"] or p["out"] // p["groups"] != one["out"] // one["groups"] for p in parts):
         return None, "the convolutions differ in output channels per group"
-    dil = one["dilation"]
-    pad = [max(p["padding"][d] for p in parts) for d in range(nd)]
+    dil, stride = one["dilation"], one["stride"]
+    before = [max(p["before"][d] for p in parts) for d in range(nd)]
     for p in parts:
-        if any((pad[d] - p["padding"][d]) % dil[d] for d in range(nd)):
+        if any((before[d] - p["before"][d]) % dil[d] for d in range(nd)):
             return None, "a padding difference the dilation does not divide (no zero-padded kernel reads the same taps)"
-        p["offset"] = [(pad[d] - p["padding"][d]) // dil[d] for d in range(nd)]
+        p["offset"] = [(before[d] - p["before"][d]) // dil[d] for d in range(nd)]
     kernel = [max(p["offset"][d] + p["k"][d] for p in parts) for d in range(nd)]
-    # the merged call's output size, which must be every piece's
-    size = list(bi.shape[2:])
-    if not all(isinstance(s, int) for s in size):
+    size, want = list(bi.shape[2:]), list(ci.shape[2:])
+    if not all(isinstance(v, int) for v in size + want):
         return None, "symbolic spatial sizes"
-    out = [(size[d] + 2 * pad[d] - dil[d] * (kernel[d] - 1) - 1) // one["stride"][d] + 1 for d in range(nd)]
-    if list(ci.shape[2:]) != out:
-        return None, f"the merged convolution's output {out} is not the pieces' {list(ci.shape[2:])}"
-    return dict(base=base, parts=parts, pad=pad, kernel=kernel, nd=nd, target=convs[0].target,
+    # the padding after: the least that gives the merged call the pieces' output size (the extra taps
+    # past a piece's own kernel are zeros, so what they read does not matter)
+    after = [max(0, (want[d] - 1) * stride[d] + dil[d] * (kernel[d] - 1) + 1 - size[d] - before[d]) for d in range(nd)]
+    out = [(size[d] + before[d] + after[d] - dil[d] * (kernel[d] - 1) - 1) // stride[d] + 1 for d in range(nd)]
+    if out != want:
+        return None, f"the merged convolution's output {out} is not the pieces' {want}"
+    return dict(base=base, parts=parts, before=before, after=after, kernel=kernel, nd=nd, target=convs[0].target,
                 groups=sum(p["groups"] for p in parts), out=sum(p["out"] for p in parts),
                 bias=any(p["b"] is not None for p in parts)), None
 
@@ -206,8 +239,21 @@ def _merged_time(ctx: PassContext, plan: dict) -> float:
     one = plan["parts"][0]
     w = r.tensor((plan["out"], one["cin_g"], *plan["kernel"]), one["dtype"], one["device"])
     b = r.tensor((plan["out"],), one["dtype"], one["device"]) if plan["bias"] else None
-    r.call(plan["target"], r.input(plan["base"]), w, b, one["stride"], plan["pad"], one["dilation"], plan["groups"])
+    x, padding = r.input(plan["base"]), _padding(plan)
+    if padding is None:
+        x, padding = r.call(aten.constant_pad_nd.default, x, _pad_list(plan), 0.0), [0] * plan["nd"]
+    r.call(plan["target"], x, w, b, one["stride"], padding, one["dilation"], plan["groups"])
     return r.time()
+
+
+def _padding(plan: dict) -> list | None:
+    """The merged convolution's own (symmetric) padding, or None where before and after differ."""
+    return plan["before"] if plan["before"] == plan["after"] else None
+
+
+def _pad_list(plan: dict) -> list:
+    """constant_pad_nd's list for the merged padding: the last dim's (before, after) first."""
+    return [v for d in reversed(range(plan["nd"])) for v in (plan["before"][d], plan["after"][d])]
 
 
 def _merge(gm: fx.GraphModule, cat: fx.Node, plan: dict) -> fx.Node:
@@ -230,17 +276,24 @@ def _merge(gm: fx.GraphModule, cat: fx.Node, plan: dict) -> fx.Node:
     first = plan["parts"][0]
     w_name = ir.register_constant(gm, f"{first['conv'].name}_merged_weight", w)
     b_name = ir.register_constant(gm, f"{first['conv'].name}_merged_bias", b) if b is not None else None
+    padding, made = _padding(plan), []
     with g.inserting_before(cat):
         w_node = g.get_attr(w_name)
         b_node = g.get_attr(b_name) if b_name else None
-        merged = g.call_function(plan["target"], (plan["base"], w_node, b_node, first["stride"], plan["pad"],
-                                                  first["dilation"], plan["groups"]))
-    set_meta(gm, [w_node] + ([b_node] if b_node is not None else []) + [merged])
+        x = plan["base"]
+        if padding is None:  # TF's same padding, more after than before: one zero pad of the whole input
+            x = g.call_function(aten.constant_pad_nd.default, (x, _pad_list(plan), 0.0))
+            made.append(x)
+            padding = [0] * nd
+        merged = g.call_function(plan["target"], (x, w_node, b_node, first["stride"], padding, first["dilation"],
+                                                  plan["groups"]))
+    set_meta(gm, [w_node] + ([b_node] if b_node is not None else []) + made + [merged])
     cat.replace_all_uses_with(merged)
     attrs = [p["w"] for p in plan["parts"]] + [p["b"] for p in plan["parts"] if p["b"] is not None]
-    slices = [_conv_args(p["conv"])[0] for p in plan["parts"]]
+    pads = [_conv_args(p["conv"])[0] for p in plan["parts"]]
+    slices = [x.args[0] if x.target in PADS else x for x in pads]
     splits = [s.args[0] for s in slices if s.target is operator.getitem]
-    ir.erase_dead(gm, [cat] + [p["conv"] for p in plan["parts"]] + slices + splits)
+    ir.erase_dead(gm, [cat] + [p["conv"] for p in plan["parts"]] + pads + slices + splits)
     for a in attrs:
         if not a.users:
             g.erase_node(a)

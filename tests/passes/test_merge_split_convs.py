@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from graphopt import capture
 from graphopt.pipeline import run_passes
@@ -178,3 +179,37 @@ def test_optimized_on_the_gpu_in_bf16_channels_last(model, x):
     res = next(p for p in om.report.passes if p.name == "merge_split_convs")
     assert res.status == "applied", [r.reason for r in res.rejected]
     assert om.report.accuracy["checked"] and om.report.accuracy["passed"]  # the fp64 rule, on the device
+
+
+class TfSameMixed(nn.Module):
+    """TF's same padding written before each piece (timm's Conv2dSame, tf_mixnet): more after than before."""
+
+    def __init__(self, splits=(8, 8, 8), kernels=(3, 5, 7), stride=2):
+        super().__init__()
+        self.splits, self.kernels, self.stride = list(splits), kernels, stride
+        self.convs = nn.ModuleList(nn.Conv2d(c, c, k, stride, groups=c) for c, k in zip(splits, kernels))
+
+    def _same(self, x, k):
+        pads = []
+        for n in reversed(x.shape[2:]):
+            total = max((-(-n // self.stride) - 1) * self.stride + k - n, 0)
+            pads += [total // 2, total - total // 2]
+        return F.pad(x, pads)
+
+    def forward(self, x):
+        xs = torch.split(x, self.splits, 1)
+        return torch.cat([c(self._same(xi, k)) for c, xi, k in zip(self.convs, xs, self.kernels)], 1)
+
+
+@pytest.mark.parametrize("stride, size, padded", [(2, 16, True), (2, 15, False), (1, 12, False)])
+def test_tf_same_padding_pieces(stride, size, padded):
+    torch.manual_seed(0)
+    m = TfSameMixed(stride=stride).eval()
+    x = torch.randn(2, 24, size, size)
+    gm, res = _merged(m, x)
+    assert len(res.rewrites) == 1, [r.reason for r in res.rejected]
+    c = op_counts(gm)
+    assert c[CONV] == 1 and "aten.pad.default" not in c
+    # more padding after than before (an even size at stride 2): one zero pad of the whole input first
+    assert ("aten.constant_pad_nd.default" in c) == padded
+    assert reference_check(m, gm, (x,)).passed

@@ -82,31 +82,11 @@ CASES = [("VOLO-D1 outlooker fold (k3 s2 p1)", lambda: _volo(64, 28, 3, 1, 2, 6,
 
 
 def node_times(gm, xs, cm) -> list:
-    """[(node, op, kernel µs, predicted µs)] for each node of ``gm`` that launches kernels: the graph
-    run node by node (no CUDA graph) under the profiler, the second run's kernels kept."""
-    import torch.fx as fx
-    from torch.profiler import ProfilerActivity, profile
+    """[(node, op, kernel µs, predicted µs)] for each node of ``gm`` that launches kernels
+    (profile_model.node_runs: the graph run node by node under the profiler)."""
+    from profile_model import node_runs
 
-    rows = []
-
-    class Run(fx.Interpreter):
-        def run_node(self, n):
-            if n.op != "call_function":
-                return super().run_node(n)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = super().run_node(n)
-                torch.cuda.synchronize()
-            us = sum((getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0))
-                     for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-            if us:
-                rows.append((n.name, str(n.target), us, float(cm.node_cost(n).time_s) * 1e6))
-            return out
-
-    Run(gm).run(*xs)
-    rows.clear()
-    Run(gm).run(*xs)
-    return rows
+    return [(name, op, ms * 1e3, pred * 1e3) for ms, name, op, _, pred in node_runs(gm, list(xs), cm)]
 
 
 def row_for(name, make, dev, compile_too, passes=("lower_col2im",), nodes=False):

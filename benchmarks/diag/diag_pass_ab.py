@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from _timing import cuda_median_ms, table_lines, write_rows  # noqa: E402
+from _timing import table_lines, write_rows  # noqa: E402
 
 
 def _to(x, dev):
@@ -32,20 +31,10 @@ def _to(x, dev):
     return x
 
 
-def _wall_ms(fn, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
 def one(name: str, batch: int, pass_name: str, rounds: int, reps: int, dev: str = "cuda") -> dict:
     import graphopt
     from graphopt.tools import perf_sweep
+    from graphopt.tools.bench import time_call
 
     model, inputs = perf_sweep.build(name, batch)
     model = model.to("cuda", torch.bfloat16).eval() if dev == "cuda" else model.eval()
@@ -68,8 +57,7 @@ def one(name: str, batch: int, pass_name: str, rounds: int, reps: int, dev: str 
     with torch.inference_mode():
         for _ in range(rounds):
             for k, o in opts.items():
-                timer = cuda_median_ms if dev == "cuda" else _wall_ms
-                times[k].append(timer(lambda: call(o), reps=reps, warmup=3))
+                times[k].append(statistics.median(time_call(lambda: call(o), reps=reps, warmup=3, device=dev)) * 1e3)
     for k in opts:
         row[f"{k}_ms"] = statistics.median(times[k])
         row[f"{k}_rounds"] = times[k]

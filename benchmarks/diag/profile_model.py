@@ -77,21 +77,13 @@ def idle_gaps(fn, n=12):
     return lead, sum(g for g, _, _ in gaps), gaps[:n]
 
 
-def node_kernels(opt, inputs, top: int = 40) -> list:
-    """The CUDA kernels each node of the optimized graph launches, the graph run node by node (eager,
-    no CUDA graph) with the profiler around each node: [(kernel ms, node, op, kernels, predicted ms)],
-    most kernel time first, and lines grouping them by op and kernel. Answers which ops launch copies
-    inside aten (a strided copy before cuBLAS or cuDNN) that the graph does not show."""
-    import collections
-
+def node_runs(gm, flat: list, cm) -> list:
+    """[(kernel ms, node, op, [(kernel, ms)], predicted ms)] for each node of ``gm`` that launches
+    CUDA kernels: the graph run node by node (eager, no CUDA graph) with the profiler around each
+    node, twice; the second run's kernels (the first loads them)."""
     import torch.fx as fx
     from torch.profiler import ProfilerActivity, profile
 
-    from graphopt.cost.model import CostModel
-    from graphopt.cost.profiles import get_profile
-
-    gm = next(m for m in opt.modules() if isinstance(m, fx.GraphModule))
-    cm = CostModel(get_profile(torch.device("cuda"))[0])
     rows = []
 
     class Run(fx.Interpreter):
@@ -112,11 +104,28 @@ def node_kernels(opt, inputs, top: int = 40) -> list:
                 rows.append((sum(t for _, t in ks), n.name, str(n.target), ks, pred))
             return out
 
+    Run(gm).run(*flat)
+    first = len(rows)
+    Run(gm).run(*flat)
+    return rows[first:]
+
+
+def node_kernels(opt, inputs, top: int = 40) -> list:
+    """The CUDA kernels each node of the optimized graph launches (node_runs), most kernel time
+    first, as lines grouping them by op and kernel. Answers which ops launch copies inside aten (a
+    strided copy before cuBLAS or cuDNN) that the graph does not show."""
+    import collections
+
+    import torch.fx as fx
+
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+
+    gm = next(m for m in opt.modules() if isinstance(m, fx.GraphModule))
+    cm = CostModel(get_profile(torch.device("cuda"))[0])
     flat = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
     with torch.inference_mode():
-        Run(gm).run(*flat)
-        Run(gm).run(*flat)  # the second run's kernels (the first loads them)
-    rows = rows[len(rows) // 2:]
+        rows = node_runs(gm, flat, cm)
     by = collections.defaultdict(lambda: [0, 0.0, 0.0, set()])
     for t, name, op, ks, pred in rows:
         key = (op, " + ".join(k[:50] for k, _ in ks))

@@ -36,48 +36,15 @@ from graphopt import ir
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from ._reprice import closure, reprice
+from ._slices import RANGES, SPLITS, arg, node_range, split_bounds
 
 aten = torch.ops.aten
 
 CAT = aten.cat.default
-SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 
 
 def _static(shape) -> bool:
     return all(isinstance(d, int) for d in shape)
-
-
-def _clamp(v, size: int, default: int) -> int:
-    if v is None:
-        return default
-    v = v + size if v < 0 else v
-    return max(0, min(size, v))
-
-
-def _arg(node: fx.Node, i: int, name: str, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def _range(u: fx.Node, size: int):
-    """(what, kind, dim, start, stop) a slice, narrow or select ``u`` reads along ``dim`` of a
-    tensor ``size`` long there, with ``start`` and ``stop`` None where symbolic or stepped."""
-    if u.target is aten.slice.Tensor:
-        d, start, end, step = (_arg(u, 1, "dim", 0), _arg(u, 2, "start", None), _arg(u, 3, "end", None),
-                               _arg(u, 4, "step", 1))
-        if not all(isinstance(v, int) or v is None for v in (start, end, step)) or step != 1:
-            return "slice", "slice", d, None, None
-        return "slice", "slice", d, _clamp(start, size, 0), _clamp(end, size, size)
-    if u.target is aten.narrow.default:
-        d, start, length = u.args[1], u.args[2], u.args[3]
-        if not isinstance(start, int) or not isinstance(length, int):
-            return "narrow", "slice", d, None, None
-        start = start + size if start < 0 else start
-        return "narrow", "slice", d, start, start + length
-    d, i = u.args[1], u.args[2]
-    if not isinstance(i, int):
-        return "select", "select", d, None, None
-    i = i + size if i < 0 else i
-    return "select", "select", d, i, i + 1
 
 
 def _reads(cat: fx.Node, dim: int, size: int) -> tuple[list, list]:
@@ -88,8 +55,8 @@ def _reads(cat: fx.Node, dim: int, size: int) -> tuple[list, list]:
     for u in cat.users:
         if u.op != "call_function":
             refused.append((u, "read by something other than a slice, select or split"))
-        elif u.target in (aten.slice.Tensor, aten.narrow.default, aten.select.int) and u.args[0] is cat:
-            what, kind, d, start, stop = _range(u, size)
+        elif u.target in RANGES and u.args[0] is cat:
+            what, kind, d, start, stop = node_range(u, size)
             if not isinstance(d, int) or d % rank != dim:
                 refused.append((u, f"a {what} along another dim than the concatenation's"))
             elif start is None:
@@ -97,19 +64,14 @@ def _reads(cat: fx.Node, dim: int, size: int) -> tuple[list, list]:
             else:
                 out.append((u, kind, start, stop))
         elif u.target in SPLITS and u.args[0] is cat:
-            d = _arg(u, 2, "dim", 0)
-            sizes = u.args[1]
+            d = arg(u, 2, "dim", 0)
             if not isinstance(d, int) or d % rank != dim:
                 refused.append((u, "a split along another dim than the concatenation's"))
                 continue
-            if isinstance(sizes, int):
-                sizes = [min(sizes, size - s) for s in range(0, size, sizes)] if sizes > 0 else None
-            if sizes is None or not all(isinstance(s, int) for s in sizes):
+            bounds = split_bounds(u, size)
+            if bounds is None:
                 refused.append((u, "a split with symbolic sizes"))
                 continue
-            bounds = [0]
-            for s in sizes:
-                bounds.append(bounds[-1] + s)
             for item in list(u.users):
                 if item.target is not operator.getitem or not isinstance(item.args[1], int):
                     refused.append((item, "a split's result read whole"))
@@ -166,7 +128,7 @@ class EliminateCatSlices(Pass):
     def _plan(cat, storage, writes):
         ci = ir.info(cat)
         pieces = cat.args[0] if cat.args else cat.kwargs.get("tensors")
-        dim = _arg(cat, 1, "dim", 0)
+        dim = arg(cat, 1, "dim", 0)
         if ci is None or not isinstance(pieces, (list, tuple)) or not isinstance(dim, int):
             return "no static metadata", None
         if not _static(ci.shape):

@@ -30,6 +30,7 @@ non-constant weights.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -40,11 +41,11 @@ from graphopt import ir
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
 from ._fusion_meta import set_meta
+from ._slices import RANGES, SPLITS, arg, node_range, split_bounds
 
 aten = torch.ops.aten
 
 CONVS = {aten.conv1d.default: 1, aten.conv2d.default: 2, aten.conv3d.default: 3}
-SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 
 
 def _ints(v, n: int) -> list | None:
@@ -56,39 +57,24 @@ def _ints(v, n: int) -> list | None:
 
 def _channel_range(node: fx.Node) -> tuple | None:
     """(base, start, stop) where ``node`` is a slice along dim 1 (a split's item or a step-1
-    slice) of ``base``, else None."""
+    slice or narrow) of ``base``, else None."""
     if node.op != "call_function":
         return None
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in SPLITS:
-        split, k = node.args[0], node.args[1]
-        base = split.args[0]
-        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        bi = ir.info(base)
-        if bi is None or not isinstance(dim, int) or dim % len(bi.shape) != 1 or not isinstance(bi.shape[1], int):
-            return None
-        sizes = split.args[1]
-        if isinstance(sizes, int):
-            sizes = [min(sizes, bi.shape[1] - s) for s in range(0, bi.shape[1], sizes)] if sizes > 0 else None
-        if sizes is None or not all(isinstance(s, int) for s in sizes) or not isinstance(k, int):
-            return None
-        start = sum(sizes[:k])
-        return base, start, start + sizes[k]
-    if node.target is aten.slice.Tensor:
-        base = node.args[0]
-        bi = ir.info(base)
-        d = node.args[1] if len(node.args) > 1 else 0
-        start = node.args[2] if len(node.args) > 2 else None
-        end = node.args[3] if len(node.args) > 3 else None
-        step = node.args[4] if len(node.args) > 4 else 1
-        if bi is None or not isinstance(d, int) or d % len(bi.shape) != 1 or step != 1:
-            return None
-        c = bi.shape[1]
-        if not isinstance(c, int) or not all(v is None or isinstance(v, int) for v in (start, end)):
-            return None
-        start = 0 if start is None else max(0, min(c, start + c if start < 0 else start))
-        end = c if end is None else max(0, min(c, end + c if end < 0 else end))
-        return base, start, end
-    return None
+    split = node.args[0] if node.target is operator.getitem else None
+    if isinstance(split, fx.Node) and split.target in SPLITS:
+        base, d = split.args[0], arg(split, 2, "dim", 0)
+    elif node.target in RANGES and node.target is not aten.select.int:
+        base, d = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    else:
+        return None
+    bi = ir.info(base) if isinstance(base, fx.Node) else None
+    if bi is None or not isinstance(d, int) or d % len(bi.shape) != 1 or not isinstance(bi.shape[1], int):
+        return None
+    if split is not None:
+        bounds, k = split_bounds(split, bi.shape[1]), node.args[1]
+        return (base, bounds[k], bounds[k + 1]) if bounds is not None and isinstance(k, int) else None
+    _, _, _, start, stop = node_range(node, bi.shape[1])
+    return (base, start, stop) if start is not None else None
 
 
 PADS = (aten.pad.default, aten.constant_pad_nd.default)
@@ -119,7 +105,7 @@ def _conv_args(conv: fx.Node) -> tuple:
                  for i, (n, d) in enumerate(zip(names, defaults)))
 
 
-def _plan(gm: fx.GraphModule, cat: fx.Node) -> tuple:
+def _plan(cat: fx.Node) -> tuple:
     """(plan, None) for a mergeable concatenation, else (None, why); plan None and why None: not
     a concatenation of convolutions at all (nothing to report)."""
     ci = ir.info(cat)
@@ -132,12 +118,14 @@ def _plan(gm: fx.GraphModule, cat: fx.Node) -> tuple:
         return None, "concatenated along another dim than the channels"
     if len(convs) != len(pieces):
         return None, "a piece of the concatenation is not a convolution"
+    if len(set(convs)) != len(convs):
+        return None, "a convolution is concatenated more than once"
     if len({c.target for c in convs}) != 1:
         return None, "convolutions of different ranks"
     nd = CONVS[convs[0].target]
     parts, base, at = [], None, 0
     for c in convs:
-        if len(c.users) != 1 or len(pieces) != len(set(pieces)):
+        if len(c.users) != 1:
             return None, f"{c.name} is read by more than the concatenation"
         x, w, b, stride, padding, dilation, groups = _conv_args(c)
         padded = _zero_pad(x, nd) if isinstance(x, fx.Node) else None
@@ -208,7 +196,7 @@ class MergeSplitConvs(Pass):
         res = self.result()
         candidates = []
         for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.cat.default]:
-            plan, why = _plan(gm, cat)
+            plan, why = _plan(cat)
             label = f"{cat.name} ({len(cat.args[0])} pieces)"
             if plan is None:
                 if why is not None:
@@ -217,20 +205,13 @@ class MergeSplitConvs(Pass):
             convs = [p["conv"] for p in plan["parts"]]
             gain = ctx.node_time(convs + [cat]) - _merged_time(ctx, plan)
             kernel = "x".join(str(k) for k in plan["kernel"])
-            w_bytes = plan["out"] * plan["parts"][0]["cin_g"] * _prod(plan["kernel"]) * plan["parts"][0]["dtype"].itemsize
+            w_bytes = plan["out"] * plan["parts"][0]["cin_g"] * math.prod(plan["kernel"]) * plan["parts"][0]["dtype"].itemsize
             candidates.append(Candidate(f"{len(convs)} sliced convolutions as one of {plan['groups']} groups, "
                                         f"kernel {kernel}", convs + [cat], gain,
                                         lambda gm=gm, cat=cat, plan=plan: _merge(gm, cat, plan),
                                         label=label, constant_bytes=w_bytes))
         res.apply_ranked(ctx, candidates)
         return res
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 def _merged_time(ctx: PassContext, plan: dict) -> float:

@@ -100,12 +100,13 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def ln_rows_kernel(P, PS, BIAS, X, W, B, OUT, HOUT, R, H, eps, S: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def ln_rows_kernel(P, PS, BIAS, X, W, B, OUT, HOUT, R, H: tl.constexpr, eps, S: tl.constexpr, HAS_BIAS: tl.constexpr,
                        HAS_X: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_H: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
         # OUT = layer_norm(h) over rows of H, h = the S fp32 partial products at P (PS apart) + BIAS + X,
         # rounded to OUT's dtype once (stored to HOUT with STORE_H). A plain LayerNorm is S = 0 with X its
-        # input (rounding X to its own dtype changes nothing).
+        # input (rounding X to its own dtype changes nothing). The row width H is a compile-time constant:
+        # a row then starts as aligned as H's bytes make it, and the accesses vectorize to that alignment.
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
@@ -202,17 +203,17 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
     return _rows(x, None, weight, bias, eps, "layer_norm", store_h=False)[0]
 
 
-def rows_cost(cost, width, profile):
+def rows_cost(cost, width, itemsize, profile):
     """``cost`` (one pass over the bytes) of the many-rows kernel over rows ``width`` wide, slowed where
-    its accesses are 2-byte ones: Triton marks an integer argument divisible by 16 as such and nothing
-    else, so for another width the kernel cannot prove a row 16-byte aligned (its offsets are
-    ``rows * H``; benchmarks/diag/diag_ln_rows_ptx.py), priced at the profile's measured
+    a row's bytes are not a multiple of 16: the kernel compiles the width in, so its loads and stores
+    are 128-bit where every row starts 16-byte aligned and narrower where not
+    (benchmarks/diag/diag_ln_rows_ptx.py), priced at the profile's measured
     ``op_efficiency["ln_rows_unaligned"]["memory_scale"]`` of the copy rate."""
     import dataclasses
 
     scale = profile.efficiency("ln_rows_unaligned", "memory_scale")
     try:
-        aligned = int(width) % 16 == 0
+        aligned = int(width) * itemsize % 16 == 0
     except TypeError:  # a symbolic width
         return cost
     if aligned or scale is None or profile.kind != "cuda":

@@ -136,7 +136,9 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     params += [f"st{i}_{d}" for i in range(n_in) for d in range(ndim)]
     params += [f"c{e}{i}" for i in pieces for e in "se"]
     shape = "[BM, BN]" if tile2d else "[BLOCK]"
-    consts = "BM: tl.constexpr, BN: tl.constexpr" if tile2d else "BLOCK: tl.constexpr"
+    # tile2d: the row width W a compile-time constant, so a row's start is provably as aligned as W
+    # makes it and the loads vectorize (a runtime width is only known divisible by 16 when it is)
+    consts = "BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr" if tile2d else "BLOCK: tl.constexpr"
     L = ["import triton", "import triton.language as tl",
          "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait", "", "",
          *(_ROW_COMBINE if p.reduces else []),
@@ -151,10 +153,10 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         L.append(f"    c = (tl.program_id(1){ity} * BN + tl.arange(0, BN){ity})[None, :]")
         last = ndim - 1
         if ndim == 2:
-            L.append("    m = (r < size0) & (c < size1)")
+            L.append("    m = (r < size0) & (c < W)")
         else:  # rows = every dim but the last, flattened
-            L.append(f"    m = (r < numel // size{last}) & (c < size{last})")
-        L.append(f"    offs = r * size{last} + c")
+            L.append("    m = (r < numel // W) & (c < W)")
+        L.append("    offs = r * W + c")
         walk = [i for i in range(n_in) if not dense[i]]
         for i in range(n_in):
             if dense[i]:
@@ -553,12 +555,12 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
         bn = next_pow2(cshape[-1])
         bm = max(1, min(64, ROW_TILE // bn))
         pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), 1)
-        pl.meta = dict(BM=bm, BN=bn, num_warps=8 if bn >= 2048 else 4)
+        pl.meta = dict(BM=bm, BN=bn, W=cshape[-1], num_warps=8 if bn >= 2048 else 4)
     elif tile2d:
         bn = min(BLOCK, next_pow2(cshape[-1]))
         bm = max(1, BLOCK // bn)
         pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), triton_cdiv(cshape[-1], bn))
-        pl.meta = dict(BM=bm, BN=bn, num_warps=4)
+        pl.meta = dict(BM=bm, BN=bn, W=cshape[-1], num_warps=4)
     else:
         pl.grid = (triton_cdiv(pl.numel, BLOCK),)
         pl.meta = dict(BLOCK=BLOCK, num_warps=4)

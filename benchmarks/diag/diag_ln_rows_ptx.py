@@ -1,13 +1,14 @@
-# Answered: Why do graphopt's row kernels (the many-rows LayerNorm, the generated pointwise row tiles) move CoaT-Tiny's rows of 152 at about a quarter of the copy rate? Their loads and stores compile to 2-byte accesses where the row width is not a multiple of 16 (Triton's divisibility hint), 128-bit ones where it is (results/diag_ln_rows_ptx_<date>.md).
+# Answered: Why did graphopt's row kernels (the many-rows LayerNorm, the generated pointwise row tiles) move CoaT-Tiny's rows of 152 at about a quarter of the copy rate? With a runtime width their accesses were 2-byte ones unless 16 divided the width; with the width compiled in they are 128-bit wherever a row's bytes are a multiple of 16 (results/diag_ln_rows_ptx_<date>.md).
 """The global loads and stores ``ln_rows_kernel`` (and the generated pointwise kernel's row tiles) compile
 to for sm_90, per row width, without a GPU.
 
     python benchmarks/diag/diag_ln_rows_ptx.py --out DIR
 
-Triton specializes an integer argument on whether it is divisible by 16; the kernel's row offsets
-are ``rows * H`` with H a runtime argument, so for a width that is not a multiple of 16 the compiler
-cannot prove a row starts 16-byte aligned and emits one 2-byte access per element. The kernel is
-compiled here (ASTSource, GPUTarget cuda 90) as ``_rows`` launches it for a plain LayerNorm in bf16
+Triton specializes an integer argument only on whether it is divisible by 16, so with the width a
+runtime argument the kernels' row offsets ``rows * H`` were provably 16-byte aligned only at widths
+divisible by 16, and every other width got one 2-byte access per element. Both kernels now take the
+width as a compile-time constant (``H`` / ``W: tl.constexpr``); this shows what that buys per width
+(a bf16 row is 16-byte aligned where the width is a multiple of 8). The kernel is compiled here (ASTSource, GPUTarget cuda 90) as ``_rows`` launches it for a plain LayerNorm in bf16
 (32 rows of a 256-wide block for widths up to 256, as `_rows` picks) and the PTX's accesses counted.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _timing import out_dir, table_lines, write_rows  # noqa: E402
 
-WIDTHS = [(152, "CoaT-Tiny"), (160, "a multiple of 16 next to it"), (192, "DeiT-Tiny"), (200, "—"),
+WIDTHS = [(150, "not a multiple of 8"), (152, "CoaT-Tiny"), (160, "a multiple of 16 next to it"), (192, "DeiT-Tiny"), (200, "—"),
           (216, "—"), (320, "CoaT-Lite Small"), (384, "DeiT-Small"), (440, "—")]
 
 
@@ -34,14 +35,12 @@ def accesses(H: int) -> tuple[Counter, Counter]:
 
     names = ["P", "PS", "BIAS", "X", "W", "B", "OUT", "HOUT", "R", "H", "eps", "S", "HAS_BIAS", "HAS_X", "HAS_W",
              "HAS_B", "STORE_H", "ROWS", "BLOCK_H"]
-    types = ["*bf16", "i32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "i32", "i32", "fp32"] + \
+    types = ["*bf16", "i32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "i32", "constexpr", "fp32"] + \
         ["constexpr"] * 8
     bh = next_pow2(H)
-    consts = {"S": 0, "HAS_BIAS": False, "HAS_X": True, "HAS_W": True, "HAS_B": True, "STORE_H": False,
+    consts = {"H": H, "S": 0, "HAS_BIAS": False, "HAS_X": True, "HAS_W": True, "HAS_B": True, "STORE_H": False,
               "ROWS": max(1, min(128, 8192 // bh)), "BLOCK_H": bh}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("P", "BIAS", "X", "W", "B", "OUT", "HOUT")}
-    if H % 16 == 0:  # as Triton's launcher specializes an int argument
-        attrs[(names.index("H"),)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=nt._build(), signature=dict(zip(names, types)),
                                     constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
@@ -74,7 +73,7 @@ def pointwise_accesses(H: int) -> tuple[Counter, Counter]:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             types[n] = "constexpr"
-            consts[(i,)] = {"st0_1": 1, "BM": 8, "BN": 256, "PDL": False}[n]
+            consts[(i,)] = {"st0_1": 1, "BM": 8, "BN": 256, "W": H, "PDL": False}[n]
     src = triton.compiler.ASTSource(fn=fn, signature=types, constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     return Counter(re.findall(r"ld\.global[^ \t]*", ptx)), Counter(re.findall(r"st\.global[^ \t]*", ptx))
@@ -96,7 +95,7 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
     cols = [("kernel", lambda r: r["kernel"], False), ("row width H", lambda r: str(r["H"]), True), ("model", lambda r: r["where"], False),
             ("global loads", lambda r: r["loads"], False), ("global stores", lambda r: r["stores"], False),
-            ("128-bit", lambda r: "yes" if r["vectorized"] else "**no**", False)]
+            ("vectorized", lambda r: "yes" if r["vectorized"] else "**no**", False)]
     head = (f"PTX for sm_90 from triton {triton.__version__} (torch {torch.__version__}), compiled on the CPU; "
             "ln_rows_kernel as _rows launches a bf16 LayerNorm, pw_kernel as fused_pointwise launches a bf16 softmax "
             "over rows (row tiles).")

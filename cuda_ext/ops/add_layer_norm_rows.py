@@ -30,11 +30,11 @@ def cuda(x, residual, weight, bias, eps):
 
 def cost(call, profile):
     """8 FLOPs an element (aten's layer_norm weight), one pass over its bytes (no per-row floor), slower
-    where the row width leaves its accesses unvectorized (norm_triton.rows_cost)."""
+    where a row's bytes leave its accesses unvectorized (norm_triton.rows_cost)."""
     from ..norm_triton import rows_cost
 
     x = call.info("x")
-    return rows_cost(fused_cost(call, flops_per_element=8), x.shape[-1] if x.shape else 1, profile)
+    return rows_cost(fused_cost(call, flops_per_element=8), x.shape[-1] if x.shape else 1, x.dtype.itemsize, profile)
 
 
 def add_layer_norm_rows(x, residual=None, weight=None, bias=None, eps: float = 1e-5):

@@ -44,11 +44,11 @@ def cuda(x, weight, bias, eps):
 def cost(call, profile):
     """8 FLOPs an element (aten's layer_norm weight), one pass over its bytes: its kernel normalizes
     many rows per program, so aten's one-block-per-row floor (norm_rows_seconds) is not its; slower where
-    the row width leaves its accesses unvectorized (norm_triton.rows_cost)."""
+    a row's bytes leave its accesses unvectorized (norm_triton.rows_cost)."""
     from ..norm_triton import rows_cost
 
     x = call.info("x")
-    return rows_cost(fused_cost(call, flops_per_element=8), x.shape[-1] if x.shape else 1, profile)
+    return rows_cost(fused_cost(call, flops_per_element=8), x.shape[-1] if x.shape else 1, x.dtype.itemsize, profile)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,

@@ -1,0 +1,170 @@
+"""``graphopt::dwconv2d`` in one Triton kernel: a depthwise convolution (one filter per channel) with
+its bias, activation and residual add, reading its input and residual through their strides.
+
+A program computes a [BLOCK_P, BLOCK_C] tile of the output: BLOCK_P output pixels (in the order
+n, y, x) by BLOCK_C channels. For each of the KH x KW taps it loads the input pixels the tap reads,
+BLOCK_C channels each (adjacent in memory where the channels are innermost: one vector load per
+pixel), and the tap's BLOCK_C weights, and accumulates in fp32; the taps of neighbouring pixels
+overlap, so after the first tap most loads hit the cache. Then + bias, the activation, + residual,
+one rounding at the store. Adjacent programs take the channel blocks of the same pixels, so they
+read the same input rows. Sizes, kernel, stride, padding and dilation are compile-time constants,
+and the strides of the input, residual and output (all but the channel strides) carry the largest
+power of two up to 8 dividing all of them as an alignment hint, so a channel-innermost tensor
+whose rows are 16-byte aligned is read and written in 16-byte vectors (a channel slice of a wider
+tensor included: CoaT's value heads, read where the qkv projection left them).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from .norm_triton import cached_kernel
+
+_kernels: dict = {}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TILE = 2048  # output elements a program computes
+ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "sigmoid": 5, "tanh": 6, "hardswish": 7}
+LEAKY_CODE = 8
+
+
+def _kernel():
+    return cached_kernel(_kernels, _build)
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dwconv_kernel(X, Wt, B, R, OUT, P, slope, sxn, sxc, sxh, sxw, srn, src, srh, srw, son, soc, soh, sow,
+                      C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
+                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                      PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                      HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
+                      XA: tl.constexpr, RA: tl.constexpr, OA: tl.constexpr, NCB: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+        pid = tl.program_id(0)
+        if WIDE:
+            pid = pid.to(tl.int64)
+        cb = pid % NCB
+        p = (pid // NCB) * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        pm = p < P
+        cm = c < C
+        ox = p % OW
+        t = p // OW
+        oy = t % OH
+        n = t // OH
+        acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+        for ki in tl.static_range(KH):
+            iy = oy * SH - PH + ki * DH
+            oky = pm & (iy >= 0) & (iy < H)
+            for kj in tl.static_range(KW):
+                ix = ox * SW - PW + kj * DW
+                ok = oky & (ix >= 0) & (ix < W)
+                off = tl.multiple_of(n * sxn + iy * sxh + ix * sxw, XA)
+                v = tl.load(X + off[:, None] + c[None, :] * sxc, mask=ok[:, None] & cm[None, :], other=0.0)
+                wv = tl.load(Wt + c * (KH * KW) + (ki * KW + kj), mask=cm, other=0.0)
+                acc += v.to(tl.float32) * wv.to(tl.float32)[None, :]
+        if HAS_B:
+            acc += tl.load(B + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if ACT == 1:
+            acc = tl.where(acc < 0, 0.0, acc)
+        elif ACT == 2:
+            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+        elif ACT == 3:  # tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): no overflow
+            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            e = tl.exp(-2.0 * tl.abs(u))
+            acc = 0.5 * acc * (1.0 + tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e))
+        elif ACT == 4:
+            acc = acc / (1.0 + tl.exp(-acc))
+        elif ACT == 5:
+            acc = 1.0 / (1.0 + tl.exp(-acc))
+        elif ACT == 6:
+            e = tl.exp(-2.0 * tl.abs(acc))
+            acc = tl.where(acc < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+        elif ACT == 7:
+            acc = acc * tl.minimum(tl.maximum(acc + 3.0, 0.0), 6.0) / 6.0
+        elif ACT == 8:
+            acc = tl.where(acc < 0, acc * slope, acc)
+        m = pm[:, None] & cm[None, :]
+        if HAS_R:
+            roff = tl.multiple_of(n * srn + oy * srh + ox * srw, RA)
+            acc += tl.load(R + roff[:, None] + c[None, :] * src, mask=m, other=0.0).to(tl.float32)
+        ooff = tl.multiple_of(n * son + oy * soh + ox * sow, OA)
+        tl.store(OUT + ooff[:, None] + c[None, :] * soc, acc.to(OUT.dtype.element_ty), mask=m)
+
+    return dwconv_kernel
+
+
+def out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def block_c(C: int) -> int:
+    """The channel block: the power of two from 16 to 128 that wastes the fewest lanes on C's last
+    block (the larger on a tie)."""
+    return min((128, 64, 32, 16), key=lambda b: (-(-C // b) * b, -b))
+
+
+def alignment(t: torch.Tensor) -> int:
+    """The largest power of two up to 8 dividing every stride of ``t`` but the channels' (dim 1)."""
+    g = 0
+    for d, s in enumerate(t.stride()):
+        if d != 1 and t.shape[d] > 1:
+            g = math.gcd(g, s)
+    g = g or 8
+    a = 1
+    while a < 8 and g % (2 * a) == 0:
+        a *= 2
+    return a
+
+
+def _span(t: torch.Tensor) -> int:
+    return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+
+
+def act_code(act: str) -> tuple[int, float]:
+    """(the kernel's activation code, the leaky slope) of one of bias_act's activation names."""
+    from .ops.bias_act import leaky_slope
+
+    if act in ACT_CODES:
+        return ACT_CODES[act], 0.0
+    slope = leaky_slope(act)
+    if slope is None:
+        raise ValueError(f"graphopt::dwconv2d: unknown activation {act!r}")
+    return LEAKY_CODE, slope
+
+
+def dwconv2d_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                    out: torch.Tensor, stride, padding, dilation, act: str) -> torch.Tensor:
+    """``out`` [N, C, OH, OW] (empty, laid out as it will be returned) gets the depthwise convolution of
+    x [N, C, H, W] with w [C, 1, KH, KW], + bias, the activation, + residual; arguments as
+    ``ops/dwconv2d.py`` checks them."""
+    import triton
+
+    N, C, H, W = x.shape
+    _, _, OH, OW = out.shape
+    KH, KW = w.shape[2:]
+    P = N * OH * OW
+    if P == 0 or C == 0:
+        return out
+    code, slope = act_code(act)
+    wc = w.contiguous()
+    b = bias.contiguous() if bias is not None else wc
+    r = residual.expand(out.shape) if residual is not None else out
+    bc = block_c(C)
+    bp = max(1, TILE // bc)
+    ncb = triton.cdiv(C, bc)
+    grid = (ncb * triton.cdiv(P, bp),)
+    wide = max(_span(x), _span(out), _span(r), P + bp, grid[0] * bp) >= 2 ** 31
+    k = _kernel()
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        k[grid](x, wc, b, r, out, P, float(slope), *x.stride(), *r.stride(), *out.stride(),
+                C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0],
+                PW=padding[1], DH=dilation[0], DW=dilation[1], HAS_B=bias is not None, HAS_R=residual is not None,
+                ACT=code, XA=alignment(x), RA=alignment(r), OA=alignment(out), NCB=ncb, BLOCK_P=bp, BLOCK_C=bc,
+                WIDE=wide, num_warps=4)
+    return out

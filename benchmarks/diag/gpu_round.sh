@@ -18,8 +18,8 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
-#   s39      cuda tests of dwconv2d, the row-width change and merge_split_convs, diag_pass_ab.py on $2
-#            (CONFIG:BATCH:PASS,...), then $3 timed alone (compile too)
+#   s39      cuda tests of dwconv2d, the row-width change and merge_split_convs, diag_dwconv.py, diag_pass_ab.py
+#            on $2 (CONFIG:BATCH:PASS,...), then $3 timed alone (compile too)
 #   s38      cuda tests of the row-width change and merge_split_convs, diag_pass_ab.py on $2 (CONFIG:BATCH:PASS,...),
 #            then $3 timed alone (compile too), then diag_strided_bmm --nodes
 #   s37      diag_strided_bmm with each node's kernel time against its price, then kernel profiles of $2 with
@@ -82,14 +82,19 @@ node_profiles() {
 }
 case "$1" in
 s39)
-  # graphopt::dwconv2d (lower_depthwise_conv) and the row width compiled in: their cuda tests, then one pass on
-  # and off on whole models ($2: CONFIG:BATCH:PASS,...), then $3 (CONFIG:BATCH,...) timed alone
-  ctests s39 ${CT:-170} tests/cuda_ext/test_dwconv2d.py tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py \
-    tests/passes/test_fuse_elementwise.py tests/passes/test_merge_split_convs.py
-  timeout $((${AB_END:-430} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
+  # graphopt::dwconv2d (lower_depthwise_conv) and the row width compiled in: their cuda tests, the depthwise
+  # diagnostic (aten, graphopt, predicted), then one pass on and off on whole models ($2: CONFIG:BATCH:PASS,...),
+  # then $3 (CONFIG:BATCH,...) timed alone
+  ctests s39 ${CT:-170} tests/cuda_ext/test_dwconv2d.py tests/passes/test_lower_depthwise_conv.py \
+    tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py \
+    tests/passes/test_merge_split_convs.py
+  timeout $((${DIAG_END:-280} - SECONDS)) python3 benchmarks/diag/diag_dwconv.py --out "$OUT" --no-compile 2>&1 \
+    | quiet | grep "^|\|rror" | head -16
+  echo "### diag ${SECONDS}s"
+  timeout $((${AB_END:-500} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
     2>&1 | quiet | grep "^| \|rror" | tail -8
   echo "### ab ${SECONDS}s"
-  alone "$3" ${ALONE_END:-590} ;;
+  [ -n "${3:-}" ] && alone "$3" ${ALONE_END:-590} ;;
 s38)
   # the row width a compile-time constant and merge_split_convs: their cuda tests, then one pass on and off on whole
   # models ($2: CONFIG:BATCH:PASS,...), then $3 (CONFIG:BATCH,...) timed alone, then strided_bmm node by node

@@ -1,0 +1,161 @@
+"""lower_depthwise_conv: depthwise conv2d (+ its bias_act epilogue) -> graphopt::dwconv2d, on a GPU
+profile, checked against float64 with the accuracy rule (the op's CPU implementation is its
+reference)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphopt import capture
+from graphopt.pipeline import run_passes
+from tests.helpers import op_counts, reference_check
+
+OURS, CONV, EPI = "graphopt.dwconv2d.default", "aten.conv2d.default", "graphopt.bias_act.default"
+
+
+class ValueConv(nn.Module):
+    """CoaT's relative position encoding over the value heads: the tokens' qkv laid out [B, H, W, 3C],
+    seen as an image (a channels_last view), its value channels convolved depthwise, + the values."""
+
+    def __init__(self, c=12, k=5):
+        super().__init__()
+        self.c = c
+        self.conv = nn.Conv2d(c, c, k, padding=k // 2, groups=c)
+
+    def forward(self, qkv):
+        img = qkv.permute(0, 3, 1, 2)
+        v = img[:, 2 * self.c:]
+        return self.conv(v) + v
+
+
+class Block(nn.Module):
+    """MobileNet's depthwise 3x3 (stride 2) + bias + SiLU over a channels_last input."""
+
+    def __init__(self, c=16, stride=2, act=nn.SiLU()):
+        super().__init__()
+        self.conv, self.act = nn.Conv2d(c, c, 3, stride, 1, groups=c), act
+
+    def forward(self, x):
+        return self.act(self.conv(x))
+
+
+def _ours(gm):
+    return [n for n in gm.graph.nodes if str(n.target) == OURS]
+
+
+def test_value_heads_are_read_in_place_with_the_residual_in_the_epilogue():
+    """The convolution reads a channel slice of the permuted qkv (aten's cuDNN call would copy it):
+    one dwconv2d takes the slice as it is, the bias and the residual; no conv2d or bias_act left."""
+    torch.manual_seed(0)
+    m = ValueConv().eval()
+    qkv = torch.randn(2, 7, 9, 36)
+    gm = capture(m, (qkv,))
+    res = run_passes(gm, ["fuse_bias_act", "lower_depthwise_conv"], target="h200")
+    assert res[-1].status == "applied", res[-1].rejected
+    counts = op_counts(gm)
+    assert counts.get(CONV) is None and counts.get(EPI) is None
+    (node,) = _ours(gm)
+    x, w, bias, residual = node.args[:4]
+    assert not x.meta["val"].is_contiguous(memory_format=torch.channels_last)  # the slice itself
+    assert bias is not None and residual is not None and node.args[7] == "none"
+    assert node.args[8] is True and node.meta["val"].is_contiguous(memory_format=torch.channels_last)
+    assert reference_check(m, gm, (qkv,)).passed
+
+
+@pytest.mark.parametrize("act,name", [(nn.SiLU(), "silu"), (nn.Hardswish(), "hardswish"), (nn.GELU(), "gelu")])
+def test_stride_two_block_takes_its_activation(act, name):
+    torch.manual_seed(0)
+    m = Block(act=act).eval()
+    x = torch.randn(2, 16, 9, 11).contiguous(memory_format=torch.channels_last)
+    gm = capture(m, (x,))
+    res = run_passes(gm, ["fuse_bias_act", "lower_depthwise_conv"], target="h200")
+    assert res[-1].status == "applied", res[-1].rejected
+    (node,) = _ours(gm)
+    assert node.args[7] == name and node.args[4] == [2, 2]
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_nchw_stays_nchw_and_a_bias_alone_goes_in():
+    """A contiguous input: the output keeps aten's contiguous layout (a reader's view of it stays valid)."""
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8)
+
+        def forward(self, x):
+            return self.conv(x).view(x.shape[0], 8, -1).sum(-1)
+
+    m = M().eval()
+    x = torch.randn(2, 8, 6, 7)
+    gm = capture(m, (x,))
+    res = run_passes(gm, ["lower_depthwise_conv"], target="h200")
+    assert res[-1].status == "applied", res[-1].rejected
+    (node,) = _ours(gm)
+    assert node.args[8] is False and node.args[2] is not None and node.args[3] is None
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_refusals_say_why():
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=4)  # 2 channels a group
+            self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+
+        def forward(self, x):
+            return self.grouped(x) + self.dw(x)
+
+    x = torch.randn(1, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    gm = capture(M().eval(), (x,))
+    res = run_passes(gm, ["lower_depthwise_conv"], target="cpu")[-1]
+    reasons = {r.reason for r in res.rejected}
+    assert res.status == "unchanged" and any("not depthwise" in r for r in reasons)
+    assert any("the kernel is for CUDA" in r for r in reasons)
+    res = run_passes(gm, ["lower_depthwise_conv"], target="h200")[-1]
+    assert len(_ours(gm)) == 1 and any("not depthwise" in r.reason for r in res.rejected)
+
+
+def test_an_epilogue_reading_the_conv_as_its_residual_is_left():
+    """bias_act(y, b, act, residual=conv(x)): the conv (over a channel slice, so it gains) is lowered
+    alone, the epilogue stays."""
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32, bias=False)
+
+        def forward(self, x, y):
+            return torch.ops.graphopt.bias_act(y, None, "relu", self.dw(x[:, 32:]), 1)
+
+    x = torch.randn(2, 64, 24, 24).contiguous(memory_format=torch.channels_last)
+    y = torch.randn(2, 32, 24, 24).contiguous(memory_format=torch.channels_last)
+    m = M().eval()
+    gm = capture(m, (x, y))
+    res = run_passes(gm, ["lower_depthwise_conv"], target="h200")[-1]
+    assert res.status == "applied", res.rejected
+    assert op_counts(gm).get(EPI) == 1 and len(_ours(gm)) == 1
+    assert "epilogue left: its epilogue reads it as the residual" in res.rewrites[0].pattern
+    assert reference_check(m, gm, (x, y)).passed
+
+
+def test_training_graphs_are_left_alone():
+    m = Block()
+    x = torch.randn(2, 16, 9, 11, requires_grad=True)
+    import graphopt
+
+    opt = graphopt.optimize(m, (x,), target="h200", training=True, check_accuracy=False)
+    (p,) = [p for p in opt.report.passes if p.name == "lower_depthwise_conv"]
+    assert p.status == "skipped"
+
+
+def test_float64_is_refused_with_its_dtype():
+    m = Block(c=6, stride=1, act=nn.ReLU()).eval().double()
+    x = torch.randn(1, 6, 5, 5, dtype=torch.float64)
+    gm = capture(m, (x,))
+    res = run_passes(gm, ["fuse_bias_act", "lower_depthwise_conv"], target="h200")[-1]
+    assert not _ours(gm) and any("torch.float64" in r.reason for r in res.rejected)

@@ -378,6 +378,7 @@ PIPELINE: tuple[str, ...] = (
     "fuse_conv_relu",
     "lower_group_norm",  # (before lower_pool: its output keeps a channels_last input's layout, aten's may not)
     "lower_pool",
+    "lower_upsample",
     "fuse_channels_last_broadcasts",
     "lower_attention",
     "lower_decode_attention",

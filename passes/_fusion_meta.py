@@ -91,6 +91,19 @@ class GraphBuilder:
         return n
 
 
+def dense_layout(t: ir.TensorInfo) -> bool | None:
+    """True for a dense channels_last 4-D tensor, False for a contiguous one, None for neither (a
+    lowering that writes its own output keeps the layout aten's node wrote, so readers' views hold)."""
+    if t is None or t.stride is None or len(t.shape) != 4 or t.symbolic:
+        return None
+    n, c, h, w = t.shape
+    strides = {False: (c * h * w, h * w, w, 1), True: (h * w * c, 1, w * c, c)}
+    for cl in (False, True):  # contiguous first: a tensor that is both is contiguous
+        if all(s == e or d == 1 for s, e, d in zip(t.stride, strides[cl], t.shape)):
+            return cl
+    return None
+
+
 def conv_pair(v, default):
     """A convolution's stride/padding/dilation argument as a [h, w] list (an int, a 1- or 2-list, or
     None for ``default``)."""

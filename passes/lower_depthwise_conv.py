@@ -27,22 +27,10 @@ from graphopt.cuda_ext.ops.bias_act import known
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import GraphBuilder, conv_pair, set_meta
+from ._fusion_meta import GraphBuilder, conv_pair, dense_layout, set_meta
 
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _layout(t: ir.TensorInfo) -> bool | None:
-    """True for a dense channels_last 4-D tensor, False for a contiguous one, None for neither."""
-    if t is None or t.stride is None or len(t.shape) != 4:
-        return None
-    n, c, h, w = t.shape
-    strides = {False: (c * h * w, h * w, w, 1), True: (h * w * c, 1, w * c, c)}
-    for cl in (False, True):  # contiguous first: a tensor that is both is contiguous
-        if all(s == e or d == 1 for s, e, d in zip(t.stride, strides[cl], t.shape)):
-            return cl
-    return None
 
 
 def spec(node: fx.Node) -> tuple[str, list | None]:
@@ -120,7 +108,7 @@ class LowerDepthwiseConv(Pass):
             x, w, bias = node.args[0], node.args[1], get_arg(node, 2, "bias")
             u, why = epilogue(node, bias is not None)
             last = u if u is not None else node
-            cl = _layout(ir.info(last))
+            cl = dense_layout(ir.info(last))
             if cl is None:
                 res.reject(node.name, "its output is neither contiguous nor dense channels_last")
                 continue

@@ -18,7 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
-#   s39      cuda tests of dwconv2d, the row-width change and merge_split_convs, diag_dwconv.py, diag_pass_ab.py
+#   s39      cuda tests of dwconv2d, upsample_bilinear2d, the row-width change and merge_split_convs, diag_dwconv.py, diag_pass_ab.py
 #            on $2 (CONFIG:BATCH:PASS,...), then $3 timed alone (compile too)
 #   s38      cuda tests of the row-width change and merge_split_convs, diag_pass_ab.py on $2 (CONFIG:BATCH:PASS,...),
 #            then $3 timed alone (compile too), then diag_strided_bmm --nodes
@@ -86,6 +86,7 @@ s39)
   # diagnostic (aten, graphopt, predicted), then one pass on and off on whole models ($2: CONFIG:BATCH:PASS,...),
   # then $3 (CONFIG:BATCH,...) timed alone
   ctests s39 ${CT:-170} tests/cuda_ext/test_dwconv2d.py tests/passes/test_lower_depthwise_conv.py \
+    tests/cuda_ext/test_upsample_bilinear2d.py tests/passes/test_lower_upsample.py \
     tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py \
     tests/passes/test_merge_split_convs.py
   timeout $((${DIAG_END:-280} - SECONDS)) python3 benchmarks/diag/diag_dwconv.py --out "$OUT" --no-compile 2>&1 \

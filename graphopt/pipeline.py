@@ -374,7 +374,7 @@ PIPELINE: tuple[str, ...] = (
     "partition_devices",
     # lower
     "conv_space_to_depth",
-    "lower_depthwise_conv",  # (before fuse_conv_relu: a depthwise conv's ReLU epilogue goes to the one it prices faster)
+    "lower_depthwise_conv",  # (fuse_conv_relu refuses grouped convolutions: no depthwise one is left to it)
     "fuse_conv_relu",
     "lower_group_norm",  # (before lower_pool: its output keeps a channels_last input's layout, aten's may not)
     "lower_pool",

@@ -33,6 +33,15 @@ aten = torch.ops.aten
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def depthwise(node: fx.Node) -> bool:
+    """One filter per channel: ``groups`` equal to the input channels, weights [C, 1, kh, kw]."""
+    xi, wi = ir.info(node.args[0]), ir.info(node.args[1]) if len(node.args) > 1 else None
+    if xi is None or wi is None or len(xi.shape) != 4 or len(wi.shape) != 4:
+        return False
+    groups = get_arg(node, 6, "groups") or 1
+    return groups != 1 and groups == xi.shape[1] and tuple(wi.shape[:2]) == (xi.shape[1], 1)
+
+
 def spec(node: fx.Node) -> tuple[str, list | None]:
     """(why not, [stride, padding, dilation]) of an aten.conv2d node."""
     pairs = [conv_pair(get_arg(node, i, name), default)
@@ -46,10 +55,6 @@ def spec(node: fx.Node) -> tuple[str, list | None]:
         return "symbolic shapes", None
     if len(xi.shape) != 4 or len(wi.shape) != 4:
         return f"a {len(xi.shape)}-D input (the kernel takes a batched 2-D image)", None
-    groups = get_arg(node, 6, "groups") or 1
-    C = xi.shape[1]
-    if groups == 1 or groups != C or tuple(wi.shape[:2]) != (C, 1):
-        return "not depthwise (groups equal to the input and output channels)", None
     if xi.dtype not in DTYPES or wi.dtype != xi.dtype:
         return f"dtypes {xi.dtype}/{wi.dtype} (the kernel takes fp32, fp16 and bf16, alike)", None
     return "", pairs
@@ -93,7 +98,8 @@ class LowerDepthwiseConv(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.conv2d.default]
+        convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.conv2d.default
+                 and depthwise(n)]  # (the others are no candidates: nothing to report)
         if not convs:
             return res
         cands = []

@@ -4,11 +4,12 @@ its bias, activation and residual add, reading its input and residual through th
 A program computes a [BLOCK_P, BLOCK_C] tile of the output: BLOCK_P output pixels (in the order
 n, y, x) by BLOCK_C channels. For each of the KH x KW taps it loads the input pixels the tap reads,
 BLOCK_C channels each (adjacent in memory where the channels are innermost: one vector load per
-pixel), and the tap's BLOCK_C weights, and accumulates in fp32; the taps of neighbouring pixels
+pixel), and the tap's BLOCK_C weights (one vector load where the weights are stored tap-major, as
+lower_depthwise_conv stores them: [C, 1, kh, kw] with the channels innermost), and accumulates in fp32; the taps of neighbouring pixels
 overlap, so after the first tap most loads hit the cache. Then + bias, the activation, + residual,
 one rounding at the store. Adjacent programs take the channel blocks of the same pixels, so they
 read the same input rows. Sizes, kernel, stride, padding and dilation are compile-time constants,
-and the strides of the input, residual and output (all but the channel strides) carry the largest
+and the filter's strides are too; the strides of the input, residual and output (all but the channel strides) carry the largest
 power of two up to 8 dividing all of them as an alignment hint, so a channel-innermost tensor
 whose rows are 16-byte aligned is read and written in 16-byte vectors (a channel slice of a wider
 tensor included: CoaT's value heads, read where the qkv projection left them).
@@ -39,7 +40,7 @@ def _build():
 
     @triton.jit
     def dwconv_kernel(X, Wt, B, R, OUT, P, slope, sxn, sxc, sxh, sxw, srn, src, srh, srw, son, soc, soh, sow,
-                      C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
+                      SWC: tl.constexpr, SWT: tl.constexpr, C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
                       KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                       PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                       HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
@@ -66,7 +67,7 @@ def _build():
                 ok = oky & (ix >= 0) & (ix < W)
                 off = tl.multiple_of(n * sxn + iy * sxh + ix * sxw, XA)
                 v = tl.load(X + off[:, None] + c[None, :] * sxc, mask=ok[:, None] & cm[None, :], other=0.0)
-                wv = tl.load(Wt + c * (KH * KW) + (ki * KW + kj), mask=cm, other=0.0)
+                wv = tl.load(Wt + c * SWC + (ki * KW + kj) * SWT, mask=cm, other=0.0)
                 acc += v.to(tl.float32) * wv.to(tl.float32)[None, :]
         if HAS_B:
             acc += tl.load(B + c, mask=cm, other=0.0).to(tl.float32)[None, :]
@@ -152,7 +153,7 @@ def dwconv2d_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     if P == 0 or C == 0:
         return out
     code, slope = act_code(act)
-    wc = w.contiguous()
+    wc = w.reshape(C, KH * KW)  # a view where it can be: tap-major weights (lower_depthwise_conv's) keep swc = 1
     b = bias.contiguous() if bias is not None else wc
     r = residual.expand(out.shape) if residual is not None else out
     bc = block_c(C)
@@ -163,7 +164,7 @@ def dwconv2d_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         k[grid](x, wc, b, r, out, P, float(slope), *x.stride(), *r.stride(), *out.stride(),
-                C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0],
+                SWC=wc.stride(0), SWT=wc.stride(1), C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0],
                 PW=padding[1], DH=dilation[0], DW=dilation[1], HAS_B=bias is not None, HAS_R=residual is not None,
                 ACT=code, XA=alignment(x), RA=alignment(r), OA=alignment(out), NCB=ncb, BLOCK_P=bp, BLOCK_C=bc,
                 WIDE=wide, num_warps=4)

@@ -13,7 +13,9 @@ within the accuracy rule, not bitwise.
 Applies to a 2-D convolution with ``groups`` equal to its input and output channels (a filter
 multiplier of 1), static shapes, fp32/fp16/bf16, on a CUDA profile, in inference graphs (the op has
 no backward). The epilogue is taken when it is the convolution's only reader, reads it as its ``x``
-with the bias (if any) along the channels, and at most one of the two has a bias. Priced against
+with the bias (if any) along the channels, and at most one of the two has a bias. A constant filter
+is stored again tap-major (the channels innermost: the kernel loads a tap's channels in one vector)
+as a new constant, the model's own left unread. Priced against
 the convolution (with its input copy) and the epilogue, like every rewrite: the kernel's taps are
 read from the cache, so a large filter can price it above cuDNN and it is left alone.
 """
@@ -82,6 +84,12 @@ def epilogue(node: fx.Node, has_bias: bool) -> tuple[fx.Node | None, str]:
     return u, ""
 
 
+def tap_major(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [C, 1, kh, kw] stored with the channels innermost (strides 1, 1, kw*C, C), as the kernel
+    reads a tap's channels in one vector load."""
+    return w.permute(2, 3, 0, 1).contiguous().permute(2, 3, 0, 1)
+
+
 def _build(call, x, w, bias, residual, pairs, act, cl):
     stride, padding, dilation = pairs
     return call(torch.ops.graphopt.dwconv2d.default, x, w, bias, residual, list(stride), list(padding),
@@ -130,10 +138,11 @@ class LowerDepthwiseConv(Pass):
             what = (f"depthwise {k[0]}x{k[1]}/{pairs[0][0]} over {ir.info(x).shape[1]} channels"
                     f"{' + its epilogue (' + act + ')' if u is not None else ''}"
                     f"{'' if u is not None or not why else ' (epilogue left: ' + why + ')'}")
+            copy = float(ir.info(w).nbytes) if isinstance(w, fx.Node) and w.op == "get_attr" else 0.0
             cands.append(Candidate(what, matched, old - new,
                                    lambda node=node, last=last, args=(x, w, bias, residual, pairs, act, cl), u=u:
                                    self._apply(gm, node, last, args, u),
-                                   label=node.name))
+                                   label=node.name, constant_bytes=copy))
         res.apply_ranked(ctx, cands, fused_kernels=True)
         return res
 
@@ -141,11 +150,21 @@ class LowerDepthwiseConv(Pass):
     def _apply(gm, node, last, args, u):
         g = gm.graph
         b = GraphBuilder(g)
+        x, w, *rest = args
+        made = []
+        if isinstance(w, fx.Node) and w.op == "get_attr":  # the filter stored tap-major: a tap's channels adjacent
+            value = ir.get_attr_value(gm, w.target).detach()
+            name = ir.register_constant(gm, f"{node.name}_tap_major_weight", tap_major(value))
+            with g.inserting_before(last):
+                made.append(g.get_attr(name))
+            old, w = w, made[0]
         with g.inserting_before(last):
-            out = _build(b.call, *args)
-        set_meta(gm, b.made)
+            out = _build(b.call, x, w, *rest)
+        set_meta(gm, made + b.made)
         last.replace_all_uses_with(out)
         if u is not None:
             g.erase_node(u)
         g.erase_node(node)
+        if made and not old.users:  # the filter as the model stored it: read by nothing else now
+            g.erase_node(old)
         return out

@@ -79,6 +79,11 @@ def interpreter_cases():
             x, w, b, r, s, p, d, act, cl = args
             out = torch.full_like(op._empty(x, op.out_shape(x.shape, w.shape, s, p, d), cl), float("nan"))
             _check(kt.dwconv2d_triton(x, w, b, r, out, s, p, d, act), args, tol)
+        args = _inputs(*CASES[1], dtype)  # the filter stored tap-major (lower_depthwise_conv's constant)
+        x, w, b, r, s, p, d, act, cl = args
+        wt = w.permute(2, 3, 0, 1).contiguous().permute(2, 3, 0, 1)
+        out = op._empty(x, op.out_shape(x.shape, w.shape, s, p, d), cl)
+        _check(kt.dwconv2d_triton(x, wt, b, r, out, s, p, d, act), args, tol)
         args = _inputs(*CASES[0], dtype)  # no bias
         x, w, b, r, s, p, d, act, cl = args
         out = op._empty(x, op.out_shape(x.shape, w.shape, s, p, d), cl)
@@ -89,6 +94,41 @@ def interpreter_cases():
 
 def test_kernel_in_interpreter():
     run_in_triton_interpreter("tests.cuda_ext.test_dwconv2d:interpreter_cases")
+
+
+def test_compiled_for_sm90_a_channel_slice_and_tap_major_filter_load_in_16_bytes():
+    """The kernel as the launcher specializes it for CoaT's value slice (bf16, 152 of 456 channels,
+    channel strides 1) compiles for sm_90 with every input, filter, residual load and output store a
+    128-bit one (the alignment hint and the tap-major filter); 19 channels (rows of 38 bytes) cannot."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    fn = kt._build()
+
+    def accesses(C, align):
+        sig, consts, attrs = {}, {}, {}
+        bc = kt.block_c(C)
+        values = dict(C=C, H=28, W=28, OH=28, OW=28, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1, HAS_B=True,
+                      HAS_R=True, ACT=0, XA=align, RA=align, OA=align, NCB=-(-C // bc), BLOCK_P=kt.TILE // bc,
+                      BLOCK_C=bc, WIDE=False, sxc=1, SWC=1, SWT=C, src=1, soc=1)
+        for i, prm in enumerate(fn.params):
+            n = prm.name
+            if n in ("X", "Wt", "B", "R", "OUT"):
+                sig[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+            elif n in values:
+                sig[n], consts[(i,)] = "constexpr", values[n]
+            else:
+                sig[n] = "fp32" if n == "slope" else "i32"
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        return set(re.findall(r"ld\.global[^ \t]*", ptx)), set(re.findall(r"st\.global[^ \t]*", ptx))
+
+    ld, st = accesses(152, kt.alignment(torch.empty(64, 456, 28, 28).contiguous(memory_format=torch.channels_last)[:, 304:]))
+    assert ld == {"ld.global.v4.b32"} and st == {"st.global.v4.b32"}
+    ld, st = accesses(19, 1)
+    assert "ld.global.v4.b32" not in ld
 
 
 def test_alignment_is_the_power_of_two_dividing_every_stride_but_the_channels():

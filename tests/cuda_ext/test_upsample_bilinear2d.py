@@ -75,6 +75,42 @@ def test_kernel_in_interpreter():
     run_in_triton_interpreter("tests.cuda_ext.test_upsample_bilinear2d:interpreter_cases")
 
 
+def test_compiled_for_sm90_a_token_view_loads_in_16_bytes():
+    """The kernel as the launcher specializes it for CoaT's token view (bf16, 152 channels, rows of 304
+    bytes, channel strides 1) compiles for sm_90 with 128-bit loads and stores; 19 channels cannot."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from graphopt.cuda_ext.dwconv_triton import TILE, alignment, block_c
+
+    fn = kt._build()
+
+    def accesses(C, align):
+        sig, consts, attrs = {}, {}, {}
+        bc = block_c(C)
+        values = dict(C=C, H=28, W=28, OH=56, OW=56, ALIGN_CORNERS=False, XA=align, OA=align, NCB=-(-C // bc),
+                      BLOCK_P=TILE // bc, BLOCK_C=bc, WIDE=False, sxc=1, soc=1)
+        for i, prm in enumerate(fn.params):
+            n = prm.name
+            if n in ("X", "OUT"):
+                sig[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+            elif n in values:
+                sig[n], consts[(i,)] = "constexpr", values[n]
+            else:
+                sig[n] = "fp32" if n in ("rh", "rw") else "i32"
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        return set(re.findall(r"ld\.global[^ \t]*", ptx)), set(re.findall(r"st\.global[^ \t]*", ptx))
+
+    tokens = torch.empty(64, 785, 152)[:, 1:].transpose(1, 2).reshape(64, 152, 28, 28)
+    ld, st = accesses(152, alignment(tokens))
+    assert ld == {"ld.global.v4.b32"} and st == {"st.global.v4.b32"}
+    ld, st = accesses(19, 1)
+    assert "ld.global.v4.b32" not in ld
+
+
 @pytest.mark.parametrize("inp,out,align,factor,scale", [(7, 14, False, 2.0, 0.5), (7, 14, False, None, 0.5),
                                                         (3, 7, False, 2.25, 1 / 2.25), (5, 9, True, None, 0.5),
                                                         (4, 1, True, None, 0.0), (6, 4, False, None, 1.5)])

@@ -59,6 +59,8 @@ def test_value_heads_are_read_in_place_with_the_residual_in_the_epilogue():
     assert not x.meta["val"].is_contiguous(memory_format=torch.channels_last)  # the slice itself
     assert bias is not None and residual is not None and node.args[7] == "none"
     assert node.args[8] is True and node.meta["val"].is_contiguous(memory_format=torch.channels_last)
+    assert w.op == "get_attr" and w.meta["val"].stride()[0] == 1  # the filter stored tap-major
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "conv.weight"]  # the model's: unread
     assert reference_check(m, gm, (qkv,)).passed
 
 

@@ -22,9 +22,12 @@ from .bias_act import ACTIVATIONS, LEAKY, activation, known
 SCHEMA = ("dwconv2d(Tensor x, Tensor w, Tensor? bias, Tensor? residual, int[2] stride, int[2] padding, "
           "int[2] dilation, str act, bool channels_last) -> Tensor")
 # the taps' reads hit the cache (each input pixel is read by up to kh*kw outputs); their rate over the
-# copy rate: an SM array's L1 bandwidth (128 bytes a clock an SM, about 33 TB/s on an H100 or H200)
-# over its HBM copy rate (about 4 TB/s), until a profile measures op_efficiency["dwconv2d"]["cache_speedup"]
-CACHE_SPEEDUP = 8.0
+# profile's copy rate where a profile has no op_efficiency["dwconv2d"]["cache_speedup"]: 5.4, the geometric
+# mean over the four 7x7 cases of benchmarks/results/diag_dwconv_2026-12-07_073726_h100.md (4.0-6.8 on an
+# H100, read as 8 x predicted / measured at the first guess of 8: an L1 bound of 128 bytes a clock an SM).
+# The cache's rate is the SMs', not the memory's: on an H200 (faster memory, the same SMs) the ratio is
+# lower (not measured).
+CACHE_SPEEDUP = 5.4
 
 
 def out_shape(x_shape, w_shape, stride, padding, dilation) -> tuple:

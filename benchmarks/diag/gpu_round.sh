@@ -101,7 +101,7 @@ s38)
   # models ($2: CONFIG:BATCH:PASS,...), then $3 (CONFIG:BATCH,...) timed alone, then strided_bmm node by node
   ctests s38 ${CT:-150} tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py \
     tests/passes/test_merge_split_convs.py
-  timeout $((${SPLIT:-400} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
+  timeout $((${AB_END:-400} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
     2>&1 | quiet | grep "^| \|rror" | tail -8
   echo "### ab ${SECONDS}s"
   alone "$3" ${ALONE_END:-540}

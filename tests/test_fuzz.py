@@ -250,3 +250,17 @@ def test_grammar_renders_mixconv_and_merge_split_convs_keeps_the_numbers():
     gm, res = _one_pass(model, inputs, "merge_split_convs")
     assert res.status == "applied" and len(res.rewrites) == 2
     assert sum(str(n.target) == "aten.conv2d.default" for n in gm.graph.nodes) == 2
+
+
+def test_grammar_renders_resample_and_the_lowerings_keep_the_numbers():
+    """Bilinear down and back up (by factor or by size, align_corners or not) over a depthwise mixconv:
+    lower_upsample and lower_depthwise_conv on an h200 target, every rewrite legal applied, the numbers kept."""
+    p = fuzz.Program(2, 4, 8, ("f32",), (("mixconv", 0, "depthwise"), ("resample", 1, False, True),
+                                          ("resample", 2, True, False)), (3, 2), seed=2)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs)[0].shape == (2, 4, 8)
+    fuzz.check_program(p, ["merge_split_convs", "lower_depthwise_conv", "lower_upsample"], "h200", "passes",
+                       ignore_cost=True)
+    gm, res = _one_pass(model, inputs, "lower_upsample", ignore_cost=True)
+    assert res.status == "applied"
+    assert sum(str(n.target) == "graphopt.upsample_bilinear2d.default" for n in gm.graph.nodes) == 4

@@ -13,6 +13,9 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("mixconv", src, mode)               3-D src (B,C,L) viewed as (B,C,2,L/2), split along channels, a convolution of each
                                        piece, concatenated back (MixNet's): mode "depthwise" (kernels 3 and 5, same
                                        padding, groups = channels) or "pointwise" (two 1x1 over the halves), flattened back
+  ("resample", src, align, factor)     3-D src (B,C,L), L % 4 == 0, viewed as (B,C,2,L/2): bilinear down to
+                                       (1,L/4) (by scale factor 0.5 where ``factor``, else by size) and back up by
+                                       size, align_corners or not, flattened back
   ("se", src, gate)                    3-D src (B,C,L) viewed as (B,C,2,L/2): conv2d, squeeze-and-excitation's
                                        per-channel scale (mean over the pixels, sigmoid | hardsigmoid,
                                        a broadcast mul), conv2d, flattened back
@@ -184,6 +187,8 @@ class ProgramModule(nn.Module):
                         conv.bias.copy_(torch.randn(ci, generator=g) * 0.1)
                     convs.append(conv)
                 self.mods[key] = nn.ModuleList(convs)
+                out = src
+            elif kind == "resample":
                 out = src
             elif kind == "se":
                 for part in ("a", "b"):
@@ -357,6 +362,15 @@ class ProgramModule(nn.Module):
                 b, c, n = x.shape
                 parts = torch.split(x.reshape(b, c, 2, n // 2), [m.in_channels for m in self.mods[key]], 1)
                 y = torch.cat([m(t) for m, t in zip(self.mods[key], parts)], 1).flatten(2)
+            elif kind == "resample":
+                b, c, n = x.shape
+                img = x.reshape(b, c, 2, n // 2)
+                if op[3]:
+                    down = F.interpolate(img, scale_factor=0.5, mode="bilinear", align_corners=op[2],
+                                         recompute_scale_factor=False)
+                else:
+                    down = F.interpolate(img, size=(1, n // 4), mode="bilinear", align_corners=op[2])
+                y = F.interpolate(down, size=(2, n // 2), mode="bilinear", align_corners=op[2]).flatten(2)
             elif kind == "unfold":
                 b, c, n = x.shape
                 y = F.unfold(x.reshape(b, c, 2, n // 2), op[2], padding=op[3], stride=op[4])
@@ -674,7 +688,7 @@ def programs(max_ops: int = 8):
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
                  "group_norm", "se",
-                 "mixconv", "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
+                 "mixconv", "resample", "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads", "repeat", "roll", "catslice", "headprod", "pad", "unfold", "fold")
 
@@ -756,6 +770,10 @@ def programs(max_ops: int = 8):
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0 and s[1] % 2 == 0)
                 if s is not None:
                     op, out = ("mixconv", s, draw(st.sampled_from(("depthwise", "pointwise")))), env[s]
+            elif kind == "resample":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 4 == 0)
+                if s is not None:
+                    op, out = ("resample", s, draw(st.booleans()), draw(st.booleans())), env[s]
             elif kind == "unfold":
                 s = pick(lambda s, d: len(s) == 3 and s[-1] % 2 == 0)
                 if s is not None:

@@ -55,8 +55,8 @@ def _build():
         else:
             sy = tl.maximum(rh * (oy.to(tl.float32) + 0.5) - 0.5, 0.0)
             sx = tl.maximum(rw * (ox.to(tl.float32) + 0.5) - 0.5, 0.0)
-        y0 = sy.to(tl.int32)
-        x0 = sx.to(tl.int32)
+        y0 = tl.minimum(sy.to(tl.int32), H - 1)  # (within the image for any scale a caller passes)
+        x0 = tl.minimum(sx.to(tl.int32), W - 1)
         ly = sy - y0.to(tl.float32)
         lx = sx - x0.to(tl.float32)
         y1 = tl.where(y0 < H - 1, y0 + 1, y0)

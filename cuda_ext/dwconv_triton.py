@@ -4,15 +4,16 @@ its bias, activation and residual add, reading its input and residual through th
 A program computes a [BLOCK_P, BLOCK_C] tile of the output: BLOCK_P output pixels (in the order
 n, y, x) by BLOCK_C channels. For each of the KH x KW taps it loads the input pixels the tap reads,
 BLOCK_C channels each (adjacent in memory where the channels are innermost: one vector load per
-pixel), and the tap's BLOCK_C weights (one vector load where the weights are stored tap-major, as
-lower_depthwise_conv stores them: [C, 1, kh, kw] with the channels innermost), and accumulates in fp32; the taps of neighbouring pixels
-overlap, so after the first tap most loads hit the cache. Then + bias, the activation, + residual,
-one rounding at the store. Adjacent programs take the channel blocks of the same pixels, so they
-read the same input rows. Sizes, kernel, stride, padding and dilation are compile-time constants,
-and the filter's strides are too; the strides of the input, residual and output (all but the channel strides) carry the largest
-power of two up to 8 dividing all of them as an alignment hint, so a channel-innermost tensor
-whose rows are 16-byte aligned is read and written in 16-byte vectors (a channel slice of a wider
-tensor included: CoaT's value heads, read where the qkv projection left them).
+pixel), and the tap's BLOCK_C weights (one vector load where the filter is stored tap-major, as
+lower_depthwise_conv stores it: [C, 1, kh, kw] with the channels innermost), and accumulates in
+fp32; the taps of neighbouring pixels overlap, so after the first tap most loads hit the cache.
+Then + bias, the activation, + residual, one rounding at the store. Adjacent programs take the
+channel blocks of the same pixels, so they read the same input rows. Sizes, kernel, stride,
+padding, dilation and the filter's strides are compile-time constants; the strides of the input,
+residual and output (all but the channel strides) carry the largest power of two up to 8 dividing
+all of them as an alignment hint, so a channel-innermost tensor whose rows are 16-byte aligned is
+read and written in 16-byte vectors (a channel slice of a wider tensor included: CoaT's value
+heads, read where the qkv projection left them).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def _build():
 
     @triton.jit
     def dwconv_kernel(X, Wt, B, R, OUT, P, slope, sxn, sxc, sxh, sxw, srn, src, srh, srw, son, soc, soh, sow,
-                      SWC: tl.constexpr, SWT: tl.constexpr, C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
+                      SWC: tl.constexpr, SWT: tl.constexpr,
+                      C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
                       KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                       PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                       HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
@@ -164,8 +166,8 @@ def dwconv2d_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         k[grid](x, wc, b, r, out, P, float(slope), *x.stride(), *r.stride(), *out.stride(),
-                SWC=wc.stride(0), SWT=wc.stride(1), C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0],
-                PW=padding[1], DH=dilation[0], DW=dilation[1], HAS_B=bias is not None, HAS_R=residual is not None,
+                SWC=wc.stride(0), SWT=wc.stride(1), C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW,
+                SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], HAS_B=bias is not None, HAS_R=residual is not None,
                 ACT=code, XA=alignment(x), RA=alignment(r), OA=alignment(out), NCB=ncb, BLOCK_P=bp, BLOCK_C=bc,
                 WIDE=wide, num_warps=4)
     return out

@@ -81,8 +81,8 @@ class LowerUpsample(Pass):
             new = ctx.price(op, node.args[0], *args, val=node.meta.get("val"))
             xi = ir.info(node.args[0])
             what = f"bilinear {tuple(xi.shape[2:])} -> {tuple(args[0])} over {xi.shape[1]} channels"
-            cands.append(Candidate(what, [node], old - new, lambda node=node, args=args: self._apply(gm, node, op, args),
-                                   label=node.name))
+            cands.append(Candidate(what, [node], old - new,
+                                   lambda node=node, args=args: self._apply(gm, node, op, args), label=node.name))
         res.apply_ranked(ctx, cands, fused_kernels=True)
         return res
 

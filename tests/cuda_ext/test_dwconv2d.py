@@ -125,7 +125,8 @@ def test_compiled_for_sm90_a_channel_slice_and_tap_major_filter_load_in_16_bytes
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         return set(re.findall(r"ld\.global[^ \t]*", ptx)), set(re.findall(r"st\.global[^ \t]*", ptx))
 
-    ld, st = accesses(152, kt.alignment(torch.empty(64, 456, 28, 28).contiguous(memory_format=torch.channels_last)[:, 304:]))
+    qkv = torch.empty(64, 456, 28, 28).contiguous(memory_format=torch.channels_last)
+    ld, st = accesses(152, kt.alignment(qkv[:, 304:]))
     assert ld == {"ld.global.v4.b32"} and st == {"st.global.v4.b32"}
     ld, st = accesses(19, 1)
     assert "ld.global.v4.b32" not in ld

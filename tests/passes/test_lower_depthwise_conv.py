@@ -4,7 +4,6 @@ reference)."""
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from graphopt import capture
 from graphopt.pipeline import run_passes

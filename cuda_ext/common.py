@@ -28,6 +28,13 @@ def fresh(t: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
     return t
 
 
+def empty_in_layout(like: torch.Tensor, shape, channels_last: bool) -> torch.Tensor:
+    """An empty tensor of ``like``'s dtype and device, channels_last or contiguous as asked (an op
+    whose ``channels_last`` argument names the layout it writes)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(tuple(shape), dtype=like.dtype, device=like.device, memory_format=fmt)
+
+
 # ---- argument checks -----------------------------------------------------------------------
 def check_floating(op: str, **tensors) -> None:
     for name, t in tensors.items():

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from .col2im_triton import _span
 from .norm_triton import cached_kernel
 
 _kernels: dict = {}
@@ -102,10 +103,6 @@ def _build():
     return dwconv_kernel
 
 
-def out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
-    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-
-
 def block_c(C: int) -> int:
     """The channel block: the power of two from 16 to 128 that wastes the fewest lanes on C's last
     block (the larger on a tie)."""
@@ -125,8 +122,17 @@ def alignment(t: torch.Tensor) -> int:
     return a
 
 
-def _span(t: torch.Tensor) -> int:
-    return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+def tiles(C: int, P: int, *tensors: torch.Tensor) -> tuple[int, int, int, tuple, bool]:
+    """(BLOCK_C, BLOCK_P, channel blocks, grid, 64-bit offsets) of a kernel computing [pixels x channels]
+    tiles of P output pixels by C channels, one program a tile, reading and writing ``tensors``."""
+    import triton
+
+    bc = block_c(C)
+    bp = max(1, TILE // bc)
+    ncb = triton.cdiv(C, bc)
+    grid = (ncb * triton.cdiv(P, bp),)
+    wide = max(*(_span(t) for t in tensors), P + bp, grid[0] * bp) >= 2 ** 31
+    return bc, bp, ncb, grid, wide
 
 
 def act_code(act: str) -> tuple[int, float]:
@@ -146,8 +152,6 @@ def dwconv2d_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     """``out`` [N, C, OH, OW] (empty, laid out as it will be returned) gets the depthwise convolution of
     x [N, C, H, W] with w [C, 1, KH, KW], + bias, the activation, + residual; arguments as
     ``ops/dwconv2d.py`` checks them."""
-    import triton
-
     N, C, H, W = x.shape
     _, _, OH, OW = out.shape
     KH, KW = w.shape[2:]
@@ -158,11 +162,7 @@ def dwconv2d_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     wc = w.reshape(C, KH * KW)  # a view where it can be: tap-major weights (lower_depthwise_conv's) keep swc = 1
     b = bias.contiguous() if bias is not None else wc
     r = residual.expand(out.shape) if residual is not None else out
-    bc = block_c(C)
-    bp = max(1, TILE // bc)
-    ncb = triton.cdiv(C, bc)
-    grid = (ncb * triton.cdiv(P, bp),)
-    wide = max(_span(x), _span(out), _span(r), P + bp, grid[0] * bp) >= 2 ** 31
+    bc, bp, ncb, grid, wide = tiles(C, P, x, out, r)
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         k[grid](x, wc, b, r, out, P, float(slope), *x.stride(), *r.stride(), *out.stride(),

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from .dwconv_triton import TILE, _span, alignment, block_c
+from .dwconv_triton import alignment, tiles
 from .norm_triton import cached_kernel
 
 _kernels: dict = {}
@@ -92,8 +92,6 @@ def source_scale(size_in: int, size_out: int, align_corners: bool, factor: float
 def upsample_bilinear2d_triton(x: torch.Tensor, out: torch.Tensor, align_corners: bool, scales) -> torch.Tensor:
     """``out`` [N, C, OH, OW] (empty, laid out as it will be returned) gets the bilinear resampling of
     x [N, C, H, W]; ``scales``: the (h, w) factors given, or None."""
-    import triton
-
     N, C, H, W = x.shape
     OH, OW = out.shape[2:]
     P = N * OH * OW
@@ -102,11 +100,7 @@ def upsample_bilinear2d_triton(x: torch.Tensor, out: torch.Tensor, align_corners
     fh, fw = scales if scales is not None else (None, None)
     rh = source_scale(H, OH, align_corners, fh)
     rw = source_scale(W, OW, align_corners, fw)
-    bc = block_c(C)
-    bp = max(1, TILE // bc)
-    ncb = triton.cdiv(C, bc)
-    grid = (ncb * triton.cdiv(P, bp),)
-    wide = max(_span(x), _span(out), P + bp, grid[0] * bp) >= 2 ** 31
+    bc, bp, ncb, grid, wide = tiles(C, P, x, out)
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         k[grid](x, out, P, float(rh), float(rw), *x.stride(), *out.stride(), C=C, H=H, W=W, OH=OH, OW=OW,

@@ -91,17 +91,24 @@ class GraphBuilder:
         return n
 
 
+def dense_channels_last(t: ir.TensorInfo) -> bool:
+    """A 4-D tensor laid out exactly as NHWC in memory (strides H*W*C, 1, W*C, C)."""
+    if t is None or t.stride is None or len(t.shape) != 4:
+        return False
+    n, c, h, w = t.shape
+    want = (h * w * c, 1, w * c, c)
+    return all(s == e or d == 1 for s, e, d in zip(t.stride, want, t.shape)) and c != 1
+
+
 def dense_layout(t: ir.TensorInfo) -> bool | None:
-    """True for a dense channels_last 4-D tensor, False for a contiguous one, None for neither (a
-    lowering that writes its own output keeps the layout aten's node wrote, so readers' views hold)."""
+    """True for a dense channels_last 4-D tensor, False for a contiguous one (a tensor that is both
+    counts as contiguous), None for neither (a lowering that writes its own output keeps the layout
+    aten's node wrote, so readers' views hold)."""
     if t is None or t.stride is None or len(t.shape) != 4 or t.symbolic:
         return None
-    n, c, h, w = t.shape
-    strides = {False: (c * h * w, h * w, w, 1), True: (h * w * c, 1, w * c, c)}
-    for cl in (False, True):  # contiguous first: a tensor that is both is contiguous
-        if all(s == e or d == 1 for s, e, d in zip(t.stride, strides[cl], t.shape)):
-            return cl
-    return None
+    if ir.is_contiguous(t):
+        return False
+    return True if dense_channels_last(t) else None
 
 
 def conv_pair(v, default):

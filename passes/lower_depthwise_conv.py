@@ -110,14 +110,14 @@ class LowerDepthwiseConv(Pass):
                  and depthwise(n)]  # (the others are no candidates: nothing to report)
         if not convs:
             return res
+        if ctx.cost.device_kind != "cuda":
+            res.reject_all(convs, f"the kernel is for CUDA; {ctx.cost.device_name} runs aten's")
+            return res
         cands = []
         for node in convs:
             why, pairs = spec(node)
             if why:
                 res.reject(node.name, why)
-                continue
-            if ctx.cost.device_kind != "cuda":
-                res.reject(node.name, f"the kernel is for CUDA; {ctx.cost.device_name} runs aten's")
                 continue
             x, w, bias = node.args[0], node.args[1], get_arg(node, 2, "bias")
             u, why = epilogue(node, bias is not None)

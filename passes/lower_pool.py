@@ -24,6 +24,8 @@ from graphopt import ir
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
+from ._fusion_meta import dense_channels_last
+
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -39,15 +41,6 @@ def _square(v, default):
     if len(v) == 1:
         return v[0]
     return v[0] if len(v) == 2 and v[0] == v[1] else None
-
-
-def dense_channels_last(t: ir.TensorInfo) -> bool:
-    """A 4-D tensor laid out exactly as NHWC in memory (strides H*W*C, 1, W*C, C)."""
-    if t is None or t.stride is None or len(t.shape) != 4:
-        return False
-    n, c, h, w = t.shape
-    want = (h * w * c, 1, w * c, c)
-    return all(s == e or d == 1 for s, e, d in zip(t.stride, want, t.shape)) and c != 1
 
 
 POOLS = (aten.max_pool2d.default, aten.avg_pool2d.default)

@@ -272,3 +272,30 @@ def tiny_llama_training():
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(cfg).train()
     return model, torch.randint(1, 64, (2, 16))
+
+
+def sm90_global_accesses(fn, values: dict, pointers, floats=()) -> tuple[set, set]:
+    """The kinds of global loads and stores (``ld.global.v4.b32``, ...) in the PTX a Triton kernel
+    ``fn`` compiles to for sm_90, on any machine: ``values`` its compile-time constants (and the
+    integer arguments the launcher would specialize, a stride of 1), ``pointers`` its bf16 pointer
+    arguments (16-byte aligned, as the launcher specializes them), ``floats`` its fp32 scalars; every
+    other argument an i32."""
+    import re
+
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    sig, consts, attrs = {}, {}, {}
+    for i, prm in enumerate(fn.params):
+        n = prm.name
+        if n in pointers:
+            sig[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+        elif n in values:
+            sig[n], consts[(i,)] = "constexpr", values[n]
+        else:
+            sig[n] = "fp32" if n in floats else "i32"
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return set(re.findall(r"ld\.global[^ \t]*", ptx)), set(re.findall(r"st\.global[^ \t]*", ptx))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from graphopt.cost.ops import fused_cost
 from graphopt.errors import KernelArgumentError
 
-from ..common import check_floating, compute_dtype
+from ..common import check_floating, compute_dtype, empty_in_layout
 from ..registry import define_op
 
 SCHEMA = ("col2im(Tensor x, int[2] output_size, int[2] kernel_size, int[2] dilation, int[2] padding, "
@@ -30,8 +30,7 @@ def windows(size: int, kernel: int, dilation: int, padding: int, stride: int) ->
 
 def _empty(x: torch.Tensor, output_size, channels_last: bool) -> torch.Tensor:
     N, C1, C2 = x.shape[:3]
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty((N, C1 * C2, *output_size), dtype=x.dtype, device=x.device, memory_format=fmt)
+    return empty_in_layout(x, (N, C1 * C2, *output_size), channels_last)
 
 
 def reference(x: torch.Tensor, output_size, kernel_size, dilation, padding, stride, channels_last: bool) -> torch.Tensor:

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from graphopt.cost.ops import OpCost
 from graphopt.errors import KernelArgumentError
 
-from ..common import check_floating, compute_dtype
+from ..common import check_floating, compute_dtype, empty_in_layout
 from ..registry import define_op
 from .bias_act import ACTIVATIONS, LEAKY, activation, known
+from .col2im import windows
 
 SCHEMA = ("dwconv2d(Tensor x, Tensor w, Tensor? bias, Tensor? residual, int[2] stride, int[2] padding, "
           "int[2] dilation, str act, bool channels_last) -> Tensor")
@@ -31,17 +32,12 @@ CACHE_SPEEDUP = 5.4
 
 
 def out_shape(x_shape, w_shape, stride, padding, dilation) -> tuple:
-    from ..dwconv_triton import out_size
-
     N, C, H, W = x_shape
     kh, kw = w_shape[2:]
-    return (N, C, out_size(H, kh, stride[0], padding[0], dilation[0]),
-            out_size(W, kw, stride[1], padding[1], dilation[1]))
+    return (N, C, windows(H, kh, dilation[0], padding[0], stride[0]), windows(W, kw, dilation[1], padding[1], stride[1]))
 
 
-def _empty(x: torch.Tensor, shape, channels_last: bool) -> torch.Tensor:
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+_empty = empty_in_layout
 
 
 def reference(x, w, bias, residual, stride, padding, dilation, act: str, channels_last: bool) -> torch.Tensor:
@@ -79,10 +75,9 @@ def cost(call, profile):
     out = call.outputs[0]
     w = call.info("w")
     taps = int(w.shape[2]) * int(w.shape[3]) if w is not None and len(w.shape) == 4 else 1
-    speedup = profile.efficiency("dwconv2d", "cache_speedup", CACHE_SPEEDUP) if profile is not None else CACHE_SPEEDUP
     floor = None
-    if profile is not None and getattr(profile, "kind", None) == "cuda":
-        floor = taps * out.nbytes / (profile.bandwidth * speedup)
+    if profile is not None and profile.kind == "cuda":
+        floor = taps * out.nbytes / (profile.bandwidth * profile.efficiency("dwconv2d", "cache_speedup", CACHE_SPEEDUP))
     return OpCost(out.numel * 2 * taps, call.in_bytes + call.out_bytes, device_floor_s=floor)
 
 

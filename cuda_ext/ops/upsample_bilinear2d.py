@@ -13,7 +13,7 @@ import torch
 from graphopt.cost.ops import fused_cost
 from graphopt.errors import KernelArgumentError
 
-from ..common import check_floating, compute_dtype
+from ..common import check_floating, compute_dtype, empty_in_layout
 from ..registry import define_op
 
 SCHEMA = ("upsample_bilinear2d(Tensor x, int[2] output_size, bool align_corners, float scale_h, float scale_w, "
@@ -21,8 +21,7 @@ SCHEMA = ("upsample_bilinear2d(Tensor x, int[2] output_size, bool align_corners,
 
 
 def _empty(x: torch.Tensor, output_size, channels_last: bool) -> torch.Tensor:
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty((*x.shape[:2], *output_size), dtype=x.dtype, device=x.device, memory_format=fmt)
+    return empty_in_layout(x, (*x.shape[:2], *output_size), channels_last)
 
 
 def _scales(scale_h: float, scale_w: float):

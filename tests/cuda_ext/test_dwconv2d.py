@@ -12,8 +12,9 @@ from graphopt import cuda_ext as ops
 from graphopt.cuda_ext import dwconv_triton as kt
 from graphopt.cuda_ext.ops import dwconv2d as op
 from graphopt.cuda_ext.ops.bias_act import activation
+from graphopt.cuda_ext.ops.col2im import windows
 from graphopt.errors import KernelArgumentError
-from tests.helpers import cuda_graph_of, run_in_triton_interpreter
+from tests.helpers import cuda_graph_of, run_in_triton_interpreter, sm90_global_accesses
 
 # N, C, (H, W), (kh, kw), stride, padding, dilation, act, input layout, residual, channels_last out
 CASES = [
@@ -40,7 +41,7 @@ def _inputs(N, C, size, k, s, p, d, act, layout, residual, cl, dtype, device="cp
             x = x.contiguous(memory_format=torch.channels_last)
     w = torch.randn(C, 1, *k, generator=g) / k[0]
     b = torch.randn(C, generator=g)
-    oh, ow = (kt.out_size(size[i], k[i], s[i], p[i], d[i]) for i in range(2))
+    oh, ow = (windows(size[i], k[i], d[i], p[i], s[i]) for i in range(2))
     r = None
     if residual == "full":
         r = torch.randn(N, C, oh, ow, generator=g).contiguous(memory_format=torch.channels_last)
@@ -100,30 +101,14 @@ def test_compiled_for_sm90_a_channel_slice_and_tap_major_filter_load_in_16_bytes
     """The kernel as the launcher specializes it for CoaT's value slice (bf16, 152 of 456 channels,
     channel strides 1) compiles for sm_90 with every input, filter, residual load and output store a
     128-bit one (the alignment hint and the tap-major filter); 19 channels (rows of 38 bytes) cannot."""
-    import re
-
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
     fn = kt._build()
 
     def accesses(C, align):
-        sig, consts, attrs = {}, {}, {}
-        bc = kt.block_c(C)
+        bc, bp, ncb, _, _ = kt.tiles(C, 64 * 28 * 28)
         values = dict(C=C, H=28, W=28, OH=28, OW=28, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1, HAS_B=True,
-                      HAS_R=True, ACT=0, XA=align, RA=align, OA=align, NCB=-(-C // bc), BLOCK_P=kt.TILE // bc,
-                      BLOCK_C=bc, WIDE=False, sxc=1, SWC=1, SWT=C, src=1, soc=1)
-        for i, prm in enumerate(fn.params):
-            n = prm.name
-            if n in ("X", "Wt", "B", "R", "OUT"):
-                sig[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
-            elif n in values:
-                sig[n], consts[(i,)] = "constexpr", values[n]
-            else:
-                sig[n] = "fp32" if n == "slope" else "i32"
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        return set(re.findall(r"ld\.global[^ \t]*", ptx)), set(re.findall(r"st\.global[^ \t]*", ptx))
+                      HAS_R=True, ACT=0, XA=align, RA=align, OA=align, NCB=ncb, BLOCK_P=bp, BLOCK_C=bc, WIDE=False,
+                      sxc=1, SWC=1, SWT=C, src=1, soc=1)
+        return sm90_global_accesses(fn, values, ("X", "Wt", "B", "R", "OUT"), floats=("slope",))
 
     qkv = torch.empty(64, 456, 28, 28).contiguous(memory_format=torch.channels_last)
     ld, st = accesses(152, kt.alignment(qkv[:, 304:]))

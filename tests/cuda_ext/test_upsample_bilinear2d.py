@@ -10,7 +10,7 @@ from graphopt import cuda_ext as ops
 from graphopt.cuda_ext import upsample_triton as kt
 from graphopt.cuda_ext.ops import upsample_bilinear2d as op
 from graphopt.errors import KernelArgumentError
-from tests.helpers import cuda_graph_of, run_in_triton_interpreter
+from tests.helpers import cuda_graph_of, run_in_triton_interpreter, sm90_global_accesses
 
 # N, C, (H, W), output size, align_corners, scale factors given, input layout, channels_last out
 CASES = [
@@ -78,31 +78,15 @@ def test_kernel_in_interpreter():
 def test_compiled_for_sm90_a_token_view_loads_in_16_bytes():
     """The kernel as the launcher specializes it for CoaT's token view (bf16, 152 channels, rows of 304
     bytes, channel strides 1) compiles for sm_90 with 128-bit loads and stores; 19 channels cannot."""
-    import re
-
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
-    from graphopt.cuda_ext.dwconv_triton import TILE, alignment, block_c
+    from graphopt.cuda_ext.dwconv_triton import alignment, tiles
 
     fn = kt._build()
 
     def accesses(C, align):
-        sig, consts, attrs = {}, {}, {}
-        bc = block_c(C)
-        values = dict(C=C, H=28, W=28, OH=56, OW=56, ALIGN_CORNERS=False, XA=align, OA=align, NCB=-(-C // bc),
-                      BLOCK_P=TILE // bc, BLOCK_C=bc, WIDE=False, sxc=1, soc=1)
-        for i, prm in enumerate(fn.params):
-            n = prm.name
-            if n in ("X", "OUT"):
-                sig[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
-            elif n in values:
-                sig[n], consts[(i,)] = "constexpr", values[n]
-            else:
-                sig[n] = "fp32" if n in ("rh", "rw") else "i32"
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        return set(re.findall(r"ld\.global[^ \t]*", ptx)), set(re.findall(r"st\.global[^ \t]*", ptx))
+        bc, bp, ncb, _, _ = tiles(C, 64 * 56 * 56)
+        values = dict(C=C, H=28, W=28, OH=56, OW=56, ALIGN_CORNERS=False, XA=align, OA=align, NCB=ncb,
+                      BLOCK_P=bp, BLOCK_C=bc, WIDE=False, sxc=1, soc=1)
+        return sm90_global_accesses(fn, values, ("X", "OUT"), floats=("rh", "rw"))
 
     tokens = torch.empty(64, 785, 152)[:, 1:].transpose(1, 2).reshape(64, 152, 28, 28)
     ld, st = accesses(152, alignment(tokens))

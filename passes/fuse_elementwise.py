@@ -164,6 +164,9 @@ OPS = {
     aten.where.ScalarOther: lambda p, n, a: p.where(a[0], a[1], a[2]),
     aten.where.ScalarSelf: lambda p, n, a: p.where(a[0], a[1], a[2]),
     aten.where.Scalar: lambda p, n, a: p.where(a[0], a[1], a[2]),
+    # masked_fill(x, mask, v) = where(mask, v, x); operands in builder order (x, mask, v)
+    aten.masked_fill.Scalar: lambda p, n, a: p.where(a[1], a[2], a[0]),
+    aten.masked_fill.Tensor: lambda p, n, a: p.where(a[1], a[2], a[0]),
 }
 for _u in ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "hardswish", "erf", "cos",
            "sin"):
@@ -175,6 +178,7 @@ CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.dev
 
 
 _WHERES = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
+MASKED_FILLS = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 _UNARY_ARGS = (aten.gelu.default, aten.clamp.default, aten.reciprocal.default)
 # over the last dim, keepdim: one value per row ([..., 1]); softmax keeps the row
 ROW_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.linalg_vector_norm.default,
@@ -359,7 +363,7 @@ def _operands(node: fx.Node) -> list:
         return [node.args[0], *node.meta[BN_AFFINE]]
     if t in CASTS or t in _UNARY_ARGS or t in ROW_REDUCTIONS or t in SOFTMAXES or t in EXPANDS or t is ROW_UNSQUEEZE:
         return [node.args[0]]  # (expand_as's second argument gives only the shape)
-    if t in _WHERES:
+    if t in _WHERES or t in MASKED_FILLS:
         return list(node.args[:3])
     positional = [a for a in t._schema.arguments if not a.kwarg_only]
     return list(node.args[: min(2, len(positional))])
@@ -403,6 +407,13 @@ def fusible(node: fx.Node, dtypes) -> str:
         return "" if BN_AFFINE in node.meta else "a BatchNorm in training mode or with statistics not constant"
     if node.target not in OPS:
         return "not a pointwise op the program language has"
+    if node.target in MASKED_FILLS:
+        x, value = node.args[0], node.args[2]
+        if not isinstance(x, fx.Node) or ir.info(x) is None or not ir.info(x).dtype.is_floating_point:
+            return "a masked_fill of a tensor that is not floating"
+        if isinstance(value, fx.Node) and (ir.info(value) is None or len(ir.info(value).shape) != 0
+                                           or not ir.info(value).dtype.is_floating_point):
+            return "a masked_fill whose value is not a floating 0-dim tensor"
     for a in _operands(node):
         if isinstance(a, fx.Node):
             ai = ir.info(a)
@@ -521,9 +532,11 @@ class FuseElementwise(Pass):
         while groups:
             group = groups.pop(0)
             real = [n for n in group if not _is_free(ctx, n)]
-            # a lone op is a candidate only where aten runs it in its slow strided kernel (or copies first)
+            # a lone op is a candidate only where aten runs it in its slow strided kernel or copies first
+            # (an out-of-place masked_fill is aten's clone, then masked_fill_ on the clone)
             if len(real) < 2 and not (len(group) == 1 and real and (broadcast_channels_last(real[0])
-                                                                    or _strided_row(real[0]))):
+                                                                    or _strided_row(real[0])
+                                                                    or real[0].target in MASKED_FILLS)):
                 continue
             label = f"{len(group)} pointwise ops {group[0].name} .. {group[-1].name}"
             ins, outs = _boundary(group)

@@ -543,6 +543,8 @@ class CostModel:
             return outs[0].numel * window, in_bytes + out_bytes, 1, "reduction"
         weight = FLOP_WEIGHT.get(name, 1)
         numel = _prod([o.numel for o in outs[:1]])
+        if name in COPY_THEN_IN_PLACE:  # aten clones the input, then runs the in-place op on the clone
+            return numel * weight, in_bytes + 3 * out_bytes, 2, "pointwise"
         if name in ("softmax", "_softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm", "sum", "mean",
                       "amax", "var", "rms_norm", "native_layer_norm", "cumsum", "argmax", "max", "min"):
             kind = "reduction"
@@ -1183,6 +1185,8 @@ def is_channels_last(t: ir.TensorInfo | None) -> bool:
     return t.stride[1] == 1 and t.shape[1] != 1
 
 
+# out-of-place ops aten runs as a clone of the input and the in-place op on it (two kernels)
+COPY_THEN_IN_PLACE = {"masked_fill"}
 COPY_OPS = {"clone", "contiguous", "_to_copy", "copy", "copy_", "constant_pad_nd"}
 
 

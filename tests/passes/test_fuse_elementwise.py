@@ -985,3 +985,54 @@ def test_a_contiguous_4d_output_is_refused_only_where_a_convolution_reads_it(to_
     assert bool(refused) == to_conv, res.rejected
     assert ("graphopt.fused_pointwise.default" in op_counts(gm)) == (not to_conv)
     assert reference_check(m, gm, xs).passed
+
+
+class MaskedFills(nn.Module):
+    def __init__(self, style):
+        super().__init__()
+        self.style = style
+
+    def forward(self, x, mask):
+        if self.style == "softmax":  # a mask spelled by hand before a softmax: one row program
+            return torch.softmax(x.masked_fill(mask, float("-inf")) * 0.125, dim=-1)
+        if self.style == "tensor_value":  # the fill value a 0-dim tensor
+            return x.masked_fill(mask, torch.tensor(-2.5, dtype=x.dtype)) * 3.0 + 1.0
+        return x.masked_fill(mask[:, :1], 0.0)  # alone: aten clones x, then fills the clone in place
+
+
+@pytest.mark.parametrize("style", ["softmax", "tensor_value", "alone"])
+def test_masked_fill_joins_a_group(style):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 256, generator=g)
+    mask = torch.rand(512, 256, generator=g) < 0.3
+    mask[:, 0] = False  # no row entirely masked before the softmax
+    m = MaskedFills(style)
+    gm = capture(m, (x, mask))
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] == 1 and c["aten.masked_fill.Scalar"] == c["aten.masked_fill.Tensor"] == 0, c
+    assert res.rewrites[0].predicted_gain_s > 0
+    assert reference_check(m, gm, (x, mask)).passed
+
+
+def test_masked_fill_of_an_integer_tensor_is_not_fused():
+    class M(nn.Module):
+        def forward(self, x, mask):
+            return x.masked_fill(mask, 0) * 2 + 1
+
+    x, mask = torch.arange(64).reshape(8, 8), torch.eye(8, dtype=torch.bool)
+    gm = capture(M(), (x, mask))
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    assert op_counts(gm)["aten.masked_fill.Scalar"] == 1
+    assert torch.equal(gm(x, mask), M()(x, mask))
+
+
+def test_masked_fill_is_priced_as_aten_runs_it():
+    """aten's out-of-place masked_fill is a clone and an in-place fill: two kernels, the output's bytes three times."""
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+
+    gm = capture(MaskedFills("alone"), (torch.randn(512, 256), torch.zeros(512, 256, dtype=torch.bool)))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "masked_fill" in str(n.target))
+    flops, nbytes, launches, kind = CostModel(get_profile("h200")[0]).flops_bytes(node)
+    assert launches == 2 and nbytes == 512 * 256 * 4 * 4 + 512 * 1, (nbytes, launches)

@@ -357,6 +357,7 @@ PIPELINE: tuple[str, ...] = (
     "fuse_rotary",
     "fuse_cache_write",
     "merge_increments",
+    "hoist_slices",  # (before fuse_swiglu: a gate and up computed from pieces fuse with their prologue)
     "fuse_swiglu",
     "fuse_bias_act",
     "decompose_im2col",

@@ -264,3 +264,19 @@ def test_grammar_renders_resample_and_the_lowerings_keep_the_numbers():
     gm, res = _one_pass(model, inputs, "lower_upsample", ignore_cost=True)
     assert res.status == "applied"
     assert sum(str(n.target) == "graphopt.upsample_bilinear2d.default" for n in gm.graph.nodes) == 4
+
+
+def test_grammar_renders_gate_and_hoist_slices_keeps_the_numbers():
+    """A pointwise op before a split into gate and up (a row-masking masked_fill, a bias of the whole width,
+    a scale; chunk, split or slices): hoist_slices computes the pieces from the operand's pieces, the numbers kept."""
+    p = fuzz.Program(2, 4, 8, ("f32", "bf16"), (("gate", 0, "masked", "chunk"), ("gate", 0, "bias", "split"),
+                                                  ("gate", 1, "scale", "slices")), (2, 3, 4), seed=3)
+    model, inputs = fuzz.build(p)
+    assert [o.shape for o in model(*inputs)] == [(2, 4, 4)] * 3
+    fuzz.check_program(p, ["hoist_slices", "fuse_swiglu", "fuse_elementwise"], "h200", "passes")
+    from graphopt.capture import capture
+    from graphopt.pipeline import run_passes
+
+    gm = capture(model, inputs)
+    res = run_passes(gm, ["hoist_slices", "fuse_elementwise"], target="h200")[0]
+    assert res.status == "applied" and len(res.rewrites) == 3, [r.reason for r in res.rejected]

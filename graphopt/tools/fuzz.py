@@ -40,6 +40,10 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("attention", q, k, v, causal)       q @ k^T * scale [masked_fill causal] -> softmax -> @ v
   ("mha", src, heads, causal)          q/k/v projections, heads split, attention, out projection
   ("swiglu", src, hidden)              down(silu(gate(x)) * up(x))
+  ("gate", src, pre, spelling)         src's last dim (even) touched by a pointwise op, then split in two and
+                                       silu(a) * b: pre "masked" (rows where src's first column > 0.5 zeroed by
+                                       masked_fill, grouped-GEMM experts' padding rows), "bias" (a parameter of the
+                                       whole width added), "scale"; spelling "chunk" | "split" | "slices"
   ("attn_block", src, hq, hkv, mask, spelling)  a Llama-style block on [B, S, D]: q/k/v projections (k/v
                                        to hkv heads), heads split, attention ("manual": repeat_kv then
                                        matmul/softmax, mask as attention's; "sdpa": enable_gqa, mask as
@@ -190,6 +194,10 @@ class ProgramModule(nn.Module):
                 out = src
             elif kind == "resample":
                 out = src
+            elif kind == "gate":
+                if op[2] == "bias":
+                    p(key + "_b", src[-1], scale=0.1)
+                out = src[:-1] + (src[-1] // 2,)
             elif kind == "se":
                 for part in ("a", "b"):
                     conv = nn.Conv2d(src[1], src[1], 3, padding=1)
@@ -362,6 +370,14 @@ class ProgramModule(nn.Module):
                 b, c, n = x.shape
                 parts = torch.split(x.reshape(b, c, 2, n // 2), [m.in_channels for m in self.mods[key]], 1)
                 y = torch.cat([m(t) for m, t in zip(self.mods[key], parts)], 1).flatten(2)
+            elif kind == "gate":
+                _, _, pre, spelling = op
+                h = x.shape[-1] // 2
+                t = (x.masked_fill(x[..., :1] > 0.5, 0.0) if pre == "masked" else x + P[key + "_b"] if pre == "bias"
+                     else x * 0.5)
+                a, b = (t.chunk(2, -1) if spelling == "chunk" else t.split(h, -1) if spelling == "split"
+                        else (t[..., :h], t[..., h:]))
+                y = F.silu(a) * b
             elif kind == "resample":
                 b, c, n = x.shape
                 img = x.reshape(b, c, 2, n // 2)
@@ -688,7 +704,7 @@ def programs(max_ops: int = 8):
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
                  "group_norm", "se",
-                 "mixconv", "resample", "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
+                 "mixconv", "resample", "gate", "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads", "repeat", "roll", "catslice", "headprod", "pad", "unfold", "fold")
 
@@ -770,6 +786,13 @@ def programs(max_ops: int = 8):
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0 and s[1] % 2 == 0)
                 if s is not None:
                     op, out = ("mixconv", s, draw(st.sampled_from(("depthwise", "pointwise")))), env[s]
+            elif kind == "gate":
+                s = pick(lambda s, d: len(s) >= 2 and s[-1] % 2 == 0)
+                if s is not None:
+                    sh = env[s][0]
+                    pres = ("masked", "bias", "scale") if env[s][1] == "f32" else ("masked", "scale")  # (no promotion)
+                    op = ("gate", s, draw(st.sampled_from(pres)), draw(st.sampled_from(("chunk", "split", "slices"))))
+                    out = (sh[:-1] + (sh[-1] // 2,), env[s][1])
             elif kind == "resample":
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 4 == 0)
                 if s is not None:

@@ -18,6 +18,10 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s41      cuda tests of hoist_slices and fuse_elementwise (masked_fill), $2 (CONFIG:BATCH,...) timed alone (compile too,
+#            to ${SPLIT:-480} s), then one pass on and off on $3 (CONFIG:BATCH:PASS,...)
+#   s40      the cuda tests of s39 again (after the review mends), one pass on and off on $2 (CONFIG:BATCH:PASS,...),
+#            then kernel profiles (graphopt, eager, compile) of $3 (CONFIG:BATCH,...)
 #   s39      cuda tests of dwconv2d, upsample_bilinear2d, the row-width change and merge_split_convs, diag_dwconv.py, diag_pass_ab.py
 #            on $2 (CONFIG:BATCH:PASS,...), then $3 timed alone (compile too)
 #   s38      cuda tests of the row-width change and merge_split_convs, diag_pass_ab.py on $2 (CONFIG:BATCH:PASS,...),
@@ -81,6 +85,26 @@ node_profiles() {
   done
 }
 case "$1" in
+s41)
+  ctests s41 ${CT:-150} tests/passes/test_hoist_slices.py tests/passes/test_fuse_elementwise.py tests/cuda_ext/test_pointwise.py
+  alone "$2" 480
+  left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/diag_pass_ab.py "$3" \
+    --out "$OUT" --rounds 5 --reps 20 2>&1 | quiet | grep "^| \|rror" | tail -8
+  echo "### ab ${SECONDS}s" ;;
+s40)
+  ctests s40 ${CT:-170} tests/cuda_ext/test_dwconv2d.py tests/passes/test_lower_depthwise_conv.py \
+    tests/cuda_ext/test_upsample_bilinear2d.py tests/passes/test_lower_upsample.py \
+    tests/cuda_ext/test_norm_triton.py tests/cuda_ext/test_pointwise.py tests/passes/test_fuse_elementwise.py \
+    tests/passes/test_merge_split_convs.py
+  timeout $((${AB_END:-360} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
+    2>&1 | quiet | grep "^| \|rror" | tail -8
+  echo "### ab ${SECONDS}s"
+  for cb in ${3//,/ }; do
+    left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
+      ${cb%%:*} --sweep --batch ${cb##*:} --compile --gaps --nodes --top 30 --out "$OUT" 2>&1 | quiet \
+      | grep "^##\|^- \|rror" | head -14
+    echo "### profile $cb ${SECONDS}s"
+  done ;;
 s39)
   # graphopt::dwconv2d (lower_depthwise_conv) and the row width compiled in: their cuda tests, the depthwise
   # diagnostic (aten, graphopt, predicted), then one pass on and off on whole models ($2: CONFIG:BATCH:PASS,...),

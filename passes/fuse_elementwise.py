@@ -140,6 +140,37 @@ def _scaled(p, b, alpha):
     return b if alpha == 1 else b * _num(alpha)
 
 
+def _lit(node, i, name, default):
+    """A literal argument of ``node`` (positional ``i`` or keyword ``name``); a tensor is refused."""
+    v = node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+    if isinstance(v, fx.Node):
+        raise _NotExpressible(f"{name} is a tensor")
+    return v
+
+
+def _softplus(p, x, beta: float, threshold: float):
+    """aten's: x where beta * x > threshold, else log(1 + exp(beta * x)) / beta."""
+    bx = x if beta == 1 else p.mul(x, beta)
+    soft = p.log(p.add(p.exp(bx), 1.0))
+    return p.where(p.gt(bx, threshold), x, soft if beta == 1 else p.div(soft, beta))
+
+
+def _elu(p, node, x):
+    """aten's: scale * x where x > 0, else scale * alpha * (exp(x * input_scale) - 1)."""
+    alpha, scale, in_scale = (_num(_lit(node, i, k, 1.0)) for i, k in ((1, "alpha"), (2, "scale"), (3, "input_scale")))
+    neg = p.mul(p.sub(p.exp(x if in_scale == 1 else p.mul(x, in_scale)), 1.0), alpha * scale)
+    return p.where(p.gt(x, 0.0), x if scale == 1 else p.mul(x, scale), neg)
+
+
+def _lerp(p, a, b, w):
+    """aten's: a + w * (b - a) where |w| < 0.5, else b - (b - a) * (1 - w)."""
+    d = p.sub(b, a)
+    if not hasattr(w, "id"):  # a literal weight: aten's branch chosen here
+        return p.add(a, p.mul(d, w)) if abs(w) < 0.5 else p.sub(b, p.mul(d, 1.0 - w))
+    return p.where(p.lt(p.abs(w), 0.5), p.add(a, p.mul(d, w)), p.sub(b, p.mul(d, p.sub(1.0, w))))
+
+
+SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946  # aten's
 # op -> builder(program, node, operand values) ; operands: Values or python numbers
 OPS = {
     aten.add.Tensor: lambda p, n, a: p.add(a[0], _scaled(p, a[1], _alpha(n))),
@@ -167,6 +198,23 @@ OPS = {
     # masked_fill(x, mask, v) = where(mask, v, x); operands in builder order (x, mask, v)
     aten.masked_fill.Scalar: lambda p, n, a: p.where(a[1], a[2], a[0]),
     aten.masked_fill.Tensor: lambda p, n, a: p.where(a[1], a[2], a[0]),
+    # written with the program's ops, as aten's kernels compute them (in the compute dtype)
+    aten.addcmul.default: lambda p, n, a: p.add(a[0], _scaled(p, p.mul(a[1], a[2]), _lit(n, 3, "value", 1))),
+    aten.addcdiv.default: lambda p, n, a: p.add(a[0], _scaled(p, p.div(a[1], a[2]), _lit(n, 3, "value", 1))),
+    aten.hardtanh.default: lambda p, n, a: p.clamp(a[0], _num(_lit(n, 1, "min_val", -1.0)),
+                                                   _num(_lit(n, 2, "max_val", 1.0))),
+    aten.relu6.default: lambda p, n, a: p.clamp(a[0], 0.0, 6.0),
+    aten.selu.default: lambda p, n, a: p.where(p.gt(a[0], 0.0), p.mul(a[0], SELU_SCALE),
+                                               p.mul(p.sub(p.exp(a[0]), 1.0), SELU_ALPHA * SELU_SCALE)),
+    aten.hardsigmoid.default: lambda p, n, a: p.div(p.clamp(p.add(a[0], 3.0), 0.0, 6.0), 6.0),
+    aten.leaky_relu.default: lambda p, n, a: p.where(p.gt(a[0], 0.0), a[0],
+                                                     p.mul(a[0], _num(_lit(n, 1, "negative_slope", 0.01)))),
+    aten.elu.default: lambda p, n, a: _elu(p, n, a[0]),
+    aten.softplus.default: lambda p, n, a: _softplus(p, a[0], _num(_lit(n, 1, "beta", 1.0)),
+                                                     _num(_lit(n, 2, "threshold", 20.0))),
+    aten.mish.default: lambda p, n, a: p.mul(a[0], p.tanh(_softplus(p, a[0], 1.0, 20.0))),
+    aten.lerp.Scalar: lambda p, n, a: _lerp(p, a[0], a[1], _num(a[2])),
+    aten.lerp.Tensor: lambda p, n, a: _lerp(p, a[0], a[1], a[2]),
 }
 for _u in ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "hardswish", "erf", "cos",
            "sin"):
@@ -179,7 +227,10 @@ CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.dev
 
 _WHERES = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
 MASKED_FILLS = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
-_UNARY_ARGS = (aten.gelu.default, aten.clamp.default, aten.reciprocal.default)
+_UNARY_ARGS = (aten.gelu.default, aten.clamp.default, aten.reciprocal.default, aten.hardtanh.default, aten.relu6.default,
+               aten.hardsigmoid.default, aten.leaky_relu.default, aten.elu.default, aten.softplus.default,
+               aten.mish.default)
+_TERNARY = (aten.addcmul.default, aten.addcdiv.default, aten.lerp.Tensor)
 # over the last dim, keepdim: one value per row ([..., 1]); softmax keeps the row
 ROW_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.linalg_vector_norm.default,
                   aten.var.dim, aten.var.correction)
@@ -363,8 +414,10 @@ def _operands(node: fx.Node) -> list:
         return [node.args[0], *node.meta[BN_AFFINE]]
     if t in CASTS or t in _UNARY_ARGS or t in ROW_REDUCTIONS or t in SOFTMAXES or t in EXPANDS or t is ROW_UNSQUEEZE:
         return [node.args[0]]  # (expand_as's second argument gives only the shape)
-    if t in _WHERES or t in MASKED_FILLS:
+    if t in _WHERES or t in MASKED_FILLS or t in _TERNARY:
         return list(node.args[:3])
+    if t is aten.lerp.Scalar:
+        return list(node.args[:3])  # (the weight a literal)
     positional = [a for a in t._schema.arguments if not a.kwarg_only]
     return list(node.args[: min(2, len(positional))])
 

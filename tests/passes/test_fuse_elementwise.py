@@ -1036,3 +1036,71 @@ def test_masked_fill_is_priced_as_aten_runs_it():
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and "masked_fill" in str(n.target))
     flops, nbytes, launches, kind = CostModel(get_profile("h200")[0]).flops_bytes(node)
     assert launches == 2 and nbytes == 512 * 256 * 4 * 4 + 512 * 1, (nbytes, launches)
+
+
+class MoreActivations(nn.Module):
+    """Pointwise ops the program language writes with its own: each between two ops it has."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.w = nn.Parameter(torch.rand(16) * 1.5 - 0.25)  # lerp weights on both sides of 0.5
+
+    def forward(self, x, y):
+        x = x * 1.5
+        op = self.op
+        if op == "addcmul":  # timm's Affine: beta + alpha * x
+            z = torch.addcmul(y, self.w, x, value=0.5)
+        elif op == "addcdiv":
+            z = torch.addcdiv(y, x, self.w.abs() + 0.5, value=-2.0)
+        elif op == "relu6":
+            z = F.relu6(x * 3)
+        elif op == "hardtanh":
+            z = F.hardtanh(x, -0.5, 2.0)
+        elif op == "hardsigmoid":
+            z = F.hardsigmoid(x * 3)
+        elif op == "leaky_relu":
+            z = F.leaky_relu(x, 0.2)
+        elif op == "elu":
+            z = F.elu(x, alpha=0.7)
+        elif op == "selu":
+            z = F.selu(x)
+        elif op == "softplus":
+            z = F.softplus(x * 8, beta=2.0, threshold=5.0)
+        elif op == "mish":
+            z = F.mish(x * 4)
+        elif op == "lerp_scalar":
+            z = torch.lerp(x, y, 0.75) + torch.lerp(y, x, 0.25)
+        else:  # lerp with a tensor weight
+            z = torch.lerp(x, y, self.w)
+        return z - 1.0
+
+
+ACT_OPS = ["addcmul", "addcdiv", "relu6", "hardtanh", "hardsigmoid", "leaky_relu", "elu", "selu", "softplus", "mish",
+           "lerp_scalar", "lerp_tensor"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ACT_OPS)
+def test_more_pointwise_ops_fuse(op, dtype):
+    g = torch.Generator().manual_seed(5)
+    x, y = (torch.randn(64, 16, generator=g).to(dtype) for _ in range(2))
+    m = MoreActivations(op).to(dtype)
+    gm = capture(m, (x, y))
+    before = {k for k, v in op_counts(gm).items() if v and k.startswith("aten.")}
+    (res,) = run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] >= 1 and not [k for k, v in c.items() if v and k.startswith("aten.")], (before, c)
+    assert reference_check(m, gm, (x, y)).passed
+
+
+@pytest.mark.parametrize("op", ["addcmul", "hardsigmoid", "leaky_relu", "elu", "softplus", "mish", "lerp_tensor"])
+def test_more_pointwise_ops_in_the_triton_interpreter(op, monkeypatch):
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(6)
+    x, y = (torch.randn(64, 16, generator=g) for _ in range(2))
+    m = MoreActivations(op)
+    gm = capture(m, (x, y))
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    _, ran = fused_programs_in_triton_interpreter(gm, (x, y), monkeypatch)
+    assert len(ran) == 1

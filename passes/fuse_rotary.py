@@ -1,6 +1,8 @@
 """fuse_rotary: the rotate_half rotary embedding of q and k -> one ``graphopt::rotary`` call.
 
-Matches, for each of q and k (``x`` is [B, H, S, D], cos/sin broadcast over heads)::
+Matches, for each of q and k (``x`` is [B, H, S, D], cos/sin broadcast over heads; or ``x`` is [B, S, H, D]
+with cos/sin [B or 1, S, 1, R], a rotation before the heads are transposed as GPT-J and CodeGen write it:
+the op then takes x transposed, a view, and its results are transposed back)::
 
     x * cos + rotate(x) * sin                                  # full head (R = D)
     cat([xr * cos + rotate(xr) * sin, x[..., R:]], -1)         # partial: xr = x[..., :R]
@@ -38,6 +40,7 @@ from graphopt import ir
 from graphopt.matcher import Alt, Any, Op, find
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
+from ._fusion_meta import set_meta
 from ._norms_common import CASTS, Seq, is_noop_cast, position
 
 aten = torch.ops.aten
@@ -97,6 +100,7 @@ class _Rot:
         self.interleaved = m.get("stack") is not None
         self.nodes = list(m.nodes)
         self.R = None
+        self.bshd = False  # x is [B, S, H, D] (positions before heads: rotated before the heads are transposed)
 
     @property
     def label(self):
@@ -142,9 +146,15 @@ def _check(r: _Rot) -> str:
         if ti is None:
             return f"{what} is not a tensor"
         shape = (1,) * (4 - len(ti.shape)) + tuple(ti.shape) if len(ti.shape) <= 4 else None
-        if shape is None or shape[1] != 1 or shape[2] != S or shape[3] != R or shape[0] not in (1, B):
+        ok = shape is not None and shape[3] == R and shape[0] in (1, B)
+        if ok and shape[1] == 1 and shape[2] == S:
+            r.bshd = False  # [B, H, S, D]: one row per position (dim 2), broadcast over the heads (dim 1)
+        elif ok and shape[2] == 1 and shape[1] == H:
+            r.bshd = True  # [B, S, H, D] (GPT-J, CodeGen: rotated before the transpose): positions at dim 1
+        else:
             return (f"{what} {t.name} has shape {list(ti.shape)}; the op needs [B or 1, (1,) S={S}, R={R}] "
-                    f"broadcast over the heads of {list(qi.shape)}")
+                    f"broadcast over the heads of {list(qi.shape)} as [B, H, S, D], or [B or 1, {H}, 1, {R}] "
+                    f"as [B, S, H, D]")
         if ti.device != qi.device:
             return f"{what} is on {ti.device}, x on {qi.device}"
     if ir.info(r.cos).shape != ir.info(r.sin).shape:
@@ -193,6 +203,16 @@ def _absorbed_casts(a: _Rot, b: _Rot):
     return (xs[0], xs[1]), (downs[0], downs[1])
 
 
+def _inputs_first(nodes: list) -> list:
+    """``nodes`` ordered so that each comes after the ones of them it reads (for set_meta)."""
+    out: list = []
+    while len(out) < len(nodes):
+        for n in nodes:
+            if n not in out and all(a in out or a not in nodes for a in n.all_input_nodes):
+                out.append(n)
+    return out
+
+
 @register
 class FuseRotary(Pass):
     name = "fuse_rotary"
@@ -237,8 +257,9 @@ class FuseRotary(Pass):
     @staticmethod
     def _compatible(a: _Rot, b: _Rot) -> bool:
         qa, qb = ir.info(a.q), ir.info(b.q)
-        return (qa.shape[0] == qb.shape[0] and qa.shape[2] == qb.shape[2] and qa.shape[3] == qb.shape[3]
-                and qa.dtype == qb.dtype and qa.device == qb.device)
+        s = 1 if a.bshd else 2  # the positions' dim
+        return (a.bshd == b.bshd and qa.shape[0] == qb.shape[0] and qa.shape[s] == qb.shape[s]
+                and qa.shape[3] == qb.shape[3] and qa.dtype == qb.dtype and qa.device == qb.device)
 
     @staticmethod
     def _candidate(gm, ctx, a: _Rot, b: _Rot) -> Candidate:
@@ -253,8 +274,15 @@ class FuseRotary(Pass):
                 c for c in (a.q, b.q) if all(u in gone or u in (a.root, b.root) for u in c.users)]
             gone = list(dict.fromkeys(gone))
         # (the kernel reads the tables through views of cos and sin: the same bytes)
-        new_t = ctx.price(torch.ops.graphopt.rotary.default, ins[0], ins[1], a.cos, a.sin, a.interleaved,
-                          val=(outs[0].meta.get("val"), outs[1].meta.get("val")))
+        if a.bshd:  # the op takes [B, H, S, D]: q and k transposed (views), the tables [B or 1, S, R]
+            r = ctx.replacement()
+            qt = [r.call(aten.transpose.int, x, 1, 2) for x in ins]
+            tabs = [r.call(aten.squeeze.dim, t, -2) for t in (a.cos, a.sin)]
+            r.call(torch.ops.graphopt.rotary.default, qt[0], qt[1], tabs[0], tabs[1], a.interleaved)
+            new_t = r.time()
+        else:
+            new_t = ctx.price(torch.ops.graphopt.rotary.default, ins[0], ins[1], a.cos, a.sin, a.interleaved,
+                              val=(outs[0].meta.get("val"), outs[1].meta.get("val")))
         gain = ctx.node_time(gone) - new_t
         form = "interleaved" if a.interleaved else "rotate_half"
         kind = "partial" if a.partial else "full"
@@ -274,7 +302,14 @@ class FuseRotary(Pass):
             return None
         ci = ir.info(a.cos)
         with g.inserting_after(after):
-            if len(ci.shape) == 4:
+            if a.bshd:  # [.., S, 1, R] -> [S, R] -> [1, S, R] (or [B, S, R])
+                tabs = [g.call_function(aten.squeeze.dim, (t, -2)) for t in (a.cos, a.sin)]
+                if len(ci.shape) < 4:
+                    tabs = [g.call_function(aten.unsqueeze.default, (t, 0)) for t in tabs]
+                    for _ in range(3 - len(ci.shape)):
+                        tabs = [g.call_function(aten.unsqueeze.default, (t, 0)) for t in tabs]
+                qa, qb = (g.call_function(aten.transpose.int, (x, 1, 2)) for x in (qa, qb))
+            elif len(ci.shape) == 4:
                 tabs = [g.call_function(aten.squeeze.dim, (t, 1)) for t in (a.cos, a.sin)]
             elif len(ci.shape) < 3:
                 tabs = [t for t in (a.cos, a.sin)]
@@ -282,10 +317,9 @@ class FuseRotary(Pass):
                     tabs = [g.call_function(aten.unsqueeze.default, (t, 0)) for t in tabs]
             else:
                 tabs = [a.cos, a.sin]
-        for t, src in zip(tabs, (a.cos, a.sin)):
-            if t is not src:
-                t.meta["val"] = t.target(*[x.meta["val"] if isinstance(x, fx.Node) else x for x in t.args])
-        anchor = max([after] + [t for t in tabs if t not in (a.cos, a.sin)], key=lambda n: position(gm)[n])
+        made = [n for n in tabs if n not in (a.cos, a.sin)] + ([qa, qb] if a.bshd else [])
+        set_meta(gm, _inputs_first(made))
+        anchor = max([after] + made, key=lambda n: position(gm)[n])
         with g.inserting_after(anchor):
             fused = g.call_function(torch.ops.graphopt.rotary.default,
                                     (qa, qb, tabs[0], tabs[1], a.interleaved))
@@ -293,8 +327,16 @@ class FuseRotary(Pass):
             oa = g.call_function(operator.getitem, (fused, 0))
         with g.inserting_after(oa):
             ob = g.call_function(operator.getitem, (fused, 1))
-        oa.meta["val"], ob.meta["val"] = oa_old.meta.get("val"), ob_old.meta.get("val")
-        fused.meta["val"] = (oa.meta["val"], ob.meta["val"])
+        if a.bshd:  # the op's [B, H, S, D] results (laid out [B, S, H, D]) transposed back: views
+            set_meta(gm, [fused, oa, ob])
+            with g.inserting_after(ob):
+                oa = g.call_function(aten.transpose.int, (oa, 1, 2))
+            with g.inserting_after(oa):
+                ob = g.call_function(aten.transpose.int, (ob, 1, 2))
+            set_meta(gm, [oa, ob])
+        else:
+            oa.meta["val"], ob.meta["val"] = oa_old.meta.get("val"), ob_old.meta.get("val")
+            fused.meta["val"] = (oa.meta["val"], ob.meta["val"])
         # the results (or, casts absorbed, the casts back) are read from the op now; the up-casts go
         # where nothing else reads them
         oa_old.replace_all_uses_with(oa)

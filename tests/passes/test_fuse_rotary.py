@@ -24,8 +24,9 @@ class Attn(nn.Module):
     cos/sin are computed in the graph from position ids (Llama) or are buffers (GLM-like)."""
 
     def __init__(self, form="llama", heads=4, kv_heads=2, d=16, rot=None, rotate_k=True, cos_over_heads=False,
-                 upcast=False):
+                 upcast=False, bshd=False):
         super().__init__()
+        self.bshd = bshd  # rotate [B, S, H, D] before the heads are transposed (GPT-J, CodeGen), tables [1, S, 1, R]
         self.form, self.heads, self.kv, self.d = form, heads, kv_heads, d
         self.rot = rot or d
         self.rotate_k, self.cos_over_heads = rotate_k, cos_over_heads
@@ -39,7 +40,7 @@ class Attn(nn.Module):
 
     def tables(self, x):
         S = x.shape[1]
-        pos = torch.arange(S, dtype=torch.float32)
+        pos = torch.arange(S, dtype=torch.float32, device=x.device)
         f = pos[:, None] * self.inv_freq[None, :]
         emb = f.repeat_interleave(2, dim=-1) if self.form == "glm" else torch.cat((f, f), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]  # [1, 1, S, R]
@@ -59,9 +60,14 @@ class Attn(nn.Module):
 
     def forward(self, x):
         B, S, _ = x.shape
-        q = self.q(x).view(B, S, self.heads, self.d).transpose(1, 2)
-        k = self.k(x).view(B, S, self.kv, self.d).transpose(1, 2)
+        q = self.q(x).view(B, S, self.heads, self.d)
+        k = self.k(x).view(B, S, self.kv, self.d)
         cos, sin = self.tables(x)
+        if self.bshd:
+            cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+            q, k = self.apply(q, cos, sin), self.apply(k, cos, sin)
+            return q.transpose(1, 2) @ k.transpose(1, 2).repeat_interleave(self.heads // self.kv, dim=1).transpose(-1, -2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.upcast:
             qf, kf = self.apply(q.float(), cos, sin), self.apply(k.float(), cos, sin)
             q, k = qf.to(x.dtype), kf.to(x.dtype)
@@ -89,6 +95,26 @@ def test_fuses_q_and_k(form, rot, interleaved, dtype):
     assert node.args[4] is interleaved
     # the op gets [B or 1, S, R] tables
     assert tuple(node.args[2].meta["val"].shape) == (1, 12, rot or 16)
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form,rot", [("llama", None), ("glm", 8), ("glm", None)])
+def test_fuses_a_rotation_before_the_heads_are_transposed(form, rot, dtype):
+    """GPT-J's and CodeGen's spelling: x [B, S, H, D], tables [1, S, 1, R]; the op gets x transposed (a view)
+    and its results are transposed back, laid out as eager's."""
+    m, x = Attn(form, rot=rot, bshd=True).eval().to(dtype), torch.randn(2, 12, 64, dtype=dtype)
+    gm = capture(m, (x,))
+    *_, res = run_passes(gm, ["eliminate_dead_code", "fold_constants", "fuse_rotary"], target="h200")
+    c = op_counts(gm)
+    assert c[FUSED] == 1 and c["aten.neg.default"] == 0 and len(res.rewrites) == 1, (c, res.rejected)
+    assert res.rewrites[0].predicted_gain_s > 0
+    (node,) = [n for n in gm.graph.nodes if str(n.target) == FUSED]
+    assert tuple(node.args[0].meta["val"].shape) == (2, 4, 12, 16)
+    assert tuple(node.args[2].meta["val"].shape) == (1, 12, rot or 16)
+    outs = [u for g in node.users for u in g.users]
+    assert all(u.target is torch.ops.aten.transpose.int for u in outs)
+    assert all(u.meta["val"].is_contiguous() for u in outs)  # as the rotation's eager result
     assert reference_check(m, gm, (x,)).passed
 
 
@@ -162,3 +188,15 @@ def test_glm4_tiny_one_rotary_per_layer(dtype):
     rot = [n for n in gm.graph.nodes if str(n.target) == FUSED]
     assert all(n.args[4] is True for n in rot)  # GLM's partial interleaved form
     assert reference_check(model, gm, inputs).passed
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form,rot", [("llama", None), ("glm", 8)])
+def test_rotation_before_the_transpose_on_the_gpu(form, rot):
+    m = Attn(form, rot=rot, bshd=True).eval().cuda().to(torch.bfloat16)
+    x = torch.randn(4, 128, 64, device="cuda", dtype=torch.bfloat16)
+    gm = capture(m, (x,))
+    run_passes(gm, ["eliminate_dead_code", "fold_constants", "fuse_rotary"], target="h200")
+    assert op_counts(gm)[FUSED] == 1
+    assert reference_check(m, gm, (x,)).passed

@@ -18,6 +18,8 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s42      cuda tests of fuse_elementwise (more pointwise ops), fuse_rotary (a rotation before the heads' transpose)
+#            and the pointwise kernel, then $2 (CONFIG:BATCH,...) timed alone (compile too) to ${LIMIT:-470} s
 #   s41      cuda tests of hoist_slices and fuse_elementwise (masked_fill), $2 (CONFIG:BATCH,...) timed alone (compile too,
 #            to ${SPLIT:-480} s), then one pass on and off on $3 (CONFIG:BATCH:PASS,...)
 #   s40      the cuda tests of s39 again (after the review mends), one pass on and off on $2 (CONFIG:BATCH:PASS,...),
@@ -85,6 +87,9 @@ node_profiles() {
   done
 }
 case "$1" in
+s42)
+  ctests s42 ${CT:-120} tests/passes/test_fuse_elementwise.py tests/passes/test_fuse_rotary.py tests/cuda_ext/test_pointwise.py
+  alone "$2" ${LIMIT:-470} ;;
 s41)
   ctests s41 ${CT:-150} tests/passes/test_hoist_slices.py tests/passes/test_fuse_elementwise.py tests/cuda_ext/test_pointwise.py
   alone "$2" 480

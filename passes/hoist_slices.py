@@ -22,10 +22,13 @@ Legality, per pointwise node P (an op fuse_elementwise expresses, or a cast):
   (it is sliced the same way) or broadcasts there (size 1, or no such dim; it is read as is);
 * nothing writes P's result in place, and the graph returns no piece (the caller would get a new
   tensor where it had a view);
+* P is not an activation of a convolution or GEMM: that is the GEMM's epilogue, which
+  fuse_bias_act and fuse_conv_relu take whole (CSPDarknet's LeakyReLU before its channel split);
 * static shapes.
 The new nodes stand where P stood, so they read what P read.
 
-Profitability: each piece has a reader fuse_elementwise can join; the gain is P's own kernel, which
+Profitability: each piece has a pointwise reader fuse_elementwise can join (a concatenation, a
+reduction or a GEMM reading a piece fuses nothing with it); the gain is P's own kernel, which
 that fusion removes (fuse_elementwise prices the groups it forms). Without fuse_elementwise scheduled
 on a GPU profile nothing would fuse the pieces, and the pass leaves the graph as it is.
 """
@@ -49,6 +52,11 @@ aten = torch.ops.aten
 SLICES = (aten.slice.Tensor, aten.narrow.default)
 SPLITTERS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 MAX_ROUNDS = 8
+# an activation of a convolution or GEMM is its epilogue (fuse_bias_act, fuse_conv_relu): not hoisted away from it
+PRODUCERS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.linear.default, aten.addmm.default,
+             aten.mm.default, aten.bmm.default, aten.matmul.default)
+EPILOGUE_ACTS = (aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.tanh.default,
+                 aten.hardswish.default, aten.leaky_relu.default)
 
 
 def _bounds(split: fx.Node, size: int) -> list | None:
@@ -160,7 +168,7 @@ class HoistSlices(Pass):
 
     @staticmethod
     def _plan(p, dtypes, storage, writes):
-        from .fuse_elementwise import ROW_REDUCTIONS, SOFTMAXES, fusible
+        from .fuse_elementwise import CASTS, OPS, fusible
 
         why = fusible(p, dtypes)
         if why:
@@ -181,14 +189,18 @@ class HoistSlices(Pass):
             da = d - (rank - len(ai.shape))
             if da >= 0 and ai.shape[da] not in (1, pi.shape[d]):
                 return f"operand {a.name} neither has its size along dim {d} nor broadcasts there", None
+        src = p.args[0] if p.args and isinstance(p.args[0], fx.Node) else None
+        if p.target in EPILOGUE_ACTS and src is not None and src.op == "call_function" and src.target in PRODUCERS:
+            return (f"an activation of {src.name} ({ir.op_name(src)}): its epilogue, left to fuse_bias_act and "
+                    "fuse_conv_relu"), None
         for n, lo, _ in pieces:
             if lo is None:
                 continue
             if any(u.op == "output" for u in n.users):
                 return f"the graph returns the piece {n.name}", None
-            if not any(u.op == "call_function" and (u.target not in ROW_REDUCTIONS + SOFTMAXES) and fusible(u, dtypes) == ""
+            if not any(u.op == "call_function" and (u.target in OPS or u.target in CASTS) and fusible(u, dtypes) == ""
                        for u in n.users):
-                return f"nothing fuse_elementwise joins reads the piece {n.name}", None
+                return f"no pointwise op fuse_elementwise joins reads the piece {n.name}", None
         return "", (d, pieces)
 
     @staticmethod

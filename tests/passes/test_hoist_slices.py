@@ -72,7 +72,7 @@ def test_pieces_fuse_with_their_readers(style, dtype):
     assert reference_check(m, gm, args).passed
 
 
-@pytest.mark.parametrize("style,why", [("overlap", "overlap"), ("matmul_reads", "nothing fuse_elementwise joins"),
+@pytest.mark.parametrize("style,why", [("overlap", "overlap"), ("matmul_reads", "no pointwise op fuse_elementwise joins"),
                                        ("read_whole", "not a piece")])
 def test_refused_with_a_reason(style, why):
     m = Gated(style).eval()
@@ -163,3 +163,23 @@ def test_optimized_on_the_gpu_in_bf16(style):
     assert res["fuse_elementwise"].status == "applied"
     assert om.report.accuracy["checked"] and om.report.accuracy["passed"]  # the fp64 rule, on the device
     assert reference_check(m, om, (x, pad)).passed
+
+
+def test_a_convolutions_activation_stays_its_epilogue():
+    """CSPDarknet: conv -> LeakyReLU -> a channel split. The activation is the convolution's epilogue
+    (fuse_bias_act takes it whole): not hoisted over the split even where a piece has a pointwise reader."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 16, 3, padding=1)
+
+        def forward(self, x):
+            a, b = F.leaky_relu(self.conv(x), 0.1).split(8, dim=1)
+            return torch.sigmoid(a) * b
+
+    m = M().eval()
+    x = torch.randn(2, 8, 6, 6)
+    gm = capture(m, (x,))
+    (hoist,) = run_passes(gm, ["hoist_slices", "fuse_elementwise"], target="h200")[:1]
+    assert not hoist.rewrites and any("epilogue" in r.reason for r in hoist.rejected), hoist.rejected
+    assert reference_check(m, gm, (x,)).passed

@@ -477,3 +477,34 @@ def test_a_pass_that_only_removes_ops_is_timed_alone(monkeypatch):
     applied = [r for r in opt.report.passes if r.status in ("applied", "reverted")]
     assert "fold_conv_bn" in {r.name for r in applied} and all(r.details["measured_ms"] > 0 for r in applied)
     assert reference_check(model, opt.graph_module, (x,)).passed
+
+
+class DoubleRelu(MLP):
+    """Each layer ``relu(relu(linear(x)) * 0.5)``: fuse_bias_act takes the first ReLU on the CPU too, and the
+    planted pass after it slows the second."""
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.relu(torch.relu(lin(x)) * 0.5)
+        return x
+
+
+def test_the_second_run_takes_the_times_of_the_graphs_the_first_timed(monkeypatch):
+    """A pass held in the first run is judged alone in a second run of the passes; the graphs before it
+    are the same in both runs, so the second takes their times from the first instead of timing them
+    again (fuse_bias_act's here)."""
+    monkeypatch.setenv("GRAPHOPT_MEASURE_BUDGET_S", "60")
+    torch.manual_seed(0)
+    model, x = DoubleRelu(layers=4).eval(), torch.randn(256, 256)
+
+    def pipeline(passes=None, disable=None):
+        real = assemble(passes, disable)
+        i = [p.name for p in real].index("fuse_bias_act") + 1
+        return real[:i] + [SlowRelu()] + real[i:]
+
+    monkeypatch.setattr(api, "assemble", pipeline)
+    opt = graphopt.optimize(model, (x,), measure=True)
+    bias_act, planted = opt.report.pass_result("fuse_bias_act"), opt.report.pass_result("slow_relu_planted")
+    assert bias_act.status == "applied" and bias_act.details["measured_in_first_run"] and bias_act.details["measured_ms"] > 0
+    assert planted.details["held_verdict"].startswith("judged alone"), planted.details  # (undone: the first test)
+    assert reference_check(model, opt.graph_module, (x,)).passed

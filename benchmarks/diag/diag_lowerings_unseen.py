@@ -1,9 +1,9 @@
-# Answered: Do lower_depthwise_conv and lower_upsample keep the numbers on models no test was written for (ten timm and torchvision models, planned for the H200 on the CPU, the accuracy guard on)? Yes, every one (results/lowerings_unseen_2026-12-07_cpu.md).
+# Answered: Do lower_depthwise_conv and lower_upsample keep the numbers on models no test was written for (ten timm and torchvision models, planned for the H200 on the CPU, the accuracy guard on)? Yes, every one (results/lowerings_unseen_2026-12-07_cpu.md). With --passes: the same for hoist_slices, fuse_elementwise's new ops and fuse_rotary's [B, S, H, D] form on models they were not written for (results/fusions_unseen_2026-12-07_cpu.md).
 """optimize() each model with ``target="h200"`` and the accuracy guard on, on the CPU (the two ops run
 their reference implementations there), and print each lowering's status, its rewrites and
 refusals, and the accuracy verdict.
 
-    python benchmarks/diag/diag_lowerings_unseen.py [timm-NAME | torchvision-segmentation-NAME ...]
+    python benchmarks/diag/diag_lowerings_unseen.py [--passes P1,P2] [timm-NAME | hf-TYPE | seg-NAME ...]
 """
 from __future__ import annotations
 
@@ -30,18 +30,24 @@ def build(name: str):
         return fn(weights=None, weights_backbone=None).eval(), (torch.randn(2, 3, 96, 128),)
     from graphopt.tools.perf_sweep import build as sweep_build
 
-    return sweep_build(name, 2)
+    return sweep_build(name, 2, small=name.startswith("hf-"))
 
 
 def main(argv=None) -> int:
     import graphopt
 
     warnings.filterwarnings("ignore")
-    for name in (argv or sys.argv[1:]) or MODELS:
+    args = list(argv or sys.argv[1:])
+    passes = PASSES
+    if "--passes" in args:
+        i = args.index("--passes")
+        passes = tuple(args[i + 1].split(","))
+        del args[i:i + 2]
+    for name in args or MODELS:
         model, inputs = build(name)
         report = graphopt.optimize(model, inputs, target="h200").report
         for p in report.passes:
-            if p.name in PASSES:
+            if p.name in passes:
                 refused = sorted({r.reason for r in p.rejected})
                 print(f"{name}: {p.name} {p.status}, {len(p.rewrites)} rewrites"
                       f"{', refused: ' + '; '.join(refused) if refused else ''}", flush=True)

@@ -79,6 +79,26 @@ def test_grouped_gemms_priced_by_their_multiply_adds():
     assert cm.flops_bytes(wgrad)[0] == 2 * 32 * 24 * 64
 
 
+def test_grouped_gemms_run_below_the_gemm_rate():
+    """aten's grouped GEMM is priced at GROUPED_MM_SCALE of the profile's GEMM rate (a profile's own
+    op_efficiency["grouped_mm"]["scale"] where it has one), so its compute time is the dense GEMM's over that."""
+    import dataclasses as dc
+
+    from graphopt.cost.model import GROUPED_MM_SCALE
+
+    x, g = torch.randn(4096, 1024, dtype=torch.bfloat16), torch.randn(4096, 24, dtype=torch.bfloat16)
+    m = _Experts()
+    m.w = nn.Parameter(torch.randn(4, 1024, 2048, dtype=torch.bfloat16))
+    m.offs = torch.tensor([1024, 2048, 3072, 4096], dtype=torch.int32)
+    gm = capture(m.eval(), (x, g))
+    routed = next(n for n in gm.graph.nodes if n.op == "call_function" and "_grouped_mm" in str(n.target))
+    p = _h200()
+    c = CostModel(p).node_cost(routed)
+    assert c.compute_s == pytest.approx(2 * 4096 * 1024 * 2048 / (p.matmul_rate(torch.bfloat16) * GROUPED_MM_SCALE))
+    own = dc.replace(p, op_efficiency={**p.op_efficiency, "grouped_mm": {"scale": 0.5}})
+    assert CostModel(own).node_cost(routed).compute_s == pytest.approx(c.compute_s * GROUPED_MM_SCALE / 0.5)
+
+
 def test_calibrated_efficiencies_and_cpu_dispatch():
     """A fitted GEMM efficiency slows GEMMs, a convolution gets its own, a memory-bound kernel its
     fixed time; on the CPU an op's dispatch adds to its work instead of overlapping it."""

@@ -68,7 +68,13 @@ VIEW_OPS = {
 MAYBE_VIEW_OPS = {"reshape", "reshape_as", "flatten", "contiguous", "to", "_to_copy", "type_as"}
 MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "_addmm_activation"}
 ADD_FIRST = {"addmm", "_addmm_activation", "baddbmm", "addbmm"}
-GROUPED_MM_OPS = {"_grouped_mm", "_scaled_grouped_mm"}  # a mixture of experts' GEMMs, one per group of rows
+# a mixture of experts' GEMMs, one per group of rows (transformers' grouped_mm_fallback: the same product where
+# torch has no grouped kernel, as on the CPU: a graph captured there is priced as the GPU's would be)
+GROUPED_MM_OPS = {"_grouped_mm", "_scaled_grouped_mm", "grouped_mm_fallback"}
+# the rate of aten's grouped GEMM over the profile's GEMM rate where a profile has no op_efficiency["grouped_mm"]:
+# Mixtral bs8's eight grouped GEMMs run node by node on an H100 took 6.115 ms against 4.153 priced at the GEMM
+# rate (benchmarks/results/profile_hf-mixtral_bs8_2026-12-07_h100.md; its dense linears 0.88 of their price)
+GROUPED_MM_SCALE = 0.68
 CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "cudnn_convolution"}
 ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -641,6 +647,8 @@ class CostModel:
                 eff = SMALL_M_LINEAR  # a decode step's weight stream, at the rate measured for it
             elif eff == "matmul" and GEMM_ALIGN1 in p.op_efficiency and gemm_align1(node):
                 rate = rate * p.efficiency(GEMM_ALIGN1, "scale", 1.0)  # cuBLAS's unaligned fallback kernel
+            elif eff == "matmul" and ir.op_name(node) in GROUPED_MM_OPS:  # CUTLASS's grouped kernel, one tile set a group
+                rate = rate * p.efficiency("grouped_mm", "scale", GROUPED_MM_SCALE)
             if eff == "conv":
                 rate = conv_rate(p, node)
                 if p.kind == "cuda":  # aten's convolution, not cuDNN's fused one the conv fit measures

@@ -213,17 +213,20 @@ class HoistSlices(Pass):
                 dead.append(n)
                 continue
 
-            def piece_of(a, lo=lo, hi=hi):
+            sliced: dict = {}  # an operand read twice (x * x) is sliced once
+
+            def piece_of(a, lo=lo, hi=hi, sliced=sliced):
                 if not isinstance(a, fx.Node):
                     return a
                 ai = ir.info(a)
                 da = d - (rank - len(ai.shape))
                 if da < 0 or ai.shape[da] != ir.info(p).shape[d] or (lo == 0 and hi == ai.shape[da]):
                     return a  # broadcast along d (or the whole of it): read as is
-                with g.inserting_before(p):
-                    s = g.call_function(aten.slice.Tensor, (a, da, lo, hi))
-                made.append(s)
-                return s
+                if a not in sliced:
+                    with g.inserting_before(p):
+                        sliced[a] = g.call_function(aten.slice.Tensor, (a, da, lo, hi))
+                    made.append(sliced[a])
+                return sliced[a]
 
             args = fx.node.map_aggregate(p.args, piece_of)
             kwargs = fx.node.map_aggregate(p.kwargs, piece_of)

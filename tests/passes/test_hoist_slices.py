@@ -183,3 +183,19 @@ def test_a_convolutions_activation_stays_its_epilogue():
     (hoist,) = run_passes(gm, ["hoist_slices", "fuse_elementwise"], target="h200")[:1]
     assert not hoist.rewrites and any("epilogue" in r.reason for r in hoist.rejected), hoist.rejected
     assert reference_check(m, gm, (x,)).passed
+
+
+def test_an_operand_read_twice_is_sliced_once():
+    class M(nn.Module):
+        def forward(self, x):
+            a, b = (x * x).chunk(2, dim=-1)
+            return torch.sigmoid(a) * b
+
+    m = M()
+    x = torch.randn(4, 8)
+    gm = capture(m, (x,))
+    (hoist,) = run_passes(gm, ["hoist_slices", "fuse_elementwise"], target="h200")[:1]
+    assert len(hoist.rewrites) == 1
+    slices = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor]
+    assert len(slices) == 2  # one per piece, each read twice by its square
+    assert reference_check(m, gm, (x,)).passed

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx
 from torch.utils import _pytree as pytree
 
 from .. import timing
@@ -162,21 +161,6 @@ class Timer:
 # ----------------------------------------------------------------------------- the guard
 
 
-def graph_fingerprint(gm) -> str:
-    """The graph's code and its constants' names, shapes and dtypes, hashed: two runs of the same passes
-    on the same captured graph make the same fingerprints (their constants the same values)."""
-    import hashlib
-
-    consts = []
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            v = gm
-            for part in n.target.split("."):
-                v = getattr(v, part, None)
-            consts.append((n.target, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else (n.target,))
-    return hashlib.sha1((str(gm.graph) + repr(consts)).encode()).hexdigest()
-
-
 def runnable(gm, flat_inputs: list, args: tuple, kwargs: dict, cuda_graphs, warmup: int = 1):
     """A no-argument callable that runs ``gm`` the way optimize()'s module would (CUDA-graph replay
     where graphopt.runtime.cuda_graphs' decision allows it, outputs not cloned), on these inputs.
@@ -218,12 +202,15 @@ class MeasuredTime:
         self.hold = False
         self.held: list[str] = []
         self.judge_again: set[str] = set()
-        # the graphs timed and found no slower than the one before them, by graph_fingerprint: a second
-        # run of the passes (the held ones judged alone) makes the same graphs up to the first held pass,
-        # and takes their times from here instead of timing them again
-        self.timed: dict[str, Timing] = {}
+        # the graphs timed and found no slower than the one before them, by the chain of passes applied to
+        # the captured graph so far (each with its rewrites): a second run of the passes (the held ones judged
+        # alone) applies the same passes in the same way up to the first held pass, so it makes the same
+        # graphs, and takes their times from here instead of timing them again
+        self.timed: dict = {}
+        self.chain: tuple = ()
 
     def enter(self, gm, ctx) -> None:
+        self.chain = ()  # a run of the passes starts from the captured graph
         if self.first is None:
             timing.progress("measured guard: timing the captured graph")
             with timing.phase("measured guard: building the callables"):
@@ -263,15 +250,15 @@ class MeasuredTime:
     def run_after_pass(self, gm, p, ctx, res) -> str | None:
         if res.status != "applied" or self.current is None:
             return None
-        fp = graph_fingerprint(gm) if p.name not in self.judge_again and isinstance(gm, torch.fx.GraphModule) else None
-        if fp is not None and self.judge_again and fp in self.timed:  # a second run: timed in the first, not slower
-            res.details["measured_in_first_run"] = True
-            self._record(res, self.timed[fp], self.current)
+        rewrites = tuple((r.pattern, tuple(r.matched), tuple(r.replacement)) for r in getattr(res, "rewrites", ()))
+        self.chain = key = (self.chain, p.name, rewrites)
+        if self.judge_again and p.name not in self.judge_again and key in self.timed:
+            res.details["measured_in_first_run"] = True  # a second run: this graph was timed in the first, not slower
+            self._record(res, self.timed[key], self.current)
             return None
         verdict = self._after_pass(gm, p, ctx, res)
-        if fp is not None and verdict is None and "measured_ms" in res.details and not res.details.get(
-                "measured_loss_held"):
-            self.timed[fp] = self.current
+        if verdict is None and "measured_ms" in res.details and not res.details.get("measured_loss_held"):
+            self.timed[key] = self.current
         return verdict
 
     def _after_pass(self, gm, p, ctx, res) -> str | None:

@@ -222,7 +222,8 @@ for _u in ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu
 for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
     for _ov in ("Tensor", "Scalar"):
         OPS[getattr(getattr(aten, _c), _ov)] = (lambda name: lambda p, n, a: getattr(p, name)(a[0], a[1]))(_c)
-CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device}
+CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+         aten.type_as.default}  # (type_as's second argument gives only the dtype)
 
 
 _WHERES = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
@@ -914,7 +915,8 @@ def _boundary(group):
     gs = set(group)
     ins = []
     for n in group:
-        for a in (_operands(n) if n.target in (aten.expand_as.default, aten.batch_norm.default) else n.all_input_nodes):
+        for a in (_operands(n) if n.target in (aten.expand_as.default, aten.batch_norm.default, aten.type_as.default)
+                  else n.all_input_nodes):
             if not isinstance(a, fx.Node):
                 continue
             if a not in gs and a not in ins:

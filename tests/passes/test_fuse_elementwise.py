@@ -1104,3 +1104,24 @@ def test_more_pointwise_ops_in_the_triton_interpreter(op, monkeypatch):
     run_passes(gm, ["fuse_elementwise"], target="h200")
     _, ran = fused_programs_in_triton_interpreter(gm, (x, y), monkeypatch)
     assert len(ran) == 1
+
+
+def test_type_as_is_a_cast_of_the_group():
+    """``y.type_as(x)`` (Gemma's norm, many HF models): a cast to x's dtype; x gives only the dtype, so it is
+    not an input of the kernel."""
+    class M(nn.Module):
+        def forward(self, x, r):
+            y = (x.float() * 0.5 + r.float()).type_as(x)
+            return y * 3.0
+
+    g = torch.Generator().manual_seed(7)
+    x, r = (torch.randn(32, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    m = M()
+    gm = capture(m, (x, r))
+    assert op_counts(gm)["aten.type_as.default"] == 1
+    run_passes(gm, ["fuse_elementwise"], target="h200")
+    c = op_counts(gm)
+    assert c[FP] == 1 and c["aten.type_as.default"] == 0, c
+    (node,) = [n for n in gm.graph.nodes if str(n.target) == FP]
+    assert len(node.args[1]) == 2  # x and r, read once each
+    assert reference_check(m, gm, (x, r)).passed

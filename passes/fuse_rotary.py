@@ -203,16 +203,6 @@ def _absorbed_casts(a: _Rot, b: _Rot):
     return (xs[0], xs[1]), (downs[0], downs[1])
 
 
-def _inputs_first(nodes: list) -> list:
-    """``nodes`` ordered so that each comes after the ones of them it reads (for set_meta)."""
-    out: list = []
-    while len(out) < len(nodes):
-        for n in nodes:
-            if n not in out and all(a in out or a not in nodes for a in n.all_input_nodes):
-                out.append(n)
-    return out
-
-
 @register
 class FuseRotary(Pass):
     name = "fuse_rotary"
@@ -301,25 +291,22 @@ class FuseRotary(Pass):
         if pos[after] >= first_use:
             return None
         ci = ir.info(a.cos)
-        with g.inserting_after(after):
-            if a.bshd:  # [.., S, 1, R] -> [S, R] -> [1, S, R] (or [B, S, R])
-                tabs = [g.call_function(aten.squeeze.dim, (t, -2)) for t in (a.cos, a.sin)]
-                if len(ci.shape) < 4:
-                    tabs = [g.call_function(aten.unsqueeze.default, (t, 0)) for t in tabs]
-                    for _ in range(3 - len(ci.shape)):
-                        tabs = [g.call_function(aten.unsqueeze.default, (t, 0)) for t in tabs]
-                qa, qb = (g.call_function(aten.transpose.int, (x, 1, 2)) for x in (qa, qb))
-            elif len(ci.shape) == 4:
-                tabs = [g.call_function(aten.squeeze.dim, (t, 1)) for t in (a.cos, a.sin)]
-            elif len(ci.shape) < 3:
-                tabs = [t for t in (a.cos, a.sin)]
-                for _ in range(3 - len(ci.shape)):
-                    tabs = [g.call_function(aten.unsqueeze.default, (t, 0)) for t in tabs]
-            else:
-                tabs = [a.cos, a.sin]
-        made = [n for n in tabs if n not in (a.cos, a.sin)] + ([qa, qb] if a.bshd else [])
-        set_meta(gm, _inputs_first(made))
-        anchor = max([after] + made, key=lambda n: position(gm)[n])
+        made: list = []
+
+        def call(target, *args):  # each new node after the one made before it (fx inserts each after `after`)
+            with g.inserting_after(made[-1] if made else after):
+                made.append(g.call_function(target, args))
+            return made[-1]
+
+        tabs, depth = [a.cos, a.sin], len(ci.shape)
+        if a.bshd or depth == 4:  # [.., S, 1, R] (bshd) or [B, 1, S, R] -> [.., S, R]
+            tabs, depth = [call(aten.squeeze.dim, t, -2 if a.bshd else 1) for t in tabs], depth - 1
+        for _ in range(3 - depth):  # -> [B or 1, S, R]
+            tabs = [call(aten.unsqueeze.default, t, 0) for t in tabs]
+        if a.bshd:
+            qa, qb = (call(aten.transpose.int, x, 1, 2) for x in (qa, qb))
+        set_meta(gm, made)
+        anchor = made[-1] if made else after
         with g.inserting_after(anchor):
             fused = g.call_function(torch.ops.graphopt.rotary.default,
                                     (qa, qb, tabs[0], tabs[1], a.interleaved))

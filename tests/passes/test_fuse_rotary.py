@@ -64,7 +64,9 @@ class Attn(nn.Module):
         k = self.k(x).view(B, S, self.kv, self.d)
         cos, sin = self.tables(x)
         if self.bshd:
-            cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+            cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [1, S, 1, R]
+            if self.bshd == "3d":
+                cos, sin = cos[0], sin[0]  # [S, 1, R]
             q, k = self.apply(q, cos, sin), self.apply(k, cos, sin)
             return q.transpose(1, 2) @ k.transpose(1, 2).repeat_interleave(self.heads // self.kv, dim=1).transpose(-1, -2)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -99,11 +101,12 @@ def test_fuses_q_and_k(form, rot, interleaved, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("form,rot", [("llama", None), ("glm", 8), ("glm", None)])
-def test_fuses_a_rotation_before_the_heads_are_transposed(form, rot, dtype):
+@pytest.mark.parametrize("form,rot,tables", [("llama", None, True), ("glm", 8, True), ("glm", None, True),
+                                             ("llama", 8, "3d")])
+def test_fuses_a_rotation_before_the_heads_are_transposed(form, rot, tables, dtype):
     """GPT-J's and CodeGen's spelling: x [B, S, H, D], tables [1, S, 1, R]; the op gets x transposed (a view)
-    and its results are transposed back, laid out as eager's."""
-    m, x = Attn(form, rot=rot, bshd=True).eval().to(dtype), torch.randn(2, 12, 64, dtype=dtype)
+    and its results are transposed back, laid out as eager's; tables [S, 1, R] too."""
+    m, x = Attn(form, rot=rot, bshd=tables).eval().to(dtype), torch.randn(2, 12, 64, dtype=dtype)
     gm = capture(m, (x,))
     *_, res = run_passes(gm, ["eliminate_dead_code", "fold_constants", "fuse_rotary"], target="h200")
     c = op_counts(gm)

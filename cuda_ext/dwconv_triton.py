@@ -36,9 +36,35 @@ def _kernel():
     return cached_kernel(_kernels, _build)
 
 
+def build_pixel_tile():
+    """The jitted helper both tile kernels (this one, upsample_triton's) start with: the [BLOCK_P output pixels x
+    BLOCK_C channels] tile this program computes (:func:`tiles`: channel blocks innermost) as its pixel and channel
+    indices, their masks, and each pixel's (n, oy, ox)."""
+    import triton
+
+    global tl  # Triton's interpreter looks triton.language up in a jitted function's module, here also for
+    import triton.language as tl  # a kernel of another module that calls the helper
+
+    @triton.jit
+    def pixel_tile(P, C: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr, NCB: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+        pid = tl.program_id(0)
+        if WIDE:
+            pid = pid.to(tl.int64)
+        p = (pid // NCB) * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = (pid % NCB) * BLOCK_C + tl.arange(0, BLOCK_C)
+        t = p // OW
+        return p, c, p < P, c < C, t // OH, t % OH, p % OW
+
+    return pixel_tile
+
+
 def _build():
     import triton
     import triton.language as tl
+
+    global pixel_tile  # a jitted helper is looked up in the kernels' module globals
+    pixel_tile = build_pixel_tile()
 
     @triton.jit
     def dwconv_kernel(X, Wt, B, R, OUT, P, slope, sxn, sxc, sxh, sxw, srn, src, srh, srw, son, soc, soh, sow,
@@ -49,18 +75,7 @@ def _build():
                       HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
                       XA: tl.constexpr, RA: tl.constexpr, OA: tl.constexpr, NCB: tl.constexpr,
                       BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
-        pid = tl.program_id(0)
-        if WIDE:
-            pid = pid.to(tl.int64)
-        cb = pid % NCB
-        p = (pid // NCB) * BLOCK_P + tl.arange(0, BLOCK_P)
-        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        pm = p < P
-        cm = c < C
-        ox = p % OW
-        t = p // OW
-        oy = t % OH
-        n = t // OH
+        p, c, pm, cm, n, oy, ox = pixel_tile(P, C, OH, OW, NCB, BLOCK_P, BLOCK_C, WIDE)
         acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
         for ki in tl.static_range(KH):
             iy = oy * SH - PH + ki * DH

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from .dwconv_triton import alignment, tiles
+from .dwconv_triton import alignment, build_pixel_tile, tiles
 from .norm_triton import cached_kernel
 
 _kernels: dict = {}
@@ -32,23 +32,15 @@ def _build():
     import triton
     import triton.language as tl
 
+    global pixel_tile  # a jitted helper is looked up in the kernels' module globals
+    pixel_tile = build_pixel_tile()
+
     @triton.jit
     def upsample_kernel(X, OUT, P, rh, rw, sxn, sxc, sxh, sxw, son, soc, soh, sow,
                         C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
                         ALIGN_CORNERS: tl.constexpr, XA: tl.constexpr, OA: tl.constexpr, NCB: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
-        pid = tl.program_id(0)
-        if WIDE:
-            pid = pid.to(tl.int64)
-        cb = pid % NCB
-        p = (pid // NCB) * BLOCK_P + tl.arange(0, BLOCK_P)
-        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        pm = p < P
-        cm = c < C
-        ox = p % OW
-        t = p // OW
-        oy = t % OH
-        n = t // OH
+        p, c, pm, cm, n, oy, ox = pixel_tile(P, C, OH, OW, NCB, BLOCK_P, BLOCK_C, WIDE)
         if ALIGN_CORNERS:
             sy = rh * oy.to(tl.float32)
             sx = rw * ox.to(tl.float32)

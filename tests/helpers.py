@@ -299,3 +299,17 @@ def sm90_global_accesses(fn, values: dict, pointers, floats=()) -> tuple[set, se
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     return set(re.findall(r"ld\.global[^ \t]*", ptx)), set(re.findall(r"st\.global[^ \t]*", ptx))
+
+
+def assert_refuses(op, args, bad, match) -> None:
+    """``op(*args)`` with the arguments ``bad(args)`` maps ({position: value}) put in their places raises
+    KernelArgumentError matching ``match`` (a bundled op's wrapper checking what its kernel takes)."""
+    import pytest
+
+    from graphopt.errors import KernelArgumentError
+
+    args = list(args)
+    for i, v in bad(args).items():
+        args[i] = v
+    with pytest.raises(KernelArgumentError, match=match):
+        op(*args)

@@ -228,10 +228,10 @@ CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.dev
 
 _WHERES = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
 MASKED_FILLS = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
-_UNARY_ARGS = (aten.gelu.default, aten.clamp.default, aten.reciprocal.default, aten.hardtanh.default, aten.relu6.default,
+_UNARY_ARGS = (aten.gelu.default, aten.clamp.default, aten.reciprocal.default, aten.hardtanh.default,
                aten.hardsigmoid.default, aten.leaky_relu.default, aten.elu.default, aten.softplus.default,
                aten.mish.default)
-_TERNARY = (aten.addcmul.default, aten.addcdiv.default, aten.lerp.Tensor)
+_TERNARY = (aten.addcmul.default, aten.addcdiv.default, aten.lerp.Tensor, aten.lerp.Scalar)  # (lerp's weight may be a literal)
 # over the last dim, keepdim: one value per row ([..., 1]); softmax keeps the row
 ROW_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.linalg_vector_norm.default,
                   aten.var.dim, aten.var.correction)
@@ -417,8 +417,6 @@ def _operands(node: fx.Node) -> list:
         return [node.args[0]]  # (expand_as's second argument gives only the shape)
     if t in _WHERES or t in MASKED_FILLS or t in _TERNARY:
         return list(node.args[:3])
-    if t is aten.lerp.Scalar:
-        return list(node.args[:3])  # (the weight a literal)
     positional = [a for a in t._schema.arguments if not a.kwarg_only]
     return list(node.args[: min(2, len(positional))])
 

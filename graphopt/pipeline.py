@@ -349,6 +349,7 @@ PIPELINE: tuple[str, ...] = (
     # fusion
     "merge_split_convs",  # (before fold_conv_bn: a BatchNorm after the concatenation folds into the merged one)
     "fold_conv_bn",
+    "merge_summed_convs",  # (after fold_conv_bn: each branch's BatchNorm is inside its convolution)
     "fuse_attention",
     "fuse_gemv_swiglu",
     "merge_sibling_linears",

@@ -87,6 +87,11 @@ node_profiles() {
   done
 }
 case "$1" in
+s50)
+  ctests s50 ${CT:-120} tests/passes/test_merge_summed_convs.py tests/passes/test_merge_split_convs.py
+  left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/diag_pass_ab.py "$2" \
+    --out "$OUT" --rounds 5 --reps 20 2>&1 | quiet | grep "^| \|rror" | tail -12
+  echo "### ab ${SECONDS}s" ;;
 s42)
   ctests s42 ${CT:-120} tests/passes/test_fuse_elementwise.py tests/passes/test_fuse_rotary.py tests/cuda_ext/test_pointwise.py
   alone "$2" ${LIMIT:-470} ;;

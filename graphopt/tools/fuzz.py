@@ -16,6 +16,11 @@ Op specs (value indices are absolute: inputs first, then one value per op):
   ("resample", src, align, factor)     3-D src (B,C,L), L % 4 == 0, viewed as (B,C,2,L/2): bilinear down to
                                        (1,L/4) (by scale factor 0.5 where ``factor``, else by size) and back up by
                                        size, align_corners or not, flattened back
+  ("repconv", src, groups, form)      3-D src (B,C,L) viewed as (B,C,2,L/2): a reparameterizable block's branches of
+                                       one input added, groups "dense" (1) or "depthwise" (C): a 3x3 conv with its
+                                       BatchNorm + a 1x1 conv with its BatchNorm + the input's BatchNorm (form "sum"),
+                                       or x + gamma * (3x3 conv + BatchNorm of x - another BatchNorm of x) ("mixer"),
+                                       flattened back
   ("se", src, gate)                    3-D src (B,C,L) viewed as (B,C,2,L/2): conv2d, squeeze-and-excitation's
                                        per-channel scale (mean over the pixels, sigmoid | hardsigmoid,
                                        a broadcast mul), conv2d, flattened back
@@ -198,6 +203,28 @@ class ProgramModule(nn.Module):
                 if op[2] == "bias":
                     p(key + "_b", src[-1], scale=0.1)
                 out = src[:-1] + (src[-1] // 2,)
+            elif kind == "repconv":
+                _, _, groups, form = op
+                c = src[1]
+                gr = 1 if groups == "dense" else c
+
+                def bn():
+                    b = nn.BatchNorm2d(c)
+                    with torch.no_grad():
+                        b.weight.copy_(1 + 0.1 * torch.randn(c, generator=g))
+                        b.bias.copy_(0.1 * torch.randn(c, generator=g))
+                        b.running_mean.copy_(0.1 * torch.randn(c, generator=g))
+                        b.running_var.copy_(0.5 + torch.rand(c, generator=g))
+                    return b
+
+                for part, k in (("k3", 3), ("k1", 1)):
+                    conv = nn.Conv2d(c, c, k, padding=k // 2, groups=gr, bias=False)
+                    with torch.no_grad():
+                        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) / math.sqrt(conv.weight[0].numel()))
+                    self.mods[f"{key}_{part}"] = nn.Sequential(conv, bn())
+                self.mods[f"{key}_id"], self.mods[f"{key}_norm"] = bn(), bn()
+                p(key + "_gamma", c, 1, 1, scale=0.5, offset=1.0)
+                out = src
             elif kind == "se":
                 for part in ("a", "b"):
                     conv = nn.Conv2d(src[1], src[1], 3, padding=1)
@@ -392,6 +419,15 @@ class ProgramModule(nn.Module):
                 y = F.unfold(x.reshape(b, c, 2, n // 2), op[2], padding=op[3], stride=op[4])
             elif kind == "fold":
                 y = F.fold(x, _fold_size(x.shape[2], op[2], op[3], op[4]), op[2], padding=op[3], stride=op[4]).flatten(2)
+            elif kind == "repconv":
+                b, c, n = x.shape
+                h = x.reshape(b, c, 2, n // 2)
+                if op[3] == "sum":
+                    y = self.mods[key + "_k3"](h) + self.mods[key + "_k1"](h) + self.mods[key + "_id"](h)
+                else:
+                    y = h + P[key + "_gamma"] * (self.mods[key + "_k3"](h) + self.mods[key + "_id"](h)
+                                                 - self.mods[key + "_norm"](h))
+                y = y.flatten(2)
             elif kind == "se":
                 b, c, n = x.shape
                 h = self.mods[key + "_a"](x.reshape(b, c, 2, n // 2))
@@ -703,7 +739,7 @@ def programs(max_ops: int = 8):
         f32 = lambda s, d: d == "f32"  # noqa: E731
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
-                 "group_norm", "se",
+                 "group_norm", "se", "repconv",
                  "mixconv", "resample", "gate", "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads", "repeat", "roll", "catslice", "headprod", "pad", "unfold", "fold")
@@ -813,6 +849,11 @@ def programs(max_ops: int = 8):
                                                            if sh[1] % (a[0] * a[0]) == 0]))
                     h, w = _fold_size(sh[2], k, pad, stride)
                     op, out = ("fold", s, k, pad, stride), ((sh[0], sh[1] // (k * k), h * w), env[s][1])
+            elif kind == "repconv":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
+                if s is not None:
+                    op = ("repconv", s, draw(st.sampled_from(("dense", "depthwise"))), draw(st.sampled_from(("sum", "mixer"))))
+                    out = env[s]
             elif kind == "se":
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
                 if s is not None:

@@ -139,11 +139,7 @@ class _Forms:
 
     def _operand(self, n: fx.Node, v, out: ir.TensorInfo) -> Form | None:
         if isinstance(v, fx.Node) and v in self.forms:
-            if len(v.users) != 1:
-                if self.forms[v].convs and len(self.forms[v].nodes) == 1:  # (a larger one is merged on its own)
-                    self.refused.setdefault(n, f"{v.name} is read elsewhere too (it would still be computed)")
-                return None
-            return self.forms[v]
+            return self.forms[v] if len(v.users) == 1 else None  # (one read elsewhere too would still be computed)
         c = _const(self.gm, v, out)
         if c is not None:
             return Form(None, bias=c[0], attrs=[c[1]] if c[1] is not None else [])
@@ -180,6 +176,7 @@ class _Forms:
             if fb is None and fa is not None and b is fa.base:
                 fb = Form(b, ident=1.0, inputs=1)
             if fa is None or fb is None or (fa.base is None and fb.base is None):
+                self._why_not(n, (a, fb or self.forms.get(b)), (b, fa or self.forms.get(a)))
                 return None
             if fa.base is not None and fb.base is not None and fa.base is not fb.base:
                 return None
@@ -208,6 +205,15 @@ class _Forms:
                 self.taken.add(v)
         f.nodes.append(n)
         return f
+
+    def _why_not(self, n: fx.Node, *sides) -> None:
+        """Record why ``n`` sums no Form where one operand is a convolution read elsewhere too and the
+        other side is a Form over that convolution's input (a larger Form read elsewhere is merged on its own)."""
+        for v, other in sides:
+            f = self.forms.get(v) if isinstance(v, fx.Node) else None
+            if f is not None and len(v.users) > 1 and f.convs and len(f.nodes) == 1 and other is not None \
+                    and other.base is f.base:
+                self.refused.setdefault(n, f"{v.name} is read elsewhere too (it would still be computed)")
 
     @staticmethod
     def _same_dtype(n: fx.Node, *forms: Form) -> bool:

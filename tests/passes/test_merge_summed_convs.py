@@ -243,3 +243,24 @@ def test_optimized_on_the_gpu_in_bf16(model):
     res = next(p for p in om.report.passes if p.name == "merge_summed_convs")
     assert res.rewrites or "measured slower" in " ".join(res.notes + [r.reason for r in res.rejected]), res
     assert om.report.accuracy["checked"] and om.report.accuracy["passed"]  # the fp64 rule, on the device
+
+
+def test_one_dimensional_branches():
+    class Rep1d(nn.Module):  # an audio front end's 5-tap + 1-tap branches and the input's BatchNorm
+        def __init__(self, c=6):
+            super().__init__()
+            self.a = nn.Sequential(nn.Conv1d(c, c, 5, padding=2, bias=False), nn.BatchNorm1d(c))
+            self.b = nn.Sequential(nn.Conv1d(c, c, 1, bias=False), nn.BatchNorm1d(c))
+            self.id = nn.BatchNorm1d(c)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x) + self.id(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 20)
+    m = _trained_stats(Rep1d(), x)
+    gm, res = _run(m, x)
+    assert len(res.rewrites) == 1, [r.reason for r in res.rejected]
+    c = op_counts(gm)
+    assert c["aten.conv1d.default"] == 1 and BN not in c
+    assert reference_check(m, gm, (x,)).passed

@@ -18,6 +18,7 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s50      (merge_summed_convs) its cuda tests, then the pass on and off (diag_pass_ab) on $2 (CONFIG:BATCH:PASS,...)
 #   s42      cuda tests of fuse_elementwise (more pointwise ops), fuse_rotary (a rotation before the heads' transpose)
 #            and the pointwise kernel, then $2 (CONFIG:BATCH,...) timed alone (compile too) to ${LIMIT:-470} s
 #   s41      cuda tests of hoist_slices and fuse_elementwise (masked_fill), $2 (CONFIG:BATCH,...) timed alone (compile too,

@@ -95,18 +95,29 @@ def _kernel():
     return cached_kernel(_kernels, _build)
 
 
+def row_vec(H: int, itemsize: int) -> int:
+    """The largest power of two dividing the row width ``H``, up to one 16-byte access of ``itemsize``-byte
+    elements: ln_rows_kernel's compile-time VEC (the width is passed as H // VEC)."""
+    v = 1
+    while H % (2 * v) == 0 and 2 * v * itemsize <= 16:
+        v *= 2
+    return v
+
+
 def _build():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def ln_rows_kernel(P, PS, BIAS, X, W, B, OUT, HOUT, R, H: tl.constexpr, eps, S: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def ln_rows_kernel(P, PS, BIAS, X, W, B, OUT, HOUT, R, HV, eps, S: tl.constexpr, HAS_BIAS: tl.constexpr,
                        HAS_X: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_H: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+                       VEC: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
         # OUT = layer_norm(h) over rows of H, h = the S fp32 partial products at P (PS apart) + BIAS + X,
         # rounded to OUT's dtype once (stored to HOUT with STORE_H). A plain LayerNorm is S = 0 with X its
-        # input (rounding X to its own dtype changes nothing). The row width H is a compile-time constant:
-        # a row then starts as aligned as H's bytes make it, and the accesses vectorize to that alignment.
+        # input (rounding X to its own dtype changes nothing). The row width is H = HV * VEC, VEC a
+        # compile-time power of two (row_vec): a row then starts as aligned as VEC elements make it, and the
+        # accesses vectorize to that alignment, while widths with the same VEC and block share the kernel.
+        H = HV * VEC
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
@@ -253,10 +264,11 @@ def _rows(x, residual, weight, bias, eps: float, op: str, store_h: bool):
     S, X = (1, res) if store_h else (0, xc)
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        v = row_vec(H, x.element_size())
         k[(triton.cdiv(R, rows),)](xc, 0, xc, X if X is not None else xc, w if w is not None else xc,
-                                   b if b is not None else xc, out, h, R, H, float(eps), S=S, HAS_BIAS=False,
+                                   b if b is not None else xc, out, h, R, H // v, float(eps), S=S, HAS_BIAS=False,
                                    HAS_X=X is not None, HAS_W=w is not None, HAS_B=b is not None, STORE_H=store_h,
-                                   ROWS=rows, BLOCK_H=bh, num_warps=warps)
+                                   VEC=v, ROWS=rows, BLOCK_H=bh, num_warps=warps)
     return out, h
 
 
@@ -317,9 +329,10 @@ def linear_add_layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: to
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         b, lw, lb = (t if t is not None else parts for t in vec)  # an absent operand: any pointer, never read
-        k[(triton.cdiv(M, rows),)](parts, M * N, b, res if res is not None else parts, lw, lb, out, h, M, N,
+        v = row_vec(N, x.element_size())
+        k[(triton.cdiv(M, rows),)](parts, M * N, b, res if res is not None else parts, lw, lb, out, h, M, N // v,
                                    float(eps), S=splits, HAS_BIAS=vec[0] is not None, HAS_X=res is not None,
-                                   HAS_W=vec[1] is not None, HAS_B=vec[2] is not None, STORE_H=True, ROWS=rows,
+                                   HAS_W=vec[1] is not None, HAS_B=vec[2] is not None, STORE_H=True, VEC=v, ROWS=rows,
                                    BLOCK_H=bh, num_warps=warps)
     return out, h
 

@@ -97,6 +97,31 @@ def test_rows_whose_bytes_are_not_a_multiple_of_16_are_priced_at_the_measured_un
     assert norm_triton.rows_cost(OpCost(1, 1), 152, 4, prof).slowdown == 1.0
 
 
+def test_row_widths_share_a_kernel_and_keep_their_128_bit_accesses():
+    """The many-rows kernel takes the row width as (H // VEC) * VEC with VEC its largest power of two up to a
+    16-byte access: widths of one block and VEC (RDNet's LayerNorms over 336 and 440 channels) share one compiled
+    kernel, and its sm_90 accesses are still 128-bit where a row's bytes are a multiple of 16 (CoaT's 152), 4-byte
+    where not (150)."""
+    from graphopt.cuda_ext.norm_triton import next_pow2, row_vec
+    from tests.helpers import sm90_global_accesses
+
+    assert [row_vec(h, 2) for h in (150, 152, 336, 440, 768)] == [2, 8, 8, 8, 8]
+    assert row_vec(336, 4) == 4 and row_vec(7, 2) == 1
+    assert (row_vec(336, 2), next_pow2(336)) == (row_vec(440, 2), next_pow2(440))  # one kernel for both widths
+
+    def accesses(H):
+        bh = next_pow2(H)
+        values = {"S": 0, "HAS_BIAS": False, "HAS_X": True, "HAS_W": True, "HAS_B": True, "STORE_H": False,
+                  "VEC": row_vec(H, 2), "ROWS": max(1, min(128, 8192 // bh)), "BLOCK_H": bh}
+        return sm90_global_accesses(norm_triton._build(), values, ("P", "BIAS", "X", "W", "B", "OUT", "HOUT"),
+                                    floats=("eps",))
+
+    loads, stores = accesses(152)
+    assert "ld.global.v4.b32" in loads and stores == {"st.global.v4.b32"}
+    loads, stores = accesses(150)
+    assert not any(".v4" in a for a in loads | stores)
+
+
 def test_too_wide_rows_refused():
     with pytest.raises(ValueError, match="hidden size"):
         norm_triton.layer_norm_triton(torch.zeros(1, norm_triton.MAX_HIDDEN + 1), None, None, 1e-5)

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from .norm_triton import next_pow2, pdl_launch
+from .norm_triton import next_pow2, pdl_launch, row_vec
 from .pointwise import (COMPARE, DTYPES, Program, broadcast_shape, cat_offsets, compute_dtype_for, dense_order,
                         REDUCE, full_views, parse, value_kinds, with_cat_dims, with_row_dim)
 
@@ -136,9 +136,10 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
     params += [f"st{i}_{d}" for i in range(n_in) for d in range(ndim)]
     params += [f"c{e}{i}" for i in pieces for e in "se"]
     shape = "[BM, BN]" if tile2d else "[BLOCK]"
-    # tile2d: the row width W a compile-time constant, so a row's start is provably as aligned as W
-    # makes it and the loads vectorize (a runtime width is only known divisible by 16 when it is)
-    consts = "BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr" if tile2d else "BLOCK: tl.constexpr"
+    # tile2d: the row width W = WV * VEC, VEC a compile-time power of two (row_vec), so a row's start is
+    # provably as aligned as VEC elements make it and the loads vectorize (a runtime width alone is only
+    # known divisible by 16 when it is), while widths with the same VEC and tiles share one kernel
+    consts = "WV, BM: tl.constexpr, BN: tl.constexpr, VEC: tl.constexpr" if tile2d else "BLOCK: tl.constexpr"
     L = ["import triton", "import triton.language as tl",
          "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait", "", "",
          *(_ROW_COMBINE if p.reduces else []),
@@ -151,6 +152,7 @@ def generate(p: Program, in_dtypes: Sequence[torch.dtype], ndim: int, use_i64: b
         ity = ".to(tl.int64)" if use_i64 else ""
         L.append(f"    r = (pid{ity} * BM + tl.arange(0, BM){ity})[:, None]")
         L.append(f"    c = (tl.program_id(1){ity} * BN + tl.arange(0, BN){ity})[None, :]")
+        L.append("    W = WV * VEC")
         last = ndim - 1
         if ndim == 2:
             L.append("    m = (r < size0) & (c < W)")
@@ -555,12 +557,14 @@ def _make_plan(p: Program, program: str, inputs: list[torch.Tensor]) -> _Plan:
         bn = next_pow2(cshape[-1])
         bm = max(1, min(64, ROW_TILE // bn))
         pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), 1)
-        pl.meta = dict(BM=bm, BN=bn, W=cshape[-1], num_warps=8 if bn >= 2048 else 4)
+        v = row_vec(cshape[-1], min(d.itemsize for d in (*dts, *pl.out_dtypes)))
+        pl.meta = dict(WV=cshape[-1] // v, BM=bm, BN=bn, VEC=v, num_warps=8 if bn >= 2048 else 4)
     elif tile2d:
         bn = min(BLOCK, next_pow2(cshape[-1]))
         bm = max(1, BLOCK // bn)
         pl.grid = (triton_cdiv(pl.numel // cshape[-1], bm), triton_cdiv(cshape[-1], bn))
-        pl.meta = dict(BM=bm, BN=bn, W=cshape[-1], num_warps=4)
+        v = row_vec(cshape[-1], min(d.itemsize for d in (*dts, *pl.out_dtypes)))
+        pl.meta = dict(WV=cshape[-1] // v, BM=bm, BN=bn, VEC=v, num_warps=4)
     else:
         pl.grid = (triton_cdiv(pl.numel, BLOCK),)
         pl.meta = dict(BLOCK=BLOCK, num_warps=4)

@@ -1,4 +1,4 @@
-# Answered: Why did graphopt's row kernels (the many-rows LayerNorm, the generated pointwise row tiles) move CoaT-Tiny's rows of 152 at about a quarter of the copy rate? With a runtime width their accesses were 2-byte ones unless 16 divided the width; with the width compiled in they are 128-bit wherever a row's bytes are a multiple of 16 (results/diag_ln_rows_ptx_<date>.md).
+# Answered: Why did graphopt's row kernels (the many-rows LayerNorm, the generated pointwise row tiles) move CoaT-Tiny's rows of 152 at about a quarter of the copy rate? With a runtime width their accesses were 2-byte ones unless 16 divided the width; with the width compiled in they are 128-bit wherever a row's bytes are a multiple of 16 (results/diag_ln_rows_ptx_<date>.md). With the width passed as (H // VEC) * VEC (VEC a compile-time power of two, widths sharing a kernel) the accesses are the same (results/diag_ln_rows_ptx_2026-12-07_100649.md).
 """The global loads and stores ``ln_rows_kernel`` (and the generated pointwise kernel's row tiles) compile
 to for sm_90, per row width, without a GPU.
 
@@ -66,7 +66,7 @@ def pointwise_accesses(H: int) -> tuple[Counter, Counter]:
     fn = pt.get_kernel(SOFTMAX, (torch.bfloat16,), 2, False, (True,), True)
     names = [p.name for p in fn.params]
     types, consts, attrs = {}, {}, {}
-    runtime = {"numel": 1024 * H, "size0": 1024, "size1": H, "st0_0": H}
+    runtime = {"numel": 1024 * H, "size0": 1024, "size1": H, "st0_0": H, "WV": H // pt.row_vec(H, 2)}
     for i, n in enumerate(names):
         if n.startswith(("in", "out")):
             types[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
@@ -76,7 +76,7 @@ def pointwise_accesses(H: int) -> tuple[Counter, Counter]:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             types[n] = "constexpr"
-            consts[(i,)] = {"st0_1": 1, "BM": 8, "BN": 256, "W": H, "PDL": False}[n]
+            consts[(i,)] = {"st0_1": 1, "BM": 8, "BN": 256, "VEC": pt.row_vec(H, 2), "PDL": False}[n]
     src = triton.compiler.ASTSource(fn=fn, signature=types, constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     return Counter(re.findall(r"ld\.global[^ \t]*", ptx)), Counter(re.findall(r"st\.global[^ \t]*", ptx))

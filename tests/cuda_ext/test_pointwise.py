@@ -516,3 +516,17 @@ def test_reduce_dim_in_the_generated_kernel(triton_interpreter):
 def test_reduce_dim_cuda():
     poison_allocator("cuda")
     _check_reduce_dim("cuda")
+
+
+def test_row_tiles_of_widths_with_one_vector_share_a_kernel():
+    """The row tiles take the width as WV * VEC (VEC a compile-time power of two up to a 16-byte access): a
+    program over rows of 336 and of 440 bf16 elements (both VEC 8, tiles of 512) launches one compiled kernel
+    with the same compile-time arguments; rows of 150 get VEC 2."""
+    from graphopt.cuda_ext import pointwise_triton as pwt
+
+    p = parse("%0 = input 0\n%1 = rmax %0\n%2 = sub %0 %1\n%3 = exp %2\n%4 = rsum %3\n%5 = div %3 %4\nout %5 bf16")
+    plans = {w: pwt._make_plan(p, p.source, [torch.randn(64, w, dtype=torch.bfloat16)]) for w in (336, 440, 150)}
+    const = lambda pl: {k: v for k, v in pl.meta.items() if k != "WV"}  # noqa: E731
+    assert plans[336].kern is plans[440].kern and const(plans[336]) == const(plans[440])
+    assert (plans[336].meta["VEC"], plans[336].meta["WV"], plans[440].meta["WV"]) == (8, 42, 55)
+    assert plans[150].meta["VEC"] == 2 and plans[150].meta["WV"] == 75

@@ -8,12 +8,17 @@ pixel), and the tap's BLOCK_C weights (one vector load where the filter is store
 lower_depthwise_conv stores it: [C, 1, kh, kw] with the channels innermost), and accumulates in
 fp32; the taps of neighbouring pixels overlap, so after the first tap most loads hit the cache.
 Then + bias, the activation, + residual, one rounding at the store. Adjacent programs take the
-channel blocks of the same pixels, so they read the same input rows. Sizes, kernel, stride,
-padding, dilation and the filter's strides are compile-time constants; the strides of the input,
-residual and output (all but the channel strides) carry the largest power of two up to 8 dividing
-all of them as an alignment hint, so a channel-innermost tensor whose rows are 16-byte aligned is
-read and written in 16-byte vectors (a channel slice of a wider tensor included: CoaT's value
-heads, read where the qkv projection left them).
+channel blocks of the same pixels, so they read the same input rows. Kernel size, stride, padding,
+dilation and the filter's channel stride are compile-time constants; the image sizes, the channel
+count and the filter's tap stride are runtime arguments that Triton does not specialize, so one
+compiled kernel serves every image and channel count of a network with the same kernel size,
+stride, activation and alignment (a densely connected network's every depthwise convolution has a
+channel count of its own). The channel count is passed as C // CA and the tap stride as
+SWT // WA, CA and WA compile-time powers of two dividing them (up to one 16-byte access), and the
+strides of the input, residual and output (all but the channel strides) carry the largest power of
+two up to 8 dividing all of them as an alignment hint, so a channel-innermost tensor whose rows are
+16-byte aligned is read and written in 16-byte vectors (a channel slice of a wider tensor included:
+CoaT's value heads, read where the qkv projection left them).
 """
 from __future__ import annotations
 
@@ -23,13 +28,15 @@ import math
 import torch
 
 from .col2im_triton import _span
-from .norm_triton import cached_kernel
+from .norm_triton import cached_kernel, row_vec
 
 _kernels: dict = {}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TILE = 2048  # output elements a program computes
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "sigmoid": 5, "tanh": 6, "hardswish": 7}
 LEAKY_CODE = 8
+# dwconv_kernel's runtime sizes: never specialized (Triton would compile a variant per size divisible by 16, or of 1)
+RUNTIME_SIZES = ["CV", "H", "W", "OH", "OW", "NCB", "SWTV"]
 
 
 def _kernel():
@@ -46,8 +53,8 @@ def build_pixel_tile():
     import triton.language as tl  # a kernel of another module that calls the helper
 
     @triton.jit
-    def pixel_tile(P, C: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr, NCB: tl.constexpr, BLOCK_P: tl.constexpr,
-                   BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+    def pixel_tile(P, C, OH, OW, NCB, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+        # C, OH, OW, NCB: compile-time constants where the caller's are (a call specializes on them), else runtime
         pid = tl.program_id(0)
         if WIDE:
             pid = pid.to(tl.int64)
@@ -66,15 +73,17 @@ def _build():
     global pixel_tile  # a jitted helper is looked up in the kernels' module globals
     pixel_tile = build_pixel_tile()
 
-    @triton.jit
-    def dwconv_kernel(X, Wt, B, R, OUT, P, slope, sxn, sxc, sxh, sxw, srn, src, srh, srw, son, soc, soh, sow,
-                      SWC: tl.constexpr, SWT: tl.constexpr,
-                      C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
+    @triton.jit(do_not_specialize=RUNTIME_SIZES)
+    def dwconv_kernel(X, Wt, B, R, OUT, P, slope, CV, H, W, OH, OW, NCB, SWTV,
+                      sxn, sxc, sxh, sxw, srn, src, srh, srw, son, soc, soh, sow,
+                      SWC: tl.constexpr, CA: tl.constexpr, WA: tl.constexpr,
                       KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                       PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                       HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr,
-                      XA: tl.constexpr, RA: tl.constexpr, OA: tl.constexpr, NCB: tl.constexpr,
+                      XA: tl.constexpr, RA: tl.constexpr, OA: tl.constexpr,
                       BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+        C = CV * CA  # multiples of the compile-time CA and WA: the channel and tap offsets keep their alignment
+        SWT = SWTV * WA
         p, c, pm, cm, n, oy, ox = pixel_tile(P, C, OH, OW, NCB, BLOCK_P, BLOCK_C, WIDE)
         acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
         for ki in tl.static_range(KH):
@@ -180,9 +189,10 @@ def dwconv2d_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     bc, bp, ncb, grid, wide = tiles(C, P, x, out, r)
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        k[grid](x, wc, b, r, out, P, float(slope), *x.stride(), *r.stride(), *out.stride(),
-                SWC=wc.stride(0), SWT=wc.stride(1), C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW,
-                SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], HAS_B=bias is not None, HAS_R=residual is not None,
-                ACT=code, XA=alignment(x), RA=alignment(r), OA=alignment(out), NCB=ncb, BLOCK_P=bp, BLOCK_C=bc,
-                WIDE=wide, num_warps=4)
+        ca, wa = row_vec(C, x.element_size()), row_vec(wc.stride(1), wc.element_size())
+        k[grid](x, wc, b, r, out, P, float(slope), C // ca, H, W, OH, OW, ncb, wc.stride(1) // wa,
+                *x.stride(), *r.stride(), *out.stride(), SWC=wc.stride(0), CA=ca, WA=wa, KH=KH, KW=KW,
+                SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
+                HAS_B=bias is not None, HAS_R=residual is not None, ACT=code, XA=alignment(x), RA=alignment(r),
+                OA=alignment(out), BLOCK_P=bp, BLOCK_C=bc, WIDE=wide, num_warps=4)
     return out

@@ -9,7 +9,8 @@ pixel's source position and weights are computed once (aten's rule, ``area_pixel
 in fp32: ``scale * dst`` with align_corners, else ``max(scale * (dst + 0.5) - 0.5, 0)``, the scale
 ``1 / scale_factor`` where a factor was given and ``in / out`` otherwise), and its four neighbours
 are loaded BLOCK_C channels at a time (a vector load where the channels are innermost). fp32
-arithmetic, one rounding at the store. The alignment hint and channel blocks are dwconv_triton's.
+arithmetic, one rounding at the store. The alignment hint, channel blocks and runtime sizes are dwconv_triton's
+(the channel count passed as C // CA; one compiled kernel serves every image and channel count).
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ import contextlib
 import torch
 
 from .dwconv_triton import alignment, build_pixel_tile, tiles
-from .norm_triton import cached_kernel
+from .norm_triton import cached_kernel, row_vec
 
 _kernels: dict = {}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# upsample_kernel's runtime sizes: never specialized (one compiled kernel for every image and channel count)
+RUNTIME_SIZES = ["CV", "H", "W", "OH", "OW", "NCB"]
 
 
 def _kernel():
@@ -35,11 +38,11 @@ def _build():
     global pixel_tile  # a jitted helper is looked up in the kernels' module globals
     pixel_tile = build_pixel_tile()
 
-    @triton.jit
-    def upsample_kernel(X, OUT, P, rh, rw, sxn, sxc, sxh, sxw, son, soc, soh, sow,
-                        C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
-                        ALIGN_CORNERS: tl.constexpr, XA: tl.constexpr, OA: tl.constexpr, NCB: tl.constexpr,
+    @triton.jit(do_not_specialize=RUNTIME_SIZES)
+    def upsample_kernel(X, OUT, P, rh, rw, CV, H, W, OH, OW, NCB, sxn, sxc, sxh, sxw, son, soc, soh, sow,
+                        CA: tl.constexpr, ALIGN_CORNERS: tl.constexpr, XA: tl.constexpr, OA: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+        C = CV * CA  # a multiple of the compile-time CA: the channel offsets keep their alignment
         p, c, pm, cm, n, oy, ox = pixel_tile(P, C, OH, OW, NCB, BLOCK_P, BLOCK_C, WIDE)
         if ALIGN_CORNERS:
             sy = rh * oy.to(tl.float32)
@@ -95,7 +98,8 @@ def upsample_bilinear2d_triton(x: torch.Tensor, out: torch.Tensor, align_corners
     bc, bp, ncb, grid, wide = tiles(C, P, x, out)
     k = _kernel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        k[grid](x, out, P, float(rh), float(rw), *x.stride(), *out.stride(), C=C, H=H, W=W, OH=OH, OW=OW,
-                ALIGN_CORNERS=bool(align_corners), XA=alignment(x), OA=alignment(out), NCB=ncb, BLOCK_P=bp,
-                BLOCK_C=bc, WIDE=wide, num_warps=4)
+        ca = row_vec(C, x.element_size())
+        k[grid](x, out, P, float(rh), float(rw), C // ca, H, W, OH, OW, ncb, *x.stride(), *out.stride(), CA=ca,
+                ALIGN_CORNERS=bool(align_corners), XA=alignment(x), OA=alignment(out), BLOCK_P=bp, BLOCK_C=bc,
+                WIDE=wide, num_warps=4)
     return out

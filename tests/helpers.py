@@ -301,6 +301,78 @@ def sm90_global_accesses(fn, values: dict, pointers, floats=()) -> tuple[set, se
     return set(re.findall(r"ld\.global[^ \t]*", ptx)), set(re.findall(r"st\.global[^ \t]*", ptx))
 
 
+def stand_in_sm90(monkeypatch) -> None:
+    """Triton and torch.cuda answering as on an H100 (an sm_90 target, device 0, 132 SMs), on any machine:
+    graphopt's launches on fake CUDA tensors then reach Triton's compile with a GPU's arguments."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class StandIn:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    class Props:
+        multi_processor_count, major, minor, name, total_memory = 132, 9, 0, "stand-in", 80 << 30
+
+    monkeypatch.setattr(driver, "_active", StandIn())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: Props())
+
+
+def compiles_asked(monkeypatch, op, calls) -> list:
+    """The Triton compiles that precompile's warm-ups of graphopt ``op`` ask for on a stand-in sm_90
+    (:func:`stand_in_sm90`), as (kernel, its source's cache key, the specialization key) in launch order,
+    recorded instead of run; one node per entry of ``calls``: a function of nothing, run under a
+    FakeTensorMode, giving a node's arguments (tensors as CUDA fakes). Every node is warmed
+    (precompile's record of signatures already seen is set aside)."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime.jit import JITFunction
+
+    from graphopt.runtime import precompile as pc
+
+    stand_in_sm90(monkeypatch)
+    monkeypatch.setattr(pc, "_done", set())
+    asked = []
+
+    def record(self, key, *args, **kwargs):
+        asked.append((self.fn.__qualname__, self.cache_key, repr(key)))
+        return None
+
+    g = fx.Graph()
+    outs = []
+    with FakeTensorMode():
+        for i, make in enumerate(calls):
+            args = []
+            for j, a in enumerate(make()):
+                if isinstance(a, torch.Tensor):
+                    ph = g.placeholder(f"a{i}_{j}")
+                    ph.meta["val"] = a
+                    a = ph
+                args.append(a)
+            outs.append(g.call_function(op, tuple(args)))
+    g.output(tuple(outs))
+    todo, left = pc.plan(fx.GraphModule(torch.nn.Module(), g), pc.triton_ops())
+    assert len(todo) == len(calls) and not left, left
+    monkeypatch.setattr(JITFunction, "_do_compile", record)
+    out = pc.Precompiled()
+    with pc.warm_launches():
+        pc.run_on_fakes(todo, out)
+    assert len(asked) == len(calls) and not out.left, out.left
+    return asked
+
+
 def assert_refuses(op, args, bad, match) -> None:
     """``op(*args)`` with the arguments ``bad(args)`` maps ({position: value}) put in their places raises
     KernelArgumentError matching ``match`` (a bundled op's wrapper checking what its kernel takes)."""

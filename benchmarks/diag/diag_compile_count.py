@@ -28,42 +28,24 @@ from _timing import table_lines, write_rows  # noqa: E402
 
 @contextlib.contextmanager
 def sm90_recording(seen: list):
-    """Triton and torch.cuda answering as an H100; each compile appended to ``seen`` as (kernel, key), not run."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
+    """Triton and torch.cuda answering as an H100 (tests/helpers.stand_in_sm90); each compile appended to
+    ``seen`` as (kernel, key), not run."""
+    from _pytest.monkeypatch import MonkeyPatch
     from triton.runtime.jit import JITFunction
 
-    class StandIn:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-    class Props:
-        multi_processor_count, major, minor, name, total_memory = 132, 9, 0, "stand-in", 80 << 30
+    from tests.helpers import stand_in_sm90
 
     def record(self, key, *args, **kwargs):
         seen.append((self.fn.__qualname__, f"{self.cache_key} {key}"))
         return None
 
-    saved = [(driver, "_active"), (torch.cuda, "is_available"), (torch.cuda, "device"),
-             (torch.cuda, "get_device_capability"), (torch.cuda, "get_device_properties"), (JITFunction, "_do_compile")]
-    old = [(o, n, getattr(o, n)) for o, n in saved]
-    driver._active = StandIn()
-    torch.cuda.is_available = lambda: True
-    torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
-    torch.cuda.get_device_properties = lambda *a, **k: Props()
-    JITFunction._do_compile = record
+    mp = MonkeyPatch()
     try:
+        stand_in_sm90(mp)
+        mp.setattr(JITFunction, "_do_compile", record)
         yield
     finally:
-        for o, n, v in old:
-            setattr(o, n, v)
+        mp.undo()
 
 
 def count(name: str, batch: int) -> dict:

@@ -18,6 +18,8 @@
 #            precision-only ViT and BERT
 #   last1    (x2) kernel tests + table, 2-GPU pipeline, GLM checkpointing; last2 the four bs64/bs8 models and
 #            BERT precision-only
+#   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
+#            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
 #   s50      (merge_summed_convs) its cuda tests, then the pass on and off (diag_pass_ab) on $2 (CONFIG:BATCH:PASS,...)
 #   s42      cuda tests of fuse_elementwise (more pointwise ops), fuse_rotary (a rotation before the heads' transpose)
 #            and the pointwise kernel, then $2 (CONFIG:BATCH,...) timed alone (compile too) to ${LIMIT:-470} s
@@ -87,7 +89,27 @@ node_profiles() {
     echo "### profile $cb ${SECONDS}s"
   done
 }
+# optimize()'s cold set-up (an empty Triton cache each) on CONFIG:BATCH,...: main (its copy in .abmain, carried), this
+# tree with GRAPHOPT_COMPILE_PROCESSES=0 (threads only), this tree as it is (worker processes): setup_ab CONFIGS LIMIT
+setup_ab() {
+  for cb in ${1//,/ }; do
+    for side in main threads processes; do
+      dir=$PWD; [ $side = main ] && dir=$PWD/.abmain
+      np=; [ $side = threads ] && np=0
+      left=$((${LIMIT:-$2} - SECONDS)); [ $left -gt 60 ] || break
+      (cd $dir && PYTHONPATH=$dir GRAPHOPT_COMPILE_PROCESSES=$np TRITON_CACHE_DIR=/tmp/tc_${side}_${cb%%:*} \
+        timeout $left python3 benchmarks/sweep.py perf --configs $cb --vs eager --jobs 1 --timeout 200 --reps 20 \
+        --warmup 3 --out "$OUT/ab_$side") 2>&1 | quiet | grep "^| \|^- \|rror" | tail -3
+      echo "### $side $cb ${SECONDS}s"
+    done
+  done
+}
 case "$1" in
+s49)
+  ctests s49 ${CT:-200} tests/test_precompile.py tests/cuda_ext/test_norm_triton.py \
+    tests/cuda_ext/test_pointwise.py tests/cuda_ext/test_dwconv2d.py tests/passes/test_lower_depthwise_conv.py \
+    tests/cuda_ext/test_upsample_bilinear2d.py
+  setup_ab "$2" 580 ;;
 s50)
   ctests s50 ${CT:-120} tests/passes/test_merge_summed_convs.py tests/passes/test_merge_split_convs.py
   left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/diag_pass_ab.py "$2" \

@@ -13,7 +13,8 @@ from graphopt.cuda_ext import dwconv_triton as kt
 from graphopt.cuda_ext.ops import dwconv2d as op
 from graphopt.cuda_ext.ops.bias_act import activation
 from graphopt.cuda_ext.ops.col2im import windows
-from tests.helpers import assert_refuses, cuda_graph_of, run_in_triton_interpreter, sm90_global_accesses
+from tests.helpers import (assert_refuses, compiles_asked, cuda_graph_of, run_in_triton_interpreter,
+                           sm90_global_accesses)
 
 # N, C, (H, W), (kh, kw), stride, padding, dilation, act, input layout, residual, channels_last out
 CASES = [
@@ -99,14 +100,16 @@ def test_kernel_in_interpreter():
 def test_compiled_for_sm90_a_channel_slice_and_tap_major_filter_load_in_16_bytes():
     """The kernel as the launcher specializes it for CoaT's value slice (bf16, 152 of 456 channels,
     channel strides 1) compiles for sm_90 with every input, filter, residual load and output store a
-    128-bit one (the alignment hint and the tap-major filter); 19 channels (rows of 38 bytes) cannot."""
+    128-bit one (the alignment hint, the channel count and tap stride passed as multiples of 8, the
+    tap-major filter), the sizes runtime integers; 19 channels (rows of 38 bytes) cannot."""
     fn = kt._build()
 
     def accesses(C, align):
         bc, bp, ncb, _, _ = kt.tiles(C, 64 * 28 * 28)
-        values = dict(C=C, H=28, W=28, OH=28, OW=28, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1, HAS_B=True,
-                      HAS_R=True, ACT=0, XA=align, RA=align, OA=align, NCB=ncb, BLOCK_P=bp, BLOCK_C=bc, WIDE=False,
-                      sxc=1, SWC=1, SWT=C, src=1, soc=1)
+        vec = kt.row_vec(C, 2)
+        values = dict(KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1, HAS_B=True, HAS_R=True, ACT=0, XA=align,
+                      RA=align, OA=align, BLOCK_P=bp, BLOCK_C=bc, WIDE=False, sxc=1, SWC=1, CA=vec, WA=vec, src=1,
+                      soc=1)
         return sm90_global_accesses(fn, values, ("X", "Wt", "B", "R", "OUT"), floats=("slope",))
 
     qkv = torch.empty(64, 456, 28, 28).contiguous(memory_format=torch.channels_last)
@@ -114,6 +117,28 @@ def test_compiled_for_sm90_a_channel_slice_and_tap_major_filter_load_in_16_bytes
     assert ld == {"ld.global.v4.b32"} and st == {"st.global.v4.b32"}
     ld, st = accesses(19, 1)
     assert "ld.global.v4.b32" not in ld
+
+
+def test_one_compiled_kernel_serves_every_image_and_channel_count(monkeypatch):
+    """Warmed for sm_90 (a stand-in driver, fake CUDA tensors, the compiles recorded instead of run),
+    RDNet-like 7x7 convolutions over 128, 256 and 384 channels of 56, 28 and 14 pixels ask for one
+    compile: sizes are runtime arguments, never specialized; a 3x3 one and a fp32 one each ask for
+    another. (Every size a compile-time constant had asked for a kernel per shape.)"""
+    pytest.importorskip("triton")
+
+    def conv(C, H, K, dtype):
+        def make():
+            x = torch.empty(8, C, H, H, device="cuda", dtype=dtype, memory_format=torch.channels_last)
+            w, b = torch.empty(C, 1, K, K, device="cuda", dtype=dtype), torch.empty(C, device="cuda", dtype=dtype)
+            return x, w, b, None, [1, 1], [K // 2] * 2, [1, 1], "gelu", True
+        return make
+
+    bf16 = torch.bfloat16
+    requests = compiles_asked(monkeypatch, torch.ops.graphopt.dwconv2d.default,
+                              [conv(128, 56, 7, bf16), conv(256, 28, 7, bf16), conv(384, 14, 7, bf16),
+                               conv(256, 28, 3, bf16), conv(256, 28, 7, torch.float32)])
+    assert len(set(requests)) == 3
+    assert len(set(requests[:3])) == 1
 
 
 def test_alignment_is_the_power_of_two_dividing_every_stride_but_the_channels():

@@ -9,7 +9,8 @@ import torch
 from graphopt import cuda_ext as ops
 from graphopt.cuda_ext import upsample_triton as kt
 from graphopt.cuda_ext.ops import upsample_bilinear2d as op
-from tests.helpers import assert_refuses, cuda_graph_of, run_in_triton_interpreter, sm90_global_accesses
+from tests.helpers import (assert_refuses, compiles_asked, cuda_graph_of, run_in_triton_interpreter,
+                           sm90_global_accesses)
 
 # N, C, (H, W), output size, align_corners, scale factors given, input layout, channels_last out
 CASES = [
@@ -78,13 +79,14 @@ def test_compiled_for_sm90_a_token_view_loads_in_16_bytes():
     """The kernel as the launcher specializes it for CoaT's token view (bf16, 152 channels, rows of 304
     bytes, channel strides 1) compiles for sm_90 with 128-bit loads and stores; 19 channels cannot."""
     from graphopt.cuda_ext.dwconv_triton import alignment, tiles
+    from graphopt.cuda_ext.norm_triton import row_vec
 
     fn = kt._build()
 
     def accesses(C, align):
         bc, bp, ncb, _, _ = tiles(C, 64 * 56 * 56)
-        values = dict(C=C, H=28, W=28, OH=56, OW=56, ALIGN_CORNERS=False, XA=align, OA=align, NCB=ncb,
-                      BLOCK_P=bp, BLOCK_C=bc, WIDE=False, sxc=1, soc=1)
+        values = dict(CA=row_vec(C, 2), ALIGN_CORNERS=False, XA=align, OA=align, BLOCK_P=bp, BLOCK_C=bc, WIDE=False,
+                      sxc=1, soc=1)
         return sm90_global_accesses(fn, values, ("X", "OUT"), floats=("rh", "rw"))
 
     tokens = torch.empty(64, 785, 152)[:, 1:].transpose(1, 2).reshape(64, 152, 28, 28)
@@ -92,6 +94,22 @@ def test_compiled_for_sm90_a_token_view_loads_in_16_bytes():
     assert ld == {"ld.global.v4.b32"} and st == {"st.global.v4.b32"}
     ld, st = accesses(19, 1)
     assert "ld.global.v4.b32" not in ld
+
+
+def test_one_compiled_kernel_serves_every_image_and_channel_count(monkeypatch):
+    """Warmed for sm_90 (stand-in driver, fakes, compiles recorded), 2x upsamplings of 128, 256 and 384
+    channels at 28, 14 and 7 pixels ask for one compile (sizes runtime arguments); align_corners another."""
+    pytest.importorskip("triton")
+
+    def up(C, H, align=False):
+        def make():
+            x = torch.empty(8, C, H, H, device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
+            return x, [2 * H, 2 * H], align, 2.0, 2.0, True
+        return make
+
+    requests = compiles_asked(monkeypatch, torch.ops.graphopt.upsample_bilinear2d.default,
+                              [up(128, 28), up(256, 14), up(384, 7), up(256, 14, True)])
+    assert len(set(requests[:3])) == 1 and len(set(requests)) == 2
 
 
 @pytest.mark.parametrize("inp,out,align,factor,scale", [(7, 14, False, 2.0, 0.5), (7, 14, False, None, 0.5),

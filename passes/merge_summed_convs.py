@@ -334,7 +334,7 @@ def _describe(f: Form) -> str:
         parts.append("the input")
     bns = sum(n.target is aten.batch_norm.default for n in f.nodes)
     if bns:
-        parts.append(plural(bns, "BatchNorm") + " of it")
+        parts.append("the input's BatchNorm" if bns == 1 else f"{bns} BatchNorms of the input")
     scales = sum(n.target in MULS + DIVS for n in f.nodes)
     return " + ".join(parts) + (f", {plural(scales, 'per-channel scale')}" if scales else "") + " as one convolution"
 

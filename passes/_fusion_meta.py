@@ -2,7 +2,7 @@
 candidates and later passes can prove things from ``meta["val"]`` before the manager
 re-propagates; GraphBuilder, so one function builds a rewrite's nodes for its price (on the cost
 model's scratch graph) and for the rewrite; a projection's sizes; a convolution's pair arguments;
-which values of a training graph take a gradient.
+which values of a training graph take a gradient; an inference BatchNorm as its per-channel affine.
 Not a pass (the leading underscore keeps passes/__init__ from importing it as one)."""
 
 from __future__ import annotations
@@ -156,3 +156,22 @@ def requires_grad(gm) -> dict:
             floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
             out[n] = floating and any(out.get(a, False) for a in n.all_input_nodes)
     return out
+
+
+def inference_affine(gm: fx.GraphModule, n: fx.Node):
+    """(scale, shift, the get_attr nodes it reads) of an inference ``aten.batch_norm`` with constant
+    statistics (and affine, if any): ``batch_norm(x) = x * scale + shift`` per channel, both float64
+    vectors computed once; None for any other node."""
+    from graphopt.matcher import get_arg
+
+    if n.op != "call_function" or n.target is not torch.ops.aten.batch_norm.default or get_arg(n, 5, "training", True):
+        return None
+    eps = get_arg(n, 7, "eps", None)
+    params = [get_arg(n, i, k, None) for i, k in ((1, "weight"), (2, "bias"), (3, "running_mean"), (4, "running_var"))]
+    if (not isinstance(eps, float) or params[2] is None or params[3] is None
+            or any(a is not None and (not isinstance(a, fx.Node) or a.op != "get_attr") for a in params)):
+        return None
+    gamma, beta, mean, var = (None if a is None else ir.get_attr_value(gm, a.target).detach().double() for a in params)
+    scale = torch.rsqrt(var + eps) * (gamma if gamma is not None else 1.0)
+    shift = (beta if beta is not None else 0.0) - mean * scale
+    return scale, shift, [a for a in params if a is not None]

@@ -89,7 +89,7 @@ from graphopt.cost.replacement import Replacement
 from graphopt.matcher import get_arg
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import GraphBuilder, requires_grad, set_meta
+from ._fusion_meta import GraphBuilder, inference_affine, requires_grad, set_meta
 from .eliminate_permutes import concrete_layout, perm_of
 
 aten = torch.ops.aten
@@ -368,18 +368,12 @@ def _affine_batch_norms(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]
     (BatchNorm, the get_attr nodes it reads) pairs (an erased node's arguments are cleared)."""
     out = []
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target is not aten.batch_norm.default or get_arg(n, 5, "training", True):
-            continue
-        x, eps = n.args[0], get_arg(n, 7, "eps", None)
+        affine = inference_affine(gm, n)
+        x = n.args[0] if affine is not None else None
         xi = ir.info(x) if isinstance(x, fx.Node) else None
-        params = [get_arg(n, i, k, None) for i, k in ((1, "weight"), (2, "bias"), (3, "running_mean"), (4, "running_var"))]
-        if (xi is None or len(xi.shape) < 2 or not isinstance(eps, float) or params[2] is None or params[3] is None
-                or any(a is not None and (not isinstance(a, fx.Node) or a.op != "get_attr") for a in params)):
+        if xi is None or len(xi.shape) < 2:
             continue
-        gamma, beta, mean, var = (None if a is None else ir.get_attr_value(gm, a.target) for a in params)
-        with torch.no_grad():
-            scale = torch.rsqrt(var.double() + eps) * (gamma.double() if gamma is not None else 1.0)
-            shift = (beta.double() if beta is not None else 0.0) - mean.double() * scale
+        scale, shift, params = affine
         dtype = torch.float64 if xi.dtype == torch.float64 else torch.float32
         shape = [-1] + [1] * (len(xi.shape) - 2)
         nodes = []
@@ -389,7 +383,7 @@ def _affine_batch_norms(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]
                 a.meta["val"] = ir.get_attr_value(gm, a.target)
                 nodes.append(a)
         n.meta[BN_AFFINE] = tuple(nodes)
-        out.append((n, [a for a in params if a is not None]))
+        out.append((n, params))
     return out
 
 

@@ -105,6 +105,28 @@ def _conv_args(conv: fx.Node) -> tuple:
                  for i, (n, d) in enumerate(zip(names, defaults)))
 
 
+def place(parts: list, key: str, dil: list) -> tuple:
+    """(merged padding P, merged kernel size), per spatial dim, for kernels ``p["k"]`` of paddings
+    ``p[key]`` with one dilation: each part gets ``p["offset"]`` = (P - p_i) / dilation, where its kernel
+    sits inside the merged one so that it reads the same input positions; (None, why) where a padding
+    difference is not a multiple of the dilation."""
+    nd = len(dil)
+    before = [max(p[key][d] for p in parts) for d in range(nd)]
+    for p in parts:
+        if any((before[d] - p[key][d]) % dil[d] for d in range(nd)):
+            return None, "a padding difference the dilation does not divide (no zero-padded kernel reads the same taps)"
+        p["offset"] = [(before[d] - p[key][d]) // dil[d] for d in range(nd)]
+    return before, [max(p["offset"][d] + p["k"][d] for p in parts) for d in range(nd)]
+
+
+def placed(w: torch.Tensor, offset: list, kernel: list) -> torch.Tensor:
+    """Weight ``w`` [out, in, *k] zero-padded to ``kernel``, its taps at ``offset`` (see :func:`place`)."""
+    pads = []
+    for d in reversed(range(len(kernel))):  # F.pad: the last dim's (before, after) first
+        pads += [offset[d], kernel[d] - offset[d] - w.shape[2 + d]]
+    return F.pad(w, pads)
+
+
 def _plan(cat: fx.Node) -> tuple:
     """(plan, None) for a mergeable concatenation, else (None, why); plan None and why None: not
     a concatenation of convolutions at all (nothing to report)."""
@@ -165,12 +187,9 @@ def _plan(cat: fx.Node) -> tuple:
     if any(p["out"] % p["groups"] or p["out"] // p["groups"] != one["out"] // one["groups"] for p in parts):
         return None, "the convolutions differ in output channels per group"
     dil, stride = one["dilation"], one["stride"]
-    before = [max(p["before"][d] for p in parts) for d in range(nd)]
-    for p in parts:
-        if any((before[d] - p["before"][d]) % dil[d] for d in range(nd)):
-            return None, "a padding difference the dilation does not divide (no zero-padded kernel reads the same taps)"
-        p["offset"] = [(before[d] - p["before"][d]) // dil[d] for d in range(nd)]
-    kernel = [max(p["offset"][d] + p["k"][d] for p in parts) for d in range(nd)]
+    before, kernel = place(parts, "before", dil)
+    if before is None:
+        return None, kernel
     size, want = list(bi.shape[2:]), list(ci.shape[2:])
     if not all(isinstance(v, int) for v in size + want):
         return None, "symbolic spatial sizes"
@@ -244,11 +263,7 @@ def _merge(gm: fx.GraphModule, cat: fx.Node, plan: dict) -> fx.Node:
     with torch.no_grad():
         for p in plan["parts"]:
             w = ir.get_attr_value(gm, p["w"].target).detach()
-            pads = []
-            for d in reversed(range(nd)):  # F.pad: the last dim's (before, after) first
-                before = p["offset"][d]
-                pads += [before, plan["kernel"][d] - before - p["k"][d]]
-            ws.append(F.pad(w, pads))
+            ws.append(placed(w, p["offset"], plan["kernel"]))
             if plan["bias"]:
                 bs.append(ir.get_attr_value(gm, p["b"].target).detach() if p["b"] is not None
                           else torch.zeros(p["out"], dtype=w.dtype, device=w.device))

@@ -28,18 +28,18 @@ scales or statistics are not followed.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from graphopt import ir
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import set_meta
-from .merge_split_convs import CONVS, _conv_args, _ints
+from ._fusion_meta import inference_affine, set_meta
+from .merge_split_convs import CONVS, _conv_args, _ints, place, placed
 
 aten = torch.ops.aten
 ADDS = (aten.add.Tensor, operator.add)
@@ -94,25 +94,6 @@ def _const(gm: fx.GraphModule, v, out: ir.TensorInfo):
     return t.detach().double().reshape(-1).cpu(), v
 
 
-def _affine_bn(gm: fx.GraphModule, n: fx.Node):
-    """(scale, shift, constant nodes) of an inference aten.batch_norm with constant statistics, else None."""
-    if n.target is not aten.batch_norm.default or len(n.args) < 8 or n.args[5] is not False:
-        return None
-    gamma, beta, mean, var, eps = n.args[1], n.args[2], n.args[3], n.args[4], n.args[7]
-    nodes = [a for a in (gamma, beta, mean, var) if a is not None]
-    if not isinstance(eps, float) or any(not isinstance(a, fx.Node) or a.op != "get_attr" for a in nodes) \
-            or mean is None or var is None:
-        return None
-    get = lambda a: None if a is None else ir.get_attr_value(gm, a.target).detach().double().cpu()  # noqa: E731
-    s = torch.rsqrt(get(var) + eps)
-    if gamma is not None:
-        s = s * get(gamma)
-    t = -get(mean) * s
-    if beta is not None:
-        t = t + get(beta)
-    return s, t, nodes
-
-
 def _conv_form(gm: fx.GraphModule, n: fx.Node) -> Form | None:
     x, w, b, stride, padding, dilation, groups = _conv_args(n)
     if not isinstance(x, fx.Node) or not isinstance(w, fx.Node) or w.op != "get_attr" or \
@@ -160,10 +141,10 @@ class _Forms:
         if n.target in CONVS:
             return _conv_form(self.gm, n)
         if n.target is aten.batch_norm.default:
-            bn = _affine_bn(self.gm, n)
+            bn = inference_affine(self.gm, n)
             if bn is None or not isinstance(n.args[0], fx.Node):
                 return None
-            return Form(n.args[0], ident=bn[0], bias=bn[1], nodes=[n], attrs=bn[2])
+            return Form(n.args[0], ident=bn[0].cpu(), bias=bn[1].cpu(), nodes=[n], attrs=bn[2])
         if n.target in ADDS + SUBS and len(n.args) == 2:
             alpha = n.kwargs.get("alpha", 1)
             if not isinstance(alpha, (int, float)) or set(n.kwargs) - {"alpha"}:
@@ -253,12 +234,9 @@ def _plan(root: fx.Node, f: Form) -> tuple[dict | None, str]:
                          f"{xi.shape[1]} to {one['out']} channels"
         terms.append(dict(conv=None, pad=[0] * nd, k=[1] * nd))
     dil, stride = one["dil"], one["stride"]
-    before = [max(t["pad"][d] for t in terms) for d in range(nd)]
-    for t in terms:
-        if any((before[d] - t["pad"][d]) % dil[d] for d in range(nd)):
-            return None, "a padding difference the dilation does not divide (no zero-padded kernel reads the same taps)"
-        t["offset"] = [(before[d] - t["pad"][d]) // dil[d] for d in range(nd)]
-    kernel = [max(t["offset"][d] + t["k"][d] for t in terms) for d in range(nd)]
+    before, kernel = place(terms, "pad", dil)
+    if before is None:
+        return None, kernel
     size, want = list(xi.shape[2:]), list(oi.shape[2:])
     out = [(size[d] + 2 * before[d] - dil[d] * (kernel[d] - 1) - 1) // stride[d] + 1 for d in range(nd)]
     if out != want:
@@ -284,10 +262,7 @@ def _weights(gm: fx.GraphModule, f: Form, plan: dict) -> tuple[torch.Tensor, tor
             continue
         s = _vec(scales[t["conv"]] if scales[t["conv"]] is not None else 1.0, C)
         w = ir.get_attr_value(gm, t["w"].target).detach().double().cpu()
-        pads = []
-        for d in reversed(range(len(kernel))):  # F.pad: the last dim's (before, after) first
-            pads += [t["offset"][d], kernel[d] - t["offset"][d] - t["k"][d]]
-        w_sum += F.pad(w, pads) * s.reshape(-1, *[1] * (w.dim() - 1))
+        w_sum += placed(w, t["offset"], kernel) * s.reshape(-1, *[1] * (w.dim() - 1))
         if t["b"] is not None:
             b_sum += ir.get_attr_value(gm, t["b"].target).detach().double().cpu() * s
     if f.bias is not None:
@@ -362,7 +337,7 @@ class MergeSummedConvs(Pass):
                 continue
             one = plan["one"]
             gain = ctx.node_time(f.nodes) - _merged_time(ctx, f, plan)
-            w_bytes = one["out"] * one["cin_g"] * int(torch.tensor(plan["kernel"]).prod()) * one["dtype"].itemsize
+            w_bytes = one["out"] * one["cin_g"] * math.prod(plan["kernel"]) * one["dtype"].itemsize
             kernel = "x".join(str(k) for k in plan["kernel"])
             candidates.append(Candidate(f"{_describe(f)}, kernel {kernel}", list(f.nodes), gain,
                                         lambda root=root, f=f, plan=plan: _merge(gm, root, f, plan),

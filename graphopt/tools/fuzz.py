@@ -174,15 +174,7 @@ class ProgramModule(nn.Module):
                     conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) / math.sqrt(src[1] * k * k))
                     if bias:
                         conv.bias.copy_(torch.randn(oc, generator=g) * 0.1)
-                seq = [conv]
-                if bn:
-                    b = nn.BatchNorm2d(oc)
-                    with torch.no_grad():
-                        b.weight.copy_(1 + 0.1 * torch.randn(oc, generator=g))
-                        b.bias.copy_(0.1 * torch.randn(oc, generator=g))
-                        b.running_mean.copy_(0.1 * torch.randn(oc, generator=g))
-                        b.running_var.copy_(0.5 + torch.rand(oc, generator=g))
-                    seq.append(b)
+                seq = [conv] + ([_batch_norm(oc, g)] if bn else [])
                 self.mods[key] = nn.Sequential(*seq)
                 out = (src[0], oc, src[2])
             elif kind == "mixconv":
@@ -207,22 +199,12 @@ class ProgramModule(nn.Module):
                 _, _, groups, form = op
                 c = src[1]
                 gr = 1 if groups == "dense" else c
-
-                def bn():
-                    b = nn.BatchNorm2d(c)
-                    with torch.no_grad():
-                        b.weight.copy_(1 + 0.1 * torch.randn(c, generator=g))
-                        b.bias.copy_(0.1 * torch.randn(c, generator=g))
-                        b.running_mean.copy_(0.1 * torch.randn(c, generator=g))
-                        b.running_var.copy_(0.5 + torch.rand(c, generator=g))
-                    return b
-
                 for part, k in (("k3", 3), ("k1", 1)):
                     conv = nn.Conv2d(c, c, k, padding=k // 2, groups=gr, bias=False)
                     with torch.no_grad():
                         conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) / math.sqrt(conv.weight[0].numel()))
-                    self.mods[f"{key}_{part}"] = nn.Sequential(conv, bn())
-                self.mods[f"{key}_id"], self.mods[f"{key}_norm"] = bn(), bn()
+                    self.mods[f"{key}_{part}"] = nn.Sequential(conv, _batch_norm(c, g))
+                self.mods[f"{key}_id"], self.mods[f"{key}_norm"] = _batch_norm(c, g), _batch_norm(c, g)
                 p(key + "_gamma", c, 1, 1, scale=0.5, offset=1.0)
                 out = src
             elif kind == "se":
@@ -701,6 +683,17 @@ def _act(x, kind):
 def make_inputs(program: Program) -> tuple:
     g = torch.Generator().manual_seed(program.seed + 1)
     return tuple(torch.randn(program.B, program.S, program.D, generator=g).to(_DT[d]) for d in program.inputs)
+
+
+def _batch_norm(c: int, g: torch.Generator) -> nn.BatchNorm2d:
+    """A BatchNorm2d over ``c`` channels with affine and statistics drawn from ``g`` (weight, bias, mean, var)."""
+    b = nn.BatchNorm2d(c)
+    with torch.no_grad():
+        b.weight.copy_(1 + 0.1 * torch.randn(c, generator=g))
+        b.bias.copy_(0.1 * torch.randn(c, generator=g))
+        b.running_mean.copy_(0.1 * torch.randn(c, generator=g))
+        b.running_var.copy_(0.5 + torch.rand(c, generator=g))
+    return b
 
 
 def build(program: Program):

@@ -152,6 +152,28 @@ def test_channels_last_for_cnns_in_low_precision():
     assert not cl and args[0].dtype == torch.float32
 
 
+def test_channels_last_leaves_5d_tensors(tmp_path):
+    # a CNN with a Conv3d (timm's LambdaLayer): Module.to(memory_format=channels_last) raises on its 5-D weight
+    (tmp_path / "m.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.convs = torch.nn.Sequential(*[torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(3)])\n"
+        "        self.c3 = torch.nn.Conv3d(1, 2, (1, 3, 3), padding=(0, 1, 1))\n"
+        "    def forward(self, x):\n"
+        "        y = self.convs(x)\n"
+        "        return y + self.c3(y.unsqueeze(1)).sum(1)\n"
+        "def make(batch=2):\n"
+        "    return M(), (torch.randn(batch, 4, 8, 8),)\n")
+    model, args, kwargs, name, cl = bench.prepare_model(f"{tmp_path / 'm.py'}:make", 2, None, torch.bfloat16,
+                                                        torch.device("cpu"))
+    assert cl and args[0].is_contiguous(memory_format=torch.channels_last)
+    assert model.convs[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert model.c3.weight.dim() == 5 and model.c3.weight.is_contiguous()
+    assert model(*args).shape == (2, 4, 8, 8)
+
+
 def test_cli_bench(tmp_path, capsys):
     rc = main(["bench", "mlp", "--vs", "eager", "--reps", "3", "--warmup", "1", "--batch", "4", "--out", str(tmp_path)])
     out = capsys.readouterr().out

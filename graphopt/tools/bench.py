@@ -527,6 +527,19 @@ def _is_cnn(name: str, model) -> bool:
     return sum(isinstance(m, torch.nn.Conv2d) for m in model.modules()) >= 3
 
 
+def to_channels_last(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's 4-D parameters and buffers laid out channels_last, in place (each keeps its
+    identity). ``Module.to(memory_format=torch.channels_last)`` converts 5-D tensors too, which the
+    4-D format refuses ("required rank 4 tensor"): a Conv3d's weight, a 5-D position table."""
+    with torch.no_grad():
+        for m in model.modules():
+            for table in (m._parameters, m._buffers):
+                for t in table.values():
+                    if t is not None and t.dim() == 4:
+                        t.data = t.data.contiguous(memory_format=torch.channels_last)
+    return model
+
+
 def prepare_model(spec: str, batch, seq_len, dtype, device):
     """(model, args, kwargs, name, channels_last): a model spec (graphopt.tools.modelspec) built at
     ``batch``/``seq_len``, converted to ``dtype`` and ``device`` in eval mode, CNNs in low precision
@@ -547,7 +560,7 @@ def prepare_model(spec: str, batch, seq_len, dtype, device):
     args, kwargs = pytree.tree_map(conv, (args, kwargs))
     channels_last = dtype in accuracy.LOW_PRECISION and _is_cnn(name, model)
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+        to_channels_last(model)
         args, kwargs = pytree.tree_map(
             lambda x: x.contiguous(memory_format=torch.channels_last)
             if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() else x, (args, kwargs))

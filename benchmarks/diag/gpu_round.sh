@@ -20,6 +20,8 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s52      kernel profiles (graphopt by node, eager, torch.compile) of $2: s51's rows behind compile
+#   s51      a screen (4 at once, ${LIMIT:-590} s) of $2: timm configs no session had run on a GPU, named before any ran
 #   s50      (merge_summed_convs) its cuda tests, then the pass on and off (diag_pass_ab) on $2 (CONFIG:BATCH:PASS,...)
 #   s42      cuda tests of fuse_elementwise (more pointwise ops), fuse_rotary (a rotation before the heads' transpose)
 #            and the pointwise kernel, then $2 (CONFIG:BATCH,...) timed alone (compile too) to ${LIMIT:-470} s
@@ -89,6 +91,15 @@ node_profiles() {
     echo "### profile $cb ${SECONDS}s"
   done
 }
+# kernel profiles (graphopt with each node's kernels, eager, torch.compile, idle gaps) of CONFIG:BATCH,... to ${LIMIT:-590} s
+compile_profiles() {
+  for cb in ${1//,/ }; do
+    left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
+      ${cb%%:*} --sweep --batch ${cb##*:} --compile --gaps --nodes --top 30 --out "$OUT" 2>&1 | quiet \
+      | grep "^##\|^- \|rror" | head -14
+    echo "### profile $cb ${SECONDS}s"
+  done
+}
 # optimize()'s cold set-up (an empty Triton cache each) on CONFIG:BATCH,...: main (its copy in .abmain, carried), this
 # tree with GRAPHOPT_COMPILE_PROCESSES=0 (threads only), this tree as it is (worker processes): setup_ab CONFIGS LIMIT
 setup_ab() {
@@ -105,6 +116,11 @@ setup_ab() {
   done
 }
 case "$1" in
+s52)
+  compile_profiles "$2" ;;
+s51)
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --jobs 4 --timeout 170 --reps 20 \
+    --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -40 ;;
 s49)
   ctests s49 ${CT:-200} tests/test_precompile.py tests/cuda_ext/test_norm_triton.py \
     tests/cuda_ext/test_pointwise.py tests/cuda_ext/test_dwconv2d.py tests/passes/test_lower_depthwise_conv.py \
@@ -132,12 +148,7 @@ s40)
   timeout $((${AB_END:-360} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
     2>&1 | quiet | grep "^| \|rror" | tail -8
   echo "### ab ${SECONDS}s"
-  for cb in ${3//,/ }; do
-    left=$((${LIMIT:-590} - SECONDS)); [ $left -gt 60 ] && timeout $left python3 benchmarks/diag/profile_model.py \
-      ${cb%%:*} --sweep --batch ${cb##*:} --compile --gaps --nodes --top 30 --out "$OUT" 2>&1 | quiet \
-      | grep "^##\|^- \|rror" | head -14
-    echo "### profile $cb ${SECONDS}s"
-  done ;;
+  compile_profiles "$3" ;;
 s39)
   # graphopt::dwconv2d (lower_depthwise_conv) and the row width compiled in: their cuda tests, the depthwise
   # diagnostic (aten, graphopt, predicted), then one pass on and off on whole models ($2: CONFIG:BATCH:PASS,...),

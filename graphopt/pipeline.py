@@ -347,6 +347,7 @@ PIPELINE: tuple[str, ...] = (
     "fold_constants",
     "eliminate_cat_slices",
     # fusion
+    "left_matmul_linears",  # (before fuse_bias_act and fuse_elementwise: its bias adds fuse with their readers)
     "merge_split_convs",  # (before fold_conv_bn: a BatchNorm after the concatenation folds into the merged one)
     "fold_conv_bn",
     "merge_summed_convs",  # (after fold_conv_bn: each branch's BatchNorm is inside its convolution)

@@ -280,3 +280,16 @@ def test_grammar_renders_gate_and_hoist_slices_keeps_the_numbers():
     gm = capture(model, inputs)
     res = run_passes(gm, ["hoist_slices", "fuse_elementwise"], target="h200")[0]
     assert res.status == "applied" and len(res.rewrites) == 3, [r.reason for r in res.rejected]
+
+
+def test_grammar_renders_tokenmix_and_left_matmul_linears_keeps_the_numbers():
+    """Linears over the tokens (Mixer's MLP, gMLP's gate, one without bias behind an activation):
+    each a matmul from the left after left_matmul_linears (every legal rewrite applied), the numbers kept."""
+    p = fuzz.Program(2, 4, 8, ("f32",), (("tokenmix", 0, 8, "mlp"), ("tokenmix", 1, 4, "gate"),
+                                          ("tokenmix", 2, 3, "plain"), ("tokenmix", 3, 3, "glu")), (4, 1), seed=3)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs)[0].shape == (2, 4, 8)
+    fuzz.check_program(p, ["left_matmul_linears", "fuse_elementwise"], "h200", "passes", ignore_cost=True)
+    gm, res = _one_pass(model, inputs, "left_matmul_linears", ignore_cost=True)
+    assert res.status == "applied" and len(res.rewrites) == 4
+    assert not any(str(n.target) == "aten.linear.default" for n in gm.graph.nodes)

@@ -20,6 +20,8 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s53      (left_matmul_linears) the pass on and off on $2 (CONFIG:BATCH:PASS,...), $3 timed alone (compile too) to
+#            ${SPLIT:-430} s, then kernel profiles (compile too) of $4
 #   s52      kernel profiles (graphopt by node, eager, torch.compile) of $2: s51's rows behind compile
 #   s51      a screen (4 at once, ${LIMIT:-590} s) of $2: timm configs no session had run on a GPU, named before any ran
 #   s50      (merge_summed_convs) its cuda tests, then the pass on and off (diag_pass_ab) on $2 (CONFIG:BATCH:PASS,...)
@@ -116,6 +118,12 @@ setup_ab() {
   done
 }
 case "$1" in
+s53)
+  timeout $((${AB_END:-150} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
+    2>&1 | quiet | grep "^| \|rror" | tail -8
+  echo "### ab ${SECONDS}s"
+  alone "$3" ${SPLIT:-430}
+  compile_profiles "$4" ;;
 s52)
   compile_profiles "$2" ;;
 s51)

@@ -21,6 +21,10 @@ Op specs (value indices are absolute: inputs first, then one value per op):
                                        BatchNorm + a 1x1 conv with its BatchNorm + the input's BatchNorm (form "sum"),
                                        or x + gamma * (3x3 conv + BatchNorm of x - another BatchNorm of x) ("mixer"),
                                        flattened back
+  ("tokenmix", src, hidden, form)      3-D src [B, S, D]: a linear over the tokens S (transposed last and back):
+                                       form "mlp" fc2(gelu(fc1(x^T)))^T with biases (MLP-Mixer's), "glu" the same with
+                                       fc1 twice as wide, chunked along the last dim, a * silu(g) (gMixer's), "gate"
+                                       x * fc(x^T)^T (gMLP's gating), "plain" relu(x)^T through fc without bias
   ("se", src, gate)                    3-D src (B,C,L) viewed as (B,C,2,L/2): conv2d, squeeze-and-excitation's
                                        per-channel scale (mean over the pixels, sigmoid | hardsigmoid,
                                        a broadcast mul), conv2d, flattened back
@@ -195,6 +199,17 @@ class ProgramModule(nn.Module):
                 if op[2] == "bias":
                     p(key + "_b", src[-1], scale=0.1)
                 out = src[:-1] + (src[-1] // 2,)
+            elif kind == "tokenmix":
+                _, _, hid, form = op
+                sq = src[1]
+                wide = {"mlp": hid, "glu": 2 * hid}.get(form, sq)
+                p(key + "_w1", wide, sq)
+                if form != "plain":
+                    p(key + "_b1", wide, scale=0.1)
+                if form in ("mlp", "glu"):
+                    p(key + "_w2", sq, hid)
+                    p(key + "_b2", sq, scale=0.1)
+                out = src
             elif kind == "repconv":
                 _, _, groups, form = op
                 c = src[1]
@@ -401,6 +416,18 @@ class ProgramModule(nn.Module):
                 y = F.unfold(x.reshape(b, c, 2, n // 2), op[2], padding=op[3], stride=op[4])
             elif kind == "fold":
                 y = F.fold(x, _fold_size(x.shape[2], op[2], op[3], op[4]), op[2], padding=op[3], stride=op[4]).flatten(2)
+            elif kind == "tokenmix":
+                form = op[3]
+                if form == "mlp":
+                    h = F.gelu(F.linear(x.transpose(1, 2), P[key + "_w1"], P[key + "_b1"]))
+                    y = F.linear(h, P[key + "_w2"], P[key + "_b2"]).transpose(1, 2)
+                elif form == "glu":
+                    a, gt = F.linear(x.transpose(1, 2), P[key + "_w1"], P[key + "_b1"]).chunk(2, dim=-1)
+                    y = F.linear(a * F.silu(gt), P[key + "_w2"], P[key + "_b2"]).transpose(1, 2)
+                elif form == "gate":
+                    y = x * F.linear(x.transpose(1, 2), P[key + "_w1"], P[key + "_b1"]).transpose(1, 2)
+                else:
+                    y = F.linear(torch.relu(x).transpose(1, 2), P[key + "_w1"]).transpose(1, 2)
             elif kind == "repconv":
                 b, c, n = x.shape
                 h = x.reshape(b, c, 2, n // 2)
@@ -732,7 +759,7 @@ def programs(max_ops: int = 8):
         f32 = lambda s, d: d == "f32"  # noqa: E731
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
-                 "group_norm", "se", "repconv",
+                 "group_norm", "se", "repconv", "tokenmix",
                  "mixconv", "resample", "gate", "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads", "repeat", "roll", "catslice", "headprod", "pad", "unfold", "fold")
@@ -842,6 +869,11 @@ def programs(max_ops: int = 8):
                                                            if sh[1] % (a[0] * a[0]) == 0]))
                     h, w = _fold_size(sh[2], k, pad, stride)
                     op, out = ("fold", s, k, pad, stride), ((sh[0], sh[1] // (k * k), h * w), env[s][1])
+            elif kind == "tokenmix":
+                s = pick(f32_3d)
+                if s is not None:
+                    op = ("tokenmix", s, draw(st.sampled_from((3, 8))), draw(st.sampled_from(("mlp", "glu", "gate", "plain"))))
+                    out = env[s]
             elif kind == "repconv":
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
                 if s is not None:

@@ -20,7 +20,7 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
-#   s53      (left_matmul_linears) the pass on and off on $2 (CONFIG:BATCH:PASS,...), $3 timed alone (compile too) to
+#   s53      (left_matmul_linears) its cuda tests, the pass on and off on $2 (CONFIG:BATCH:PASS,...), $3 timed alone (compile too) to
 #            ${SPLIT:-430} s, then kernel profiles (compile too) of $4
 #   s52      kernel profiles (graphopt by node, eager, torch.compile) of $2: s51's rows behind compile
 #   s51      a screen (4 at once, ${LIMIT:-590} s) of $2: timm configs no session had run on a GPU, named before any ran
@@ -119,6 +119,7 @@ setup_ab() {
 }
 case "$1" in
 s53)
+  ctests s53 ${CT:-100} tests/passes/test_left_matmul_linears.py
   timeout $((${AB_END:-150} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
     2>&1 | quiet | grep "^| \|rror" | tail -8
   echo "### ab ${SECONDS}s"

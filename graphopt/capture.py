@@ -730,6 +730,7 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
     g = gm.graph
     changed = remove_eval_dropout(gm) > 0
     changed = remove_identity_arithmetic(gm) > 0 or changed
+    changed = conv_padding_as_ints(gm) > 0 or changed
     _einsums_as_matmul(gm, info)
     roots: dict = {}
     kept: dict = {}  # input name -> the in-place ops writing into it
@@ -776,6 +777,50 @@ def canonicalize(gm: fx.GraphModule, info: CaptureInfo | None = None) -> None:
     gm.meta[ir.MUTATIONS] = ir.mutation_signature(gm)
     if gm.meta[ir.MUTATIONS] and ir.mutation_order_violation(gm) is not None:
         gm.meta[ir.MUTATION_ORDER_EXEMPT] = True
+
+
+_CONV_BY_PADDING = {aten.conv1d.padding: (aten.conv1d.default, 1), aten.conv2d.padding: (aten.conv2d.default, 2),
+                    aten.conv3d.padding: (aten.conv3d.default, 3)}
+
+
+def conv_padding_as_ints(gm: fx.GraphModule) -> int:
+    """Convolutions with ``padding="valid"`` or ``"same"`` (the ``.padding`` overloads) as the
+    ``.default`` ones with integer padding, which every convolution pass matches: "valid" is 0;
+    "same" is ``dilation * (k - 1) / 2`` each side where that total is even (aten pads such a
+    convolution symmetrically, the same call); an odd total (aten pads one more on the right)
+    stays as captured. Returns how many were rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _CONV_BY_PADDING:
+            continue
+        target, d = _CONV_BY_PADDING[node.target]
+        sig = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args))
+        sig.update(node.kwargs)
+        w = sig["weight"].meta.get("val") if isinstance(sig["weight"], fx.Node) else None
+        mode = sig.get("padding", "valid")
+        if w is None or not isinstance(mode, str) or w.dim() != d + 2:
+            continue
+
+        def per_dim(v, default):
+            v = default if v is None else v
+            return [int(v)] * d if isinstance(v, int) else [int(x) for x in v]
+
+        stride, dilation = per_dim(sig.get("stride"), 1), per_dim(sig.get("dilation"), 1)
+        if mode == "valid":
+            pad = [0] * d
+        else:
+            total = [dl * (int(k) - 1) for dl, k in zip(dilation, w.shape[2:])]
+            if mode != "same" or any(t % 2 for t in total) or any(s != 1 for s in stride):
+                continue
+            pad = [t // 2 for t in total]
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(target, (sig["input"], sig["weight"], sig.get("bias"), stride, pad, dilation,
+                                                  int(sig.get("groups", 1))))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    return count
 
 
 def _einsums_as_matmul(gm: fx.GraphModule, info: CaptureInfo | None) -> None:

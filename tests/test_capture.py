@@ -595,3 +595,37 @@ def test_the_shape_solvers_own_warnings_are_quiet_while_graphopt_exports(monkeyp
         capture(_BranchOnValues(), (torch.randn(4, 3),), dynamic={"x": {0: "batch"}})
     assert seen == [logging.ERROR] and solver.level == before
     assert "Failed to reduce" not in capfd.readouterr().err
+
+
+def test_convolutions_with_string_padding_are_captured_with_integer_padding():
+    """padding="same" / "valid" (ConvMixer's depthwise convolutions) as conv*.default, which every
+    convolution pass matches; a "same" of odd total padding (aten pads its right side more) stays."""
+    from graphopt.pipeline import run_passes
+    from tests.helpers import op_counts, reference_check
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dw = torch.nn.Conv2d(8, 8, 7, padding="same", groups=8)
+            self.dil = torch.nn.Conv2d(8, 8, 3, padding="same", dilation=2)
+            self.valid = torch.nn.Conv1d(8, 8, 3, padding="valid")
+            self.odd = torch.nn.Conv2d(8, 8, (2, 3), padding="same")
+            self.bn = torch.nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            y = self.bn(self.dw(x)) + self.dil(x)
+            return self.odd(y), self.valid(y.flatten(2))
+
+    torch.manual_seed(0)
+    m = M().eval()
+    x = torch.randn(2, 8, 9, 9)
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-1, 1), m.bn.running_var.uniform_(0.5, 2)
+    gm = capture(m, (x,))
+    c = op_counts(gm)
+    assert c["aten.conv2d.default"] == 2 and c["aten.conv1d.default"] == 1 and c["aten.conv2d.padding"] == 1
+    pads = sorted(tuple(n.args[4]) for n in gm.graph.nodes if str(n.target) == "aten.conv2d.default")
+    assert pads == [(2, 2), (3, 3)]
+    assert reference_check(m, gm, (x,)).passed
+    (res,) = run_passes(gm, ["fold_conv_bn"], target="h200")
+    assert len(res.rewrites) == 1 and reference_check(m, gm, (x,)).passed

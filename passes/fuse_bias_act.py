@@ -26,7 +26,10 @@ kernel in aten's cuDNN path (cudnn_convolution takes no bias). A conv2d + bias (
 ReLU epilogue is left to fuse_conv_relu when that pass runs later (one cuDNN call with the bias,
 residual and ReLU in its epilogue, where bias_act would leave two kernels), as fuse_elementwise
 leaves it. A convolution's bias alone (no activation, no residual) goes to bias_act too where
-the cost model prices aten's broadcast add above it. bias_act keeps a channels_last input's layout,
+the cost model prices aten's broadcast add above it. Where the epilogue's readers are all elementwise
+ops fuse_elementwise fuses (an inference BatchNorm, a residual add: ConvMixer's depthwise half), the
+convolution gives its bias to them instead, as an explicit add that their fused kernel takes in: one
+pass over the output after the convolution where bias_act would leave two. bias_act keeps a channels_last input's layout,
 so on a GPU where convert_channels_last runs the convolutions on NHWC tensors the epilogue stays
 inside that region. Refused on a CPU profile (bias_act is a CUDA kernel) except the aten ReLU path.
 """
@@ -83,6 +86,16 @@ PATTERNS = (("act+residual", _res(_act(GEMM))), ("act", _act(GEMM)), ("residual"
 # (one pattern per producer: the matcher's single_use=False is not seen through an Alt)
 LOOSE = tuple(Op(tuple(ACTS), Op(p.targets, *p.args, name=p.name, single_use=False, kwargs=p.kwargs,
                                  commutative=p.commutative), name="act") for p in GEMM.alternatives)
+
+
+def _fused_readers(gm: fx.GraphModule, top: fx.Node) -> bool:
+    """Every reader of ``top`` is an elementwise op fuse_elementwise takes into a kernel (an op of
+    its table, or an inference BatchNorm it applies as a per-channel scale and shift)."""
+    from ._fusion_meta import inference_affine
+    from .fuse_elementwise import OPS
+
+    return bool(top.users) and all(
+        u.op == "call_function" and (u.target in OPS or inference_affine(gm, u) is not None) for u in top.users)
 
 
 def act_name(node: fx.Node) -> str | None:
@@ -193,6 +206,13 @@ class FuseBiasAct(Pass):
         if not ctx.fused_kernels:
             res.reject(label, NO_FUSED_KERNELS)
             return None
+        if gemm.target in CONVS and "fuse_elementwise" in ctx.scheduled and _fused_readers(gm, top):
+            # the epilogue's readers are elementwise ops fuse_elementwise fuses into one kernel: the
+            # bias added there (an explicit add it takes in) saves bias_act's pass over the output
+            gain = ctx.node_time([gemm]) - self._conv_time(ctx, m)
+            return Candidate(f"{ir.target_name(gemm)} + bias (+ {a}) read by elementwise ops -> the bias as an add "
+                             "for fuse_elementwise", [gemm], gain, lambda: self._split_conv_bias(gm, m, bias_dim),
+                             label=label)
         gain = old - self._bias_act_time(ctx, m, a, bias_dim)
         if gain <= 0.05 * ctx.cost.launch_overhead_s and not ctx.ignore_cost:  # rounding noise is not a gain
             why = (f"bias + {a} after {ir.target_name(gemm)}: the GEMM applies its bias in the cuBLASLt epilogue, so "
@@ -219,7 +239,34 @@ class FuseBiasAct(Pass):
         kept = [m["gemm"]] if m.get("badd") is not None else []  # matmul + b: the matmul stays
         return r.time() + ctx.node_time(kept)
 
+    @staticmethod
+    def _conv_time(ctx, m) -> float:
+        """The convolution without its bias."""
+        gemm = m["gemm"]
+        r = ctx.replacement()
+        r.call(gemm.target, r.input(m["x"]), r.input(m["w"]), None, *gemm.args[3:])
+        return r.time()
+
     # ------------------------------------------------------------------ rewrites
+
+    @staticmethod
+    def _split_conv_bias(gm, m, bias_dim) -> fx.Node:
+        """conv(x, w, b) -> conv(x, w, None) + b viewed along the channels (dim 1)."""
+        g = gm.graph
+        gemm = m["gemm"]
+        rank = len(ir.info(gemm).shape)
+        with g.inserting_before(gemm):
+            conv = g.call_function(gemm.target, (m["x"], m["w"], None) + tuple(gemm.args[3:]), dict(gemm.kwargs))
+            col = g.call_function(aten.view.default, (m["b"], [-1] + [1] * (rank - 2)))
+            add = g.call_function(aten.add.Tensor, (conv, col))
+        set_meta(gm, [conv, col, add])
+        if add.meta.get("val") is None or tuple(add.meta["val"].shape) != tuple(ir.info(gemm).shape):
+            for n in (add, col, conv):
+                g.erase_node(n)
+            return None
+        gemm.replace_all_uses_with(add)
+        g.erase_node(gemm)
+        return add
 
     @staticmethod
     def _apply_addmm_act(gm, m, use_gelu: bool = False) -> fx.Node:

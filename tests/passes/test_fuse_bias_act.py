@@ -105,6 +105,41 @@ def test_conv_bias_residual_no_activation():
     assert reference_check(m, gm, (x,)).passed
 
 
+class DepthwiseMixer(nn.Module):
+    """ConvMixer's depthwise half: a residual around conv + bias + ReLU + BatchNorm."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return x + self.bn(torch.relu(self.dw(x)))
+
+
+def test_conv_bias_read_by_elementwise_ops_goes_into_their_fused_kernel():
+    """Where the activation's readers are elementwise ops (a BatchNorm, a residual add) the bias is
+    an explicit add that fuse_elementwise takes in: one kernel after the convolution, not bias_act's
+    and then another."""
+    torch.manual_seed(0)
+    m = DepthwiseMixer().eval()
+    x = torch.randn(2, 16, 12, 12)
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-1, 1), m.bn.running_var.uniform_(0.5, 2)
+    gm = capture(m, (x,))
+    res, fused = run_passes(gm, ["fuse_bias_act", "fuse_elementwise"], target="h200")
+    assert len(res.rewrites) == 1 and "the bias as an add" in res.rewrites[0].pattern, [r.reason for r in res.rejected]
+    c = op_counts(gm)
+    assert BIAS_ACT not in c and c["graphopt.fused_pointwise.default"] == 1 and "aten.batch_norm.default" not in c
+    conv = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.conv2d.default)
+    assert len(conv.args) < 3 or conv.args[2] is None
+    assert reference_check(m, gm, (x,)).passed
+    # nothing elementwise after the activation: bias_act as before
+    gm = capture(ConvAct(nn.ReLU()).eval(), (x[:, :8],))
+    (res,) = run_passes(gm, ["fuse_bias_act"], target="h200")
+    assert op_counts(gm)[BIAS_ACT] == 1
+
+
 class ConvChain(nn.Module):
     """conv + bias + SiLU, then a conv whose bias nothing follows, then a grouped conv + bias + SiLU."""
 

@@ -20,6 +20,7 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s54      (fuse_bias_act giving a convolution's bias to fuse_elementwise) $2 timed alone against eager and compile
 #   s53      (left_matmul_linears) its cuda tests, the pass on and off on $2 (CONFIG:BATCH:PASS,...), $3 timed alone (compile too) to
 #            ${SPLIT:-430} s, then kernel profiles (compile too) of $4
 #   s52      kernel profiles (graphopt by node, eager, torch.compile) of $2: s51's rows behind compile
@@ -118,6 +119,9 @@ setup_ab() {
   done
 }
 case "$1" in
+s54)
+  timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --vs eager,compile --jobs 1 \
+    --timeout 150 --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -14 ;;
 s53)
   ctests s53 ${CT:-100} tests/passes/test_left_matmul_linears.py
   timeout $((${AB_END:-150} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \

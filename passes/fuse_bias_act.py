@@ -29,7 +29,8 @@ leaves it. A convolution's bias alone (no activation, no residual) goes to bias_
 the cost model prices aten's broadcast add above it. Where the epilogue's readers are all elementwise
 ops fuse_elementwise fuses (an inference BatchNorm, a residual add: ConvMixer's depthwise half), the
 convolution gives its bias to them instead, as an explicit add that their fused kernel takes in: one
-pass over the output after the convolution where bias_act would leave two. bias_act keeps a channels_last input's layout,
+pass over the output after the convolution where bias_act would leave two. (Not a depthwise convolution
+where lower_depthwise_conv runs: its kernel takes the bias and activation of bias_act's epilogue.) bias_act keeps a channels_last input's layout,
 so on a GPU where convert_channels_last runs the convolutions on NHWC tensors the epilogue stays
 inside that region. Refused on a CPU profile (bias_act is a CUDA kernel) except the aten ReLU path.
 """
@@ -45,6 +46,7 @@ from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
 from ._fusion_meta import GraphBuilder, set_meta
+from .lower_depthwise_conv import depthwise
 
 aten = torch.ops.aten
 CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
@@ -206,9 +208,12 @@ class FuseBiasAct(Pass):
         if not ctx.fused_kernels:
             res.reject(label, NO_FUSED_KERNELS)
             return None
-        if gemm.target in CONVS and "fuse_elementwise" in ctx.scheduled and _fused_readers(gm, top):
+        if gemm.target in CONVS and "fuse_elementwise" in ctx.scheduled and _fused_readers(gm, top) and not (
+                "lower_depthwise_conv" in ctx.scheduled and depthwise(gemm)):
             # the epilogue's readers are elementwise ops fuse_elementwise fuses into one kernel: the
             # bias added there (an explicit add it takes in) saves bias_act's pass over the output
+            # (a depthwise convolution's bias and activation go into lower_depthwise_conv's kernel
+            # with bias_act's epilogue instead, where that pass runs)
             gain = ctx.node_time([gemm]) - self._conv_time(ctx, m)
             return Candidate(f"{ir.target_name(gemm)} + bias (+ {a}) read by elementwise ops -> the bias as an add "
                              "for fuse_elementwise", [gemm], gain, lambda: self._split_conv_bias(gm, m, bias_dim),
@@ -255,17 +260,25 @@ class FuseBiasAct(Pass):
         g = gm.graph
         gemm = m["gemm"]
         rank = len(ir.info(gemm).shape)
+        shape = [-1] + [1] * (rank - 2)
         with g.inserting_before(gemm):
             conv = g.call_function(gemm.target, (m["x"], m["w"], None) + tuple(gemm.args[3:]), dict(gemm.kwargs))
-            col = g.call_function(aten.view.default, (m["b"], [-1] + [1] * (rank - 2)))
+            if m["b"].op == "get_attr":  # a constant bias: its column is a view of it, stored (no node to run)
+                value = ir.get_attr_value(gm, m["b"].target).detach()
+                col = g.get_attr(ir.register_constant(gm, f"{gemm.name}_bias_column", value.view(shape)))
+            else:
+                col = g.call_function(aten.view.default, (m["b"], shape))
             add = g.call_function(aten.add.Tensor, (conv, col))
         set_meta(gm, [conv, col, add])
         if add.meta.get("val") is None or tuple(add.meta["val"].shape) != tuple(ir.info(gemm).shape):
             for n in (add, col, conv):
                 g.erase_node(n)
             return None
+        bias = m["b"]
         gemm.replace_all_uses_with(add)
         g.erase_node(gemm)
+        if bias.op == "get_attr" and not bias.users:
+            g.erase_node(bias)
         return add
 
     @staticmethod

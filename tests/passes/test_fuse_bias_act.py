@@ -133,6 +133,12 @@ def test_conv_bias_read_by_elementwise_ops_goes_into_their_fused_kernel():
     assert BIAS_ACT not in c and c["graphopt.fused_pointwise.default"] == 1 and "aten.batch_norm.default" not in c
     conv = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.conv2d.default)
     assert len(conv.args) < 3 or conv.args[2] is None
+    assert "aten.view.default" not in c  # the constant bias's column is stored, no node to run
+    assert reference_check(m, gm, (x,)).passed
+    # where lower_depthwise_conv runs, its kernel takes a depthwise convolution's bias and activation
+    gm = capture(m, (x,))
+    res = run_passes(gm, ["fuse_bias_act", "fuse_elementwise", "lower_depthwise_conv"], target="h200")[0]
+    assert not any("the bias as an add" in r.pattern for r in res.rewrites)
     assert reference_check(m, gm, (x,)).passed
     # nothing elementwise after the activation: bias_act as before
     gm = capture(ConvAct(nn.ReLU()).eval(), (x[:, :8],))

@@ -17,13 +17,15 @@ constants beside them) is one of them too, computed on the untransposed values (
 broadcast along the last dim, becomes a column); a chunk or split along one of the last two dims
 is one along the other; a linear of one is ``W @ z + b[:, None]``. So gMixer's gated token MLP
 ``fc2(x1 * silu(x2))^T``, ``x1, x2 = fc1(x^T).chunk(2, -1)``, becomes
-``W2 @ (z1 * silu(z2)) + b2``, ``z1, z2 = (W1 @ x + b1).chunk(2, -2)``.
+``W2 @ (z1 * silu(z2)) + b2``, ``z1, z2 = (W1 @ x).chunk(2, -2)`` plus each its half of ``b1``.
 
 A region of such values is rewritten only if it holds a linear and nothing outside it reads one
 of its values except a transpose back (which then reads the untransposed value: the pair is
 gone). Refused, with the reason: a value read transposed by anything else (a reduction over its
-last dim, a view, the graph's output), a weight that is not 2-D. The bias is added by an elementwise op after the matmul; where its readers are
-elementwise ops too, fuse_elementwise fuses it into them, and it is priced as free.
+last dim, a view, the graph's output), a weight that is not 2-D. The bias is added by an elementwise
+op after the matmul; where its readers are elementwise ops too, fuse_elementwise fuses it into them,
+and it is priced as free. A linear read only by a split along its features (gMixer's GLU) adds each
+piece its slice of the bias instead, so each slice fuses with that piece's readers.
 """
 
 from __future__ import annotations
@@ -177,11 +179,26 @@ def _matmul_time(ctx: PassContext, shape, x_info, w: fx.Node) -> float:
     return r.time()
 
 
-def _bias_fuses(lin: fx.Node) -> bool:
-    """The readers of ``lin``'s result once rewritten (past a transpose back) are elementwise ops."""
+def _feature_splits(lin: fx.Node, kept: dict) -> bool:
+    """Every reader of ``lin`` is a kept split along its output features (its last dim): the bias
+    is then added to each piece, by the elementwise ops reading it."""
+    r = _rank(lin)
+    return bool(lin.users) and all(
+        kept.get(u) == "split" and (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % r == r - 1
+        for u in lin.users)
+
+
+def _bias_fuses(lin: fx.Node, kept: dict) -> bool:
+    """The readers of ``lin``'s result once rewritten (past a transpose back, or of each piece of a
+    split along its features) are elementwise ops."""
     readers = []
     for u in lin.users:
-        readers.extend(u.users if _swaps_last_two(u) else [u])
+        if _swaps_last_two(u):
+            readers.extend(u.users)
+        elif kept.get(u) == "split" and _feature_splits(lin, kept):
+            readers.extend(r for item in u.users for r in item.users)
+        else:
+            readers.append(u)
     return bool(readers) and all(r.op == "call_function" and r.target in OPS for r in readers)
 
 
@@ -190,6 +207,7 @@ def _rewrite(gm: fx.GraphModule, nodes: list, kept: dict):
     g = gm.graph
     z: dict = {}
     made = []
+    pending: dict = {}  # linear -> its bias, added per piece of the split reading it
 
     def call(target, args, kwargs=None):
         n = g.call_function(target, tuple(args), kwargs or {})
@@ -219,6 +237,19 @@ def _rewrite(gm: fx.GraphModule, nodes: list, kept: dict):
                 z[n] = call(n.target, (z[n.args[0]], n.args[1], other))
             elif kind == "item":
                 z[n] = call(operator.getitem, (z[n.args[0]], n.args[1]))
+                lin = n.args[0].args[0]
+                if lin in pending:  # this piece's slice of the linear's bias, as a column
+                    size = int(ir.info(n).shape[-1])
+                    sizes = [int(v.shape[-1]) for v in n.args[0].meta["val"]]
+                    off = sum(sizes[:n.args[1]])
+                    b = pending[lin]
+                    if b.op == "get_attr":
+                        value = ir.get_attr_value(gm, b.target).detach()[off:off + size].unsqueeze(-1)
+                        col = g.get_attr(ir.register_constant(gm, f"{lin.name}_bias_{n.args[1]}", value))
+                        made.append(col)
+                    else:
+                        col = call(aten.unsqueeze.default, (call(aten.slice.Tensor, (b, 0, off, off + size)), -1))
+                    z[n] = call(aten.add.Tensor, (z[n], col))
             else:  # linear
                 w, b = _linear_parts(n)
                 x = z[n.args[0]]
@@ -232,7 +263,9 @@ def _rewrite(gm: fx.GraphModule, nodes: list, kept: dict):
                     y = call(aten.bmm.default, (call(aten.expand.default, (w, [p, out, k])), xs))
                     if len(batch) > 1:
                         y = call(aten.view.default, (y, [*batch, out, l]))
-                if b is not None:
+                if b is not None and _feature_splits(n, kept):
+                    pending[n] = b  # added to each piece of the split after it
+                elif b is not None:
                     y = call(aten.add.Tensor, (y, call(aten.unsqueeze.default, (b, -1))))
                 z[n] = y
     set_meta(gm, made)
@@ -282,7 +315,7 @@ class LeftMatmulLinears(Pass):
             for n in linears:
                 w, b = _linear_parts(n)
                 gain += ctx.node_time([n]) - _matmul_time(ctx, _z_shape(n.args[0]), ir.info(n), w)
-                if b is not None and not _bias_fuses(n):
+                if b is not None and not _bias_fuses(n, vals.kept):
                     gain -= ctx.price(aten.add.Tensor, n, b)
             sources = [n.name for n in nodes if vals.kept[n] == "source"]
             cands.append(Candidate(

@@ -136,7 +136,22 @@ def test_gated_token_mlp_splits_along_the_other_dim():
     assert LINEAR not in c and TRANSPOSE not in c and c[BMM] == 2
     chunk = next(n for n in gm.graph.nodes if str(n.target) == "aten.chunk.default")
     assert chunk.args[2] % 3 == 1  # the tokens' dim of the untransposed values
+    # the bias is added to each piece (a column each), so it fuses with the gate's elementwise ops
+    assert str(chunk.args[0].target) == BMM
     assert reference_check(m, gm, (x,)).passed
+
+
+def test_gated_token_mlp_in_the_pipeline_fuses_each_piece_with_its_bias():
+    import graphopt
+
+    torch.manual_seed(0)
+    m = GatedTokenMixer(tokens=196, channels=64, hidden=96).eval()
+    x = torch.randn(8, 196, 64)
+    opt = graphopt.optimize(m, (x,), target="h200")
+    assert "left_matmul_linears" in [p.name for p in opt.report.passes if p.status == "applied"]
+    c = op_counts(opt.graph_module)
+    assert LINEAR not in c and c[BMM] == 2 and "aten.add.Tensor" not in c and "aten.silu.default" not in c
+    assert opt.report.accuracy["passed"]
 
 
 def test_a_result_read_transposed_is_left_with_the_reason():

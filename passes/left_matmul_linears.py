@@ -202,7 +202,7 @@ def _bias_fuses(lin: fx.Node, kept: dict) -> bool:
     return bool(readers) and all(r.op == "call_function" and r.target in OPS for r in readers)
 
 
-def _rewrite(gm: fx.GraphModule, nodes: list, kept: dict):
+def _rewrite(gm: fx.GraphModule, nodes: list, kept: dict, training: bool):
     """Each node of the region computed in the untransposed order; transposes back read those."""
     g = gm.graph
     z: dict = {}
@@ -243,7 +243,7 @@ def _rewrite(gm: fx.GraphModule, nodes: list, kept: dict):
                     sizes = [int(v.shape[-1]) for v in n.args[0].meta["val"]]
                     off = sum(sizes[:n.args[1]])
                     b = pending[lin]
-                    if b.op == "get_attr":
+                    if b.op == "get_attr" and not training:  # (a stored view has no gradient)
                         value = ir.get_attr_value(gm, b.target).detach()[off:off + size].unsqueeze(-1)
                         col = g.get_attr(ir.register_constant(gm, f"{lin.name}_bias_{n.args[1]}", value))
                         made.append(col)
@@ -319,7 +319,7 @@ class LeftMatmulLinears(Pass):
                     gain -= ctx.price(aten.add.Tensor, n, b)
             sources = [n.name for n in nodes if vals.kept[n] == "source"]
             cands.append(Candidate(
-                "left_matmul", linears, gain, lambda nodes=nodes: _rewrite(gm, nodes, vals.kept),
+                "left_matmul", linears, gain, lambda nodes=nodes: _rewrite(gm, nodes, vals.kept, ctx.training),
                 label=f"{', '.join(sources)} -> {', '.join(n.name for n in linears)} (matmuls from the left)",
                 refusal="not rewritten: a value's shape in the untransposed order did not check out"))
         res.apply_ranked(ctx, cands)

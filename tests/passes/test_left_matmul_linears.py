@@ -230,3 +230,19 @@ def test_optimized_on_the_gpu_in_bf16(model):
     res = next(p for p in om.report.passes if p.name == "left_matmul_linears")
     assert res.rewrites or "measured slower" in " ".join(res.notes + [r.reason for r in res.rejected]), res
     assert om.report.accuracy["checked"] and om.report.accuracy["passed"]
+
+
+@pytest.mark.parametrize("model", [TokenMixer, GatedTokenMixer])
+def test_training_step_matches_fp64(model):
+    """The rewrite is plain ATen (expand, bmm, add, chunk): autograd differentiates it; one step's loss
+    and every gradient within the rule."""
+    import graphopt
+    from tests.helpers import step_check
+
+    torch.manual_seed(0)
+    m = model()
+    x = torch.randn(3, 12, 16)
+    opt = graphopt.optimize(m, (x,), training=True, target="h200", passes=["left_matmul_linears"])
+    assert [p.name for p in opt.report.passes if p.status == "applied"] == ["left_matmul_linears"] or \
+        any(r.reason.startswith("predicted no gain") for p in opt.report.passes for r in p.rejected)
+    step_check(m, opt, (x,))

@@ -156,6 +156,7 @@ def table(argv, title: str, intro: str, models: dict, build, stem: str) -> Path:
         lines.append(f"| {name} | {row['plan']} | {row['optimize']} | {row['train']} | {row['train + budget']} | "
                      f"{row.get('applied', '')} |")
     out = Path(args.out) / f"{stem}_{now:%Y-%m-%d_%H%M%S}_cpu.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(out)
     return out

@@ -91,6 +91,14 @@ class GraphBuilder:
         return n
 
 
+def stored_view(gm: fx.GraphModule, attr: fx.Node, view, prefix: str) -> fx.Node:
+    """A get_attr node (at the insertion point) of ``view(value)``, ``value`` the constant ``attr``
+    reads: a bias reshaped or sliced once at optimization time, where a node would run at every call.
+    Inference only (a stored view carries no gradient to the parameter)."""
+    value = ir.get_attr_value(gm, attr.target).detach()
+    return gm.graph.get_attr(ir.register_constant(gm, prefix, view(value)))
+
+
 def dense_channels_last(t: ir.TensorInfo) -> bool:
     """A 4-D tensor laid out exactly as NHWC in memory (strides H*W*C, 1, W*C, C)."""
     if t is None or t.stride is None or len(t.shape) != 4:

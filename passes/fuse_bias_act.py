@@ -45,7 +45,8 @@ from graphopt.cuda_ext.ops.bias_act import leaky_act
 from graphopt.matcher import Alt, Any, Const, Op, find
 from graphopt.pipeline import NO_FUSED_KERNELS, Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import GraphBuilder, set_meta
+from ._fusion_meta import GraphBuilder, inference_affine, set_meta, stored_view
+from .fuse_elementwise import OPS
 from .lower_depthwise_conv import depthwise
 
 aten = torch.ops.aten
@@ -93,9 +94,6 @@ LOOSE = tuple(Op(tuple(ACTS), Op(p.targets, *p.args, name=p.name, single_use=Fal
 def _fused_readers(gm: fx.GraphModule, top: fx.Node) -> bool:
     """Every reader of ``top`` is an elementwise op fuse_elementwise takes into a kernel (an op of
     its table, or an inference BatchNorm it applies as a per-channel scale and shift)."""
-    from ._fusion_meta import inference_affine
-    from .fuse_elementwise import OPS
-
     return bool(top.users) and all(
         u.op == "call_function" and (u.target in OPS or inference_affine(gm, u) is not None) for u in top.users)
 
@@ -264,8 +262,7 @@ class FuseBiasAct(Pass):
         with g.inserting_before(gemm):
             conv = g.call_function(gemm.target, (m["x"], m["w"], None) + tuple(gemm.args[3:]), dict(gemm.kwargs))
             if m["b"].op == "get_attr":  # a constant bias: its column is a view of it, stored (no node to run)
-                value = ir.get_attr_value(gm, m["b"].target).detach()
-                col = g.get_attr(ir.register_constant(gm, f"{gemm.name}_bias_column", value.view(shape)))
+                col = stored_view(gm, m["b"], lambda v: v.view(shape), f"{gemm.name}_bias_column")
             else:
                 col = g.call_function(aten.view.default, (m["b"], shape))
             add = g.call_function(aten.add.Tensor, (conv, col))

@@ -37,9 +37,10 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
-from ._fusion_meta import set_meta
+from ._fusion_meta import GraphBuilder, set_meta, stored_view
 from .eliminate_permutes import concrete_layout, perm_of
 from .fuse_elementwise import OPS
 
@@ -76,18 +77,37 @@ def _linear_parts(lin: fx.Node):
     return w, b
 
 
-def _side_operand(a, rank: int) -> bool:
+def _side_operand(a) -> bool:
     """An operand an elementwise op of a transposed value may have besides such values: a number,
     or a 0-d or 1-D tensor (broadcast along the last dim; a column in the untransposed order)."""
     if not isinstance(a, fx.Node):
         return isinstance(a, (int, float, bool, type(None)))
     r = _rank(a)
-    return r is not None and r <= 1 and rank >= 2
+    return r is not None and r <= 1
+
+
+def _split_dim(n: fx.Node) -> int:
+    """The dim a chunk / split node splits, non-negative."""
+    return get_arg(n, 2, "dim", 0) % _rank(n.args[0])
+
+
+def _left_matmul(call, w, x, shape) -> fx.Node:
+    """``W @ x`` for x of ``shape`` [..., K, L] (W: [N, K]) with ``call(target, *args)`` (a real graph's
+    GraphBuilder or the cost model's Replacement): mm for a matrix, else one bmm over the batch dims
+    folded into one, the weight repeated over them as a stride-0 view."""
+    *batch, k, l = shape
+    n = int(ir.info(w).shape[0])
+    if not batch:
+        return call(aten.mm.default, w, x)
+    p = math.prod(batch)
+    xs = x if len(batch) == 1 else call(aten.reshape.default, x, [p, k, l])
+    y = call(aten.bmm.default, call(aten.expand.default, w, [p, n, k]), xs)
+    return y if len(batch) == 1 else call(aten.view.default, y, [*batch, n, l])
 
 
 class _Values:
-    """The nodes whose values the pass keeps in the untransposed order (``kept``), and how they
-    join up (``region``: one id per connected set of them)."""
+    """The nodes whose values the pass keeps in the untransposed order (``kept``: node -> kind), and
+    how they join up (:meth:`region`: the connected set of them around a linear)."""
 
     def __init__(self, gm: fx.GraphModule):
         self.kept: dict = {}  # node -> kind: "source" | "pointwise" | "split" | "item" | "linear"
@@ -107,9 +127,7 @@ class _Values:
         if n.target is operator.getitem:
             return "item" if self.kept.get(n.args[0]) == "split" else ""
         if n.target in SPLITS:
-            x, r = n.args[0], _rank(n)
-            d = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0))
-            return "split" if x in self.kept and r is None and d % _rank(x) >= _rank(x) - 2 else ""
+            return "split" if n.args[0] in self.kept and _split_dim(n) >= _rank(n.args[0]) - 2 else ""
         if n.target is aten.linear.default:
             if n.args[0] not in self.kept:
                 return ""
@@ -124,9 +142,8 @@ class _Values:
         if n.target in OPS:
             tensors = [a for a in list(n.args) + list(n.kwargs.values()) if isinstance(a, fx.Node)]
             kept = [a for a in tensors if a in self.kept]
-            r = _rank(n)
-            if kept and r is not None and all(_rank(a) >= 2 for a in kept) and \
-                    all(a in self.kept or _side_operand(a, r) for a in list(n.args) + tensors):
+            if kept and _rank(n) is not None and all(_rank(a) >= 2 for a in kept) and \
+                    all(a in self.kept or _side_operand(a) for a in list(n.args) + tensors):
                 return "pointwise"
         return ""
 
@@ -167,25 +184,14 @@ def _z_shape(node: fx.Node) -> list:
 
 def _matmul_time(ctx: PassContext, shape, x_info, w: fx.Node) -> float:
     r = ctx.replacement()
-    *batch, k, l = shape
-    n = int(ir.info(w).shape[0])
-    x = r.tensor(tuple(shape), x_info.dtype, x_info.device)
-    if not batch:
-        r.call(aten.mm.default, r.input(w), x)
-    else:
-        p = math.prod(batch)
-        xs = x if len(batch) == 1 else r.call(aten.reshape.default, x, [p, k, l])
-        r.call(aten.bmm.default, r.call(aten.expand.default, r.input(w), [p, n, k]), xs)
+    _left_matmul(r.call, r.input(w), r.tensor(tuple(shape), x_info.dtype, x_info.device), shape)
     return r.time()
 
 
 def _feature_splits(lin: fx.Node, kept: dict) -> bool:
     """Every reader of ``lin`` is a kept split along its output features (its last dim): the bias
     is then added to each piece, by the elementwise ops reading it."""
-    r = _rank(lin)
-    return bool(lin.users) and all(
-        kept.get(u) == "split" and (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % r == r - 1
-        for u in lin.users)
+    return bool(lin.users) and all(kept.get(u) == "split" and _split_dim(u) == _rank(lin) - 1 for u in lin.users)
 
 
 def _bias_fuses(lin: fx.Node, kept: dict) -> bool:
@@ -206,18 +212,12 @@ def _rewrite(gm: fx.GraphModule, nodes: list, kept: dict, training: bool):
     """Each node of the region computed in the untransposed order; transposes back read those."""
     g = gm.graph
     z: dict = {}
-    made = []
+    b = GraphBuilder(g)
+    call, made = b.call, b.made
     pending: dict = {}  # linear -> its bias, added per piece of the split reading it
 
-    def call(target, args, kwargs=None):
-        n = g.call_function(target, tuple(args), kwargs or {})
-        made.append(n)
-        return n
-
-    def side(a, rank):  # an operand beside the kept values, in the untransposed order
-        if isinstance(a, fx.Node) and _rank(a) == 1:
-            return call(aten.unsqueeze.default, (a, -1))
-        return a
+    def side(a):  # an operand beside the kept values, in the untransposed order
+        return call(aten.unsqueeze.default, a, -1) if isinstance(a, fx.Node) and _rank(a) == 1 else a
 
     for n in nodes:
         kind = kept[n]
@@ -226,47 +226,32 @@ def _rewrite(gm: fx.GraphModule, nodes: list, kept: dict, training: bool):
             continue
         with g.inserting_before(n):
             if kind == "pointwise":
-                r = _rank(n)
-                args = [z[a] if a in z else side(a, r) for a in n.args]
-                kwargs = {k: (z[v] if v in z else side(v, r)) for k, v in n.kwargs.items()}
-                z[n] = call(n.target, args, kwargs)
+                z[n] = call(n.target, *[z[a] if a in z else side(a) for a in n.args],
+                            **{k: (z[v] if v in z else side(v)) for k, v in n.kwargs.items()})
             elif kind == "split":
-                r = _rank(n.args[0])
-                d = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % r
-                other = r - 1 if d == r - 2 else r - 2
-                z[n] = call(n.target, (z[n.args[0]], n.args[1], other))
+                r, d = _rank(n.args[0]), _split_dim(n)
+                z[n] = call(n.target, z[n.args[0]], n.args[1], r - 1 if d == r - 2 else r - 2)
             elif kind == "item":
-                z[n] = call(operator.getitem, (z[n.args[0]], n.args[1]))
+                z[n] = call(operator.getitem, z[n.args[0]], n.args[1])
                 lin = n.args[0].args[0]
                 if lin in pending:  # this piece's slice of the linear's bias, as a column
                     size = int(ir.info(n).shape[-1])
-                    sizes = [int(v.shape[-1]) for v in n.args[0].meta["val"]]
-                    off = sum(sizes[:n.args[1]])
-                    b = pending[lin]
-                    if b.op == "get_attr" and not training:  # (a stored view has no gradient)
-                        value = ir.get_attr_value(gm, b.target).detach()[off:off + size].unsqueeze(-1)
-                        col = g.get_attr(ir.register_constant(gm, f"{lin.name}_bias_{n.args[1]}", value))
+                    off = sum(int(v.shape[-1]) for v in n.args[0].meta["val"][:n.args[1]])
+                    bias = pending[lin]
+                    if bias.op == "get_attr" and not training:  # (a stored view has no gradient)
+                        col = stored_view(gm, bias, lambda v: v[off:off + size].unsqueeze(-1),
+                                          f"{lin.name}_bias_{n.args[1]}")
                         made.append(col)
                     else:
-                        col = call(aten.unsqueeze.default, (call(aten.slice.Tensor, (b, 0, off, off + size)), -1))
-                    z[n] = call(aten.add.Tensor, (z[n], col))
+                        col = call(aten.unsqueeze.default, call(aten.slice.Tensor, bias, 0, off, off + size), -1)
+                    z[n] = call(aten.add.Tensor, z[n], col)
             else:  # linear
-                w, b = _linear_parts(n)
-                x = z[n.args[0]]
-                *batch, k, l = _z_shape(n.args[0])
-                out = int(ir.info(w).shape[0])
-                if not batch:
-                    y = call(aten.mm.default, (w, x))
-                else:
-                    p = math.prod(batch)
-                    xs = x if len(batch) == 1 else call(aten.reshape.default, (x, [p, k, l]))
-                    y = call(aten.bmm.default, (call(aten.expand.default, (w, [p, out, k])), xs))
-                    if len(batch) > 1:
-                        y = call(aten.view.default, (y, [*batch, out, l]))
-                if b is not None and _feature_splits(n, kept):
-                    pending[n] = b  # added to each piece of the split after it
-                elif b is not None:
-                    y = call(aten.add.Tensor, (y, call(aten.unsqueeze.default, (b, -1))))
+                w, bias = _linear_parts(n)
+                y = _left_matmul(call, w, z[n.args[0]], _z_shape(n.args[0]))
+                if bias is not None and _feature_splits(n, kept):
+                    pending[n] = bias  # added to each piece of the split after it
+                elif bias is not None:
+                    y = call(aten.add.Tensor, y, call(aten.unsqueeze.default, bias, -1))
                 z[n] = y
     set_meta(gm, made)
     bad = next((m for m in made if m.meta.get("val") is None and m.target is not operator.getitem), None)

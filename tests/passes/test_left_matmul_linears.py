@@ -243,6 +243,5 @@ def test_training_step_matches_fp64(model):
     m = model()
     x = torch.randn(3, 12, 16)
     opt = graphopt.optimize(m, (x,), training=True, target="h200", passes=["left_matmul_linears"])
-    assert [p.name for p in opt.report.passes if p.status == "applied"] == ["left_matmul_linears"] or \
-        any(r.reason.startswith("predicted no gain") for p in opt.report.passes for r in p.rejected)
+    assert [p.name for p in opt.report.passes if p.status == "applied"] == ["left_matmul_linears"]
     step_check(m, opt, (x,))

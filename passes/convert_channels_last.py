@@ -11,7 +11,9 @@ the region; 4-D outputs are converted back to the contiguous layout the caller e
 the contiguous layout inside the region of a tensor whose channels are already innermost
 (``x.permute(0, 3, 1, 2).contiguous()`` of an NHWC activation) is dropped with the region, so the
 region stays channels_last there too, unless a reader downstream depends on the strides (a
-``view``) or something writes either tensor in place. Grouped
+``view``) or something writes either tensor in place. A reshape that copies into a 4-D map a
+convolution reads (attention heads folded back into channels) is written NHWC by the same one copy.
+Grouped
 and depthwise convolutions are included. The cost model decides per region: the convolutions'
 time saved (each priced again on a channels_last input) against its boundary conversions (the
 clones it adds, priced as nodes); on a profile with no measured NCHW penalty (CPUs, unmeasured
@@ -90,17 +92,26 @@ class ConvertChannelsLast(Pass):
                 if a.op == "placeholder" and ir.info(a) is not None and len(ir.info(a).shape) == 4
                 and ir.info(a).dtype.is_floating_point and not is_channels_last(ir.info(a))))
             outs = [a for a in output.all_input_nodes if a in region and not _own_layout(a)]
-            copies = []
+            # convolutions whose weights the rewrite stores NHWC write NHWC whatever their input's layout
+            # (inference): a layout change upstream ends there
+            ends = set() if ctx.training else {
+                c for c in rconvs if isinstance(c.args[1], fx.Node) and c.args[1].op == "get_attr"}
+            copies, reshapes = [], []
             for n in region:
-                why = _nhwc_copy(n, output, outs, storage, writes)
+                why = _nhwc_copy(n, output, outs, storage, writes, ends)
                 if why is None:
                     copies.append(n)
                 elif why:
                     res.reject(f"{n.name} (copy of the channels-innermost {n.args[0].name})", why)
+                why = _copying_reshape(n, output, outs, storage, writes, rconvs, ends)
+                if why is None:
+                    reshapes.append(n)
+                elif why:
+                    res.reject(f"{n.name} (a reshape that copies into a 4-D map)", why)
             saved = ctx.node_time(rslow) - self._channels_last_time(ctx, rslow) + ctx.node_time(copies)
             cost = self._conversion_time(ctx, inputs, outs)
             info = {"convolutions": len(rconvs), "input_conversions": len(inputs), "output_conversions": len(outs),
-                    "copies_dropped": len(copies),
+                    "copies_dropped": len(copies), "reshapes_to_channels_last": len(reshapes),
                     "predicted_conv_saving_ms": saved * 1e3, "predicted_conversion_ms": cost * 1e3}
             # the NHWC weights stored at optimization time (inference): copies of the model's weights
             weights = {} if ctx.training else {
@@ -110,8 +121,8 @@ class ConvertChannelsLast(Pass):
             copied = sum(nbytes(ir.info(w), ctx.hints) for w in weights.values())
             candidates.append(Candidate(
                 "channels_last region", rconvs, saved - cost,
-                lambda region=region, rconvs=rconvs, inputs=inputs, outs=outs, info=info, copies=copies:
-                    self._apply(gm, ctx, region, rconvs, inputs, outs, info, output, copies),
+                lambda region=region, rconvs=rconvs, inputs=inputs, outs=outs, info=info, copies=copies,
+                reshapes=reshapes: self._apply(gm, ctx, region, rconvs, inputs, outs, info, output, copies, reshapes),
                 label=f"region {i + 1}: {len(rconvs)} convolutions ({len(rslow)} on NCHW), {len(inputs)} input and "
                       f"{len(outs)} output conversions", constant_bytes=copied))
         self._applied: list = []
@@ -125,7 +136,9 @@ class ConvertChannelsLast(Pass):
                              f"{res.details['convolutions']} convolutions, {res.details['input_conversions']} input and "
                              f"{res.details['output_conversions']} output conversions"
                              + (f", {res.details['copies_dropped']} copies to NCHW dropped" if res.details["copies_dropped"]
-                                else "") + f"; {where}")
+                                else "")
+                             + (f", {res.details['reshapes_to_channels_last']} copying reshapes write channels_last"
+                                if res.details["reshapes_to_channels_last"] else "") + f"; {where}")
         return res
 
     @staticmethod
@@ -147,7 +160,7 @@ class ConvertChannelsLast(Pass):
             r.call(aten.clone.default, r.like(o, memory_format=torch.channels_last), memory_format=torch.contiguous_format)
         return r.time()
 
-    def _apply(self, gm, ctx, region, rconvs, inputs, outs, info, output, copies=()):
+    def _apply(self, gm, ctx, region, rconvs, inputs, outs, info, output, copies=(), reshapes=()):
         g = gm.graph
         if not ctx.training:
             converted = {}
@@ -177,6 +190,8 @@ class ConvertChannelsLast(Pass):
         for c in copies:
             c.replace_all_uses_with(c.args[0])
         ir.erase_dead(gm, list(copies))
+        for n in reshapes:
+            _write_channels_last(g, n)
         self._applied.append(info)
         return True
 
@@ -198,7 +213,7 @@ def _own_layout(n: fx.Node) -> bool:
     return n.target in _LAYOUT_ENDS
 
 
-def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, limit: int = 4096) -> str | None:
+def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, ends=(), limit: int = 4096) -> str | None:
     """None if ``n`` is a copy to the contiguous layout of a 4-D tensor whose channels are innermost
     in memory, and the region can read that tensor instead; else why it must stay ('' when ``n``
     is no such copy). ``outs``: the region's outputs, which the rewrite converts back for the caller."""
@@ -216,24 +231,104 @@ def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, limit: int = 
         w = writes.get(storage.get(node, node))
         if w:
             return f"kept: {w[0].name} writes {what} in place"
-    # the layout change follows the readers until an op that makes its own layout
+    why, _ = _layout_readers(n, outs, ends, limit)
+    return why
+
+
+def _layout_readers(n: fx.Node, outs, ends=(), limit: int = 4096) -> tuple[str | None, set]:
+    """(why ``n``'s layout cannot change, or None; the readers its layout reaches): the change
+    follows the readers until an op that makes its own layout (or one of ``ends``), and is refused
+    where a reader reads strides (a ``view``) or the graph returns a changed tensor (``outs``: the
+    region's outputs, which the rewrite converts back for the caller)."""
     seen, stack = {n}, [n]
     while stack:
         cur = stack.pop()
         for u in cur.users:
-            if u.op == "output" and cur not in outs:  # (the region's outputs are converted back)
-                return f"kept: {cur.name}, whose layout would change, is returned to the caller"
+            if u.op == "output" and cur not in outs:
+                return f"kept: {cur.name}, whose layout would change, is returned to the caller", seen
             if u in seen or u.op != "call_function":
                 continue
             if u.target in STRIDE_READERS:
-                return f"kept: {u.name} ({ir.target_name(u)}) reads the strides of a tensor whose layout would change"
-            if _own_layout(u):
+                return (f"kept: {u.name} ({ir.target_name(u)}) reads the strides of a tensor whose layout would "
+                        "change"), seen
+            if _own_layout(u) or u in ends:
+                seen.add(u)
                 continue
             seen.add(u)
             if len(seen) > limit:
-                return f"kept: more than {limit} readers downstream to check"
+                return f"kept: more than {limit} readers downstream to check", seen
             stack.append(u)
+    return None, seen
+
+
+def _copying_reshape(n: fx.Node, output: fx.Node, outs, storage, writes, convs, ends=()) -> str | None:
+    """None if ``n`` is a reshape into a 4-D map that copies (an attention's ``[B, heads, HW, d]``
+    output folded back to ``[B, C, H, W]``) and whose result reaches a convolution of the region:
+    written channels_last instead (the same one copy, _write_channels_last), the convolutions after
+    it read NHWC as the region's others do; else why not ('' when ``n`` is no such reshape)."""
+    if n.target is not aten.reshape.default or not isinstance(n.args[0], fx.Node):
+        return ""
+    xi, ni = ir.info(n.args[0]), ir.info(n)
+    if xi is None or ni is None or len(ni.shape) != 4 or ir.reshape_is_view(xi, ni.shape) \
+            or xi.stride is None or not all(type(d) is int for d in (*xi.shape, *ni.shape)):
+        return ""
+    if _refine(xi.shape, ni.shape) is None:
+        return "kept: its dims and the map's share no common split (no single copy writes it channels_last)"
+    if n in output.all_input_nodes:
+        return "kept: returned to the caller, who gets the contiguous layout"
+    if writes.get(storage.get(n, n)):
+        return f"kept: {writes[storage.get(n, n)][0].name} writes it in place"
+    why, reached = _layout_readers(n, outs, ends)
+    if why:
+        return why
+    if not any(c in reached for c in convs):
+        return ""  # nothing of the region's reads it as a map: left as it is
     return None
+
+
+def _refine(old, new) -> tuple[list, list] | None:
+    """(the shape both ``old`` and ``new`` split into, the refined dims of each ``new`` dim), or None
+    where there is none (a 4 and a 6 that share a factor 2 but neither divides the other's rest). A
+    tensor of shape ``old`` views as the refined shape whatever its strides: each piece lies inside
+    one old dim (splits only), and each new dim is a run of consecutive pieces."""
+    old = [d for d in old if d != 1]  # (size-1 dims: dropped and inserted by the view)
+    refined, groups, i = [], [], 0
+    ra = old[0] if old else 1  # what is left of old[i]
+    for b in new:
+        group, rb = [], b
+        if b == 1:
+            group.append(len(refined))
+            refined.append(1)
+        while rb > 1:
+            if i >= len(old):
+                return None
+            piece = min(ra, rb)
+            if max(ra, rb) % piece:
+                return None
+            group.append(len(refined))
+            refined.append(piece)
+            ra, rb = ra // piece, rb // piece
+            if ra == 1:
+                i += 1
+                ra = old[i] if i < len(old) else 1
+        groups.append(group)
+    return (refined, groups) if i == len(old) else None
+
+
+def _write_channels_last(g: fx.Graph, n: fx.Node) -> None:
+    """``reshape(x, [N, C, H, W])`` (a copy) as one copy laid out NHWC: ``x`` viewed in the refined
+    dims, permuted to N, H, W, C order and copied, viewed as ``[N, H, W, C]`` and permuted back."""
+    x, shape = n.args[0], tuple(ir.info(n).shape)
+    refined, groups = _refine(tuple(ir.info(x).shape), shape)
+    order = [k for j in (0, 2, 3, 1) for k in groups[j]]
+    with g.inserting_before(n):
+        split = g.call_function(aten.view.default, (x, list(refined)))
+        moved = g.call_function(aten.permute.default, (split, order))
+        copy = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+        rows = g.call_function(aten.view.default, (copy, [shape[0], shape[2], shape[3], shape[1]]))
+        back = g.call_function(aten.permute.default, (rows, [0, 3, 1, 2]))
+    n.replace_all_uses_with(back)
+    g.erase_node(n)
 
 
 _CONV_3D = (aten.conv3d.default, getattr(aten.conv3d, "padding", aten.conv3d.default))

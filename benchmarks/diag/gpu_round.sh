@@ -20,6 +20,8 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s55      (convert_channels_last writes a copying reshape NHWC) cuda tests of it and of left_matmul_linears, $2 timed
+#            by main (.abmain, carried) and this tree (code_ab), $3 timed alone (compile too), kernel profiles of $4
 #   s54      (fuse_bias_act giving a convolution's bias to fuse_elementwise) $2 timed alone against eager and compile
 #   s53      (left_matmul_linears) its cuda tests, the pass on and off on $2 (CONFIG:BATCH:PASS,...), $3 timed alone (compile too) to
 #            ${SPLIT:-430} s, then kernel profiles (compile too) of $4
@@ -118,7 +120,25 @@ setup_ab() {
     done
   done
 }
+# CONFIG:BATCH,... timed alone by main (its copy in .abmain, carried) and by this tree, one after the other in
+# each config (both against eager): code_ab CONFIGS LIMIT
+code_ab() {
+  for cb in ${1//,/ }; do
+    for side in main tree; do
+      dir=$PWD; [ $side = main ] && dir=$PWD/.abmain
+      left=$((${LIMIT:-$2} - SECONDS)); [ $left -gt 60 ] || break
+      (cd $dir && PYTHONPATH=$dir timeout $left python3 benchmarks/sweep.py perf --configs $cb --vs eager --jobs 1 \
+        --timeout 200 --reps 20 --warmup 3 --out "$OUT/code_$side") 2>&1 | quiet | grep "^| \|^- \|rror" | tail -3
+      echo "### $side $cb ${SECONDS}s"
+    done
+  done
+}
 case "$1" in
+s55)
+  ctests s55 ${CT:-110} tests/passes/test_left_matmul_linears.py tests/passes/test_convert_channels_last.py
+  code_ab "$2" ${AB_END:-300}
+  alone "$3" ${SPLIT:-470}
+  compile_profiles "$4" ;;
 s54)
   timeout $((${LIMIT:-590} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --vs eager,compile --jobs 1 \
     --timeout 150 --reps 20 --warmup 3 --out "$OUT" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -14 ;;

@@ -240,3 +240,97 @@ def test_copies_returned_to_the_caller_are_kept():
     out = gm(x)
     assert out[1].is_contiguous() and out[2].is_contiguous()
     assert reference_check(m, gm, (x,)).passed
+
+
+class ConvAttention(nn.Module):
+    """Self-attention on a feature map with 1x1 convolutions for its projections (CoAtNet's and
+    BoTNet's spelling): the heads' output ``[B, heads, HW, d]`` is folded back into ``[B, C, H, W]``
+    by a reshape that copies."""
+
+    def __init__(self, c=64, heads=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.qkv = nn.Conv2d(c, 3 * c, 1)
+        self.proj = nn.Conv2d(c, c, 1)
+        self.mlp = nn.Conv2d(c, c, 3, padding=1)
+        self.heads = heads
+
+    def forward(self, x):
+        x = self.stem(x)
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).view(b, self.heads, 3 * c // self.heads, h * w).chunk(3, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2),
+                                                             v.transpose(-1, -2))
+        x = x + self.proj(a.transpose(-1, -2).reshape(b, c, h, w))
+        return torch.relu(self.mlp(x))
+
+
+def _reshapes(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.reshape.default]
+
+
+def test_a_reshape_that_copies_into_a_map_writes_it_channels_last():
+    m = ConvAttention().eval()
+    x = torch.randn(32, 3, 28, 28)
+    gm = capture(m, (x,))
+    assert len(_reshapes(gm)) == 1
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    assert res.status == "applied" and res.details["reshapes_to_channels_last"] == 1, (res.status, res.rejected)
+    assert not _reshapes(gm)
+    # every convolution after the reshape reads NHWC too (the projection, the residual sum's reader)
+    assert all(ir.info(c.args[0]).stride[1] == 1 for c in _convs(gm))
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_training_keeps_a_reshape_whose_layout_reaches_a_view():
+    """In training the weights stay NCHW parameters, so a convolution's output takes its input's
+    layout: the reshape's new layout would reach the next block's ``view`` of the qkv output."""
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = ConvAttention(), ConvAttention()
+            self.b.stem = nn.Conv2d(64, 64, 3, padding=1)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    m = Two()
+    x = torch.randn(32, 3, 28, 28)
+    gm = capture(m, (x,), inference=False)
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200", training=True)
+    assert any("reshape that copies" in r.candidate and "reads the strides" in r.reason for r in res.rejected), \
+        res.rejected
+
+
+def test_refine_gives_one_copy_for_every_split_or_merge():
+    """_refine's refined view, permuted to NHWC order and copied, equals reshape for random shapes
+    and strides; where the dims neither split nor merge one to many it says None."""
+    import random
+
+    from graphopt.passes.convert_channels_last import _refine
+
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(400):
+        old = [rng.choice([1, 2, 3, 4, 6]) for _ in range(rng.randint(1, 5))]
+        new, rest, k = [1, 1, 1, 1], 1, 2
+        for d in old:
+            rest *= d
+        while rest > 1:
+            while rest % k:
+                k += 1
+            new[rng.randrange(4)] *= k
+            rest //= k
+        got = _refine(tuple(old), tuple(new))
+        if got is None:
+            continue
+        refined, groups = got
+        order = [i for j in (0, 2, 3, 1) for i in groups[j]]
+        x = torch.randn(*old)
+        for t in (x, x.mT.contiguous().mT if x.dim() >= 2 else x):
+            y = t.view(refined).permute(order).contiguous().view(new[0], new[2], new[3], new[1]).permute(0, 3, 1, 2)
+            assert torch.equal(y, t.reshape(new)), (old, new, got)
+            assert y.is_contiguous(memory_format=torch.channels_last) or 1 in new
+        checked += 1
+    assert checked > 100
+    assert _refine((4, 6), (6, 4, 1, 1)) is None

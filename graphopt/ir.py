@@ -470,7 +470,11 @@ class _IncrementalProp(FakeTensorProp):
             # a parameter's propagated value, made by seed_propagation from this same tensor
             n.meta["val"], n.meta[self.KEY] = seeded[1], key
             return seeded[1]
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception as e:
+            e.graphopt_node = n.name  # (failing_node: a pass that tries a rewrite names what it broke)
+            raise
         if key is None:  # a node without a value yet: keyed once it has one (its inputs are as they were)
             key = self._key(n)
         val = n.meta.get("val")
@@ -564,6 +568,12 @@ def repropagate(gm: fx.GraphModule, incremental: bool = True) -> None:
         with torch.no_grad():
             for b, v in scalars:
                 b.copy_(v)
+
+
+def failing_node(gm: fx.GraphModule, error: BaseException) -> fx.Node | None:
+    """The node whose fake run raised ``error`` in an incremental :func:`repropagate`, or None."""
+    name = getattr(error, "graphopt_node", None)
+    return next((n for n in gm.graph.nodes if n.name == name), None) if name else None
 
 
 def propagate_from_real(gm: fx.GraphModule, flat_inputs: list) -> None:

@@ -122,7 +122,8 @@ class ConvertChannelsLast(Pass):
             candidates.append(Candidate(
                 "channels_last region", rconvs, saved - cost,
                 lambda region=region, rconvs=rconvs, inputs=inputs, outs=outs, info=info, copies=copies,
-                reshapes=reshapes: self._apply(gm, ctx, region, rconvs, inputs, outs, info, output, copies, reshapes),
+                reshapes=reshapes: self._apply(gm, ctx, region, rconvs, inputs, outs, info, output, copies, reshapes,
+                                               res, (storage, writes)),
                 label=f"region {i + 1}: {len(rconvs)} convolutions ({len(rslow)} on NCHW), {len(inputs)} input and "
                       f"{len(outs)} output conversions", constant_bytes=copied))
         self._applied: list = []
@@ -138,7 +139,10 @@ class ConvertChannelsLast(Pass):
                              + (f", {res.details['copies_dropped']} copies to NCHW dropped" if res.details["copies_dropped"]
                                 else "")
                              + (f", {res.details['reshapes_to_channels_last']} copying reshapes write channels_last"
-                                if res.details["reshapes_to_channels_last"] else "") + f"; {where}")
+                                if res.details["reshapes_to_channels_last"] else "")
+                             + (f", {res.details['views_as_reshapes']} views of a map read as reshapes (NHWC does "
+                                "not view as they ask: a copy each)" if res.details["views_as_reshapes"] else "")
+                             + f"; {where}")
         return res
 
     @staticmethod
@@ -160,7 +164,8 @@ class ConvertChannelsLast(Pass):
             r.call(aten.clone.default, r.like(o, memory_format=torch.channels_last), memory_format=torch.contiguous_format)
         return r.time()
 
-    def _apply(self, gm, ctx, region, rconvs, inputs, outs, info, output, copies=(), reshapes=()):
+    def _apply(self, gm, ctx, region, rconvs, inputs, outs, info, output, copies=(), reshapes=(), res=None,
+               aliasing=None):
         g = gm.graph
         if not ctx.training:
             converted = {}
@@ -190,8 +195,14 @@ class ConvertChannelsLast(Pass):
         for c in copies:
             c.replace_all_uses_with(c.args[0])
         ir.erase_dead(gm, list(copies))
+        info["views_as_reshapes"] = _settle(gm, aliasing or ir.storages(gm))
+        done = 0
         for n in reshapes:
-            _write_channels_last(g, n)
+            why = _write_channels_last(gm, n)
+            if why and res is not None:
+                res.reject(f"{n.name} (a reshape that copies into a 4-D map)", why)
+            done += not why
+        info["reshapes_to_channels_last"] = done
         self._applied.append(info)
         return True
 
@@ -235,11 +246,12 @@ def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, ends=(), limi
     return why
 
 
-def _layout_readers(n: fx.Node, outs, ends=(), limit: int = 4096) -> tuple[str | None, set]:
+def _layout_readers(n: fx.Node, outs, ends=(), limit: int = 4096, views: bool = True) -> tuple[str | None, set]:
     """(why ``n``'s layout cannot change, or None; the readers its layout reaches): the change
     follows the readers until an op that makes its own layout (or one of ``ends``), and is refused
     where a reader reads strides (a ``view``) or the graph returns a changed tensor (``outs``: the
-    region's outputs, which the rewrite converts back for the caller)."""
+    region's outputs, which the rewrite converts back for the caller). ``views=False``: a view is
+    followed, not refused (the caller tries the rewrite by propagating shapes, _write_channels_last)."""
     seen, stack = {n}, [n]
     while stack:
         cur = stack.pop()
@@ -248,7 +260,7 @@ def _layout_readers(n: fx.Node, outs, ends=(), limit: int = 4096) -> tuple[str |
                 return f"kept: {cur.name}, whose layout would change, is returned to the caller", seen
             if u in seen or u.op != "call_function":
                 continue
-            if u.target in STRIDE_READERS:
+            if views and u.target in STRIDE_READERS:
                 return (f"kept: {u.name} ({ir.target_name(u)}) reads the strides of a tensor whose layout would "
                         "change"), seen
             if _own_layout(u) or u in ends:
@@ -278,7 +290,7 @@ def _copying_reshape(n: fx.Node, output: fx.Node, outs, storage, writes, convs, 
         return "kept: returned to the caller, who gets the contiguous layout"
     if writes.get(storage.get(n, n)):
         return f"kept: {writes[storage.get(n, n)][0].name} writes it in place"
-    why, reached = _layout_readers(n, outs, ends)
+    why, reached = _layout_readers(n, outs, ends, views=False)
     if why:
         return why
     if not any(c in reached for c in convs):
@@ -315,9 +327,33 @@ def _refine(old, new) -> tuple[list, list] | None:
     return (refined, groups) if i == len(old) else None
 
 
-def _write_channels_last(g: fx.Graph, n: fx.Node) -> None:
+def _settle(gm: fx.GraphModule, aliasing, limit: int = 64) -> int:
+    """Propagate shapes through the converted region; a ``view`` of a map that NHWC strides cannot
+    serve (``x.view(B, -1)`` before a classifier) becomes a ``reshape`` (a copy there), where nothing
+    writes either tensor in place. Returns how many; any other failure is raised (the pass is undone)."""
+    storage, writes = aliasing
+    fixed = 0
+    for _ in range(limit):
+        try:
+            ir.repropagate(gm)
+            return fixed
+        except Exception as e:
+            u = ir.failing_node(gm, e)
+            if u is None or u.target not in (aten.view.default, aten._unsafe_view.default) \
+                    or writes.get(storage.get(u, u)) or writes.get(storage.get(u.args[0], u.args[0])):
+                raise
+            u.target = aten.reshape.default
+            fixed += 1
+    ir.repropagate(gm)
+    return fixed
+
+
+def _write_channels_last(gm: fx.GraphModule, n: fx.Node) -> str:
     """``reshape(x, [N, C, H, W])`` (a copy) as one copy laid out NHWC: ``x`` viewed in the refined
-    dims, permuted to N, H, W, C order and copied, viewed as ``[N, H, W, C]`` and permuted back."""
+    dims, permuted to N, H, W, C order and copied, viewed as ``[N, H, W, C]`` and permuted back.
+    Tried by propagating shapes: where a reader downstream cannot take the new layout (a ``view``
+    asking for strides NHWC does not have) it is undone; returns why ('' when applied)."""
+    g = gm.graph
     x, shape = n.args[0], tuple(ir.info(n).shape)
     refined, groups = _refine(tuple(ir.info(x).shape), shape)
     order = [k for j in (0, 2, 3, 1) for k in groups[j]]
@@ -328,7 +364,18 @@ def _write_channels_last(g: fx.Graph, n: fx.Node) -> None:
         rows = g.call_function(aten.view.default, (copy, [shape[0], shape[2], shape[3], shape[1]]))
         back = g.call_function(aten.permute.default, (rows, [0, 3, 1, 2]))
     n.replace_all_uses_with(back)
+    try:
+        ir.repropagate(gm)
+    except Exception as e:
+        u = ir.failing_node(gm, e)
+        back.replace_all_uses_with(n)
+        for m in (back, rows, copy, moved, split):
+            g.erase_node(m)
+        ir.repropagate(gm)
+        where = f"{u.name} ({ir.target_name(u)})" if u is not None else "a reader downstream"
+        return f"kept: {where} cannot read it laid out NHWC ({str(e).splitlines()[0][:80]})"
     g.erase_node(n)
+    return ""
 
 
 _CONV_3D = (aten.conv3d.default, getattr(aten.conv3d, "padding", aten.conv3d.default))

@@ -293,3 +293,16 @@ def test_grammar_renders_tokenmix_and_left_matmul_linears_keeps_the_numbers():
     gm, res = _one_pass(model, inputs, "left_matmul_linears", ignore_cost=True)
     assert res.status == "applied" and len(res.rewrites) == 4
     assert not any(str(n.target) == "aten.linear.default" for n in gm.graph.nodes)
+
+
+def test_grammar_renders_convattn_and_channels_last_keeps_the_numbers():
+    """Attention over a map's pixels with 1x1 convolutions (two heads: the fold back into the map is a
+    reshape that copies; one head: a view): convert_channels_last (every legal rewrite applied) writes
+    the copying reshape NHWC, the numbers kept."""
+    p = fuzz.Program(2, 4, 8, ("f32",), (("convattn", 0, 2), ("convattn", 1, 1), ("conv", 2, 4, 3, True, False)),
+                     (3,), seed=3)
+    model, inputs = fuzz.build(p)
+    assert model(*inputs).shape == (2, 4, 8)
+    fuzz.check_program(p, ["convert_channels_last", "eliminate_permutes"], "h200", "passes", ignore_cost=True)
+    gm, res = _one_pass(model, inputs, "convert_channels_last", ignore_cost=True)
+    assert res.status == "applied" and res.details["reshapes_to_channels_last"] == 1, (res.notes, res.rejected)

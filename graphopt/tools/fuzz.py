@@ -25,6 +25,10 @@ Op specs (value indices are absolute: inputs first, then one value per op):
                                        form "mlp" fc2(gelu(fc1(x^T)))^T with biases (MLP-Mixer's), "glu" the same with
                                        fc1 twice as wide, chunked along the last dim, a * silu(g) (gMixer's), "gate"
                                        x * fc(x^T)^T (gMLP's gating), "plain" relu(x)^T through fc without bias
+  ("convattn", src, heads)             3-D src (B,C,L) viewed as (B,C,2,L/2): attention over the pixels with 1x1
+                                       convolutions for qkv and the output (CoAtNet's, BoTNet's): qkv viewed as heads,
+                                       chunked, transposed into SDPA, its output folded back into (B,C,2,L/2) by a
+                                       reshape (a copy with two heads), projected, flattened back
   ("se", src, gate)                    3-D src (B,C,L) viewed as (B,C,2,L/2): conv2d, squeeze-and-excitation's
                                        per-channel scale (mean over the pixels, sigmoid | hardsigmoid,
                                        a broadcast mul), conv2d, flattened back
@@ -221,6 +225,15 @@ class ProgramModule(nn.Module):
                     self.mods[f"{key}_{part}"] = nn.Sequential(conv, _batch_norm(c, g))
                 self.mods[f"{key}_id"], self.mods[f"{key}_norm"] = _batch_norm(c, g), _batch_norm(c, g)
                 p(key + "_gamma", c, 1, 1, scale=0.5, offset=1.0)
+                out = src
+            elif kind == "convattn":
+                c = src[1]
+                for part, oc in (("qkv", 3 * c), ("proj", c)):
+                    conv = nn.Conv2d(c, oc, 1)
+                    with torch.no_grad():
+                        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) / math.sqrt(c))
+                        conv.bias.copy_(torch.randn(oc, generator=g) * 0.1)
+                    self.mods[f"{key}_{part}"] = conv
                 out = src
             elif kind == "se":
                 for part in ("a", "b"):
@@ -437,6 +450,12 @@ class ProgramModule(nn.Module):
                     y = h + P[key + "_gamma"] * (self.mods[key + "_k3"](h) + self.mods[key + "_id"](h)
                                                  - self.mods[key + "_norm"](h))
                 y = y.flatten(2)
+            elif kind == "convattn":
+                b, c, n = x.shape
+                heads = op[2]
+                q, k, v = self.mods[key + "_qkv"](x.reshape(b, c, 2, n // 2)).view(b, heads, 3 * c // heads, n).chunk(3, 2)
+                a = F.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2))
+                y = self.mods[key + "_proj"](a.transpose(-1, -2).reshape(b, c, 2, n // 2)).flatten(2)
             elif kind == "se":
                 b, c, n = x.shape
                 h = self.mods[key + "_a"](x.reshape(b, c, 2, n // 2))
@@ -759,7 +778,7 @@ def programs(max_ops: int = 8):
         f32 = lambda s, d: d == "f32"  # noqa: E731
         f32_3d = lambda s, d: d == "f32" and len(s) == 3  # noqa: E731
         kinds = ("act", "binary", "linear", "layer_norm", "rms_norm", "mha", "attention", "attn_block", "swiglu", "conv",
-                 "group_norm", "se", "repconv", "tokenmix",
+                 "group_norm", "se", "repconv", "tokenmix", "convattn",
                  "mixconv", "resample", "gate", "bmm", "matmul_w", "softmax", "transpose", "permute", "contiguous", "merge", "split", "cast",
                  "reduce", "softmax_dim", "unsqueeze", "sdpa", "norm", "inplace", "dropout", "host_const",
                  "heads", "merge_heads", "repeat", "roll", "catslice", "headprod", "pad", "unfold", "fold")
@@ -879,6 +898,11 @@ def programs(max_ops: int = 8):
                 if s is not None:
                     op = ("repconv", s, draw(st.sampled_from(("dense", "depthwise"))), draw(st.sampled_from(("sum", "mixer"))))
                     out = env[s]
+            elif kind == "convattn":
+                s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
+                if s is not None:
+                    c = env[s][0][1]
+                    op, out = ("convattn", s, draw(st.sampled_from([h for h in (2, 1) if c % h == 0]))), env[s]
             elif kind == "se":
                 s = pick(lambda s, d: f32_3d(s, d) and s[-1] % 2 == 0)
                 if s is not None:

@@ -579,10 +579,12 @@ class FuseElementwise(Pass):
             group = groups.pop(0)
             real = [n for n in group if not _is_free(ctx, n)]
             # a lone op is a candidate only where aten runs it in its slow strided kernel or copies first
-            # (an out-of-place masked_fill is aten's clone, then masked_fill_ on the clone)
+            # (an out-of-place masked_fill is aten's clone, then masked_fill_ on the clone), or where the
+            # device measured aten's kernel below the copy rate (BatchNorm in inference)
             if len(real) < 2 and not (len(group) == 1 and real and (broadcast_channels_last(real[0])
                                                                     or _strided_row(real[0])
-                                                                    or real[0].target in MASKED_FILLS)):
+                                                                    or real[0].target in MASKED_FILLS
+                                                                    or ctx.cost.slow_aten_batch_norm(real[0]))):
                 continue
             label = f"{len(group)} pointwise ops {group[0].name} .. {group[-1].name}"
             ins, outs = _boundary(group)

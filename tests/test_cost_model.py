@@ -155,6 +155,23 @@ def test_unfused_conv_and_pooling_calibration():
     assert CostModel(cpu).node_cost(plain).compute_s == pytest.approx(c0.node_cost(plain).compute_s)
 
 
+def test_inference_batch_norm_at_its_measured_rate_per_layout():
+    """aten's BatchNorm in inference reaches op_efficiency["batch_norm"]'s fraction of the copy rate
+    for its input's layout (memory_scale NCHW, memory_scale_cl channels_last); in training, or on a
+    profile that has not measured it, it is priced at the copy rate."""
+    x = torch.randn(16, 64, 28, 28, dtype=torch.bfloat16)
+    bn = nn.BatchNorm2d(64).to(torch.bfloat16)
+    graphs = {"nchw": capture(bn.eval(), (x,)), "cl": capture(bn.eval(), (x.to(memory_format=torch.channels_last),)),
+              "train": capture(bn.train(), (x,), inference=False)}
+    base = dataclasses.replace(_h200(), kernel_fixed_s=0.0).with_efficiency("batch_norm", None)
+    cal = base.with_efficiency("batch_norm", {"memory_scale": 0.25, "memory_scale_cl": 0.5})
+    c0, c1 = CostModel(base), CostModel(cal)
+    for layout, factor in (("nchw", 4), ("cl", 2), ("train", 1)):
+        node = next(n for n in graphs[layout].graph.nodes if "batch_norm" in str(n.target))
+        assert c1.node_cost(node).memory_s == pytest.approx(factor * c0.node_cost(node).memory_s), layout
+        assert c1.slow_aten_batch_norm(node) == (layout != "train") and not c0.slow_aten_batch_norm(node)
+
+
 def test_conv_bias_add_and_narrow_input_pricing():
     """aten's separate bias kernel costs 2 x the output at conv_bias_add_scale of the copy rate; a
     channels_last convolution over 3 channels (ResNet's stem) pays conv_narrow_input_slowdown, one

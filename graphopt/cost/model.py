@@ -438,6 +438,15 @@ class CostModel:
         lo = self.profile.efficiency(op, "min_bytes")
         return lo is None or ir.concrete(nbytes, {}) >= lo
 
+    def slow_aten_batch_norm(self, node: fx.Node) -> bool:
+        """Whether ``node`` is aten's BatchNorm in inference, measured on this device below the copy
+        rate for its input's layout (``op_efficiency["batch_norm"]``): a pointwise kernel of ours can pay
+        even for it alone."""
+        layout = inference_batch_norm_layout(node) if self.profile.kind == "cuda" else None
+        if layout is None:
+            return False
+        return self.profile.efficiency("batch_norm", "memory_scale_cl" if layout == "cl" else "memory_scale", 1.0) < 1.0
+
     def conv_layout_penalized(self, x: ir.TensorInfo | None) -> bool:
         """Does a convolution over ``x`` pay the device's NCHW slowdown? (see conv_layout_penalized)"""
         return conv_layout_penalized(x, self.profile)
@@ -673,6 +682,9 @@ class CostModel:
             memory = memory / p.efficiency("pool", "memory_scale", 1.0)
         elif ir.op_name(node) == "col2im":  # aten's kernel: a thread per output pixel gathers its windows' taps
             memory = memory / p.efficiency("col2im", "memory_scale", 1.0)
+        bn = inference_batch_norm_layout(node) if p.kind == "cuda" else None
+        if bn is not None:  # aten's transform kernel, at the rate measured for the layout
+            memory = memory / p.efficiency("batch_norm", "memory_scale_cl" if bn == "cl" else "memory_scale", 1.0)
         if ir.op_name(node) == "native_layer_norm_backward":  # its weight gradients' column reduction
             memory = memory / p.efficiency("layer_norm_backward", "memory_scale", 1.0)
         if outer_sum(node):  # a bias gradient: aten's reduction over the leading dims
@@ -1705,6 +1717,25 @@ def spatial_softmax(node: fx.Node) -> bool:
         return math.prod(int(s) for s in ir.operand_infos(node)[0].shape[d + 1:]) > 1
     except TypeError:
         return False
+
+
+def inference_batch_norm_layout(node: fx.Node) -> str | None:
+    """"cl" or "nchw" for aten's BatchNorm in inference (running statistics) over a 4-D input
+    channels_last or not, else None: CUDA runs it as a transform kernel per layout whose rates
+    the profile measures (``op_efficiency["batch_norm"]``)."""
+    if node.op != "call_function" or ir.op_namespace(node) != "aten":
+        return None
+    name = ir.op_name(node)
+    if name in ("batch_norm", "native_batch_norm"):
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+        if training is not False:
+            return None
+    elif name != "_native_batch_norm_legit_no_training":
+        return None
+    x = ir.operand_infos(node)[0] if ir.operand_infos(node) else None
+    if x is None or x.stride is None or len(x.shape) != 4:
+        return None
+    return "cl" if is_channels_last(x) else "nchw"
 
 
 def implicit_copy_bytes(node: fx.Node) -> float:

@@ -129,6 +129,8 @@ class DeviceProfile:
     #   "row_norm": row_s: norm kernels that give each row its own thread block (aten's LayerNorm,
     #       graphopt's add_layer_norm / add_rms_norm) take at least rows * row_s (block
     #       scheduling bounds them when rows are narrow)
+    #   "batch_norm": memory_scale, memory_scale_cl: the fraction of the copy bandwidth aten's BatchNorm
+    #       in inference reaches over a 4-D input, NCHW and channels_last (its transform kernels)
     #   "pool": memory_scale: the fraction of the copy bandwidth aten's pooling kernels reach
     #       (max_pool2d over channels_last bf16 reads each input element once per window it is in)
     #   "small_m_linear": memory_scale, fixed_s: cuBLAS's linear/mm/addmm of at most 16 rows (a

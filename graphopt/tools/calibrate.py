@@ -242,6 +242,21 @@ def _pool_bandwidth_scale(device, dtype, bw: float, quick: bool) -> float:
     return min(1.0, (x.numel() + y.numel()) * x.element_size() / t / bw)
 
 
+def _batch_norm_scales(device, dtype, bw: float, quick: bool) -> dict:
+    """Fractions of the copy bandwidth aten's BatchNorm in inference (running statistics) reaches
+    over a 64 x 256 x 56 x 56 input, NCHW (``memory_scale``) and channels_last (``memory_scale_cl``),
+    counting the input and output bytes once (the small kernels before its transform included)."""
+    import torch.nn.functional as F
+
+    x = torch.randn(32 if quick else 64, 256, 56, 56, device=device, dtype=dtype)
+    w, b, mean, var = (torch.rand(256, device=device, dtype=dtype) + 0.5 for _ in range(4))
+    out = {}
+    for key, t in (("memory_scale", x), ("memory_scale_cl", x.to(memory_format=torch.channels_last))):
+        s = _best_seconds(lambda t=t: F.batch_norm(t, mean, var, w, b, False), device, 5 if quick else 10)
+        out[key] = min(1.0, 2 * t.numel() * t.element_size() / s / bw)
+    return out
+
+
 def fit_conv(samples, peak: float, bandwidth: float, forms=(False, True)) -> tuple[float, float, float, bool]:
     """(scale, memory_scale, fixed_s, overlap) for convolutions priced as
     ``max(flops / (peak * scale), bytes / (bandwidth * memory_scale)) + fixed_s`` (overlap: compute
@@ -662,6 +677,9 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             say("pooling bandwidth (ResNet-50 stem max_pool2d)")
             op_eff["pool"] = {"memory_scale": _pool_bandwidth_scale(device, torch.bfloat16, bw, quick)}
             source["pool"] = f"{stamp}: max_pool2d 3x3/2 over 64x64x112x112 channels_last bf16"
+            say("BatchNorm in inference (aten, both layouts)")
+            op_eff["batch_norm"] = _batch_norm_scales(device, torch.bfloat16, bw, quick)
+            source["batch_norm"] = f"{stamp}: aten batch_norm (running statistics) over 64x256x56x56 bf16, NCHW and channels_last"
             say("attention efficiency (BERT/ViT/GLM-shaped bf16 SDPA)")
             attn = _attention_samples(device, torch.bfloat16, quick)
             afit = fit_conv(attn, peak["bfloat16"], bw, forms=(True,))

@@ -459,6 +459,24 @@ def test_a_lone_broadcast_into_channels_last_becomes_a_kernel():
 
 
 
+def test_a_lone_batch_norm_aten_runs_below_the_copy_rate_becomes_a_kernel():
+    """A BatchNorm alone in its group (ConvMixer's after a ReLU the convolution's epilogue takes; here
+    after a convolution fold_conv_bn is not run on): a candidate where the profile measured aten's
+    kernel below the copy rate (the H200's), a per-channel scale and shift in one pointwise kernel;
+    on a profile without that measurement aten's BatchNorm stays."""
+    m = nn.Sequential(nn.Conv2d(128, 128, 1), nn.BatchNorm2d(128)).eval()
+    with torch.no_grad():
+        m[1].running_mean.uniform_(-1, 1)
+        m[1].running_var.uniform_(0.5, 2)
+    x = torch.randn(16, 128, 56, 56)
+    for target, fused in (("h200", True), ("a100", False)):
+        gm = capture(m, (x,))
+        (res,) = run_passes(gm, ["fuse_elementwise"], target=target)
+        c = op_counts(gm)
+        assert (c["aten.batch_norm.default"] == 0) == fused and (c.get(FP, 0) == 1) == fused, (target, res.rejected)
+        assert reference_check(m, gm, (x,)).passed
+
+
 class _PointwiseUnderVmap(nn.Module):
     """A pointwise chain inside torch.vmap (export records it between _add_batch_dim and
     _remove_batch_dim), and one after it."""

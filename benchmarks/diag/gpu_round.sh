@@ -21,7 +21,7 @@
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
 #   s56      (s55 reordered, and aten's inference BatchNorm at its measured rate) cuda tests of left_matmul_linears and
-#            fuse_elementwise, $2 by main and this tree (code_ab), $3 timed alone (compile too), then $4 by main and this tree
+#            fuse_elementwise, diag_gemm_k_align, $2 by main and this tree (code_ab), $3 timed alone (compile too), then $4 by main and this tree
 #   s55      (convert_channels_last writes a copying reshape NHWC) cuda tests of it and of left_matmul_linears, $2 timed
 #            by main (.abmain, carried) and this tree (code_ab), $3 timed alone (compile too), kernel profiles of $4
 #   s54      (fuse_bias_act giving a convolution's bias to fuse_elementwise) $2 timed alone against eager and compile
@@ -138,6 +138,7 @@ code_ab() {
 case "$1" in
 s56)
   ctests s56 ${CT:-110} tests/passes/test_left_matmul_linears.py tests/passes/test_fuse_elementwise.py
+  timeout 30 python3 benchmarks/diag/diag_gemm_k_align.py --out "$OUT" 2>&1 | grep "^| " | tail -9
   code_ab "$2" ${AB_END:-220}
   alone "$3" ${SPLIT:-400}
   code_ab "$4" ${LIMIT:-590} ;;

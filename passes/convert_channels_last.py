@@ -93,9 +93,9 @@ class ConvertChannelsLast(Pass):
                 and ir.info(a).dtype.is_floating_point and not is_channels_last(ir.info(a))))
             outs = [a for a in output.all_input_nodes if a in region and not _own_layout(a)]
             # convolutions whose weights the rewrite stores NHWC write NHWC whatever their input's layout
-            # (inference): a layout change upstream ends there
-            ends = set() if ctx.training else {
-                c for c in rconvs if isinstance(c.args[1], fx.Node) and c.args[1].op == "get_attr"}
+            # (inference): a layout change upstream ends there; not a 1x1 or depthwise filter, whose NHWC
+            # and NCHW layouts coincide (its output takes its input's layout)
+            ends = set() if ctx.training else {c for c in rconvs if _nhwc_weight(c)}
             copies, reshapes = [], []
             for n in region:
                 why = _nhwc_copy(n, output, outs, storage, writes, ends)
@@ -246,6 +246,16 @@ def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, ends=(), limi
     return why
 
 
+def _nhwc_weight(conv: fx.Node) -> bool:
+    """The convolution's weight is a stored 4-D filter whose NHWC layout differs from its NCHW one
+    (more than one input channel and tap): stored NHWC, it makes the output NHWC."""
+    w = conv.args[1]
+    wi = ir.info(w) if isinstance(w, fx.Node) and w.op == "get_attr" else None
+    if wi is None or len(wi.shape) != 4 or not all(type(d) is int for d in wi.shape):
+        return False
+    return wi.shape[1] > 1 and wi.shape[2] * wi.shape[3] > 1
+
+
 def _layout_readers(n: fx.Node, outs, ends=(), limit: int = 4096, views: bool = True) -> tuple[str | None, set]:
     """(why ``n``'s layout cannot change, or None; the readers its layout reaches): the change
     follows the readers until an op that makes its own layout (or one of ``ends``), and is refused
@@ -355,6 +365,8 @@ def _write_channels_last(gm: fx.GraphModule, n: fx.Node) -> str:
     asking for strides NHWC does not have) it is undone; returns why ('' when applied)."""
     g = gm.graph
     x, shape = n.args[0], tuple(ir.info(n).shape)
+    if ir.reshape_is_view(ir.info(x), shape):
+        return "kept: the region's layout made it a view (no copy to lay out)"
     refined, groups = _refine(tuple(ir.info(x).shape), shape)
     order = [k for j in (0, 2, 3, 1) for k in groups[j]]
     with g.inserting_before(n):

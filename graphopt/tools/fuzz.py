@@ -27,7 +27,7 @@ Op specs (value indices are absolute: inputs first, then one value per op):
                                        x * fc(x^T)^T (gMLP's gating), "plain" relu(x)^T through fc without bias
   ("convattn", src, heads)             3-D src (B,C,L) viewed as (B,C,2,L/2): attention over the pixels with 1x1
                                        convolutions for qkv and the output (CoAtNet's, BoTNet's): qkv viewed as heads,
-                                       chunked, transposed into SDPA, its output folded back into (B,C,2,L/2) by a
+                                       chunked, transposed and copied into SDPA, its output folded back into (B,C,2,L/2) by a
                                        reshape (a copy with two heads), projected, flattened back
   ("se", src, gate)                    3-D src (B,C,L) viewed as (B,C,2,L/2): conv2d, squeeze-and-excitation's
                                        per-channel scale (mean over the pixels, sigmoid | hardsigmoid,
@@ -454,7 +454,8 @@ class ProgramModule(nn.Module):
                 b, c, n = x.shape
                 heads = op[2]
                 q, k, v = self.mods[key + "_qkv"](x.reshape(b, c, 2, n // 2)).view(b, heads, 3 * c // heads, n).chunk(3, 2)
-                a = F.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2))
+                q, k, v = (t.transpose(-1, -2).contiguous() for t in (q, k, v))  # (timm's Attention2d)
+                a = F.scaled_dot_product_attention(q, k, v)
                 y = self.mods[key + "_proj"](a.transpose(-1, -2).reshape(b, c, 2, n // 2)).flatten(2)
             elif kind == "se":
                 b, c, n = x.shape

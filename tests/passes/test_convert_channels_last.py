@@ -259,8 +259,8 @@ class ConvAttention(nn.Module):
         x = self.stem(x)
         b, c, h, w = x.shape
         q, k, v = self.qkv(x).view(b, self.heads, 3 * c // self.heads, h * w).chunk(3, 2)
-        a = torch.nn.functional.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2),
-                                                             v.transpose(-1, -2))
+        q, k, v = (t.transpose(-1, -2).contiguous() for t in (q, k, v))  # (as timm's Attention2d)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         x = x + self.proj(a.transpose(-1, -2).reshape(b, c, h, w))
         return torch.relu(self.mlp(x))
 

@@ -20,6 +20,7 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s57      (the last of 12-07's device time) diag_gemm_k_align, $2 timed alone (compile too), $3 by main and this tree
 #   s56      (s55 reordered, and aten's inference BatchNorm at its measured rate) cuda tests of left_matmul_linears and
 #            fuse_elementwise, diag_gemm_k_align, $2 by main and this tree (code_ab), $3 timed alone (compile too), then $4 by main and this tree
 #   s55      (convert_channels_last writes a copying reshape NHWC) cuda tests of it and of left_matmul_linears, $2 timed
@@ -136,6 +137,10 @@ code_ab() {
   done
 }
 case "$1" in
+s57)
+  timeout 30 python3 benchmarks/diag/diag_gemm_k_align.py --out "$OUT" 2>&1 | grep "^| " | tail -9
+  alone "$2" ${SPLIT:-200}
+  code_ab "$3" ${LIMIT:-300} ;;
 s56)
   ctests s56 ${CT:-110} tests/passes/test_left_matmul_linears.py tests/passes/test_fuse_elementwise.py
   timeout 30 python3 benchmarks/diag/diag_gemm_k_align.py --out "$OUT" 2>&1 | grep "^| " | tail -9

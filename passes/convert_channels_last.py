@@ -111,7 +111,7 @@ class ConvertChannelsLast(Pass):
             saved = ctx.node_time(rslow) - self._channels_last_time(ctx, rslow) + ctx.node_time(copies)
             cost = self._conversion_time(ctx, inputs, outs)
             info = {"convolutions": len(rconvs), "input_conversions": len(inputs), "output_conversions": len(outs),
-                    "copies_dropped": len(copies), "reshapes_to_channels_last": len(reshapes),
+                    "copies_dropped": len(copies),
                     "predicted_conv_saving_ms": saved * 1e3, "predicted_conversion_ms": cost * 1e3}
             # the NHWC weights stored at optimization time (inference): copies of the model's weights
             weights = {} if ctx.training else {
@@ -196,13 +196,11 @@ class ConvertChannelsLast(Pass):
             c.replace_all_uses_with(c.args[0])
         ir.erase_dead(gm, list(copies))
         info["views_as_reshapes"] = _settle(gm, aliasing or ir.storages(gm))
-        done = 0
-        for n in reshapes:
-            why = _write_channels_last(gm, n)
-            if why and res is not None:
+        kept = _write_channels_last(gm, reshapes)
+        for n, why in kept.items():
+            if res is not None:
                 res.reject(f"{n.name} (a reshape that copies into a 4-D map)", why)
-            done += not why
-        info["reshapes_to_channels_last"] = done
+        info["reshapes_to_channels_last"] = len(reshapes) - len(kept)
         self._applied.append(info)
         return True
 
@@ -236,14 +234,23 @@ def _nhwc_copy(n: fx.Node, output: fx.Node, outs, storage, writes, ends=(), limi
     if xi is None or ni is None or len(xi.shape) != 4 or not is_channels_last(xi) or is_channels_last(ni) \
             or xi.dtype != ni.dtype or xi.device != ni.device:
         return ""
+    why = _pinned(n, output, storage, writes, ((n, "the copy"), (x, "its source")))
+    if why:
+        return why
+    why, _ = _layout_readers(n, outs, ends, limit)
+    return why
+
+
+def _pinned(n: fx.Node, output: fx.Node, storage, writes, tensors) -> str:
+    """Why ``n``'s layout must stay as the caller sees it: returned to the caller, or one of
+    ``tensors`` ((node, what it is), ...) written in place; '' where neither."""
     if n in output.all_input_nodes:
         return "kept: returned to the caller, who gets the contiguous layout"
-    for node, what in ((n, "the copy"), (x, "its source")):
+    for node, what in tensors:
         w = writes.get(storage.get(node, node))
         if w:
             return f"kept: {w[0].name} writes {what} in place"
-    why, _ = _layout_readers(n, outs, ends, limit)
-    return why
+    return ""
 
 
 def _nhwc_weight(conv: fx.Node) -> bool:
@@ -273,10 +280,9 @@ def _layout_readers(n: fx.Node, outs, ends=(), limit: int = 4096, views: bool = 
             if views and u.target in STRIDE_READERS:
                 return (f"kept: {u.name} ({ir.target_name(u)}) reads the strides of a tensor whose layout would "
                         "change"), seen
-            if _own_layout(u) or u in ends:
-                seen.add(u)
-                continue
             seen.add(u)
+            if _own_layout(u) or u in ends:
+                continue
             if len(seen) > limit:
                 return f"kept: more than {limit} readers downstream to check", seen
             stack.append(u)
@@ -296,10 +302,9 @@ def _copying_reshape(n: fx.Node, output: fx.Node, outs, storage, writes, convs, 
         return ""
     if _refine(xi.shape, ni.shape) is None:
         return "kept: its dims and the map's share no common split (no single copy writes it channels_last)"
-    if n in output.all_input_nodes:
-        return "kept: returned to the caller, who gets the contiguous layout"
-    if writes.get(storage.get(n, n)):
-        return f"kept: {writes[storage.get(n, n)][0].name} writes it in place"
+    why = _pinned(n, output, storage, writes, ((n, "it"),))
+    if why:
+        return why
     why, reached = _layout_readers(n, outs, ends, views=False)
     if why:
         return why
@@ -358,36 +363,58 @@ def _settle(gm: fx.GraphModule, aliasing, limit: int = 64) -> int:
     return fixed
 
 
-def _write_channels_last(gm: fx.GraphModule, n: fx.Node) -> str:
-    """``reshape(x, [N, C, H, W])`` (a copy) as one copy laid out NHWC: ``x`` viewed in the refined
-    dims, permuted to N, H, W, C order and copied, viewed as ``[N, H, W, C]`` and permuted back.
-    Tried by propagating shapes: where a reader downstream cannot take the new layout (a ``view``
-    asking for strides NHWC does not have) it is undone; returns why ('' when applied)."""
-    g = gm.graph
-    x, shape = n.args[0], tuple(ir.info(n).shape)
-    if ir.reshape_is_view(ir.info(x), shape):
-        return "kept: the region's layout made it a view (no copy to lay out)"
-    refined, groups = _refine(tuple(ir.info(x).shape), shape)
-    order = [k for j in (0, 2, 3, 1) for k in groups[j]]
-    with g.inserting_before(n):
-        split = g.call_function(aten.view.default, (x, list(refined)))
-        moved = g.call_function(aten.permute.default, (split, order))
-        copy = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
-        rows = g.call_function(aten.view.default, (copy, [shape[0], shape[2], shape[3], shape[1]]))
-        back = g.call_function(aten.permute.default, (rows, [0, 3, 1, 2]))
-    n.replace_all_uses_with(back)
-    try:
-        ir.repropagate(gm)
-    except Exception as e:
-        u = ir.failing_node(gm, e)
-        back.replace_all_uses_with(n)
-        for m in (back, rows, copy, moved, split):
+def _write_channels_last(gm: fx.GraphModule, reshapes) -> dict:
+    """Each ``reshape(x, [N, C, H, W])`` (a copy) as one copy laid out NHWC: ``x`` viewed in the
+    refined dims, permuted to N, H, W, C order and copied, viewed as ``[N, H, W, C]`` and permuted
+    back. Tried by propagating shapes, all at once first and one by one where that fails: a rewrite
+    a reader downstream cannot take (a ``view`` asking for strides NHWC does not have) is undone.
+    Returns {reshape kept: why}."""
+    g, kept, made = gm.graph, {}, {}
+    for n in reshapes:
+        x, shape = n.args[0], tuple(ir.info(n).shape)
+        if ir.reshape_is_view(ir.info(x), shape):
+            kept[n] = "kept: the region's layout made it a view (no copy to lay out)"
+            continue
+        refined, groups = _refine(tuple(ir.info(x).shape), shape)
+        order = [k for j in (0, 2, 3, 1) for k in groups[j]]
+        with g.inserting_before(n):
+            split = g.call_function(aten.view.default, (x, list(refined)))
+            moved = g.call_function(aten.permute.default, (split, order))
+            copy = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+            rows = g.call_function(aten.view.default, (copy, [shape[0], shape[2], shape[3], shape[1]]))
+            back = g.call_function(aten.permute.default, (rows, [0, 3, 1, 2]))
+        made[n] = (back, rows, copy, moved, split)
+
+    def undo(n):
+        back = made.pop(n)
+        back[0].replace_all_uses_with(n)
+        for m in back:
             g.erase_node(m)
+
+    def propagates(ns) -> BaseException | None:
+        for n in ns:
+            n.replace_all_uses_with(made[n][0])
+        try:
+            ir.repropagate(gm)
+            return None
+        except Exception as e:
+            return e
+
+    if made and propagates(list(made)) is not None:
+        for n in list(made):  # some reader cannot take one of them: each alone
+            made[n][0].replace_all_uses_with(n)
         ir.repropagate(gm)
-        where = f"{u.name} ({ir.target_name(u)})" if u is not None else "a reader downstream"
-        return f"kept: {where} cannot read it laid out NHWC ({str(e).splitlines()[0][:80]})"
-    g.erase_node(n)
-    return ""
+        for n in list(made):
+            e = propagates([n])
+            if e is not None:
+                u = ir.failing_node(gm, e)
+                undo(n)
+                ir.repropagate(gm)
+                where = f"{u.name} ({ir.target_name(u)})" if u is not None else "a reader downstream"
+                kept[n] = f"kept: {where} cannot read it laid out NHWC ({str(e).splitlines()[0][:80]})"
+    for n in made:
+        g.erase_node(n)
+    return kept
 
 
 _CONV_3D = (aten.conv3d.default, getattr(aten.conv3d, "padding", aten.conv3d.default))

@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-
-def _ms(fn, reps: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import cuda_median_ms  # noqa: E402
 
 
 def cases(n: int):
@@ -56,7 +44,7 @@ def main() -> None:
     rows = []
     for n in (196, 200):
         for name, flops, fn in cases(n):
-            ms = _ms(fn)
+            ms = cuda_median_ms(fn, reps=20, warmup=5)
             rows.append((name, n, ms, flops / ms / 1e9))
     stamp = datetime.datetime.now(datetime.timezone.utc)
     lines = [f"# cuBLAS bf16 GEMMs with a size of 196 against 200 ({torch.cuda.get_device_name()})", "",

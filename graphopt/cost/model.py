@@ -1727,8 +1727,8 @@ def inference_batch_norm_layout(node: fx.Node) -> str | None:
         return None
     name = ir.op_name(node)
     if name in ("batch_norm", "native_batch_norm"):
-        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
-        if training is not False:
+        # (the cost layer sits below graphopt.matcher's get_arg: the argument read here)
+        if (node.args[5] if len(node.args) > 5 else node.kwargs.get("training", True)) is not False:
             return None
     elif name != "_native_batch_norm_legit_no_training":
         return None

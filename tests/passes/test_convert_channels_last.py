@@ -311,6 +311,31 @@ def test_a_reshape_whose_new_layout_a_view_cannot_read_is_kept():
     assert reference_check(m, gm, (t,)).passed
 
 
+class TwoFolds(TokensToMap):
+    """Two folds into maps: the first also flattened by ``view(B, -1)``, the second read by
+    convolutions only."""
+
+    def forward(self, t):
+        y, logits = super().forward(t)
+        b, hw, c = t.shape
+        q = (2 * t).view(b, hw, 4, c // 4).transpose(1, 2).contiguous()
+        z = torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(-1, -2).reshape(b, c, 28, 28)
+        return y + self.mlp(self.proj(z)), logits
+
+
+def test_of_two_reshapes_the_one_a_view_cannot_read_is_kept_and_the_other_written():
+    """Tried together the rewrites fail (the first's view); tried one by one the second applies."""
+    m = TwoFolds().eval()
+    t = torch.randn(32, 28 * 28, 64)
+    gm = capture(m, (t,))
+    assert len(_reshapes(gm)) == 2
+    (res,) = run_passes(gm, ["convert_channels_last"], target="h200")
+    assert res.status == "applied" and res.details["reshapes_to_channels_last"] == 1, (res.notes, res.rejected)
+    assert len([r for r in res.rejected if "cannot read it laid out NHWC" in r.reason]) == 1
+    assert len(_reshapes(gm)) == 1
+    assert reference_check(m, gm, (t,)).passed
+
+
 class Flattened(nn.Module):
     """A classifier reading the last map through ``view(B, -1)`` (older models' spelling of flatten)."""
 

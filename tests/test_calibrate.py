@@ -251,3 +251,10 @@ def test_host_time_per_op_of_a_training_step(tmp_path):
     del data["host_train_op_s"], data["host_train_call_s"]
     path.write_text(json.dumps(data))
     assert get_profile(str(path))[0].host_train_op_s == 0.0 == get_profile(str(path))[0].host_train_call_s
+
+
+def test_gemm_partial_alignment_scale_is_a_rate_ratio():
+    from graphopt.tools.calibrate import _gemm_partial_alignment_scale
+
+    scale = _gemm_partial_alignment_scale(torch.device("cpu"), torch.float32, quick=True)
+    assert 0.0 < scale <= 1.0

@@ -950,3 +950,53 @@ def test_bilinear_upsampling_over_channels_innermost_is_priced_at_its_measured_r
                                        rel=1e-6)
     n = cm.node_cost(nchw)
     assert n.memory_s == pytest.approx(n.bytes / (prof.bandwidth * prof.conv_bias_add_scale), rel=1e-6)
+
+
+class _Gemms(nn.Module):
+    """A linear, a batched product with a weight expanded over the batch, and one with a transposed operand."""
+
+    def __init__(self, k, n, w):
+        super().__init__()
+        self.lin = nn.Linear(k, n, bias=False)
+        self.register_buffer("w", w)
+
+    def forward(self, x, y):
+        return self.lin(x), torch.bmm(self.w.expand(y.shape[0], -1, -1), y), torch.bmm(y.transpose(1, 2), y)
+
+
+def _gemm_nodes(k, n, w, rows):
+    from graphopt import ir
+
+    x, y = torch.randn(64, k, dtype=torch.bfloat16), torch.randn(4, rows, 64, dtype=torch.bfloat16)
+    gm = capture(_Gemms(k, n, w).to(torch.bfloat16), (x, y))
+    return [n for n in gm.graph.nodes if ir.op_name(n) in ("linear", "bmm")]
+
+
+def test_gemm_row_alignment_reads_the_leading_dimensions_as_stored():
+    from graphopt.cost.model import GEMM_ALIGN_PARTIAL, gemm_alignment_key, gemm_row_alignment
+
+    w = torch.randn(32, 196, dtype=torch.bfloat16)
+    lin, bmm, bmm_t = _gemm_nodes(196, 32, w, 196)
+    assert gemm_row_alignment(lin) == 4 and gemm_alignment_key(lin) == GEMM_ALIGN_PARTIAL  # K = 196
+    assert gemm_row_alignment(bmm) == 4  # the expanded weight's rows are 196 long
+    assert gemm_row_alignment(bmm_t) == 8  # a transposed [196, 64]: its rows are 64 apart
+    padded = torch.zeros(32, 200, dtype=torch.bfloat16)[:, :196]  # the same weight, rows 200 apart
+    _, bmm, _ = _gemm_nodes(196, 32, padded, 196)
+    assert gemm_row_alignment(bmm) == 8 and gemm_alignment_key(bmm) is None
+    lin, _, _ = _gemm_nodes(64, 195, torch.randn(32, 64, dtype=torch.bfloat16), 64)
+    assert gemm_row_alignment(lin) == 1  # N = 195
+
+
+def test_unaligned_gemms_are_priced_at_their_measured_rate():
+    w = torch.randn(384, 196, dtype=torch.bfloat16)
+    x, y = torch.randn(64 * 384, 196, dtype=torch.bfloat16), torch.randn(64, 196, 384, dtype=torch.bfloat16)
+    gm = capture(_Gemms(196, 384, w).to(torch.bfloat16), (x, y))
+    prof = get_profile("h200")[0]
+    with_scale = CostModel(prof).graph_cost(gm)
+    without = CostModel(prof.with_efficiency("gemm_align_partial", None)).graph_cost(gm)
+    by = lambda gc: {c.node: c for c in gc.nodes}  # noqa: E731
+    a, b = by(with_scale), by(without)
+    scale = prof.efficiency("gemm_align_partial", "scale", 1.0)
+    for name in ("linear", "bmm"):
+        assert a[name].compute_s == pytest.approx(b[name].compute_s / scale)
+    assert a["bmm_1"].time_s == pytest.approx(b["bmm_1"].time_s)  # aligned rows: priced alike

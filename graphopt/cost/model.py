@@ -654,8 +654,8 @@ class CostModel:
             eff = _efficiency_kind(node)
             if eff == "matmul" and SMALL_M_LINEAR in p.op_efficiency and small_m(node):
                 eff = SMALL_M_LINEAR  # a decode step's weight stream, at the rate measured for it
-            elif eff == "matmul" and GEMM_ALIGN1 in p.op_efficiency and gemm_align1(node):
-                rate = rate * p.efficiency(GEMM_ALIGN1, "scale", 1.0)  # cuBLAS's unaligned fallback kernel
+            elif eff == "matmul" and (align := gemm_alignment_key(node)) in p.op_efficiency:
+                rate = rate * p.efficiency(align, "scale", 1.0)  # cuBLAS's kernels for rows not 16-byte aligned
             elif eff == "matmul" and ir.op_name(node) in GROUPED_MM_OPS:  # CUTLASS's grouped kernel, one tile set a group
                 rate = rate * p.efficiency("grouped_mm", "scale", GROUPED_MM_SCALE)
             if eff == "conv":
@@ -1120,24 +1120,80 @@ def small_m(node: fx.Node) -> bool:
     return mnk is not None and isinstance(mnk[0], int) and 0 < mnk[0] <= SMALL_M_ROWS
 
 
-# op_efficiency key of cuBLAS's 16-bit projections with an odd N or K: no operand is 16-byte aligned,
-# so cuBLAS runs an align1 fallback kernel at a fraction of the tensor-core rate ({"scale"}: the rate
-# multiplier measured for it); absent, they are priced as any matmul
+# op_efficiency keys of cuBLAS's 16-bit GEMMs whose rows are not 16-byte aligned: a leading dimension
+# (the stride between rows as stored) of an input or of the result that is not a multiple of 8 elements.
+# {"scale"}: the rate multiplier measured for them. GEMM_ALIGN1: some row's length is odd (cuBLAS's align1
+# fallback kernel); GEMM_ALIGN_PARTIAL: every row even, some 4- or 8-byte aligned only (K or N = 196).
+# Absent, such GEMMs are priced as any matmul.
 GEMM_ALIGN1 = "gemm_align1"
+GEMM_ALIGN_PARTIAL = "gemm_align_partial"
+BATCHED_GEMMS = ("bmm", "baddbmm")
+
+
+def leading_dim(ti: ir.TensorInfo | None):
+    """The stride between the rows of a matrix (a tensor's last two dims) as cuBLAS reads it: the
+    stride of the dim without unit stride (a transposed matrix's rows are its columns); the last dim's
+    size where neither dim has unit stride (the GEMM copies it to rows first) or strides are unknown."""
+    if ti is None or not ti.shape:
+        return None
+    if ti.stride is None or len(ti.shape) < 2:
+        return ti.shape[-1]
+    (r, c), (sr, sc) = ti.shape[-2:], ti.stride[-2:]
+    if sc == 1 or c == 1:
+        return sr if r != 1 else c
+    if sr == 1 or r == 1:
+        return sc
+    return c
+
+
+def _projection_input_ld(ti: ir.TensorInfo):
+    """A projection's input as the 2-D [M, K] matrix it multiplies: its rows' stride where the leading
+    dims flatten to a view with unit-stride rows, else K (aten copies it to contiguous rows)."""
+    k = ti.shape[-1]
+    if len(ti.shape) < 2 or ti.stride is None or ti.stride[-1] != 1:
+        return k
+    m = math.prod(ti.shape[:-1]) if all(isinstance(d, int) for d in ti.shape[:-1]) else None
+    if m is None or not ir.reshape_is_view(ti, (m, k)):
+        return k
+    return ti.stride[-2] if ti.shape[-2] != 1 else k
+
+
+def gemm_row_alignment(node: fx.Node):
+    """gcd(8, the leading dimension of each input matrix and of the result) of a 16-bit linear, mm,
+    addmm, bmm or baddbmm: 8 where every row is 16-byte aligned, 4 or 2 where some are 8- or 4-byte
+    aligned only, 1 where one is odd. None for other nodes and dtypes, symbolic sizes or strides, and
+    projections of at most SMALL_M_ROWS rows (a decode step's weight stream has its own price)."""
+    name = ir.op_name(node)
+    if name not in PROJECTIONS and name not in BATCHED_GEMMS:
+        return None
+    ins, outs = ir.operand_infos(node), ir.infos(node)
+    if not outs or outs[0] is None or not outs[0].shape:
+        return None
+    if name in ADD_FIRST:
+        ins = ins[1:]
+    if len(ins) < 2 or ins[0] is None or ins[1] is None or ins[0].dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if name in PROJECTIONS:
+        mnk = _gemm_mnk(node)
+        if mnk is None or not isinstance(mnk[0], int) or mnk[0] <= SMALL_M_ROWS:
+            return None
+        lds = [_projection_input_ld(ins[0]), leading_dim(ins[1]), outs[0].shape[-1]]
+    else:
+        lds = [leading_dim(ins[0]), leading_dim(ins[1]), outs[0].shape[-1]]
+    if not all(isinstance(v, int) for v in lds):
+        return None
+    return math.gcd(8, *lds)
 
 
 def gemm_align1(node: fx.Node) -> bool:
-    """A 16-bit linear/mm/addmm of more than SMALL_M_ROWS rows whose N or K is odd (static sizes)."""
-    if ir.op_name(node) not in PROJECTIONS:
-        return False
-    ins = ir.operand_infos(node)
-    if not ins or ins[0].dtype not in (torch.float16, torch.bfloat16):
-        return False
-    mnk = _gemm_mnk(node)
-    if mnk is None or not all(isinstance(v, int) for v in mnk):
-        return False
-    m, n, k = mnk
-    return m > SMALL_M_ROWS and (n % 2 == 1 or k % 2 == 1)
+    """A 16-bit GEMM (gemm_row_alignment) with an odd row: cuBLAS's align1 fallback kernel."""
+    return gemm_row_alignment(node) == 1
+
+
+def gemm_alignment_key(node: fx.Node) -> str | None:
+    """The op_efficiency key that prices a 16-bit GEMM with rows not 16-byte aligned, or None."""
+    al = gemm_row_alignment(node)
+    return None if al is None or al == 8 else GEMM_ALIGN1 if al == 1 else GEMM_ALIGN_PARTIAL
 
 
 def grouped_mm_flops(a, b, out) -> object:

@@ -142,9 +142,10 @@ class DeviceProfile:
     #       absent, passes/lower_group_norm.py leaves it be
     #   "group_norm_kernel": memory_scale: graphopt::group_norm
     #   "sdpa_math": matmul_scale, score_passes: SDPA's math kernel (cost.model.sdpa_math_s)
-    #   "gemm_align1": scale: cuBLAS's 16-bit projections with an odd N or K (its align1 fallback
-    #       kernel, cost.model.gemm_align1); absent, priced as any matmul and passes/align_gemm.py
-    #       pads nothing
+    #   "gemm_align1": scale: cuBLAS's 16-bit GEMMs with a row of odd length (its align1 fallback
+    #       kernel, cost.model.gemm_row_alignment 1); "gemm_align_partial": scale: those whose rows are
+    #       4- or 8-byte aligned only (K = 196); absent, priced as any matmul and passes/align_gemm.py
+    #       pads nothing for them
     op_efficiency: dict = field(default_factory=dict)
     # corrections per op class fitted by `graphopt calibrate --corpus` on op shapes of the performance
     # sweep's models timed alone on this device (graphopt.cost.opclass: the class of a node, the form

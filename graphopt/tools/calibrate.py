@@ -257,6 +257,26 @@ def _batch_norm_scales(device, dtype, bw: float, quick: bool) -> dict:
     return out
 
 
+def _gemm_partial_alignment_scale(device, dtype, quick: bool) -> float:
+    """How fast cuBLAS runs 16-bit GEMMs whose rows are 8-byte aligned only, as a fraction of the
+    aligned neighbour's rate: MLP-Mixer-shaped projections with K, then N, of 196 against 200 (a
+    linear over [64 * 384, K] rows to 384 features, and from 384 to N), the mean of the two."""
+    import torch.nn.functional as F
+
+    rows = (16 if quick else 64) * 384
+    ratios = []
+    for which in ("k", "n"):
+        times = {}
+        for size in (196, 200):
+            if which == "k":
+                x, w = torch.randn(rows, size, device=device, dtype=dtype), torch.randn(384, size, device=device, dtype=dtype)
+            else:
+                x, w = torch.randn(rows, 384, device=device, dtype=dtype), torch.randn(size, 384, device=device, dtype=dtype)
+            times[size] = _best_seconds(lambda x=x, w=w: F.linear(x, w), device, 10 if quick else 20) / size
+        ratios.append(times[200] / times[196])
+    return min(1.0, sum(ratios) / len(ratios))
+
+
 def fit_conv(samples, peak: float, bandwidth: float, forms=(False, True)) -> tuple[float, float, float, bool]:
     """(scale, memory_scale, fixed_s, overlap) for convolutions priced as
     ``max(flops / (peak * scale), bytes / (bandwidth * memory_scale)) + fixed_s`` (overlap: compute
@@ -680,6 +700,10 @@ def calibrate(device=None, quick: bool = False, progress=None) -> DeviceProfile:
             say("BatchNorm in inference (aten, both layouts)")
             op_eff["batch_norm"] = _batch_norm_scales(device, torch.bfloat16, bw, quick)
             source["batch_norm"] = f"{stamp}: aten batch_norm (running statistics) over 64x256x56x56 bf16, NCHW and channels_last"
+            say("GEMMs with 8-byte aligned rows (K or N of 196 against 200)")
+            op_eff["gemm_align_partial"] = {"scale": _gemm_partial_alignment_scale(device, torch.bfloat16, quick)}
+            source["gemm_align_partial"] = (f"{stamp}: bf16 linears over 64x384 rows, K then N of 196 against 200, "
+                                            "the mean of the two rates' ratios")
             say("attention efficiency (BERT/ViT/GLM-shaped bf16 SDPA)")
             attn = _attention_samples(device, torch.bfloat16, quick)
             afit = fit_conv(attn, peak["bfloat16"], bw, forms=(True,))

@@ -1,18 +1,27 @@
-"""align_gemm: pad a 16-bit projection's output features to a multiple of 8 where N is odd.
+"""align_gemm: give 16-bit GEMMs rows that are 16-byte aligned where a constant operand can.
 
-cuBLAS's tensor-core kernels want 16-byte aligned rows; a projection whose N (or K) is odd runs an
-align1 fallback kernel at a fraction of the GEMM rate (the profile's measured ``gemm_align1``:
-FocalNet's 195-wide input projections). Where the weight is a constant (inference) and K is a
-multiple of 8, the weight's rows and the bias are padded with zeros once, at optimization time, to
-N rounded up to 8; the linear writes ``[..., N8]`` and the graph reads ``slice(out, -1, 0, N)``:
-the same values, rows N8 apart in memory. Readers that take strided rows (pointwise ops and
-reductions, reached through views) read the slice as it is; any other reader is priced as making
-its own copy, and a value returned to the caller is copied to the contiguous layout it had.
+cuBLAS's tensor-core kernels want every matrix's rows 16-byte aligned (a leading dimension of 8
+elements' multiple); a GEMM with a row of odd length runs an align1 fallback kernel, and one whose rows
+are only 4- or 8-byte aligned (K = 196, an MLP-Mixer's tokens) a slower kernel too (the profile's
+measured ``gemm_align1`` and ``gemm_align_partial``; cost.model.gemm_row_alignment). Two rewrites,
+each on constants (inference), each where the cost model predicts a gain:
 
-Refused, with the reason: training graphs (the weight is a parameter), a weight or bias computed
-in the graph, K not a multiple of 8 (the input would need a padded copy too), a ``view`` reading
-the slice's strides, symbolic sizes, and where the cost model predicts no gain (a profile without
-the ``gemm_align1`` measurement prices an odd N like any other, so nothing is padded).
+- **Output features.** A projection whose N is not a multiple of 8 and whose input rows are aligned:
+  the weight's rows and the bias are padded with zeros once, at optimization time, to N rounded up to
+  8; the linear writes ``[..., N8]`` and the graph reads ``slice(out, -1, 0, N)``: the same values,
+  rows N8 apart in memory. Readers that take strided rows (pointwise ops and reductions, reached
+  through views) read the slice as it is; any other reader is priced as making its own copy, and a
+  value returned to the caller is copied to the contiguous layout it had.
+- **A constant's rows.** A constant matrix a GEMM reads (through views: a weight expanded over a
+  batch, transposed) whose rows are not 16-byte aligned is stored with its rows a multiple of 8
+  elements apart: the same shape and values, only the stride between rows changes, so every reader
+  computes what it did.
+
+Refused, with the reason: training graphs (the weights are parameters), a weight or bias computed in
+the graph, an input whose rows are not aligned (it would need a padded copy too), a ``view`` or any
+reader other than a GEMM or a strided-input op reaching the strides, symbolic sizes, and where the
+cost model predicts no gain (a profile without the alignment measurements prices every GEMM alike,
+so nothing is padded).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import gemm_align1
+from graphopt.cost.model import gemm_alignment_key
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
@@ -38,6 +47,9 @@ _VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.slice.T
           aten.expand.default, aten.narrow.default}
 # readers that take any strides without a copy (besides torch's pointwise ops)
 _STRIDED_OK = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
+# the GEMMs cost.model.gemm_row_alignment prices (they read an operand's rows at any stride)
+_GEMMS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _readers(lin: fx.Node, limit: int = 512):
@@ -59,6 +71,34 @@ def _readers(lin: fx.Node, limit: int = 512):
     return leaves, ""
 
 
+def _constant_source(n: fx.Node):
+    """The get_attr constant ``n`` views (through _VIEWS of the first argument), or None."""
+    while n.op == "call_function" and n.target in _VIEWS and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n if n.op == "get_attr" else None
+
+
+def _views_of(c: fx.Node) -> list:
+    """Every view node reached from ``c`` through _VIEWS of their first argument."""
+    out, stack = [], [c]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op == "call_function" and u.target in _VIEWS and u.args and u.args[0] is n and u not in out:
+                out.append(u)
+                stack.append(u)
+    return out
+
+
+def _padded_strides(shape, c8) -> tuple:
+    """Row-major strides of ``shape`` whose last dim is stored ``c8`` wide."""
+    strides, step = [], 1
+    for i, d in enumerate(reversed(shape)):
+        strides.append(step)
+        step *= c8 if i == 0 else d
+    return tuple(reversed(strides))
+
+
 def _strided_ok(reader: fx.Node) -> bool:
     return reader.op == "call_function" and (
         reader.target in _STRIDED_OK or torch.Tag.pointwise in getattr(reader.target, "tags", ())
@@ -69,23 +109,93 @@ def _strided_ok(reader: fx.Node) -> bool:
 class AlignGemm(Pass):
     name = "align_gemm"
     family = "lower"
-    description = "pad an odd-N 16-bit projection's constant weight to a multiple of 8 rows; read a slice of its output"
+    description = ("pad a 16-bit projection's constant weight to a multiple of 8 output rows (read a slice of its "
+                   "output), or store a constant GEMM operand's rows a multiple of 8 elements apart")
     inference_only = True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         res = self.result()
-        lins = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.linear.default
-                and gemm_align1(n)]
+        unaligned = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _GEMMS
+                     and gemm_alignment_key(n) is not None]
         output = next(n for n in gm.graph.nodes if n.op == "output")
+        # (aten's GEMMs on padded constants: no kernel of ours, so any device may take them)
+        self._rank(res, ctx, [(f"linear {n.name}", n) for n in unaligned
+                              if n.target is aten.linear.default and ir.info(n).shape[-1] % 8],
+                   lambda lin: self._candidate(gm, ctx, lin, output))
+        live = set(gm.graph.nodes)
+        constants: dict = {}
+        for n in unaligned:
+            if n not in live or gemm_alignment_key(n) is None:
+                continue  # padded above, or aligned since
+            for a in n.all_input_nodes:
+                c = _constant_source(a)
+                if c is not None:
+                    constants.setdefault(c, n)
+        self._rank(res, ctx, [(f"{c.target} (read by {gemm.name})", c) for c, gemm in constants.items()],
+                   lambda c: self._rows_candidate(gm, ctx, c, output))
+        return res
+
+    @staticmethod
+    def _rank(res, ctx, items, make):
+        """Each (label, node)'s candidate from ``make(node)`` -> (why not, Candidate); the refused
+        reported, the rest applied best first."""
         candidates = []
-        for n in lins:  # (aten's linear on a padded weight: no kernel of ours, so any device may take it)
-            why, c = self._candidate(gm, ctx, n, output)
+        for label, n in items:
+            why, c = make(n)
             if why:
-                res.reject(f"linear {n.name}", why)
+                res.reject(label, why)
             else:
                 candidates.append(c)
         res.apply_ranked(ctx, candidates)
-        return res
+
+    def _rows_candidate(self, gm, ctx, c, output):
+        ti = ir.info(c)
+        if ti is None or len(ti.shape) < 2 or ti.dtype not in _HALF:
+            return "not a 16-bit matrix", None
+        if not all(isinstance(d, int) for d in ti.shape) or not ir.is_contiguous(ti):
+            return "its sizes are symbolic or its rows already strided", None
+        cols = ti.shape[-1]
+        if cols % 8 == 0:
+            return f"its rows ({cols}) are already a multiple of 8 long: another operand is not aligned", None
+        leaves, why = _readers(c)
+        if why:
+            return why, None
+        for _, u in leaves:
+            if u is output:
+                return "it is returned to the caller", None
+            if not (u.op == "call_function" and u.target in _GEMMS) and not _strided_ok(u):
+                return f"{u.name} ({ir.target_name(u)}) reads it and may want rows in memory", None
+        c8 = -(-cols // 8) * 8
+        stride = _padded_strides(ti.shape, c8)
+        views = _views_of(c)
+        readers = list(dict.fromkeys(u for _, u in leaves))
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        r = ctx.replacement()
+        new = {c: r.tensor(ti.shape, ti.dtype, ti.device, stride=stride)}
+        for n in sorted(views + readers, key=order.__getitem__):
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: new.get(a, a))
+            new[n] = r.call(n.target, *args, **kwargs)
+        gain = ctx.node_time(views + readers) - r.time()
+        added = (c8 - cols) * (ti.numel // cols) * ti.dtype.itemsize
+        return "", Candidate(f"rows of {cols} stored {c8} apart", [c, *readers], gain,
+                             lambda: self._apply_rows(gm, c, c8, views, readers),
+                             label=f"{c.target} (rows {cols} -> {c8} apart)", constant_bytes=added)
+
+    @staticmethod
+    def _apply_rows(gm, c, c8, views, readers):
+        g = gm.graph
+        value = ir.get_attr_value(gm, c.target).detach()
+        cols = value.shape[-1]
+        padded = value.new_zeros(tuple(value.shape[:-1]) + (c8,))[..., :cols]
+        padded.copy_(value)
+        name = ir.register_constant(gm, f"{c.target}_rows{c8}", padded)
+        with g.inserting_before(c):
+            new = g.get_attr(name)
+        c.replace_all_uses_with(new)
+        order = {n: i for i, n in enumerate(g.nodes)}
+        set_meta(gm, [new] + sorted(views + readers, key=order.__getitem__))
+        ir.erase_dead(gm, [c])
+        return new
 
     def _candidate(self, gm, ctx, lin, output):
         x, w, b = get_arg(lin, 0, "input"), get_arg(lin, 1, "weight"), get_arg(lin, 2, "bias")
@@ -117,7 +227,7 @@ class AlignGemm(Pass):
         itemsize = wi.dtype.itemsize
         added = n8 * K * itemsize + (n8 * ir.info(b).dtype.itemsize if b is not None else 0)
         returned = [v for v, u in leaves if u is output]
-        return "", Candidate(f"odd N={N} padded to {n8}", [lin], gain,
+        return "", Candidate(f"N={N} padded to {n8}", [lin], gain,
                              lambda: self._apply(gm, lin, x, w, b, N, n8, returned, output),
                              label=f"linear {lin.name} ({N} -> {n8} output features)", constant_bytes=added)
 

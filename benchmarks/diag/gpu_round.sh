@@ -20,6 +20,10 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s59      (align_gemm: a constant GEMM operand's rows stored 8 elements' multiple apart) its cuda tests,
+#            diag_gemm_k_align, the pass on and off on $2 (CONFIG:BATCH:PASS,...), then $3 by main and this tree
+#   s58      diag_gemm_k_align (with padded strides), $2 by main and this tree (code_ab), then kernel profiles
+#            (compile too) of $3
 #   s57      (the last of 12-07's device time) diag_gemm_k_align, $2 timed alone (compile too), $3 by main and this tree
 #   s56      (s55 reordered, and aten's inference BatchNorm at its measured rate) cuda tests of left_matmul_linears and
 #            fuse_elementwise, diag_gemm_k_align, $2 by main and this tree (code_ab), $3 timed alone (compile too), then $4 by main and this tree
@@ -131,12 +135,24 @@ code_ab() {
       dir=$PWD; [ $side = main ] && dir=$PWD/.abmain
       left=$((${LIMIT:-$2} - SECONDS)); [ $left -gt 60 ] || break
       (cd $dir && PYTHONPATH=$dir timeout $left python3 benchmarks/sweep.py perf --configs $cb --vs eager --jobs 1 \
-        --timeout 200 --reps 20 --warmup 3 --out "$OUT/code_$side") 2>&1 | quiet | grep "^| \|^- \|rror" | tail -3
+        --timeout 200 --reps 20 --warmup 3 --out "$OUT/code_$side") 2>&1 | quiet | grep "^| \|rror" \
+        | grep -v "^| config\|^| ---" | tail -3
       echo "### $side $cb ${SECONDS}s"
     done
   done
 }
 case "$1" in
+s59)
+  ctests s59 ${CT:-90} tests/passes/test_align_gemm.py tests/test_cost_model.py
+  timeout 40 python3 benchmarks/diag/diag_gemm_k_align.py --out "$OUT" 2>&1 | grep "^| " | tail -20
+  timeout $((${AB_END:-330} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
+    2>&1 | quiet | grep "^| \|rror" | tail -8
+  echo "### ab ${SECONDS}s"
+  code_ab "$3" ${LIMIT:-520} ;;
+s58)
+  timeout 40 python3 benchmarks/diag/diag_gemm_k_align.py --out "$OUT" 2>&1 | grep "^| " | tail -14
+  code_ab "$2" ${AB_END:-360}
+  compile_profiles "$3" ;;
 s57)
   timeout 30 python3 benchmarks/diag/diag_gemm_k_align.py --out "$OUT" 2>&1 | grep "^| " | tail -9
   alone "$2" ${SPLIT:-200}
@@ -909,3 +925,7 @@ diag)
   precision ;;
 esac
 echo "### done ${SECONDS}s"
+# at most 8 files come back from $OUT: more than that travel as one archive
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/round.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/round.tgz "$OUT/round.tgz"
+fi

@@ -91,3 +91,62 @@ def test_padded_projection_on_the_gpu():
     out, y = gm(x)
     assert y.is_contiguous() and y.shape == (8, 1024, 195)
     assert reference_check(m, gm, (x,)).passed
+
+
+class TokenMlp(nn.Module):
+    """MLP-Mixer's token MLP: linears over the tokens (196: 8-byte rows), read transposed."""
+
+    def __init__(self, tokens=196, hidden=384, dim=64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(tokens, hidden), nn.Linear(hidden, tokens)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x).transpose(1, 2))))
+        return x + y.transpose(1, 2)
+
+
+def _unaligned(gm):
+    from graphopt.cost.model import gemm_row_alignment
+
+    return [n for n in gm.graph.nodes if (gemm_row_alignment(n) or 8) < 8]
+
+
+def test_a_constant_operand_is_stored_with_aligned_rows():
+    m = TokenMlp().eval().to(BF)
+    x = torch.randn(64, 196, 64, dtype=BF)
+    gm = capture(m, (x,))
+    lm, res = run_passes(gm, ["left_matmul_linears", "align_gemm"], target="h200")
+    assert lm.status == "applied", lm.rejected
+    assert res.status == "applied" and all(r.predicted_gain_s > 0 for r in res.rewrites), res.rejected
+    assert all(r.pattern == "rows of 196 stored 200 apart" for r in res.rewrites)
+    assert not _unaligned(gm)
+    padded = [ir.get_attr_value(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"
+              and "_rows200" in str(n.target)]
+    assert padded and all(tuple(w.shape)[-1] == 196 and w.stride()[-2] == 200 for w in padded)
+    assert reference_check(m, gm, (x,)).passed
+
+
+def test_constant_rows_refused_with_the_reason():
+    class Viewed(TokenMlp):
+        def forward(self, x):  # the weight is also read by a view that needs its rows in memory
+            return super().forward(x), self.fc1.weight.view(-1).sum()
+
+    x = torch.randn(64, 196, 64, dtype=BF)
+    gm = capture(Viewed().eval().to(BF), (x,))
+    _, res = run_passes(gm, ["left_matmul_linears", "align_gemm"], target="h200")
+    assert any("reads the strides" in r.reason for r in res.rejected), res.rejected
+    gm = capture(TokenMlp().eval().to(BF), (x,))
+    plain = get_profile("h200")[0].with_efficiency("gemm_align_partial", None)
+    _, res = run_passes(gm, ["left_matmul_linears", "align_gemm"], target=plain)
+    assert res.status == "unchanged" and all("no gain" in r.reason for r in res.rejected), res.rejected
+
+
+@pytest.mark.cuda
+def test_constant_rows_on_the_gpu():
+    m = TokenMlp().eval().to("cuda", BF)
+    x = torch.randn(64, 196, 64, dtype=BF, device="cuda")
+    gm = capture(m, (x,))
+    _, res = run_passes(gm, ["left_matmul_linears", "align_gemm"], target="h200")
+    assert res.status == "applied", res.rejected
+    assert reference_check(m, gm, (x,)).passed

@@ -225,3 +225,19 @@ def test_setup_and_timed_peaks_apart(tmp_path):
     g = res.results[0].get("graphopt")
     assert g.status == "ok" and g.setup_peak_bytes and g.peak_mem_bytes
     assert g.setup_peak_bytes >= g.peak_mem_bytes * 0.5
+
+
+def test_the_alternating_rounds_time_the_last_compile_variant_too():
+    from graphopt.tools.bench import VariantResult, _build, _interleaved
+
+    calls = []
+    vr = VariantResult("graphopt", "graphopt")
+    _interleaved(lambda x: calls.append("eager"), lambda x: calls.append("graphopt"), (1,), {}, vr,
+                 device=torch.device("cpu"), reps=3, warmup=1, compiled=("compile-ro", lambda x: calls.append("ro")))
+    il = vr.extra["interleaved"]
+    assert il["reps"] == 3 and il["compile-ro_ms"] > 0 and il["graphopt_ms"] > 0
+    assert calls[-6:] == ["eager", "graphopt", "ro"] * 2  # one round after another, each calling all three
+    state = {}
+    m = torch.nn.Linear(2, 2)
+    built = _build("compile", m, (torch.randn(1, 2),), {}, state, {}, "linear")
+    assert state["compiled"] == ("compile", built)  # what the rounds time beside graphopt

@@ -70,7 +70,11 @@ def test_the_summary_counts_against_the_best_compile_mode():
             _row("b:64", 2.0, 1.0, 1.25, predicted=2.0),            # behind compile, prediction 60% off
             _row("c:64", 1.0, 3.0, 1.2, returned="model", passed=False),  # slower than eager
             Row("d:64", "hf", 64, status="timeout", error="over the 600 s limit")]
+    rows[0].interleaved = {"eager_ms": 4.0, "graphopt_ms": 1.0, "compile-ro_ms": 1.2}  # timed again, alternating
+    rows[1].interleaved = {"eager_ms": 2.0, "graphopt_ms": 1.1, "compile_ms": 1.1}
     s = perf_sweep.summary(rows)
+    alt = s["alternating_vs_compile"]
+    assert alt["rows"] == 2 and alt["behind"] == [] and alt["geomean"] == pytest.approx(math.sqrt(1.2))
     assert s["measured"] == 3 and s["rows"] == 4
     assert s["geomean_vs_best_compile"] == pytest.approx(math.exp((math.log(1.5) + math.log(0.8) + math.log(2.5)) / 3))
     assert s["behind_best_compile"] == ["b:64"] and s["slower_than_eager"] == ["c:64"]
@@ -78,7 +82,9 @@ def test_the_summary_counts_against_the_best_compile_mode():
     assert s["predicted_within_20pct"] == "1 of 2" and list(s["errors"]) == ["d:64"]
     md = perf_sweep.to_markdown(rows, {"date": "today", "device": "cpu", "dtype": "fp32", "reps": 5, "warmup": 1,
                                        "command": "perf_sweep.py", "versions": {"torch": "2.x"}})
-    assert "| a:1 | 4.000 | 2.000 | 1.500 | 1.000 | 1.50× | 4.00× | 1.100 | 1.10 | optimized |" in md
+    assert "| a:1 | 4.000 | 2.000 | 1.500 | 1.000 | 1.50× | 1.20× (ro) | 4.00× | 1.100 | 1.10 | optimized |" in md
+    assert "| b:64 | 2.000 | 1.000 | — | 1.250 | 0.80× | 1.00× | 1.82× |" in md
+    assert "in alternating rounds (2 rows), against the torch.compile mode run last: geometric mean 1.10×" in md
     assert "| d:64 | timeout: over the 600 s limit |" in md
     assert "behind the best torch.compile mode: 1 (b:64)" in md
 

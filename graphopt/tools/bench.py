@@ -789,26 +789,37 @@ def _run_config_locked(model, args, kwargs, c: BenchConfig, r: ConfigResult, *, 
         save()
     if c.interleave and r.get("eager") is not None and r.get("graphopt") is not None \
             and r.get("eager").status == "ok" and r.get("graphopt").status == "ok" and "graphopt" in state:
+        compiled = state.get("compiled")
+        if compiled is not None and (r.get(compiled[0]) is None or r.get(compiled[0]).status != "ok"):
+            compiled = None
         _interleaved(model, state["graphopt"], args, kwargs, r.get("graphopt"), device=device, reps=reps,
-                     warmup=warmup)
+                     warmup=warmup, compiled=compiled)
         save()
     state.clear()
     _free(device)
 
 
-def _interleaved(model, opt, args, kwargs, vr: VariantResult, *, device, reps, warmup) -> None:
-    """Eager and graphopt timed again in alternating calls (graphopt.runtime.measured.Timer.compare)."""
+def _interleaved(model, opt, args, kwargs, vr: VariantResult, *, device, reps, warmup, compiled=None) -> None:
+    """Eager and graphopt timed again in alternating calls (graphopt.runtime.measured.Timer.compare),
+    with the last torch.compile variant built (``compiled``: (variant, module)) in the same rounds."""
     from ..runtime.measured import Timer
 
+    fns = [lambda: model(*args, **kwargs), lambda: opt(*args, **kwargs)]
+    if compiled is not None:
+        fns.append(lambda: compiled[1](*args, **kwargs))
     timer = Timer(device, warmup=warmup, min_reps=reps, max_reps=reps)
     try:
-        eager, ours = timer.compare(lambda: model(*args, **kwargs), lambda: opt(*args, **kwargs))
+        timings = timer.compare(*fns)
     except Exception as e:  # noqa: BLE001 - the variants' own times stand
         vr.extra["interleaved"] = {"error": _first_line(e)}
         return
+    eager, ours = timings[:2]
     vr.extra["interleaved"] = {"eager_ms": eager.median_s * 1e3, "graphopt_ms": ours.median_s * 1e3,
                                "eager_min_ms": min(eager.samples) * 1e3, "graphopt_min_ms": min(ours.samples) * 1e3,
                                "reps": len(ours.samples)}
+    if compiled is not None:
+        vr.extra["interleaved"].update({f"{compiled[0]}_ms": timings[2].median_s * 1e3,
+                                        f"{compiled[0]}_min_ms": min(timings[2].samples) * 1e3})
 
 
 def _line(r: ConfigResult, v: VariantResult) -> str:
@@ -832,8 +843,10 @@ def _build(variant: str, model, args, kwargs, state: dict, optimize_kwargs: dict
     if variant == "eager":
         return model
     if variant in ("compile", "compile-ro"):
-        torch.compiler.reset()
-        return torch.compile(model, mode="reduce-overhead" if variant == "compile-ro" else None)
+        torch.compiler.reset()  # (which drops what an earlier compile variant compiled: only the last is kept)
+        compiled = torch.compile(model, mode="reduce-overhead" if variant == "compile-ro" else None)
+        state["compiled"] = (variant, compiled)
+        return compiled
     if variant == "graphopt":
         from ..api import optimize
 

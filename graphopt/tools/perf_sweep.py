@@ -360,7 +360,8 @@ class Row:
     status: str = "ok"  # ok | error | timeout
     error: str = ""
     ms: dict = field(default_factory=dict)  # variant -> median ms
-    # eager and graphopt timed again in alternating calls after the variants: {"eager_ms", "graphopt_ms", ...}
+    # eager, graphopt and the last torch.compile variant built timed again in alternating calls after the
+    # variants: {"eager_ms", "graphopt_ms", "compile_ms" or "compile-ro_ms", ...}
     interleaved: dict = field(default_factory=dict)
     accuracy: dict = field(default_factory=dict)  # variant -> passed (True/False/None)
     setup_s: dict = field(default_factory=dict)
@@ -381,6 +382,15 @@ class Row:
     def best_compile(self) -> tuple[str, float] | None:
         opts = [(v, self.ms[v]) for v in ("compile", "compile-ro") if self.ms.get(v)]
         return min(opts, key=lambda kv: kv[1]) if opts else None
+
+    def vs_compile_alternating(self) -> tuple[str, float] | None:
+        """(torch.compile variant, graphopt's speed-up over it) from the alternating rounds, where the
+        bench timed one there."""
+        il, g = self.interleaved, self.interleaved.get("graphopt_ms")
+        for v in ("compile-ro", "compile"):
+            if g and il.get(f"{v}_ms"):
+                return v, il[f"{v}_ms"] / g
+        return None
 
     def vs(self, peer: str) -> float | None:
         """Graphopt's speed-up over ``peer`` ("best-compile": the faster torch.compile mode); over
@@ -563,10 +573,15 @@ def summary(rows: list[Row]) -> dict:
     ratios = [r.vs("best-compile") for r in done if r.vs("best-compile")]
     pred = [r for r in done if r.predicted_ms]
     within = [r for r in pred if abs(r.predicted_ms / r.ms["graphopt"] - 1) <= 0.2]
+    alternating = [(r.config, a[1]) for r in done if (a := r.vs_compile_alternating())]
     return {
         "rows": len(rows), "measured": len(done),
         "geomean_vs_best_compile": math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else None,
         "behind_best_compile": [r.config for r in done if (r.vs("best-compile") or 2) < 1.0],
+        "alternating_vs_compile": {
+            "rows": len(alternating),
+            "geomean": math.exp(statistics.fmean(math.log(x) for _, x in alternating)) if alternating else None,
+            "behind": [c for c, x in alternating if x < 1.0]},
         "slower_than_eager": [r.config for r in done if (r.vs("eager") or 2) < 1.0],
         "accuracy_failed": [r.config for r in done if r.accuracy.get("graphopt") is False],
         "returned_the_model": [r.config for r in done if r.returned == "model"],
@@ -602,7 +617,8 @@ def to_markdown(rows: list[Row], header: dict) -> str:
              f"- dtype {header['dtype']}; median of {header['reps']} calls after {header['warmup']} warm-up, "
              f"each config in a fresh process{' (small CPU-sized variants)' if header.get('small') else ''}; "
              "'vs eager' from eager and graphopt timed again in alternating calls (a drift of the machine "
-             "between the variants lands on both)",
+             "between the variants lands on both); 'vs compile, alternating': the last torch.compile mode run "
+             "(reduce-overhead where both ran, 'ro') timed in those same rounds",
              *([f"- {header['jobs']} configs at once: each one's device work (fp64 reference, timing, graphopt's "
                 "optimize) held a lock on the device and two host cores of its own; torch.compile's compilation overlapped with the others (its "
                 "set-up time ran on a shared host, and its first call and autotuning on the device could fall "
@@ -616,20 +632,24 @@ def to_markdown(rows: list[Row], header: dict) -> str:
                 "and the timed runs compiled from Inductor's caches (their own set-up is in the JSON, "
                 "compile_warm_setup_s)"] if header.get("prewarm_jobs") else []),
              f"- command: {header['command']}", "",
-             "| config | eager ms | compile ms | compile-ro ms | graphopt ms | vs best compile | vs eager | "
-             "predicted ms | pred / measured | guard | setup s (compile / graphopt) | accuracy |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+             "| config | eager ms | compile ms | compile-ro ms | graphopt ms | vs best compile | "
+             "vs compile, alternating | vs eager | predicted ms | pred / measured | guard | "
+             "setup s (compile / graphopt) | accuracy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     for r in rows:
         if r.status != "ok":
-            lines.append(f"| {r.config} | {r.status}: {r.error[:140]} |  |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {r.config} | {r.status}: {r.error[:140]} |  |  |  |  |  |  |  |  |  |  |  |")
             continue
         g = r.ms.get("graphopt")
         pe = f"{r.predicted_ms / g:.2f}" if r.predicted_ms and g else "—"
         guard = r.returned or "not measured"
         setup = f"{_ms(r.setup_s.get('compile'))} / {_ms(r.setup_s.get('graphopt'))}"
         acc = "ok" if r.accuracy.get("graphopt") else "FAIL" if r.accuracy.get("graphopt") is False else "—"
+        alt = r.vs_compile_alternating()
+        alt = "—" if alt is None else f"{alt[1]:.2f}×{' (ro)' if alt[0] == 'compile-ro' else ''}"
         lines.append(f"| {r.config} | {_ms(r.ms.get('eager'))} | {_ms(r.ms.get('compile'))} | "
-                     f"{_ms(r.ms.get('compile-ro'))} | {_ms(g)} | {_x(r.vs('best-compile'))} | {_x(r.vs('eager'))} | "
+                     f"{_ms(r.ms.get('compile-ro'))} | {_ms(g)} | {_x(r.vs('best-compile'))} | {alt} | "
+                     f"{_x(r.vs('eager'))} | "
                      f"{_ms(r.predicted_ms)} | {pe} | {guard} | {setup} | {acc} |")
     gm = s["geomean_vs_best_compile"]
     lines += ["", "## Summary", "",
@@ -637,6 +657,9 @@ def to_markdown(rows: list[Row], header: dict) -> str:
               f"- geometric mean, graphopt against the best torch.compile mode: {_x(gm)}",
               f"- behind the best torch.compile mode: {len(s['behind_best_compile'])} "
               f"({', '.join(s['behind_best_compile']) or 'none'})",
+              f"- in alternating rounds ({s['alternating_vs_compile']['rows']} rows), against the torch.compile mode "
+              f"run last: geometric mean {_x(s['alternating_vs_compile']['geomean'])}, behind on "
+              f"{len(s['alternating_vs_compile']['behind'])} ({', '.join(s['alternating_vs_compile']['behind']) or 'none'})",
               f"- slower than eager: {len(s['slower_than_eager'])} ({', '.join(s['slower_than_eager']) or 'none'})",
               f"- graphopt failing the accuracy rule: {', '.join(s['accuracy_failed']) or 'none'}",
               f"- the measured guard returned the model as given: {', '.join(s['returned_the_model']) or 'none'}",

@@ -648,6 +648,7 @@ class CostModel:
         if kind == "free":
             return NodeCost(node.name, ir.op_name(node), 0, 0, 0, 0.0, 0.0, 0.0, "free")
         eff = "memory"
+        align, align_scale = None, 1.0
         if kind == "matmul":
             dtype = ir.operand_infos(node)[0].dtype
             rate = p.matmul_rate(dtype)
@@ -655,7 +656,8 @@ class CostModel:
             if eff == "matmul" and SMALL_M_LINEAR in p.op_efficiency and small_m(node):
                 eff = SMALL_M_LINEAR  # a decode step's weight stream, at the rate measured for it
             elif eff == "matmul" and (align := gemm_alignment_key(node)) in p.op_efficiency:
-                rate = rate * p.efficiency(align, "scale", 1.0)  # cuBLAS's kernels for rows not 16-byte aligned
+                align_scale = p.efficiency(align, "scale", 1.0)  # cuBLAS's kernels for rows not 16-byte aligned
+                rate = rate * align_scale
             elif eff == "matmul" and ir.op_name(node) in GROUPED_MM_OPS:  # CUTLASS's grouped kernel, one tile set a group
                 rate = rate * p.efficiency("grouped_mm", "scale", GROUPED_MM_SCALE)
             if eff == "conv":
@@ -668,6 +670,8 @@ class CostModel:
             rate = p.elementwise_flops
         compute = flops / rate
         memory = nbytes / p.bandwidth
+        if align_scale < 1.0 and align == GEMM_ALIGN_PARTIAL:  # measured as the whole kernel's slowdown, either bound
+            memory = memory / align_scale
         nhwc_up = p.efficiency("upsample_bilinear2d_nhwc", "memory_scale") if p.kind == "cuda" else None
         if p.narrow_copy_scale < 1.0 and ir.op_name(node) in COPY_OPS and narrow_copy(node):
             memory = memory / p.narrow_copy_scale
@@ -1186,14 +1190,19 @@ def gemm_row_alignment(node: fx.Node):
 
 
 def gemm_align1(node: fx.Node) -> bool:
-    """A 16-bit GEMM (gemm_row_alignment) with an odd row: cuBLAS's align1 fallback kernel."""
-    return gemm_row_alignment(node) == 1
+    """A 16-bit projection (gemm_row_alignment) with an odd row: cuBLAS's align1 fallback kernel."""
+    return gemm_alignment_key(node) == GEMM_ALIGN1
 
 
 def gemm_alignment_key(node: fx.Node) -> str | None:
-    """The op_efficiency key that prices a 16-bit GEMM with rows not 16-byte aligned, or None."""
+    """The op_efficiency key that prices a 16-bit GEMM with rows not 16-byte aligned, or None. An odd
+    row is priced at the align1 rate in projections alone, where it was measured; a batched product
+    with one (window attention's 49 x 49, not timed) at the partial rate measured on bmm, the least
+    slowdown less alignment could bring."""
     al = gemm_row_alignment(node)
-    return None if al is None or al == 8 else GEMM_ALIGN1 if al == 1 else GEMM_ALIGN_PARTIAL
+    if al is None or al == 8:
+        return None
+    return GEMM_ALIGN1 if al == 1 and ir.op_name(node) in PROJECTIONS else GEMM_ALIGN_PARTIAL
 
 
 def grouped_mm_flops(a, b, out) -> object:

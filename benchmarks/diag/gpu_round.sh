@@ -20,6 +20,8 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s60      (s59 cut to what little device time was left) align_gemm's cuda tests, diag_gemm_k_align, the pass
+#            on and off on $2 (CONFIG:BATCH:PASS,...)
 #   s59      (align_gemm: a constant GEMM operand's rows stored 8 elements' multiple apart) its cuda tests,
 #            diag_gemm_k_align, the pass on and off on $2 (CONFIG:BATCH:PASS,...), then $3 by main and this tree
 #   s58      diag_gemm_k_align (with padded strides), $2 by main and this tree (code_ab), then kernel profiles
@@ -142,6 +144,12 @@ code_ab() {
   done
 }
 case "$1" in
+s60)
+  ctests s60 ${CT:-60} tests/passes/test_align_gemm.py
+  timeout 40 python3 benchmarks/diag/diag_gemm_k_align.py --out "$OUT" 2>&1 | grep "^| " | tail -20
+  timeout $((${AB_END:-230} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$2" --out "$OUT" --rounds 5 --reps 20 \
+    2>&1 | quiet | tee "$OUT/pass_ab_stdout.log" | grep "^| \|^{\|rror" | tail -12
+  echo "### ab ${SECONDS}s" ;;
 s59)
   ctests s59 ${CT:-90} tests/passes/test_align_gemm.py tests/test_cost_model.py
   timeout 40 python3 benchmarks/diag/diag_gemm_k_align.py --out "$OUT" 2>&1 | grep "^| " | tail -20

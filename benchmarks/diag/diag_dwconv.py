@@ -1,4 +1,4 @@
-# Answered: Is graphopt::dwconv2d (lower_depthwise_conv) faster than aten's cuDNN depthwise convolution with its input copy and bias_act epilogue, and than Inductor's, on the depthwise shapes of CoaT, ConvNeXt, EfficientNet and MobileNet, and is it priced right? (results/diag_dwconv_<date>.md)
+# Answered: Is graphopt::dwconv2d (lower_depthwise_conv) faster than aten's cuDNN depthwise convolution with its input copy and bias_act epilogue, and than Inductor's, on the depthwise shapes of CoaT, ConvNeXt, EfficientNet, MobileNet and ConvMixer (whose model ran 2.4x slower with the pass, 12-07), and is it priced right? (results/diag_dwconv_<date>.md)
 """Depthwise convolutions as models write them, each way of running them, and the cost model's price.
 
     python benchmarks/diag/diag_dwconv.py --out DIR [--no-compile] [--nodes]
@@ -71,6 +71,7 @@ CASES = [
     ("CoaT-Tiny crpe 7x7, value slice 56x56x152", lambda: (ValueConv(152), (torch.randn(64, 56, 56, 456),))),
     ("ConvNeXt-T 7x7, 56x56x96", lambda: (Dw(96, 7), (_cl(64, 96, 56, 56),))),
     ("ConvNeXt-T 7x7, 14x14x384", lambda: (Dw(384, 7), (_cl(64, 384, 14, 14),))),
+    ("ConvMixer-768/32 7x7 + ReLU, 32x32x768", lambda: (Dw(768, 7, 1, nn.ReLU()), (_cl(64, 768, 32, 32),))),
     ("EfficientNet-B0 3x3/2 + SiLU, 112x112x96", lambda: (Dw(96, 3, 2, nn.SiLU()), (_cl(64, 96, 112, 112),))),
     ("EfficientNet-B0 5x5 + SiLU, 28x28x240", lambda: (Dw(240, 5, 1, nn.SiLU()), (_cl(64, 240, 28, 28),))),
     ("MobileNetV3 3x3 + Hardswish, 14x14x480", lambda: (Dw(480, 3, 1, nn.Hardswish()), (_cl(64, 480, 14, 14),))),

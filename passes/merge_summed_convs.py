@@ -85,7 +85,7 @@ def _const(gm: fx.GraphModule, v, out: ir.TensorInfo):
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() > len(out.shape):
         return None
     if t.numel() == 1:
-        return float(t.reshape(()).double()), v
+        return float(t.detach().reshape(()).double()), v
     lead = len(out.shape) - t.dim()  # t's dims sit under the output's last t.dim() dims
     for d in range(t.dim()):
         want = out.shape[1] if lead + d == 1 else 1

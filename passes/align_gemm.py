@@ -6,21 +6,22 @@ are only 4- or 8-byte aligned (K = 196, an MLP-Mixer's tokens) a slower kernel t
 measured ``gemm_align1`` and ``gemm_align_partial``; cost.model.gemm_row_alignment). Two rewrites,
 each on constants (inference), each where the cost model predicts a gain:
 
-- **Output features.** A projection whose N is not a multiple of 8 and whose input rows are aligned:
-  the weight's rows and the bias are padded with zeros once, at optimization time, to N rounded up to
-  8; the linear writes ``[..., N8]`` and the graph reads ``slice(out, -1, 0, N)``: the same values,
-  rows N8 apart in memory. Readers that take strided rows (pointwise ops and reductions, reached
-  through views) read the slice as it is; any other reader is priced as making its own copy, and a
-  value returned to the caller is copied to the contiguous layout it had.
+- **A projection's features.** A projection whose N is not a multiple of 8: the weight's rows and the
+  bias are padded with zeros once, at optimization time, to N rounded up to 8; the linear writes
+  ``[..., N8]`` and the graph reads ``slice(out, -1, 0, N)``: the same values, rows N8 apart in
+  memory. Readers that take strided rows (pointwise ops and reductions, reached through views) read
+  the slice as it is; any other reader is priced as making its own copy, and a value returned to the
+  caller is copied to the contiguous layout it had. One whose input rows are not 8 elements' multiple
+  apart: the input is copied into rows of K rounded up to 8 (``constant_pad_nd``, zeros), the weight's
+  columns padded with zeros to match; priced with that copy, so it is taken where the GEMM gains more.
 - **A constant's rows.** A constant matrix a GEMM reads (through views: a weight expanded over a
   batch, transposed) whose rows are not 16-byte aligned is stored with its rows a multiple of 8
   elements apart: the same shape and values, only the stride between rows changes, so every reader
   computes what it did.
 
 Refused, with the reason: training graphs (the weights are parameters), a weight or bias computed in
-the graph, an input whose rows are not aligned (it would need a padded copy too), a ``view`` or any
-reader other than a GEMM or a strided-input op reaching the strides, symbolic sizes, and where the
-cost model predicts no gain (a profile without the alignment measurements prices every GEMM alike,
+the graph, a ``view`` or any reader other than a GEMM or a strided-input op reaching the strides,
+symbolic sizes, and where the cost model predicts no gain (a profile without the alignment measurements prices every GEMM alike,
 so nothing is padded).
 """
 
@@ -32,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.cost.model import gemm_alignment_key
+from graphopt.cost.model import gemm_alignment_key, projection_input_ld
 from graphopt.matcher import get_arg
 from graphopt.pipeline import Candidate, Pass, PassContext, PassResult, register
 
@@ -119,8 +120,7 @@ class AlignGemm(Pass):
                      and gemm_alignment_key(n) is not None]
         output = next(n for n in gm.graph.nodes if n.op == "output")
         # (aten's GEMMs on padded constants: no kernel of ours, so any device may take them)
-        self._rank(res, ctx, [(f"linear {n.name}", n) for n in unaligned
-                              if n.target is aten.linear.default and ir.info(n).shape[-1] % 8],
+        self._rank(res, ctx, [(f"linear {n.name}", n) for n in unaligned if n.target is aten.linear.default],
                    lambda lin: self._candidate(gm, ctx, lin, output))
         live = set(gm.graph.nodes)
         constants: dict = {}
@@ -208,54 +208,75 @@ class AlignGemm(Pass):
             if ti is None or len(ti.shape) != rank:
                 return f"its {what} has no {rank}-D tensor metadata", None
         N, K = ir.info(w).shape
-        if K % 8:
-            return f"K={K} is not a multiple of 8: the input would need a padded copy as well", None
+        xi = ir.info(x) if isinstance(x, fx.Node) else None
+        if xi is None or xi.dtype not in _HALF:
+            return "its input has no 16-bit tensor metadata", None
+        # an input whose rows are not 8 elements' multiple apart is copied into zero-padded rows
+        k8 = K if projection_input_ld(xi) % 8 == 0 else -(-K // 8) * 8
         n8 = -(-N // 8) * 8
-        leaves, why = _readers(lin)
+        if (k8, n8) == (K, N):
+            return "its input and output rows are aligned: another operand is not", None
+        leaves, why = _readers(lin) if n8 != N else ([], "")
         if why:
             return why, None
         r = ctx.replacement()
         wi = ir.info(w)
-        wp = r.tensor((n8, K), wi.dtype, wi.device)
-        bp = r.tensor((n8,), ir.info(b).dtype, ir.info(b).device) if b is not None else None
-        out = r.call(aten.linear.default, x, wp, bp)
-        r.call(aten.slice.Tensor, out, len(ir.info(lin).shape) - 1, 0, N)
+        wp = r.tensor((n8, k8), wi.dtype, wi.device) if (n8, k8) != (N, K) else w
+        bp = r.tensor((n8,), ir.info(b).dtype, ir.info(b).device) if b is not None and n8 != N else b
+        xp = r.call(aten.constant_pad_nd.default, x, [0, k8 - K], 0.0) if k8 != K else x
+        out = r.call(aten.linear.default, xp, wp, bp)
+        if n8 != N:
+            r.call(aten.slice.Tensor, out, len(ir.info(lin).shape) - 1, 0, N)
         copies = [v for v, u in leaves if not _strided_ok(u)]
         for v in dict.fromkeys(copies):  # what a reader that wants rows in memory copies (a returned value too)
             r.call(aten.clone.default, v, memory_format=torch.contiguous_format)
         gain = ctx.node_time([lin]) - r.time()
         itemsize = wi.dtype.itemsize
-        added = n8 * K * itemsize + (n8 * ir.info(b).dtype.itemsize if b is not None else 0)
+        added = n8 * k8 * itemsize + (n8 * ir.info(b).dtype.itemsize if b is not None and n8 != N else 0)
         returned = [v for v, u in leaves if u is output]
-        return "", Candidate(f"N={N} padded to {n8}", [lin], gain,
-                             lambda: self._apply(gm, lin, x, w, b, N, n8, returned, output),
-                             label=f"linear {lin.name} ({N} -> {n8} output features)", constant_bytes=added)
+        what = " and ".join(f"{d}={v} padded to {v8}" for d, v, v8 in (("K", K, k8), ("N", N, n8)) if v != v8)
+        return "", Candidate(what, [lin], gain,
+                             lambda: self._apply(gm, lin, x, w, b, (N, K), (n8, k8), returned, output),
+                             label=f"linear {lin.name} ({what})", constant_bytes=added)
 
     @staticmethod
-    def _apply(gm, lin, x, w, b, N, n8, returned, output):
+    def _apply(gm, lin, x, w, b, size, padded_size, returned, output):
         g = gm.graph
-        names = []
-        for t in (w, b):
-            if t is None:
-                names.append(None)
-                continue
-            value = ir.get_attr_value(gm, t.target).detach()
-            padded = value.new_zeros((n8,) + tuple(value.shape[1:]))
-            padded[:N] = value
-            names.append(ir.register_constant(gm, f"{t.target}_pad{n8}", padded))
+        (N, K), (n8, k8) = size, padded_size
+        names = [None, None]
+        if (n8, k8) != (N, K):
+            value = ir.get_attr_value(gm, w.target).detach()
+            pw = value.new_zeros((n8, k8))
+            pw[:N, :K] = value
+            names[0] = ir.register_constant(gm, f"{w.target}_pad{n8}x{k8}", pw)
+        if b is not None and n8 != N:
+            value = ir.get_attr_value(gm, b.target).detach()
+            pb = value.new_zeros((n8,))
+            pb[:N] = value
+            names[1] = ir.register_constant(gm, f"{b.target}_pad{n8}", pb)
+        new_nodes = []
         with g.inserting_before(lin):
-            wn = g.get_attr(names[0])
-            bn = g.get_attr(names[1]) if names[1] is not None else None
-            new = g.call_function(aten.linear.default, (x, wn, bn))
-            sl = g.call_function(aten.slice.Tensor, (new, len(ir.info(lin).shape) - 1, 0, N))
-        set_meta(gm, [wn] + ([bn] if bn is not None else []) + [new, sl])
-        lin.replace_all_uses_with(sl)
+            wn = g.get_attr(names[0]) if names[0] is not None else w
+            bn = g.get_attr(names[1]) if names[1] is not None else b
+            new_nodes += [n for n in (wn, bn) if n is not None and n is not w and n is not b]
+            xp = x
+            if k8 != K:
+                xp = g.call_function(aten.constant_pad_nd.default, (x, [0, k8 - K], 0.0))
+                new_nodes.append(xp)
+            new = g.call_function(aten.linear.default, (xp, wn, bn))
+            new_nodes.append(new)
+            res = new
+            if n8 != N:
+                res = g.call_function(aten.slice.Tensor, (new, len(ir.info(lin).shape) - 1, 0, N))
+                new_nodes.append(res)
+        set_meta(gm, new_nodes)
+        lin.replace_all_uses_with(res)
         g.erase_node(lin)
         for v in dict.fromkeys(returned):  # the caller gets the contiguous layout the projection gave it
             with g.inserting_before(output):
-                c = g.call_function(aten.clone.default, (v if v is not lin else sl,),
+                c = g.call_function(aten.clone.default, (v if v is not lin else res,),
                                     {"memory_format": torch.contiguous_format})
             set_meta(gm, [c])
-            output.replace_input_with(v if v is not lin else sl, c)
+            output.replace_input_with(v if v is not lin else res, c)
         ir.erase_dead(gm, [t for t in (w, b) if t is not None and not t.users])
         return True

@@ -1150,7 +1150,7 @@ def leading_dim(ti: ir.TensorInfo | None):
     return c
 
 
-def _projection_input_ld(ti: ir.TensorInfo):
+def projection_input_ld(ti: ir.TensorInfo):
     """A projection's input as the 2-D [M, K] matrix it multiplies: its rows' stride where the leading
     dims flatten to a view with unit-stride rows, else K (aten copies it to contiguous rows)."""
     k = ti.shape[-1]
@@ -1181,7 +1181,7 @@ def gemm_row_alignment(node: fx.Node):
         mnk = _gemm_mnk(node)
         if mnk is None or not isinstance(mnk[0], int) or mnk[0] <= SMALL_M_ROWS:
             return None
-        lds = [_projection_input_ld(ins[0]), leading_dim(ins[1]), outs[0].shape[-1]]
+        lds = [projection_input_ld(ins[0]), leading_dim(ins[1]), outs[0].shape[-1]]
     else:
         lds = [leading_dim(ins[0]), leading_dim(ins[1]), outs[0].shape[-1]]
     if not all(isinstance(v, int) for v in lds):

@@ -65,11 +65,39 @@ def test_refused_with_the_reason():
     gm = capture(Gates(viewed=True).eval().to(BF), (x,))
     (res,) = run_passes(gm, ["align_gemm"], target="h200")
     assert res.status == "unchanged" and "reads the strides" in res.rejected[0].reason
-    m = Gates(k=63).eval().to(BF)
+    m = Gates(k=63).eval().to(BF)  # padding K as well costs a copy of the input: more than the GEMM gains here
     x = torch.randn(8, 1024, 63, dtype=BF)
     gm = capture(m, (x,))
     (res,) = run_passes(gm, ["align_gemm"], target="h200")
-    assert res.status == "unchanged" and "K=63 is not a multiple of 8" in res.rejected[0].reason
+    assert res.status == "unchanged" and "no gain" in res.rejected[0].reason
+    assert "K=63 padded to 64 and N=195 padded to 200" in res.rejected[0].candidate
+
+
+class Wide(nn.Module):
+    """A wide projection from rows of 1020 (8-byte aligned only) or 1021 (odd) features."""
+
+    def __init__(self, k, n=1024):
+        super().__init__()
+        self.proj = nn.Linear(k, n)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+def test_an_unaligned_input_is_copied_into_padded_rows_where_the_gemm_gains_more():
+    k = 1021  # odd: cuBLAS's align1 kernel; the input's padded copy costs less than it loses
+    m = Wide(k).eval().to(BF)
+    x = torch.randn(4, 1024, k, dtype=BF)
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["align_gemm"], target="h200")
+    assert res.status == "applied" and res.rewrites[0].predicted_gain_s > 0, res.rejected
+    assert res.rewrites[0].pattern == f"K={k} padded to 1024"
+    (lin,) = _linears(gm)
+    assert str(lin.args[0].target) == "aten.constant_pad_nd.default"
+    w = ir.get_attr_value(gm, lin.args[1].target)
+    assert tuple(w.shape) == (1024, 1024) and not w[:, k:].any()
+    assert tuple(ir.info(lin).shape) == (4, 1024, 1024) and not _unaligned(gm)
+    assert reference_check(m, gm, (x,)).passed
 
 
 def test_nothing_padded_where_the_profile_has_not_measured_the_fallback():
@@ -148,5 +176,15 @@ def test_constant_rows_on_the_gpu():
     x = torch.randn(64, 196, 64, dtype=BF, device="cuda")
     gm = capture(m, (x,))
     _, res = run_passes(gm, ["left_matmul_linears", "align_gemm"], target="h200")
+    assert res.status == "applied", res.rejected
+    assert reference_check(m, gm, (x,)).passed
+
+
+@pytest.mark.cuda
+def test_padded_input_rows_on_the_gpu():
+    m = Wide(1021).eval().to("cuda", BF)
+    x = torch.randn(4, 1024, 1021, dtype=BF, device="cuda")
+    gm = capture(m, (x,))
+    (res,) = run_passes(gm, ["align_gemm"], target="h200")
     assert res.status == "applied", res.rejected
     assert reference_check(m, gm, (x,)).passed

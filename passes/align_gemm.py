@@ -111,7 +111,8 @@ class AlignGemm(Pass):
     name = "align_gemm"
     family = "lower"
     description = ("pad a 16-bit projection's constant weight to a multiple of 8 output rows (read a slice of its "
-                   "output), or store a constant GEMM operand's rows a multiple of 8 elements apart")
+                   "output) or input columns (its input copied into padded rows), or store a constant GEMM operand's "
+                   "rows a multiple of 8 elements apart")
     inference_only = True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

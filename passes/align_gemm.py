@@ -21,7 +21,8 @@ each on constants (inference), each where the cost model predicts a gain:
 
 Refused, with the reason: training graphs (the weights are parameters), a weight or bias computed in
 the graph, a ``view`` or any reader other than a GEMM or a strided-input op reaching the strides,
-symbolic sizes, and where the cost model predicts no gain (a profile without the alignment measurements prices every GEMM alike,
+symbolic row lengths (a symbolic batch is fine: alignment does not depend on it), and where the cost
+model predicts no gain (a profile without the alignment measurements prices every GEMM alike,
 so nothing is padded).
 """
 
@@ -130,7 +131,7 @@ class AlignGemm(Pass):
                 continue  # padded above, or aligned since
             for a in n.all_input_nodes:
                 c = _constant_source(a)
-                if c is not None:
+                if c is not None and len(getattr(ir.info(c), "shape", ())) >= 2:  # a matrix, not a bias
                     constants.setdefault(c, n)
         self._rank(res, ctx, [(f"{c.target} (read by {gemm.name})", c) for c, gemm in constants.items()],
                    lambda c: self._rows_candidate(gm, ctx, c, output))

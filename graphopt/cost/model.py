@@ -1165,8 +1165,8 @@ def projection_input_ld(ti: ir.TensorInfo):
 def gemm_row_alignment(node: fx.Node):
     """gcd(8, the leading dimension of each input matrix and of the result) of a 16-bit linear, mm,
     addmm, bmm or baddbmm: 8 where every row is 16-byte aligned, 4 or 2 where some are 8- or 4-byte
-    aligned only, 1 where one is odd. None for other nodes and dtypes, symbolic sizes or strides, and
-    projections of at most SMALL_M_ROWS rows (a decode step's weight stream has its own price)."""
+    aligned only, 1 where one is odd. None for other nodes and dtypes, symbolic row lengths or strides,
+    and projections of at most SMALL_M_ROWS rows (a decode step's weight stream has its own price)."""
     name = ir.op_name(node)
     if name not in PROJECTIONS and name not in BATCHED_GEMMS:
         return None
@@ -1179,8 +1179,8 @@ def gemm_row_alignment(node: fx.Node):
         return None
     if name in PROJECTIONS:
         mnk = _gemm_mnk(node)
-        if mnk is None or not isinstance(mnk[0], int) or mnk[0] <= SMALL_M_ROWS:
-            return None
+        if mnk is None or (isinstance(mnk[0], int) and mnk[0] <= SMALL_M_ROWS):
+            return None  # (a symbolic M, a batch of any size, counts as more rows, as in small_m)
         lds = [projection_input_ld(ins[0]), leading_dim(ins[1]), outs[0].shape[-1]]
     else:
         lds = [leading_dim(ins[0]), leading_dim(ins[1]), outs[0].shape[-1]]

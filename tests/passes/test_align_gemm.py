@@ -109,6 +109,17 @@ def test_nothing_padded_where_the_profile_has_not_measured_the_fallback():
     assert tuple(ir.info(_linears(gm)[0]).shape) == (8, 1024, 195)
 
 
+def test_padded_with_a_dynamic_batch():
+    """Alignment does not depend on the rows: with the batch symbolic, the odd N is padded and any batch runs."""
+    m = Gates().eval().to(BF)
+    x = torch.randn(8, 1024, 64, dtype=BF)
+    gm = capture(m, (x,), dynamic={"x": {0: "batch"}})
+    (res,) = run_passes(gm, ["align_gemm"], target="h200")
+    assert res.status == "applied", res.rejected
+    x3 = torch.randn(3, 1024, 64, dtype=BF)
+    assert reference_check(m, gm, (x3,)).passed
+
+
 @pytest.mark.cuda
 def test_padded_projection_on_the_gpu():
     m = Gates(k=512, returned=True).eval().to("cuda", BF)

@@ -1,7 +1,8 @@
 """Answered: how fast cuBLAS runs bf16 GEMMs whose K or N is even but not a multiple of 8 (MLP-Mixer's
 196 tokens: 8-byte rows), against the aligned neighbour (200), as linear and as bmm with a stride-0 weight; and
 whether K = 196 runs at the aligned rate when only the rows' stride is padded to 200 (lda 200), and what the
-zero-padding copy that Inductor's pad_mm makes costs.
+zero-padding copy that Inductor's pad_mm makes costs; besides, a large GEMM's K and N of 1540, window attention's
+49 tokens against 48, and a point cloud's K of 3 against 8 (with its padded copy).
 
     python benchmarks/diag/diag_gemm_k_align.py --out DIR
 
@@ -47,7 +48,13 @@ def cases(n: int):
     a, v = torch.randn(12288, t, t, device=dev, dtype=dt), torch.randn(12288, t, 32, device=dev, dtype=dt)
     yield "bmm q @ k^T (12288 x 49 or 48 tokens, d 32)", 2 * 12288 * t * t * 32, lambda: torch.bmm(q, kt)
     yield "bmm attn @ v (12288 x 49 or 48 tokens, d 32)", 2 * 12288 * t * t * 32, lambda: torch.bmm(a, v)
+    k3 = {196: 3, 200: 8}[n]  # a point cloud's coordinates (K 3) into 64 features, against K 8
+    xp, wp = torch.randn(1 << 20, k3, device=dev, dtype=dt), torch.randn(64, k3, device=dev, dtype=dt)
+    yield "linear K 3 or 8 (2^20 rows to 64)", 2 * (1 << 20) * 64 * k3, lambda: F.linear(xp, wp)
     if n % 8:
+        wp8 = F.pad(wp, (0, 8 - k3))
+        yield "linear K 3, zero-padded to 8 (copy + GEMM)", 2 * (1 << 20) * 64 * k3, \
+            lambda: F.linear(F.pad(xp, (0, 8 - k3)), wp8)
         pad = -n % 8
         xs = torch.randn(b * d, n + pad, device=dev, dtype=dt)[:, :n]  # K = n in rows of n + pad
         ws = torch.randn(h, n + pad, device=dev, dtype=dt)[:, :n]
@@ -78,7 +85,8 @@ def main() -> None:
     aligned = {name: ms for name, n, ms, _ in rows if n == 200}
     base = {"linear K, lda padded": "linear K", "linear K, the weight's lda alone padded": "linear K", "bmm stride-0 K, lda padded": "bmm stride-0 K",
             "pad copy of the K input": "linear K", "linear K, zero-padded (copy + GEMM)": "linear K",
-            "linear N, zero-padded weight, sliced": "linear N"}
+            "linear N, zero-padded weight, sliced": "linear N",
+            "linear K 3, zero-padded to 8 (copy + GEMM)": "linear K 3 or 8 (2^20 rows to 64)"}
     for name, n, ms, tf in rows:
         ref = aligned[base.get(name, name)]
         lines.append(f"| {name} | {n} | {ms:.4f} | {tf:.0f} | {ref / ms:.2f} |")

@@ -21,7 +21,8 @@
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
 #   s61      (ConvMixer-768/32: its model ran 2.4x slower with lower_depthwise_conv, 7x7 over 768 channels of 32x32)
-#            diag_dwconv.py --nodes, then kernel profiles (compile too) of $2
+#            diag_dwconv.py --nodes, diag_dwconv_tiles.py (each channel block forced), then kernel profiles
+#            (compile too) of $2
 #   s60      (s59 cut to what little device time was left) align_gemm's cuda tests, diag_gemm_k_align, the pass
 #            on and off on $2 (CONFIG:BATCH:PASS,...)
 #   s59      (align_gemm: a constant GEMM operand's rows stored 8 elements' multiple apart) its cuda tests,
@@ -150,6 +151,9 @@ s61)
   timeout $((${DIAG_END:-200} - SECONDS)) python3 benchmarks/diag/diag_dwconv.py --out "$OUT" --nodes 2>&1 \
     | quiet | grep "^|\|rror" | head -30
   echo "### diag ${SECONDS}s"
+  timeout $((${TILES_END:-330} - SECONDS)) python3 benchmarks/diag/diag_dwconv_tiles.py --out "$OUT" 2>&1 \
+    | quiet | grep "^|\|rror" | head -16
+  echo "### tiles ${SECONDS}s"
   compile_profiles "$2" ;;
 s60)
   ctests s60 ${CT:-60} tests/passes/test_align_gemm.py

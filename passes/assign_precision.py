@@ -22,7 +22,9 @@ finds the first node whose conversion breaks it and keeps it in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import operator
 
 import copy
 
@@ -31,6 +33,8 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.cost.model import ATTENTION_OPS, CONV_OPS, MATMUL_OPS, VIEW_OPS
+from graphopt.cuda_ext.pointwise import DTYPE_NAMES as POINTWISE_DTYPE_NAMES
+from graphopt.cuda_ext.pointwise import parse as parse_pointwise
 from graphopt.errors import GraphoptError
 from graphopt.pipeline import Pass, PassContext, PassResult, register
 
@@ -206,6 +210,11 @@ def _cpu_supports_fp16() -> bool:
         return False
 
 
+# single-tensor views whose values a dtype cast commutes with: cast(view(c)) == view(cast(c))
+CAST_COMMUTING_VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "permute", "transpose", "t", "expand",
+                        "unsqueeze", "squeeze", "select", "slice", "narrow", "alias", "detach", "unflatten"}
+
+
 def _restore(gm: fx.GraphModule, base: fx.Graph) -> None:
     gm.graph = copy.deepcopy(base)
     gm.recompile()
@@ -233,6 +242,19 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
         key = (arg, dtype)
         if key in casts:
             return casts[key]
+        src, chain = arg, []  # views of a constant: cast the constant, view the cast (the same values)
+        while src.op == "call_function" and ir.op_name(src) in CAST_COMMUTING_VIEWS and src.args \
+                and isinstance(src.args[0], fx.Node):
+            chain.append(src)
+            src = src.args[0]
+        if chain and src.op == "get_attr":  # (an expanded weight is not copied at its expanded size each call)
+            v = cast(src, dtype, user)
+            with g.inserting_before(user):
+                for n in reversed(chain):
+                    v = g.call_function(n.target, (v, *n.args[1:]), dict(n.kwargs))
+                    cur[v] = dtype
+            casts[key] = v
+            return v
         refused = consts.setdefault("refused", {})
         name = None
         if arg.op == "get_attr" and not training and dtype_of(arg) == FP32 and (arg.target, dtype) not in refused:
@@ -369,6 +391,29 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
                     for key in [k for k, v in casts.items() if v is u]:
                         del casts[key]
                     g.erase_node(u)
+    # a fused kernel's fp32 output read only through casts to the low dtype: the kernel stores the low
+    # dtype (it computes in fp32 and rounds once at its store: the casts' numbers, without their pass)
+    for node in list(g.nodes):
+        if node.op != "call_function" or ir.op_namespace(node) != "graphopt" or ir.op_name(node) != "fused_pointwise":
+            continue
+        prog = parse_pointwise(node.args[0])
+        outs = list(prog.outputs)
+        for gi in [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]:
+            i = gi.args[1]
+            readers = list(gi.users)
+            if not isinstance(i, int) or outs[i][1] != "f32" or not readers or not all(
+                    u.op == "call_function" and u.target is aten._to_copy.default and u.kwargs == {"dtype": low}
+                    and u.args[0] is gi for u in readers):
+                continue
+            outs[i] = (outs[i][0], POINTWISE_DTYPE_NAMES[low])
+            cur[gi] = low
+            for u in readers:
+                u.replace_all_uses_with(gi)
+                for key in [k for k, v in casts.items() if v is u]:
+                    del casts[key]
+                g.erase_node(u)
+        if outs != prog.outputs:
+            node.args = (dataclasses.replace(prog, outputs=outs).source, *node.args[1:])
     # outputs in the caller's dtype
     output = next(n for n in g.nodes if n.op == "output")
 

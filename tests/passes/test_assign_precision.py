@@ -280,3 +280,64 @@ def test_higher_order_op_regions_are_left_as_written():
     assert all(a.meta["val"].dtype == torch.float32 for a in hop.all_input_nodes if "val" in a.meta)
     assert set(_dtypes(gm, aten.linear.default)) | set(_dtypes(gm, aten.matmul.default)) == {torch.bfloat16}
     assert opt.report.accuracy["passed"]
+
+
+class ExpandedWeight(nn.Module):
+    """A weight applied from the left to every sample (W @ x, as left_matmul_linears writes a token MLP):
+    the bmm reads it expanded over the batch, transposed in the second product."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(48, 40) / 7)
+
+    def forward(self, x):
+        y = torch.bmm(self.w.expand(x.shape[0], -1, -1), x)
+        return torch.bmm(self.w.t().expand(x.shape[0], -1, -1), torch.relu(y))
+
+
+def test_a_viewed_weight_is_converted_once_and_viewed_again():
+    """A cast of views of a constant is the views of the constant converted once: no cast copies the
+    weight at its expanded size on every call."""
+    torch.manual_seed(0)
+    m = ExpandedWeight().eval()
+    x = torch.randn(16, 40, 24)
+    opt = graphopt.optimize(m, (x,), precision="bf16", passes=["eliminate_dead_code", "assign_precision"])
+    gm = opt.graph_module
+    assert opt.report.pass_result("assign_precision").status == "applied"
+    for n in gm.graph.nodes:
+        if n.target is aten.bmm.default:
+            assert n.meta["val"].dtype == torch.bfloat16
+            a = n.args[0]
+            while a.op == "call_function" and a.target is not aten._to_copy.default:
+                a = a.args[0]
+            assert a.op == "get_attr", a  # views of the converted constant, no cast in between
+    assert opt.report.accuracy["passed"]
+
+
+class Glu(nn.Module):
+    """A gated MLP: the gate's pointwise ops fuse into one kernel that a bf16 projection reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 128), nn.Linear(64, 32)
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, -1)
+        return self.fc2(torch.nn.functional.silu(a) * (b + 1.0))
+
+
+def test_a_fused_kernel_read_only_in_bf16_stores_bf16():
+    """fuse_elementwise's kernel, made before the precision pass in the model's fp32, is read only by a
+    bf16 projection: it stores bf16 (one rounding at its store) instead of fp32 and a cast after it."""
+    torch.manual_seed(0)
+    m = Glu().eval()
+    x = torch.randn(8, 16, 32)
+    opt = graphopt.optimize(m, (x,), precision="bf16", passes=["fuse_elementwise", "assign_precision"], target="h200")
+    gm = opt.graph_module
+    fused = [n for n in gm.graph.nodes if str(n.target) == "graphopt.fused_pointwise.default"]
+    assert fused and all(n.args[0].rstrip().splitlines()[-1].endswith("bf16") for n in fused), [n.args[0] for n in fused]
+    for n in gm.graph.nodes:
+        if n.target is aten._to_copy.default:
+            src = n.args[0].args[0] if n.args[0].target is __import__("operator").getitem else n.args[0]
+            assert src not in fused, n
+    assert opt.report.accuracy["passed"]

@@ -215,6 +215,27 @@ CAST_COMMUTING_VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "permute",
                         "unsqueeze", "squeeze", "select", "slice", "narrow", "alias", "detach", "unflatten"}
 
 
+def _cast_readers(n: fx.Node, low: torch.dtype):
+    """([views], [casts]) where ``n`` is read only through CAST_COMMUTING_VIEWS by casts to ``low``
+    (at least one), else None."""
+    views, casts, stack = [], [], [n]
+    while stack:
+        v = stack.pop()
+        if not v.users:
+            return None  # (a view nobody reads is left to dead-code elimination, not retyped)
+        for u in v.users:
+            if u.op != "call_function" or not u.args or u.args[0] is not v:
+                return None
+            if u.target is aten._to_copy.default and u.kwargs == {"dtype": low}:
+                casts.append(u)
+            elif ir.op_name(u) in CAST_COMMUTING_VIEWS:
+                views.append(u)
+                stack.append(u)
+            else:
+                return None
+    return (views, casts) if casts else None
+
+
 def _restore(gm: fx.GraphModule, base: fx.Graph) -> None:
     gm.graph = copy.deepcopy(base)
     gm.recompile()
@@ -400,15 +421,15 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
         outs = list(prog.outputs)
         for gi in [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]:
             i = gi.args[1]
-            readers = list(gi.users)
-            if not isinstance(i, int) or outs[i][1] != "f32" or not readers or not all(
-                    u.op == "call_function" and u.target is aten._to_copy.default and u.kwargs == {"dtype": low}
-                    and u.args[0] is gi for u in readers):
+            found = _cast_readers(gi, low)
+            if not isinstance(i, int) or outs[i][1] != "f32" or not found:
                 continue
+            views, readers = found
             outs[i] = (outs[i][0], POINTWISE_DTYPE_NAMES[low])
-            cur[gi] = low
+            for v in [gi, *views]:
+                cur[v] = low
             for u in readers:
-                u.replace_all_uses_with(gi)
+                u.replace_all_uses_with(u.args[0])
                 for key in [k for k, v in casts.items() if v is u]:
                     del casts[key]
                 g.erase_node(u)

@@ -1,3 +1,5 @@
+import operator
+
 import pytest
 import torch
 import torch.nn as nn
@@ -338,6 +340,32 @@ def test_a_fused_kernel_read_only_in_bf16_stores_bf16():
     assert fused and all(n.args[0].rstrip().splitlines()[-1].endswith("bf16") for n in fused), [n.args[0] for n in fused]
     for n in gm.graph.nodes:
         if n.target is aten._to_copy.default:
-            src = n.args[0].args[0] if n.args[0].target is __import__("operator").getitem else n.args[0]
+            src = n.args[0].args[0] if n.args[0].target is operator.getitem else n.args[0]
+            assert src not in fused, n
+    assert opt.report.accuracy["passed"]
+
+
+class GluT(Glu):
+    """The gated values read transposed by the projection (a view between the fused kernel and its cast)."""
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, -1)
+        g = torch.nn.functional.silu(a) * (b + 1.0)
+        return self.fc2(g.transpose(0, 1)).transpose(0, 1)
+
+
+def test_a_fused_kernel_read_in_bf16_through_a_view_stores_bf16():
+    torch.manual_seed(0)
+    m = GluT().eval()
+    x = torch.randn(8, 16, 32)
+    opt = graphopt.optimize(m, (x,), precision="bf16", passes=["fuse_elementwise", "assign_precision"], target="h200")
+    gm = opt.graph_module
+    fused = [n for n in gm.graph.nodes if str(n.target) == "graphopt.fused_pointwise.default"]
+    assert fused and all(n.args[0].rstrip().splitlines()[-1].endswith("bf16") for n in fused)
+    for n in gm.graph.nodes:  # no cast reads the kernel's output, directly or through views
+        if n.target is aten._to_copy.default:
+            src = n.args[0]
+            while src.op == "call_function" and src.target in (operator.getitem, aten.transpose.int):
+                src = src.args[0]
             assert src not in fused, n
     assert opt.report.accuracy["passed"]

@@ -55,22 +55,23 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _readers(lin: fx.Node, limit: int = 512):
-    """([(value, reader)] the projection's result reaches through views, "") or ([], why not)."""
-    leaves, stack, seen = [], [lin], {lin}
+    """([(value, reader)] the projection's result reaches through views, [the views], "") or
+    ([], [], why not)."""
+    leaves, views, stack = [], [], [lin]
     while stack:
         n = stack.pop()
         for u in n.users:
             if u.op == "call_function" and u.target in STRIDE_READERS:
-                return [], f"{u.name} ({ir.target_name(u)}) reads the strides of the result"
+                return [], [], f"{u.name} ({ir.target_name(u)}) reads the strides of the result"
             if u.op == "call_function" and u.target in _VIEWS and u.args and u.args[0] is n:
-                if u not in seen:
-                    seen.add(u)
+                if u not in views:
+                    views.append(u)
                     stack.append(u)
-                    if len(seen) > limit:
-                        return [], f"more than {limit} views of the result to follow"
+                    if len(views) > limit:
+                        return [], [], f"more than {limit} views of the result to follow"
                 continue
             leaves.append((n, u))
-    return leaves, ""
+    return leaves, views, ""
 
 
 def _constant_source(n: fx.Node):
@@ -78,18 +79,6 @@ def _constant_source(n: fx.Node):
     while n.op == "call_function" and n.target in _VIEWS and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n if n.op == "get_attr" else None
-
-
-def _views_of(c: fx.Node) -> list:
-    """Every view node reached from ``c`` through _VIEWS of their first argument."""
-    out, stack = [], [c]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u.op == "call_function" and u.target in _VIEWS and u.args and u.args[0] is n and u not in out:
-                out.append(u)
-                stack.append(u)
-    return out
 
 
 def _padded_strides(shape, c8) -> tuple:
@@ -159,7 +148,7 @@ class AlignGemm(Pass):
         cols = ti.shape[-1]
         if cols % 8 == 0:
             return f"its rows ({cols}) are already a multiple of 8 long: another operand is not aligned", None
-        leaves, why = _readers(c)
+        leaves, views, why = _readers(c)
         if why:
             return why, None
         for _, u in leaves:
@@ -169,7 +158,6 @@ class AlignGemm(Pass):
                 return f"{u.name} ({ir.target_name(u)}) reads it and may want rows in memory", None
         c8 = -(-cols // 8) * 8
         stride = _padded_strides(ti.shape, c8)
-        views = _views_of(c)
         readers = list(dict.fromkeys(u for _, u in leaves))
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         r = ctx.replacement()
@@ -218,7 +206,7 @@ class AlignGemm(Pass):
         n8 = -(-N // 8) * 8
         if (k8, n8) == (K, N):
             return "its input and output rows are aligned: another operand is not", None
-        leaves, why = _readers(lin) if n8 != N else ([], "")
+        leaves, _, why = _readers(lin) if n8 != N else ([], [], "")
         if why:
             return why, None
         r = ctx.replacement()

@@ -394,6 +394,13 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
                 return None
         return found + follow
 
+    def drop_cast(u: fx.Node) -> None:
+        """A cast made unneeded: its readers read its input, and it leaves the graph and the cache."""
+        u.replace_all_uses_with(u.args[0])
+        for key in [k for k, v in casts.items() if v is u]:
+            del casts[key]
+        g.erase_node(u)
+
     for node in list(g.nodes):
         if node.op == "call_function" and node.target is aten.softmax.int and node.kwargs.get("dtype") == FP32 \
                 and node.name not in forced and node.args and dtype_of(node.args[0]) == low and node.users:
@@ -408,10 +415,7 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
                     cur[u] = low
             for u in readers:
                 if u.target is aten._to_copy.default:
-                    u.replace_all_uses_with(u.args[0])
-                    for key in [k for k, v in casts.items() if v is u]:
-                        del casts[key]
-                    g.erase_node(u)
+                    drop_cast(u)
     # a fused kernel's fp32 output read only through casts to the low dtype: the kernel stores the low
     # dtype (it computes in fp32 and rounds once at its store: the casts' numbers, without their pass)
     for node in list(g.nodes):
@@ -429,10 +433,7 @@ def _lower(gm: fx.GraphModule, low: torch.dtype, forced: set, training: bool, co
             for v in [gi, *views]:
                 cur[v] = low
             for u in readers:
-                u.replace_all_uses_with(u.args[0])
-                for key in [k for k, v in casts.items() if v is u]:
-                    del casts[key]
-                g.erase_node(u)
+                drop_cast(u)
         if outs != prog.outputs:
             node.args = (dataclasses.replace(prog, outputs=outs).source, *node.args[1:])
     # outputs in the caller's dtype

@@ -258,3 +258,13 @@ def test_gemm_partial_alignment_scale_is_a_rate_ratio():
 
     scale = _gemm_partial_alignment_scale(torch.device("cpu"), torch.float32, quick=True)
     assert 0.0 < scale <= 1.0
+
+
+def test_gemm_partial_alignment_scale_compares_rates_per_flop(monkeypatch):
+    """The scale is the 196-wide GEMMs' rate over the 200-wide ones', per FLOP, averaged over K and N."""
+    from graphopt.tools import calibrate as cal
+
+    times = iter([2.0, 1.0, 1.0, 1.0])  # K: 196 twice as slow as 200; N: alike in time
+    monkeypatch.setattr(cal, "_best_seconds", lambda fn, device, iters: next(times))
+    scale = cal._gemm_partial_alignment_scale(torch.device("cpu"), torch.float32, quick=True)
+    assert scale == pytest.approx(((1 / 200) / (2 / 196) + (1 / 200) / (1 / 196)) / 2)

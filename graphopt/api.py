@@ -865,12 +865,17 @@ def _run_pipeline(gm, planning: _Planning, check, model_dev, opts: OptimizeOptio
     execution = {"before": run_cost.execution_cost(gm, hints, "eager").as_dict()}
 
     captured_act = _captured_activation_bytes(gm, cost, hints, opts)
+    candidate_timer = None
+    if meter is not None:  # measuring on the device planned for: lowerings are timed there before they apply
+        from .runtime.candidates import CandidateTimer
+
+        candidate_timer = CandidateTimer(model_dev, margin=meter.margin)
 
     def context():
         constants.used = constants.peak = 0.0  # a second run starts from the captured graph again
         return PassContext(cost=cost, training=opts.training, verify=opts.verify, dump_dir=opts.dump_dir,
                            hints=hints, options=opts, device=model_dev, constants=constants,
-                           captured_activation_bytes=captured_act)
+                           captured_activation_bytes=captured_act, candidate_timer=candidate_timer)
 
     snapshot = None
     if check is not None or meter is not None:

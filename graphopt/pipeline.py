@@ -78,6 +78,10 @@ class Candidate:
     constant_bytes: float = 0.0
     # what to apply instead when the weight-copy budget refuses this one (a layout without the copy)
     fallback: "Candidate | None" = None
+    # the nodes apply() would make, as priced (a graphopt.cost.replacement.Replacement): where the
+    # context has a candidate timer (optimize() measuring on the device it plans for), the rewrite
+    # is timed there against ``nodes`` before it applies, and not applied where it measures slower
+    replacement: object = None
 
     @property
     def description(self) -> str:
@@ -156,6 +160,11 @@ class PassResult:
             if limit is not None and len(self.rewrites) >= limit:
                 self.reject(c.description, f"beyond the first {limit} rewrites (bisecting)")
                 continue
+            if c.replacement is not None and ctx.candidate_timer is not None and not ctx.ignore_cost:
+                why_not = self._timed(ctx.candidate_timer, c)
+                if why_not:
+                    self.reject(c.description, why_not)
+                    continue
             too_big = ctx.constants.refusal(c.constant_bytes)
             if too_big and c.fallback is not None:
                 why_not = too_big
@@ -187,6 +196,21 @@ class PassResult:
                 winners[n] = c.description
             shown = [n for n in created if n.op != "get_attr"] or created
             self.record(c.pattern, c.nodes, shown, c.gain_s)
+
+    def _timed(self, timer, c: Candidate) -> str:
+        """Why ``c`` is not applied after timing it on the device ("" where it applies); the times
+        go to ``details["timed_candidates"]``."""
+        times = timer.time(c.nodes, c.replacement)
+        if times is None:
+            return ""
+        old, new = times
+        self.details.setdefault("timed_candidates", []).append(
+            {"candidate": c.description, "predicted_gain_us": c.gain_s * 1e6, "before_us": old * 1e6,
+             "after_us": new * 1e6})
+        if timer.slower(old, new):
+            return (f"measured slower on {timer.device_name}: {new * 1e6:.1f} us against {old * 1e6:.1f} us "
+                    f"(predicted {c.gain_s * 1e6:+.1f} us)")
+        return ""
 
     def as_dict(self) -> dict:
         return {
@@ -254,6 +278,9 @@ class PassContext:
     # memory_budget fraction is given): the fraction is of the model's activations, not of what
     # the fusion passes before insert_checkpoints left of them
     captured_activation_bytes: float | None = None
+    # times a candidate carrying its replacement on the device before it applies
+    # (graphopt.runtime.candidates.CandidateTimer; set by optimize() where it measures)
+    candidate_timer: object = None
 
     def __post_init__(self):
         if self.profile is None:

@@ -131,7 +131,8 @@ class ConvSpaceToDepth(Pass):
         old, new = ctx.node_time([conv]), r.time()
         copied = co * 4 * c4 * kbs[0] * kbs[1] * wi.dtype.itemsize  # the regrouped weight, a new constant
         return Candidate("narrow stride-2 convolution -> space-to-depth + stride-1 convolution", [conv], old - new,
-                         lambda: self._apply(gm, conv, c4, kbs, pads, blocks), label=label, constant_bytes=copied)
+                         lambda: self._apply(gm, conv, c4, kbs, pads, blocks), label=label, constant_bytes=copied,
+                         replacement=r)
 
     @staticmethod
     def _apply(gm, conv, c4, kbs, pads, blocks):

@@ -131,7 +131,12 @@ class LowerDepthwiseConv(Pass):
                 bias = bias if bias is not None else get_arg(u, 1, "bias")
                 act, residual = get_arg(u, 2, "act"), get_arg(u, 3, "residual")
             r = ctx.cost.replacement(ctx.hints)
-            _build(r.call, x, w, bias, residual, pairs, act, cl)
+            wi = ir.info(w)
+            wr = w
+            if isinstance(w, fx.Node) and w.op == "get_attr":  # the tap-major copy apply() stores
+                C, _, kh, kw = wi.shape
+                wr = r.tensor(wi.shape, wi.dtype, wi.device, stride=(1, 1, kw * C, C))
+            _build(r.call, x, wr, bias, residual, pairs, act, cl)
             matched = [node] + ([u] if u is not None else [])
             old, new = ctx.node_time(matched), r.time()
             k = ir.info(w).shape[2:]
@@ -142,7 +147,7 @@ class LowerDepthwiseConv(Pass):
             cands.append(Candidate(what, matched, old - new,
                                    lambda node=node, last=last, args=(x, w, bias, residual, pairs, act, cl), u=u:
                                    self._apply(gm, node, last, args, u),
-                                   label=node.name, constant_bytes=copy))
+                                   label=node.name, constant_bytes=copy, replacement=r))
         res.apply_ranked(ctx, cands, fused_kernels=True)
         return res
 

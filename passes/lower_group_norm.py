@@ -82,11 +82,12 @@ class LowerGroupNorm(Pass):
         act, a = _activation(node)
         matched = [node] + ([act] if act is not None else [])
         args = (x, groups, w, b, float(eps), a)
-        gain = ctx.node_time(matched) - ctx.price(torch.ops.graphopt.group_norm.default, *args,
-                                                  val=matched[-1].meta.get("val"))
+        r = ctx.replacement()
+        r.call(torch.ops.graphopt.group_norm.default, *args, val=matched[-1].meta.get("val"))
+        gain = ctx.node_time(matched) - r.time()
         return Candidate(f"group_norm ({groups} group{'s' if groups != 1 else ''})"
                          f"{' + ' + a if act is not None else ''} -> graphopt::group_norm",
-                         matched, gain, lambda: self._apply(gm, matched, args), label=label)
+                         matched, gain, lambda: self._apply(gm, matched, args), label=label, replacement=r)
 
     @staticmethod
     def _apply(gm, matched, args):

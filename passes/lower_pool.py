@@ -109,10 +109,12 @@ class LowerPool(Pass):
         old = ctx.node_time([node])
         op, args = ((torch.ops.graphopt.avg_pool2d_nhwc.default, (x, k, s, p, include_pad)) if avg
                     else (torch.ops.graphopt.max_pool2d_nhwc.default, (x, k, s, p)))
-        new = ctx.price(op, *args, val=node.meta.get("val"))
+        r = ctx.replacement()
+        r.call(op, *args, val=node.meta.get("val"))
+        new = r.time()
         kind = "avg" if avg else "max"
         return Candidate(f"{kind}_pool2d {k}x{k}/{s} -> {kind}_pool2d_nhwc", [node], old - new,
-                         lambda: self._apply(gm, node, op, args), label=label)
+                         lambda: self._apply(gm, node, op, args), label=label, replacement=r)
 
     @staticmethod
     def _apply(gm, node, op, args):

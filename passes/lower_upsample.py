@@ -78,11 +78,14 @@ class LowerUpsample(Pass):
                 continue
             op = torch.ops.graphopt.upsample_bilinear2d.default
             old = ctx.node_time([node])
-            new = ctx.price(op, node.args[0], *args, val=node.meta.get("val"))
+            r = ctx.replacement()
+            r.call(op, node.args[0], *args, val=node.meta.get("val"))
+            new = r.time()
             xi = ir.info(node.args[0])
             what = f"bilinear {tuple(xi.shape[2:])} -> {tuple(args[0])} over {xi.shape[1]} channels"
             cands.append(Candidate(what, [node], old - new,
-                                   lambda node=node, args=args: self._apply(gm, node, op, args), label=node.name))
+                                   lambda node=node, args=args: self._apply(gm, node, op, args), label=node.name,
+                                   replacement=r))
         res.apply_ranked(ctx, cands, fused_kernels=True)
         return res
 

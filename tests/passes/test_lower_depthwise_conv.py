@@ -158,3 +158,50 @@ def test_float64_is_refused_with_its_dtype():
     gm = capture(m, (x,))
     res = run_passes(gm, ["fuse_bias_act", "lower_depthwise_conv"], target="h200")[-1]
     assert not _ours(gm) and any("torch.float64" in r.reason for r in res.rejected)
+
+
+class Mixing(nn.Module):
+    """A 7x7 depthwise convolution + ReLU + the residual over many channels (ConvMixer's), then a
+    3x3 one + SiLU over a few (MobileNet's): two candidates of two shapes."""
+
+    def __init__(self, c=768, small=16):
+        super().__init__()
+        self.big = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.proj = nn.Conv2d(c, small, 1)
+        self.small = nn.Conv2d(small, small, 3, padding=1, groups=small)
+
+    def forward(self, x):
+        x = torch.relu(self.big(x)) + x
+        return torch.nn.functional.silu(self.small(self.proj(x)))
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_each_candidate_is_timed_and_applied_only_where_not_measured_slower():
+    """With a candidate timer (optimize() sets one where it measures), every candidate is timed
+    against the convolution and epilogue it replaces; the applied ones measured no slower than the
+    margin allows, the refused ones say "measured slower" with both times; the graph keeps the
+    accuracy rule either way. (Which way each goes is the device's call: not asserted.)"""
+    from graphopt.cost.model import CostModel
+    from graphopt.cost.profiles import get_profile
+    from graphopt import ir
+    from graphopt.pipeline import PassContext, PassManager, assemble
+    from graphopt.runtime import candidates
+
+    torch.manual_seed(0)
+    m = Mixing().cuda().to(torch.bfloat16).eval().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 768, 32, 32, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    gm = capture(m, (x,))
+    timer = candidates.CandidateTimer("cuda")
+    ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), candidate_timer=timer)
+    (res,) = [r for r in PassManager(assemble(["fuse_bias_act", "lower_depthwise_conv"])).run(gm, ctx)
+              if r.name == "lower_depthwise_conv"]
+    timed = {t["candidate"]: t for t in res.details.get("timed_candidates", [])}
+    applied = {r.matched[0] for r in res.rewrites}
+    refused = {r.candidate: r.reason for r in res.rejected}
+    assert len(timed) == 2 and set(timed) == applied | {c for c in refused if c in timed}, (timed, refused)
+    for name, t in timed.items():
+        if name in applied:
+            assert t["after_us"] <= t["before_us"] * (1 + timer.margin)
+        else:
+            assert refused[name].startswith("measured slower on ") and " us against " in refused[name]
+    assert reference_check(m, gm, (x,)).passed

@@ -21,7 +21,8 @@
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
 #   s62      (lowerings timed on the device before they apply: graphopt.runtime.candidates) the cuda tests of
-#            lower_depthwise_conv and align_gemm, diag_dwconv.py, $2 timed alone (compile too), the pass on and off on $3
+#            lower_depthwise_conv and align_gemm, kernel profiles (compile too) of $2, the pass on and off on $3,
+#            then $2 timed alone (compile too)
 #   s61      (ConvMixer-768/32: its model ran 2.4x slower with lower_depthwise_conv, 7x7 over 768 channels of 32x32)
 #            diag_dwconv.py --nodes, diag_dwconv_tiles.py (each channel block forced), then kernel profiles
 #            (compile too) of $2
@@ -151,13 +152,11 @@ code_ab() {
 case "$1" in
 s62)
   ctests s62 ${CT:-120} tests/passes/test_lower_depthwise_conv.py tests/passes/test_align_gemm.py
-  timeout $((${DIAG_END:-220} - SECONDS)) python3 benchmarks/diag/diag_dwconv.py --out "$OUT" 2>&1 | quiet \
-    | grep "^|\|rror" | head -24
-  echo "### diag ${SECONDS}s"
-  alone "$2" ${SPLIT:-430}
-  timeout $((${LIMIT:-585} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$3" --out "$OUT" --rounds 5 --reps 20 \
+  LIMIT=${PROF_END:-330} compile_profiles "$2"
+  timeout $((${AB_END:-450} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$3" --out "$OUT" --rounds 5 --reps 20 \
     2>&1 | quiet | grep "^| \|rror" | tail -8
-  echo "### ab ${SECONDS}s" ;;
+  echo "### ab ${SECONDS}s"
+  alone "$2" ${LIMIT:-590} ;;
 s61)
   timeout $((${DIAG_END:-200} - SECONDS)) python3 benchmarks/diag/diag_dwconv.py --out "$OUT" --nodes 2>&1 \
     | quiet | grep "^|\|rror" | head -30

@@ -211,6 +211,13 @@ def main(argv=None) -> int:
                 lines.append(f"| {r.name} | {r.status} | {'' if ms is None else f'{ms:.3f}'} | "
                              f"{(r.notes[-1] if r.notes else '')[:160]} |")
         lines.append("")
+        timed = [(r.name, t) for r in opt.report.passes for t in r.details.get("timed_candidates", [])]
+        if timed:  # lowerings timed on the device before they applied (graphopt.runtime.candidates)
+            lines += ["## candidates timed before they applied", "",
+                      "| pass | candidate | predicted gain µs | before µs | after µs |", "| --- | --- | ---: | ---: | ---: |"]
+            lines += [f"| {p} | {t['candidate']} | {t['predicted_gain_us']:.1f} | {t['before_us']:.1f} | "
+                      f"{t['after_us']:.1f} |" for p, t in timed]
+            lines.append("")
         if a.ablate:
             applied = [r.name for r in opt.report.passes if r.status == "applied"
                        and (a.ablate == "all" or r.name in a.ablate.split(","))]

@@ -20,6 +20,7 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s63      kernel profiles (compile too) of $2, then $3 timed alone (compile too)
 #   s62      (lowerings timed on the device before they apply: graphopt.runtime.candidates) the cuda tests of
 #            lower_depthwise_conv and align_gemm, kernel profiles (compile too) of $2, the pass on and off on $3,
 #            then $2 timed alone (compile too)
@@ -150,6 +151,9 @@ code_ab() {
   done
 }
 case "$1" in
+s63)
+  LIMIT=${PROF_END:-330} compile_profiles "$2"
+  alone "$3" ${LIMIT:-590} ;;
 s62)
   ctests s62 ${CT:-120} tests/passes/test_lower_depthwise_conv.py tests/passes/test_align_gemm.py
   LIMIT=${PROF_END:-330} compile_profiles "$2"

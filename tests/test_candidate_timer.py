@@ -116,6 +116,9 @@ def test_a_candidate_measured_slower_is_refused_with_both_times_and_the_others_a
     assert len(timed) == 8 and all(t["before_us"] > 0 and t["after_us"] > 0 for t in timed)
     assert not any(n.target in (aten.mm.default, aten.matmul.default) for n in opt.graph_module.graph.nodes)
     assert opt.report.optimize_phases.get("measured guard: timing candidates", 0) > 0
+    from graphopt.tools.bench import _graphopt_extra  # what the bench and the perf sweep record
+
+    assert _graphopt_extra(opt)["timed_candidates"] == {"planted_lowering": [4, 8]}
     assert reference_check(model, opt.graph_module, (x,)).passed
 
 

@@ -99,8 +99,10 @@ def test_the_summary_names_slow_set_ups_untimed_passes_and_reverts_by_kind():
     b.setup_s = {"compile": 30.0, "graphopt": 9.0}
     b.reverted = {"assign_precision": "reverted: fails the accuracy rule (rmse 3 x the floor)"}
     b.held = {"fold_conv_bn": "kept: the passes with fold_conv_bn kept measured 1.9 ms, run again with it judged alone 3.8 ms"}
+    b.timed = {"lower_depthwise_conv": [32, 32]}
     s = perf_sweep.summary([a, b])
     assert s["held"] == {"b:64": {"fold_conv_bn": "kept"}}
+    assert s["timed_candidates"] == {"b:64": {"lower_depthwise_conv": [32, 32]}}
     assert s["setup_over_a_third_of_compile"] == ["a:1"] and s["applied_not_timed"] == {"a:1": ["fuse_layer_norm"]}
     assert s["reverted"] == {"broken graph": {"a:1": ["fuse_elementwise"]},
                              "measured slower": {"a:1": ["convert_channels_last"]},
@@ -110,6 +112,7 @@ def test_the_summary_names_slow_set_ups_untimed_passes_and_reverts_by_kind():
     assert "- passes reverted (broken graph): a:1: fuse_elementwise" in md
     assert "- graphopt's set-up over a third of torch.compile's: 1 (a:1)" in md
     assert "- passes measured slower alone and held while the others ran: b:64: fold_conv_bn (kept)" in md
+    assert "(refused as slower / timed): b:64: lower_depthwise_conv 32/32" in md
 
 
 @pytest.mark.slow  # 14 s on two cores (a fresh interpreter); the sweep's other tests run its parts in this process

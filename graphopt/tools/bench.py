@@ -936,6 +936,10 @@ def _graphopt_extra(opt) -> dict:
                          for p in rep.passes if getattr(p, "status", "") == "reverted"}
     # pass -> the measured guard's verdict on a pass measured slower alone and held while the others ran
     extra["held"] = {p.name: p.details["held_verdict"] for p in rep.passes if "held_verdict" in p.details}
+    # pass -> [candidates refused, candidates timed] by timing them on the device before they applied
+    extra["timed_candidates"] = {
+        p.name: [sum(r.reason.startswith("measured slower on ") for r in p.rejected), len(p.details["timed_candidates"])]
+        for p in rep.passes if p.details.get("timed_candidates")}
     if runner is not None:
         extra["cuda_graph"] = runner.decision.note()
         extra["runner_stats"] = {k: v for k, v in runner.stats.items()}

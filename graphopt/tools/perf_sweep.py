@@ -374,6 +374,7 @@ class Row:
     pass_ms: dict = field(default_factory=dict)  # applied pass -> its measured ms (the guard's), None: not timed
     reverted: dict = field(default_factory=dict)  # reverted pass -> the one line of its revert
     held: dict = field(default_factory=dict)  # pass measured slower alone and held -> the guard's verdict
+    timed: dict = field(default_factory=dict)  # pass -> [candidates refused, timed] on the device before applying
     # torch.compile's set-up where a prewarm compiled the config first (sweep(prewarm_jobs=...)): the
     # cold compile's seconds stand in setup_s, the timed run's own (warm cache) ones here
     compile_warm_setup_s: dict = field(default_factory=dict)
@@ -446,6 +447,7 @@ def run_one(cfg: PerfConfig, *, device: str, dtype: str | None, reps: int, warmu
             row.pass_ms = v.extra.get("pass_ms") or {}
             row.reverted = v.extra.get("reverted") or {}
             row.held = v.extra.get("held") or {}
+            row.timed = v.extra.get("timed_candidates") or {}
             row.interleaved = v.extra.get("interleaved") or {}
     return row
 
@@ -596,6 +598,7 @@ def summary(rows: list[Row]) -> dict:
         # passes measured slower alone, held while the others ran: kept (the passes after them built on
         # them) or judged alone in a second run of the pipeline
         "held": {r.config: {p: v.split(":", 1)[0] for p, v in r.held.items()} for r in done if r.held},
+        "timed_candidates": {r.config: r.timed for r in done if r.timed},
         "errors": {r.config: r.error for r in rows if r.status != "ok"},
     }
 
@@ -674,6 +677,9 @@ def to_markdown(rows: list[Row], header: dict) -> str:
     lines.append("- passes measured slower alone and held while the others ran: "
                  + ("; ".join(f"{c}: " + ", ".join(f"{p} ({v})" for p, v in ps.items()) for c, ps in s["held"].items())
                     or "none"))
+    lines.append("- lowering candidates timed on the device before they applied (refused as slower / timed): "
+                 + ("; ".join(f"{c}: " + ", ".join(f"{p} {n[0]}/{n[1]}" for p, n in ps.items())
+                              for c, ps in s["timed_candidates"].items()) or "none"))
     if s["errors"]:
         lines += [f"- not measured: {len(s['errors'])} ({', '.join(s['errors'])})"]
     return "\n".join(lines) + "\n"

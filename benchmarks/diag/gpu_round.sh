@@ -20,6 +20,8 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s64      s62 reordered for less device time: cuda tests, kernel profiles (compile too) of $2, $2 timed alone,
+#            then the pass on and off on $3
 #   s63      kernel profiles (compile too) of $2, then $3 timed alone (compile too)
 #   s62      (lowerings timed on the device before they apply: graphopt.runtime.candidates) the cuda tests of
 #            lower_depthwise_conv and align_gemm, kernel profiles (compile too) of $2, the pass on and off on $3,
@@ -151,6 +153,13 @@ code_ab() {
   done
 }
 case "$1" in
+s64)
+  ctests s64 ${CT:-110} tests/passes/test_lower_depthwise_conv.py tests/passes/test_align_gemm.py
+  LIMIT=${PROF_END:-290} compile_profiles "$2"
+  alone "$2" ${SPLIT:-430}
+  timeout $((${LIMIT:-560} - SECONDS)) python3 benchmarks/diag/diag_pass_ab.py "$3" --out "$OUT" --rounds 5 --reps 20 \
+    2>&1 | quiet | grep "^| \|rror" | tail -8
+  echo "### ab ${SECONDS}s" ;;
 s63)
   LIMIT=${PROF_END:-330} compile_profiles "$2"
   alone "$3" ${LIMIT:-590} ;;

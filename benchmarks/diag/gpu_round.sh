@@ -20,6 +20,7 @@
 #            BERT precision-only
 #   s49      (run from branch dw-runtime-shape, which had compile workers) the cuda tests of precompile, norm_triton,
 #            pointwise, the depthwise and resampling kernels, then optimize()'s cold set-up on $2: main / threads / processes
+#   s65      (the last 250 s of the session's device time) lower_depthwise_conv's cuda tests, $2 against eager only
 #   s64      s62 reordered for less device time: cuda tests, kernel profiles (compile too) of $2, $2 timed alone,
 #            then the pass on and off on $3
 #   s63      kernel profiles (compile too) of $2, then $3 timed alone (compile too)
@@ -153,6 +154,11 @@ code_ab() {
   done
 }
 case "$1" in
+s65)
+  ctests s65 ${CT:-60} tests/passes/test_lower_depthwise_conv.py
+  timeout $((${LIMIT:-230} - SECONDS)) python3 benchmarks/sweep.py perf --configs "$2" --vs eager --jobs 1 --timeout 150 \
+    --reps 20 --warmup 3 --out "$OUT/alone" 2>&1 | quiet | grep "^| \|^- \|rror" | tail -16
+  echo "### alone ${SECONDS}s" ;;
 s64)
   ctests s64 ${CT:-110} tests/passes/test_lower_depthwise_conv.py tests/passes/test_align_gemm.py
   LIMIT=${PROF_END:-290} compile_profiles "$2"

@@ -198,3 +198,14 @@ def test_a_subgraph_that_fails_to_run_is_left_to_the_cost_model(monkeypatch):
     r.call(aten.mm.default, x, w, val=torch.empty(16, 8))
     timer = CandidateTimer("cpu")
     assert timer.time([relus[0]], r) is None
+
+
+def test_inputs_keep_the_graph_strides_a_broadcast_one_included():
+    """A residual expanded over the batch (stride 0) and a channels_last map are made with those strides."""
+    timer = CandidateTimer("cpu")
+    wide = torch.empty(4, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    expanded = torch.empty(1, 8, 5, 5).expand(4, 8, 5, 5)
+    for val in (wide, expanded, torch.empty(0, 3), torch.zeros(3, 2, dtype=torch.int64)):
+        t = timer._make(val)
+        assert t.shape == val.shape and t.stride() == val.stride() and t.dtype == val.dtype
+    assert timer._make(expanded).std() > 0 and not timer._make(torch.zeros(3, dtype=torch.int64)).any()

@@ -107,7 +107,7 @@ class CandidateTimer:
     def _new_graph(replacement) -> tuple[fx.Graph, list] | None:
         """The replacement's calls in a graph with an output (its scratch graph is left as it is);
         its placeholders stand for nodes of the real graph or for constants the rewrite would make
-        (None in the returned list: made from the fake value)."""
+        (the scratch placeholder itself in the returned list: made from its fake value)."""
         if not replacement.nodes:
             return None
         for ph in list(replacement._pending):  # constants whose fake value is made on first use
@@ -132,12 +132,16 @@ class CandidateTimer:
     # ------------------------------------------------------------------ inputs
 
     def _make(self, val) -> torch.Tensor:
-        t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=self.device)
-        if t.is_floating_point() or t.is_complex():
-            t.normal_()
+        """A tensor of ``val``'s shape, strides and dtype on the device, over storage filled first (a
+        broadcast input's zero strides make elements share memory, which an in-place fill refuses)."""
+        shape, stride = tuple(val.shape), tuple(val.stride())
+        size = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+        base = torch.empty(size, dtype=val.dtype, device=self.device)
+        if base.is_floating_point() or base.is_complex():
+            base.normal_()
         else:
-            t.zero_()
-        return t
+            base.zero_()
+        return base.as_strided(shape, stride)
 
     # ------------------------------------------------------------------ timing
 

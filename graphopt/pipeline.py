@@ -204,10 +204,11 @@ class PassResult:
         if times is None:
             return ""
         old, new = times
+        refused = timer.slower(old, new)
         self.details.setdefault("timed_candidates", []).append(
             {"candidate": c.description, "predicted_gain_us": c.gain_s * 1e6, "before_us": old * 1e6,
-             "after_us": new * 1e6})
-        if timer.slower(old, new):
+             "after_us": new * 1e6, "refused": refused})
+        if refused:
             return (f"measured slower on {timer.device_name}: {new * 1e6:.1f} us against {old * 1e6:.1f} us "
                     f"(predicted {c.gain_s * 1e6:+.1f} us)")
         return ""

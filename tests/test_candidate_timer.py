@@ -114,6 +114,7 @@ def test_a_candidate_measured_slower_is_refused_with_both_times_and_the_others_a
     assert all(" us against " in r.reason and "predicted +" in r.reason for r in refused)
     timed = res.details["timed_candidates"]
     assert len(timed) == 8 and all(t["before_us"] > 0 and t["after_us"] > 0 for t in timed)
+    assert sorted(t["candidate"] for t in timed if t["refused"]) == [r.candidate for r in refused]
     assert not any(n.target in (aten.mm.default, aten.matmul.default) for n in opt.graph_module.graph.nodes)
     assert opt.report.optimize_phases.get("measured guard: timing candidates", 0) > 0
     from graphopt.tools.bench import _graphopt_extra  # what the bench and the perf sweep record
@@ -161,7 +162,7 @@ def test_candidates_alike_are_timed_once_and_each_subgraph_reads_what_it_matched
         _slow(r, n.args[0])
         new_graph, new_outer = timer._new_graph(r)
         # the relu's input, and W (a constant of the rewrite's own, made from its fake value)
-        assert sorted(o.graph is r.graph for o in new_outer) == [False, True] and n.args[0] in new_outer
+        assert new_outer.count(None) == 1 and n.args[0] in new_outer
         results.append(timer.time([n], r))
     assert timer.timed == 2 and results[1] == results[0] and results[2] != results[0]
     assert all(timer.slower(old, new) for old, new in results)

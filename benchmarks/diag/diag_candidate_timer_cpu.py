@@ -46,7 +46,7 @@ def main(argv=None):
         ctx = PassContext(cost=CostModel(get_profile("h200")[0]), hints=ir.shape_hints(gm), candidate_timer=timer)
         results = PassManager(assemble(None)).run(gm, ctx)
         per = ", ".join(f"{r.name} {len(r.details['timed_candidates'])} / {len(r.rewrites)} / "
-                        f"{sum(x.reason.startswith('measured slower') for x in r.rejected)}"
+                        f"{sum(t['refused'] for t in r.details['timed_candidates'])}"
                         for r in results if r.details.get("timed_candidates"))
         print(f"| {name} | {timer.timed} | {len(timer.none)} {timer.none[:3] or ''} | {per} |", flush=True)
 

@@ -83,6 +83,18 @@ class Replacement:
         self.nodes.append(node)
         return node
 
+    def read_placeholders(self) -> list[tuple[fx.Node, fx.Node | None]]:
+        """The placeholders the calls read, in the scratch graph's order, each with the node of the real
+        graph it stands for (None: a tensor the rewrite would make), every one with its fake value."""
+        real = {ph: node for node, ph in self._inputs.items()}
+        read = {a for n in self.nodes for a in n.all_input_nodes}
+        out = []
+        for ph in self.graph.find_nodes(op="placeholder"):
+            if ph in read:
+                self._value(ph)
+                out.append((ph, real.get(ph)))
+        return out
+
     # ------------------------------------------------------------------ pricing
 
     def time(self) -> float:

@@ -20,13 +20,12 @@ is left to the cost model (``time`` returns None).
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.fx as fx
 
 from .. import timing
-from .measured import MARGIN
+from .measured import MARGIN, Timer
 
 _RESULTS: dict = {}  # (device name, signature) -> (old seconds, new seconds) or None (not timeable)
 
@@ -69,7 +68,7 @@ class CandidateTimer:
         self.device = torch.device(device)
         self.margin = MARGIN if margin is None else margin
         self.rounds, self.target_s, self.most_reps = rounds, target_s, most_reps
-        self.spent_s = 0.0
+        self._clock = Timer(self.device)  # its one-call clock: CUDA events on a GPU, perf_counter on the CPU
         self.timed = 0  # candidates timed by this timer (not taken from the results kept)
         if self.device.type == "cuda":
             self.device_name = torch.cuda.get_device_name(self.device)
@@ -87,10 +86,7 @@ class CandidateTimer:
         inside = set(nodes)
         if any(n.op != "call_function" for n in nodes):
             return None
-        outer: list = []
-        for n in nodes:  # the values read from outside the match, in the order first read
-            fx.node.map_arg((n.args, n.kwargs), lambda a: outer.append(a) if a not in inside and a not in outer
-                            else None)
+        outer = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
         g = fx.Graph()
         env: dict = {}
         for i, a in enumerate(outer):
@@ -98,7 +94,6 @@ class CandidateTimer:
             env[a].meta["val"] = a.meta.get("val")
         for n in nodes:
             env[n] = g.node_copy(n, lambda a: env[a])
-            env[n].meta["val"] = n.meta.get("val")
         outs = [n for n in nodes if any(u not in inside for u in n.users)] or nodes[-1:]
         g.output(tuple(env[n] for n in outs))
         return g, outer
@@ -106,24 +101,17 @@ class CandidateTimer:
     @staticmethod
     def _new_graph(replacement) -> tuple[fx.Graph, list] | None:
         """The replacement's calls in a graph with an output (its scratch graph is left as it is);
-        its placeholders stand for nodes of the real graph or for constants the rewrite would make
-        (the scratch placeholder itself in the returned list: made from its fake value)."""
+        its placeholders stand for nodes of the real graph, or (None in the returned list) for
+        constants the rewrite would make."""
         if not replacement.nodes:
             return None
-        for ph in list(replacement._pending):  # constants whose fake value is made on first use
-            replacement._value(ph)
-        real = {ph: node for node, ph in replacement._inputs.items()}
         g = fx.Graph()
         env: dict = {}
         outer: list = []
-        used = set()
-        for n in replacement.nodes:
-            fx.node.map_arg((n.args, n.kwargs), used.add)
-        for ph in replacement.graph.nodes:
-            if ph.op == "placeholder" and ph in used:
-                env[ph] = g.placeholder(f"in{len(outer)}")
-                env[ph].meta["val"] = ph.meta.get("val")
-                outer.append(real.get(ph, ph))
+        for ph, real in replacement.read_placeholders():
+            env[ph] = g.placeholder(f"in{len(outer)}")
+            env[ph].meta["val"] = ph.meta.get("val")
+            outer.append(real)
         for n in replacement.nodes:
             env[n] = g.node_copy(n, lambda a: env[a])
         g.output((env[replacement.nodes[-1]],))
@@ -145,41 +133,15 @@ class CandidateTimer:
 
     # ------------------------------------------------------------------ timing
 
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _clock(self, fn, reps: int) -> float:
-        """Seconds of ``reps`` calls of ``fn`` (events on a GPU)."""
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self._sync()
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return time.perf_counter() - t0
-
     def _graphed(self, fn, reps: int):
         """A callable replaying ``reps`` calls of ``fn`` from one CUDA graph (None where the calls
         cannot be captured: they then run as launched)."""
         if self.device.type != "cuda":
             return None
+        from .cuda_graphs import _CudaBackend
+
         try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(reps):
-                    fn()
+            graph, _ = _CudaBackend().capture(lambda: [fn() for _ in range(reps)], None, self.device, warmup=1)
             return graph.replay
         except Exception:
             return None
@@ -189,8 +151,8 @@ class CandidateTimer:
         with torch.inference_mode():
             for fn in (old, new):  # first use: a kernel's compilation, cuDNN's and cuBLAS's choices
                 fn()
-            self._sync()
-            first = max(self._clock(old, 1), self._clock(new, 1), 1e-7)
+            self._clock._sync()
+            first = max(self._clock._once(old), self._clock._once(new), 1e-7)
             reps = int(max(1, min(self.most_reps, self.target_s // first)))
             runs = [self._graphed(f, reps) for f in (old, new)]
             if None in runs:  # launched, not replayed: each run is reps calls
@@ -198,7 +160,7 @@ class CandidateTimer:
             samples: list = [[], []]
             for _ in range(self.rounds):
                 for i, run in enumerate(runs):
-                    samples[i].append(self._clock(run, 1) / reps)
+                    samples[i].append(self._clock._once(run) / reps)
         return statistics.median(samples[0]), statistics.median(samples[1])
 
     def time(self, nodes: list, replacement) -> tuple[float, float] | None:
@@ -218,7 +180,6 @@ class CandidateTimer:
         key = (self.device_name, _signature(g_old) + "\n=>\n" + _signature(g_new))
         if key in _RESULTS:
             return _RESULTS[key]
-        t0 = time.perf_counter()
         result = None
         try:
             made: dict = {}  # a node of the real graph read by both sides: one tensor
@@ -226,7 +187,7 @@ class CandidateTimer:
             for g, outer in ((g_old, in_old), (g_new, in_new)):
                 args.append([])
                 for o, ph in zip(outer, g.find_nodes(op="placeholder")):
-                    if o.graph is replacement.graph:  # a constant the rewrite would make
+                    if o is None:  # a constant the rewrite would make
                         args[-1].append(self._make(ph.meta["val"]))
                         continue
                     if o not in made:
@@ -238,8 +199,7 @@ class CandidateTimer:
         except Exception:
             result = None
         finally:
-            self._sync()
-            self.spent_s += time.perf_counter() - t0
+            self._clock._sync()
         _RESULTS[key] = result
         return result
 

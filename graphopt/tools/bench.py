@@ -938,8 +938,8 @@ def _graphopt_extra(opt) -> dict:
     extra["held"] = {p.name: p.details["held_verdict"] for p in rep.passes if "held_verdict" in p.details}
     # pass -> [candidates refused, candidates timed] by timing them on the device before they applied
     extra["timed_candidates"] = {
-        p.name: [sum(r.reason.startswith("measured slower on ") for r in p.rejected), len(p.details["timed_candidates"])]
-        for p in rep.passes if p.details.get("timed_candidates")}
+        p.name: [sum(t["refused"] for t in timed), len(timed)]
+        for p in rep.passes if (timed := p.details.get("timed_candidates"))}
     if runner is not None:
         extra["cuda_graph"] = runner.decision.note()
         extra["runner_stats"] = {k: v for k, v in runner.stats.items()}
